@@ -1,0 +1,175 @@
+"""The one place hook names are spelled.
+
+Every module that touches a TransformerLens ``TransformerBridge`` asks this module for hook names
+and for the model facts a sweep needs; no other file writes a hook-name string. The names are those
+of TransformerLens 4.3's bridge (``blocks.{l}.attn.hook_z`` ...), which match HookedTransformer's.
+
+Shapes (TransformerLens convention):
+
+=========  =======================================  ==========
+site       activation                               head axis
+=========  =======================================  ==========
+q          [batch, pos, n_heads, d_head]            2
+k, v       [batch, pos, n_kv_heads, d_head] (GQA)   2
+z          [batch, pos, n_heads, d_head]            2
+result     [batch, pos, n_heads, d_model]           2
+pattern    [batch, n_heads, query_pos, key_pos]     1
+scores     [batch, n_heads, query_pos, key_pos]     1
+=========  =======================================  ==========
+
+This module imports nothing heavy: it is safe to use from ``circuitkit --help``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# --- per-layer residual-stream sites --------------------------------------------------------
+
+
+def resid_pre(layer: int) -> str:
+    return f"blocks.{layer}.hook_resid_pre"
+
+
+def resid_mid(layer: int) -> str:
+    return f"blocks.{layer}.hook_resid_mid"
+
+
+def resid_post(layer: int) -> str:
+    return f"blocks.{layer}.hook_resid_post"
+
+
+def attn_out(layer: int) -> str:
+    return f"blocks.{layer}.hook_attn_out"
+
+
+def mlp_out(layer: int) -> str:
+    return f"blocks.{layer}.hook_mlp_out"
+
+
+# --- per-head attention sites ---------------------------------------------------------------
+
+
+def q(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_q"
+
+
+def k(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_k"
+
+
+def v(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_v"
+
+
+def z(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_z"
+
+
+def result(layer: int) -> str:
+    """Per-head write to the residual stream; fires only with ``model.set_use_attn_result(True)``."""
+    return f"blocks.{layer}.attn.hook_result"
+
+
+def pattern(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_pattern"
+
+
+def scores(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_attn_scores"
+
+
+EMBED = "hook_embed"
+FINAL_NORM_IN = "ln_final.hook_in"
+LOGITS = "unembed.hook_out"
+
+HEAD_SITES: dict[str, Callable[[int], str]] = {
+    "z": z, "q": q, "k": k, "v": v, "result": result, "pattern": pattern, "scores": scores,
+}
+LAYER_SITES: dict[str, Callable[[int], str]] = {
+    "resid_pre": resid_pre, "resid_mid": resid_mid, "resid_post": resid_post,
+    "attn_out": attn_out, "mlp_out": mlp_out,
+}
+KV_SITES = frozenset({"k", "v"})
+
+
+def head_site(site: str, layer: int) -> str:
+    """Hook name of a per-head ``site`` ("z", "q", "k", "v", "result", "pattern", "scores")."""
+    if site not in HEAD_SITES:
+        raise ValueError(
+            f"site={site!r} is not a per-head site; expected one of {sorted(HEAD_SITES)}."
+        )
+    return HEAD_SITES[site](layer)
+
+
+def layer_site(site: str, layer: int) -> str:
+    """Hook name of a per-layer ``site`` ("resid_pre", "attn_out", "mlp_out", ...)."""
+    if site not in LAYER_SITES:
+        raise ValueError(
+            f"site={site!r} is not a per-layer site; expected one of {sorted(LAYER_SITES)}."
+        )
+    return LAYER_SITES[site](layer)
+
+
+def head_axis(site: str) -> int:
+    """Axis of the head dimension in the activation at ``site`` (see the table above)."""
+    return 1 if site in ("pattern", "scores") else 2
+
+
+def layer_of(hook_name: str) -> int:
+    """``"blocks.3.attn.hook_z"`` -> 3."""
+    parts = hook_name.split(".")
+    if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+        raise ValueError(f"{hook_name!r} is not a per-layer hook name (blocks.<layer>.<...>).")
+    return int(parts[1])
+
+
+# --- model facts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What every sweep needs to know about a model's shape."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    d_vocab: int
+    n_ctx: int
+
+    @property
+    def gqa(self) -> bool:
+        return self.n_kv_heads != self.n_heads
+
+    def n_heads_at(self, site: str) -> int:
+        """Size of the head axis at ``site``: the KV-head count for k/v (GQA), else n_heads."""
+        return self.n_kv_heads if site in KV_SITES else self.n_heads
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def facts(model_or_cfg: Any) -> ModelFacts:
+    """ModelFacts of a TransformerBridge (or of its ``cfg``)."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    try:
+        n_heads = int(cfg.n_heads)
+        kv = getattr(cfg, "n_key_value_heads", None)
+        return ModelFacts(
+            n_layers=int(cfg.n_layers),
+            n_heads=n_heads,
+            n_kv_heads=int(kv) if kv else n_heads,
+            d_head=int(cfg.d_head),
+            d_model=int(cfg.d_model),
+            d_vocab=int(cfg.d_vocab),
+            n_ctx=int(cfg.n_ctx),
+        )
+    except AttributeError as e:
+        raise TypeError(
+            f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
+            f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
+        ) from None

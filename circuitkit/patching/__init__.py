@@ -1,0 +1,1 @@
+"""Activation patching: exact sweeps (engine), gradient estimates (attribution), results."""

@@ -1,0 +1,170 @@
+"""``Task`` and ``Example``: token sequences with the positions and labels every analysis needs.
+
+Token layout convention: ``tokens[p]`` is the token at position p; the model's prediction of it is
+read from the logits at ``p - 1``. So ``answer_pos`` lists the positions *of* answer tokens, and a
+metric reads ``logits[:, p - 1]``.
+
+An example's sequence, for the CoT tasks::
+
+    <bos> note words ... <think> anchors ... <sl> shortlist ... </think> answer labels <eos>
+
+``evidence_pos``: note tokens that point to a target; ``anchor_pos``: anchor tokens in the early CoT
+(Phase 1); ``shortlist_pos``: candidate labels in the late CoT; ``answer_pos``: final answer labels
+(Phase 2). ``corrupt_tokens`` has the same length: for phase 1 the evidence of another anchor, for
+phase 2 the target's distinguishing evidence swapped for a near-miss sibling's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+
+@dataclass
+class Example:
+    tokens: Int[Tensor, " seq"]
+    corrupt_tokens: Int[Tensor, " seq"]
+    evidence_pos: list[int]
+    anchor_pos: list[int]
+    shortlist_pos: list[int]
+    answer_pos: list[int]
+    targets: list[int]  # label ids
+    near_misses: list[int]  # label ids (siblings of the targets, never a target)
+    anchors: list[int]  # anchor ids of the targets
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    """A batch of examples over one vocabulary, plus the label space they are drawn from.
+
+    ``label_token_ids[i]`` / ``anchor_token_ids[j]``: token of label i / anchor j;
+    ``label_anchor[i]``: anchor id of label i. ``phase`` selects which clean/corrupt pair
+    ``clean_tokens``/``corrupt_tokens`` stack and which default ``metric`` is used.
+    """
+
+    name: str
+    examples: list[Example]
+    label_names: list[str]
+    anchor_names: list[str]
+    label_token_ids: Int[Tensor, " n_labels"]
+    anchor_token_ids: Int[Tensor, " n_anchors"]
+    label_anchor: Int[Tensor, " n_labels"]
+    vocab: list[str]  # token id -> word (the task's word-level vocabulary)
+    phase: int = 2
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    config: dict[str, Any] = field(default_factory=dict)
+
+    # --- batched views --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def clean_tokens(self) -> Int[Tensor, "batch seq"]:
+        return self._stack("tokens")
+
+    @property
+    def corrupt_tokens(self) -> Int[Tensor, "batch seq"]:
+        return self._stack("corrupt_tokens")
+
+    def _stack(self, attr: str) -> Tensor:
+        rows = [getattr(e, attr) for e in self.examples]
+        width = max(r.shape[0] for r in rows)
+        out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : r.shape[0]] = r  # right padding never changes earlier positions (causal)
+        return out
+
+    def subset(self, idx: list[int] | range) -> Task:
+        return _replace(self, examples=[self.examples[i] for i in idx])
+
+    def with_phase(self, phase: int) -> Task:
+        return _replace(self, phase=phase)
+
+    # --- metrics -------------------------------------------------------------------------------
+    def metric(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, ""]:
+        """Default patching metric for ``self.phase`` (mean over prompts).
+
+        Phase 2: target-vs-near-miss logit margin at answer steps,
+        ``mean_steps(logit[target] - mean(logit[near_misses]))``.
+        Phase 1: correct-anchor-vs-other-anchors margin at anchor steps,
+        ``mean_steps(logit[anchor] - mean(logit[anchors of the corrupt evidence]))``.
+        """
+        return self.prompt_metric()(logits)
+
+    def prompt_metric(self):
+        """The default metric as a ``PromptMetric`` (has ``per_prompt`` for intervals)."""
+        from circuitkit.patching.metrics import token_logprob_metric, token_margin_metric
+
+        ex = self.examples
+        if self.config.get("metric") == "logprob":
+            return token_logprob_metric(
+                [e.answer_pos for e in ex], [e.tokens[e.answer_pos].tolist() for e in ex],
+                name="answer_logprob")
+        if self.phase == 1:
+            return token_margin_metric(
+                [e.anchor_pos for e in ex],
+                [e.tokens[e.anchor_pos].tolist() for e in ex],
+                [self.anchor_token_ids[e.meta.get("corrupt_anchors", [])].tolist() for e in ex],
+                name="anchor_margin",
+            )
+        return token_margin_metric(
+            [e.answer_pos for e in ex],
+            [e.tokens[e.answer_pos].tolist() for e in ex],
+            [self.label_token_ids[e.near_misses].tolist() for e in ex],
+            name="target_vs_near_miss_margin",
+        )
+
+    # --- identity -------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Short hash of the token content (recorded in results to tie them to their inputs)."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.name, self.phase], sort_keys=True).encode())
+        for t in (self.clean_tokens, self.corrupt_tokens):
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def tokenizer(self):
+        """A HF ``PreTrainedTokenizerFast`` over ``self.vocab`` (word level)."""
+        return word_tokenizer(self.vocab)
+
+    def decode(self, ids: Tensor | list[int]) -> str:
+        return " ".join(self.vocab[int(i)] for i in ids)
+
+
+def _replace(task: Task, **changes: Any) -> Task:
+    import dataclasses
+
+    return dataclasses.replace(task, **changes)
+
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def word_tokenizer(vocab: list[str], path: str | None = None):
+    """Word-level HF fast tokenizer over ``vocab`` (ids = list order); saved to ``path`` if given.
+
+    ``vocab`` must start with ``<pad> <bos> <eos> <unk>``. Saved as ``tokenizer.json`` so
+    TransformerLens and HF load it like any other tokenizer.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab[: len(SPECIAL_TOKENS)] != SPECIAL_TOKENS:
+        raise ValueError(f"vocab must start with {SPECIAL_TOKENS}; got {vocab[:4]}.")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        pad_token="<pad>")
+    if path is not None:
+        fast.save_pretrained(path)
+    return fast

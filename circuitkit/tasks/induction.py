@@ -1,0 +1,56 @@
+"""Induction task: ``<bos> A A`` where A is a random token segment.
+
+The second copy is predictable only by induction (attend to the token after the previous
+occurrence of the current token). The corrupt run resamples the first copy only
+(``<bos> B A``), so the second copy can no longer be predicted; the default metric is the mean
+log-prob of the correct next token over the second copy (``answer_pos``), which, unlike a logit
+difference, rises only when the correct prediction is restored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from circuitkit.tasks.base import SPECIAL_TOKENS, Example, Task
+
+SPLIT_SEED_OFFSET = {"train": 0, "test": 1_000_003}
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    return SPECIAL_TOKENS + [f"t{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
+
+
+def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int = 2,
+          seg_len: int = 15, vocab_size: int = 64) -> Task:
+    """``n_examples`` sequences of length ``1 + 2 * seg_len`` over ``vocab_size`` tokens.
+
+    Segments have no repeated token (so each "previous occurrence" is unique).
+    ``answer_pos`` = second-copy positions except its first token (the predictable ones);
+    ``evidence_pos`` = first-copy positions.
+    """
+    vocab = vocabulary(vocab_size)
+    n_special = len(SPECIAL_TOKENS)
+    n_plain = vocab_size - n_special
+    if seg_len > n_plain:
+        raise ValueError(f"seg_len={seg_len} exceeds the {n_plain} plain tokens of the vocab.")
+    g = torch.Generator().manual_seed(seed + SPLIT_SEED_OFFSET[split])
+    examples = []
+    for _ in range(n_examples):
+        a = torch.randperm(n_plain, generator=g)[:seg_len] + n_special
+        b = torch.randperm(n_plain, generator=g)[:seg_len] + n_special
+        bos = torch.tensor([1])
+        clean = torch.cat([bos, a, a])
+        corrupt = torch.cat([bos, b, a])
+        first = list(range(1, 1 + seg_len))
+        second = list(range(2 + seg_len, 1 + 2 * seg_len))
+        examples.append(Example(
+            tokens=clean, corrupt_tokens=corrupt, evidence_pos=first, anchor_pos=[],
+            shortlist_pos=[], answer_pos=second, targets=(clean[second] - n_special).tolist(),
+            near_misses=[], anchors=[]))
+    labels = vocab[n_special:]
+    return Task(
+        name="induction", examples=examples, label_names=labels, anchor_names=[],
+        label_token_ids=torch.arange(n_special, vocab_size), anchor_token_ids=torch.zeros(0,
+        dtype=torch.long), label_anchor=torch.zeros(len(labels), dtype=torch.long), vocab=vocab,
+        phase=phase, config=dict(name="induction", seg_len=seg_len, vocab_size=vocab_size,
+                                 seed=seed, split=split, metric="logprob"))
