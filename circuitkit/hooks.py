@@ -69,7 +69,7 @@ def z(layer: int) -> str:
 
 
 def result(layer: int) -> str:
-    """Per-head write to the residual stream; fires only with ``model.set_use_attn_result(True)``."""
+    """Per-head residual write; fires only with ``model.set_use_attn_result(True)``."""
     return f"blocks.{layer}.attn.hook_result"
 
 

@@ -1,4 +1,4 @@
-"""Load any model a researcher uses as a TransformerLens 4.3 ``TransformerBridge``; plan sweep costs.
+"""Load any model as a TransformerLens 4.3 ``TransformerBridge``; plan sweep costs.
 
 ``load_model`` accepts, in this order of resolution:
 
@@ -8,11 +8,11 @@
 3. a local HF checkpoint folder (``config.json`` + weights + tokenizer files);
 4. a hub id / TransformerLens model name, loaded from the local HF cache;
 5. an in-memory ``transformers.PreTrainedModel`` (pass its ``tokenizer=`` too);
-6. a config: a ``dict`` of HF config fields (random init, for tests) or a ``TransformerBridgeConfig``
-   (a TransformerLens-native model).
+6. a config: a ``dict`` of HF config fields (random init, for tests) or a
+   ``TransformerBridgeConfig`` (a TransformerLens-native model).
 
-Models load in eval mode with raw HF weights (no TransformerLens weight processing: folding LayerNorm
-would upcast a bf16 70B model to fp32).
+Models load in eval mode with raw HF weights (no TransformerLens weight processing: folding
+LayerNorm would upcast a bf16 70B model to fp32).
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
     if dtype is None:
         cfg = shipped_config(hub_id) or {}
         big = param_count_estimate(cfg) > ATTN_RESULT_MAX_PARAMS if cfg else False
-        dtype = torch.bfloat16 if big and (torch.cuda.is_available() or n_devices) else torch.float32
+        gpu = torch.cuda.is_available() or n_devices
+        dtype = torch.bfloat16 if big and gpu else torch.float32
     return TransformerBridge.boot_transformers(
         hub_id, dtype=dtype, tokenizer=tokenizer, **placement, **kw)
 

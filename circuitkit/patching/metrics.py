@@ -66,8 +66,8 @@ def token_margin_metric(
 ) -> PromptMetric:
     """Mean over answer steps of ``logit[answer] - mean(logit[rivals])`` (per prompt).
 
-    ``answer_pos[i]``: positions of prompt i's answer tokens; ``answer_tok[i]``: the token id at each
-    (read from logits at ``pos - 1``); ``rival_tok[i]``: prompt i's rival tokens (near-misses).
+    ``answer_pos[i]``: positions of prompt i's answer tokens; ``answer_tok[i]``: the token id at
+    each (read from logits at ``pos - 1``); ``rival_tok[i]``: prompt i's rival tokens (near-misses).
     A prompt with no rivals scores ``logit[answer]`` minus the mean logit over the vocabulary.
     """
     pos, tok, rivals = _pad(answer_pos), _pad(answer_tok), _pad(rival_tok)
