@@ -21,28 +21,35 @@ def vocabulary(vocab_size: int) -> list[str]:
 
 
 def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int = 2,
-          seg_len: int = 15, vocab_size: int = 64) -> Task:
-    """``n_examples`` sequences of length ``1 + 2 * seg_len`` over ``vocab_size`` tokens.
+          seg_len: int | tuple[int, int] = (6, 15), vocab_size: int = 64,
+          unique: bool = True) -> Task:
+    """``n_examples`` sequences ``<bos> A A`` over ``vocab_size`` tokens, right-padded.
 
-    Segments have no repeated token (so each "previous occurrence" is unique).
+    ``seg_len``: length of A, or a (min, max) range drawn per example. A varying length matters:
+    with one fixed length a model can "copy" by attending at a fixed relative offset (rotary)
+    instead of forming previous-token and induction heads.
+
+    ``unique``: segments have no repeated token (each "previous occurrence" is unique); with
+    ``unique=False`` tokens are drawn with replacement, which rewards a sharp previous-token head.
     ``answer_pos`` = second-copy positions except its first token (the predictable ones);
     ``evidence_pos`` = first-copy positions.
     """
     vocab = vocabulary(vocab_size)
     n_special = len(SPECIAL_TOKENS)
     n_plain = vocab_size - n_special
-    if seg_len > n_plain:
-        raise ValueError(f"seg_len={seg_len} exceeds the {n_plain} plain tokens of the vocab.")
+    lo, hi = (seg_len, seg_len) if isinstance(seg_len, int) else seg_len
+    if not 2 <= lo <= hi <= n_plain:
+        raise ValueError(f"seg_len={seg_len} must lie in [2, {n_plain}] (plain vocab tokens).")
     g = torch.Generator().manual_seed(seed + SPLIT_SEED_OFFSET[split])
     examples = []
     for _ in range(n_examples):
-        a = torch.randperm(n_plain, generator=g)[:seg_len] + n_special
-        b = torch.randperm(n_plain, generator=g)[:seg_len] + n_special
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        a, b = (_segment(n_plain, n, unique, g) + n_special for _ in range(2))
         bos = torch.tensor([1])
         clean = torch.cat([bos, a, a])
         corrupt = torch.cat([bos, b, a])
-        first = list(range(1, 1 + seg_len))
-        second = list(range(2 + seg_len, 1 + 2 * seg_len))
+        first = list(range(1, 1 + n))
+        second = list(range(2 + n, 1 + 2 * n))
         examples.append(Example(
             tokens=clean, corrupt_tokens=corrupt, evidence_pos=first, anchor_pos=[],
             shortlist_pos=[], answer_pos=second, targets=(clean[second] - n_special).tolist(),
@@ -53,4 +60,10 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
         label_token_ids=torch.arange(n_special, vocab_size), anchor_token_ids=torch.zeros(0,
         dtype=torch.long), label_anchor=torch.zeros(len(labels), dtype=torch.long), vocab=vocab,
         phase=phase, config=dict(name="induction", seg_len=seg_len, vocab_size=vocab_size,
-                                 seed=seed, split=split, metric="logprob"))
+                                 unique=unique, seed=seed, split=split, metric="logprob"))
+
+
+def _segment(n: int, length: int, unique: bool, g: torch.Generator) -> torch.Tensor:
+    if unique:
+        return torch.randperm(n, generator=g)[:length]
+    return torch.randint(0, n, (length,), generator=g)

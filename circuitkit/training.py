@@ -1,0 +1,195 @@
+"""Train small models on a task: plain torch on a HF ``LlamaForCausalLM`` built from a config.
+
+The trained model is saved with ``save_pretrained`` (plus the task's word-level tokenizer) and is
+then loaded through ``ck.load_model(folder)``: the same code path as Llama-3-70B, every hook
+included. Training is resumable: a checkpoint (model, optimiser, step, RNG) is written atomically
+every ``save_every`` steps and picked up by the next call with the same ``out_dir``.
+
+Loss is next-token cross-entropy on the positions a model can predict: the chain of thought and
+answer for CoT tasks (from the first anchor step to ``<eos>``), the second copy for induction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from circuitkit.tasks import Task, load_task
+from circuitkit.tasks.base import word_tokenizer
+
+
+@dataclass
+class Preset:
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_mlp: int
+    n_kv_heads: int | None = None
+    attn_only: bool = False
+    rope_theta: float = 10000.0
+
+
+PRESETS: dict[str, Preset] = {
+    "teacher": Preset(n_layers=4, n_heads=8, d_model=128, d_mlp=512),
+    "student": Preset(n_layers=2, n_heads=4, d_model=128, d_mlp=512),
+    "induction": Preset(n_layers=2, n_heads=4, d_model=64, d_mlp=1, attn_only=True),
+}
+
+
+@dataclass
+class TrainConfig:
+    task: str = "icd10"
+    task_kw: dict[str, Any] = field(default_factory=dict)
+    preset: str = "teacher"
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    pool_size: int = 20000  # examples generated once, sampled with replacement
+    save_every: int = 250
+
+
+def hf_config(preset: Preset, vocab_size: int, n_ctx: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=preset.d_model, intermediate_size=preset.d_mlp,
+        num_hidden_layers=preset.n_layers, num_attention_heads=preset.n_heads,
+        num_key_value_heads=preset.n_kv_heads or preset.n_heads,
+        max_position_embeddings=n_ctx, rope_theta=preset.rope_theta, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+
+
+def build_model(preset: Preset, vocab_size: int, n_ctx: int, seed: int):
+    """A fresh ``LlamaForCausalLM``. ``attn_only``: every MLP's output projection is zero and
+    frozen, so the MLPs add exactly 0 (Llama has no MLP-free variant)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_config(preset, vocab_size, n_ctx))
+    if preset.attn_only:
+        for layer in model.model.layers:
+            for p in layer.mlp.parameters():
+                torch.nn.init.zeros_(p)
+                p.requires_grad_(False)
+    return model
+
+
+def loss_mask(task: Task) -> Bool[Tensor, "batch seq"]:
+    """Target positions whose prediction is trained (see module docstring)."""
+    toks = task.clean_tokens
+    mask = torch.zeros_like(toks, dtype=torch.bool)
+    for i, e in enumerate(task.examples):
+        if e.anchor_pos or e.shortlist_pos:
+            start = min(e.anchor_pos + e.shortlist_pos + e.answer_pos)
+            end = int((e.tokens != task.pad_id).nonzero().max()) + 1
+            mask[i, start:end] = True
+        else:
+            mask[i, e.answer_pos] = True
+    return mask
+
+
+def lm_loss(logits: Tensor, tokens: Int[Tensor, "b s"], mask: Bool[Tensor, "b s"]) -> Tensor:
+    """Mean cross-entropy of predicting ``tokens[:, p]`` from ``logits[:, p - 1]`` where mask."""
+    pred, tgt, m = logits[:, :-1], tokens[:, 1:], mask[:, 1:]
+    return torch.nn.functional.cross_entropy(pred[m], tgt[m])
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
+          resume: bool = True) -> Path:
+    """Train ``cfg.preset`` on ``cfg.task``; write a HF folder to ``out_dir``; return its path.
+
+    Killed or interrupted runs continue from ``out_dir/train_state.pt`` on the next call.
+    """
+    from tqdm.auto import tqdm
+
+    from circuitkit.models import configure_threads
+
+    configure_threads()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.seed, split="train",
+                     **cfg.task_kw)
+    tokens, mask = pool.clean_tokens, loss_mask(pool)
+    preset = PRESETS[cfg.preset]
+    n_ctx = max(64, 2 ** math.ceil(math.log2(tokens.shape[1] + 1)))
+    model = build_model(preset, len(pool.vocab), n_ctx, cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state_path = out / "train_state.pt"
+    step, elapsed, history = 0, 0.0, []
+    if resume and state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        if st["config"] != asdict(cfg):
+            raise ValueError(
+                f"{state_path} belongs to a different training config; use another out_dir or "
+                f"delete it to start over.")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        gen.set_state(st["gen"])
+        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+
+    def checkpoint() -> None:
+        _save_atomic(dict(config=asdict(cfg), model=model.state_dict(), opt=opt.state_dict(),
+                          sched=sched.state_dict(), gen=gen.get_state(), step=step,
+                          elapsed=elapsed, history=history), state_path)
+
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"train {cfg.preset}")
+    t0 = time.perf_counter() - elapsed
+    try:
+        while step < cfg.steps:
+            idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
+            logits = model(tokens[idx]).logits
+            loss = lm_loss(logits, tokens[idx], mask[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            elapsed = time.perf_counter() - t0
+            if step % 50 == 0 or step == cfg.steps:
+                history.append((step, round(loss.item(), 5), round(elapsed, 1)))
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+            bar.update(1)
+            if step % cfg.save_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        checkpoint()
+        print(f"\ninterrupted at step {step}; run the same command again to resume "
+              f"from {state_path}")
+        raise
+    bar.close()
+    model.eval()
+    model.save_pretrained(out)
+    word_tokenizer(pool.vocab, str(out))
+    (out / "training.json").write_text(json.dumps(dict(
+        config=asdict(cfg), preset=asdict(preset), train_seconds=round(elapsed, 1),
+        final_loss=history[-1][1] if history else None, history=history,
+        torch=torch.__version__), indent=1))
+    state_path.unlink(missing_ok=True)  # finished: the HF folder is the artefact
+    return out

@@ -1,0 +1,36 @@
+"""Reproduce the models circuitkit ships (fixed seeds): ``python examples/train_models.py [names]``.
+
+Each model is trained by ``circuitkit.training.train`` and written as a plain HF folder under
+``circuitkit/assets/<name>/``. Interrupted runs resume from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from circuitkit.training import TrainConfig, train
+
+ASSETS = Path(__file__).resolve().parents[1] / "circuitkit" / "assets"
+
+RECIPES: dict[str, TrainConfig] = {
+    # 2-layer attention-only, rotary; heads form by ~300 steps (previous-token + induction).
+    "induction-2l": TrainConfig(task="induction", task_kw=dict(vocab_size=64), preset="induction",
+                                steps=1000, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.0,
+                                seed=0, pool_size=20000, save_every=100),
+    "icd-teacher": TrainConfig(task="icd10", preset="teacher", steps=3000, batch_size=64,
+                               lr=1e-3, warmup=100, seed=0, pool_size=30000, save_every=250),
+    # The baseline for distillation: the student trained on the teacher's CoT format only.
+    "icd-student-cot": TrainConfig(task="icd10", preset="student", steps=3000, batch_size=64,
+                                   lr=1e-3, warmup=100, seed=0, pool_size=30000, save_every=250),
+}
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(RECIPES):
+        path = train(RECIPES[name], ASSETS / name)
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
