@@ -19,6 +19,10 @@ _EXPORTS = {
     "load_task": "circuitkit.tasks:load_task",
     "Task": "circuitkit.tasks.base:Task",
     "Example": "circuitkit.tasks.base:Example",
+    "evaluate": "circuitkit.evaluate:evaluate",
+    "patch_heads": "circuitkit.patching.engine:patch_heads",
+    "patch_layers": "circuitkit.patching.engine:patch_layers",
+    "PatchResult": "circuitkit.patching.results:PatchResult",
 }
 
 

@@ -6,6 +6,7 @@ Heavy imports (torch, transformer_lens) happen inside commands, so ``circuitkit 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -72,6 +73,90 @@ def info(
         "(2 forward + 1 backward per prompt)",
     ]
     typer.echo("\n".join(lines))
+
+
+@app.command()
+def patch(
+    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
+    task: str = typer.Option(..., "--task", "-t", help="icd10, synthetic, induction or a .jsonl."),
+    n_examples: int = typer.Option(64, "--n-examples", "-n", help="Prompts in the sweep."),
+    direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise."),
+    method: str = typer.Option("exact", help="exact, attribution or attribution+exact."),
+    positions: str = typer.Option("all", help="all (per head) or each (per head and position)."),
+    site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
+                             "mlp_out (layers x positions)."),
+    phase: int = typer.Option(2, help="Task phase (1 anchors, 2 answers)."),
+    split: str = typer.Option("test", help="Task split: train or test."),
+    seed: int = typer.Option(0, help="Task seed."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
+                                   "(default: from free memory)."),
+    out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
+    checkpoint: bool = typer.Option(False, "--checkpoint", help="Store finished chunks in "
+                                    "OUT/checkpoint; rerunning the same command resumes."),
+    plan: bool = typer.Option(False, "--plan", help="Print the cost (passes, memory, time from "
+                              "a one-chunk probe) and stop."),
+) -> None:
+    """Activation-patching sweep over heads (or layers): result.safetensors/.json, .csv, heatmap."""
+    from circuitkit.patching import engine
+
+    try:
+        engine._choice("direction", direction, engine.DIRECTIONS)
+        engine._choice("method", method, engine.METHODS)
+        engine._choice("positions", positions, engine.POSITIONS)
+        engine._choice("site", site, engine.HEAD_SITES + engine.LAYER_SITES)
+        if site in engine.LAYER_SITES and method != "exact":
+            raise ValueError(f"site={site!r} (a layer site) supports --method exact only.")
+    except ValueError as e:
+        _fail(str(e))
+    import circuitkit as ck
+    from circuitkit.models import ModelNotAvailableError
+
+    try:
+        the_task = ck.load_task(task, n_examples=n_examples, seed=seed, split=split, phase=phase)
+        the_model = ck.load_model(model)
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    clean, corrupt, metric = the_task.clean_tokens, the_task.corrupt_tokens, \
+        the_task.prompt_metric()
+    try:
+        if plan:
+            p = engine.plan_patch(the_model, clean, corrupt, metric, site=site,
+                                  direction=direction, positions=positions,
+                                  batch_size=batch_size) if site in engine.HEAD_SITES else None
+            if p is None:
+                _fail("--plan supports head sites (z, pattern, q, k, v).")
+            typer.echo("\n".join([
+                f"sweep        {site} {direction} positions={positions}: "
+                f"{p['n_variants']:,} patches x {p['n_prompts']} prompts of {p['seq']} tokens",
+                f"passes       {p['pass_equivalents']:,.0f} pass-equivalents (layer-suffix "
+                f"engine); {p['naive_passes']:,} full passes for a naive loop",
+                f"chunks       {p['n_chunks']:,} of <= {p['rows_per_forward']} sequences",
+                f"memory       ~{p['bytes_per_chunk'] / 2**20:,.0f} MiB per chunk "
+                f"({p['available_bytes'] / 2**30:,.1f} GiB usable)",
+                f"time         ~{p['est_seconds']:,.1f} s (from a one-chunk probe)",
+            ]))
+            return
+        kw = dict(direction=direction, batch_size=batch_size, progress=True,
+                  checkpoint=out / "checkpoint" if checkpoint else None,
+                  task_hash=the_task.fingerprint())
+        if site in engine.LAYER_SITES:
+            res = engine.patch_layers(the_model, clean, corrupt, metric, site=site, **kw)
+        else:
+            res = engine.patch_heads(the_model, clean, corrupt, metric, method=method,
+                                     positions=positions, site=site, **kw)
+    except ValueError as e:
+        _fail(str(e))
+    from circuitkit.patching.distributed import rank_world
+
+    if rank_world()[0] != 0:  # under torchrun every rank holds the merged result; rank 0 writes
+        return
+    res.meta.update(model_name=model, task=task, n_examples=n_examples, phase=phase,
+                    split=split, seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    res.save(out / "result")
+    res.to_frame().to_csv(out / "result.csv", index=False)
+    res.heatmap().write_html(out / "heatmap.html", include_plotlyjs="cdn")
+    typer.echo(f"{res}\nwrote {out}/result.safetensors, result.json, result.csv, heatmap.html")
 
 
 def main() -> None:  # console-script entry point

@@ -1,0 +1,218 @@
+"""Exact engine vs TransformerLens's reference sweeps (tiny seeded random models, CPU).
+
+Tolerance: 1e-4 absolute on the metric (the engine is bit-equal in practice; batching may
+reorder float sums on other BLAS builds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformer_lens import patching as tlp
+
+import circuitkit as ck
+from circuitkit import hooks
+from circuitkit.patching.engine import ExactEngine, Sweep
+
+ATOL = 1e-4
+
+TL_HEADS = {
+    "z": (tlp.get_act_patch_attn_head_out_all_pos, tlp.get_act_patch_attn_head_out_by_pos),
+    "q": (tlp.get_act_patch_attn_head_q_all_pos, tlp.get_act_patch_attn_head_q_by_pos),
+    "k": (tlp.get_act_patch_attn_head_k_all_pos, tlp.get_act_patch_attn_head_k_by_pos),
+    "v": (tlp.get_act_patch_attn_head_v_all_pos, tlp.get_act_patch_attn_head_v_by_pos),
+    "pattern": (tlp.get_act_patch_attn_head_pattern_all_pos,
+                tlp.get_act_patch_attn_head_pattern_by_pos),
+}
+
+
+@pytest.fixture(scope="module")
+def task():
+    return ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=1)
+
+
+@pytest.fixture(scope="module")
+def clean_cache(tiny_llama, task):
+    return tiny_llama.run_with_cache(task.clean_tokens)[1]
+
+
+@pytest.mark.parametrize("site", list(TL_HEADS))
+@pytest.mark.parametrize("positions", ["all", "each"])
+def test_denoise_matches_transformerlens(tiny_llama, task, clean_cache, site, positions):
+    metric = task.prompt_metric()
+    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric, site=site,
+                         positions=positions, progress=False)
+    tl_fn = TL_HEADS[site][0 if positions == "all" else 1]
+    ref = tl_fn(tiny_llama, task.corrupt_tokens, clean_cache, metric)
+    if positions == "each" and site != "pattern":
+        ref = ref.permute(0, 2, 1)  # TL: [layer, pos, head]; ours: [layer, head, pos]
+    f = hooks.facts(tiny_llama)
+    assert res.values.shape == ref.shape
+    assert res.values.shape[1] == f.n_heads_at(site)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+    assert res.meta["head_axis"] == ("kv_head" if site in ("k", "v") else "head")
+    # baselines are the unpatched runs
+    with torch.no_grad():
+        clean = metric(tiny_llama(task.clean_tokens))
+        corrupt = metric(tiny_llama(task.corrupt_tokens))
+    assert res.clean == pytest.approx(float(clean), abs=1e-5)
+    assert res.corrupt == pytest.approx(float(corrupt), abs=1e-5)
+
+
+def _noise_reference(model, task, metric, site, positions):
+    """Hand-written: patch each head's corrupt activation into the clean run, one full run each."""
+    f = hooks.facts(model)
+    _, corrupt_cache = model.run_with_cache(task.corrupt_tokens)
+    seq = task.clean_tokens.shape[1]
+    n_heads = f.n_heads_at(site)
+    axis = hooks.head_axis(site)
+    out = torch.zeros(f.n_layers, n_heads, *([seq] if positions == "each" else []))
+    for layer in range(f.n_layers):
+        name = hooks.head_site(site, layer)
+        src = corrupt_cache[name]
+        for h in range(n_heads):
+            for p in (range(seq) if positions == "each" else [None]):
+                def hook(act, hook, h=h, p=p, src=src):
+                    idx = [slice(None)] * act.ndim
+                    idx[axis] = h
+                    if p is not None:
+                        idx[2 if site == "pattern" else 1] = p
+                    act[tuple(idx)] = src[tuple(idx)]
+                    return act
+                logits = model.run_with_hooks(task.clean_tokens, fwd_hooks=[(name, hook)])
+                out[(layer, h) + ((p,) if p is not None else ())] = metric(logits)
+    return out
+
+
+@pytest.mark.parametrize("site,positions", [("z", "all"), ("v", "each"), ("pattern", "all")])
+def test_noise_matches_hand_loop(tiny_llama, task, site, positions):
+    metric = task.prompt_metric()
+    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
+                         direction="noise", site=site, positions=positions, progress=False)
+    ref = _noise_reference(tiny_llama, task, metric, site, positions)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+    # noising breaks the behaviour: normalized is (v - clean)/(clean - corrupt), 0 = no effect
+    torch.testing.assert_close(res.normalized(), (ref - res.clean) / (res.clean - res.corrupt))
+
+
+@pytest.mark.parametrize("site,tl_fn", [("resid_pre", tlp.get_act_patch_resid_pre),
+                                        ("attn_out", tlp.get_act_patch_attn_out),
+                                        ("mlp_out", tlp.get_act_patch_mlp_out)])
+def test_layers_match_transformerlens(tiny_llama, task, clean_cache, site, tl_fn):
+    metric = task.prompt_metric()
+    res = ck.patch_layers(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric, site=site,
+                          progress=False)
+    ref = tl_fn(tiny_llama, task.corrupt_tokens, clean_cache, metric)
+    assert res.values.shape == (3, task.clean_tokens.shape[1])
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+    assert res.axes == ("layer", "pos")
+
+
+def test_gpt2_matches_transformerlens(tiny_gpt2, task):
+    metric = task.prompt_metric()
+    _, cache = tiny_gpt2.run_with_cache(task.clean_tokens)
+    res = ck.patch_heads(tiny_gpt2, task.clean_tokens, task.corrupt_tokens, metric, progress=False)
+    ref = tlp.get_act_patch_attn_head_out_all_pos(tiny_gpt2, task.corrupt_tokens, cache, metric)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+
+
+def test_chunking_does_not_change_results(tiny_llama, task):
+    metric = task.prompt_metric()
+    args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, metric)
+    big = ck.patch_heads(*args, positions="each", progress=False)
+    one = ck.patch_heads(*args, positions="each", batch_size=1, progress=False)  # splits prompts
+    five = ck.patch_heads(*args, positions="each", batch_size=5, progress=False)
+    torch.testing.assert_close(one.values, big.values, atol=ATOL, rtol=0)
+    torch.testing.assert_close(five.per_prompt, big.per_prompt, atol=ATOL, rtol=0)
+    assert big.per_prompt.shape == (3, *big.values.shape)
+    torch.testing.assert_close(big.per_prompt.mean(0), big.values)
+
+
+def test_plain_callable_metric(tiny_llama, task):
+    pm = task.prompt_metric()
+    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
+                         lambda logits: pm(logits), batch_size=2, progress=False)
+    ref = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, progress=False)
+    assert res.per_prompt is None and res.confidence_interval() is None
+    torch.testing.assert_close(res.values, ref.values, atol=ATOL, rtol=0)
+
+
+def test_suffix_runs_skip_earlier_blocks(tiny_llama, task):
+    """The whole point of the engine: a patch at layer l runs blocks l.. only."""
+    calls: list[int] = []
+    handles = [b.original_component.register_forward_pre_hook(
+        lambda m, a, i=i: calls.append(i)) for i, b in enumerate(tiny_llama.blocks)]
+    try:
+        sweep = Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3, task.clean_tokens.shape[1], True)
+        sweep.plan(100)
+        engine = ExactEngine(tiny_llama, task.clean_tokens, task.corrupt_tokens,
+                             task.prompt_metric(), sweep)
+        calls.clear()
+        engine.run_chunk((2, 0, 4, 0, 3))
+        assert calls == [2]
+        calls.clear()
+        engine.run_chunk((1, 0, 4, 0, 3))
+        assert calls == [1, 2]
+        calls.clear()
+        tiny_llama(task.clean_tokens)  # and the model is intact afterwards
+        assert calls == [0, 1, 2]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# --- bad inputs ---------------------------------------------------------------------------------
+
+
+def test_bad_inputs(tiny_llama, task):
+    c, k, m = task.clean_tokens, task.corrupt_tokens, task.prompt_metric()
+    with pytest.raises(ValueError, match="same shape"):
+        ck.patch_heads(tiny_llama, c, k[:, :-1], m, progress=False)
+    with pytest.raises(ValueError, match="site='nope'.*expected one of"):
+        ck.patch_heads(tiny_llama, c, k, m, site="nope", progress=False)
+    with pytest.raises(ValueError, match="direction="):
+        ck.patch_heads(tiny_llama, c, k, m, direction="up", progress=False)
+    with pytest.raises(ValueError, match="positions="):
+        ck.patch_heads(tiny_llama, c, k, m, positions="some", progress=False)
+    with pytest.raises(ValueError, match="site="):
+        ck.patch_layers(tiny_llama, c, k, m, site="z", progress=False)
+    with pytest.raises(ValueError, match="scalar"):
+        ck.patch_heads(tiny_llama, c, k, lambda lg: lg[:, -1, 0], progress=False)
+    with pytest.raises(ValueError, match="non-finite"):
+        ck.patch_heads(tiny_llama, c, k, lambda lg: lg.sum() * float("nan"), progress=False)
+    with pytest.raises(ValueError, match="integer"):
+        ck.patch_heads(tiny_llama, c.float(), k, m, progress=False)
+
+
+def test_kv_without_gqa_info_is_refused(tiny_llama, task):
+    cfg = tiny_llama.cfg
+    saved = cfg.n_key_value_heads
+    cfg.n_key_value_heads = None  # the cfg now claims 4 KV heads; the activation has 2
+    try:
+        with pytest.raises(ValueError, match="GQA info"):
+            ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
+                           task.prompt_metric(), site="k", progress=False)
+    finally:
+        cfg.n_key_value_heads = saved
+
+
+def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
+    """patch_heads forwards method="attribution"/"attribution+exact" with its arguments."""
+    from circuitkit.patching import attribution
+
+    seen = {}
+
+    def fake(name):
+        def fn(model, clean, corrupt, metric, **kw):
+            seen[name] = kw
+            return name
+        return fn
+
+    monkeypatch.setattr(attribution, "attribution_patch_heads", fake("atp"))
+    monkeypatch.setattr(attribution, "attribution_plus_exact", fake("hybrid"))
+    args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
+    assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) == "atp"
+    assert seen["atp"] == dict(direction="denoise", site="k", positions="all", atp_star=True,
+                               batch_size=None, progress=True)
+    assert ck.patch_heads(*args, method="attribution+exact", top_k=5, positions="each") == "hybrid"
+    assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["positions"] == "each"

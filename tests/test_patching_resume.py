@@ -1,0 +1,107 @@
+"""Checkpointed sweeps: SIGKILL mid-sweep then resume == uninterrupted, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import circuitkit as ck
+from circuitkit.patching.metrics import PromptMetric
+
+TESTS = Path(__file__).parent
+SWEEP = dict(positions="each", site="z", batch_size=6)  # 3 layers x 24 chunks, 2 variants each
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import TINY_LLAMA, make_model
+    import circuitkit as ck
+    from circuitkit.patching.metrics import PromptMetric
+    model = make_model(TINY_LLAMA)
+    task = ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
+    pm = task.prompt_metric()
+    def slow(logits, idx):
+        time.sleep(0.05)  # slow enough for the parent to kill us mid-sweep
+        return pm.per_prompt_fn(logits, idx)
+    ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, PromptMetric(slow, pm.name),
+                   checkpoint=sys.argv[1], progress=False, **{sweep!r})
+    print("FINISHED")
+""")
+
+
+@pytest.fixture(scope="module")
+def task():
+    return ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
+
+
+def counting(pm: PromptMetric, calls: list[int], fail_at: int | None = None) -> PromptMetric:
+    def fn(logits, idx):
+        calls.append(1)
+        if fail_at is not None and len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return pm.per_prompt_fn(logits, idx)
+
+    return PromptMetric(fn, pm.name)
+
+
+def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(TESTS), sweep=SWEEP))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, str(script), str(ckpt)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(ckpt.glob("chunk_*.safetensors"))) < 4:
+        assert child.poll() is None, "child ended before it could be killed"
+        time.sleep(0.02)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    n_saved = len(list(ckpt.glob("chunk_*.safetensors")))
+    assert child.returncode == -signal.SIGKILL and n_saved >= 4
+
+    pm = task.prompt_metric()
+    calls: list[int] = []
+    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
+                             counting(pm, calls), checkpoint=ckpt, progress=False, **SWEEP)
+    n_chunks = resumed.meta["n_chunks"]
+    assert n_saved < n_chunks
+    assert len(calls) == 2 + 2 * (n_chunks - n_saved)  # baselines + 2 variants per missing chunk
+    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                          progress=False, **SWEEP)
+    assert torch.equal(resumed.values, full.values)
+    assert torch.equal(resumed.per_prompt, full.per_prompt)
+
+    with pytest.raises(ValueError, match="different sweep.*direction"):
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, checkpoint=ckpt,
+                       direction="noise", progress=False, **SWEEP)
+    with pytest.raises(ValueError, match="different sweep.*tokens"):
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens.flip(0), pm,
+                       checkpoint=ckpt, progress=False, **SWEEP)
+
+
+def test_ctrl_c_saves_and_reraises(tiny_llama, task, tmp_path, monkeypatch, capsys):
+    import circuitkit.models
+
+    monkeypatch.setattr(circuitkit.models, "CACHE_DIR", tmp_path)
+    pm = task.prompt_metric()
+    with pytest.raises(KeyboardInterrupt):
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
+                       counting(pm, [], fail_at=2 + 9), progress=False, **SWEEP)
+    err = capsys.readouterr().err
+    assert "interrupted: 4/" in err and "checkpoint=" in err
+    saved = next((tmp_path / "checkpoints").iterdir())
+    assert len(list(saved.glob("chunk_*.safetensors"))) == 4
+    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                             checkpoint=saved, progress=False, **SWEEP)
+    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                          progress=False, **SWEEP)
+    assert torch.equal(resumed.values, full.values)
