@@ -87,7 +87,31 @@ class Task:
         return _replace(self, examples=[self.examples[i] for i in idx])
 
     def with_phase(self, phase: int) -> Task:
-        return _replace(self, phase=phase)
+        """This task at ``phase``: examples that store per-phase corruptions
+        (``meta["corrupt_tokens_p1"]`` / ``meta["corrupt_tokens_p2"]``) get that phase's
+        ``corrupt_tokens``; others keep theirs."""
+        key = f"corrupt_tokens_p{phase}"
+        examples = [
+            _replace(e, corrupt_tokens=torch.as_tensor(e.meta[key], dtype=torch.long))
+            if key in e.meta else e
+            for e in self.examples
+        ]
+        return _replace(self, phase=phase, examples=examples)
+
+    # --- JSONL ----------------------------------------------------------------------------------
+    @classmethod
+    def from_jsonl(cls, path: str) -> Task:
+        """Load a task from JSONL (schema: ``circuitkit.tasks.jsonl``, docs/jsonl.md); every bad
+        row is reported in one ``ValueError`` with file and line number."""
+        from circuitkit.tasks.jsonl import read_jsonl
+
+        return read_jsonl(path)
+
+    def to_jsonl(self, path: str) -> None:
+        """Write this task as JSONL (header line + one line per example); exact round trip."""
+        from circuitkit.tasks.jsonl import write_jsonl
+
+        write_jsonl(self, path)
 
     # --- metrics -------------------------------------------------------------------------------
     def metric(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, ""]:

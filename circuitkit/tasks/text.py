@@ -1,0 +1,114 @@
+"""Render a CoT task as plain-text prompts for pretrained LLMs (labels as code strings).
+
+Each example becomes (``DEFAULT_TEMPLATE``)::
+
+    Clinical note: <note words; evidence groups joined by "; ">
+    Candidate codes: <shortlist codes, comma separated>
+    Answer: <target codes, comma separated>
+
+The corrupt prompt is the same text with the note taken from the example's ``corrupt_tokens``
+for the chosen phase. Under the given HF tokenizer, clean and corrupt must have the same number of
+tokens and the prompt (up to ``Answer:``) must tokenize as a prefix of the full text; otherwise
+``render_text`` refuses with a ``ValueError`` naming every offending example.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from circuitkit.tasks.base import Task
+
+DEFAULT_TEMPLATE = "Clinical note: {note}\nCandidate codes: {candidates}\nAnswer:"
+
+
+@dataclass
+class TextTask:
+    """Rendered prompts. ``answer_pos[i]``: positions of all answer tokens of example i in
+    ``clean_tokens[i]``; ``label_pos[i][k]``: position of the first token of its k-th target code
+    (targets in ``task.examples[i].targets`` order); ``prompt_len[i]``: tokens before the answer."""
+
+    clean_text: list[str]
+    corrupt_text: list[str]
+    clean_tokens: Int[Tensor, "batch seq"]
+    corrupt_tokens: Int[Tensor, "batch seq"]
+    answer_pos: list[list[int]]
+    label_pos: list[list[int]]
+    prompt_len: list[int]
+
+
+def _note_text(task: Task, tokens: list[int]) -> str:
+    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
+    end = tokens.index(think) if think is not None and think in tokens else len(tokens)
+    words = [task.vocab[t] for t in tokens[:end] if t not in (task.bos_id, task.pad_id)]
+    return " ".join(words).replace(" | ", "; ")
+
+
+def render_text(task: Task, tokenizer, phase: int | None = None,
+                template: str = DEFAULT_TEMPLATE, add_bos: bool = True) -> TextTask:
+    """Render ``task`` (at ``phase``, default ``task.phase``) for ``tokenizer`` (anything with
+    ``encode(text, add_special_tokens=False)``); prepends its BOS token if ``add_bos`` and it has
+    one. Raises ``ValueError`` listing every example whose clean/corrupt token counts differ or
+    whose prompt does not tokenize as a prefix of the full text."""
+    if phase is not None and phase != task.phase:
+        task = task.with_phase(phase)
+    bos = getattr(tokenizer, "bos_token_id", None) if add_bos else None
+    pre = [bos] if bos is not None else []
+
+    def enc(s: str) -> list[int]:
+        return pre + list(tokenizer.encode(s, add_special_tokens=False))
+
+    names = task.label_names
+    tok2label = {int(t): i for i, t in enumerate(task.label_token_ids.tolist())}
+    clean_text, corrupt_text, clean_ids, corrupt_ids = [], [], [], []
+    answer_pos, label_pos, prompt_len, errors = [], [], [], []
+    for i, e in enumerate(task.examples):
+        shortlist = [tok2label[int(t)] for t in e.tokens[e.shortlist_pos].tolist()
+                     if int(t) in tok2label] or sorted(set(e.targets) | set(e.near_misses))
+        cands = ", ".join(names[j] for j in shortlist)
+        codes = [names[j] for j in e.targets]
+        texts = []
+        for toks in (e.tokens.tolist(), e.corrupt_tokens.tolist()):
+            prompt = template.format(note=_note_text(task, toks), candidates=cands)
+            texts.append((prompt, prompt + " " + ", ".join(codes)))
+        (p_clean, full_clean), (_, full_corrupt) = texts
+        ids, cids, pids = enc(full_clean), enc(full_corrupt), enc(p_clean)
+        name = f"example {i} (targets {codes})"
+        if len(ids) != len(cids):
+            errors.append(f"{name}: clean has {len(ids)} tokens, corrupt {len(cids)}")
+        if ids[: len(pids)] != pids:
+            errors.append(f"{name}: the prompt does not tokenize as a prefix of the full text")
+            continue
+        starts = []
+        for k in range(len(codes)):
+            head = enc(p_clean + " " + ", ".join(codes[:k]) + (", " if k else ""))
+            # position of label k's first token = tokens of everything before it (BPE may merge the
+            # separator into the label; then the label starts at the merged token)
+            starts.append(len(head) - (1 if ids[: len(head)] != head else 0))
+        clean_text.append(full_clean)
+        corrupt_text.append(full_corrupt)
+        clean_ids.append(ids)
+        corrupt_ids.append(cids)
+        answer_pos.append(list(range(len(pids), len(ids))))
+        label_pos.append(starts)
+        prompt_len.append(len(pids))
+    if errors:
+        tname = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ValueError(f"render_text: {len(errors)} example(s) cannot be rendered as "
+                         f"equal-length clean/corrupt prompts under tokenizer {tname!r} "
+                         f"(drop or edit them):\n"
+                         + "\n".join(errors))
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    width = max(len(r) for r in clean_ids) if clean_ids else 0
+
+    def stack(rows: list[list[int]]) -> Tensor:
+        out = torch.full((len(rows), width), pad, dtype=torch.long)
+        for j, r in enumerate(rows):
+            out[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return out
+
+    return TextTask(clean_text, corrupt_text, stack(clean_ids), stack(corrupt_ids), answer_pos,
+                    label_pos, prompt_len)

@@ -1,0 +1,137 @@
+"""evaluate(): pure metrics on hand-made logits/sets, controlled models, a tiny real model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from circuitkit.evaluate import (
+    confusion_from_logits,
+    evaluate,
+    f1_scores,
+    focus_from_logits,
+    parse_answer,
+    restricted_mass,
+    set_metrics,
+)
+from circuitkit.tasks import load_task
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_task("synthetic", n_examples=24, seed=1, n_labels=60, children=4)
+
+
+def test_restricted_mass_hand_logits():
+    logits = torch.zeros(2, 3, 6)
+    logits[0, 0, 2] = math.log(3.0)  # step p=1 reads logits[0]: cand {2,3} -> probs 3/4, 1/4
+    logits[0, 1, 4] = 5.0  # not a candidate at p=2: ignored by the restriction
+    out = restricted_mass(logits, [[1, 2], []], [[2, 3], [2, 3]], [[2], [2]])
+    assert out[0].item() == pytest.approx((0.75 + 0.5) / 2)
+    assert math.isnan(out[1].item())
+
+
+def test_focus_and_confusion_known_values(task):
+    e = task.examples[0]
+    L = e.tokens.shape[0]
+    logits = torch.zeros(1, L, len(task.vocab))
+    sub = task.subset([0])
+    # uniform logits: focus = n correct anchors / n anchors; confusion = |near| / (|tgt| + |near|)
+    assert focus_from_logits(logits, sub)[0].item() == pytest.approx(
+        len(set(e.anchors)) / len(task.anchor_names))
+    assert confusion_from_logits(logits, sub)[0].item() == pytest.approx(
+        len(e.near_misses) / (len(e.targets) + len(e.near_misses)))
+    # a big logit on the right anchor/target at every step: focus -> 1, confusion -> 0
+    for p in e.anchor_pos + e.answer_pos:
+        logits[0, p - 1, e.tokens[p]] = 50.0
+    assert focus_from_logits(logits, sub)[0].item() == pytest.approx(1.0)
+    assert confusion_from_logits(logits, sub)[0].item() == pytest.approx(0.0, abs=1e-6)
+    # all mass on a near-miss at the answer steps: confusion -> 1
+    nm_tok = int(task.label_token_ids[e.near_misses[0]])
+    for p in e.answer_pos:
+        logits[0, p - 1, nm_tok] = 100.0
+    assert confusion_from_logits(logits, sub)[0].item() == pytest.approx(1.0)
+
+
+def test_f1_and_set_metrics():
+    pred = [{1, 2}, {3}, set()]
+    true = [{1}, {3}, {4}]
+    macro, micro = f1_scores(pred, true)
+    # label 1: tp1 -> 1; label 2: fp1 -> 0; label 3: tp1 -> 1; label 4: fn1 -> 0
+    assert macro == pytest.approx(0.5)
+    assert micro == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+    m = set_metrics(pred, true, [{2}, {5}, {4}])
+    assert m["exact_match"] == pytest.approx(1 / 3)
+    assert m["confusion_rate"] == pytest.approx(1 / 3)
+    assert f1_scores([set()], [set()]) == (1.0, 1.0)
+
+
+def test_parse_answer(task):
+    v = task.vocab
+    end, eos = v.index("</think>"), task.eos_id
+    l0, l5 = int(task.label_token_ids[0]), int(task.label_token_ids[5])
+    assert parse_answer([l5, end, l0, l5, eos, l0], task) == {0, 5}
+    assert parse_answer([l0, l5], task) == set()  # no </think>: no answer
+
+
+class Oracle(nn.Module):
+    """Logits put ``scale`` on the next token of the clean sequence whose prefix matches the input;
+    if ``swap`` is set, answer tokens are replaced by the first near-miss (a confused model)."""
+
+    def __init__(self, task, swap=False, scale=30.0):
+        super().__init__()
+        self.seqs = [e.tokens.tolist() for e in task.examples]
+        self.v = len(task.vocab)
+        self.scale = scale
+        self.swap = {}
+        if swap:
+            for i, e in enumerate(task.examples):
+                if e.near_misses:
+                    self.swap[i] = {p: int(task.label_token_ids[e.near_misses[0]])
+                                    for p in e.answer_pos}
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        out = torch.zeros(b, s, self.v)
+        for r in range(b):
+            row = tokens[r].tolist()
+            for i, seq in enumerate(self.seqs):
+                n = min(len(seq), s)
+                if seq[:n] == row[:n] or seq[: len(row)] == row[: len(seq)]:
+                    for p in range(min(s, len(seq) - 1)):
+                        out[r, p, self.swap.get(i, {}).get(p + 1, seq[p + 1])] = self.scale
+                    break
+        return out
+
+
+def test_evaluate_oracle_and_confused(task):
+    m = evaluate(Oracle(task), task, batch_size=7)
+    assert m["exact_match"] == 1.0 and m["macro_f1"] == 1.0 and m["micro_f1"] == 1.0
+    assert m["confusion_rate"] == 0.0
+    assert m["focus"] == pytest.approx(1.0) and m["confusion"] == pytest.approx(0.0, abs=1e-6)
+    c = evaluate(Oracle(task, swap=True), task, batch_size=5)
+    n_sw = sum(bool(e.near_misses) for e in task.examples)
+    assert c["confusion_rate"] == pytest.approx(n_sw / len(task))
+    assert c["exact_match"] == pytest.approx(1 - n_sw / len(task))
+    assert c["focus"] == pytest.approx(1.0)  # the anchors are still right
+
+
+def test_evaluate_tiny_random_model(task):
+    import circuitkit as ck
+
+    torch.manual_seed(0)
+    model = ck.load_model(
+        {"model_type": "llama", "vocab_size": len(task.vocab), "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 2, "max_position_embeddings": 128},
+        tokenizer=task.tokenizer(), device="cpu")
+    m = evaluate(model, task.subset(range(8)), batch_size=4)
+    assert set(m) == {"focus", "confusion", "confusion_rate", "macro_f1", "micro_f1",
+                      "exact_match"}
+    for k, v in m.items():
+        assert 0.0 <= v <= 1.0, (k, v)
+    # ck.evaluate works even though the circuitkit.evaluate module was imported first
+    assert ck.evaluate(model, task.subset(range(2)), batch_size=2).keys() == m.keys()
