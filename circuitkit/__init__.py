@@ -6,8 +6,7 @@ needs them (``ck.load_model`` ...), never at ``import circuitkit``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from circuitkit._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,20 +25,5 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    target = _EXPORTS.get(name)
-    if target is None:
-        raise AttributeError(f"module 'circuitkit' has no attribute {name!r}")
-    module, _, attr = target.partition(":")
-    value = importlib.import_module(module)
-    if attr:
-        value = getattr(value, attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
-
-
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -28,6 +28,20 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def _load(model: str, task: str, n_examples: int, seed: int, split: str, phase: int):
+    """(model, task) for a command; bad names end the command with one clear line."""
+    import circuitkit as ck
+    from circuitkit.models import ModelNotAvailableError
+
+    try:
+        the_task = ck.load_task(task, n_examples=n_examples, seed=seed, split=split, phase=phase)
+        the_model = ck.load_model(model)
+        the_task.check_model(the_model)
+        return the_model, the_task
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
 @app.command()
 def info(
     model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
@@ -98,31 +112,32 @@ def patch(
 ) -> None:
     """Activation-patching sweep over heads (or layers): result.safetensors/.json, .csv, heatmap."""
     from circuitkit.patching import engine
+    from circuitkit.patching.inputs import (
+        DIRECTIONS,
+        HEAD_SITES,
+        LAYER_SITES,
+        METHODS,
+        POSITIONS,
+        choice,
+    )
 
     try:
-        engine._choice("direction", direction, engine.DIRECTIONS)
-        engine._choice("method", method, engine.METHODS)
-        engine._choice("positions", positions, engine.POSITIONS)
-        engine._choice("site", site, engine.HEAD_SITES + engine.LAYER_SITES)
-        if site in engine.LAYER_SITES and method != "exact":
+        choice("direction", direction, DIRECTIONS)
+        choice("method", method, METHODS)
+        choice("positions", positions, POSITIONS)
+        choice("site", site, HEAD_SITES + LAYER_SITES)
+        if site in LAYER_SITES and method != "exact":
             raise ValueError(f"site={site!r} (a layer site) supports --method exact only.")
     except ValueError as e:
         _fail(str(e))
-    import circuitkit as ck
-    from circuitkit.models import ModelNotAvailableError
-
-    try:
-        the_task = ck.load_task(task, n_examples=n_examples, seed=seed, split=split, phase=phase)
-        the_model = ck.load_model(model)
-    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    the_model, the_task = _load(model, task, n_examples, seed, split, phase)
     clean, corrupt, metric = the_task.clean_tokens, the_task.corrupt_tokens, \
         the_task.prompt_metric()
     try:
         if plan:
             p = engine.plan_patch(the_model, clean, corrupt, metric, site=site,
                                   direction=direction, positions=positions,
-                                  batch_size=batch_size) if site in engine.HEAD_SITES else None
+                                  batch_size=batch_size) if site in HEAD_SITES else None
             if p is None:
                 _fail("--plan supports head sites (z, pattern, q, k, v).")
             typer.echo("\n".join([
@@ -139,7 +154,7 @@ def patch(
         kw = dict(direction=direction, batch_size=batch_size, progress=True,
                   checkpoint=out / "checkpoint" if checkpoint else None,
                   task_hash=the_task.fingerprint())
-        if site in engine.LAYER_SITES:
+        if site in LAYER_SITES:
             res = engine.patch_layers(the_model, clean, corrupt, metric, site=site, **kw)
         else:
             res = engine.patch_heads(the_model, clean, corrupt, metric, method=method,
@@ -155,8 +170,28 @@ def patch(
     out.mkdir(parents=True, exist_ok=True)
     res.save(out / "result")
     res.to_frame().to_csv(out / "result.csv", index=False)
-    res.heatmap().write_html(out / "heatmap.html", include_plotlyjs="cdn")
+    # plotly.js inlined: clusters and laptops on planes have no CDN
+    res.heatmap().write_html(out / "heatmap.html", include_plotlyjs=True)
     typer.echo(f"{res}\nwrote {out}/result.safetensors, result.json, result.csv, heatmap.html")
+
+
+@app.command()
+def evaluate(
+    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
+    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
+    n_examples: int = typer.Option(512, "--n-examples", "-n", help="Notes to evaluate."),
+    split: str = typer.Option("test", help="Task split: test (held out) or train."),
+    seed: int = typer.Option(0, help="Task seed."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Notes per forward pass."),
+) -> None:
+    """Reasoning Focus, Near-Miss Confusion, Macro/micro-F1 and exact match, as JSON."""
+    import json
+
+    import circuitkit as ck
+
+    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
+    scores = ck.evaluate(the_model, the_task, batch_size=batch_size)
+    typer.echo(json.dumps({k: round(v, 4) for k, v in scores.items()}, indent=1))
 
 
 def main() -> None:  # console-script entry point

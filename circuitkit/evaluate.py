@@ -171,7 +171,8 @@ def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_
     return out
 
 
-def _prompt_end(e, think_id: int | None) -> int:
+def prompt_end(e, think_id: int | None) -> int:
+    """Length of the prompt a model continues: the note up to and including ``<think>``."""
     toks = e.tokens.tolist()
     if think_id is not None and think_id in toks:
         return toks.index(think_id) + 1
@@ -189,6 +190,8 @@ def evaluate(model, task: Task, batch_size: int = 64,
     Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
     the 86k-token ``labels="all"`` vocabulary).
     """
+    if hasattr(model, "cfg"):
+        task.check_model(model)
     dev = _device(model)
     focus, conf = [], []
     for s in range(0, len(task), batch_size):
@@ -198,7 +201,7 @@ def evaluate(model, task: Task, batch_size: int = 64,
         conf.append(confusion_from_logits(logits, sub))
     f, c = torch.cat(focus), torch.cat(conf)
     think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    ends = [_prompt_end(e, think) for e in task.examples]
+    ends = [prompt_end(e, think) for e in task.examples]
     if max_new_tokens is None:
         rest = [len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)]
         max_new_tokens = max(rest) + 4

@@ -39,7 +39,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "teacher": Preset(n_layers=4, n_heads=8, d_model=128, d_mlp=512),
+    "teacher": Preset(n_layers=4, n_heads=8, d_model=192, d_mlp=768),
     "student": Preset(n_layers=2, n_heads=4, d_model=128, d_mlp=512),
     "induction": Preset(n_layers=2, n_heads=4, d_model=64, d_mlp=1, attn_only=True),
 }
@@ -58,6 +58,9 @@ class TrainConfig:
     seed: int = 0
     pool_size: int = 20000  # examples generated once, sampled with replacement
     save_every: int = 250
+    # CoT source: None = the task's own CoT; else a model (name or folder) whose greedy CoT and
+    # answer replace it (sequence-level distillation: the baseline student of the paper).
+    teacher: str | None = None
 
 
 def hf_config(preset: Preset, vocab_size: int, n_ctx: int):
@@ -100,6 +103,26 @@ def loss_mask(task: Task) -> Bool[Tensor, "batch seq"]:
     return mask
 
 
+def teacher_cot(pool: Task, teacher: str, batch_size: int = 256) -> tuple[Tensor, Tensor]:
+    """Rows ``note <think> + teacher's greedy continuation`` and their loss mask (the
+    continuation's positions), right-padded with ``pool.pad_id``."""
+    from circuitkit.evaluate import greedy_decode, prompt_end
+    from circuitkit.models import load_model
+
+    model = load_model(teacher)
+    think = pool.vocab.index("<think>")
+    prompts = [e.tokens[: prompt_end(e, think)] for e in pool.examples]
+    width = pool.clean_tokens.shape[1] + 4
+    gens = greedy_decode(model, prompts, pool.eos_id, width, batch_size)
+    tokens = torch.full((len(prompts), width), pool.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        row = torch.cat([p, torch.as_tensor(g, dtype=torch.long)])[:width]
+        tokens[i, : len(row)] = row
+        mask[i, len(p): len(row)] = True
+    return tokens, mask
+
+
 def lm_loss(logits: Tensor, tokens: Int[Tensor, "b s"], mask: Bool[Tensor, "b s"]) -> Tensor:
     """Mean cross-entropy of predicting ``tokens[:, p]`` from ``logits[:, p - 1]`` where mask."""
     pred, tgt, m = logits[:, :-1], tokens[:, 1:], mask[:, 1:]
@@ -129,7 +152,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.seed, split="train",
                      **cfg.task_kw)
-    tokens, mask = pool.clean_tokens, loss_mask(pool)
+    tokens, mask = (teacher_cot(pool, cfg.teacher) if cfg.teacher
+                    else (pool.clean_tokens, loss_mask(pool)))
     preset = PRESETS[cfg.preset]
     n_ctx = max(64, 2 ** math.ceil(math.log2(tokens.shape[1] + 1)))
     model = build_model(preset, len(pool.vocab), n_ctx, cfg.seed)

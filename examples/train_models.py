@@ -22,7 +22,8 @@ RECIPES: dict[str, TrainConfig] = {
                                lr=1e-3, warmup=100, seed=0, pool_size=30000, save_every=250),
     # The baseline for distillation: the student trained on the teacher's CoT format only.
     "icd-student-cot": TrainConfig(task="icd10", preset="student", steps=3000, batch_size=64,
-                                   lr=1e-3, warmup=100, seed=0, pool_size=30000, save_every=250),
+                                   lr=1e-3, warmup=100, seed=0, pool_size=30000, save_every=250,
+                                   teacher="icd-teacher"),
 }
 
 

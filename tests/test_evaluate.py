@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import circuitkit as ck
 from circuitkit.evaluate import (
     confusion_from_logits,
     evaluate,
@@ -135,3 +136,10 @@ def test_evaluate_tiny_random_model(task):
         assert 0.0 <= v <= 1.0, (k, v)
     # ck.evaluate works even though the circuitkit.evaluate module was imported first
     assert ck.evaluate(model, task.subset(range(2)), batch_size=2).keys() == m.keys()
+
+
+def test_model_with_too_small_vocabulary_is_refused_clearly():
+    model = ck.load_model("induction-2l")  # 64-token vocabulary
+    task = ck.load_task("icd10", n_examples=4, split="test")
+    with pytest.raises(ValueError, match="vocabulary has 64 tokens"):
+        ck.evaluate(model, task)

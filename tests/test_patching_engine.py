@@ -182,6 +182,11 @@ def test_bad_inputs(tiny_llama, task):
         ck.patch_heads(tiny_llama, c, k, lambda lg: lg.sum() * float("nan"), progress=False)
     with pytest.raises(ValueError, match="integer"):
         ck.patch_heads(tiny_llama, c.float(), k, m, progress=False)
+    too_big = c.clone()
+    too_big[0, 1] = tiny_llama.cfg.d_vocab  # one id past the vocabulary
+    for method in ("exact", "attribution"):  # one shared check for every entry point
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            ck.patch_heads(tiny_llama, too_big, k, m, method=method, progress=False)
 
 
 def test_kv_without_gqa_info_is_refused(tiny_llama, task):

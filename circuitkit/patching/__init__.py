@@ -5,26 +5,20 @@ Names resolve lazily so ``import circuitkit.patching`` stays free of torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from circuitkit._lazy import lazy_exports
 
 _EXPORTS = {
-    "patch_heads": "circuitkit.patching.engine",
-    "patch_layers": "circuitkit.patching.engine",
-    "plan_patch": "circuitkit.patching.engine",
-    "PatchResult": "circuitkit.patching.results",
-    "PromptMetric": "circuitkit.patching.metrics",
-    "token_logprob_metric": "circuitkit.patching.metrics",
-    "token_margin_metric": "circuitkit.patching.metrics",
+    "patch_heads": "circuitkit.patching.engine:patch_heads",
+    "patch_layers": "circuitkit.patching.engine:patch_layers",
+    "plan_patch": "circuitkit.patching.engine:plan_patch",
+    "PatchResult": "circuitkit.patching.results:PatchResult",
+    "PromptMetric": "circuitkit.patching.metrics:PromptMetric",
+    "token_logprob_metric": "circuitkit.patching.metrics:token_logprob_metric",
+    "token_margin_metric": "circuitkit.patching.metrics:token_margin_metric",
+    "attribution_patch_heads": "circuitkit.patching.attribution:attribution_patch_heads",
+    "attribution_plus_exact": "circuitkit.patching.attribution:attribution_plus_exact",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'circuitkit.patching' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 __all__ = sorted(_EXPORTS)

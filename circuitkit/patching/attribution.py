@@ -80,10 +80,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.patching.inputs import DIRECTIONS, HEAD_SITES, POSITIONS, check_tokens, choice
 from circuitkit.patching.metrics import PromptMetric
 from circuitkit.patching.results import PatchResult
 
-SITES = ("z", "q", "k", "v", "pattern")
 ATP_STAR_SITES = ("z", "q", "k")
 # Sequences per attention-layer call of the AtP* correction (bounds its memory).
 ATP_STAR_CHUNK = 2048
@@ -96,18 +96,12 @@ Metric = Callable[[Tensor], Tensor] | PromptMetric
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _check_args(clean: Tensor, corrupt: Tensor, direction: str, site: str,
-                positions: str) -> None:
-    if clean.shape != corrupt.shape or clean.ndim != 2:
-        raise ValueError(
-            f"clean and corrupt tokens must both be [batch, seq] with the same shape; got "
-            f"{tuple(clean.shape)} and {tuple(corrupt.shape)}.")
-    if direction not in ("denoise", "noise"):
-        raise ValueError(f"direction must be 'denoise' or 'noise', got {direction!r}.")
-    if site not in SITES:
-        raise ValueError(f"site must be one of {SITES} for head attribution, got {site!r}.")
-    if positions not in ("all", "each"):
-        raise ValueError(f"positions must be 'all' or 'each', got {positions!r}.")
+def _check_args(model: Any, clean: Tensor, corrupt: Tensor, direction: str, site: str,
+                positions: str) -> tuple[Tensor, Tensor]:
+    choice("direction", direction, DIRECTIONS)
+    choice("site", site, HEAD_SITES)
+    choice("positions", positions, POSITIONS)
+    return check_tokens(clean, corrupt, model)
 
 
 def _progress(it: Sequence[Any], on: bool, desc: str):
@@ -399,7 +393,8 @@ def attribution_patch_heads(
         PatchResult, method "attribution" (``meta["atp_star"]`` says whether AtP* was applied);
         ``values = metric(base) + delta`` (mean over prompts), ``per_prompt`` for a PromptMetric.
     """
-    _check_args(clean_tokens, corrupt_tokens, direction, site, positions)
+    clean_tokens, corrupt_tokens = _check_args(model, clean_tokens, corrupt_tokens, direction, site,
+                                               positions)
     if atp_star and site not in ATP_STAR_SITES:
         raise NotImplementedError(
             f"atp_star=True corrects Q/K (softmax) effects for sites {ATP_STAR_SITES}; "
@@ -594,7 +589,8 @@ def attribution_plus_exact(
     ``top_k`` patched forwards per prompt, packed ``batch_size`` sequences per forward (default:
     ``max(n_prompts, 64)``).
     """
-    _check_args(clean_tokens, corrupt_tokens, direction, site, positions)
+    clean_tokens, corrupt_tokens = _check_args(model, clean_tokens, corrupt_tokens, direction, site,
+                                               positions)
     est = attribution_patch_heads(
         model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
         positions=positions, atp_star=atp_star and site in ATP_STAR_SITES,

@@ -39,37 +39,21 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.patching.inputs import (
+    DIRECTIONS,
+    HEAD_SITES,
+    LAYER_SITES,
+    METHODS,
+    POSITIONS,
+    check_tokens,
+    choice,
+)
 from circuitkit.patching.results import PatchResult
 
-HEAD_SITES = ("z", "pattern", "q", "k", "v")
-LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
-DIRECTIONS = ("denoise", "noise")
-POSITIONS = ("all", "each")
-METHODS = ("exact", "attribution", "attribution+exact")
 MAX_ROWS = 1024  # cap on sequences per forward: bigger batches gain nothing and hurt latency
 
 
 # --- validation ---------------------------------------------------------------------------------
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}.")
-
-
-def _check_tokens(clean: Tensor, corrupt: Tensor) -> tuple[Tensor, Tensor]:
-    for name, t in (("clean_tokens", clean), ("corrupt_tokens", corrupt)):
-        if not isinstance(t, Tensor) or t.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an integer torch.Tensor [batch, seq] of token ids; "
-                             f"got {type(t).__name__}{getattr(t, 'dtype', '')}.")
-    clean = clean[None] if clean.ndim == 1 else clean
-    corrupt = corrupt[None] if corrupt.ndim == 1 else corrupt
-    if clean.shape != corrupt.shape or clean.ndim != 2:
-        raise ValueError(
-            f"clean_tokens {tuple(clean.shape)} and corrupt_tokens {tuple(corrupt.shape)} must "
-            "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
-            "task.corrupt_tokens already are).")
-    return clean.long(), corrupt.long()
 
 
 def _is_prompt_metric(metric: Any) -> bool:
@@ -408,10 +392,10 @@ def patch_heads(
     ``checkpoint``: folder; finished chunks are stored durably and a rerun resumes.
     Under ``torchrun`` the chunks are split over ranks; every rank returns the merged result.
     """
-    _choice("direction", direction, DIRECTIONS)
-    _choice("method", method, METHODS)
-    _choice("positions", positions, POSITIONS)
-    _choice("site", site, HEAD_SITES)
+    choice("direction", direction, DIRECTIONS)
+    choice("method", method, METHODS)
+    choice("positions", positions, POSITIONS)
+    choice("site", site, HEAD_SITES)
     if method != "exact":
         from circuitkit.patching import attribution
 
@@ -423,7 +407,7 @@ def patch_heads(
         return attribution.attribution_plus_exact(
             model, clean_tokens, corrupt_tokens, metric, top_k=top_k, **args)
     f = hooks.facts(model)
-    clean_tokens, corrupt_tokens = _check_tokens(clean_tokens, corrupt_tokens)
+    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
     n, seq = clean_tokens.shape
     sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
                   seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
@@ -449,9 +433,9 @@ def patch_layers(
 
     ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
     """
-    _choice("site", site, LAYER_SITES)
-    _choice("direction", direction, DIRECTIONS)
-    clean_tokens, corrupt_tokens = _check_tokens(clean_tokens, corrupt_tokens)
+    choice("site", site, LAYER_SITES)
+    choice("direction", direction, DIRECTIONS)
+    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     sweep = Sweep("layers", site, direction, "each", f.n_layers, 1, seq, n, seq,
@@ -464,10 +448,10 @@ def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric:
                site: str = "z", direction: str = "denoise", positions: str = "all",
                batch_size: int | None = None) -> dict[str, Any]:
     """Cost of an exact head sweep, with the time estimated from a one-chunk probe."""
-    _choice("site", site, HEAD_SITES)
-    _choice("direction", direction, DIRECTIONS)
-    _choice("positions", positions, POSITIONS)
-    clean_tokens, corrupt_tokens = _check_tokens(clean_tokens, corrupt_tokens)
+    choice("site", site, HEAD_SITES)
+    choice("direction", direction, DIRECTIONS)
+    choice("positions", positions, POSITIONS)
+    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),

@@ -160,6 +160,17 @@ class Task:
         """A HF ``PreTrainedTokenizerFast`` over ``self.vocab`` (word level)."""
         return word_tokenizer(self.vocab)
 
+    def check_model(self, model: Any) -> None:
+        """Refuse a model whose vocabulary cannot hold this task's token ids."""
+        d_vocab = int(model.cfg.d_vocab)
+        top = max(int(self.clean_tokens.max()), int(self.corrupt_tokens.max()))
+        if top >= d_vocab:
+            raise ValueError(
+                f"task {self.name!r} uses token ids up to {top} but the model's vocabulary has "
+                f"{d_vocab} tokens: use a model trained on this task's vocabulary (e.g. "
+                f"icd-teacher for icd10), or render the task as text for a pretrained LLM "
+                f"(circuitkit.tasks.text.render_text).")
+
     def decode(self, ids: Tensor | list[int]) -> str:
         return " ".join(self.vocab[int(i)] for i in ids)
 

@@ -1,0 +1,47 @@
+"""Argument checks shared by every patching entry point (engine, attribution, CLI).
+
+One place defines what ``direction``/``site``/``positions``/``method`` may be and what token
+tensors must look like, so every entry point refuses bad input with the same clear message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+HEAD_SITES = ("z", "pattern", "q", "k", "v")
+LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
+DIRECTIONS = ("denoise", "noise")
+POSITIONS = ("all", "each")
+METHODS = ("exact", "attribution", "attribution+exact")
+
+
+def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}.")
+
+
+def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Tensor, Tensor]:
+    """Validated ``(clean, corrupt)`` as long tensors ``[batch, seq]`` (a 1-D prompt gets a batch
+    axis); with ``model``, token ids must lie inside its vocabulary."""
+    for name, t in (("clean_tokens", clean), ("corrupt_tokens", corrupt)):
+        if not isinstance(t, Tensor) or t.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer torch.Tensor [batch, seq] of token ids; "
+                             f"got {type(t).__name__}{getattr(t, 'dtype', '')}.")
+    clean = clean[None] if clean.ndim == 1 else clean
+    corrupt = corrupt[None] if corrupt.ndim == 1 else corrupt
+    if clean.shape != corrupt.shape or clean.ndim != 2:
+        raise ValueError(
+            f"clean_tokens {tuple(clean.shape)} and corrupt_tokens {tuple(corrupt.shape)} must "
+            "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
+            "task.corrupt_tokens already are).")
+    if model is not None and clean.numel():
+        d_vocab = int(model.cfg.d_vocab)
+        top = int(max(clean.max(), corrupt.max()))
+        if top >= d_vocab or int(min(clean.min(), corrupt.min())) < 0:
+            raise ValueError(
+                f"token ids must lie in [0, {d_vocab}) for this model's vocabulary; got ids up "
+                f"to {top}. Were the tokens made for another model or task vocabulary?")
+    return clean.long(), corrupt.long()
