@@ -1,17 +1,22 @@
-"""Benchmark head patching: TransformerLens's sweep vs circuitkit's exact engine vs attribution.
+"""Benchmark head patching: TransformerLens's loop vs circuitkit's exact engine vs attribution.
 
-One process, one model, the same inputs and metric for every method:
+    python benchmarks/patching.py [--model icd-teacher|tiny] [--batch 16] [--repeats 3]
 
-* ``TL``: ``transformer_lens.patching.get_act_patch_attn_head_out_all_pos`` (denoise, site z,
-  all positions; its clean cache is part of its time);
-* ``exact``: ``circuitkit.patch_heads(method="exact")`` (the engine);
+One process, one model, the same inputs and metric for every method (denoise, site z):
+
+* ``TL``: ``transformer_lens.patching.get_act_patch_attn_head_out_all_pos`` (its clean cache is
+  part of its time; one run: it is the slow reference);
+* ``exact``: ``circuitkit.patch_heads(method="exact")``, the layer-suffix engine;
 * ``attribution``: ``attribution_patch_heads`` (2 forwards + 1 backward);
-* ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail).
+* ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail);
+* the per-position sweeps (``positions="each"``) of exact and attribution.
 
-Model: the shipped ``icd-teacher`` with 16 test prompts of ``load_task("icd10")`` when it
-exists, else a random Llama (4 layers x 8 heads, d_model 128, seq 48, batch 16). Run with
-``python benchmarks/patching.py [--model icd-teacher|tiny] [--repeats 3]``; the best of
-``--repeats`` runs is reported. Target: attribution >= 20x faster than exact.
+Prints seconds, ratios, max |exact - TL|, agreement of attribution with exact (Spearman,
+top-10 overlap) and the exact engine's achieved FLOP/s as a share of this machine's measured
+fp32 matmul throughput. Model: the shipped ``icd-teacher`` with test prompts of
+``load_task("icd10")``, or (``--model tiny``) a random Llama 4 layers x 8 heads, d_model 128,
+seq 48. Targets: exact >= 3x faster than TL with max diff <= 1e-4; attribution >= 20x faster
+than exact.
 """
 
 from __future__ import annotations
@@ -24,31 +29,30 @@ from typing import Any
 import torch
 
 import circuitkit as ck
-from circuitkit.models import shipped_path
+from circuitkit import hooks
+from circuitkit.models import configure_threads, shipped_path
 
-TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 512,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
-        "max_position_embeddings": 128}
+TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 128, "seed": 0}
 
 
-def tiny_setup(batch: int, seq: int) -> tuple[Any, torch.Tensor, torch.Tensor, Any, str]:
+def setup(name: str, batch: int, seq: int) -> tuple[Any, torch.Tensor, torch.Tensor, Any, str]:
+    if name == "icd-teacher":
+        model = ck.load_model("icd-teacher")
+        task = ck.load_task("icd10", n_examples=batch, split="test")
+        return (model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
+                f"icd-teacher, {batch} icd10 test prompts")
     from circuitkit.patching.metrics import token_logprob_metric
 
     model = ck.load_model(TINY)
     g = torch.Generator().manual_seed(0)
-    clean = torch.randint(1, TINY["vocab_size"], (batch, seq), generator=g)
+    clean = torch.randint(4, TINY["vocab_size"], (batch, seq), generator=g)
     corrupt = clean.clone()
-    corrupt[:, : seq // 2] = torch.randint(1, TINY["vocab_size"], (batch, seq // 2), generator=g)
+    corrupt[:, 8:20] = torch.randint(4, TINY["vocab_size"], (batch, 12), generator=g)
     pos = list(range(seq - 8, seq))
     metric = token_logprob_metric([pos] * batch, [clean[i, pos].tolist() for i in range(batch)])
-    return model, clean, corrupt, metric, "random Llama 4L x 8H, d_model 128"
-
-
-def teacher_setup(batch: int) -> tuple[Any, torch.Tensor, torch.Tensor, Any, str]:
-    model = ck.load_model("icd-teacher")
-    task = ck.load_task("icd10", n_examples=batch, split="test")
-    return (model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
-            "icd-teacher, icd10 test prompts")
+    return model, clean, corrupt, metric, f"random Llama 4L x 8H d128 (GQA 4 kv), batch {batch}"
 
 
 def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -67,61 +71,102 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
+def matmul_flop_s(n: int = 2048, reps: int = 5) -> float:
+    """Measured fp32 matmul throughput of this machine (FLOP/s), best of ``reps``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    return 2 * n**3 / best_time(lambda: a @ b, reps)[0]
+
+
+def flops_per_token(model: Any, seq: int, n_blocks: int) -> float:
+    """Matmul FLOPs of one token through ``n_blocks`` (gated-MLP) blocks plus the unembedding."""
+    f = hooks.facts(model)
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+    proj = 2 * f.d_model * f.d_head * (2 * f.n_heads + 2 * f.n_kv_heads)  # q, o + k, v
+    attn = 2 * 2 * f.n_heads * f.d_head * seq / 2  # QK^T and AV, causal half on average
+    mlp = 2 * 3 * f.d_model * d_mlp
+    return n_blocks * (proj + attn + mlp) + 2 * f.d_model * f.d_vocab
+
+
+def exact_sweep_flops(model: Any, n_prompts: int, seq: int) -> float:
+    """FLOPs of the exact all-positions sweep: 2 cached full runs + one suffix run per head."""
+    f = hooks.facts(model)
+    full = n_prompts * seq * flops_per_token(model, seq, f.n_layers)
+    suffix = sum(f.n_heads * n_prompts * seq * flops_per_token(model, seq, f.n_layers - layer)
+                 for layer in range(f.n_layers))
+    return 2 * full + suffix
+
+
+def agreement(est: torch.Tensor, ref: torch.Tensor, k: int = 10) -> tuple[float, int]:
+    k = min(k, est.numel())
+    top = lambda t: set(t.abs().flatten().topk(k).indices.tolist())
+    return spearman(est, ref), len(top(est) & top(ref))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="icd-teacher | tiny (default: teacher if "
-                    "shipped, else tiny)")
+    ap.add_argument("--model", default=None, help="icd-teacher | tiny (default: the teacher "
+                    "when shipped)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=48, help="sequence length (tiny model only)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    configure_threads()
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
     from circuitkit.patching.attribution import attribution_patch_heads
 
     name = args.model or ("icd-teacher" if shipped_path("icd-teacher") else "tiny")
-    model, clean, corrupt, metric, desc = (teacher_setup(args.batch) if name == "icd-teacher"
-                                           else tiny_setup(args.batch, args.seq))
-    f = ck.hooks.facts(model)
-    with torch.no_grad():  # warm-up (allocator, lazy init)
-        model(clean[:2])
+    model, clean, corrupt, metric, desc = setup(name, args.batch, args.seq)
+    f = hooks.facts(model)
+    kw = dict(progress=False)
+    with torch.no_grad():
+        model(clean[:2])  # warm-up (allocator, lazy init)
 
     def tl() -> torch.Tensor:
         with torch.no_grad():
             _, cache = model.run_with_cache(clean)
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
-    runs = {
-        "TL get_act_patch_attn_head_out_all_pos": tl,
-        "circuitkit exact (patch_heads)": lambda: ck.patch_heads(
-            model, clean, corrupt, metric, method="exact", progress=False),
-        "attribution": lambda: attribution_patch_heads(
-            model, clean, corrupt, metric, progress=False),
-        "AtP* (Q/K + exact tail)": lambda: attribution_patch_heads(
-            model, clean, corrupt, metric, atp_star=True, progress=False),
+    runs: dict[str, tuple[Callable[[], Any], int]] = {
+        "TL get_act_patch_attn_head_out_all_pos": (tl, 1),
+        "exact (all positions)": (lambda: ck.patch_heads(model, clean, corrupt, metric, **kw),
+                                  args.repeats),
+        "attribution (all)": (lambda: attribution_patch_heads(
+            model, clean, corrupt, metric, **kw), args.repeats),
+        "AtP* (all)": (lambda: attribution_patch_heads(
+            model, clean, corrupt, metric, atp_star=True, **kw), args.repeats),
+        "exact (each position)": (lambda: ck.patch_heads(
+            model, clean, corrupt, metric, positions="each", **kw), 1),
+        "attribution (each)": (lambda: attribution_patch_heads(
+            model, clean, corrupt, metric, positions="each", **kw), args.repeats),
     }
+    ck.patch_heads(model, clean, corrupt, metric, **kw)  # warm-up of the engine's code paths
     times, outs = {}, {}
-    for k, fn in runs.items():
-        times[k], outs[k] = best_time(fn, args.repeats)
-    keys = list(runs)
-    tl_v, ex = outs[keys[0]], outs[keys[1]]
-    print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads), batch "
-          f"{clean.shape[0]}, seq {clean.shape[1]}, torch threads {torch.get_num_threads()}, "
-          f"denoise, site z, all positions; best of {args.repeats}")
+    for k, (fn, reps) in runs.items():
+        times[k], outs[k] = best_time(fn, reps)
+    tl_key, ex_key, each_key = ("TL get_act_patch_attn_head_out_all_pos",
+                                "exact (all positions)", "exact (each position)")
+    peak = matmul_flop_s()
+    flops = exact_sweep_flops(model, clean.shape[0], clean.shape[1])
+    print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads, d_model {f.d_model}, "
+          f"vocab {f.d_vocab}), seq {clean.shape[1]}, torch threads {torch.get_num_threads()}; "
+          f"denoise, site z; best of {args.repeats} (TL and exact-each: 1 run)")
     print(f"{'method':40s} {'seconds':>9s} {'vs TL':>8s} {'vs exact':>9s}")
-    for k in keys:
-        print(f"{k:40s} {times[k]:9.3f} {times[keys[0]] / times[k]:7.1f}x "
-              f"{times[keys[1]] / times[k]:8.1f}x")
-    print(f"max |exact - TL| = {float((ex.values - tl_v).abs().max()):.2e}")
-    e = ex.values - ex.corrupt
-    for k in keys[2:]:
-        a = outs[k].values - outs[k].corrupt
-        top = min(10, a.numel())
-        ov = len(set(a.abs().flatten().topk(top).indices.tolist())
-                 & set(e.abs().flatten().topk(top).indices.tolist()))
-        print(f"{k}: Spearman vs exact {spearman(a, e):.3f}, top-{top} overlap {ov}/{top}, "
-              f"speed-up vs exact {times[keys[1]] / times[k]:.1f}x (target >= 20x for "
-              f"attribution)")
+    for k in runs:
+        ref = times[each_key] if "each" in k else times[ex_key]
+        vs_tl = f"{times[tl_key] / times[k]:7.1f}x" if "each" not in k else f"{'':8s}"
+        print(f"{k:40s} {times[k]:9.3f} {vs_tl} {ref / times[k]:8.1f}x")
+    print(f"max |exact - TL| = {float((outs[ex_key].values - outs[tl_key]).abs().max()):.2e} "
+          "(target <= 1e-4)")
+    print(f"exact engine: {flops / times[ex_key] / 1e9:.2f} GFLOP/s = "
+          f"{100 * flops / times[ex_key] / peak:.1f}% of measured fp32 matmul "
+          f"({peak / 1e9:.1f} GFLOP/s)")
+    for k, ref_key in (("attribution (all)", ex_key), ("AtP* (all)", ex_key),
+                       ("attribution (each)", each_key)):
+        rho, ov = agreement(outs[k].values - outs[k].corrupt,
+                            outs[ref_key].values - outs[ref_key].corrupt)
+        print(f"{k}: Spearman vs exact {rho:.3f}, top-10 overlap {ov}/10")
 
 
 if __name__ == "__main__":

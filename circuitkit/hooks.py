@@ -83,6 +83,7 @@ def scores(layer: int) -> str:
 
 EMBED = "hook_embed"
 FINAL_NORM_IN = "ln_final.hook_in"
+UNEMBED_IN = "unembed.hook_in"  # normalised final residual [batch, pos, d_model]
 LOGITS = "unembed.hook_out"
 
 HEAD_SITES: dict[str, Callable[[int], str]] = {

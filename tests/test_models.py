@@ -83,6 +83,7 @@ def test_every_hook_name_exists_with_documented_shape(saved):
         expected[hooks.scores(layer)] = (B, f.n_heads, S, S)
     expected[hooks.EMBED] = (B, S, f.d_model)
     expected[hooks.FINAL_NORM_IN] = (B, S, f.d_model)
+    expected[hooks.UNEMBED_IN] = (B, S, f.d_model)
     expected[hooks.LOGITS] = (B, S, f.d_vocab)
     missing = sorted(set(expected) - set(cache.keys()))
     assert not missing, f"hooks absent on the {kind} bridge: {missing}"

@@ -221,3 +221,22 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
                                batch_size=None, progress=True)
     assert ck.patch_heads(*args, method="attribution+exact", top_k=5, positions="each") == "hybrid"
     assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["positions"] == "each"
+
+
+def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):
+    """The engine unembeds only ``metric.reads``; a metric without ``reads`` gets full logits."""
+    from circuitkit.patching.metrics import PromptMetric
+
+    pm = task.prompt_metric()
+    assert pm.reads is not None and pm.reads.numel() < task.clean_tokens.shape[1]
+    with torch.no_grad():
+        logits = tiny_llama(task.clean_tokens)
+    torch.testing.assert_close(pm.per_prompt(logits[:, pm.reads], at=pm.reads),
+                               pm.per_prompt(logits), atol=1e-6, rtol=0)
+    blind = PromptMetric(pm.per_prompt_fn, pm.name)  # reads unknown -> full logits
+    for direction in ("denoise", "noise"):
+        fast = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                              direction=direction, progress=False)
+        full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, blind,
+                              direction=direction, progress=False)
+        torch.testing.assert_close(fast.per_prompt, full.per_prompt, atol=1e-5, rtol=0)

@@ -28,9 +28,9 @@ CHILD = textwrap.dedent("""
     model = make_model(TINY_LLAMA)
     task = ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
     pm = task.prompt_metric()
-    def slow(logits, idx):
+    def slow(logits, idx, rows):
         time.sleep(0.05)  # slow enough for the parent to kill us mid-sweep
-        return pm.per_prompt_fn(logits, idx)
+        return pm.per_prompt_fn(logits, idx, rows)
     ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, PromptMetric(slow, pm.name),
                    checkpoint=sys.argv[1], progress=False, **{sweep!r})
     print("FINISHED")
@@ -43,11 +43,11 @@ def task():
 
 
 def counting(pm: PromptMetric, calls: list[int], fail_at: int | None = None) -> PromptMetric:
-    def fn(logits, idx):
+    def fn(logits, idx, rows):
         calls.append(1)
         if fail_at is not None and len(calls) == fail_at:
             raise KeyboardInterrupt
-        return pm.per_prompt_fn(logits, idx)
+        return pm.per_prompt_fn(logits, idx, rows)
 
     return PromptMetric(fn, pm.name)
 

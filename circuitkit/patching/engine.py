@@ -64,10 +64,18 @@ def _metric_name(metric: Any) -> str:
     return str(getattr(metric, "name", None) or getattr(metric, "__name__", type(metric).__name__))
 
 
-def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str) -> Tensor:
-    """Metric of one [n_prompts, seq, vocab] batch: per-prompt [n] or scalar [1] (validated)."""
+def _reads(metric: Any) -> Tensor | None:
+    """Logit positions a PromptMetric declares it reads (None: it may read any)."""
+    return getattr(metric, "reads", None) if _is_prompt_metric(metric) else None
+
+
+def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
+              at: Tensor | None = None) -> Tensor:
+    """Metric of one [n_prompts, seq, vocab] batch: per-prompt [n] or scalar [1] (validated).
+
+    ``at``: the logits hold only these positions (see ``PromptMetric.reads``)."""
     if _is_prompt_metric(metric):
-        out = metric.per_prompt(logits)
+        out = metric.per_prompt(logits) if at is None else metric.per_prompt(logits, at=at)
         if out.shape != (n_prompts,):
             raise ValueError(f"metric.per_prompt must return [{n_prompts}] values ({what}); got "
                              f"shape {tuple(out.shape)}.")
@@ -334,11 +342,18 @@ class ExactEngine:
         metric = self.metric
         if _is_prompt_metric(metric) and (p0, p1) != (0, sw.n_prompts):
             metric = metric.select(list(range(p0, p1)))
+        at = _reads(metric)
+        if at is not None:
+            # Unembed only the positions the metric reads: with a big vocabulary the
+            # unembedding costs as much as several blocks, and most positions are never read.
+            at = at.to(self.device)
+            fwd_hooks = fwd_hooks + [(hooks.UNEMBED_IN, lambda x, hook: x[:, at])]
         with torch.no_grad(), _suffix(model, layer, self.tuple_out), \
                 model.hooks(fwd_hooks=fwd_hooks):
             logits = model(x, start_at_layer=layer)
         return torch.stack([
-            _evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p, f"patched chunk {chunk}")
+            _evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p, f"patched chunk {chunk}",
+                      at=None if at is None else at.cpu())
             for i in range(n_v)])
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:

@@ -18,36 +18,46 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-PerPrompt = Callable[[Float[Tensor, "batch seq vocab"]], Float[Tensor, " batch"]]
-
 
 @dataclass
 class PromptMetric:
     """A metric with a per-prompt view. ``metric(logits) == metric.per_prompt(logits).mean()``.
 
-    ``select(idx)`` returns the same metric restricted to a subset of prompts (for chunked sweeps).
+    ``per_prompt_fn(logits, prompt_idx, rows)``: ``rows[p]`` is the row of ``logits``' position
+    axis holding sequence position ``p`` (the identity for full logits). ``reads``: the sorted
+    sequence positions whose logits the metric reads, if known; sweeps then compute logits at
+    those positions only (``per_prompt(logits_at_reads, at=reads)``), which skips most of the
+    unembedding. ``select(idx)`` restricts the metric to a subset of prompts.
     """
 
-    per_prompt_fn: Callable[[Tensor, Tensor], Tensor]  # (logits, prompt_idx) -> [batch]
+    per_prompt_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     name: str = "metric"
     prompt_idx: Tensor | None = None
+    reads: Int[Tensor, " k"] | None = None
 
-    def per_prompt(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, " batch"]:
+    def per_prompt(self, logits: Float[Tensor, "batch pos vocab"],
+                   at: Int[Tensor, " pos"] | None = None) -> Float[Tensor, " batch"]:
         idx = self.prompt_idx if self.prompt_idx is not None else torch.arange(logits.shape[0])
         if idx.numel() != logits.shape[0]:
             raise ValueError(
                 f"{self.name}: logits have batch {logits.shape[0]} but the metric is defined for "
                 f"{idx.numel()} prompts; pass the same prompts, or metric.select(indices)."
             )
-        return self.per_prompt_fn(logits, idx.to(logits.device))
+        if at is None:
+            rows = torch.arange(logits.shape[1])
+        else:
+            rows = torch.full((int(at.max()) + 1,), -1, dtype=torch.long)
+            rows[at] = torch.arange(at.numel())
+        return self.per_prompt_fn(logits, idx.to(logits.device), rows.to(logits.device))
 
     def __call__(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, ""]:
         return self.per_prompt(logits).mean()
 
     def select(self, idx: Sequence[int] | Tensor) -> PromptMetric:
-        base = self.prompt_idx if self.prompt_idx is not None else None
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return PromptMetric(self.per_prompt_fn, self.name, idx if base is None else base[idx])
+        if self.prompt_idx is not None:
+            idx = self.prompt_idx[idx]
+        return PromptMetric(self.per_prompt_fn, self.name, idx, self.reads)
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
@@ -56,6 +66,11 @@ def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
+
+
+def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, " r"]:
+    """Logit positions read for answer positions ``pos`` (padding -1 excluded)."""
+    return torch.unique(pos[pos >= 1] - 1) if (pos >= 1).any() else torch.zeros(1, dtype=torch.long)
 
 
 def token_margin_metric(
@@ -72,12 +87,12 @@ def token_margin_metric(
     """
     pos, tok, rivals = _pad(answer_pos), _pad(answer_tok), _pad(rival_tok)
 
-    def fn(logits: Tensor, idx: Tensor) -> Tensor:
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         p, t, r = pos[idx].to(logits.device), tok[idx].to(logits.device), rivals[idx].to(
             logits.device)
         valid = p >= 0
         b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        step = logits[b, (p - 1).clamp(min=0)]  # [batch, n_answers, vocab]
+        step = logits[b, rows[(p - 1).clamp(min=0)]]  # [batch, n_answers, vocab]
         tgt = step.gather(-1, t.clamp(min=0)[..., None])[..., 0]
         rmask = (r >= 0)[:, None, :]
         rv = step.gather(-1, r.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
@@ -87,7 +102,7 @@ def token_margin_metric(
         margin = (tgt - rival_mean) * valid
         return margin.sum(-1) / valid.sum(-1).clamp(min=1)
 
-    return PromptMetric(fn, name)
+    return PromptMetric(fn, name, reads=_reads(pos))
 
 
 def token_logprob_metric(
@@ -102,12 +117,12 @@ def token_logprob_metric(
     """
     pos, tok = _pad(answer_pos), _pad(answer_tok)
 
-    def fn(logits: Tensor, idx: Tensor) -> Tensor:
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         p, t = pos[idx].to(logits.device), tok[idx].to(logits.device)
         valid = p >= 0
         b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        logp = logits[b, (p - 1).clamp(min=0)].log_softmax(-1)
+        logp = logits[b, rows[(p - 1).clamp(min=0)]].log_softmax(-1)
         lp = logp.gather(-1, t.clamp(min=0)[..., None])[..., 0] * valid
         return lp.sum(-1) / valid.sum(-1).clamp(min=1)
 
-    return PromptMetric(fn, name)
+    return PromptMetric(fn, name, reads=_reads(pos))
