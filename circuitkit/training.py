@@ -103,23 +103,41 @@ def loss_mask(task: Task) -> Bool[Tensor, "batch seq"]:
     return mask
 
 
-def teacher_cot(pool: Task, teacher: str, batch_size: int = 256) -> tuple[Tensor, Tensor]:
+@torch.no_grad()
+def teacher_cot(pool: Task, teacher: str, batch_size: int = 512) -> tuple[Tensor, Tensor]:
     """Rows ``note <think> + teacher's greedy continuation`` and their loss mask (the
-    continuation's positions), right-padded with ``pool.pad_id``."""
-    from circuitkit.evaluate import greedy_decode, prompt_end
-    from circuitkit.models import load_model
+    continuation's positions), right-padded with ``pool.pad_id``.
 
-    model = load_model(teacher)
+    Decodes with the HF model and its KV cache (``generate``), prompts grouped by length so no
+    padding enters a batch: re-running the bridge on the whole prefix at every step would cost
+    ~20x more on a 100k-note pool.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from circuitkit.evaluate import prompt_end
+    from circuitkit.models import shipped_path
+
+    path = shipped_path(teacher) or Path(teacher)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     think = pool.vocab.index("<think>")
     prompts = [e.tokens[: prompt_end(e, think)] for e in pool.examples]
     width = pool.clean_tokens.shape[1] + 4
-    gens = greedy_decode(model, prompts, pool.eos_id, width, batch_size)
     tokens = torch.full((len(prompts), width), pool.pad_id, dtype=torch.long)
     mask = torch.zeros_like(tokens, dtype=torch.bool)
-    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
-        row = torch.cat([p, torch.as_tensor(g, dtype=torch.long)])[:width]
-        tokens[i, : len(row)] = row
-        mask[i, len(p): len(row)] = True
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for n, idx_all in sorted(by_len.items()):
+        for s in range(0, len(idx_all), batch_size):
+            idx = idx_all[s: s + batch_size]
+            out = model.generate(torch.stack([prompts[i] for i in idx]), do_sample=False,
+                                 max_new_tokens=width - n, eos_token_id=pool.eos_id,
+                                 pad_token_id=pool.pad_id)
+            for i, row in zip(idx, out, strict=True):
+                gen = row[n:].tolist()
+                gen = gen[: gen.index(pool.eos_id) + 1] if pool.eos_id in gen else gen
+                tokens[i, : n + len(gen)] = torch.cat([prompts[i], torch.tensor(gen)])
+                mask[i, n: n + len(gen)] = True
     return tokens, mask
 
 

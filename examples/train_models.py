@@ -24,7 +24,7 @@ RECIPES: dict[str, TrainConfig] = {
                                lr=1.5e-3, warmup=150, seed=0, pool_size=192000, save_every=250),
     # The baseline for distillation: the student trained on the teacher's CoT format only.
     "icd-student-cot": TrainConfig(task="icd10", preset="student", steps=3000, batch_size=64,
-                                   lr=1e-3, warmup=100, seed=0, pool_size=96000, save_every=250,
+                                   lr=1e-3, warmup=100, seed=0, pool_size=64000, save_every=250,
                                    teacher="icd-teacher"),
 }
 

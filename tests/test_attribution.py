@@ -12,7 +12,6 @@ import torch
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.models import shipped_path
 from circuitkit.patching.attribution import (
     attribution_patch_heads,
     attribution_plus_exact,
@@ -209,7 +208,6 @@ def _spearman_check(model, task_clean, task_corrupt, metric, threshold):
     return rho
 
 
-@pytest.mark.skipif(shipped_path("icd-teacher") is None, reason="icd-teacher not shipped yet")
 def test_spearman_on_icd_teacher():
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=16, split="test")
@@ -232,7 +230,6 @@ def prev_token_head(model, tokens) -> int:
     return int(pat.diagonal(offset=-1, dim1=-2, dim2=-1).mean((0, -1)).argmax())
 
 
-@pytest.mark.skipif(shipped_path("induction-2l") is None, reason="induction-2l not shipped yet")
 def test_atp_star_ranks_previous_token_head_first_on_induction_2l():
     model = ck.load_model("induction-2l")
     task = ck.load_task("induction", n_examples=32, split="test")

@@ -12,10 +12,6 @@ import torch
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.models import shipped_path
-
-pytestmark = pytest.mark.skipif(shipped_path("induction-2l") is None,
-                                reason="induction-2l is not trained/shipped yet")
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +79,23 @@ def test_cli_patch_writes_outputs(tmp_path):
     r = CliRunner().invoke(app, ["patch", "--model", "induction-2l", "--task", "induction",
                                  "--n-examples", "8", "--plan"])
     assert r.exit_code == 0 and "pass-equivalents" in r.output and "time" in r.output
+
+
+@pytest.mark.parametrize("positions,n", [("all", 8), ("each", 3)])
+def test_exact_engine_matches_transformerlens_on_the_teacher(positions, n):
+    from transformer_lens import patching as tlp
+
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=n, split="test", seed=1)
+    metric = task.prompt_metric()
+    with torch.no_grad():
+        _, cache = model.run_with_cache(task.clean_tokens)
+        ref_fn = (tlp.get_act_patch_attn_head_out_all_pos if positions == "all"
+                  else tlp.get_act_patch_attn_head_out_by_pos)
+        ref = ref_fn(model, task.corrupt_tokens, cache, metric)
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, metric,
+                         positions=positions, progress=False)
+    if positions == "each":  # TL: [layer, pos, head]; ours: [layer, head, pos]
+        ref = ref.permute(0, 2, 1)
+    assert res.values.shape == ref.shape
+    torch.testing.assert_close(res.values, ref, atol=1e-4, rtol=0)

@@ -67,3 +67,20 @@ def test_shipped_induction_model_has_previous_token_and_induction_heads():
     allq = torch.arange(1, p0.shape[-1])
     prev = p0[:, :, allq, allq - 1].mean((0, 2))
     assert prev.max() > 0.4, prev  # one layer-0 head attends mostly to the previous token
+
+
+def test_teacher_cot_rows_are_prompt_plus_the_teachers_greedy_continuation():
+    from circuitkit.evaluate import greedy_decode, prompt_end
+    from circuitkit.training import teacher_cot
+
+    pool = ck.load_task("icd10", n_examples=12, seed=5)
+    tokens, mask = teacher_cot(pool, "icd-teacher", batch_size=5)
+    think = pool.vocab.index("<think>")
+    prompts = [e.tokens[: prompt_end(e, think)] for e in pool.examples]
+    # reference: the bridge, no KV cache (evaluate's decoder)
+    ref = greedy_decode(ck.load_model("icd-teacher"), prompts, pool.eos_id, 40)
+    for i, (p, g) in enumerate(zip(prompts, ref, strict=True)):
+        n = len(p)
+        assert torch.equal(tokens[i, :n], p) and not mask[i, :n].any()
+        assert tokens[i, mask[i]].tolist() == g and g[-1] == pool.eos_id
+        assert mask[i].nonzero().max() == n + len(g) - 1
