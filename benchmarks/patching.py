@@ -78,21 +78,23 @@ def matmul_flop_s(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best_time(lambda: a @ b, reps)[0]
 
 
-def flops_per_token(model: Any, seq: int, n_blocks: int) -> float:
-    """Matmul FLOPs of one token through ``n_blocks`` (gated-MLP) blocks plus the unembedding."""
+def block_flops_per_token(model: Any, seq: int) -> float:
+    """Matmul FLOPs of one token through one (gated-MLP) block."""
     f = hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
     proj = 2 * f.d_model * f.d_head * (2 * f.n_heads + 2 * f.n_kv_heads)  # q, o + k, v
     attn = 2 * 2 * f.n_heads * f.d_head * seq / 2  # QK^T and AV, causal half on average
-    mlp = 2 * 3 * f.d_model * d_mlp
-    return n_blocks * (proj + attn + mlp) + 2 * f.d_model * f.d_vocab
+    return proj + attn + 2 * 3 * f.d_model * d_mlp
 
 
-def exact_sweep_flops(model: Any, n_prompts: int, seq: int) -> float:
-    """FLOPs of the exact all-positions sweep: 2 cached full runs + one suffix run per head."""
+def exact_sweep_flops(model: Any, n_prompts: int, seq: int, n_reads: int) -> float:
+    """FLOPs of the exact all-positions sweep: 2 cached full runs, then one suffix run per head
+    that unembeds only the ``n_reads`` positions the metric reads."""
     f = hooks.facts(model)
-    full = n_prompts * seq * flops_per_token(model, seq, f.n_layers)
-    suffix = sum(f.n_heads * n_prompts * seq * flops_per_token(model, seq, f.n_layers - layer)
+    unembed = 2 * f.d_model * f.d_vocab
+    full = n_prompts * seq * (f.n_layers * block_flops_per_token(model, seq) + unembed)
+    suffix = sum(f.n_heads * n_prompts * ((f.n_layers - layer) * seq
+                                          * block_flops_per_token(model, seq) + n_reads * unembed)
                  for layer in range(f.n_layers))
     return 2 * full + suffix
 
@@ -148,7 +150,9 @@ def main() -> None:
     tl_key, ex_key, each_key = ("TL get_act_patch_attn_head_out_all_pos",
                                 "exact (all positions)", "exact (each position)")
     peak = matmul_flop_s()
-    flops = exact_sweep_flops(model, clean.shape[0], clean.shape[1])
+    reads = getattr(metric, "reads", None)
+    flops = exact_sweep_flops(model, clean.shape[0], clean.shape[1],
+                              clean.shape[1] if reads is None else reads.numel())
     print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads, d_model {f.d_model}, "
           f"vocab {f.d_vocab}), seq {clean.shape[1]}, torch threads {torch.get_num_threads()}; "
           f"denoise, site z; best of {args.repeats} (TL and exact-each: 1 run)")
