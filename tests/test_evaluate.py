@@ -134,6 +134,12 @@ def test_evaluate_tiny_random_model(task):
                       "exact_match"}
     for k, v in m.items():
         assert 0.0 <= v <= 1.0, (k, v)
+    sub = task.subset(range(8))  # batched evaluate == the pure functions on one full batch
+    with torch.no_grad():
+        logits = model(sub.clean_tokens)
+    assert m["focus"] == pytest.approx(float(focus_from_logits(logits, sub).nanmean()), abs=1e-5)
+    assert m["confusion"] == pytest.approx(
+        float(confusion_from_logits(logits, sub).nanmean()), abs=1e-5)
     # ck.evaluate works even though the circuitkit.evaluate module was imported first
     assert ck.evaluate(model, task.subset(range(2)), batch_size=2).keys() == m.keys()
 
