@@ -192,6 +192,16 @@ def test_hybrid_verified_values_are_exact(model, data, direction):
     assert mask.flatten()[top].all()
 
 
+def test_hybrid_per_position_cells_are_exact(model, data):
+    clean, corrupt, metric = data
+    res = attribution_plus_exact(model, clean, corrupt, metric, positions="each", top_k=6,
+                                 batch_size=8, progress=False)
+    ex = ck.patch_heads(model, clean, corrupt, metric, positions="each", progress=False)
+    mask = verified_mask(res)
+    assert mask.shape == ex.values.shape and int(mask.sum()) == 6
+    torch.testing.assert_close(res.values[mask], ex.values[mask], atol=1e-5, rtol=0)
+
+
 # --- (b) Spearman on the shipped teacher --------------------------------------------------------
 
 def _spearman_check(model, task_clean, task_corrupt, metric, threshold):

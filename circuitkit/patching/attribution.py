@@ -509,62 +509,33 @@ def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
 
 def _exact_cells(
     model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Metric, direction: str,
-    site: str, cells: list[tuple[int, ...]], rows: int, progress: bool,
+    site: str, positions: str, cells: list[tuple[int, ...]], rows: int,
 ) -> tuple[Tensor, Tensor | None]:
-    """Exact patched metric for a list of (layer, head[, pos]) cells.
+    """Exact patched metric for a list of (layer, head[, pos]) cells, by the exact engine.
 
-    Cells are packed into the batch: ``C`` copies of a chunk of ``b`` base prompts run in one
-    forward, copy ``c`` with cell ``c`` patched (one ``run_with_hooks`` per chunk of cells).
+    Cells of one layer are packed into one suffix forward, ``rows // n_prompts`` at a time.
     Returns (values [n_cells], per_prompt [n_prompts, n_cells] or None).
     """
-    n = clean_tokens.shape[0]
-    device = next(model.parameters()).device
-    base_all, src_all = ((corrupt_tokens, clean_tokens) if direction == "denoise"
-                         else (clean_tokens, corrupt_tokens))
-    b_max = min(n, rows)
-    per_fwd = max(1, rows // b_max)
+    from circuitkit.patching.engine import ExactEngine, Sweep
+
+    f = hooks.facts(model)
+    n, seq = clean_tokens.shape
     is_pm = isinstance(metric, PromptMetric)
-    pp = torch.zeros(n, len(cells))
-    means = torch.zeros(len(cells))
-    head_ax = hooks.head_axis(site)
-    jobs = [(s, c) for s in range(0, n, b_max) for c in range(0, len(cells), per_fwd)]
-    for start, c0 in _progress(jobs, progress and len(jobs) > 1, "exact verification"):
-        idx = torch.arange(start, min(start + b_max, n))
-        b = len(idx)
-        group = cells[c0:c0 + per_fwd]
-        n_c = len(group)
-        layers = sorted({cell[0] for cell in group})
-        names = [hooks.head_site(site, lay) for lay in layers]
-        with torch.no_grad():
-            _, src_cache = model.run_with_cache(src_all[idx].to(device), names_filter=names)
-
-            def patch(t: Tensor, hook: Any, src_cache=src_cache, n_c=n_c, b=b,
-                      group=group) -> Tensor:
-                layer = hooks.layer_of(hook.name)
-                src = src_cache[hook.name]
-                t = t.clone()
-                v = t.view(n_c, b, *t.shape[1:])
-                for c, cell in enumerate(group):
-                    if cell[0] != layer:
-                        continue
-                    pos = cell[2] if len(cell) == 3 else slice(None)
-                    # head axis 2 ([b, pos, h, d]) or 1 ([b, h, q, k], pos = query pos)
-                    ix = ((slice(None), pos, cell[1]) if head_ax == 2
-                          else (slice(None), cell[1], pos))
-                    v[c][ix] = src[ix]
-                return t
-
-            logits = model.run_with_hooks(base_all[idx].to(device).repeat(n_c, 1),
-                                          fwd_hooks=[(name, patch) for name in names])
-            if is_pm:
-                vals = metric.select(idx.repeat(n_c)).per_prompt(logits).float().cpu()
-                pp[idx, c0:c0 + n_c] = einops.rearrange(vals, "(c b) -> b c", c=n_c)
-            else:
-                for c in range(n_c):
-                    means[c0 + c] += float(metric(logits[c * b:(c + 1) * b])) * b / n
-    if is_pm:
-        return pp.mean(0), pp
-    return means, None
+    sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
+                  seq if positions == "each" else 1, n, seq, is_pm)
+    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
+    per_fwd = max(1, rows // n)
+    out = torch.zeros(len(cells), n if is_pm else 1)
+    by_layer: dict[int, list[int]] = {}
+    for i, cell in enumerate(cells):
+        by_layer.setdefault(cell[0], []).append(i)
+    for layer, idx in by_layer.items():
+        for s in range(0, len(idx), per_fwd):
+            group = idx[s:s + per_fwd]
+            variants = [cells[i][1] * sweep.n_pos + (cells[i][2] if len(cells[i]) == 3 else 0)
+                        for i in group]
+            out[group] = engine.run_variants(layer, variants, 0, n)
+    return out.mean(1), (out.T.contiguous() if is_pm else None)
 
 
 def attribution_plus_exact(
@@ -603,7 +574,7 @@ def attribution_plus_exact(
     n = clean_tokens.shape[0]
     rows = batch_size or max(n, 64)
     exact, exact_pp = _exact_cells(model, clean_tokens, corrupt_tokens, metric, direction, site,
-                                   cells, rows, progress)
+                                   positions, cells, rows)
     values = est.values.clone()
     per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
     verified = torch.zeros_like(values, dtype=torch.bool)

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,7 +300,7 @@ class ExactEngine:
     def corrupt_metric(self) -> Tensor:
         return self.base_metric if self.sweep.direction == "denoise" else self.source_metric
 
-    def _write_patch(self, act: Tensor, src: Tensor, variants: range) -> Tensor:
+    def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int]) -> Tensor:
         """Write ``src``'s slice of each variant into ``act`` ([n_var * n_p, ...], in place).
 
         Head sites: head axis from ``hooks.head_axis`` (2 for q/k/v/z, 1 for pattern); the
@@ -325,9 +326,15 @@ class ExactEngine:
         """Metric after each patch of the chunk: ``[n_variants, n_prompts]`` ([n_variants, 1] for a
         scalar metric)."""
         layer, v0, v1, p0, p1 = chunk
+        return self.run_variants(layer, range(v0, v1), p0, p1)
+
+    def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int
+                     ) -> Float[Tensor, "n_var n_p"]:
+        """Metric after patching each of ``variants`` (any subset) of ``layer``, on prompts
+        ``p0:p1``, all in one suffix forward: ``[len(variants), p1 - p0]`` (``[., 1]`` for a
+        scalar metric, which needs all prompts)."""
         sw, model = self.sweep, self.model
-        variants = range(v0, v1)
-        n_v, n_p = v1 - v0, p1 - p0
+        n_v, n_p = len(variants), p1 - p0
         resid = self.resid[layer][p0:p1].to(self.device)
         src = self.src[layer][p0:p1].to(self.device)
         x = resid.repeat(n_v, 1, 1)  # [n_v * n_p, seq, d_model], variant-major
@@ -352,7 +359,8 @@ class ExactEngine:
                 model.hooks(fwd_hooks=fwd_hooks):
             logits = model(x, start_at_layer=layer)
         return torch.stack([
-            _evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p, f"patched chunk {chunk}",
+            _evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p,
+                      f"patched layer {layer}, variant {variants[i]}",
                       at=None if at is None else at.cpu())
             for i in range(n_v)])
 
