@@ -92,7 +92,9 @@ def test_noise_matches_hand_loop(tiny_llama, task, site, positions):
     ref = _noise_reference(tiny_llama, task, metric, site, positions)
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
     # noising breaks the behaviour: normalized is (v - clean)/(clean - corrupt), 0 = no effect
-    torch.testing.assert_close(res.normalized(), (ref - res.clean) / (res.clean - res.corrupt))
+    span = res.clean - res.corrupt  # the values' tolerance, scaled as normalized() scales them
+    torch.testing.assert_close(res.normalized(), (ref - res.clean) / span,
+                               atol=ATOL / abs(span), rtol=0)
 
 
 @pytest.mark.parametrize("site,tl_fn", [("resid_pre", tlp.get_act_patch_resid_pre),
@@ -228,11 +230,16 @@ def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):
     from circuitkit.patching.metrics import PromptMetric
 
     pm = task.prompt_metric()
-    assert pm.reads is not None and pm.reads.numel() < task.clean_tokens.shape[1]
+    n, seq = task.clean_tokens.shape
+    assert pm.reads is not None and pm.reads.shape[0] == n and pm.reads.shape[1] < seq
     with torch.no_grad():
         logits = tiny_llama(task.clean_tokens)
-    torch.testing.assert_close(pm.per_prompt(logits[:, pm.reads], at=pm.reads),
+    at_reads = logits[torch.arange(n)[:, None], pm.reads]  # [n, k, vocab]
+    torch.testing.assert_close(pm.per_prompt(at_reads, at=pm.reads),
                                pm.per_prompt(logits), atol=1e-6, rtol=0)
+    sub = pm.select([2, 0])
+    torch.testing.assert_close(sub.per_prompt(at_reads[[2, 0]], at=sub.read_positions()),
+                               pm.per_prompt(logits)[[2, 0]], atol=1e-6, rtol=0)
     blind = PromptMetric(pm.per_prompt_fn, pm.name)  # reads unknown -> full logits
     for direction in ("denoise", "noise"):
         fast = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
@@ -240,3 +247,48 @@ def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):
         full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, blind,
                               direction=direction, progress=False)
         torch.testing.assert_close(fast.per_prompt, full.per_prompt, atol=1e-5, rtol=0)
+
+
+# --- the fast path --------------------------------------------------------------------------------
+
+FAST_CASES = [("heads", "z", "all"), ("heads", "z", "each"), ("heads", "q", "all"),
+              ("layers", "attn_out", "each"), ("layers", "mlp_out", "each"),
+              ("layers", "resid_pre", "each")]
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gpt2"])
+@pytest.mark.parametrize("kind,site,positions", FAST_CASES)
+def test_fast_path_is_used_and_equals_plain_path(request, model_name, task, kind, site,
+                                                 positions):
+    """On Llama (rotary, GQA) and GPT-2 blocks the probe accepts the fast path (cached attention
+    output + the z write; last MLP and unembedding at read positions only), and every layer's
+    chunk equals the plain hooked path."""
+    model = request.getfixturevalue(model_name)
+    f = hooks.facts(model)
+    n, seq = task.clean_tokens.shape
+    units = f.n_heads_at(site) if kind == "heads" else 1
+    sweep = Sweep(kind, site, "noise", positions, f.n_layers, units,
+                  seq if positions == "each" else 1, n, seq, True)
+    engine = ExactEngine(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
+                         sweep)
+    assert engine.fast and engine.cut < seq  # the induction metric never reads the last logit
+    variants = range(sweep.n_variants)
+    for layer in range(f.n_layers):
+        fast = engine.run_variants(layer, variants, 0, n, fast=True)
+        plain = engine.run_variants(layer, variants, 0, n, fast=False)
+        torch.testing.assert_close(fast, plain, atol=ATOL, rtol=0)
+
+
+def test_a_wrong_fast_path_is_caught_by_the_probe(tiny_llama, task, clean_cache, monkeypatch):
+    """Were the fast path wrong for some architecture, the probe would fall back to the plain
+    path with a warning, and the sweep would stay exact."""
+    real = ExactEngine._attn_output
+    monkeypatch.setattr(ExactEngine, "_attn_output", lambda self, *a: real(self, *a) * 1.5)
+    monkeypatch.setitem(tiny_llama.__dict__, "_circuitkit_fast_path", {})  # forget verdicts
+    metric = task.prompt_metric()
+    with pytest.warns(UserWarning, match="fast exact-patching path differs"):
+        res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
+                             progress=False)
+    ref = tlp.get_act_patch_attn_head_out_all_pos(tiny_llama, task.corrupt_tokens, clean_cache,
+                                                  metric)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import circuitkit as ck
+from circuitkit.patching.engine import ExactEngine
 from circuitkit.patching.metrics import PromptMetric
 
 TESTS = Path(__file__).parent
@@ -42,17 +43,20 @@ def task():
     return ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
 
 
-def counting(pm: PromptMetric, calls: list[int], fail_at: int | None = None) -> PromptMetric:
-    def fn(logits, idx, rows):
+def counting_chunks(monkeypatch, calls: list[int], fail_at: int | None = None) -> None:
+    """Count ``ExactEngine.run_chunk`` calls; raise KeyboardInterrupt at call ``fail_at``."""
+    real = ExactEngine.run_chunk
+
+    def run_chunk(self, chunk):
         calls.append(1)
         if fail_at is not None and len(calls) == fail_at:
             raise KeyboardInterrupt
-        return pm.per_prompt_fn(logits, idx, rows)
+        return real(self, chunk)
 
-    return PromptMetric(fn, pm.name)
+    monkeypatch.setattr(ExactEngine, "run_chunk", run_chunk)
 
 
-def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path):
+def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(TESTS), sweep=SWEEP))
@@ -69,12 +73,14 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path):
     assert child.returncode == -signal.SIGKILL and n_saved >= 4
 
     pm = task.prompt_metric()
+    pm = PromptMetric(pm.per_prompt_fn, pm.name)  # as in the child: no declared reads
     calls: list[int] = []
-    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                             counting(pm, calls), checkpoint=ckpt, progress=False, **SWEEP)
+    counting_chunks(monkeypatch, calls)
+    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                             checkpoint=ckpt, progress=False, **SWEEP)
     n_chunks = resumed.meta["n_chunks"]
     assert n_saved < n_chunks
-    assert len(calls) == 2 + 2 * (n_chunks - n_saved)  # baselines + 2 variants per missing chunk
+    assert len(calls) == n_chunks - n_saved  # only the missing chunks are computed
     full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
                           progress=False, **SWEEP)
     assert torch.equal(resumed.values, full.values)
@@ -93,9 +99,10 @@ def test_ctrl_c_saves_and_reraises(tiny_llama, task, tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(circuitkit.models, "CACHE_DIR", tmp_path)
     pm = task.prompt_metric()
+    counting_chunks(monkeypatch, [], fail_at=5)
     with pytest.raises(KeyboardInterrupt):
-        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                       counting(pm, [], fail_at=2 + 9), progress=False, **SWEEP)
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, progress=False,
+                       **SWEEP)
     err = capsys.readouterr().err
     assert "interrupted: 4/" in err and "checkpoint=" in err
     saved = next((tmp_path / "checkpoints").iterdir())

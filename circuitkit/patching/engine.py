@@ -11,9 +11,23 @@ Direction: ``denoise`` = base corrupt, source clean; ``noise`` = base clean, sou
 
 TransformerLens 4.3's ``TransformerBridge.forward(start_at_layer=l)`` still executes blocks
 ``0..l-1`` (it discards their output when block ``l`` swaps the residual in; measured: every
-block's forward ran). ``_suffix`` therefore turns blocks below ``l`` into identities for the
-duration of the run, so only embedding lookup (needed by HF to size positions/masks; rotary
+block's forward ran). ``_skipped_blocks`` therefore turns blocks below ``l`` into identities for
+the duration of the run, so only embedding lookup (needed by HF to size positions/masks; rotary
 positions come from the sequence length as in a normal run) and blocks ``l..L-1`` run.
+
+Inside the blocks, the *fast path* skips two more pieces of work the patch cannot change:
+
+* sites ``z``, ``attn_out``, ``mlp_out``: block ``l``'s attention is not re-run. Its output is
+  the cached base output plus the patch's change, which for ``z`` is linear,
+  ``attn_out = attn_out_base + (z_source - z_base)[:, :, h] @ W_O[h]`` (for ``mlp_out`` the
+  attention output is the base one and the MLP returns the patched cached output);
+* with a metric that declares ``reads`` (``PromptMetric.reads``, per prompt), the last block's
+  MLP, the final norm's output and the unembedding are computed at those positions only.
+
+Both replace module ``forward``s for the duration of one run (``_overridden``), so they hold for
+any block layout (sequential, parallel, post-norm). Before use, the engine checks the fast path
+against the plain hooked path on a probe chunk of the model at hand and falls back (with a
+warning) if they differ by more than ``FAST_PATH_TOL``.
 
 Work is cut into *chunks* (one layer, a range of variants, a range of prompts). Each chunk's
 result is a ``[n_variants, n_prompts]`` tensor; chunks are independent, which is what makes
@@ -30,11 +44,13 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import einops
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -52,6 +68,9 @@ from circuitkit.patching.inputs import (
 from circuitkit.patching.results import PatchResult
 
 MAX_ROWS = 1024  # cap on sequences per forward: bigger batches gain nothing and hurt latency
+FAST_PATH_TOL = 1e-4  # max |fast - plain| on the probe chunk, relative to max(1, |metric|)
+# Sites whose patch leaves block l's attention computation to a cached output (fast path).
+ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers", "mlp_out")})
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -65,9 +84,11 @@ def _metric_name(metric: Any) -> str:
     return str(getattr(metric, "name", None) or getattr(metric, "__name__", type(metric).__name__))
 
 
-def _reads(metric: Any) -> Tensor | None:
-    """Logit positions a PromptMetric declares it reads (None: it may read any)."""
-    return getattr(metric, "reads", None) if _is_prompt_metric(metric) else None
+def _reads(metric: Any) -> Int[Tensor, "n k"] | None:
+    """Per-prompt logit positions a PromptMetric declares it reads (None: it may read any)."""
+    if not _is_prompt_metric(metric) or getattr(metric, "reads", None) is None:
+        return None
+    return metric.read_positions() if hasattr(metric, "read_positions") else metric.reads
 
 
 def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
@@ -99,33 +120,83 @@ def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
 
 
 @contextlib.contextmanager
-def _suffix(model: Any, layer: int, tuple_out: bool):
-    """Make blocks ``0..layer-1`` identities (restored on exit); see the module docstring."""
+def _overridden(forwards: Sequence[tuple[Any, Any]]):
+    """Replace ``module.forward`` for each ``(module, forward)`` pair; restored on exit."""
+    for module, fn in forwards:
+        # An instance attribute shadows the class method. object.__setattr__: the bridge's
+        # component __setattr__ would forward the assignment to the wrapped HF module.
+        object.__setattr__(module, "forward", fn)
+    try:
+        yield
+    finally:
+        for module, _ in forwards:
+            module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def _attn_result_off(model: Any):
+    """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
+    per-head einsum for it costs as much as the output projection again."""
+    on = bool(getattr(model.cfg, "use_attn_result", False))
+    if on:
+        model.set_use_attn_result(False)
+    try:
+        yield
+    finally:
+        if on:
+            model.set_use_attn_result(True)
+
+
+def _skipped_blocks(model: Any, layer: int, tuple_out: bool) -> list[tuple[Any, Any]]:
+    """Blocks ``0..layer-1`` as identities (see the module docstring)."""
     def identity(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else kwargs["hidden_states"]
         return (x,) if tuple_out else x
 
-    skipped = list(model.blocks)[:layer]
-    for b in skipped:
-        # An instance attribute shadows the class method. object.__setattr__: the bridge's
-        # component __setattr__ would forward the assignment to the wrapped HF module.
-        object.__setattr__(b, "forward", identity)
-    try:
-        yield
-    finally:
-        for b in skipped:
-            b.__dict__.pop("forward", None)
+    return [(b, identity) for b in list(model.blocks)[:layer]]
 
 
-def _block_returns_tuple(model: Any, tokens: Tensor) -> bool:
-    """Whether the HF stack expects tuple block outputs (transformers < 5) or bare tensors."""
-    seen: list[bool] = []
-    h = model.blocks[0].register_forward_hook(lambda m, a, o: seen.append(isinstance(o, tuple)))
+def _returning(value: Tensor, n_outputs: int):
+    """A ``forward`` that ignores its input and returns ``value`` (as the module's tuple)."""
+    out = value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
+    return lambda *args, **kwargs: out
+
+
+def _at_rows(module: Any, idx: Int[Tensor, "rows k"]):
+    """A ``forward`` computing position-wise ``module`` only at ``idx[b]`` of each row ``b``
+    (zeros elsewhere: those positions are never read)."""
+    forward = type(module).forward
+
+    def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        g = idx[..., None].expand(-1, -1, x.shape[-1])
+        y = forward(module, x.gather(1, g), *args, **kwargs)
+        return x.new_zeros(x.shape[:-1] + y.shape[-1:]).scatter_(1, g, y)
+    return fn
+
+
+def _gather_rows(idx: Int[Tensor, "rows k"]):
+    """A hook keeping positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
+    return lambda x, hook: x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
+    """How blocks and attention modules return: ``0`` a bare tensor, ``n`` an n-tuple (the HF
+    stack expects tuple block outputs in transformers < 5; attention returns (out, weights))."""
+    seen: dict[str, int] = {}
+
+    def grab(key: str):
+        def hook(module: Any, args: Any, out: Any) -> None:  # returns None: output unchanged
+            seen.setdefault(key, len(out) if isinstance(out, tuple) else 0)
+        return hook
+
+    hs = [model.blocks[0].register_forward_hook(grab("block")),
+          model.blocks[0].attn.register_forward_hook(grab("attn"))]
     try:
         model(tokens[:1, :2])
     finally:
-        h.remove()
-    return bool(seen and seen[0])
+        for h in hs:
+            h.remove()
+    return seen.get("block", 0), seen.get("attn", 2)
 
 
 # --- sweep description --------------------------------------------------------------------------
@@ -247,32 +318,74 @@ def versions() -> dict[str, str]:
 
 
 class ExactEngine:
-    """Caches the base/source runs once, then computes any chunk of a ``Sweep``."""
+    """Caches the base/source runs once, then computes any chunk of a ``Sweep``.
 
-    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, sweep: Sweep):
+    ``fast``: use the fast path (module docstring); ``None`` = after checking it on a probe.
+    """
+
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, sweep: Sweep,
+                 fast: bool | None = None, rows: int | None = None):
         self.model, self.metric, self.sweep = model, metric, sweep
         self.device = next(model.parameters()).device
+        self.reads = _reads(metric)
+        # Causal model: positions after the last one the metric reads cannot matter. Runs stop
+        # there; a per-position patch beyond it is a no-op (its value is the base metric).
+        self.cut = sweep.seq if self.reads is None else int(self.reads.max()) + 1
         base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base, self.source = base.to(self.device), source.to(self.device)
+        self.base = base[:, :self.cut].to(self.device)
+        self.source = source[:, :self.cut].to(self.device)
         L = sweep.n_layers
         self.site_names = [self._site_name(layer) for layer in range(L)]
-        resid = [hooks.resid_pre(layer) for layer in range(L)]
+        self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
+        base_names = [hooks.resid_pre(layer) for layer in range(L)]
+        if self.attn_cached:
+            base_names += [hooks.attn_out(layer) for layer in range(L)]
+            if sweep.site != "attn_out":  # z: the base z for the write; mlp_out: its base output
+                base_names += self.site_names
         with torch.no_grad():
-            self.tuple_out = _block_returns_tuple(model, self.base)
+            self.block_arity, self.attn_arity = _output_arity(model, self.base)
+            (self.base_metric, self.source_metric), cache = self._cached_runs(
+                [self.base, self.source], [*base_names, *self.site_names],
+                rows or auto_rows(model, self.cut))
+            self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
+            self.attn_base = [cache[hooks.attn_out(layer)][0] for layer in range(L)] \
+                if self.attn_cached else []
+            self.site_base = [cache[n][0] for n in self.site_names] \
+                if self.attn_cached and sweep.site != "attn_out" else []
+            self.src = [cache[n][1] for n in self.site_names]
+            del cache
+            self._check_head_axis()
+            self.W_O = [b.attn.W_O.detach() for b in model.blocks] \
+                if self.attn_cached and sweep.site == "z" else []
+            self.fast = self._fast_path_agrees() if fast is None else fast
+
+    def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
+                     ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
+        """Metric of unpatched runs of each ``[n, seq]`` token set and their activations at
+        ``names`` (``cache[name][set]``, stored on the CPU). The sets run stacked in the batch,
+        at most ``rows`` sequences per forward."""
+        want, n = set(names), self.sweep.n_prompts
+        tokens = torch.cat(list(token_sets))
+        reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
+        logits, acts = [], {name: [] for name in want}
+        for r0 in range(0, tokens.shape[0], rows):
+            fwd_hooks = []
+            if reads is not None:
+                fwd_hooks = [(hooks.UNEMBED_IN, _gather_rows(reads[r0:r0 + rows].to(self.device)))]
+            with self.model.hooks(fwd_hooks=fwd_hooks), _attn_result_off(self.model):
+                out, cache = self.model.run_with_cache(tokens[r0:r0 + rows],
+                                                       names_filter=lambda name: name in want)
+            logits.append(out)
             # Caches live on the CPU when the model is on a GPU: a 70B sweep's per-layer source
             # patterns would not fit next to the weights. Each layer's slice moves on demand.
-            store = torch.device("cpu")
-            logits, cache = model.run_with_cache(self.base, names_filter=lambda n: n in resid)
-            self.base_metric = _evaluate(metric, logits, sweep.n_prompts, "unpatched base run")
-            self.resid = [cache[n].to(store) for n in resid]
-            del cache, logits
-            want = set(self.site_names)
-            logits, cache = model.run_with_cache(self.source, names_filter=lambda n: n in want)
-            self.source_metric = _evaluate(metric, logits, sweep.n_prompts, "unpatched source run")
-            self.src = [cache[n].to(store) for n in self.site_names]
-            del cache, logits
-        self._check_head_axis()
-        self._layer = -1
+            for name in want:
+                acts[name].append(cache[name].to("cpu"))
+            del cache
+        all_logits = torch.cat(logits)
+        whats = ("unpatched base run", "unpatched source run")
+        values = [_evaluate(self.metric, all_logits[i * n:(i + 1) * n], n, whats[i % 2],
+                            at=self.reads) for i in range(len(token_sets))]
+        return values, {name: list(torch.cat(a).split(n)) for name, a in acts.items()}
 
     def _check_head_axis(self) -> None:
         sw = self.sweep
@@ -312,6 +425,8 @@ class ExactEngine:
         view = act.view(len(variants), n_p, *act.shape[1:])
         for i, v in enumerate(variants):
             unit, pos = sw.variant(v)
+            if pos is not None and pos >= self.cut:
+                continue  # after every read position: changes nothing (see __init__)
             if sw.kind == "layers":
                 view[i, :, pos] = src[:, pos]
                 continue
@@ -322,24 +437,61 @@ class ExactEngine:
             view[i][tuple(idx)] = src[tuple(idx)]
         return act
 
+    def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int
+                     ) -> Float[Tensor, "n_var_x_n_p seq d_model"]:
+        """Block ``layer``'s attention output under each variant's patch, without running it.
+
+        z: ``attn_out_base + (z_source - z_base)[:, :, h] @ W_O[h]`` (o is affine in z);
+        attn_out: the source output at the patched position; mlp_out: the base output.
+        """
+        sw, n_v = self.sweep, len(variants)
+        out = self.attn_base[layer][p0:p1].to(self.device).repeat(n_v, 1, 1)
+        src = self.src[layer][p0:p1].to(self.device)
+        if sw.site == "attn_out":
+            return self._write_patch(out, src, variants)
+        if sw.site != "z":
+            return out
+        dz = src - self.site_base[layer][p0:p1].to(self.device)  # [n_p, seq, head, d_head]
+        W_O = self.W_O[layer]  # [head, d_head, d_model]
+        view = out.view(n_v, p1 - p0, *out.shape[1:])
+        cells = [sw.variant(v) for v in variants]
+        if sw.positions == "all":
+            heads = torch.tensor([h for h, _ in cells], device=self.device)
+            view += einops.einsum(dz[:, :, heads], W_O[heads],
+                                  "b pos v dh, v dh dm -> v b pos dm")
+        else:
+            for i, (h, pos) in enumerate(cells):
+                if pos < self.cut:
+                    view[i, :, pos] += dz[:, pos, h] @ W_O[h]
+        return out
+
     def run_chunk(self, chunk: tuple[int, int, int, int, int]) -> Float[Tensor, "n_var n_p"]:
         """Metric after each patch of the chunk: ``[n_variants, n_prompts]`` ([n_variants, 1] for a
         scalar metric)."""
         layer, v0, v1, p0, p1 = chunk
         return self.run_variants(layer, range(v0, v1), p0, p1)
 
-    def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int
-                     ) -> Float[Tensor, "n_var n_p"]:
+    def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                     fast: bool | None = None) -> Float[Tensor, "n_var n_p"]:
         """Metric after patching each of ``variants`` (any subset) of ``layer``, on prompts
         ``p0:p1``, all in one suffix forward: ``[len(variants), p1 - p0]`` (``[., 1]`` for a
-        scalar metric, which needs all prompts)."""
+        scalar metric, which needs all prompts). ``fast``: override ``self.fast``."""
         sw, model = self.sweep, self.model
+        fast = self.fast if fast is None else fast
         n_v, n_p = len(variants), p1 - p0
-        resid = self.resid[layer][p0:p1].to(self.device)
+        x = self.resid[layer][p0:p1].to(self.device).repeat(n_v, 1, 1)  # variant-major rows
         src = self.src[layer][p0:p1].to(self.device)
-        x = resid.repeat(n_v, 1, 1)  # [n_v * n_p, seq, d_model], variant-major
+        block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
+        forwards = _skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
-        if sw.kind == "layers" and sw.site == "resid_pre":
+        if fast and self.attn_cached:
+            forwards.append((block.attn, _returning(self._attn_output(layer, variants, p0, p1),
+                                                    self.attn_arity)))
+            if sw.site == "mlp_out":
+                mlp = self._write_patch(self.site_base[layer][p0:p1].to(self.device)
+                                        .repeat(n_v, 1, 1), src, variants)
+                forwards.append((block.mlp, _returning(mlp, 0)))
+        elif sw.kind == "layers" and sw.site == "resid_pre":
             self._write_patch(x, src, variants)  # the patch *is* the restart point
         else:
             def hook(act: Tensor, hook: Any) -> Tensor:
@@ -349,20 +501,59 @@ class ExactEngine:
         metric = self.metric
         if _is_prompt_metric(metric) and (p0, p1) != (0, sw.n_prompts):
             metric = metric.select(list(range(p0, p1)))
-        at = _reads(metric)
+        at = None if self.reads is None else self.reads[p0:p1]
         if at is not None:
             # Unembed only the positions the metric reads: with a big vocabulary the
             # unembedding costs as much as several blocks, and most positions are never read.
-            at = at.to(self.device)
-            fwd_hooks = fwd_hooks + [(hooks.UNEMBED_IN, lambda x, hook: x[:, at])]
-        with torch.no_grad(), _suffix(model, layer, self.tuple_out), \
-                model.hooks(fwd_hooks=fwd_hooks):
+            rows = at.to(self.device).repeat(n_v, 1)
+            # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
+            fwd_hooks.append((hooks.UNEMBED_IN, _gather_rows(rows)))
+            if fast and not (sw.site == "mlp_out" and block is last):
+                forwards.append((last.mlp, _at_rows(last.mlp, rows)))
+        with torch.no_grad(), _overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+                _attn_result_off(model):
             logits = model(x, start_at_layer=layer)
-        return torch.stack([
-            _evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p,
-                      f"patched layer {layer}, variant {variants[i]}",
-                      at=None if at is None else at.cpu())
-            for i in range(n_v)])
+        what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
+        if _is_prompt_metric(metric):  # one call for all variants: rows are (variant, prompt)
+            tiled = metric.select(list(range(n_p)) * n_v)
+            return _evaluate(tiled, logits, n_v * n_p, what,
+                             at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
+        return torch.stack([_evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p, what, at=at)
+                            for i in range(n_v)])
+
+    def _fast_path_agrees(self) -> bool:
+        """Whether the fast path matches the plain hooked path on a probe of this model.
+
+        Probe: layer 0 (every later block runs), the first and last unit, patched at all
+        positions or (per-position sweeps) at the first prompt's last read position, on two
+        prompts (all of them for a scalar metric)."""
+        sw = self.sweep
+        if not self.attn_cached and self.reads is None:
+            return True  # nothing to speed up
+        # The verdict depends on the architecture, not on weights or inputs: once per model.
+        verdicts = self.model.__dict__.setdefault("_circuitkit_fast_path", {})
+        key = (sw.kind, sw.site, sw.positions, self.reads is not None)
+        if key not in verdicts:
+            verdicts[key] = self._probe_fast_path()
+        return verdicts[key]
+
+    def _probe_fast_path(self) -> bool:
+        sw = self.sweep
+        p1 = min(2, sw.n_prompts) if sw.per_prompt else sw.n_prompts
+        pos = 0
+        if sw.n_pos > 1:
+            pos = int(self.reads[0].max()) if self.reads is not None else sw.seq - 1
+        variants = sorted({pos, (sw.n_units - 1) * sw.n_pos + pos})
+        fast = self.run_variants(0, variants, 0, p1, fast=True)
+        plain = self.run_variants(0, variants, 0, p1, fast=False)
+        err = float((fast - plain).abs().max())
+        if err <= FAST_PATH_TOL * max(1.0, float(plain.abs().max())):
+            return True
+        warnings.warn(
+            f"circuitkit: the fast exact-patching path differs from the plain hooked path by "
+            f"{err:.2e} on this model ({type(self.model.blocks[0]).__name__} blocks); using the "
+            "plain path (slower, still exact). Please report the architecture.", stacklevel=3)
+        return False
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Chunk results -> (values [value_shape], per_prompt [n_prompts, *value_shape] | None)."""
@@ -481,7 +672,7 @@ def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric:
                   seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
     rows = batch_size or auto_rows(model, seq)
     sweep.plan(rows)
-    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
+    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep, rows=rows)
     probe = sweep.chunks[0]
     t0 = time.perf_counter()
     engine.run_chunk(probe)
@@ -508,7 +699,8 @@ def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, pr
 
     t_start = time.perf_counter()
     rank, world = dist.rank_world()
-    sweep.plan(batch_size or auto_rows(model, sweep.seq))
+    rows = batch_size or auto_rows(model, sweep.seq)
+    sweep.plan(rows)
     identity = dict(kind=sweep.kind, site=sweep.site, direction=sweep.direction,
                     positions=sweep.positions, tokens=tokens_hash(clean, corrupt),
                     model=model_fingerprint(model), metric=_metric_name(metric),
@@ -518,7 +710,7 @@ def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, pr
         ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
         sweep.chunks = ckpt.chunks  # a resumed sweep keeps its original chunk plan
     done: dict[int, Tensor] = dict(ckpt.load_done()) if ckpt else {}
-    engine = ExactEngine(model, clean, corrupt, metric, sweep)
+    engine = ExactEngine(model, clean, corrupt, metric, sweep, rows=rows)
     mine = [c for c in range(len(sweep.chunks)) if c % world == rank and c not in done]
     bar = _progress_bar(sweep, mine, progress and rank == 0)
     computed: dict[int, Tensor] = {}

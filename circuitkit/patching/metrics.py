@@ -23,35 +23,45 @@ from torch import Tensor
 class PromptMetric:
     """A metric with a per-prompt view. ``metric(logits) == metric.per_prompt(logits).mean()``.
 
-    ``per_prompt_fn(logits, prompt_idx, rows)``: ``rows[p]`` is the row of ``logits``' position
-    axis holding sequence position ``p`` (the identity for full logits). ``reads``: the sorted
-    sequence positions whose logits the metric reads, if known; sweeps then compute logits at
-    those positions only (``per_prompt(logits_at_reads, at=reads)``), which skips most of the
-    unembedding. ``select(idx)`` restricts the metric to a subset of prompts.
+    ``per_prompt_fn(logits, prompt_idx, rows)``: ``rows[b, p]`` is the row of ``logits``'
+    position axis holding prompt ``b``'s sequence position ``p`` (``rows[b, p] = p`` for full
+    logits). ``reads``: ``[n_prompts, k]``, the logit positions each prompt's value depends on
+    (rows padded by repetition), if known; sweeps then compute logits at those positions only,
+    ``per_prompt(logits_at_reads, at=reads)`` with ``logits_at_reads[b, j] = logits[b,
+    reads[b, j]]``, which skips most of the unembedding and the last block's MLP.
+    ``select(idx)`` restricts the metric to a subset of prompts.
     """
 
     per_prompt_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     name: str = "metric"
     prompt_idx: Tensor | None = None
-    reads: Int[Tensor, " k"] | None = None
+    reads: Int[Tensor, "n k"] | None = None
 
     def per_prompt(self, logits: Float[Tensor, "batch pos vocab"],
-                   at: Int[Tensor, " pos"] | None = None) -> Float[Tensor, " batch"]:
+                   at: Int[Tensor, "batch k"] | None = None) -> Float[Tensor, " batch"]:
         idx = self.prompt_idx if self.prompt_idx is not None else torch.arange(logits.shape[0])
         if idx.numel() != logits.shape[0]:
             raise ValueError(
                 f"{self.name}: logits have batch {logits.shape[0]} but the metric is defined for "
                 f"{idx.numel()} prompts; pass the same prompts, or metric.select(indices)."
             )
+        n = logits.shape[0]
         if at is None:
-            rows = torch.arange(logits.shape[1])
+            rows = torch.arange(logits.shape[1]).expand(n, -1)
         else:
-            rows = torch.full((int(at.max()) + 1,), -1, dtype=torch.long)
-            rows[at] = torch.arange(at.numel())
+            at = at.cpu().expand(n, -1)
+            rows = torch.full((n, int(at.max()) + 1), -1, dtype=torch.long)
+            rows.scatter_(1, at, torch.arange(at.shape[1]).expand(n, -1))
         return self.per_prompt_fn(logits, idx.to(logits.device), rows.to(logits.device))
 
     def __call__(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, ""]:
         return self.per_prompt(logits).mean()
+
+    def read_positions(self) -> Int[Tensor, "batch k"] | None:
+        """``reads`` of the prompts this metric is defined for (after ``select``)."""
+        if self.reads is None or self.prompt_idx is None:
+            return self.reads
+        return self.reads[self.prompt_idx]
 
     def select(self, idx: Sequence[int] | Tensor) -> PromptMetric:
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -68,9 +78,12 @@ def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
     return out
 
 
-def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, " r"]:
-    """Logit positions read for answer positions ``pos`` (padding -1 excluded)."""
-    return torch.unique(pos[pos >= 1] - 1) if (pos >= 1).any() else torch.zeros(1, dtype=torch.long)
+def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
+    """Per-prompt logit positions read for answer positions ``pos`` (``p - 1``; padding -1 is
+    replaced by the row's first read, or 0 for a prompt without answers)."""
+    read = pos - 1
+    first = torch.where(pos[:, :1] >= 1, read[:, :1], torch.zeros_like(read[:, :1]))
+    return torch.where(pos >= 1, read, first)
 
 
 def token_margin_metric(
@@ -92,7 +105,7 @@ def token_margin_metric(
             logits.device)
         valid = p >= 0
         b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        step = logits[b, rows[(p - 1).clamp(min=0)]]  # [batch, n_answers, vocab]
+        step = logits[b, rows[b, (p - 1).clamp(min=0)]]  # [batch, n_answers, vocab]
         tgt = step.gather(-1, t.clamp(min=0)[..., None])[..., 0]
         rmask = (r >= 0)[:, None, :]
         rv = step.gather(-1, r.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
@@ -121,7 +134,7 @@ def token_logprob_metric(
         p, t = pos[idx].to(logits.device), tok[idx].to(logits.device)
         valid = p >= 0
         b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        logp = logits[b, rows[(p - 1).clamp(min=0)]].log_softmax(-1)
+        logp = logits[b, rows[b, (p - 1).clamp(min=0)]].log_softmax(-1)
         lp = logp.gather(-1, t.clamp(min=0)[..., None])[..., 0] * valid
         return lp.sum(-1) / valid.sum(-1).clamp(min=1)
 
