@@ -5,8 +5,9 @@
 One process, one model, the same inputs and metric for every method (denoise, site z):
 
 * ``TL``: ``transformer_lens.patching.get_act_patch_attn_head_out_all_pos`` (its clean cache is
-  part of its time; one run: it is the slow reference);
-* ``exact``: ``circuitkit.patch_heads(method="exact")``, the layer-suffix engine;
+  part of its time);
+* ``exact``: ``circuitkit.patch_heads(method="exact")``, the layer-suffix engine with its fast
+  path (``circuitkit.patching.engine``);
 * ``attribution``: ``attribution_patch_heads`` (2 forwards + 1 backward);
 * ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail);
 * the per-position sweeps (``positions="each"``) of exact and attribution.
@@ -78,25 +79,33 @@ def matmul_flop_s(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best_time(lambda: a @ b, reps)[0]
 
 
-def block_flops_per_token(model: Any, seq: int) -> float:
-    """Matmul FLOPs of one token through one (gated-MLP) block."""
-    f = hooks.facts(model)
-    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
-    proj = 2 * f.d_model * f.d_head * (2 * f.n_heads + 2 * f.n_kv_heads)  # q, o + k, v
-    attn = 2 * 2 * f.n_heads * f.d_head * seq / 2  # QK^T and AV, causal half on average
-    return proj + attn + 2 * 3 * f.d_model * d_mlp
+def exact_sweep_flops(model: Any, n_prompts: int, cut: int, k: int) -> float:
+    """Matmul FLOPs of the exact all-positions z sweep as the engine runs it (gated MLP).
 
-
-def exact_sweep_flops(model: Any, n_prompts: int, seq: int, n_reads: int) -> float:
-    """FLOPs of the exact all-positions sweep: 2 cached full runs, then one suffix run per head
-    that unembeds only the ``n_reads`` positions the metric reads."""
+    One cached run of base and source (``2 n`` rows, ``cut`` positions: the run stops after the
+    last read; unembedding at the ``k`` read positions of each prompt). Then per layer ``l`` one
+    suffix run of ``n_heads * n`` rows: the heads' writes, block ``l``'s MLP (its attention comes
+    from the cache), full blocks ``l+1..L-2``, the last block's keys/values at every position and
+    queries at ``k``, its MLP and the unembedding at ``k``. (Layer ``L-1``: MLP and unembedding
+    at ``k`` only.) Causal attention counts half the score matrix.
+    """
     f = hooks.facts(model)
-    unembed = 2 * f.d_model * f.d_vocab
-    full = n_prompts * seq * (f.n_layers * block_flops_per_token(model, seq) + unembed)
-    suffix = sum(f.n_heads * n_prompts * ((f.n_layers - layer) * seq
-                                          * block_flops_per_token(model, seq) + n_reads * unembed)
-                 for layer in range(f.n_layers))
-    return 2 * full + suffix
+    L, H, d = f.n_layers, f.n_heads, f.d_model
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * d)
+    q_o, k_v = 2 * 2 * d * f.d_head * H, 2 * 2 * d * f.d_head * f.n_kv_heads
+    scores = 2 * 2 * H * f.d_head * cut / 2
+    mlp, unembed = 2 * 3 * d * d_mlp, 2 * d * f.d_vocab
+    block = q_o + k_v + scores + mlp
+    cached = 2 * n_prompts * (cut * L * block + k * unembed)
+    last_attn = cut * k_v + k * (q_o + 2 * scores)
+    write = cut * 2 * f.d_head * d
+    suffix = 0.0
+    for layer in range(L):
+        work = k * (mlp + unembed) + write
+        if layer < L - 1:
+            work += cut * mlp + (L - 2 - layer) * cut * block + last_attn
+        suffix += H * n_prompts * work
+    return cached + suffix
 
 
 def agreement(est: torch.Tensor, ref: torch.Tensor, k: int = 10) -> tuple[float, int]:
@@ -131,7 +140,7 @@ def main() -> None:
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
     runs: dict[str, tuple[Callable[[], Any], int]] = {
-        "TL get_act_patch_attn_head_out_all_pos": (tl, 1),
+        "TL get_act_patch_attn_head_out_all_pos": (tl, args.repeats),
         "exact (all positions)": (lambda: ck.patch_heads(model, clean, corrupt, metric, **kw),
                                   args.repeats),
         "attribution (all)": (lambda: attribution_patch_heads(
@@ -151,11 +160,12 @@ def main() -> None:
                                 "exact (all positions)", "exact (each position)")
     peak = matmul_flop_s()
     reads = getattr(metric, "reads", None)
-    flops = exact_sweep_flops(model, clean.shape[0], clean.shape[1],
-                              clean.shape[1] if reads is None else reads.numel())
+    seq = clean.shape[1]
+    flops = exact_sweep_flops(model, clean.shape[0], seq if reads is None else
+                              int(reads.max()) + 1, seq if reads is None else reads.shape[1])
     print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads, d_model {f.d_model}, "
           f"vocab {f.d_vocab}), seq {clean.shape[1]}, torch threads {torch.get_num_threads()}; "
-          f"denoise, site z; best of {args.repeats} (TL and exact-each: 1 run)")
+          f"denoise, site z; best of {args.repeats} (exact-each: 1 run)")
     print(f"{'method':40s} {'seconds':>9s} {'vs TL':>8s} {'vs exact':>9s}")
     for k in runs:
         ref = times[each_key] if "each" in k else times[ex_key]

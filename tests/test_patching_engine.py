@@ -272,6 +272,7 @@ def test_fast_path_is_used_and_equals_plain_path(request, model_name, task, kind
     engine = ExactEngine(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
                          sweep)
     assert engine.fast and engine.cut < seq  # the induction metric never reads the last logit
+    assert engine.attn_at_rows == (model_name == "tiny_llama")  # rotary Llama form only
     variants = range(sweep.n_variants)
     for layer in range(f.n_layers):
         fast = engine.run_variants(layer, variants, 0, n, fast=True)
@@ -292,3 +293,30 @@ def test_a_wrong_fast_path_is_caught_by_the_probe(tiny_llama, task, clean_cache,
     ref = tlp.get_act_patch_attn_head_out_all_pos(tiny_llama, task.corrupt_tokens, clean_cache,
                                                   metric)
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+
+
+def test_attention_at_rows_equals_the_bridge_attention(tiny_llama):
+    """Queries at chosen positions only (GQA, rotary): equal to the bridge's attention there,
+    zero elsewhere."""
+    from circuitkit.patching import read_positions
+
+    attn = tiny_llama.blocks[-1].attn
+    assert read_positions.supports_attention_at_rows(attn)
+    seen = {}
+    handle = attn.register_forward_hook(
+        lambda m, args, kwargs, out: seen.update(args=args, kwargs=kwargs, out=out),
+        with_kwargs=True)
+    tokens = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            tiny_llama(tokens)
+    finally:
+        handle.remove()
+    idx = torch.tensor([[0, 5], [11, 11], [3, 7]])
+    with torch.no_grad():
+        out = read_positions.attention_at_rows(attn, idx, 2)(*seen["args"], **seen["kwargs"])[0]
+    rows = torch.arange(3)[:, None]
+    torch.testing.assert_close(out[rows, idx], seen["out"][0][rows, idx], atol=1e-5, rtol=0)
+    elsewhere = torch.ones(3, 12, dtype=torch.bool)
+    elsewhere[rows, idx] = False
+    assert out.abs().sum() > 0 and (out[elsewhere] == 0).all()

@@ -22,7 +22,8 @@ Inside the blocks, the *fast path* skips two more pieces of work the patch canno
   ``attn_out = attn_out_base + (z_source - z_base)[:, :, h] @ W_O[h]`` (for ``mlp_out`` the
   attention output is the base one and the MLP returns the patched cached output);
 * with a metric that declares ``reads`` (``PromptMetric.reads``, per prompt), the last block's
-  MLP, the final norm's output and the unembedding are computed at those positions only.
+  MLP and the unembedding are computed at those positions only, and so are the last block's
+  attention queries where ``read_positions`` can reproduce its attention (rotary Llama form).
 
 Both replace module ``forward``s for the duration of one run (``_overridden``), so they hold for
 any block layout (sequential, parallel, post-norm). Before use, the engine checks the fast path
@@ -56,6 +57,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.patching import read_positions
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     HEAD_SITES,
@@ -160,23 +162,6 @@ def _returning(value: Tensor, n_outputs: int):
     """A ``forward`` that ignores its input and returns ``value`` (as the module's tuple)."""
     out = value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
     return lambda *args, **kwargs: out
-
-
-def _at_rows(module: Any, idx: Int[Tensor, "rows k"]):
-    """A ``forward`` computing position-wise ``module`` only at ``idx[b]`` of each row ``b``
-    (zeros elsewhere: those positions are never read)."""
-    forward = type(module).forward
-
-    def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        g = idx[..., None].expand(-1, -1, x.shape[-1])
-        y = forward(module, x.gather(1, g), *args, **kwargs)
-        return x.new_zeros(x.shape[:-1] + y.shape[-1:]).scatter_(1, g, y)
-    return fn
-
-
-def _gather_rows(idx: Int[Tensor, "rows k"]):
-    """A hook keeping positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
-    return lambda x, hook: x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def _output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
@@ -357,6 +342,8 @@ class ExactEngine:
             self._check_head_axis()
             self.W_O = [b.attn.W_O.detach() for b in model.blocks] \
                 if self.attn_cached and sweep.site == "z" else []
+            self.attn_at_rows = read_positions.supports_attention_at_rows(
+                model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
@@ -371,7 +358,8 @@ class ExactEngine:
         for r0 in range(0, tokens.shape[0], rows):
             fwd_hooks = []
             if reads is not None:
-                fwd_hooks = [(hooks.UNEMBED_IN, _gather_rows(reads[r0:r0 + rows].to(self.device)))]
+                idx = reads[r0:r0 + rows].to(self.device)
+                fwd_hooks = [(hooks.UNEMBED_IN, read_positions.gather_rows(idx))]
             with self.model.hooks(fwd_hooks=fwd_hooks), _attn_result_off(self.model):
                 out, cache = self.model.run_with_cache(tokens[r0:r0 + rows],
                                                        names_filter=lambda name: name in want)
@@ -507,9 +495,12 @@ class ExactEngine:
             # unembedding costs as much as several blocks, and most positions are never read.
             rows = at.to(self.device).repeat(n_v, 1)
             # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
-            fwd_hooks.append((hooks.UNEMBED_IN, _gather_rows(rows)))
+            fwd_hooks.append((hooks.UNEMBED_IN, read_positions.gather_rows(rows)))
             if fast and not (sw.site == "mlp_out" and block is last):
-                forwards.append((last.mlp, _at_rows(last.mlp, rows)))
+                forwards.append((last.mlp, read_positions.mlp_at_rows(last.mlp, rows)))
+            if fast and block is not last and self.attn_at_rows:
+                forwards.append((last.attn, read_positions.attention_at_rows(
+                    last.attn, rows, self.attn_arity)))
         with torch.no_grad(), _overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
                 _attn_result_off(model):
             logits = model(x, start_at_layer=layer)

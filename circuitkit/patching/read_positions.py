@@ -1,0 +1,100 @@
+"""Computing only at the positions a metric reads (``PromptMetric.reads``).
+
+A metric that reads logits at positions ``idx[b]`` of row ``b`` needs, of the last block, only
+those query positions: its attention reads keys/values at every position but writes only there,
+and its MLP, the final norm and the unembedding are position-wise. Each function here returns a
+replacement ``forward`` (or a hook) for one run; ``engine._overridden`` installs it. Outputs at
+positions outside ``idx`` are zeros: nothing downstream reads them.
+
+``idx``: ``Int[Tensor, "rows k"]``, sequence positions per row (duplicates allowed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+# Attention modules whose forward ``attention_at_rows`` reproduces: plain softmax attention with
+# rotary position embeddings and optional GQA (the Llama form). Anything else keeps its forward.
+ROTARY_ATTENTION = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
+_BRIDGE_FLAGS = ("use_split_qkv_input", "use_attn_in", "gated_q_proj",
+                 "rotary_interleaved_cos_sin", "rotary_adjacent_pairs", "qk_norm_after_rope")
+
+
+def _index(idx: Tensor, width: int) -> Tensor:
+    return idx[..., None].expand(-1, -1, width)
+
+
+def gather_rows(idx: Int[Tensor, "rows k"]):
+    """A hook keeping positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
+    return lambda x, hook: x.gather(1, _index(idx, x.shape[-1]))
+
+
+def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
+    """``forward`` of a position-wise ``module`` (an MLP) computed only at ``idx``."""
+    forward = type(module).forward
+
+    def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        y = forward(module, x.gather(1, _index(idx, x.shape[-1])), *args, **kwargs)
+        return x.new_zeros(x.shape[:-1] + y.shape[-1:]).scatter_(1, _index(idx, y.shape[-1]), y)
+    return fn
+
+
+def supports_attention_at_rows(attn: Any) -> bool:
+    """Whether ``attention_at_rows`` reproduces this bridge attention module (see
+    ``ROTARY_ATTENTION``; no Q/K norms, gates, softcapping, sinks or sliding windows)."""
+    hf = getattr(attn, "original_component", None)
+    cfg = getattr(attn, "config", None)
+    return (type(attn).__name__ == "PositionEmbeddingsAttentionBridge"
+            and type(hf).__name__ in ROTARY_ATTENTION
+            and not any(m in attn.submodules for m in ("q_norm", "k_norm", "gate"))
+            and all(getattr(hf, a, None) is None for a in (
+                "sliding_window", "attn_logit_softcapping", "sinks", "key_multiplier"))
+            and getattr(getattr(hf, "config", None), "clip_qkv", None) is None
+            and not any(bool(getattr(cfg, f, False)) for f in _BRIDGE_FLAGS))
+
+
+def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
+    """``forward`` of a rotary softmax attention (``supports_attention_at_rows``) with queries
+    only at ``idx``: keys and values at every position, causal mask, output zero elsewhere.
+
+    ``scores[b, h, j, s] = q[b, h, idx[b, j]] . k[b, h, s] * scale``, masked for ``s >
+    idx[b, j]``. Only the causal mask is applied: use it for unpadded runs, as the engine's are.
+    Falls back to the module's own forward when the rotary tables do not cover the head.
+    """
+    hf = attn.original_component
+    d_head = hf.head_dim
+    groups = int(getattr(hf, "num_key_value_groups", 1))
+    scale = float(getattr(hf, "scaling", d_head ** -0.5))
+
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def fn(hidden_states: Tensor, *args: Any, position_embeddings: Any = None,
+           **kwargs: Any) -> Any:
+        if args or position_embeddings is None or position_embeddings[0].shape[-1] != d_head:
+            return type(attn).forward(attn, hidden_states, *args,
+                                      position_embeddings=position_embeddings, **kwargs)
+        x = hidden_states
+        n, seq, _ = x.shape
+        k = idx.shape[1]
+        cos, sin = (t.expand(n, -1, -1) for t in position_embeddings)  # [n, seq, d_head]
+        q = attn.q(x.gather(1, _index(idx, x.shape[-1]))).view(n, k, -1, d_head).transpose(1, 2)
+        q = rotate(q, cos.gather(1, _index(idx, d_head))[:, None],
+                   sin.gather(1, _index(idx, d_head))[:, None])  # [n, head, k, d_head]
+        key = attn.k(x).view(n, seq, -1, d_head).transpose(1, 2)
+        key = rotate(key, cos[:, None], sin[:, None]).repeat_interleave(groups, dim=1)
+        value = attn.v(x).view(n, seq, -1, d_head).transpose(1, 2).repeat_interleave(groups, 1)
+        scores = (q @ key.transpose(-1, -2)) * scale  # [n, head, k, seq]
+        future = torch.arange(seq, device=x.device) > idx[:, None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        pattern = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        z = (pattern @ value).transpose(1, 2).reshape(n, k, -1)
+        y = attn.o(z)
+        out = x.new_zeros(n, seq, y.shape[-1]).scatter_(1, _index(idx, y.shape[-1]), y)
+        return out if n_outputs == 0 else (out,) + (None,) * (n_outputs - 1)
+    return fn
