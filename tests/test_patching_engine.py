@@ -298,10 +298,10 @@ def test_a_wrong_fast_path_is_caught_by_the_probe(tiny_llama, task, clean_cache,
 def test_attention_at_rows_equals_the_bridge_attention(tiny_llama):
     """Queries at chosen positions only (GQA, rotary): equal to the bridge's attention there,
     zero elsewhere."""
-    from circuitkit.patching import read_positions
+    from circuitkit.patching import shortcuts
 
     attn = tiny_llama.blocks[-1].attn
-    assert read_positions.supports_attention_at_rows(attn)
+    assert shortcuts.supports_attention_at_rows(attn)
     seen = {}
     handle = attn.register_forward_hook(
         lambda m, args, kwargs, out: seen.update(args=args, kwargs=kwargs, out=out),
@@ -314,7 +314,7 @@ def test_attention_at_rows_equals_the_bridge_attention(tiny_llama):
         handle.remove()
     idx = torch.tensor([[0, 5], [11, 11], [3, 7]])
     with torch.no_grad():
-        out = read_positions.attention_at_rows(attn, idx, 2)(*seen["args"], **seen["kwargs"])[0]
+        out = shortcuts.attention_at_rows(attn, idx, 2)(*seen["args"], **seen["kwargs"])[0]
     rows = torch.arange(3)[:, None]
     torch.testing.assert_close(out[rows, idx], seen["out"][0][rows, idx], atol=1e-5, rtol=0)
     elsewhere = torch.ones(3, 12, dtype=torch.bool)

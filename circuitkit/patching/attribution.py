@@ -71,6 +71,7 @@ cells with the largest estimated ``|effect|`` by exact patching.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +81,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.patching import shortcuts
 from circuitkit.patching.inputs import DIRECTIONS, HEAD_SITES, POSITIONS, check_tokens, choice
 from circuitkit.patching.metrics import PromptMetric
 from circuitkit.patching.results import PatchResult
@@ -120,14 +122,15 @@ class _MetricStash:
     below are per-prompt estimates. A plain callable is differentiated as is (its chunk value).
     """
 
-    def __init__(self, metric: Metric, idx: Tensor):
+    def __init__(self, metric: Metric, idx: Tensor, at: Tensor | None = None):
         self.per_prompt = isinstance(metric, PromptMetric)
         self.metric = metric.select(idx) if self.per_prompt else metric
+        self.at = at  # the logits hold only these positions (``shortcuts.reads_only``)
         self.value: Tensor | None = None  # [batch] (PromptMetric) or [] (plain)
 
     def __call__(self, logits: Tensor) -> Tensor:
         if self.per_prompt:
-            v = self.metric.per_prompt(logits)
+            v = self.metric.per_prompt(logits, at=self.at)
             self.value = v.detach()
             return v.sum()
         v = self.metric(logits)
@@ -427,6 +430,7 @@ def attribution_patch_heads(
     if tail:
         modules["block"] = model.blocks[last]
     per_prompt_metric = isinstance(metric, PromptMetric)
+    reads = metric.read_positions() if per_prompt_metric else None
 
     effects, base_vals, src_vals = [], [], []
     weights: list[float] = []
@@ -435,15 +439,19 @@ def attribution_patch_heads(
         base = base_all[idx].to(device)
         src = src_all[idx].to(device)
         b = len(idx)
-        stash_base, stash_src = _MetricStash(metric, idx), _MetricStash(metric, idx)
+        at = None if reads is None else reads[idx].to(device)
+        stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
         capture = _Inputs(modules)
-        with torch.enable_grad(), capture:
+        # With known read positions the last MLP and the unembedding run there only.
+        lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+        with torch.enable_grad(), capture, lean:
             # hook_embed is cached too: TL's backward stops at the most upstream cached point,
             # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
             # cannot be backfilled, so layer 0's site gradient would be lost without it.
             gc = cache_activation_and_gradient(model, base, stash_base,
                                                names_filter=[hooks.EMBED, *site_names, *extra])
-        with torch.no_grad():
+        lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+        with torch.no_grad(), lean:
             sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
                                                compute_gradient=False)
         eff = []

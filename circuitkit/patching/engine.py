@@ -11,9 +11,10 @@ Direction: ``denoise`` = base corrupt, source clean; ``noise`` = base clean, sou
 
 TransformerLens 4.3's ``TransformerBridge.forward(start_at_layer=l)`` still executes blocks
 ``0..l-1`` (it discards their output when block ``l`` swaps the residual in; measured: every
-block's forward ran). ``_skipped_blocks`` therefore turns blocks below ``l`` into identities for
-the duration of the run, so only embedding lookup (needed by HF to size positions/masks; rotary
-positions come from the sequence length as in a normal run) and blocks ``l..L-1`` run.
+block's forward ran). ``shortcuts.skipped_blocks`` therefore turns blocks below ``l`` into
+identities for the duration of the run, so only embedding lookup (needed by HF to size
+positions/masks; rotary positions come from the sequence length as in a normal run) and blocks
+``l..L-1`` run.
 
 Inside the blocks, the *fast path* skips two more pieces of work the patch cannot change:
 
@@ -23,12 +24,12 @@ Inside the blocks, the *fast path* skips two more pieces of work the patch canno
   attention output is the base one and the MLP returns the patched cached output);
 * with a metric that declares ``reads`` (``PromptMetric.reads``, per prompt), the last block's
   MLP and the unembedding are computed at those positions only, and so are the last block's
-  attention queries where ``read_positions`` can reproduce its attention (rotary Llama form).
+  attention queries where ``shortcuts`` can reproduce its attention (rotary Llama form).
 
-Both replace module ``forward``s for the duration of one run (``_overridden``), so they hold for
-any block layout (sequential, parallel, post-norm). Before use, the engine checks the fast path
-against the plain hooked path on a probe chunk of the model at hand and falls back (with a
-warning) if they differ by more than ``FAST_PATH_TOL``.
+Both replace module ``forward``s for the duration of one run (``patching/shortcuts.py``), so
+they hold for any block layout (sequential, parallel, post-norm). Before use, the engine checks
+the fast path against the plain hooked path on a probe chunk of the model at hand and falls back
+(with a warning) if they differ by more than ``FAST_PATH_TOL``.
 
 Work is cut into *chunks* (one layer, a range of variants, a range of prompts). Each chunk's
 result is a ``[n_variants, n_prompts]`` tensor; chunks are independent, which is what makes
@@ -39,7 +40,6 @@ front and stored with the checkpoint, and a chunk's numbers never depend on who 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -57,7 +57,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching import read_positions
+from circuitkit.patching import shortcuts
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     HEAD_SITES,
@@ -119,69 +119,6 @@ def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
 
 
 # --- the suffix run ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _overridden(forwards: Sequence[tuple[Any, Any]]):
-    """Replace ``module.forward`` for each ``(module, forward)`` pair; restored on exit."""
-    for module, fn in forwards:
-        # An instance attribute shadows the class method. object.__setattr__: the bridge's
-        # component __setattr__ would forward the assignment to the wrapped HF module.
-        object.__setattr__(module, "forward", fn)
-    try:
-        yield
-    finally:
-        for module, _ in forwards:
-            module.__dict__.pop("forward", None)
-
-
-@contextlib.contextmanager
-def _attn_result_off(model: Any):
-    """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
-    per-head einsum for it costs as much as the output projection again."""
-    on = bool(getattr(model.cfg, "use_attn_result", False))
-    if on:
-        model.set_use_attn_result(False)
-    try:
-        yield
-    finally:
-        if on:
-            model.set_use_attn_result(True)
-
-
-def _skipped_blocks(model: Any, layer: int, tuple_out: bool) -> list[tuple[Any, Any]]:
-    """Blocks ``0..layer-1`` as identities (see the module docstring)."""
-    def identity(*args: Any, **kwargs: Any) -> Any:
-        x = args[0] if args else kwargs["hidden_states"]
-        return (x,) if tuple_out else x
-
-    return [(b, identity) for b in list(model.blocks)[:layer]]
-
-
-def _returning(value: Tensor, n_outputs: int):
-    """A ``forward`` that ignores its input and returns ``value`` (as the module's tuple)."""
-    out = value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
-    return lambda *args, **kwargs: out
-
-
-def _output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
-    """How blocks and attention modules return: ``0`` a bare tensor, ``n`` an n-tuple (the HF
-    stack expects tuple block outputs in transformers < 5; attention returns (out, weights))."""
-    seen: dict[str, int] = {}
-
-    def grab(key: str):
-        def hook(module: Any, args: Any, out: Any) -> None:  # returns None: output unchanged
-            seen.setdefault(key, len(out) if isinstance(out, tuple) else 0)
-        return hook
-
-    hs = [model.blocks[0].register_forward_hook(grab("block")),
-          model.blocks[0].attn.register_forward_hook(grab("attn"))]
-    try:
-        model(tokens[:1, :2])
-    finally:
-        for h in hs:
-            h.remove()
-    return seen.get("block", 0), seen.get("attn", 2)
 
 
 # --- sweep description --------------------------------------------------------------------------
@@ -328,7 +265,7 @@ class ExactEngine:
             if sweep.site != "attn_out":  # z: the base z for the write; mlp_out: its base output
                 base_names += self.site_names
         with torch.no_grad():
-            self.block_arity, self.attn_arity = _output_arity(model, self.base)
+            self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
                 [self.base, self.source], [*base_names, *self.site_names],
                 rows or auto_rows(model, self.cut))
@@ -342,7 +279,7 @@ class ExactEngine:
             self._check_head_axis()
             self.W_O = [b.attn.W_O.detach() for b in model.blocks] \
                 if self.attn_cached and sweep.site == "z" else []
-            self.attn_at_rows = read_positions.supports_attention_at_rows(
+            self.attn_at_rows = shortcuts.supports_attention_at_rows(
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
 
@@ -359,8 +296,8 @@ class ExactEngine:
             fwd_hooks = []
             if reads is not None:
                 idx = reads[r0:r0 + rows].to(self.device)
-                fwd_hooks = [(hooks.UNEMBED_IN, read_positions.gather_rows(idx))]
-            with self.model.hooks(fwd_hooks=fwd_hooks), _attn_result_off(self.model):
+                fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
+            with self.model.hooks(fwd_hooks=fwd_hooks), shortcuts.attn_result_off(self.model):
                 out, cache = self.model.run_with_cache(tokens[r0:r0 + rows],
                                                        names_filter=lambda name: name in want)
             logits.append(out)
@@ -470,15 +407,15 @@ class ExactEngine:
         x = self.resid[layer][p0:p1].to(self.device).repeat(n_v, 1, 1)  # variant-major rows
         src = self.src[layer][p0:p1].to(self.device)
         block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
-        forwards = _skipped_blocks(model, layer, self.block_arity)
+        forwards = shortcuts.skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
         if fast and self.attn_cached:
-            forwards.append((block.attn, _returning(self._attn_output(layer, variants, p0, p1),
-                                                    self.attn_arity)))
+            attn = self._attn_output(layer, variants, p0, p1)
+            forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
             if sw.site == "mlp_out":
                 mlp = self._write_patch(self.site_base[layer][p0:p1].to(self.device)
                                         .repeat(n_v, 1, 1), src, variants)
-                forwards.append((block.mlp, _returning(mlp, 0)))
+                forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
         elif sw.kind == "layers" and sw.site == "resid_pre":
             self._write_patch(x, src, variants)  # the patch *is* the restart point
         else:
@@ -495,14 +432,14 @@ class ExactEngine:
             # unembedding costs as much as several blocks, and most positions are never read.
             rows = at.to(self.device).repeat(n_v, 1)
             # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
-            fwd_hooks.append((hooks.UNEMBED_IN, read_positions.gather_rows(rows)))
+            fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(rows)))
             if fast and not (sw.site == "mlp_out" and block is last):
-                forwards.append((last.mlp, read_positions.mlp_at_rows(last.mlp, rows)))
+                forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, rows)))
             if fast and block is not last and self.attn_at_rows:
-                forwards.append((last.attn, read_positions.attention_at_rows(
+                forwards.append((last.attn, shortcuts.attention_at_rows(
                     last.attn, rows, self.attn_arity)))
-        with torch.no_grad(), _overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
-                _attn_result_off(model):
+        with torch.no_grad(), shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+                shortcuts.attn_result_off(model):
             logits = model(x, start_at_layer=layer)
         what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
         if _is_prompt_metric(metric):  # one call for all variants: rows are (variant, prompt)

@@ -1,21 +1,96 @@
-"""Computing only at the positions a metric reads (``PromptMetric.reads``).
+"""Work a patched run can skip: each piece is a replacement ``forward`` (or a hook) for one run.
 
-A metric that reads logits at positions ``idx[b]`` of row ``b`` needs, of the last block, only
-those query positions: its attention reads keys/values at every position but writes only there,
-and its MLP, the final norm and the unembedding are position-wise. Each function here returns a
-replacement ``forward`` (or a hook) for one run; ``engine._overridden`` installs it. Outputs at
-positions outside ``idx`` are zeros: nothing downstream reads them.
+* ``skipped_blocks``: blocks below the restart layer as identities (the bridge's
+  ``start_at_layer`` still runs them);
+* ``returning``: a module whose output is known (cached, or cached plus a linear patch) returns
+  it without computing;
+* read positions: a metric that reads logits at positions ``idx[b]`` of row ``b`` needs, of the
+  last block, only those query positions: its attention reads keys/values everywhere but writes
+  only there, and its MLP, the final norm and the unembedding are position-wise
+  (``gather_rows``, ``mlp_at_rows``, ``attention_at_rows``). Outputs elsewhere are zeros: nothing
+  downstream reads them;
+* ``attn_result_off``: no per-head ``hook_result`` einsum when no hook reads it.
 
-``idx``: ``Int[Tensor, "rows k"]``, sequence positions per row (duplicates allowed).
+``overridden`` installs replacement forwards for the duration of a run. ``idx``:
+``Int[Tensor, "rows k"]``, sequence positions per row (duplicates allowed).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
+
+from circuitkit import hooks
+
+
+@contextlib.contextmanager
+def overridden(forwards: Sequence[tuple[Any, Any]]):
+    """Replace ``module.forward`` for each ``(module, forward)`` pair; restored on exit."""
+    for module, fn in forwards:
+        # An instance attribute shadows the class method. object.__setattr__: the bridge's
+        # component __setattr__ would forward the assignment to the wrapped HF module.
+        object.__setattr__(module, "forward", fn)
+    try:
+        yield
+    finally:
+        for module, _ in forwards:
+            module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def attn_result_off(model: Any):
+    """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
+    per-head einsum for it costs as much as the output projection again."""
+    on = bool(getattr(model.cfg, "use_attn_result", False))
+    if on:
+        model.set_use_attn_result(False)
+    try:
+        yield
+    finally:
+        if on:
+            model.set_use_attn_result(True)
+
+
+def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, Any]]:
+    """Blocks ``0..layer-1`` as identities (``block_arity``: see ``output_arity``)."""
+    def identity(*args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        return (x,) if block_arity else x
+
+    return [(b, identity) for b in list(model.blocks)[:layer]]
+
+
+def returning(value: Tensor, n_outputs: int):
+    """A ``forward`` that ignores its input and returns ``value`` (as the module's tuple)."""
+    out = value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
+    return lambda *args, **kwargs: out
+
+
+def output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
+    """How blocks and attention modules return: ``0`` a bare tensor, ``n`` an n-tuple (the HF
+    stack expects tuple block outputs in transformers < 5; attention returns (out, weights))."""
+    seen: dict[str, int] = {}
+
+    def grab(key: str):
+        def hook(module: Any, args: Any, out: Any) -> None:  # returns None: output unchanged
+            seen.setdefault(key, len(out) if isinstance(out, tuple) else 0)
+        return hook
+
+    hs = [model.blocks[0].register_forward_hook(grab("block")),
+          model.blocks[0].attn.register_forward_hook(grab("attn"))]
+    try:
+        model(tokens[:1, :2])
+    finally:
+        for h in hs:
+            h.remove()
+    return seen.get("block", 0), seen.get("attn", 2)
+
+
 
 # Attention modules whose forward ``attention_at_rows`` reproduces: plain softmax attention with
 # rotary position embeddings and optional GQA (the Llama form). Anything else keeps its forward.
@@ -26,6 +101,17 @@ _BRIDGE_FLAGS = ("use_split_qkv_input", "use_attn_in", "gated_q_proj",
 
 def _index(idx: Tensor, width: int) -> Tensor:
     return idx[..., None].expand(-1, -1, width)
+
+
+@contextlib.contextmanager
+def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
+    """Runs of ``model`` inside compute the last MLP and the unembedding only at ``idx``
+    (logits ``[rows, k, vocab]``: read them with ``PromptMetric.per_prompt(logits, at=idx)``),
+    and no per-head results."""
+    last = model.blocks[len(model.blocks) - 1]
+    with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, gather_rows(idx))]), \
+            overridden([(last.mlp, mlp_at_rows(last.mlp, idx))]), attn_result_off(model):
+        yield
 
 
 def gather_rows(idx: Int[Tensor, "rows k"]):
