@@ -16,15 +16,17 @@ Prints seconds, ratios, max |exact - TL|, agreement of attribution with exact (S
 top-10 overlap) and the exact engine's achieved FLOP/s as a share of this machine's measured
 fp32 matmul throughput. Model: the shipped ``icd-teacher`` with test prompts of
 ``load_task("icd10")``, or (``--model tiny``) a random Llama 4 layers x 8 heads, d_model 128,
-seq 48. Targets: exact >= 3x faster than TL with max diff <= 1e-4; attribution >= 20x faster
-than exact.
+seq 48. Then a scaling table: exact vs attribution on random Llamas of 4, 8 and 16 layers x 16
+heads (``--scaling``). Targets: exact >= 3x faster than TL with max diff <= 1e-4; attribution
+>= 20x faster than exact.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -108,6 +110,35 @@ def exact_sweep_flops(model: Any, n_prompts: int, cut: int, k: int) -> float:
     return cached + suffix
 
 
+def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
+    """Exact vs attribution as the head count grows (random Llamas, d_model 256, 8 prompts of
+    32 tokens, metric: log-prob of the last 8 tokens). Exact costs about ``n_heads * n_layers / 2``
+    forward passes (each head's suffix run), attribution about 3 whatever the head count, so
+    their ratio grows with the model."""
+    from circuitkit.patching.attribution import attribution_patch_heads
+    from circuitkit.patching.metrics import token_logprob_metric
+
+    print(f"\nscaling: random Llama, {n_heads} heads per layer, d_model 256, 8 prompts x 32 "
+          f"tokens, denoise z, all positions; best of {repeats}")
+    print(f"{'layers':>6s} {'heads':>6s} {'exact s':>8s} {'attrib s':>9s} {'exact/attrib':>13s}")
+    for n_layers in layers:
+        cfg = dict(TINY, hidden_size=256, intermediate_size=1024, num_hidden_layers=n_layers,
+                   num_attention_heads=n_heads, num_key_value_heads=n_heads // 2)
+        model = ck.load_model(cfg)
+        g = torch.Generator().manual_seed(0)
+        clean = torch.randint(4, TINY["vocab_size"], (8, 32), generator=g)
+        corrupt = clean.clone()
+        corrupt[:, 4:12] = torch.randint(4, TINY["vocab_size"], (8, 8), generator=g)
+        pos = list(range(24, 32))
+        metric = token_logprob_metric([pos] * 8, [clean[i, pos].tolist() for i in range(8)])
+        exact = partial(ck.patch_heads, model, clean, corrupt, metric, progress=False)
+        attrib = partial(attribution_patch_heads, model, clean, corrupt, metric, progress=False)
+        exact()  # warm-up (and the fast-path probe)
+        t_ex, t_at = best_time(exact, repeats)[0], best_time(attrib, repeats)[0]
+        print(f"{n_layers:6d} {n_layers * n_heads:6d} {t_ex:8.3f} {t_at:9.3f} "
+              f"{t_ex / t_at:12.1f}x")
+
+
 def agreement(est: torch.Tensor, ref: torch.Tensor, k: int = 10) -> tuple[float, int]:
     k = min(k, est.numel())
     top = lambda t: set(t.abs().flatten().topk(k).indices.tolist())
@@ -121,6 +152,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=48, help="sequence length (tiny model only)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scaling", default="4,8,16", help="layer counts of the exact-vs-"
+                    "attribution scaling table (16 heads each); empty: skip it")
     args = ap.parse_args()
     configure_threads()
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
@@ -181,6 +214,8 @@ def main() -> None:
         rho, ov = agreement(outs[k].values - outs[k].corrupt,
                             outs[ref_key].values - outs[ref_key].corrupt)
         print(f"{k}: Spearman vs exact {rho:.3f}, top-10 overlap {ov}/10")
+    if args.scaling:
+        scaling([int(x) for x in args.scaling.split(",")], 16, args.repeats)
 
 
 if __name__ == "__main__":
