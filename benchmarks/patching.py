@@ -173,7 +173,7 @@ def main() -> None:
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
     runs: dict[str, tuple[Callable[[], Any], int]] = {
-        "TL get_act_patch_attn_head_out_all_pos": (tl, args.repeats),
+        "TL get_act_patch_attn_head_out_all_pos": (tl, args.repeats),  # alternating with exact
         "exact (all positions)": (lambda: ck.patch_heads(model, clean, corrupt, metric, **kw),
                                   args.repeats),
         "attribution (all)": (lambda: attribution_patch_heads(
@@ -186,11 +186,17 @@ def main() -> None:
             model, clean, corrupt, metric, positions="each", **kw), args.repeats),
     }
     ck.patch_heads(model, clean, corrupt, metric, **kw)  # warm-up of the engine's code paths
-    times, outs = {}, {}
-    for k, (fn, reps) in runs.items():
-        times[k], outs[k] = best_time(fn, reps)
     tl_key, ex_key, each_key = ("TL get_act_patch_attn_head_out_all_pos",
                                 "exact (all positions)", "exact (each position)")
+    times, outs = {tl_key: float("inf"), ex_key: float("inf")}, {}
+    # TL and exact alternate, so that a slow spell of a shared machine hits both alike.
+    for _ in range(args.repeats):
+        for k in (tl_key, ex_key):
+            t, outs[k] = best_time(runs[k][0], 1)
+            times[k] = min(times[k], t)
+    for k, (fn, reps) in runs.items():
+        if k not in times:
+            times[k], outs[k] = best_time(fn, reps)
     peak = matmul_flop_s()
     reads = getattr(metric, "reads", None)
     seq = clean.shape[1]

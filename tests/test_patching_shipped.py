@@ -99,3 +99,28 @@ def test_exact_engine_matches_transformerlens_on_the_teacher(positions, n):
         ref = ref.permute(0, 2, 1)
     assert res.values.shape == ref.shape
     torch.testing.assert_close(res.values, ref, atol=1e-4, rtol=0)
+
+
+def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
+    """ICD notes differ in length: the sweep runs them sorted, in two length buckets that stop
+    after their last read, and returns per-prompt values in the caller's order, equal (1e-4) to
+    a sweep that knows no read positions (no sorting, no early stop, full logits)."""
+    from circuitkit.patching.engine import Sweep, _length_order
+    from circuitkit.patching.metrics import PromptMetric
+
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=12, split="test", seed=3)  # lengths 12..34
+    pm = task.prompt_metric()
+    order, cuts = _length_order(pm, 12)
+    assert not torch.equal(order, torch.arange(12)) and cuts[0] < cuts[-1]
+    sweep = Sweep("heads", "z", "denoise", "all", 4, 8, 1, 12, task.clean_tokens.shape[1], True)
+    sweep.plan(1024, cuts)
+    assert len({c[3:] for c in sweep.chunks}) == 2  # two prompt buckets
+    args = (model, task.clean_tokens, task.corrupt_tokens)
+    for direction in ("denoise", "noise"):
+        fast = ck.patch_heads(*args, pm, direction=direction, progress=False)
+        blind = ck.patch_heads(*args, PromptMetric(pm.per_prompt_fn, pm.name),
+                               direction=direction, progress=False)
+        for field in ("per_prompt", "clean_per_prompt", "corrupt_per_prompt"):
+            torch.testing.assert_close(getattr(fast, field), getattr(blind, field), atol=1e-4,
+                                       rtol=0)

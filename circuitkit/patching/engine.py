@@ -165,21 +165,46 @@ class Sweep:
         layer, v0, v1, p0, p1 = chunk
         return (v1 - v0) * (p1 - p0) * (self.n_layers - layer)
 
-    def plan(self, rows: int) -> None:
-        """Cut the work into chunks of at most ``rows`` sequences per forward pass."""
+    def plan(self, rows: int, cuts: Sequence[int] | None = None) -> None:
+        """Cut the work into chunks of at most ``rows`` sequences per forward pass.
+
+        ``cuts``: positions each prompt needs (ascending; see ``_length_order``). When all
+        prompts fit in one forward, they are split in two length buckets if that saves >= 10%
+        of the token-rows (a chunk runs up to its longest prompt); each bucket keeps >= 1/4 of
+        the prompts so forwards stay large.
+        """
         rows = max(1, int(rows))
         self.chunks = []
-        if rows >= self.n_prompts or not self.per_prompt:
-            per = max(1, rows // self.n_prompts)
+        n = self.n_prompts
+        if rows >= n or not self.per_prompt:
+            buckets = [(0, n)]
+            if cuts is not None and self.per_prompt and n >= 4:
+                cost = {s: s * cuts[s - 1] + (n - s) * cuts[-1] for s in range(n // 4, n - n // 4)}
+                best = min(cost, key=cost.__getitem__, default=None)
+                if best and cost[best] <= 0.9 * n * cuts[-1]:
+                    buckets = [(0, best), (best, n)]
             for layer in range(self.n_layers):
-                for v0 in range(0, self.n_variants, per):
-                    self.chunks.append(
-                        (layer, v0, min(v0 + per, self.n_variants), 0, self.n_prompts))
+                for p0, p1 in buckets:
+                    per = max(1, rows // (p1 - p0))
+                    for v0 in range(0, self.n_variants, per):
+                        self.chunks.append((layer, v0, min(v0 + per, self.n_variants), p0, p1))
         else:  # prompts split: one variant per forward (needs a per-prompt metric)
             for layer in range(self.n_layers):
                 for v in range(self.n_variants):
-                    for p0 in range(0, self.n_prompts, rows):
-                        self.chunks.append((layer, v, v + 1, p0, min(p0 + rows, self.n_prompts)))
+                    for p0 in range(0, n, rows):
+                        self.chunks.append((layer, v, v + 1, p0, min(p0 + rows, n)))
+
+
+def _length_order(metric: Any, n: int) -> tuple[Tensor | None, list[int] | None]:
+    """Prompt order by the positions each prompt's metric needs (last read + 1), ascending, and
+    those lengths in that order; ``(None, None)`` when the metric declares no reads. Chunks of
+    similar prompts then stop early (``ExactEngine._cut``)."""
+    reads = _reads(metric)
+    if reads is None:
+        return None, None
+    need = reads.max(1).values + 1
+    order = torch.argsort(need, stable=True)
+    return order, need[order].tolist()
 
 
 def bytes_per_row(model: Any, seq: int) -> int:
@@ -341,20 +366,33 @@ class ExactEngine:
     def corrupt_metric(self) -> Tensor:
         return self.base_metric if self.sweep.direction == "denoise" else self.source_metric
 
-    def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int]) -> Tensor:
+    def _cut(self, p0: int, p1: int) -> int:
+        """Positions prompts ``p0:p1`` need: up to their last read (causal model)."""
+        return self.cut if self.reads is None else int(self.reads[p0:p1].max()) + 1
+
+    def _span(self, cached: Tensor, p0: int, p1: int, cut: int, site: bool = False) -> Tensor:
+        """Prompts ``p0:p1``, positions ``< cut`` of a cached activation, on the device.
+        ``site``: it is the swept site's activation (a pattern has two position axes)."""
+        t = cached[p0:p1]
+        t = t[:, :, :cut, :cut] if site and self.sweep.site == "pattern" else t[:, :cut]
+        return t.to(self.device)
+
+    def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int],
+                     cut: int) -> Tensor:
         """Write ``src``'s slice of each variant into ``act`` ([n_var * n_p, ...], in place).
 
         Head sites: head axis from ``hooks.head_axis`` (2 for q/k/v/z, 1 for pattern); the
         position axis is the one after batch for vectors, ``query_pos`` for patterns.
-        Layer sites: ``[batch, pos, d_model]``, patched at one position.
+        Layer sites: ``[batch, pos, d_model]``, patched at one position. Positions ``>= cut``
+        come after every read position: patching them changes nothing, so they are skipped.
         """
         sw = self.sweep
         n_p = src.shape[0]
         view = act.view(len(variants), n_p, *act.shape[1:])
         for i, v in enumerate(variants):
             unit, pos = sw.variant(v)
-            if pos is not None and pos >= self.cut:
-                continue  # after every read position: changes nothing (see __init__)
+            if pos is not None and pos >= cut:
+                continue
             if sw.kind == "layers":
                 view[i, :, pos] = src[:, pos]
                 continue
@@ -365,7 +403,7 @@ class ExactEngine:
             view[i][tuple(idx)] = src[tuple(idx)]
         return act
 
-    def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int
+    def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int, cut: int
                      ) -> Float[Tensor, "n_var_x_n_p seq d_model"]:
         """Block ``layer``'s attention output under each variant's patch, without running it.
 
@@ -373,13 +411,13 @@ class ExactEngine:
         attn_out: the source output at the patched position; mlp_out: the base output.
         """
         sw, n_v = self.sweep, len(variants)
-        out = self.attn_base[layer][p0:p1].to(self.device).repeat(n_v, 1, 1)
-        src = self.src[layer][p0:p1].to(self.device)
+        out = self._span(self.attn_base[layer], p0, p1, cut).repeat(n_v, 1, 1)
+        src = self._span(self.src[layer], p0, p1, cut, site=True)
         if sw.site == "attn_out":
-            return self._write_patch(out, src, variants)
+            return self._write_patch(out, src, variants, cut)
         if sw.site != "z":
             return out
-        dz = src - self.site_base[layer][p0:p1].to(self.device)  # [n_p, seq, head, d_head]
+        dz = src - self._span(self.site_base[layer], p0, p1, cut, site=True)  # [n_p, pos, h, d]
         W_O = self.W_O[layer]  # [head, d_head, d_model]
         view = out.view(n_v, p1 - p0, *out.shape[1:])
         cells = [sw.variant(v) for v in variants]
@@ -389,7 +427,7 @@ class ExactEngine:
                                   "b pos v dh, v dh dm -> v b pos dm")
         else:
             for i, (h, pos) in enumerate(cells):
-                if pos < self.cut:
+                if pos < cut:
                     view[i, :, pos] += dz[:, pos, h] @ W_O[h]
         return out
 
@@ -406,24 +444,24 @@ class ExactEngine:
         scalar metric, which needs all prompts). ``fast``: override ``self.fast``."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
-        n_v, n_p = len(variants), p1 - p0
-        x = self.resid[layer][p0:p1].to(self.device).repeat(n_v, 1, 1)  # variant-major rows
-        src = self.src[layer][p0:p1].to(self.device)
+        n_v, n_p, cut = len(variants), p1 - p0, self._cut(p0, p1)
+        x = self._span(self.resid[layer], p0, p1, cut).repeat(n_v, 1, 1)  # variant-major rows
+        src = self._span(self.src[layer], p0, p1, cut, site=True)
         block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
         forwards = shortcuts.skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
         if fast and self.attn_cached:
-            attn = self._attn_output(layer, variants, p0, p1)
+            attn = self._attn_output(layer, variants, p0, p1, cut)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
             if sw.site == "mlp_out":
-                mlp = self._write_patch(self.site_base[layer][p0:p1].to(self.device)
-                                        .repeat(n_v, 1, 1), src, variants)
+                mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, cut)
+                                        .repeat(n_v, 1, 1), src, variants, cut)
                 forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
         elif sw.kind == "layers" and sw.site == "resid_pre":
-            self._write_patch(x, src, variants)  # the patch *is* the restart point
+            self._write_patch(x, src, variants, cut)  # the patch *is* the restart point
         else:
             def hook(act: Tensor, hook: Any) -> Tensor:
-                return self._write_patch(act, src, variants)
+                return self._write_patch(act, src, variants, cut)
 
             fwd_hooks = [(self.site_names[layer], hook)]
         metric = self.metric
@@ -602,8 +640,12 @@ def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric:
     n, seq = clean_tokens.shape
     sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
                   seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
+    order, cuts = _length_order(metric, n) if sweep.per_prompt else (None, None)
+    if order is not None:
+        clean_tokens, corrupt_tokens = clean_tokens[order], corrupt_tokens[order]
+        metric = metric.select(order)
     rows = batch_size or auto_rows(model, seq)
-    sweep.plan(rows)
+    sweep.plan(rows, cuts)
     engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep, rows=rows)
     probe = sweep.chunks[0]
     t0 = time.perf_counter()
@@ -631,12 +673,16 @@ def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, pr
 
     t_start = time.perf_counter()
     rank, world = dist.rank_world()
-    rows = batch_size or auto_rows(model, sweep.seq)
-    sweep.plan(rows)
     identity = dict(kind=sweep.kind, site=sweep.site, direction=sweep.direction,
                     positions=sweep.positions, tokens=tokens_hash(clean, corrupt),
                     model=model_fingerprint(model), metric=_metric_name(metric),
-                    per_prompt=sweep.per_prompt)
+                    per_prompt=sweep.per_prompt, prompt_order="by_length")
+    # The sweep runs on prompts sorted by length; results are put back in the caller's order.
+    order, cuts = _length_order(metric, sweep.n_prompts) if sweep.per_prompt else (None, None)
+    if order is not None:
+        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
+    rows = batch_size or auto_rows(model, sweep.seq)
+    sweep.plan(rows, cuts)
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
@@ -672,13 +718,16 @@ def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, pr
     if world > 1:
         done.update(dist.all_gather_chunks(computed))
     values, per_prompt = engine.assemble(done)
+    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
+    if order is not None:  # back to the caller's prompt order
+        inv = torch.argsort(order)
+        per_prompt, clean_pp, corrupt_pp = per_prompt[inv], clean_pp[inv], corrupt_pp[inv]
     pp = sweep.per_prompt
     return PatchResult(
-        values=values, clean=float(engine.clean_metric.mean()),
-        corrupt=float(engine.corrupt_metric.mean()), direction=sweep.direction, method="exact",
-        site=sweep.site, positions=sweep.positions, per_prompt=per_prompt,
-        clean_per_prompt=engine.clean_metric if pp else None,
-        corrupt_per_prompt=engine.corrupt_metric if pp else None,
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None,
         meta=dict(model=str(getattr(model.cfg, "model_name", "")), model_fingerprint=identity[
             "model"], tokens_hash=identity["tokens"], metric=identity["metric"],
             n_prompts=sweep.n_prompts, seq=sweep.seq, n_chunks=len(sweep.chunks), world=world,
