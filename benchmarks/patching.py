@@ -81,33 +81,42 @@ def matmul_flop_s(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best_time(lambda: a @ b, reps)[0]
 
 
-def exact_sweep_flops(model: Any, n_prompts: int, cut: int, k: int) -> float:
+def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> float:
     """Matmul FLOPs of the exact all-positions z sweep as the engine runs it (gated MLP).
 
-    One cached run of base and source (``2 n`` rows, ``cut`` positions: the run stops after the
-    last read; unembedding at the ``k`` read positions of each prompt). Then per layer ``l`` one
-    suffix run of ``n_heads * n`` rows: the heads' writes, block ``l``'s MLP (its attention comes
-    from the cache), full blocks ``l+1..L-2``, the last block's keys/values at every position and
-    queries at ``k``, its MLP and the unembedding at ``k``. (Layer ``L-1``: MLP and unembedding
-    at ``k`` only.) Causal attention counts half the score matrix.
+    One cached run of base and source (``2 n`` rows up to the last read position; unembedding
+    at the ``k`` read positions of each prompt). Then each chunk of the engine's plan (prompts
+    sorted by length, in length buckets; ``n_heads`` variants of a layer ``l``) runs, up to its
+    bucket's last read ``c``: the heads' writes, block ``l``'s MLP (its attention comes from the
+    cache), full blocks ``l+1..L-2``, the last block's keys/values at every position and queries
+    at ``k``, its MLP and the unembedding at ``k`` (layer ``L-1``: MLP and unembedding at ``k``
+    only). Causal attention counts half the score matrix.
     """
+    from circuitkit.patching.engine import Sweep, _length_order, auto_rows
+
     f = hooks.facts(model)
     L, H, d = f.n_layers, f.n_heads, f.d_model
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * d)
     q_o, k_v = 2 * 2 * d * f.d_head * H, 2 * 2 * d * f.d_head * f.n_kv_heads
-    scores = 2 * 2 * H * f.d_head * cut / 2
     mlp, unembed = 2 * 3 * d * d_mlp, 2 * d * f.d_vocab
-    block = q_o + k_v + scores + mlp
-    cached = 2 * n_prompts * (cut * L * block + k * unembed)
-    last_attn = cut * k_v + k * (q_o + 2 * scores)
-    write = cut * 2 * f.d_head * d
-    suffix = 0.0
-    for layer in range(L):
-        work = k * (mlp + unembed) + write
+    _, cuts = _length_order(metric, n_prompts)
+    cuts = cuts or [seq] * n_prompts
+    k = metric.reads.shape[1] if getattr(metric, "reads", None) is not None else seq
+    sweep = Sweep("heads", "z", "denoise", "all", L, H, 1, n_prompts, seq, True)
+    sweep.plan(auto_rows(model, seq), cuts)
+
+    def block(c: int) -> float:
+        return q_o + k_v + 2 * 2 * H * f.d_head * c / 2 + mlp
+
+    total = 2 * n_prompts * (cuts[-1] * L * block(cuts[-1]) + k * unembed)
+    for layer, v0, v1, p0, p1 in sweep.chunks:
+        c = max(cuts[p0:p1])
+        work = k * (mlp + unembed) + c * 2 * f.d_head * d
         if layer < L - 1:
-            work += cut * mlp + (L - 2 - layer) * cut * block + last_attn
-        suffix += H * n_prompts * work
-    return cached + suffix
+            work += (c * mlp + (L - 2 - layer) * c * block(c)
+                     + c * k_v + k * (q_o + 2 * 2 * H * f.d_head * c))
+        total += (v1 - v0) * (p1 - p0) * work
+    return total
 
 
 def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
@@ -198,10 +207,7 @@ def main() -> None:
         if k not in times:
             times[k], outs[k] = best_time(fn, reps)
     peak = matmul_flop_s()
-    reads = getattr(metric, "reads", None)
-    seq = clean.shape[1]
-    flops = exact_sweep_flops(model, clean.shape[0], seq if reads is None else
-                              int(reads.max()) + 1, seq if reads is None else reads.shape[1])
+    flops = exact_sweep_flops(model, metric, clean.shape[0], clean.shape[1])
     print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads, d_model {f.d_model}, "
           f"vocab {f.d_vocab}), seq {clean.shape[1]}, torch threads {torch.get_num_threads()}; "
           f"denoise, site z; best of {args.repeats} (exact-each: 1 run)")
