@@ -307,14 +307,19 @@ def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _Metric
     Returns [b, c]: per-prompt values (PromptMetric) or, for a plain callable, each copy's
     chunk value divided by ``b`` in every row (so a sum over rows gives the chunk value).
     """
-    n_layers = len(model.blocks)
+    last = model.blocks[len(model.blocks) - 1]
     n_c = x.shape[0] // batch
-    with model.hooks(fwd_hooks=list(fwd_hooks)):
-        out = model.blocks[n_layers - 1](x, **_expand_kwargs(block_kw, n_c, batch))
+    at = None if stash.at is None else stash.at.repeat(n_c, 1)
+    # With known read positions the MLP, final norm and unembedding run there only.
+    lean = [] if at is None else [(last.mlp, shortcuts.mlp_at_rows(last.mlp, at))]
+    with model.hooks(fwd_hooks=list(fwd_hooks)), shortcuts.overridden(lean):
+        out = last(x, **_expand_kwargs(block_kw, n_c, batch))
     out = out[0] if isinstance(out, tuple) else out
+    if at is not None:
+        out = out.gather(1, at[..., None].expand(-1, -1, out.shape[-1]))
     logits = model.unembed(model.ln_final(out))
     if stash.per_prompt:
-        vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits)
+        vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
         return einops.rearrange(vals, "(c b) -> b c", c=n_c)
     vals = torch.stack([stash.metric(logits[c * batch:(c + 1) * batch]) for c in range(n_c)])
     return einops.repeat(vals / batch, "c -> b c", b=batch)
@@ -434,60 +439,62 @@ def attribution_patch_heads(
 
     effects, base_vals, src_vals = [], [], []
     weights: list[float] = []
-    for start in _progress(range(0, n, bs), progress and n > bs, "attribution"):
-        idx = torch.arange(start, min(start + bs, n))
-        base = base_all[idx].to(device)
-        src = src_all[idx].to(device)
-        b = len(idx)
-        at = None if reads is None else reads[idx].to(device)
-        stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
-        capture = _Inputs(modules)
-        # With known read positions the last MLP and the unembedding run there only.
-        lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
-        with torch.enable_grad(), capture, lean:
-            # hook_embed is cached too: TL's backward stops at the most upstream cached point,
-            # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
-            # cannot be backfilled, so layer 0's site gradient would be lost without it.
-            gc = cache_activation_and_gradient(model, base, stash_base,
-                                               names_filter=[hooks.EMBED, *site_names, *extra])
-        lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
-        with torch.no_grad(), lean:
-            sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
-                                               compute_gradient=False)
-        eff = []
-        for layer, name in enumerate(site_names):
-            a_b, a_s, g = gc.activations[name], sc.activations[name], gc.gradients[name]
-            if g is None:  # the metric does not depend on this activation
-                g = torch.zeros_like(a_b)
-            if tail and layer == last:
-                e = _exact_tail(model, layer, a_s - a_b, gc.activations[hooks.resid_pre(last)],
-                                capture.kwargs["block"], None, stash_base, idx, positions, b)
-            elif layer in own_layers:
-                e = _atp_star_qk_own(
-                    model, layer, site, a_s, gc.activations[hooks.resid_pre(layer)],
-                    capture.kwargs[layer], gc.gradients[hooks.pattern(layer)], positions, b)
-            else:
-                e = _head_effect(a_s - a_b, g, site, positions)
-            if star_layers and layer < star_layers[-1]:
-                e = e + _atp_star_z_downstream(
-                    model, layer, a_s - a_b,
-                    {lp: gc.activations[hooks.resid_pre(lp)] for lp in star_layers},
-                    capture.kwargs,
-                    {lp: _zero_if_none(gc.gradients[hooks.pattern(lp)],
-                                       gc.activations[hooks.pattern(lp)])
-                     for lp in star_layers},
-                    positions, b, star_layers[-1] + 1)
-            if tail and layer < last:
-                e = e + _exact_tail(model, layer, a_s - a_b,
-                                    gc.activations[hooks.resid_pre(last)],
-                                    capture.kwargs["block"],
-                                    gc.gradients[hooks.resid_pre(last)], stash_base, idx,
-                                    positions, b)
-            eff.append(e.detach().float().cpu())
-        effects.append(torch.stack(eff, dim=1))  # [b, L, H(, P)] (or [L, H(, P)] summed)
-        base_vals.append(stash_base.value.float().cpu())
-        src_vals.append(stash_src.value.float().cpu())
-        weights.append(b / n)
+    # No per-head hook_result einsum: nothing here reads it (the writes come from W_O).
+    with shortcuts.attn_result_off(model):
+        for start in _progress(range(0, n, bs), progress and n > bs, "attribution"):
+            idx = torch.arange(start, min(start + bs, n))
+            base = base_all[idx].to(device)
+            src = src_all[idx].to(device)
+            b = len(idx)
+            at = None if reads is None else reads[idx].to(device)
+            stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
+            capture = _Inputs(modules)
+            # With known read positions the last MLP and the unembedding run there only.
+            lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+            with torch.enable_grad(), capture, lean:
+                # hook_embed is cached too: TL's backward stops at the most upstream cached point,
+                # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
+                # cannot be backfilled, so layer 0's site gradient would be lost without it.
+                gc = cache_activation_and_gradient(model, base, stash_base,
+                                                   names_filter=[hooks.EMBED, *site_names, *extra])
+            lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+            with torch.no_grad(), lean:
+                sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
+                                                   compute_gradient=False)
+            eff = []
+            for layer, name in enumerate(site_names):
+                a_b, a_s, g = gc.activations[name], sc.activations[name], gc.gradients[name]
+                if g is None:  # the metric does not depend on this activation
+                    g = torch.zeros_like(a_b)
+                if tail and layer == last:
+                    e = _exact_tail(model, layer, a_s - a_b, gc.activations[hooks.resid_pre(last)],
+                                    capture.kwargs["block"], None, stash_base, idx, positions, b)
+                elif layer in own_layers:
+                    e = _atp_star_qk_own(
+                        model, layer, site, a_s, gc.activations[hooks.resid_pre(layer)],
+                        capture.kwargs[layer], gc.gradients[hooks.pattern(layer)], positions, b)
+                else:
+                    e = _head_effect(a_s - a_b, g, site, positions)
+                if star_layers and layer < star_layers[-1]:
+                    e = e + _atp_star_z_downstream(
+                        model, layer, a_s - a_b,
+                        {lp: gc.activations[hooks.resid_pre(lp)] for lp in star_layers},
+                        capture.kwargs,
+                        {lp: _zero_if_none(gc.gradients[hooks.pattern(lp)],
+                                           gc.activations[hooks.pattern(lp)])
+                         for lp in star_layers},
+                        positions, b, star_layers[-1] + 1)
+                if tail and layer < last:
+                    e = e + _exact_tail(model, layer, a_s - a_b,
+                                        gc.activations[hooks.resid_pre(last)],
+                                        capture.kwargs["block"],
+                                        gc.gradients[hooks.resid_pre(last)], stash_base, idx,
+                                        positions, b)
+                eff.append(e.detach().float().cpu())
+            effects.append(torch.stack(eff, dim=1))  # [b, L, H(, P)] (or [L, H(, P)] summed)
+            base_vals.append(stash_base.value.float().cpu())
+            src_vals.append(stash_src.value.float().cpu())
+            weights.append(b / n)
 
     meta = dict(atp_star=atp_star, exact_tail=tail, n_prompts=n, batch_size=bs,
                 passes="2 forward + 1 backward per batch")
