@@ -143,6 +143,7 @@ class Sweep:
     per_prompt: bool  # metric has a per-prompt view
     chunks: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     # chunk = (layer, variant_start, variant_end, prompt_start, prompt_end)
+    cuts: list[int] | None = None  # positions each prompt needs (set by ``plan``)
 
     @property
     def n_variants(self) -> int:
@@ -161,9 +162,10 @@ class Sweep:
         return (self.n_layers, self.n_units)
 
     def chunk_cost(self, chunk: tuple[int, ...]) -> int:
-        """Sequence-blocks a chunk runs: rows x blocks executed."""
+        """Token-blocks a chunk runs: rows x positions (up to its prompts' ``cuts``) x blocks."""
         layer, v0, v1, p0, p1 = chunk
-        return (v1 - v0) * (p1 - p0) * (self.n_layers - layer)
+        length = max(self.cuts[p0:p1]) if self.cuts else self.seq
+        return (v1 - v0) * (p1 - p0) * length * (self.n_layers - layer)
 
     def plan(self, rows: int, cuts: Sequence[int] | None = None) -> None:
         """Cut the work into chunks of at most ``rows`` sequences per forward pass.
@@ -174,7 +176,7 @@ class Sweep:
         the prompts so forwards stay large.
         """
         rows = max(1, int(rows))
-        self.chunks = []
+        self.chunks, self.cuts = [], None if cuts is None else list(cuts)
         n = self.n_prompts
         if rows >= n or not self.per_prompt:
             buckets = [(0, n)]
@@ -655,8 +657,9 @@ def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric:
     return dict(
         n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
         n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
-        # one pass = one prompt through all layers (the suffix engine runs (L-l)/L of one)
-        pass_equivalents=total / f.n_layers + 2 * n,
+        # one pass = one prompt of ``seq`` tokens through all layers; the engine's chunks run
+        # (L-l)/L of one, up to their last read (an upper bound: the fast path skips more)
+        pass_equivalents=total / (f.n_layers * seq) + 2 * n,
         naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
         bytes_per_chunk=bytes_per_row(model, seq) * min(rows, sweep.n_variants * n),
         available_bytes=available_bytes(next(model.parameters()).device),
@@ -742,7 +745,7 @@ def _progress_bar(sweep: Sweep, mine: list[int], show: bool):
     from tqdm.auto import tqdm
 
     total = sum(sweep.chunk_cost(sweep.chunks[c]) for c in mine)
-    return tqdm(total=total, desc=f"patch {sweep.site} {sweep.direction}", unit="seq-block",
+    return tqdm(total=total, desc=f"patch {sweep.site} {sweep.direction}", unit="token-block",
                 unit_scale=True, dynamic_ncols=True, file=sys.stderr)
 
 
