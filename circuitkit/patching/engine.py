@@ -31,6 +31,10 @@ they hold for any block layout (sequential, parallel, post-norm). Before use, th
 the fast path against the plain hooked path on a probe chunk of the model at hand and falls back
 (with a warning) if they differ by more than ``FAST_PATH_TOL``.
 
+Causal models: nothing after a prompt's last read position can change its metric. Runs stop
+there (``ExactEngine._cut``), and the sweep orders prompts by that length (``_length_order``;
+results come back in the caller's order), so chunks of short prompts stop early.
+
 Work is cut into *chunks* (one layer, a range of variants, a range of prompts). Each chunk's
 result is a ``[n_variants, n_prompts]`` tensor; chunks are independent, which is what makes
 checkpointing (a folder of chunk files, ``SweepCheckpoint``) and sharding across
