@@ -293,11 +293,14 @@ class ExactEngine:
         L = sweep.n_layers
         self.site_names = [self._site_name(layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
+        # Cached per layer: resid_pre (the restart point); for the fast path the base attention
+        # output (attn_out, mlp_out sites; for z it is o(z_base), so only z_base is kept) and
+        # the base activation of the site (z: for the write; mlp_out: the output to patch).
         base_names = [hooks.resid_pre(layer) for layer in range(L)]
-        if self.attn_cached:
+        if self.attn_cached and sweep.site != "z":
             base_names += [hooks.attn_out(layer) for layer in range(L)]
-            if sweep.site != "attn_out":  # z: the base z for the write; mlp_out: its base output
-                base_names += self.site_names
+        if self.attn_cached and sweep.site != "attn_out":
+            base_names += self.site_names
         with torch.no_grad():
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
@@ -305,7 +308,7 @@ class ExactEngine:
                 rows or auto_rows(model, self.cut))
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.attn_base = [cache[hooks.attn_out(layer)][0] for layer in range(L)] \
-                if self.attn_cached else []
+                if self.attn_cached and sweep.site != "z" else []
             self.site_base = [cache[n][0] for n in self.site_names] \
                 if self.attn_cached and sweep.site != "attn_out" else []
             self.src = [cache[n][1] for n in self.site_names]
@@ -413,17 +416,18 @@ class ExactEngine:
                      ) -> Float[Tensor, "n_var_x_n_p seq d_model"]:
         """Block ``layer``'s attention output under each variant's patch, without running it.
 
-        z: ``attn_out_base + (z_source - z_base)[:, :, h] @ W_O[h]`` (o is affine in z);
-        attn_out: the source output at the patched position; mlp_out: the base output.
+        z: ``o(z_base) + (z_source - z_base)[:, :, h] @ W_O[h]`` (the attention's output is its
+        output projection ``o`` of z, affine); attn_out: the source output at the patched
+        position; mlp_out: the base output.
         """
         sw, n_v = self.sweep, len(variants)
-        out = self._span(self.attn_base[layer], p0, p1, cut).repeat(n_v, 1, 1)
         src = self._span(self.src[layer], p0, p1, cut, site=True)
-        if sw.site == "attn_out":
-            return self._write_patch(out, src, variants, cut)
         if sw.site != "z":
-            return out
-        dz = src - self._span(self.site_base[layer], p0, p1, cut, site=True)  # [n_p, pos, h, d]
+            out = self._span(self.attn_base[layer], p0, p1, cut).repeat(n_v, 1, 1)
+            return self._write_patch(out, src, variants, cut) if sw.site == "attn_out" else out
+        z_base = self._span(self.site_base[layer], p0, p1, cut, site=True)  # [n_p, pos, h, d]
+        out = self.model.blocks[layer].attn.o(z_base.flatten(-2)).repeat(n_v, 1, 1)
+        dz = src - z_base
         W_O = self.W_O[layer]  # [head, d_head, d_model]
         view = out.view(n_v, p1 - p0, *out.shape[1:])
         cells = [sw.variant(v) for v in variants]
@@ -443,6 +447,7 @@ class ExactEngine:
         layer, v0, v1, p0, p1 = chunk
         return self.run_variants(layer, range(v0, v1), p0, p1)
 
+    @torch.no_grad()
     def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                      fast: bool | None = None) -> Float[Tensor, "n_var n_p"]:
         """Metric after patching each of ``variants`` (any subset) of ``layer``, on prompts
@@ -485,7 +490,7 @@ class ExactEngine:
             if fast and block is not last and self.attn_at_rows:
                 forwards.append((last.attn, shortcuts.attention_at_rows(
                     last.attn, rows, self.attn_arity)))
-        with torch.no_grad(), shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+        with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
                 shortcuts.attn_result_off(model):
             logits = model(x, start_at_layer=layer)
         what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
