@@ -99,7 +99,7 @@ def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> floa
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * d)
     q_o, k_v = 2 * 2 * d * f.d_head * H, 2 * 2 * d * f.d_head * f.n_kv_heads
     mlp, unembed = 2 * 3 * d * d_mlp, 2 * d * f.d_vocab
-    _, cuts = _length_order(metric, n_prompts)
+    _, cuts = _length_order(metric)
     cuts = cuts or [seq] * n_prompts
     k = metric.reads.shape[1] if getattr(metric, "reads", None) is not None else seq
     sweep = Sweep("heads", "z", "denoise", "all", L, H, 1, n_prompts, seq, True)

@@ -111,7 +111,7 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=12, split="test", seed=3)  # lengths 12..34
     pm = task.prompt_metric()
-    order, cuts = _length_order(pm, 12)
+    order, cuts = _length_order(pm)
     assert not torch.equal(order, torch.arange(12)) and cuts[0] < cuts[-1]
     sweep = Sweep("heads", "z", "denoise", "all", 4, 8, 1, 12, task.clean_tokens.shape[1], True)
     sweep.plan(1024, cuts)

@@ -316,7 +316,7 @@ def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _Metric
         out = last(x, **_expand_kwargs(block_kw, n_c, batch))
     out = out[0] if isinstance(out, tuple) else out
     if at is not None:
-        out = out.gather(1, at[..., None].expand(-1, -1, out.shape[-1]))
+        out = shortcuts.take_rows(out, at)
     logits = model.unembed(model.ln_final(out))
     if stash.per_prompt:
         vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
@@ -437,6 +437,9 @@ def attribution_patch_heads(
     per_prompt_metric = isinstance(metric, PromptMetric)
     reads = metric.read_positions() if per_prompt_metric else None
 
+    def lean(at: Tensor | None) -> Any:  # with known read positions: compute only there
+        return contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+
     effects, base_vals, src_vals = [], [], []
     weights: list[float] = []
     # No per-head hook_result einsum: nothing here reads it (the writes come from W_O).
@@ -450,15 +453,13 @@ def attribution_patch_heads(
             stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
             capture = _Inputs(modules)
             # With known read positions the last MLP and the unembedding run there only.
-            lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
-            with torch.enable_grad(), capture, lean:
+            with torch.enable_grad(), capture, lean(at):
                 # hook_embed is cached too: TL's backward stops at the most upstream cached point,
                 # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
                 # cannot be backfilled, so layer 0's site gradient would be lost without it.
                 gc = cache_activation_and_gradient(model, base, stash_base,
                                                    names_filter=[hooks.EMBED, *site_names, *extra])
-            lean = contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
-            with torch.no_grad(), lean:
+            with torch.no_grad(), lean(at):
                 sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
                                                    compute_gradient=False)
             eff = []

@@ -18,10 +18,11 @@ positions/masks; rotary positions come from the sequence length as in a normal r
 
 Inside the blocks, the *fast path* skips two more pieces of work the patch cannot change:
 
-* sites ``z``, ``attn_out``, ``mlp_out``: block ``l``'s attention is not re-run. Its output is
-  the cached base output plus the patch's change, which for ``z`` is linear,
-  ``attn_out = attn_out_base + (z_source - z_base)[:, :, h] @ W_O[h]`` (for ``mlp_out`` the
-  attention output is the base one and the MLP returns the patched cached output);
+* sites ``z``, ``attn_out``, ``mlp_out``: block ``l``'s attention is not re-run; its output is
+  known. For ``z`` the attention's output is its affine output projection ``o`` of z, so
+  ``attn_out = o(z_base) + (z_source - z_base)[:, :, h] @ W_O[h]``; for ``attn_out`` it is the
+  cached base output with the patched position from the source; for ``mlp_out`` the base one,
+  and the MLP returns its cached output with the patched position from the source;
 * with a metric that declares ``reads`` (``PromptMetric.reads``, per prompt), the last block's
   MLP and the unembedding are computed at those positions only, and so are the last block's
   attention queries where ``shortcuts`` can reproduce its attention (rotary Llama form).
@@ -201,7 +202,7 @@ class Sweep:
                         self.chunks.append((layer, v, v + 1, p0, min(p0 + rows, n)))
 
 
-def _length_order(metric: Any, n: int) -> tuple[Tensor | None, list[int] | None]:
+def _length_order(metric: Any) -> tuple[Tensor | None, list[int] | None]:
     """Prompt order by the positions each prompt's metric needs (last read + 1), ascending, and
     those lengths in that order; ``(None, None)`` when the metric declares no reads. Chunks of
     similar prompts then stop early (``ExactEngine._cut``)."""
@@ -211,6 +212,17 @@ def _length_order(metric: Any, n: int) -> tuple[Tensor | None, list[int] | None]
     need = reads.max(1).values + 1
     order = torch.argsort(need, stable=True)
     return order, need[order].tolist()
+
+
+def _sorted_and_planned(clean: Tensor, corrupt: Tensor, metric: Any, sweep: Sweep, rows: int
+                        ) -> tuple[Tensor, Tensor, Any, Tensor | None]:
+    """Prompts sorted by length (``_length_order``; per-prompt metrics only) and the sweep
+    planned for them. Returns the sorted inputs and the order (None: unchanged)."""
+    order, cuts = _length_order(metric) if sweep.per_prompt else (None, None)
+    if order is not None:
+        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
+    sweep.plan(rows, cuts)
+    return clean, corrupt, metric, order
 
 
 def bytes_per_row(model: Any, seq: int) -> int:
@@ -651,12 +663,9 @@ def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric:
     n, seq = clean_tokens.shape
     sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
                   seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
-    order, cuts = _length_order(metric, n) if sweep.per_prompt else (None, None)
-    if order is not None:
-        clean_tokens, corrupt_tokens = clean_tokens[order], corrupt_tokens[order]
-        metric = metric.select(order)
     rows = batch_size or auto_rows(model, seq)
-    sweep.plan(rows, cuts)
+    clean_tokens, corrupt_tokens, metric, _ = _sorted_and_planned(
+        clean_tokens, corrupt_tokens, metric, sweep, rows)
     engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep, rows=rows)
     probe = sweep.chunks[0]
     t0 = time.perf_counter()
@@ -690,11 +699,8 @@ def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, pr
                     model=model_fingerprint(model), metric=_metric_name(metric),
                     per_prompt=sweep.per_prompt, prompt_order="by_length")
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
-    order, cuts = _length_order(metric, sweep.n_prompts) if sweep.per_prompt else (None, None)
-    if order is not None:
-        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
     rows = batch_size or auto_rows(model, sweep.seq)
-    sweep.plan(rows, cuts)
+    clean, corrupt, metric, order = _sorted_and_planned(clean, corrupt, metric, sweep, rows)
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)

@@ -91,7 +91,6 @@ def output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
     return seen.get("block", 0), seen.get("attn", 2)
 
 
-
 # Attention modules whose forward ``attention_at_rows`` reproduces: plain softmax attention with
 # rotary position embeddings and optional GQA (the Llama form). Anything else keeps its forward.
 ROTARY_ATTENTION = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
@@ -114,9 +113,14 @@ def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
         yield
 
 
+def take_rows(x: Tensor, idx: Int[Tensor, "rows k"]) -> Tensor:
+    """Positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
+    return x.gather(1, _index(idx, x.shape[-1]))
+
+
 def gather_rows(idx: Int[Tensor, "rows k"]):
-    """A hook keeping positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
-    return lambda x, hook: x.gather(1, _index(idx, x.shape[-1]))
+    """A hook applying ``take_rows``."""
+    return lambda x, hook: take_rows(x, idx)
 
 
 def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
@@ -124,7 +128,7 @@ def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
     forward = type(module).forward
 
     def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        y = forward(module, x.gather(1, _index(idx, x.shape[-1])), *args, **kwargs)
+        y = forward(module, take_rows(x, idx), *args, **kwargs)
         return x.new_zeros(x.shape[:-1] + y.shape[-1:]).scatter_(1, _index(idx, y.shape[-1]), y)
     return fn
 
@@ -169,9 +173,8 @@ def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
         n, seq, _ = x.shape
         k = idx.shape[1]
         cos, sin = (t.expand(n, -1, -1) for t in position_embeddings)  # [n, seq, d_head]
-        q = attn.q(x.gather(1, _index(idx, x.shape[-1]))).view(n, k, -1, d_head).transpose(1, 2)
-        q = rotate(q, cos.gather(1, _index(idx, d_head))[:, None],
-                   sin.gather(1, _index(idx, d_head))[:, None])  # [n, head, k, d_head]
+        q = attn.q(take_rows(x, idx)).view(n, k, -1, d_head).transpose(1, 2)
+        q = rotate(q, take_rows(cos, idx)[:, None], take_rows(sin, idx)[:, None])  # [n,h,k,d]
         key = attn.k(x).view(n, seq, -1, d_head).transpose(1, 2)
         key = rotate(key, cos[:, None], sin[:, None]).repeat_interleave(groups, dim=1)
         value = attn.v(x).view(n, seq, -1, d_head).transpose(1, 2).repeat_interleave(groups, 1)
