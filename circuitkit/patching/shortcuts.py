@@ -65,9 +65,14 @@ def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, 
     return [(b, identity) for b in list(model.blocks)[:layer]]
 
 
+def _as_output(value: Tensor, n_outputs: int) -> Any:
+    """``value`` shaped as a module returns it: bare (``0``) or first of an n-tuple."""
+    return value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
+
+
 def returning(value: Tensor, n_outputs: int):
     """A ``forward`` that ignores its input and returns ``value`` (as the module's tuple)."""
-    out = value if n_outputs == 0 else (value,) + (None,) * (n_outputs - 1)
+    out = _as_output(value, n_outputs)
     return lambda *args, **kwargs: out
 
 
@@ -118,6 +123,11 @@ def take_rows(x: Tensor, idx: Int[Tensor, "rows k"]) -> Tensor:
     return x.gather(1, _index(idx, x.shape[-1]))
 
 
+def put_rows(y: Tensor, idx: Int[Tensor, "rows k"], seq: int) -> Tensor:
+    """Inverse of ``take_rows``: ``[rows, k, d] -> [rows, seq, d]``, zeros elsewhere."""
+    return y.new_zeros(y.shape[0], seq, y.shape[-1]).scatter_(1, _index(idx, y.shape[-1]), y)
+
+
 def gather_rows(idx: Int[Tensor, "rows k"]):
     """A hook applying ``take_rows``."""
     return lambda x, hook: take_rows(x, idx)
@@ -128,8 +138,7 @@ def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
     forward = type(module).forward
 
     def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        y = forward(module, take_rows(x, idx), *args, **kwargs)
-        return x.new_zeros(x.shape[:-1] + y.shape[-1:]).scatter_(1, _index(idx, y.shape[-1]), y)
+        return put_rows(forward(module, take_rows(x, idx), *args, **kwargs), idx, x.shape[1])
     return fn
 
 
@@ -183,7 +192,5 @@ def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
         scores = scores.masked_fill(future, float("-inf"))
         pattern = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         z = (pattern @ value).transpose(1, 2).reshape(n, k, -1)
-        y = attn.o(z)
-        out = x.new_zeros(n, seq, y.shape[-1]).scatter_(1, _index(idx, y.shape[-1]), y)
-        return out if n_outputs == 0 else (out,) + (None,) * (n_outputs - 1)
+        return _as_output(put_rows(attn.o(z), idx, seq), n_outputs)
     return fn
