@@ -46,7 +46,7 @@ def setup(name: str, batch: int, seq: int) -> tuple[Any, torch.Tensor, torch.Ten
         task = ck.load_task("icd10", n_examples=batch, split="test")
         return (model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
                 f"icd-teacher, {batch} icd10 test prompts")
-    from circuitkit.patching.metrics import token_logprob_metric
+    from circuitkit.metrics import token_logprob_metric
 
     model = ck.load_model(TINY)
     g = torch.Generator().manual_seed(0)
@@ -124,8 +124,8 @@ def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
     32 tokens, metric: log-prob of the last 8 tokens). Exact costs about ``n_heads * n_layers / 2``
     forward passes (each head's suffix run), attribution about 3 whatever the head count, so
     their ratio grows with the model."""
+    from circuitkit.metrics import token_logprob_metric
     from circuitkit.patching.attribution import attribution_patch_heads
-    from circuitkit.patching.metrics import token_logprob_metric
 
     print(f"\nscaling: random Llama, {n_heads} heads per layer, d_model 256, 8 prompts x 32 "
           f"tokens, denoise z, all positions; best of {repeats}")

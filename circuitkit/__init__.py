@@ -14,16 +14,20 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "load_model": "circuitkit.models:load_model",
     "ModelNotAvailableError": "circuitkit.models:ModelNotAvailableError",
-    "hooks": "circuitkit.hooks",
+    "PromptMetric": "circuitkit.metrics:PromptMetric",
     "load_task": "circuitkit.tasks:load_task",
     "Task": "circuitkit.tasks.base:Task",
     "Example": "circuitkit.tasks.base:Example",
-    "evaluate": "circuitkit.evaluate:evaluate",
+    "evaluate": "circuitkit.evaluation:evaluate",
     "patch_heads": "circuitkit.patching.engine:patch_heads",
     "patch_layers": "circuitkit.patching.engine:patch_layers",
     "PatchResult": "circuitkit.patching.results:PatchResult",
 }
 
+
+# Subpackages and modules reachable as attributes (``ck.patching.PromptMetric``), still lazily.
+_MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files")
+_EXPORTS.update({name: f"circuitkit.{name}" for name in _MODULES})
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 __all__ = sorted(_EXPORTS)

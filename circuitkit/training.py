@@ -114,7 +114,7 @@ def teacher_cot(pool: Task, teacher: str, batch_size: int = 512) -> tuple[Tensor
     """
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.evaluate import prompt_end
+    from circuitkit.evaluation import prompt_end
     from circuitkit.models import shipped_path
 
     path = shipped_path(teacher) or Path(teacher)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import circuitkit as ck
-from circuitkit.evaluate import (
+from circuitkit.evaluation import (
     confusion_from_logits,
     evaluate,
     f1_scores,

@@ -229,8 +229,8 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
     """A real pretrained Llama-family model (GQA 9/3 heads, 30 layers): the probe accepts the
     fast path, including queries-at-reads attention in the last block, and chunks of the first,
     a middle and the last layer equal the plain hooked path (tolerance 1e-4 on log-probs)."""
+    from circuitkit.metrics import token_logprob_metric
     from circuitkit.patching.engine import ExactEngine, Sweep
-    from circuitkit.patching.metrics import token_logprob_metric
 
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(100, 40000, (2, 12), generator=g)

@@ -227,7 +227,7 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
 
 def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):
     """The engine unembeds only ``metric.reads``; a metric without ``reads`` gets full logits."""
-    from circuitkit.patching.metrics import PromptMetric
+    from circuitkit.metrics import PromptMetric
 
     pm = task.prompt_metric()
     n, seq = task.clean_tokens.shape

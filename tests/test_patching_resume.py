@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import circuitkit as ck
+from circuitkit.metrics import PromptMetric
 from circuitkit.patching.engine import ExactEngine
-from circuitkit.patching.metrics import PromptMetric
 
 TESTS = Path(__file__).parent
 SWEEP = dict(positions="each", site="z", batch_size=6)  # 3 layers x 24 chunks, 2 variants each
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from conftest import TINY_LLAMA, make_model
     import circuitkit as ck
-    from circuitkit.patching.metrics import PromptMetric
+    from circuitkit.metrics import PromptMetric
     model = make_model(TINY_LLAMA)
     task = ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
     pm = task.prompt_metric()

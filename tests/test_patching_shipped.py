@@ -105,8 +105,8 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     """ICD notes differ in length: the sweep runs them sorted, in two length buckets that stop
     after their last read, and returns per-prompt values in the caller's order, equal (1e-4) to
     a sweep that knows no read positions (no sorting, no early stop, full logits)."""
+    from circuitkit.metrics import PromptMetric
     from circuitkit.patching.engine import Sweep, _length_order
-    from circuitkit.patching.metrics import PromptMetric
 
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=12, split="test", seed=3)  # lengths 12..34

@@ -70,7 +70,7 @@ def test_shipped_induction_model_has_previous_token_and_induction_heads():
 
 
 def test_teacher_cot_rows_are_prompt_plus_the_teachers_greedy_continuation():
-    from circuitkit.evaluate import greedy_decode, prompt_end
+    from circuitkit.evaluation import greedy_decode, prompt_end
     from circuitkit.training import teacher_cot
 
     pool = ck.load_task("icd10", n_examples=12, seed=5)

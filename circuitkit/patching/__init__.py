@@ -12,9 +12,9 @@ _EXPORTS = {
     "patch_layers": "circuitkit.patching.engine:patch_layers",
     "plan_patch": "circuitkit.patching.engine:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
-    "PromptMetric": "circuitkit.patching.metrics:PromptMetric",
-    "token_logprob_metric": "circuitkit.patching.metrics:token_logprob_metric",
-    "token_margin_metric": "circuitkit.patching.metrics:token_margin_metric",
+    "PromptMetric": "circuitkit.metrics:PromptMetric",
+    "token_logprob_metric": "circuitkit.metrics:token_logprob_metric",
+    "token_margin_metric": "circuitkit.metrics:token_margin_metric",
     "attribution_patch_heads": "circuitkit.patching.attribution:attribution_patch_heads",
     "attribution_plus_exact": "circuitkit.patching.attribution:attribution_plus_exact",
 }

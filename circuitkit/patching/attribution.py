@@ -81,9 +81,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
 from circuitkit.patching.inputs import DIRECTIONS, HEAD_SITES, POSITIONS, check_tokens, choice
-from circuitkit.patching.metrics import PromptMetric
 from circuitkit.patching.results import PatchResult
 
 ATP_STAR_SITES = ("z", "q", "k")

@@ -117,7 +117,7 @@ def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
             raise ValueError(
                 f"metric must return a scalar tensor ({what}); got shape {tuple(out.shape)}. "
                 "Average over prompts inside the metric, or pass a PromptMetric "
-                "(circuitkit.patching.metrics) for per-prompt values.")
+                "(circuitkit.metrics) for per-prompt values.")
         out = out[None]
     out = out.detach().float().cpu()
     if not torch.isfinite(out).all():

@@ -126,7 +126,7 @@ class Task:
 
     def prompt_metric(self):
         """The default metric as a ``PromptMetric`` (has ``per_prompt`` for intervals)."""
-        from circuitkit.patching.metrics import token_logprob_metric, token_margin_metric
+        from circuitkit.metrics import token_logprob_metric, token_margin_metric
 
         ex = self.examples
         if self.config.get("metric") == "logprob":

@@ -23,8 +23,6 @@ A ``las`` key (distillation) can be added to ``evaluate``'s output without chang
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Sequence
 
 import torch
@@ -213,16 +211,3 @@ def evaluate(model, task: Task, batch_size: int = 64,
     out.update(set_metrics(preds, [set(e.targets) for e in task.examples],
                            [set(e.near_misses) for e in task.examples]))
     return out
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``circuitkit.evaluate`` (the module) binds it as ``circuitkit.evaluate``, shadowing
-    the lazily exported function; making the module callable keeps ``ck.evaluate(model, task)``
-    working whichever was imported first."""
-
-    def __call__(self, model, task: Task, batch_size: int = 64,
-                 max_new_tokens: int | None = None) -> dict[str, float]:
-        return evaluate(model, task, batch_size, max_new_tokens)
-
-
-sys.modules[__name__].__class__ = _CallableModule
