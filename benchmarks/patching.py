@@ -92,18 +92,18 @@ def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> floa
     at ``k``, its MLP and the unembedding at ``k`` (layer ``L-1``: MLP and unembedding at ``k``
     only). Causal attention counts half the score matrix.
     """
-    from circuitkit.patching.engine import Sweep, _length_order, auto_rows
+    from circuitkit.patching.sweep import Sweep, auto_rows, length_order, plan
 
     f = hooks.facts(model)
     L, H, d = f.n_layers, f.n_heads, f.d_model
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * d)
     q_o, k_v = 2 * 2 * d * f.d_head * H, 2 * 2 * d * f.d_head * f.n_kv_heads
     mlp, unembed = 2 * 3 * d * d_mlp, 2 * d * f.d_vocab
-    _, cuts = _length_order(metric)
+    _, cuts = length_order(metric)
     cuts = cuts or [seq] * n_prompts
     k = metric.reads.shape[1] if getattr(metric, "reads", None) is not None else seq
     sweep = Sweep("heads", "z", "denoise", "all", L, H, 1, n_prompts, seq, True)
-    sweep.plan(auto_rows(model, seq), cuts)
+    sweep = plan(sweep, auto_rows(model, seq), cuts)
 
     def block(c: int) -> float:
         return q_o + k_v + 2 * 2 * H * f.d_head * c / 2 + mlp

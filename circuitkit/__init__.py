@@ -15,12 +15,14 @@ _EXPORTS = {
     "load_model": "circuitkit.models:load_model",
     "ModelNotAvailableError": "circuitkit.models:ModelNotAvailableError",
     "PromptMetric": "circuitkit.metrics:PromptMetric",
+    "as_metric": "circuitkit.metrics:as_metric",
     "load_task": "circuitkit.tasks:load_task",
     "Task": "circuitkit.tasks.base:Task",
     "Example": "circuitkit.tasks.base:Example",
     "evaluate": "circuitkit.evaluation:evaluate",
-    "patch_heads": "circuitkit.patching.engine:patch_heads",
-    "patch_layers": "circuitkit.patching.engine:patch_layers",
+    "patch_heads": "circuitkit.patching.api:patch_heads",
+    "patch_layers": "circuitkit.patching.api:patch_layers",
+    "plan_patch": "circuitkit.patching.api:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
 }
 

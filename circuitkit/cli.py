@@ -24,22 +24,44 @@ def _root() -> None:
 
 
 def _fail(msg: str) -> None:
+    """End the command with the whole message (every line: which row, which file, what to do)."""
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
-def _load(model: str, task: str, n_examples: int, seed: int, split: str, phase: int):
-    """(model, task) for a command; bad names end the command with one clear line."""
+def _resume_hint() -> str:
+    import shlex
+
+    return "circuitkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _load(model: str, task: str, n_examples: int | None, seed: int, split: str, phase: int):
+    """(model, task) for a command; bad names or data end the command with one clear message.
+
+    ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
+    ``n_examples`` rows (None: all of them).
+    """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
 
+    if n_examples is not None and n_examples < 1:
+        _fail(f"--n-examples must be a positive integer (notes in the run); got {n_examples}.")
     try:
-        the_task = ck.load_task(task, n_examples=n_examples, seed=seed, split=split, phase=phase)
+        if task.endswith(".jsonl"):
+            the_task = ck.load_task(task, phase=phase)
+            if n_examples is not None:
+                if n_examples > len(the_task):
+                    raise ValueError(f"--n-examples {n_examples} is more than the {len(the_task)} "
+                                     f"examples in {task}; drop it to use them all.")
+                the_task = the_task.subset(range(n_examples))
+        else:
+            the_task = ck.load_task(task, n_examples=n_examples or 64, seed=seed, split=split,
+                                    phase=phase)
         the_model = ck.load_model(model)
         the_task.check_model(the_model)
         return the_model, the_task
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        _fail(str(e) or type(e).__name__)
 
 
 @app.command()
@@ -93,7 +115,8 @@ def info(
 def patch(
     model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
     task: str = typer.Option(..., "--task", "-t", help="icd10, synthetic, induction or a .jsonl."),
-    n_examples: int = typer.Option(64, "--n-examples", "-n", help="Prompts in the sweep."),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help="Prompts in the sweep "
+                                   "(default 64; for a .jsonl: its first N rows, default all)."),
     direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise."),
     method: str = typer.Option("exact", help="exact, attribution or attribution+exact."),
     positions: str = typer.Option("all", help="all (per head) or each (per head and position)."),
@@ -104,94 +127,130 @@ def patch(
     seed: int = typer.Option(0, help="Task seed."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
                                    "(default: from free memory)."),
+    top_k: int = typer.Option(20, "--top-k", help="attribution+exact: cells verified exactly."),
     out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
-    checkpoint: bool = typer.Option(False, "--checkpoint", help="Store finished chunks in "
-                                    "OUT/checkpoint; rerunning the same command resumes."),
+    checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
+                                    "chunks in OUT/checkpoint; rerunning the same command "
+                                    "resumes (exact method)."),
     plan: bool = typer.Option(False, "--plan", help="Print the cost (passes, memory, time from "
                               "a one-chunk probe) and stop."),
 ) -> None:
-    """Activation-patching sweep over heads (or layers): result.safetensors/.json, .csv, heatmap."""
-    from circuitkit.patching import engine
-    from circuitkit.patching.inputs import (
-        DIRECTIONS,
-        HEAD_SITES,
-        LAYER_SITES,
-        METHODS,
-        POSITIONS,
-        choice,
-    )
+    """Activation-patching sweep over heads (or layers): writes OUT/result.{safetensors,json,csv,
+    html} and prints the strongest cells."""
+    from circuitkit import hooks
+    from circuitkit.patching import api
+    from circuitkit.patching.inputs import DIRECTIONS, METHODS, POSITIONS, check_batch_size, choice
 
     try:
         choice("direction", direction, DIRECTIONS)
         choice("method", method, METHODS)
         choice("positions", positions, POSITIONS)
-        choice("site", site, HEAD_SITES + LAYER_SITES)
-        if site in LAYER_SITES and method != "exact":
-            raise ValueError(f"site={site!r} (a layer site) supports --method exact only.")
+        choice("site", site, hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES)
+        check_batch_size(batch_size)
+        if site in hooks.PATCH_LAYER_SITES and (method != "exact" or plan):
+            raise ValueError(f"site={site!r} (a layer site) supports --method exact without "
+                             "--plan only.")
+        if not plan:
+            from circuitkit.files import check_writable_dir
+
+            check_writable_dir(out)  # before any work: a result is never lost at 100%
     except ValueError as e:
         _fail(str(e))
     the_model, the_task = _load(model, task, n_examples, seed, split, phase)
-    clean, corrupt, metric = the_task.clean_tokens, the_task.corrupt_tokens, \
-        the_task.prompt_metric()
+    clean, corrupt, metric = the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric
+    kw = dict(direction=direction, method=method, positions=positions, site=site,
+              batch_size=batch_size)
     try:
         if plan:
-            p = engine.plan_patch(the_model, clean, corrupt, metric, site=site,
-                                  direction=direction, positions=positions,
-                                  batch_size=batch_size) if site in HEAD_SITES else None
-            if p is None:
-                _fail("--plan supports head sites (z, pattern, q, k, v).")
-            typer.echo("\n".join([
-                f"sweep        {site} {direction} positions={positions}: "
-                f"{p['n_variants']:,} patches x {p['n_prompts']} prompts of {p['seq']} tokens",
-                f"passes       {p['pass_equivalents']:,.0f} pass-equivalents (layer-suffix "
-                f"engine); {p['naive_passes']:,} full passes for a naive loop",
-                f"chunks       {p['n_chunks']:,} of <= {p['rows_per_forward']} sequences",
-                f"memory       ~{p['bytes_per_chunk'] / 2**20:,.0f} MiB per chunk "
-                f"({p['available_bytes'] / 2**30:,.1f} GiB usable)",
-                f"time         ~{p['est_seconds']:,.1f} s (from a one-chunk probe)",
-            ]))
+            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k, **kw)
+            typer.echo(format_plan(p))
             return
-        kw = dict(direction=direction, batch_size=batch_size, progress=True,
-                  checkpoint=out / "checkpoint" if checkpoint else None,
-                  task_hash=the_task.fingerprint())
-        if site in LAYER_SITES:
-            res = engine.patch_layers(the_model, clean, corrupt, metric, site=site, **kw)
-        else:
-            res = engine.patch_heads(the_model, clean, corrupt, metric, method=method,
-                                     positions=positions, site=site, **kw)
+        run = api.patch_layers if site in hooks.PATCH_LAYER_SITES else api.patch_heads
+        extra = {} if site in hooks.PATCH_LAYER_SITES else dict(top_k=top_k)
+        ckpt = out / "checkpoint" if checkpoint and method == "exact" else None
+        res = run(the_model, clean, corrupt, metric, progress=True,
+                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except ValueError as e:
         _fail(str(e))
+    except KeyboardInterrupt:
+        resumable = checkpoint and method == "exact"
+        typer.secho("interrupted; " + (f"finished chunks are in {out / 'checkpoint'}. Resume "
+                                       f"with the same command:\n  {_resume_hint()}"
+                                       if resumable else "nothing was saved (attribution "
+                                       "runs are not checkpointed)."), err=True)
+        raise typer.Exit(130) from None
     from circuitkit.patching.distributed import rank_world
 
     if rank_world()[0] != 0:  # under torchrun every rank holds the merged result; rank 0 writes
         return
-    res.meta.update(model_name=model, task=task, n_examples=n_examples, phase=phase,
+    res.meta.update(model_name=model, task=task, n_examples=len(the_task), phase=phase,
                     split=split, seed=seed)
-    out.mkdir(parents=True, exist_ok=True)
-    res.save(out / "result")
-    res.to_frame().to_csv(out / "result.csv", index=False)
-    # plotly.js inlined: clusters and laptops on planes have no CDN
-    res.heatmap().write_html(out / "heatmap.html", include_plotlyjs=True)
-    typer.echo(f"{res}\nwrote {out}/result.safetensors, result.json, result.csv, heatmap.html")
+    written = res.save(out / "result")
+    top = res.top(5)
+    typer.echo(f"{res}\nstrongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
+               f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
+    typer.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def format_plan(p: dict) -> str:
+    """The ``--plan`` text of a ``plan_patch`` dict."""
+    lines = [
+        f"method       {p['method']}",
+        f"sweep        {p['n_variants']:,} patches x {p['n_prompts']} prompts of {p['seq']} "
+        "tokens",
+        f"cost         {p['pass_equivalents']:,.0f} pass-equivalents (1 = one prompt through the "
+        f"whole model; a naive loop needs {p['naive_passes']:,})",
+        f"chunks       {p['n_chunks']:,} of <= {p['rows_per_forward']} sequences",
+        f"memory       ~{p['bytes_per_chunk'] / 2**20:,.0f} MiB per chunk "
+        f"({p['available_bytes'] / 2**30:,.1f} GiB usable)",
+        f"time         ~{p['est_seconds']:,.1f} s (from a one-chunk probe)",
+    ]
+    if p.get("verified_cells"):
+        lines.insert(2, f"verified     {p['verified_cells']} cells re-checked exactly")
+    return "\n".join(lines)
+
+
+METRIC_MEANINGS = {
+    "focus": "Reasoning Focus: probability mass on the correct anchors at Phase-1 steps",
+    "confusion": "Near-Miss Confusion: mass on near-miss siblings among target+near-miss "
+                 "labels at answer steps",
+    "confusion_rate": "share of notes whose decoded answer contains a near-miss",
+    "macro_f1": "F1 per label, averaged over labels (decoded answers)",
+    "micro_f1": "F1 pooled over all (note, label) decisions",
+    "exact_match": "share of notes whose decoded label set equals the target set",
+}
 
 
 @app.command()
 def evaluate(
     model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
     task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
-    n_examples: int = typer.Option(512, "--n-examples", "-n", help="Notes to evaluate."),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help="Notes to evaluate "
+                                   "(default 512; for a .jsonl: its first N rows, default all)."),
     split: str = typer.Option("test", help="Task split: test (held out) or train."),
     seed: int = typer.Option(0, help="Task seed."),
     batch_size: int = typer.Option(64, "--batch-size", help="Notes per forward pass."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON instead of a "
+                                 "table."),
 ) -> None:
-    """Reasoning Focus, Near-Miss Confusion, Macro/micro-F1 and exact match, as JSON."""
+    """Reasoning Focus, Near-Miss Confusion, confusion rate, Macro/micro-F1 and exact match."""
     import json
 
     import circuitkit as ck
 
-    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
-    scores = ck.evaluate(the_model, the_task, batch_size=batch_size)
-    typer.echo(json.dumps({k: round(v, 4) for k, v in scores.items()}, indent=1))
+    if batch_size < 1:
+        _fail(f"--batch-size must be a positive integer; got {batch_size}.")
+    the_model, the_task = _load(model, task, n_examples if n_examples is not None
+                                else (None if task.endswith(".jsonl") else 512), seed, split, 2)
+    scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    if as_json:
+        typer.echo(json.dumps(dict(model=model, task=task, n_examples=len(the_task), split=split,
+                                   seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
+                                   meanings=METRIC_MEANINGS), indent=1))
+        return
+    typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
+    for k, v in scores.items():
+        typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
 
 
 def main() -> None:  # console-script entry point

@@ -23,6 +23,7 @@ A ``las`` key (distillation) can be added to ``evaluate``'s output without chang
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -142,7 +143,7 @@ def _device(model) -> torch.device:
 
 @torch.no_grad()
 def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_new_tokens: int,
-                  batch_size: int = 64) -> list[list[int]]:
+                  batch_size: int = 64, on_batch=None) -> list[list[int]]:
     """Greedy continuation of each prompt (new tokens only, cut after the first ``eos_id``).
 
     Prompts are grouped by length so every batch is unpadded (exact, no attention mask needed).
@@ -166,6 +167,8 @@ def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_
             new = cur[:, len(prompts[idx[0]]):].tolist()
             for i, row in zip(idx, new, strict=True):
                 out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
+            if on_batch is not None:
+                on_batch(len(idx))
     return out
 
 
@@ -179,24 +182,34 @@ def prompt_end(e, think_id: int | None) -> int:
 
 # --- the model-facing entry point -----------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, task: Task, batch_size: int = 64,
-             max_new_tokens: int | None = None) -> dict[str, float]:
+def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None = None,
+             progress: bool = False) -> dict[str, float]:
     """Run ``model`` (``model(tokens) -> logits [batch, seq, vocab]``) on ``task``; see the module
     docstring for ``focus, confusion, confusion_rate, macro_f1, micro_f1, exact_match``.
 
     ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4.
     Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
-    the 86k-token ``labels="all"`` vocabulary).
+    the 86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced
+    pass, then decoding).
     """
+    if len(task) == 0:
+        raise ValueError("evaluate needs a task with at least one example.")
     if hasattr(model, "cfg"):
         task.check_model(model)
     dev = _device(model)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=2 * len(task), desc="evaluate", unit="note", file=sys.stderr)
     focus, conf = [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = _logits(model, sub.clean_tokens.to(dev))
         focus.append(focus_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
+        if bar is not None:
+            bar.update(len(sub))
     f, c = torch.cat(focus), torch.cat(conf)
     think = task.vocab.index("<think>") if "<think>" in task.vocab else None
     ends = [prompt_end(e, think) for e in task.examples]
@@ -204,7 +217,10 @@ def evaluate(model, task: Task, batch_size: int = 64,
         rest = [len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)]
         max_new_tokens = max(rest) + 4
     gens = greedy_decode(model, [e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)],
-                         task.eos_id, max_new_tokens, batch_size)
+                         task.eos_id, max_new_tokens, batch_size,
+                         on_batch=None if bar is None else bar.update)
+    if bar is not None:
+        bar.close()
     preds = [parse_answer(g, task) for g in gens]
     out = dict(focus=float(f.nanmean()) if f.numel() and not f.isnan().all() else float("nan"),
                confusion=float(c.nanmean()) if c.numel() and not c.isnan().all() else float("nan"))

@@ -94,6 +94,9 @@ LAYER_SITES: dict[str, Callable[[int], str]] = {
     "attn_out": attn_out, "mlp_out": mlp_out,
 }
 KV_SITES = frozenset({"k", "v"})
+# The sites a patching sweep can patch: the one table the engine, results, scoring and the CLI use.
+PATCH_HEAD_SITES = ("z", "pattern", "q", "k", "v")
+PATCH_LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
 
 
 def head_site(site: str, layer: int) -> str:

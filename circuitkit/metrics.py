@@ -1,50 +1,71 @@
-"""Patching metrics: logits -> scalar, with a per-prompt view for confidence intervals.
+"""The one metric protocol: ``PromptMetric`` (logits -> per-prompt values -> mean).
 
-A metric follows TransformerLens's convention (``metric(logits) -> scalar tensor``). Metrics built
-here are ``PromptMetric`` objects that also expose ``per_prompt(logits) -> [batch]`` so sweeps can
-report per-prompt values and bootstrap intervals; the scalar is the mean over prompts. A plain
-callable works everywhere too (no per-prompt values then). Positions follow the token layout: the
-model's prediction of the token at position ``p`` is read from the logits at ``p - 1``.
+Every public entry point (``patch_heads``, ``patch_layers``, attribution, scoring) wraps what the
+user passes exactly once with ``as_metric``; everything below the entry takes only the wrapped
+form. A ``PromptMetric`` is callable like a TransformerLens metric (``metric(logits) -> scalar``,
+the mean over prompts) and also has
 
-This module imports only torch: tasks use it to build their default metric.
+* ``per_prompt(logits, at=None) -> [batch]``: one value per prompt (bootstrap intervals, splitting
+  prompts over chunks, sorting them by length);
+* ``reads``: ``[n_prompts, k]``, the logit positions each prompt's value depends on. Sweeps then
+  compute logits at those positions only and stop each run after the last one.
+
+``as_metric(fn, n_prompts, seq, d_vocab)`` turns a plain callable into one. It calls ``fn`` on
+seeded random logits ``[n_prompts, seq, d_vocab]`` with ``requires_grad`` (twice, two seeds):
+positions that receive gradient are declared read; a ``[batch]``-shaped return gives per-prompt
+values; a scalar return is taken as the mean over prompts, evaluated on all prompts at once. When
+the probe cannot tell (no gradient: an argmax-based metric), every position is read, and
+``metric.note`` says so (sweeps copy it into ``PatchResult.meta["metric_note"]``). The wrapped
+callable always sees logits of the full ``[n_prompts, seq, d_vocab]`` shape in the caller's prompt
+order (positions it does not read hold zeros), so results do not depend on the form the metric
+takes.
+
+Positions follow the task layout: the prediction of the token at position ``p`` is read from the
+logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metrics from it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 
-@dataclass
+@dataclass(frozen=True)
 class PromptMetric:
     """A metric with a per-prompt view. ``metric(logits) == metric.per_prompt(logits).mean()``.
 
     ``per_prompt_fn(logits, prompt_idx, rows)``: ``rows[b, p]`` is the row of ``logits``'
-    position axis holding prompt ``b``'s sequence position ``p`` (``rows[b, p] = p`` for full
-    logits). ``reads``: ``[n_prompts, k]``, the logit positions each prompt's value depends on
-    (rows padded by repetition), if known; sweeps then compute logits at those positions only,
-    ``per_prompt(logits_at_reads, at=reads)`` with ``logits_at_reads[b, j] = logits[b,
-    reads[b, j]]``, which skips most of the unembedding and the last block's MLP.
-    ``select(idx)`` restricts the metric to a subset of prompts.
+    position axis holding prompt ``b``'s sequence position ``p`` (-1: not computed;
+    ``rows[b, p] = p`` for full logits). ``prompt_idx[b]``: which prompt row ``b`` is.
+    ``reads``: ``[n_prompts, k]`` logit positions each prompt's value depends on (rows padded by
+    repetition), or None (any). ``per_prompt_values``: False for a metric that only has a scalar
+    (a wrapped callable returning the mean): its ``per_prompt`` repeats the scalar, it must see
+    every prompt at once, and results carry no per-prompt values. ``select(idx)`` restricts the
+    metric to a subset (or reordering, or tiling) of prompts.
     """
 
     per_prompt_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     name: str = "metric"
     prompt_idx: Tensor | None = None
     reads: Int[Tensor, "n k"] | None = None
+    per_prompt_values: bool = True
+    n_prompts: int | None = None
+    note: str = ""
 
     def per_prompt(self, logits: Float[Tensor, "batch pos vocab"],
                    at: Int[Tensor, "batch k"] | None = None) -> Float[Tensor, " batch"]:
+        """Values of the prompts in ``logits`` (``at``: logits hold only these positions)."""
         idx = self.prompt_idx if self.prompt_idx is not None else torch.arange(logits.shape[0])
         if idx.numel() != logits.shape[0]:
             raise ValueError(
                 f"{self.name}: logits have batch {logits.shape[0]} but the metric is defined for "
-                f"{idx.numel()} prompts; pass the same prompts, or metric.select(indices)."
-            )
+                f"{idx.numel()} prompts; pass the same prompts, or metric.select(indices).")
         n = logits.shape[0]
         if at is None:
             rows = torch.arange(logits.shape[1]).expand(n, -1)
@@ -67,7 +88,124 @@ class PromptMetric:
         idx = torch.as_tensor(idx, dtype=torch.long)
         if self.prompt_idx is not None:
             idx = self.prompt_idx[idx]
-        return PromptMetric(self.per_prompt_fn, self.name, idx, self.reads)
+        return replace(self, prompt_idx=idx)
+
+    def fingerprint(self, n_prompts: int, seq: int, d_vocab: int) -> str:
+        """Hash of this metric's *behaviour*: its per-prompt values on seeded random logits
+        ``[n_prompts, seq, d_vocab]`` (at its reads only, when known), rounded to 6 significant
+        digits. Two metrics that differ anywhere on such inputs get different fingerprints, so
+        a checkpoint is never resumed under another metric of the same name."""
+        g = torch.Generator().manual_seed(1234)
+        reads = self.read_positions()
+        k = seq if reads is None else reads.shape[1]
+        logits = torch.randn(n_prompts, k, d_vocab, generator=g)
+        with torch.no_grad():
+            v = self.per_prompt(logits, at=reads).double()
+        text = ",".join(f"{x:.6g}" for x in v.tolist())
+        flags = f"{self.per_prompt_values}|{None if reads is None else reads.tolist()}|"
+        return hashlib.sha256((flags + text).encode()).hexdigest()[:16]
+
+
+# --- wrapping a plain callable ------------------------------------------------------------------
+
+
+def as_metric(metric: Any, n_prompts: int | None = None, seq: int | None = None,
+              d_vocab: int | None = None, name: str | None = None) -> PromptMetric:
+    """``metric`` as a ``PromptMetric`` (returned as is when it already is one).
+
+    A plain callable ``fn(logits [n_prompts, seq, d_vocab]) -> scalar | [n_prompts]`` is
+    probed once (module docstring) and wrapped; it needs the shape of the logits it will see.
+    """
+    if isinstance(metric, PromptMetric):
+        return metric
+    if not callable(metric):
+        raise ValueError(f"metric must be callable (logits -> scalar or [batch]) or a "
+                         f"PromptMetric; got {type(metric).__name__}.")
+    if n_prompts is None or seq is None or d_vocab is None:
+        raise ValueError("as_metric(fn) needs n_prompts, seq and d_vocab: the shape of the "
+                         "logits fn will be called on.")
+    name = name or str(getattr(metric, "__name__", None) or type(metric).__name__)
+    per_prompt, reads, note = _probe(metric, n_prompts, seq, d_vocab, name)
+    fn = _wrapped(metric, per_prompt, n_prompts, seq, d_vocab, name)
+    return PromptMetric(fn, name, reads=reads, per_prompt_values=per_prompt,
+                        n_prompts=n_prompts, note=note)
+
+
+def _call(fn: Callable, logits: Tensor, n: int, name: str) -> tuple[Tensor, bool]:
+    """``fn(logits)`` as a tensor and whether it is per prompt (validated shape)."""
+    out = fn(logits)
+    if not isinstance(out, Tensor):
+        out = torch.as_tensor(out, dtype=torch.float32)
+    if out.ndim == 0:
+        return out, False
+    if tuple(out.shape) == (n,):
+        return out, True
+    raise ValueError(f"metric {name!r} returned shape {tuple(out.shape)}; expected a scalar "
+                     f"(mean over prompts) or [{n}] (one value per prompt).")
+
+
+def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
+           ) -> tuple[bool, Tensor | None, str]:
+    """(per-prompt?, reads [n, k] or None, note): see the module docstring."""
+    touched = torch.zeros(n, seq, dtype=torch.bool)
+    per_prompt = False
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, seq, d_vocab, generator=g).requires_grad_(True)
+        with torch.enable_grad():
+            out, per_prompt = _call(fn, x, n, name)
+            if not out.requires_grad:
+                return per_prompt, None, (
+                    f"metric {name!r} is not differentiable, so the positions it reads are "
+                    "unknown: every position was computed (slower, same values)")
+            (grad,) = torch.autograd.grad(out.sum(), x, allow_unused=True)
+        if grad is not None:
+            touched |= grad.abs().sum(-1) > 0
+    if not touched.any(-1).all():
+        return per_prompt, None, (
+            f"metric {name!r}: the probe found prompts whose value reads no logit; every "
+            "position was computed")
+    width = int(touched.sum(-1).max())
+    reads = torch.zeros(n, width, dtype=torch.long)
+    for b in range(n):
+        pos = touched[b].nonzero()[:, 0]
+        reads[b] = torch.cat([pos, pos[:1].expand(width - len(pos))])
+    return per_prompt, reads, f"metric {name!r}: read positions found by a gradient probe"
+
+
+def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, name: str):
+    """``per_prompt_fn`` of a wrapped callable: rebuild the ``[n, seq, d_vocab]`` logits the
+    callable expects (zeros where not computed), once per copy of the prompt set."""
+
+    def per_prompt_fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
+        # Rows may tile the prompts (one copy per patched variant): copy c of prompt i is the
+        # c-th row whose idx is i. Each copy is one call of fn on a full batch.
+        copy = torch.zeros_like(idx)
+        seen: dict[int, int] = {}
+        for r, i in enumerate(idx.tolist()):
+            copy[r] = seen.get(i, 0)
+            seen[i] = copy[r].item() + 1
+        out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
+        pos = torch.arange(rows.shape[1], device=logits.device)
+        for c in range(int(copy.max()) + 1 if len(copy) else 0):
+            r = (copy == c).nonzero()[:, 0]
+            if not per_prompt and len(r) != n:
+                raise ValueError(
+                    f"metric {name!r} returns one scalar for the whole batch, so it must see all "
+                    f"{n} prompts at once; it was given {len(r)}. Return one value per prompt "
+                    "([batch]) to allow splitting prompts.")
+            full = logits.new_zeros(n, seq, d_vocab)
+            rr, pp = (rows[r] >= 0).nonzero(as_tuple=True)
+            full = full.index_put((idx[r][rr], pos[pp]), logits[r[rr], rows[r][rr, pp]])
+            value, _ = _call(fn, full, n, name)
+            out = out.index_put((r,), (value[idx[r]] if per_prompt else value.expand(len(r)))
+                                .to(out.dtype))
+        return out
+
+    return per_prompt_fn
+
+
+# --- metrics built here -------------------------------------------------------------------------
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:

@@ -13,11 +13,8 @@ import torch
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
-from circuitkit.patching.attribution import (
-    attribution_patch_heads,
-    attribution_plus_exact,
-    verified_mask,
-)
+from circuitkit.patching.api import attribution_plus_exact, verified_mask
+from circuitkit.patching.attribution import attribution_patch_heads
 
 TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -230,7 +230,8 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
     fast path, including queries-at-reads attention in the last block, and chunks of the first,
     a middle and the last layer equal the plain hooked path (tolerance 1e-4 on log-probs)."""
     from circuitkit.metrics import token_logprob_metric
-    from circuitkit.patching.engine import ExactEngine, Sweep
+    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.sweep import Sweep
 
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(100, 40000, (2, 12), generator=g)
@@ -240,7 +241,7 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
     metric = token_logprob_metric([pos] * 2, [clean[i, pos].tolist() for i in range(2)])
     sweep = Sweep("heads", "z", "denoise", "all", 30, 9, 1, 2, 12, True)
     engine = ExactEngine(smollm2, clean, corrupt, metric, sweep)
-    assert engine.fast and engine.attn_at_rows and engine.cut == 10
+    assert engine.fast and engine.attn_at_rows and engine.length == 10
     for layer in (0, 15, 29):
         torch.testing.assert_close(engine.run_variants(layer, range(9), 0, 2, fast=True),
                                    engine.run_variants(layer, range(9), 0, 2, fast=False),

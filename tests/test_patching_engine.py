@@ -12,7 +12,9 @@ from transformer_lens import patching as tlp
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.patching.engine import ExactEngine, Sweep
+from circuitkit.patching import engine as engine_module
+from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.sweep import Sweep, plan
 
 ATOL = 1e-4
 
@@ -145,8 +147,8 @@ def test_suffix_runs_skip_earlier_blocks(tiny_llama, task):
     handles = [b.original_component.register_forward_pre_hook(
         lambda m, a, i=i: calls.append(i)) for i, b in enumerate(tiny_llama.blocks)]
     try:
-        sweep = Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3, task.clean_tokens.shape[1], True)
-        sweep.plan(100)
+        sweep = plan(Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3, task.clean_tokens.shape[1],
+                           True), 100)
         engine = ExactEngine(tiny_llama, task.clean_tokens, task.corrupt_tokens,
                              task.prompt_metric(), sweep)
         calls.clear()
@@ -179,7 +181,7 @@ def test_bad_inputs(tiny_llama, task):
     with pytest.raises(ValueError, match="site="):
         ck.patch_layers(tiny_llama, c, k, m, site="z", progress=False)
     with pytest.raises(ValueError, match="scalar"):
-        ck.patch_heads(tiny_llama, c, k, lambda lg: lg[:, -1, 0], progress=False)
+        ck.patch_heads(tiny_llama, c, k, lambda lg: lg[:, -1, :2], progress=False)
     with pytest.raises(ValueError, match="non-finite"):
         ck.patch_heads(tiny_llama, c, k, lambda lg: lg.sum() * float("nan"), progress=False)
     with pytest.raises(ValueError, match="integer"):
@@ -205,23 +207,26 @@ def test_kv_without_gqa_info_is_refused(tiny_llama, task):
 
 def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
     """patch_heads forwards method="attribution"/"attribution+exact" with its arguments."""
-    from circuitkit.patching import attribution
+    from circuitkit.patching import api, attribution
 
     seen = {}
+    args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
+    patched = ck.PatchResult(torch.zeros(3, 4), 0.0, 0.0, "denoise", "attribution", "k", "all")
+    fake_result = {"atp": patched, "hybrid": patched}
 
     def fake(name):
         def fn(model, clean, corrupt, metric, **kw):
             seen[name] = kw
-            return name
+            return fake_result[name]
         return fn
 
     monkeypatch.setattr(attribution, "attribution_patch_heads", fake("atp"))
-    monkeypatch.setattr(attribution, "attribution_plus_exact", fake("hybrid"))
-    args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
-    assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) == "atp"
+    monkeypatch.setattr(api, "attribution_plus_exact", fake("hybrid"))
+    assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) is patched
     assert seen["atp"] == dict(direction="denoise", site="k", positions="all", atp_star=True,
                                batch_size=None, progress=True)
-    assert ck.patch_heads(*args, method="attribution+exact", top_k=5, positions="each") == "hybrid"
+    assert ck.patch_heads(*args, method="attribution+exact", top_k=5,
+                          positions="each") is patched
     assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["positions"] == "each"
 
 
@@ -271,7 +276,7 @@ def test_fast_path_is_used_and_equals_plain_path(request, model_name, task, kind
                   seq if positions == "each" else 1, n, seq, True)
     engine = ExactEngine(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
                          sweep)
-    assert engine.fast and engine.cut < seq  # the induction metric never reads the last logit
+    assert engine.fast and engine.length < seq  # the induction metric never reads the last logit
     assert engine.attn_at_rows == (model_name == "tiny_llama")  # rotary Llama form only
     variants = range(sweep.n_variants)
     for layer in range(f.n_layers):
@@ -285,7 +290,7 @@ def test_a_wrong_fast_path_is_caught_by_the_probe(tiny_llama, task, clean_cache,
     path with a warning, and the sweep would stay exact."""
     real = ExactEngine._attn_output
     monkeypatch.setattr(ExactEngine, "_attn_output", lambda self, *a: real(self, *a) * 1.5)
-    monkeypatch.setitem(tiny_llama.__dict__, "_circuitkit_fast_path", {})  # forget verdicts
+    monkeypatch.setitem(engine_module._FAST_PATH_VERDICTS, tiny_llama, {})  # forget verdicts
     metric = task.prompt_metric()
     with pytest.warns(UserWarning, match="fast exact-patching path differs"):
         res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,

@@ -72,9 +72,12 @@ def test_frame_top_heatmap():
 
 def test_save_load_roundtrip(tmp_path):
     r = make()
-    st = r.save(tmp_path / "out" / "result")
-    assert st.name == "result.safetensors" and (tmp_path / "out" / "result.json").exists()
+    written = r.save(tmp_path / "out" / "result")
+    assert sorted(p.name for p in written) == ["result.csv", "result.html", "result.json",
+                                               "result.safetensors"]
+    assert all(p.exists() for p in written)
     back = PatchResult.load(tmp_path / "out" / "result.safetensors")
+    assert torch.equal(PatchResult.load(tmp_path / "out").values, r.values)  # the folder
     for k in ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt"):
         assert torch.equal(getattr(back, k), getattr(r, k))
     assert (back.clean, back.corrupt, back.direction, back.site, back.axes, back.meta) == (

@@ -72,9 +72,10 @@ def test_cli_patch_writes_outputs(tmp_path):
     r = CliRunner().invoke(app, ["patch", "--model", "induction-2l", "--task", "induction",
                                  "--n-examples", "8", "--out", str(out), "--checkpoint"])
     assert r.exit_code == 0, r.output
-    for name in ("result.safetensors", "result.json", "result.csv", "heatmap.html"):
-        assert (out / name).exists()
-    res = PatchResult.load(out / "result")
+    res = PatchResult.load(out)  # the folder the CLI wrote
+    assert {p.name for p in out.iterdir() if p.is_file()} >= {p.name for p in res.save(
+        tmp_path / "again" / "result")}  # --out holds exactly what res.save writes (and more:
+    # plotly.min.js beside the page, the checkpoint folder)
     assert res.values.shape == (2, 4) and res.meta["task_hash"]
     r = CliRunner().invoke(app, ["patch", "--model", "induction-2l", "--task", "induction",
                                  "--n-examples", "8", "--plan"])
@@ -106,15 +107,15 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     after their last read, and returns per-prompt values in the caller's order, equal (1e-4) to
     a sweep that knows no read positions (no sorting, no early stop, full logits)."""
     from circuitkit.metrics import PromptMetric
-    from circuitkit.patching.engine import Sweep, _length_order
+    from circuitkit.patching.sweep import Sweep, length_order, plan
 
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=12, split="test", seed=3)  # lengths 12..34
     pm = task.prompt_metric()
-    order, cuts = _length_order(pm)
+    order, cuts = length_order(pm)
     assert not torch.equal(order, torch.arange(12)) and cuts[0] < cuts[-1]
     sweep = Sweep("heads", "z", "denoise", "all", 4, 8, 1, 12, task.clean_tokens.shape[1], True)
-    sweep.plan(1024, cuts)
+    sweep = plan(sweep, 1024, cuts)
     assert len({c[3:] for c in sweep.chunks}) == 2  # two prompt buckets
     args = (model, task.clean_tokens, task.corrupt_tokens)
     for direction in ("denoise", "noise"):

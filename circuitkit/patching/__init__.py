@@ -1,4 +1,5 @@
-"""Activation patching: exact sweeps (engine), gradient estimates (attribution), results.
+"""Activation patching: public functions (api), exact sweeps (engine), gradient estimates
+(attribution), the sweep description (sweep), checkpoints, results.
 
 Names resolve lazily so ``import circuitkit.patching`` stays free of torch.
 """
@@ -8,15 +9,17 @@ from __future__ import annotations
 from circuitkit._lazy import lazy_exports
 
 _EXPORTS = {
-    "patch_heads": "circuitkit.patching.engine:patch_heads",
-    "patch_layers": "circuitkit.patching.engine:patch_layers",
-    "plan_patch": "circuitkit.patching.engine:plan_patch",
+    "patch_heads": "circuitkit.patching.api:patch_heads",
+    "patch_layers": "circuitkit.patching.api:patch_layers",
+    "plan_patch": "circuitkit.patching.api:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
     "PromptMetric": "circuitkit.metrics:PromptMetric",
     "token_logprob_metric": "circuitkit.metrics:token_logprob_metric",
     "token_margin_metric": "circuitkit.metrics:token_margin_metric",
     "attribution_patch_heads": "circuitkit.patching.attribution:attribution_patch_heads",
-    "attribution_plus_exact": "circuitkit.patching.attribution:attribution_plus_exact",
+    "attribution_plus_exact": "circuitkit.patching.api:attribution_plus_exact",
+    "verified_mask": "circuitkit.patching.api:verified_mask",
+    "as_metric": "circuitkit.metrics:as_metric",
 }
 
 

@@ -65,14 +65,24 @@ Cost: plain = 2 forwards + 1 backward per batch; AtP* adds, per pair of layers `
 attention-layer call over ``n_heads`` (``n_heads * seq`` for ``positions="each"``) copies of the
 batch, plus one attention-layer backward per layer, plus the exact tail (above).
 
-``attribution_plus_exact`` screens every head by (AtP*) attribution, then verifies the ``top_k``
-cells with the largest estimated ``|effect|`` by exact patching.
+The estimator walks a per-layer plan (``estimator_plan``, a list of ``LayerStep``): for each layer,
+how its own heads' effect is taken (linear, exact own-layer pattern for q/k, exact last block) and
+which corrections are added (the downstream Q/K fix over which layers, the exact-tail correction).
+
+Metrics: a ``PromptMetric`` (``circuitkit.metrics``). A metric without per-prompt values (a wrapped
+scalar callable) repeats its scalar ``m`` for every prompt; the objective differentiated is the sum
+of per-prompt values, ``n * m``, so per-prompt estimates are ``n`` times each prompt's share and
+their mean is ``m + sum_b delta_b``: the same formula, no special case (such a metric runs all
+prompts in one batch).
+
+The hybrid (attribution, then exact verification of the top cells) lives in ``patching/api.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import einops
@@ -81,9 +91,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.metrics import PromptMetric
+from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.inputs import DIRECTIONS, HEAD_SITES, POSITIONS, check_tokens, choice
+from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_tokens, choice
 from circuitkit.patching.results import PatchResult
 
 ATP_STAR_SITES = ("z", "q", "k")
@@ -92,18 +102,9 @@ ATP_STAR_CHUNK = 2048
 # Sequences per last-block + unembedding call of the exact tail (logits are [n, pos, vocab]).
 EXACT_TAIL_CHUNK = 512
 
-Metric = Callable[[Tensor], Tensor] | PromptMetric
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def _check_args(model: Any, clean: Tensor, corrupt: Tensor, direction: str, site: str,
-                positions: str) -> tuple[Tensor, Tensor]:
-    choice("direction", direction, DIRECTIONS)
-    choice("site", site, HEAD_SITES)
-    choice("positions", positions, POSITIONS)
-    return check_tokens(clean, corrupt, model)
 
 
 def _progress(it: Sequence[Any], on: bool, desc: str):
@@ -115,31 +116,23 @@ def _progress(it: Sequence[Any], on: bool, desc: str):
 
 
 class _MetricStash:
-    """Wraps the metric as the scalar ``cache_activation_and_gradient`` differentiates.
+    """The metric as the scalar ``cache_activation_and_gradient`` differentiates: the *sum* of
+    per-prompt values (prompts do not interact, so its gradient at prompt ``b``'s activations is
+    ``d metric_b / d a_b``). Keeps the per-prompt values of the last call."""
 
-    For a ``PromptMetric`` the scalar is the *sum* of per-prompt values: prompts do not interact,
-    so its gradient at prompt ``b``'s activations is ``d metric_b / d a_b`` and the products
-    below are per-prompt estimates. A plain callable is differentiated as is (its chunk value).
-    """
-
-    def __init__(self, metric: Metric, idx: Tensor, at: Tensor | None = None):
-        self.per_prompt = isinstance(metric, PromptMetric)
-        self.metric = metric.select(idx) if self.per_prompt else metric
+    def __init__(self, metric: PromptMetric, idx: Tensor, at: Tensor | None = None):
+        self.metric = metric.select(idx)
         self.at = at  # the logits hold only these positions (``shortcuts.reads_only``)
-        self.value: Tensor | None = None  # [batch] (PromptMetric) or [] (plain)
+        self.value: Tensor | None = None  # [batch]
 
     def __call__(self, logits: Tensor) -> Tensor:
-        if self.per_prompt:
-            v = self.metric.per_prompt(logits, at=self.at)
-            self.value = v.detach()
-            return v.sum()
-        v = self.metric(logits)
+        v = self.metric.per_prompt(logits, at=self.at)
         self.value = v.detach()
-        return v
-
-
-def _site_names(model: Any, site: str) -> list[str]:
-    return [hooks.head_site(site, layer) for layer in range(hooks.facts(model).n_layers)]
+        if not v.requires_grad:
+            # A locally constant (e.g. argmax-based) metric: its gradient is zero, so every
+            # first-order estimate is "no effect" (metric.note says it is not differentiable).
+            v = v + 0 * logits.flatten()[0]
+        return v.sum()
 
 
 def _head_effect(delta: Tensor, grad: Tensor, site: str, positions: str) -> Tensor:
@@ -264,9 +257,9 @@ def _head_writes(model: Any, layer: int, dz: Tensor) -> Float[Tensor, "b pos h d
 
 
 def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, batch,
-                           stop: int) -> Tensor:
-    """AtP* Q/K correction of head outputs (site z) of ``layer``, summed over layers
-    ``layer + 1 .. stop - 1``.
+                           layers: Sequence[int]) -> Tensor:
+    """AtP* Q/K correction of head outputs (site z) of ``layer``, summed over ``layers`` (all
+    after ``layer``).
 
     For each such layer l': (exact pattern change - its linearisation) . dm/dP_l'.
     ``dz``: [b, p, h, d_head]; returns [b, h] or [b, h, pos].
@@ -276,7 +269,7 @@ def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, b
     masks = _copy_masks(n_h, seq, positions, d_r.device)  # [c, p, h]
     total = torch.zeros(batch, masks.shape[0], device=d_r.device)
     step = max(1, ATP_STAR_CHUNK // batch)
-    for lp in range(layer + 1, stop):
+    for lp in layers:
         r, kw, g = r_base[lp], kwargs[lp], g_pat[lp]
         # Linear part: dr . v with v = d/dr (P(r) . g), one VJP through layer l''s attention.
         with torch.enable_grad():
@@ -304,8 +297,7 @@ def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _Metric
                  ) -> Float[Tensor, "b c"]:
     """Metric after running the last block, final norm and unembedding on ``x`` ([c*b, pos, d]).
 
-    Returns [b, c]: per-prompt values (PromptMetric) or, for a plain callable, each copy's
-    chunk value divided by ``b`` in every row (so a sum over rows gives the chunk value).
+    Returns [b, c]: per-prompt values of each copy.
     """
     last = model.blocks[len(model.blocks) - 1]
     n_c = x.shape[0] // batch
@@ -318,11 +310,8 @@ def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _Metric
     if at is not None:
         out = shortcuts.take_rows(out, at)
     logits = model.unembed(model.ln_final(out))
-    if stash.per_prompt:
-        vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
-        return einops.rearrange(vals, "(c b) -> b c", c=n_c)
-    vals = torch.stack([stash.metric(logits[c * batch:(c + 1) * batch]) for c in range(n_c)])
-    return einops.repeat(vals / batch, "c -> b c", b=batch)
+    vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
+    return einops.rearrange(vals, "(c b) -> b c", c=n_c)
 
 
 def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positions,
@@ -336,8 +325,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
     last = len(model.blocks) - 1
     seq, n_h = dz.shape[1], dz.shape[2]
     masks = _copy_masks(n_h, seq, positions, dz.device)  # [c, p, h]
-    m_base = stash.value.to(dz.device)
-    m_base = m_base[:, None] if stash.per_prompt else m_base / batch
+    m_base = stash.value.to(dz.device)[:, None]
     step = max(1, EXACT_TAIL_CHUNK // batch)
     out = []
     with torch.no_grad():
@@ -364,6 +352,44 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
     return eff if positions == "all" else einops.rearrange(eff, "b (h p) -> b h p", p=seq)
 
 
+# --- the per-layer plan ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """How the estimator treats the heads of one layer.
+
+    ``own``: "linear" (``delta . grad``), "qk_exact" (site q/k: the layer's own pattern recomputed
+    exactly, then linear) or "exact_tail" (last layer, site z: the head patched exactly in the
+    last block). ``downstream_qk``: later layers whose patterns are recomputed exactly with this
+    head's residual write (AtP*'s Q/K fix). ``tail_correction``: the last block and readout run
+    exactly on this head's write (site z, layers before the last).
+    """
+
+    layer: int
+    own: str = "linear"
+    downstream_qk: tuple[int, ...] = ()
+    tail_correction: bool = False
+
+
+def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
+                   ) -> list[LayerStep]:
+    """The per-layer plan of ``attribution_patch_heads`` (see ``LayerStep``)."""
+    last = n_layers - 1
+    if not atp_star and not exact_tail:
+        return [LayerStep(layer) for layer in range(n_layers)]
+    if site in ("q", "k"):
+        return [LayerStep(layer, own="qk_exact") for layer in range(n_layers)]
+    # site z: downstream patterns of every later layer, except the last when the exact tail
+    # runs it (the tail subsumes that layer's Q/K fix)
+    qk_layers = range(1, last if exact_tail else n_layers) if atp_star else range(0)
+    return [LayerStep(layer,
+                      own="exact_tail" if exact_tail and layer == last else "linear",
+                      downstream_qk=tuple(lp for lp in qk_layers if lp > layer),
+                      tail_correction=exact_tail and layer < last)
+            for layer in range(n_layers)]
+
+
 # --- public API ------------------------------------------------------------------------------
 
 
@@ -371,7 +397,7 @@ def attribution_patch_heads(
     model: Any,
     clean_tokens: Int[Tensor, "batch seq"],
     corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Metric,
+    metric: Any,
     direction: str = "denoise",
     site: str = "z",
     positions: str = "all",
@@ -385,74 +411,71 @@ def attribution_patch_heads(
     Args:
         model: a TransformerBridge (eval mode).
         clean_tokens, corrupt_tokens: [batch, seq], aligned position by position.
-        metric: ``logits -> scalar``; a ``PromptMetric`` also gives per-prompt values. A plain
-            callable chunked by ``batch_size`` is assumed to be a mean over prompts (chunks are
-            weighted by size).
+        metric: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]``
+            (``circuitkit.metrics.as_metric``).
         direction: "denoise" (clean -> corrupt run) or "noise" (corrupt -> clean run).
         site: "z", "q", "k", "v" (k/v: KV heads under GQA) or "pattern".
         positions: "all" -> values [n_layers, n_heads]; "each" -> [n_layers, n_heads, seq]
             (for "pattern" the position is the query position).
         atp_star: apply the AtP* Q/K correction (sites z, q, k).
-        batch_size: prompts per forward/backward (default: all).
+        batch_size: prompts per forward/backward (default: all; a metric without per-prompt
+            values always runs all prompts at once).
         exact_tail: evaluate the last block and the readout exactly for each head's direct
             write (site z; default: on with ``atp_star``); see the module docstring.
 
     Returns:
-        PatchResult, method "attribution" (``meta["atp_star"]`` says whether AtP* was applied);
-        ``values = metric(base) + delta`` (mean over prompts), ``per_prompt`` for a PromptMetric.
+        PatchResult, method "attribution" (``meta["atp_star"]``, ``meta["plan"]``);
+        ``values = metric(base) + delta`` (mean over prompts).
     """
-    clean_tokens, corrupt_tokens = _check_args(model, clean_tokens, corrupt_tokens, direction, site,
-                                               positions)
+    choice("direction", direction, DIRECTIONS)
+    choice("site", site, hooks.PATCH_HEAD_SITES)
+    choice("positions", positions, POSITIONS)
+    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
+    f = hooks.facts(model)
+    n, seq = clean_tokens.shape
+    metric = as_metric(metric, n, seq, f.d_vocab)
     if atp_star and site not in ATP_STAR_SITES:
         raise NotImplementedError(
             f"atp_star=True corrects Q/K (softmax) effects for sites {ATP_STAR_SITES}; "
             f"site={site!r} acts linearly on its own head's output, use atp_star=False.")
+    if exact_tail and site != "z":
+        raise NotImplementedError("exact_tail is implemented for site='z' only.")
     from transformer_lens.tools.analysis.attribution_patching import (
         cache_activation_and_gradient,
     )
 
-    f = hooks.facts(model)
-    n, seq = clean_tokens.shape
+    tail = (atp_star if exact_tail is None else exact_tail) and site == "z"
+    steps = estimator_plan(f.n_layers, site, atp_star, tail)
+    last = f.n_layers - 1
     device = next(model.parameters()).device
-    bs = batch_size or n
+    bs = batch_size if (batch_size and metric.per_prompt_values) else n
     base_all, src_all = ((corrupt_tokens, clean_tokens) if direction == "denoise"
                          else (clean_tokens, corrupt_tokens))
-    site_names = _site_names(model, site)
-    last = f.n_layers - 1
-    tail = (atp_star if exact_tail is None else exact_tail) and site == "z"
-    if exact_tail and site != "z":
-        raise NotImplementedError("exact_tail is implemented for site='z' only.")
-    # Layers whose Q/K correction is computed by recomputing the pattern; the exact tail
-    # subsumes the last layer's (it runs the whole last block exactly).
-    star_layers = list(range(1, last if tail else f.n_layers)) if (atp_star and site == "z") \
-        else []
-    own_layers = list(range(f.n_layers)) if (atp_star and site in ("q", "k")) else []
-    attn_layers = sorted(set(star_layers) | set(own_layers))
-    extra = ([hooks.pattern(lay) for lay in attn_layers]
-             + [hooks.resid_pre(lay) for lay in sorted(set(attn_layers) | ({last} if tail
-                                                                        else set()))])
-    modules = {lay: model.blocks[lay].attn for lay in attn_layers}
+    site_names = [hooks.head_site(site, layer) for layer in range(f.n_layers)]
+    # What the plan needs cached: patterns (and their gradients) of the layers it recomputes,
+    # the residual inputs there and at the last block, and those modules' call arguments.
+    attn_layers = sorted({lp for st in steps for lp in st.downstream_qk}
+                         | {st.layer for st in steps if st.own == "qk_exact"})
+    resid_layers = sorted(set(attn_layers) | ({last} if tail else set()))
+    extra = [hooks.pattern(lay) for lay in attn_layers] + [hooks.resid_pre(lay)
+                                                           for lay in resid_layers]
+    modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
     if tail:
         modules["block"] = model.blocks[last]
-    per_prompt_metric = isinstance(metric, PromptMetric)
-    reads = metric.read_positions() if per_prompt_metric else None
+    reads = metric.read_positions()
 
     def lean(at: Tensor | None) -> Any:  # with known read positions: compute only there
         return contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
 
     effects, base_vals, src_vals = [], [], []
-    weights: list[float] = []
     # No per-head hook_result einsum: nothing here reads it (the writes come from W_O).
     with shortcuts.attn_result_off(model):
         for start in _progress(range(0, n, bs), progress and n > bs, "attribution"):
             idx = torch.arange(start, min(start + bs, n))
-            base = base_all[idx].to(device)
-            src = src_all[idx].to(device)
-            b = len(idx)
+            base, src, b = base_all[idx].to(device), src_all[idx].to(device), len(idx)
             at = None if reads is None else reads[idx].to(device)
             stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
             capture = _Inputs(modules)
-            # With known read positions the last MLP and the unembedding run there only.
             with torch.enable_grad(), capture, lean(at):
                 # hook_embed is cached too: TL's backward stops at the most upstream cached point,
                 # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
@@ -462,152 +485,57 @@ def attribution_patch_heads(
             with torch.no_grad(), lean(at):
                 sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
                                                    compute_gradient=False)
+            acts, grads = gc.activations, gc.gradients
+            r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
+            g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
+                     for lp in attn_layers}
             eff = []
-            for layer, name in enumerate(site_names):
-                a_b, a_s, g = gc.activations[name], sc.activations[name], gc.gradients[name]
-                if g is None:  # the metric does not depend on this activation
-                    g = torch.zeros_like(a_b)
-                if tail and layer == last:
-                    e = _exact_tail(model, layer, a_s - a_b, gc.activations[hooks.resid_pre(last)],
-                                    capture.kwargs["block"], None, stash_base, idx, positions, b)
-                elif layer in own_layers:
-                    e = _atp_star_qk_own(
-                        model, layer, site, a_s, gc.activations[hooks.resid_pre(layer)],
-                        capture.kwargs[layer], gc.gradients[hooks.pattern(layer)], positions, b)
+            for st in steps:
+                name = site_names[st.layer]
+                a_b, a_s = acts[name], sc.activations[name]
+                delta = a_s - a_b
+                if st.own == "exact_tail":
+                    e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
+                                    None, stash_base, idx, positions, b)
+                elif st.own == "qk_exact":
+                    e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
+                                         capture.kwargs[st.layer], g_pat[st.layer], positions, b)
                 else:
-                    e = _head_effect(a_s - a_b, g, site, positions)
-                if star_layers and layer < star_layers[-1]:
-                    e = e + _atp_star_z_downstream(
-                        model, layer, a_s - a_b,
-                        {lp: gc.activations[hooks.resid_pre(lp)] for lp in star_layers},
-                        capture.kwargs,
-                        {lp: _zero_if_none(gc.gradients[hooks.pattern(lp)],
-                                           gc.activations[hooks.pattern(lp)])
-                         for lp in star_layers},
-                        positions, b, star_layers[-1] + 1)
-                if tail and layer < last:
-                    e = e + _exact_tail(model, layer, a_s - a_b,
-                                        gc.activations[hooks.resid_pre(last)],
-                                        capture.kwargs["block"],
-                                        gc.gradients[hooks.resid_pre(last)], stash_base, idx,
-                                        positions, b)
+                    e = _head_effect(delta, _zero_if_none(grads[name], a_b), site, positions)
+                if st.downstream_qk:
+                    e = e + _atp_star_z_downstream(model, st.layer, delta, r_base,
+                                                   capture.kwargs, g_pat, positions, b,
+                                                   st.downstream_qk)
+                if st.tail_correction:
+                    e = e + _exact_tail(model, st.layer, delta, r_base[last],
+                                        capture.kwargs["block"], grads[hooks.resid_pre(last)],
+                                        stash_base, idx, positions, b)
                 eff.append(e.detach().float().cpu())
-            effects.append(torch.stack(eff, dim=1))  # [b, L, H(, P)] (or [L, H(, P)] summed)
+            effects.append(torch.stack(eff, dim=1))  # [b, L, H(, P)]
             base_vals.append(stash_base.value.float().cpu())
             src_vals.append(stash_src.value.float().cpu())
-            weights.append(b / n)
 
+    delta = torch.cat(effects)  # [n, L, H(, P)]
+    base_pp, src_pp = torch.cat(base_vals), torch.cat(src_vals)
+    if not (torch.isfinite(base_pp).all() and torch.isfinite(src_pp).all()
+            and torch.isfinite(delta).all()):
+        raise ValueError(
+            f"metric {metric.name!r} or its gradient is not finite on these prompts "
+            f"(base {base_pp.tolist()[:4]}, source {src_pp.tolist()[:4]}); attribution cannot "
+            "estimate effects. Check the answer positions/tokens the metric reads.")
+    per_prompt = base_pp.reshape(-1, *([1] * (delta.ndim - 1))) + delta
+    clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
+    pp = metric.per_prompt_values
     meta = dict(atp_star=atp_star, exact_tail=tail, n_prompts=n, batch_size=bs,
-                passes="2 forward + 1 backward per batch")
-    if per_prompt_metric:
-        delta = torch.cat(effects)  # [n, L, H(, P)]
-        base_pp, src_pp = torch.cat(base_vals), torch.cat(src_vals)
-        per_prompt = base_pp.reshape(-1, *([1] * (delta.ndim - 1))) + delta
-        clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
-        return PatchResult(
-            values=per_prompt.mean(0), clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
-            direction=direction, method="attribution", site=site, positions=positions,
-            per_prompt=per_prompt, clean_per_prompt=clean_pp, corrupt_per_prompt=corrupt_pp,
-            meta=meta)
-    # Plain callable: chunk estimates summed over the chunk's prompts, chunks weighted by size.
-    delta = sum(w * e.sum(0) for w, e in zip(weights, effects, strict=True))
-    base_m = sum(w * float(v) for w, v in zip(weights, base_vals, strict=True))
-    src_m = sum(w * float(v) for w, v in zip(weights, src_vals, strict=True))
-    clean_m, corrupt_m = (src_m, base_m) if direction == "denoise" else (base_m, src_m)
+                passes=f"{4} pass-equivalents per prompt (2 forwards + 1 backward)",
+                plan=[dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
+                           tail_correction=st.tail_correction) for st in steps])
     return PatchResult(
-        values=base_m + delta, clean=clean_m, corrupt=corrupt_m, direction=direction,
-        method="attribution", site=site, positions=positions, meta=meta)
+        values=per_prompt.mean(0), clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
+        direction=direction, method="attribution", site=site, positions=positions,
+        per_prompt=per_prompt if pp else None, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
 
 
 def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
     return torch.zeros_like(like) if g is None else g
-
-
-def _exact_cells(
-    model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Metric, direction: str,
-    site: str, positions: str, cells: list[tuple[int, ...]], rows: int,
-) -> tuple[Tensor, Tensor | None]:
-    """Exact patched metric for a list of (layer, head[, pos]) cells, by the exact engine.
-
-    Cells of one layer are packed into one suffix forward, ``rows // n_prompts`` at a time.
-    Returns (values [n_cells], per_prompt [n_prompts, n_cells] or None).
-    """
-    from circuitkit.patching.engine import ExactEngine, Sweep
-
-    f = hooks.facts(model)
-    n, seq = clean_tokens.shape
-    is_pm = isinstance(metric, PromptMetric)
-    sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
-                  seq if positions == "each" else 1, n, seq, is_pm)
-    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
-    per_fwd = max(1, rows // n)
-    out = torch.zeros(len(cells), n if is_pm else 1)
-    by_layer: dict[int, list[int]] = {}
-    for i, cell in enumerate(cells):
-        by_layer.setdefault(cell[0], []).append(i)
-    for layer, idx in by_layer.items():
-        for s in range(0, len(idx), per_fwd):
-            group = idx[s:s + per_fwd]
-            variants = [cells[i][1] * sweep.n_pos + (cells[i][2] if len(cells[i]) == 3 else 0)
-                        for i in group]
-            out[group] = engine.run_variants(layer, variants, 0, n)
-    return out.mean(1), (out.T.contiguous() if is_pm else None)
-
-
-def attribution_plus_exact(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Metric,
-    direction: str = "denoise",
-    site: str = "z",
-    positions: str = "all",
-    top_k: int = 20,
-    atp_star: bool = True,
-    batch_size: int | None = None,
-    progress: bool = True,
-) -> PatchResult:
-    """Screen all heads by attribution; verify the ``top_k`` largest ``|estimated effect|`` exactly.
-
-    ``values``: exact metric-after-patch for the verified cells, the attribution estimate for the
-    rest; ``meta["verified"]``: nested-list bool mask shaped like ``values`` (``verified_mask()``
-    below turns it back into a tensor); ``meta["attribution_values"]``: the screening estimate of
-    every cell. ``atp_star`` is applied where supported (sites z, q, k). Exact verification costs
-    ``top_k`` patched forwards per prompt, packed ``batch_size`` sequences per forward (default:
-    ``max(n_prompts, 64)``).
-    """
-    clean_tokens, corrupt_tokens = _check_args(model, clean_tokens, corrupt_tokens, direction, site,
-                                               positions)
-    est = attribution_patch_heads(
-        model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
-        positions=positions, atp_star=atp_star and site in ATP_STAR_SITES,
-        batch_size=batch_size, progress=progress)
-    base = est.corrupt if direction == "denoise" else est.clean
-    effect = (est.values - base).abs().flatten()
-    k = min(top_k, effect.numel())
-    flat = torch.topk(effect, k).indices
-    cells = [tuple(int(i) for i in torch.unravel_index(j, est.values.shape)) for j in flat]
-    n = clean_tokens.shape[0]
-    rows = batch_size or max(n, 64)
-    exact, exact_pp = _exact_cells(model, clean_tokens, corrupt_tokens, metric, direction, site,
-                                   positions, cells, rows)
-    values = est.values.clone()
-    per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
-    verified = torch.zeros_like(values, dtype=torch.bool)
-    for i, cell in enumerate(cells):
-        values[cell] = exact[i]
-        verified[cell] = True
-        if per_prompt is not None and exact_pp is not None:
-            per_prompt[(slice(None), *cell)] = exact_pp[:, i]
-    meta = dict(est.meta, top_k=k, verified=verified.tolist(), verified_cells=cells,
-                attribution_values=est.values.tolist(), atp_star=est.meta["atp_star"])
-    return PatchResult(
-        values=values, clean=est.clean, corrupt=est.corrupt, direction=direction,
-        method="attribution+exact", site=site, positions=positions, per_prompt=per_prompt,
-        clean_per_prompt=est.clean_per_prompt, corrupt_per_prompt=est.corrupt_per_prompt,
-        meta=meta)
-
-
-def verified_mask(result: PatchResult) -> Tensor:
-    """``meta["verified"]`` of an ``attribution_plus_exact`` result as a bool tensor."""
-    return torch.tensor(result.meta["verified"], dtype=torch.bool)

@@ -32,253 +32,58 @@ they hold for any block layout (sequential, parallel, post-norm). Before use, th
 the fast path against the plain hooked path on a probe chunk of the model at hand and falls back
 (with a warning) if they differ by more than ``FAST_PATH_TOL``.
 
-Causal models: nothing after a prompt's last read position can change its metric. Runs stop
-there (``ExactEngine._cut``), and the sweep orders prompts by that length (``_length_order``;
-results come back in the caller's order), so chunks of short prompts stop early.
+Causal models: nothing after a prompt's last read position can change its metric, so runs stop
+there (``Sweep.run_length``; prompts are swept in order of that length, ``sweep.length_order``).
 
-Work is cut into *chunks* (one layer, a range of variants, a range of prompts). Each chunk's
-result is a ``[n_variants, n_prompts]`` tensor; chunks are independent, which is what makes
-checkpointing (a folder of chunk files, ``SweepCheckpoint``) and sharding across
-``torchrun`` ranks (``distributed.py``) simple and bit-reproducible: the chunk plan is fixed up
-front and stored with the checkpoint, and a chunk's numbers never depend on who computes it.
+This module holds the engine only: what to patch and how it is cut into chunks is
+``patching/sweep.py``; running a whole sweep (checkpoints, ranks, progress) is ``patching/api.py``.
+A chunk's result is a ``[n_variants, n_prompts]`` tensor (``run_chunk``); ``run_variants`` patches
+any subset of one layer's variants.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import sys
-import time
 import warnings
+import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.inputs import (
-    DIRECTIONS,
-    HEAD_SITES,
-    LAYER_SITES,
-    METHODS,
-    POSITIONS,
-    check_tokens,
-    choice,
-)
-from circuitkit.patching.results import PatchResult
+from circuitkit.patching.sweep import Chunk, Sweep, auto_rows
 
-MAX_ROWS = 1024  # cap on sequences per forward: bigger batches gain nothing and hurt latency
 # Max |fast - plain| on the probe chunk, relative to max(1, |metric|), by weight dtype: the two
 # paths round differently (the z write is added after the output projection, not inside it).
 FAST_PATH_TOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 2e-2,
                  torch.bfloat16: 5e-2}
 # Sites whose patch leaves block l's attention computation to a cached output (fast path).
 ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers", "mlp_out")})
+# The fast path's verdict depends on the architecture, not on weights or inputs: once per model,
+# kept beside (never on) the user's model object.
+_FAST_PATH_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# --- validation ---------------------------------------------------------------------------------
+def evaluate_metric(metric: PromptMetric, logits: Tensor, what: str,
+                    at: Tensor | None = None) -> Float[Tensor, " batch"]:
+    """Per-prompt metric of a batch of logits, validated (shape, finite), on the CPU.
 
-
-def _is_prompt_metric(metric: Any) -> bool:
-    return hasattr(metric, "per_prompt") and hasattr(metric, "select")
-
-
-def _metric_name(metric: Any) -> str:
-    return str(getattr(metric, "name", None) or getattr(metric, "__name__", type(metric).__name__))
-
-
-def _reads(metric: Any) -> Int[Tensor, "n k"] | None:
-    """Per-prompt logit positions a PromptMetric declares it reads (None: it may read any)."""
-    if not _is_prompt_metric(metric) or getattr(metric, "reads", None) is None:
-        return None
-    return metric.read_positions() if hasattr(metric, "read_positions") else metric.reads
-
-
-def _evaluate(metric: Any, logits: Tensor, n_prompts: int, what: str,
-              at: Tensor | None = None) -> Tensor:
-    """Metric of one [n_prompts, seq, vocab] batch: per-prompt [n] or scalar [1] (validated).
-
-    ``at``: the logits hold only these positions (see ``PromptMetric.reads``)."""
-    if _is_prompt_metric(metric):
-        out = metric.per_prompt(logits) if at is None else metric.per_prompt(logits, at=at)
-        if out.shape != (n_prompts,):
-            raise ValueError(f"metric.per_prompt must return [{n_prompts}] values ({what}); got "
-                             f"shape {tuple(out.shape)}.")
-    else:
-        out = torch.as_tensor(metric(logits))
-        if out.ndim != 0:
-            raise ValueError(
-                f"metric must return a scalar tensor ({what}); got shape {tuple(out.shape)}. "
-                "Average over prompts inside the metric, or pass a PromptMetric "
-                "(circuitkit.metrics) for per-prompt values.")
-        out = out[None]
+    ``at``: the logits hold only these positions (``PromptMetric.reads``)."""
+    n = logits.shape[0]
+    out = metric.per_prompt(logits, at=at)
+    if out.shape != (n,):
+        raise ValueError(f"metric {metric.name!r} must give [{n}] values ({what}); got shape "
+                         f"{tuple(out.shape)}.")
     out = out.detach().float().cpu()
     if not torch.isfinite(out).all():
-        raise ValueError(f"metric returned a non-finite value ({what}): {out.tolist()[:8]}. "
-                         "Check the answer positions/tokens it reads and the logits' dtype.")
-    return out
-
-
-# --- the suffix run ---------------------------------------------------------------------------
-
-
-# --- sweep description --------------------------------------------------------------------------
-
-
-@dataclass
-class Sweep:
-    """What to patch: ``n_layers`` layers x ``n_units`` heads (1 for layer sites) x ``n_pos``."""
-
-    kind: str  # "heads" | "layers"
-    site: str
-    direction: str
-    positions: str
-    n_layers: int
-    n_units: int
-    n_pos: int  # seq for per-position sweeps, else 1
-    n_prompts: int
-    seq: int
-    per_prompt: bool  # metric has a per-prompt view
-    chunks: list[tuple[int, int, int, int, int]] = field(default_factory=list)
-    # chunk = (layer, variant_start, variant_end, prompt_start, prompt_end)
-    cuts: list[int] | None = None  # positions each prompt needs (set by ``plan``)
-
-    @property
-    def n_variants(self) -> int:
-        return self.n_units * self.n_pos
-
-    def variant(self, v: int) -> tuple[int, int | None]:
-        """Variant index -> (unit, pos or None); layout unit-major: v = unit * n_pos + pos."""
-        unit, pos = divmod(v, self.n_pos)
-        return unit, (pos if self.positions == "each" else None)
-
-    def value_shape(self) -> tuple[int, ...]:
-        if self.kind == "layers":
-            return (self.n_layers, self.n_pos)
-        if self.positions == "each":
-            return (self.n_layers, self.n_units, self.n_pos)
-        return (self.n_layers, self.n_units)
-
-    def chunk_cost(self, chunk: tuple[int, ...]) -> int:
-        """Token-blocks a chunk runs: rows x positions (up to its prompts' ``cuts``) x blocks."""
-        layer, v0, v1, p0, p1 = chunk
-        length = max(self.cuts[p0:p1]) if self.cuts else self.seq
-        return (v1 - v0) * (p1 - p0) * length * (self.n_layers - layer)
-
-    def plan(self, rows: int, cuts: Sequence[int] | None = None) -> None:
-        """Cut the work into chunks of at most ``rows`` sequences per forward pass.
-
-        ``cuts``: positions each prompt needs (ascending; see ``_length_order``). When all
-        prompts fit in one forward, they are split in two length buckets if that saves >= 10%
-        of the token-rows (a chunk runs up to its longest prompt); each bucket keeps >= 1/4 of
-        the prompts so forwards stay large.
-        """
-        rows = max(1, int(rows))
-        self.chunks, self.cuts = [], None if cuts is None else list(cuts)
-        n = self.n_prompts
-        if rows >= n or not self.per_prompt:
-            buckets = [(0, n)]
-            if cuts is not None and self.per_prompt and n >= 4:
-                cost = {s: s * cuts[s - 1] + (n - s) * cuts[-1] for s in range(n // 4, n - n // 4)}
-                best = min(cost, key=cost.__getitem__, default=None)
-                if best and cost[best] <= 0.9 * n * cuts[-1]:
-                    buckets = [(0, best), (best, n)]
-            for layer in range(self.n_layers):
-                for p0, p1 in buckets:
-                    per = max(1, rows // (p1 - p0))
-                    for v0 in range(0, self.n_variants, per):
-                        self.chunks.append((layer, v0, min(v0 + per, self.n_variants), p0, p1))
-        else:  # prompts split: one variant per forward (needs a per-prompt metric)
-            for layer in range(self.n_layers):
-                for v in range(self.n_variants):
-                    for p0 in range(0, n, rows):
-                        self.chunks.append((layer, v, v + 1, p0, min(p0 + rows, n)))
-
-
-def _length_order(metric: Any) -> tuple[Tensor | None, list[int] | None]:
-    """Prompt order by the positions each prompt's metric needs (last read + 1), ascending, and
-    those lengths in that order; ``(None, None)`` when the metric declares no reads. Chunks of
-    similar prompts then stop early (``ExactEngine._cut``)."""
-    reads = _reads(metric)
-    if reads is None:
-        return None, None
-    need = reads.max(1).values + 1
-    order = torch.argsort(need, stable=True)
-    return order, need[order].tolist()
-
-
-def _sorted_and_planned(clean: Tensor, corrupt: Tensor, metric: Any, sweep: Sweep, rows: int
-                        ) -> tuple[Tensor, Tensor, Any, Tensor | None]:
-    """Prompts sorted by length (``_length_order``; per-prompt metrics only) and the sweep
-    planned for them. Returns the sorted inputs and the order (None: unchanged)."""
-    order, cuts = _length_order(metric) if sweep.per_prompt else (None, None)
-    if order is not None:
-        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
-    sweep.plan(rows, cuts)
-    return clean, corrupt, metric, order
-
-
-def bytes_per_row(model: Any, seq: int) -> int:
-    """Rough peak bytes of one sequence in a no-grad forward (activations of one block + logits)."""
-    f = hooks.facts(model)
-    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
-    elem = next(model.parameters()).element_size()
-    per_tok = 8 * f.d_model + 3 * d_mlp + 3 * f.n_heads * seq + 3 * f.d_vocab
-    return int(elem * seq * per_tok * 1.5)  # 1.5: allocator slack, hook copies
-
-
-def available_bytes(device: torch.device) -> int:
-    """Free memory usable by activations: a share of free GPU memory or of available RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.7)
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.4)
-
-
-def auto_rows(model: Any, seq: int) -> int:
-    device = next(model.parameters()).device
-    return max(1, min(MAX_ROWS, available_bytes(device) // bytes_per_row(model, seq)))
-
-
-# --- identity (for checkpoints) ---------------------------------------------------------------
-
-
-def tokens_hash(*tokens: Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tokens:
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().cpu().long().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def model_fingerprint(model: Any) -> str:
-    """Hash of the shape facts, the model name and a sample of the first and last weights."""
-    h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
-    h.update(str(getattr(model.cfg, "model_name", "")).encode())
-    params = list(model.parameters())
-    for p in (params[0], params[-1]):
-        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("circuitkit", "torch", "transformer-lens", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "?"
+        raise ValueError(f"metric {metric.name!r} returned a non-finite value ({what}): "
+                         f"{out.tolist()[:8]}. Check the answer positions/tokens it reads and the "
+                         "logits' dtype.")
     return out
 
 
@@ -291,17 +96,18 @@ class ExactEngine:
     ``fast``: use the fast path (module docstring); ``None`` = after checking it on a probe.
     """
 
-    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, sweep: Sweep,
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+                 sweep: Sweep,
                  fast: bool | None = None, rows: int | None = None):
         self.model, self.metric, self.sweep = model, metric, sweep
         self.device = next(model.parameters()).device
-        self.reads = _reads(metric)
+        self.reads = metric.read_positions()
         # Causal model: positions after the last one the metric reads cannot matter. Runs stop
         # there; a per-position patch beyond it is a no-op (its value is the base metric).
-        self.cut = sweep.seq if self.reads is None else int(self.reads.max()) + 1
+        self.length = sweep.seq if self.reads is None else int(self.reads.max()) + 1
         base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base = base[:, :self.cut].to(self.device)
-        self.source = source[:, :self.cut].to(self.device)
+        self.base = base[:, :self.length].to(self.device)
+        self.source = source[:, :self.length].to(self.device)
         L = sweep.n_layers
         self.site_names = [self._site_name(layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
@@ -317,7 +123,7 @@ class ExactEngine:
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
                 [self.base, self.source], [*base_names, *self.site_names],
-                rows or auto_rows(model, self.cut))
+                rows or auto_rows(model, self.length))
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.attn_base = [cache[hooks.attn_out(layer)][0] for layer in range(L)] \
                 if self.attn_cached and sweep.site != "z" else []
@@ -357,8 +163,8 @@ class ExactEngine:
             del cache
         all_logits = torch.cat(logits)
         whats = ("unpatched base run", "unpatched source run")
-        values = [_evaluate(self.metric, all_logits[i * n:(i + 1) * n], n, whats[i % 2],
-                            at=self.reads) for i in range(len(token_sets))]
+        values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
+                                  at=self.reads) for i in range(len(token_sets))]
         return values, {name: list(torch.cat(a).split(n)) for name, a in acts.items()}
 
     def _check_head_axis(self) -> None:
@@ -387,24 +193,24 @@ class ExactEngine:
     def corrupt_metric(self) -> Tensor:
         return self.base_metric if self.sweep.direction == "denoise" else self.source_metric
 
-    def _cut(self, p0: int, p1: int) -> int:
+    def _run_length(self, p0: int, p1: int) -> int:
         """Positions prompts ``p0:p1`` need: up to their last read (causal model)."""
-        return self.cut if self.reads is None else int(self.reads[p0:p1].max()) + 1
+        return self.length if self.reads is None else int(self.reads[p0:p1].max()) + 1
 
-    def _span(self, cached: Tensor, p0: int, p1: int, cut: int, site: bool = False) -> Tensor:
-        """Prompts ``p0:p1``, positions ``< cut`` of a cached activation, on the device.
+    def _span(self, cached: Tensor, p0: int, p1: int, length: int, site: bool = False) -> Tensor:
+        """Prompts ``p0:p1``, positions ``< length`` of a cached activation, on the device.
         ``site``: it is the swept site's activation (a pattern has two position axes)."""
         t = cached[p0:p1]
-        t = t[:, :, :cut, :cut] if site and self.sweep.site == "pattern" else t[:, :cut]
+        t = t[:, :, :length, :length] if site and self.sweep.site == "pattern" else t[:, :length]
         return t.to(self.device)
 
     def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int],
-                     cut: int) -> Tensor:
+                     length: int) -> Tensor:
         """Write ``src``'s slice of each variant into ``act`` ([n_var * n_p, ...], in place).
 
         Head sites: head axis from ``hooks.head_axis`` (2 for q/k/v/z, 1 for pattern); the
         position axis is the one after batch for vectors, ``query_pos`` for patterns.
-        Layer sites: ``[batch, pos, d_model]``, patched at one position. Positions ``>= cut``
+        Layer sites: ``[batch, pos, d_model]``, patched at one position. Positions ``>= length``
         come after every read position: patching them changes nothing, so they are skipped.
         """
         sw = self.sweep
@@ -412,7 +218,7 @@ class ExactEngine:
         view = act.view(len(variants), n_p, *act.shape[1:])
         for i, v in enumerate(variants):
             unit, pos = sw.variant(v)
-            if pos is not None and pos >= cut:
+            if pos is not None and pos >= length:
                 continue
             if sw.kind == "layers":
                 view[i, :, pos] = src[:, pos]
@@ -424,7 +230,7 @@ class ExactEngine:
             view[i][tuple(idx)] = src[tuple(idx)]
         return act
 
-    def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int, cut: int
+    def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int, length: int
                      ) -> Float[Tensor, "n_var_x_n_p seq d_model"]:
         """Block ``layer``'s attention output under each variant's patch, without running it.
 
@@ -433,11 +239,11 @@ class ExactEngine:
         position; mlp_out: the base output.
         """
         sw, n_v = self.sweep, len(variants)
-        src = self._span(self.src[layer], p0, p1, cut, site=True)
+        src = self._span(self.src[layer], p0, p1, length, site=True)
         if sw.site != "z":
-            out = self._span(self.attn_base[layer], p0, p1, cut).repeat(n_v, 1, 1)
-            return self._write_patch(out, src, variants, cut) if sw.site == "attn_out" else out
-        z_base = self._span(self.site_base[layer], p0, p1, cut, site=True)  # [n_p, pos, h, d]
+            out = self._span(self.attn_base[layer], p0, p1, length).repeat(n_v, 1, 1)
+            return self._write_patch(out, src, variants, length) if sw.site == "attn_out" else out
+        z_base = self._span(self.site_base[layer], p0, p1, length, site=True)  # [n_p, pos, h, d]
         out = self.model.blocks[layer].attn.o(z_base.flatten(-2)).repeat(n_v, 1, 1)
         dz = src - z_base
         W_O = self.W_O[layer]  # [head, d_head, d_model]
@@ -449,47 +255,43 @@ class ExactEngine:
                                   "b pos v dh, v dh dm -> v b pos dm")
         else:
             for i, (h, pos) in enumerate(cells):
-                if pos < cut:
+                if pos < length:
                     view[i, :, pos] += dz[:, pos, h] @ W_O[h]
         return out
 
-    def run_chunk(self, chunk: tuple[int, int, int, int, int]) -> Float[Tensor, "n_var n_p"]:
-        """Metric after each patch of the chunk: ``[n_variants, n_prompts]`` ([n_variants, 1] for a
-        scalar metric)."""
-        layer, v0, v1, p0, p1 = chunk
-        return self.run_variants(layer, range(v0, v1), p0, p1)
+    def run_chunk(self, chunk: Chunk) -> Float[Tensor, "n_var n_p"]:
+        """Metric after each patch of the chunk: ``[n_variants, n_prompts]``."""
+        chunk = Chunk(*chunk)
+        return self.run_variants(chunk.layer, range(chunk.v0, chunk.v1), chunk.p0, chunk.p1)
 
     @torch.no_grad()
     def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                      fast: bool | None = None) -> Float[Tensor, "n_var n_p"]:
         """Metric after patching each of ``variants`` (any subset) of ``layer``, on prompts
-        ``p0:p1``, all in one suffix forward: ``[len(variants), p1 - p0]`` (``[., 1]`` for a
-        scalar metric, which needs all prompts). ``fast``: override ``self.fast``."""
+        ``p0:p1``, all in one suffix forward: ``[len(variants), p1 - p0]`` (a metric without
+        per-prompt values needs all prompts). ``fast``: override ``self.fast``."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
-        n_v, n_p, cut = len(variants), p1 - p0, self._cut(p0, p1)
-        x = self._span(self.resid[layer], p0, p1, cut).repeat(n_v, 1, 1)  # variant-major rows
-        src = self._span(self.src[layer], p0, p1, cut, site=True)
+        n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
+        x = self._span(self.resid[layer], p0, p1, length).repeat(n_v, 1, 1)  # variant-major rows
+        src = self._span(self.src[layer], p0, p1, length, site=True)
         block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
         forwards = shortcuts.skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
         if fast and self.attn_cached:
-            attn = self._attn_output(layer, variants, p0, p1, cut)
+            attn = self._attn_output(layer, variants, p0, p1, length)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
             if sw.site == "mlp_out":
-                mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, cut)
-                                        .repeat(n_v, 1, 1), src, variants, cut)
+                mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, length)
+                                        .repeat(n_v, 1, 1), src, variants, length)
                 forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
         elif sw.kind == "layers" and sw.site == "resid_pre":
-            self._write_patch(x, src, variants, cut)  # the patch *is* the restart point
+            self._write_patch(x, src, variants, length)  # the patch *is* the restart point
         else:
             def hook(act: Tensor, hook: Any) -> Tensor:
-                return self._write_patch(act, src, variants, cut)
+                return self._write_patch(act, src, variants, length)
 
             fwd_hooks = [(self.site_names[layer], hook)]
-        metric = self.metric
-        if _is_prompt_metric(metric) and (p0, p1) != (0, sw.n_prompts):
-            metric = metric.select(list(range(p0, p1)))
         at = None if self.reads is None else self.reads[p0:p1]
         if at is not None:
             # Unembed only the positions the metric reads: with a big vocabulary the
@@ -506,12 +308,10 @@ class ExactEngine:
                 shortcuts.attn_result_off(model):
             logits = model(x, start_at_layer=layer)
         what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
-        if _is_prompt_metric(metric):  # one call for all variants: rows are (variant, prompt)
-            tiled = metric.select(list(range(n_p)) * n_v)
-            return _evaluate(tiled, logits, n_v * n_p, what,
-                             at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
-        return torch.stack([_evaluate(metric, logits[i * n_p:(i + 1) * n_p], n_p, what, at=at)
-                            for i in range(n_v)])
+        # One metric call for all variants: rows are (variant, prompt), variant-major.
+        tiled = self.metric.select(list(range(p0, p1)) * n_v)
+        return evaluate_metric(tiled, logits, what,
+                               at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
 
     def _fast_path_agrees(self) -> bool:
         """Whether the fast path matches the plain hooked path on a probe of this model.
@@ -522,8 +322,7 @@ class ExactEngine:
         sw = self.sweep
         if not self.attn_cached and self.reads is None:
             return True  # nothing to speed up
-        # The verdict depends on the architecture, not on weights or inputs: once per model.
-        verdicts = self.model.__dict__.setdefault("_circuitkit_fast_path", {})
+        verdicts = _FAST_PATH_VERDICTS.setdefault(self.model, {})
         key = (sw.kind, sw.site, sw.positions, self.reads is not None)
         if key not in verdicts:
             verdicts[key] = self._probe_fast_path()
@@ -531,7 +330,7 @@ class ExactEngine:
 
     def _probe_fast_path(self) -> bool:
         sw = self.sweep
-        p1 = min(2, sw.n_prompts) if sw.per_prompt else sw.n_prompts
+        p1 = min(2, sw.n_prompts) if sw.split_prompts else sw.n_prompts
         pos = 0
         if sw.n_pos > 1:
             pos = int(self.reads[0].max()) if self.reads is not None else sw.seq - 1
@@ -549,306 +348,15 @@ class ExactEngine:
         return False
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
-        """Chunk results -> (values [value_shape], per_prompt [n_prompts, *value_shape] | None)."""
+        """Chunk results -> (values [value_shape], per_prompt [n_prompts, *value_shape] | None;
+        None for a metric without per-prompt values)."""
         sw = self.sweep
-        width = sw.n_prompts if sw.per_prompt else 1
-        grid = torch.full((sw.n_layers, sw.n_variants, width), float("nan"))
-        for cid, (layer, v0, v1, p0, p1) in enumerate(sw.chunks):
-            grid[layer, v0:v1, (p0 if sw.per_prompt else 0):(p1 if sw.per_prompt else 1)] = \
-                done[cid]
+        grid = torch.full((sw.n_layers, sw.n_variants, sw.n_prompts), float("nan"))
+        for cid, c in enumerate(sw.chunks):
+            grid[c.layer, c.v0:c.v1, c.p0:c.p1] = done[cid]
         shape = sw.value_shape()
         values = grid.mean(-1).reshape(shape)
-        per_prompt = grid.permute(2, 0, 1).reshape(sw.n_prompts, *shape) if sw.per_prompt \
-            else None
-        return values, per_prompt
+        per_prompt = grid.permute(2, 0, 1).reshape(sw.n_prompts, *shape)
+        return values, per_prompt if self.metric.per_prompt_values else None
 
 
-# --- public entry points --------------------------------------------------------------------------
-
-
-def patch_heads(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    direction: str = "denoise",
-    method: str = "exact",
-    positions: str = "all",
-    site: str = "z",
-    batch_size: int | None = None,
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    *,
-    atp_star: bool = False,
-    top_k: int = 20,
-    task_hash: str | None = None,
-) -> PatchResult:
-    """Patch every attention head (per layer; per position with ``positions="each"``).
-
-    ``denoise``: each head's clean activation at ``site`` patched into the corrupt run;
-    ``noise``: its corrupt activation patched into the clean run. Returns a ``PatchResult``
-    with ``values`` ``[n_layers, n_heads]`` (or ``[n_layers, n_heads, seq]``) = the metric after
-    the patch, mean over prompts. For ``site`` k/v on a GQA model the head axis is the KV-head
-    axis (``meta["head_axis"] == "kv_head"``). For ``site="pattern"`` a position is the query
-    (destination) position, whose whole attention row is patched (as TransformerLens's
-    ``get_act_patch_attn_head_pattern_by_pos``).
-
-    ``method``: "exact" (this engine), "attribution" (gradient estimate, AtP / AtP* with
-    ``atp_star``), "attribution+exact" (attribution ranks, exact re-check of the ``top_k``).
-    ``batch_size``: sequences per forward pass (default: from free memory).
-    ``checkpoint``: folder; finished chunks are stored durably and a rerun resumes.
-    Under ``torchrun`` the chunks are split over ranks; every rank returns the merged result.
-    """
-    choice("direction", direction, DIRECTIONS)
-    choice("method", method, METHODS)
-    choice("positions", positions, POSITIONS)
-    choice("site", site, HEAD_SITES)
-    if method != "exact":
-        from circuitkit.patching import attribution
-
-        args = dict(direction=direction, site=site, positions=positions, atp_star=atp_star,
-                    batch_size=batch_size, progress=progress)
-        if method == "attribution":
-            return attribution.attribution_patch_heads(
-                model, clean_tokens, corrupt_tokens, metric, **args)
-        return attribution.attribution_plus_exact(
-            model, clean_tokens, corrupt_tokens, metric, top_k=top_k, **args)
-    f = hooks.facts(model)
-    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
-    n, seq = clean_tokens.shape
-    sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
-                  seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
-    head_axis = "kv_head" if site in hooks.KV_SITES and f.gqa else "head"
-    return _run(model, clean_tokens, corrupt_tokens, metric, sweep, batch_size, checkpoint,
-                progress, dict(head_axis=head_axis, task_hash=task_hash))
-
-
-def patch_layers(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    site: str = "resid_pre",
-    direction: str = "denoise",
-    batch_size: int | None = None,
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    *,
-    task_hash: str | None = None,
-) -> PatchResult:
-    """Patch a whole-layer site (``resid_pre``, ``attn_out``, ``mlp_out``) at each (layer, pos).
-
-    ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
-    """
-    choice("site", site, LAYER_SITES)
-    choice("direction", direction, DIRECTIONS)
-    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
-    f = hooks.facts(model)
-    n, seq = clean_tokens.shape
-    sweep = Sweep("layers", site, direction, "each", f.n_layers, 1, seq, n, seq,
-                  _is_prompt_metric(metric))
-    return _run(model, clean_tokens, corrupt_tokens, metric, sweep, batch_size, checkpoint,
-                progress, dict(task_hash=task_hash))
-
-
-def plan_patch(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any,
-               site: str = "z", direction: str = "denoise", positions: str = "all",
-               batch_size: int | None = None) -> dict[str, Any]:
-    """Cost of an exact head sweep, with the time estimated from a one-chunk probe."""
-    choice("site", site, HEAD_SITES)
-    choice("direction", direction, DIRECTIONS)
-    choice("positions", positions, POSITIONS)
-    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
-    f = hooks.facts(model)
-    n, seq = clean_tokens.shape
-    sweep = Sweep("heads", site, direction, positions, f.n_layers, f.n_heads_at(site),
-                  seq if positions == "each" else 1, n, seq, _is_prompt_metric(metric))
-    rows = batch_size or auto_rows(model, seq)
-    clean_tokens, corrupt_tokens, metric, _ = _sorted_and_planned(
-        clean_tokens, corrupt_tokens, metric, sweep, rows)
-    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep, rows=rows)
-    probe = sweep.chunks[0]
-    t0 = time.perf_counter()
-    engine.run_chunk(probe)
-    per_cost = (time.perf_counter() - t0) / sweep.chunk_cost(probe)
-    total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
-    return dict(
-        n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
-        n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
-        # one pass = one prompt of ``seq`` tokens through all layers; the engine's chunks run
-        # (L-l)/L of one, up to their last read (an upper bound: the fast path skips more)
-        pass_equivalents=total / (f.n_layers * seq) + 2 * n,
-        naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
-        bytes_per_chunk=bytes_per_row(model, seq) * min(rows, sweep.n_variants * n),
-        available_bytes=available_bytes(next(model.parameters()).device),
-        est_seconds=per_cost * total,
-    )
-
-
-# --- orchestration --------------------------------------------------------------------------------
-
-
-def _run(model, clean, corrupt, metric, sweep: Sweep, batch_size, checkpoint, progress,
-         meta: dict) -> PatchResult:
-    from circuitkit.patching import distributed as dist
-
-    t_start = time.perf_counter()
-    rank, world = dist.rank_world()
-    identity = dict(kind=sweep.kind, site=sweep.site, direction=sweep.direction,
-                    positions=sweep.positions, tokens=tokens_hash(clean, corrupt),
-                    model=model_fingerprint(model), metric=_metric_name(metric),
-                    per_prompt=sweep.per_prompt, prompt_order="by_length")
-    # The sweep runs on prompts sorted by length; results are put back in the caller's order.
-    rows = batch_size or auto_rows(model, sweep.seq)
-    clean, corrupt, metric, order = _sorted_and_planned(clean, corrupt, metric, sweep, rows)
-    ckpt = None
-    if checkpoint is not None:
-        ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
-        sweep.chunks = ckpt.chunks  # a resumed sweep keeps its original chunk plan
-    done: dict[int, Tensor] = dict(ckpt.load_done()) if ckpt else {}
-    engine = ExactEngine(model, clean, corrupt, metric, sweep, rows=rows)
-    mine = [c for c in range(len(sweep.chunks)) if c % world == rank and c not in done]
-    bar = _progress_bar(sweep, mine, progress and rank == 0)
-    computed: dict[int, Tensor] = {}
-    try:
-        for cid in mine:
-            computed[cid] = engine.run_chunk(sweep.chunks[cid])
-            if ckpt is not None:
-                ckpt.save_chunk(cid, computed[cid])
-            if bar is not None:
-                bar.update(sweep.chunk_cost(sweep.chunks[cid]))
-    except KeyboardInterrupt:
-        if ckpt is None and computed:
-            path = default_checkpoint_dir(identity)
-            ckpt = SweepCheckpoint.open(path, identity, sweep.chunks, rank=0, world=1)
-            for cid, t in computed.items():
-                ckpt.save_chunk(cid, t)
-        if ckpt is not None:
-            n_done = len(done) + len(computed)
-            print(f"\ninterrupted: {n_done}/{len(sweep.chunks)} chunks saved in {ckpt.path}; "
-                  f"rerun the same call with checkpoint={str(ckpt.path)!r} (CLI: --checkpoint "
-                  f"{ckpt.path}) to resume.", file=sys.stderr)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    done.update(computed)
-    if world > 1:
-        done.update(dist.all_gather_chunks(computed))
-    values, per_prompt = engine.assemble(done)
-    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
-    if order is not None:  # back to the caller's prompt order
-        inv = torch.argsort(order)
-        per_prompt, clean_pp, corrupt_pp = per_prompt[inv], clean_pp[inv], corrupt_pp[inv]
-    pp = sweep.per_prompt
-    return PatchResult(
-        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
-        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None,
-        meta=dict(model=str(getattr(model.cfg, "model_name", "")), model_fingerprint=identity[
-            "model"], tokens_hash=identity["tokens"], metric=identity["metric"],
-            n_prompts=sweep.n_prompts, seq=sweep.seq, n_chunks=len(sweep.chunks), world=world,
-            seconds=time.perf_counter() - t_start, versions=versions(),
-            facts=asdict(hooks.facts(model)), **{k: v for k, v in meta.items() if v is not None}),
-    )
-
-
-def _progress_bar(sweep: Sweep, mine: list[int], show: bool):
-    if not show:
-        return None
-    from tqdm.auto import tqdm
-
-    total = sum(sweep.chunk_cost(sweep.chunks[c]) for c in mine)
-    return tqdm(total=total, desc=f"patch {sweep.site} {sweep.direction}", unit="token-block",
-                unit_scale=True, dynamic_ncols=True, file=sys.stderr)
-
-
-# --- checkpoints ----------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """``write(tmp_path)``, fsync the file, rename over ``path``, fsync the folder.
-
-    A crash (SIGKILL included) leaves either the old state or the complete new file, never a
-    partial one under the final name.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def default_checkpoint_dir(identity: dict) -> Path:
-    from circuitkit.models import CACHE_DIR
-
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
-    return CACHE_DIR / "checkpoints" / f"patch-{identity['site']}-{identity['direction']}-{key}"
-
-
-class SweepCheckpoint:
-    """A folder: ``header.json`` (sweep identity + chunk plan) and one file per finished chunk.
-
-    Chunk ``i`` is ``chunk_{i:06d}.safetensors`` holding its ``[n_variants, n_prompts]`` result,
-    written atomically (``_atomic_write``) the moment it completes. Several ranks can write to
-    one folder: chunk files never collide, and only rank 0 writes the header.
-    """
-
-    HEADER = "header.json"
-
-    def __init__(self, path: Path, identity: dict, chunks: list[tuple[int, ...]]):
-        self.path, self.identity, self.chunks = path, identity, chunks
-
-    @classmethod
-    def open(cls, path: str | Path, identity: dict, chunks: list, rank: int = 0,
-             world: int = 1) -> SweepCheckpoint:
-        from circuitkit.patching import distributed as dist
-
-        path = Path(path)
-        header = path / cls.HEADER
-        if rank == 0 and not header.exists():
-            path.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(dict(identity=identity, chunks=chunks), indent=1)
-            _atomic_write(header, lambda p: p.write_text(text))
-        if world > 1:
-            dist.barrier()
-        stored = json.loads(header.read_text())
-        if stored["identity"] != identity:
-            diff = {k: (stored["identity"].get(k), identity.get(k))
-                    for k in sorted(set(stored["identity"]) | set(identity))
-                    if stored["identity"].get(k) != identity.get(k)}
-            raise ValueError(
-                f"checkpoint {path} belongs to a different sweep; differing fields "
-                f"(stored, now): {diff}. Use a new checkpoint folder, or delete this one to "
-                "start over.")
-        return cls(path, identity, [tuple(c) for c in stored["chunks"]])
-
-    def _file(self, cid: int) -> Path:
-        return self.path / f"chunk_{cid:06d}.safetensors"
-
-    def save_chunk(self, cid: int, values: Tensor) -> None:
-        from safetensors.torch import save_file
-
-        _atomic_write(self._file(cid),
-                      lambda p: save_file({"values": values.contiguous()}, str(p)))
-
-    def load_done(self) -> dict[int, Tensor]:
-        from safetensors.torch import load_file
-
-        done = {}
-        for p in sorted(self.path.glob("chunk_*.safetensors")):
-            done[int(p.stem.split("_")[1])] = load_file(str(p))["values"]
-        return done

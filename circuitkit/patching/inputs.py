@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-HEAD_SITES = ("z", "pattern", "q", "k", "v")
-LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
 DIRECTIONS = ("denoise", "noise")
 POSITIONS = ("all", "each")
 METHODS = ("exact", "attribution", "attribution+exact")
@@ -21,6 +19,14 @@ METHODS = ("exact", "attribution", "attribution+exact")
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}.")
+
+
+def check_batch_size(batch_size: Any) -> None:
+    """``None`` (from free memory) or a positive integer."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer (sequences per "
+                         "forward pass), or None to size it from free memory.")
 
 
 def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Tensor, Tensor]:
@@ -37,10 +43,18 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
             f"clean_tokens {tuple(clean.shape)} and corrupt_tokens {tuple(corrupt.shape)} must "
             "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
             "task.corrupt_tokens already are).")
-    if model is not None and clean.numel():
+    if clean.shape[0] == 0 or clean.shape[1] == 0:
+        raise ValueError(f"clean_tokens and corrupt_tokens are empty (shape "
+                         f"{tuple(clean.shape)}); a sweep needs at least one prompt of at least "
+                         "one token.")
+    low = int(min(clean.min(), corrupt.min()))
+    if low < 0:
+        raise ValueError(f"token ids must be >= 0; got {low}. Negative ids usually mean padding "
+                         "or an unfilled mask: replace them with the pad token id.")
+    if model is not None:
         d_vocab = int(model.cfg.d_vocab)
         top = int(max(clean.max(), corrupt.max()))
-        if top >= d_vocab or int(min(clean.min(), corrupt.min())) < 0:
+        if top >= d_vocab:
             raise ValueError(
                 f"token ids must lie in [0, {d_vocab}) for this model's vocabulary; got ids up "
                 f"to {top}. Were the tokens made for another model or task vocabulary?")

@@ -15,6 +15,8 @@ Normalisation (``normalized()``), with ``clean``/``corrupt`` the unpatched basel
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,17 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from circuitkit import hooks
+
 TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
+FORMAT = "circuitkit.patch_result"
+FORMAT_VERSION = 1
+DIRECTIONS = ("denoise", "noise")
+METHODS = ("exact", "attribution", "attribution+exact")
+POSITIONS = ("all", "each")
+SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
+# |clean - corrupt| below this (relative to their size) makes normalized values meaningless
+DEGENERATE = 1e-6
 
 
 @dataclass
@@ -48,15 +60,49 @@ class PatchResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, value, allowed in (("direction", self.direction, DIRECTIONS),
+                                     ("method", self.method, METHODS),
+                                     ("positions", self.positions, POSITIONS),
+                                     ("site", self.site, SITES)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not valid; expected one of "
+                                 f"{list(allowed)}.")
+        if not isinstance(self.values, Tensor) or self.values.ndim not in (2, 3):
+            raise ValueError(f"values must be a 2-D or 3-D tensor (layer x head[ x pos], or "
+                             f"layer x pos); got {type(self.values).__name__} of shape "
+                             f"{tuple(getattr(self.values, 'shape', ()))}.")
         if self.axes is None:
             if self.values.ndim == 3:
                 self.axes = ("layer", "head", "pos")
-            elif self.positions == "each" and self.site not in ("z", "pattern", "q", "k", "v"):
+            elif self.site in hooks.PATCH_LAYER_SITES:
                 self.axes = ("layer", "pos")
             else:
                 self.axes = ("layer", "head")
         self.axes = tuple(self.axes)
+        if len(self.axes) != self.values.ndim:
+            raise ValueError(f"axes {self.axes} name {len(self.axes)} dimensions but values has "
+                             f"{self.values.ndim} (shape {tuple(self.values.shape)}).")
         self.clean, self.corrupt = float(self.clean), float(self.corrupt)
+        if not (math.isfinite(self.clean) and math.isfinite(self.corrupt)):
+            raise ValueError(f"clean ({self.clean}) and corrupt ({self.corrupt}) baselines must "
+                             "be finite.")
+        if self.per_prompt is not None:
+            n = self.per_prompt.shape[0]
+            if tuple(self.per_prompt.shape[1:]) != tuple(self.values.shape):
+                raise ValueError(f"per_prompt has shape {tuple(self.per_prompt.shape)}; expected "
+                                 f"[n_prompts, {', '.join(map(str, self.values.shape))}].")
+            for name in ("clean_per_prompt", "corrupt_per_prompt"):
+                t = getattr(self, name)
+                if t is not None and tuple(t.shape) != (n,):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [{n}] (one "
+                                     "value per prompt of per_prompt).")
+
+    @property
+    def degenerate(self) -> bool:
+        """True when clean and corrupt score the same: the corruption does not change the
+        metric, so normalized values (a ratio over clean - corrupt) are undefined."""
+        return abs(self.clean - self.corrupt) <= DEGENERATE * max(1.0, abs(self.clean),
+                                                                   abs(self.corrupt))
 
     # --- normalisation and intervals -----------------------------------------------------------
     def _normalize(self, patched: Tensor, clean: Tensor | float, corrupt: Tensor | float) -> Tensor:
@@ -64,8 +110,23 @@ class PatchResult:
         return (patched - ref) / (clean - corrupt)
 
     def normalized(self) -> Float[Tensor, "..."]:
-        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``."""
+        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``.
+
+        NaN everywhere, with a warning, when clean and corrupt score the same (``degenerate``).
+        """
+        if self.degenerate:
+            warnings.warn(
+                f"circuitkit: clean and corrupt runs score the same ({self.clean:.6g}): the "
+                "corruption does not change the metric, so normalized values are undefined "
+                "(NaN). Check that corrupt_tokens differ where the metric reads, or use the raw "
+                "values (result.effect()).", stacklevel=2)
+            return torch.full_like(self.values, float("nan"))
         return self._normalize(self.values, self.clean, self.corrupt)
+
+    def effect(self) -> Float[Tensor, "..."]:
+        """Raw change of the metric by each patch: ``values - baseline`` (corrupt for denoise,
+        clean for noise)."""
+        return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
 
     def confidence_interval(
         self, level: float = 0.95, n_boot: int = 1000, seed: int = 0
@@ -78,7 +139,7 @@ class PatchResult:
         single per-example statistic and cannot express this ratio of means, hence our own.
         Returns None without per-prompt values.
         """
-        if self.per_prompt is None or self.clean_per_prompt is None:
+        if self.per_prompt is None or self.clean_per_prompt is None or self.degenerate:
             return None
         n = self.per_prompt.shape[0]
         g = torch.Generator().manual_seed(seed)
@@ -110,7 +171,10 @@ class PatchResult:
         idx = idx.reshape(-1, len(self.axes))
         cols = {a: idx[:, i].numpy() for i, a in enumerate(self.axes)}
         cols["value"] = self.values.reshape(-1).float().numpy()
-        cols["normalized"] = self.normalized().reshape(-1).float().numpy()
+        with warnings.catch_warnings():  # said once by normalized() itself, not per view
+            if self.degenerate:
+                warnings.simplefilter("ignore")
+            cols["normalized"] = self.normalized().reshape(-1).float().numpy()
         interval = self.confidence_interval() if ci else None
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
@@ -118,9 +182,12 @@ class PatchResult:
         return pd.DataFrame(cols)
 
     def top(self, k: int = 10):
-        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first)."""
+        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first); by
+        ``|effect|`` when normalized values are undefined (``degenerate``)."""
         df = self.to_frame()
-        order = df["normalized"].abs().sort_values(ascending=False).index[:k]
+        base = self.corrupt if self.direction == "denoise" else self.clean
+        key = df["value"] - base if self.degenerate else df["normalized"]
+        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 
     def heatmap(self, title: str | None = None):
@@ -159,35 +226,79 @@ class PatchResult:
 
     # --- persistence ----------------------------------------------------------------------------
     @staticmethod
-    def _paths(path: str | Path) -> tuple[Path, Path]:
+    def _paths(path: str | Path) -> dict[str, Path]:
+        """The files of a result at ``path`` (a folder holding ``result.*``, or a base path with
+        or without a suffix)."""
         p = Path(path)
-        base = p.with_suffix("") if p.suffix in (".safetensors", ".json") else p
-        return base.with_name(base.name + ".safetensors"), base.with_name(base.name + ".json")
+        if p.is_dir():
+            p = p / "result"
+        elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+            p = p.with_suffix("")
+        return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv",
+                                                                   "html")}
 
-    def save(self, path: str | Path) -> Path:
-        """Write ``<path>.safetensors`` (tensors) and ``<path>.json`` (metadata); return the 1st."""
-        from safetensors.torch import save_file
+    def save(self, path: str | Path) -> list[Path]:
+        """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
+        (``to_frame()``) and ``<path>.html`` (``heatmap()``), each atomically; ``path`` may be a
+        folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
+        writes exactly these."""
+        from circuitkit import files
 
-        st, js = self._paths(path)
-        st.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k).detach().cpu().contiguous() for k in TENSOR_FIELDS
-                   if getattr(self, k) is not None}
-        save_file(tensors, str(st))
-        info = dict(clean=self.clean, corrupt=self.corrupt, direction=self.direction,
-                    method=self.method, site=self.site, positions=self.positions,
-                    axes=list(self.axes), meta=self.meta)
-        js.write_text(json.dumps(info, indent=2, default=str))
-        return st
+        paths = self._paths(path)
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
+        files.write_tensors(paths["safetensors"], tensors)
+        info = dict(format=FORMAT, version=FORMAT_VERSION, clean=self.clean,
+                    corrupt=self.corrupt, direction=self.direction, method=self.method,
+                    site=self.site, positions=self.positions, axes=list(self.axes),
+                    meta=self.meta)
+        files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
+        # plotly.js once per folder (plotly.min.js beside the page), not 4.8 MB per figure
+        files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
+            p, include_plotlyjs="directory"))
+        return list(paths.values())
 
     @classmethod
     def load(cls, path: str | Path) -> PatchResult:
+        """Read a result written by ``save`` or the CLI's ``--out``: ``path`` is the folder, the
+        base path, or any of its files. Every field is validated; a bad file is named with the
+        field that is wrong (``ValueError``)."""
         from safetensors.torch import load_file
 
-        st, js = cls._paths(path)
-        tensors = load_file(str(st))
-        info = json.loads(js.read_text())
-        info["axes"] = tuple(info["axes"])
-        return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **info)
+        paths = cls._paths(path)
+        js, st = paths["json"], paths["safetensors"]
+        for p in (js, st):
+            if not p.exists():
+                raise ValueError(f"no patching result at {path}: {p} does not exist (expected "
+                                 "the files PatchResult.save writes).")
+        try:
+            info = json.loads(js.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{js} is not a readable result file ({e}).") from None
+        if not isinstance(info, dict) or info.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{js} is not a circuitkit patching result (format "
+                             f"{info.get('format') if isinstance(info, dict) else None!r}).")
+        if info.get("version", 1) > FORMAT_VERSION:
+            raise ValueError(f"{js}: format version {info['version']} is newer than this "
+                             f"circuitkit reads ({FORMAT_VERSION}); upgrade circuitkit.")
+        missing = [k for k in ("clean", "corrupt", "direction", "method", "site", "positions",
+                               "axes") if k not in info]
+        if missing:
+            raise ValueError(f"{js}: missing field(s) {missing}.")
+        try:
+            tensors = load_file(str(st))
+        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+            raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+        if "values" not in tensors:
+            raise ValueError(f"{st}: no 'values' tensor.")
+        kw = {k: info[k] for k in ("clean", "corrupt", "direction", "method", "site",
+                                   "positions")}
+        try:
+            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, axes=tuple(info["axes"]),
+                       meta=info.get("meta", {}), **kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{js}: {e}") from None
 
     def __repr__(self) -> str:
         return (f"PatchResult(method={self.method!r}, direction={self.direction!r}, "

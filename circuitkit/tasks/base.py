@@ -19,11 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from torch import Tensor
+
+from circuitkit.metrics import PromptMetric, token_logprob_metric, token_margin_metric
+from circuitkit.tasks import jsonl
 
 
 @dataclass
@@ -98,35 +102,71 @@ class Task:
         ]
         return _replace(self, phase=phase, examples=examples)
 
-    # --- JSONL ----------------------------------------------------------------------------------
+    # --- JSONL (file format: circuitkit.tasks.jsonl, docs/jsonl.md) -----------------------------
     @classmethod
-    def from_jsonl(cls, path: str) -> Task:
-        """Load a task from JSONL (schema: ``circuitkit.tasks.jsonl``, docs/jsonl.md); every bad
-        row is reported in one ``ValueError`` with file and line number."""
-        from circuitkit.tasks.jsonl import read_jsonl
+    def from_jsonl(cls, path: str | Path) -> Task:
+        """Load a task from JSONL; every bad row is reported in one ``ValueError`` with file and
+        line number."""
+        head, rows = jsonl.read_jsonl(path)
+        phase = head.get("phase", 2)
+        examples = []
+        for row in rows:
+            meta = dict(row.get("meta", {}))
+            meta[jsonl.PHASE_CORRUPT[phase]] = row["corrupt_tokens"]
+            for k in jsonl.OPTIONAL_INT_LISTS:
+                if k in row:
+                    meta[k] = row[k]
+            examples.append(Example(
+                tokens=torch.tensor(row["tokens"], dtype=torch.long),
+                corrupt_tokens=torch.tensor(row["corrupt_tokens"], dtype=torch.long),
+                **{k: row[k] for k in jsonl.INT_LIST_FIELDS[2:]}, meta=meta))
+        return cls(
+            name=head["name"], examples=examples, label_names=head["label_names"],
+            anchor_names=head["anchor_names"],
+            label_token_ids=torch.tensor(head["label_token_ids"], dtype=torch.long),
+            anchor_token_ids=torch.tensor(head["anchor_token_ids"], dtype=torch.long),
+            label_anchor=torch.tensor(head["label_anchor"], dtype=torch.long),
+            vocab=head["vocab"], phase=phase, pad_id=head.get("pad_id", 0),
+            bos_id=head.get("bos_id", 1), eos_id=head.get("eos_id", 2),
+            config=head.get("config", {}))
 
-        return read_jsonl(path)
-
-    def to_jsonl(self, path: str) -> None:
-        """Write this task as JSONL (header line + one line per example); exact round trip."""
-        from circuitkit.tasks.jsonl import write_jsonl
-
-        write_jsonl(self, path)
+    def to_jsonl(self, path: str | Path) -> None:
+        """Write this task as JSONL (header line + one line per example); exact round trip.
+        ``corrupt_tokens`` is written once: the other phase's corruption, if known, goes in
+        ``corrupt_tokens_p{other}``."""
+        head = dict(name=self.name, phase=self.phase, vocab=self.vocab,
+                    label_names=self.label_names, anchor_names=self.anchor_names,
+                    label_token_ids=self.label_token_ids.tolist(),
+                    anchor_token_ids=self.anchor_token_ids.tolist(),
+                    label_anchor=self.label_anchor.tolist(), pad_id=self.pad_id,
+                    bos_id=self.bos_id, eos_id=self.eos_id, config=self.config)
+        other = jsonl.PHASE_CORRUPT[3 - self.phase]
+        rows = []
+        for e in self.examples:
+            row: dict[str, Any] = {k: getattr(e, k) for k in jsonl.INT_LIST_FIELDS}
+            row["tokens"], row["corrupt_tokens"] = e.tokens.tolist(), e.corrupt_tokens.tolist()
+            for k in (other, "corrupt_anchors"):
+                if k in e.meta:
+                    row[k] = [int(t) for t in e.meta[k]]
+            row["meta"] = {k: v for k, v in e.meta.items() if k not in jsonl.OPTIONAL_INT_LISTS}
+            rows.append(row)
+        jsonl.write_jsonl(path, head, rows)
 
     # --- metrics -------------------------------------------------------------------------------
-    def metric(self, logits: Float[Tensor, "batch seq vocab"]) -> Float[Tensor, ""]:
-        """Default patching metric for ``self.phase`` (mean over prompts).
+    @property
+    def metric(self) -> PromptMetric:
+        """The task's metric for ``self.phase``, a ``PromptMetric`` (``task.metric(logits)`` is
+        the mean over prompts; ``.per_prompt``, ``.reads``).
 
         Phase 2: target-vs-near-miss logit margin at answer steps,
         ``mean_steps(logit[target] - mean(logit[near_misses]))``.
         Phase 1: correct-anchor-vs-other-anchors margin at anchor steps,
         ``mean_steps(logit[anchor] - mean(logit[anchors of the corrupt evidence]))``.
         """
-        return self.prompt_metric()(logits)
+        return self.prompt_metric()
 
-    def prompt_metric(self):
-        """The default metric as a ``PromptMetric`` (has ``per_prompt`` for intervals)."""
-        from circuitkit.metrics import token_logprob_metric, token_margin_metric
+    def prompt_metric(self) -> PromptMetric:
+        """Same as ``task.metric`` (kept for code written before ``metric`` was a property)."""
 
         ex = self.examples
         if self.config.get("metric") == "logprob":

@@ -1,8 +1,11 @@
-"""JSONL import/export of a ``Task`` (schema also in docs/jsonl.md).
+"""JSONL file format of a task: validation and (de)serialisation of plain rows (docs/jsonl.md).
+
+This module knows the file format only; it imports nothing from ``tasks.base`` (``Task`` builds
+itself from what ``read_jsonl`` returns and hands ``write_jsonl`` its rows), so there is no cycle.
 
 Line 1, the header (an object)::
 
-    {"format": "circuitkit.task", "version": 1, "name": str, "phase": 1|2,
+    {"format": "circuitkit.task", "version": 2, "name": str, "phase": 1|2,
      "vocab": [str, ...],                      # token id -> token; starts <pad> <bos> <eos> <unk>
      "label_names": [str, ...], "anchor_names": [str, ...],
      "label_token_ids": [int, ...],            # label id -> token id   (len = len(label_names))
@@ -13,16 +16,24 @@ Line 1, the header (an object)::
 Then one object per example::
 
     {"tokens": [int, ...], "corrupt_tokens": [int, ...],            # same length, ids < len(vocab)
+     "corrupt_tokens_p1": [int, ...],         # optional: the OTHER phase's corruption (here p1
+                                              # in a phase-2 file); never the header's phase
      "evidence_pos": [int, ...], "anchor_pos": [...], "shortlist_pos": [...], "answer_pos": [...],
      "targets": [int, ...],                   # label ids, non-empty
      "near_misses": [int, ...], "anchors": [int, ...],               # label ids / anchor ids
-     "meta": {...}}                           # optional; corrupt_tokens_p1/_p2 lists if present
+     "corrupt_anchors": [int, ...],           # optional: anchor ids the corrupt evidence points to
+     "meta": {...}}                           # optional, free-form (never read by circuitkit)
+
+One source of truth per field: ``corrupt_tokens`` is the corruption for the header's phase; a
+``corrupt_tokens_p{phase}`` duplicating it is refused. Version-1 files kept per-phase corruptions
+and ``corrupt_anchors`` inside ``meta``; they are read, validated like every other field, and
+refused when ``meta.corrupt_tokens_p{phase}`` disagrees with ``corrupt_tokens``.
 
 Positions index ``tokens`` and must satisfy ``1 <= p < len(tokens)`` (a prediction of the token at p
 is read from logits at p - 1). Blank lines are skipped. Every bad row (malformed JSON, missing
 field, unknown label/anchor id, empty ``targets``, clean/corrupt length mismatch, position out of
 range, token id out of the vocabulary) is reported together in one ``ValueError`` as
-``file:line: reason``; no row is silently dropped.
+``file:line: reason``; no row is silently dropped. A file without examples is refused.
 """
 
 from __future__ import annotations
@@ -31,50 +42,65 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from circuitkit.tasks.base import Example, Task
-
 FORMAT = "circuitkit.task"
+VERSION = 2
 POS_FIELDS = ("evidence_pos", "anchor_pos", "shortlist_pos", "answer_pos")
 INT_LIST_FIELDS = ("tokens", "corrupt_tokens", *POS_FIELDS, "targets", "near_misses", "anchors")
+PHASE_CORRUPT = {1: "corrupt_tokens_p1", 2: "corrupt_tokens_p2"}
+OPTIONAL_INT_LISTS = (*PHASE_CORRUPT.values(), "corrupt_anchors")
 HEADER_FIELDS = ("name", "label_names", "anchor_names", "label_token_ids", "anchor_token_ids",
                  "label_anchor", "vocab")
 
 
-def write_jsonl(task: Task, path: str | Path) -> None:
-    head = dict(format=FORMAT, version=1, name=task.name, phase=task.phase, vocab=task.vocab,
-                label_names=task.label_names, anchor_names=task.anchor_names,
-                label_token_ids=task.label_token_ids.tolist(),
-                anchor_token_ids=task.anchor_token_ids.tolist(),
-                label_anchor=task.label_anchor.tolist(), pad_id=task.pad_id, bos_id=task.bos_id,
-                eos_id=task.eos_id, config=task.config)
-    with open(path, "w") as f:
-        f.write(json.dumps(head) + "\n")
-        for e in task.examples:
-            row = {k: getattr(e, k) for k in INT_LIST_FIELDS}
-            row["tokens"], row["corrupt_tokens"] = e.tokens.tolist(), e.corrupt_tokens.tolist()
-            row["meta"] = e.meta
-            f.write(json.dumps(row) + "\n")
+def write_jsonl(path: str | Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Header line + one line per row (rows as ``read_jsonl`` returns them), atomically."""
+    from circuitkit.files import write_text
+
+    head = dict(format=FORMAT, version=VERSION, **header)
+    lines = [json.dumps(head)] + [json.dumps(r) for r in rows]
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def _is_int_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
 
 
-def _check_row(row: Any, n_vocab: int, n_labels: int, n_anchors: int) -> list[str]:
+def _check_row(row: Any, phase: int, n_vocab: int, n_labels: int, n_anchors: int,
+               version: int) -> list[str]:
     if not isinstance(row, dict):
         return ["example row is not a JSON object"]
+    if "meta" in row and not isinstance(row["meta"], dict):
+        return ["'meta' is not an object"]
+    meta = row.get("meta", {})
+    if version < 2:  # version 1 kept these in meta: lift them, validated like the rest
+        for k in OPTIONAL_INT_LISTS:
+            if k in meta:
+                if k in row:
+                    return [f"{k!r} is given both as a field and in 'meta'"]
+                row[k] = meta.pop(k)
+    elif any(k in meta for k in OPTIONAL_INT_LISTS):
+        return [f"'meta' holds {[k for k in OPTIONAL_INT_LISTS if k in meta]}: in version "
+                f"{VERSION} files they are top-level fields"]
     bad = [f"missing field {k!r}" for k in INT_LIST_FIELDS if k not in row]
-    bad += [f"{k!r} is not a list of integers" for k in INT_LIST_FIELDS
+    bad += [f"{k!r} is not a list of integers" for k in (*INT_LIST_FIELDS, *OPTIONAL_INT_LISTS)
             if k in row and not _is_int_list(row[k])]
     if bad:
         return bad
     n = len(row["tokens"])
-    if len(row["corrupt_tokens"]) != n:
-        bad.append(f"clean/corrupt length mismatch ({n} vs {len(row['corrupt_tokens'])})")
-    for k in ("tokens", "corrupt_tokens"):
-        if any(not 0 <= t < n_vocab for t in row[k]):
+    own = PHASE_CORRUPT[phase]
+    if own in row:
+        if row[own] != row["corrupt_tokens"]:
+            return [f"{own!r} disagrees with 'corrupt_tokens' (this is a phase-{phase} file, so "
+                    f"'corrupt_tokens' is the phase-{phase} corruption): keep one of them"]
+        if version >= 2:
+            return [f"{own!r} duplicates 'corrupt_tokens' in a phase-{phase} file: remove it"]
+    if n == 0:
+        bad.append("'tokens' is empty")
+    for k in ("corrupt_tokens", *PHASE_CORRUPT.values()):
+        if k in row and len(row[k]) != n:
+            bad.append(f"clean/corrupt length mismatch ({k!r}: {len(row[k])} vs {n})")
+    for k in ("tokens", "corrupt_tokens", *PHASE_CORRUPT.values()):
+        if k in row and any(not 0 <= t < n_vocab for t in row[k]):
             bad.append(f"{k!r} has token ids outside the vocabulary [0, {n_vocab})")
     for k in POS_FIELDS:
         out = [p for p in row[k] if not 1 <= p < n]
@@ -83,18 +109,23 @@ def _check_row(row: Any, n_vocab: int, n_labels: int, n_anchors: int) -> list[st
     if not row["targets"]:
         bad.append("empty label set ('targets' is [])")
     for k, lim, what in (("targets", n_labels, "label"), ("near_misses", n_labels, "label"),
-                         ("anchors", n_anchors, "anchor")):
-        unknown = [v for v in row[k] if not 0 <= v < lim]
+                         ("anchors", n_anchors, "anchor"),
+                         ("corrupt_anchors", n_anchors, "anchor")):
+        unknown = [v for v in row.get(k, []) if not 0 <= v < lim]
         if unknown:
             bad.append(f"unknown {what} id in {k!r}: {unknown}")
-    if "meta" in row and not isinstance(row["meta"], dict):
-        bad.append("'meta' is not an object")
     return bad
 
 
-def read_jsonl(path: str | Path) -> Task:
+def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(header, rows) of a task file, every field validated (module docstring). In the rows
+    returned, ``corrupt_tokens_p{phase}`` of the header's phase is absent (it is
+    ``corrupt_tokens``)."""
     path = str(path)
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read task file {path}: {e}") from None
     errors: list[str] = []
     try:
         head = json.loads(lines[0]) if lines else None
@@ -104,13 +135,20 @@ def read_jsonl(path: str | Path) -> Task:
     if not isinstance(head, dict) or any(k not in head for k in HEADER_FIELDS):
         missing = [k for k in HEADER_FIELDS if not isinstance(head, dict) or k not in head]
         raise ValueError("\n".join(errors or [f"{path}:1: header lacks fields {missing}"]))
+    version, phase = head.pop("version", 1), head.get("phase", 2)
+    head.pop("format", None)
+    if phase not in (1, 2):
+        raise ValueError(f"{path}:1: header 'phase' must be 1 or 2, got {phase!r}")
+    if not isinstance(version, int) or version > VERSION:
+        raise ValueError(f"{path}:1: format version {version!r} is newer than this circuitkit "
+                         f"reads ({VERSION}); upgrade circuitkit")
     n_vocab, n_labels, n_anchors = (len(head["vocab"]), len(head["label_names"]),
                                     len(head["anchor_names"]))
     for k, n in (("label_token_ids", n_labels), ("anchor_token_ids", n_anchors),
                  ("label_anchor", n_labels)):
         if not _is_int_list(head[k]) or len(head[k]) != n:
             errors.append(f"{path}:1: header {k!r} must be {n} integers")
-    examples = []
+    rows = []
     for lineno, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
@@ -119,20 +157,14 @@ def read_jsonl(path: str | Path) -> Task:
         except json.JSONDecodeError as err:
             errors.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
             continue
-        bad = _check_row(row, n_vocab, n_labels, n_anchors)
+        bad = _check_row(row, phase, n_vocab, n_labels, n_anchors, version)
         errors += [f"{path}:{lineno}: {b}" for b in bad]
         if not bad:
-            examples.append(Example(
-                tokens=torch.tensor(row["tokens"], dtype=torch.long),
-                corrupt_tokens=torch.tensor(row["corrupt_tokens"], dtype=torch.long),
-                **{k: row[k] for k in INT_LIST_FIELDS[2:]}, meta=row.get("meta", {})))
+            row.pop(PHASE_CORRUPT[phase], None)
+            rows.append(row)
     if errors:
         raise ValueError(f"{len(errors)} problem(s) in {path}:\n" + "\n".join(errors))
-    return Task(
-        name=head["name"], examples=examples, label_names=head["label_names"],
-        anchor_names=head["anchor_names"],
-        label_token_ids=torch.tensor(head["label_token_ids"], dtype=torch.long),
-        anchor_token_ids=torch.tensor(head["anchor_token_ids"], dtype=torch.long),
-        label_anchor=torch.tensor(head["label_anchor"], dtype=torch.long), vocab=head["vocab"],
-        phase=head.get("phase", 2), pad_id=head.get("pad_id", 0), bos_id=head.get("bos_id", 1),
-        eos_id=head.get("eos_id", 2), config=head.get("config", {}))
+    if not rows:
+        raise ValueError(f"{path} holds no examples (only a header); add one JSON object per "
+                         "example after line 1 (schema: docs/jsonl.md).")
+    return head, rows

@@ -1,0 +1,395 @@
+"""The public patching functions: ``patch_heads``, ``patch_layers``, ``plan_patch``.
+
+All three take ``(model, clean_tokens, corrupt_tokens, metric)`` and then the same keyword-only
+arguments. This is the one module that imports both the exact engine and attribution, and the
+one place a user's metric is wrapped (``circuitkit.metrics.as_metric``), so exact, attribution and
+the hybrid see the same ``PromptMetric``.
+
+Flow of an exact sweep: arguments checked (``inputs``) -> metric wrapped -> ``make_sweep`` ->
+prompts sorted by the length their metric needs -> ``plan`` (chunks) -> checkpoint opened and
+verified (``checkpoint``) -> ``ExactEngine`` caches the base/source runs -> this rank's missing
+chunks computed (``run_chunk``), each saved as it finishes -> ranks merged (``distributed``) ->
+``PatchResult`` in the caller's prompt order.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.metrics import PromptMetric, as_metric
+from circuitkit.patching import attribution, distributed
+from circuitkit.patching.checkpoint import SweepCheckpoint, default_dir, sweep_identity
+from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.inputs import (
+    DIRECTIONS,
+    METHODS,
+    POSITIONS,
+    check_batch_size,
+    check_tokens,
+    choice,
+)
+from circuitkit.patching.results import PatchResult
+from circuitkit.patching.sweep import Sweep, auto_rows, length_order, make_sweep, plan
+
+# One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;
+# a backward counts as two forwards.
+ATTRIBUTION_PASSES = 4  # per prompt: base forward + source forward + backward (2)
+
+
+def patch_heads(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    positions: str = "all",
+    site: str = "z",
+    batch_size: int | None = None,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    atp_star: bool = False,
+    top_k: int = 20,
+    task_hash: str | None = None,
+) -> PatchResult:
+    """Patch every attention head (per layer; per position with ``positions="each"``).
+
+    ``denoise``: each head's clean activation at ``site`` patched into the corrupt run;
+    ``noise``: its corrupt activation patched into the clean run. ``values``: ``[n_layers,
+    n_heads]`` (or ``[n_layers, n_heads, seq]``), the metric after the patch, mean over prompts.
+    For ``site`` k/v on a GQA model the head axis is the KV-head axis (``meta["head_axis"] ==
+    "kv_head"``). For ``site="pattern"`` a position is the query (destination) position, whose
+    whole attention row is patched (as TransformerLens's
+    ``get_act_patch_attn_head_pattern_by_pos``).
+
+    ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once by
+    ``as_metric``; same values either way). ``method``: "exact" (the engine), "attribution"
+    (gradient estimate, AtP / AtP* with ``atp_star``), "attribution+exact" (attribution ranks,
+    exact re-check of the ``top_k``). ``batch_size``: sequences per forward (default: from free
+    memory). ``checkpoint``: folder; finished chunks are stored durably and a rerun resumes.
+    Under ``torchrun`` the chunks are split over ranks; every rank returns the merged result.
+    """
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, method, positions, site, batch_size,
+                                              hooks.PATCH_HEAD_SITES)
+    f = hooks.facts(model)
+    meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
+                task_hash=task_hash)
+    if method == "attribution":
+        res = attribution.attribution_patch_heads(
+            model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
+            positions=positions, atp_star=atp_star, batch_size=batch_size, progress=progress)
+    elif method == "attribution+exact":
+        res = attribution_plus_exact(
+            model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
+            positions=positions, top_k=top_k, atp_star=atp_star, batch_size=batch_size,
+            progress=progress)
+    else:
+        sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
+        return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                    progress, meta)
+    res.meta.update({k: v for k, v in meta.items() if v is not None})
+    if pm.note:
+        res.meta["metric_note"] = pm.note
+    return res
+
+
+def patch_layers(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    positions: str = "each",
+    site: str = "resid_pre",
+    batch_size: int | None = None,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    task_hash: str | None = None,
+) -> PatchResult:
+    """Patch a whole-layer site (``resid_pre``, ``attn_out``, ``mlp_out``) at each (layer, pos).
+
+    ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
+    Exact only (``method="exact"``), per position only (``positions="each"``).
+    """
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, method, positions, site, batch_size,
+                                              hooks.PATCH_LAYER_SITES)
+    if method != "exact" or positions != "each":
+        raise ValueError(f"patch_layers supports method='exact' and positions='each' only; got "
+                         f"method={method!r}, positions={positions!r}. Use patch_heads for "
+                         "attribution.")
+    sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
+    return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                progress, dict(task_hash=task_hash))
+
+
+def plan_patch(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    positions: str = "all",
+    site: str = "z",
+    batch_size: int | None = None,
+    top_k: int = 20,
+) -> dict[str, Any]:
+    """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
+
+    ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
+    chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
+    cached runs; attribution: 4 per prompt, whatever the head count; attribution+exact: that
+    plus ``top_k`` exact cells.
+    """
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, method, positions, site, batch_size,
+                                              hooks.PATCH_HEAD_SITES)
+    f = hooks.facts(model)
+    n, seq = clean_tokens.shape
+    sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
+    rows = batch_size or auto_rows(model, seq)
+    clean_s, corrupt_s, pm_s, _, sweep = _sorted_and_planned(clean_tokens, corrupt_tokens, pm,
+                                                             sweep, rows)
+    t0 = time.perf_counter()
+    engine = ExactEngine(model, clean_s, corrupt_s, pm_s, sweep, rows=rows)
+    cached_seconds = time.perf_counter() - t0  # the two cached runs: ~2 passes per prompt
+    probe = sweep.chunks[0]
+    t0 = time.perf_counter()
+    engine.run_chunk(probe)
+    per_cost = (time.perf_counter() - t0) / sweep.chunk_cost(probe)
+    total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
+    exact_passes = total / (f.n_layers * seq) + 2 * n
+    per_pass = cached_seconds / (2 * n)
+    out = dict(method=method, n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
+               n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
+               naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
+               bytes_per_chunk=_bytes_per_chunk(model, seq, rows, sweep),
+               available_bytes=_available(model))
+    if method == "exact":
+        out.update(pass_equivalents=exact_passes, est_seconds=per_cost * total)
+    else:
+        att = ATTRIBUTION_PASSES * n
+        cells = 0 if method == "attribution" else min(top_k, sweep.n_layers * sweep.n_variants)
+        # a verified cell costs one suffix pass per prompt, on average half the model
+        out.update(pass_equivalents=att + cells * n * 0.5 + (2 * n if cells else 0),
+                   est_seconds=per_pass * att + (per_cost * total * cells
+                                                 / (sweep.n_layers * sweep.n_variants)
+                                                 + cached_seconds if cells else 0.0),
+                   verified_cells=cells)
+    return out
+
+
+# --- the hybrid --------------------------------------------------------------------------------
+
+
+def attribution_plus_exact(
+    model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: PromptMetric, *,
+    direction: str = "denoise", site: str = "z", positions: str = "all", top_k: int = 20,
+    atp_star: bool = True, batch_size: int | None = None, progress: bool = True,
+) -> PatchResult:
+    """Screen all heads by attribution; verify the ``top_k`` largest ``|estimated effect|`` with
+    the exact engine (``ExactEngine.run_variants``).
+
+    ``values``: exact metric-after-patch for the verified cells, the attribution estimate for the
+    rest; ``meta["verified"]``: nested-list bool mask shaped like ``values``;
+    ``meta["attribution_values"]``: the screening estimate of every cell. ``atp_star`` is applied
+    where supported (sites z, q, k).
+    """
+    est = attribution.attribution_patch_heads(
+        model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
+        positions=positions, atp_star=atp_star and site in attribution.ATP_STAR_SITES,
+        batch_size=batch_size, progress=progress)
+    base = est.corrupt if direction == "denoise" else est.clean
+    effect = (est.values - base).abs().flatten()
+    k = min(top_k, effect.numel())
+    flat = torch.topk(effect, k).indices
+    cells = [tuple(int(i) for i in torch.unravel_index(j, est.values.shape)) for j in flat]
+    n = clean_tokens.shape[0]
+    sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, metric)
+    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
+    per_fwd = max(1, (batch_size or max(n, 64)) // n)
+    exact = torch.zeros(len(cells), n)
+    by_layer: dict[int, list[int]] = {}
+    for i, cell in enumerate(cells):
+        by_layer.setdefault(cell[0], []).append(i)
+    for layer, idx in by_layer.items():
+        for s in range(0, len(idx), per_fwd):
+            group = idx[s:s + per_fwd]
+            variants = [cells[i][1] * sweep.n_pos + (cells[i][2] if len(cells[i]) == 3 else 0)
+                        for i in group]
+            exact[group] = engine.run_variants(layer, variants, 0, n)
+    values = est.values.clone()
+    per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
+    verified = torch.zeros_like(values, dtype=torch.bool)
+    for i, cell in enumerate(cells):
+        values[cell] = exact[i].mean()
+        verified[cell] = True
+        if per_prompt is not None:
+            per_prompt[(slice(None), *cell)] = exact[i]
+    meta = dict(est.meta, top_k=k, verified=verified.tolist(), verified_cells=cells,
+                attribution_values=est.values.tolist())
+    return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
+                   meta=meta)
+
+
+def verified_mask(result: PatchResult) -> Tensor:
+    """``meta["verified"]`` of an ``attribution+exact`` result as a bool tensor."""
+    return torch.tensor(result.meta["verified"], dtype=torch.bool)
+
+
+# --- checks and orchestration --------------------------------------------------------------------
+
+
+def _check(model, clean, corrupt, metric, direction, method, positions, site, batch_size,
+           sites) -> tuple[Tensor, Tensor, PromptMetric]:
+    choice("direction", direction, DIRECTIONS)
+    choice("method", method, METHODS)
+    choice("positions", positions, POSITIONS)
+    choice("site", site, sites)
+    check_batch_size(batch_size)
+    clean, corrupt = check_tokens(clean, corrupt, model)
+    n, seq = clean.shape
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
+    if pm.n_prompts is not None and pm.n_prompts != n:
+        raise ValueError(f"metric {pm.name!r} was made for {pm.n_prompts} prompts but "
+                         f"clean_tokens has {n}; build the metric for these prompts.")
+    return clean, corrupt, pm
+
+
+def _sorted_and_planned(clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+                        rows: int) -> tuple[Tensor, Tensor, PromptMetric, Tensor | None, Sweep]:
+    """Prompts sorted by length (``length_order``) and the sweep planned for them; returns the
+    sorted inputs, the order (None: unchanged) and the planned sweep."""
+    order, lengths = length_order(metric)
+    if order is not None:
+        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
+    return clean, corrupt, metric, order, plan(sweep, rows, lengths)
+
+
+def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
+    from circuitkit.patching.sweep import bytes_per_row
+
+    return bytes_per_row(model, seq) * min(rows, sweep.n_variants * sweep.n_prompts)
+
+
+def _available(model: Any) -> int:
+    from circuitkit.patching.sweep import available_bytes
+
+    return available_bytes(next(model.parameters()).device)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("circuitkit", "torch", "transformer-lens", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "?"
+    return out
+
+
+def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+         batch_size: int | None, checkpoint: str | Path | None, progress: bool,
+         meta: dict) -> PatchResult:
+    t_start = time.perf_counter()
+    rank, world = distributed.rank_world()
+    identity = sweep_identity(model, sweep, clean, corrupt, metric)
+    # The sweep runs on prompts sorted by length; results are put back in the caller's order.
+    rows = batch_size or auto_rows(model, sweep.seq)
+    clean, corrupt, metric, order, sweep = _sorted_and_planned(clean, corrupt, metric, sweep,
+                                                               rows)
+    ckpt = None
+    if checkpoint is not None:
+        ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
+        sweep = replace(sweep, chunks=ckpt.chunks)  # a resumed sweep keeps its chunk plan
+    try:
+        done: dict[int, Tensor] = ckpt.load_done() if ckpt else {}
+        engine = ExactEngine(model, clean, corrupt, metric, sweep, rows=rows)
+        mine = [c for c in range(len(sweep.chunks)) if c % world == rank and c not in done]
+        if ckpt is not None and done and progress and rank == 0:
+            print(f"resumed {len(done)} of {len(sweep.chunks)} chunks from {ckpt.path}",
+                  file=sys.stderr)
+        computed = _compute(engine, sweep, mine, ckpt, identity, progress and rank == 0,
+                            n_done=len(done))
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    done.update(computed)
+    if world > 1:
+        done.update(distributed.all_gather_chunks(computed))
+    values, per_prompt = engine.assemble(done)
+    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
+    if order is not None:  # back to the caller's prompt order
+        inv = torch.argsort(order)
+        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
+        per_prompt = None if per_prompt is None else per_prompt[inv]
+    pp = metric.per_prompt_values
+    extra = {k: v for k, v in meta.items() if v is not None}
+    if metric.note:
+        extra["metric_note"] = metric.note
+    axes = ("layer", "pos") if sweep.kind == "layers" else (
+        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
+    return PatchResult(
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
+        meta=dict(model=str(getattr(model.cfg, "model_name", "")),
+                  model_fingerprint=identity["model"], tokens_hash=identity["tokens"],
+                  metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
+                  n_chunks=len(sweep.chunks), world=world,
+                  seconds=time.perf_counter() - t_start, versions=versions(),
+                  facts=asdict(hooks.facts(model)), **extra))
+
+
+def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
+             identity: dict, show: bool, n_done: int) -> dict[int, Tensor]:
+    """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
+    default folder when the sweep had none) and says how to resume."""
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in mine),
+                   desc=f"patch {sweep.site} {sweep.direction}", unit="patched-prompt",
+                   dynamic_ncols=True, file=sys.stderr)
+    computed: dict[int, Tensor] = {}
+    try:
+        for cid in mine:
+            computed[cid] = engine.run_chunk(sweep.chunks[cid])
+            if ckpt is not None:
+                ckpt.save_chunk(cid, computed[cid])
+            if bar is not None:
+                bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
+    except KeyboardInterrupt:
+        if ckpt is None and computed:
+            ckpt = SweepCheckpoint.open(default_dir(identity), identity, sweep.chunks)
+            for cid, t in computed.items():
+                ckpt.save_chunk(cid, t)
+            ckpt.close()
+        if ckpt is not None:
+            print(f"\ninterrupted: {n_done + len(computed)}/{len(sweep.chunks)} chunks saved in "
+                  f"{ckpt.path}; rerun the same call with checkpoint={str(ckpt.path)!r} to "
+                  "resume.", file=sys.stderr)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return computed

@@ -1,0 +1,218 @@
+"""Resumable sweeps: a checkpoint folder that proves, before reuse, that it is the same sweep.
+
+Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) and one
+``chunk_{i:06d}.safetensors`` per finished chunk, written atomically the moment it completes.
+
+* **Identity** (``sweep_identity``): what was patched (kind, site, direction, positions), the
+  tokens (hash), the model (fingerprint of its shape and weights) and the metric *by behaviour*
+  (``PromptMetric.fingerprint``: its values on seeded random logits), not by name. A resume
+  under anything else is refused with the differing fields.
+* **Integrity**: each chunk file carries, in its safetensors metadata, the identity key, its chunk
+  id and plan entry, and a SHA-256 of its values. A file that is unreadable, of another sweep,
+  of another chunk (two files swapped), of the wrong shape, or whose values changed, is reported
+  by name (a warning), deleted and recomputed.
+* **Lock**: one process per rank works in a folder at a time (``fcntl.flock`` on
+  ``lock.rank<r>``); a second one is told the folder is in use.
+
+Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuitkit import files, hooks
+from circuitkit.metrics import PromptMetric
+from circuitkit.patching.sweep import Chunk, Sweep
+
+FORMAT_VERSION = 2
+
+
+def tokens_hash(*tokens: Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tokens:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().long().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model: Any) -> str:
+    """Hash of the shape facts, the model name and a sample of the first and last weights."""
+    h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
+    h.update(str(getattr(model.cfg, "model_name", "")).encode())
+    params = list(model.parameters())
+    for p in (params[0], params[-1]):
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
+                   metric: PromptMetric) -> dict[str, Any]:
+    """Everything a resumed sweep must share with the one that wrote the checkpoint."""
+    f = hooks.facts(model)
+    return dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
+                direction=sweep.direction, positions=sweep.positions,
+                tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
+                metric=metric.name,
+                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab),
+                split_prompts=sweep.split_prompts, prompt_order="by_length")
+
+
+def identity_key(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_dir(identity: dict[str, Any]) -> Path:
+    """Where an interrupted sweep without a checkpoint folder saves what it finished."""
+    from circuitkit.models import CACHE_DIR
+
+    return (CACHE_DIR / "checkpoints"
+            / f"patch-{identity['site']}-{identity['direction']}-{identity_key(identity)[:12]}")
+
+
+def _values_digest(values: Tensor) -> str:
+    return hashlib.sha256(values.contiguous().numpy().tobytes()).hexdigest()
+
+
+class SweepCheckpoint:
+    """An open checkpoint folder (``SweepCheckpoint.open``); see the module docstring."""
+
+    HEADER = "header.json"
+
+    def __init__(self, path: Path, identity: dict, chunks: tuple[Chunk, ...], lock: Any):
+        self.path, self.identity, self.chunks = path, identity, chunks
+        self.key = identity_key(identity)
+        self._lock = lock
+
+    @classmethod
+    def open(cls, path: str | Path, identity: dict, chunks: tuple[Chunk, ...], rank: int = 0,
+             world: int = 1) -> SweepCheckpoint:
+        """Open (or create) ``path`` for this sweep; the stored chunk plan wins on resume."""
+        from circuitkit.patching import distributed as dist
+
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint {path} is a file, not a folder; pass a folder path.")
+        header = path / cls.HEADER
+        if rank == 0 and not header.exists():
+            files.check_writable_dir(path, "checkpoint folder")
+            files.write_json(header, dict(identity=identity, chunks=[list(c) for c in chunks]))
+        if world > 1:
+            dist.barrier()
+        lock = _take_lock(path, rank)
+        try:
+            stored = _read_header(header)
+            if stored["identity"] != identity:
+                old = stored["identity"]
+                diff = {k: (old.get(k), identity.get(k)) for k in sorted(set(old) | set(identity))
+                        if old.get(k) != identity.get(k)}
+                raise ValueError(
+                    f"checkpoint {path} belongs to a different sweep; differing fields "
+                    f"(stored, now): {diff}. Use a new checkpoint folder, or delete this one to "
+                    "start over.")
+            return cls(path, identity, tuple(Chunk(*c) for c in stored["chunks"]), lock)
+        except BaseException:
+            lock.close()
+            raise
+
+    def close(self) -> None:
+        self._lock.close()
+
+    def _file(self, cid: int) -> Path:
+        return self.path / f"chunk_{cid:06d}.safetensors"
+
+    def save_chunk(self, cid: int, values: Tensor) -> None:
+        values = values.detach().float().cpu().contiguous()
+        files.write_tensors(self._file(cid), {"values": values}, metadata=dict(
+            sweep=self.key, chunk=str(cid), plan=json.dumps(list(self.chunks[cid])),
+            sha256=_values_digest(values)))
+
+    def load_done(self) -> dict[int, Tensor]:
+        """Verified chunk results; every bad file is named in a warning, deleted, and left to be
+        recomputed."""
+        from safetensors import safe_open
+
+        done = {}
+        for cid, chunk in enumerate(self.chunks):
+            p = self._file(cid)
+            if not p.exists():
+                continue
+            try:
+                with safe_open(str(p), "pt") as f:
+                    meta, values = f.metadata() or {}, f.get_tensor("values")
+                problem = _chunk_problem(meta, values, self.key, cid, chunk)
+            except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed
+                problem = f"unreadable ({type(e).__name__}: {e})"
+            if problem:
+                warnings.warn(f"circuitkit: checkpoint chunk {p} is {problem}; recomputing it.",
+                              stacklevel=2)
+                p.unlink(missing_ok=True)
+                continue
+            done[cid] = values
+        return done
+
+
+def _chunk_problem(meta: dict, values: Tensor, key: str, cid: int, chunk: Chunk) -> str:
+    if meta.get("sweep") != key:
+        return "from another sweep"
+    if meta.get("chunk") != str(cid) or meta.get("plan") != json.dumps(list(chunk)):
+        return f"chunk {meta.get('chunk')}'s file under chunk {cid}'s name"
+    want = (chunk.v1 - chunk.v0, chunk.p1 - chunk.p0)
+    if tuple(values.shape) != want or values.dtype != torch.float32:
+        return f"of shape {tuple(values.shape)} {values.dtype} (expected {want} float32)"
+    if meta.get("sha256") != _values_digest(values):
+        return "modified (its values do not match their checksum)"
+    return ""
+
+
+def _read_header(header: Path) -> dict:
+    try:
+        stored = json.loads(header.read_text())
+        if not isinstance(stored.get("identity"), dict) or not isinstance(stored.get("chunks"),
+                                                                          list):
+            raise ValueError("missing 'identity' or 'chunks'")
+        return stored
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"checkpoint header {header} is unreadable ({e}); delete the folder "
+                         f"{header.parent} to start the sweep over.") from None
+
+
+class _Lock:
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
+def _take_lock(path: Path, rank: int) -> _Lock:
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: no protection, as before
+        return _Lock(None)
+    lock_file = path / f"lock.rank{rank}"
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = ""
+        with contextlib.suppress(OSError):
+            holder = os.pread(fd, 32, 0).decode().strip()
+        os.close(fd)
+        raise ValueError(
+            f"checkpoint folder {path} is in use by another process (pid {holder or '?'}); wait "
+            "for it to finish, or use another checkpoint folder.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return _Lock(fd)

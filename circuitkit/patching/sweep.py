@@ -1,0 +1,167 @@
+"""What a sweep patches and how the work is cut: ``Sweep`` (frozen), ``Chunk``, memory sizing.
+
+A sweep patches ``n_layers`` layers x ``n_units`` units (heads, or 1 for a layer site) x ``n_pos``
+positions (``seq`` for per-position sweeps, else 1) over ``n_prompts`` prompts. A *variant* is one
+(unit, position) of one layer, laid out unit-major: ``v = unit * n_pos + pos``.
+
+The work is cut into ``Chunk``s: one layer, a range of variants, a range of prompts, at most
+``rows`` sequences per forward. Chunks are independent, which is what makes checkpointing and
+sharding across ranks simple and bit-reproducible: the plan is fixed up front and stored with a
+checkpoint, and a chunk's numbers never depend on who computes it.
+
+Causal models: nothing after a prompt's last read position can change its metric, so each prompt
+*needs* only ``last read + 1`` positions (its ``length``). Prompts are swept in order of that length
+(``length_order``), and chunks of short prompts stop early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.metrics import PromptMetric
+
+MAX_ROWS = 1024  # cap on sequences per forward: bigger batches gain nothing and hurt latency
+
+
+class Chunk(NamedTuple):
+    """Variants ``v0:v1`` of ``layer`` on prompts ``p0:p1`` (sweep order), one forward."""
+
+    layer: int
+    v0: int
+    v1: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to patch; ``chunks`` and ``lengths`` are set by ``plan``."""
+
+    kind: str  # "heads" | "layers"
+    site: str
+    direction: str  # "denoise" | "noise"
+    positions: str  # "all" | "each"
+    n_layers: int
+    n_units: int
+    n_pos: int
+    n_prompts: int
+    seq: int
+    split_prompts: bool  # the metric has per-prompt values, so prompts may go to different chunks
+    chunks: tuple[Chunk, ...] = ()
+    lengths: tuple[int, ...] | None = None  # positions each prompt (sweep order) needs
+
+    @property
+    def n_variants(self) -> int:
+        return self.n_units * self.n_pos
+
+    def variant(self, v: int) -> tuple[int, int | None]:
+        """Variant index -> (unit, pos or None)."""
+        unit, pos = divmod(v, self.n_pos)
+        return unit, (pos if self.positions == "each" else None)
+
+    def value_shape(self) -> tuple[int, ...]:
+        if self.kind == "layers":
+            return (self.n_layers, self.n_pos)
+        if self.positions == "each":
+            return (self.n_layers, self.n_units, self.n_pos)
+        return (self.n_layers, self.n_units)
+
+    def run_length(self, p0: int, p1: int) -> int:
+        """Positions a forward over prompts ``p0:p1`` must compute (their longest length)."""
+        return max(self.lengths[p0:p1]) if self.lengths else self.seq
+
+    def chunk_cost(self, chunk: Chunk) -> int:
+        """Work of a chunk in token-blocks: rows x positions x blocks run."""
+        return ((chunk.v1 - chunk.v0) * (chunk.p1 - chunk.p0)
+                * self.run_length(chunk.p0, chunk.p1) * (self.n_layers - chunk.layer))
+
+    def chunk_prompts(self, chunk: Chunk) -> int:
+        """Prompt-variants a chunk computes (the progress bar's unit)."""
+        return (chunk.v1 - chunk.v0) * (chunk.p1 - chunk.p0)
+
+
+def make_sweep(model: Any, kind: str, site: str, direction: str, positions: str,
+               tokens: Tensor, metric: PromptMetric) -> Sweep:
+    """The one constructor of a ``Sweep`` (unplanned) for ``tokens`` ``[n_prompts, seq]``."""
+    f = hooks.facts(model)
+    n, seq = tokens.shape
+    n_units = f.n_heads_at(site) if kind == "heads" else 1
+    n_pos = seq if positions == "each" else 1
+    return Sweep(kind, site, direction, positions, f.n_layers, n_units, n_pos, n, seq,
+                 metric.per_prompt_values)
+
+
+def plan(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
+    """``sweep`` cut into chunks of at most ``rows`` sequences per forward pass.
+
+    ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
+    in one forward they are split in two length buckets if that saves >= 10% of the token-rows
+    (a chunk runs up to its longest prompt); each bucket keeps >= 1/4 of the prompts so forwards
+    stay large. Prompts are split across chunks only when the metric has per-prompt values.
+    """
+    rows = max(1, int(rows))
+    n, chunks = sweep.n_prompts, []
+    if rows >= n or not sweep.split_prompts:
+        buckets = [(0, n)]
+        if lengths is not None and sweep.split_prompts and n >= 4:
+            cost = {s: s * lengths[s - 1] + (n - s) * lengths[-1]
+                    for s in range(n // 4, n - n // 4)}
+            best = min(cost, key=cost.__getitem__, default=None)
+            if best and cost[best] <= 0.9 * n * lengths[-1]:
+                buckets = [(0, best), (best, n)]
+        for layer in range(sweep.n_layers):
+            for p0, p1 in buckets:
+                per = max(1, rows // (p1 - p0))
+                for v0 in range(0, sweep.n_variants, per):
+                    chunks.append(Chunk(layer, v0, min(v0 + per, sweep.n_variants), p0, p1))
+    else:  # prompts split: one variant per forward
+        for layer in range(sweep.n_layers):
+            for v in range(sweep.n_variants):
+                for p0 in range(0, n, rows):
+                    chunks.append(Chunk(layer, v, v + 1, p0, min(p0 + rows, n)))
+    return replace(sweep, chunks=tuple(chunks),
+                   lengths=None if lengths is None else tuple(lengths))
+
+
+def length_order(metric: PromptMetric) -> tuple[Tensor | None, list[int] | None]:
+    """Prompt order by the positions each prompt needs (last read + 1), ascending, and those
+    lengths in that order; ``(None, None)`` when the metric declares no reads."""
+    reads = metric.read_positions()
+    if reads is None:
+        return None, None
+    need = reads.max(1).values + 1
+    order = torch.argsort(need, stable=True)
+    return order, need[order].tolist()
+
+
+# --- memory sizing ----------------------------------------------------------------------------
+
+
+def bytes_per_row(model: Any, seq: int) -> int:
+    """Rough peak bytes of one sequence in a no-grad forward (activations of one block + logits)."""
+    f = hooks.facts(model)
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+    elem = next(model.parameters()).element_size()
+    per_tok = 8 * f.d_model + 3 * d_mlp + 3 * f.n_heads * seq + 3 * f.d_vocab
+    return int(elem * seq * per_tok * 1.5)  # 1.5: allocator slack, hook copies
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory usable by activations: a share of free GPU memory or of available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.7)
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.4)
+
+
+def auto_rows(model: Any, seq: int) -> int:
+    """Sequences per forward that fit the free memory (at most ``MAX_ROWS``)."""
+    device = next(model.parameters()).device
+    return max(1, min(MAX_ROWS, available_bytes(device) // bytes_per_row(model, seq)))

@@ -1,0 +1,130 @@
+"""One metric protocol: whatever form a metric takes (PromptMetric, plain lambda returning the mean,
+one value per prompt, non-differentiable), sweeps give the same values under every method.
+
+Tolerance: 1e-5 absolute (same arithmetic; only the order of float additions may differ).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import circuitkit as ck
+from circuitkit.metrics import PromptMetric, as_metric
+
+ATOL = 1e-5
+METHODS = ("exact", "attribution", "attribution+exact")
+
+
+def last_position_pair(seq: int, a: int, b: int) -> tuple:
+    """``logit[a] - logit[b]`` at the last position, as a plain lambda and as a PromptMetric."""
+    def lam(logits):
+        return (logits[:, -1, a] - logits[:, -1, b]).mean()
+
+    def fn(logits, idx, rows):
+        at = rows[:, seq - 1]
+        step = logits[torch.arange(logits.shape[0]), at]
+        return step[:, a] - step[:, b]
+
+    return lam, PromptMetric(fn, "last_margin", reads=torch.full((1, 1), seq - 1))
+
+
+def argmax_pair(seq: int, a: int) -> tuple:
+    """Non-differentiable: is token ``a`` the argmax at the last position (per prompt)."""
+    def lam(logits):
+        return (logits[:, -1].argmax(-1) == a).float()
+
+    def fn(logits, idx, rows):
+        return (logits[torch.arange(logits.shape[0]), rows[:, seq - 1]].argmax(-1) == a).float()
+
+    return lam, PromptMetric(fn, "argmax")
+
+
+def forms(task, seq: int, a: int, b: int) -> dict[str, tuple]:
+    pm = task.metric
+    n = len(task)
+    lam_last, pm_last = last_position_pair(seq, a, b)
+    pm_last = PromptMetric(pm_last.per_prompt_fn, "last_margin",
+                           reads=torch.full((n, 1), seq - 1))
+    lam_arg, pm_arg = argmax_pair(seq, a)
+    return {
+        "last position, scalar": (lam_last, pm_last),
+        "answer positions, scalar": (lambda logits: pm(logits), pm),
+        "answer positions, per prompt": (lambda logits: pm.per_prompt(logits), pm),
+        "argmax, per prompt": (lam_arg, pm_arg),
+    }
+
+
+@pytest.fixture(scope="module", params=["icd-teacher", "tiny_gqa_llama"])
+def setup(request):
+    if request.param == "icd-teacher":
+        model = ck.load_model("icd-teacher")
+        task = ck.load_task("icd10", n_examples=5, split="test", seed=4)
+    else:
+        from conftest import TINY_LLAMA, make_model
+
+        model = make_model(TINY_LLAMA)
+        task = ck.load_task("induction", n_examples=4, seg_len=5, vocab_size=64, seed=1)
+    seq = task.clean_tokens.shape[1]
+    return model, task, seq
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_metric_form_gives_the_same_sweep(setup, method):
+    model, task, seq = setup
+    a, b = int(task.clean_tokens[0, -2]), int(task.clean_tokens[0, 1])
+    args = (model, task.clean_tokens, task.corrupt_tokens)
+    for name, (lam, pm) in forms(task, seq, a, b).items():
+        for direction in ("denoise", "noise"):
+            kw = dict(direction=direction, method=method, progress=False, top_k=6)
+            plain = ck.patch_heads(*args, lam, **kw)
+            ref = ck.patch_heads(*args, pm, **kw)
+            torch.testing.assert_close(plain.values, ref.values, atol=ATOL, rtol=0,
+                                       msg=f"{name}, {method}, {direction}")
+            assert plain.clean == pytest.approx(ref.clean, abs=ATOL)
+            assert plain.corrupt == pytest.approx(ref.corrupt, abs=ATOL)
+            per_prompt = "per prompt" in name
+            assert (plain.per_prompt is not None) == per_prompt, name
+            if per_prompt:
+                torch.testing.assert_close(plain.per_prompt, ref.per_prompt, atol=ATOL, rtol=0)
+
+
+def test_probe_finds_read_positions_and_says_when_it_cannot(setup):
+    model, task, seq = setup
+    n, V = len(task), int(model.cfg.d_vocab)
+    a, b = int(task.clean_tokens[0, -2]), int(task.clean_tokens[0, 1])
+    f = forms(task, seq, a, b)
+    last = as_metric(f["last position, scalar"][0], n, seq, V)
+    assert not last.per_prompt_values and torch.equal(last.reads, torch.full((n, 1), seq - 1))
+    answers = as_metric(f["answer positions, per prompt"][0], n, seq, V)
+    assert answers.per_prompt_values
+    for got, want in zip(answers.reads, task.metric.reads, strict=True):
+        assert set(got.tolist()) == set(want.tolist())
+    arg = as_metric(f["argmax, per prompt"][0], n, seq, V)
+    assert arg.reads is None and "not differentiable" in arg.note
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, f["argmax, per prompt"][0],
+                         progress=False)
+    assert "not differentiable" in res.meta["metric_note"]
+
+
+def test_a_wrapped_metric_is_wrapped_once_and_checks_its_shape(setup):
+    model, task, seq = setup
+    pm = task.metric
+    assert as_metric(pm) is pm
+    with pytest.raises(ValueError, match=r"expected a scalar \(mean over prompts\) or"):
+        as_metric(lambda logits: logits[:, -1, :3], len(task), seq, int(model.cfg.d_vocab))
+    with pytest.raises(ValueError, match="needs n_prompts"):
+        as_metric(lambda logits: logits.sum())
+    with pytest.raises(ValueError, match="callable"):
+        as_metric(3)
+
+
+def test_scalar_metric_cannot_be_split_over_prompts(setup):
+    """A scalar metric sees all prompts at once: a small batch_size never splits them."""
+    model, task, seq = setup
+    lam = forms(task, seq, 5, 6)["answer positions, scalar"][0]
+    small = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, lam, batch_size=1,
+                           progress=False)
+    big = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                         progress=False)
+    torch.testing.assert_close(small.values, big.values, atol=ATOL, rtol=0)
