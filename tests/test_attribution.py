@@ -274,3 +274,29 @@ def test_plain_callable_metric_matches_prompt_metric(model, data):
                                 atp_star=True, progress=False)
     assert b.per_prompt is None
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
+
+
+def test_atp_star_z_correction_moves_estimates_toward_exact_through_saturated_attention():
+    """Shipped induction-2l: the layer-0 previous-token head acts through layer 1's saturated
+    induction attention (K-composition). With a non-saturating readout (answer logit minus the
+    mean logit), plain AtP misestimates layer-0 heads; AtP*'s Q/K fix (the exact tail off, so
+    only the downstream-pattern correction acts) must cut the error at least in half, and move
+    the previous-token head's noising estimate toward exact. Fails if the correction is zero."""
+    from circuitkit.metrics import token_margin_metric
+
+    model = ck.load_model("induction-2l")
+    task = ck.load_task("induction", n_examples=8, vocab_size=64, split="test", seed=0)
+    ex = task.examples
+    metric = token_margin_metric([e.answer_pos for e in ex],
+                                 [e.tokens[e.answer_pos].tolist() for e in ex], [[] for _ in ex])
+    args = (model, task.clean_tokens, task.corrupt_tokens, metric)
+    for direction in ("denoise", "noise"):
+        exact = ck.patch_heads(*args, direction=direction, progress=False).values[0]
+        plain = attribution_patch_heads(*args, direction=direction, progress=False).values[0]
+        star = attribution_patch_heads(*args, direction=direction, atp_star=True,
+                                       exact_tail=False, progress=False).values[0]
+        if direction == "denoise":
+            assert (star - exact).abs().sum() < 0.5 * (plain - exact).abs().sum()
+        else:
+            h = int((exact - exact.median()).abs().argmax())  # the previous-token head
+            assert (star[h] - exact[h]).abs() < (plain[h] - exact[h]).abs() - 0.3

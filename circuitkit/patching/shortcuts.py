@@ -160,18 +160,18 @@ def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
     """``forward`` of a rotary softmax attention (``supports_attention_at_rows``) with queries
     only at ``idx``: keys and values at every position, causal mask, output zero elsewhere.
 
-    ``scores[b, h, j, s] = q[b, h, idx[b, j]] . k[b, h, s] * scale``, masked for ``s >
-    idx[b, j]``. Only the causal mask is applied: use it for unpadded runs, as the engine's are.
-    Falls back to the module's own forward when the rotary tables do not cover the head.
+    ``z[b, j] = softmax(q[b, idx[b, j]] . k[b, :s] * scale) v[b, :s]`` for ``s <= idx[b, j]``,
+    through ``torch.nn.functional.scaled_dot_product_attention`` (GQA by repeating K/V heads).
+    Only the causal mask is applied: use it for unpadded runs, as the engine's are. Falls back
+    to the module's own forward when the rotary tables do not cover the head. The engine's
+    fast-path probe compares it with the module's own attention before use.
     """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
     hf = attn.original_component
     d_head = hf.head_dim
     groups = int(getattr(hf, "num_key_value_groups", 1))
     scale = float(getattr(hf, "scaling", d_head ** -0.5))
-
-    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def fn(hidden_states: Tensor, *args: Any, position_embeddings: Any = None,
            **kwargs: Any) -> Any:
@@ -182,15 +182,14 @@ def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
         n, seq, _ = x.shape
         k = idx.shape[1]
         cos, sin = (t.expand(n, -1, -1) for t in position_embeddings)  # [n, seq, d_head]
-        q = attn.q(take_rows(x, idx)).view(n, k, -1, d_head).transpose(1, 2)
-        q = rotate(q, take_rows(cos, idx)[:, None], take_rows(sin, idx)[:, None])  # [n,h,k,d]
+        q = attn.q(take_rows(x, idx)).view(n, k, -1, d_head).transpose(1, 2)  # [n, h, k, d]
+        q, _ = apply_rotary_pos_emb(q, q, take_rows(cos, idx), take_rows(sin, idx))
         key = attn.k(x).view(n, seq, -1, d_head).transpose(1, 2)
-        key = rotate(key, cos[:, None], sin[:, None]).repeat_interleave(groups, dim=1)
-        value = attn.v(x).view(n, seq, -1, d_head).transpose(1, 2).repeat_interleave(groups, 1)
-        scores = (q @ key.transpose(-1, -2)) * scale  # [n, head, k, seq]
-        future = torch.arange(seq, device=x.device) > idx[:, None, :, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        pattern = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-        z = (pattern @ value).transpose(1, 2).reshape(n, k, -1)
-        return _as_output(put_rows(attn.o(z), idx, seq), n_outputs)
+        key, _ = apply_rotary_pos_emb(key, key, cos, sin)
+        value = attn.v(x).view(n, seq, -1, d_head).transpose(1, 2)
+        visible = torch.arange(seq, device=x.device) <= idx[:, None, :, None]  # [n, 1, k, seq]
+        z = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=visible, scale=scale)
+        return _as_output(put_rows(attn.o(z.transpose(1, 2).reshape(n, k, -1)), idx, seq),
+                          n_outputs)
     return fn
