@@ -187,6 +187,10 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
             seen[i] = copy[r].item() + 1
         out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
         pos = torch.arange(rows.shape[1], device=logits.device)
+        # Without autograd one buffer serves every copy: each copy overwrites the same cells
+        # (a scalar metric's copy holds every prompt; a per-prompt one's other rows are unread).
+        differentiable = torch.is_grad_enabled() and logits.requires_grad
+        buffer = None if differentiable else logits.new_zeros(n, seq, d_vocab)
         for c in range(int(copy.max()) + 1 if len(copy) else 0):
             r = (copy == c).nonzero()[:, 0]
             if not per_prompt and len(r) != n:
@@ -194,9 +198,10 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
                     f"metric {name!r} returns one scalar for the whole batch, so it must see all "
                     f"{n} prompts at once; it was given {len(r)}. Return one value per prompt "
                     "([batch]) to allow splitting prompts.")
-            full = logits.new_zeros(n, seq, d_vocab)
             rr, pp = (rows[r] >= 0).nonzero(as_tuple=True)
-            full = full.index_put((idx[r][rr], pos[pp]), logits[r[rr], rows[r][rr, pp]])
+            where, values = (idx[r][rr], pos[pp]), logits[r[rr], rows[r][rr, pp]]
+            full = (logits.new_zeros(n, seq, d_vocab).index_put(where, values) if differentiable
+                    else buffer.index_put_(where, values))
             value, _ = _call(fn, full, n, name)
             out = out.index_put((r,), (value[idx[r]] if per_prompt else value.expand(len(r)))
                                 .to(out.dtype))
