@@ -118,6 +118,14 @@ def test_report_skips_attention_without_a_model_and_reads_patch_folders(tmp_path
     patch_result("noise", 2, 0).save(solo / "result")
     html = report_mod.write_report(solo).read_text()
     assert html.count('class="plotly-graph-div"') == 1 and "<h3>result</h3>" in html
+    # frames whose columns the charts do not know: the table stays, the chart says why not
+    pd.DataFrame({"who": ["top"], "how_much": [1.0]}).to_csv(run / "validation.csv", index=False)
+    pd.DataFrame({"name": ["cot"], "score": [1.0]}).to_csv(run / "distill" / "ablation.csv",
+                                                          index=False)
+    html = report_mod.write_report(run).read_text()
+    assert html.count("Chart skipped: validation: expected a column &#x27;set&#x27;") == 1
+    assert html.count("Chart skipped: frame: expected a DataFrame with columns") == 1
+    assert "how_much" in html and "<td>cot</td>" in html
     with pytest.raises(ValueError, match="holds none of summary.json"):
         report_mod.write_report(tmp_path / "out")
     with pytest.raises(ValueError, match="run_dir="):

@@ -31,6 +31,15 @@ def result(values, direction="denoise", per_prompt=True, positions="all", axes=N
                        meta=dict(META))
 
 
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, circuitkit, circuitkit.viz; "
+            "assert not {'torch', 'plotly'} & set(sys.modules), 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_heatmap_cells_integer_ticks_hover_and_title():
     vals = torch.arange(12.0).reshape(3, 4) / 10  # 3 layers x 4 heads, normalized = vals
     res = result(vals)

@@ -195,7 +195,7 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
 
 def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interval: bool = True,
                    positions: Sequence[int] | None = None, tokens: Sequence[str] | None = None,
-                   max_facets: int = MAX_FACETS):
+                   max_facets: int = MAX_FACETS // 2):
     """Denoise (left) and noise (right) heatmaps of the same sweep on ONE colour scale centred at
     zero (range ``[-m, m]``, ``m`` the largest ``|normalized|`` of both).
 

@@ -158,7 +158,10 @@ def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
 
 
 def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
-    """The ``k`` best heads of a phase: by ``phase{phase}_rank`` if present, else by score."""
+    """The ``k`` best ``(layer, head)`` of a phase (1 or 2) in a ``ck.score_heads`` frame: by
+    ``phase{phase}_rank`` if present, else by ``coarse_score`` / ``refine_score``."""
+    if phase not in (1, 2):
+        raise ValueError(f"phase={phase!r}: expected 1 (coarse_score) or 2 (refine_score).")
     rank, score = f"phase{phase}_rank", "coarse_score" if phase == 1 else "refine_score"
     df = scores.sort_values(rank) if rank in scores.columns else \
         scores.sort_values(score, ascending=False)
@@ -190,6 +193,13 @@ def ablation_table(frame: Any) -> Any:
     wide = frame.assign(cell=cells).pivot_table(index="variant", columns="metric", values="cell",
                                                 aggfunc="first", sort=False)
     return wide.reset_index().rename_axis(columns=None)
+
+
+def _or_raw(make, frame: Any) -> Any:
+    try:
+        return make(frame)
+    except (ValueError, KeyError):
+        return frame
 
 
 def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int,
@@ -256,6 +266,14 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     config = {"displaylogo": False, "responsive": False}
     fig_html = lambda fig: pio.to_html(fig, full_html=False, include_plotlyjs=False,
                                        config=config)
+
+    def chart(make, *args) -> str:
+        """A chart, or one line saying why not (a frame whose columns a chart does not know
+        still gets its table)."""
+        try:
+            return fig_html(make(*args))
+        except ValueError as e:
+            return f"<p class='skip'>Chart skipped: {_esc(e)}</p>"
     sections: list[tuple[str, str, str]] = []  # (id, heading, body)
 
     model_name = summary.get("model") or summary.get("model_name") or next(
@@ -276,21 +294,21 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     views: list = []
     if scores is not None:
         body = _score_tables(scores, top_k)
-        body += fig_html(charts.score_scatter(scores))
-        body += fig_html(charts.phase_profile(scores, _n_layers(summary, results, scores)))
+        body += chart(charts.score_scatter, scores)
+        body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
         sections.append(("scores", "Head scores", body))
     if validation is not None:
         sections.append(("validation", "Causal validation",
-                         fig_html(charts.validation_chart(validation)) + _table(validation)))
+                         chart(charts.validation_chart, validation) + _table(validation)))
     if attention and scores is not None:
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
                                             views)))
     if ablation is not None:
         sections.append(("distillation", "Distillation ablation",
-                         fig_html(charts.ablation_chart(ablation))
+                         chart(charts.ablation_chart, ablation)
                          + "<p class='note'>mean over seeds [95% interval]</p>"
-                         + _table(ablation_table(ablation))))
+                         + _table(_or_raw(ablation_table, ablation))))
 
     title = "circuitkit report" + (f": {model_name}" if model_name else "") + \
         (f" on {task_name}" if task_name else "")
