@@ -276,3 +276,15 @@ def test_attention_view(teacher_and_task):
     # an Example alone: words from the model's tokenizer (the teacher's vocabulary is the task's)
     alone = attention(model, ex, heads=[(1, 1)])
     assert alone.words == words
+
+
+def test_notebooks_are_stored_without_outputs():
+    import json
+    from pathlib import Path
+
+    books = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+    assert [b.name for b in books][:2] == ["01_quickstart.ipynb", "02_characterize.ipynb"]
+    for book in books:
+        for cell in json.loads(book.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, book.name
