@@ -253,6 +253,27 @@ def evaluate(
         typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
 
 
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="Results folder (characterize --out or patch --out)."),
+    out: Path = typer.Option(None, "--out", "-o",
+                             help="Output file (default: RUN_DIR/report.html)."),
+    attention: bool = typer.Option(True, "--attention/--no-attention", help="Attention views of "
+                                   "the top heads (loads the model named in summary.json)."),
+) -> None:
+    """One self-contained report.html (all JavaScript inlined: opens offline, can be mailed)."""
+    import time
+
+    from circuitkit.viz.report import describe_written, write_report
+
+    t0 = time.perf_counter()
+    try:
+        path = write_report(run_dir, out, attention=attention)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    typer.echo(describe_written(path, time.perf_counter() - t0))
+
+
 def main() -> None:  # console-script entry point
     try:
         app()

@@ -67,7 +67,7 @@ def test_frame_top_heatmap():
     each = PatchResult(values=torch.zeros(2, 3, 5), clean=1, corrupt=0, direction="denoise",
                        method="exact", site="z", positions="each")
     assert each.axes == ("layer", "head", "pos") and len(each.to_frame()) == 30
-    assert each.heatmap().data[0].z.shape == (6, 5)
+    assert [t.z.shape for t in each.heatmap().data] == [(2, 3)] * 5  # one facet per position
 
 
 def test_save_load_roundtrip(tmp_path):

@@ -190,39 +190,11 @@ class PatchResult:
         order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 
-    def heatmap(self, title: str | None = None):
-        """plotly Figure of ``normalized()``: layer x head (or layer x pos; rows L.H for per-pos).
+    def heatmap(self, title: str | None = None, **kw):
+        """plotly Figure of ``normalized()``: ``circuitkit.viz.heatmaps.patch_heatmap``."""
+        from circuitkit.viz.heatmaps import patch_heatmap  # patching never imports viz at load
 
-        Hover shows the raw value, the normalized value and its 95% bootstrap interval.
-        """
-        import numpy as np
-        import plotly.graph_objects as go
-
-        norm, val = self.normalized().float(), self.values.float()
-        interval = self.confidence_interval()
-        lo, hi = interval if interval is not None else (torch.full_like(norm, float("nan")),) * 2
-        if self.values.ndim == 3:  # rows = (layer, head), cols = pos
-            L, H, S = self.values.shape
-            ylab = [f"L{layer}H{h}" for layer in range(L) for h in range(H)]
-            norm, val, lo, hi = (t.reshape(L * H, S) for t in (norm, val, lo, hi))
-            xlab, xname, yname = list(range(S)), "pos", "layer.head"
-        else:
-            ylab = list(range(self.values.shape[0]))
-            xlab, xname, yname = list(range(self.values.shape[1])), self.axes[1], "layer"
-        custom = np.stack([val.numpy(), lo.numpy(), hi.numpy()], axis=-1)
-        m = float(norm.abs().max()) if norm.numel() else 1.0
-        fig = go.Figure(go.Heatmap(
-            z=norm.numpy(), x=xlab, y=ylab, customdata=custom, colorscale="RdBu", zmid=0,
-            zmin=-max(m, 1e-9), zmax=max(m, 1e-9),
-            hovertemplate=(f"{yname} %{{y}}, {xname} %{{x}}<br>value %{{customdata[0]:.4f}}"
-                           "<br>normalized %{z:.3f}<br>95% CI [%{customdata[1]:.3f}, "
-                           "%{customdata[2]:.3f}]<extra></extra>"),
-        ))
-        fig.update_layout(
-            title=title or f"{self.method} {self.direction}, site {self.site}, "
-            f"positions {self.positions} (normalized)",
-            xaxis_title=xname, yaxis_title=yname, yaxis_autorange="reversed")
-        return fig
+        return patch_heatmap(self, title, **kw)
 
     # --- persistence ----------------------------------------------------------------------------
     @staticmethod

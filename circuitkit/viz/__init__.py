@@ -1,0 +1,27 @@
+"""Pictures of every result circuitkit computes: plotly figures, circuitsvis attention views, and a
+self-contained ``report.html``.
+
+Every chart function returns a ``plotly.graph_objects.Figure``; ``attention`` returns an
+``AttentionView`` (renders in Jupyter, ``.html`` for embedding). Imports are lazy: importing
+``circuitkit.viz`` loads neither plotly nor torch.
+"""
+
+from __future__ import annotations
+
+from circuitkit._lazy import lazy_exports
+
+_EXPORTS = {
+    "patch_heatmap": "circuitkit.viz.heatmaps:patch_heatmap",
+    "patch_heatmaps": "circuitkit.viz.heatmaps:patch_heatmaps",
+    "score_scatter": "circuitkit.viz.charts:score_scatter",
+    "phase_profile": "circuitkit.viz.charts:phase_profile",
+    "validation_chart": "circuitkit.viz.charts:validation_chart",
+    "ablation_chart": "circuitkit.viz.charts:ablation_chart",
+    "attention": "circuitkit.viz.attention:attention",
+    "AttentionView": "circuitkit.viz.attention:AttentionView",
+    "write_report": "circuitkit.viz.report:write_report",
+    "top_heads": "circuitkit.viz.report:top_heads",
+}
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,289 @@
+"""Charts of head scores, causal validation and the distillation ablation (plotly).
+
+Inputs are pandas DataFrames (``ck.score_heads``, ``ck.validate_heads``, the ablation CSV); each
+function names the columns it needs and raises one ``ValueError`` when they are missing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from circuitkit.viz.heatmaps import int_ticks
+
+PHASE_COLORS = {1: "#1f77b4", 2: "#d62728"}  # Phase 1 (coarse, anchors) blue, Phase 2 red
+
+
+def _require(frame: Any, columns: Sequence[str], arg: str) -> None:
+    missing = [c for c in columns if c not in getattr(frame, "columns", ())]
+    if missing:
+        have = list(getattr(frame, "columns", []))
+        raise ValueError(f"{arg}: expected a DataFrame with columns {list(columns)}; missing "
+                         f"{missing} (has {have}).")
+
+
+def _pick(frame: Any, names: Sequence[str], arg: str, required: bool = True) -> str | None:
+    """The first of ``names`` that is a column of ``frame`` (the documented name comes first)."""
+    for n in names:
+        if n in frame.columns:
+            return n
+    if required:
+        raise ValueError(f"{arg}: expected a column {names[0]!r} (or one of {list(names[1:])}); "
+                         f"has {list(frame.columns)}.")
+    return None
+
+
+def _interval_columns(frame: Any) -> tuple[str, str] | None:
+    for lo, hi in (("ci_low", "ci_high"), ("low", "high"), ("ci_lo", "ci_hi"),
+                   ("lower", "upper")):
+        if lo in frame.columns and hi in frame.columns:
+            return lo, hi
+    return None
+
+
+def _error_bars(frame: Any, value: str, interval: tuple[str, str] | None) -> dict | None:
+    if interval is None:
+        return None
+    v = frame[value].to_numpy(dtype=float)
+    return dict(type="data", symmetric=False, array=frame[interval[1]].to_numpy(float) - v,
+                arrayminus=v - frame[interval[0]].to_numpy(float), thickness=1.5, width=4)
+
+
+# --- head scores ----------------------------------------------------------------------------
+
+
+def score_scatter(scores: Any, label_top: int = 5):
+    """``coarse_score`` (x, Phase 1) vs ``refine_score`` (y, Phase 2), one point per head,
+    coloured by layer; the ``label_top`` best heads of each score are labelled ``L{layer}H{head}``.
+
+    ``scores``: ``ck.score_heads`` DataFrame (columns ``layer, head, coarse_score,
+    refine_score``; ``phase1_rank``/``phase2_rank`` and the component scores go in the hover).
+    """
+    import plotly.graph_objects as go
+
+    _require(scores, ["layer", "head", "coarse_score", "refine_score"], "scores")
+    df = scores.reset_index(drop=True)
+    names = [f"L{int(r.layer)}H{int(r.head)}" for r in df.itertuples()]
+    top = set(df["coarse_score"].nlargest(label_top).index) | \
+        set(df["refine_score"].nlargest(label_top).index)
+    extra = [c for c in ("sharpness", "anchor_alignment", "loopback", "margin_widening",
+                         "phase1_rank", "phase2_rank") if c in df.columns]
+    hover = "<b>%{hovertext}</b><br>coarse_score %{x:.4g}<br>refine_score %{y:.4g}" + "".join(
+        f"<br>{c} %{{customdata[{i}]:.4g}}" for i, c in enumerate(extra))
+    n_layers = int(df["layer"].max()) + 1 if len(df) else 1
+    fig = go.Figure(go.Scatter(
+        x=df["coarse_score"], y=df["refine_score"], mode="markers+text",
+        text=[n if i in top else "" for i, n in enumerate(names)], hovertext=names,
+        customdata=df[extra].to_numpy(float) if extra else None,
+        textposition="top center", textfont=dict(size=10),
+        marker=dict(color=df["layer"], colorscale="Viridis", cmin=0, cmax=max(n_layers - 1, 1),
+                    size=9, line=dict(width=0.5, color="black"),
+                    colorbar=dict(title=dict(text="layer"), **int_ticks(n_layers, 10))),
+        hovertemplate=hover + "<extra></extra>",
+    ))
+    fig.update_layout(
+        title="Head scores: Phase 1 (coarse) vs Phase 2 (refine)<br><sup>one point per head, "
+        "colour = layer; top heads of each score labelled</sup>",
+        xaxis_title="coarse_score (Phase 1: sharp attention x anchor-aligned write)",
+        yaxis_title="refine_score (Phase 2: loop-back x margin widening)",
+        height=520, width=760, plot_bgcolor="white",
+        xaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),
+        yaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),
+    )
+    return fig
+
+
+def layer_means(scores: Any, column: str) -> Any:
+    """Per-layer mean, standard error and head count of ``scores[column]`` (DataFrame by layer)."""
+    g = scores.groupby("layer")[column]
+    out = g.agg(["mean", "std", "count"]).reset_index()
+    out["sem"] = (out["std"] / np.sqrt(out["count"])).fillna(0.0)
+    return out
+
+
+def phase_profile(scores: Any, n_layers: int):
+    """Mean Phase-1 (``coarse_score``) and Phase-2 (``refine_score``) score per layer against
+    relative depth ``layer / (n_layers - 1)`` (0 = first layer, 1 = last), error bars = standard
+    error over the layer's heads. The two-phase picture: Phase 1 peaks earlier than Phase 2.
+
+    The two scores have different units, so each has its own y axis (Phase 1 left, Phase 2 right).
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    _require(scores, ["layer", "coarse_score", "refine_score"], "scores")
+    top = int(scores["layer"].max()) if len(scores) else 0
+    if not isinstance(n_layers, int | np.integer) or n_layers < 1 or n_layers <= top:
+        raise ValueError(f"n_layers={n_layers!r}: expected an int > the largest layer in "
+                         f"scores ({top}).")
+    depth = lambda layers: np.asarray(layers, float) / max(n_layers - 1, 1)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for phase, column, second in ((1, "coarse_score", False), (2, "refine_score", True)):
+        m = layer_means(scores, column)
+        fig.add_trace(go.Scatter(
+            x=depth(m["layer"]), y=m["mean"], mode="lines+markers",
+            name=f"Phase {phase}: mean {column}", line=dict(color=PHASE_COLORS[phase], width=2),
+            error_y=dict(type="data", array=m["sem"], thickness=1, width=3),
+            customdata=np.stack([m["layer"], m["count"]], axis=-1),
+            hovertemplate=f"Phase {phase}<br>layer %{{customdata[0]}} (depth %{{x:.2f}})<br>"
+            f"mean {column} %{{y:.4g}} over %{{customdata[1]}} heads<extra></extra>",
+        ), secondary_y=second)
+    fig.update_xaxes(title_text=f"relative depth (layer / {max(n_layers - 1, 1)})",
+                     range=[-0.05, 1.05], showgrid=True, gridcolor="#eee")
+    fig.update_yaxes(title_text="Phase 1: mean coarse_score", color=PHASE_COLORS[1],
+                     secondary_y=False, zerolinecolor="#bbb", gridcolor="#eee")
+    fig.update_yaxes(title_text="Phase 2: mean refine_score", color=PHASE_COLORS[2],
+                     secondary_y=True, showgrid=False, tickmode="auto")
+    fig.update_layout(
+        title="Phase profile: where each phase's heads sit<br><sup>mean score per layer "
+        "(error bars: standard error over heads); Phase 1 is expected earlier than Phase 2</sup>",
+        height=440, width=760, plot_bgcolor="white",
+        legend=dict(orientation="h", y=-0.2),
+    )
+    return fig
+
+
+# --- causal validation ----------------------------------------------------------------------
+
+VALIDATION_COLUMNS = dict(
+    set=("set", "head_set", "heads", "kind", "group"),
+    effect=("effect", "effect_size", "mean_effect", "delta", "change"),
+    measure=("measure", "metric", "quantity"),
+    p_value=("p_value", "p", "pvalue"),
+)
+
+
+def validation_chart(validation: Any):
+    """Top-k heads vs random head sets: the patched effect of each set with its 95% interval.
+
+    ``validation``: ``ck.validate_heads`` DataFrame, one row per set (or per random draw):
+
+    ======================  ======================================================
+    ``set``                 ``"top-k"`` / ``"random"`` (any labels; required)
+    ``effect``              change of the measure when the set is patched (required)
+    ``ci_low``, ``ci_high`` 95% interval of ``effect`` (optional)
+    ``phase``               1 or 2 (optional: one panel per phase and measure)
+    ``measure``             what changed, e.g. ``focus``, ``anchor_margin`` (optional)
+    ``direction``           ``noise`` / ``denoise`` (optional: the x axis)
+    ``p_value``             permutation p-value against the random sets (optional, shown)
+    ======================  ======================================================
+
+    Aliases accepted: ``head_set``/``kind``/``group`` for ``set``; ``effect_size``/``delta``
+    for ``effect``; ``metric`` for ``measure``; ``low``/``high`` for the interval.
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    if len(getattr(validation, "columns", ())) == 0 or len(validation) == 0:
+        raise ValueError("validation: expected a non-empty DataFrame (ck.validate_heads).")
+    set_col = _pick(validation, VALIDATION_COLUMNS["set"], "validation")
+    eff = _pick(validation, VALIDATION_COLUMNS["effect"], "validation")
+    measure = _pick(validation, VALIDATION_COLUMNS["measure"], "validation", required=False)
+    p_col = _pick(validation, VALIDATION_COLUMNS["p_value"], "validation", required=False)
+    direction = "direction" if "direction" in validation.columns else None
+    phase = "phase" if "phase" in validation.columns else None
+    interval = _interval_columns(validation)
+    df = validation.reset_index(drop=True)
+    panel_keys = [c for c in (phase, measure) if c]
+    panels = list(df.groupby(panel_keys, sort=False)) if panel_keys else [((), df)]
+    n_cols = min(len(panels), 2)
+    n_rows = math.ceil(len(panels) / n_cols)
+
+    def panel_name(key: Any) -> str:
+        key = key if isinstance(key, tuple) else (key,)
+        return ", ".join(f"phase {k}" if c == "phase" else str(k)
+                         for c, k in zip(panel_keys, key, strict=True)) or eff
+
+    fig = make_subplots(rows=n_rows, cols=n_cols, subplot_titles=[panel_name(k) for k, _ in panels],
+                        horizontal_spacing=0.12,
+                        vertical_spacing=min(0.15, 0.6 / max(n_rows - 1, 1)))
+    sets = list(dict.fromkeys(df[set_col].astype(str)))
+    palette = ["#d62728", "#7f7f7f", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e"]
+    for i, (_, part) in enumerate(panels):
+        row, col = i // n_cols + 1, i % n_cols + 1
+        for j, s in enumerate(sets):
+            rows = part[part[set_col].astype(str) == s]
+            if rows.empty:
+                continue
+            x = rows[direction].astype(str) if direction else [eff] * len(rows)
+            ptxt = [f"p={p:.3g}" if p_col and np.isfinite(p) else ""
+                    for p in (rows[p_col] if p_col else [np.nan] * len(rows))]
+            fig.add_trace(go.Scatter(
+                x=x, y=rows[eff], mode="markers+text", name=s, legendgroup=s,
+                showlegend=i == 0, offsetgroup=s, marker=dict(size=11, color=palette[j % 6]),
+                error_y=_error_bars(rows, eff, interval), text=ptxt, textposition="middle right",
+                textfont=dict(size=10),
+                hovertemplate=f"{s}<br>%{{x}}<br>{eff} %{{y:.4g}}"
+                + (" [%{customdata[0]:.4g}, %{customdata[1]:.4g}]" if interval else "")
+                + "<br>%{text}<extra></extra>",
+                customdata=rows[list(interval)].to_numpy(float) if interval else None,
+            ), row=row, col=col)
+        fig.update_yaxes(title_text=eff if col == 1 else None, zeroline=True,
+                         zerolinecolor="#888", gridcolor="#eee", row=row, col=col)
+    fig.update_layout(
+        title="Causal validation: top-k heads vs random head sets<br><sup>effect of patching "
+        "the set together, 95% intervals; p = permutation p-value against the random sets</sup>",
+        scattermode="group", height=330 * n_rows + 150, width=420 * n_cols + 200,
+        plot_bgcolor="white", legend=dict(title=dict(text="head set")),
+    )
+    return fig
+
+
+# --- distillation ablation ------------------------------------------------------------------
+
+
+def ablation_chart(frame: Any, n_cols: int = 3):
+    """Distillation ablation: one panel per metric, one bar per variant with its 95% interval.
+
+    ``frame`` (long format, one row per variant x metric; the ablation CSV):
+
+    =====================  =============================================================
+    ``variant``            e.g. ``cot``, ``cot+p1``, ``cot+p2``, ``cot+p1+p2``, ``uniform``
+    ``metric``             e.g. ``focus``, ``confusion_rate``, ``macro_f1``, ``exact_match``,
+                           ``las``, ``sharpness``, ``loopback`` ...
+    ``value``              mean over seeds (alias ``mean``)
+    ``ci_low``, ``ci_high``  95% interval over seeds (optional)
+    ``n_seeds``            (optional, shown in the hover)
+    =====================  =============================================================
+
+    Variants and metrics keep their order of first appearance.
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    _require(frame, ["variant", "metric"], "frame")
+    value = _pick(frame, ("value", "mean"), "frame")
+    if len(frame) == 0:
+        raise ValueError("frame: expected at least one variant x metric row.")
+    interval = _interval_columns(frame)
+    metrics = list(dict.fromkeys(frame["metric"].astype(str)))
+    variants = list(dict.fromkeys(frame["variant"].astype(str)))
+    n_cols = min(n_cols, len(metrics))
+    n_rows = math.ceil(len(metrics) / n_cols)
+    fig = make_subplots(rows=n_rows, cols=n_cols, subplot_titles=metrics,
+                        horizontal_spacing=0.08,
+                        vertical_spacing=min(0.14, 0.6 / max(n_rows - 1, 1)))
+    palette = ["#7f7f7f", "#1f77b4", "#d62728", "#9467bd", "#2ca02c", "#ff7f0e"]
+    colors = {v: palette[i % len(palette)] for i, v in enumerate(variants)}
+    for i, m in enumerate(metrics):
+        rows = frame[frame["metric"].astype(str) == m]
+        seeds = rows["n_seeds"].to_numpy() if "n_seeds" in rows.columns else None
+        fig.add_trace(go.Bar(
+            x=rows["variant"].astype(str), y=rows[value],
+            marker_color=[colors[v] for v in rows["variant"].astype(str)],
+            error_y=_error_bars(rows, value, interval), name=m, showlegend=False,
+            customdata=seeds,
+            hovertemplate=f"%{{x}}<br>{m} %{{y:.4g}}"
+            + (" (%{customdata} seeds)" if seeds is not None else "") + "<extra></extra>",
+        ), row=i // n_cols + 1, col=i % n_cols + 1)
+    fig.update_xaxes(categoryorder="array", categoryarray=variants, tickangle=-30)
+    fig.update_yaxes(gridcolor="#eee")
+    fig.update_layout(
+        title="Distillation ablation: variants x metrics<br><sup>mean over seeds, error bars "
+        "95% interval over seeds</sup>",
+        height=300 * n_rows + 140, width=340 * n_cols + 120, plot_bgcolor="white",
+    )
+    return fig

@@ -1,0 +1,236 @@
+"""Layer x head heatmaps of ``PatchResult``s (plotly).
+
+Colour is ``result.normalized()`` on a diverging scale centred at zero with a symmetric range
+``[-m, m]``, ``m = max |normalized|`` over every panel of the figure (so denoise and noise side by
+side share one scale). Rows are layers (layer 0 at the top), columns heads (or positions, for layer
+sites); ticks are integers. Hover shows layer, head (position), the raw metric value, the normalized
+value and its 95% bootstrap interval over prompts (when the result holds per-prompt values).
+
+``positions="each"`` results (``values [n_layers, n_heads, seq]``) get one layer x head facet per
+position: all positions up to ``max_facets``, else the ``max_facets`` positions with the largest
+``|normalized|`` (in position order, the title says how many of how many).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+COLORSCALE = "RdBu"  # red = negative (noise breaks the behaviour), blue = positive (restores it)
+MAX_FACETS = 24
+DIRECTION_NOTE = {
+    "denoise": "denoise: clean activation into the corrupt run (1 = clean behaviour restored)",
+    "noise": "noise: corrupt activation into the clean run (-1 = behaviour fully broken)",
+}
+PANEL_TITLE = {"denoise": "denoise (1 = restored)", "noise": "noise (-1 = broken)"}
+
+
+def int_ticks(n: int, max_ticks: int = 25) -> dict[str, Any]:
+    """Axis settings labelling ``0 .. n-1`` with integers (every ``ceil(n / max_ticks)``-th)."""
+    step = max(1, math.ceil(n / max_ticks))
+    vals = list(range(0, n, step))
+    return dict(tickmode="array", tickvals=vals, ticktext=[str(v) for v in vals])
+
+
+def model_label(meta: dict[str, Any]) -> str | None:
+    """Short model name from a result's ``meta``: ``model_name`` (as the user typed it), else the
+    folder name of a local ``model`` path, else ``model`` (a hub id) as is."""
+    name = meta.get("model_name") or meta.get("model")
+    if not name:
+        return None
+    name = str(name)
+    if os.path.isabs(name) or name.startswith((".", "~")):
+        return os.path.basename(os.path.normpath(name)) or name
+    return name
+
+
+def describe(result: Any) -> str:
+    """Title naming the model, the task (and phase), the metric and the direction, from ``meta``;
+    a second, smaller line with method, site, positions and the number of prompts."""
+    meta = result.meta or {}
+    task = meta.get("task")
+    if task and meta.get("phase") is not None:
+        task = f"{task} phase {meta['phase']}"
+    metric = meta.get("metric")
+    head = [model_label(meta), task, f"metric {metric}" if metric else None, result.direction]
+    n = meta.get("n_prompts") or meta.get("n_examples")
+    sub = [result.method, f"site {result.site}", f"positions {result.positions}",
+           f"{n} prompts" if n else None, "colour = normalized effect"]
+    return (" · ".join(str(p) for p in head if p)
+            + "<br><sup>" + ", ".join(str(p) for p in sub if p) + "</sup>")
+
+
+def _cells(result: Any, interval: bool) -> dict[str, np.ndarray | None]:
+    """numpy views of a result: value, normalized, and the 95% interval (or None)."""
+    ci = result.confidence_interval() if interval else None
+    return dict(
+        value=result.values.float().numpy(),
+        normalized=result.normalized().float().numpy(),
+        low=None if ci is None else ci[0].float().numpy(),
+        high=None if ci is None else ci[1].float().numpy(),
+    )
+
+
+def _abs_max(*arrays: np.ndarray) -> float:
+    finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
+    m = max((float(f.max()) for f in finite if f.size), default=0.0)
+    return max(m, 1e-9)
+
+
+def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", name: str = ""):
+    """One heatmap of the cells ``c[...][index]`` (2-D: rows = layers), on the shared coloraxis."""
+    import plotly.graph_objects as go
+
+    z = c["normalized"][index]
+    parts = [c["value"][index]]
+    hover = (f"{y_name} %{{y}}<br>{x_name} %{{x}}{extra}<br>value %{{customdata[0]:.4g}}"
+             "<br>normalized %{z:.3f}")
+    if c["low"] is not None:
+        parts += [c["low"][index], c["high"][index]]
+        hover += "<br>95% interval [%{customdata[1]:.3f}, %{customdata[2]:.3f}]"
+    return go.Heatmap(
+        z=z, x=np.arange(z.shape[1]), y=np.arange(z.shape[0]),
+        customdata=np.stack(parts, axis=-1), coloraxis="coloraxis", name=name,
+        hovertemplate=hover + f"<extra>{name}</extra>", xgap=1, ygap=1,
+    )
+
+
+def _pick_positions(norms: Sequence[np.ndarray], positions: Sequence[int] | None,
+                    max_facets: int) -> list[int]:
+    seq = norms[0].shape[-1]
+    if positions is not None:
+        picked = [int(p) for p in positions]
+        bad = [p for p in picked if not 0 <= p < seq]
+        if bad or not picked:
+            raise ValueError(f"positions={list(positions)!r}: expected a non-empty list of "
+                             f"positions in 0..{seq - 1}.")
+        return picked
+    if seq <= max_facets:
+        return list(range(seq))
+    strength = np.max([np.nan_to_num(np.abs(n)).max(axis=(0, 1)) for n in norms], axis=0)
+    return sorted(np.argsort(-strength, kind="stable")[:max_facets].tolist())
+
+
+def _axis_names(result: Any) -> tuple[str, str]:
+    """(x name, y name) of a 2-D panel: heads or positions across, layers down."""
+    axes = tuple(result.axes)
+    return (axes[1] if len(axes) == 2 else "head"), "layer"
+
+
+def _grid(n_panels: int, n_cols: int, titles: list[str], shape: tuple[int, int],
+          x_name: str, y_name: str):
+    """A subplot grid of heatmap panels (``shape`` = rows x cols of one panel) with integer
+    ticks, layer 0 on top, and sizes that keep the cells readable."""
+    from plotly.subplots import make_subplots
+
+    n_rows = math.ceil(n_panels / n_cols)
+    fig = make_subplots(
+        rows=n_rows, cols=n_cols, subplot_titles=titles,
+        horizontal_spacing=min(0.08, 0.6 / max(n_cols - 1, 1)) if n_cols > 1 else 0.02,
+        vertical_spacing=min(0.1, 0.6 / max(n_rows - 1, 1)) if n_rows > 1 else 0.02,
+    )
+    fig.update_yaxes(autorange="reversed", **int_ticks(shape[0]))
+    fig.update_xaxes(**int_ticks(shape[1]))
+    for r in range(1, n_rows + 1):
+        fig.update_yaxes(title_text=y_name, row=r, col=1)
+    for c in range(1, n_cols + 1):
+        fig.update_xaxes(title_text=x_name, row=n_rows, col=c)
+    panel_h = min(480, max(220, 26 * shape[0]))
+    panel_w = min(760, max(320, 28 * shape[1]))
+    fig.update_layout(height=n_rows * panel_h + 190, width=n_cols * panel_w + 220,
+                      margin=dict(t=150, l=70, r=40, b=60))
+    return fig
+
+
+def _finish(fig, m: float, title: str):
+    fig.update_layout(
+        title=dict(text=title, x=0.01, xanchor="left"),
+        coloraxis=dict(colorscale=COLORSCALE, cmid=0.0, cmin=-m, cmax=m,
+                       colorbar=dict(title=dict(text="normalized"))),
+        plot_bgcolor="white",
+    )
+    return fig
+
+
+def _facet_title(p: int, tokens: Sequence[str] | None) -> str:
+    return f"pos {p}" + (f": {tokens[p]}" if tokens is not None and p < len(tokens) else "")
+
+
+def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = True,
+                  positions: Sequence[int] | None = None, tokens: Sequence[str] | None = None,
+                  max_facets: int = MAX_FACETS, facet_cols: int = 4):
+    """Heatmap of one ``PatchResult``: ``normalized()`` per layer x head (or layer x position).
+
+    ``positions="each"`` results: one layer x head facet per position (``positions`` picks them;
+    ``tokens[p]`` labels facet ``p``). ``interval=False`` skips the bootstrap (faster, no interval
+    in the hover). Returns a ``plotly.graph_objects.Figure``.
+    """
+    c = _cells(result, interval)
+    m = _abs_max(c["normalized"])
+    x_name, y_name = _axis_names(result)
+    title = title or describe(result)
+    if c["value"].ndim == 2:
+        fig = _grid(1, 1, [""], c["value"].shape, x_name, y_name)
+        fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
+                             name=result.direction), row=1, col=1)
+        return _finish(fig, m, title)
+    picked = _pick_positions([c["normalized"]], positions, max_facets)
+    seq = c["value"].shape[-1]
+    if len(picked) < seq:
+        title += f"<br><sup>{len(picked)} of {seq} positions (largest |normalized| first " \
+                 "picked, shown in position order)</sup>"
+    cols = min(facet_cols, len(picked))
+    fig = _grid(len(picked), cols, [_facet_title(p, tokens) for p in picked],
+                c["value"].shape[:2], "head", "layer")
+    for i, p in enumerate(picked):
+        fig.add_trace(_trace(c, (slice(None), slice(None), p), "head", "layer",
+                             extra=f"<br>pos {p}", name=f"pos {p}"),
+                      row=i // cols + 1, col=i % cols + 1)
+    return _finish(fig, m, title)
+
+
+def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interval: bool = True,
+                   positions: Sequence[int] | None = None, tokens: Sequence[str] | None = None,
+                   max_facets: int = MAX_FACETS // 2):
+    """Denoise (left) and noise (right) heatmaps of the same sweep on ONE colour scale centred at
+    zero (range ``[-m, m]``, ``m`` the largest ``|normalized|`` of both).
+
+    ``positions="each"`` results: one row per position, denoise and noise side by side.
+    Returns a ``plotly.graph_objects.Figure``.
+    """
+    for arg, res, want in (("denoise", denoise, "denoise"), ("noise", noise, "noise")):
+        if getattr(res, "direction", None) != want:
+            raise ValueError(f"{arg}= must be a PatchResult with direction={want!r}; got "
+                             f"{getattr(res, 'direction', type(res).__name__)!r}.")
+    if tuple(denoise.values.shape) != tuple(noise.values.shape) or \
+            tuple(denoise.axes) != tuple(noise.axes):
+        raise ValueError(f"denoise and noise must be the same sweep; got shapes "
+                         f"{tuple(denoise.values.shape)} {denoise.axes} and "
+                         f"{tuple(noise.values.shape)} {noise.axes}.")
+    cs = [_cells(r, interval) for r in (denoise, noise)]
+    m = _abs_max(*(c["normalized"] for c in cs))
+    x_name, y_name = _axis_names(denoise)
+    title = title or describe(denoise).replace(" · denoise", " · denoise and noise")
+    title += "<br><sup>" + "; ".join(DIRECTION_NOTE[r.direction] for r in (denoise, noise)) \
+        + "</sup>"
+    if cs[0]["value"].ndim == 2:
+        fig = _grid(2, 2, [PANEL_TITLE[r.direction] for r in (denoise, noise)],
+                    cs[0]["value"].shape, x_name, y_name)
+        for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
+            fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
+                                 name=r.direction), row=1, col=j + 1)
+        return _finish(fig, m, title)
+    picked = _pick_positions([c["normalized"] for c in cs], positions, max_facets)
+    titles = [f"{_facet_title(p, tokens)}, {r.direction}" for p in picked
+              for r in (denoise, noise)]
+    fig = _grid(2 * len(picked), 2, titles, cs[0]["value"].shape[:2], "head", "layer")
+    for i, p in enumerate(picked):
+        for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
+            fig.add_trace(_trace(c, (slice(None), slice(None), p), "head", "layer",
+                                 extra=f"<br>pos {p}", name=f"{r.direction} pos {p}"),
+                          row=i + 1, col=j + 1)
+    return _finish(fig, m, title)

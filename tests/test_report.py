@@ -1,0 +1,217 @@
+"""report.html: one self-contained page (plotly.js and the circuitsvis bundle once each, nothing
+fetched), its sections, the CLI command, and the page in a real browser (headless Chromium: no
+JavaScript errors, every plot element rendered, a screenshot that is not blank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from circuitkit.patching.results import PatchResult
+from circuitkit.viz import report as report_mod
+
+N_LAYERS, N_HEADS = 4, 8  # the shipped teacher's shape (attention views load it)
+
+
+def patch_result(direction: str, phase: int, seed: int) -> PatchResult:
+    g = torch.Generator().manual_seed(seed)
+    effect = torch.zeros(N_LAYERS, N_HEADS)
+    effect[phase, 2 * phase] = 0.8  # one strong head per phase
+    effect += 0.05 * torch.rand(N_LAYERS, N_HEADS, generator=g)
+    sign = 1.0 if direction == "denoise" else -1.0
+    base = 0.0 if direction == "denoise" else 1.0
+    jitter = 0.1 * torch.randn(8, N_LAYERS, N_HEADS, generator=g)
+    pp = base + sign * effect + jitter - jitter.mean(0)  # clean 1, corrupt 0
+    return PatchResult(values=pp.mean(0), clean=1.0, corrupt=0.0, direction=direction,
+                       method="exact", site="z", positions="all", per_prompt=pp,
+                       clean_per_prompt=torch.ones(8), corrupt_per_prompt=torch.zeros(8),
+                       meta=dict(model_name="icd-teacher", task="icd10", phase=phase,
+                                 metric="anchor_margin" if phase == 1 else "margin",
+                                 n_prompts=8))
+
+
+def make_run(path: Path, model: str | None = "icd-teacher") -> Path:
+    """A characterize-shaped folder: 4 PatchResults, scores, validation, ablation, summary."""
+    path.mkdir(parents=True, exist_ok=True)
+    for phase in (1, 2):
+        for i, direction in enumerate(("denoise", "noise")):
+            patch_result(direction, phase, seed=10 * phase + i).save(
+                path / f"patch-p{phase}-{direction}")
+    rng = np.random.default_rng(0)
+    scores = pd.DataFrame([dict(layer=la, head=h, sharpness=rng.random(),
+                                anchor_alignment=rng.normal(), coarse_score=rng.random(),
+                                loopback=rng.normal(), margin_widening=rng.normal(),
+                                refine_score=rng.random())
+                           for la in range(N_LAYERS) for h in range(N_HEADS)])
+    scores["phase1_rank"] = scores["coarse_score"].rank(ascending=False).astype(int)
+    scores["phase2_rank"] = scores["refine_score"].rank(ascending=False).astype(int)
+    scores.to_csv(path / "scores.csv", index=False)
+    pd.DataFrame([dict(phase=p, measure=m, direction=d, set=s, effect=e, ci_low=e - 0.1,
+                       ci_high=e + 0.1, p_value=0.02 if s == "top-5" else np.nan)
+                  for p, m in ((1, "focus"), (2, "confusion")) for d in ("noise", "denoise")
+                  for s, e in (("top-5", -0.5), ("random", 0.0))]
+                 ).to_csv(path / "validation.csv", index=False)
+    (path / "distill").mkdir(exist_ok=True)
+    pd.DataFrame([dict(variant=v, metric=m, value=0.5 + 0.1 * i, ci_low=0.45 + 0.1 * i,
+                       ci_high=0.55 + 0.1 * i)
+                  for i, v in enumerate(["cot", "cot+p1+p2"]) for m in ("focus", "las")]
+                 ).to_csv(path / "distill" / "ablation.csv", index=False)
+    summary = dict(task="icd10", n_examples=8, seed=0, split="test",
+                   timings=dict(sweeps=1.0), n_layers=N_LAYERS)
+    if model:
+        summary["model"] = model
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory):
+    torch.set_num_threads(1)
+    run = make_run(tmp_path_factory.mktemp("run"))
+    path = report_mod.write_report(run)
+    return path, path.read_text(encoding="utf-8")
+
+
+def test_report_is_self_contained_with_every_section(full_report):
+    from plotly.offline import get_plotlyjs
+
+    path, html = full_report
+    assert path.name == "report.html"
+    assert html.count(get_plotlyjs()[:400]) == 1  # plotly.js inlined once, not per figure
+    n_figs = html.count('class="plotly-graph-div"')
+    assert n_figs == 6  # 2 sweeps (side by side), scatter, profile, validation, ablation
+    assert html.count("Plotly.newPlot(") == n_figs
+    assert html.count('var CircuitsVis=') == 1  # circuitsvis bundle once for both views
+    assert html.count("CircuitsVis.render(") == 2
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)\s*=\s*[\"']?(https?:)?//",
+                         html, re.IGNORECASE)  # nothing fetched
+    assert "unpkg.com" not in html
+    for heading in ("Model and task", "What the numbers mean", "Phase 1 sweep", "Phase 2 sweep",
+                    "Top 10 Phase-1 heads", "Top 10 Phase-2 heads", "Causal validation",
+                    "Top 3 Phase-1 heads on icd10", "Distillation ablation"):
+        assert heading in html
+    for name in report_mod.METRIC_LINES:
+        assert f"<td>{name}</td>" in html.replace("&amp;", "&")
+    assert "0.5 [0.45, 0.55]" in html  # ablation cell: mean [interval]
+    size = path.stat().st_size
+    assert 4.8e6 < size < 8e6, size
+
+
+def test_report_skips_attention_without_a_model_and_reads_patch_folders(tmp_path):
+    run = make_run(tmp_path / "run", model=None)
+    html = report_mod.write_report(run, tmp_path / "out" / "r.html").read_text()
+    assert "Attention views skipped: summary.json names no model." in html
+    assert "var CircuitsVis=" not in html
+    # a `patch --out` folder: result.json + result.safetensors only
+    solo = tmp_path / "patch"
+    patch_result("noise", 2, 0).save(solo / "result")
+    html = report_mod.write_report(solo).read_text()
+    assert html.count('class="plotly-graph-div"') == 1 and "<h3>result</h3>" in html
+    # frames whose columns the charts do not know: the table stays, the chart says why not
+    pd.DataFrame({"who": ["top"], "how_much": [1.0]}).to_csv(run / "validation.csv", index=False)
+    pd.DataFrame({"name": ["cot"], "score": [1.0]}).to_csv(run / "distill" / "ablation.csv",
+                                                          index=False)
+    html = report_mod.write_report(run).read_text()
+    assert html.count("Chart skipped: validation: expected a column &#x27;set&#x27;") == 1
+    assert html.count("Chart skipped: frame: expected a DataFrame with columns") == 1
+    assert "how_much" in html and "<td>cot</td>" in html
+    with pytest.raises(ValueError, match="holds none of summary.json"):
+        report_mod.write_report(tmp_path / "out")
+    with pytest.raises(ValueError, match="run_dir="):
+        report_mod.write_report(tmp_path / "missing")
+
+
+def test_cli_report(tmp_path):
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    run = make_run(tmp_path / "run")
+    res = CliRunner().invoke(app, ["report", str(run), "--no-attention"])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"wrote .*report\.html \(\d+\.\d MB\) in \d+\.\d s", res.output)
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "expected a results folder" in res.output
+
+
+# --- the page in a real browser -------------------------------------------------------------
+
+
+def browser() -> str:
+    """Chromium's path; installs Debian's ``chromium`` when missing and running as root."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env)
+        subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True,
+                       timeout=1200, env=env)
+        if shutil.which("chromium"):
+            return shutil.which("chromium")
+    reason = ("NO BROWSER: report.html was NOT checked in a browser; install Debian's chromium "
+              "(apt-get install -y chromium) to run this test")
+    warnings.warn(reason, stacklevel=2)
+    pytest.skip(reason)
+
+
+def run_chromium(exe: str, tmp: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium on ``url``: fresh profile, no network (every host unresolvable),
+    console messages on stderr."""
+    profile = tmp / f"profile-{uuid.uuid4().hex[:8]}"
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--no-first-run", f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
+           "--host-resolver-rules=MAP * ~NOTFOUND", "--hide-scrollbars",
+           "--virtual-time-budget=15000", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def console_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ":CONSOLE" in ln]
+
+
+def test_report_in_chromium(full_report, tmp_path):
+    from _png import read_png
+
+    exe = browser()
+    # the detector works: a page with a JavaScript error is caught
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><body><script>notDefinedAnywhere();</script></body></html>")
+    caught = console_lines(run_chromium(exe, tmp_path, bad.as_uri(), "--dump-dom").stderr)
+    assert any("notDefinedAnywhere" in ln for ln in caught), "console logging not captured"
+
+    path, html = full_report
+    run = run_chromium(exe, tmp_path, path.as_uri(), "--dump-dom")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert console_lines(run.stderr) == [], console_lines(run.stderr)
+    dom = run.stdout
+    n_figs = html.count('class="plotly-graph-div"')
+    assert len(re.findall(r'class="[^"]*\bjs-plotly-plot\b', dom)) == n_figs  # all rendered
+    assert dom.count('class="main-svg"') >= n_figs
+    assert dom.count("Head Selector") >= 2  # circuitsvis drew both attention views
+
+    shot = tmp_path / "report.png"
+    run = run_chromium(exe, tmp_path, path.as_uri(), "--window-size=1400,2600",
+                       f"--screenshot={shot}")
+    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    px = read_png(shot)[..., :3].astype(int)
+    assert px.shape[:2] == (2600, 1400)
+    assert px.std() > 20 and len(np.unique(px.reshape(-1, 3), axis=0)) > 200  # not blank
+    r, g, b = px[..., 0], px[..., 1], px[..., 2]
+    red = (r > 150) & (g < 120) & (b < 120)  # the noise heatmap's negative cells (RdBu)
+    blue = (b > 100) & (r < 90) & (g < 140) & (b - r > 60)  # the denoise heatmap's
+    assert red.sum() > 500 and blue.sum() > 500, (red.sum(), blue.sum())
+    keep = os.environ.get("CIRCUITKIT_SCREENSHOT")
+    if keep:  # look at it: CIRCUITKIT_SCREENSHOT=/tmp/report.png python -m pytest ...
+        shutil.copy(shot, keep)
