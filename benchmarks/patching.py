@@ -10,7 +10,8 @@ One process, one model, the same inputs and metric for every method (denoise, si
   path (``circuitkit.patching.engine``), with the task's ``PromptMetric`` (``task.metric``), and
   with the same metric as a plain user lambda returning the mean (``lambda logits:
   metric(logits)``) or one value per prompt: the metric protocol makes all three equally fast;
-* ``attribution``: ``attribution_patch_heads`` (2 forwards + 1 backward);
+* ``attribution``: ``attribution_patch_heads`` (4 pass-equivalents per prompt: 2 forwards +
+  1 backward, a backward counting 2);
 * ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail);
 * the per-position sweeps (``positions="each"``) of exact and attribution.
 

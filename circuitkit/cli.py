@@ -29,10 +29,22 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _resume_hint() -> str:
+def _same_command(ctx: typer.Context) -> str:
+    """The command line that reruns the current command with the same options (for resuming)."""
     import shlex
 
-    return "circuitkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    words = ["circuitkit", ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        # (typer may bring its own click: ask the parameter what it is, not its class)
+        if param.param_type_name != "option" or value == param.default or value is None:
+            continue
+        if param.is_flag:
+            names = param.opts if value else param.secondary_opts
+            words.append(names[0])
+        else:
+            words += [max(param.opts, key=len), shlex.quote(str(value))]
+    return " ".join(words)
 
 
 def _load(model: str, task: str, n_examples: int | None, seed: int, split: str, phase: int):
@@ -106,13 +118,14 @@ def info(
         f"  exact, per position        {plan['exact_each_pos_naive']:,.0f} passes, "
         f"{plan['exact_each_pos_suffix']:,.0f} pass-equivalents",
         f"  attribution (any heads)    {plan['attribution']:,.0f} pass-equivalents "
-        "(2 forward + 1 backward per prompt)",
+        "(4 pass-equivalents per prompt: 2 forwards + 1 backward, a backward counting 2)",
     ]
     typer.echo("\n".join(lines))
 
 
 @app.command()
 def patch(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
     task: str = typer.Option(..., "--task", "-t", help="icd10, synthetic, induction or a .jsonl."),
     n_examples: int = typer.Option(None, "--n-examples", "-n", help="Prompts in the sweep "
@@ -175,7 +188,7 @@ def patch(
     except KeyboardInterrupt:
         resumable = checkpoint and method == "exact"
         typer.secho("interrupted; " + (f"finished chunks are in {out / 'checkpoint'}. Resume "
-                                       f"with the same command:\n  {_resume_hint()}"
+                                       f"with the same command:\n  {_same_command(ctx)}"
                                        if resumable else "nothing was saved (attribution "
                                        "runs are not checkpointed)."), err=True)
         raise typer.Exit(130) from None

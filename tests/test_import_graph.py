@@ -120,7 +120,13 @@ RULES = [  # (importer prefix, forbidden prefix)
 ]
 
 
+# The one sanctioned exception: ``PatchResult.heatmap()`` (a public view method, DESIGN) imports
+# its figure function from viz when called; viz.heatmaps imports nothing of patching, so no cycle.
+ALLOWED = {("circuitkit.patching.results", "circuitkit.viz.heatmaps")}
+
+
 def test_lower_layers_never_import_higher_ones():
     bad = [(mod, imp) for mod, imps in graph().items() for imp in imps
-           for low, high in RULES if mod.startswith(low) and imp.startswith(high)]
+           for low, high in RULES
+           if mod.startswith(low) and imp.startswith(high) and (mod, imp) not in ALLOWED]
     assert not bad, bad

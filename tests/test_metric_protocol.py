@@ -61,9 +61,7 @@ def setup(request):
         model = ck.load_model("icd-teacher")
         task = ck.load_task("icd10", n_examples=5, split="test", seed=4)
     else:
-        from conftest import TINY_LLAMA, make_model
-
-        model = make_model(TINY_LLAMA)
+        model = request.getfixturevalue("tiny_llama")  # 3 layers, GQA 4/2, rotary
         task = ck.load_task("induction", n_examples=4, seg_len=5, vocab_size=64, seed=1)
     seq = task.clean_tokens.shape[1]
     return model, task, seq

@@ -61,9 +61,10 @@ patterns included, is ~1e-4 while exact noising of the previous-token head is -9
 For a 2-layer model this makes site-z estimates exact up to the (linear) effect through layer 0's
 MLP. Cost: one last-block + unembedding call per head (per head and position for "each").
 
-Cost: plain = 2 forwards + 1 backward per batch; AtP* adds, per pair of layers ``l < l'``, one
-attention-layer call over ``n_heads`` (``n_heads * seq`` for ``positions="each"``) copies of the
-batch, plus one attention-layer backward per layer, plus the exact tail (above).
+Cost: plain = 4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2);
+AtP* adds, per pair of layers ``l < l'``, one attention-layer call over ``n_heads``
+(``n_heads * seq`` for ``positions="each"``) copies of the batch, plus one attention-layer
+backward per layer, plus the exact tail (above).
 
 The estimator walks a per-layer plan (``estimator_plan``, a list of ``LayerStep``): for each layer,
 how its own heads' effect is taken (linear, exact own-layer pattern for q/k, exact last block) and
@@ -97,6 +98,7 @@ from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_tokens, choi
 from circuitkit.patching.results import PatchResult
 
 ATP_STAR_SITES = ("z", "q", "k")
+ATTRIBUTION_COST = "4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2)"
 # Sequences per attention-layer call of the AtP* correction (bounds its memory).
 ATP_STAR_CHUNK = 2048
 # Sequences per last-block + unembedding call of the exact tail (logits are [n, pos, vocab]).
@@ -527,7 +529,7 @@ def attribution_patch_heads(
     clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
     pp = metric.per_prompt_values
     meta = dict(atp_star=atp_star, exact_tail=tail, n_prompts=n, batch_size=bs,
-                passes=f"{4} pass-equivalents per prompt (2 forwards + 1 backward)",
+                passes=ATTRIBUTION_COST,
                 plan=[dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
                            tail_correction=st.tail_correction) for st in steps])
     return PatchResult(

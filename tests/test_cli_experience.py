@@ -1,0 +1,92 @@
+"""Rough edges of the CLI found when tried as a new user would: each fails on the old behaviour."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from circuitkit.cli import app
+from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.results import PatchResult
+
+PATCH = ["patch", "--model", "induction-2l", "--task", "induction", "-n", "6"]
+
+
+def run(args, **kw):
+    return CliRunner().invoke(app, args, **kw)
+
+
+def test_ctrl_c_says_the_exact_command_and_the_rerun_says_it_resumed(tmp_path, monkeypatch):
+    out = tmp_path / "runs" / "x"
+    real, calls = ExactEngine.run_chunk, []
+
+    def interrupted(self, chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(ExactEngine, "run_chunk", interrupted)
+    r = run([*PATCH, "--batch-size", "8", "--direction", "noise", "--out", str(out)])
+    assert r.exit_code == 130
+    said = r.output.split("Resume with the same command:")[1].strip().splitlines()[0]
+    assert said.startswith("circuitkit patch") and "--direction noise" in said
+    assert f"--out {out}" in said and "--checkpoint " not in said  # no value for the flag
+    monkeypatch.setattr(ExactEngine, "run_chunk", real)
+    r = run(said.split()[1:])  # exactly what it said (a new user copies the line)
+    assert r.exit_code == 0, r.output
+    assert "resumed 2 of" in r.output
+
+
+def test_patch_says_what_it_found_and_what_it_wrote(tmp_path):
+    r = run([*PATCH, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "strongest cells" in r.output and "normalized" in r.output
+    res = PatchResult.load(tmp_path / "o")
+    top = res.top(1).iloc[0]
+    assert f"{int(top.layer)}" in r.output and f"{top.normalized:.3f}" in r.output
+    for name in ("result.safetensors", "result.json", "result.csv", "result.html"):
+        assert str(tmp_path / "o" / name) in r.output
+
+
+def test_plan_follows_the_method():
+    exact = run([*PATCH, "--plan"])
+    attribution = run([*PATCH, "--plan", "--method", "attribution"])
+    assert exact.exit_code == 0 and attribution.exit_code == 0, attribution.output
+    assert "method       exact" in exact.output
+    assert "method       attribution" in attribution.output
+
+    def passes(out):
+        line = next(x for x in out.splitlines() if x.startswith("cost"))
+        return float(line.split()[1].replace(",", ""))
+    assert passes(attribution.output) == 4 * 6  # 4 pass-equivalents per prompt
+    assert passes(exact.output) > passes(attribution.output)
+
+
+def test_missing_weights_message_is_printed_whole(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    r = run(["patch", "--model", "llama3-8b", "--task", "induction", "--out",
+             str(tmp_path / "o")])
+    assert r.exit_code == 2
+    assert "huggingface-cli download meta-llama/Meta-Llama-3-8B" in r.output
+    assert "local checkpoint folder" in r.output and "circuitkit info" in r.output
+
+
+@pytest.fixture(scope="module")
+def evaluated():
+    return (run(["evaluate", "--model", "icd-teacher", "-n", "6"]),
+            run(["evaluate", "--model", "icd-teacher", "-n", "6", "--json"]))
+
+
+def test_evaluate_prints_a_table_and_json_says_what_was_evaluated(evaluated):
+    table, as_json = evaluated
+    assert table.exit_code == 0 and as_json.exit_code == 0, table.output
+    assert "icd-teacher on icd10 (6 notes" in table.output
+    assert "Reasoning Focus" in table.output and "Near-Miss Confusion" in table.output
+    doc = json.loads(as_json.stdout[as_json.stdout.index("{"):])
+    assert doc["model"] == "icd-teacher" and doc["task"] == "icd10"
+    assert doc["n_examples"] == 6 and doc["seed"] == 0
+    assert set(doc["metrics"]) == set(doc["meanings"]) >= {"focus", "confusion", "exact_match"}
