@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,3 +87,51 @@ def check_writable_dir(path: str | Path, what: str = "--out") -> Path:
         raise ValueError(f"{what} {path} is not writable ({e.strerror}); choose a folder you "
                          "can write to.") from None
     return path
+
+
+def _move_file(src: Path, dest: Path) -> None:
+    """``src`` -> ``dest`` through ``atomic_write``: fsynced, mode ``0o666 & ~umask``
+    (``safetensors`` writes ``0600``), renamed into place. Same file system: no copy."""
+    atomic_write(dest, lambda tmp: os.replace(src, tmp))
+
+
+def write_folder(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(staging)`` fills a fresh folder beside ``out``; every file is made durable with
+    ``atomic_write`` (umask mode), then the folder is renamed to ``out`` (an old ``out`` is
+    removed first). A crash never leaves a half-written folder under the name ``out``."""
+    out = Path(out)
+    stage = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        write(stage)
+        for f in sorted(stage.rglob("*")):
+            if f.is_file():
+                _move_file(f, f)
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    return out
+
+
+def write_files_into(out: Path, write: Callable[[Path], Any]) -> Path:
+    """``write(staging)`` fills a staging folder inside ``out``; each of its files then replaces
+    ``out/<name>`` through ``atomic_write`` (umask mode, fsync, atomic rename). For a
+    folder that holds other state (a training run's checkpoint), which cannot be renamed whole."""
+    out = Path(out)
+    stage = out / f".staging.{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        write(stage)
+        for f in sorted(stage.iterdir()):
+            if not f.is_file():
+                raise ValueError(f"write_files_into: {f} is not a file; only flat folders.")
+            _move_file(f, out / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out

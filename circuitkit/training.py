@@ -220,8 +220,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     """
     from tqdm.auto import tqdm
 
-    from circuitkit.files import write_text
-    from circuitkit.models import configure_threads, write_files_into
+    from circuitkit.files import write_files_into, write_text
+    from circuitkit.models import configure_threads
 
     configure_threads()
     out = Path(out_dir)

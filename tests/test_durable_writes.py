@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import circuitkit as ck
-from circuitkit import models
+from circuitkit import files, models
 
 UMASKS = [(0o022, 0o644), (0o027, 0o640)]
 
@@ -67,7 +67,7 @@ def test_write_folder_is_whole_and_respects_umask(tmp_path, umask, mask, mode):
     out.mkdir()
     (out / "stale.txt").write_text("old")
     umask(mask)
-    models.write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
+    files.write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
     modes = _modes(out)
     assert "model.safetensors" in modes and "stale.txt" not in modes
     assert set(modes.values()) == {oct(mode)}, modes
@@ -82,7 +82,7 @@ def test_write_folder_is_whole_and_respects_umask(tmp_path, umask, mask, mode):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        models.write_folder(tmp_path / "other", crash)
+        files.write_folder(tmp_path / "other", crash)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["converted"]
 
 
