@@ -562,6 +562,104 @@ class ExactEngine:
             else None
         return values, per_prompt
 
+    # --- head sets patched together (causal validation) -------------------------------------
+    @torch.no_grad()
+    def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
+                      p1: int | None = None, metrics: Sequence[Any] | None = None,
+                      rows: int | None = None) -> Float[Tensor, "n_metrics n_sets n_p"]:
+        """Metrics after patching each head set *together*: every ``(layer, head)`` of a set gets
+        its source ``z`` at all positions, at every layer the set spans, in one run.
+
+        Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
+        layer). Sets are grouped by their lowest layer ``l0``; a group's sets are stacked in the
+        batch (set-major rows ``[n_sets * n_p, seq, d_model]``) and re-enter the model at
+        ``l0`` from the cached base ``resid_pre(l0)``; a hook at ``z(l)`` of every layer ``l``
+        the group touches writes the source ``z`` of each set's heads at ``l`` into that set's
+        rows. The empty set is the unpatched base run. Plain hooked path (no cached attention
+        outputs); with ``reads`` only the read positions are unembedded.
+
+        ``metrics``: per-prompt metrics evaluated on the same patched logits (default: the
+        engine's metric); each must declare ``reads`` within the engine metric's (PromptMetric
+        ``reads``), or the engine's metric must read every position. Prompts ``p0:p1`` (default
+        all; a scalar metric needs all). ``rows``: sequences per forward (default from free
+        memory). Returns ``[len(metrics), len(head_sets), p1 - p0]`` (``[., ., 1]`` for a scalar
+        metric).
+        """
+        sw, model = self.sweep, self.model
+        if (sw.kind, sw.site, sw.positions) != ("heads", "z", "all"):
+            raise ValueError("run_head_sets needs an engine built for site='z', positions='all' "
+                             f"(got kind={sw.kind!r}, site={sw.site!r}, "
+                             f"positions={sw.positions!r}).")
+        p1 = sw.n_prompts if p1 is None else p1
+        metrics = [self.metric] if metrics is None else list(metrics)
+        for i, m in enumerate(metrics):
+            if not _is_prompt_metric(m) and (p0, p1) != (0, sw.n_prompts):
+                raise ValueError(f"metrics[{i}] has no per-prompt view; run all prompts (p0=0, "
+                                 "p1=None) or pass a PromptMetric.")
+            if self.reads is not None and m is not self.metric:
+                mine = _reads(m)
+                if mine is None or mine.shape[0] != self.reads.shape[0] or any(
+                        not set(a.tolist()) <= set(b.tolist())
+                        for a, b in zip(mine, self.reads, strict=True)):
+                    raise ValueError(
+                        f"metrics[{i}] ({_metric_name(m)}) reads logit positions outside the "
+                        "engine metric's reads; give it the same reads (PromptMetric.reads).")
+        sets = [sorted({(int(la), int(h)) for la, h in s}) for s in head_sets]
+        for s in sets:
+            bad = [(la, h) for la, h in s if not (0 <= la < sw.n_layers and 0 <= h < sw.n_units)]
+            if bad:
+                raise ValueError(f"head_sets: {bad} outside the model's {sw.n_layers} layers x "
+                                 f"{sw.n_units} heads.")
+        per_prompt = [_is_prompt_metric(m) for m in metrics]
+        if any(per_prompt) and not all(per_prompt):
+            raise ValueError("metrics: mix of per-prompt and scalar metrics; pass one kind.")
+        n_p, cut = p1 - p0, self._cut(p0, p1)
+        out = torch.empty(len(metrics), len(sets), n_p if all(per_prompt) else 1)
+        at = None if self.reads is None else self.reads[p0:p1]
+        per = max(1, (rows or auto_rows(model, cut)) // n_p)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(sets):
+            groups.setdefault(min((la for la, _ in s), default=sw.n_layers - 1), []).append(i)
+        last = model.blocks[sw.n_layers - 1]
+        for start, members in sorted(groups.items()):
+            for g0 in range(0, len(members), per):
+                idx = members[g0:g0 + per]
+                n_g = len(idx)
+                x = self._span(self.resid[start], p0, p1, cut).repeat(n_g, 1, 1)
+                fwd_hooks = []
+                for layer in sorted({la for i in idx for la, _ in sets[i]}):
+                    heads = [[h for la, h in sets[i] if la == layer] for i in idx]
+                    src = self._span(self.src[layer], p0, p1, cut, site=True)
+
+                    def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
+                        view = act.view(n_g, n_p, *act.shape[1:])
+                        for j, hs in enumerate(heads):
+                            if hs:
+                                view[j][:, :, hs] = src[:, :, hs]
+                        return act
+
+                    fwd_hooks.append((self.site_names[layer], hook))
+                forwards = shortcuts.skipped_blocks(model, start, self.block_arity)
+                if at is not None:
+                    read_rows = at.to(self.device).repeat(n_g, 1)
+                    fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
+                    if self.fast:
+                        forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, read_rows)))
+                with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+                        shortcuts.attn_result_off(model):
+                    logits = model(x, start_at_layer=start)
+                what = f"head sets {idx[0]}..{idx[-1]}"
+                for k, m in enumerate(metrics):
+                    if _is_prompt_metric(m):
+                        m = m.select(list(range(p0, p1)) * n_g)
+                        out[k, idx] = _evaluate(m, logits, n_g * n_p, what, at=None if at is None
+                                                else at.repeat(n_g, 1)).view(n_g, n_p)
+                    else:
+                        for j, i in enumerate(idx):
+                            out[k, i] = _evaluate(m, logits[j * n_p:(j + 1) * n_p], n_p, what,
+                                                  at=at)
+        return out
+
 
 # --- public entry points --------------------------------------------------------------------------
 
