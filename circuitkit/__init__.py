@@ -22,11 +22,14 @@ _EXPORTS = {
     "patch_heads": "circuitkit.patching.engine:patch_heads",
     "patch_layers": "circuitkit.patching.engine:patch_layers",
     "PatchResult": "circuitkit.patching.results:PatchResult",
+    "score_heads": "circuitkit.scoring.heads:score_heads",
+    "validate_heads": "circuitkit.scoring.validate:validate_heads",
 }
 
 
 # Subpackages and modules reachable as attributes (``ck.patching.PromptMetric``), still lazily.
-_MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files")
+_MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files",
+            "scoring")
 _EXPORTS.update({name: f"circuitkit.{name}" for name in _MODULES})
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
