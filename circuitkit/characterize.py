@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_N = 256  # icd-teacher on icd10: ~2 min on 2 CPU cores (README / benchmarks)
+DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
 TEXT_OVERSAMPLE = 25  # source examples drawn per wanted text example (~5% render for SmolLM2)
 PATCH_STEPS = [(phase, direction) for phase in (1, 2) for direction in ("denoise", "noise")]
 

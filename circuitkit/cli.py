@@ -245,7 +245,7 @@ def characterize(
     task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
     out: Path = typer.Option(Path("characterize-out"), "--out", "-o", help="Results folder "
                              "(rerunning the same command resumes)."),
-    n_examples: int = typer.Option(256, "--n-examples", "-n", help="Prompts per step."),
+    n_examples: int = typer.Option(128, "--n-examples", "-n", help="Prompts per step."),
     split: str = typer.Option("test", help="Task split: test or train."),
     seed: int = typer.Option(0, help="Task seed (and validation's random head sets)."),
     k: int = typer.Option(5, "-k", help="Top heads per phase patched together in validation."),

@@ -44,6 +44,7 @@ from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import top_heads
 from circuitkit.tasks.base import Task
 
+N_BUCKETS = 4  # prompt length buckets per engine run
 VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
                       "clean", "corrupt", "top_effect", "top_low", "top_high", "random_mean",
                       "random_low", "random_high", "p_value", "normalized"]
@@ -176,6 +177,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     rows, sets_used = [], {}
     for phase in (1, 2):
         tp = task.with_phase(phase)
+        # prompts sorted by the positions their metric needs, run in length buckets: each
+        # bucket's forwards stop after its own last read (the statistics ignore prompt order)
+        need = tp.prompt_metric().reads.max(1).values
+        tp = tp.subset(torch.argsort(need, stable=True).tolist())
         metric = tp.prompt_metric()
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         top = top_heads(scores, phase, k)
@@ -193,8 +198,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
             # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
             engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
                                  rows=batch_size)
-            runs[direction] = engine.run_head_sets(sets, metrics=[metric, behaviour],
-                                                   rows=batch_size)  # [2, n_sets, n]
+            bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
+            runs[direction] = torch.cat([  # [2, n_sets, n]
+                engine.run_head_sets(sets, p0, p1, metrics=[metric, behaviour], rows=batch_size)
+                for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
         # base of noise = clean run; base of denoise = corrupt run
         for direction in ("noise", "denoise"):
             for qi, q in enumerate((metric, behaviour)):
