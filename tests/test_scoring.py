@@ -227,6 +227,17 @@ def test_streaming_batches_do_not_change_scores(tiny_llama, synth):
                                    atol=1e-5, rtol=1e-5, msg=col)
 
 
+def test_hook_result_path_equals_W_O_path(tiny_llama, synth, monkeypatch):
+    a = score_heads(tiny_llama, synth, progress=False)
+    monkeypatch.setattr("circuitkit.scoring.heads.write_source", lambda model: "result")
+    b = score_heads(tiny_llama, synth, progress=False)
+    assert b.attrs["write_source"] == "result"
+    for col in COLUMNS:
+        torch.testing.assert_close(torch.tensor(a[col].to_numpy(), dtype=torch.float64),
+                                   torch.tensor(b[col].to_numpy(), dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-5, msg=col)
+
+
 def test_score_heads_refuses_bad_input(tiny_llama, synth):
     with pytest.raises(ValueError, match="circuitkit Task"):
         score_heads(tiny_llama, synth.clean_tokens, progress=False)

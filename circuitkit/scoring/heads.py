@@ -32,6 +32,7 @@ is not used).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -247,7 +248,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 result_ctx:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
         if n2 and not checked_norm:
-            _check_norm(model, cache[hooks.FINAL_NORM_IN][plan.b2[:4], plan.q2[:4]], norm)
+            _check_norm(model, cache[hooks.FINAL_NORM_IN][plan.b2[:4].to(device),
+                                                           plan.q2[:4].to(device)], norm)
             checked_norm = True
         x2 = cache[hooks.FINAL_NORM_IN][plan.b2.to(device), plan.q2.to(device)] \
             if plan.b2.numel() else None
@@ -330,18 +332,15 @@ def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | No
     return torch.einsum("nhd,hdm->nhm", z, W_O[layer].float())
 
 
-class _attn_result_on:
-    """Context: ``hook_result`` on for the run (models scored through it)."""
-
-    def __init__(self, model: Any):
-        self.model = model
-
-    def __enter__(self):
-        self.was = bool(getattr(self.model.cfg, "use_attn_result", False))
-        self.model.set_use_attn_result(True)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.model.set_use_attn_result(self.was)
+@contextlib.contextmanager
+def _attn_result_on(model: Any):
+    """``hook_result`` on for the run (models scored through it), restored after."""
+    was = bool(getattr(model.cfg, "use_attn_result", False))
+    model.set_use_attn_result(True)
+    try:
+        yield
+    finally:
+        model.set_use_attn_result(was)
 
 
 def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:
