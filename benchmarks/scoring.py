@@ -7,10 +7,10 @@ against the number of examples.
   seconds of ``score_heads(model, task)`` (default batching) and of one
   ``model.run_with_cache(task.clean_tokens)`` (every hook cached, one batch of all ``n``
   examples). Target: ratio <= 3.
-* Memory (a fresh subprocess per point, so peaks do not mix): peak RSS above the RSS just before
-  the call (``ru_maxrss``), for ``score_heads(..., batch_size=--batch)`` and, as the reference
-  that grows with ``n``, the full-cache forward of all ``n`` examples. Target: flat for
-  ``score_heads``.
+* Memory (a fresh subprocess per point): peak RSS above the RSS just before the call (Linux:
+  the peak is reset through ``/proc/self/clear_refs`` and read as ``VmHWM``), for
+  ``score_heads(..., batch_size=--batch)`` and, as the reference that grows with ``n``, the
+  full-cache forward of all ``n`` examples. Target: flat for ``score_heads``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -39,24 +38,34 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM)
+        f.write("5")
+
+
+def peak_rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def measure_memory(kind: str, n: int, batch: int) -> dict:
     """In this process: peak RSS (MiB) above the current RSS during one call of ``kind``."""
-    import psutil
-
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=n, split="test")
     score_heads(model, task.subset(range(4)), progress=False)  # warm up lazy allocations
     with torch.no_grad():
         model.run_with_cache(task.clean_tokens[:4])
-    base = psutil.Process().memory_info().rss
+    reset_peak_rss()
+    base = peak_rss()
     if kind == "score_heads":
         score_heads(model, task, batch_size=batch, progress=False)
     else:
         with torch.no_grad():
             _, cache = model.run_with_cache(task.clean_tokens)
         del cache
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return dict(kind=kind, n=n, peak_mib=max(0, peak - base) / 2**20)
+    return dict(kind=kind, n=n, peak_mib=max(0, peak_rss() - base) / 2**20)
 
 
 def main() -> None:
