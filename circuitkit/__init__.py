@@ -24,11 +24,14 @@ _EXPORTS = {
     "patch_layers": "circuitkit.patching.api:patch_layers",
     "plan_patch": "circuitkit.patching.api:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
+    "score_heads": "circuitkit.scoring.heads:score_heads",
+    "validate_heads": "circuitkit.scoring.validate:validate_heads",
 }
 
 
 # Subpackages and modules reachable as attributes (``ck.patching.PromptMetric``), still lazily.
-_MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files", "viz")
+_MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files", "viz",
+            "scoring", "characterize")
 _EXPORTS.update({name: f"circuitkit.{name}" for name in _MODULES})
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -287,6 +287,94 @@ def report(
     typer.echo(describe_written(path, time.perf_counter() - t0))
 
 
+# --- scores and the main job (circuitkit.scoring, circuitkit.characterize) ------------------------
+def _text_flag(text: str) -> bool | None:
+    if text not in ("auto", "yes", "no"):
+        _fail(f"--text must be auto, yes or no; got {text!r}.")
+    return None if text == "auto" else text == "yes"
+
+
+@app.command()
+def score(
+    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
+    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
+    n_examples: int = typer.Option(256, "--n-examples", "-n", help="Examples to score on."),
+    split: str = typer.Option("test", help="Task split: test or train."),
+    seed: int = typer.Option(0, help="Task seed."),
+    text: str = typer.Option("auto", help="Render the task as text for a pretrained LLM: auto "
+                             "(when the model's vocabulary cannot hold the task), yes or no."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Examples per forward pass."),
+    out: Path = typer.Option(Path("scores.csv"), "--out", "-o", help="CSV file to write."),
+) -> None:
+    """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
+    import circuitkit as ck
+    from circuitkit import files
+    from circuitkit.characterize import load_for
+    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.scoring.heads import score_heads
+
+    flag = _text_flag(text)
+    try:
+        files.check_writable_dir(out.parent if str(out.parent) else Path("."), "--out folder")
+        the_model = ck.load_model(model)
+        the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
+        df = score_heads(the_model, the_task, batch_size=batch_size, progress=True)
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
+    files.write_text(out, df.to_csv(index=False))
+    cols = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]
+    typer.echo("top Phase-1 heads (coarse_score):\n"
+               + df.sort_values("phase1_rank").head(5)[cols].to_string(index=False))
+    cols = ["layer", "head", "loopback", "margin_widening", "refine_score"]
+    typer.echo("top Phase-2 heads (refine_score):\n"
+               + df.sort_values("phase2_rank").head(5)[cols].to_string(index=False))
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
+def characterize(
+    ctx: typer.Context,
+    model: str = typer.Option("icd-teacher", "--model", "-m", help="Shipped toy, alias, folder "
+                              "or hub id."),
+    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
+    out: Path = typer.Option(Path("characterize-out"), "--out", "-o", help="Results folder "
+                             "(rerunning the same command resumes)."),
+    n_examples: int = typer.Option(128, "--n-examples", "-n", help="Prompts per step."),
+    split: str = typer.Option("test", help="Task split: test or train."),
+    seed: int = typer.Option(0, help="Task seed (and validation's random head sets)."),
+    k: int = typer.Option(5, "-k", help="Top heads per phase patched together in validation."),
+    n_random: int = typer.Option(20, "--n-random", help="Random head sets to compare with."),
+    patch_method: str = typer.Option("exact", "--patch-method", help="exact, attribution or "
+                                     "attribution+exact."),
+    text: str = typer.Option("auto", help="Render the task as text: auto, yes or no."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass."),
+) -> None:
+    """The main job: head patching (both directions, both phases), scores, causal validation,
+    one results folder (scores.csv, validation.csv, summary.json, patch-p{1,2}-{denoise,noise})."""
+    from circuitkit.characterize import characterize as run
+    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.patching.inputs import METHODS, choice
+
+    flag = _text_flag(text)
+    try:
+        choice("patch_method", patch_method, METHODS)
+        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                      text=flag, progress=True)
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
+    except KeyboardInterrupt:
+        typer.secho("interrupted; finished steps (and finished chunks of the current sweep) are "
+                    f"in {out}. Resume with the same command:\n  {_same_command(ctx)}", err=True)
+        raise typer.Exit(130) from None
+    tops = summary.get("top_heads", {})
+    for phase in ("phase1", "phase2"):
+        if phase in tops:
+            typer.echo(f"top {phase} heads: " + " ".join(f"L{la}H{h}" for la, h in tops[phase]))
+    typer.echo(f"wrote {out}/report.html (open it offline), scores.csv, validation.csv, "
+               "summary.json, patch-p{1,2}-{denoise,noise}.*")
+
+
 def main() -> None:  # console-script entry point
     try:
         app()

@@ -244,7 +244,7 @@ class ExactEngine:
             out = self._span(self.attn_base[layer], p0, p1, length).repeat(n_v, 1, 1)
             return self._write_patch(out, src, variants, length) if sw.site == "attn_out" else out
         z_base = self._span(self.site_base[layer], p0, p1, length, site=True)  # [n_p, pos, h, d]
-        out = self.model.blocks[layer].attn.o(z_base.flatten(-2)).repeat(n_v, 1, 1)
+        out = self.model.blocks[layer].attn.o(z_base.flatten(-2).contiguous()).repeat(n_v, 1, 1)
         dz = src - z_base
         W_O = self.W_O[layer]  # [head, d_head, d_model]
         view = out.view(n_v, p1 - p0, *out.shape[1:])
@@ -358,5 +358,97 @@ class ExactEngine:
         values = grid.mean(-1).reshape(shape)
         per_prompt = grid.permute(2, 0, 1).reshape(sw.n_prompts, *shape)
         return values, per_prompt if self.metric.per_prompt_values else None
+
+    # --- head sets patched together (causal validation) -------------------------------------
+    @torch.no_grad()
+    def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
+                      p1: int | None = None, metrics: Sequence[Any] | None = None,
+                      rows: int | None = None) -> Float[Tensor, "n_metrics n_sets n_p"]:
+        """Metrics after patching each head set *together*: every ``(layer, head)`` of a set gets
+        its source ``z`` at all positions, at every layer the set spans, in one run.
+
+        Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
+        layer). Sets are grouped by their lowest layer ``l0``; a group's sets are stacked in the
+        batch (set-major rows ``[n_sets * n_p, seq, d_model]``) and re-enter the model at
+        ``l0`` from the cached base ``resid_pre(l0)``; a hook at ``z(l)`` of every layer ``l``
+        the group touches writes the source ``z`` of each set's heads at ``l`` into that set's
+        rows. The empty set is the unpatched base run. Plain hooked path (no cached attention
+        outputs); with ``reads`` only the read positions are unembedded.
+
+        ``metrics``: ``PromptMetric``s evaluated on the same patched logits (default: the
+        engine's metric); each must declare ``reads`` within the engine metric's, or the
+        engine's metric must read every position. Prompts ``p0:p1`` (default all; a metric
+        without per-prompt values needs all). ``rows``: sequences per forward (default from free
+        memory). Returns ``[len(metrics), len(head_sets), p1 - p0]``.
+        """
+        sw, model = self.sweep, self.model
+        if (sw.kind, sw.site, sw.positions) != ("heads", "z", "all"):
+            raise ValueError("run_head_sets needs an engine built for site='z', positions='all' "
+                             f"(got kind={sw.kind!r}, site={sw.site!r}, "
+                             f"positions={sw.positions!r}).")
+        p1 = sw.n_prompts if p1 is None else p1
+        metrics = [self.metric] if metrics is None else list(metrics)
+        for i, m in enumerate(metrics):
+            if not isinstance(m, PromptMetric):
+                raise ValueError(f"metrics[{i}] must be a PromptMetric (circuitkit.metrics."
+                                 f"as_metric wraps a callable); got {type(m).__name__}.")
+            if not m.per_prompt_values and (p0, p1) != (0, sw.n_prompts):
+                raise ValueError(f"metrics[{i}] has no per-prompt values; run all prompts (p0=0, "
+                                 "p1=None) or pass a per-prompt metric.")
+            if self.reads is not None and m is not self.metric:
+                mine = m.read_positions()
+                if mine is None or mine.shape[0] != self.reads.shape[0] or any(
+                        not set(a.tolist()) <= set(b.tolist())
+                        for a, b in zip(mine, self.reads, strict=True)):
+                    raise ValueError(
+                        f"metrics[{i}] ({m.name}) reads logit positions outside the engine "
+                        "metric's reads; give it the same reads (PromptMetric.reads).")
+        sets = [sorted({(int(la), int(h)) for la, h in s}) for s in head_sets]
+        for s in sets:
+            bad = [(la, h) for la, h in s if not (0 <= la < sw.n_layers and 0 <= h < sw.n_units)]
+            if bad:
+                raise ValueError(f"head_sets: {bad} outside the model's {sw.n_layers} layers x "
+                                 f"{sw.n_units} heads.")
+        n_p, length = p1 - p0, self._run_length(p0, p1)
+        out = torch.empty(len(metrics), len(sets), n_p)
+        at = None if self.reads is None else self.reads[p0:p1]
+        per = max(1, (rows or auto_rows(model, length)) // n_p)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(sets):
+            groups.setdefault(min((la for la, _ in s), default=sw.n_layers - 1), []).append(i)
+        last = model.blocks[sw.n_layers - 1]
+        for start, members in sorted(groups.items()):
+            for g0 in range(0, len(members), per):
+                idx = members[g0:g0 + per]
+                n_g = len(idx)
+                x = self._span(self.resid[start], p0, p1, length).repeat(n_g, 1, 1)
+                fwd_hooks = []
+                for layer in sorted({la for i in idx for la, _ in sets[i]}):
+                    heads = [[h for la, h in sets[i] if la == layer] for i in idx]
+                    src = self._span(self.src[layer], p0, p1, length, site=True)
+
+                    def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
+                        view = act.view(n_g, n_p, *act.shape[1:])
+                        for j, hs in enumerate(heads):
+                            if hs:
+                                view[j][:, :, hs] = src[:, :, hs]
+                        return act
+
+                    fwd_hooks.append((self.site_names[layer], hook))
+                forwards = shortcuts.skipped_blocks(model, start, self.block_arity)
+                if at is not None:
+                    read_rows = at.to(self.device).repeat(n_g, 1)
+                    fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
+                    if self.fast:
+                        forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, read_rows)))
+                with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+                        shortcuts.attn_result_off(model):
+                    logits = model(x, start_at_layer=start)
+                what = f"head sets {idx[0]}..{idx[-1]}"
+                rows_at = None if at is None else at.repeat(n_g, 1)
+                for k, m in enumerate(metrics):
+                    tiled = m.select(list(range(p0, p1)) * n_g)
+                    out[k, idx] = evaluate_metric(tiled, logits, what, at=rows_at).view(n_g, n_p)
+        return out
 
 

@@ -1,0 +1,112 @@
+"""Phase-1 components: attention sharpness, anchor alignment and their combination (CoarseScore).
+
+Shapes: ``N`` Phase-1 query rows (one per example and anchor step), ``H`` heads, ``S`` key
+positions, ``D`` = d_model, ``A`` anchors. A Phase-1 query position is ``anchor_pos - 1``: the
+position whose logits predict the anchor (task layout: ``tokens[p]`` is read at ``p - 1``).
+
+* ``excess_kurtosis(rows, n_keys)``: Fisher excess kurtosis of each attention row over its keys
+  ``0..q`` taken as a sample (``scipy.stats.kurtosis(row[:q + 1], fisher=True, bias=True)``):
+  ``m4 / m2**2 - 3`` with ``m_k = mean((a - mean(a))**k)``. One sharp peak in ``n`` keys scores
+  about ``n - 5``; a flat row low. A row with zero variance (exactly uniform, or one key) has no
+  defined kurtosis (scipy: NaN); it gets ``FLAT_KURTOSIS = -2``, the smallest excess kurtosis any
+  sample can have, so a flat row scores lowest.
+* ``anchor_alignment(writes, directions, correct)``: ``cos(w, u_c) - mean_{a != c} cos(w, u_a)``
+  for the head's write ``w`` [N, H, D] and centred anchor directions ``u`` [D, A]; a zero write
+  scores 0.
+* ``coarse_score(sharpness, alignment) = tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment``:
+  the squashed sharpness is a gate in [0, 1) (0 for a flat or platykurtic head), so the score is
+  high only when attention is sharp *and* the write is anchor-aligned; a sharp head writing an
+  unaligned direction scores ~0, a well-aligned diffuse head is damped.
+
+Anchor directions (``anchor_directions``): ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]`` (its
+unembedding column, centred on the mean over the task's anchors). For a task whose CoT does not
+emit anchor tokens, ``mode="labels"``: ``u_a = m_a - mean_b m_b`` with ``m_a`` the mean unembedding
+column of anchor a's labels (``W_U[:, label_token_ids[label_anchor == a]].mean(1)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+FLAT_KURTOSIS = -2.0  # value of a zero-variance row (see module docstring)
+SHARPNESS_SCALE = 3.0  # excess kurtosis at which the gate reaches tanh(1) = 0.76
+
+
+def excess_kurtosis(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"]
+                    ) -> Float[Tensor, "N H"]:
+    """Fisher excess kurtosis of each row over its ``valid`` keys (float64 inside)."""
+    a = rows.double()
+    m = valid[:, None, :].double()
+    n = m.sum(-1)  # [N, 1]
+    mean = (a * m).sum(-1) / n.clamp(min=1)
+    d = (a - mean[..., None]) * m
+    m2 = d.pow(2).sum(-1) / n.clamp(min=1)
+    m4 = d.pow(4).sum(-1) / n.clamp(min=1)
+    # zero variance relative to the row's scale: float noise of an exactly uniform row is ~1e-16
+    flat = (m2 <= 1e-12 * mean.pow(2)) | (n < 2)
+    k = m4 / torch.where(flat, torch.ones_like(m2), m2).pow(2) - 3.0
+    return torch.where(flat, torch.full_like(k, FLAT_KURTOSIS), k).to(rows.dtype)
+
+
+def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, " A"],
+                      mode: str = "tokens", label_token_ids: Int[Tensor, " L"] | None = None,
+                      label_anchor: Int[Tensor, " L"] | None = None) -> Float[Tensor, "D A"]:
+    """Centred anchor directions ``u`` [D, A] (module docstring); ``mode`` "tokens" or "labels"."""
+    if mode == "tokens":
+        cols = W_U[:, anchor_token_ids.to(W_U.device)].float()
+    elif mode == "labels":
+        if label_token_ids is None or label_anchor is None:
+            raise ValueError("anchor_directions(mode='labels') needs label_token_ids and "
+                             "label_anchor.")
+        n_a = int(anchor_token_ids.numel())
+        lab = W_U[:, label_token_ids.to(W_U.device)].float()  # [D, L]
+        onehot = torch.nn.functional.one_hot(label_anchor.long(), n_a).float().to(W_U.device)
+        counts = onehot.sum(0)
+        if bool((counts == 0).any()):
+            raise ValueError(f"anchor_directions(mode='labels'): anchors "
+                             f"{torch.nonzero(counts == 0)[:, 0].tolist()[:10]} have no labels.")
+        cols = lab @ onehot / counts  # [D, A]
+    else:
+        raise ValueError(f"anchor_directions: mode={mode!r}; expected 'tokens' or 'labels'.")
+    return cols - cols.mean(1, keepdim=True)
+
+
+def cosines(writes: Float[Tensor, "N H D"], directions: Float[Tensor, "D A"]
+            ) -> Float[Tensor, "N H A"]:
+    """``cos(writes[n, h], directions[:, a])``; 0 where a write or a direction is zero."""
+    w = writes.float()
+    wn = w / w.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+    u = directions.float()
+    un = u / u.norm(dim=0, keepdim=True).clamp(min=1e-30)
+    return wn @ un
+
+
+def anchor_alignment(writes: Float[Tensor, "N H D"], directions: Float[Tensor, "D A"],
+                     correct: Int[Tensor, " N"]) -> Float[Tensor, "N H"]:
+    """``cos(w, u_c) - mean_{a != c} cos(w, u_a)`` per row and head (``c = correct[n]``)."""
+    cos = cosines(writes, directions)  # [N, H, A]
+    n_a = cos.shape[-1]
+    own = cos.gather(-1, correct.to(cos.device)[:, None, None].expand(-1, cos.shape[1], 1))[..., 0]
+    if n_a < 2:
+        return own
+    return own - (cos.sum(-1) - own) / (n_a - 1)
+
+
+def squash_sharpness(sharpness: Tensor) -> Tensor:
+    """``tanh(max(sharpness, 0) / SHARPNESS_SCALE)`` in [0, 1)."""
+    return torch.tanh(sharpness.clamp(min=0) / SHARPNESS_SCALE)
+
+
+def coarse_score(sharpness: Tensor, alignment: Tensor) -> Tensor:
+    """``tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment`` (module docstring)."""
+    return squash_sharpness(sharpness) * alignment
+
+
+def spike_kurtosis(n: int) -> float:
+    """Excess kurtosis of a row of ``n`` keys with all mass on one key: ``(n^2 - 3n + 3) /
+    (n - 1) - 3`` (a hand formula the tests check ``excess_kurtosis`` against)."""
+    return (n * n - 3 * n + 3) / (n - 1) - 3.0 if n > 1 else math.nan

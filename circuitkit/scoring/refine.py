@@ -1,0 +1,102 @@
+"""Phase-2 components: loopback attention, margin widening and their combination (RefineScore).
+
+Shapes: ``N`` Phase-2 query rows (one per example and answer step), ``H`` heads, ``S`` key
+positions, ``D`` = d_model. A Phase-2 query position is ``answer_pos - 1``: the position whose
+logits predict the answer label.
+
+* ``loopback = sum_s rows[n, h, s] * (target_keys - near_keys)[n, s]`` [N, H]:
+  attention mass on the shortlist positions that hold one of the example's target labels minus the
+  mass on those holding one of its near-miss labels (each in [0, 1], so loopback is in [-1, 1]).
+* ``margin_widening``: the head's direct effect on the target-vs-near-miss logit margin,
+  ``(norm_scale(w, x) @ (W_U[:, t] - mean_m W_U[:, m]))``: its write ``w`` [N, H, D] passed through
+  the final norm *as that run scaled it* (``final_norm_linear``), dotted with the unembedding
+  difference of the target token ``t`` predicted at that step and the example's near-miss tokens
+  (their mean: "averaged over near-misses"; the vocabulary mean when an example has none, as the
+  task metric does). Summed over every residual component, these direct effects add up to the
+  metric's logit margin (up to the unembedding bias).
+* ``refine_score = (1 + loopback) / 2 * margin_widening``: the loopback mapped monotonically
+  from [-1, 1] onto a gate in [0, 1], times the margin effect. High only when the head pushes the
+  margin in the target's favour *and* its attention favours the targets' shortlist entries; a
+  head that attends there but writes off the margin direction scores ~0, a head that looks only
+  at near-miss entries scores 0, and one that does not look back at the shortlist at all gets
+  half weight. (A clipped ``max(loopback, 0)`` gate was rejected: a shortlist holds up to three
+  near-misses per target, so even a uniform look-back has negative loopback, and on the shipped
+  teacher every head's loopback is negative, which would zero every score.)
+
+Final norm (``final_norm_linear``), with ``x`` [N, D] the residual entering the final norm at the
+query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's weight:
+
+* RMSNorm: ``w * g / sqrt(mean(x^2) + eps)``;
+* LayerNorm: ``(w - mean(w)) * g / sqrt(var(x) + eps)`` (the bias is not part of any head's write).
+
+The norm's input is the sum of all components' writes, so this is the exact linearisation of the
+final norm around that run (the "frozen scale" of direct logit attribution).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+
+def loopback(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],
+             near_keys: Float[Tensor, "N S"]) -> Float[Tensor, "N H"]:
+    """Attention mass on target shortlist positions minus mass on near-miss ones."""
+    return torch.einsum("nhs,ns->nh", rows.float(), (target_keys - near_keys).float())
+
+
+def final_norm(model: Any) -> tuple[str, Tensor, float]:
+    """``(kind, weight [D], eps)`` of the model's final norm; kind "rms" or "ln".
+
+    Raises ``ValueError`` for a norm this module cannot linearise."""
+    kind = str(getattr(model.cfg, "normalization_type", "") or "").upper()
+    ln = getattr(model, "ln_final", None)
+    inner = getattr(ln, "original_component", ln)
+    weight = getattr(inner, "weight", None)
+    eps = getattr(inner, "variance_epsilon", getattr(inner, "eps", getattr(model.cfg, "eps", None)))
+    if kind.startswith("RMS"):
+        k = "rms"
+    elif kind.startswith("LN"):
+        k = "ln"
+    else:
+        raise ValueError(f"margin_widening needs the final norm's scale; the model's "
+                         f"normalization_type is {kind or None!r} (expected RMS or LN).")
+    if weight is None or eps is None:
+        raise ValueError("margin_widening: the model's final norm exposes no weight/eps "
+                         f"({type(inner).__name__}); cannot reproduce its scale.")
+    return k, weight.detach(), float(eps)
+
+
+def final_norm_linear(writes: Float[Tensor, "N H D"], x: Float[Tensor, "N D"], kind: str,
+                      weight: Float[Tensor, " D"], eps: float) -> Float[Tensor, "N H D"]:
+    """Each write through the final norm as the run scaled it (module docstring)."""
+    x = x.float()
+    w = writes.float()
+    g = weight.float().to(w.device)
+    if kind == "rms":
+        scale = (x.pow(2).mean(-1) + eps).rsqrt()  # [N]
+        return w * g * scale[:, None, None]
+    xc = x - x.mean(-1, keepdim=True)
+    scale = (xc.pow(2).mean(-1) + eps).rsqrt()
+    return (w - w.mean(-1, keepdim=True)) * g * scale[:, None, None]
+
+
+def apply_final_norm(x: Float[Tensor, "N D"], kind: str, weight: Tensor, eps: float,
+                     bias: Tensor | None = None) -> Float[Tensor, "N D"]:
+    """The final norm itself (to check ``final_norm`` against the model's own module)."""
+    out = final_norm_linear(x[:, None, :], x, kind, weight, eps)[:, 0]
+    return out if bias is None else out + bias.float().to(out.device)
+
+
+def margin_widening(scaled_writes: Float[Tensor, "N H D"], margin_dir: Float[Tensor, "N D"]
+                    ) -> Float[Tensor, "N H"]:
+    """``scaled_writes[n, h] . margin_dir[n]`` with ``margin_dir = W_U[:, t] - mean W_U[:, m]``."""
+    return torch.einsum("nhd,nd->nh", scaled_writes.float(), margin_dir.float())
+
+
+def refine_score(loopback_: Tensor, margin: Tensor) -> Tensor:
+    """``(1 + loopback) / 2 * margin_widening`` (module docstring)."""
+    return (1 + loopback_) / 2 * margin

@@ -1,0 +1,188 @@
+"""Score heads of a pretrained LLM: a CoT task rendered as text (``circuitkit.tasks.text``),
+with Phase-1 and Phase-2 positions mapped onto the rendered tokens.
+
+The rendered prompt (``render_text``) lists the candidate codes and ends with ``Answer:``; the
+answer spells each target code, and a code is several tokens (SmolLM2: `` I50.22`` ->
+``Ġ I | 5 | 0 | . | 2 | 2``). Siblings share all but their last tokens, so the first token of a
+code (`` I``) cannot tell a target from its near-misses, nor most anchors apart. A label is
+therefore scored at its **first distinguishing token**: the first token where its code's
+tokenization departs from the rival's (for single-token labels, its first token). With the
+answer teacher-forced, the logits just before that position compare exactly the two continuations.
+
+One text example per source example (both phases need its clean tokens; kept only when both
+phases render as equal-length clean/corrupt prompts, see ``render_text``):
+
+* **Phase 1** (anchor): ``t1`` = the target whose evidence the phase-1 corruption replaced
+  (``meta["p1_target"]``) by that of a label ``m`` under another anchor (``meta["p1_label"]``).
+  ``anchor_pos = [start(t1) + d1]`` with ``d1`` = the first token where the codes of ``t1`` and
+  ``m`` differ (inside the category part: the category is the code's first 3 characters); the
+  anchor "token" is ``t1``'s token there and the corrupt anchor (``meta["corrupt_anchors"]``) is
+  ``m``'s. The task's anchor set is every token used this way, so Reasoning Focus is the mass on
+  the correct token among them, and ``anchor_alignment`` uses their centred unembeddings.
+* **Phase 2** (refinement): ``t2`` = the target whose distinguishing words the phase-2 corruption
+  swapped for a near-miss sibling's (``meta["p2_target"]``). Its rivals are the example's
+  near-misses under the same anchor; ``d2`` = the first token where any rival's code departs
+  from ``t2``'s; ``answer_pos = [start(t2) + d2]``, target token ``t2``'s token there,
+  near-miss tokens those of the rivals departing at ``d2``. ``shortlist_pos`` = the same token
+  offset ``d2`` inside the candidate-line spelling of ``t2`` and of those rivals, so
+  ``loopback`` measures attention to the very token that distinguishes the target in the
+  candidate list.
+
+Labels and anchors of the returned task are these tokens (``label_token_ids`` /
+``anchor_token_ids``: distinct token ids, names their decoded text); ``label_anchor`` is all
+zeros (no label hierarchy among tokens). ``meta`` keeps the source index and the codes.
+Examples are dropped (counted in ``task.config["dropped"]``) when a phase renders with unequal
+lengths, when a code's tokens in context differ from its standalone tokenization, or when codes
+do not diverge.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from circuitkit.tasks.base import Example, Task
+from circuitkit.tasks.text import DEFAULT_TEMPLATE, render_text
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def text_task(task: Task, tokenizer: Any, n_examples: int | None = None,
+              template: str = DEFAULT_TEMPLATE, add_bos: bool = True) -> Task:
+    """``task`` rendered for ``tokenizer`` with positions mapped (module docstring): a Task of at
+    most ``n_examples`` examples (the first renderable ones, in order). ``ValueError`` when the
+    task lacks per-phase corruption records or no example can be mapped."""
+    need = {"p1_target", "p1_label", "p2_target", "corrupt_tokens_p1", "corrupt_tokens_p2"}
+    if not task.examples or not need <= set(task.examples[0].meta):
+        raise ValueError(f"text_task needs examples with meta {sorted(need)} (built-in icd10 and "
+                         f"synthetic tasks have them); task {task.name!r} lacks "
+                         f"{sorted(need - set(task.examples[0].meta if task.examples else {}))}.")
+    names = task.label_names
+    bos = getattr(tokenizer, "bos_token_id", None) if add_bos else None
+    pre = [bos] if bos is not None else []
+
+    def enc(s: str) -> list[int]:
+        return list(tokenizer.encode(s, add_special_tokens=False))
+
+    code_cache: dict[int, list[int]] = {}
+
+    def code(label: int) -> list[int]:
+        if label not in code_cache:
+            code_cache[label] = enc(" " + names[label])
+        return code_cache[label]
+
+    tok2label = {int(t): i for i, t in enumerate(task.label_token_ids.tolist())}
+    la = task.label_anchor
+    dropped: Counter[str] = Counter()
+    rows = []
+    for i, e in enumerate(task.examples):
+        if n_examples is not None and len(rows) >= n_examples:
+            break
+        sub = task.subset([i])
+        try:
+            r1 = render_text(sub, tokenizer, phase=1, template=template, add_bos=add_bos)
+            r2 = render_text(sub, tokenizer, phase=2, template=template, add_bos=add_bos)
+        except ValueError:
+            dropped["clean and corrupt prompts tokenize to different lengths"] += 1
+            continue
+        ids = r2.clean_tokens[0].tolist()
+        starts = dict(zip(e.targets, r2.label_pos[0], strict=True))
+        if any(ids[s:s + len(code(t))] != code(t) for t, s in starts.items()):
+            dropped["a code's tokens in the answer differ from its standalone tokens"] += 1
+            continue
+        t1, m1 = int(e.meta["p1_target"]), int(e.meta["p1_label"])
+        d1 = _lcp(code(t1), code(m1))
+        if d1 >= min(len(code(t1)), len(code(m1))):
+            dropped["target and corrupting label codes do not diverge"] += 1
+            continue
+        t2 = int(e.meta["p2_target"])
+        sibs = [m for m in e.near_misses if int(la[m]) == int(la[t2])]
+        div = {m: _lcp(code(t2), code(m)) for m in sibs}
+        div = {m: d for m, d in div.items() if d < min(len(code(t2)), len(code(m)))}
+        if not div:
+            dropped["target has no near-miss whose code diverges from it"] += 1
+            continue
+        d2 = min(div.values())
+        rivals = [m for m, d in div.items() if d == d2]
+        cand_start = _candidate_starts(e, r2.clean_text[0], ids, names, tok2label, pre, enc,
+                                       code, [t2, *rivals])
+        if cand_start is None:
+            dropped["candidate codes not found as tokens in the prompt"] += 1
+            continue
+        rows.append(dict(
+            i=i, ids=ids, c1=r1.corrupt_tokens[0].tolist(), c2=r2.corrupt_tokens[0].tolist(),
+            anchor_pos=starts[t1] + d1, anchor_tok=code(t1)[d1], bad_anchor_tok=code(m1)[d1],
+            answer_pos=starts[t2] + d2, target_tok=code(t2)[d2],
+            rival_toks=sorted({code(m)[d2] for m in rivals}),
+            shortlist_pos=[cand_start[m] + d2 for m in [t2, *rivals]],
+            codes=dict(p1_target=names[t1], p1_label=names[m1], p2_target=names[t2],
+                       near_misses=[names[m] for m in rivals]), text=r2.clean_text[0]))
+    if not rows:
+        raise ValueError(f"text_task: none of {len(task)} examples of {task.name!r} could be "
+                         f"mapped under this tokenizer: {dict(dropped)}; draw more examples.")
+    anchor_toks = sorted({r["anchor_tok"] for r in rows} | {r["bad_anchor_tok"] for r in rows})
+    label_toks = sorted({r["target_tok"] for r in rows} | {t for r in rows
+                                                             for t in r["rival_toks"]})
+    a_id = {t: j for j, t in enumerate(anchor_toks)}
+    l_id = {t: j for j, t in enumerate(label_toks)}
+    examples = []
+    for r in rows:
+        examples.append(Example(
+            tokens=torch.tensor(r["ids"]), corrupt_tokens=torch.tensor(r["c2"]), evidence_pos=[],
+            anchor_pos=[r["anchor_pos"]], shortlist_pos=r["shortlist_pos"],
+            answer_pos=[r["answer_pos"]], targets=[l_id[r["target_tok"]]],
+            near_misses=[l_id[t] for t in r["rival_toks"]], anchors=[a_id[r["anchor_tok"]]],
+            meta=dict(corrupt_tokens_p1=r["c1"], corrupt_tokens_p2=r["c2"],
+                      corrupt_anchors=[a_id[r["bad_anchor_tok"]]], source_index=r["i"],
+                      codes=r["codes"], text=r["text"])))
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else 1 + max(
+        max(r["ids"] + r["c1"] + r["c2"]) for r in rows)
+    vocab = (tokenizer.convert_ids_to_tokens(list(range(size)))
+             if hasattr(tokenizer, "convert_ids_to_tokens") else [str(j) for j in range(size)])
+
+    def show(t: int) -> str:
+        return tokenizer.decode([t]) if hasattr(tokenizer, "decode") else str(t)
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return Task(
+        name=f"{task.name}-text", examples=examples,
+        label_names=[show(t) for t in label_toks], anchor_names=[show(t) for t in anchor_toks],
+        label_token_ids=torch.tensor(label_toks), anchor_token_ids=torch.tensor(anchor_toks),
+        label_anchor=torch.zeros(len(label_toks), dtype=torch.long), vocab=list(vocab), phase=2,
+        pad_id=int(pad) if pad is not None else 0, bos_id=int(bos) if bos is not None else 1,
+        eos_id=int(eos) if eos is not None else 2,
+        config=dict(name=f"{task.name}-text", source=task.config, source_name=task.name,
+                    source_fingerprint=task.fingerprint(),
+                    tokenizer=str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)),
+                    template=template, n_source=len(task), dropped=dict(dropped)),
+    ).with_phase(2)
+
+
+def _candidate_starts(e: Any, text: str, ids: list[int], names: list[str],
+                      tok2label: dict[int, int], pre: list[int], enc: Any, code: Any,
+                      wanted: list[int]) -> dict[int, int] | None:
+    """Token position where each ``wanted`` label's code starts in the candidate line."""
+    shortlist = [tok2label[int(t)] for t in e.tokens[e.shortlist_pos].tolist()
+                 if int(t) in tok2label] or sorted(set(e.targets) | set(e.near_misses))
+    line = ", ".join(names[j] for j in shortlist)
+    off = text.find(line)
+    if off < 0 or any(w not in shortlist for w in wanted):
+        return None
+    out = {}
+    for w in wanted:
+        k = shortlist.index(w)
+        char = off + len(", ".join(names[j] for j in shortlist[:k])) + (2 if k else 0)
+        head = pre + enc(text[:char - 1])  # everything before the space that opens the code
+        pos = len(head)
+        if ids[:pos] != head or ids[pos:pos + len(code(w))] != code(w):
+            return None
+        out[w] = pos
+    return out

@@ -1,0 +1,222 @@
+"""``validate_heads``: do the top-scored heads carry the behaviour? Patch them together and
+compare with random head sets from the same layers.
+
+For each phase ``P`` (1: Phase-1 task ``task.with_phase(1)``, heads ranked by ``phase1_rank``;
+2: ``task.with_phase(2)``, ``phase2_rank``) and each direction (``noise``: the heads' corrupt
+``z`` into the clean run; ``denoise``: their clean ``z`` into the corrupt run), the exact
+engine (``ExactEngine.run_head_sets``) runs, in the same batched suffix forwards:
+
+* the unpatched base run (the empty set), the top-``k`` set, and ``n_random`` random ``k``-sets
+  drawn from the same layers (for each layer holding ``c`` of the top heads, ``c`` distinct heads
+  of that layer uniformly; a draw equal to the top set is redrawn);
+* two per-prompt quantities on each: the phase's task metric (``task.prompt_metric()``:
+  anchor margin / target-vs-near-miss margin) and its behaviour measure, Reasoning Focus
+  (phase 1) or Near-Miss Confusion (phase 2), as defined in ``circuitkit.evaluation``
+  (``focus_metric``/``confusion_metric`` below equal ``focus_from_logits``/
+  ``confusion_from_logits``, read at the same positions).
+
+Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
+
+* ``top_effect = mean_i d_i`` of the top set; ``top_low``/``top_high``: percentile bootstrap
+  95% interval over prompts (``n_boot`` resamples);
+* ``random_mean``: mean over random sets and prompts; ``random_low``/``random_high``: the 2.5 and
+  97.5 percentiles of a random set's mean effect, pooled over the random sets and the same
+  bootstrap resamples of prompts (where a random ``k``-set's effect falls);
+* ``p_value = (1 + #{random sets r: |effect_r| >= |top_effect|}) / (1 + n_random)``: the Monte
+  Carlo permutation p-value of the top set against the random sets;
+* ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the behaviour
+  fully broken; denoise: 1 = fully restored).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.metrics import PromptMetric
+from circuitkit.scoring.heads import top_heads
+from circuitkit.tasks.base import Task
+
+N_BUCKETS = 4  # prompt length buckets per engine run
+VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
+                      "clean", "corrupt", "top_effect", "top_low", "top_high", "random_mean",
+                      "random_low", "random_high", "p_value", "normalized"]
+
+
+def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
+    width = max(1, max((len(r) for r in rows), default=1))
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return out
+
+
+def restricted_mass_metric(positions: Sequence[Sequence[int]],
+                           candidates: Sequence[Sequence[int]],
+                           good: Sequence[Sequence[int]], name: str) -> PromptMetric:
+    """Per prompt: mean over ``p`` in ``positions[i]`` of the softmax of ``logits[p - 1]``
+    restricted to ``candidates[i]``, summed over ``good[i]`` (``evaluation.restricted_mass``
+    as a ``PromptMetric`` with ``reads``; 0 for a prompt without positions, where
+    ``restricted_mass`` gives NaN)."""
+    pos, cand = _pad(positions), _pad(candidates)
+    is_good = torch.stack([torch.isin(c, torch.as_tensor(list(g), dtype=torch.long))
+                           for c, g in zip(cand, good, strict=True)]) & (cand >= 0)
+    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
+    reads = torch.where(pos >= 1, pos - 1, first)
+
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
+        dev = logits.device
+        p, c, g = pos[idx].to(dev), cand[idx].to(dev), is_good[idx].to(dev)
+        valid = p >= 1
+        b = torch.arange(logits.shape[0], device=dev)[:, None]
+        step = logits[b, rows[b, (p - 1).clamp(min=0)]].float()  # [n, steps, vocab]
+        cl = step.gather(-1, c.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
+        cl = cl.masked_fill(~(c >= 0)[:, None, :], float("-inf"))
+        mass = (cl.softmax(-1) * g[:, None, :]).sum(-1) * valid
+        return mass.sum(-1) / valid.sum(-1).clamp(min=1)
+
+    return PromptMetric(fn, name, reads=reads)
+
+
+def focus_metric(task: Task) -> PromptMetric:
+    """Reasoning Focus per prompt (``evaluation.focus_from_logits``) as a PromptMetric."""
+    anchors = task.anchor_token_ids.tolist()
+    ex = task.examples
+    return restricted_mass_metric([e.anchor_pos for e in ex], [anchors] * len(ex),
+                                  [task.anchor_token_ids[e.anchors].tolist() for e in ex],
+                                  "focus")
+
+
+def confusion_metric(task: Task) -> PromptMetric:
+    """Near-Miss Confusion per prompt (``evaluation.confusion_from_logits``) as a PromptMetric."""
+    lt = task.label_token_ids
+    ex = task.examples
+    return restricted_mass_metric([e.answer_pos for e in ex],
+                                  [lt[e.targets + e.near_misses].tolist() for e in ex],
+                                  [lt[e.near_misses].tolist() for e in ex], "confusion")
+
+
+def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int,
+                     seed: int) -> list[list[tuple[int, int]]]:
+    """``n_random`` head sets with the layer counts of ``top`` (module docstring)."""
+    counts: dict[int, int] = {}
+    for layer, _ in top:
+        counts[layer] = counts.get(layer, 0) + 1
+    if all(c == n_heads for c in counts.values()):
+        raise ValueError(f"the top heads fill whole layers {sorted(counts)}: no random set from "
+                         "the same layers can differ from them; use a smaller k.")
+    rng = random.Random(seed)
+    want = set(top)
+    out = []
+    while len(out) < n_random:
+        s = sorted((layer, h) for layer, c in sorted(counts.items())
+                   for h in rng.sample(range(n_heads), c))
+        if set(s) != want:
+            out.append(s)
+    return out
+
+
+def _bootstrap_weights(n: int, n_boot: int, seed: int) -> Float[Tensor, "n_boot n"]:
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(n_boot, n, dtype=torch.float64)
+    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
+                        torch.ones(n_boot, n, dtype=torch.float64))
+    return counts / n
+
+
+def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
+              n_boot: int, seed: int) -> dict[str, float]:
+    """Effect statistics of one quantity (module docstring). ``values[0]``: base run,
+    ``values[1]``: top set, ``values[2:]``: random sets; ``clean``/``corrupt``: [n]."""
+    d = (values[1:] - values[:1]).double()  # [1 + n_random, n]
+    w = _bootstrap_weights(d.shape[1], n_boot, seed)
+    boot = w @ d.T  # [n_boot, 1 + n_random]
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    top_lo, top_hi = torch.quantile(boot[:, 0], q).tolist()
+    r_lo, r_hi = torch.quantile(boot[:, 1:].reshape(-1), q).tolist()
+    effects = d.mean(1)
+    top = float(effects[0])
+    p = (1 + int((effects[1:].abs() >= abs(top)).sum())) / len(effects)
+    gap = float(clean.double().mean() - corrupt.double().mean())
+    return dict(clean=float(clean.mean()), corrupt=float(corrupt.mean()), top_effect=top,
+                top_low=top_lo, top_high=top_hi, random_mean=float(d[1:].mean()),
+                random_low=r_lo, random_high=r_hi, p_value=p,
+                normalized=top / gap if gap != 0 else float("nan"))
+
+
+def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
+                   seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
+                   progress: bool = True):
+    """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
+    with ``VALIDATION_COLUMNS``, one row per (phase, direction, quantity); see the module
+    docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase.
+    ``batch_size``: sequences per forward (default from free memory)."""
+    import pandas as pd
+
+    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.sweep import Sweep
+
+    f = hooks.facts(model)
+    if not isinstance(task, Task) or len(task) == 0:
+        raise ValueError("task must be a non-empty circuitkit Task.")
+    if not 1 <= int(k) <= f.n_layers * f.n_heads:
+        raise ValueError(f"k must be in 1..{f.n_layers * f.n_heads} (heads of the model); "
+                         f"got {k!r}.")
+    if int(n_random) < 1:
+        raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
+    if len(scores) != f.n_layers * f.n_heads:
+        raise ValueError(f"scores has {len(scores)} rows; the model has "
+                         f"{f.n_layers * f.n_heads} heads (score_heads of this model?).")
+    task.check_model(model)
+    rows, sets_used = [], {}
+    for phase in (1, 2):
+        tp = task.with_phase(phase)
+        # prompts sorted by the positions their metric needs, run in length buckets: each
+        # bucket's forwards stop after its own last read (the statistics ignore prompt order)
+        need = tp.metric.reads.max(1).values
+        tp = tp.subset(torch.argsort(need, stable=True).tolist())
+        metric = tp.metric
+        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
+        top = top_heads(scores, phase, k)
+        rand = random_head_sets(top, f.n_heads, n_random, seed + phase)
+        sets = [[], top, *rand]
+        sets_used[phase] = dict(top=top, random=rand)
+        clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
+        n, seq = clean.shape
+        runs = {}
+        for direction in ("noise", "denoise"):
+            if progress:
+                print(f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs {n_random} "
+                      f"random sets, {n} prompts", file=sys.stderr)
+            sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
+            # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
+            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
+                                 rows=batch_size)
+            bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
+            runs[direction] = torch.cat([  # [2, n_sets, n]
+                engine.run_head_sets(sets, p0, p1, metrics=[metric, behaviour], rows=batch_size)
+                for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+        # base of noise = clean run; base of denoise = corrupt run
+        for direction in ("noise", "denoise"):
+            for qi, q in enumerate((metric, behaviour)):
+                stats = summarize(runs[direction][qi], runs["noise"][qi, 0],
+                                  runs["denoise"][qi, 0], n_boot, seed)
+                rows.append(dict(phase=phase, direction=direction, quantity=q.name,
+                                 heads=_fmt(top), k=int(k), n_random=int(n_random),
+                                 n_prompts=n, **stats))
+    df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
+    df.attrs.update(seed=seed, n_boot=n_boot, sets={
+        p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
+        for p, d in sets_used.items()})
+    return df
+
+
+def _fmt(heads: Sequence[tuple[int, int]]) -> str:
+    return " ".join(f"L{layer}H{h}" for layer, h in heads)

