@@ -288,3 +288,23 @@ def test_notebooks_are_stored_without_outputs():
         for cell in json.loads(book.read_text())["cells"]:
             if cell["cell_type"] == "code":
                 assert cell["outputs"] == [] and cell["execution_count"] is None, book.name
+
+
+def test_validation_chart_reads_validate_heads_wide_frame():
+    """``ck.validate_heads`` writes one row per phase x direction x quantity with top_* and
+    random_* columns: the chart draws both sets with their intervals, p only on the top set."""
+    import pandas as pd
+
+    from circuitkit.viz.charts import validation_chart
+
+    rows = [dict(phase=p, direction=d, quantity=q, top_effect=e, top_low=e - 1, top_high=e + 1,
+                 random_mean=e / 2, random_low=e / 2 - 1, random_high=e / 2 + 1, p_value=0.05)
+            for p, q in ((1, "focus"), (2, "confusion")) for d, e in (("noise", -3.0),
+                                                                      ("denoise", 3.0))]
+    fig = validation_chart(pd.DataFrame(rows))
+    names = [t.name for t in fig.data]
+    assert names.count("top-k") == 2 and names.count("random") == 2  # one pair per panel
+    top = next(t for t in fig.data if t.name == "top-k")
+    assert list(top.y) == [-3.0, 3.0] and list(top.error_y.array) == [1.0, 1.0]
+    rand = next(t for t in fig.data if t.name == "random")
+    assert list(rand.y) == [-1.5, 1.5] and all(t == "" for t in rand.text)

@@ -156,6 +156,27 @@ VALIDATION_COLUMNS = dict(
 )
 
 
+def _long_validation(validation: Any) -> Any:
+    """``ck.validate_heads``' wide frame (one row per phase x direction x quantity, with
+    ``top_effect/top_low/top_high`` and ``random_mean/random_low/random_high``) as the long
+    frame below (one row per set); any other frame unchanged."""
+    import pandas as pd
+
+    wide = ("top_effect", "top_low", "top_high", "random_mean", "random_low", "random_high")
+    if not all(c in validation.columns for c in wide):
+        return validation
+    keep = [c for c in ("phase", "direction", "quantity", "p_value") if c in validation.columns]
+    parts = []
+    for label, (e, lo, hi) in (("top-k", wide[:3]), ("random", wide[3:])):
+        part = validation[keep].copy()
+        part["set"], part["effect"] = label, validation[e]
+        part["ci_low"], part["ci_high"] = validation[lo], validation[hi]
+        if label == "random" and "p_value" in part:
+            part["p_value"] = float("nan")  # the p-value belongs to the top-k set
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)
+
+
 def validation_chart(validation: Any):
     """Top-k heads vs random head sets: the patched effect of each set with its 95% interval.
 
@@ -171,7 +192,8 @@ def validation_chart(validation: Any):
     ``p_value``             permutation p-value against the random sets (optional, shown)
     ======================  ======================================================
 
-    Aliases accepted: ``head_set``/``kind``/``group`` for ``set``; ``effect_size``/``delta``
+    ``ck.validate_heads``' own wide frame (``top_effect``, ``random_mean`` ...) is accepted as
+    is. Aliases accepted: ``head_set``/``kind``/``group`` for ``set``; ``effect_size``/``delta``
     for ``effect``; ``metric`` for ``measure``; ``low``/``high`` for the interval.
     """
     import plotly.graph_objects as go
@@ -179,6 +201,7 @@ def validation_chart(validation: Any):
 
     if len(getattr(validation, "columns", ())) == 0 or len(validation) == 0:
         raise ValueError("validation: expected a non-empty DataFrame (ck.validate_heads).")
+    validation = _long_validation(validation)
     set_col = _pick(validation, VALIDATION_COLUMNS["set"], "validation")
     eff = _pick(validation, VALIDATION_COLUMNS["effect"], "validation")
     measure = _pick(validation, VALIDATION_COLUMNS["measure"], "validation", required=False)

@@ -207,6 +207,7 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
     """Attention views of the top ``k`` heads of each phase, or a line saying why not."""
     from circuitkit.viz.attention import attention
 
+    summary = {**summary.get("identity", {}), **summary}  # characterize keeps them in identity
     try:
         if model is None:
             import circuitkit as ck
@@ -276,13 +277,25 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             return f"<p class='skip'>Chart skipped: {_esc(e)}</p>"
     sections: list[tuple[str, str, str]] = []  # (id, heading, body)
 
-    model_name = summary.get("model") or summary.get("model_name") or next(
+    model_name = summary.get("model") or summary.get("model_name") or summary.get(
+        "identity", {}).get("model") or next(
         (r.meta.get("model_name") or r.meta.get("model") for r in results.values()), None)
-    task_name = summary.get("task") or next(
+    task_name = summary.get("task") or summary.get("identity", {}).get("task") or next(
         (r.meta.get("task") for r in results.values() if r.meta.get("task")), None)
     if summary:
-        flat = pd.DataFrame(list(_flatten(summary).items()), columns=["key", "value"])
-        sections.append(("summary", "Model and task", _table(flat)))
+        flat = _flatten(summary)
+        # the headline first (what ran, on what, how long); everything else folded away
+        head_keys = [k for k in flat if k.startswith(("identity.", "versions.")) or
+                     k.endswith(".seconds") or k in ("seconds_all_steps", "seconds_this_call")]
+        rest = {k: v for k, v in flat.items() if k not in head_keys}
+        head = pd.DataFrame([(k.removeprefix("identity.").removeprefix("steps."), flat[k])
+                             for k in head_keys], columns=["key", "value"])
+        body = _table(head)
+        if rest:
+            body += ("<details><summary>full summary.json</summary>"
+                     + _table(pd.DataFrame(list(rest.items()), columns=["key", "value"]))
+                     + "</details>")
+        sections.append(("summary", "Model and task", body))
     lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
                     for k, v in METRIC_LINES.items())
     sections.append(("metrics", "What the numbers mean", f"<table class='metrics'>{lines}</table>"))
