@@ -12,24 +12,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-TINY_LLAMA = {
-    "model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "seed": 0,
-}
-TINY_GPT2 = {
-    "model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
-    "n_positions": 64, "seed": 0,
-}
-
-
-def make_model(cfg: dict):
-    import torch
-
-    import circuitkit as ck
-
-    torch.set_num_threads(1)
-    return ck.load_model(dict(cfg))
+from tinymodels import TINY_GPT2, TINY_LLAMA, make_model  # noqa: E402  (after the env default)
 
 
 @pytest.fixture(scope="session")

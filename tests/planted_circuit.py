@@ -54,7 +54,7 @@ def anchor_dirs() -> torch.Tensor:
 
 @torch.no_grad()
 def planted_model():
-    from conftest import make_model
+    from tinymodels import make_model
 
     model = make_model(CONFIG)
     hf = model.original_model

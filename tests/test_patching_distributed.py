@@ -20,7 +20,7 @@ SWEEP = dict(positions="each", site="v", batch_size=5)
 RANK = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
-    from conftest import TINY_LLAMA, make_model
+    from tinymodels import TINY_LLAMA, make_model
     import circuitkit as ck
     model = make_model(TINY_LLAMA)
     task = ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=3)

@@ -23,7 +23,7 @@ SWEEP = dict(positions="each", site="z", batch_size=6)  # 3 layers x 24 chunks, 
 CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
-    from conftest import TINY_LLAMA, make_model
+    from tinymodels import TINY_LLAMA, make_model
     import circuitkit as ck
     from circuitkit.metrics import PromptMetric
     model = make_model(TINY_LLAMA)

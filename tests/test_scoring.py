@@ -317,7 +317,7 @@ def test_text_task_positions_are_the_distinguishing_tokens():
         assert tp.corrupt_tokens.shape == tp.clean_tokens.shape
         assert (tp.corrupt_tokens != tp.clean_tokens).any(1).all()
     # a Task like any other: the default metrics read there and score_heads runs on it
-    from conftest import make_model
+    from tinymodels import make_model
 
     model = make_model({"model_type": "llama", "vocab_size": len(tok), "hidden_size": 32,
                         "intermediate_size": 64, "num_hidden_layers": 2,

@@ -152,7 +152,7 @@ def test_random_weights_top_k_like_random(seed, synth):
     near the random sets' interval (within one interval width of it), unlike the planted heads
     (beyond ten widths). It need not lie strictly inside: margin_widening is a direct effect, so
     even in a random network the Phase-2 top set can be the most effective of the 21 sets."""
-    from conftest import make_model
+    from tinymodels import make_model
 
     model = make_model({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
                         "intermediate_size": 128, "num_hidden_layers": 3,
