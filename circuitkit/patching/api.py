@@ -318,14 +318,15 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus an
     attribution screen (4 pass-equivalents per prompt) so the result says how well screening
     would have done: ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells
-    (by ``|value - baseline|``) among the screen's top k. Above it: ``attribution_plus_exact``
+    (by ``|value - baseline|``) among the screen's top k, ``k = min(top_k, cells / 2)``.
+    Above it: ``attribution_plus_exact``
     (AtP* where supported), whose verified cells are listed in ``meta["auto"]["verified"]``;
     no recall (exact values exist for the verified cells only)."""
     info = _auto_choice(model, clean.shape[1], site, positions)
     atp_star = site in attribution.ATP_STAR_SITES
     n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
         clean.shape[1] if positions == "each" else 1)
-    k = min(top_k, n_cells)
+    k = min(top_k, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
         res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)

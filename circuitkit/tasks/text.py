@@ -150,3 +150,45 @@ def render_text(task: Task, tokenizer, phase: int | None = None,
 
     return TextTask(clean_text, corrupt_text, stack(clean_ids), stack(corrupt_ids), answer_pos,
                     label_pos, prompt_len)
+
+
+# --- a CoT task as a pretrained LLM's sweep input -----------------------------------------------
+
+# Built-in tasks whose examples read as text (a note, candidate codes, an answer).
+TEXT_TASKS = ("icd10", "synthetic")
+
+
+def speaks_task_vocab(tokenizer: Any, task: Task) -> bool:
+    """Whether ``tokenizer`` is the task's own word vocabulary (a model trained on the task,
+    such as the shipped toys), so the task's token ids are its input as they are."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return vocab == {w: i for i, w in enumerate(task.vocab)}
+
+
+def text_prompts(task: Task, tokenizer: Any, template: str = DEFAULT_TEMPLATE
+                 ) -> tuple[Tensor, Tensor, Any, list[int]]:
+    """``(clean_tokens, corrupt_tokens, metric, kept)`` for a pretrained LLM: the examples that
+    ``render_text`` can render under ``tokenizer`` (clean and corrupt texts of equal token count;
+    the others are dropped), right-padded, and the mean log-prob of each prompt's answer tokens
+    (``metrics.token_logprob_metric``; a multi-token ICD code has no single-token near-miss
+    rival, so no margin). ``kept``: indices of the examples used. ``ValueError`` if none
+    renders."""
+    from circuitkit.metrics import token_logprob_metric
+
+    kept = []
+    for i in range(len(task)):
+        try:
+            render_text(task.subset([i]), tokenizer, template=template)
+        except ValueError:
+            continue
+        kept.append(i)
+    if not kept:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ValueError(f"none of the {len(task)} {task.name} examples renders as clean and "
+                         f"corrupt texts of equal token count under tokenizer {name!r}; use "
+                         "more examples (-n), or a .jsonl task with your own token ids.")
+    tt = render_text(task.subset(kept), tokenizer, template=template)
+    metric = token_logprob_metric(
+        tt.answer_pos, [tt.clean_tokens[i, pos].tolist() for i, pos in enumerate(tt.answer_pos)],
+        name="answer_logprob")
+    return tt.clean_tokens, tt.corrupt_tokens, metric, kept
