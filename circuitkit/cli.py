@@ -331,6 +331,8 @@ def _plan_offline(model, task, n_examples, seed, split, phase, method, direction
 def _describe_auto(auto: dict) -> str:
     """One line on what ``--method auto`` did."""
     sc = auto.get("screening") or {}
+    if "exact_flops_per_token" not in auto:
+        return f"method auto: {auto['chose']} ({auto.get('note', '')})"
     line = (f"method auto: {auto['chose']} (exact sweep {auto['exact_flops_per_token']:.2g} "
             f"FLOPs per prompt token; exact at or below {auto['threshold']:.0e})")
     if auto["chose"] == "exact" and sc.get("recall") is not None:

@@ -14,9 +14,10 @@ TINY_GQA8 = {
 }
 
 
-def save_tiny(folder: Path, seed: int = 0) -> Path:
+def save_tiny(folder: Path, seed: int = 0, qk_scale: float = 1.0) -> Path:
     """``TINY_GQA8`` with seeded random weights and the numbered tokenizer (``t0 .. t63``),
-    written with ``save_pretrained`` (fp32)."""
+    written with ``save_pretrained`` (fp32). ``qk_scale`` multiplies the query and key weights:
+    sharper attention, so q/k patches have effects well above float noise."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -26,6 +27,10 @@ def save_tiny(folder: Path, seed: int = 0) -> Path:
     hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk_scale)
+            layer.self_attn.k_proj.weight.mul_(qk_scale)
     model.save_pretrained(folder)
     _numbered_tokenizer(TINY_GQA8["vocab_size"]).save_pretrained(folder)
     return Path(folder)

@@ -4,8 +4,9 @@ The same sweep as the TransformerLens engine (``patch_heads(..., backend="nnsigh
 models that only nnsight reaches: NDIF serves large hub models (Llama-3.1-70B ...) to researchers
 without GPUs of their own; nnsight ships the trace there and brings back what it saves.
 
-For each layer ``l``: one trace of the *source* tokens saves the site's activation at ``l`` and
-stops; then traces of the *base* tokens, repeated once per variant (``g`` variants of ``n``
+For each layer ``l``: the *source* tokens' activation at the site of ``l`` (locally: every layer's
+from one trace; remotely: one trace per layer that stops there, so each download is one layer's
+size); then traces of the *base* tokens, repeated once per variant (``g`` variants of ``n``
 prompts per trace, ``[g * n, seq]``), write each variant's head slice from the source in place:
 
 * ``z``: the input of ``self_attn.o_proj`` (heads concatenated, ``[batch, pos, n_heads *
@@ -179,10 +180,14 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
 
             bar = tqdm(total=len(steps), desc=f"nnsight patch {site} {direction}",
                        unit="trace")
+        # locally every layer's source activation in one trace; remotely one layer per trace
+        # (each download stays one layer's size)
+        sources = None if remote else _source_activations(lm, source, f.n_layers, site)
         src = None
         for layer, s in steps:
             if s == 0:
-                src = _source_activation(lm, source, layer, site, remote)
+                src = sources[layer] if sources is not None else _source_activation(
+                    lm, source, layer, site, remote)
             group = variants[s:s + per_trace]
             grid[layer, s:s + len(group)] = _patched(lm, base, src, layer, site, group,
                                                      f.d_head, length, pm, reads, remote,
@@ -252,6 +257,15 @@ def _source_activation(lm: Any, source: Tensor, layer: int, site: str, remote: b
         act = _site(lm, layer, site).save()
         tracer.stop()
     return act.detach().clone()
+
+
+def _source_activations(lm: Any, source: Tensor, n_layers: int, site: str) -> list[Tensor]:
+    """The source run's activation at ``site`` of every layer, from one local trace."""
+    import nnsight
+
+    with lm.trace(source):
+        acts = nnsight.save([_site(lm, layer, site) for layer in range(n_layers)])
+    return [a.detach().clone() for a in acts]
 
 
 def _patched(lm: Any, base: Tensor, src: Tensor, layer: int, site: str,
