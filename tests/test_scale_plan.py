@@ -114,3 +114,29 @@ def test_cli_plans_70b_offline_in_seconds(monkeypatch, tmp_path):
         assert any(line.startswith(row) for line in out.splitlines()), row
     assert "--method auto picks attribution+exact" in out
     assert seconds < 30, seconds
+
+
+def test_icd10_as_text_for_a_pretrained_tokenizer():
+    import circuitkit as ck
+    from circuitkit.cli import _sweep_inputs
+    from circuitkit.tasks.text import prompt_texts, speaks_task_vocab, text_prompts
+
+    task = ck.load_task("icd10", n_examples=16, split="test")
+    teacher = ck.load_model("icd-teacher")
+    assert speaks_task_vocab(teacher.tokenizer, task)  # a toy trained on the task: its tokens
+    clean, _, metric, note = _sweep_inputs(teacher.tokenizer, task)
+    assert clean is not None and note == "" and clean.shape == task.clean_tokens.shape
+    tok = models.local_tokenizer("smollm2-135m")
+    if tok is None:
+        pytest.skip("no SmolLM2 tokenizer on this machine")
+    assert not speaks_task_vocab(tok, task)
+    clean, corrupt, metric, kept = text_prompts(task, tok)
+    assert 0 < len(kept) < 16 and clean.shape == corrupt.shape and clean.shape[0] == len(kept)
+    texts = prompt_texts(task)
+    for row, i in enumerate(kept):
+        ids = [t for t in clean[row].tolist() if t != (tok.pad_token_id or 0)]
+        assert tok.decode(ids, skip_special_tokens=True).strip() == texts[i]
+        answer = texts[i].split("Answer: ")[1]
+        reads = sorted(set(metric.read_positions()[row].tolist()))  # before each answer token
+        said = tok.decode(clean[row, [r + 1 for r in reads]].tolist())
+        assert said.strip() == answer  # the metric scores exactly the answer's tokens

@@ -202,15 +202,15 @@ def plan_patch(
         method = auto["chose"]
     sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
     rows = batch_size or auto_rows(model, seq)
-    clean_s, corrupt_s, pm_s, _, sweep = _sorted_and_planned(clean_tokens, corrupt_tokens, pm,
-                                                             sweep, rows)
-    t0 = time.perf_counter()
-    engine = ExactEngine(model, clean_s, corrupt_s, pm_s, sweep, rows=rows)
-    cached_seconds = time.perf_counter() - t0  # the two cached runs: ~2 passes per prompt
-    probe = sweep.chunks[0]
-    t0 = time.perf_counter()
-    engine.run_chunk(probe)
-    per_cost = (time.perf_counter() - t0) / sweep.chunk_cost(probe)
+    order, lengths = length_order(pm)
+    if order is not None:
+        clean_tokens, corrupt_tokens, pm = clean_tokens[order], corrupt_tokens[order], \
+            pm.select(order)
+    timing: dict[str, float] = {}  # the memory probe is the time probe (rows halved on OOM)
+    _, sweep, rows, first, _ = _fit_rows(model, clean_tokens, corrupt_tokens, pm, sweep, rows,
+                                         lengths, None, timing)
+    cached_seconds = timing["cached"]  # the two cached runs: ~2 passes per prompt
+    per_cost = timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))])
     total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
     exact_passes = total / (f.n_layers * seq) + 2 * n
     per_pass = cached_seconds / (2 * n)
@@ -373,16 +373,6 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     return clean, corrupt, pm
 
 
-def _sorted_and_planned(clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-                        rows: int) -> tuple[Tensor, Tensor, PromptMetric, Tensor | None, Sweep]:
-    """Prompts sorted by length (``length_order``) and the sweep planned for them; returns the
-    sorted inputs, the order (None: unchanged) and the planned sweep."""
-    order, lengths = length_order(metric)
-    if order is not None:
-        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
-    return clean, corrupt, metric, order, plan(sweep, rows, lengths)
-
-
 def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
     from circuitkit.patching.sweep import bytes_per_row
 
@@ -484,25 +474,30 @@ def _heaviest(sweep: Sweep) -> int:
 
 
 def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-              rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None
+              rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
+              timing: dict[str, float] | None = None
               ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
     """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
     a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
     Returns (engine, planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed
     by a checkpoint (``stored``) is kept (no probe: ``_chunk_fitting`` splits a chunk that
-    does not fit)."""
+    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe."""
     backoffs = 0
+    timing = {} if timing is None else timing
     while True:
         planned = plan(sweep, rows, lengths)
         if stored is not None:
             planned = replace(planned, chunks=stored)
         oom = None
         try:
+            t0 = time.perf_counter()
             engine = ExactEngine(model, clean, corrupt, metric, planned, rows=rows)
+            t1 = time.perf_counter()
             first = {}
             if stored is None and planned.chunks:
                 cid = _heaviest(planned)
                 first[cid] = engine.run_chunk(planned.chunks[cid])
+            timing.update(cached=t1 - t0, probe=time.perf_counter() - t1)
             return engine, planned, rows, first, backoffs
         except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
             if not is_out_of_memory(e) or rows <= 1:
