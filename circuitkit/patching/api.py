@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,11 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import attribution, distributed
+from circuitkit.patching import plan as costs
 from circuitkit.patching.checkpoint import SweepCheckpoint, default_dir, sweep_identity
 from circuitkit.patching.engine import ExactEngine
 from circuitkit.patching.inputs import (
+    BACKENDS,
     DIRECTIONS,
     METHODS,
     POSITIONS,
@@ -38,7 +41,16 @@ from circuitkit.patching.inputs import (
     choice,
 )
 from circuitkit.patching.results import PatchResult
-from circuitkit.patching.sweep import Sweep, auto_rows, length_order, make_sweep, plan
+from circuitkit.patching.sweep import (
+    Chunk,
+    Sweep,
+    auto_rows,
+    is_out_of_memory,
+    length_order,
+    make_sweep,
+    plan,
+    release_cached_memory,
+)
 
 # One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;
 # a backward counts as two forwards.
@@ -61,6 +73,8 @@ def patch_heads(
     atp_star: bool = False,
     top_k: int = 20,
     task_hash: str | None = None,
+    backend: str = "transformer_lens",
+    remote: bool = False,
 ) -> PatchResult:
     """Patch every attention head (per layer; per position with ``positions="each"``).
 
@@ -75,16 +89,36 @@ def patch_heads(
     ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once by
     ``as_metric``; same values either way). ``method``: "exact" (the engine), "attribution"
     (gradient estimate, AtP / AtP* with ``atp_star``), "attribution+exact" (attribution ranks,
-    exact re-check of the ``top_k``). ``batch_size``: sequences per forward (default: from free
-    memory). ``checkpoint``: folder; finished chunks are stored durably and a rerun resumes.
-    Under ``torchrun`` the chunks are split over ranks; every rank returns the merged result.
+    exact re-check of the ``top_k``), "auto" (``_auto``: exact below
+    ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else attribution+exact; ``meta["auto"]`` records the
+    choice, the verified cells and, where every cell is exact, the screening recall of the top
+    k). ``batch_size``: sequences per forward (default: from free memory; halved and retried on
+    out-of-memory). ``checkpoint``: folder; finished chunks are stored durably and a rerun
+    resumes. Under ``torchrun`` the chunks are split over ranks (replicas, see
+    ``distributed``); every rank returns the merged result. ``backend="nnsight"``: the same
+    exact sweep through nnsight's tracing (``nnsight_backend``; ``model`` an nnsight model or a
+    name/folder; ``remote=True`` runs it on NDIF).
     """
+    if backend != "transformer_lens" or remote:
+        choice("backend", backend, BACKENDS)
+        if backend != "nnsight":
+            raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
+        from circuitkit.patching import nnsight_backend
+
+        return nnsight_backend.patch_heads(
+            model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
+            positions=positions, site=site, batch_size=batch_size, progress=progress,
+            remote=remote, task_hash=task_hash)
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_HEAD_SITES)
     f = hooks.facts(model)
     meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
                 task_hash=task_hash)
+    if method == "auto":
+        return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
+                     positions=positions, site=site, batch_size=batch_size,
+                     checkpoint=checkpoint, progress=progress, top_k=top_k, meta=meta)
     if method == "attribution":
         res = attribution.attribution_patch_heads(
             model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
@@ -124,6 +158,7 @@ def patch_layers(
     ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
     Exact only (``method="exact"``), per position only (``positions="each"``).
     """
+    method = "exact" if method == "auto" else method  # one choice for layer sites
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_LAYER_SITES)
@@ -161,17 +196,21 @@ def plan_patch(
                                               hooks.PATCH_HEAD_SITES)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
+    auto = None
+    if method == "auto":
+        auto = _auto_choice(model, seq, site, positions)
+        method = auto["chose"]
     sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
     rows = batch_size or auto_rows(model, seq)
-    clean_s, corrupt_s, pm_s, _, sweep = _sorted_and_planned(clean_tokens, corrupt_tokens, pm,
-                                                             sweep, rows)
-    t0 = time.perf_counter()
-    engine = ExactEngine(model, clean_s, corrupt_s, pm_s, sweep, rows=rows)
-    cached_seconds = time.perf_counter() - t0  # the two cached runs: ~2 passes per prompt
-    probe = sweep.chunks[0]
-    t0 = time.perf_counter()
-    engine.run_chunk(probe)
-    per_cost = (time.perf_counter() - t0) / sweep.chunk_cost(probe)
+    order, lengths = length_order(pm)
+    if order is not None:
+        clean_tokens, corrupt_tokens, pm = clean_tokens[order], corrupt_tokens[order], \
+            pm.select(order)
+    timing: dict[str, float] = {}  # the memory probe is the time probe (rows halved on OOM)
+    _, sweep, rows, first, _ = _fit_rows(model, clean_tokens, corrupt_tokens, pm, sweep, rows,
+                                         lengths, None, timing)
+    cached_seconds = timing["cached"]  # the two cached runs: ~2 passes per prompt
+    per_cost = timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))])
     total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
     exact_passes = total / (f.n_layers * seq) + 2 * n
     per_pass = cached_seconds / (2 * n)
@@ -180,6 +219,8 @@ def plan_patch(
                naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
                bytes_per_chunk=_bytes_per_chunk(model, seq, rows, sweep),
                available_bytes=_available(model))
+    if auto is not None:
+        out["auto"] = auto
     if method == "exact":
         out.update(pass_equivalents=exact_passes, est_seconds=per_cost * total)
     else:
@@ -252,6 +293,67 @@ def verified_mask(result: PatchResult) -> Tensor:
     return torch.tensor(result.meta["verified"], dtype=torch.bool)
 
 
+# --- method="auto": exact when affordable, else screen then verify ------------------------------
+
+
+def _auto_choice(model: Any, seq: int, site: str, positions: str) -> dict[str, Any]:
+    """What ``method="auto"`` runs for this model and sweep shape, and why."""
+    f = hooks.facts(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    cost = costs.exact_flops_per_token(n_params, f.n_layers, f.n_heads_at(site),
+                                       seq if positions == "each" else 1)
+    return dict(chose=costs.auto_method(cost), exact_flops_per_token=cost,
+                threshold=costs.AUTO_EXACT_MAX_FLOPS_PER_TOKEN, n_params=n_params)
+
+
+def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
+    """The ``k`` cells of largest ``|effect|`` (a ``values``-shaped tensor), largest first."""
+    flat = torch.topk(effect.abs().flatten(), min(k, effect.numel())).indices
+    return [tuple(int(i) for i in torch.unravel_index(j, effect.shape)) for j in flat]
+
+
+def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direction: str,
+          positions: str, site: str, batch_size: int | None, checkpoint: str | Path | None,
+          progress: bool, top_k: int, meta: dict) -> PatchResult:
+    """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus an
+    attribution screen (4 pass-equivalents per prompt) so the result says how well screening
+    would have done: ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells
+    (by ``|value - baseline|``) among the screen's top k, ``k = min(top_k, cells / 2)``.
+    Above it: ``attribution_plus_exact``
+    (AtP* where supported), whose verified cells are listed in ``meta["auto"]["verified"]``;
+    no recall (exact values exist for the verified cells only)."""
+    info = _auto_choice(model, clean.shape[1], site, positions)
+    atp_star = site in attribution.ATP_STAR_SITES
+    n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
+        clean.shape[1] if positions == "each" else 1)
+    k = min(top_k, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
+    if info["chose"] == "exact":
+        sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
+        res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
+        screen = attribution.attribution_patch_heads(
+            model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+            atp_star=atp_star, batch_size=batch_size, progress=False)
+        base = res.corrupt if direction == "denoise" else res.clean
+        exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
+        info["screening"] = dict(
+            k=k, estimator="AtP*" if atp_star else "AtP",
+            recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+            exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
+        info["verified"] = "all"
+    else:
+        res = attribution_plus_exact(
+            model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+            top_k=top_k, atp_star=True, batch_size=batch_size, progress=progress)
+        res.meta.update({k_: v for k_, v in meta.items() if v is not None})
+        info["verified"] = [list(c) for c in res.meta["verified_cells"]]
+        info["screening"] = dict(k=int(res.meta.get("top_k", k)), recall=None,
+                                 estimator="AtP*" if atp_star else "AtP")
+    if pm.note:
+        res.meta["metric_note"] = pm.note
+    res.meta["auto"] = info
+    return res
+
+
 # --- checks and orchestration --------------------------------------------------------------------
 
 
@@ -271,16 +373,6 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     return clean, corrupt, pm
 
 
-def _sorted_and_planned(clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-                        rows: int) -> tuple[Tensor, Tensor, PromptMetric, Tensor | None, Sweep]:
-    """Prompts sorted by length (``length_order``) and the sweep planned for them; returns the
-    sorted inputs, the order (None: unchanged) and the planned sweep."""
-    order, lengths = length_order(metric)
-    if order is not None:
-        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
-    return clean, corrupt, metric, order, plan(sweep, rows, lengths)
-
-
 def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
     from circuitkit.patching.sweep import bytes_per_row
 
@@ -288,9 +380,9 @@ def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
 
 
 def _available(model: Any) -> int:
-    from circuitkit.patching.sweep import available_bytes
+    from circuitkit.patching.sweep import available_bytes, model_devices
 
-    return available_bytes(next(model.parameters()).device)
+    return available_bytes(model_devices(model))
 
 
 def versions() -> dict[str, str]:
@@ -313,21 +405,35 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
     identity = sweep_identity(model, sweep, clean, corrupt, metric)
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
     rows = batch_size or auto_rows(model, sweep.seq)
-    clean, corrupt, metric, order, sweep = _sorted_and_planned(clean, corrupt, metric, sweep,
-                                                               rows)
+    order, lengths = length_order(metric)
+    if order is not None:
+        clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
+    stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
+    engine, sweep, rows, first, backoffs = _fit_rows(model, clean, corrupt, metric, sweep, rows,
+                                                     lengths, stored)
+    if world > 1 and stored is None:  # every rank must cut the sweep into the same chunks
+        agreed = distributed.agreed_min(rows)
+        if agreed < rows:
+            rows, first = agreed, {}
+            sweep = engine.sweep = plan(sweep, rows, lengths)
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
-        sweep = replace(sweep, chunks=ckpt.chunks)  # a resumed sweep keeps its chunk plan
+        sweep = engine.sweep = replace(sweep, chunks=ckpt.chunks)  # a resume keeps its plan
     try:
         done: dict[int, Tensor] = ckpt.load_done() if ckpt else {}
-        engine = ExactEngine(model, clean, corrupt, metric, sweep, rows=rows)
         mine = [c for c in range(len(sweep.chunks)) if c % world == rank and c not in done]
+        first = {c: t for c, t in first.items() if c in mine}  # the probe's chunk, if ours
+        if ckpt is not None:
+            for cid, t in first.items():
+                ckpt.save_chunk(cid, t)
         if ckpt is not None and done and progress and rank == 0:
             print(f"resumed {len(done)} of {len(sweep.chunks)} chunks from {ckpt.path}",
                   file=sys.stderr)
-        computed = _compute(engine, sweep, mine, ckpt, identity, progress and rank == 0,
-                            n_done=len(done))
+        splits = [0]
+        computed = _compute(engine, sweep, [c for c in mine if c not in first], ckpt, identity,
+                            progress and rank == 0, n_done=len(done), splits=splits,
+                            computed=first)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -354,13 +460,86 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
         meta=dict(model=str(getattr(model.cfg, "model_name", "")),
                   model_fingerprint=identity["model"], tokens_hash=identity["tokens"],
                   metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
-                  n_chunks=len(sweep.chunks), world=world,
+                  n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
+                  oom_chunk_splits=splits[0],
                   seconds=time.perf_counter() - t_start, versions=versions(),
                   facts=asdict(hooks.facts(model)), **extra))
 
 
+def _heaviest(sweep: Sweep) -> int:
+    """The chunk needing the most activation memory: most sequences x longest run."""
+    return max(range(len(sweep.chunks)), key=lambda c: (
+        (sweep.chunks[c].v1 - sweep.chunks[c].v0) * (sweep.chunks[c].p1 - sweep.chunks[c].p0)
+        * sweep.run_length(sweep.chunks[c].p0, sweep.chunks[c].p1)))
+
+
+def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+              rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
+              timing: dict[str, float] | None = None
+              ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
+    """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
+    a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
+    Returns (engine, planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed
+    by a checkpoint (``stored``) is kept (no probe: ``_chunk_fitting`` splits a chunk that
+    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe."""
+    backoffs = 0
+    timing = {} if timing is None else timing
+    while True:
+        planned = plan(sweep, rows, lengths)
+        if stored is not None:
+            planned = replace(planned, chunks=stored)
+        oom = None
+        try:
+            t0 = time.perf_counter()
+            engine = ExactEngine(model, clean, corrupt, metric, planned, rows=rows)
+            t1 = time.perf_counter()
+            first = {}
+            if stored is None and planned.chunks:
+                cid = _heaviest(planned)
+                first[cid] = engine.run_chunk(planned.chunks[cid])
+            timing.update(cached=t1 - t0, probe=time.perf_counter() - t1)
+            return engine, planned, rows, first, backoffs
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+            if not is_out_of_memory(e) or rows <= 1:
+                raise
+            oom = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        # (out of the except block: the traceback's frames, holding activations, are gone)
+        engine = None
+        release_cached_memory()
+        backoffs += 1
+        warnings.warn(f"circuitkit: out of memory with {rows} sequences per forward ({oom}); "
+                      f"retrying with {max(1, rows // 2)}.", stacklevel=3)
+        rows = max(1, rows // 2)
+
+
+def _chunk_fitting(engine: ExactEngine, chunk: Chunk, splits: list[int]) -> Tensor:
+    """``engine.run_chunk(chunk)``; on out-of-memory the chunk's variants (then prompts, when
+    the metric has per-prompt values) are halved and each half run the same way. The plan is
+    unchanged, so a checkpoint stays valid; each half computes the same rows."""
+    err = None
+    try:
+        return engine.run_chunk(chunk)
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is split
+        if not is_out_of_memory(e):
+            raise
+        err = e
+    release_cached_memory()
+    c = Chunk(*chunk)
+    splits[0] += 1
+    if c.v1 - c.v0 > 1:
+        m = (c.v0 + c.v1) // 2
+        return torch.cat([_chunk_fitting(engine, c._replace(v1=m), splits),
+                          _chunk_fitting(engine, c._replace(v0=m), splits)], 0)
+    if c.p1 - c.p0 > 1 and engine.sweep.split_prompts:
+        m = (c.p0 + c.p1) // 2
+        return torch.cat([_chunk_fitting(engine, c._replace(p1=m), splits),
+                          _chunk_fitting(engine, c._replace(p0=m), splits)], 1)
+    raise err
+
+
 def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
-             identity: dict, show: bool, n_done: int) -> dict[int, Tensor]:
+             identity: dict, show: bool, n_done: int, splits: list[int],
+             computed: dict[int, Tensor]) -> dict[int, Tensor]:
     """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
     default folder when the sweep had none) and says how to resume."""
     bar = None
@@ -370,10 +549,10 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
         bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in mine),
                    desc=f"patch {sweep.site} {sweep.direction}", unit="patched-prompt",
                    dynamic_ncols=True, file=sys.stderr)
-    computed: dict[int, Tensor] = {}
+    computed = dict(computed)  # (the memory probe's chunk, already done)
     try:
         for cid in mine:
-            computed[cid] = engine.run_chunk(sweep.chunks[cid])
+            computed[cid] = _chunk_fitting(engine, sweep.chunks[cid], splits)
             if ckpt is not None:
                 ckpt.save_chunk(cid, computed[cid])
             if bar is not None:

@@ -88,6 +88,16 @@ class SweepCheckpoint:
 
     HEADER = "header.json"
 
+    @classmethod
+    def stored_chunks(cls, path: str | Path) -> tuple[Chunk, ...] | None:
+        """The chunk plan a folder's header already fixes (a resume), or None (no header yet).
+        Read before ``open`` so a sweep does not re-plan what a checkpoint has fixed;
+        ``open`` still checks the identity."""
+        header = Path(path) / cls.HEADER
+        if not header.exists():
+            return None
+        return tuple(Chunk(*c) for c in _read_header(header)["chunks"])
+
     def __init__(self, path: Path, identity: dict, chunks: tuple[Chunk, ...], lock: Any):
         self.path, self.identity, self.chunks = path, identity, chunks
         self.key = identity_key(identity)

@@ -101,6 +101,9 @@ class ExactEngine:
                  fast: bool | None = None, rows: int | None = None):
         self.model, self.metric, self.sweep = model, metric, sweep
         self.device = next(model.parameters()).device
+        # A model split over GPUs (n_devices / device_map) holds block l on its own device:
+        # cached tensors for layer l go straight there.
+        self.layer_device = [next(b.parameters()).device for b in model.blocks]
         self.reads = metric.read_positions()
         # Causal model: positions after the last one the metric reads cannot matter. Runs stop
         # there; a per-position patch beyond it is a no-op (its value is the base metric).
@@ -197,12 +200,14 @@ class ExactEngine:
         """Positions prompts ``p0:p1`` need: up to their last read (causal model)."""
         return self.length if self.reads is None else int(self.reads[p0:p1].max()) + 1
 
-    def _span(self, cached: Tensor, p0: int, p1: int, length: int, site: bool = False) -> Tensor:
-        """Prompts ``p0:p1``, positions ``< length`` of a cached activation, on the device.
-        ``site``: it is the swept site's activation (a pattern has two position axes)."""
+    def _span(self, cached: Tensor, p0: int, p1: int, length: int, site: bool = False,
+              layer: int | None = None) -> Tensor:
+        """Prompts ``p0:p1``, positions ``< length`` of a cached activation, on the device of
+        block ``layer`` (default: the embedding's). ``site``: it is the swept site's activation
+        (a pattern has two position axes)."""
         t = cached[p0:p1]
         t = t[:, :, :length, :length] if site and self.sweep.site == "pattern" else t[:, :length]
-        return t.to(self.device)
+        return t.to(self.device if layer is None else self.layer_device[layer])
 
     def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int],
                      length: int) -> Tensor:
@@ -239,18 +244,19 @@ class ExactEngine:
         position; mlp_out: the base output.
         """
         sw, n_v = self.sweep, len(variants)
-        src = self._span(self.src[layer], p0, p1, length, site=True)
+        src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
         if sw.site != "z":
-            out = self._span(self.attn_base[layer], p0, p1, length).repeat(n_v, 1, 1)
+            out = self._span(self.attn_base[layer], p0, p1, length, layer=layer).repeat(n_v, 1, 1)
             return self._write_patch(out, src, variants, length) if sw.site == "attn_out" else out
-        z_base = self._span(self.site_base[layer], p0, p1, length, site=True)  # [n_p, pos, h, d]
+        z_base = self._span(self.site_base[layer], p0, p1, length, site=True,
+                            layer=layer)  # [n_p, pos, h, d]
         out = self.model.blocks[layer].attn.o(z_base.flatten(-2).contiguous()).repeat(n_v, 1, 1)
         dz = src - z_base
         W_O = self.W_O[layer]  # [head, d_head, d_model]
         view = out.view(n_v, p1 - p0, *out.shape[1:])
         cells = [sw.variant(v) for v in variants]
         if sw.positions == "all":
-            heads = torch.tensor([h for h, _ in cells], device=self.device)
+            heads = torch.tensor([h for h, _ in cells], device=W_O.device)
             view += einops.einsum(dz[:, :, heads], W_O[heads],
                                   "b pos v dh, v dh dm -> v b pos dm")
         else:
@@ -273,8 +279,9 @@ class ExactEngine:
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
         n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
-        x = self._span(self.resid[layer], p0, p1, length).repeat(n_v, 1, 1)  # variant-major rows
-        src = self._span(self.src[layer], p0, p1, length, site=True)
+        x = self._span(self.resid[layer], p0, p1, length,
+                       layer=layer).repeat(n_v, 1, 1)  # variant-major rows
+        src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
         block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
         forwards = shortcuts.skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
@@ -282,8 +289,9 @@ class ExactEngine:
             attn = self._attn_output(layer, variants, p0, p1, length)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
             if sw.site == "mlp_out":
-                mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, length)
-                                        .repeat(n_v, 1, 1), src, variants, length)
+                mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, length,
+                                                   layer=layer).repeat(n_v, 1, 1),
+                                        src, variants, length)
                 forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
         elif sw.kind == "layers" and sw.site == "resid_pre":
             self._write_patch(x, src, variants, length)  # the patch *is* the restart point

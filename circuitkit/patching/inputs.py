@@ -13,7 +13,9 @@ from torch import Tensor
 
 DIRECTIONS = ("denoise", "noise")
 POSITIONS = ("all", "each")
-METHODS = ("exact", "attribution", "attribution+exact")
+# "auto": exact below a cost threshold, else attribution+exact (``patching.plan.auto_method``).
+METHODS = ("exact", "attribution", "attribution+exact", "auto")
+BACKENDS = ("transformer_lens", "nnsight")
 
 
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -119,13 +119,15 @@ def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
 
 
 def take_rows(x: Tensor, idx: Int[Tensor, "rows k"]) -> Tensor:
-    """Positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``."""
-    return x.gather(1, _index(idx, x.shape[-1]))
+    """Positions ``idx[b]`` of each row: ``[rows, seq, d] -> [rows, k, d]``. (``idx`` follows
+    ``x`` to its device: a model split over GPUs unembeds on another GPU than it embeds.)"""
+    return x.gather(1, _index(idx.to(x.device), x.shape[-1]))
 
 
 def put_rows(y: Tensor, idx: Int[Tensor, "rows k"], seq: int) -> Tensor:
     """Inverse of ``take_rows``: ``[rows, k, d] -> [rows, seq, d]``, zeros elsewhere."""
-    return y.new_zeros(y.shape[0], seq, y.shape[-1]).scatter_(1, _index(idx, y.shape[-1]), y)
+    return y.new_zeros(y.shape[0], seq, y.shape[-1]).scatter_(
+        1, _index(idx.to(y.device), y.shape[-1]), y)
 
 
 def gather_rows(idx: Int[Tensor, "rows k"]):
@@ -187,7 +189,8 @@ def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
         key = attn.k(x).view(n, seq, -1, d_head).transpose(1, 2)
         key, _ = apply_rotary_pos_emb(key, key, cos, sin)
         value = attn.v(x).view(n, seq, -1, d_head).transpose(1, 2)
-        visible = torch.arange(seq, device=x.device) <= idx[:, None, :, None]  # [n, 1, k, seq]
+        visible = (torch.arange(seq, device=x.device)
+                   <= idx.to(x.device)[:, None, :, None])  # [n, 1, k, seq]
         z = torch.nn.functional.scaled_dot_product_attention(
             q, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=visible, scale=scale)
         return _as_output(put_rows(attn.o(z.transpose(1, 2).reshape(n, k, -1)), idx, seq),

@@ -142,20 +142,42 @@ def length_order(metric: PromptMetric) -> tuple[Tensor | None, list[int] | None]
 # --- memory sizing ----------------------------------------------------------------------------
 
 
+def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int,
+              elem: int) -> int:
+    """Rough peak bytes of one sequence of ``seq`` tokens in a no-grad forward, ``elem`` bytes
+    per element: one block's activations (``8 d_model + 3 d_mlp`` per token), its attention
+    scores/probabilities (``3 n_heads seq``) and the logits (``3 d_vocab``), times 1.5 for
+    allocator slack and hook copies. The one formula behind ``bytes_per_row`` (a loaded model)
+    and ``patching.plan`` (a config, no weights)."""
+    per_tok = 8 * d_model + 3 * d_mlp + 3 * n_heads * seq + 3 * d_vocab
+    return int(elem * seq * per_tok * 1.5)
+
+
 def bytes_per_row(model: Any, seq: int) -> int:
-    """Rough peak bytes of one sequence in a no-grad forward (activations of one block + logits)."""
+    """``row_bytes`` of a loaded model at its weights' element size."""
     f = hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
     elem = next(model.parameters()).element_size()
-    per_tok = 8 * f.d_model + 3 * d_mlp + 3 * f.n_heads * seq + 3 * f.d_vocab
-    return int(elem * seq * per_tok * 1.5)  # 1.5: allocator slack, hook copies
+    return row_bytes(f.d_model, d_mlp, f.n_heads, f.d_vocab, seq, elem)
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free memory usable by activations: a share of free GPU memory or of available RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.7)
+def model_devices(model: Any) -> list[torch.device]:
+    """The devices a model's parameters live on, in first-use order (several when it is split
+    across GPUs with ``n_devices`` / ``device_map``)."""
+    seen: dict[torch.device, None] = {}
+    for p in model.parameters():
+        seen.setdefault(p.device, None)
+    return list(seen)
+
+
+def available_bytes(device: torch.device | list[torch.device]) -> int:
+    """Free memory usable by activations: a share of free GPU memory (the smallest over the
+    GPUs a split model uses: a forward's activations pass through each of them) or of the
+    available RAM."""
+    devices = device if isinstance(device, list) else [device]
+    gpus = [d for d in devices if d.type == "cuda"]
+    if gpus:
+        return int(min(torch.cuda.mem_get_info(d)[0] for d in gpus) * 0.7)
     import psutil
 
     return int(psutil.virtual_memory().available * 0.4)
@@ -163,5 +185,20 @@ def available_bytes(device: torch.device) -> int:
 
 def auto_rows(model: Any, seq: int) -> int:
     """Sequences per forward that fit the free memory (at most ``MAX_ROWS``)."""
-    device = next(model.parameters()).device
-    return max(1, min(MAX_ROWS, available_bytes(device) // bytes_per_row(model, seq)))
+    return max(1, min(MAX_ROWS, available_bytes(model_devices(model)) // bytes_per_row(model, seq)))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an accelerator (or allocator) out-of-memory error."""
+    oom = getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(error, oom)) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+def release_cached_memory() -> None:
+    """Give the allocator's cached blocks back after an out-of-memory error (GPU only)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

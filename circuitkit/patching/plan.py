@@ -1,0 +1,213 @@
+"""What a head sweep will cost, from the architecture alone (no weights): ``sweep_plan``.
+
+``circuitkit patch --plan`` uses it when the weights are not on this machine (a 70B model is
+planned before 141 GB are downloaded); with weights present the CLI measures a one-chunk probe
+instead (``api.plan_patch``). Every figure is a formula of the config and the prompts' token
+counts, stated here so the numbers can be checked by hand:
+
+* **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
+  Exact: the engine's chunk plan (``sweep.plan``, same rows and length buckets as a real run),
+  each chunk costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``, plus
+  2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt. Attribution then
+  exact: 4 per prompt + ``top_k`` cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2
+  per prompt (the exact engine's cached runs).
+* **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
+  (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
+  AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
+* **weights**: ``N x`` bytes per element (bf16: 2).
+* **GPUs**: the fewest of the chosen class whose memory holds the weights within
+  ``WEIGHT_SHARE`` of each GPU and leaves room for one sequence of activations per GPU.
+* **activations**: exact, per forward: ``rows x sweep.row_bytes`` (one block + logits);
+  ``rows`` = what ``ACTIVATION_SHARE`` of a GPU's memory left beside its share of the weights
+  holds (at most ``sweep.MAX_ROWS``). Attribution, per prompt: every layer's saved tensors for
+  the backward, ``seq x L x (12 d + 4 d_mlp + 2 H seq)`` elements, spread over the GPUs.
+  Host RAM: the exact engine caches ``resid_pre`` and the site's base and source activations
+  of every layer on the CPU (``engine.ExactEngine``).
+* **time**: FLOPs / (bf16 dense peak x ``utilisation``) / replicas. A model split over the GPUs
+  of one replica by layers runs one GPU at a time, so a replica computes at one GPU's rate.
+
+Token counts come from the model's tokenizer when it is on this machine, else from the prompt
+text at ``CHARS_PER_TOKEN`` characters per token (``tasks.text.token_counts``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from circuitkit.patching.sweep import MAX_ROWS, Sweep, plan, row_bytes
+
+
+@dataclass(frozen=True)
+class GPUClass:
+    name: str
+    memory_bytes: float
+    bf16_dense_flops: float  # peak, dense (no sparsity), FLOP/s
+
+
+# Vendor datasheet figures (SXM parts): bf16 tensor-core dense peak, memory.
+GPU_CLASSES = {
+    "H100": GPUClass("H100 SXM 80 GB", 80e9, 989e12),
+    "H200": GPUClass("H200 SXM 141 GB", 141e9, 989e12),
+    "A100": GPUClass("A100 SXM 80 GB", 80e9, 312e12),
+}
+UTILISATION = 0.4  # share of peak a patching forward reaches (memory-bound pieces, small batches)
+WEIGHT_SHARE = 0.9  # of each GPU's memory: the rest is the CUDA context and allocator slack
+ACTIVATION_SHARE = 0.7  # of what is left beside the weights (as sweep.available_bytes)
+# `--method auto`: exact when the exact sweep costs at most this many FLOPs per prompt token
+# (2 x parameters x exact pass-equivalents per prompt): every head of an 8B model at all
+# positions (~8.4e12) runs exact; Llama-3-70B (~3.7e14) or per-position sweeps of billion-
+# parameter models screen by attribution and verify the top cells exactly.
+AUTO_EXACT_MAX_FLOPS_PER_TOKEN = 5e13
+
+
+def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int) -> float:
+    """``2 x n_params x`` the exact sweep's pass-equivalents per prompt (``n_units x n_pos``
+    patches per layer, each running ``(L - l) / L`` of the model: ``(L + 1) / 2`` on average)."""
+    return 2.0 * n_params * n_units * n_pos * (n_layers + 1) / 2
+
+
+def auto_method(flops_per_token: float) -> str:
+    """``"exact"`` at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else ``"attribution+exact"``."""
+    return "exact" if flops_per_token <= AUTO_EXACT_MAX_FLOPS_PER_TOKEN else "attribution+exact"
+
+
+def flops_per_pass(arch: Any, seq: int) -> float:
+    """Forward FLOPs of one prompt of ``seq`` tokens (module docstring)."""
+    weights = arch.n_params - arch.d_vocab * arch.d_model
+    return seq * (2.0 * weights + 2.0 * arch.n_layers * arch.n_heads * arch.d_head * seq)
+
+
+def gpus_needed(weights_bytes: float, gpu: GPUClass, one_row_bytes: float) -> int:
+    """Fewest GPUs holding the weights (``WEIGHT_SHARE`` of each) plus one row of activations."""
+    n = max(1, math.ceil(weights_bytes / (gpu.memory_bytes * WEIGHT_SHARE)))
+    while (gpu.memory_bytes - weights_bytes / n) * ACTIVATION_SHARE < one_row_bytes:
+        n += 1
+    return n
+
+
+def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str = "all",
+               direction: str = "denoise", top_k: int = 20, gpu: str = "H100",
+               utilisation: float = UTILISATION, dtype_bytes: int = 2, replicas: int = 1,
+               n_gpus: int | None = None) -> dict[str, Any]:
+    """Cost of a head sweep of ``arch`` (``models.Architecture``) over prompts of ``lengths``
+    tokens, per method, on ``gpu`` (a key of ``GPU_CLASSES``) at ``dtype_bytes`` per element.
+
+    ``n_gpus``: GPUs per replica (default: the fewest that hold the model, ``gpus_needed``);
+    ``replicas``: model copies sharing the work (``torchrun``, ``--gpus-per-replica``).
+    Returns a dict: the inputs, ``weights_bytes``, ``n_gpus``, ``gpu``, ``auto`` (the method
+    ``--method auto`` picks) and ``methods``: ``{name: {pass_equivalents, flops,
+    activation_bytes, rows, n_chunks, seconds, ...}}`` for "exact", "attribution" and
+    "attribution+exact". Formulas: module docstring.
+    """
+    if gpu not in GPU_CLASSES:
+        raise ValueError(f"gpu={gpu!r} is not a known GPU class; expected one of "
+                         f"{sorted(GPU_CLASSES)}.")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
+                         f"{lengths[:8]}.")
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"utilisation={utilisation!r}: expected a share of peak in (0, 1].")
+    g = GPU_CLASSES[gpu]
+    lengths = sorted(int(x) for x in lengths)
+    n, seq, L = len(lengths), lengths[-1], arch.n_layers
+    n_units = arch.n_kv_heads if site in ("k", "v") else arch.n_heads
+    n_pos = seq if positions == "each" else 1
+    weights = arch.n_params * dtype_bytes
+    one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
+    n_gpus = n_gpus or gpus_needed(weights, g, one_row)
+    budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE  # per GPU
+    rows = int(max(1, min(MAX_ROWS, budget // one_row)))
+    sweep = plan(Sweep("heads", site, direction, positions, L, n_units, n_pos, n, seq, True),
+                 rows, lengths)
+    per_pass = flops_per_pass(arch, seq)
+    rate = g.bf16_dense_flops * utilisation * replicas
+
+    def cost(passes: float, **extra: Any) -> dict[str, Any]:
+        return dict(pass_equivalents=passes, flops=passes * per_pass,
+                    seconds=passes * per_pass / rate, **extra)
+
+    token_blocks = sum(sweep.chunk_cost(c) for c in sweep.chunks)
+    exact = cost(token_blocks / (L * seq) + 2 * n, rows=min(rows, n_units * n_pos * n),
+                 n_chunks=len(sweep.chunks),
+                 activation_bytes=min(rows, n_units * n_pos * n) * one_row)
+    # saved tensors of every layer for the backward, per prompt, spread over the GPUs
+    saved = (dtype_bytes * seq * L
+             * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * seq)) / n_gpus
+    att_rows = int(max(1, min(n, budget // (saved + one_row))))
+    att = cost(4.0 * n, rows=att_rows, n_chunks=math.ceil(n / att_rows),
+               activation_bytes=att_rows * (saved + one_row))
+    cells = min(top_k, L * n_units * n_pos)
+    hybrid = cost(4.0 * n + cells * n * (L + 1) / (2 * L) + 2 * n, rows=att_rows,
+                  n_chunks=att["n_chunks"] + math.ceil(cells * n / rows),
+                  activation_bytes=att["activation_bytes"], verified_cells=cells)
+    # host RAM of the exact engine's caches: resid_pre + the site's base and source, per layer
+    site_elems = {"z": 2 * arch.n_heads * arch.d_head, "q": 2 * arch.n_heads * arch.d_head,
+                  "k": 2 * arch.n_kv_heads * arch.d_head, "v": 2 * arch.n_kv_heads * arch.d_head,
+                  "pattern": 2 * arch.n_heads * seq}[site]
+    host = dtype_bytes * L * sum(lengths) * (arch.d_model + site_elems)
+    flops_tok = exact_flops_per_token(arch.n_params, L, n_units, n_pos)
+    return dict(
+        model=arch.name, n_params=arch.n_params, n_layers=L, n_units=n_units, n_pos=n_pos,
+        n_cells=L * n_units * n_pos, n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n,
+        site=site, positions=positions, direction=direction, top_k=top_k,
+        dtype_bytes=dtype_bytes, weights_bytes=weights, gpu=g.name, gpu_key=gpu,
+        gpu_memory_bytes=g.memory_bytes, peak_flops=g.bf16_dense_flops,
+        utilisation=utilisation, n_gpus=n_gpus, replicas=replicas,
+        activation_budget_bytes=budget, host_cache_bytes=host,
+        exact_flops_per_token=flops_tok, auto=auto_method(flops_tok),
+        methods={"exact": exact, "attribution": att, "attribution+exact": hybrid})
+
+
+def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
+    """The ``--plan`` text of a ``sweep_plan`` dict (no weights)."""
+    gb = 1e9
+    cells = f"{p['n_layers']} layers x {p['n_units']} heads" + (
+        f" x {p['n_pos']} positions" if p["n_pos"] > 1 else "")
+    lines = [
+        f"model        {p['model']} ({p['n_params'] / 1e9:.2f} B parameters; planned from its "
+        "config, no weights on this machine)",
+        f"sweep        {cells} = {p['n_cells']:,} cells, site {p['site']}, {p['direction']}",
+        f"prompts      {p['n_prompts']} of up to {p['seq']} tokens (mean {p['mean_tokens']:.1f})"
+        + (f"; {tokens_from}" if tokens_from else ""),
+        f"weights      {p['weights_bytes'] / gb:,.1f} GB ({p['dtype_bytes'] * 8}-bit: "
+        f"{p['n_params']:,} x {p['dtype_bytes']} bytes)",
+        f"GPUs         {p['n_gpus']} x {p['gpu']} per replica "
+        f"({p['weights_bytes'] / p['n_gpus'] / gb:,.1f} GB of weights each, "
+        f"{p['activation_budget_bytes'] / gb:,.1f} GB each for activations)"
+        + (f"; {p['replicas']} replicas" if p["replicas"] > 1 else ""),
+        f"host RAM     {p['host_cache_bytes'] / gb:,.1f} GB for the exact engine's cached "
+        "activations (CPU)",
+        f"time basis   bf16 dense peak {p['peak_flops'] / 1e12:,.0f} TFLOP/s x "
+        f"{p['utilisation']:.0%} utilisation"
+        + (f" x {p['replicas']} replicas" if p["replicas"] > 1 else " (one replica: a model "
+           "split by layers computes on one GPU at a time)"),
+        "",
+        f"{'method':<22}{'pass-equiv.':>13}{'PFLOP':>11}{'activations':>14}{'chunk':>8}"
+        f"{'chunks':>9}{'time':>11}",
+    ]
+    for name, m in p["methods"].items():
+        label = name if name != "attribution+exact" else f"attribution+exact@{m['verified_cells']}"
+        unit = "rows" if name == "exact" else "prompts"
+        lines.append(
+            f"{label:<22}{m['pass_equivalents']:>13,.0f}{m['flops'] / 1e15:>11,.1f}"
+            f"{m['activation_bytes'] / gb:>11,.1f} GB{m['rows']:>8}{m['n_chunks']:>9,}"
+            f"{_duration(m['seconds']):>11}" + (f"  ({unit} per forward)" if name == "exact"
+                                                  else ""))
+    lines += [
+        "",
+        f"--method auto picks {p['auto']} (exact sweep: {p['exact_flops_per_token']:.2g} FLOPs per "
+        f"prompt token; exact at or below {AUTO_EXACT_MAX_FLOPS_PER_TOKEN:.0e})",
+        "pass-equivalent: one prompt through the whole model (a backward counts 2); "
+        "attribution's chunk is prompts per backward",
+    ]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"

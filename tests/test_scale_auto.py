@@ -1,0 +1,90 @@
+"""method="auto": exact below the cost threshold (with the screening recall it would have had),
+attribution then exact above it (which cells were verified), on a tiny 8:1 GQA Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _scale import TINY_GQA8, induction
+from typer.testing import CliRunner
+
+import circuitkit as ck
+from circuitkit.cli import app
+from circuitkit.patching import api
+from circuitkit.patching import plan as P
+from circuitkit.patching.attribution import attribution_patch_heads
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ck.load_model(dict(TINY_GQA8, seed=1))
+
+
+@pytest.fixture(scope="module")
+def task():
+    return induction(n=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def exact(model, task):
+    return ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                          progress=False)
+
+
+def topk(effect: torch.Tensor, k: int) -> set[tuple[int, int]]:
+    flat = effect.abs().flatten().topk(k).indices
+    return {(int(i) // effect.shape[1], int(i) % effect.shape[1]) for i in flat}
+
+
+def test_small_model_runs_exact_and_reports_screening_recall(model, task, exact):
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                         method="auto", top_k=5, progress=False)
+    auto = res.meta["auto"]
+    n_params = sum(p.numel() for p in model.parameters())
+    assert auto["chose"] == "exact" and res.method == "exact"
+    assert auto["exact_flops_per_token"] == pytest.approx(2 * n_params * 16 * (2 + 1) / 2)
+    assert torch.equal(res.values, exact.values)
+    # recall by hand: the exact top 5 against an AtP* screen's top 5
+    screen = attribution_patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                                     atp_star=True, progress=False)
+    want = topk(exact.values - exact.corrupt, 5)
+    got = topk(screen.values - exact.corrupt, 5)
+    sc = auto["screening"]
+    assert sc["k"] == 5 and sc["estimator"] == "AtP*"
+    assert {tuple(c) for c in sc["exact_top"]} == want
+    assert {tuple(c) for c in sc["screen_top"]} == got
+    assert sc["recall"] == len(want & got) / 5
+    assert auto["verified"] == "all"
+
+
+def test_above_the_threshold_screens_then_verifies(model, task, exact, monkeypatch):
+    monkeypatch.setattr(P, "AUTO_EXACT_MAX_FLOPS_PER_TOKEN", 0.0)  # as if it were 70B
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                         method="auto", top_k=6, progress=False)
+    auto = res.meta["auto"]
+    assert auto["chose"] == "attribution+exact" and res.method == "attribution+exact"
+    cells = [tuple(c) for c in auto["verified"]]
+    assert len(cells) == 6 and auto["screening"]["recall"] is None
+    mask = api.verified_mask(res)
+    assert int(mask.sum()) == 6 and all(mask[c] for c in cells)
+    for c in cells:  # a verified cell holds the exact value
+        assert res.values[c] == pytest.approx(float(exact.values[c]), abs=1e-5)
+    # the verified cells are the screen's top 6 by |estimate - corrupt|
+    est = torch.tensor(res.meta["attribution_values"])
+    assert set(cells) == topk(est - res.corrupt, 6)
+
+
+def test_layer_sites_take_auto_as_exact(model, task):
+    res = ck.patch_layers(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                          method="auto", progress=False)
+    assert res.method == "exact" and res.values.shape == (2, task.clean_tokens.shape[1])
+
+
+def test_cli_default_is_auto_and_says_what_it_chose(tmp_path):
+    r = CliRunner().invoke(app, ["patch", "--model", "induction-2l", "--task", "induction",
+                                 "-n", "4", "--top-k", "3", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "method auto: exact" in r.output and "of the exact top 3" in r.output
+    saved = ck.PatchResult.load(tmp_path / "o")
+    assert saved.meta["auto"]["chose"] == "exact"
+    assert 0.0 <= saved.meta["auto"]["screening"]["recall"] <= 1.0
