@@ -225,11 +225,11 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
             step += 1
             elapsed = time.perf_counter() - t0
             if step % 25 == 0 or step == cfg.steps:
-                history.append([step] + [round(float(terms[k]), 5)
+                history.append([step] + [round(float(terms[k].detach()), 5)
                                          for k in ("total", "cot", "p1", "p2", "ns")]
                                + [round(elapsed, 1)])
-                bar.set_postfix(cot=f"{float(terms['cot']):.3f}", p1=f"{float(terms['p1']):.3f}",
-                                p2=f"{float(terms['p2']):.3f}")
+                bar.set_postfix({k: f"{float(terms[k].detach()):.3f}"
+                                 for k in ("cot", "p1", "p2", "ns")})
             bar.update(1)
             if step % cfg.save_every == 0 and step < cfg.steps:
                 checkpoint()
