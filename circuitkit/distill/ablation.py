@@ -57,8 +57,9 @@ VARIANTS: dict[str, dict[str, float]] = {
 METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match", "las",
            "sharpness", "anchor_alignment", "loopback", "margin_widening")
 SIZES: dict[str, dict[str, Any]] = {
-    # steps x batch: 700 x 64 = 45k CoT rows seen (5.5 passes over the 8192-note pool)
-    "default": dict(pool_size=8192, shard_size=1024, steps=700, batch_size=64, warmup=50,
+    # 1000 steps x 64 rows = 64k CoT rows seen (4 passes over the 16384-note pool); timed
+    # at ~0.13-0.17 s per step on 2 cores: 15 runs fit in ~40-50 min (docs/distill.md)
+    "default": dict(pool_size=16384, shard_size=1024, steps=1000, batch_size=64, warmup=50,
                     save_every=100, score_examples=256, eval_examples=512, sim_examples=512,
                     sim_pretrain_examples=8192, fidelity_examples=256),
     "quick": dict(pool_size=64, shard_size=32, steps=8, batch_size=16, warmup=2,
