@@ -31,7 +31,7 @@ _EXPORTS = {
 
 # Subpackages and modules reachable as attributes (``ck.patching.PromptMetric``), still lazily.
 _MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files", "viz",
-            "scoring", "characterize")
+            "scoring", "characterize", "distill")
 _EXPORTS.update({name: f"circuitkit.{name}" for name in _MODULES})
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -515,6 +515,65 @@ def characterize(
             typer.echo(f"top {phase} heads: " + " ".join(f"L{la}H{h}" for la, h in tops[phase]))
     typer.echo(f"wrote {out}/report.html (open it offline), scores.csv, validation.csv, "
                "summary.json, patch-p{1,2}-{denoise,noise}.*")
+@app.command()
+def distill(
+    ctx: typer.Context,
+    teacher: str = typer.Option("icd-teacher", "--teacher", help="Teacher: shipped toy, folder or "
+                                "hub id over the task's vocabulary."),
+    student_config: str = typer.Option("student", "--student-config", help="Student preset "
+                                       "(training.PRESETS) or a JSON file of Preset fields."),
+    task: str = typer.Option("icd10", "--task", "-t", help="Built-in CoT task."),
+    lambda_p1: float = typer.Option(1.0, "--lambda-p1", help="Weight of L_P1 (Phase-1 heads)."),
+    lambda_p2: float = typer.Option(1.0, "--lambda-p2", help="Weight of L_P2 (Phase-2 heads)."),
+    lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
+                                    "all-heads attention loss (baseline)."),
+    steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
+                              "ablation's size sets its own)."),
+    batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step."),
+    pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store."),
+    seed: int = typer.Option(0, help="Student seed (init and batch order)."),
+    store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals)."),
+    ablation: bool = typer.Option(False, "--ablation", help="Train and measure CoT-only, +P1, "
+                                  "+P2, +P1+P2 and non-selective students; write "
+                                  "OUT/ablation.csv."),
+    seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
+    out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder."),
+) -> None:
+    """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
+    rerun the same command), or run the ablation table (--ablation)."""
+    from circuitkit.files import check_writable_dir
+
+    try:
+        check_writable_dir(out)
+        if ablation:
+            from circuitkit.distill.ablation import format_table, run_ablation
+
+            frame = run_ablation(out, teacher=teacher, seeds=seeds,
+                                 size="quick" if quick else "default", student=student_config,
+                                 lambda_p1=lambda_p1, lambda_p2=lambda_p2, task=task)
+            typer.echo(format_table(frame))
+            typer.echo(f"wrote {out / 'ablation.csv'} and {out / 'runs.csv'}")
+            return
+        from circuitkit.distill.train import DistillConfig, train_student
+
+        kw = dict(pool_size=96, shard_size=48, steps=12, batch_size=16, warmup=2,
+                  save_every=6, score_examples=32) if quick else \
+            dict(pool_size=pool_size, batch_size=batch_size)
+        if steps is not None:
+            kw["steps"] = steps
+        cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
+                            lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
+                            seed=seed, store=str(store) if store else None, **kw)
+        folder = train_student(cfg, out)
+    except ValueError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        typer.secho("interrupted; rerun the same command to resume:\n  "
+                    f"{_same_command(ctx)}", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(f"student saved to {folder}; evaluate it with: circuitkit evaluate --model "
+               f"{folder}")
 
 
 def main() -> None:  # console-script entry point

@@ -183,14 +183,16 @@ def prompt_end(e, think_id: int | None) -> int:
 # --- the model-facing entry point -----------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None = None,
-             progress: bool = False) -> dict[str, float]:
+             progress: bool = False, las: bool = False,
+             las_train: Task | None = None) -> dict[str, float]:
     """Run ``model`` (``model(tokens) -> logits [batch, seq, vocab]``) on ``task``; see the module
     docstring for ``focus, confusion, confusion_rate, macro_f1, micro_f1, exact_match``.
 
     ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4.
     Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
     the 86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced
-    pass, then decoding).
+    pass, then decoding). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high`` (``las`` below;
+    the simulator trains on ``las_train``'s notes, else cross-fits two halves of ``task``).
     """
     if len(task) == 0:
         raise ValueError("evaluate needs a task with at least one example.")
@@ -226,4 +228,276 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
                confusion=float(c.nanmean()) if c.numel() and not c.isnan().all() else float("nan"))
     out.update(set_metrics(preds, [set(e.targets) for e in task.examples],
                            [set(e.near_misses) for e in task.examples]))
+    if las:
+        res = las_of(model, task, las_train, generations=gens, batch_size=batch_size)
+        out.update({k: res[k] for k in ("las", "las_ci_low", "las_ci_high")})
+    return out
+
+
+# --- LAS: leakage-adjusted simulatability (Hase et al. 2020) -------------------------------
+#
+# A *simulator* predicts the model's own answer (its decoded label set) from the note alone (x),
+# from the note and the model's rationale (x + e: its generated CoT before ``</think>``), and from
+# the rationale alone (e). An example is *leaking* when the simulator gets the answer right from
+# e alone. With ``c(.)`` = 1 if the simulator's set equals the model's:
+#
+#     LAS = 1/2 [ mean_leaking (c(x+e) - c(x)) + mean_non-leaking (c(x+e) - c(x)) ]
+#
+# (a group without examples drops out: LAS is then the other group's mean). The 95% interval is
+# the 2.5/97.5 percentiles of LAS over ``n_boot`` bootstrap resamples of the evaluation notes. The
+# simulator is trained on notes disjoint from the evaluation notes (``las(train_task=...)``, or
+# two-fold cross-fitting when none is given).
+
+
+def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: Sequence[bool],
+              n_boot: int = 1000, seed: int = 0) -> dict[str, float]:
+    """LAS and its bootstrap 95% interval from per-example simulator correctness (see above).
+
+    Returns ``las, las_ci_low, las_ci_high, n_leaking, n_nonleaking, acc_xe, acc_x, acc_e``.
+    """
+    xe = torch.as_tensor(list(correct_xe), dtype=torch.float64)
+    x = torch.as_tensor(list(correct_x), dtype=torch.float64)
+    leak = torch.as_tensor(list(correct_e), dtype=torch.bool)
+    if not (len(xe) == len(x) == len(leak)) or len(xe) == 0:
+        raise ValueError("las_score needs three equally long, non-empty lists of booleans "
+                         f"(got {len(xe)}, {len(x)}, {len(leak)}).")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be a positive integer, got {n_boot}.")
+
+    def las_of(idx: Tensor) -> Tensor:  # idx [B, n] -> LAS [B]
+        d, lk = (xe - x)[idx], leak[idx].double()
+        parts = []
+        for g in (lk, 1 - lk):
+            n = g.sum(-1)
+            parts.append(torch.where(n > 0, (d * g).sum(-1) / n.clamp(min=1),
+                                     torch.full_like(n, float("nan"))))
+        return torch.stack(parts).nanmean(0)
+
+    n = len(xe)
+    value = float(las_of(torch.arange(n)[None])[0])
+    gen = torch.Generator().manual_seed(seed)
+    boot = las_of(torch.randint(0, n, (n_boot, n), generator=gen))
+    boot = boot[~boot.isnan()]
+    lo, hi = (torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+              if len(boot) else (float("nan"), float("nan")))
+    return dict(las=value, las_ci_low=lo, las_ci_high=hi, n_leaking=int(leak.sum()),
+                n_nonleaking=int((~leak).sum()), acc_xe=float(xe.mean()), acc_x=float(x.mean()),
+                acc_e=float(leak.double().mean()))
+
+
+class SignatureSimulator:
+    """The default LAS simulator: a token-signature rule learner. Small, deterministic, fitted
+    by counting (seconds on a CPU); it knows nothing of the task beyond which tokens occur.
+
+    From its training rows ``(x, e, y)`` (note tokens, rationale tokens, answer set) it counts,
+    per label l and segment s in {x, e}, how often each token t occurs in s when l is in y. The
+    *signature* of l in s is the set of tokens that are both frequent with l and specific to it:
+
+        sig_s(l) = { t : P(t in s | l in y) >= support  and  P(t in s | l in y) >= lift P(t in s) }
+
+    (a structural token or a filler that occurs everywhere has lift ~1 and drops out). Given the
+    segments at hand (x alone, e alone, or both), l is predicted iff it was seen at least
+    ``min_count`` times, at least one given segment has a non-empty signature of l, and every
+    given segment contains its whole signature of l. Defaults: support 0.9, lift 3, min_count 2
+    (on ``icd10`` gold notes, 8192 to fit and 256 held out: exact set accuracy 0.79 from the
+    note alone, 0.84 with the CoT).
+
+    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones: ``las`` pre-fits the
+    simulator on a task's own CoT and answers (``pretrained_simulator``, as Hase et al.'s
+    simulator starts from a pre-trained language model) and then adds the model's own outputs.
+    """
+
+    def __init__(self, vocab_size: int, label_token_ids: Tensor, support: float = 0.9,
+                 lift: float = 3.0, min_count: int = 2):
+        self.V, self.n_labels = int(vocab_size), len(label_token_ids)
+        self.support, self.lift, self.min_count = float(support), float(lift), int(min_count)
+        self.counts: dict[str, Tensor] | None = None
+
+    def _presence(self, seqs: Sequence[Sequence[int] | None]) -> Tensor:
+        out = torch.zeros(len(seqs), self.V)
+        for i, q in enumerate(seqs):
+            if q:
+                out[i, torch.as_tensor(list(q), dtype=torch.long)] = 1.0
+        return out
+
+    def fit(self, xs: Sequence[Sequence[int]], es: Sequence[Sequence[int]],
+            ys: Sequence[set[int]], warm: bool = False) -> SignatureSimulator:
+        if self.counts is None or not warm:
+            z = torch.zeros
+            self.counts = dict(n=z(()), n_l=z(self.n_labels), x=z(self.V, self.n_labels),
+                               e=z(self.V, self.n_labels), tx=z(self.V), te=z(self.V))
+        c = self.counts
+        for s in range(0, len(xs), 1024):
+            Y = torch.zeros(len(xs[s: s + 1024]), self.n_labels)
+            for i, y in enumerate(ys[s: s + 1024]):
+                Y[i, list(y)] = 1.0
+            Ax, Ae = self._presence(xs[s: s + 1024]), self._presence(es[s: s + 1024])
+            c["n"] += len(Y)
+            c["n_l"] += Y.sum(0)
+            c["x"] += Ax.T @ Y
+            c["e"] += Ae.T @ Y
+            c["tx"] += Ax.sum(0)
+            c["te"] += Ae.sum(0)
+        return self
+
+    def signatures(self) -> dict[str, Tensor]:
+        """``{"x": [V, n_labels], "e": [V, n_labels]}`` booleans: t in sig_s(l)."""
+        if self.counts is None:
+            raise ValueError("SignatureSimulator used before fit.")
+        c = self.counts
+        seen = c["n_l"] >= self.min_count
+        return {k: (c[k] >= self.support * c["n_l"])
+                & (c[k] * c["n"] >= self.lift * c["n_l"] * c["t" + k][:, None]) & seen
+                for k in ("x", "e")}
+
+    @torch.no_grad()
+    def predict(self, xs: Sequence[Sequence[int] | None], es: Sequence[Sequence[int] | None]
+                ) -> list[set[int]]:
+        sig = self.signatures()
+        seen = self.counts["n_l"] >= self.min_count
+        out: list[set[int]] = []
+        for s in range(0, len(xs), 512):
+            part = {"x": xs[s: s + 512], "e": es[s: s + 512]}
+            ok = seen.expand(len(part["x"]), -1).clone()
+            any_sig = torch.zeros_like(ok)
+            for k, seqs in part.items():
+                given = torch.tensor([q is not None for q in seqs])[:, None]
+                absent = 1 - self._presence([q or [] for q in seqs])
+                ok &= ~given | ((absent @ sig[k].float()) == 0)  # no signature token missing
+                any_sig |= given & sig[k].any(0)[None]
+            out += [set(row.nonzero()[:, 0].tolist()) for row in ok & any_sig]
+        return out
+
+
+def split_generation(generated: Sequence[int], task: Task) -> tuple[list[int], set[int]]:
+    """``(rationale, answer)`` of a decoded continuation: the tokens before the first
+    ``</think>`` (all of them if none) and ``parse_answer``'s label set."""
+    gen = list(generated)
+    end = task.vocab.index("</think>") if "</think>" in task.vocab else None
+    rationale = gen[: gen.index(end)] if end is not None and end in gen else \
+        [t for t in gen if t != task.eos_id]
+    return rationale, parse_answer(gen, task)
+
+
+def note_tokens(e, think_id: int | None) -> list[int]:
+    """The simulator's input x: the note (after ``<bos>``, before ``<think>``)."""
+    return e.tokens[1: prompt_end(e, think_id) - (1 if think_id is not None else 0)].tolist()
+
+
+def decode_task(model, task: Task, batch_size: int = 64,
+                max_new_tokens: int | None = None) -> list[list[int]]:
+    """``greedy_decode`` of every note's prompt, with ``evaluate``'s default length."""
+    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
+    ends = [prompt_end(e, think) for e in task.examples]
+    if max_new_tokens is None:
+        max_new_tokens = max(len(e.tokens) - n for e, n in zip(task.examples, ends,
+                                                                strict=True)) + 4
+    return greedy_decode(model, [e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)],
+                         task.eos_id, max_new_tokens, batch_size)
+
+
+def gold_simulation_data(task: Task) -> tuple[list[list[int]], list[list[int]], list[set[int]]]:
+    """``(xs, es, ys)`` of a task's own notes, CoT (between ``<think>`` and ``</think>``) and
+    targets: data to pre-train a simulator on (``pretrained_simulator``)."""
+    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
+    xs = [note_tokens(e, think) for e in task.examples]
+    es = [split_generation(e.tokens[prompt_end(e, think):].tolist(), task)[0]
+          for e in task.examples]
+    return xs, es, [set(e.targets) for e in task.examples]
+
+
+def pretrained_simulator(task: Task, **kw) -> SignatureSimulator:
+    """A ``SignatureSimulator`` fitted to ``task``'s own CoT and answers (pass it to ``las``, which
+    then adds a copy's counts of the model's outputs)."""
+    return SignatureSimulator(len(task.vocab), task.label_token_ids, **kw).fit(
+        *gold_simulation_data(task))
+
+
+def las(model, task: Task, train_task: Task | None = None, *,
+        generations: Sequence[Sequence[int]] | None = None,
+        train_generations: Sequence[Sequence[int]] | None = None, simulator=None,
+        n_boot: int = 1000, seed: int = 0, batch_size: int = 64) -> dict[str, float]:
+    """LAS of ``model`` on ``task`` (see above; ``las_score`` for the keys).
+
+    ``train_task``: notes for training the simulator, disjoint from ``task``'s (e.g. the other
+    split of a built-in task); None: two-fold cross-fitting on ``task`` (each half scored by a
+    simulator trained on the other). ``generations`` / ``train_generations``: the model's
+    decoded continuations of those notes if already at hand (``decode_task``). ``simulator``:
+    an object with ``fit(xs, es, ys)`` and ``predict(xs, es) -> list[set]`` (``es[i] = None``:
+    no rationale; ``xs[i] = None``: no note); default a fresh ``SignatureSimulator``. A fitted
+    ``SignatureSimulator`` (``pretrained_simulator``) is copied and fitted further (``warm=True``).
+    """
+    import copy
+
+    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
+    gens = list(generations) if generations is not None else decode_task(model, task,
+                                                                         batch_size)
+    if len(gens) != len(task):
+        raise ValueError(f"generations has {len(gens)} rows for {len(task)} notes.")
+    xs = [note_tokens(e, think) for e in task.examples]
+    es = [split_generation(g, task)[0] for g in gens]
+    ys = [split_generation(g, task)[1] for g in gens]
+    base = simulator if simulator is not None else \
+        SignatureSimulator(len(task.vocab), task.label_token_ids)
+    warm = getattr(base, "counts", None) is not None  # pre-fitted: add the model's counts
+
+    def fitted(fx: list, fe: list, fy: list):
+        sim = copy.deepcopy(base)
+        return sim.fit(fx, fe, fy, warm=True) if warm else sim.fit(fx, fe, fy)
+
+    def score(sim, idx: list[int]) -> tuple[list[bool], list[bool], list[bool]]:
+        px, pe, none = [xs[i] for i in idx], [es[i] for i in idx], [None] * len(idx)
+        truth = [ys[i] for i in idx]
+        return ([p == t for p, t in zip(sim.predict(px, pe), truth, strict=True)],
+                [p == t for p, t in zip(sim.predict(px, none), truth, strict=True)],
+                [p == t for p, t in zip(sim.predict(none, pe), truth, strict=True)])
+
+    if train_task is not None:
+        t_think = train_task.vocab.index("<think>") if "<think>" in train_task.vocab else None
+        tg = list(train_generations) if train_generations is not None else \
+            decode_task(model, train_task, batch_size)
+        sim = fitted([note_tokens(e, t_think) for e in train_task.examples],
+                     [split_generation(g, train_task)[0] for g in tg],
+                     [split_generation(g, train_task)[1] for g in tg])
+        c_xe, c_x, c_e = score(sim, list(range(len(task))))
+    else:
+        if len(task) < 4:
+            raise ValueError("las without train_task cross-fits two halves of task: give at "
+                             "least 4 notes, or a train_task.")
+        half = len(task) // 2
+        folds = [list(range(half)), list(range(half, len(task)))]
+        c_xe, c_x, c_e = [False] * len(task), [False] * len(task), [False] * len(task)
+        for k in (0, 1):
+            fit_idx, ev_idx = folds[1 - k], folds[k]
+            sim = fitted([xs[i] for i in fit_idx], [es[i] for i in fit_idx],
+                         [ys[i] for i in fit_idx])
+            for i, a, b, c in zip(ev_idx, *score(sim, ev_idx), strict=True):
+                c_xe[i], c_x[i], c_e[i] = a, b, c
+    return las_score(c_xe, c_x, c_e, n_boot=n_boot, seed=seed)
+
+
+las_of = las  # ``evaluate``'s parameter ``las`` shadows the function inside it
+
+
+@torch.no_grad()
+def greedy_decode_cached(hf_model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
+                         max_new_tokens: int, pad_id: int = 0,
+                         batch_size: int = 256) -> list[list[int]]:
+    """``greedy_decode`` for a plain HF causal LM, with its KV cache (``generate``, greedy):
+    the same tokens (prompts grouped by length, unpadded; each row cut after its first
+    ``eos_id``), ~10x faster on CPU than re-running the whole prefix every step. A model
+    wrapped by a ``TransformerBridge`` cannot ``generate``: load its folder afresh."""
+    out: list[list[int]] = [[] for _ in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    dev = _device(hf_model)
+    for n, idx_all in by_len.items():
+        for s in range(0, len(idx_all), batch_size):
+            idx = idx_all[s: s + batch_size]
+            gen = hf_model.generate(torch.stack([prompts[i] for i in idx]).to(dev),
+                                    do_sample=False, max_new_tokens=max_new_tokens,
+                                    eos_token_id=eos_id, pad_token_id=pad_id)
+            for i, row in zip(idx, gen[:, n:].tolist(), strict=True):
+                out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
     return out

@@ -1,0 +1,28 @@
+"""Mechanistic distillation: teacher signals and their store (signals), L_CoT + L_P1 + L_P2
+(loss), student training (train), the ablation table (ablation). Formulas: docs/distill.md.
+
+The loss module is ``loss``, not ``losses``: importing a submodule binds its name on the
+package, which would shadow the public function ``ck.distill.losses`` (as ``evaluation`` /
+``ck.evaluate``).
+
+Names resolve lazily so ``import circuitkit.distill`` stays free of torch.
+"""
+
+from __future__ import annotations
+
+from circuitkit._lazy import lazy_exports
+
+_EXPORTS = {
+    "losses": "circuitkit.distill.loss:losses",
+    "LossConfig": "circuitkit.distill.loss:LossConfig",
+    "train_student": "circuitkit.distill.train:train_student",
+    "DistillConfig": "circuitkit.distill.train:DistillConfig",
+    "run_ablation": "circuitkit.distill.ablation:run_ablation",
+    "build_store": "circuitkit.distill.signals:build_store",
+    "SignalStore": "circuitkit.distill.signals:SignalStore",
+    "StoreOptions": "circuitkit.distill.signals:StoreOptions",
+    "Pooling": "circuitkit.distill.signals:Pooling",
+}
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__all__ = sorted(_EXPORTS)
