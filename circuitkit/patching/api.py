@@ -222,7 +222,8 @@ def attribution_plus_exact(
     1. error bound ``|x - e| <= k s``, with ``k`` the ``quantile`` of ``|x - e| / s`` over the
        cells verified so far (0 before any);
     2. cells are verified in rounds of one layer's worth (``n_heads`` cells), highest upper bound
-       ``U = |e| + k s`` first;
+       ``U = |e| + k s`` first; the first round adds as many cells of largest ``s`` (the
+       calibration then covers the largest patches, where first-order estimates fail);
     3. ``tau`` = the ``recall_top``-th largest ``|x|`` verified; stop as soon as every
        unverified ``U < tau`` ("bound"), or when ``max_fraction`` of the cells are verified
        ("budget").
@@ -299,7 +300,15 @@ def attribution_plus_exact(
                 stopped = "budget"
                 break
             take = min(per_layer, int((~done).sum()), cap - int(done.sum()))
-            verify(torch.topk(bound, take).indices.tolist())
+            picked = torch.topk(bound, take).indices.tolist()
+            if rounds == 0:
+                # calibrate on the largest patches too, where a first-order estimate is least
+                # trustworthy: the bound is then not extrapolated to them
+                size = scale.clone()
+                size[picked] = -1.0
+                more = min(per_layer, n_cells - take, cap - take)
+                picked += torch.topk(size, max(0, more)).indices.tolist()
+            verify(picked)
             rounds += 1
             ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
             k_err = float(torch.quantile(ratio, quantile))

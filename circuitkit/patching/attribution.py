@@ -229,12 +229,13 @@ def _pattern_of(model: Any, layer: int, resid: Float[Tensor, "n pos d_model"],
     return _attn_grab(model, layer, resid, kwargs, batch, hooks.pattern(layer), fwd_hooks)
 
 
-def _copy_masks(n_heads: int, seq: int, positions: str, device: Any) -> Float[Tensor, "c pos h"]:
+def _copy_masks(n_heads: int, seq: int, positions: str, device: Any,
+                dtype: torch.dtype = torch.float32) -> Float[Tensor, "c pos h"]:
     """One 0/1 mask per patched cell: head h at every position ("all") or at one ("each")."""
-    eye_h = torch.eye(n_heads, device=device)
+    eye_h = torch.eye(n_heads, device=device, dtype=dtype)
     if positions == "all":
         return einops.repeat(eye_h, "c h -> c p h", p=seq).contiguous()
-    eye_p = torch.eye(seq, device=device)
+    eye_p = torch.eye(seq, device=device, dtype=dtype)
     return einops.rearrange(eye_h[:, None, None, :] * eye_p[None, :, :, None],
                             "ch cp p h -> (ch cp) p h")
 
@@ -247,7 +248,7 @@ def _atp_star_qk_own(model, layer, site, a_src, r_base, kwargs, g_pat, positions
     """
     seq = a_src.shape[1]
     n_h = a_src.shape[2]
-    masks = _copy_masks(n_h, seq, positions, a_src.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, a_src.device, a_src.dtype)  # [c, p, h]
     with torch.no_grad():
         pat0 = _pattern_of(model, layer, r_base, kwargs, batch)
         out = []
@@ -284,7 +285,7 @@ def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, b
     """
     d_r = _head_writes(model, layer, dz)
     seq, n_h = d_r.shape[1], d_r.shape[2]
-    masks = _copy_masks(n_h, seq, positions, d_r.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, d_r.device, d_r.dtype)  # [c, p, h]
     total = torch.zeros(batch, masks.shape[0], device=d_r.device)
     step = max(1, ATP_STAR_CHUNK // batch)
     for lp in layers:
@@ -342,7 +343,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
     """
     last = len(model.blocks) - 1
     seq, n_h = dz.shape[1], dz.shape[2]
-    masks = _copy_masks(n_h, seq, positions, dz.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, dz.device, dz.dtype)  # [c, p, h]
     m_base = stash.value.to(dz.device)[:, None]
     step = max(1, EXACT_TAIL_CHUNK // batch)
     out = []
@@ -452,7 +453,7 @@ def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positio
     patched activation, its write through the exact MLP, dotted with ``g_post``."""
     seq = r_pre.shape[1]
     n_h = a_src.shape[hooks.head_axis(site)]
-    masks = _copy_masks(n_h, seq, positions, a_src.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, a_src.device, a_src.dtype)  # [c, p, h]
     W_O = model.blocks[layer].attn.W_O.detach()
     eff = []
     step = max(1, ATP_STAR_CHUNK // batch)
