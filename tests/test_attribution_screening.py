@@ -261,9 +261,11 @@ def test_ig_is_exact_on_a_quadratic_downstream():
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
 def test_automatic_budget_follows_its_rule(direction):
-    """Random 3-layer Llama (12 heads; recall_top 3): verified values are exact; the stop obeys the stated rule (every
-    unverified upper bound |e| + k s below tau, the recall_top-th verified |exact effect|, unless
-    the budget cap stopped it); and the stated recall holds whenever the bound holds."""
+    """Random 3-layer Llama (12 heads; recall_top 3): verified values are exact; the stop obeys
+    the stated rule (every unverified upper bound |e| + k s below tau, the recall_top-th verified
+    |exact effect|, unless the budget cap stopped it); and the stated recall holds whenever the
+    bound holds. The default of ``patch_heads(method="attribution+exact")`` is this rule with
+    estimator "block"."""
     from tests.conftest import TINY_LLAMA, make_model
 
     model = make_model(TINY_LLAMA)
