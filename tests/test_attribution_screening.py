@@ -22,7 +22,7 @@ import torch
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.metrics import token_margin_metric
+from circuitkit.metrics import token_logprob_metric, token_margin_metric
 from circuitkit.patching.api import attribution_plus_exact, verified_mask
 from circuitkit.patching.attribution import ESTIMATORS, attribution_patch_heads
 
@@ -260,21 +260,17 @@ def test_ig_is_exact_on_a_quadratic_downstream():
 # --- screening with the automatic budget --------------------------------------------------------
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
-def test_automatic_budget_follows_its_rule(direction):
+def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     """Random 3-layer Llama (12 heads; recall_top 3): verified values are exact; the stop obeys
     the stated rule (every unverified upper bound |e| + k s below tau, the recall_top-th verified
     |exact effect|, unless the budget cap stopped it); and the stated recall holds whenever the
     bound holds. The default of ``patch_heads(method="attribution+exact")`` is this rule with
     estimator "block"."""
-    from tests.conftest import TINY_LLAMA, make_model
-
-    model = make_model(TINY_LLAMA)
+    model = tiny_llama
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(0, 64, (4, 12), generator=g)
     corrupt = torch.randint(0, 64, (4, 12), generator=g)
     pos = [5, 8, 11]
-    from circuitkit.metrics import token_logprob_metric
-
     metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
     ex = ck.patch_heads(model, clean, corrupt, metric, direction=direction, progress=False)
     default = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
