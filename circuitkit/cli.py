@@ -148,7 +148,11 @@ def patch(
     seed: int = typer.Option(0, help="Task seed."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
                                    "(default: from free memory; halved on out-of-memory)."),
-    top_k: int = typer.Option(20, "--top-k", help="attribution+exact: cells verified exactly."),
+    top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this many "
+                              "cells (default: as many as the screen's error bound requires)."),
+    estimator: str = typer.Option(None, "--estimator", help="attribution: atp (default), block, "
+                                  "qk, graddrop, atp*, ig; attribution+exact/auto screen with "
+                                  "block (docs/attribution.md)."),
     out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
     checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
                                     "chunks in OUT/checkpoint; rerunning the same command "
@@ -210,7 +214,7 @@ def patch(
 
         if not models.weights_available(model):
             _plan_offline(model, task, n_examples, seed, split, phase, method, direction,
-                          positions, site, top_k, gpu, utilisation)
+                          positions, site, top_k or 20, gpu, utilisation)
             return
     try:
         layout = distributed.init_replicas(gpus_per_replica) if not plan else None
@@ -247,12 +251,13 @@ def patch(
     exact_like = method in ("exact", "auto")
     try:
         if plan:
-            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k, **kw)
+            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k or 20, **kw)
             typer.echo(format_plan(p))
             return
         run = api.patch_layers if site in hooks.PATCH_LAYER_SITES else api.patch_heads
-        extra = {} if site in hooks.PATCH_LAYER_SITES else dict(top_k=top_k, backend=backend,
-                                                                remote=remote)
+        extra = {} if site in hooks.PATCH_LAYER_SITES else dict(
+            top_k=top_k, backend=backend, remote=remote,
+            **({} if estimator is None else dict(estimator=estimator)))
         ckpt = out / "checkpoint" if checkpoint and exact_like and backend != "nnsight" \
             else None
         res = run(the_model, clean, corrupt, metric, progress=True,

@@ -71,10 +71,11 @@ def patch_heads(
     checkpoint: str | Path | None = None,
     progress: bool = True,
     atp_star: bool = False,
-    top_k: int = 20,
+    top_k: int | None = None,
     task_hash: str | None = None,
     backend: str = "transformer_lens",
     remote: bool = False,
+    estimator: str | None = None,
 ) -> PatchResult:
     """Patch every attention head (per layer; per position with ``positions="each"``).
 
@@ -88,16 +89,18 @@ def patch_heads(
 
     ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once by
     ``as_metric``; same values either way). ``method``: "exact" (the engine), "attribution"
-    (gradient estimate, AtP / AtP* with ``atp_star``), "attribution+exact" (attribution ranks,
-    exact re-check of the ``top_k``), "auto" (``_auto``: exact below
-    ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else attribution+exact; ``meta["auto"]`` records the
-    choice, the verified cells and, where every cell is exact, the screening recall of the top
-    k). ``batch_size``: sequences per forward (default: from free memory; halved and retried on
-    out-of-memory). ``checkpoint``: folder; finished chunks are stored durably and a rerun
-    resumes. Under ``torchrun`` the chunks are split over ranks (replicas, see
-    ``distributed``); every rank returns the merged result. ``backend="nnsight"``: the same
-    exact sweep through nnsight's tracing (``nnsight_backend``; ``model`` an nnsight model or a
-    name/folder; ``remote=True`` runs it on NDIF).
+    (gradient estimate by ``estimator``, default plain AtP, or AtP*'s Q/K fix with ``atp_star``;
+    ``attribution.ESTIMATORS``), "attribution+exact" (an estimator screens, default "block";
+    the exact engine verifies the ``top_k``, or with ``top_k=None`` as many cells as its error
+    bound requires: ``attribution_plus_exact``), "auto" (``_auto``: exact below
+    ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else attribution+exact with the automatic budget;
+    ``meta["auto"]`` records the choice, the verified cells and, where every cell is exact, the
+    screening recall of the top k). ``batch_size``: sequences per forward (default: from free
+    memory; halved and retried on out-of-memory). ``checkpoint``: folder; finished chunks are
+    stored durably and a rerun resumes. Under ``torchrun`` the chunks are split over ranks
+    (replicas, see ``distributed``); every rank returns the merged result.
+    ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
+    ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
     """
     if backend != "transformer_lens" or remote:
         choice("backend", backend, BACKENDS)
@@ -119,15 +122,17 @@ def patch_heads(
         return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
                      positions=positions, site=site, batch_size=batch_size,
                      checkpoint=checkpoint, progress=progress, top_k=top_k, meta=meta)
+    chosen = {} if estimator is None else dict(estimator=estimator)
     if method == "attribution":
         res = attribution.attribution_patch_heads(
             model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
-            positions=positions, atp_star=atp_star, batch_size=batch_size, progress=progress)
+            positions=positions, atp_star=atp_star, batch_size=batch_size, progress=progress,
+            **chosen)
     elif method == "attribution+exact":
         res = attribution_plus_exact(
             model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
             positions=positions, top_k=top_k, atp_star=atp_star, batch_size=batch_size,
-            progress=progress)
+            progress=progress, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
         return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
@@ -240,50 +245,138 @@ def plan_patch(
 
 def attribution_plus_exact(
     model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: PromptMetric, *,
-    direction: str = "denoise", site: str = "z", positions: str = "all", top_k: int = 20,
-    atp_star: bool = True, batch_size: int | None = None, progress: bool = True,
+    direction: str = "denoise", site: str = "z", positions: str = "all",
+    top_k: int | None = None, atp_star: bool = False, estimator: str | None = None,
+    recall_top: int = 10, quantile: float = 0.9, max_fraction: float = 0.5,
+    batch_size: int | None = None, progress: bool = True,
 ) -> PatchResult:
-    """Screen all heads by attribution; verify the ``top_k`` largest ``|estimated effect|`` with
-    the exact engine (``ExactEngine.run_variants``).
+    """Screen every cell with an attribution estimator, then verify cells with the exact engine
+    (``ExactEngine.run_variants``).
 
-    ``values``: exact metric-after-patch for the verified cells, the attribution estimate for the
-    rest; ``meta["verified"]``: nested-list bool mask shaped like ``values``;
-    ``meta["attribution_values"]``: the screening estimate of every cell. ``atp_star`` is applied
-    where supported (sites z, q, k).
+    ``estimator``: any of ``attribution.ESTIMATORS`` (default ``SCREENING_ESTIMATOR``, "block";
+    ``atp_star=True``: "qk" where supported). ``top_k``: verify exactly the ``top_k`` largest
+    ``|estimated effect|``. ``top_k=None`` (default): the budget is chosen from the estimator's
+    own error, by this rule (``e``: estimated effect, ``s``: ``meta["write_scale"]`` of the
+    estimate, ``x``: exact effect, all per cell):
+
+    1. error bound ``|x - e| <= k s``, with ``k`` the ``quantile`` of ``|x - e| / s`` over the
+       cells verified so far (0 before any);
+    2. cells are verified in rounds of one layer's worth (``n_heads`` cells), highest upper bound
+       ``U = |e| + k s`` first; the first round adds as many cells of largest ``s`` (the
+       calibration then covers the largest patches, where first-order estimates fail);
+    3. ``tau`` = the ``recall_top``-th largest ``|x|`` verified; stop as soon as every
+       unverified ``U < tau`` ("bound"), or when ``max_fraction`` of the cells are verified
+       ("budget").
+
+    Stated recall: if every unverified cell obeys the bound (it held for a fraction ``quantile``
+    of the verified cells), every cell with ``|x| >= tau`` is verified, so the exact top
+    ``recall_top`` cells are all among the verified ones. ``meta["budget"]`` says which stop
+    applied, with ``k`` and ``tau``.
+
+    ``values``: exact metric-after-patch for the verified cells, the estimate for the rest;
+    ``meta["verified"]``: nested-list bool mask shaped like ``values``, ``meta["verified_cells"]``
+    in verification order; ``meta["attribution_values"]``: the screening estimate of every cell;
+    ``meta["cost"]``: pass-equivalents and seconds of the estimator and of the verification,
+    and of a full exact sweep for reference.
     """
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}: expected a positive integer (cells verified), or "
+                         "None to choose the budget from the estimator's error.")
+    if not (0.0 < quantile <= 1.0 and 0.0 < max_fraction <= 1.0) or recall_top < 1:
+        raise ValueError(f"quantile={quantile!r} and max_fraction={max_fraction!r} must lie in "
+                         f"(0, 1] and recall_top={recall_top!r} must be >= 1.")
+    if estimator is None:
+        estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
+                     else attribution.SCREENING_ESTIMATOR)
     est = attribution.attribution_patch_heads(
         model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
-        positions=positions, atp_star=atp_star and site in attribution.ATP_STAR_SITES,
-        batch_size=batch_size, progress=progress)
+        positions=positions, estimator=estimator,
+        atp_star=atp_star and estimator in ("qk", "atp*"), batch_size=batch_size,
+        progress=progress)
     base = est.corrupt if direction == "denoise" else est.clean
-    effect = (est.values - base).abs().flatten()
-    k = min(top_k, effect.numel())
-    flat = torch.topk(effect, k).indices
-    cells = [tuple(int(i) for i in torch.unravel_index(j, est.values.shape)) for j in flat]
-    n = clean_tokens.shape[0]
+    effect = (est.values - base).flatten()
+    scale = torch.tensor(est.meta["write_scale"]).flatten().clamp_min(1e-12)
+    shape, n_cells = est.values.shape, effect.numel()
+    n, L = clean_tokens.shape[0], est.values.shape[0]
+    per_layer = n_cells // L
+    t0 = time.perf_counter()
     sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, metric)
     engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
     per_fwd = max(1, (batch_size or max(n, 64)) // n)
-    exact = torch.zeros(len(cells), n)
-    by_layer: dict[int, list[int]] = {}
-    for i, cell in enumerate(cells):
-        by_layer.setdefault(cell[0], []).append(i)
-    for layer, idx in by_layer.items():
-        for s in range(0, len(idx), per_fwd):
-            group = idx[s:s + per_fwd]
-            variants = [cells[i][1] * sweep.n_pos + (cells[i][2] if len(cells[i]) == 3 else 0)
-                        for i in group]
-            exact[group] = engine.run_variants(layer, variants, 0, n)
+    exact_pp = torch.zeros(n_cells, n)  # per-prompt exact metric of verified cells
+    done = torch.zeros(n_cells, dtype=torch.bool)
+    order: list[int] = []
+
+    def verify(flat: list[int]) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for j in flat:
+            by_layer.setdefault(j // per_layer, []).append(j)
+        for layer, js in by_layer.items():
+            for s in range(0, len(js), per_fwd):
+                group = js[s:s + per_fwd]
+                exact_pp[group] = engine.run_variants(layer, [j % per_layer for j in group], 0, n)
+        done[flat] = True
+        order.extend(flat)
+
+    k_err, tau, stopped, rounds = 0.0, None, "top_k", 0
+    if top_k is not None:
+        verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
+    else:
+        cap = max(1, int(max_fraction * n_cells))
+        while True:
+            bound = effect.abs() + k_err * scale
+            bound[done] = -1.0
+            if int(done.sum()) >= min(recall_top, n_cells):
+                x = (exact_pp.mean(1) - base)[done].abs()
+                tau = float(x.topk(min(recall_top, x.numel())).values[-1])
+                if float(bound.max()) < tau:
+                    stopped = "bound"
+                    break
+            if bool(done.all()):
+                stopped = "all"
+                break
+            if int(done.sum()) >= cap:
+                stopped = "budget"
+                break
+            take = min(per_layer, int((~done).sum()), cap - int(done.sum()))
+            picked = torch.topk(bound, take).indices.tolist()
+            if rounds == 0:
+                # calibrate on the largest patches too, where a first-order estimate is least
+                # trustworthy: the bound is then not extrapolated to them
+                size = scale.clone()
+                size[picked] = -1.0
+                more = min(per_layer, n_cells - take, cap - take)
+                picked += torch.topk(size, max(0, more)).indices.tolist()
+            verify(picked)
+            rounds += 1
+            ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
+            k_err = float(torch.quantile(ratio, quantile))
+    verify_seconds = time.perf_counter() - t0
     values = est.values.clone()
     per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
-    verified = torch.zeros_like(values, dtype=torch.bool)
-    for i, cell in enumerate(cells):
-        values[cell] = exact[i].mean()
+    verified = torch.zeros(shape, dtype=torch.bool)
+    cells = [tuple(int(i) for i in torch.unravel_index(torch.tensor(j), shape)) for j in order]
+    for j, cell in zip(order, cells, strict=True):
+        values[cell] = exact_pp[j].mean()
         verified[cell] = True
         if per_prompt is not None:
-            per_prompt[(slice(None), *cell)] = exact[i]
-    meta = dict(est.meta, top_k=k, verified=verified.tolist(), verified_cells=cells,
-                attribution_values=est.values.tolist())
+            per_prompt[(slice(None), *cell)] = exact_pp[j]
+    # pass-equivalents: a verified cell of layer l re-runs layers l..L-1 (plus the engine's two
+    # cached runs per prompt); the full exact sweep does that for every cell
+    suffix = (L - torch.arange(L).repeat_interleave(per_layer)) / L
+    verify_passes = n * (float(suffix[order].sum()) + 2)
+    cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
+                verify_passes=verify_passes,
+                total_passes=est.meta["pass_equivalents"] + verify_passes,
+                exact_sweep_passes=n * (float(suffix.sum()) + 2),
+                estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds)
+    budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
+                  recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+                  error_scale=k_err, tau=tau, stopped=stopped, rounds=rounds)
+    meta = dict(est.meta, top_k=len(order), verified=verified.tolist(), verified_cells=cells,
+                n_verified=len(order), verified_fraction=len(order) / n_cells, budget=budget,
+                cost=cost, attribution_values=est.values.tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
                    meta=meta)
 
@@ -314,40 +407,39 @@ def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
 
 def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direction: str,
           positions: str, site: str, batch_size: int | None, checkpoint: str | Path | None,
-          progress: bool, top_k: int, meta: dict) -> PatchResult:
-    """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus an
-    attribution screen (4 pass-equivalents per prompt) so the result says how well screening
-    would have done: ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells
-    (by ``|value - baseline|``) among the screen's top k, ``k = min(top_k, cells / 2)``.
-    Above it: ``attribution_plus_exact``
-    (AtP* where supported), whose verified cells are listed in ``meta["auto"]["verified"]``;
-    no recall (exact values exist for the verified cells only)."""
+          progress: bool, top_k: int | None, meta: dict) -> PatchResult:
+    """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus the
+    screening estimator's pass (``attribution.SCREENING_ESTIMATOR``) so the result says how well
+    screening would have done: ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k
+    cells (by ``|value - baseline|``) among the screen's top k, ``k = min(top_k or 20, cells /
+    2)``. Above it: ``attribution_plus_exact`` with the same estimator and, unless ``top_k`` is
+    given, its automatic verification budget; the verified cells are listed in
+    ``meta["auto"]["verified"]`` (no recall: exact values exist for those cells only)."""
     info = _auto_choice(model, clean.shape[1], site, positions)
-    atp_star = site in attribution.ATP_STAR_SITES
+    estimator = attribution.SCREENING_ESTIMATOR
     n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
         clean.shape[1] if positions == "each" else 1)
-    k = min(top_k, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
+    k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
         res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
         screen = attribution.attribution_patch_heads(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            atp_star=atp_star, batch_size=batch_size, progress=False)
+            estimator=estimator, batch_size=batch_size, progress=False)
         base = res.corrupt if direction == "denoise" else res.clean
         exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
         info["screening"] = dict(
-            k=k, estimator="AtP*" if atp_star else "AtP",
+            k=k, estimator=estimator,
             recall=len(set(exact_top) & set(screen_top)) / max(1, k),
             exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
         info["verified"] = "all"
     else:
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            top_k=top_k, atp_star=True, batch_size=batch_size, progress=progress)
+            top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress)
         res.meta.update({k_: v for k_, v in meta.items() if v is not None})
         info["verified"] = [list(c) for c in res.meta["verified_cells"]]
-        info["screening"] = dict(k=int(res.meta.get("top_k", k)), recall=None,
-                                 estimator="AtP*" if atp_star else "AtP")
+        info["screening"] = dict(k=len(info["verified"]), recall=None, estimator=estimator)
     if pm.note:
         res.meta["metric_note"] = pm.note
     res.meta["auto"] = info

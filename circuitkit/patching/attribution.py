@@ -1,93 +1,95 @@
-"""Attribution patching of attention heads: a gradient estimate of every head's patching effect.
+"""Attribution patching of attention heads: gradient estimates of every head's patching effect.
 
-Plain attribution (Nanda 2023; Syed et al. 2023). With ``a`` a head's activation at ``site`` and
-``m`` the metric, patching ``a`` from the *base* run to the *source* run changes ``m`` by about
+A head's activation ``a`` at ``site`` is patched from the *base* run to the *source* run
+(denoise: base = corrupt, source = clean; noise: base = clean, source = corrupt). Every estimator
+returns ``values = metric(base) + delta`` (mean over prompts), an estimate of the metric *after*
+patching, directly comparable with the exact sweep's ``values``. ``estimator=`` selects one;
+``docs/attribution.md`` gives the evidence for each on a 30-layer model. Cost is in
+pass-equivalents per prompt: one prompt through the whole model; a backward counts 2
+(``meta["pass_equivalents"]`` is the total for the prompts given, ``meta["seconds"]`` the time).
 
-    delta(head) = sum_{pos, d} (a_source - a_base)[pos, head, d] * dm/da_base[pos, head, d]
+* ``"atp"`` (plain attribution; Nanda 2023, Syed et al. 2023), the cheapest::
 
-* denoise: base = corrupt run, source = clean run (clean activation into the corrupt run);
-* noise:   base = clean run,   source = corrupt run.
+      delta(head) = sum_{pos, d} (a_source - a_base)[pos, head, d] * dm/da_base[pos, head, d]
 
-Two forwards (base with gradients, source without) and one backward give every head at once
-(TransformerLens's ``cache_activation_and_gradient`` does the caching). The reported value is
-``metric(base) + delta`` per prompt, i.e. an estimate of the metric *after* patching, directly
-comparable with the exact sweep's ``values``.
+  Cost 4 (base forward with gradients, source forward, one backward).
 
-AtP* (Kramar et al. 2024, section 3.1, the Q/K fix; ``atp_star=True``). The linear estimate fails
-when an attention softmax saturates: a large change in attention scores moves the pattern a lot,
-but the gradient at a saturated softmax is ~0. The fix implemented here:
+* ``"block"`` (the default for screening): the head's own block completed exactly, the rest
+  linear. The patched head's write ``dr = (z_source - z_base) @ W_O[head]`` enters the block's
+  MLP exactly, and the change of the block's output is dotted with the base gradient there::
 
-* ``site="q"``/``"k"``: the patched query/key feeds only its own layer's attention pattern, so the
-  estimate is ``sum (pattern(q_source) - pattern_base) * dm/dpattern``: that layer's softmax is
-  recomputed exactly (per head, all query positions), and only what comes after the pattern is
-  linearised. (For GQA a patched key head changes every query head of its group.)
-* ``site="z"``: the head writes ``dr = (z_source - z_base) @ W_O[head]`` into the residual stream.
-  For every later layer ``l'`` the attention pattern is recomputed exactly with that write added
-  to the layer's input, ``P_l'(r_l' + dr)``, (RMSNorm/LayerNorm, Q/K projections, rotary, mask
-  and softmax: the model's own modules run on it), and its linearisation is swapped out:
+      delta(head) = g_l . [dr + MLP_l(r_mid + dr) - MLP_l(r_mid)],   g_l = dm/d resid_post(l)
 
-      delta*(head) = delta(head)
-                     + sum_{l' > l} [ (P_l'(r_l' + dr) - P_l'(r_l')) . dm/dP_l'
-                                      - dr . d/dr (P_l'(r) . dm/dP_l') ]
+  (``MLP_l`` includes its norm; parallel attention/MLP blocks have no MLP after the head, so the
+  estimate is plain AtP there.) For sites q/k/v/pattern the head's attention is first recomputed
+  exactly with the patched activation (own softmax exact), then the same. Why: on SmolLM2 the
+  linearised MLP right after a head answers its write with a large opposite response that the
+  exact MLP does not give (L16H0: +2.5 of linear cancellation, AtP -0.14 vs exact -4.18; this
+  estimator -2.38). Cost: 4 + H * s_mlp for site z (one MLP call per head and layer, the MLP being
+  a share ``s_mlp`` of a block; rows are position-wise, so ``positions="each"`` costs the same),
+  4 + C * (s_attn + s_mlp) for other sites (C patched copies per layer).
 
-  The subtracted term is exactly the part of the plain gradient that flows from the head's
-  direct residual write through ``l'``'s queries and keys (a vector-Jacobian product, one per
-  layer), so the rest of the plain estimate (value/output paths, paths through MLPs) stays.
+* ``"qk"`` (AtP*'s Q/K fix, Kramar et al. 2024 section 3.1.1; ``atp_star=True``): the effect of
+  the patch on attention logits taken as it is and the softmax recomputed exactly, the rest
+  linear. Sites q/k: the head's own pattern ``sum (P(q_source) - P_base) * dm/dP``. Site z: the
+  head's direct residual write enters every later layer's queries and keys exactly, and its
+  linearisation is swapped out::
 
-Approximations that remain (documented, deliberate):
+      delta*(head) = delta(head) + sum_{l' > l} [ (P_l'(r_l' + dr) - P_l'(r_l')) . dm/dP_l'
+                                                  - dr . d/dr (P_l'(r) . dm/dP_l') ]
 
-* only the *direct* residual write of the patched head enters ``l'``'s queries/keys exactly;
-  its effect on ``l'``'s queries/keys through intermediate layers (MLPs, other heads) stays linear;
-* ``dm/dP_l'`` is the base run's gradient: what comes after each recomputed pattern (values,
-  later layers, unembedding) is linearised, and the corrections of different ``l'`` are added
-  (interactions between the changes of two downstream patterns are ignored);
-* AtP*'s second fix (GradDrop, for cancellation across layers) is not implemented;
-* ``site="v"``/``"pattern"``: no AtP* correction (raises), as their effect on their own head's
-  output is linear in the patched activation; downstream Q/K effects are then linear.
+  Cost: 4 + (H * pairs * s_attn + (L - 1) * 2 s_attn) / L with ``pairs`` = L(L-1)/2 (site z):
+  it grows with heads times layers squared. Optional exact tail (``exact_tail=True``; default
+  on only for the legacy ``atp_star=True``): the last block and the readout evaluated exactly
+  for each head's direct write, + H * L last-block calls / L.
 
-Exact tail (``exact_tail``, default on with ``atp_star``, site z; an extension beyond the paper).
-The Q/K fix alone cannot help when the *readout* saturates: on the shipped ``induction-2l`` the
-clean log-prob is ~-6e-4, so ``dm/dlogits = onehot - p ~ 0`` and every first-order term, corrected
-patterns included, is ~1e-4 while exact noising of the previous-token head is -9 (normalised
--0.81). So the last block and the readout are evaluated exactly for each head's direct write:
+* ``"graddrop"`` (AtP*'s GradDrop, Kramar et al. 2024 section 3.1.2): plain AtP with the gradient
+  through each layer's residual contribution (attention and MLP outputs of block ``l'``) zeroed,
+  one estimate per ``l'``; the score is their mean magnitude, so paths that cancel in plain AtP
+  no longer hide each other::
 
-* heads of layers ``l < L-1``: add ``m(tail(r_{L-1} + dr)) - m_base - dr . dm/dr_{L-1}``, where
-  ``tail`` = last block + final norm + unembedding + metric; this replaces the linearised effect of
-  the head's direct write on the last block and the logits (that layer's Q/K correction is
-  subsumed). Intermediate layers keep the Q/K correction above.
-* heads of the last layer: ``m(tail(r_{L-1}, z_head -> z_source)) - m_base``, i.e. exact patching
-  of that head (the last block re-run alone).
+      |delta_GD(head)| = 1/(L-1) sum_{l'} | AtP with block l' dropped from the backward |
 
-For a 2-layer model this makes site-z estimates exact up to the (linear) effect through layer 0's
-MLP. Cost: one last-block + unembedding call per head (per head and position for "each").
+  The sign is that of the largest single-``l'`` estimate. Defined on the prompt mean (no
+  per-prompt values). Cost: 2 + 2 (L + 1).
 
-Cost: plain = 4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2);
-AtP* adds, per pair of layers ``l < l'``, one attention-layer call over ``n_heads``
-(``n_heads * seq`` for ``positions="each"``) copies of the batch, plus one attention-layer
-backward per layer, plus the exact tail (above).
+* ``"atp*"``: both fixes (``"qk"``'s correction added to every GradDrop term). Cost: the sum.
 
-The estimator walks a per-layer plan (``estimator_plan``, a list of ``LayerStep``): for each layer,
-how its own heads' effect is taken (linear, exact own-layer pattern for q/k, exact last block) and
-which corrections are added (the downstream Q/K fix over which layers, the exact-tail correction).
+* ``"ig"`` (integrated gradients along the clean-corrupt path, as EAP-IG, Hanna et al. 2024): the
+  token embeddings interpolated ``e(alpha) = e_base + alpha (e_source - e_base)`` and the site
+  gradient averaged over ``m = ig_steps`` midpoints ``alpha_k = (k + 1/2) / m``::
 
-Metrics: a ``PromptMetric`` (``circuitkit.metrics``). A metric without per-prompt values (a wrapped
-scalar callable) repeats its scalar ``m`` for every prompt; the objective differentiated is the sum
-of per-prompt values, ``n * m``, so per-prompt estimates are ``n`` times each prompt's share and
-their mean is ``m + sum_b delta_b``: the same formula, no special case (such a metric runs all
-prompts in one batch).
+      delta(head) = (a_source - a_base) . mean_k dm/da(alpha_k)
 
-The hybrid (attribution, then exact verification of the top cells) lives in ``patching/api.py``.
+  The path is the same for both directions (reversed), so noise and denoise estimates are
+  mirror images: it cannot see that breaking one head of a circuit (noise) costs more than
+  restoring it (denoise). Cost: 2 + 3 m.
+
+Every estimator also returns ``meta["write_scale"]`` (per cell, mean over prompts): the size of
+the patch relative to what it perturbs (site z: ``|dr| / |resid_mid|`` per position; q/k/v:
+``|a_source - a_base| / |a_base|``; pattern: total variation of the row). The nonlinear error of
+an estimate grows with it; ``attribution+exact`` uses it as the unit of its error bound.
+
+Metrics: a ``PromptMetric`` (``circuitkit.metrics``). A metric without per-prompt values (a
+wrapped scalar callable) repeats its scalar ``m`` for every prompt; the objective differentiated
+is the sum of per-prompt values, ``n * m``, so per-prompt estimates are ``n`` times each prompt's
+share and their mean is ``m + sum_b delta_b``: the same formula, no special case (such a metric
+runs all prompts in one batch).
+
+The hybrid (an estimator, then exact verification) lives in ``patching/api.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import einops
 import torch
+from einops import einsum
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -103,7 +105,13 @@ ATTRIBUTION_COST = "4 pass-equivalents per prompt (2 forwards + 1 backward, a ba
 ATP_STAR_CHUNK = 2048
 # Sequences per last-block + unembedding call of the exact tail (logits are [n, pos, vocab]).
 EXACT_TAIL_CHUNK = 512
-
+ESTIMATORS = ("atp", "block", "qk", "graddrop", "atp*", "ig")
+# What ``attribution+exact`` screens with by default: see the module docstring and
+# docs/attribution.md for the evidence.
+SCREENING_ESTIMATOR = "block"
+IG_STEPS = 4
+# Rows (positions x copies) per MLP call of the block estimator (bounds [rows, d_mlp] memory).
+MLP_ROW_CHUNK = 8192
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -197,28 +205,37 @@ def _expand_kwargs(kwargs: dict[str, Any], n_copies: int, batch: int) -> dict[st
     return kw
 
 
-def _pattern_of(model: Any, layer: int, resid: Float[Tensor, "n pos d_model"],
-                kwargs: dict[str, Any], batch: int,
-                fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "n h q k"]:
-    """Layer ``layer``'s attention pattern for residual input ``resid`` (n = copies * batch)."""
+def _attn_grab(model: Any, layer: int, resid: Float[Tensor, "n pos d_model"],
+               kwargs: dict[str, Any], batch: int, name: str,
+               fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Tensor:
+    """The activation at hook ``name`` inside layer ``layer``'s attention, run alone on residual
+    input ``resid`` (n = copies * batch) with the model's own modules."""
     block = model.blocks[layer]
     kw = _expand_kwargs(kwargs, resid.shape[0] // batch, batch)
     out: dict[str, Tensor] = {}
 
     def grab(t: Tensor, hook: Any) -> None:
-        out["pattern"] = t
+        out["t"] = t
 
-    with model.hooks(fwd_hooks=[*fwd_hooks, (hooks.pattern(layer), grab)]):
+    with model.hooks(fwd_hooks=[*fwd_hooks, (name, grab)]):
         block.attn(hidden_states=block.ln1(resid), **kw)
-    return out["pattern"]
+    return out["t"]
 
 
-def _copy_masks(n_heads: int, seq: int, positions: str, device: Any) -> Float[Tensor, "c pos h"]:
+def _pattern_of(model: Any, layer: int, resid: Float[Tensor, "n pos d_model"],
+                kwargs: dict[str, Any], batch: int,
+                fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "n h q k"]:
+    """Layer ``layer``'s attention pattern for residual input ``resid`` (n = copies * batch)."""
+    return _attn_grab(model, layer, resid, kwargs, batch, hooks.pattern(layer), fwd_hooks)
+
+
+def _copy_masks(n_heads: int, seq: int, positions: str, device: Any,
+                dtype: torch.dtype = torch.float32) -> Float[Tensor, "c pos h"]:
     """One 0/1 mask per patched cell: head h at every position ("all") or at one ("each")."""
-    eye_h = torch.eye(n_heads, device=device)
+    eye_h = torch.eye(n_heads, device=device, dtype=dtype)
     if positions == "all":
         return einops.repeat(eye_h, "c h -> c p h", p=seq).contiguous()
-    eye_p = torch.eye(seq, device=device)
+    eye_p = torch.eye(seq, device=device, dtype=dtype)
     return einops.rearrange(eye_h[:, None, None, :] * eye_p[None, :, :, None],
                             "ch cp p h -> (ch cp) p h")
 
@@ -231,7 +248,7 @@ def _atp_star_qk_own(model, layer, site, a_src, r_base, kwargs, g_pat, positions
     """
     seq = a_src.shape[1]
     n_h = a_src.shape[2]
-    masks = _copy_masks(n_h, seq, positions, a_src.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, a_src.device, a_src.dtype)  # [c, p, h]
     with torch.no_grad():
         pat0 = _pattern_of(model, layer, r_base, kwargs, batch)
         out = []
@@ -268,7 +285,7 @@ def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, b
     """
     d_r = _head_writes(model, layer, dz)
     seq, n_h = d_r.shape[1], d_r.shape[2]
-    masks = _copy_masks(n_h, seq, positions, d_r.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, d_r.device, d_r.dtype)  # [c, p, h]
     total = torch.zeros(batch, masks.shape[0], device=d_r.device)
     step = max(1, ATP_STAR_CHUNK // batch)
     for lp in layers:
@@ -326,7 +343,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
     """
     last = len(model.blocks) - 1
     seq, n_h = dz.shape[1], dz.shape[2]
-    masks = _copy_masks(n_h, seq, positions, dz.device)  # [c, p, h]
+    masks = _copy_masks(n_h, seq, positions, dz.device, dz.dtype)  # [c, p, h]
     m_base = stash.value.to(dz.device)[:, None]
     step = max(1, EXACT_TAIL_CHUNK // batch)
     out = []
@@ -392,6 +409,207 @@ def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
             for layer in range(n_layers)]
 
 
+# --- the block estimator ------------------------------------------------------------------------
+
+
+def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
+                dr: Float[Tensor, "b pos c m"]) -> Float[Tensor, "b pos c m"]:
+    """``MLP_l(r_mid + dr) - MLP_l(r_mid)`` for each copy ``c`` (norm included), exactly.
+
+    Position-wise, so every (prompt, position, copy) is one row. Zero for parallel
+    attention/MLP blocks, whose MLP reads the block input, not the head's write."""
+    if getattr(model.cfg, "parallel_attn_mlp", False):
+        return torch.zeros_like(dr)
+    block = model.blocks[layer]
+
+    def mlp(x: Tensor) -> Tensor:  # [rows, m] -> [rows, m]
+        return torch.cat([block.mlp(block.ln2(x[i:i + MLP_ROW_CHUNK, None]))[:, 0]
+                          for i in range(0, x.shape[0], MLP_ROW_CHUNK)])
+
+    b, p, c, m = dr.shape
+    with torch.no_grad():
+        base = mlp(r_mid.reshape(-1, m)).view(b, p, 1, m)
+        out = mlp((r_mid[:, :, None] + dr).reshape(-1, m)).view(b, p, c, m)
+    return out - base
+
+
+def _relative(num: Tensor, den: Tensor) -> Tensor:
+    return num / den.clamp_min(1e-6 * float(den.abs().max().clamp_min(1e-30)))
+
+
+def _block_z(model, layer, dz, r_mid, g_post, positions) -> tuple[Tensor, Tensor]:
+    """Block estimate and write scale for site z: ``[b, h]`` or ``[b, h, pos]`` each."""
+    dr = _head_writes(model, layer, dz)  # [b, p, h, m]
+    total = dr + _mlp_change(model, layer, r_mid, dr)
+    pattern = "b p h m, b p m -> b h" if positions == "all" else "b p h m, b p m -> b h p"
+    eff = einsum(total, g_post, pattern)
+    scale = _relative(dr.norm(dim=-1), r_mid.norm(dim=-1)[:, :, None])  # [b, p, h]
+    return eff, (scale.mean(1) if positions == "all" else scale.transpose(1, 2))
+
+
+def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positions,
+                batch) -> Tensor:
+    """Block estimate for sites q/k/v/pattern: each copy's attention recomputed exactly with the
+    patched activation, its write through the exact MLP, dotted with ``g_post``."""
+    seq = r_pre.shape[1]
+    n_h = a_src.shape[hooks.head_axis(site)]
+    masks = _copy_masks(n_h, seq, positions, a_src.device, a_src.dtype)  # [c, p, h]
+    W_O = model.blocks[layer].attn.W_O.detach()
+    eff = []
+    step = max(1, ATP_STAR_CHUNK // batch)
+    with torch.no_grad():
+        z0 = _attn_grab(model, layer, r_pre, kwargs, batch, hooks.z(layer))
+        for start in range(0, masks.shape[0], step):
+            m = masks[start:start + step]
+            c = m.shape[0]
+            if site == "pattern":  # [b, h, q, k], copies on (head, query)
+                mask = einops.repeat(m, "c q h -> (c b) h q 1", b=batch)
+            else:
+                mask = einops.repeat(m, "c p h -> (c b) p h 1", b=batch)
+            src = a_src.repeat(c, *([1] * (a_src.ndim - 1)))
+
+            def swap(t: Tensor, hook: Any, mask=mask, src=src) -> Tensor:
+                return t + mask * (src - t)
+
+            z = _attn_grab(model, layer, r_pre.repeat(c, 1, 1), kwargs, batch, hooks.z(layer),
+                           [(hooks.head_site(site, layer), swap)])
+            dz = einops.rearrange(z, "(c b) p h d -> c b p h d", c=c) - z0
+            dr = einsum(dz, W_O, "c b p h d, h d m -> b p c m")
+            total = dr + _mlp_change(model, layer, r_mid, dr)
+            eff.append(einsum(total, g_post, "b p c m, b p m -> b c"))
+    eff_all = torch.cat(eff, dim=1)  # [b, copies]
+    return eff_all if positions == "all" else einops.rearrange(eff_all, "b (h p) -> b h p",
+                                                               p=seq)
+
+
+def _site_scale(delta: Tensor, a_base: Tensor, site: str, positions: str) -> Tensor:
+    """Write scale of sites q/k/v (|delta| / |a_base| per position) and pattern (total variation
+    of the query row): ``[b, h]`` or ``[b, h, pos]``."""
+    if site == "pattern":  # [b, h, q, k]
+        r = delta.abs().sum(-1) / 2
+        return r.mean(-1) if positions == "all" else r
+    r = _relative(delta.norm(dim=-1), a_base.norm(dim=-1))  # [b, p, h]
+    return r.mean(1) if positions == "all" else r.transpose(1, 2)
+
+
+def _z_scale(model, layer, dz, r_mid, positions) -> Tensor:
+    dr = _head_writes(model, layer, dz)
+    r = _relative(dr.norm(dim=-1), r_mid.norm(dim=-1)[:, :, None])
+    return r.mean(1) if positions == "all" else r.transpose(1, 2)
+
+
+# --- forward runs that keep activations in the autograd graph ------------------------------------
+
+
+def _grad_run(model: Any, tokens: Tensor, stash: _MetricStash, keep: Sequence[str],
+              embed: Tensor | None = None, extra: Sequence[tuple[str, Callable]] = ()
+              ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Forward of ``tokens`` (token embedding replaced by ``embed`` if given) keeping the
+    activations at ``keep``; returns the objective (``stash``: sum of per-prompt metrics) and
+    them, for ``torch.autograd.grad`` (parameters' ``.grad`` are left alone)."""
+    kept: dict[str, Tensor] = {}
+
+    def keep_hook(name: str) -> Callable:
+        def f(t: Tensor, hook: Any) -> Tensor:
+            kept[name] = t
+            return t
+        return f
+
+    def emb(t: Tensor, hook: Any) -> Tensor:
+        x = t if embed is None else embed
+        # frozen weights: the graph must still start here for activation gradients
+        return x if x.requires_grad else x.detach().requires_grad_(True)
+
+    fwd = [(hooks.EMBED, emb)] + [(n, keep_hook(n)) for n in keep] + list(extra)
+    with torch.enable_grad(), model.hooks(fwd_hooks=fwd):
+        obj = stash(model(tokens))
+    return obj, kept
+
+
+def _grads(obj: Tensor, kept: dict[str, Tensor], names: Sequence[str], retain: bool
+           ) -> list[Tensor]:
+    got = torch.autograd.grad(obj, [kept[n] for n in names], retain_graph=retain,
+                              allow_unused=True)
+    return [torch.zeros_like(kept[n]) if g is None else g for n, g in zip(names, got, strict=True)]
+
+
+def _plain_run(model: Any, tokens: Tensor, stash: _MetricStash, names: Sequence[str]
+               ) -> dict[str, Tensor]:
+    """No-grad forward caching ``names``; ``stash`` records the metric."""
+    want = set(names)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens, names_filter=lambda n: n in want)
+        stash(logits)
+    return {n: cache[n] for n in names}
+
+
+def _gates(n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
+    """GradDrop: a 0/1 mask per block and forward hooks that scale the gradient flowing back
+    through that block's attention and MLP outputs by it (the forward is unchanged)."""
+    mask = torch.ones(n_layers)
+
+    def gate(layer: int) -> Callable:
+        def f(t: Tensor, hook: Any) -> Tensor:
+            if t.requires_grad:
+                t.register_hook(lambda g: g * mask[layer])
+            return t
+        return f
+
+    fwd = [(name(layer), gate(layer)) for layer in range(n_layers)
+           for name in (hooks.attn_out, hooks.mlp_out)]
+    return mask, fwd
+
+
+# --- cost ----------------------------------------------------------------------------------------
+
+
+def block_shares(model: Any, seq: int) -> tuple[float, float]:
+    """FLOP shares (attention, MLP) of one block per token (attention scores over ``seq``/2 keys
+    on average): what one attention or one MLP call costs, in blocks."""
+    f = hooks.facts(model)
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+    mlp = 2 * f.d_model * d_mlp * (3 if getattr(model.cfg, "gated_mlp", False) else 2)
+    attn = 4 * f.d_model * f.d_head * (f.n_heads + f.n_kv_heads) + 2 * f.n_heads * f.d_head * seq
+    return attn / (attn + mlp), mlp / (attn + mlp)
+
+
+def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq: int,
+                     ig_steps: int = IG_STEPS, exact_tail: bool = False) -> float:
+    """Pass-equivalents per prompt of ``estimator`` (formulas in the module docstring)."""
+    f = hooks.facts(model)
+    L, s_attn, s_mlp = f.n_layers, *block_shares(model, seq)
+    copies = f.n_heads_at(site) * (seq if positions == "each" else 1)
+    if estimator == "atp":
+        return 4.0
+    if estimator == "block":
+        return 4.0 + (f.n_heads * s_mlp if site == "z" else copies * (s_attn + s_mlp))
+    if estimator == "ig":
+        return 2.0 + 3.0 * ig_steps
+    graddrop = 2.0 + 2.0 * (L + 1)
+    if estimator == "graddrop":
+        return graddrop
+    # Q/K fix: z: one attention call per head copy and (layer, later layer) pair, a VJP per
+    # later layer; q/k: one attention call per copy per layer. Exact tail: a block per copy.
+    if site == "z":
+        qk = (copies * L * (L - 1) / 2 * s_attn + (L - 1) * 2 * s_attn) / L
+    else:
+        qk = copies * s_attn
+    qk += copies if exact_tail else 0.0
+    return 4.0 + qk + (graddrop - 2.0 if estimator == "atp*" else 0.0)
+
+
+def resolve_estimator(estimator: str | None, atp_star: bool) -> str:
+    """``estimator`` checked, or the legacy choice: ``"qk"`` for ``atp_star=True``, else
+    ``"atp"``."""
+    if estimator is None:
+        return "qk" if atp_star else "atp"
+    choice("estimator", estimator, ESTIMATORS)
+    if atp_star and estimator not in ("qk", "atp*"):
+        raise ValueError(f"atp_star=True selects AtP*'s Q/K fix (estimator 'qk'); it cannot be "
+                         f"combined with estimator={estimator!r}. Pass one of the two.")
+    return estimator
+
+
 # --- public API ------------------------------------------------------------------------------
 
 
@@ -407,8 +625,10 @@ def attribution_patch_heads(
     batch_size: int | None = None,
     progress: bool = True,
     exact_tail: bool | None = None,
+    estimator: str | None = None,
+    ig_steps: int = IG_STEPS,
 ) -> PatchResult:
-    """Estimate every head's patching effect by attribution (optionally AtP*); see module doc.
+    """Estimate every head's patching effect by attribution; see the module docstring.
 
     Args:
         model: a TransformerBridge (eval mode).
@@ -419,101 +639,73 @@ def attribution_patch_heads(
         site: "z", "q", "k", "v" (k/v: KV heads under GQA) or "pattern".
         positions: "all" -> values [n_layers, n_heads]; "each" -> [n_layers, n_heads, seq]
             (for "pattern" the position is the query position).
-        atp_star: apply the AtP* Q/K correction (sites z, q, k).
+        estimator: one of ``ESTIMATORS`` (default: "qk" with ``atp_star``, else "atp").
+        atp_star: legacy switch for estimator "qk" (sites z, q, k), with the exact tail on.
         batch_size: prompts per forward/backward (default: all; a metric without per-prompt
             values always runs all prompts at once).
-        exact_tail: evaluate the last block and the readout exactly for each head's direct
-            write (site z; default: on with ``atp_star``); see the module docstring.
+        exact_tail: estimators "qk"/"atp*", site z: evaluate the last block and the readout
+            exactly for each head's direct write (default: on with ``atp_star`` only).
+        ig_steps: interpolation steps ``m`` of estimator "ig".
 
     Returns:
-        PatchResult, method "attribution" (``meta["atp_star"]``, ``meta["plan"]``);
-        ``values = metric(base) + delta`` (mean over prompts).
+        PatchResult, method "attribution"; ``values = metric(base) + delta`` (mean over
+        prompts); ``meta``: estimator, pass_equivalents, seconds, write_scale, plan ("qk").
     """
+    t_start = time.perf_counter()
     choice("direction", direction, DIRECTIONS)
     choice("site", site, hooks.PATCH_HEAD_SITES)
     choice("positions", positions, POSITIONS)
+    est = resolve_estimator(estimator, atp_star)
+    if isinstance(ig_steps, bool) or not isinstance(ig_steps, int) or ig_steps < 1:
+        raise ValueError(f"ig_steps={ig_steps!r}: expected a positive integer (interpolation "
+                         "steps of estimator 'ig').")
     clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     metric = as_metric(metric, n, seq, f.d_vocab)
-    if atp_star and site not in ATP_STAR_SITES:
+    qk = est in ("qk", "atp*")
+    if qk and site not in ATP_STAR_SITES:
         raise NotImplementedError(
-            f"atp_star=True corrects Q/K (softmax) effects for sites {ATP_STAR_SITES}; "
-            f"site={site!r} acts linearly on its own head's output, use atp_star=False.")
-    if exact_tail and site != "z":
-        raise NotImplementedError("exact_tail is implemented for site='z' only.")
-    from transformer_lens.tools.analysis.attribution_patching import (
-        cache_activation_and_gradient,
-    )
-
-    tail = (atp_star if exact_tail is None else exact_tail) and site == "z"
-    steps = estimator_plan(f.n_layers, site, atp_star, tail)
-    last = f.n_layers - 1
+            f"estimator {est!r} (AtP*'s Q/K fix) corrects softmax effects for sites "
+            f"{ATP_STAR_SITES}; site={site!r} acts linearly on its own head's output: use "
+            "estimator 'atp', 'block', 'graddrop' or 'ig'.")
+    if exact_tail and (site != "z" or not qk):
+        raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
+                                  "or 'atp*' only.")
+    tail = bool(qk and site == "z" and (atp_star and estimator is None
+                                        if exact_tail is None else exact_tail))
+    steps = estimator_plan(f.n_layers, site, qk, tail) if qk else None
     device = next(model.parameters()).device
     bs = batch_size if (batch_size and metric.per_prompt_values) else n
     base_all, src_all = ((corrupt_tokens, clean_tokens) if direction == "denoise"
                          else (clean_tokens, corrupt_tokens))
-    site_names = [hooks.head_site(site, layer) for layer in range(f.n_layers)]
-    # What the plan needs cached: patterns (and their gradients) of the layers it recomputes,
-    # the residual inputs there and at the last block, and those modules' call arguments.
-    attn_layers = sorted({lp for st in steps for lp in st.downstream_qk}
-                         | {st.layer for st in steps if st.own == "qk_exact"})
-    resid_layers = sorted(set(attn_layers) | ({last} if tail else set()))
-    extra = [hooks.pattern(lay) for lay in attn_layers] + [hooks.resid_pre(lay)
-                                                           for lay in resid_layers]
-    modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
-    if tail:
-        modules["block"] = model.blocks[last]
     reads = metric.read_positions()
 
-    def lean(at: Tensor | None) -> Any:  # with known read positions: compute only there
-        return contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
-
-    effects, base_vals, src_vals = [], [], []
+    effects, scales, base_vals, src_vals, gd_terms = [], [], [], [], []
     # No per-head hook_result einsum: nothing here reads it (the writes come from W_O).
     with shortcuts.attn_result_off(model):
         for start in _progress(range(0, n, bs), progress and n > bs, "attribution"):
             idx = torch.arange(start, min(start + bs, n))
-            base, src, b = base_all[idx].to(device), src_all[idx].to(device), len(idx)
+            base, src = base_all[idx].to(device), src_all[idx].to(device)
             at = None if reads is None else reads[idx].to(device)
             stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
-            capture = _Inputs(modules)
-            with torch.enable_grad(), capture, lean(at):
-                # hook_embed is cached too: TL's backward stops at the most upstream cached point,
-                # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
-                # cannot be backfilled, so layer 0's site gradient would be lost without it.
-                gc = cache_activation_and_gradient(model, base, stash_base,
-                                                   names_filter=[hooks.EMBED, *site_names, *extra])
-            with torch.no_grad(), lean(at):
-                sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
-                                                   compute_gradient=False)
-            acts, grads = gc.activations, gc.gradients
-            r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
-            g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
-                     for lp in attn_layers}
-            eff = []
-            for st in steps:
-                name = site_names[st.layer]
-                a_b, a_s = acts[name], sc.activations[name]
-                delta = a_s - a_b
-                if st.own == "exact_tail":
-                    e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                                    None, stash_base, idx, positions, b)
-                elif st.own == "qk_exact":
-                    e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
-                                         capture.kwargs[st.layer], g_pat[st.layer], positions, b)
-                else:
-                    e = _head_effect(delta, _zero_if_none(grads[name], a_b), site, positions)
-                if st.downstream_qk:
-                    e = e + _atp_star_z_downstream(model, st.layer, delta, r_base,
-                                                   capture.kwargs, g_pat, positions, b,
-                                                   st.downstream_qk)
-                if st.tail_correction:
-                    e = e + _exact_tail(model, st.layer, delta, r_base[last],
-                                        capture.kwargs["block"], grads[hooks.resid_pre(last)],
-                                        stash_base, idx, positions, b)
-                eff.append(e.detach().float().cpu())
-            effects.append(torch.stack(eff, dim=1))  # [b, L, H(, P)]
+            args = (model, base, src, stash_base, stash_src, site, positions, at)
+            if est in ("atp", "qk"):
+                eff, scale = _batch_atp_qk(*args, steps, tail)
+            elif est == "block":
+                eff, scale = _batch_block(*args)
+            elif est == "ig":
+                eff, scale = _batch_ig(*args, ig_steps)
+            else:  # graddrop, atp*: terms [b, L(dropped), L, H(, P)], mean over prompts later
+                terms, scale = _batch_graddrop(*args)
+                if est == "atp*":
+                    # the Q/K correction (qk - plain) added to every GradDrop term
+                    qk_eff, _ = _batch_atp_qk(*args, steps, tail)
+                    terms = terms + (qk_eff - terms[:, -1])[:, None]
+                gd_terms.append(terms)
+                eff = terms[:, -1]  # nothing dropped after the last layer: plain (+ Q/K fix)
+            effects.append(eff.detach().float().cpu())
+            scales.append(scale.detach().float().cpu())
             base_vals.append(stash_base.value.float().cpu())
             src_vals.append(stash_src.value.float().cpu())
 
@@ -525,18 +717,206 @@ def attribution_patch_heads(
             f"metric {metric.name!r} or its gradient is not finite on these prompts "
             f"(base {base_pp.tolist()[:4]}, source {src_pp.tolist()[:4]}); attribution cannot "
             "estimate effects. Check the answer positions/tokens the metric reads.")
+    pp = metric.per_prompt_values
+    if gd_terms:  # GradDrop: magnitudes of prompt-mean estimates; no per-prompt values
+        mean_terms = torch.cat([t.detach().float().cpu() for t in gd_terms]).mean(0)
+        delta_mean, pp = _graddrop_combine(mean_terms), False
+    else:
+        delta_mean = delta.mean(0)
     per_prompt = base_pp.reshape(-1, *([1] * (delta.ndim - 1))) + delta
     clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
-    pp = metric.per_prompt_values
-    meta = dict(atp_star=atp_star, exact_tail=tail, n_prompts=n, batch_size=bs,
-                passes=ATTRIBUTION_COST,
-                plan=[dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
-                           tail_correction=st.tail_correction) for st in steps])
+    meta = dict(estimator=est, atp_star=qk, exact_tail=tail, n_prompts=n, batch_size=bs,
+                passes=ATTRIBUTION_COST if est == "atp" else f"see estimator {est!r}",
+                pass_equivalents=n * estimator_passes(model, est, site, positions, seq,
+                                                      ig_steps, tail),
+                seconds=time.perf_counter() - t_start,
+                write_scale=torch.cat(scales).mean(0).tolist())
+    if est == "ig":
+        meta["ig_steps"] = ig_steps
+    if steps is not None:
+        meta["plan"] = [dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
+                             tail_correction=st.tail_correction) for st in steps]
     return PatchResult(
-        values=per_prompt.mean(0), clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
+        values=base_pp.mean() + delta_mean, clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
         direction=direction, method="attribution", site=site, positions=positions,
         per_prompt=per_prompt if pp else None, clean_per_prompt=clean_pp if pp else None,
         corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+
+
+# --- one batch of prompts, per estimator ----------------------------------------------------------
+# Each returns per-prompt effects [b, L, H] ([b, L, H, P] for positions "each") and the write
+# scale of the same shape; the stashes record the base and source metrics.
+
+
+def _lean(model: Any, at: Tensor | None) -> Any:
+    """With known read positions: the last MLP and the unembedding computed there only."""
+    return contextlib.nullcontext() if at is None else shortcuts.reads_only(model, at)
+
+
+def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, steps, tail):
+    """Plain attribution ("atp") or the Q/K fix ("qk"), walking ``steps`` (None: plain)."""
+    from transformer_lens.tools.analysis.attribution_patching import (
+        cache_activation_and_gradient,
+    )
+
+    f = hooks.facts(model)
+    last, b = f.n_layers - 1, base.shape[0]
+    steps = steps or [LayerStep(layer) for layer in range(f.n_layers)]
+    site_names = [hooks.head_site(site, layer) for layer in range(f.n_layers)]
+    # What the plan needs cached: patterns (and their gradients) of the layers it recomputes,
+    # the residual inputs there and at the last block, and those modules' call arguments.
+    attn_layers = sorted({lp for st in steps for lp in st.downstream_qk}
+                         | {st.layer for st in steps if st.own == "qk_exact"})
+    resid_layers = sorted(set(attn_layers) | ({last} if tail else set()))
+    extra = [hooks.pattern(lay) for lay in attn_layers] + [hooks.resid_pre(lay)
+                                                           for lay in resid_layers]
+    mids = [hooks.resid_mid(lay) for lay in range(f.n_layers)] if site == "z" else []
+    modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
+    if tail:
+        modules["block"] = model.blocks[last]
+    capture = _Inputs(modules)
+    with torch.enable_grad(), capture, _lean(model, at):
+        # hook_embed is cached too: TL's backward stops at the most upstream cached point,
+        # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
+        # cannot be backfilled, so layer 0's site gradient would be lost without it.
+        gc = cache_activation_and_gradient(model, base, stash_base,
+                                           names_filter=[hooks.EMBED, *site_names, *extra,
+                                                         *mids])
+    with torch.no_grad(), _lean(model, at):
+        sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
+                                           compute_gradient=False)
+    acts, grads = gc.activations, gc.gradients
+    r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
+    g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
+             for lp in attn_layers}
+    idx = torch.arange(b)
+    eff, scale = [], []
+    for st in steps:
+        name = site_names[st.layer]
+        a_b, a_s = acts[name], sc.activations[name]
+        delta = a_s - a_b
+        if st.own == "exact_tail":
+            e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
+                            None, stash_base, idx, positions, b)
+        elif st.own == "qk_exact":
+            e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
+                                 capture.kwargs[st.layer], g_pat[st.layer], positions, b)
+        else:
+            e = _head_effect(delta, _zero_if_none(grads[name], a_b), site, positions)
+        if st.downstream_qk:
+            e = e + _atp_star_z_downstream(model, st.layer, delta, r_base, capture.kwargs,
+                                           g_pat, positions, b, st.downstream_qk)
+        if st.tail_correction:
+            e = e + _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
+                                grads[hooks.resid_pre(last)], stash_base, idx, positions, b)
+        eff.append(e.detach())
+        scale.append(_z_scale(model, st.layer, delta, acts[mids[st.layer]], positions)
+                     if site == "z" else _site_scale(delta, a_b, site, positions))
+    return torch.stack(eff, dim=1), torch.stack(scale, dim=1)
+
+
+def _batch_block(model, base, src, stash_base, stash_src, site, positions, at):
+    """The head's own block exactly (its attention for q/k/v/pattern, then its MLP), then the
+    base gradient at the block's output."""
+    f = hooks.facts(model)
+    L = f.n_layers
+    site_names = [hooks.head_site(site, layer) for layer in range(L)]
+    mids = [hooks.resid_mid(layer) for layer in range(L)]
+    posts = [hooks.resid_post(layer) for layer in range(L)]
+    pres = [hooks.resid_pre(layer) for layer in range(L)] if site != "z" else []
+    capture = _Inputs({} if site == "z" else {lay: model.blocks[lay].attn for lay in range(L)})
+    with capture, _lean(model, at):
+        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *posts, *pres])
+        g_post = _grads(obj, kept, posts, retain=False)
+        src_acts = _plain_run(model, src, stash_src, site_names)
+    eff, scale = [], []
+    for layer in range(L):
+        a_b, a_s = kept[site_names[layer]].detach(), src_acts[site_names[layer]]
+        r_mid = kept[mids[layer]].detach()
+        if site == "z":
+            e, s = _block_z(model, layer, a_s - a_b, r_mid, g_post[layer], positions)
+        else:
+            e = _block_attn(model, layer, site, a_s, kept[pres[layer]].detach(), r_mid,
+                            capture.kwargs[layer], g_post[layer], positions, base.shape[0])
+            s = _site_scale(a_s - a_b, a_b, site, positions)
+        eff.append(e)
+        scale.append(s)
+    return torch.stack(eff, dim=1), torch.stack(scale, dim=1)
+
+
+def _batch_ig(model, base, src, stash_base, stash_src, site, positions, at, ig_steps):
+    """Integrated gradients along the embedding path from the base to the source tokens."""
+    f = hooks.facts(model)
+    L = f.n_layers
+    site_names = [hooks.head_site(site, layer) for layer in range(L)]
+    mids = [hooks.resid_mid(layer) for layer in range(L)] if site == "z" else []
+    with _lean(model, at):
+        b_acts = _plain_run(model, base, stash_base, [hooks.EMBED, *site_names, *mids])
+        s_acts = _plain_run(model, src, stash_src, [hooks.EMBED, *site_names])
+        e_b, e_s = b_acts[hooks.EMBED], s_acts[hooks.EMBED]
+        mean_grad = [torch.zeros_like(b_acts[n]) for n in site_names]
+        for k in range(ig_steps):
+            alpha = (k + 0.5) / ig_steps
+            obj, kept = _grad_run(model, base, _MetricStash(stash_base.metric, torch.arange(
+                base.shape[0]), stash_base.at), site_names, embed=e_b + alpha * (e_s - e_b))
+            for acc, g in zip(mean_grad, _grads(obj, kept, site_names, retain=False),
+                              strict=True):
+                acc += g / ig_steps
+    eff, scale = [], []
+    for layer, name in enumerate(site_names):
+        delta = s_acts[name] - b_acts[name]
+        eff.append(_head_effect(delta, mean_grad[layer], site, positions))
+        scale.append(_z_scale(model, layer, delta, b_acts[mids[layer]], positions)
+                     if site == "z" else _site_scale(delta, b_acts[name], site, positions))
+    return torch.stack(eff, dim=1), torch.stack(scale, dim=1)
+
+
+def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at):
+    """Per-prompt GradDrop terms ``[b, L + 1, L, H(, P)]``: index ``l' < L`` is plain AtP with
+    block ``l'``'s residual contribution dropped from the backward; index ``L`` drops nothing."""
+    f = hooks.facts(model)
+    L = f.n_layers
+    site_names = [hooks.head_site(site, layer) for layer in range(L)]
+    mids = [hooks.resid_mid(layer) for layer in range(L)] if site == "z" else []
+    mask, gates = _gates(L)
+    with _lean(model, at):
+        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids], extra=gates)
+        src_acts = _plain_run(model, src, stash_src, site_names)
+    deltas = [src_acts[n] - kept[n].detach() for n in site_names]
+
+    def effects(grads: list[Tensor]) -> Tensor:
+        return torch.stack([_head_effect(d, g, site, positions)
+                            for d, g in zip(deltas, grads, strict=True)], dim=1)
+
+    plain = effects(_grads(obj, kept, site_names, retain=True))
+    terms = []
+    for drop in range(L):
+        mask.fill_(1.0)
+        mask[drop] = 0.0
+        # dropping block ``drop`` changes only the gradients of heads in layers <= drop
+        got = _grads(obj, kept, site_names[:drop + 1], retain=drop < L - 1)
+        t = plain.clone()
+        t[:, :drop + 1] = effects(got + [torch.zeros_like(kept[n]) for n in
+                                         site_names[drop + 1:]])[:, :drop + 1]
+        terms.append(t)
+    mask.fill_(1.0)
+    terms.append(plain)
+    scale = torch.stack([_z_scale(model, layer, deltas[layer], kept[mids[layer]].detach(),
+                                  positions) if site == "z"
+                         else _site_scale(deltas[layer], kept[name].detach(), site, positions)
+                         for layer, name in enumerate(site_names)], dim=1)
+    return torch.stack(terms, dim=1), scale
+
+
+def _graddrop_combine(terms: Tensor) -> Tensor:
+    """Mean-over-prompt GradDrop terms ``[L + 1, L, H(, P)]`` -> signed estimates ``[L, H(, P)]``:
+    magnitude ``1/(L-1) sum_{l'} |term_l'|``, sign of the largest term."""
+    drops = terms[:-1]  # [L, L, H(, P)]
+    L = drops.shape[0]
+    mag = drops.abs().sum(0) / max(1, L - 1)
+    top = drops.abs().argmax(0, keepdim=True)
+    sign = torch.sign(drops.gather(0, top)[0])
+    return torch.where(sign == 0, torch.ones_like(sign), sign) * mag
 
 
 def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
