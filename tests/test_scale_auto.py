@@ -12,7 +12,7 @@ import circuitkit as ck
 from circuitkit.cli import app
 from circuitkit.patching import api
 from circuitkit.patching import plan as P
-from circuitkit.patching.attribution import attribution_patch_heads
+from circuitkit.patching.attribution import SCREENING_ESTIMATOR, attribution_patch_heads
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,13 @@ def test_small_model_runs_exact_and_reports_screening_recall(model, task, exact)
     assert auto["chose"] == "exact" and res.method == "exact"
     assert auto["exact_flops_per_token"] == pytest.approx(2 * n_params * 16 * (2 + 1) / 2)
     assert torch.equal(res.values, exact.values)
-    # recall by hand: the exact top 5 against an AtP* screen's top 5
+    # recall by hand: the exact top 5 against the screening estimator's top 5
     screen = attribution_patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                                     atp_star=True, progress=False)
+                                     estimator=SCREENING_ESTIMATOR, progress=False)
     want = topk(exact.values - exact.corrupt, 5)
     got = topk(screen.values - exact.corrupt, 5)
     sc = auto["screening"]
-    assert sc["k"] == 5 and sc["estimator"] == "AtP*"
+    assert sc["k"] == 5 and sc["estimator"] == SCREENING_ESTIMATOR
     assert {tuple(c) for c in sc["exact_top"]} == want
     assert {tuple(c) for c in sc["screen_top"]} == got
     assert sc["recall"] == len(want & got) / 5
