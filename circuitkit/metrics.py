@@ -180,30 +180,39 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
     def per_prompt_fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         # Rows may tile the prompts (one copy per patched variant): copy c of prompt i is the
         # c-th row whose idx is i. Each copy is one call of fn on a full batch.
-        copy = torch.zeros_like(idx)
         seen: dict[int, int] = {}
+        copies: list[list[int]] = []
         for r, i in enumerate(idx.tolist()):
-            copy[r] = seen.get(i, 0)
-            seen[i] = copy[r].item() + 1
+            c = seen.get(i, 0)
+            seen[i] = c + 1
+            if c == len(copies):
+                copies.append([])
+            copies[c].append(r)
         out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
         pos = torch.arange(rows.shape[1], device=logits.device)
         # Without autograd one buffer serves every copy: each copy overwrites the same cells
         # (a scalar metric's copy holds every prompt; a per-prompt one's other rows are unread).
         differentiable = torch.is_grad_enabled() and logits.requires_grad
         buffer = None if differentiable else logits.new_zeros(n, seq, d_vocab)
-        for c in range(int(copy.max()) + 1 if len(copy) else 0):
-            r = (copy == c).nonzero()[:, 0]
+        pattern: tuple | None = None  # index pattern of the last copy: reused by copies alike
+        for rows_c in copies:
+            r = torch.tensor(rows_c, device=logits.device)
             if not per_prompt and len(r) != n:
                 raise ValueError(
                     f"metric {name!r} returns one scalar for the whole batch, so it must see all "
                     f"{n} prompts at once; it was given {len(r)}. Return one value per prompt "
                     "([batch]) to allow splitting prompts.")
-            rr, pp = (rows[r] >= 0).nonzero(as_tuple=True)
-            where, values = (idx[r][rr], pos[pp]), logits[r[rr], rows[r][rr, pp]]
+            ids, rows_r = idx[r], rows[r]
+            if pattern is None or not (torch.equal(pattern[0], ids)
+                                       and torch.equal(pattern[1], rows_r)):
+                rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
+                pattern = (ids, rows_r, rr, pp, (ids[rr], pos[pp]))
+            _, _, rr, pp, where = pattern
+            values = logits[r[rr], rows[r][rr, pp]]
             full = (logits.new_zeros(n, seq, d_vocab).index_put(where, values) if differentiable
                     else buffer.index_put_(where, values))
             value, _ = _call(fn, full, n, name)
-            out = out.index_put((r,), (value[idx[r]] if per_prompt else value.expand(len(r)))
+            out = out.index_put((r,), (value[ids] if per_prompt else value.expand(len(r)))
                                 .to(out.dtype))
         return out
 

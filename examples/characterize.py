@@ -19,7 +19,7 @@ model = ck.load_model("icd-teacher")
 for phase in (1, 2):
     task = ck.load_task("icd10", n_examples=64, split="test", phase=phase)
     for direction in ("denoise", "noise"):
-        res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
+        res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                              direction=direction)
         res.meta.update(model_name="icd-teacher", task="icd10", phase=phase)
         res.save(out / f"patch-p{phase}-{direction}")

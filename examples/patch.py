@@ -16,7 +16,7 @@ out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example-patch")
 model = ck.load_model("icd-teacher")
 task = ck.load_task("icd10", n_examples=32, split="test")  # Phase 2: target vs near-miss margin
 for direction in ("denoise", "noise"):
-    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          direction=direction)
     res.meta.update(model_name="icd-teacher", task="icd10", phase=2)
     res.save(out / f"patch-p2-{direction}")

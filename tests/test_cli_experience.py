@@ -90,3 +90,31 @@ def test_evaluate_prints_a_table_and_json_says_what_was_evaluated(evaluated):
     assert doc["model"] == "icd-teacher" and doc["task"] == "icd10"
     assert doc["n_examples"] == 6 and doc["seed"] == 0
     assert set(doc["metrics"]) == set(doc["meanings"]) >= {"focus", "confusion", "exact_match"}
+
+
+def test_progress_counts_patched_prompts_not_token_blocks(tiny_llama, capsys):
+    import circuitkit as ck
+
+    task = ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
+    ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, task.metric,
+                   progress=True)
+    err = capsys.readouterr().err
+    assert "patched-prompt" in err and "token-block" not in err
+    assert "36/36" in err  # 3 layers x 4 heads x 3 prompts, with an ETA while it runs
+
+
+def test_cost_is_said_one_way_everywhere():
+    """Attribution's cost is "4 pass-equivalents per prompt" in the info table, the plan and
+    the result's metadata; the old wordings are gone."""
+    import circuitkit as ck
+
+    info = run(["info", "--model", "llama3-70b"])
+    assert "4 pass-equivalents per prompt" in info.output
+    plan = run([*PATCH, "--plan", "--method", "attribution"])
+    assert "pass-equivalents" in plan.output
+    task = ck.load_task("induction", n_examples=2, seg_len=4, vocab_size=64, seed=1)
+    res = ck.patch_heads(ck.load_model("induction-2l"), task.clean_tokens, task.corrupt_tokens,
+                         task.metric, method="attribution", progress=False)
+    assert res.meta["passes"].startswith("4 pass-equivalents per prompt")
+    for old in ("2 forward + 1 backward per prompt", "~3 passes", "2 passes"):
+        assert old not in info.output + plan.output + res.meta["passes"]

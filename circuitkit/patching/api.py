@@ -638,10 +638,12 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in mine),
+        # the memory probe's chunk (already done) counts too: the bar shows the whole sweep
+        bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in [*computed, *mine]),
+                   initial=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in computed),
                    desc=f"patch {sweep.site} {sweep.direction}", unit="patched-prompt",
                    dynamic_ncols=True, file=sys.stderr)
-    computed = dict(computed)  # (the memory probe's chunk, already done)
+    computed = dict(computed)
     try:
         for cid in mine:
             computed[cid] = _chunk_fitting(engine, sweep.chunks[cid], splits)
