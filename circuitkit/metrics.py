@@ -27,6 +27,7 @@ logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metric
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -125,10 +126,21 @@ def as_metric(metric: Any, n_prompts: int | None = None, seq: int | None = None,
         raise ValueError("as_metric(fn) needs n_prompts, seq and d_vocab: the shape of the "
                          "logits fn will be called on.")
     name = name or str(getattr(metric, "__name__", None) or type(metric).__name__)
-    per_prompt, reads, note = _probe(metric, n_prompts, seq, d_vocab, name)
-    fn = _wrapped(metric, per_prompt, n_prompts, seq, d_vocab, name)
-    return PromptMetric(fn, name, reads=reads, per_prompt_values=per_prompt,
-                        n_prompts=n_prompts, note=note)
+    key = (n_prompts, seq, d_vocab, name)
+    try:  # the same callable on the same shape (e.g. both directions): probed once
+        cached = _WRAPPED.setdefault(metric, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cached = {}
+    if key not in cached:
+        per_prompt, reads, note, vmappable = _probe(metric, n_prompts, seq, d_vocab, name)
+        fn = _wrapped(metric, per_prompt, n_prompts, seq, d_vocab, name, vmappable)
+        cached[key] = PromptMetric(fn, name, reads=reads, per_prompt_values=per_prompt,
+                                   n_prompts=n_prompts, note=note)
+    return cached[key]
+
+
+# Wrapped callables by callable (weakly: a wrapper lives as long as the user's function).
+_WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _call(fn: Callable, logits: Tensor, n: int, name: str) -> tuple[Tensor, bool]:
@@ -145,37 +157,66 @@ def _call(fn: Callable, logits: Tensor, n: int, name: str) -> tuple[Tensor, bool
 
 
 def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
-           ) -> tuple[bool, Tensor | None, str]:
-    """(per-prompt?, reads [n, k] or None, note): see the module docstring."""
+           ) -> tuple[bool, Tensor | None, str, bool]:
+    """(per-prompt?, reads [n, k] or None, note, vmappable?): see the module docstring.
+
+    vmappable: ``torch.vmap(fn)`` over a leading copy axis of the two probe inputs gives what the
+    two plain calls gave (pure tensor code does; ``.item()``, data-dependent Python branches and
+    in-place writes into the input do not); then all copies of a sweep chunk are one call."""
     touched = torch.zeros(n, seq, dtype=torch.bool)
-    per_prompt = False
+    per_prompt, differentiable = False, True
+    xs, outs = [], []
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, seq, d_vocab, generator=g).requires_grad_(True)
         with torch.enable_grad():
             out, per_prompt = _call(fn, x, n, name)
-            if not out.requires_grad:
-                return per_prompt, None, (
-                    f"metric {name!r} is not differentiable, so the positions it reads are "
-                    "unknown: every position was computed (slower, same values)")
-            (grad,) = torch.autograd.grad(out.sum(), x, allow_unused=True)
-        if grad is not None:
-            touched |= grad.abs().sum(-1) > 0
+            differentiable = differentiable and out.requires_grad
+            if differentiable:
+                (grad,) = torch.autograd.grad(out.sum(), x, allow_unused=True)
+                if grad is not None:
+                    touched |= grad.abs().sum(-1) > 0
+        xs.append(x.detach())
+        outs.append(out.detach())
+    vmappable = _vmappable(fn, torch.stack(xs), torch.stack(outs))
+    if not differentiable:
+        return per_prompt, None, (
+            f"metric {name!r} is not differentiable, so the positions it reads are unknown: "
+            "every position was computed (slower, same values)"), vmappable
     if not touched.any(-1).all():
         return per_prompt, None, (
             f"metric {name!r}: the probe found prompts whose value reads no logit; every "
-            "position was computed")
+            "position was computed"), vmappable
     width = int(touched.sum(-1).max())
     reads = torch.zeros(n, width, dtype=torch.long)
     for b in range(n):
         pos = touched[b].nonzero()[:, 0]
         reads[b] = torch.cat([pos, pos[:1].expand(width - len(pos))])
-    return per_prompt, reads, f"metric {name!r}: read positions found by a gradient probe"
+    return (per_prompt, reads, f"metric {name!r}: read positions found by a gradient probe",
+            vmappable)
 
 
-def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, name: str):
+# Bytes of rebuilt logits one batched (vmap) call of a wrapped callable may hold.
+VMAP_BYTES = 256 * 2**20
+
+
+def _vmappable(fn: Callable, xs: Tensor, outs: Tensor) -> bool:
+    """Whether ``torch.vmap(fn)(xs)`` equals ``outs`` (the plain calls' results)."""
+    try:
+        with torch.no_grad():
+            batched = torch.vmap(fn)(xs.clone())
+        return batched.shape == outs.shape and torch.allclose(batched, outs, rtol=1e-5,
+                                                              atol=1e-6)
+    except Exception:  # noqa: BLE001 - anything vmap cannot run: the loop is always right
+        return False
+
+
+def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, name: str,
+             vmappable: bool):
     """``per_prompt_fn`` of a wrapped callable: rebuild the ``[n, seq, d_vocab]`` logits the
-    callable expects (zeros where not computed), once per copy of the prompt set."""
+    callable expects (zeros where not computed), once per copy of the prompt set; copies alike
+    (a sweep chunk's variants) go through one ``torch.vmap`` call when ``fn`` allows it."""
+    buffers: dict = {}  # the vmap path's rebuilt-logits buffer and the cells it last wrote
 
     def per_prompt_fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         # Rows may tile the prompts (one copy per patched variant): copy c of prompt i is the
@@ -188,32 +229,62 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
             if c == len(copies):
                 copies.append([])
             copies[c].append(r)
+        if not per_prompt and any(len(rc) != n for rc in copies):
+            raise ValueError(
+                f"metric {name!r} returns one scalar for the whole batch, so it must see all "
+                f"{n} prompts at once; it was given {min(len(rc) for rc in copies)}. Return one "
+                "value per prompt ([batch]) to allow splitting prompts.")
         out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
         pos = torch.arange(rows.shape[1], device=logits.device)
+        differentiable = torch.is_grad_enabled() and logits.requires_grad
+        alike = len(copies) > 1 and all(len(rc) == len(copies[0]) for rc in copies)
+        if alike:
+            r_all = torch.tensor(copies, device=logits.device)  # [C, m]
+            alike = bool((idx[r_all] == idx[r_all[0]]).all() and (rows[r_all] == rows[r_all[0]])
+                         .all())
+        if alike and not differentiable and vmappable:
+            return _batched_copies(logits, idx, rows, r_all, out, pos)
         # Without autograd one buffer serves every copy: each copy overwrites the same cells
         # (a scalar metric's copy holds every prompt; a per-prompt one's other rows are unread).
-        differentiable = torch.is_grad_enabled() and logits.requires_grad
         buffer = None if differentiable else logits.new_zeros(n, seq, d_vocab)
-        pattern: tuple | None = None  # index pattern of the last copy: reused by copies alike
         for rows_c in copies:
             r = torch.tensor(rows_c, device=logits.device)
-            if not per_prompt and len(r) != n:
-                raise ValueError(
-                    f"metric {name!r} returns one scalar for the whole batch, so it must see all "
-                    f"{n} prompts at once; it was given {len(r)}. Return one value per prompt "
-                    "([batch]) to allow splitting prompts.")
             ids, rows_r = idx[r], rows[r]
-            if pattern is None or not (torch.equal(pattern[0], ids)
-                                       and torch.equal(pattern[1], rows_r)):
-                rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
-                pattern = (ids, rows_r, rr, pp, (ids[rr], pos[pp]))
-            _, _, rr, pp, where = pattern
-            values = logits[r[rr], rows[r][rr, pp]]
+            rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
+            where, values = (ids[rr], pos[pp]), logits[r[rr], rows_r[rr, pp]]
             full = (logits.new_zeros(n, seq, d_vocab).index_put(where, values) if differentiable
                     else buffer.index_put_(where, values))
             value, _ = _call(fn, full, n, name)
             out = out.index_put((r,), (value[ids] if per_prompt else value.expand(len(r)))
                                 .to(out.dtype))
+        return out
+
+    def _batched_copies(logits: Tensor, idx: Tensor, rows: Tensor, r_all: Tensor, out: Tensor,
+                        pos: Tensor) -> Tensor:
+        """All copies (alike: same prompts, same positions) through ``torch.vmap(fn)``, in
+        groups of at most ``VMAP_BYTES`` of rebuilt logits."""
+        ids, rows_r = idx[r_all[0]], rows[r_all[0]]
+        rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
+        step = max(1, VMAP_BYTES // (n * seq * d_vocab * logits.element_size()))
+        # One buffer for the whole sweep: allocating and zeroing it per chunk costs more than
+        # the metric. Before reuse, the cells the last call wrote are zeroed again.
+        key = (min(step, len(r_all)), logits.dtype, logits.device)
+        if key not in buffers:
+            buffers.clear()
+            buffers[key] = [logits.new_zeros(key[0], n, seq, d_vocab), None]
+        buffer, last = buffers[key]
+        where = (ids[rr], pos[pp])
+        if last is not None and not (torch.equal(last[0], where[0])
+                                     and torch.equal(last[1], where[1])):
+            buffer[:, last[0], last[1]] = 0  # a new pattern: clear the old one's cells
+        buffers[key][1] = where
+        for c0 in range(0, len(r_all), step):
+            r = r_all[c0:c0 + step]
+            full = buffer[:len(r)]
+            full[:, where[0], where[1]] = logits[r[:, rr], rows_r[rr, pp]]
+            value = torch.vmap(fn)(full)  # [C] (scalar metric) or [C, n]
+            got = value[:, ids] if per_prompt else value[:, None].expand(len(r), r.shape[1])
+            out[r] = got.to(out.dtype)
         return out
 
     return per_prompt_fn

@@ -126,3 +126,20 @@ def test_scalar_metric_cannot_be_split_over_prompts(setup):
     big = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          progress=False)
     torch.testing.assert_close(small.values, big.values, atol=ATOL, rtol=0)
+
+
+def test_a_metric_vmap_cannot_run_takes_the_plain_loop(setup):
+    """A callable that calls ``.item()`` cannot be batched by torch.vmap: the wrapper notices at
+    the probe and calls it once per copy, with the same values."""
+    model, task, seq = setup
+    a, b = int(task.clean_tokens[0, -2]), int(task.clean_tokens[0, 1])
+    lam, pm = forms(task, seq, a, b)["last position, scalar"]
+
+    def stubborn(logits):
+        scale = 1.0 + 0.0 * float(logits[0, 0, 0].item())  # .item(): no vmap
+        return lam(logits) * scale
+
+    args = (model, task.clean_tokens, task.corrupt_tokens)
+    got = ck.patch_heads(*args, stubborn, progress=False)
+    ref = ck.patch_heads(*args, pm, progress=False)
+    torch.testing.assert_close(got.values, ref.values, atol=ATOL, rtol=0)

@@ -274,11 +274,53 @@ class ExactEngine:
     def run_variants(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                      fast: bool | None = None) -> Float[Tensor, "n_var n_p"]:
         """Metric after patching each of ``variants`` (any subset) of ``layer``, on prompts
-        ``p0:p1``, all in one suffix forward: ``[len(variants), p1 - p0]`` (a metric without
-        per-prompt values needs all prompts). ``fast``: override ``self.fast``."""
+        ``p0:p1``: ``[len(variants), p1 - p0]`` (a metric without per-prompt values needs all
+        prompts). ``fast``: override ``self.fast``.
+
+        One suffix forward, or, when the metric reads known positions and its prompts (sorted
+        by length) are worth running in two length buckets (``length_split``), one forward per
+        bucket: the logits at the read positions are joined and the metric is called once. A
+        scalar metric, which cannot be split across chunks, still stops each bucket early.
+        """
+        n_v, n_p = len(variants), p1 - p0
+        split = self.length_split(p0, p1)
+        parts = [(p0, p1)] if split is None else [(p0, split), (split, p1)]
+        logits = [self._patched_logits(layer, variants, a, b, fast) for a, b in parts]
+        if len(logits) > 1:  # variant-major rows of each bucket -> variant-major rows of all
+            logits = [torch.cat([lg.view(n_v, b - a, *lg.shape[1:])
+                                 for lg, (a, b) in zip(logits, parts, strict=True)], dim=1)
+                      .flatten(0, 1)]
+        at = None if self.reads is None else self.reads[p0:p1]
+        what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
+        # One metric call for all variants: rows are (variant, prompt), variant-major.
+        tiled = self.metric.select(list(range(p0, p1)) * n_v)
+        return evaluate_metric(tiled, logits[0], what,
+                               at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
+
+    def length_split(self, p0: int, p1: int) -> int | None:
+        """For a metric without per-prompt values (its chunks hold every prompt): a prompt
+        index splitting ``p0:p1`` (sorted by length) into two forwards when that saves >= 10% of
+        token-rows and each keeps >= 1/4 of the prompts (as ``sweep.plan`` does across chunks
+        for per-prompt metrics); None otherwise, or when the logits are not read at known
+        positions (full-length logits of two buckets would not join)."""
+        if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts:
+            return None  # (a per-prompt metric's chunks are already length buckets: sweep.plan)
+        need = (self.reads[p0:p1].max(1).values + 1).tolist()
+        if any(a > b for a, b in zip(need, need[1:], strict=False)):
+            return None  # not sorted by length: nothing to gain
+        n = p1 - p0
+        cost = {s: s * need[s - 1] + (n - s) * need[-1] for s in range(n // 4, n - n // 4)}
+        best = min(cost, key=cost.__getitem__, default=None)
+        return p0 + best if best and cost[best] <= 0.9 * n * need[-1] else None
+
+    def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                        fast: bool | None) -> Tensor:
+        """Logits of one suffix forward with each variant patched, rows variant-major:
+        ``[n_var * n_p, k, vocab]`` at the read positions, or ``[n_var * n_p, length, vocab]``
+        when the metric's reads are unknown."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
-        n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
+        n_v, length = len(variants), self._run_length(p0, p1)
         x = self._span(self.resid[layer], p0, p1, length,
                        layer=layer).repeat(n_v, 1, 1)  # variant-major rows
         src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
@@ -314,12 +356,7 @@ class ExactEngine:
                     last.attn, rows, self.attn_arity)))
         with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
                 shortcuts.attn_result_off(model):
-            logits = model(x, start_at_layer=layer)
-        what = f"patched layer {layer}, variants {variants[0]}..{variants[-1]}"
-        # One metric call for all variants: rows are (variant, prompt), variant-major.
-        tiled = self.metric.select(list(range(p0, p1)) * n_v)
-        return evaluate_metric(tiled, logits, what,
-                               at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
+            return model(x, start_at_layer=layer)
 
     def _fast_path_agrees(self) -> bool:
         """Whether the fast path matches the plain hooked path on a probe of this model.
