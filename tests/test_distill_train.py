@@ -4,14 +4,13 @@ plain HF model holding the trained weights; bad configs are named."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from distill_helpers import TEACHER_P1, TEACHER_P2, hand_scores
+from killing import kill_at_first_checkpoint
 from safetensors.torch import load_file
 
 import circuitkit as ck
@@ -52,13 +51,7 @@ def test_killed_distillation_resumes_to_identical_weights(tmp_path, store_dir):
     assert _run(ref, cfg).wait(timeout=240) == 0
     proc = _run(killed, cfg)
     state = killed / "train_state.safetensors"
-    deadline = time.time() + 200
-    while not state.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    if proc.poll() is not None:
-        pytest.skip("training finished before it could be killed (machine too fast)")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint(proc, state, timeout=200)
     assert not (killed / "model.safetensors").exists()
     step = load_train_state(state)["step"]
     assert 0 < step < CFG["steps"]

@@ -4,13 +4,12 @@ files respect the umask; the shipped induction model."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from killing import kill_at_first_checkpoint
 from safetensors.torch import load_file
 
 import circuitkit as ck
@@ -41,13 +40,7 @@ def test_killed_training_resumes_to_identical_weights(tmp_path):
     assert _run(ref).wait(timeout=300) == 0
     proc = _run(killed)
     state = killed / "train_state.safetensors"
-    deadline = time.time() + 240
-    while not state.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is not None:
-        pytest.skip("training finished before it could be killed (machine too fast)")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint(proc, state, timeout=240, poll=0.05)
     assert not (killed / "model.safetensors").exists()
     step = load_train_state(state)["step"]
     assert 0 < step < 60
