@@ -13,7 +13,8 @@ nonselective   CoT + L_NS: every teacher layer's mean attention over all its hea
 =============  ==========================================================================
 
 Each run lives in ``out/runs/<variant>-seed<k>/`` (a resumable ``train_student`` folder, then
-``metrics.json``); a finished run is skipped, so the command resumes where it stopped. Per
+``metrics.json``, which also records ``eval_seconds``; ``distill.json`` has ``train_seconds``);
+a finished run is skipped, so the command resumes where it stopped. Per
 run, on held-out ``icd10`` test notes: ``focus``, ``confusion``, ``confusion_rate``,
 ``macro_f1``, ``exact_match`` (as ``ck.evaluate``; decoding through the HF model's KV cache),
 ``las`` (``evaluation.las``; the simulator is pre-fitted on gold notes of a third train draw
@@ -39,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -177,11 +179,13 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                 if progress:
                     print(f"[ablation] {v} seed {seed}", file=sys.stderr)
                 train_student(cfg, run, progress=progress)
+                t0 = time.perf_counter()
                 if simulator is None:  # deterministic: pre-fitted once per process
                     simulator = pretrained_simulator(load_task(
                         task, n_examples=sz["sim_pretrain_examples"], seed=2, split="train"))
                 m = student_metrics(run, test, sim_task, simulator, fidelity)
-                write_json(done, dict(variant=v, seed=seed, metrics=m, config=asdict(cfg)))
+                write_json(done, dict(variant=v, seed=seed, metrics=m, config=asdict(cfg),
+                                      eval_seconds=round(time.perf_counter() - t0, 1)))
             m = json.loads(done.read_text())["metrics"]
             rows += [dict(variant=v, seed=seed, metric=k, value=float(m[k])) for k in METRICS]
     runs = pd.DataFrame(rows)
