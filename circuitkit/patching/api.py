@@ -29,7 +29,13 @@ from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import attribution, distributed
 from circuitkit.patching import plan as costs
-from circuitkit.patching.checkpoint import SweepCheckpoint, default_dir, sweep_identity
+from circuitkit.patching.checkpoint import (
+    SweepCheckpoint,
+    default_dir,
+    model_fingerprint,
+    sweep_identity,
+    tokens_hash,
+)
 from circuitkit.patching.engine import ExactEngine
 from circuitkit.patching.inputs import (
     BACKENDS,
@@ -137,9 +143,7 @@ def patch_heads(
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
         return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
                     progress, meta)
-    res.meta.update({k: v for k, v in meta.items() if v is not None})
-    if pm.note:
-        res.meta["metric_note"] = pm.note
+    res.meta.update(_described(meta, pm))
     return res
 
 
@@ -437,11 +441,10 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
             top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress)
-        res.meta.update({k_: v for k_, v in meta.items() if v is not None})
+        res.meta.update(_described(meta, pm))
         info["verified"] = [list(c) for c in res.meta["verified_cells"]]
         info["screening"] = dict(k=len(info["verified"]), recall=None, estimator=estimator)
-    if pm.note:
-        res.meta["metric_note"] = pm.note
+    res.meta.update(_described(meta, pm))
     res.meta["auto"] = info
     return res
 
@@ -463,6 +466,26 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
         raise ValueError(f"metric {pm.name!r} was made for {pm.n_prompts} prompts but "
                          f"clean_tokens has {n}; build the metric for these prompts.")
     return clean, corrupt, pm
+
+
+def _described(meta: dict, metric: PromptMetric) -> dict:
+    """The caller's meta entries that are set, plus the metric's note when it has one."""
+    out = {k: v for k, v in meta.items() if v is not None}
+    if metric.note:
+        out["metric_note"] = metric.note
+    return out
+
+
+class _Lazy:
+    """``fn(*args)``, computed on the first call and kept."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args, self.value = fn, args, None
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.fn(*self.args)
+        return self.value
 
 
 def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
@@ -494,7 +517,11 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
          meta: dict) -> PatchResult:
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
-    identity = sweep_identity(model, sweep, clean, corrupt, metric)
+    # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
+    # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
+    identity = _Lazy(sweep_identity, model, sweep, clean, corrupt, metric)
+    fingerprints = dict(model_fingerprint=model_fingerprint(model),
+                        tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
     rows = batch_size or auto_rows(model, sweep.seq)
     order, lengths = length_order(metric)
@@ -510,7 +537,8 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
             sweep = engine.sweep = plan(sweep, rows, lengths)
     ckpt = None
     if checkpoint is not None:
-        ckpt = SweepCheckpoint.open(checkpoint, identity, sweep.chunks, rank=rank, world=world)
+        ckpt = SweepCheckpoint.open(checkpoint, identity(), sweep.chunks, rank=rank,
+                                    world=world)
         sweep = engine.sweep = replace(sweep, chunks=ckpt.chunks)  # a resume keeps its plan
     try:
         done: dict[int, Tensor] = ckpt.load_done() if ckpt else {}
@@ -539,9 +567,7 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
         clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
         per_prompt = None if per_prompt is None else per_prompt[inv]
     pp = metric.per_prompt_values
-    extra = {k: v for k, v in meta.items() if v is not None}
-    if metric.note:
-        extra["metric_note"] = metric.note
+    extra = _described(meta, metric)
     axes = ("layer", "pos") if sweep.kind == "layers" else (
         ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
     return PatchResult(
@@ -550,7 +576,7 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
         per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
         corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
         meta=dict(model=str(getattr(model.cfg, "model_name", "")),
-                  model_fingerprint=identity["model"], tokens_hash=identity["tokens"],
+                  **fingerprints,
                   metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
                   n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
                   oom_chunk_splits=splits[0],
@@ -630,7 +656,7 @@ def _chunk_fitting(engine: ExactEngine, chunk: Chunk, splits: list[int]) -> Tens
 
 
 def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
-             identity: dict, show: bool, n_done: int, splits: list[int],
+             identity: _Lazy, show: bool, n_done: int, splits: list[int],
              computed: dict[int, Tensor]) -> dict[int, Tensor]:
     """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
     default folder when the sweep had none) and says how to resume."""
@@ -653,7 +679,7 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
                 bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
     except KeyboardInterrupt:
         if ckpt is None and computed:
-            ckpt = SweepCheckpoint.open(default_dir(identity), identity, sweep.chunks)
+            ckpt = SweepCheckpoint.open(default_dir(identity()), identity(), sweep.chunks)
             for cid, t in computed.items():
                 ckpt.save_chunk(cid, t)
             ckpt.close()
