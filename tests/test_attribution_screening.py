@@ -262,7 +262,7 @@ def test_ig_is_exact_on_a_quadratic_downstream():
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
 def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     """Random 3-layer Llama (12 heads; recall_top 3): verified values are exact; the stop obeys
-    the stated rule (every unverified upper bound |e| + k s below tau, the recall_top-th verified
+    the stated rule (every unverified upper bound |e| + k u below tau, the recall_top-th verified
     |exact effect|, unless the budget cap stopped it); and the stated recall holds whenever the
     bound holds. The default of ``patch_heads(method="attribution+exact")`` is this rule with
     estimator "block"."""
@@ -283,7 +283,10 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     torch.testing.assert_close(res.values[mask], ex.values[mask], atol=1e-5, rtol=0)
     base = ex.corrupt if direction == "denoise" else ex.clean
     e = torch.tensor(res.meta["attribution_values"]) - base
-    s = torch.tensor(res.meta["write_scale"])
+    # the error unit: write scale times the share of the model downstream of the cell's layer
+    L = model.cfg.n_layers
+    u = torch.tensor(res.meta["write_scale"]) * ((L - torch.arange(L)) / L)[:, None]
+    torch.testing.assert_close(torch.tensor(res.meta["error_unit"]), u.clamp_min(1e-12))
     x = ex.values - base
     tau, k = budget["tau"], budget["error_scale"]
     print(f"{direction}: verified {int(mask.sum())}/12, stopped by {budget['stopped']}, "
@@ -291,8 +294,8 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     assert tau == pytest.approx(float(x[mask].abs().topk(budget["recall_top"]).values[-1]),
                                 abs=1e-5)
     if budget["stopped"] == "bound":
-        assert bool(((e.abs() + k * s)[~mask] < tau).all())
-    if bool(((x - e).abs() <= k * s)[~mask].all()):
+        assert bool(((e.abs() + k * u)[~mask] < tau).all())
+    if bool(((x - e).abs() <= k * u)[~mask].all()):
         assert mask.flatten()[x.abs().flatten().topk(budget["recall_top"]).indices].all()
     cost = res.meta["cost"]
     assert cost["total_passes"] == pytest.approx(cost["estimator_passes"] + cost["verify_passes"])

@@ -260,13 +260,15 @@ def attribution_plus_exact(
     ``estimator``: any of ``attribution.ESTIMATORS`` (default ``SCREENING_ESTIMATOR``, "block";
     ``atp_star=True``: "qk" where supported). ``top_k``: verify exactly the ``top_k`` largest
     ``|estimated effect|``. ``top_k=None`` (default): the budget is chosen from the estimator's
-    own error, by this rule (``e``: estimated effect, ``s``: ``meta["write_scale"]`` of the
-    estimate, ``x``: exact effect, all per cell):
+    own error, by this rule (``e``: estimated effect, ``x``: exact effect, ``u = w (L - l) / L``
+    the error unit, ``w`` the cell's ``meta["write_scale"]``, ``l`` its layer; all per cell):
 
-    1. error bound ``|x - e| <= k s``, with ``k`` the ``quantile`` of ``|x - e| / s`` over the
-       cells verified so far (0 before any);
+    1. error bound ``|x - e| <= k u``, with ``k`` the ``quantile`` of ``|x - e| / u`` over the
+       cells verified so far (0 before any). ``u`` grows with the size of the patch and with
+       the share of the model downstream of it: a first-order estimate's error is what the
+       layers after the patch do nonlinearly with it (docs/attribution.md, "Screening");
     2. cells are verified in rounds of one layer's worth (``n_heads`` cells), highest upper bound
-       ``U = |e| + k s`` first; the first round adds as many cells of largest ``s`` (the
+       ``U = |e| + k u`` first; the first round adds as many cells of largest ``u`` (the
        calibration then covers the largest patches, where first-order estimates fail);
     3. ``tau`` = the ``recall_top``-th largest ``|x|`` verified; stop as soon as every
        unverified ``U < tau`` ("bound"), or when ``max_fraction`` of the cells are verified
@@ -275,11 +277,12 @@ def attribution_plus_exact(
     Stated recall: if every unverified cell obeys the bound (it held for a fraction ``quantile``
     of the verified cells), every cell with ``|x| >= tau`` is verified, so the exact top
     ``recall_top`` cells are all among the verified ones. ``meta["budget"]`` says which stop
-    applied, with ``k`` and ``tau``.
+    applied, with ``k`` (``error_scale``) and ``tau``.
 
     ``values``: exact metric-after-patch for the verified cells, the estimate for the rest;
     ``meta["verified"]``: nested-list bool mask shaped like ``values``, ``meta["verified_cells"]``
     in verification order; ``meta["attribution_values"]``: the screening estimate of every cell;
+    ``meta["error_unit"]``: ``u`` of every cell;
     ``meta["cost"]``: pass-equivalents and seconds of the estimator and of the verification,
     and of a full exact sweep for reference.
     """
@@ -300,10 +303,11 @@ def attribution_plus_exact(
         progress=progress)
     base = est.corrupt if direction == "denoise" else est.clean
     effect = (est.values - base).flatten()
-    scale = torch.tensor(est.meta["write_scale"]).flatten().clamp_min(1e-12)
     shape, n_cells = est.values.shape, effect.numel()
     n, L = clean_tokens.shape[0], est.values.shape[0]
     per_layer = n_cells // L
+    downstream = (L - torch.arange(L).repeat_interleave(per_layer)) / L  # (L - l) / L per cell
+    scale = (torch.tensor(est.meta["write_scale"]).flatten() * downstream).clamp_min(1e-12)
     t0 = time.perf_counter()
     sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, metric)
     engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
@@ -368,19 +372,19 @@ def attribution_plus_exact(
             per_prompt[(slice(None), *cell)] = exact_pp[j]
     # pass-equivalents: a verified cell of layer l re-runs layers l..L-1 (plus the engine's two
     # cached runs per prompt); the full exact sweep does that for every cell
-    suffix = (L - torch.arange(L).repeat_interleave(per_layer)) / L
-    verify_passes = n * (float(suffix[order].sum()) + 2)
+    verify_passes = n * (float(downstream[order].sum()) + 2)
     cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
                 verify_passes=verify_passes,
                 total_passes=est.meta["pass_equivalents"] + verify_passes,
-                exact_sweep_passes=n * (float(suffix.sum()) + 2),
+                exact_sweep_passes=n * (float(downstream.sum()) + 2),
                 estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds)
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
                   error_scale=k_err, tau=tau, stopped=stopped, rounds=rounds)
     meta = dict(est.meta, top_k=len(order), verified=verified.tolist(), verified_cells=cells,
                 n_verified=len(order), verified_fraction=len(order) / n_cells, budget=budget,
-                cost=cost, attribution_values=est.values.tolist())
+                cost=cost, attribution_values=est.values.tolist(),
+                error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
                    meta=meta)
 
