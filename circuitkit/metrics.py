@@ -271,6 +271,7 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
         groups of at most ``VMAP_BYTES`` of rebuilt logits."""
         ids, rows_r = idx[r_all[0]], rows[r_all[0]]
         rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
+        cells, slots = ids[rr] * seq + pos[pp], rows_r[rr, pp]  # flat (prompt, position)
         step = max(1, VMAP_BYTES // (n * seq * d_vocab * logits.element_size()))
         # One buffer for the whole sweep: allocating and zeroing it per chunk costs more than
         # the metric. Before reuse, the cells the last call wrote are zeroed again.
@@ -279,15 +280,14 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
             buffers.clear()
             buffers[key] = [logits.new_zeros(key[0], n, seq, d_vocab), None]
         buffer, last = buffers[key]
-        where = (ids[rr], pos[pp])
-        if last is not None and not (torch.equal(last[0], where[0])
-                                     and torch.equal(last[1], where[1])):
-            buffer[:, last[0], last[1]] = 0  # a new pattern: clear the old one's cells
-        buffers[key][1] = where
+        flat = buffer.view(key[0], n * seq, d_vocab)
+        if last is not None and not torch.equal(last, cells):
+            flat.index_fill_(1, last, 0)  # a new pattern: clear the old one's cells
+        buffers[key][1] = cells
         for c0 in range(0, len(r_all), step):
             r = r_all[c0:c0 + step]
+            flat[:len(r)].index_copy_(1, cells, logits[r[:, rr], slots])
             full = buffer[:len(r)]
-            full[:, where[0], where[1]] = logits[r[:, rr], rows_r[rr, pp]]
             value = torch.vmap(fn)(full)  # [C] (scalar metric) or [C, n]
             got = value[:, ids] if per_prompt else value[:, None].expand(len(r), r.shape[1])
             out[r] = got.to(out.dtype)

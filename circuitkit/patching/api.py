@@ -14,6 +14,7 @@ chunks computed (``run_chunk``), each saved as it finishes -> ranks merged (``di
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -505,6 +506,13 @@ def _available(model: Any) -> int:
 
 
 def versions() -> dict[str, str]:
+    """Installed versions of circuitkit, torch, transformer-lens and transformers (looked up
+    once per process: the metadata lookup costs ~6 ms per call)."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}

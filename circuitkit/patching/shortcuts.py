@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +79,18 @@ def returning(value: Tensor, n_outputs: int):
 
 def output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
     """How blocks and attention modules return: ``0`` a bare tensor, ``n`` an n-tuple (the HF
-    stack expects tuple block outputs in transformers < 5; attention returns (out, weights))."""
+    stack expects tuple block outputs in transformers < 5; attention returns (out, weights)).
+    Found by a 2-token forward, once per model."""
+    if model not in _ARITY:
+        _ARITY[model] = _probe_arity(model, tokens)
+    return _ARITY[model]
+
+
+# Output arity by model (weakly: the entry goes with the model).
+_ARITY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
     seen: dict[str, int] = {}
 
     def grab(key: str):
