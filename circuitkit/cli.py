@@ -214,7 +214,7 @@ def patch(
 
         if not models.weights_available(model):
             _plan_offline(model, task, n_examples, seed, split, phase, method, direction,
-                          positions, site, top_k or 20, gpu, utilisation)
+                          positions, site, top_k, gpu, utilisation)
             return
     try:
         layout = distributed.init_replicas(gpus_per_replica) if not plan else None
@@ -251,7 +251,7 @@ def patch(
     exact_like = method in ("exact", "auto")
     try:
         if plan:
-            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k or 20, **kw)
+            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k, **kw)
             typer.echo(format_plan(p))
             return
         run = api.patch_layers if site in hooks.PATCH_LAYER_SITES else api.patch_heads
@@ -362,7 +362,11 @@ def format_plan(p: dict) -> str:
         f"time         ~{p['est_seconds']:,.1f} s (from a one-chunk probe)",
     ]
     if p.get("verified_cells"):
-        lines.insert(2, f"verified     {p['verified_cells']} cells re-checked exactly")
+        lines.insert(2, f"verified     {p['verified_cells']} cells re-checked exactly"
+                     if p["budget"] == "top_k" else
+                     f"verified     ~{p['verified_cells']} cells expected, as many as the "
+                     f"screen's error bound asks (at most {p['verified_cells_max']}: "
+                     f"~{p['est_seconds_max']:,.1f} s)")
     if p.get("auto"):
         lines.insert(1, f"auto         chose {p['auto']['chose']} (exact sweep "
                         f"{p['auto']['exact_flops_per_token']:.2g} FLOPs per prompt token; "

@@ -63,6 +63,14 @@ def test_plan_follows_the_method():
         return float(line.split()[1].replace(",", ""))
     assert passes(attribution.output) == 4 * 6  # 4 pass-equivalents per prompt
     assert passes(exact.output) > passes(attribution.output)
+    # attribution+exact: the "block" screen, then ~20% of the 8 heads (2) expected, 4 at most
+    hybrid = run([*PATCH, "--plan", "--method", "attribution+exact"])
+    fixed = run([*PATCH, "--plan", "--method", "attribution+exact", "--top-k", "2"])
+    assert hybrid.exit_code == 0 and fixed.exit_code == 0, hybrid.output
+    assert "~2 cells expected" in hybrid.output and "at most 4" in hybrid.output
+    assert "2 cells re-checked exactly" in fixed.output
+    assert passes(hybrid.output) == pytest.approx(passes(fixed.output))
+    assert passes(attribution.output) < passes(hybrid.output) < passes(exact.output)
 
 
 def test_missing_weights_message_is_printed_whole(monkeypatch, tmp_path):

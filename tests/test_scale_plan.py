@@ -43,7 +43,12 @@ def test_70b_passes_flops_and_time_by_hand(arch):
     # exact: a head of layer l runs L - l of L blocks: sum over l = H n (L + 1) / 2, + 2 cached
     assert ex["pass_equivalents"] == pytest.approx(H * n * (L + 1) / 2 + 2 * n)
     assert at["pass_equivalents"] == 4 * n
-    assert hy["pass_equivalents"] == pytest.approx(4 * n + 20 * n * (L + 1) / (2 * L) + 2 * n)
+    # attribution+exact screens with "block": 4 + H x (MLP share of a gated block) per prompt
+    mlp, attn = 2 * D * DMLP * 3, 4 * D * DH * (H + KV) + 2 * H * DH * S
+    screen = 4 + H * mlp / (attn + mlp)
+    assert hy["pass_equivalents"] == pytest.approx(
+        screen * n + 20 * n * (L + 1) / (2 * L) + 2 * n)
+    assert hy["verified_cells"] == hy["verified_cells_max"] == 20
     per_pass = S * (2 * (arch.n_params - V * D) + 2 * L * H * DH * S)
     assert ex["flops"] == pytest.approx(ex["pass_equivalents"] * per_pass)
     assert ex["seconds"] == pytest.approx(ex["flops"] / (989e12 * 0.4))
@@ -57,6 +62,22 @@ def test_70b_passes_flops_and_time_by_hand(arch):
     # per-position sweep: seq x as many cells
     each = P.sweep_plan(arch, [S] * n, positions="each")
     assert each["n_cells"] == L * H * S
+
+
+def test_automatic_budget_is_priced_as_expected_and_capped(arch):
+    """top_k=None (the default): ~20% of the cells expected, 50% at most (the hybrid's cap)."""
+    n, S = 8, 100
+    hy = P.sweep_plan(arch, [S] * n)["methods"]["attribution+exact"]
+    cells = L * H
+    assert hy["budget"] == "auto"
+    assert hy["verified_cells"] == math.ceil(0.2 * cells) == 1024
+    assert hy["verified_cells_max"] == cells // 2
+    mlp, attn = 2 * D * DMLP * 3, 4 * D * DH * (H + KV) + 2 * H * DH * S
+    screen = 4 + H * mlp / (attn + mlp)
+    per = lambda k: screen * n + k * n * (L + 1) / (2 * L) + 2 * n  # noqa: E731
+    assert hy["pass_equivalents"] == pytest.approx(per(1024))
+    assert hy["seconds_max"] == pytest.approx(hy["seconds"] * per(cells // 2) / per(1024))
+    assert "at most 2,560" in P.format_sweep_plan(P.sweep_plan(arch, [S] * n))
 
 
 def test_auto_threshold(arch):
@@ -110,9 +131,10 @@ def test_cli_plans_70b_offline_in_seconds(monkeypatch, tmp_path):
     assert "no weights on this machine" in out and "estimated at 2 characters" in out
     assert "141.1 GB" in out and "2 x H200 SXM 141 GB" in out
     assert "80 layers x 64 heads = 5,120 cells" in out
-    for row in ("exact ", "attribution ", "attribution+exact@20"):
+    for row in ("exact ", "attribution ", "attribution+exact@~1024"):
         assert any(line.startswith(row) for line in out.splitlines()), row
     assert "--method auto picks attribution+exact" in out
+    assert "at most 2,560" in out  # the automatic budget's cap: half the cells
     assert seconds < 30, seconds
 
 

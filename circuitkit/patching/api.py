@@ -15,6 +15,7 @@ chunks computed (``run_chunk``), each saved as it finishes -> ranks merged (``di
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 import warnings
@@ -192,14 +193,17 @@ def plan_patch(
     positions: str = "all",
     site: str = "z",
     batch_size: int | None = None,
-    top_k: int = 20,
+    top_k: int | None = None,
 ) -> dict[str, Any]:
     """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
 
     ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
     chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
-    cached runs; attribution: 4 per prompt, whatever the head count; attribution+exact: that
-    plus ``top_k`` exact cells.
+    cached runs; attribution: 4 per prompt, whatever the head count; attribution+exact: the
+    screening estimator's passes (``attribution.estimator_passes``) plus the verified cells:
+    ``top_k``, or with the automatic budget (``top_k=None``) the expected
+    ``plan.AUTO_EXPECTED_FRACTION`` of the cells (``verified_cells_max``, ``est_seconds_max``:
+    at its cap, ``plan.AUTO_MAX_FRACTION``).
     """
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
@@ -233,15 +237,30 @@ def plan_patch(
         out["auto"] = auto
     if method == "exact":
         out.update(pass_equivalents=exact_passes, est_seconds=per_cost * total)
-    else:
+    elif method == "attribution":
         att = ATTRIBUTION_PASSES * n
-        cells = 0 if method == "attribution" else min(top_k, sweep.n_layers * sweep.n_variants)
-        # a verified cell costs one suffix pass per prompt, on average half the model
-        out.update(pass_equivalents=att + cells * n * 0.5 + (2 * n if cells else 0),
-                   est_seconds=per_pass * att + (per_cost * total * cells
-                                                 / (sweep.n_layers * sweep.n_variants)
-                                                 + cached_seconds if cells else 0.0),
-                   verified_cells=cells)
+        out.update(pass_equivalents=att, est_seconds=per_pass * att, verified_cells=0)
+    else:
+        from circuitkit.patching.plan import AUTO_EXPECTED_FRACTION, AUTO_MAX_FRACTION
+
+        n_cells = sweep.n_layers * sweep.n_variants
+        screen = n * attribution.estimator_passes(model, attribution.SCREENING_ESTIMATOR, site,
+                                                  positions, seq)
+        if top_k is None:
+            cells, most = (math.ceil(AUTO_EXPECTED_FRACTION * n_cells),
+                           max(1, int(AUTO_MAX_FRACTION * n_cells)))
+        else:
+            cells = most = min(top_k, n_cells)
+
+        def passes(k: int) -> float:  # a verified cell: one suffix pass per prompt, ~half
+            return screen + k * n * 0.5 + 2 * n
+
+        def seconds(k: int) -> float:
+            return per_pass * screen + per_cost * total * k / n_cells + cached_seconds
+
+        out.update(pass_equivalents=passes(cells), est_seconds=seconds(cells),
+                   verified_cells=cells, verified_cells_max=most,
+                   est_seconds_max=seconds(most), budget="auto" if top_k is None else "top_k")
     return out
 
 

@@ -9,8 +9,12 @@ counts, stated here so the numbers can be checked by hand:
   Exact: the engine's chunk plan (``sweep.plan``, same rows and length buckets as a real run),
   each chunk costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``, plus
   2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt. Attribution then
-  exact: 4 per prompt + ``top_k`` cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2
-  per prompt (the exact engine's cached runs).
+  exact: the screening estimator ("block": ``4 + H s_mlp`` per prompt at site z, ``s_mlp`` the
+  MLP's FLOP share of a gated block; ``4 + H (s_attn + s_mlp)`` per position-copy elsewhere) +
+  the verified cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2 per prompt (the
+  exact engine's cached runs). Verified cells: ``top_k`` when given; with the automatic budget
+  (``top_k=None``) ``AUTO_EXPECTED_FRACTION`` of the cells (what it verified on SmolLM2,
+  docs/attribution.md), and at most ``AUTO_MAX_FRACTION`` (its cap: ``seconds_max``).
 * **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
   (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
   AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
@@ -60,6 +64,10 @@ ACTIVATION_SHARE = 0.7  # of what is left beside the weights (as sweep.available
 # positions (~8.4e12) runs exact; Llama-3-70B (~3.7e14) or per-position sweeps of billion-
 # parameter models screen by attribution and verify the top cells exactly.
 AUTO_EXACT_MAX_FLOPS_PER_TOKEN = 5e13
+# attribution+exact with its automatic budget: the share of cells it is expected to verify, and
+# its cap (``api.attribution_plus_exact``'s max_fraction)
+AUTO_EXPECTED_FRACTION = 0.2
+AUTO_MAX_FRACTION = 0.5
 
 
 def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int) -> float:
@@ -88,7 +96,7 @@ def gpus_needed(weights_bytes: float, gpu: GPUClass, one_row_bytes: float) -> in
 
 
 def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str = "all",
-               direction: str = "denoise", top_k: int = 20, gpu: str = "H100",
+               direction: str = "denoise", top_k: int | None = None, gpu: str = "H100",
                utilisation: float = UTILISATION, dtype_bytes: int = 2, replicas: int = 1,
                n_gpus: int | None = None) -> dict[str, Any]:
     """Cost of a head sweep of ``arch`` (``models.Architecture``) over prompts of ``lengths``
@@ -138,10 +146,27 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     att_rows = int(max(1, min(n, budget // (saved + one_row))))
     att = cost(4.0 * n, rows=att_rows, n_chunks=math.ceil(n / att_rows),
                activation_bytes=att_rows * (saved + one_row))
-    cells = min(top_k, L * n_units * n_pos)
-    hybrid = cost(4.0 * n + cells * n * (L + 1) / (2 * L) + 2 * n, rows=att_rows,
+    n_cells = L * n_units * n_pos
+    if top_k is None:
+        cells = math.ceil(AUTO_EXPECTED_FRACTION * n_cells)
+        most = max(1, int(AUTO_MAX_FRACTION * n_cells))
+    else:
+        cells = most = min(top_k, n_cells)
+    mlp = 2 * arch.d_model * arch.d_mlp * 3  # gated MLP, per token
+    attn = (4 * arch.d_model * arch.d_head * (arch.n_heads + arch.n_kv_heads)
+            + 2 * arch.n_heads * arch.d_head * seq)
+    s_mlp, s_attn = mlp / (attn + mlp), attn / (attn + mlp)
+    screen = 4.0 + (arch.n_heads * s_mlp if site == "z" else n_units * n_pos * (s_attn + s_mlp))
+
+    def hybrid_passes(k: int) -> float:
+        return screen * n + k * n * (L + 1) / (2 * L) + 2 * n
+
+    hybrid = cost(hybrid_passes(cells), rows=att_rows,
                   n_chunks=att["n_chunks"] + math.ceil(cells * n / rows),
-                  activation_bytes=att["activation_bytes"], verified_cells=cells)
+                  activation_bytes=att["activation_bytes"], verified_cells=cells,
+                  budget="top_k" if top_k is not None else "auto", verified_cells_max=most,
+                  seconds_max=hybrid_passes(most) * per_pass / rate,
+                  screening_passes=screen * n)
     # host RAM of the exact engine's caches: resid_pre + the site's base and source, per layer
     site_elems = {"z": 2 * arch.n_heads * arch.d_head, "q": 2 * arch.n_heads * arch.d_head,
                   "k": 2 * arch.n_kv_heads * arch.d_head, "v": 2 * arch.n_kv_heads * arch.d_head,
@@ -150,7 +175,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     flops_tok = exact_flops_per_token(arch.n_params, L, n_units, n_pos)
     return dict(
         model=arch.name, n_params=arch.n_params, n_layers=L, n_units=n_units, n_pos=n_pos,
-        n_cells=L * n_units * n_pos, n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n,
+        n_cells=n_cells, n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n,
         site=site, positions=positions, direction=direction, top_k=top_k,
         dtype_bytes=dtype_bytes, weights_bytes=weights, gpu=g.name, gpu_key=gpu,
         gpu_memory_bytes=g.memory_bytes, peak_flops=g.bf16_dense_flops,
@@ -184,17 +209,24 @@ def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
         + (f" x {p['replicas']} replicas" if p["replicas"] > 1 else " (one replica: a model "
            "split by layers computes on one GPU at a time)"),
         "",
-        f"{'method':<22}{'pass-equiv.':>13}{'PFLOP':>11}{'activations':>14}{'chunk':>8}"
+        f"{'method':<25}{'pass-equiv.':>13}{'PFLOP':>11}{'activations':>14}{'chunk':>8}"
         f"{'chunks':>9}{'time':>11}",
     ]
     for name, m in p["methods"].items():
-        label = name if name != "attribution+exact" else f"attribution+exact@{m['verified_cells']}"
+        label = name if name != "attribution+exact" else (
+            f"attribution+exact@{m['verified_cells']}" if m["budget"] == "top_k"
+            else f"attribution+exact@~{m['verified_cells']}")
         unit = "rows" if name == "exact" else "prompts"
         lines.append(
-            f"{label:<22}{m['pass_equivalents']:>13,.0f}{m['flops'] / 1e15:>11,.1f}"
+            f"{label:<25}{m['pass_equivalents']:>13,.0f}{m['flops'] / 1e15:>11,.1f}"
             f"{m['activation_bytes'] / gb:>11,.1f} GB{m['rows']:>8}{m['n_chunks']:>9,}"
             f"{_duration(m['seconds']):>11}" + (f"  ({unit} per forward)" if name == "exact"
                                                   else ""))
+    hy = p["methods"]["attribution+exact"]
+    if hy["budget"] == "auto":
+        lines.append(f"{'':<25}verifies as many cells as its error bound asks "
+                     f"(~{AUTO_EXPECTED_FRACTION:.0%} expected; at most "
+                     f"{hy['verified_cells_max']:,}: {_duration(hy['seconds_max'])})")
     lines += [
         "",
         f"--method auto picks {p['auto']} (exact sweep: {p['exact_flops_per_token']:.2g} FLOPs per "
