@@ -222,8 +222,6 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
     """``per_prompt_fn`` of a wrapped callable: rebuild the ``[n, seq, d_vocab]`` logits the
     callable expects (zeros where not computed), once per copy of the prompt set; copies alike
     (a sweep chunk's variants) go through one ``torch.vmap`` call when ``fn`` allows it."""
-    buffers: dict = {}  # the vmap path's rebuilt-logits buffer and the cells it last wrote
-
     def per_prompt_fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         # Rows may tile the prompts (one copy per patched variant): copy c of prompt i is the
         # c-th row whose idx is i. Each copy is one call of fn on a full batch.
@@ -273,17 +271,8 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
         rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
         cells, slots = ids[rr] * seq + pos[pp], rows_r[rr, pp]  # flat (prompt, position)
         step = max(1, VMAP_BYTES // (n * seq * d_vocab * logits.element_size()))
-        # One buffer for the whole sweep: allocating and zeroing it per chunk costs more than
-        # the metric. Before reuse, the cells the last call wrote are zeroed again.
-        key = (min(step, len(r_all)), logits.dtype, logits.device)
-        if key not in buffers:
-            buffers.clear()
-            buffers[key] = [logits.new_zeros(key[0], n, seq, d_vocab), None]
-        buffer, last = buffers[key]
-        flat = buffer.view(key[0], n * seq, d_vocab)
-        if last is not None and not torch.equal(last, cells):
-            flat.index_fill_(1, last, 0)  # a new pattern: clear the old one's cells
-        buffers[key][1] = cells
+        buffer = _rebuild_buffer(min(step, len(r_all)), n, seq, d_vocab, logits, cells)
+        flat = buffer.view(buffer.shape[0], n * seq, d_vocab)
         for c0 in range(0, len(r_all), step):
             r = r_all[c0:c0 + step]
             flat[:len(r)].index_copy_(1, cells, logits[r[:, rr], slots])
@@ -294,6 +283,31 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
         return out
 
     return per_prompt_fn
+
+
+# The rebuilt-logits buffer of the vmap path, shared by every wrapped callable: zeros
+# ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one copy is bigger) and the flat
+# ``prompt * seq + position`` cells its last user wrote. Allocating (and first touching) it per
+# sweep costs more than the metric: with a new lambda per call that was a sweep's whole
+# overhead. One per process, replaced when the shape, dtype or device changes.
+_REBUILD: dict[str, Any] = {"buffer": None, "cells": None}
+
+
+def _rebuild_buffer(copies: int, n: int, seq: int, d_vocab: int, like: Tensor, cells: Tensor
+                    ) -> Tensor:
+    """The shared buffer with at least ``copies`` copies, zero everywhere except ``cells``
+    (which the caller is about to overwrite in every copy it uses)."""
+    buf, last = _REBUILD["buffer"], _REBUILD["cells"]
+    if (buf is None or tuple(buf.shape[1:]) != (n, seq, d_vocab) or buf.dtype != like.dtype
+            or buf.device != like.device or buf.shape[0] < copies):
+        keep = buf.shape[0] if buf is not None and tuple(buf.shape[1:]) == (n, seq, d_vocab) \
+            else 0
+        _REBUILD["buffer"] = None  # (the old one is freed before the new one is made)
+        buf = like.new_zeros(max(copies, keep), n, seq, d_vocab)
+    elif last is not None and not torch.equal(last, cells):
+        buf.view(buf.shape[0], n * seq, d_vocab).index_fill_(1, last, 0)  # the old pattern
+    _REBUILD["buffer"], _REBUILD["cells"] = buf, cells
+    return buf
 
 
 # --- metrics built here -------------------------------------------------------------------------

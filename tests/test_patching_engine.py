@@ -325,3 +325,25 @@ def test_attention_at_rows_equals_the_bridge_attention(tiny_llama):
     elsewhere = torch.ones(3, 12, dtype=torch.bool)
     elsewhere[rows, idx] = False
     assert out.abs().sum() > 0 and (out[elsewhere] == 0).all()
+
+
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_gpt2"])
+def test_native_norms_skip_hooked_norms_and_change_nothing(request, model_name, task):
+    """The fast path runs unhooked norms as their HF module (no second normalisation for hook
+    points): every norm of the suffix and the final norm, equal outputs (bit-equal for RMSNorm;
+    GPT-2's LayerNorm rounds its reductions differently, ~2e-7); a norm with a user's hook keeps
+    the bridge forward, so the hook still fires."""
+    from circuitkit.patching.shortcuts import native_norms
+
+    model = request.getfixturevalue(model_name)
+    L = model.cfg.n_layers
+    norms = native_norms(model, 1)
+    assert len(norms) == 2 * (L - 1) + 1
+    x = torch.randn(2, 5, model.cfg.d_model)
+    for bridge, hf_forward in norms:
+        torch.testing.assert_close(hf_forward(x), bridge(x), atol=1e-6, rtol=0)
+    name = "blocks.1.ln2.hook_normalized"
+    with model.hooks(fwd_hooks=[(name, lambda t, hook: t)]):
+        kept = native_norms(model, 1)
+        assert len(kept) == len(norms) - 1 and model.blocks[1].ln2 not in [m for m, _ in kept]
+    assert len(native_norms(model, 1)) == len(norms)  # the hook is gone: bypassed again

@@ -155,7 +155,11 @@ class ExactEngine:
             if reads is not None:
                 idx = reads[r0:r0 + rows].to(self.device)
                 fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
-            with self.model.hooks(fwd_hooks=fwd_hooks), shortcuts.attn_result_off(self.model):
+            # (no cached name is a norm's: the norms may run as their HF modules, as in chunks)
+            norms = [] if any(".ln" in w or w.startswith("ln") for w in want) else \
+                shortcuts.native_norms(self.model, 0)
+            with shortcuts.hooked(self.model, fwd_hooks), shortcuts.attn_result_off(self.model), \
+                    shortcuts.overridden(norms):
                 out, cache = self.model.run_with_cache(tokens[r0:r0 + rows],
                                                        names_filter=lambda name: name in want)
             logits.append(out)
@@ -327,6 +331,8 @@ class ExactEngine:
         block, last = model.blocks[layer], model.blocks[sw.n_layers - 1]
         forwards = shortcuts.skipped_blocks(model, layer, self.block_arity)
         fwd_hooks = []
+        if fast:
+            forwards += shortcuts.native_norms(model, layer)
         if fast and self.attn_cached:
             attn = self._attn_output(layer, variants, p0, p1, length)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
@@ -354,7 +360,7 @@ class ExactEngine:
             if fast and block is not last and self.attn_at_rows:
                 forwards.append((last.attn, shortcuts.attention_at_rows(
                     last.attn, rows, self.attn_arity)))
-        with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+        with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
                 shortcuts.attn_result_off(model):
             return model(x, start_at_layer=layer)
 
@@ -486,7 +492,7 @@ class ExactEngine:
                     fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
                     if self.fast:
                         forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, read_rows)))
-                with shortcuts.overridden(forwards), model.hooks(fwd_hooks=fwd_hooks), \
+                with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
                         shortcuts.attn_result_off(model):
                     logits = model(x, start_at_layer=start)
                 what = f"head sets {idx[0]}..{idx[-1]}"

@@ -44,6 +44,35 @@ def overridden(forwards: Sequence[tuple[Any, Any]]):
 
 
 @contextlib.contextmanager
+def hooked(model: Any, fwd_hooks: Sequence[tuple[str, Any]]):
+    """``model.hooks(fwd_hooks=...)`` for hook *names* (aliases allowed), with each name's
+    ``HookPoint`` looked up once per model: the bridge's context rebuilds its alias table on
+    every entry (~1 ms, paid per chunk). Hook functions get ``(activation, hook_point)``."""
+    points = _POINTS.setdefault(model, {})
+    for name, _ in fwd_hooks:
+        if name not in points:
+            points[name] = model.hook_dict.get(name)
+    if any(points[name] is None for name, _ in fwd_hooks):  # a name only the bridge resolves
+        with model.hooks(fwd_hooks=list(fwd_hooks)):
+            yield
+        return
+    added = []
+    try:
+        for name, fn in fwd_hooks:
+            hp = points[name]
+            added.append((hp, hp.add_hook(fn, dir="fwd")))
+        yield
+    finally:
+        for hp, handle in added:
+            handle.hook.remove()
+            hp.fwd_hooks[:] = [h for h in hp.fwd_hooks if h is not handle]
+
+
+# HookPoints by model and hook name (weakly: the entry goes with the model).
+_POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
 def attn_result_off(model: Any):
     """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
     per-head einsum for it costs as much as the output projection again."""
@@ -64,6 +93,28 @@ def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, 
         return (x,) if block_arity else x
 
     return [(b, identity) for b in list(model.blocks)[:layer]]
+
+
+def native_norms(model: Any, layer: int) -> list[tuple[Any, Any]]:
+    """The norms of blocks ``layer..`` and the final norm as their wrapped HF module's own
+    forward. A bridge norm computes the normalisation twice (once for its hook points, once
+    by HF, bit-identical); with no hook on it the first pass is wasted: ~10% of a small
+    model's suffix forward. Norms with a hook attached (or without a wrapped module) keep
+    theirs."""
+    out = []
+    norms = [getattr(b, name, None) for b in list(model.blocks)[layer:] for name in ("ln1", "ln2")]
+    for norm in [*norms, getattr(model, "ln_final", None)]:
+        hf = getattr(norm, "original_component", None)
+        if hf is None or isinstance(hf, torch.nn.Identity) or _hooked(norm):
+            continue
+        out.append((norm, hf.forward))
+    return out
+
+
+def _hooked(module: Any) -> bool:
+    """Whether any hook point inside ``module`` has a forward or backward hook."""
+    return any(getattr(m, "fwd_hooks", None) or getattr(m, "bwd_hooks", None)
+               for m in module.modules())
 
 
 def _as_output(value: Tensor, n_outputs: int) -> Any:
