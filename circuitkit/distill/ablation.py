@@ -31,8 +31,8 @@ Outputs:
   deviation; with one seed ``ci_low = ci_high = mean``). ``viz.charts.ablation_chart(frame)``
   reads this frame (``pandas.read_csv``).
 
-Sizes (``SIZES``): ``default`` (the table of the issue; ~1 h on 2 CPU cores, see docs/distill.md)
-and ``quick`` (CI: tiny pool, a dozen steps, a few dozen notes).
+Sizes (``SIZES``): ``default`` (the table of the issue; 53 min end to end on 2 shared CPU cores,
+see docs/distill.md) and ``quick`` (CI: tiny pool, a dozen steps, a few dozen notes).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ VARIANTS: dict[str, dict[str, float]] = {
 METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match", "las",
            "sharpness", "anchor_alignment", "loopback", "margin_widening")
 SIZES: dict[str, dict[str, Any]] = {
-    # 1000 steps x 64 rows = 64k CoT rows seen (4 passes over the 16384-note pool); timed
-    # at ~0.13-0.17 s per step on 2 cores: 15 runs fit in ~40-50 min (docs/distill.md)
+    # 1000 steps x 64 rows = 64k CoT rows seen (4 passes over the 16384-note pool); ~0.15 s per
+    # step on 2 cores: the whole table took 53 min end to end under load, ~40 min quiet
+    # (docs/distill.md)
     "default": dict(pool_size=16384, shard_size=1024, steps=1000, batch_size=64, warmup=50,
                     save_every=100, score_examples=256, eval_examples=512, sim_examples=512,
                     sim_pretrain_examples=8192, fidelity_examples=256),
