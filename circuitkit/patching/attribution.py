@@ -97,6 +97,7 @@ from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import shortcuts
 from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_tokens, choice
+from circuitkit.patching.plan import block_flop_shares, block_screen_passes
 from circuitkit.patching.results import PatchResult
 
 ATP_STAR_SITES = ("z", "q", "k")
@@ -568,9 +569,8 @@ def block_shares(model: Any, seq: int) -> tuple[float, float]:
     on average): what one attention or one MLP call costs, in blocks."""
     f = hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
-    mlp = 2 * f.d_model * d_mlp * (3 if getattr(model.cfg, "gated_mlp", False) else 2)
-    attn = 4 * f.d_model * f.d_head * (f.n_heads + f.n_kv_heads) + 2 * f.n_heads * f.d_head * seq
-    return attn / (attn + mlp), mlp / (attn + mlp)
+    return block_flop_shares(f.d_model, d_mlp, f.d_head, f.n_heads, f.n_kv_heads, seq,
+                             gated=bool(getattr(model.cfg, "gated_mlp", False)))
 
 
 def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq: int,
@@ -582,7 +582,7 @@ def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq:
     if estimator == "atp":
         return 4.0
     if estimator == "block":
-        return 4.0 + (f.n_heads * s_mlp if site == "z" else copies * (s_attn + s_mlp))
+        return block_screen_passes(f.n_heads, copies, site, s_attn, s_mlp)
     if estimator == "ig":
         return 2.0 + 3.0 * ig_steps
     graddrop = 2.0 + 2.0 * (L + 1)

@@ -70,6 +70,23 @@ AUTO_EXPECTED_FRACTION = 0.2
 AUTO_MAX_FRACTION = 0.5
 
 
+def block_flop_shares(d_model: int, d_mlp: int, d_head: int, n_heads: int, n_kv_heads: int,
+                      seq: int, gated: bool = True) -> tuple[float, float]:
+    """FLOP shares (attention, MLP) of one block per token: what one attention or one MLP call
+    costs, in blocks. Attention: q/o and k/v projections plus scores over ``seq / 2`` keys on
+    average; MLP: 3 matrices gated, 2 plain."""
+    mlp = 2 * d_model * d_mlp * (3 if gated else 2)
+    attn = 4 * d_model * d_head * (n_heads + n_kv_heads) + 2 * n_heads * d_head * seq
+    return attn / (attn + mlp), mlp / (attn + mlp)
+
+
+def block_screen_passes(n_heads: int, copies: int, site: str, s_attn: float,
+                        s_mlp: float) -> float:
+    """Pass-equivalents per prompt of the "block" estimator (``attribution``): AtP's 4, plus
+    one MLP call per head at site z, or one attention and MLP call per head copy elsewhere."""
+    return 4.0 + (n_heads * s_mlp if site == "z" else copies * (s_attn + s_mlp))
+
+
 def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int) -> float:
     """``2 x n_params x`` the exact sweep's pass-equivalents per prompt (``n_units x n_pos``
     patches per layer, each running ``(L - l) / L`` of the model: ``(L + 1) / 2`` on average)."""
@@ -152,11 +169,9 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
         most = max(1, int(AUTO_MAX_FRACTION * n_cells))
     else:
         cells = most = min(top_k, n_cells)
-    mlp = 2 * arch.d_model * arch.d_mlp * 3  # gated MLP, per token
-    attn = (4 * arch.d_model * arch.d_head * (arch.n_heads + arch.n_kv_heads)
-            + 2 * arch.n_heads * arch.d_head * seq)
-    s_mlp, s_attn = mlp / (attn + mlp), attn / (attn + mlp)
-    screen = 4.0 + (arch.n_heads * s_mlp if site == "z" else n_units * n_pos * (s_attn + s_mlp))
+    shares = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
+                               arch.n_kv_heads, seq)  # the shipped configs' MLPs are gated
+    screen = block_screen_passes(arch.n_heads, n_units * n_pos, site, *shares)
 
     def hybrid_passes(k: int) -> float:
         return screen * n + k * n * (L + 1) / (2 * L) + 2 * n
