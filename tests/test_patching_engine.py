@@ -347,3 +347,5 @@ def test_native_norms_skip_hooked_norms_and_change_nothing(request, model_name, 
         kept = native_norms(model, 1)
         assert len(kept) == len(norms) - 1 and model.blocks[1].ln2 not in [m for m, _ in kept]
     assert len(native_norms(model, 1)) == len(norms)  # the hook is gone: bypassed again
+    # a hook point about to be hooked (a cache's names) keeps its norm too
+    assert len(native_norms(model, 1, keep=["ln_final.hook_in"])) == len(norms) - 1

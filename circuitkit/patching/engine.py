@@ -155,9 +155,7 @@ class ExactEngine:
             if reads is not None:
                 idx = reads[r0:r0 + rows].to(self.device)
                 fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
-            # (no cached name is a norm's: the norms may run as their HF modules, as in chunks)
-            norms = [] if any(".ln" in w or w.startswith("ln") for w in want) else \
-                shortcuts.native_norms(self.model, 0)
+            norms = shortcuts.native_norms(self.model, 0, keep=want)  # the cache hooks come later
             with shortcuts.hooked(self.model, fwd_hooks), shortcuts.attn_result_off(self.model), \
                     shortcuts.overridden(norms):
                 out, cache = self.model.run_with_cache(tokens[r0:r0 + rows],

@@ -95,17 +95,20 @@ def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, 
     return [(b, identity) for b in list(model.blocks)[:layer]]
 
 
-def native_norms(model: Any, layer: int) -> list[tuple[Any, Any]]:
+def native_norms(model: Any, layer: int, keep: Sequence[str] = ()) -> list[tuple[Any, Any]]:
     """The norms of blocks ``layer..`` and the final norm as their wrapped HF module's own
     forward. A bridge norm computes the normalisation twice (once for its hook points, once
     by HF, bit-identical); with no hook on it the first pass is wasted: ~10% of a small
-    model's suffix forward. Norms with a hook attached (or without a wrapped module) keep
+    model's suffix forward. Norms with a hook attached, holding a hook point named in
+    ``keep`` (hooks about to be attached, e.g. a cache's), or without a wrapped module keep
     theirs."""
+    kept = {id(model.hook_dict.get(name)) for name in keep}
     out = []
     norms = [getattr(b, name, None) for b in list(model.blocks)[layer:] for name in ("ln1", "ln2")]
     for norm in [*norms, getattr(model, "ln_final", None)]:
         hf = getattr(norm, "original_component", None)
-        if hf is None or isinstance(hf, torch.nn.Identity) or _hooked(norm):
+        if (hf is None or isinstance(hf, torch.nn.Identity) or _hooked(norm)
+                or any(id(m) in kept for m in norm.modules())):
             continue
         out.append((norm, hf.forward))
     return out
