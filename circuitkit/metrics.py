@@ -248,16 +248,15 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
                          .all())
         if alike and not differentiable and vmappable:
             return _batched_copies(logits, idx, rows, r_all, out, pos)
-        # Without autograd one buffer serves every copy: each copy overwrites the same cells
-        # (a scalar metric's copy holds every prompt; a per-prompt one's other rows are unread).
-        buffer = None if differentiable else logits.new_zeros(n, seq, d_vocab)
         for rows_c in copies:
             r = torch.tensor(rows_c, device=logits.device)
             ids, rows_r = idx[r], rows[r]
             rr, pp = (rows_r >= 0).nonzero(as_tuple=True)
             where, values = (ids[rr], pos[pp]), logits[r[rr], rows_r[rr, pp]]
+            # without autograd, the shared buffer of the vmap path (its first copy)
             full = (logits.new_zeros(n, seq, d_vocab).index_put(where, values) if differentiable
-                    else buffer.index_put_(where, values))
+                    else _rebuild_buffer(1, n, seq, d_vocab, logits, where[0] * seq + where[1])[0]
+                    .index_put_(where, values))
             value, _ = _call(fn, full, n, name)
             out = out.index_put((r,), (value[ids] if per_prompt else value.expand(len(r)))
                                 .to(out.dtype))
@@ -285,7 +284,8 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
     return per_prompt_fn
 
 
-# The rebuilt-logits buffer of the vmap path, shared by every wrapped callable: zeros
+# The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd,
+# the per-copy loop): zeros
 # ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one copy is bigger) and the flat
 # ``prompt * seq + position`` cells its last user wrote. Allocating (and first touching) it per
 # sweep costs more than the metric: with a new lambda per call that was a sweep's whole
