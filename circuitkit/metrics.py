@@ -285,11 +285,11 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
 
 
 # The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd,
-# the per-copy loop): zeros
-# ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one copy is bigger) and the flat
-# ``prompt * seq + position`` cells its last user wrote. Allocating (and first touching) it per
-# sweep costs more than the metric: with a new lambda per call that was a sweep's whole
-# overhead. One per process, replaced when the shape, dtype or device changes.
+# the per-copy loop): zeros ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one
+# copy is bigger) and the flat ``prompt * seq + position`` cells its last user wrote.
+# Allocating (and first touching) it per sweep costs more than the metric: with a new lambda
+# per call that was a sweep's whole overhead. One per process, replaced when the shape, dtype
+# or device changes.
 _REBUILD: dict[str, Any] = {"buffer": None, "cells": None}
 
 
