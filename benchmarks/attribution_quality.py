@@ -50,11 +50,6 @@ from circuitkit.patching.attribution import (
     estimator_passes,
 )
 
-RANDOM = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256,
-          "intermediate_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
-          "max_position_embeddings": 128, "seed": 0}
-
-
 # --- settings ----------------------------------------------------------------------------------
 
 def repeated_tokens(model: Any, seed: int, n: int = 4, half: int = 10):
@@ -88,14 +83,9 @@ def icd_text(model: Any, n: int):
 
 
 def random_llama(n_layers: int):
-    model = ck.load_model(dict(RANDOM, num_hidden_layers=n_layers))
-    g = torch.Generator().manual_seed(0)
-    clean = torch.randint(4, RANDOM["vocab_size"], (8, 32), generator=g)
-    corrupt = clean.clone()
-    corrupt[:, 4:12] = torch.randint(4, RANDOM["vocab_size"], (8, 8), generator=g)
-    pos = list(range(24, 32))
-    metric = token_logprob_metric([pos] * 8, [clean[i, pos].tolist() for i in range(8)])
-    return model, clean, corrupt, metric
+    from patching import random_llama_setting  # benchmarks/patching.py (this script's folder)
+
+    return random_llama_setting(n_layers)
 
 
 def settings(args: argparse.Namespace):

@@ -122,27 +122,36 @@ def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> floa
     return total
 
 
+def random_llama_setting(n_layers: int, n_heads: int = 16):
+    """(model, clean, corrupt, metric): a random Llama of ``n_layers`` x ``n_heads`` (d_model 256,
+    GQA n_heads / 2), 8 prompts of 32 random tokens with tokens 4..12 corrupted; metric: log-prob
+    of the last 8 tokens. Also ``benchmarks/attribution_quality.py``'s random Llamas."""
+    from circuitkit.metrics import token_logprob_metric
+
+    model = ck.load_model(dict(TINY, hidden_size=256, intermediate_size=1024,
+                               num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                               num_key_value_heads=n_heads // 2))
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(4, TINY["vocab_size"], (8, 32), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 4:12] = torch.randint(4, TINY["vocab_size"], (8, 8), generator=g)
+    pos = list(range(24, 32))
+    metric = token_logprob_metric([pos] * 8, [clean[i, pos].tolist() for i in range(8)])
+    return model, clean, corrupt, metric
+
+
 def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
     """Exact vs attribution as the head count grows (random Llamas, d_model 256, 8 prompts of
     32 tokens, metric: log-prob of the last 8 tokens). Exact costs about ``n_heads * n_layers / 2``
     forward passes (each head's suffix run), attribution about 3 whatever the head count, so
     their ratio grows with the model."""
-    from circuitkit.metrics import token_logprob_metric
     from circuitkit.patching.attribution import attribution_patch_heads
 
     print(f"\nscaling: random Llama, {n_heads} heads per layer, d_model 256, 8 prompts x 32 "
           f"tokens, denoise z, all positions; best of {repeats}")
     print(f"{'layers':>6s} {'heads':>6s} {'exact s':>8s} {'attrib s':>9s} {'exact/attrib':>13s}")
     for n_layers in layers:
-        cfg = dict(TINY, hidden_size=256, intermediate_size=1024, num_hidden_layers=n_layers,
-                   num_attention_heads=n_heads, num_key_value_heads=n_heads // 2)
-        model = ck.load_model(cfg)
-        g = torch.Generator().manual_seed(0)
-        clean = torch.randint(4, TINY["vocab_size"], (8, 32), generator=g)
-        corrupt = clean.clone()
-        corrupt[:, 4:12] = torch.randint(4, TINY["vocab_size"], (8, 8), generator=g)
-        pos = list(range(24, 32))
-        metric = token_logprob_metric([pos] * 8, [clean[i, pos].tolist() for i in range(8)])
+        model, clean, corrupt, metric = random_llama_setting(n_layers, n_heads)
         exact = partial(ck.patch_heads, model, clean, corrupt, metric, progress=False)
         attrib = partial(attribution_patch_heads, model, clean, corrupt, metric, progress=False)
         exact()  # warm-up (and the fast-path probe)
