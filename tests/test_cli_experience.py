@@ -72,6 +72,8 @@ def test_plan_follows_the_method():
     assert passes(hybrid.output) == pytest.approx(passes(fixed.output))
     # (on 2 layers the screen plus verification costs more than the exact sweep itself)
     assert passes(attribution.output) < passes(hybrid.output)
+    bad = run([*PATCH, "--plan", "--method", "attribution+exact", "--top-k", "0"])
+    assert bad.exit_code != 0 and "top_k=0: expected a positive integer" in bad.output
 
 
 def test_missing_weights_message_is_printed_whole(monkeypatch, tmp_path):

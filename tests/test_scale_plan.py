@@ -95,6 +95,9 @@ def test_bad_arguments_are_named(arch):
         P.sweep_plan(arch, [10], gpu="V100")
     with pytest.raises(ValueError, match="lengths"):
         P.sweep_plan(arch, [])
+    for bad in (0, -3, 2.5):  # a plan of 0 or -3 verified cells would price a run that refuses
+        with pytest.raises(ValueError, match=f"top_k={bad!r}: expected a positive integer"):
+            P.sweep_plan(arch, [10], top_k=bad)
 
 
 def test_token_counts_from_a_tokenizer_or_estimated():

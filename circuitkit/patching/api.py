@@ -46,6 +46,7 @@ from circuitkit.patching.inputs import (
     POSITIONS,
     check_batch_size,
     check_tokens,
+    check_top_k,
     choice,
 )
 from circuitkit.patching.results import PatchResult
@@ -208,6 +209,7 @@ def plan_patch(
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_HEAD_SITES)
+    check_top_k(top_k)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     auto = None
@@ -306,10 +308,7 @@ def attribution_plus_exact(
     ``meta["cost"]``: pass-equivalents and seconds of the estimator and of the verification,
     and of a full exact sweep for reference.
     """
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or top_k < 1):
-        raise ValueError(f"top_k={top_k!r}: expected a positive integer (cells verified), or "
-                         "None to choose the budget from the estimator's error.")
+    check_top_k(top_k)
     if not (0.0 < quantile <= 1.0 and 0.0 < max_fraction <= 1.0) or recall_top < 1:
         raise ValueError(f"quantile={quantile!r} and max_fraction={max_fraction!r} must lie in "
                          f"(0, 1] and recall_top={recall_top!r} must be >= 1.")

@@ -31,6 +31,14 @@ def check_batch_size(batch_size: Any) -> None:
                          "forward pass), or None to size it from free memory.")
 
 
+def check_top_k(top_k: Any) -> None:
+    """``None`` (the automatic verification budget) or a positive integer (cells verified)."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}: expected a positive integer (cells verified), or "
+                         "None to choose the budget from the estimator's error.")
+
+
 def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Tensor, Tensor]:
     """Validated ``(clean, corrupt)`` as long tensors ``[batch, seq]`` (a 1-D prompt gets a batch
     axis); with ``model``, token ids must lie inside its vocabulary."""

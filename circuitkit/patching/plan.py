@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from circuitkit.patching.inputs import check_top_k
 from circuitkit.patching.sweep import MAX_ROWS, Sweep, plan, row_bytes
 
 
@@ -132,6 +133,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
                          f"{lengths[:8]}.")
+    check_top_k(top_k)
     if not 0 < utilisation <= 1:
         raise ValueError(f"utilisation={utilisation!r}: expected a share of peak in (0, 1].")
     g = GPU_CLASSES[gpu]
