@@ -23,6 +23,7 @@ import torch
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric, token_margin_metric
+from circuitkit.patching import attribution
 from circuitkit.patching.api import attribution_plus_exact, verified_mask
 from circuitkit.patching.attribution import ESTIMATORS, attribution_patch_heads
 
@@ -175,10 +176,13 @@ def cancelling_model(mlp_layer: int):
     return model
 
 
-def test_own_mlp_cancellation_hides_the_head_from_atp_not_from_block():
+@pytest.mark.parametrize("all_heads", [False, True], ids=["mlp-per-head", "all-heads-formula"])
+def test_own_mlp_cancellation_hides_the_head_from_atp_not_from_block(all_heads, monkeypatch):
     """The SmolLM2 L16H0 mechanism (docs/attribution.md): the linearised MLP of the head's own
     block cancels its write, the exact MLP does not. Plain AtP ~0 (the two linear paths cancel to
-    1e-3 of the effect), exact +0.36; "block" runs that MLP exactly and equals exact (1e-6)."""
+    1e-3 of the effect), exact +0.36; "block" runs that MLP exactly and equals exact (1e-6),
+    with the MLP called per head or through ``head_mlp``'s all-heads formula."""
+    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: all_heads)
     model = cancelling_model(mlp_layer=1)
     exact, atp = effects(model, "noise")
     c = (1, 0)

@@ -247,7 +247,7 @@ def plan_patch(
 
         n_cells = sweep.n_layers * sweep.n_variants
         screen = n * attribution.estimator_passes(model, attribution.SCREENING_ESTIMATOR, site,
-                                                  positions, seq)
+                                                  positions, seq, batch=min(batch_size or n, n))
         if top_k is None:
             cells, most = (math.ceil(AUTO_EXPECTED_FRACTION * n_cells),
                            max(1, int(AUTO_MAX_FRACTION * n_cells)))

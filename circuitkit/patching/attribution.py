@@ -25,9 +25,11 @@ pass-equivalents per prompt: one prompt through the whole model; a backward coun
   exactly with the patched activation (own softmax exact), then the same. Why: on SmolLM2 the
   linearised MLP right after a head answers its write with a large opposite response that the
   exact MLP does not give (L16H0: +2.5 of linear cancellation, AtP -0.14 vs exact -4.18; this
-  estimator -2.38). Cost: 4 + H * s_mlp for site z (one MLP call per head and layer, the MLP being
-  a share ``s_mlp`` of a block; rows are position-wise, so ``positions="each"`` costs the same),
-  4 + C * (s_attn + s_mlp) for other sites (C patched copies per layer).
+  estimator -2.38). Cost, site z: 4 + H * s_mlp with one MLP call per head and layer (the MLP
+  being a share ``s_mlp`` of a block; rows are position-wise, so ``positions="each"`` costs the
+  same), or, from ``2 d_model / H`` positions per call on, 4 + s_mlp ((2k + 1) + k d_model / N) /
+  (k + 1) with all heads at once (``head_mlp``: virtual weights, N positions per call, k input
+  projections): independent of H. Other sites: 4 + C * (s_attn + s_mlp) (C copies per layer).
 
 * ``"qk"`` (AtP*'s Q/K fix, Kramar et al. 2024 section 3.1.1; ``atp_star=True``): the effect of
   the patch on attention logits taken as it is and the softmax recomputed exactly, the rest
@@ -83,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,9 +98,9 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching import shortcuts
+from circuitkit.patching import head_mlp, shortcuts
 from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_tokens, choice
-from circuitkit.patching.plan import block_flop_shares, block_screen_passes
+from circuitkit.patching.plan import block_flop_shares, block_screen_passes, head_mlp_pays
 from circuitkit.patching.results import PatchResult
 
 ATP_STAR_SITES = ("z", "q", "k")
@@ -113,6 +116,8 @@ SCREENING_ESTIMATOR = "block"
 IG_STEPS = 4
 # Rows (positions x copies) per MLP call of the block estimator (bounds [rows, d_mlp] memory).
 MLP_ROW_CHUNK = 8192
+# Positions on which the block estimator's all-heads MLP formula is checked against the module.
+CHECK_ROWS = 8
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -441,11 +446,38 @@ def _relative(num: Tensor, den: Tensor) -> Tensor:
 def _block_z(model, layer, dz, r_mid, g_post, positions) -> tuple[Tensor, Tensor]:
     """Block estimate and write scale for site z: ``[b, h]`` or ``[b, h, pos]`` each."""
     dr = _head_writes(model, layer, dz)  # [b, p, h, m]
-    total = dr + _mlp_change(model, layer, r_mid, dr)
-    pattern = "b p h m, b p m -> b h" if positions == "all" else "b p h m, b p m -> b h p"
-    eff = einsum(total, g_post, pattern)
+    eff = einsum(dr, g_post, "b p h m, b p m -> b p h") + _head_mlp_z(model, layer, dz, dr,
+                                                                       r_mid, g_post)
     scale = _relative(dr.norm(dim=-1), r_mid.norm(dim=-1)[:, :, None])  # [b, p, h]
-    return eff, (scale.mean(1) if positions == "all" else scale.transpose(1, 2))
+    if positions == "all":
+        return eff.sum(1), scale.mean(1)
+    return eff.transpose(1, 2), scale.transpose(1, 2)
+
+
+def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
+    """``g . [MLP_l(r_mid + dr_h) - MLP_l(r_mid)]`` per head. One MLP call per head, or all heads
+    at once (``head_mlp``) when that is cheaper (positions x heads > 2 d_model: its virtual
+    weights cost d_model positions) and reproduces the module on the ``CHECK_ROWS`` positions
+    with the largest writes."""
+    if getattr(model.cfg, "parallel_attn_mlp", False):
+        return torch.zeros(dr.shape[:3], dtype=dr.dtype, device=dr.device)
+    b, p, h, m = dr.shape
+    with torch.no_grad():
+        fast = head_mlp.head_mlp(model, layer) if head_mlp_pays(b * p, h, m) else None
+        if fast is not None:
+            rows = dr.norm(dim=-1).amax(-1).flatten().topk(min(CHECK_ROWS, b * p)).indices
+            pick = [t.reshape(b * p, *t.shape[2:])[rows][None] for t in (dz, dr, r_mid, g)]
+            slow = einsum(_mlp_change(model, layer, pick[2], pick[1]), pick[3],
+                          "b p h m, b p m -> b p h")
+            rtol = 1e-3 if dr.dtype in (torch.float32, torch.float64) else 5e-2
+            diff = float((fast.readout(*pick) - slow).abs().max())
+            if diff <= rtol * float(slow.abs().max()) + 1e-7:
+                return fast.readout(dz, dr, r_mid, g)
+            warnings.warn("block estimator: the all-heads MLP formula (patching/head_mlp.py) does "
+                          "not reproduce this model's MLP block (its norm or MLP is of another "
+                          "kind); running the MLP once per head instead: same estimates, H times "
+                          "the MLP cost.", RuntimeWarning, stacklevel=2)
+        return einsum(_mlp_change(model, layer, r_mid, dr), g, "b p h m, b p m -> b p h")
 
 
 def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positions,
@@ -574,15 +606,21 @@ def block_shares(model: Any, seq: int) -> tuple[float, float]:
 
 
 def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq: int,
-                     ig_steps: int = IG_STEPS, exact_tail: bool = False) -> float:
-    """Pass-equivalents per prompt of ``estimator`` (formulas in the module docstring)."""
+                     ig_steps: int = IG_STEPS, exact_tail: bool = False,
+                     batch: int | None = None) -> float:
+    """Pass-equivalents per prompt of ``estimator`` (formulas in the module docstring), with
+    ``batch`` prompts per forward where the cost depends on it ("block", site z)."""
     f = hooks.facts(model)
     L, s_attn, s_mlp = f.n_layers, *block_shares(model, seq)
     copies = f.n_heads_at(site) * (seq if positions == "each" else 1)
     if estimator == "atp":
         return 4.0
     if estimator == "block":
-        return block_screen_passes(f.n_heads, copies, site, s_attn, s_mlp)
+        all_heads = head_mlp.covers(model) and not getattr(model.cfg, "parallel_attn_mlp", False)
+        return block_screen_passes(f.n_heads, copies, site, s_attn, s_mlp,
+                                   positions_per_call=batch and batch * seq,
+                                   d_model=f.d_model if all_heads else None,
+                                   gated=bool(getattr(model.cfg, "gated_mlp", False)))
     if estimator == "ig":
         return 2.0 + 3.0 * ig_steps
     graddrop = 2.0 + 2.0 * (L + 1)
@@ -728,7 +766,7 @@ def attribution_patch_heads(
     meta = dict(estimator=est, atp_star=qk, exact_tail=tail, n_prompts=n, batch_size=bs,
                 passes=ATTRIBUTION_COST if est == "atp" else f"see estimator {est!r}",
                 pass_equivalents=n * estimator_passes(model, est, site, positions, seq,
-                                                      ig_steps, tail),
+                                                      ig_steps, tail, batch=bs),
                 seconds=time.perf_counter() - t_start,
                 write_scale=torch.cat(scales).mean(0).tolist())
     if est == "ig":

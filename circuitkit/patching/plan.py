@@ -81,11 +81,28 @@ def block_flop_shares(d_model: int, d_mlp: int, d_head: int, n_heads: int, n_kv_
     return attn / (attn + mlp), mlp / (attn + mlp)
 
 
-def block_screen_passes(n_heads: int, copies: int, site: str, s_attn: float,
-                        s_mlp: float) -> float:
+def head_mlp_pays(positions: int, heads: int, d_model: int) -> bool:
+    """Whether the block estimator's all-heads MLP formula (``patching/head_mlp.py``; its virtual
+    weights cost ``d_model`` positions' worth of input projections per layer and call) beats one
+    MLP call per head, at ``positions`` positions per call."""
+    return positions * heads > 2 * d_model
+
+
+def block_screen_passes(n_heads: int, copies: int, site: str, s_attn: float, s_mlp: float,
+                        positions_per_call: int | None = None, d_model: int | None = None,
+                        gated: bool = True) -> float:
     """Pass-equivalents per prompt of the "block" estimator (``attribution``): AtP's 4, plus
-    one MLP call per head at site z, or one attention and MLP call per head copy elsewhere."""
-    return 4.0 + (n_heads * s_mlp if site == "z" else copies * (s_attn + s_mlp))
+    one attention and MLP call per head copy at sites q/k/v/pattern, and at site z either one
+    MLP call per head or, where ``head_mlp_pays`` (``positions_per_call`` and ``d_model`` given),
+    the all-heads formula: per position k input projections shared, k for all heads' virtual
+    products, one output projection, and the virtual weights spread over the call's positions,
+    ``s_mlp ((2k + 1) + k d_model / positions) / (k + 1)`` (k = 2 gated, 1 plain)."""
+    if site != "z":
+        return 4.0 + copies * (s_attn + s_mlp)
+    if positions_per_call and d_model and head_mlp_pays(positions_per_call, n_heads, d_model):
+        k = 2 if gated else 1
+        return 4.0 + s_mlp * ((2 * k + 1) + k * d_model / positions_per_call) / (k + 1)
+    return 4.0 + n_heads * s_mlp
 
 
 def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int) -> float:
@@ -173,7 +190,8 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
         cells = most = min(top_k, n_cells)
     shares = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
                                arch.n_kv_heads, seq)  # the shipped configs' MLPs are gated
-    screen = block_screen_passes(arch.n_heads, n_units * n_pos, site, *shares)
+    screen = block_screen_passes(arch.n_heads, n_units * n_pos, site, *shares,
+                                 positions_per_call=att_rows * seq, d_model=arch.d_model)
 
     def hybrid_passes(k: int) -> float:
         return screen * n + k * n * (L + 1) / (2 * L) + 2 * n

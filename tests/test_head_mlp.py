@@ -1,0 +1,128 @@
+"""The block estimator's all-heads MLP formula (``patching/head_mlp.py``) against the MLP module
+called once per head: the same numbers (float32, rtol 1e-4), on a gated RMSNorm Llama and a
+LayerNorm GELU GPT-2 with biases; the guard that falls back to the module when the formula does
+not describe the block; and whole block estimates with the formula on and off."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from circuitkit.patching import attribution, head_mlp
+from circuitkit.patching.attribution import _head_writes, _mlp_change, attribution_patch_heads
+
+
+def module_readout(model, layer, dz, r, g):
+    """Reference: ``g . [MLP(r + dr_h) - MLP(r)]`` with the block's own modules, head by head."""
+    dr = _head_writes(model, layer, dz)
+    return torch.einsum("bphm,bpm->bph", _mlp_change(model, layer, r, dr), g)
+
+
+def random_inputs(model, seed: int, b: int = 3, p: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    c = model.cfg
+    return (torch.randn(b, p, c.n_heads, c.d_head, generator=g),
+            3 * torch.randn(b, p, c.d_model, generator=g),
+            torch.randn(b, p, c.d_model, generator=g))
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_readout_equals_the_mlp_module_per_head(arch, request):
+    model = request.getfixturevalue(arch)
+    for layer in range(model.cfg.n_layers):
+        dz, r, g = random_inputs(model, seed=layer)
+        fast = head_mlp.head_mlp(model, layer)
+        assert fast is not None, f"{arch}: the formula should cover this block"
+        want = module_readout(model, layer, dz, r, g)
+        got = fast.readout(dz, _head_writes(model, layer, dz), r, g)
+        assert want.abs().max() > 1e-4  # not a comparison of zeros
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_readout_chunks_agree(tiny_llama, monkeypatch):
+    dz, r, g = random_inputs(tiny_llama, seed=5, b=2, p=9)
+    fast = head_mlp.head_mlp(tiny_llama, 1)
+    dr = _head_writes(tiny_llama, 1, dz)
+    whole = fast.readout(dz, dr, r, g)
+    monkeypatch.setattr(head_mlp, "ROW_CHUNK", 5)  # 1 position x 4 heads per chunk
+    torch.testing.assert_close(fast.readout(dz, dr, r, g), whole, rtol=1e-6, atol=1e-8)
+
+
+def test_a_block_the_formula_does_not_describe_falls_back_to_the_module(tiny_llama, monkeypatch):
+    """A norm scaled by ``1 + gamma`` (as Gemma's) is not ``gamma``: the check on the largest
+    writes sees the difference and the module's numbers are returned."""
+    real = head_mlp.head_mlp
+
+    def gemma_like(model, layer):
+        h = real(model, layer)
+        return dataclasses.replace(h, gamma=h.gamma + 1.0)
+
+    monkeypatch.setattr(head_mlp, "head_mlp", gemma_like)
+    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: True)
+    dz, r, g = random_inputs(tiny_llama, seed=1)
+    dr = _head_writes(tiny_llama, 0, dz)
+    wrong = gemma_like(tiny_llama, 0).readout(dz, dr, r, g)
+    want = module_readout(tiny_llama, 0, dz, r, g)
+    assert (wrong - want).abs().max() > 1e-2 * want.abs().max()  # the fake really is wrong
+    with pytest.warns(RuntimeWarning, match="once per head"):
+        got = attribution._head_mlp_z(tiny_llama, 0, dz, dr, r, g)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_block_estimates_with_and_without_the_formula(arch, direction, request, monkeypatch):
+    model = request.getfixturevalue(arch)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(1, model.cfg.d_vocab, (4, 12), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 2:5] = torch.randint(1, model.cfg.d_vocab, (4, 3), generator=g)
+
+    def metric(logits):
+        return logits[:, -1].log_softmax(-1)[torch.arange(4), clean[:, -1]]
+
+    calls = []
+    readout = head_mlp.HeadMLP.readout
+
+    def spy(self, dz, *rest):
+        calls.append(dz.shape[:2])
+        return readout(self, dz, *rest)
+
+    monkeypatch.setattr(head_mlp.HeadMLP, "readout", spy)
+    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: True)
+    on = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
+                                 estimator="block", progress=False)
+    assert (4, 12) in calls  # the whole batch went through the formula
+    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: False)
+    calls.clear()
+    off = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
+                                  estimator="block", progress=False)
+    assert not calls
+    spread = float((off.values - off.values.mean()).abs().max())
+    assert spread > 1e-5  # estimates that differ by head
+    torch.testing.assert_close(on.values, off.values, rtol=0, atol=1e-2 * spread)
+
+
+def test_when_it_pays():
+    assert not attribution.head_mlp_pays(84, 9, 576)  # SmolLM2, 4 prompts x 21 tokens
+    assert attribution.head_mlp_pays(2048, 9, 576)
+    assert attribution.head_mlp_pays(2048, 64, 8192)  # a 70B, 16 prompts x 128 tokens
+
+
+def test_block_cost_follows_the_path_taken(tiny_llama, monkeypatch):
+    """Pass-equivalents per prompt: H MLP calls below the threshold or without a batch; the
+    all-heads formula's cost above it (gated: k = 2), independent of H; per head again for a
+    model the formula does not cover."""
+    c = tiny_llama.cfg  # 4 heads, d_model 64: the formula pays from 33 positions per call
+    s_attn, s_mlp = attribution.block_shares(tiny_llama, 12)
+    per_head = 4 + c.n_heads * s_mlp
+    passes = attribution.estimator_passes
+    assert passes(tiny_llama, "block", "z", "all", 12) == pytest.approx(per_head)
+    assert passes(tiny_llama, "block", "z", "all", 12, batch=2) == pytest.approx(per_head)
+    n = 4 * 12
+    assert passes(tiny_llama, "block", "z", "all", 12, batch=4) == pytest.approx(
+        4 + s_mlp * (5 + 2 * c.d_model / n) / 3)
+    monkeypatch.setattr(head_mlp, "covers", lambda model: False)
+    assert passes(tiny_llama, "block", "z", "all", 12, batch=4) == pytest.approx(per_head)
