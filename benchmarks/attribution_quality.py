@@ -164,7 +164,7 @@ def run_setting(label, model, clean, corrupt, metric, args) -> list[dict[str, An
                                           estimator=est, progress=False)
             seconds = time.perf_counter() - t0
             ref_seconds = seconds if est == "atp" else ref_seconds
-            passes = estimator_passes(model, est, "z", "all", seq)
+            passes = estimator_passes(model, est, "z", "all", seq, batch=n)
             rows.append(dict(setting=label, direction=direction, estimator=est,
                              **quality(res.values - base, x), passes=passes,
                              passes_x_atp=passes / 4.0, seconds=seconds,

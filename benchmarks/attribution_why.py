@@ -154,7 +154,8 @@ def main() -> None:
         if args.skip_budgets:
             continue
         ws = torch.as_tensor(res[SCREENING_ESTIMATOR].meta["write_scale"]).reshape(L, H)
-        base_passes = estimator_passes(model, SCREENING_ESTIMATOR, "z", "all", clean.shape[1])
+        base_passes = estimator_passes(model, SCREENING_ESTIMATOR, "z", "all", clean.shape[1],
+                                       batch=clean.shape[0])
         print(f"\n{SCREENING_ESTIMATOR} with cells replaced by exact values:\n")
         print("| exact cells | cells | top-10 recall | top-3 in top-20 | pass-eq/prompt (x AtP) |")
         print("|---|---|---|---|---|")
