@@ -36,19 +36,6 @@ def test_70b_parameters_and_weights_by_hand(arch):
     assert p["methods"]["exact"]["rows"] == min(1024, int(budget // row))
 
 
-def block_screen_by_hand(S: int, prompts_per_call: int) -> float:
-    """The "block" screen per prompt: AtP's 4 plus, at site z, either H MLP calls (the MLP's share
-    of a gated block each) or, from 2 D / H positions per call on, the all-heads formula: 2 shared
-    input projections, 2 for all heads' virtual products, the output projection, and the virtual
-    weights (2 D positions of one input projection) spread over the call's positions."""
-    mlp, attn = 2 * D * DMLP * 3, 4 * D * DH * (H + KV) + 2 * H * DH * S
-    share = mlp / (attn + mlp)
-    positions = prompts_per_call * S
-    if positions * H <= 2 * D:
-        return 4 + H * share
-    return 4 + share * (5 + 2 * D / positions) / 3
-
-
 def test_70b_passes_flops_and_time_by_hand(arch):
     n, S = 8, 100  # equal lengths: one length bucket, every chunk runs all 100 positions
     p = P.sweep_plan(arch, [S] * n, top_k=20)
@@ -56,7 +43,9 @@ def test_70b_passes_flops_and_time_by_hand(arch):
     # exact: a head of layer l runs L - l of L blocks: sum over l = H n (L + 1) / 2, + 2 cached
     assert ex["pass_equivalents"] == pytest.approx(H * n * (L + 1) / 2 + 2 * n)
     assert at["pass_equivalents"] == 4 * n
-    screen = block_screen_by_hand(S, at["rows"])
+    # attribution+exact screens with "block": 4 + H x (MLP share of a gated block) per prompt
+    mlp, attn = 2 * D * DMLP * 3, 4 * D * DH * (H + KV) + 2 * H * DH * S
+    screen = 4 + H * mlp / (attn + mlp)
     assert hy["pass_equivalents"] == pytest.approx(
         screen * n + 20 * n * (L + 1) / (2 * L) + 2 * n)
     assert hy["verified_cells"] == hy["verified_cells_max"] == 20
@@ -83,7 +72,8 @@ def test_automatic_budget_is_priced_as_expected_and_capped(arch):
     assert hy["budget"] == "auto"
     assert hy["verified_cells"] == math.ceil(0.2 * cells) == 1024
     assert hy["verified_cells_max"] == cells // 2
-    screen = block_screen_by_hand(S, P.sweep_plan(arch, [S] * n)["methods"]["attribution"]["rows"])
+    mlp, attn = 2 * D * DMLP * 3, 4 * D * DH * (H + KV) + 2 * H * DH * S
+    screen = 4 + H * mlp / (attn + mlp)
     per = lambda k: screen * n + k * n * (L + 1) / (2 * L) + 2 * n  # noqa: E731
     assert hy["pass_equivalents"] == pytest.approx(per(1024))
     assert hy["seconds_max"] == pytest.approx(hy["seconds"] * per(cells // 2) / per(1024))

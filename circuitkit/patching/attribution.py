@@ -29,7 +29,7 @@ pass-equivalents per prompt: one prompt through the whole model; a backward coun
   being a share ``s_mlp`` of a block; rows are position-wise, so ``positions="each"`` costs the
   same), or, from ``2 d_model / H`` positions per call on, 4 + s_mlp ((2k + 1) + k d_model / N) /
   (k + 1) with all heads at once (``head_mlp``: virtual weights, N positions per call, k input
-  projections): independent of H. Other sites: 4 + C * (s_attn + s_mlp) (C copies per layer).
+  projections): independent of H in FLOPs. Other sites: 4 + C * (s_attn + s_mlp) (C copies).
 
 * ``"qk"`` (AtP*'s Q/K fix, Kramar et al. 2024 section 3.1.1; ``atp_star=True``): the effect of
   the patch on attention logits taken as it is and the softmax recomputed exactly, the rest
@@ -456,9 +456,9 @@ def _block_z(model, layer, dz, r_mid, g_post, positions) -> tuple[Tensor, Tensor
 
 def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
     """``g . [MLP_l(r_mid + dr_h) - MLP_l(r_mid)]`` per head. One MLP call per head, or all heads
-    at once (``head_mlp``) when that is cheaper (positions x heads > 2 d_model: its virtual
-    weights cost d_model positions) and reproduces the module on the ``CHECK_ROWS`` positions
-    with the largest writes."""
+    at once (``head_mlp``, in float32 at least) when that is cheaper (positions x heads > 2
+    d_model: its virtual weights cost d_model positions) and reproduces the module (run in the
+    same precision) on the ``CHECK_ROWS`` positions with the largest writes."""
     if getattr(model.cfg, "parallel_attn_mlp", False):
         return torch.zeros(dr.shape[:3], dtype=dr.dtype, device=dr.device)
     b, p, h, m = dr.shape
@@ -466,18 +466,36 @@ def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
         fast = head_mlp.head_mlp(model, layer) if head_mlp_pays(b * p, h, m) else None
         if fast is not None:
             rows = dr.norm(dim=-1).amax(-1).flatten().topk(min(CHECK_ROWS, b * p)).indices
-            pick = [t.reshape(b * p, *t.shape[2:])[rows][None] for t in (dz, dr, r_mid, g)]
-            slow = einsum(_mlp_change(model, layer, pick[2], pick[1]), pick[3],
-                          "b p h m, b p m -> b p h")
-            rtol = 1e-3 if dr.dtype in (torch.float32, torch.float64) else 5e-2
-            diff = float((fast.readout(*pick) - slow).abs().max())
+            dz_, r_, g_ = (t.reshape(b * p, *t.shape[2:])[rows][None].to(fast.dtype)
+                           for t in (dz, r_mid, g))
+            dr_ = einops.einsum(dz_, fast.W_O, "b p h d, h d m -> b p h m")
+            block = model.blocks[layer]
+            # bf16 -> float32 -> bf16 is exact: the model is unchanged afterwards
+            with _parameters_as(fast.dtype, block.ln2, block.mlp):
+                slow = einsum(_mlp_change(model, layer, r_, dr_), g_, "b p h m, b p m -> b p h")
+            diff = float((fast.readout(dz_, r_, g_, dr_) - slow).abs().max())
+            # its products run in the weights' dtype: bf16 rounds them to 2^-8
+            rtol = max(1e-3, 4 * torch.finfo(fast.W_out.dtype).eps)
             if diff <= rtol * float(slow.abs().max()) + 1e-7:
-                return fast.readout(dz, dr, r_mid, g)
+                return fast.readout(dz, r_mid, g, dr)
             warnings.warn("block estimator: the all-heads MLP formula (patching/head_mlp.py) does "
                           "not reproduce this model's MLP block (its norm or MLP is of another "
                           "kind); running the MLP once per head instead: same estimates, H times "
                           "the MLP cost.", RuntimeWarning, stacklevel=2)
         return einsum(_mlp_change(model, layer, r_mid, dr), g, "b p h m, b p m -> b p h")
+
+
+@contextlib.contextmanager
+def _parameters_as(dtype: torch.dtype, *modules: Any):
+    """The modules' floating-point parameters in ``dtype`` inside the block, restored after."""
+    params = [(q, q.dtype) for mod in modules for q in mod.parameters() if q.is_floating_point()]
+    try:
+        for q, _ in params:
+            q.data = q.data.to(dtype)
+        yield
+    finally:
+        for q, dt in params:
+            q.data = q.data.to(dt)
 
 
 def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positions,

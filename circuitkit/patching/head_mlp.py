@@ -18,10 +18,13 @@ projection is folded into the gradient, ``g . W_out^T u = (W_out g) . u``. Per p
 costs one input projection per projection matrix for all heads together (``sum_h d_head =
 d_model``) and one output projection, instead of ``H`` whole MLPs; the virtual weights ``V`` cost
 ``d_model`` positions' worth once per layer and call, so this pays from about ``2 d_model / H``
-positions on. The result is the per-head MLP call's number up to rounding;
-``attribution._head_mlp_z`` compares the two on a few positions of every layer and call, and
-keeps the per-head call where they disagree (a norm or MLP this formula does not describe, e.g. a
-norm scaled by ``1 + gamma``) or where the block does not expose its weights.
+positions on (in FLOPs: on a GPU the float32 elementwise work over ``[H, positions, d_mlp]`` is
+memory-bound and takes about as long as the per-head calls; docs/attribution.md). The products
+run in the weights' dtype, everything after them in float32 at least, since in bf16
+``MLP(r + dr_h) - MLP(r)`` loses most of its digits. ``attribution._head_mlp_z`` compares the
+result with the module, run in the same precision, on a few positions of every layer and call,
+and keeps the per-head call where they disagree (a norm or MLP this formula does not describe,
+e.g. a norm scaled by ``1 + gamma``) or where the block does not expose its weights.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-# (positions x heads) rows per chunk: bounds the [heads, rows, d_mlp] pre-activations, and keeps
-# them near cache size (1024: 1.7x faster than 8192 on SmolLM2, 16 x 64 tokens, one CPU thread).
+# (positions x heads) rows per chunk: bounds the [heads, rows, d_mlp] pre-activations. On a CPU
+# near cache size (1024: 1.7x faster than 8192 on SmolLM2, 16 x 64 tokens, one thread); on a GPU
+# large, so that kernels are few (2^15 rows of a 14336-wide MLP: 0.9 GB a tensor in bf16).
 ROW_CHUNK = 1024
+ROW_CHUNK_GPU = 1 << 15
 
 
 @dataclass
@@ -45,28 +50,40 @@ class HeadMLP:
 
     centered: bool  # LayerNorm subtracts the mean; RMSNorm does not
     eps: float
-    gamma: Tensor  # [m]
+    # Products run in the weights' dtype (bf16 keeps its tensor cores), everything after them in
+    # ``dtype``, float32 at least: in bf16, MLP(r + dr_h) - MLP(r) would lose most of its digits.
+    dtype: torch.dtype
+    gamma: Tensor  # [m], weights' dtype
+    W_O: Tensor  # [h, d_head, m], dtype
     V: list[Tensor]  # per input projection W: W_O[h] diag(gamma) W, [h, d_head, f]
     W: list[Tensor]  # the input projections, [m, f]: up (W_in), then gate (gated MLPs)
-    gW: list[Tensor]  # gamma W, [f]
-    bW: list[Tensor | None]  # beta W + b, [f]
+    gW: list[Tensor]  # gamma W, [f], dtype
+    bW: list[Tensor | None]  # beta W + b, [f], dtype
     W_out: Tensor  # [f, m]
     act: Any
 
-    def readout(self, dz: Float[Tensor, "b p h d"], dr: Float[Tensor, "b p h m"],
-                r: Float[Tensor, "b p m"], g: Float[Tensor, "b p m"]) -> Float[Tensor, "b p h"]:
-        """``g . [MLP(r + dr_h) - MLP(r)]`` for every head ``h`` and position."""
+    def readout(self, dz: Float[Tensor, "b p h d"], r: Float[Tensor, "b p m"],
+                g: Float[Tensor, "b p m"], dr: Float[Tensor, "b p h m"] | None = None
+                ) -> Float[Tensor, "b p h"]:
+        """``g . [MLP(r + dr_h) - MLP(r)]`` for every head ``h`` and position, in ``dtype``;
+        ``dr`` (the writes ``dz_h W_O[h]``) is recomputed unless given in ``dtype``, so that the
+        norm sees the same write as ``dz_h V_h``."""
+        mm, up = self.W_out.dtype, self.dtype
+        if dr is None or dr.dtype != up:
+            dr = einops.einsum(dz.to(up), self.W_O, "b p h d, h d m -> b p h m")
         b_, p_, h_, _ = dr.shape
-        out = torch.empty(b_ * p_, h_, dtype=dr.dtype, device=dr.device)
-        v = g @ self.W_out.T  # [b, p, f]: the output projection folded into the gradient
-        flat = [t.reshape(b_ * p_, *t.shape[2:]) for t in (dz, dr, r, v)]
-        step = max(1, ROW_CHUNK // h_)
+        out = torch.empty(b_ * p_, h_, dtype=up, device=dr.device)
+        # [b, p, f]: the output projection folded into the gradient
+        v = (g.to(mm) @ self.W_out.T).to(up)
+        flat = [t.reshape(b_ * p_, *t.shape[2:]) for t in (dz.to(mm), dr, r, v)]
+        step = max(1, (ROW_CHUNK if dr.device.type == "cpu" else ROW_CHUNK_GPU) // h_)
         for s in range(0, b_ * p_, step):
             dz_c, dr_c, r_c, v_c = (t[s:s + step] for t in flat)
-            shared = [(self.gamma * r_c) @ W for W in self.W]  # [n, f] each
-            # [h, n, f]: the shared projection plus each head's dz_h V_h, in one bmm
-            heads = [torch.baddbmm(sh.expand(h_, *sh.shape), dz_c.transpose(0, 1), Vm)
+            shared = [((self.gamma * r_c.to(mm)) @ W).to(up) for W in self.W]  # [n, f] each
+            # [h, n, f]: the shared projection plus each head's dz_h V_h
+            heads = [torch.bmm(dz_c.transpose(0, 1), Vm).to(up).add_(sh)
                      for sh, Vm in zip(shared, self.V, strict=True)]
+            r_c = r_c.to(up)
             post = self._post(heads, (r_c[:, None] + dr_c).transpose(0, 1))  # [h, n, f]
             post0 = self._post([sh[None] for sh in shared], r_c[None])  # [1, n, f]
             out[s:s + step] = torch.einsum("hnf,nf->nh", post.sub_(post0), v_c)
@@ -98,18 +115,22 @@ def head_mlp(model: Any, layer: int) -> HeadMLP | None:
     if parts is None:
         return None
     norm, act, mats, W_out, gamma, beta, W_O = parts
-    gamma, W_O = gamma.detach(), W_O.detach()
-    beta = beta.detach() if isinstance(beta, Tensor) else None
-    Ws = [W.detach() for W, _ in mats]
+    mm = W_out.dtype
+    dtype = torch.promote_types(mm, torch.float32)
+    gamma, W_O, W_out = gamma.detach().to(mm), W_O.detach().to(mm), W_out.detach()
+    beta = beta.detach().to(dtype) if isinstance(beta, Tensor) else None
+    Ws = [W.detach().to(mm) for W, _ in mats]
     bWs = []
     for W, (_, b) in zip(Ws, mats, strict=True):
-        terms = [t for t in (beta @ W if beta is not None else None,
-                             b.detach() if isinstance(b, Tensor) else None) if t is not None]
+        terms = [t for t in (beta @ W.to(dtype) if beta is not None else None,
+                             b.detach().to(dtype) if isinstance(b, Tensor) else None)
+                 if t is not None]
         bWs.append(sum(terms[1:], terms[0]) if terms else None)
     return HeadMLP(
-        centered=norm == "LN", eps=float(getattr(model.cfg, "eps", 1e-5)), gamma=gamma,
+        centered=norm == "LN", eps=float(getattr(model.cfg, "eps", 1e-5)), dtype=dtype,
+        gamma=gamma, W_O=W_O.to(dtype),
         V=[einops.einsum(W_O, gamma, W, "h d m, m, m f -> h d f") for W in Ws], W=Ws,
-        gW=[gamma @ W for W in Ws], bW=bWs, W_out=W_out.detach(), act=act)
+        gW=[(gamma @ W).to(dtype) for W in Ws], bW=bWs, W_out=W_out, act=act)
 
 
 def _parts(model: Any, layer: int) -> tuple | None:
