@@ -159,3 +159,42 @@ def test_bf16_model_gets_float32_estimates_and_keeps_its_weights(monkeypatch):
     assert err_formula < 1e-2 and err_formula < err_bf16 / 10  # measured: 0.004 and 0.12
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_compiled_chunk_equals_eager(tiny_gpt2, monkeypatch):
+    """What runs on a GPU: ``_chunk_readout`` through ``torch.compile`` (here its CPU backend) gives
+    the eager numbers, for a LayerNorm GELU MLP with biases, on two chunk sizes."""
+    try:
+        torch.compile(lambda x: x * 2)(torch.ones(2))
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torch.compile does not run here: {type(e).__name__}")
+    fast = head_mlp.head_mlp(tiny_gpt2, 1)
+    dz, r, g = random_inputs(tiny_gpt2, seed=4, b=2, p=6)
+    eager = fast.readout(dz, r, g)
+    compiled = torch.compile(head_mlp._chunk_readout, dynamic=True)
+    monkeypatch.setattr(head_mlp, "_chunk_function", lambda device, act: compiled)
+    monkeypatch.setattr(head_mlp, "ROW_CHUNK", 12)  # 3 positions x 4 heads per chunk
+    torch.testing.assert_close(fast.readout(dz, r, g), eager, rtol=1e-5,
+                               atol=1e-5 * float(eager.abs().max()))
+
+
+def test_a_compile_failure_falls_back_to_eager_once(tiny_llama, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(head_mlp, "_COMPILED", {"fn": broken})
+    fast = head_mlp.head_mlp(tiny_llama, 0)
+    dz, r, g = random_inputs(tiny_llama, seed=6)
+    eager = fast.readout(dz, r, g)  # on CPU: never compiled
+    dr = _head_writes(tiny_llama, 0, dz)
+    chunk = head_mlp._chunk_function(torch.device("cuda"), fast.act)  # SiLU: would compile
+    args = ([torch.bmm(dz.reshape(-1, *dz.shape[2:]).transpose(0, 1), V) for V in fast.V],
+            [(fast.gamma * r.reshape(-1, r.shape[-1])) @ W for W in fast.W],
+            (r.reshape(-1, 1, r.shape[-1]) + dr.reshape(-1, *dr.shape[2:])).transpose(0, 1),
+            r.reshape(1, -1, r.shape[-1]), g.reshape(-1, g.shape[-1]) @ fast.W_out.T,
+            fast.gW, fast.bW, fast.centered, fast.eps, fast.act)
+    with pytest.warns(RuntimeWarning, match="running it eagerly"):
+        got = chunk(*args)
+    torch.testing.assert_close(got.reshape(eager.shape), eager, rtol=1e-5, atol=1e-9)
+    assert head_mlp._COMPILED["failed"]
+    assert head_mlp._chunk_function(torch.device("cuda"), fast.act) is head_mlp._chunk_readout

@@ -18,8 +18,8 @@ projection is folded into the gradient, ``g . W_out^T u = (W_out g) . u``. Per p
 costs one input projection per projection matrix for all heads together (``sum_h d_head =
 d_model``) and one output projection, instead of ``H`` whole MLPs; the virtual weights ``V`` cost
 ``d_model`` positions' worth once per layer and call, so this pays from about ``2 d_model / H``
-positions on (in FLOPs: on a GPU the float32 elementwise work over ``[H, positions, d_mlp]`` is
-memory-bound and takes about as long as the per-head calls; docs/attribution.md). The products
+positions on (in FLOPs; on a GPU the float32 elementwise work over ``[H, positions, d_mlp]`` is
+memory-bound, and runs fused through ``torch.compile``; docs/attribution.md). The products
 run in the weights' dtype, everything after them in float32 at least, since in bf16
 ``MLP(r + dr_h) - MLP(r)`` loses most of its digits. ``attribution._head_mlp_z`` compares the
 result with the module, run in the same precision, on a few positions of every layer and call,
@@ -29,6 +29,7 @@ e.g. a norm scaled by ``1 + gamma``) or where the block does not expose its weig
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,29 +78,74 @@ class HeadMLP:
         v = (g.to(mm) @ self.W_out.T).to(up)
         flat = [t.reshape(b_ * p_, *t.shape[2:]) for t in (dz.to(mm), dr, r, v)]
         step = max(1, (ROW_CHUNK if dr.device.type == "cpu" else ROW_CHUNK_GPU) // h_)
+        chunk = _chunk_function(dr.device, self.act)
         for s in range(0, b_ * p_, step):
             dz_c, dr_c, r_c, v_c = (t[s:s + step] for t in flat)
             shared = [((self.gamma * r_c.to(mm)) @ W).to(up) for W in self.W]  # [n, f] each
-            # [h, n, f]: the shared projection plus each head's dz_h V_h
-            heads = [torch.bmm(dz_c.transpose(0, 1), Vm).to(up).add_(sh)
-                     for sh, Vm in zip(shared, self.V, strict=True)]
+            dzV = [torch.bmm(dz_c.transpose(0, 1), Vm) for Vm in self.V]  # [h, n, f], mm dtype
             r_c = r_c.to(up)
-            post = self._post(heads, (r_c[:, None] + dr_c).transpose(0, 1))  # [h, n, f]
-            post0 = self._post([sh[None] for sh in shared], r_c[None])  # [1, n, f]
-            out[s:s + step] = torch.einsum("hnf,nf->nh", post.sub_(post0), v_c)
+            y = (r_c[:, None] + dr_c).transpose(0, 1)  # [h, n, m]: each head's MLP input
+            out[s:s + step] = chunk(dzV, shared, y, r_c[None], v_c, self.gW, self.bW,
+                                    self.centered, self.eps, self.act)
         return out.view(b_, p_, h_)
 
-    def _post(self, lin: list[Tensor], y: Tensor) -> Tensor:
-        """The hidden activation for inputs ``y`` ([h, n, m]) whose un-normalised projections
-        ``(gamma y) W`` are ``lin`` ([h, n, f] each, overwritten): the norm applied after."""
-        mu = y.mean(-1, keepdim=True) if self.centered else None
-        var = y.var(-1, unbiased=False, keepdim=True) if self.centered else y.pow(2).mean(-1, True)
-        inv = torch.rsqrt(var + self.eps)  # [h, n, 1]
-        pre = []
-        for x, gW, bW in zip(lin, self.gW, self.bW, strict=True):
-            x = (x.sub_(mu * gW) if mu is not None else x).mul_(inv)
-            pre.append(x.add_(bW) if bW is not None else x)
-        return self.act(pre[1]).mul_(pre[0]) if len(pre) == 2 else self.act(pre[0])
+
+def _chunk_readout(dzV: list[Tensor], shared: list[Tensor], y: Tensor, y0: Tensor, v: Tensor,
+                   gW: list[Tensor], bW: list[Tensor | None], centered: bool, eps: float,
+                   act: Any) -> Float[Tensor, "n h"]:
+    """``v . [hidden(y_h) - hidden(y0)]`` for one chunk: each head's input projections are
+    ``shared + dzV_h``, the base's ``shared``; the norm is applied after the projections."""
+    post = _hidden([x.to(sh.dtype) + sh for x, sh in zip(dzV, shared, strict=True)], y, gW, bW,
+                   centered, eps, act)  # [h, n, f]
+    post0 = _hidden([sh[None] for sh in shared], y0, gW, bW, centered, eps, act)  # [1, n, f]
+    return torch.einsum("hnf,nf->nh", post.sub_(post0), v)
+
+
+def _hidden(lin: list[Tensor], y: Tensor, gW: list[Tensor], bW: list[Tensor | None],
+            centered: bool, eps: float, act: Any) -> Tensor:
+    """The MLP's hidden activation for inputs ``y`` ([h, n, m]) whose un-normalised projections
+    ``(gamma y) W`` are ``lin`` ([h, n, f] each, not modified)."""
+    mu = y.mean(-1, keepdim=True) if centered else None
+    var = y.var(-1, unbiased=False, keepdim=True) if centered else y.pow(2).mean(-1, True)
+    inv = torch.rsqrt(var + eps)  # [h, n, 1]
+    pre = []
+    for x, g, b in zip(lin, gW, bW, strict=True):
+        x = (x - mu * g).mul_(inv) if mu is not None else x * inv
+        pre.append(x.add_(b) if b is not None else x)
+    return act(pre[1]).mul_(pre[0]) if len(pre) == 2 else act(pre[0])
+
+
+# torch.compile fuses _chunk_readout's elementwise passes into a few kernels: on a GPU they are
+# memory-bound and otherwise take about as long as the per-head MLP calls the formula replaces.
+# Only where Triton runs (CUDA), and only for activations of a known kind (dynamo would recompile
+# for every layer's own activation module otherwise); a compile failure falls back to eager, once.
+_COMPILED: dict[str, Any] = {}
+_FUSABLE_ACTS = {"SiLU", "SiLUActivation", "GELU", "GELUActivation", "NewGELUActivation",
+                 "GELUTanh", "PytorchGELUTanh", "FastGELUActivation", "QuickGELUActivation",
+                 "ReLU"}
+
+
+def _chunk_function(device: torch.device, act: Any):
+    """``_chunk_readout``, compiled where that helps (above)."""
+    if device.type != "cuda" or type(act).__name__ not in _FUSABLE_ACTS \
+            or _COMPILED.get("failed"):
+        return _chunk_readout
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_chunk_readout, dynamic=True)
+
+    def run(*args: Any) -> Tensor:
+        try:
+            return _COMPILED["fn"](*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any compiler failure: eager is always right)
+            _COMPILED["failed"] = True
+            warnings.warn(f"block estimator: torch.compile of the all-heads MLP readout failed "
+                          f"({type(e).__name__}: {str(e)[:200]}); running it eagerly.",
+                          RuntimeWarning, stacklevel=2)
+            return _chunk_readout(*args)
+
+    return run
 
 
 def covers(model: Any) -> bool:

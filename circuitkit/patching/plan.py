@@ -190,9 +190,10 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
         cells = most = min(top_k, n_cells)
     shares = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
                                arch.n_kv_heads, seq)  # the shipped configs' MLPs are gated
-    # Priced as one MLP call per head: the all-heads formula has fewer FLOPs, but on a GPU its
-    # float32 elementwise passes over [heads, positions, d_mlp] are memory-bound and take about as
-    # long (H200, Llama-3-8B shape, 16 x 256 tokens: 5.5x AtP against 6.3x; docs/attribution.md).
+    # Priced as one MLP call per head: the all-heads formula has fewer FLOPs (5.9 against 29.7
+    # pass-equivalents for a Llama-3-8B shape at 16 x 256 tokens) but its elementwise passes are
+    # memory-bound; measured on an H200 it took 3.0x AtP's time (12 pass-equivalents), the
+    # per-head call 6.5x: conservative rather than optimistic (docs/attribution.md).
     screen = block_screen_passes(arch.n_heads, n_units * n_pos, site, *shares)
 
     def hybrid_passes(k: int) -> float:
