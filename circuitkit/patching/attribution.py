@@ -470,7 +470,6 @@ def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
                            for t in (dz, r_mid, g))
             dr_ = einops.einsum(dz_, fast.W_O, "b p h d, h d m -> b p h m")
             block = model.blocks[layer]
-            # bf16 -> float32 -> bf16 is exact: the model is unchanged afterwards
             with _parameters_as(fast.dtype, block.ln2, block.mlp):
                 slow = einsum(_mlp_change(model, layer, r_, dr_), g_, "b p h m, b p m -> b p h")
             diff = float((fast.readout(dz_, r_, g_, dr_) - slow).abs().max())
@@ -487,15 +486,16 @@ def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
 
 @contextlib.contextmanager
 def _parameters_as(dtype: torch.dtype, *modules: Any):
-    """The modules' floating-point parameters in ``dtype`` inside the block, restored after."""
-    params = [(q, q.dtype) for mod in modules for q in mod.parameters() if q.is_floating_point()]
+    """The modules' floating-point parameters in ``dtype`` inside the block; afterwards each holds
+    its original tensor again (same storage, so nothing sharing it is left behind)."""
+    params = [(q, q.data) for mod in modules for q in mod.parameters() if q.is_floating_point()]
     try:
-        for q, _ in params:
-            q.data = q.data.to(dtype)
+        for q, data in params:
+            q.data = data.to(dtype)
         yield
     finally:
-        for q, dt in params:
-            q.data = q.data.to(dt)
+        for q, data in params:
+            q.data = data
 
 
 def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positions,
