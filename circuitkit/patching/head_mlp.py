@@ -40,7 +40,8 @@ from torch import Tensor
 
 # (positions x heads) rows per chunk: bounds the [heads, rows, d_mlp] pre-activations. On a CPU
 # near cache size (1024: 1.7x faster than 8192 on SmolLM2, 16 x 64 tokens, one thread); on a GPU
-# large, so that kernels are few (2^15 rows of a 14336-wide MLP: 0.9 GB a tensor in bf16).
+# large, so that kernels are few (2^15 rows of a 14336-wide MLP: 1.9 GB a float32 tensor, a few
+# alive at once; the H200 measurement in docs/attribution.md ran with it).
 ROW_CHUNK = 1024
 ROW_CHUNK_GPU = 1 << 15
 
