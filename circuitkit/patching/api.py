@@ -464,7 +464,6 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
             top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress)
-        res.meta.update(_described(meta, pm))
         info["verified"] = [list(c) for c in res.meta["verified_cells"]]
         info["screening"] = dict(k=len(info["verified"]), recall=None, estimator=estimator)
     res.meta.update(_described(meta, pm))

@@ -459,8 +459,6 @@ def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
     at once (``head_mlp``, in float32 at least) when that is cheaper (positions x heads > 2
     d_model: its virtual weights cost d_model positions) and reproduces the module (run in the
     same precision) on the ``CHECK_ROWS`` positions with the largest writes."""
-    if getattr(model.cfg, "parallel_attn_mlp", False):
-        return torch.zeros(dr.shape[:3], dtype=dr.dtype, device=dr.device)
     b, p, h, m = dr.shape
     with torch.no_grad():
         fast = head_mlp.head_mlp(model, layer) if head_mlp_pays(b * p, h, m) else None
@@ -634,10 +632,9 @@ def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq:
     if estimator == "atp":
         return 4.0
     if estimator == "block":
-        all_heads = head_mlp.covers(model) and not getattr(model.cfg, "parallel_attn_mlp", False)
         return block_screen_passes(f.n_heads, copies, site, s_attn, s_mlp,
                                    positions_per_call=batch and batch * seq,
-                                   d_model=f.d_model if all_heads else None,
+                                   d_model=f.d_model if head_mlp.covers(model) else None,
                                    gated=bool(getattr(model.cfg, "gated_mlp", False)))
     if estimator == "ig":
         return 2.0 + 3.0 * ig_steps

@@ -182,7 +182,8 @@ def head_mlp(model: Any, layer: int) -> HeadMLP | None:
 
 def _parts(model: Any, layer: int) -> tuple | None:
     norm = str(getattr(model.cfg, "normalization_type", "") or "")
-    if norm not in ("RMS", "LN"):
+    # a parallel block's MLP reads the block input, not the head's write: nothing to compute
+    if norm not in ("RMS", "LN") or getattr(model.cfg, "parallel_attn_mlp", False):
         return None
     block = model.blocks[layer]
     gated = bool(getattr(model.cfg, "gated_mlp", False))
