@@ -37,6 +37,12 @@ def resid_mid(layer: int) -> str:
     return f"blocks.{layer}.hook_resid_mid"
 
 
+def resid_mid_of(model: Any, layer: int) -> str:
+    """The residual a head's write joins before the block's MLP: ``resid_mid``; a parallel block
+    (attention and MLP both read the block input) has none, so ``resid_pre``."""
+    return resid_pre(layer) if getattr(model.cfg, "parallel_attn_mlp", False) else resid_mid(layer)
+
+
 def resid_post(layer: int) -> str:
     return f"blocks.{layer}.hook_resid_post"
 

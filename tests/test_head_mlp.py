@@ -200,3 +200,31 @@ def test_a_compile_failure_falls_back_to_eager_once(tiny_llama, monkeypatch):
     torch.testing.assert_close(got.reshape(eager.shape), eager, rtol=1e-5, atol=1e-9)
     assert head_mlp._COMPILED["failed"]
     assert head_mlp._chunk_function(torch.device("cuda"), fast.act) is head_mlp._chunk_readout
+
+
+def test_parallel_block_has_no_mlp_after_the_head(monkeypatch):
+    """GPT-NeoX with a parallel residual: attention and MLP both read the block input, so the
+    block estimate is plain AtP, with the formula on or off; the write scale's denominator is the
+    block input (there is no ``resid_mid`` to read)."""
+    model = ck.load_model({"model_type": "gpt_neox", "vocab_size": 64, "hidden_size": 32,
+                           "intermediate_size": 64, "num_hidden_layers": 3,
+                           "num_attention_heads": 4, "max_position_embeddings": 64,
+                           "use_parallel_residual": True, "seed": 0})
+    assert model.cfg.parallel_attn_mlp and not head_mlp.covers(model)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(1, 64, (4, 12), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 2:5] = torch.randint(1, 64, (4, 3), generator=g)
+
+    def metric(logits):
+        return logits[:, -1].log_softmax(-1)[torch.arange(4), clean[:, -1]]
+
+    atp = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
+                                  progress=False)
+    assert (atp.values - atp.clean).abs().max() > 1e-4
+    for pays in (False, True):
+        monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a, pays=pays: pays)
+        block = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
+                                        estimator="block", progress=False)
+        torch.testing.assert_close(block.values, atp.values, rtol=0, atol=1e-6)
+        assert block.meta["write_scale"] == atp.meta["write_scale"]

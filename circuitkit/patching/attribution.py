@@ -68,7 +68,8 @@ pass-equivalents per prompt: one prompt through the whole model; a backward coun
   restoring it (denoise). Cost: 2 + 3 m.
 
 Every estimator also returns ``meta["write_scale"]`` (per cell, mean over prompts): the size of
-the patch relative to what it perturbs (site z: ``|dr| / |resid_mid|`` per position; q/k/v:
+the patch relative to what it perturbs (site z: ``|dr| / |resid_mid|`` per position, the block
+input for parallel blocks, ``hooks.resid_mid_of``; q/k/v:
 ``|a_source - a_base| / |a_base|``; pattern: total variation of the row). The nonlinear error of
 an estimate grows with it; ``attribution+exact`` uses it as the unit of its error bound.
 
@@ -823,7 +824,7 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
     resid_layers = sorted(set(attn_layers) | ({last} if tail else set()))
     extra = [hooks.pattern(lay) for lay in attn_layers] + [hooks.resid_pre(lay)
                                                            for lay in resid_layers]
-    mids = [hooks.resid_mid(lay) for lay in range(f.n_layers)] if site == "z" else []
+    mids = [hooks.resid_mid_of(model, lay) for lay in range(f.n_layers)] if site == "z" else []
     modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
     if tail:
         modules["block"] = model.blocks[last]
@@ -874,7 +875,7 @@ def _batch_block(model, base, src, stash_base, stash_src, site, positions, at):
     f = hooks.facts(model)
     L = f.n_layers
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
-    mids = [hooks.resid_mid(layer) for layer in range(L)]
+    mids = [hooks.resid_mid_of(model, layer) for layer in range(L)]
     posts = [hooks.resid_post(layer) for layer in range(L)]
     pres = [hooks.resid_pre(layer) for layer in range(L)] if site != "z" else []
     capture = _Inputs({} if site == "z" else {lay: model.blocks[lay].attn for lay in range(L)})
@@ -902,7 +903,7 @@ def _batch_ig(model, base, src, stash_base, stash_src, site, positions, at, ig_s
     f = hooks.facts(model)
     L = f.n_layers
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
-    mids = [hooks.resid_mid(layer) for layer in range(L)] if site == "z" else []
+    mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
     with _lean(model, at):
         b_acts = _plain_run(model, base, stash_base, [hooks.EMBED, *site_names, *mids])
         s_acts = _plain_run(model, src, stash_src, [hooks.EMBED, *site_names])
@@ -930,7 +931,7 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
     f = hooks.facts(model)
     L = f.n_layers
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
-    mids = [hooks.resid_mid(layer) for layer in range(L)] if site == "z" else []
+    mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
     mask, gates = _gates(L)
     with _lean(model, at):
         obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids], extra=gates)
