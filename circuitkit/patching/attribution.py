@@ -185,15 +185,21 @@ class _Inputs:
     def __enter__(self) -> _Inputs:
         for key, mod in self.modules.items():
             def pre(mod, args, kwargs, key=key):
-                self.kwargs[key] = {
-                    k: v for k, v in kwargs.items()
-                    if k not in ("hidden_states", "cache", "past_key_value", "past_key_values")}
+                self.kwargs[key] = {k: v for k, v in kwargs.items()
+                                    if k != "hidden_states" and not _is_cache(k, v)}
             self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _is_cache(name: str, value: Any) -> bool:
+    """A KV cache argument (``past_key_values``, GPT-NeoX/GPT-J's ``layer_past``, ...): a re-run
+    of one layer must not read or append to the cache of the run it was captured from."""
+    return (name in ("cache", "past_key_value", "past_key_values", "layer_past")
+            or type(value).__name__.endswith("Cache"))
 
 
 def _tile(x: Any, n_copies: int, batch: int) -> Any:
