@@ -183,3 +183,52 @@ def facts(model_or_cfg: Any) -> ModelFacts:
             f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
             f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
         ) from None
+
+
+# --- which sites an edit reaches -------------------------------------------------------------
+
+_PATCHABLE: Any = None  # WeakKeyDictionary model -> {site: bool}, made on first use
+
+
+def check_patchable(model: Any, site: str, tokens: Any) -> None:
+    """``ValueError`` when an edit at head site ``site`` does not reach the model's output.
+
+    TransformerLens fires some hooks after the fact, on attention it leaves to the HF module
+    (GPT-J's ``hook_pattern``): it discards an edit there, so a sweep would report no effect for
+    every head. Probed once per model and site: noise added to the site in every layer at once
+    (a layer may legitimately write nothing, e.g. a planted circuit's) on ``tokens[:1, :8]``,
+    the logits compared bit for bit."""
+    global _PATCHABLE
+    if site not in HEAD_SITES or not hasattr(model, "run_with_hooks"):
+        return
+    import warnings
+    import weakref
+
+    import torch
+
+    if _PATCHABLE is None:
+        _PATCHABLE = weakref.WeakKeyDictionary()
+    known = _PATCHABLE.setdefault(model, {})
+    if site not in known:
+        probe = tokens[:1, :8]
+
+        def edit(t: Any, hook: Any) -> Any:
+            # seeded noise at the activation's own scale: no site is invariant to it (a shift
+            # would leave keys alone under the softmax, a head swap would with one KV head)
+            g = torch.Generator().manual_seed(0)
+            noise = torch.randn(t.shape, generator=g).to(t.device, t.dtype)
+            return t + noise * (t.float().std() + 1).to(t.dtype)
+
+        names = [head_site(site, layer) for layer in range(facts(model).n_layers)]
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TransformerLens warns that it discards the edit
+            base = model(probe)
+            edited = model.run_with_hooks(probe, fwd_hooks=[(n, edit) for n in names])
+        known[site] = not torch.equal(base, edited)
+    if not known[site]:
+        others = " or ".join(repr(s) for s in ("z", "v") if s != site)
+        raise ValueError(
+            f"site={site!r}: an edit of {head_site(site, 0)!r} (or of any layer's) does not "
+            f"change this model's output (TransformerLens fires that hook after the attention "
+            f"ran, e.g. on GPT-J); patching it would report no effect for every head. Patch "
+            f"another site instead, e.g. {others}.")

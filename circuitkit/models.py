@@ -474,7 +474,14 @@ def load_model(
         bridge.cfg.rotary_base = rope["rope_theta"]
     n_params = sum(p.numel() for p in bridge.parameters())
     if attn_result if attn_result is not None else n_params <= ATTN_RESULT_MAX_PARAMS:
-        bridge.set_use_attn_result(True)
+        try:
+            bridge.set_use_attn_result(True)
+        except NotImplementedError as e:  # e.g. GPT-J's attention bridge: no per-head result
+            if attn_result:
+                raise ValueError(
+                    f"attn_result=True: {name_or_path!r} has no per-head hook_result in "
+                    f"TransformerLens ({e}); load it with attn_result=None or False (scores "
+                    "then read per-head writes from W_O).") from None
     return bridge
 
 

@@ -453,3 +453,42 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
         torch.testing.assert_close(engine.run_variants(layer, range(9), 0, 2, fast=True),
                                    engine.run_variants(layer, range(9), 0, 2, fast=False),
                                    atol=1e-4, rtol=0)
+
+
+def test_attention_left_to_hf_loads_and_refuses_the_sites_it_cannot_patch():
+    """GPT-J's attention bridge runs the HF module whole: no per-head ``hook_result`` (the
+    default load skips it; asking for it is a ValueError), and ``hook_pattern`` fires after the
+    fact, so an edit there is discarded. Patching z works and matches a plain hook loop; patching
+    the pattern is refused by every method instead of returning zeros for every head."""
+    import warnings
+
+    cfg = dict(model_type="gptj", vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+               n_positions=64, rotary_dim=4, seed=0)
+    with pytest.raises(ValueError, match="attn_result=True"):
+        ck.load_model(dict(cfg), attn_result=True)
+    model = ck.load_model(dict(cfg))
+    g = torch.Generator().manual_seed(0)
+    clean, corrupt = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8),
+                                                                               generator=g)
+
+    def metric(logits):
+        return logits[:, -1].log_softmax(-1)[torch.arange(2), clean[:, -1]].mean()
+
+    for method in ("exact", "attribution", "attribution+exact"):
+        with pytest.raises(ValueError, match="site='pattern'.*does not change"):
+            ck.patch_heads(model, clean, corrupt, metric, site="pattern", method=method,
+                           progress=False)
+    res = ck.patch_heads(model, clean, corrupt, metric, site="z", direction="noise",
+                         progress=False)
+    _, cache = model.run_with_cache(corrupt)
+    for layer, head in [(0, 1), (1, 3)]:
+        def patch(t, hook, layer=layer, head=head):
+            t = t.clone()
+            t[:, :, head] = cache[hooks.z(layer)][:, :, head]
+            return t
+
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = metric(model.run_with_hooks(clean, fwd_hooks=[(hooks.z(layer), patch)]))
+        assert abs(float(res.values[layer, head]) - float(want)) < 1e-5
+    assert (res.values - res.clean).abs().max() > 1e-3  # the z patches do something

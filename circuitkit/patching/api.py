@@ -482,6 +482,7 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     choice("site", site, sites)
     check_batch_size(batch_size)
     clean, corrupt = check_tokens(clean, corrupt, model)
+    hooks.check_patchable(model, site, clean)
     n, seq = clean.shape
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
     if pm.n_prompts is not None and pm.n_prompts != n:

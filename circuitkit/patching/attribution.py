@@ -720,6 +720,7 @@ def attribution_patch_heads(
         raise ValueError(f"ig_steps={ig_steps!r}: expected a positive integer (interpolation "
                          "steps of estimator 'ig').")
     clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
+    hooks.check_patchable(model, site, clean_tokens)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     metric = as_metric(metric, n, seq, f.d_vocab)
