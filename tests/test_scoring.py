@@ -350,3 +350,31 @@ def test_smollm2_text_task_scores():
     assert len(df) == 30 * 9 and df.attrs["write_source"] == "W_O"
     assert df[COLUMNS[2:8]].notna().all().all()
     assert sorted(df.phase1_rank) == list(range(1, 271))
+
+
+def test_gemma_final_norm_offset_is_read_from_the_module(synth):
+    """Gemma's RMSNorm scales by ``1 + weight`` (Llama's by ``weight``): ``refine.final_norm``
+    tells them apart by running the module, so the linearised norm reproduces the model's own
+    (<= 1e-5) with random gains, and scoring and the distillation signals, which share it, run."""
+    from circuitkit.distill.signals import final_norm as signals_norm
+
+    for model_type in ("gemma", "gemma2", "llama"):
+        model = ck.load_model({"model_type": model_type, "vocab_size": 64, "hidden_size": 32,
+                               "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 8, "max_position_embeddings": 64, "seed": 0})
+        w = model.ln_final.original_component.weight
+        with torch.no_grad():
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+        tokens = torch.randint(5, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens)
+        x = cache[hooks.FINAL_NORM_IN].reshape(-1, 32)
+        kind, g, eps = refine.final_norm(model)
+        assert kind == "rms" and signals_norm is refine.final_norm
+        torch.testing.assert_close(g, w.detach() + 1 if model_type != "llama" else w.detach())
+        torch.testing.assert_close(refine.apply_final_norm(x, kind, g, eps),
+                                   cache[hooks.UNEMBED_IN].reshape(-1, 32), atol=1e-5,
+                                   rtol=1e-5)
+        scores = score_heads(model, synth, progress=False)
+        assert scores["margin_widening"].abs().sum() > 0

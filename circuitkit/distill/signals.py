@@ -75,6 +75,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.scoring.refine import final_norm, final_norm_linear
 
 FORMAT = "circuitkit.distill.signals/1"
 MANIFEST = "manifest.json"
@@ -305,20 +306,6 @@ def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
     return logits, acts
 
 
-def final_norm(model: Any) -> tuple[str, Tensor, float]:
-    """``(kind, weight, eps)`` of the final norm ("rms" or "ln"), weight detached."""
-    kind = str(getattr(model.cfg, "normalization_type", "RMS")).upper()
-    if kind not in ("RMS", "RMSPRE", "LN", "LNPRE"):
-        raise ValueError(f"final norm {kind!r} is not supported (RMS or LN).")
-    ln = model.ln_final
-    w = getattr(ln, "weight", None)
-    if w is None:
-        w = getattr(ln, "w", None)
-    if w is None:
-        w = torch.ones(int(model.cfg.d_model))
-    return ("rms" if kind.startswith("RMS") else "ln"), w.detach(), float(model.cfg.eps)
-
-
 def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Tensor) -> Float[Tensor, "D A"]:
     """``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]`` (detached)."""
     cols = W_U.detach()[:, anchor_token_ids.to(W_U.device)].float()
@@ -389,15 +376,8 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
         keys = qs.keys2.clamp(min=0).to(dev)
         on = attn2.gather(1, keys) * valid  # [N2, K]
         loop = torch.cat([on, (1 - on.sum(1, keepdim=True)).clamp(min=0)], 1)
-        kind, g, eps = final_norm(model)
-        x = acts[hooks.FINAL_NORM_IN][b2, q2].detach().float()
-        w = write2.float()
-        if kind == "rms":
-            scaled = w * g.float() * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-        else:
-            xc = x - x.mean(-1, keepdim=True)
-            scaled = ((w - w.mean(-1, keepdim=True)) * g.float()
-                      * (xc.pow(2).mean(-1, keepdim=True) + eps).rsqrt())
+        x = acts[hooks.FINAL_NORM_IN][b2, q2].detach()
+        scaled = final_norm_linear(write2[:, None], x, *final_norm(model))[:, 0]  # [N2, D]
         cols = W_U.float()[:, qs.tok2.clamp(min=0).to(dev)]  # [D, N2, K]
         eff = torch.einsum("nd,dnk->nk", scaled, cols) * valid
         mean = eff.sum(1, keepdim=True) / valid.sum(1, keepdim=True).clamp(min=1)

@@ -24,13 +24,16 @@ logits predict the answer label.
   teacher every head's loopback is negative, which would zero every score.)
 
 Final norm (``final_norm_linear``), with ``x`` [N, D] the residual entering the final norm at the
-query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's weight:
+query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's gain (its weight; ``1 + weight``
+for Gemma's RMSNorm):
 
 * RMSNorm: ``w * g / sqrt(mean(x^2) + eps)``;
 * LayerNorm: ``(w - mean(w)) * g / sqrt(var(x) + eps)`` (the bias is not part of any head's write).
 
 The norm's input is the sum of all components' writes, so this is the exact linearisation of the
-final norm around that run (the "frozen scale" of direct logit attribution).
+final norm around that run (the "frozen scale" of direct logit attribution). Logits a model caps
+after the unembedding (Gemma 2's ``tanh`` soft-cap) are taken before the cap: the margin is then
+the pre-cap one, which the cap shrinks monotonically.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ def loopback(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],
 
 
 def final_norm(model: Any) -> tuple[str, Tensor, float]:
-    """``(kind, weight [D], eps)`` of the model's final norm; kind "rms" or "ln".
+    """``(kind, gain [D], eps)`` of the model's final norm; kind "rms" or "ln".
 
+    ``gain`` is the scale the norm applies: its weight, or ``1 + weight`` for an RMSNorm that
+    stores the offset (Gemma, Gemma 2), told apart by running the module on a probe.
     Raises ``ValueError`` for a norm this module cannot linearise."""
     kind = str(getattr(model.cfg, "normalization_type", "") or "").upper()
     ln = getattr(model, "ln_final", None)
@@ -67,7 +72,21 @@ def final_norm(model: Any) -> tuple[str, Tensor, float]:
     if weight is None or eps is None:
         raise ValueError("margin_widening: the model's final norm exposes no weight/eps "
                          f"({type(inner).__name__}); cannot reproduce its scale.")
-    return k, weight.detach(), float(eps)
+    gain = weight.detach()
+    if k == "rms":
+        gain = _rms_gain(inner, gain, float(eps))
+    return k, gain, float(eps)
+
+
+def _rms_gain(norm: Any, weight: Tensor, eps: float) -> Tensor:
+    """``weight`` or ``1 + weight``, whichever the RMSNorm module ``norm`` applies."""
+    probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = norm(probe.to(weight.device, weight.dtype)).float().cpu()
+    unit = probe * (probe.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    forms = [weight, 1 + weight.float()]
+    errs = [float((unit * g.float().cpu() - theirs).abs().max()) for g in forms]
+    return forms[1].to(weight.dtype) if errs[1] < errs[0] else weight
 
 
 def final_norm_linear(writes: Float[Tensor, "N H D"], x: Float[Tensor, "N D"], kind: str,
