@@ -349,3 +349,41 @@ def test_native_norms_skip_hooked_norms_and_change_nothing(request, model_name, 
     assert len(native_norms(model, 1)) == len(norms)  # the hook is gone: bypassed again
     # a hook point about to be hooked (a cache's names) keeps its norm too
     assert len(native_norms(model, 1, keep=["ln_final.hook_in"])) == len(norms) - 1
+
+
+def test_post_norm_blocks_gemma2_fast_path_matches_transformerlens(task):
+    """Gemma 2 normalises the attention and MLP outputs before the residual add, and its
+    ``hook_attn_out``/``hook_mlp_out`` are those norms' outputs: the fast path returns the cached
+    hook value from the attention/MLP and must not pass it through the norm again. With random
+    post-norm gains (so a second pass is not close to a no-op), the probe accepts the fast path,
+    every layer's chunk equals the plain hooked path, and the sweeps equal TransformerLens's."""
+    model = ck.load_model({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32,
+                           "intermediate_size": 64, "num_hidden_layers": 3,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                           "max_position_embeddings": 64, "seed": 0})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for block in model.blocks:
+            for norm in (block.ln1_post, block.ln2_post):
+                w = norm.original_component.weight
+                w.copy_(torch.randn(w.shape, generator=g))
+    f = hooks.facts(model)
+    n, seq = task.clean_tokens.shape
+    metric = task.prompt_metric()
+    for kind, site, positions in FAST_CASES:
+        units = f.n_heads_at(site) if kind == "heads" else 1
+        sweep = Sweep(kind, site, "noise", positions, f.n_layers, units,
+                      seq if positions == "each" else 1, n, seq, True)
+        engine = ExactEngine(model, task.clean_tokens, task.corrupt_tokens, metric, sweep)
+        assert engine.fast, (kind, site, positions)
+        for layer in range(f.n_layers):
+            fast = engine.run_variants(layer, range(sweep.n_variants), 0, n, fast=True)
+            plain = engine.run_variants(layer, range(sweep.n_variants), 0, n, fast=False)
+            torch.testing.assert_close(fast, plain, atol=ATOL, rtol=0)
+    clean_cache = model.run_with_cache(task.clean_tokens)[1]
+    for site, tl_fn in (("attn_out", tlp.get_act_patch_attn_out),
+                        ("mlp_out", tlp.get_act_patch_mlp_out)):
+        res = ck.patch_layers(model, task.clean_tokens, task.corrupt_tokens, metric, site=site,
+                              progress=False)
+        ref = tl_fn(model, task.corrupt_tokens, clean_cache, metric)
+        torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)

@@ -334,11 +334,14 @@ class ExactEngine:
         if fast and self.attn_cached:
             attn = self._attn_output(layer, variants, p0, p1, length)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
+            if sw.site != "z":  # a cached hook_attn_out value: past any post-attention norm
+                forwards += shortcuts.cached_as_hooked(model, hooks.attn_out(layer), block.attn)
             if sw.site == "mlp_out":
                 mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, length,
                                                    layer=layer).repeat(n_v, 1, 1),
                                         src, variants, length)
                 forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
+                forwards += shortcuts.cached_as_hooked(model, hooks.mlp_out(layer), block.mlp)
         elif sw.kind == "layers" and sw.site == "resid_pre":
             self._write_patch(x, src, variants, length)  # the patch *is* the restart point
         else:
@@ -366,8 +369,8 @@ class ExactEngine:
         """Whether the fast path matches the plain hooked path on a probe of this model.
 
         Probe: layer 0 (every later block runs), the first and last unit, patched at all
-        positions or (per-position sweeps) at the first prompt's last read position, on two
-        prompts (all of them for a scalar metric)."""
+        positions or (per-position sweeps) at the first prompt's last read position, and the
+        first unit at position 0, on two prompts (all of them for a scalar metric)."""
         sw = self.sweep
         if not self.attn_cached and self.reads is None:
             return True  # nothing to speed up
@@ -383,7 +386,7 @@ class ExactEngine:
         pos = 0
         if sw.n_pos > 1:
             pos = int(self.reads[0].max()) if self.reads is not None else sw.seq - 1
-        variants = sorted({pos, (sw.n_units - 1) * sw.n_pos + pos})
+        variants = sorted({0, pos, (sw.n_units - 1) * sw.n_pos + pos})
         fast = self.run_variants(0, variants, 0, p1, fast=True)
         plain = self.run_variants(0, variants, 0, p1, fast=False)
         err = float((fast - plain).abs().max())
