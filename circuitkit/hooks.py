@@ -51,6 +51,12 @@ def attn_out(layer: int) -> str:
     return f"blocks.{layer}.hook_attn_out"
 
 
+def attn_module_out(layer: int) -> str:
+    """The attention module's own output, before any post-attention norm (Gemma 2); the same
+    value as ``attn_out`` where the block has none."""
+    return f"blocks.{layer}.attn.hook_out"
+
+
 def mlp_out(layer: int) -> str:
     return f"blocks.{layer}.hook_mlp_out"
 
@@ -183,6 +189,23 @@ def facts(model_or_cfg: Any) -> ModelFacts:
             f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
             f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
         ) from None
+
+
+def owner(model: Any, hook_name: str) -> Any:
+    """The module whose output hook ``hook_name`` is (an alias resolved: Gemma 2's
+    ``hook_attn_out`` is its post-attention norm's output, not the attention's)."""
+    return model.get_submodule(model.hook_dict[hook_name].name.rsplit(".", 1)[0])
+
+
+def post_norm(model: Any, layer: int, part: str) -> Any:
+    """The norm block ``layer`` applies to its ``part`` ("attn" or "mlp") output before the
+    residual add, or None (pre-norm blocks): the module owning ``attn_out``/``mlp_out`` when
+    that is not the attention/MLP itself."""
+    block = model.blocks[layer]
+    module, name = (block.attn, attn_out(layer)) if part == "attn" else (block.mlp,
+                                                                          mlp_out(layer))
+    found = owner(model, name)
+    return None if found is module else found
 
 
 # --- which sites an edit reaches -------------------------------------------------------------

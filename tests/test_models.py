@@ -458,8 +458,9 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
 def test_attention_left_to_hf_loads_and_refuses_the_sites_it_cannot_patch():
     """GPT-J's attention bridge runs the HF module whole: no per-head ``hook_result`` (the
     default load skips it; asking for it is a ValueError), and ``hook_pattern`` fires after the
-    fact, so an edit there is discarded. Patching z works and matches a plain hook loop; patching
-    the pattern is refused by every method instead of returning zeros for every head."""
+    fact, so an edit there is discarded and its gradient is zero. Patching z works and matches a
+    plain hook loop; patching the pattern (every method) and the Q/K fix, which reads the
+    pattern's gradient, are refused instead of returning zeros or plain AtP."""
     import warnings
 
     cfg = dict(model_type="gptj", vocab_size=64, n_embd=32, n_layer=2, n_head=4,
@@ -478,6 +479,10 @@ def test_attention_left_to_hf_loads_and_refuses_the_sites_it_cannot_patch():
         with pytest.raises(ValueError, match="site='pattern'.*does not change"):
             ck.patch_heads(model, clean, corrupt, metric, site="pattern", method=method,
                            progress=False)
+    # AtP*'s Q/K fix reads the pattern's gradient, which a post-hoc hook never gets
+    with pytest.raises(ValueError, match="estimator 'qk'.*gradient at the attention pattern"):
+        ck.patch_heads(model, clean, corrupt, metric, site="q", method="attribution",
+                       estimator="qk", progress=False)
     res = ck.patch_heads(model, clean, corrupt, metric, site="z", direction="noise",
                          progress=False)
     _, cache = model.run_with_cache(corrupt)

@@ -21,7 +21,9 @@ pass-equivalents per prompt: one prompt through the whole model; a backward coun
       delta(head) = g_l . [dr + MLP_l(r_mid + dr) - MLP_l(r_mid)],   g_l = dm/d resid_post(l)
 
   (``MLP_l`` includes its norm; parallel attention/MLP blocks have no MLP after the head, so the
-  estimate is plain AtP there.) For sites q/k/v/pattern the head's attention is first recomputed
+  estimate is plain AtP there. A block that normalises the attention and MLP outputs before the
+  residual add, Gemma 2's, is completed through those norms too: ``dr = n_attn(a + dz W_O) -
+  n_attn(a)`` around the base attention output ``a``, and ``MLP_l`` ends in ``n_mlp``.) For sites q/k/v/pattern the head's attention is first recomputed
   exactly with the patched activation (own softmax exact), then the same. Why: on SmolLM2 the
   linearised MLP right after a head answers its write with a large opposite response that the
   exact MLP does not give (L16H0: +2.5 of linear cancellation, AtP -0.14 vs exact -4.18; this
@@ -282,21 +284,46 @@ def _atp_star_qk_own(model, layer, site, a_src, r_base, kwargs, g_pat, positions
     return eff if positions == "all" else einops.rearrange(eff, "b (h p) -> b h p", p=seq)
 
 
-def _head_writes(model: Any, layer: int, dz: Tensor) -> Float[Tensor, "b pos h d_model"]:
-    """Each head's residual-stream write ``dz[:, :, h] @ W_O[h]``."""
+def _head_writes(model: Any, layer: int, dz: Tensor, a_raw: dict[int, Tensor] | None = None
+                 ) -> Float[Tensor, "b pos h d_model"]:
+    """Each head's residual-stream write: ``dz[:, :, h] @ W_O[h]``; on a block with a
+    post-attention norm ``n`` (Gemma 2), ``n(a + dz_h W_O[h]) - n(a)`` with ``a`` the base run's
+    attention output (``a_raw[layer]``, [b, pos, d_model])."""
     W_O = model.blocks[layer].attn.W_O.detach()  # [h, d_head, d_model]
-    return einops.einsum(dz, W_O, "b p h d, h d m -> b p h m")
+    return _residual_write(model, layer, einops.einsum(dz, W_O, "b p h d, h d m -> b p h m"),
+                           a_raw)
+
+
+def _residual_write(model: Any, layer: int, dr: Float[Tensor, "b pos c d_model"],
+                    a_raw: dict[int, Tensor] | None) -> Float[Tensor, "b pos c d_model"]:
+    """Attention-output changes ``dr`` as the residual stream receives them: unchanged, or
+    through block ``layer``'s post-attention norm around the base output ``a_raw[layer]``."""
+    post = hooks.post_norm(model, layer, "attn")
+    if post is None:
+        return dr
+    if a_raw is None or layer not in a_raw:
+        raise RuntimeError(f"block {layer} has a post-attention norm: its writes need the base "
+                           "attention output (hooks.attn_module_out) kept in the run.")
+    a = a_raw[layer].detach().to(dr.dtype)
+    with torch.no_grad():
+        return post(a[:, :, None] + dr) - post(a)[:, :, None]
+
+
+def _raw_attn_names(model: Any) -> list[str]:
+    """The attention modules' own outputs ``_head_writes`` needs (post-norm blocks only)."""
+    return [hooks.attn_module_out(lay) for lay in range(len(model.blocks))
+            if hooks.post_norm(model, lay, "attn") is not None]
 
 
 def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, batch,
-                           layers: Sequence[int]) -> Tensor:
+                           layers: Sequence[int], a_raw: dict[int, Tensor]) -> Tensor:
     """AtP* Q/K correction of head outputs (site z) of ``layer``, summed over ``layers`` (all
     after ``layer``).
 
     For each such layer l': (exact pattern change - its linearisation) . dm/dP_l'.
     ``dz``: [b, p, h, d_head]; returns [b, h] or [b, h, pos].
     """
-    d_r = _head_writes(model, layer, dz)
+    d_r = _head_writes(model, layer, dz, a_raw)
     seq, n_h = d_r.shape[1], d_r.shape[2]
     masks = _copy_masks(n_h, seq, positions, d_r.device, d_r.dtype)  # [c, p, h]
     total = torch.zeros(batch, masks.shape[0], device=d_r.device)
@@ -347,7 +374,7 @@ def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _Metric
 
 
 def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positions,
-                batch) -> Tensor:
+                batch, a_raw: dict[int, Tensor]) -> Tensor:
     """Exact last block + readout for each head's patch (site z); see the module docstring.
 
     ``layer`` < last: ``m(tail(r_last + dr)) - m_base - dr . dm/dr_last`` (a correction added
@@ -361,7 +388,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
     step = max(1, EXACT_TAIL_CHUNK // batch)
     out = []
     with torch.no_grad():
-        d_r = _head_writes(model, layer, dz) if layer < last else None
+        d_r = _head_writes(model, layer, dz, a_raw) if layer < last else None
         for start in range(0, masks.shape[0], step):
             m = masks[start:start + step]
             c = m.shape[0]
@@ -434,9 +461,10 @@ def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
     if getattr(model.cfg, "parallel_attn_mlp", False):
         return torch.zeros_like(dr)
     block = model.blocks[layer]
+    post = hooks.post_norm(model, layer, "mlp") or (lambda y: y)  # Gemma 2 normalises it
 
     def mlp(x: Tensor) -> Tensor:  # [rows, m] -> [rows, m]
-        return torch.cat([block.mlp(block.ln2(x[i:i + MLP_ROW_CHUNK, None]))[:, 0]
+        return torch.cat([post(block.mlp(block.ln2(x[i:i + MLP_ROW_CHUNK, None])))[:, 0]
                           for i in range(0, x.shape[0], MLP_ROW_CHUNK)])
 
     b, p, c, m = dr.shape
@@ -450,9 +478,9 @@ def _relative(num: Tensor, den: Tensor) -> Tensor:
     return num / den.clamp_min(1e-6 * float(den.abs().max().clamp_min(1e-30)))
 
 
-def _block_z(model, layer, dz, r_mid, g_post, positions) -> tuple[Tensor, Tensor]:
+def _block_z(model, layer, dz, r_mid, g_post, positions, a_raw) -> tuple[Tensor, Tensor]:
     """Block estimate and write scale for site z: ``[b, h]`` or ``[b, h, pos]`` each."""
-    dr = _head_writes(model, layer, dz)  # [b, p, h, m]
+    dr = _head_writes(model, layer, dz, a_raw)  # [b, p, h, m]
     eff = einsum(dr, g_post, "b p h m, b p m -> b p h") + _head_mlp_z(model, layer, dz, dr,
                                                                        r_mid, g_post)
     scale = _relative(dr.norm(dim=-1), r_mid.norm(dim=-1)[:, :, None])  # [b, p, h]
@@ -504,7 +532,7 @@ def _parameters_as(dtype: torch.dtype, *modules: Any):
 
 
 def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positions,
-                batch) -> Tensor:
+                batch, a_raw) -> Tensor:
     """Block estimate for sites q/k/v/pattern: each copy's attention recomputed exactly with the
     patched activation, its write through the exact MLP, dotted with ``g_post``."""
     seq = r_pre.shape[1]
@@ -530,7 +558,8 @@ def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positio
             z = _attn_grab(model, layer, r_pre.repeat(c, 1, 1), kwargs, batch, hooks.z(layer),
                            [(hooks.head_site(site, layer), swap)])
             dz = einops.rearrange(z, "(c b) p h d -> c b p h d", c=c) - z0
-            dr = einsum(dz, W_O, "c b p h d, h d m -> b p c m")
+            dr = _residual_write(model, layer, einsum(dz, W_O, "c b p h d, h d m -> b p c m"),
+                                 a_raw)
             total = dr + _mlp_change(model, layer, r_mid, dr)
             eff.append(einsum(total, g_post, "b p c m, b p m -> b c"))
     eff_all = torch.cat(eff, dim=1)  # [b, copies]
@@ -548,8 +577,8 @@ def _site_scale(delta: Tensor, a_base: Tensor, site: str, positions: str) -> Ten
     return r.mean(1) if positions == "all" else r.transpose(1, 2)
 
 
-def _z_scale(model, layer, dz, r_mid, positions) -> Tensor:
-    dr = _head_writes(model, layer, dz)
+def _z_scale(model, layer, dz, r_mid, positions, a_raw) -> Tensor:
+    dr = _head_writes(model, layer, dz, a_raw)
     r = _relative(dr.norm(dim=-1), r_mid.norm(dim=-1)[:, :, None])
     return r.mean(1) if positions == "all" else r.transpose(1, 2)
 
@@ -730,6 +759,15 @@ def attribution_patch_heads(
             f"estimator {est!r} (AtP*'s Q/K fix) corrects softmax effects for sites "
             f"{ATP_STAR_SITES}; site={site!r} acts linearly on its own head's output: use "
             "estimator 'atp', 'block', 'graddrop' or 'ig'.")
+    if qk:
+        try:
+            hooks.check_patchable(model, "pattern", clean_tokens)
+        except ValueError:
+            raise ValueError(
+                f"estimator {est!r} (AtP*'s Q/K fix) needs the gradient at the attention "
+                "pattern, and this model's bridge fires hook_pattern after the attention ran "
+                "(e.g. GPT-J), so that gradient is zero and the fix would do nothing: use "
+                "estimator 'block' or 'atp'.") from None
     if exact_tail and (site != "z" or not qk):
         raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
                                   "or 'atp*' only.")
@@ -832,6 +870,7 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
     extra = [hooks.pattern(lay) for lay in attn_layers] + [hooks.resid_pre(lay)
                                                            for lay in resid_layers]
     mids = [hooks.resid_mid_of(model, lay) for lay in range(f.n_layers)] if site == "z" else []
+    raws = _raw_attn_names(model) if site == "z" else []
     modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
     if tail:
         modules["block"] = model.blocks[last]
@@ -842,11 +881,12 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
         # cannot be backfilled, so layer 0's site gradient would be lost without it.
         gc = cache_activation_and_gradient(model, base, stash_base,
                                            names_filter=[hooks.EMBED, *site_names, *extra,
-                                                         *mids])
+                                                         *mids, *raws])
     with torch.no_grad(), _lean(model, at):
         sc = cache_activation_and_gradient(model, src, stash_src, names_filter=site_names,
                                            compute_gradient=False)
     acts, grads = gc.activations, gc.gradients
+    a_raw = {hooks.layer_of(n): acts[n] for n in raws}
     r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
     g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
              for lp in attn_layers}
@@ -858,7 +898,7 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
         delta = a_s - a_b
         if st.own == "exact_tail":
             e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                            None, stash_base, idx, positions, b)
+                            None, stash_base, idx, positions, b, a_raw)
         elif st.own == "qk_exact":
             e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
                                  capture.kwargs[st.layer], g_pat[st.layer], positions, b)
@@ -866,12 +906,13 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
             e = _head_effect(delta, _zero_if_none(grads[name], a_b), site, positions)
         if st.downstream_qk:
             e = e + _atp_star_z_downstream(model, st.layer, delta, r_base, capture.kwargs,
-                                           g_pat, positions, b, st.downstream_qk)
+                                           g_pat, positions, b, st.downstream_qk, a_raw)
         if st.tail_correction:
             e = e + _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                                grads[hooks.resid_pre(last)], stash_base, idx, positions, b)
+                                grads[hooks.resid_pre(last)], stash_base, idx, positions, b,
+                                a_raw)
         eff.append(e.detach())
-        scale.append(_z_scale(model, st.layer, delta, acts[mids[st.layer]], positions)
+        scale.append(_z_scale(model, st.layer, delta, acts[mids[st.layer]], positions, a_raw)
                      if site == "z" else _site_scale(delta, a_b, site, positions))
     return torch.stack(eff, dim=1), torch.stack(scale, dim=1)
 
@@ -885,20 +926,24 @@ def _batch_block(model, base, src, stash_base, stash_src, site, positions, at):
     mids = [hooks.resid_mid_of(model, layer) for layer in range(L)]
     posts = [hooks.resid_post(layer) for layer in range(L)]
     pres = [hooks.resid_pre(layer) for layer in range(L)] if site != "z" else []
+    raws = _raw_attn_names(model)
     capture = _Inputs({} if site == "z" else {lay: model.blocks[lay].attn for lay in range(L)})
     with capture, _lean(model, at):
-        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *posts, *pres])
+        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *posts, *pres,
+                                                        *raws])
         g_post = _grads(obj, kept, posts, retain=False)
         src_acts = _plain_run(model, src, stash_src, site_names)
+    a_raw = {hooks.layer_of(n): kept[n].detach() for n in raws}
     eff, scale = [], []
     for layer in range(L):
         a_b, a_s = kept[site_names[layer]].detach(), src_acts[site_names[layer]]
         r_mid = kept[mids[layer]].detach()
         if site == "z":
-            e, s = _block_z(model, layer, a_s - a_b, r_mid, g_post[layer], positions)
+            e, s = _block_z(model, layer, a_s - a_b, r_mid, g_post[layer], positions, a_raw)
         else:
             e = _block_attn(model, layer, site, a_s, kept[pres[layer]].detach(), r_mid,
-                            capture.kwargs[layer], g_post[layer], positions, base.shape[0])
+                            capture.kwargs[layer], g_post[layer], positions, base.shape[0],
+                            a_raw)
             s = _site_scale(a_s - a_b, a_b, site, positions)
         eff.append(e)
         scale.append(s)
@@ -911,8 +956,9 @@ def _batch_ig(model, base, src, stash_base, stash_src, site, positions, at, ig_s
     L = f.n_layers
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
     mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
+    raws = _raw_attn_names(model) if site == "z" else []
     with _lean(model, at):
-        b_acts = _plain_run(model, base, stash_base, [hooks.EMBED, *site_names, *mids])
+        b_acts = _plain_run(model, base, stash_base, [hooks.EMBED, *site_names, *mids, *raws])
         s_acts = _plain_run(model, src, stash_src, [hooks.EMBED, *site_names])
         e_b, e_s = b_acts[hooks.EMBED], s_acts[hooks.EMBED]
         mean_grad = [torch.zeros_like(b_acts[n]) for n in site_names]
@@ -923,11 +969,12 @@ def _batch_ig(model, base, src, stash_base, stash_src, site, positions, at, ig_s
             for acc, g in zip(mean_grad, _grads(obj, kept, site_names, retain=False),
                               strict=True):
                 acc += g / ig_steps
+    a_raw = {hooks.layer_of(n): b_acts[n] for n in raws}
     eff, scale = [], []
     for layer, name in enumerate(site_names):
         delta = s_acts[name] - b_acts[name]
         eff.append(_head_effect(delta, mean_grad[layer], site, positions))
-        scale.append(_z_scale(model, layer, delta, b_acts[mids[layer]], positions)
+        scale.append(_z_scale(model, layer, delta, b_acts[mids[layer]], positions, a_raw)
                      if site == "z" else _site_scale(delta, b_acts[name], site, positions))
     return torch.stack(eff, dim=1), torch.stack(scale, dim=1)
 
@@ -939,9 +986,11 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
     L = f.n_layers
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
     mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
+    raws = _raw_attn_names(model) if site == "z" else []
     mask, gates = _gates(L)
     with _lean(model, at):
-        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids], extra=gates)
+        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *raws],
+                              extra=gates)
         src_acts = _plain_run(model, src, stash_src, site_names)
     deltas = [src_acts[n] - kept[n].detach() for n in site_names]
 
@@ -962,8 +1011,9 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
         terms.append(t)
     mask.fill_(1.0)
     terms.append(plain)
+    a_raw = {hooks.layer_of(n): kept[n].detach() for n in raws}
     scale = torch.stack([_z_scale(model, layer, deltas[layer], kept[mids[layer]].detach(),
-                                  positions) if site == "z"
+                                  positions, a_raw) if site == "z"
                          else _site_scale(deltas[layer], kept[name].detach(), site, positions)
                          for layer, name in enumerate(site_names)], dim=1)
     return torch.stack(terms, dim=1), scale

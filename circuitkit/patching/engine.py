@@ -335,13 +335,13 @@ class ExactEngine:
             attn = self._attn_output(layer, variants, p0, p1, length)
             forwards.append((block.attn, shortcuts.returning(attn, self.attn_arity)))
             if sw.site != "z":  # a cached hook_attn_out value: past any post-attention norm
-                forwards += shortcuts.cached_as_hooked(model, hooks.attn_out(layer), block.attn)
+                forwards += shortcuts.passthrough(hooks.post_norm(model, layer, "attn"))
             if sw.site == "mlp_out":
                 mlp = self._write_patch(self._span(self.site_base[layer], p0, p1, length,
                                                    layer=layer).repeat(n_v, 1, 1),
                                         src, variants, length)
                 forwards.append((block.mlp, shortcuts.returning(mlp, 0)))
-                forwards += shortcuts.cached_as_hooked(model, hooks.mlp_out(layer), block.mlp)
+                forwards += shortcuts.passthrough(hooks.post_norm(model, layer, "mlp"))
         elif sw.kind == "layers" and sw.site == "resid_pre":
             self._write_patch(x, src, variants, length)  # the patch *is* the restart point
         else:

@@ -38,6 +38,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from circuitkit import hooks
+
 # (positions x heads) rows per chunk: bounds the [heads, rows, d_mlp] pre-activations. On a CPU
 # near cache size (1024: 1.7x faster than 8192 on SmolLM2, 16 x 64 tokens, one thread); on a GPU
 # large, so that kernels are few (2^15 rows of a 14336-wide MLP: 1.9 GB a float32 tensor, a few
@@ -186,6 +188,10 @@ def _parts(model: Any, layer: int) -> tuple | None:
     if norm not in ("RMS", "LN") or getattr(model.cfg, "parallel_attn_mlp", False):
         return None
     block = model.blocks[layer]
+    # a post-attention/MLP norm (Gemma 2) makes neither the write nor the MLP output linear in W_O
+    if hooks.post_norm(model, layer, "attn") is not None \
+            or hooks.post_norm(model, layer, "mlp") is not None:
+        return None
     gated = bool(getattr(model.cfg, "gated_mlp", False))
     try:
         mlp, ln = block.mlp, block.ln2

@@ -131,19 +131,17 @@ def returning(value: Tensor, n_outputs: int):
     return lambda *args, **kwargs: out
 
 
-def cached_as_hooked(model: Any, hook_name: str, module: Any) -> list[tuple[Any, Any]]:
-    """When ``module`` returns the cached value of hook ``hook_name`` and that hook sits on a
-    later module of the block (Gemma 2's ``hook_attn_out`` is the post-attention norm's
-    output, not the attention's): that module as an identity, so the value is not transformed
-    twice. Empty when the hook is ``module``'s own output."""
-    owner = model.get_submodule(model.hook_dict[hook_name].name.rsplit(".", 1)[0])
-    if owner is module:
+def passthrough(module: Any) -> list[tuple[Any, Any]]:
+    """``module`` (a post-attention/MLP norm, ``hooks.post_norm``; None: nothing) as an
+    identity: where the attention or MLP returns the cached value of ``hook_attn_out`` /
+    ``hook_mlp_out``, which on Gemma 2 is that norm's output, it must not be normalised twice."""
+    if module is None:
         return []
 
     def identity(*args: Any, **kwargs: Any) -> Any:
         return args[0] if args else next(iter(kwargs.values()))
 
-    return [(owner, identity)]
+    return [(module, identity)]
 
 
 def output_arity(model: Any, tokens: Tensor) -> tuple[int, int]:
