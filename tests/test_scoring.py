@@ -378,3 +378,49 @@ def test_gemma_final_norm_offset_is_read_from_the_module(synth):
                                    rtol=1e-5)
         scores = score_heads(model, synth, progress=False)
         assert scores["margin_widening"].abs().sum() > 0
+
+
+def test_post_norm_head_writes_add_up_to_the_normalised_attention_output(synth):
+    """Gemma 2 normalises the attention output before the residual add: a head's write is its
+    share of the norm's output as the run scaled it, so per layer the heads' margin_widening
+    sums to the direct effect of the module's own ``hook_attn_out`` (the norm's output, random
+    gains here) on the margin (<= 1e-4); the distillation signals' pooled write of all of a
+    layer's heads is that output itself (<= 1e-5)."""
+    model = ck.load_model({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32,
+                           "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                           "max_position_embeddings": 64, "seed": 0})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for block in model.blocks:
+            w = block.ln1_post.original_component.weight
+            w.copy_(torch.randn(w.shape, generator=g))
+    L, H = 2, 4
+    df = score_heads(model, synth, progress=False)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(synth.clean_tokens)
+    W_U, lt = model.W_U.detach(), synth.label_token_ids
+    kind, gain, eps = refine.final_norm(model)
+    want = torch.zeros(L)
+    for b, e in enumerate(synth.examples):
+        for p in e.answer_pos:
+            x = cache[hooks.FINAL_NORM_IN][b, p - 1]
+            d_u = W_U[:, int(e.tokens[p])] - W_U[:, lt[e.near_misses]].mean(1)
+            for lay in range(L):
+                out = cache[hooks.attn_out(lay)][b, p - 1]  # the post-attention norm's output
+                scaled = refine.final_norm_linear(out[None, None], x[None], kind, gain, eps)
+                want[lay] += float(scaled[0, 0] @ d_u) / len(e.answer_pos)
+    got = torch.tensor(df["margin_widening"].to_numpy()).reshape(L, H).sum(1).float()
+    torch.testing.assert_close(got, want / len(synth), atol=1e-4, rtol=1e-4)
+    assert got.abs().min() > 1e-3  # the layers write something
+    # distillation: all heads of layer 1 pooled with weight 1 write the norm's whole output
+    from circuitkit.distill import signals
+
+    tokens = synth.clean_tokens
+    _, acts = signals.run_and_capture(model, tokens, [1])
+    w = torch.zeros(L, H)
+    w[1] = 1.0
+    b, q = torch.tensor([0, 1, 2]), torch.tensor([3, 5, 7])
+    post = {1: refine.norm_params(model, model.blocks[1].ln1_post, "post-attention norm")}
+    _, write = signals._pooled(acts, w, b, q, {1: model.blocks[1].attn.W_O.detach()}, post)
+    torch.testing.assert_close(write, cache[hooks.attn_out(1)][b, q], atol=1e-5, rtol=1e-4)

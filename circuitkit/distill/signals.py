@@ -75,7 +75,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.scoring.refine import final_norm, final_norm_linear
+from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
 FORMAT = "circuitkit.distill.signals/1"
 MANIFEST = "manifest.json"
@@ -289,7 +289,8 @@ def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
                     final_norm: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, acts)``: one forward of a ``TransformerBridge`` keeping, for ``layers``,
     ``hooks.pattern(l)`` [b, H, S, S] and ``hooks.z(l)`` [b, S, H, d_head] (and
-    ``hooks.FINAL_NORM_IN`` [b, S, D]) as the run produced them: differentiable when the run is."""
+    ``hooks.FINAL_NORM_IN`` [b, S, D]; ``hooks.attn_module_out(l)`` [b, S, D] where a
+    post-attention norm follows) as the run produced them: differentiable when the run is."""
     acts: dict[str, Tensor] = {}
 
     def keep(t: Tensor, hook: Any, name: str = "") -> Tensor:
@@ -297,6 +298,8 @@ def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
         return t
 
     names = [f(lay) for lay in layers for f in (hooks.pattern, hooks.z)]
+    names += [hooks.attn_module_out(lay) for lay in layers
+              if hooks.post_norm(model, lay, "attn") is not None]
     if final_norm:
         names.append(hooks.FINAL_NORM_IN)
     # bind the public name: inside a hook, hook.name is the bridge's internal name (FIELD-NOTES)
@@ -335,14 +338,19 @@ class Signals:
                           else getattr(self, f.name).detach() for f in fields(self)})
 
 
-def _pooled(acts: dict[str, Tensor], w: Tensor, b: Tensor, q: Tensor, W_O: dict[int, Tensor]
-            ) -> tuple[Tensor | None, Tensor | None]:
-    """(attention rows [N, S], write [N, D]) pooled with ``w`` [L, H] at rows ``(b, q)``."""
+def _pooled(acts: dict[str, Tensor], w: Tensor, b: Tensor, q: Tensor, W_O: dict[int, Tensor],
+            post: dict[int, tuple[str, Tensor, float]]) -> tuple[Tensor | None, Tensor | None]:
+    """(attention rows [N, S], write [N, D]) pooled with ``w`` [L, H] at rows ``(b, q)``; a
+    layer in ``post`` (Gemma 2's post-attention norm) writes through that norm as the run
+    scaled it (its scale detached, as the final norm's)."""
     attn = write = None
     for lay in (w.abs().sum(1) > 0).nonzero()[:, 0].tolist():
         wl = w[lay].to(acts[hooks.z(lay)].dtype).to(acts[hooks.z(lay)].device)
         a = torch.einsum("nhs,h->ns", acts[hooks.pattern(lay)][b, :, q], wl)
         o = torch.einsum("nhd,h,hdm->nm", acts[hooks.z(lay)][b, q], wl, W_O[lay])
+        if lay in post:
+            x = acts[hooks.attn_module_out(lay)][b, q].detach()
+            o = final_norm_linear(o[:, None], x, *post[lay])[:, 0].to(o.dtype)
         attn = a if attn is None else attn + a
         write = o if write is None else write + o
     return attn, write
@@ -355,11 +363,13 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
     S = acts[hooks.FINAL_NORM_IN].shape[1]
     dev = acts[hooks.FINAL_NORM_IN].device
     W_O = {lay: model.blocks[lay].attn.W_O for lay in pool.layers()}
+    post = {lay: norm_params(model, n, f"block {lay}'s post-attention norm")
+            for lay in pool.layers() if (n := hooks.post_norm(model, lay, "attn")) is not None}
     W_U = model.W_U.detach()
     U = anchor_directions(W_U, anchor_token_ids)
     n1, n2 = len(qs.b1), len(qs.b2)
     b1, q1, b2, q2 = (t.to(dev) for t in (qs.b1, qs.q1, qs.b2, qs.q2))
-    attn1, write1 = _pooled(acts, pool.w1, b1, q1, W_O) if n1 else (None, None)
+    attn1, write1 = _pooled(acts, pool.w1, b1, q1, W_O, post) if n1 else (None, None)
     if attn1 is None:
         attn1, profile, align = torch.zeros(n1, S), torch.zeros(n1, U.shape[1]), torch.zeros(n1)
     else:
@@ -368,7 +378,7 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
         own = profile.gather(1, qs.anchor1.to(dev)[:, None])[:, 0]
         align = own - (profile.sum(1) - own) / max(A - 1, 1)
     K = qs.keys2.shape[1]
-    attn2, write2 = _pooled(acts, pool.w2, b2, q2, W_O) if n2 else (None, None)
+    attn2, write2 = _pooled(acts, pool.w2, b2, q2, W_O, post) if n2 else (None, None)
     if attn2 is None:
         loop, effect = torch.zeros(n2, K + 1), torch.zeros(n2, K)
     else:

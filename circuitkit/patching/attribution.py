@@ -23,8 +23,9 @@ pass-equivalents per prompt: one prompt through the whole model; a backward coun
   (``MLP_l`` includes its norm; parallel attention/MLP blocks have no MLP after the head, so the
   estimate is plain AtP there. A block that normalises the attention and MLP outputs before the
   residual add, Gemma 2's, is completed through those norms too: ``dr = n_attn(a + dz W_O) -
-  n_attn(a)`` around the base attention output ``a``, and ``MLP_l`` ends in ``n_mlp``.) For sites q/k/v/pattern the head's attention is first recomputed
-  exactly with the patched activation (own softmax exact), then the same. Why: on SmolLM2 the
+  n_attn(a)`` around the base attention output ``a``, and ``MLP_l`` ends in ``n_mlp``.) For
+  sites q/k/v/pattern the head's attention is first recomputed exactly with the patched
+  activation (own softmax exact), then the same. Why: on SmolLM2 the
   linearised MLP right after a head answers its write with a large opposite response that the
   exact MLP does not give (L16H0: +2.5 of linear cancellation, AtP -0.14 vs exact -4.18; this
   estimator -2.38). Cost, site z: 4 + H * s_mlp with one MLP call per head and layer (the MLP

@@ -20,6 +20,9 @@ phase2_rank        rank of ``refine_score``
 Means are over an example's query positions, then over examples (as Reasoning Focus is).
 A head's write at position ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head]
 and ``W_O`` [head, d_head, d_model]), the per-head output without the attention's output bias;
+where the block normalises the attention output before the residual add (Gemma 2), that write
+through the norm as the run scaled it (``refine.final_norm_linear``: the heads' shares of the
+norm's output, exact for RMSNorm without bias);
 ``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special.
 Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``);
 without either, ``score_heads`` refuses.
@@ -217,12 +220,15 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     U = coarse.anchor_directions(W_U, task.anchor_token_ids, mode, task.label_token_ids,
                                  task.label_anchor) if n1 else None
     norm = refine.final_norm(model) if n2 else None
+    post = {lay: refine.norm_params(model, n, f"block {lay}'s post-attention norm")
+            for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
     need = max(max(e.anchor_pos + e.answer_pos + e.shortlist_pos, default=0)
                for e in task.examples)
     seq = min(need + 1, task.clean_tokens.shape[1])  # causal: later positions cannot matter
     bs = int(batch_size) if batch_size else auto_batch(model, seq)
     names = {hooks.pattern(lay) for lay in range(L)}
     names |= {hooks.z(lay) if source == "W_O" else hooks.result(lay) for lay in range(L)}
+    names |= {hooks.attn_module_out(lay) for lay in post}
     if n2:
         names.add(hooks.FINAL_NORM_IN)
     sums = {k: torch.zeros(L, H, dtype=torch.float64)
@@ -266,6 +272,9 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 bd, qd = b.to(device), q.to(device)
                 rows = pat[bd, :, qd, :].float()  # [N, H, S]
                 writes = _writes(cache, lay, bd, qd, W_O)  # [N, H, D]
+                if lay in post:  # the residual receives n(sum of heads): each head's share
+                    writes = refine.final_norm_linear(
+                        writes, cache[hooks.attn_module_out(lay)][bd, qd], *post[lay])
                 wd = w.to(torch.float64)[:, None]
                 if phase == 1:
                     valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]

@@ -57,9 +57,14 @@ def final_norm(model: Any) -> tuple[str, Tensor, float]:
     ``gain`` is the scale the norm applies: its weight, or ``1 + weight`` for an RMSNorm that
     stores the offset (Gemma, Gemma 2), told apart by running the module on a probe.
     Raises ``ValueError`` for a norm this module cannot linearise."""
+    return norm_params(model, getattr(model, "ln_final", None), "the final norm")
+
+
+def norm_params(model: Any, norm: Any, what: str) -> tuple[str, Tensor, float]:
+    """``final_norm``'s ``(kind, gain, eps)`` for any of the model's norms (``what`` names it
+    in errors), e.g. Gemma 2's post-attention norms (``hooks.post_norm``)."""
     kind = str(getattr(model.cfg, "normalization_type", "") or "").upper()
-    ln = getattr(model, "ln_final", None)
-    inner = getattr(ln, "original_component", ln)
+    inner = getattr(norm, "original_component", norm)
     weight = getattr(inner, "weight", None)
     eps = getattr(inner, "variance_epsilon", getattr(inner, "eps", getattr(model.cfg, "eps", None)))
     if kind.startswith("RMS"):
@@ -67,11 +72,11 @@ def final_norm(model: Any) -> tuple[str, Tensor, float]:
     elif kind.startswith("LN"):
         k = "ln"
     else:
-        raise ValueError(f"margin_widening needs the final norm's scale; the model's "
-                         f"normalization_type is {kind or None!r} (expected RMS or LN).")
+        raise ValueError(f"scoring needs {what}'s scale; the model's normalization_type is "
+                         f"{kind or None!r} (expected RMS or LN).")
     if weight is None or eps is None:
-        raise ValueError("margin_widening: the model's final norm exposes no weight/eps "
-                         f"({type(inner).__name__}); cannot reproduce its scale.")
+        raise ValueError(f"scoring: {what} exposes no weight/eps ({type(inner).__name__}); "
+                         "cannot reproduce its scale.")
     gain = weight.detach()
     if k == "rms":
         gain = _rms_gain(inner, gain, float(eps))
@@ -91,7 +96,8 @@ def _rms_gain(norm: Any, weight: Tensor, eps: float) -> Tensor:
 
 def final_norm_linear(writes: Float[Tensor, "N H D"], x: Float[Tensor, "N D"], kind: str,
                       weight: Float[Tensor, " D"], eps: float) -> Float[Tensor, "N H D"]:
-    """Each write through the final norm as the run scaled it (module docstring)."""
+    """Each write through the final norm as the run scaled it (module docstring); any norm whose
+    input ``x`` is the sum of the writes (Gemma 2's post-attention norm over its heads, too)."""
     x = x.float()
     w = writes.float()
     g = weight.float().to(w.device)
