@@ -197,6 +197,12 @@ def owner(model: Any, hook_name: str) -> Any:
     return model.get_submodule(model.hook_dict[hook_name].name.rsplit(".", 1)[0])
 
 
+def pre_norm(model: Any, layer: int, part: str) -> Any:
+    """The norm block ``layer`` applies to the residual before its ``part`` ("attn" or "mlp"),
+    or None (OLMo 2 normalises after instead)."""
+    return getattr(model.blocks[layer], "ln1" if part == "attn" else "ln2", None)
+
+
 def post_norm(model: Any, layer: int, part: str) -> Any:
     """The norm block ``layer`` applies to its ``part`` ("attn" or "mlp") output before the
     residual add, or None (pre-norm blocks): the module owning ``attn_out``/``mlp_out`` when

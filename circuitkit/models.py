@@ -603,6 +603,10 @@ def _boot_from_config_dict(cfg: dict, device, dtype, tokenizer):
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_cfg).eval()
+    # TransformerLens picks its adapter from config.architectures, which a config made from a
+    # model_type lacks (it guesses for some types only: OLMo 2 failed)
+    if not getattr(model.config, "architectures", None):
+        model.config.architectures = [type(model).__name__]
     if attn_only:  # as training.build_model: an HF model has no MLP-free variant
         for layer in model.base_model.h if model_type == "gpt2" else model.base_model.layers:
             for p in layer.mlp.parameters():

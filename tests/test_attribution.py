@@ -343,14 +343,14 @@ def test_one_layer_reruns_on_a_parallel_block_ignore_its_kv_cache():
     torch.testing.assert_close(hybrid.values[done], ex[done], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "llama"])
+@pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "llama"])
 def test_block_estimate_is_its_definition_on_post_norm_blocks(model_type):
     """``block`` (site z) = ``dm/d resid_post_l . (resid_post_l with the head patched - base)``:
     the head's own block run exactly, first order after it. The reference takes both factors
     from the model's own runs (a hooked forward for the change, autograd for the gradient), so
     it holds whatever the block does with the write: Gemma 2 normalises the attention and MLP
-    outputs before the residual add (random post-norm gains here); Llama does not. Max error
-    <= 1e-4 of the largest effect."""
+    outputs before the residual add (random post-norm gains here), OLMo 2 only there (no norm
+    before the MLP); Llama does not. Max error <= 1e-4 of the largest effect."""
     m = ck.load_model({"model_type": model_type, "vocab_size": 64, "hidden_size": 32,
                        "intermediate_size": 64, "num_hidden_layers": 3,
                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,

@@ -234,7 +234,8 @@ def _attn_grab(model: Any, layer: int, resid: Float[Tensor, "n pos d_model"],
         out["t"] = t
 
     with model.hooks(fwd_hooks=[*fwd_hooks, (name, grab)]):
-        block.attn(hidden_states=block.ln1(resid), **kw)
+        norm = hooks.pre_norm(model, layer, "attn")
+        block.attn(hidden_states=resid if norm is None else norm(resid), **kw)
     return out["t"]
 
 
@@ -462,10 +463,12 @@ def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
     if getattr(model.cfg, "parallel_attn_mlp", False):
         return torch.zeros_like(dr)
     block = model.blocks[layer]
-    post = hooks.post_norm(model, layer, "mlp") or (lambda y: y)  # Gemma 2 normalises it
+    same = lambda y: y  # noqa: E731
+    pre = hooks.pre_norm(model, layer, "mlp") or same  # OLMo 2 has none
+    post = hooks.post_norm(model, layer, "mlp") or same  # Gemma 2 / OLMo 2 normalise here
 
     def mlp(x: Tensor) -> Tensor:  # [rows, m] -> [rows, m]
-        return torch.cat([post(block.mlp(block.ln2(x[i:i + MLP_ROW_CHUNK, None])))[:, 0]
+        return torch.cat([post(block.mlp(pre(x[i:i + MLP_ROW_CHUNK, None])))[:, 0]
                           for i in range(0, x.shape[0], MLP_ROW_CHUNK)])
 
     b, p, c, m = dr.shape

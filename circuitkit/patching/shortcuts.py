@@ -190,10 +190,14 @@ def _index(idx: Tensor, width: int) -> Tensor:
 def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
     """Runs of ``model`` inside compute the last MLP and the unembedding only at ``idx``
     (logits ``[rows, k, vocab]``: read them with ``PromptMetric.per_prompt(logits, at=idx)``),
-    and no per-head results."""
-    last = model.blocks[len(model.blocks) - 1]
-    with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, gather_rows(idx))]), \
-            overridden([(last.mlp, mlp_at_rows(last.mlp, idx))]), attn_result_off(model):
+    and no per-head results. The MLP keeps every position where its input hook is the block's
+    ``hook_resid_mid`` (a block without a pre-MLP norm, OLMo 2): that stays whole."""
+    layer = len(model.blocks) - 1
+    last = model.blocks[layer]
+    mlp = [] if hooks.owner(model, hooks.resid_mid_of(model, layer)) is last.mlp \
+        else [(last.mlp, mlp_at_rows(last.mlp, idx))]
+    with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, gather_rows(idx))]), overridden(mlp), \
+            attn_result_off(model):
         yield
 
 
