@@ -398,3 +398,29 @@ def test_block_estimate_is_its_definition_on_post_norm_blocks(model_type):
     err = float((got.values - got.clean - want).abs().max())
     print(f"{model_type}: max |block - reference| {err:.2e} of {float(want.abs().max()):.2e}")
     assert err <= 1e-4 * float(want.abs().max())
+
+
+def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
+    """OPT's MLP is no module of its own in TransformerLens, so ``block`` (which re-runs the
+    head's MLP) cannot run there: asking for it is a clear ValueError, and ``attribution+exact``
+    screens with plain AtP instead (a RuntimeWarning says so), its verified cells still exact."""
+    from circuitkit.patching.attribution import layer_reruns
+
+    m = ck.load_model({"model_type": "opt", "vocab_size": 64, "hidden_size": 32, "ffn_dim": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "max_position_embeddings": 64, "word_embed_proj_dim": 32, "seed": 0})
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 64, (3, 10), generator=g)
+    corrupt = torch.randint(0, 64, (3, 10), generator=g)
+    metric = token_logprob_metric([[9]] * 3, [[int(clean[i, 9])] for i in range(3)])
+    assert layer_reruns(m, clean) == {"attn": True, "mlp": False}
+    with pytest.raises(ValueError, match="estimator 'block' re-runs single layers"):
+        attribution_patch_heads(m, clean, corrupt, metric, estimator="block", progress=False)
+    with pytest.warns(RuntimeWarning, match="screen is plain AtP"):
+        res = attribution_plus_exact(m, clean, corrupt, metric, direction="noise", top_k=3,
+                                     progress=False)
+    assert res.meta["estimator"] == "atp"
+    ex = exact_heads(m, clean, corrupt, metric, "noise")
+    done = verified_mask(res)
+    assert int(done.sum()) == 3
+    torch.testing.assert_close(res.values[done], ex[done], rtol=0, atol=1e-5)

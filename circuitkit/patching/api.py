@@ -315,6 +315,13 @@ def attribution_plus_exact(
     if estimator is None:
         estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
                      else attribution.SCREENING_ESTIMATOR)
+        runs = attribution.layer_reruns(model, clean_tokens)
+        if estimator == "block" and not (runs["mlp"] and (site == "z" or runs["attn"])):
+            warnings.warn("attribution+exact: this architecture's layers cannot be re-run "
+                          "alone (see attribution.layer_reruns), so the screen is plain AtP "
+                          "instead of 'block'; the verification rule is the same.",
+                          RuntimeWarning, stacklevel=2)
+            estimator = "atp"
     est = attribution.attribution_patch_heads(
         model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
         positions=positions, estimator=estimator,

@@ -90,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -454,6 +455,20 @@ def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
 # --- the block estimator ------------------------------------------------------------------------
 
 
+def _mlp_of(model: Any, layer: int) -> Callable[[Tensor], Tensor]:
+    """Block ``layer``'s residual write from its MLP, ``[rows, m] -> [rows, m]``: its norms
+    (before: none on OLMo 2; after: Gemma 2, OLMo 2) and MLP, row-chunked."""
+    block = model.blocks[layer]
+    same = lambda y: y  # noqa: E731
+    pre = hooks.pre_norm(model, layer, "mlp") or same
+    post = hooks.post_norm(model, layer, "mlp") or same
+
+    def mlp(x: Tensor) -> Tensor:
+        return torch.cat([post(block.mlp(pre(x[i:i + MLP_ROW_CHUNK, None])))[:, 0]
+                          for i in range(0, x.shape[0], MLP_ROW_CHUNK)])
+    return mlp
+
+
 def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
                 dr: Float[Tensor, "b pos c m"]) -> Float[Tensor, "b pos c m"]:
     """``MLP_l(r_mid + dr) - MLP_l(r_mid)`` for each copy ``c`` (norm included), exactly.
@@ -462,15 +477,7 @@ def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
     attention/MLP blocks, whose MLP reads the block input, not the head's write."""
     if getattr(model.cfg, "parallel_attn_mlp", False):
         return torch.zeros_like(dr)
-    block = model.blocks[layer]
-    same = lambda y: y  # noqa: E731
-    pre = hooks.pre_norm(model, layer, "mlp") or same  # OLMo 2 has none
-    post = hooks.post_norm(model, layer, "mlp") or same  # Gemma 2 / OLMo 2 normalise here
-
-    def mlp(x: Tensor) -> Tensor:  # [rows, m] -> [rows, m]
-        return torch.cat([post(block.mlp(pre(x[i:i + MLP_ROW_CHUNK, None])))[:, 0]
-                          for i in range(0, x.shape[0], MLP_ROW_CHUNK)])
-
+    mlp = _mlp_of(model, layer)
     b, p, c, m = dr.shape
     with torch.no_grad():
         base = mlp(r_mid.reshape(-1, m)).view(b, p, 1, m)
@@ -706,6 +713,52 @@ def resolve_estimator(estimator: str | None, atp_star: bool) -> str:
 # --- public API ------------------------------------------------------------------------------
 
 
+_RERUNS: Any = None  # WeakKeyDictionary model -> {"attn": bool, "mlp": bool}
+
+
+def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
+    """Whether one layer's attention (``"attn"``) and MLP (``"mlp"``) re-run alone with the
+    model's own modules reproduce the full run, as ``block``, ``qk`` and ``atp*`` need: the
+    attention of layer 0 on two copies of ``tokens[:1, :8]`` (its call arguments tiled) against
+    the run's ``hook_z``, its MLP change against the block's. Some bridges cannot: OPT's MLP
+    is no module of its own, Bloom's adds a residual it is handed and tiles ALiBi per head.
+    Probed once per model."""
+    global _RERUNS
+    if _RERUNS is None:
+        _RERUNS = weakref.WeakKeyDictionary()
+    if model in _RERUNS:
+        return _RERUNS[model]
+    probe = tokens[:1, :8].to(next(model.parameters()).device)
+    names = [hooks.z(0), hooks.resid_pre(0), hooks.resid_mid_of(model, 0), hooks.resid_post(0),
+             hooks.attn_out(0), *_raw_attn_names(model)[:1]]
+    capture = _Inputs({0: model.blocks[0].attn})
+    ok = {"attn": False, "mlp": False}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with capture:
+            _, cache = model.run_with_cache(probe, names_filter=lambda n: n in names)
+        try:
+            z = _attn_grab(model, 0, cache[hooks.resid_pre(0)].repeat(2, 1, 1),
+                           capture.kwargs[0], 1, hooks.z(0))
+            ok["attn"] = bool(torch.allclose(z, cache[hooks.z(0)].repeat(2, 1, 1, 1),
+                                             rtol=1e-3, atol=1e-5))
+        except Exception:  # noqa: BLE001 - any failure means "cannot re-run it alone"
+            pass
+        try:
+            r_mid = cache[hooks.resid_mid_of(model, 0)]
+            if getattr(model.cfg, "parallel_attn_mlp", False):
+                ok["mlp"] = True  # nothing runs after the head (the change is zero)
+            else:
+                want = cache[hooks.resid_post(0)] - r_mid  # the MLP's own write
+                got = _mlp_of(model, 0)(r_mid.reshape(-1, r_mid.shape[-1]))
+                ok["mlp"] = bool(torch.allclose(got.view_as(want), want, rtol=1e-3,
+                                                atol=1e-5))
+        except Exception:  # noqa: BLE001
+            pass
+    _RERUNS[model] = ok
+    return ok
+
+
 def attribution_patch_heads(
     model: Any,
     clean_tokens: Int[Tensor, "batch seq"],
@@ -772,6 +825,15 @@ def attribution_patch_heads(
                 "pattern, and this model's bridge fires hook_pattern after the attention ran "
                 "(e.g. GPT-J), so that gradient is zero and the fix would do nothing: use "
                 "estimator 'block' or 'atp'.") from None
+    need = {"block": ("mlp",) if site == "z" else ("attn", "mlp"),
+            "qk": ("attn",), "atp*": ("attn",)}.get(est, ())
+    missing = [part for part in need if not layer_reruns(model, clean_tokens)[part]]
+    if missing:
+        raise ValueError(
+            f"estimator {est!r} re-runs single layers ({' and '.join(missing)}) with the "
+            "model's own modules, which this architecture's bridge does not allow (e.g. OPT's "
+            "MLP is no module of its own, Bloom's needs the residual); use estimator 'atp', "
+            "'ig' or 'graddrop'.")
     if exact_tail and (site != "z" or not qk):
         raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
                                   "or 'atp*' only.")

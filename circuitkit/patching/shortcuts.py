@@ -223,6 +223,10 @@ def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
     forward = type(module).forward
 
     def fn(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if any(isinstance(a, Tensor) and a.shape[:2] == x.shape[:2]
+               for a in (*args, *kwargs.values())):
+            # another per-position input (Bloom's MLP adds the residual it is handed): whole
+            return forward(module, x, *args, **kwargs)
         return put_rows(forward(module, take_rows(x, idx), *args, **kwargs), idx, x.shape[1])
     return fn
 
