@@ -15,10 +15,10 @@ import warnings
 
 import pytest
 import torch
+from tinymodels import hand_patch_heads, with_random_post_norms
 from transformer_lens import patching as tlp
 
 import circuitkit as ck
-from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching.api import verified_mask
 
@@ -46,15 +46,7 @@ POST_HOC_PATTERN = {"gptj", "opt"}
 
 
 def _model(name):
-    model = ck.load_model({**SMALL, **ARCHS[name]})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # post-norm gains away from 1, so a norm applied twice shows
-        for block in model.blocks:
-            for norm in (getattr(block, "ln1_post", None), getattr(block, "ln2_post", None)):
-                if norm is not None:
-                    w = norm.original_component.weight
-                    w.copy_(torch.randn(w.shape, generator=g))
-    return model
+    return with_random_post_norms({**SMALL, **ARCHS[name]})
 
 
 def _data():
@@ -63,26 +55,6 @@ def _data():
     corrupt = torch.randint(0, 64, (2, 8), generator=g)
     metric = token_logprob_metric([[4, 7]] * 2, [clean[i, [4, 7]].tolist() for i in range(2)])
     return clean, corrupt, metric
-
-
-def _hand_loop(model, base, source, metric, site):
-    _, cache = model.run_with_cache(source)
-    f = hooks.facts(model)
-    out = torch.zeros(f.n_layers, f.n_heads_at(site))
-    ax = hooks.head_axis(site)
-    for layer in range(f.n_layers):
-        name = hooks.head_site(site, layer)
-        for h in range(out.shape[1]):
-            def patch(t, hook, h=h, name=name):
-                t = t.clone()
-                ix = [slice(None)] * t.ndim
-                ix[ax] = h
-                t[tuple(ix)] = cache[name][tuple(ix)]
-                return t
-
-            with torch.no_grad():
-                out[layer, h] = metric(model.run_with_hooks(base, fwd_hooks=[(name, patch)]))
-    return out
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -98,7 +70,7 @@ def test_every_entry_point_on_this_layout(name):
                 continue
             res = ck.patch_heads(model, clean, corrupt, metric, site=site, direction="noise",
                                  progress=False)
-            want = _hand_loop(model, clean, corrupt, metric, site)
+            want = hand_patch_heads(model, clean, corrupt, metric, site)
             torch.testing.assert_close(res.values, want, atol=1e-5, rtol=0, msg=site)
         layers = ck.patch_layers(model, clean, corrupt, metric, site="attn_out",
                                  progress=False)
@@ -109,7 +81,7 @@ def test_every_entry_point_on_this_layout(name):
     assert torch.isfinite(torch.as_tensor(hybrid.meta["attribution_values"])).all()
     done = verified_mask(hybrid)
     assert done.any()
-    want = _hand_loop(model, clean, corrupt, metric, "z")
+    want = hand_patch_heads(model, clean, corrupt, metric, "z")
     torch.testing.assert_close(hybrid.values[done], want[done], atol=1e-5, rtol=0)
     task = ck.load_task("synthetic", n_examples=6, n_labels=8, children=4,
                         labels_per_note=(1, 1), split="test", phase=2)

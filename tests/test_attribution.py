@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinymodels import hand_patch_heads, with_random_post_norms
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -28,23 +29,7 @@ def tiny_model(**over):
 def exact_heads(model, clean, corrupt, metric, direction, site="z"):
     """Metric after patching each head at every position: a plain run_with_hooks loop."""
     base, src = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
-    f = hooks.facts(model)
-    _, cache = model.run_with_cache(src)
-    out = torch.zeros(f.n_layers, f.n_heads_at(site))
-    ax = hooks.head_axis(site)
-    for layer in range(f.n_layers):
-        name = hooks.head_site(site, layer)
-        for h in range(out.shape[1]):
-            def patch(t, hook, h=h, name=name):
-                t = t.clone()
-                ix = [slice(None)] * t.ndim
-                ix[ax] = h
-                t[tuple(ix)] = cache[name][tuple(ix)]
-                return t
-
-            with torch.no_grad():
-                out[layer, h] = metric(model.run_with_hooks(base, fwd_hooks=[(name, patch)]))
-    return out
+    return hand_patch_heads(model, base, src, metric, site)
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -351,17 +336,11 @@ def test_block_estimate_is_its_definition_on_post_norm_blocks(model_type):
     it holds whatever the block does with the write: Gemma 2 normalises the attention and MLP
     outputs before the residual add (random post-norm gains here), OLMo 2 only there (no norm
     before the MLP); Llama does not. Max error <= 1e-4 of the largest effect."""
-    m = ck.load_model({"model_type": model_type, "vocab_size": 64, "hidden_size": 32,
-                       "intermediate_size": 64, "num_hidden_layers": 3,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                       "max_position_embeddings": 64, "seed": 0})
+    m = with_random_post_norms({"model_type": model_type, "vocab_size": 64, "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 3,
+                                "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "head_dim": 8, "max_position_embeddings": 64, "seed": 0})
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for block in m.blocks:
-            for name in ("ln1_post", "ln2_post"):
-                if hasattr(block, name):
-                    w = getattr(block, name).original_component.weight
-                    w.copy_(torch.randn(w.shape, generator=g))
     clean = torch.randint(0, 64, (3, 10), generator=g)
     corrupt = torch.randint(0, 64, (3, 10), generator=g)
     pos = [4, 9]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tinymodels import with_random_post_norms
 from transformer_lens import patching as tlp
 
 import circuitkit as ck
@@ -357,16 +358,11 @@ def test_post_norm_blocks_gemma2_fast_path_matches_transformerlens(task):
     hook value from the attention/MLP and must not pass it through the norm again. With random
     post-norm gains (so a second pass is not close to a no-op), the probe accepts the fast path,
     every layer's chunk equals the plain hooked path, and the sweeps equal TransformerLens's."""
-    model = ck.load_model({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32,
-                           "intermediate_size": 64, "num_hidden_layers": 3,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                           "max_position_embeddings": 64, "seed": 0})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for block in model.blocks:
-            for norm in (block.ln1_post, block.ln2_post):
-                w = norm.original_component.weight
-                w.copy_(torch.randn(w.shape, generator=g))
+    model = with_random_post_norms({"model_type": "gemma2", "vocab_size": 64,
+                                    "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 3, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "head_dim": 8,
+                                    "max_position_embeddings": 64, "seed": 0})
     f = hooks.facts(model)
     n, seq = task.clean_tokens.shape
     metric = task.prompt_metric()

@@ -18,6 +18,7 @@ from planted_circuit import (
     planted_model,
     planted_task,
 )
+from tinymodels import with_random_post_norms
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -386,15 +387,11 @@ def test_post_norm_head_writes_add_up_to_the_normalised_attention_output(synth):
     sums to the direct effect of the module's own ``hook_attn_out`` (the norm's output, random
     gains here) on the margin (<= 1e-4); the distillation signals' pooled write of all of a
     layer's heads is that output itself (<= 1e-5)."""
-    model = ck.load_model({"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32,
-                           "intermediate_size": 64, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                           "max_position_embeddings": 64, "seed": 0})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for block in model.blocks:
-            w = block.ln1_post.original_component.weight
-            w.copy_(torch.randn(w.shape, generator=g))
+    model = with_random_post_norms({"model_type": "gemma2", "vocab_size": 64,
+                                    "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "head_dim": 8,
+                                    "max_position_embeddings": 64, "seed": 0})
     L, H = 2, 4
     df = score_heads(model, synth, progress=False)
     with torch.no_grad():
