@@ -393,6 +393,9 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     corrupt = torch.randint(0, 64, (3, 10), generator=g)
     metric = token_logprob_metric([[9]] * 3, [[int(clean[i, 9])] for i in range(3)])
     assert layer_reruns(m, clean) == {"attn": True, "mlp": False}
+    # a layout that can re-run its layers passes in bf16 too (a batch of two rounds differently)
+    bf16 = ck.load_model({**TINY, "seed": 0}, dtype="bfloat16")
+    assert layer_reruns(bf16, clean) == {"attn": True, "mlp": True}
     with pytest.raises(ValueError, match="estimator 'block' re-runs single layers"):
         attribution_patch_heads(m, clean, corrupt, metric, estimator="block", progress=False)
     with pytest.warns(RuntimeWarning, match="screen is plain AtP"):

@@ -740,8 +740,7 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
         try:
             z = _attn_grab(model, 0, cache[hooks.resid_pre(0)].repeat(2, 1, 1),
                            capture.kwargs[0], 1, hooks.z(0))
-            ok["attn"] = bool(torch.allclose(z, cache[hooks.z(0)].repeat(2, 1, 1, 1),
-                                             rtol=1e-3, atol=1e-5))
+            ok["attn"] = _agrees(z, cache[hooks.z(0)].repeat(2, 1, 1, 1))
         except Exception:  # noqa: BLE001 - any failure means "cannot re-run it alone"
             pass
         try:
@@ -751,12 +750,20 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
             else:
                 want = cache[hooks.resid_post(0)] - r_mid  # the MLP's own write
                 got = _mlp_of(model, 0)(r_mid.reshape(-1, r_mid.shape[-1]))
-                ok["mlp"] = bool(torch.allclose(got.view_as(want), want, rtol=1e-3,
-                                                atol=1e-5))
+                ok["mlp"] = _agrees(got.view_as(want), want)
         except Exception:  # noqa: BLE001
             pass
     _RERUNS[model] = ok
     return ok
+
+
+def _agrees(got: Tensor, want: Tensor) -> bool:
+    """Equal up to the rounding of ``want``'s dtype (a batch of two may take other kernels:
+    bf16 differs in its last bits), relative to the largest value: a layout a re-run cannot
+    reproduce is off by O(1) or fails outright."""
+    tol = max(1e-3, 16 * torch.finfo(want.dtype).eps)
+    err = float((got.float() - want.float()).abs().max())
+    return err <= tol * float(want.float().abs().max()) + 1e-6
 
 
 def attribution_patch_heads(
