@@ -28,9 +28,10 @@ both sides), it is width-free, and it is the quantity the CoarseScore measures. 
 Phase-2 write is compared as logits, which two models over one vocabulary share.
 
 Gradients: the teacher side is computed without autograd; on the student side ``W_U`` and the
-final norm (weight and the run's scale) are detached (the reading frame), so ``p1``/``p2`` reach
-only the embeddings and the blocks up to the mapped phase layer's attention (not its MLP, not
-later layers, not the unembedding); ``cot`` reaches every parameter.
+final norm (weight and the run's scale) are detached (the reading frame), as is a post-attention
+norm (Gemma 2), so ``p1``/``p2`` reach only the embeddings and the blocks up to the mapped phase
+layer's attention (not its MLP, not later layers, not the unembedding); ``cot`` reaches every
+parameter.
 """
 
 from __future__ import annotations
