@@ -193,8 +193,10 @@ def facts(model_or_cfg: Any) -> ModelFacts:
 
 def owner(model: Any, hook_name: str) -> Any:
     """The module whose output hook ``hook_name`` is (an alias resolved: Gemma 2's
-    ``hook_attn_out`` is its post-attention norm's output, not the attention's)."""
-    return model.get_submodule(model.hook_dict[hook_name].name.rsplit(".", 1)[0])
+    ``hook_attn_out`` is its post-attention norm's output, not the attention's); None where
+    the model has no such hook."""
+    point = model.hook_dict.get(hook_name)
+    return None if point is None else model.get_submodule(point.name.rsplit(".", 1)[0])
 
 
 def pre_norm(model: Any, layer: int, part: str) -> Any:
