@@ -306,6 +306,35 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     assert res.meta["n_verified"] == int(mask.sum()) == len(res.meta["verified_cells"])
 
 
+def test_pass_budget_caps_the_verification(tiny_llama):
+    """``max_passes``: the automatic rule verifies in its own priority order while the total
+    cost (estimator + verification, pass-equivalents) stays within the budget, and says it
+    stopped there; with a budget it never reaches it is the unbudgeted run, cell for cell."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 64, (4, 12), generator=g)
+    corrupt = torch.randint(0, 64, (4, 12), generator=g)
+    pos = [5, 8, 11]
+    metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
+    kw = dict(direction="noise", recall_top=3, max_fraction=1.0, progress=False)
+    free = attribution_plus_exact(tiny_llama, clean, corrupt, metric, **kw)
+    cost = free.meta["cost"]
+    assert attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=1e9, **kw
+                                  ).meta["verified_cells"] == free.meta["verified_cells"]
+    # room for the engine's two cached runs and about three cells of the first layer
+    limit = cost["estimator_passes"] + 4 * (2 + 3)
+    capped = attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=limit, **kw)
+    spent = capped.meta["cost"]["total_passes"]
+    print(f"free: {free.meta['n_verified']} cells, {cost['total_passes']:.1f} pass-eq; "
+          f"capped at {limit:.1f}: {capped.meta['n_verified']} cells, {spent:.1f}")
+    assert spent <= limit + 1e-9 and capped.meta["budget"]["stopped"] == "passes"
+    assert 0 < capped.meta["n_verified"] < free.meta["n_verified"]
+    ex = ck.patch_heads(tiny_llama, clean, corrupt, metric, direction="noise", progress=False)
+    done = verified_mask(capped)
+    torch.testing.assert_close(capped.values[done], ex.values[done], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_passes"):
+        attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=0, **kw)
+
+
 def test_estimator_argument_is_checked(tiny_llama):
     toks = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="estimator"):

@@ -274,7 +274,7 @@ def attribution_plus_exact(
     direction: str = "denoise", site: str = "z", positions: str = "all",
     top_k: int | None = None, atp_star: bool = False, estimator: str | None = None,
     recall_top: int = 10, quantile: float = 0.9, max_fraction: float = 0.5,
-    batch_size: int | None = None, progress: bool = True,
+    max_passes: float | None = None, batch_size: int | None = None, progress: bool = True,
 ) -> PatchResult:
     """Screen every cell with an attribution estimator, then verify cells with the exact engine
     (``ExactEngine.run_variants``).
@@ -294,7 +294,9 @@ def attribution_plus_exact(
        calibration then covers the largest patches, where first-order estimates fail);
     3. ``tau`` = the ``recall_top``-th largest ``|x|`` verified; stop as soon as every
        unverified ``U < tau`` ("bound"), or when ``max_fraction`` of the cells are verified
-       ("budget").
+       ("budget"), or when no further cell fits in ``max_passes`` pass-equivalents, estimator
+       and verification together (``meta["cost"]["total_passes"]``; "passes"): within a round,
+       cells that do not fit are skipped in priority order.
 
     Stated recall: if every unverified cell obeys the bound (it held for a fraction ``quantile``
     of the verified cells), every cell with ``|x| >= tau`` is verified, so the exact top
@@ -312,6 +314,9 @@ def attribution_plus_exact(
     if not (0.0 < quantile <= 1.0 and 0.0 < max_fraction <= 1.0) or recall_top < 1:
         raise ValueError(f"quantile={quantile!r} and max_fraction={max_fraction!r} must lie in "
                          f"(0, 1] and recall_top={recall_top!r} must be >= 1.")
+    if max_passes is not None and not max_passes > 0:
+        raise ValueError(f"max_passes={max_passes!r}: expected a positive number of "
+                         "pass-equivalents (prompts through the whole model), or None.")
     if estimator is None:
         estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
                      else attribution.SCREENING_ESTIMATOR)
@@ -382,6 +387,12 @@ def attribution_plus_exact(
                 size[picked] = -1.0
                 more = min(per_layer, n_cells - take, cap - take)
                 picked += torch.topk(size, max(0, more)).indices.tolist()
+            if max_passes is not None:
+                picked = _within(picked, est.meta["pass_equivalents"] + n * (
+                    2 + float(downstream[done].sum())), n * downstream, max_passes)
+                if not picked:
+                    stopped = "passes"
+                    break
             verify(picked)
             rounds += 1
             ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
@@ -406,6 +417,7 @@ def attribution_plus_exact(
                 estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds)
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+                  max_passes=max_passes,
                   error_scale=k_err, tau=tau, stopped=stopped, rounds=rounds)
     meta = dict(est.meta, top_k=len(order), verified=verified.tolist(), verified_cells=cells,
                 n_verified=len(order), verified_fraction=len(order) / n_cells, budget=budget,
@@ -413,6 +425,17 @@ def attribution_plus_exact(
                 error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
                    meta=meta)
+
+
+def _within(picked: list[int], spent: float, cost: Tensor, limit: float) -> list[int]:
+    """The cells of ``picked`` (priority order) that fit, in turn, in what ``limit`` leaves
+    after ``spent`` (``cost``: pass-equivalents of verifying each cell)."""
+    keep = []
+    for j in picked:
+        if spent + float(cost[j]) <= limit:
+            keep.append(j)
+            spent += float(cost[j])
+    return keep
 
 
 def verified_mask(result: PatchResult) -> Tensor:
