@@ -382,7 +382,8 @@ def test_block_estimate_is_its_definition_on_post_norm_blocks(model_type):
 def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     """OPT's MLP is no module of its own in TransformerLens, so ``block`` (which re-runs the
     head's MLP) cannot run there: asking for it is a clear ValueError, and ``attribution+exact``
-    screens with plain AtP instead (a RuntimeWarning says so), its verified cells still exact."""
+    screens with plain AtP instead (a RuntimeWarning says so), its verified cells still exact;
+    so does ``method="auto"`` after its exact sweep."""
     from circuitkit.patching.attribution import layer_reruns
 
     m = ck.load_model({"model_type": "opt", "vocab_size": 64, "hidden_size": 32, "ffn_dim": 64,
@@ -406,3 +407,9 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     done = verified_mask(res)
     assert int(done.sum()) == 3
     torch.testing.assert_close(res.values[done], ex[done], rtol=0, atol=1e-5)
+    # method="auto" screens the same way: its exact sweep is not lost to the screen's refusal
+    with pytest.warns(RuntimeWarning, match="screen is plain AtP"):
+        auto = ck.patch_heads(m, clean, corrupt, metric, direction="noise", method="auto",
+                              progress=False)
+    assert auto.meta["auto"]["screening"]["estimator"] == "atp"
+    torch.testing.assert_close(auto.values, ex, rtol=0, atol=1e-5)

@@ -319,14 +319,7 @@ def attribution_plus_exact(
                          "pass-equivalents (prompts through the whole model), or None.")
     if estimator is None:
         estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
-                     else attribution.SCREENING_ESTIMATOR)
-        runs = attribution.layer_reruns(model, clean_tokens)
-        if estimator == "block" and not (runs["mlp"] and (site == "z" or runs["attn"])):
-            warnings.warn("attribution+exact: this architecture's layers cannot be re-run "
-                          "alone (see attribution.layer_reruns), so the screen is plain AtP "
-                          "instead of 'block'; the verification rule is the same.",
-                          RuntimeWarning, stacklevel=2)
-            estimator = "atp"
+                     else attribution.screening_estimator(model, site, clean_tokens))
     est = attribution.attribution_patch_heads(
         model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
         positions=positions, estimator=estimator,
@@ -467,13 +460,14 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
           progress: bool, top_k: int | None, meta: dict) -> PatchResult:
     """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus the
     screening estimator's pass (``attribution.SCREENING_ESTIMATOR``) so the result says how well
-    screening would have done: ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k
+    screening would have done (``attribution.screening_estimator``: plain AtP where the model
+    cannot re-run a layer alone): ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k
     cells (by ``|value - baseline|``) among the screen's top k, ``k = min(top_k or 20, cells /
     2)``. Above it: ``attribution_plus_exact`` with the same estimator and, unless ``top_k`` is
     given, its automatic verification budget; the verified cells are listed in
     ``meta["auto"]["verified"]`` (no recall: exact values exist for those cells only)."""
     info = _auto_choice(model, clean.shape[1], site, positions)
-    estimator = attribution.SCREENING_ESTIMATOR
+    estimator = attribution.screening_estimator(model, site, clean)
     n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
         clean.shape[1] if positions == "each" else 1)
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing

@@ -756,6 +756,26 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
     return ok
 
 
+def missing_reruns(model: Any, estimator: str, site: str, tokens: Tensor) -> list[str]:
+    """The one-layer re-runs (``"attn"``, ``"mlp"``) ``estimator`` needs at ``site`` that this
+    model cannot do (``layer_reruns``); empty where it can run."""
+    need = {"block": ("mlp",) if site == "z" else ("attn", "mlp"),
+            "qk": ("attn",), "atp*": ("attn",)}.get(estimator, ())
+    return [part for part in need if not layer_reruns(model, tokens)[part]] if need else []
+
+
+def screening_estimator(model: Any, site: str, tokens: Tensor) -> str:
+    """``SCREENING_ESTIMATOR`` where the model can run it, else plain ``"atp"`` (with a
+    ``RuntimeWarning``): what ``attribution+exact`` and ``method="auto"`` screen with."""
+    if not missing_reruns(model, SCREENING_ESTIMATOR, site, tokens):
+        return SCREENING_ESTIMATOR
+    warnings.warn(f"this architecture's layers cannot be re-run alone (attribution."
+                  f"layer_reruns), so the screen is plain AtP instead of "
+                  f"{SCREENING_ESTIMATOR!r}; the verification rule is the same.",
+                  RuntimeWarning, stacklevel=3)
+    return "atp"
+
+
 def _agrees(got: Tensor, want: Tensor) -> bool:
     """Equal up to the rounding of ``want``'s dtype (a batch of two may take other kernels:
     bf16 differs in its last bits), relative to the largest value: a layout a re-run cannot
@@ -831,9 +851,7 @@ def attribution_patch_heads(
                 "pattern, and this model's bridge fires hook_pattern after the attention ran "
                 "(e.g. GPT-J), so that gradient is zero and the fix would do nothing: use "
                 "estimator 'block' or 'atp'.") from None
-    need = {"block": ("mlp",) if site == "z" else ("attn", "mlp"),
-            "qk": ("attn",), "atp*": ("attn",)}.get(est, ())
-    missing = [part for part in need if not layer_reruns(model, clean_tokens)[part]]
+    missing = missing_reruns(model, est, site, clean_tokens)
     if missing:
         raise ValueError(
             f"estimator {est!r} re-runs single layers ({' and '.join(missing)}) with the "
