@@ -38,6 +38,7 @@ the pre-cap one, which the cap shrinks monotonically.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -83,15 +84,25 @@ def norm_params(model: Any, norm: Any, what: str) -> tuple[str, Tensor, float]:
     return k, gain, float(eps)
 
 
+_OFFSET: Any = None  # WeakKeyDictionary norm module -> whether it scales by 1 + weight
+
+
 def _rms_gain(norm: Any, weight: Tensor, eps: float) -> Tensor:
-    """``weight`` or ``1 + weight``, whichever the RMSNorm module ``norm`` applies."""
-    probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        theirs = norm(probe.to(weight.device, weight.dtype)).float().cpu()
-    unit = probe * (probe.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    forms = [weight, 1 + weight.float()]
-    errs = [float((unit * g.float().cpu() - theirs).abs().max()) for g in forms]
-    return forms[1].to(weight.dtype) if errs[1] < errs[0] else weight
+    """``weight`` or ``1 + weight``, whichever the RMSNorm module ``norm`` applies. Which form a
+    module has is probed once (the distillation signals ask every step, of a student whose
+    weight changes); the gain is then read from the current weight."""
+    global _OFFSET
+    if _OFFSET is None:
+        _OFFSET = weakref.WeakKeyDictionary()
+    if norm not in _OFFSET:
+        probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            theirs = norm(probe.to(weight.device, weight.dtype)).float().cpu()
+        unit = probe * (probe.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+        errs = [float((unit * g.float().cpu() - theirs).abs().max())
+                for g in (weight, 1 + weight.float())]
+        _OFFSET[norm] = errs[1] < errs[0]
+    return (1 + weight.float()).to(weight.dtype) if _OFFSET[norm] else weight
 
 
 def final_norm_linear(writes: Float[Tensor, "N H D"], x: Float[Tensor, "N D"], kind: str,
