@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from circuitkit.tasks.base import Task
+from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "confusion_from_logits",
            "f1_scores", "set_metrics", "parse_answer", "greedy_decode"]
@@ -194,8 +194,9 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     pass, then decoding). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high`` (``las`` below;
     the simulator trains on ``las_train``'s notes, else cross-fits two halves of ``task``).
     """
-    if len(task) == 0:
-        raise ValueError("evaluate needs a task with at least one example.")
+    check_task(task, "evaluate")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be a positive integer; got {batch_size!r}.")
     if hasattr(model, "cfg"):
         task.check_model(model)
     dev = _device(model)

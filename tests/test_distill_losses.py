@@ -170,6 +170,30 @@ def test_head_weights_layer_map_and_student_pooling_by_hand():
     assert torch.allclose(S.head_weights(none_positive, 2, 2, 1, 2).sum(), torch.tensor(1.0))
 
 
+def test_nan_score_among_the_top_heads_is_refused_not_made_uniform():
+    frame = hand_scores(2, 2, {(0, 0): 0.5, (0, 1): 0.3, (1, 0): 0.2}, {})
+    frame.loc[(frame["layer"] == 1) & (frame["head"] == 1), "coarse_score"] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN for head\(s\) \(layer, head\) \[\(1, 1\)\]"):
+        S.head_weights(frame, 2, 2, phase=1, top_k=4)
+    w = S.head_weights(frame, 2, 2, phase=1, top_k=3)  # the NaN head outside the top 3: fine
+    assert w[0, 0].item() == pytest.approx(0.5) and w[1, 0].item() == pytest.approx(0.2)
+
+
+def test_cot_rows_without_phase_steps_warn_that_p1_p2_are_zero(teacher, task, scores, cot):
+    tokens, mask = cot
+    flat = torch.full_like(tokens, int(tokens[0, 0]))  # no <think>: no anchor or answer steps
+    with pytest.warns(UserWarning, match="p1 and p2 = 0 for this batch"):
+        out = L.losses(teacher, teacher, task, scores, cot=(flat, mask))
+    assert out["p1"].item() == 0.0 and out["p2"].item() == 0.0
+    with pytest.warns(UserWarning, match="p2 = 0"):  # lambda_p1 = 0: only p2 is named
+        L.losses(teacher, teacher, task, scores, lambda_p1=0.0, cot=(flat, mask))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the teacher's own CoT has both: no warning
+        L.losses(teacher, teacher, task, scores, cot=cot)
+
+
 def test_kl_hand_values():
     p = torch.tensor([0.5, 0.5, 0.0])
     q = torch.tensor([0.25, 0.75, 0.0])
@@ -184,8 +208,17 @@ def test_bad_inputs_are_named(teacher, task, scores, cot):
         L.losses(teacher, teacher, task, scores.drop(columns=["refine_score"]), cot=cot)
     with pytest.raises(ValueError, match="teacher has 4 layers x 8 heads"):
         L.losses(teacher, teacher, task, hand_scores(2, 8, {}, {}), cot=cot)
-    with pytest.raises(ValueError, match="lambda_p1 must be >= 0"):
-        L.losses(teacher, teacher, task, scores, lambda_p1=-1.0, cot=cot)
+    for lam in (-1.0, float("nan")):  # NaN passed a `< 0` check and made total NaN
+        with pytest.raises(ValueError, match="lambda_p1 must be a number >= 0"):
+            L.losses(teacher, teacher, task, scores, lambda_p1=lam, cot=cot)
+    with pytest.raises(ValueError, match="losses: task must be a circuitkit Task"):
+        L.losses(teacher, teacher, "icd10", scores, cot=cot)
+    with pytest.raises(ValueError, match="losses: task has no examples"):
+        L.losses(teacher, teacher, task.subset([]), scores, cot="task")
+    with pytest.raises(ValueError, match="mask must have the tokens' shape"):
+        L.losses(teacher, teacher, task, scores, cot=(cot[0], cot[1][:, :3]))
+    with pytest.raises(ValueError, match="tokens must be an integer tensor"):
+        L.losses(teacher, teacher, task, scores, cot=(cot[0].float(), cot[1]))
     with pytest.raises(ValueError, match="cot must be"):
         L.losses(teacher, teacher, task, scores, cot="gold")
     induction = ck.load_model("induction-2l")

@@ -138,3 +138,11 @@ def test_batch_stream_is_a_function_of_seed_and_step(store):
         S.BatchStream(store, 4, seed=8).locate(1) != a.locate(1)
     with pytest.raises(ValueError, match="batch_size 9 is larger than every shard"):
         S.BatchStream(store, 9, seed=0)
+
+
+def test_store_of_a_teacher_without_cot_steps_warns(pool, tmp_path):
+    untrained = ck.load_model(TINY_STUDENT)  # random weights: its greedy output has no <think>
+    scores = hand_scores(2, 4, {(0, 0): 1.0}, {(1, 0): 1.0})
+    with pytest.warns(UserWarning, match="answer steps, so (L_P1 and )?L_P2 will be 0"):
+        S.build_store(untrained, pool.subset(range(3)), scores, tmp_path / "s",
+                      S.StoreOptions(shard_size=2), progress=False)

@@ -149,3 +149,21 @@ def test_model_with_too_small_vocabulary_is_refused_clearly():
     task = ck.load_task("icd10", n_examples=4, split="test")
     with pytest.raises(ValueError, match="vocabulary has 64 tokens"):
         ck.evaluate(model, task)
+
+
+def test_bad_task_and_batch_size_are_named():
+    import dataclasses
+
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=2, split="test")
+    with pytest.raises(ValueError, match="evaluate: task must be a circuitkit Task"):
+        ck.evaluate(model, "icd10")
+    with pytest.raises(ValueError, match="evaluate: task has no examples"):
+        ck.evaluate(model, task.subset([]))
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        ck.evaluate(model, task, batch_size=0)
+    e = task.examples[0]
+    bad = dataclasses.replace(task, examples=[dataclasses.replace(
+        e, tokens=torch.cat([e.tokens[:-1], torch.tensor([-1])]))] + task.examples[1:])
+    with pytest.raises(ValueError, match="negative token id"):  # not an IndexError in embed
+        ck.evaluate(model, bad)

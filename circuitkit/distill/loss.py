@@ -45,6 +45,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.distill import signals
 from circuitkit.distill.signals import Batch, Pooling, Signals
+from circuitkit.tasks.base import check_task
 
 _LOG_FLOOR = 1e-12
 
@@ -184,12 +185,13 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     cfg.check()
     for name, lam in (("lambda_p1", lambda_p1), ("lambda_p2", lambda_p2),
                       ("lambda_ns", lambda_ns)):
-        if lam < 0:
-            raise ValueError(f"{name} must be >= 0, got {lam}.")
+        if not lam >= 0:  # NaN too
+            raise ValueError(f"{name} must be a number >= 0, got {lam}.")
     ft, fs = hooks.facts(teacher), hooks.facts(student)
     if ft.d_vocab != fs.d_vocab:
         raise ValueError(f"teacher and student must share a vocabulary: d_vocab {ft.d_vocab} vs "
                          f"{fs.d_vocab}.")
+    check_task(task, "losses")
     task.check_model(student)
     lay = signals.Layout.of(task)
     if isinstance(cot, str):
@@ -202,10 +204,11 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
         else:
             raise ValueError(f"cot must be 'teacher', 'task' or (tokens, mask); got {cot!r}.")
     else:
-        tokens, mask = cot
+        tokens, mask = _cot_pair(cot)
     pool = Pooling.teacher(scores, ft.n_layers, ft.n_heads, cfg.top_k1, cfg.top_k2,
                            nonselective=lambda_ns > 0)
     qs = signals.queries(tokens, lay)
+    _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
     anchors = task.anchor_token_ids
     dev = next(teacher.parameters()).device
     with torch.no_grad():
@@ -217,3 +220,35 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
             topk = (v, i)
     batch = Batch(tokens, mask.bool(), qs, t_sig, topk)
     return student_terms(student, batch, pool, anchors, cfg, lambda_p1, lambda_p2, lambda_ns)
+
+
+def _cot_pair(cot: Any) -> tuple[Tensor, Tensor]:
+    """``cot=(tokens, mask)`` checked: integer rows and a loss mask of the same shape."""
+    try:
+        tokens, mask = cot
+    except (TypeError, ValueError):
+        raise ValueError("cot must be 'teacher', 'task' or a (tokens, mask) pair; got "
+                         f"{type(cot).__name__}.") from None
+    if not (isinstance(tokens, Tensor) and tokens.ndim == 2 and not tokens.is_floating_point()):
+        raise ValueError("cot=(tokens, mask): tokens must be an integer tensor [batch, seq]; got "
+                         f"{getattr(tokens, 'shape', type(tokens).__name__)}.")
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(tokens.shape):
+        got = getattr(mask, "shape", type(mask).__name__)
+        raise ValueError(f"cot=(tokens, mask): mask must have the tokens' shape "
+                         f"{tuple(tokens.shape)}; got {got}.")
+    return tokens, mask
+
+
+def _warn_no_steps(qs: Any, lambda_p1: float, lambda_p2: float, cot: Any) -> None:
+    """p1/p2 are 0 when the CoT rows hold no anchor steps / no shortlist and answer: say so
+    instead of training on L_CoT alone without a word."""
+    import warnings
+
+    gone = [n for n, lam, rows in (("p1", lambda_p1, len(qs.b1)), ("p2", lambda_p2, len(qs.b2)))
+            if lam > 0 and rows == 0]
+    if gone:
+        why = ("the teacher's greedy CoT has no such steps (is it trained on this task? "
+               "cot='task' uses the task's own CoT)" if isinstance(cot, str) and cot == "teacher"
+               else "these CoT rows have no such steps")
+        warnings.warn(f"losses: {' and '.join(gone)} = 0 for this batch: {why}. Phase-1 needs "
+                      "anchor steps, Phase-2 a shortlist and answer steps.", stacklevel=3)

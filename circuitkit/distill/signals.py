@@ -212,7 +212,13 @@ def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int,
     check_scores(scores, n_layers, n_heads)
     col = "coarse_score" if phase == 1 else "refine_score"
     top = scores.sort_values([f"phase{phase}_rank", "layer", "head"]).head(top_k)
-    s = torch.tensor(top[col].to_numpy(dtype="float64")).clamp(min=0)
+    s = torch.tensor(top[col].to_numpy(dtype="float64"))
+    if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen
+        bad = [(int(a), int(b)) for a, b, v in zip(top["layer"], top["head"], s.tolist(),
+                                                   strict=True) if v != v]
+        raise ValueError(f"scores[{col!r}] is NaN for head(s) (layer, head) {bad}: NaN weights or "
+                         "activations in the teacher? Recompute ck.score_heads on a finite model.")
+    s = s.clamp(min=0)
     s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / len(s))
     w = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     for (lay, hd), v in zip(zip(top["layer"], top["head"], strict=True), s.tolist(), strict=True):
@@ -636,14 +642,28 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     man = dict(head, shards=shards, n_examples=n, bytes=sum(s["bytes"] for s in shards))
     write_json(out / MANIFEST, man)
     partial.unlink(missing_ok=True)
+    steps = {k: sum(_shape(out / s["file"], k)[0] for s in shards) for k in ("p1_b", "p2_b")}
+    if not steps["p1_b"] or not steps["p2_b"]:
+        import warnings
+
+        gone = [(p, t) for p, t, k in (("Phase-1 anchor steps", "L_P1", "p1_b"),
+                                       ("Phase-2 answer steps", "L_P2", "p2_b")) if not steps[k]]
+        warnings.warn(f"signal store {out}: the teacher's greedy CoT of these {n} notes has no "
+                      f"{' and no '.join(p for p, _ in gone)}, so "
+                      f"{' and '.join(t for _, t in gone)} will be 0 in training: is the teacher "
+                      "trained on this task?", stacklevel=2)
     return SignalStore.open(out, spec)
 
 
-def _width(path: Path) -> int:
+def _shape(path: Path, key: str) -> list[int]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return int(f.get_slice("tokens").get_shape()[1])
+        return list(f.get_slice(key).get_shape())
+
+
+def _width(path: Path) -> int:
+    return _shape(path, "tokens")[1]
 
 
 def _options_dict(o: StoreOptions) -> dict[str, Any]:

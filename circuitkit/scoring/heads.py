@@ -46,7 +46,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.scoring import coarse, refine
-from circuitkit.tasks.base import Task
+from circuitkit.tasks.base import Task, check_task
 
 COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "loopback",
            "margin_widening", "refine_score", "phase1_rank", "phase2_rank"]
@@ -198,10 +198,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
 
     from circuitkit.patching import shortcuts
 
-    if not isinstance(task, Task):
-        raise ValueError(f"task must be a circuitkit Task; got {type(task).__name__}.")
-    if len(task) == 0:
-        raise ValueError("task has no examples; score_heads needs at least one.")
+    check_task(task, "score_heads")
     if batch_size is not None and int(batch_size) < 1:
         raise ValueError(f"batch_size must be a positive integer or None; got {batch_size!r}.")
     task.check_model(model)

@@ -42,7 +42,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import top_heads
-from circuitkit.tasks.base import Task
+from circuitkit.tasks.base import Task, check_task
 
 N_BUCKETS = 4  # prompt length buckets per engine run
 VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
@@ -164,8 +164,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     from circuitkit.patching.sweep import Sweep
 
     f = hooks.facts(model)
-    if not isinstance(task, Task) or len(task) == 0:
-        raise ValueError("task must be a non-empty circuitkit Task.")
+    check_task(task, "validate_heads")
     if not 1 <= int(k) <= f.n_layers * f.n_heads:
         raise ValueError(f"k must be in 1..{f.n_layers * f.n_heads} (heads of the model); "
                          f"got {k!r}.")

@@ -203,6 +203,11 @@ class Task:
     def check_model(self, model: Any) -> None:
         """Refuse a model whose vocabulary cannot hold this task's token ids."""
         d_vocab = int(model.cfg.d_vocab)
+        low = min(int(self.clean_tokens.min()), int(self.corrupt_tokens.min()))
+        if low < 0:
+            raise ValueError(f"task {self.name!r} holds a negative token id ({low}); token ids "
+                             f"must lie in 0..{d_vocab - 1}: check the JSONL or the tokenizer "
+                             f"that produced them.")
         top = max(int(self.clean_tokens.max()), int(self.corrupt_tokens.max()))
         if top >= d_vocab:
             raise ValueError(
@@ -213,6 +218,16 @@ class Task:
 
     def decode(self, ids: Tensor | list[int]) -> str:
         return " ".join(self.vocab[int(i)] for i in ids)
+
+
+def check_task(task: Any, caller: str) -> None:
+    """Refuse anything but a non-empty ``Task`` with a message naming ``caller``."""
+    if not isinstance(task, Task):
+        got = repr(task) if isinstance(task, str) else type(task).__name__
+        raise ValueError(f"{caller}: task must be a circuitkit Task (ck.load_task('icd10', ...) "
+                         f"or ck.Task.from_jsonl(path)); got {got}.")
+    if len(task) == 0:
+        raise ValueError(f"{caller}: task has no examples; it needs at least one.")
 
 
 def _replace(task: Task, **changes: Any) -> Task:
