@@ -12,10 +12,14 @@ the mean over prompts) and also has
 
 ``as_metric(fn, n_prompts, seq, d_vocab)`` turns a plain callable into one. It calls ``fn`` on
 two seeded random logit tensors ``[n_prompts, seq, d_vocab]`` with ``requires_grad``:
-positions that receive gradient are declared read; a ``[batch]``-shaped return gives per-prompt
-values; a scalar return is taken as the mean over prompts, evaluated on all prompts at once. When
-the probe cannot tell (no gradient: an argmax-based metric), every position is read, and
-``metric.note`` says so (sweeps copy it into ``PatchResult.meta["metric_note"]``). The wrapped
+positions that receive gradient are declared read, provided the values stay put when every
+other position holds zeros or other logits (a max, a clamp or a detach reads where no gradient
+flows); a ``[batch]``-shaped return gives per-prompt values when each depends on its own prompt
+only (zeroing other prompts, by the bits of their index, leaves it put); a scalar return, or a
+``[batch]`` one whose values mix prompts, is taken as the mean over prompts, evaluated on all
+prompts at once. When the probe cannot tell (no gradient: an argmax-based metric), every position
+is read, and ``metric.note`` says so (sweeps copy it into ``PatchResult.meta["metric_note"]``).
+The wrapped
 callable always sees logits of the full ``[n_prompts, seq, d_vocab]`` shape in the caller's prompt
 order (positions it does not read hold zeros), so results do not depend on the form the metric
 takes.
@@ -185,21 +189,67 @@ def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
                     touched |= grad.any(-1)
         outs.append(out.detach())
     vmappable = _vmappable(fn, xs, torch.stack(outs))
+    notes = []
+    if per_prompt and not _prompts_independent(fn, xs[0], outs[0], n, name):
+        per_prompt = False
+        notes.append(f"metric {name!r}: one prompt's value depends on other prompts' logits, so "
+                     "its mean over the batch is the value and prompts are never split (no "
+                     "per-prompt values)")
     if not differentiable:
-        return per_prompt, None, (
-            f"metric {name!r} is not differentiable, so the positions it reads are unknown: "
-            "every position was computed (slower, same values)"), vmappable
+        notes.append(f"metric {name!r} is not differentiable, so the positions it reads are "
+                     "unknown: every position was computed (slower, same values)")
+        return per_prompt, None, "; ".join(notes), vmappable
     if not touched.any(-1).all():
-        return per_prompt, None, (
-            f"metric {name!r}: the probe found prompts whose value reads no logit; every "
-            "position was computed"), vmappable
+        notes.append(f"metric {name!r}: the probe found prompts whose value reads no logit; "
+                     "every position was computed")
+        return per_prompt, None, "; ".join(notes), vmappable
+    if not _reads_suffice(fn, xs, outs, touched, name):
+        notes.append(f"metric {name!r} depends on logits where it has no gradient (a max, a "
+                     "clamp, a detach): every position was computed (slower, same values)")
+        return per_prompt, None, "; ".join(notes), vmappable
     width = int(touched.sum(-1).max())
     reads = torch.zeros(n, width, dtype=torch.long)
     for b in range(n):
         pos = touched[b].nonzero()[:, 0]
         reads[b] = torch.cat([pos, pos[:1].expand(width - len(pos))])
-    return (per_prompt, reads, f"metric {name!r}: read positions found by a gradient probe",
-            vmappable)
+    notes.insert(0, f"metric {name!r}: read positions found by a gradient probe")
+    return per_prompt, reads, "; ".join(notes), vmappable
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def _reads_suffice(fn: Callable, xs: Tensor, outs: list[Tensor], touched: Tensor,
+                   name: str) -> bool:
+    """Whether the values stay put when every position outside the gradient's reads holds
+    zeros (what sweeps hand the metric there) or the other probe input's logits. A gradient
+    misses what a max, a clamp or a detach reads; the values do not."""
+    keep = touched[..., None]
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            for fill in (torch.zeros_like(x), xs[1 - i]):
+                if not _same(_call(fn, torch.where(keep, x, fill), len(x), name)[0], outs[i]):
+                    return False
+    return True
+
+
+def _prompts_independent(fn: Callable, x: Tensor, out: Tensor, n: int, name: str) -> bool:
+    """Whether each prompt's value depends on its own logits only: for every bit of the prompt
+    index, zeroing the prompts with that bit set (then those without) leaves the others'
+    values put. Any two prompts differ in some bit, so any dependence between two prompts is
+    seen, in ``2 ceil(log2 n)`` calls. (Sweeps split prompts over chunks and hand the metric
+    zeros for the prompts outside a chunk.)"""
+    idx = torch.arange(n)
+    with torch.no_grad():
+        for bit in range(max(1, (n - 1).bit_length()) if n > 1 else 0):
+            side = (idx >> bit) & 1 == 1
+            for zeroed in (side, ~side):
+                y = torch.where(zeroed[:, None, None], 0.0, x)
+                got, _ = _call(fn, y, n, name)
+                if not _same(got[~zeroed], out[~zeroed]):
+                    return False
+    return True
 
 
 # Bytes of rebuilt logits one batched (vmap) call of a wrapped callable may hold.
@@ -235,9 +285,10 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
             copies[c].append(r)
         if not per_prompt and any(len(rc) != n for rc in copies):
             raise ValueError(
-                f"metric {name!r} returns one scalar for the whole batch, so it must see all "
-                f"{n} prompts at once; it was given {min(len(rc) for rc in copies)}. Return one "
-                "value per prompt ([batch]) to allow splitting prompts.")
+                f"metric {name!r} gives one value for the whole batch (a scalar, or per-prompt "
+                f"values that depend on other prompts), so it must see all {n} prompts at once; "
+                f"it was given {min(len(rc) for rc in copies)}. Return one value per prompt, "
+                "each from its own prompt's logits, to allow splitting prompts.")
         out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
         pos = torch.arange(rows.shape[1], device=logits.device)
         differentiable = torch.is_grad_enabled() and logits.requires_grad
@@ -258,6 +309,7 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
                     else _rebuild_buffer(1, n, seq, d_vocab, logits, where[0] * seq + where[1])[0]
                     .index_put_(where, values))
             value, _ = _call(fn, full, n, name)
+            value = value if per_prompt else value.mean()  # a joint [n] metric: its mean
             out = out.index_put((r,), (value[ids] if per_prompt else value.expand(len(r)))
                                 .to(out.dtype))
         return out
@@ -277,6 +329,8 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
             flat[:len(r)].index_copy_(1, cells, logits[r[:, rr], slots])
             full = buffer[:len(r)]
             value = torch.vmap(fn)(full)  # [C] (scalar metric) or [C, n]
+            if not per_prompt:
+                value = value.reshape(len(r), -1).mean(1)  # a joint [n] metric: its mean
             got = value[:, ids] if per_prompt else value[:, None].expand(len(r), r.shape[1])
             out[r] = got.to(out.dtype)
         return out

@@ -143,3 +143,67 @@ def test_a_metric_vmap_cannot_run_takes_the_plain_loop(setup):
     got = ck.patch_heads(*args, stubborn, progress=False)
     ref = ck.patch_heads(*args, pm, progress=False)
     torch.testing.assert_close(got.values, ref.values, atol=ATOL, rtol=0)
+
+
+def _hand_denoise(model, task, metric, layer: int, head: int) -> float:
+    """Metric of the corrupt run with one head's z taken from the clean run (a hooks loop)."""
+    from circuitkit import hooks
+
+    name = hooks.z(layer)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(task.clean_tokens, names_filter=lambda n: n == name)
+
+    def put(z, hook):
+        z = z.clone()
+        z[:, :, head] = cache[name][:, :, head]
+        return z
+
+    with torch.no_grad():
+        return float(metric(model.run_with_hooks(task.corrupt_tokens,
+                                                 fwd_hooks=[(name, put)])).mean())
+
+
+def test_a_metric_reading_where_it_has_no_gradient_gets_every_position(setup):
+    """A max over positions passes gradient to its argmax only: the probe's gradient alone
+    declared one position read, and sweeps handed the metric zeros elsewhere (wrong values,
+    baselines included). The value check sees it."""
+    model, task, seq = setup
+    a = int(task.clean_tokens[0, -2])
+
+    def best(logits):
+        return logits.log_softmax(-1)[:, :, a].max(dim=1).values
+
+    pm = as_metric(best, len(task), seq, int(model.cfg.d_vocab))
+    assert pm.reads is None and "no gradient" in pm.note and pm.per_prompt_values
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, best, progress=False)
+    with torch.no_grad():
+        assert res.clean == pytest.approx(float(best(model(task.clean_tokens)).mean()), abs=ATOL)
+    last = model.cfg.n_layers - 1
+    for lay, h in ((0, 0), (last, 1)):
+        assert float(res.values[lay, h]) == pytest.approx(_hand_denoise(model, task, best, lay, h),
+                                                          abs=ATOL)
+
+
+def test_a_metric_mixing_prompts_is_never_split(setup):
+    """``x - x.mean()``: one value per prompt, but each depends on every prompt. Split over
+    chunks it saw zeros for the other prompts and its values changed with batch_size."""
+    model, task, seq = setup
+    a = int(task.clean_tokens[0, -2])
+
+    def centred(logits):
+        x = logits[:, -1, a]
+        return x - 0.5 * x.mean()
+
+    pm = as_metric(centred, len(task), seq, int(model.cfg.d_vocab))
+    assert not pm.per_prompt_values and "depends on other prompts" in pm.note
+    assert torch.equal(pm.reads, torch.full((len(task), 1), seq - 1))  # reads still known
+    runs = [ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, centred, batch_size=bs,
+                           progress=False) for bs in (None, 1)]
+    torch.testing.assert_close(runs[0].values, runs[1].values, atol=ATOL, rtol=0)
+    assert runs[0].per_prompt is None
+    assert float(runs[0].values[0, 0]) == pytest.approx(
+        _hand_denoise(model, task, centred, 0, 0), abs=ATOL)
+    # prompts that each read their own logits stay per prompt, by every bit of their index
+    own = as_metric(lambda logits: logits[:, -1, a] * 2.0, len(task), seq,
+                    int(model.cfg.d_vocab))
+    assert own.per_prompt_values
