@@ -15,13 +15,13 @@ two seeded random logit tensors ``[n_prompts, seq, d_vocab]`` with ``requires_gr
 positions that receive gradient are declared read, provided the values stay put when every
 other position holds zeros or other logits (a max, a clamp or a detach reads where no gradient
 flows); a ``[batch]``-shaped return gives per-prompt values when each depends on its own prompt
-only (zeroing other prompts, by the bits of their index, leaves it put); a scalar return, or a
-``[batch]`` one whose values mix prompts, is taken as the mean over prompts, evaluated on all
-prompts at once. When the probe cannot tell (no gradient: an argmax-based metric), every position
-is read, and ``metric.note`` says so (sweeps copy it into ``PatchResult.meta["metric_note"]``).
-The wrapped
-callable always sees logits of the full ``[n_prompts, seq, d_vocab]`` shape in the caller's prompt
-order (positions it does not read hold zeros), so results do not depend on the form the metric
+only (swapping other prompts' logits, by the bits of their index, leaves it put); a scalar
+return, or a ``[batch]`` one whose values mix prompts, is taken as the mean over prompts,
+evaluated on all prompts at once. When the probe cannot tell (no gradient: an argmax-based
+metric), every position is read, and ``metric.note`` says so (sweeps copy it into
+``PatchResult.meta["metric_note"]``). The wrapped callable always sees logits of the full
+``[n_prompts, seq, d_vocab]`` shape in the caller's prompt order (positions it does not read
+hold zeros), so results do not depend on the form the metric
 takes.
 
 Positions follow the task layout: the prediction of the token at position ``p`` is read from the
@@ -190,7 +190,7 @@ def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
         outs.append(out.detach())
     vmappable = _vmappable(fn, xs, torch.stack(outs))
     notes = []
-    if per_prompt and not _prompts_independent(fn, xs[0], outs[0], n, name):
+    if per_prompt and not _prompts_independent(fn, xs, outs, n, name):
         per_prompt = False
         notes.append(f"metric {name!r}: one prompt's value depends on other prompts' logits, so "
                      "its mean over the batch is the value and prompts are never split (no "
@@ -227,28 +227,26 @@ def _reads_suffice(fn: Callable, xs: Tensor, outs: list[Tensor], touched: Tensor
     misses what a max, a clamp or a detach reads; the values do not."""
     keep = touched[..., None]
     with torch.no_grad():
-        for i, x in enumerate(xs):
-            for fill in (torch.zeros_like(x), xs[1 - i]):
-                if not _same(_call(fn, torch.where(keep, x, fill), len(x), name)[0], outs[i]):
-                    return False
+        for i, fill in ((0, torch.zeros_like(xs[0])), (1, xs[0])):
+            if not _same(_call(fn, torch.where(keep, xs[i], fill), len(fill), name)[0], outs[i]):
+                return False
     return True
 
 
-def _prompts_independent(fn: Callable, x: Tensor, out: Tensor, n: int, name: str) -> bool:
+def _prompts_independent(fn: Callable, xs: Tensor, outs: list[Tensor], n: int,
+                         name: str) -> bool:
     """Whether each prompt's value depends on its own logits only: for every bit of the prompt
-    index, zeroing the prompts with that bit set (then those without) leaves the others'
-    values put. Any two prompts differ in some bit, so any dependence between two prompts is
-    seen, in ``2 ceil(log2 n)`` calls. (Sweeps split prompts over chunks and hand the metric
-    zeros for the prompts outside a chunk.)"""
+    index, the prompts with that bit set take the second probe input, the others the first,
+    and every value must be its own input's. Any two prompts differ in some bit, so any
+    dependence between two prompts is seen, in ``ceil(log2 n)`` calls. (Sweeps split prompts
+    over chunks and hand the metric zeros for the prompts outside a chunk.)"""
     idx = torch.arange(n)
     with torch.no_grad():
-        for bit in range(max(1, (n - 1).bit_length()) if n > 1 else 0):
+        for bit in range((n - 1).bit_length()):
             side = (idx >> bit) & 1 == 1
-            for zeroed in (side, ~side):
-                y = torch.where(zeroed[:, None, None], 0.0, x)
-                got, _ = _call(fn, y, n, name)
-                if not _same(got[~zeroed], out[~zeroed]):
-                    return False
+            got, _ = _call(fn, torch.where(side[:, None, None], xs[1], xs[0]), n, name)
+            if not _same(got, torch.where(side, outs[1], outs[0])):
+                return False
     return True
 
 
