@@ -47,20 +47,28 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
 
     task = ck.load_task(task_name, n_examples=n_examples, seed=seed, split=split, phase=2,
                         **task_kwargs)
+    vocab_error = None
     if text is None:
         try:
             task.check_model(model)
             text = False
-        except ValueError:
-            text = True
+        except ValueError as e:
+            text, vocab_error = True, e
     if not text:
         return task, False
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        raise ValueError("text=True needs a model with a tokenizer (model.tokenizer).")
-    source = ck.load_task(task_name, n_examples=n_examples * TEXT_OVERSAMPLE, seed=seed,
-                          split=split, phase=2, **task_kwargs)
-    return text_task(source, tok, n_examples=n_examples), True
+    try:
+        tok = getattr(model, "tokenizer", None)
+        if tok is None:
+            raise ValueError("text=True needs a model with a tokenizer (model.tokenizer).")
+        source = ck.load_task(task_name, n_examples=n_examples * TEXT_OVERSAMPLE, seed=seed,
+                              split=split, phase=2, **task_kwargs)
+        return text_task(source, tok, n_examples=n_examples), True
+    except ValueError as e:
+        if vocab_error is None:  # text=True asked for: its own error
+            raise
+        # chosen automatically: the vocabulary is the cause, rendering only the failed fallback
+        raise ValueError(f"{vocab_error} (Rendering the task as text for this model's "
+                         f"tokenizer failed too: {e})") from None
 
 
 def characterize(model_name_or_model: Any, task_name: str = "icd10",
@@ -84,10 +92,14 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import model_fingerprint
     from circuitkit.scoring.heads import score_heads, top_heads
-    from circuitkit.scoring.validate import validate_heads
+    from circuitkit.scoring.validate import task_phases, validate_heads
 
     if int(n_examples) < 1:
         raise ValueError(f"n_examples must be >= 1; got {n_examples!r}.")
+    if int(k) < 1:  # checked again against the model's heads below, before any step runs
+        raise ValueError(f"k must be a positive number of heads; got {k!r}.")
+    if int(n_random) < 1:
+        raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
     out = files.check_writable_dir(out_dir, "out_dir")
     t_all = time.perf_counter()
     model = ck.load_model(model_name_or_model) if isinstance(model_name_or_model, str | Path) \
@@ -97,6 +109,16 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     task_kwargs = dict(task_kwargs or {})
     task, rendered = load_for(model, task_name, int(n_examples), seed, split, text, **task_kwargs)
     task.check_model(model)
+    n_heads = model.cfg.n_layers * model.cfg.n_heads
+    if int(k) > n_heads:
+        raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {k!r}.")
+    missing = [f"Phase-{p}" for p in (1, 2) if p not in task_phases(task)]
+    if missing:
+        raise ValueError(
+            f"characterize needs a task with Phase-1 anchor steps and Phase-2 answer steps "
+            f"(icd10, synthetic, or a JSONL with anchor_pos and answer_pos); {task_name!r} has "
+            f"no {' or '.join(missing)} steps. Sweep it with `circuitkit patch --task "
+            f"{task_name}` and score it with `circuitkit score`.")
     identity = dict(model=name, model_fingerprint=model_fingerprint(model), task=task_name,
                     task_fingerprint_p1=task.with_phase(1).fingerprint(),
                     task_fingerprint_p2=task.with_phase(2).fingerprint(), text=rendered,

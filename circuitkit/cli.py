@@ -89,8 +89,15 @@ def info(
     gpu_gb: float = typer.Option(80.0, help="Memory of one GPU, GB."),
 ) -> None:
     """Architecture and sweep cost plan, from the config alone (no weights needed)."""
+    import math
+
     from circuitkit import models
 
+    if not (math.isfinite(gpu_gb) and gpu_gb > 0):
+        _fail(f"--gpu-gb must be a positive number of GB (memory of one GPU); got {gpu_gb}.")
+    for flag, v in (("--seq-len", seq_len), ("--prompts", prompts)):
+        if v < 1:
+            _fail(f"{flag} must be a positive integer; got {v}.")
     try:
         arch = models.architecture(model)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
@@ -466,7 +473,10 @@ def score(
 
     flag = _text_flag(text)
     try:
-        files.check_writable_dir(out.parent if str(out.parent) else Path("."), "--out folder")
+        if n_examples < 1:
+            raise ValueError(f"--n-examples must be a positive integer (notes to score on); got "
+                             f"{n_examples}.")
+        files.check_writable_file(out, "--out", "scores.csv")
         the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=True)
@@ -553,7 +563,14 @@ def distill(
     rerun the same command), or run the ablation table (--ablation)."""
     from circuitkit.files import check_writable_dir
 
+    def given(name: str) -> bool:  # typed on the command line (not the option's default)
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name != "DEFAULT"
+
     try:
+        if given("seeds") and not ablation:
+            raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or "
+                             "use --seed for one student.")
         check_writable_dir(out)
         if ablation:
             from circuitkit.distill.ablation import format_table, run_ablation
@@ -567,16 +584,18 @@ def distill(
         from circuitkit.distill.train import DistillConfig, train_student
 
         kw = dict(pool_size=96, shard_size=48, steps=12, batch_size=16, warmup=2,
-                  save_every=6, score_examples=32) if quick else \
-            dict(pool_size=pool_size, batch_size=batch_size)
+                  save_every=6, score_examples=32) if quick else {}
+        # --quick sets sizes the command line leaves out; what it names wins
+        kw.update({k: v for k, v in (("pool_size", pool_size), ("batch_size", batch_size))
+                   if not quick or given(k)})
         if steps is not None:
             kw["steps"] = steps
         cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
                             lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
                             seed=seed, store=str(store) if store else None, **kw)
         folder = train_student(cfg, out)
-    except ValueError as e:
-        _fail(str(e))
+    except (ValueError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
         typer.secho("interrupted; rerun the same command to resume:\n  "
                     f"{_same_command(ctx)}", err=True)

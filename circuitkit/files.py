@@ -89,6 +89,16 @@ def check_writable_dir(path: str | Path, what: str = "--out") -> Path:
     return path
 
 
+def check_writable_file(path: str | Path, what: str = "--out", example: str = "out") -> Path:
+    """``path`` names a file we can write (its folder made if needed): a folder there, or an
+    unwritable folder, is refused before any work. Raises ``ValueError`` with one line."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a file path, e.g. {path / example}.")
+    check_writable_dir(path.parent if str(path.parent) else Path("."), f"{what} folder")
+    return path
+
+
 def _move_file(src: Path, dest: Path) -> None:
     """``src`` -> ``dest`` through ``atomic_write``: fsynced, mode ``0o666 & ~umask``
     (``safetensors`` writes ``0600``), renamed into place. Same file system: no copy."""

@@ -554,6 +554,7 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
             str(path), dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
             **placement, **kw)
 
+    _refuse_non_folder(name)
     hub_id = resolve_name(name)
     if "/" not in hub_id and name.lower() not in ALIASES:
         known = ", ".join(list(SHIPPED) + sorted(ALIASES))
@@ -758,6 +759,7 @@ def load_hf_config_dict(name: str) -> tuple[str, dict]:
         if not p.exists():
             raise FileNotFoundError(f"{p} does not exist: not a HF checkpoint folder.")
         return name, json.loads(p.read_text())
+    _refuse_non_folder(name)
     hub_id = resolve_name(name)
     if (cfg := shipped_config(hub_id)) is not None:
         return hub_id, cfg
@@ -820,6 +822,19 @@ def cost_plan(arch: Architecture, seq_len: int = 512, n_prompts: int = 64,
         "seq_len": seq_len,
         "n_prompts": n_prompts,
     }
+
+
+def _refuse_non_folder(name: str) -> None:
+    """A name that is an existing file, or spelled as a local path (``/``, ``./``, ``../``,
+    ``~``, more than one ``/``) that does not exist, is not a hub id: say so, instead of the
+    hub's "Repo id must be in the form" error."""
+    p = Path(name).expanduser()
+    if p.is_file():
+        raise FileNotFoundError(f"model {name!r} is a file; a local model is a HF checkpoint "
+                                "folder (config.json, model.safetensors, tokenizer files).")
+    if name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1:
+        raise FileNotFoundError(f"model {name!r}: no such folder (a local model is a HF "
+                                "checkpoint folder; a hub id is 'org/name').")
 
 
 def architecture(name: str) -> Architecture:

@@ -129,3 +129,43 @@ def test_cost_is_said_one_way_everywhere():
     assert res.meta["passes"].startswith("4 pass-equivalents per prompt")
     for old in ("2 forward + 1 backward per prompt", "~3 passes", "2 passes"):
         assert old not in info.output + plan.output + res.meta["passes"]
+
+
+def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
+    """Each of these gave a traceback, nonsense output, or failed after the expensive steps."""
+    import circuitkit.patching.api as api
+
+    def no_work(*a, **k):
+        raise AssertionError("refused too late: a sweep started")
+
+    monkeypatch.setattr(api, "patch_heads", no_work)
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["info", "--model", "llama3-70b", "--gpu-gb", "0"], "--gpu-gb must be a positive"),
+        (["info", "--model", "llama3-70b", "--gpu-gb", "nan"], "--gpu-gb must be a positive"),
+        (["info", "--model", "llama3-70b", "--seq-len", "-5"], "--seq-len must be a positive"),
+        (["info", "--model", str(tmp_path / "nothing")], "no such folder"),
+        (["info", "--model", str(tmp_path / "afile")], "is a file"),
+        (["score", "--model", "icd-teacher", "-n", "0", "--out", str(tmp_path / "s.csv")],
+         "--n-examples must be a positive"),
+        (["score", "--model", "icd-teacher", "-n", "2", "--out", str(tmp_path)], "is a folder"),
+        (["report", str(tmp_path), "--out", str(tmp_path)], "is a folder"),
+        (["characterize", "-n", "2", "-k", "0", "--out", str(tmp_path / "c")],
+         "k must be a positive"),
+        (["characterize", "-n", "2", "-k", "9999", "--out", str(tmp_path / "c")],
+         "k must be in 1..32"),
+        (["characterize", "-n", "2", "--n-random", "0", "--out", str(tmp_path / "c")],
+         "n_random must be >= 1"),
+        (["characterize", "--model", "induction-2l", "--task", "induction", "-n", "2",
+          "--out", str(tmp_path / "c")], "no Phase-1 steps"),
+        (["distill", "--seeds", "2", "--out", str(tmp_path / "d")], "--seeds is the ablation"),
+        (["distill", "--quick", "--batch-size", "0", "--out", str(tmp_path / "d")],
+         "batch_size must be a positive"),  # --quick no longer overrides what is typed
+        (["distill", "--quick", "--lambda-p1", "nan", "--out", str(tmp_path / "d")],
+         "lambda_p1 must be a number >= 0"),
+    ]
+    for args, said in cases:
+        r = run(args)
+        assert r.exit_code == 2, (args, r.output)
+        assert said in r.output.replace("\n", " "), (args, r.output)
+    assert not (tmp_path / "c" / "patch-p1-denoise.json").exists()

@@ -95,7 +95,7 @@ def test_saved_folder_holds_the_bridge_wrapped_weights(tmp_path):
 
 
 def test_bad_configs_are_named(tmp_path):
-    with pytest.raises(ValueError, match="lambda_p1 must be >= 0"):
+    with pytest.raises(ValueError, match="lambda_p1 must be a number >= 0"):
         train_student(DistillConfig(lambda_p1=-1.0), tmp_path)
     with pytest.raises(ValueError, match="student='tiny'"):
         train_student(DistillConfig(student="tiny"), tmp_path)
@@ -103,3 +103,15 @@ def test_bad_configs_are_named(tmp_path):
         train_student(out_dir=tmp_path, lambda_p3=1.0)
     with pytest.raises(ValueError, match="loss options"):
         train_student(DistillConfig(loss={"c3": 1.0}), tmp_path)
+    with pytest.raises(ValueError, match="lambda_p2 must be a number >= 0"):  # NaN: a NaN total
+        train_student(DistillConfig(lambda_p2=float("nan")), tmp_path)
+    with pytest.raises(ValueError, match="built-in CoT tasks"):
+        train_student(DistillConfig(task="induction"), tmp_path)
+    bad = tmp_path / "student.json"
+    bad.write_text("n_layers: 2")
+    with pytest.raises(ValueError, match="student config file .*student.json is not JSON"):
+        train_student(DistillConfig(student=str(bad)), tmp_path)
+    # icd-teacher's vocabulary is icd10's: refused before any teacher signal is computed
+    with pytest.raises(ValueError, match="teacher 'icd-teacher' has a 3516-token vocabulary"):
+        train_student(DistillConfig(task="synthetic", pool_size=8), tmp_path / "syn")
+    assert not (tmp_path / "syn" / "signals").exists()

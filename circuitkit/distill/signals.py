@@ -211,6 +211,9 @@ def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int,
         raise ValueError(f"top_k must be a positive number of heads, got {top_k}.")
     check_scores(scores, n_layers, n_heads)
     col = "coarse_score" if phase == 1 else "refine_score"
+    if scores[col].isna().all():
+        raise ValueError(f"scores have no {col}: the task they were computed on has no Phase-"
+                         f"{phase} steps; score the teacher on a CoT task (icd10, synthetic).")
     top = scores.sort_values([f"phase{phase}_rank", "layer", "head"]).head(top_k)
     s = torch.tensor(top[col].to_numpy(dtype="float64"))
     if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen

@@ -34,6 +34,7 @@ import torch
 from circuitkit.distill.loss import LossConfig, student_terms
 
 STATE_FILE = "train_state.safetensors"
+COT_TASKS = ("icd10", "synthetic")  # built-in tasks whose rows hold a <think> ... CoT
 
 
 @dataclass
@@ -69,9 +70,12 @@ class DistillConfig:
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"{k} must be a positive integer, got {getattr(self, k)}.")
         for k in ("lambda_p1", "lambda_p2", "lambda_ns"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}.")
-        if self.lr <= 0:
+            if not getattr(self, k) >= 0:  # NaN too
+                raise ValueError(f"{k} must be a number >= 0, got {getattr(self, k)}.")
+        if self.task not in COT_TASKS:
+            raise ValueError(f"task {self.task!r}: distillation trains on a task's chain of "
+                             f"thought; the built-in CoT tasks are {list(COT_TASKS)}.")
+        if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}.")
         bad = set(self.loss) - set(LossConfig.__dataclass_fields__)
         if bad:
@@ -91,7 +95,11 @@ def preset(student: Any):
     if isinstance(student, str) and student in PRESETS:
         return PRESETS[student]
     if isinstance(student, (str, Path)) and Path(student).is_file():
-        student = json.loads(Path(student).read_text())
+        try:
+            student = json.loads(Path(student).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"student config file {student} is not JSON ({e}); write a JSON "
+                             "object of Preset fields, or name a preset.") from None
     if isinstance(student, dict):
         try:
             return Preset(**student)
@@ -126,14 +134,21 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     the teacher is loaded here and released on return."""
     import circuitkit as ck
     from circuitkit.distill.signals import StoreOptions, build_store
+    from circuitkit.files import check_writable_dir
     from circuitkit.tasks import load_task
 
-    folder = Path(cfg.store) if cfg.store else out_dir / "signals"
+    folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
+                                "signal store folder (--store)")
     teacher = ck.load_model(cfg.teacher)
-    if scores is None:
-        scores = teacher_scores(teacher, cfg, folder)
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.pool_seed, split="train",
                      **cfg.task_kw)
+    if int(teacher.cfg.d_vocab) != len(pool.vocab):  # the student is built on the task's words
+        raise ValueError(f"teacher {cfg.teacher!r} has a {teacher.cfg.d_vocab}-token vocabulary "
+                         f"but task {cfg.task!r} has {len(pool.vocab)} words: the teacher must be "
+                         "a model trained on this task (icd-teacher for icd10; for synthetic, "
+                         "train one with circuitkit.training).")
+    if scores is None:
+        scores = teacher_scores(teacher, cfg, folder)
     lc = cfg.loss_config()
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
                         topk_logits=lc.topk_logits, shard_size=cfg.shard_size)

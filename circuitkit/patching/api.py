@@ -111,6 +111,7 @@ def patch_heads(
     ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
     ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
     """
+    _check_method_options(method, estimator, atp_star, top_k)
     if backend != "transformer_lens" or remote:
         choice("backend", backend, BACKENDS)
         if backend != "nnsight":
@@ -513,6 +514,22 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
         raise ValueError(f"metric {pm.name!r} was made for {pm.n_prompts} prompts but "
                          f"clean_tokens has {n}; build the metric for these prompts.")
     return clean, corrupt, pm
+
+
+def _check_method_options(method: str, estimator: str | None, atp_star: bool,
+                          top_k: int | None) -> None:
+    """Options another method would use are refused, not silently ignored."""
+    given = [name for name, on in (("estimator", estimator is not None), ("atp_star", atp_star),
+                                   ("top_k", top_k is not None)) if on]
+    allowed = {"exact": set(), "attribution": {"estimator", "atp_star"}, "auto": {"top_k"},
+               "attribution+exact": {"estimator", "atp_star", "top_k"}}.get(method)
+    stray = [g for g in given if allowed is not None and g not in allowed]
+    if stray:
+        raise ValueError(
+            f"{' and '.join(stray)} {'does' if len(stray) == 1 else 'do'} nothing with "
+            f"method={method!r}: estimator and atp_star "
+            "choose the estimate of method 'attribution' or 'attribution+exact', top_k the "
+            "cells 'attribution+exact' (or 'auto') verifies. Drop it or change the method.")
 
 
 def _described(meta: dict, metric: PromptMetric) -> dict:

@@ -164,7 +164,9 @@ class PatchResult:
 
     # --- views -----------------------------------------------------------------------------------
     def to_frame(self, ci: bool = True):
-        """pandas DataFrame, one row per cell: axes..., value, normalized[, ci_low, ci_high]."""
+        """pandas DataFrame, one row per cell: axes..., value, normalized[, ci_low, ci_high]
+        [, verified: for ``attribution+exact``, True where the value is exact, not an
+        estimate]."""
         import pandas as pd
 
         idx = torch.cartesian_prod(*[torch.arange(s) for s in self.values.shape])
@@ -179,6 +181,9 @@ class PatchResult:
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
             cols["ci_high"] = interval[1].reshape(-1).numpy()
+        verified = self.meta.get("verified")
+        if isinstance(verified, list):  # attribution+exact: which values are exact, not estimates
+            cols["verified"] = torch.tensor(verified, dtype=torch.bool).reshape(-1).numpy()
         return pd.DataFrame(cols)
 
     def top(self, k: int = 10):

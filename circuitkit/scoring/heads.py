@@ -13,7 +13,8 @@ loopback           mean attention mass on target shortlist positions minus near-
 margin_widening    mean direct effect of the head's write (through the run's final-norm scale) on
                    ``logit[target] - mean logit[near_misses]`` at those positions
 refine_score       ``(1 + loopback) / 2 * margin_widening``
-phase1_rank        rank of ``coarse_score`` (1 = highest; ties by (layer, head) order)
+phase1_rank        rank of ``coarse_score`` (1 = highest; ties by (layer, head) order; empty
+                   when the task has no steps of that phase, e.g. induction has no anchors)
 phase2_rank        rank of ``refine_score``
 =================  =========================================================================
 
@@ -306,10 +307,11 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         loopback=mean["loopback"].reshape(-1).numpy(),
         margin_widening=mean["margin_widening"].reshape(-1).numpy(),
         refine_score=rs.reshape(-1).numpy()))
-    df["phase1_rank"] = df["coarse_score"].rank(ascending=False, method="first",
-                                                na_option="bottom").astype(int)
-    df["phase2_rank"] = df["refine_score"].rank(ascending=False, method="first",
-                                                na_option="bottom").astype(int)
+    for phase, col in ((1, "coarse_score"), (2, "refine_score")):
+        # a phase the task has no steps for (induction: no anchors) gets no ranks, not row order
+        rank = df[col].rank(ascending=False, method="first", na_option="bottom")
+        df[f"phase{phase}_rank"] = rank.astype(int) if df[col].notna().any() \
+            else pd.array([pd.NA] * len(df), dtype="Int64")
     df.attrs.update(task=task.name, task_fingerprint=task.fingerprint(), n_examples=len(task),
                     n_phase1_examples=ex1, n_phase2_examples=ex2, n_phase1_positions=n1,
                     n_phase2_positions=n2, anchor_directions=mode, write_source=source,
@@ -326,6 +328,9 @@ def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
     missing = {"layer", "head", col} - set(scores.columns)
     if missing:
         raise ValueError(f"scores lacks columns {sorted(missing)}; pass score_heads' DataFrame.")
+    if scores[col].isna().all():
+        raise ValueError(f"scores have no {col}: the task they were computed on has no "
+                         f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
     best = scores.sort_values(col).head(int(k))
     return [(int(r.layer), int(r.head)) for r in best.itertuples()]
 

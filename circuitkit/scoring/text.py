@@ -126,7 +126,10 @@ def text_task(task: Task, tokenizer: Any, n_examples: int | None = None,
                        near_misses=[names[m] for m in rivals]), text=r2.clean_text[0]))
     if not rows:
         raise ValueError(f"text_task: none of {len(task)} examples of {task.name!r} could be "
-                         f"mapped under this tokenizer: {dict(dropped)}; draw more examples.")
+                         f"mapped under this tokenizer: {dict(dropped)}. Text rendering is for a "
+                         "pretrained LLM's subword tokenizer that spells codes character by "
+                         "character (SmolLM2, Llama 3); a toy model's word-level tokenizer "
+                         "cannot render them (use the task as built: --text no).")
     anchor_toks = sorted({r["anchor_tok"] for r in rows} | {r["bad_anchor_tok"] for r in rows})
     label_toks = sorted({r["target_tok"] for r in rows} | {t for r in rows
                                                              for t in r["rival_toks"]})

@@ -174,8 +174,12 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         raise ValueError(f"scores has {len(scores)} rows; the model has "
                          f"{f.n_layers * f.n_heads} heads (score_heads of this model?).")
     task.check_model(model)
+    phases = task_phases(task)
+    if not phases:
+        raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
+                         "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     rows, sets_used = [], {}
-    for phase in (1, 2):
+    for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
         tp = task.with_phase(phase)
         # prompts sorted by the positions their metric needs, run in length buckets: each
         # bucket's forwards stop after its own last read (the statistics ignore prompt order)
@@ -215,6 +219,14 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
         for p, d in sets_used.items()})
     return df
+
+
+def task_phases(task: Task) -> list[int]:
+    """The phases ``task`` has steps for: 1 with an ``anchor_pos >= 1``, 2 with an
+    ``answer_pos >= 1`` (the logits before a step predict it)."""
+    has = {1: any(p >= 1 for e in task.examples for p in e.anchor_pos),
+           2: any(p >= 1 for e in task.examples for p in e.answer_pos)}
+    return [p for p in (1, 2) if has[p]]
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:

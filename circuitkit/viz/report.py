@@ -346,11 +346,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) 
     ``kw``: ``model=``/``task=`` (already loaded: skips reloading for the attention views),
     ``attention=False`` (no views), ``top_k`` (rows of the score tables), ``attention_heads``.
     """
-    from circuitkit.files import atomic_write
+    from circuitkit.files import atomic_write, check_writable_file
 
     path = Path(out) if out is not None else Path(run_dir) / "report.html"
+    check_writable_file(path, "out", "report.html")  # before the (slow) report is built
     text = build_report(run_dir, **kw)
-    path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
