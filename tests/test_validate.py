@@ -13,7 +13,7 @@ from circuitkit import hooks
 from circuitkit.evaluation import confusion_from_logits, focus_from_logits
 from circuitkit.patching.engine import ExactEngine
 from circuitkit.patching.sweep import Sweep
-from circuitkit.scoring.heads import score_heads
+from circuitkit.scoring.heads import score_heads, top_heads
 from circuitkit.scoring.validate import (
     confusion_metric,
     focus_metric,
@@ -174,3 +174,17 @@ def test_validate_refuses_bad_input(planted):
         validate_heads(model, task, scores, n_random=0, progress=False)
     with pytest.raises(ValueError, match="rows"):
         validate_heads(model, task, scores.head(3), progress=False)
+
+
+def test_a_task_without_phase1_steps_validates_phase2_only():
+    """induction has answers but no anchors: its Phase-1 scores are NaN, so it gets no Phase-1
+    ranks (not row order), and validation tests Phase 2 alone (it failed inside the engine)."""
+    model = ck.load_model("induction-2l")
+    task = ck.load_task("induction", n_examples=6, seed=0)
+    scores = ck.score_heads(model, task, progress=False)
+    assert scores["coarse_score"].isna().all() and scores["phase1_rank"].isna().all()
+    assert sorted(scores["phase2_rank"].tolist()) == list(range(1, len(scores) + 1))
+    with pytest.raises(ValueError, match="no phase1_rank"):
+        top_heads(scores, 1, 2)
+    val = ck.validate_heads(model, task, scores, k=2, n_random=3, progress=False)
+    assert set(val["phase"]) == {2} and len(val) == 4

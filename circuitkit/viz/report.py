@@ -349,8 +349,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) 
     from circuitkit.files import atomic_write, check_writable_file
 
     path = Path(out) if out is not None else Path(run_dir) / "report.html"
-    check_writable_file(path, "out", "report.html")  # before the (slow) report is built
+    if path.is_dir():  # before the (slow) report is built
+        check_writable_file(path, "out", "report.html")
     text = build_report(run_dir, **kw)
+    check_writable_file(path, "out", "report.html")  # (makes its folder)
     return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
