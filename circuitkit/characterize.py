@@ -8,7 +8,7 @@ every head, validate the top heads causally, and write one results folder.
     scores.csv        score_heads (one row per head)
     validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
     summary.json      identity (model, task fingerprints, options), versions, per-step timings,
-                      top heads per phase, the list of files
+                      top heads per phase, the list of files, ``complete`` (every step done)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way)
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
@@ -30,6 +30,7 @@ from typing import Any
 DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
 TEXT_OVERSAMPLE = 25  # source examples drawn per wanted text example (~5% render for SmolLM2)
 PATCH_STEPS = [(phase, direction) for phase in (1, 2) for direction in ("denoise", "noise")]
+STEPS = [f"patch-p{p}-{d}" for p, d in PATCH_STEPS] + ["scores", "validation"]
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -135,7 +136,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                 identity)) if old.get(key) != identity.get(key)}
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {diff}; use a new folder or delete it.")
-    summary.update(identity=identity, versions=versions(), task_config=task.config)
+    summary.update(identity=identity, versions=versions(), task_config=task.config,
+                   steps_expected=STEPS, complete=False)  # a report of a partial run says so
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     def record(step: str, seconds: float, files_: list[str]) -> None:
@@ -186,6 +188,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
+    summary["complete"] = all(step in steps for step in STEPS)
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
     files.write_json(summary_path, summary)

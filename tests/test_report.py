@@ -215,3 +215,19 @@ def test_report_in_chromium(full_report, tmp_path):
     keep = os.environ.get("CIRCUITKIT_SCREENSHOT")
     if keep:  # look at it: CIRCUITKIT_SCREENSHOT=/tmp/report.png python -m pytest ...
         shutil.copy(shot, keep)
+
+
+def test_report_of_an_unfinished_characterize_run_says_so(tmp_path):
+    from circuitkit.characterize import STEPS
+
+    def summary(done, complete):
+        return dict(identity=dict(model="icd-teacher", task="icd10"), steps_expected=STEPS,
+                    steps={s: dict(seconds=1.0, files=[]) for s in done}, complete=complete)
+
+    (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS[:3], False)))
+    html = report_mod.build_report(tmp_path, attention=False)
+    assert "Unfinished run" in html and "before 3 of its 6 steps" in html
+    for step in STEPS[3:]:
+        assert step in html.split("stopped before")[1].split("</p>")[0]
+    (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS, True)))
+    assert "Unfinished run" not in report_mod.build_report(tmp_path, attention=False)

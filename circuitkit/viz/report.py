@@ -79,6 +79,7 @@ body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0 au
 max-width:1500px;padding:16px 28px;color:#222}
 h1{margin-bottom:4px} h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:36px}
 nav a{margin-right:14px} .note{color:#666;font-size:13px} .skip{color:#a15c00}
+.warn{color:#b00020;font-weight:600}
 table.tbl{border-collapse:collapse;font-size:13px;margin:8px 0}
 table.tbl th,table.tbl td{border:1px solid #ddd;padding:3px 8px;text-align:right}
 table.tbl th{background:#f4f4f4} table.metrics td{padding:2px 10px;vertical-align:top}
@@ -282,6 +283,13 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         (r.meta.get("model_name") or r.meta.get("model") for r in results.values()), None)
     task_name = summary.get("task") or summary.get("identity", {}).get("task") or next(
         (r.meta.get("task") for r in results.values() if r.meta.get("task")), None)
+    missing = [s for s in summary.get("steps_expected", []) if s not in summary.get("steps", {})]
+    if summary.get("complete") is False and missing:
+        sections.append(("unfinished", "Unfinished run", (
+            f"<p class='warn'>This characterize run stopped before {len(missing)} of its "
+            f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
+            "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
+            "(finished steps are reused).</p>")))
     if summary:
         flat = _flatten(summary)
         # the headline first (what ran, on what, how long); everything else folded away
