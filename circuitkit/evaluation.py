@@ -204,7 +204,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=2 * len(task), desc="evaluate", unit="note", file=sys.stderr)
+        bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
+                   unit="note-pass", file=sys.stderr)
     focus, conf = [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))

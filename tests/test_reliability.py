@@ -315,6 +315,7 @@ BAD_API = [  # (what to change in the arguments of patch_heads, text of the Valu
     (dict(batch_size=0), "batch_size=0"),
     (dict(batch_size=-1), "batch_size=-1"),
     (dict(batch_size=2.5), "batch_size=2.5"),
+    (dict(clean=lambda c: c[None], corrupt=lambda c: c[None]), r"must be 2-D \[batch, seq\]"),
 ]
 
 
@@ -325,6 +326,15 @@ def test_bad_api_arguments_are_one_clear_line(tiny_llama, task, change, message)
     kw = {k: v for k, v in change.items() if k not in ("clean", "corrupt")}
     with pytest.raises(ValueError, match=message):
         ck.patch_heads(tiny_llama, clean, corrupt, task.metric, progress=False, **kw)
+
+
+def test_prompts_past_learned_positions_are_refused_not_an_index_error(tiny_gpt2):
+    model = tiny_gpt2  # n_positions 64
+    long = torch.randint(0, 50, (1, 70))
+    for method in ("exact", "attribution"):
+        with pytest.raises(ValueError, match="learned position embeddings stop at n_ctx=64"):
+            ck.patch_heads(model, long, long.flip(1), lambda lg: lg[:, -1, 3], method=method,
+                           progress=False)
 
 
 def test_truncated_checkpoint_header_names_the_file(tiny_llama, task, tmp_path):

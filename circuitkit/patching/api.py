@@ -749,6 +749,7 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
             if bar is not None:
                 bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
     except KeyboardInterrupt:
+        named = ckpt is not None  # the caller chose the folder: it knows how to resume
         if ckpt is None and computed:
             ckpt = SweepCheckpoint.open(default_dir(identity()), identity(), sweep.chunks)
             for cid, t in computed.items():
@@ -756,8 +757,8 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
             ckpt.close()
         if ckpt is not None:
             print(f"\ninterrupted: {n_done + len(computed)}/{len(sweep.chunks)} chunks saved in "
-                  f"{ckpt.path}; rerun the same call with checkpoint={str(ckpt.path)!r} to "
-                  "resume.", file=sys.stderr)
+                  f"{ckpt.path}" + ("." if named else f"; rerun the same call with "
+                                    f"checkpoint={str(ckpt.path)!r} to resume."), file=sys.stderr)
         raise
     finally:
         if bar is not None:

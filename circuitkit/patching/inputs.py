@@ -48,7 +48,11 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
                              f"got {type(t).__name__}{getattr(t, 'dtype', '')}.")
     clean = clean[None] if clean.ndim == 1 else clean
     corrupt = corrupt[None] if corrupt.ndim == 1 else corrupt
-    if clean.shape != corrupt.shape or clean.ndim != 2:
+    for name, t in (("clean_tokens", clean), ("corrupt_tokens", corrupt)):
+        if t.ndim != 2:
+            raise ValueError(f"{name} must be 2-D [batch, seq] (or one 1-D prompt); got shape "
+                             f"{tuple(t.shape)}.")
+    if clean.shape != corrupt.shape:
         raise ValueError(
             f"clean_tokens {tuple(clean.shape)} and corrupt_tokens {tuple(corrupt.shape)} must "
             "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
@@ -62,6 +66,12 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
         raise ValueError(f"token ids must be >= 0; got {low}. Negative ids usually mean padding "
                          "or an unfilled mask: replace them with the pad token id.")
     if model is not None:
+        n_ctx = getattr(model.cfg, "n_ctx", None)
+        learned = getattr(model.cfg, "positional_embedding_type", None) == "standard"
+        if learned and n_ctx and clean.shape[1] > int(n_ctx):  # rotary models run past it
+            raise ValueError(f"clean_tokens has {clean.shape[1]} positions but this model's "
+                             f"learned position embeddings stop at n_ctx={n_ctx}; shorten the "
+                             "prompts (or keep their last n_ctx tokens).")
         d_vocab = int(model.cfg.d_vocab)
         top = int(max(clean.max(), corrupt.max()))
         if top >= d_vocab:

@@ -247,8 +247,8 @@ def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
         + (f" x {p['replicas']} replicas" if p["replicas"] > 1 else " (one replica: a model "
            "split by layers computes on one GPU at a time)"),
         "",
-        f"{'method':<25}{'pass-equiv.':>13}{'PFLOP':>11}{'activations':>14}{'chunk':>8}"
-        f"{'chunks':>9}{'time':>11}",
+        f"{'method':<25} {'pass-equiv.':>12} {'PFLOP':>10} {'activations':>13} {'chunk':>7} "
+        f"{'chunks':>8} {'time':>10}",
     ]
     for name, m in p["methods"].items():
         label = name if name != "attribution+exact" else (
@@ -256,10 +256,11 @@ def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
             else f"attribution+exact@~{m['verified_cells']}")
         unit = "rows" if name == "exact" else "prompts"
         lines.append(
-            f"{label:<25}{m['pass_equivalents']:>13,.0f}{m['flops'] / 1e15:>11,.1f}"
-            f"{m['activation_bytes'] / gb:>11,.1f} GB{m['rows']:>8}{m['n_chunks']:>9,}"
-            f"{_duration(m['seconds']):>11}" + (f"  ({unit} per forward)" if name == "exact"
-                                                  else ""))
+            # every column after a space: wide numbers (per-position sweeps) never run together
+            f"{label:<25} {m['pass_equivalents']:>12,.0f} {m['flops'] / 1e15:>10,.1f} "
+            f"{m['activation_bytes'] / gb:>10,.1f} GB {m['rows']:>7,} {m['n_chunks']:>8,} "
+            f"{_duration(m['seconds']):>10}" + (f"  ({unit} per forward)" if name == "exact"
+                                                 else ""))
     hy = p["methods"]["attribution+exact"]
     if hy["budget"] == "auto":
         lines.append(f"{'':<25}verifies as many cells as its error bound asks "
