@@ -309,15 +309,17 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     assert "verified" not in ex.to_frame().columns
 
 
-def test_options_of_another_method_are_refused(tiny_llama):
+def test_options_of_another_method_are_said_to_do_nothing(tiny_llama):
     toks = torch.zeros(1, 4, dtype=torch.long)
     run = lambda **kw: ck.patch_heads(tiny_llama, toks, toks,  # noqa: E731
                                       lambda lg: lg[:, -1, 0].mean(), progress=False, **kw)
     for method, kw in (("exact", dict(top_k=3)), ("exact", dict(estimator="block")),
                        ("exact", dict(atp_star=True)), ("attribution", dict(top_k=3)),
                        ("auto", dict(estimator="atp"))):
-        with pytest.raises(ValueError, match=f"does nothing with method='{method}'"):
+        with pytest.warns(UserWarning, match=f"does nothing with method='{method}'"):
             run(method=method, **kw)
+    with pytest.raises(ValueError, match="estimator"):  # a bad value is an error whatever runs
+        run(method="exact", estimator="nonsense")
 
 
 def test_pass_budget_caps_the_verification(tiny_llama):

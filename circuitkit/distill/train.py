@@ -137,8 +137,6 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     from circuitkit.files import check_writable_dir
     from circuitkit.tasks import load_task
 
-    folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
-                                "signal store folder (--store)")
     teacher = ck.load_model(cfg.teacher)
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.pool_seed, split="train",
                      **cfg.task_kw)
@@ -147,6 +145,8 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
                          f"but task {cfg.task!r} has {len(pool.vocab)} words: the teacher must be "
                          "a model trained on this task (icd-teacher for icd10; for synthetic, "
                          "train one with circuitkit.training).")
+    folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
+                                "signal store folder (--store)")
     if scores is None:
         scores = teacher_scores(teacher, cfg, folder)
     lc = cfg.loss_config()

@@ -518,18 +518,22 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
                           top_k: int | None) -> None:
-    """Options another method would use are refused, not silently ignored."""
+    """A bad ``estimator`` is refused whatever the method; options only another method uses
+    are said to do nothing (a warning: a notebook loop may pass one set of options to every
+    method), never dropped in silence."""
+    if estimator is not None:
+        choice("estimator", estimator, attribution.ESTIMATORS)
     given = [name for name, on in (("estimator", estimator is not None), ("atp_star", atp_star),
                                    ("top_k", top_k is not None)) if on]
     allowed = {"exact": set(), "attribution": {"estimator", "atp_star"}, "auto": {"top_k"},
                "attribution+exact": {"estimator", "atp_star", "top_k"}}.get(method)
     stray = [g for g in given if allowed is not None and g not in allowed]
     if stray:
-        raise ValueError(
+        warnings.warn(
             f"{' and '.join(stray)} {'does' if len(stray) == 1 else 'do'} nothing with "
-            f"method={method!r}: estimator and atp_star "
-            "choose the estimate of method 'attribution' or 'attribution+exact', top_k the "
-            "cells 'attribution+exact' (or 'auto') verifies. Drop it or change the method.")
+            f"method={method!r}: estimator and atp_star choose the estimate of method "
+            "'attribution' or 'attribution+exact', top_k the cells 'attribution+exact' (or "
+            "'auto') verifies.", stacklevel=3)
 
 
 def _described(meta: dict, metric: PromptMetric) -> dict:
