@@ -94,6 +94,26 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path, monkey
                        checkpoint=ckpt, progress=False, **SWEEP)
 
 
+def test_a_model_edited_in_a_middle_layer_does_not_resume_another_models_checkpoint(
+        task, tmp_path):
+    """The fingerprint hashed the first and last parameters only: a copy of the model with one
+    middle layer changed resumed the original's checkpoint and got its values, bit for bit."""
+    from tinymodels import TINY_LLAMA, make_model
+
+    from circuitkit.patching.checkpoint import model_fingerprint
+
+    a, b = make_model(TINY_LLAMA), make_model(TINY_LLAMA)
+    assert model_fingerprint(a) == model_fingerprint(b)  # same weights, same fingerprint
+    with torch.no_grad():
+        next(b.blocks[1].mlp.parameters()).add_(0.5)  # layer 1 of 3: neither end
+    assert model_fingerprint(a) != model_fingerprint(b)
+    ck.patch_heads(a, task.clean_tokens, task.corrupt_tokens, task.metric, checkpoint=tmp_path,
+                   progress=False)
+    with pytest.raises(ValueError, match="different sweep.*model"):
+        ck.patch_heads(b, task.clean_tokens, task.corrupt_tokens, task.metric,
+                       checkpoint=tmp_path, progress=False)
+
+
 def test_ctrl_c_saves_and_reraises(tiny_llama, task, tmp_path, monkeypatch, capsys):
     import circuitkit.models
 

@@ -45,13 +45,32 @@ def tokens_hash(*tokens: Tensor) -> str:
     return h.hexdigest()[:16]
 
 
+FINGERPRINT_SAMPLE = 4096  # values per parameter
+
+
 def model_fingerprint(model: Any) -> str:
-    """Hash of the shape facts, the model name and a sample of the first and last weights."""
+    """Hash of the shape facts, the model name, and every parameter's name, shape, dtype and an
+    evenly strided sample of ``FINGERPRINT_SAMPLE`` values. Every parameter: a fine-tune, a
+    merged LoRA or an edit of one layer's weights changes it (the first and last parameter
+    alone let a checkpoint of another model resume). Exact values, no sums: a float reduction's
+    rounding could differ between thread counts or ranks. One transfer per device."""
     h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
     h.update(str(getattr(model.cfg, "model_name", "")).encode())
-    params = list(model.parameters())
-    for p in (params[0], params[-1]):
-        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    samples: list[Tensor] = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // FINGERPRINT_SAMPLE)
+            samples.append(flat[::step][:FINGERPRINT_SAMPLE].float())
+        on_cpu: list[Tensor | None] = [None] * len(samples)
+        for dev in {t.device for t in samples}:  # placement-independent: parameter order kept
+            idx = [i for i, t in enumerate(samples) if t.device == dev]
+            for i, t in zip(idx, torch.cat([samples[i] for i in idx]).cpu().split(
+                    [samples[i].numel() for i in idx]), strict=True):
+                on_cpu[i] = t
+        for t in on_cpu:
+            h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
 
 
