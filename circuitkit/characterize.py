@@ -46,8 +46,11 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
     import circuitkit as ck
     from circuitkit.scoring.text import text_task
 
-    task = ck.load_task(task_name, n_examples=n_examples, seed=seed, split=split, phase=2,
-                        **task_kwargs)
+    file = str(task_name).endswith(".jsonl")  # a file: its first n_examples rows, at most all
+    task = ck.load_task(task_name, n_examples=None if file else n_examples, seed=seed,
+                        split=split, phase=2, **task_kwargs)
+    if file and n_examples < len(task):
+        task = task.subset(range(n_examples))
     vocab_error = None
     if text is None:
         try:
@@ -61,8 +64,9 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
         tok = getattr(model, "tokenizer", None)
         if tok is None:
             raise ValueError("text=True needs a model with a tokenizer (model.tokenizer).")
-        source = ck.load_task(task_name, n_examples=n_examples * TEXT_OVERSAMPLE, seed=seed,
-                              split=split, phase=2, **task_kwargs)
+        many = None if file else n_examples * TEXT_OVERSAMPLE  # a file: all its rows
+        source = ck.load_task(task_name, n_examples=many, seed=seed, split=split, phase=2,
+                              **task_kwargs)
         return text_task(source, tok, n_examples=n_examples), True
     except ValueError as e:
         if vocab_error is None:  # text=True asked for: its own error

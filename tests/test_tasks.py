@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import circuitkit as ck
 from circuitkit.tasks import Task, icd10, load_task, synthetic
 from circuitkit.tasks.synthetic import decode_note, evidence_lookup
 from circuitkit.tasks.text import render_text
@@ -254,3 +255,48 @@ def test_render_text_bpe_tokenizer(task):
         assert got == ",".join(sub.label_names[t] for t in e.targets)
         assert tt.answer_pos[i][0] == tt.prompt_len[i] == tt.label_pos[i][0]
         assert tt.clean_tokens[i].ne(tt.corrupt_tokens[i]).any()
+
+
+def test_a_phase1_file_loads_as_phase1_and_is_never_relabelled(tmp_path):
+    """load_task(path) defaulted to phase 2 and with_phase kept the phase-1 corruption under a
+    phase-2 metric, without a word."""
+    import json
+
+    t1 = load_task("icd10", n_examples=3, seed=3, phase=1)
+    path = tmp_path / "p1.jsonl"
+    t1.to_jsonl(path)
+    lines = path.read_text().split("\n")
+    rows = [json.loads(x) for x in lines[1:] if x]
+    for r in rows:
+        r.pop("corrupt_tokens_p2", None)  # a user's file with one phase
+    path.write_text("\n".join([lines[0], *(json.dumps(r) for r in rows)]) + "\n")
+    task = load_task(path)  # a Path works too
+    assert task.phase == 1 and torch.equal(task.corrupt_tokens, t1.corrupt_tokens)
+    with pytest.raises(ValueError, match="store no phase-2 corruption"):
+        task.with_phase(2)
+    with pytest.raises(ValueError, match="store no phase-2 corruption"):
+        load_task(path, phase=2)
+    assert len(load_task(path, n_examples=2)) == 2  # a file's first rows
+    with pytest.raises(ValueError, match="more than the 3 examples"):
+        load_task(path, n_examples=4)
+    with pytest.raises(ValueError, match="phase must be 1"):
+        t1.with_phase(3)
+    with pytest.raises(ValueError, match="n_examples must be a positive integer"):
+        load_task("icd10", n_examples=0)
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """splitlines() broke rows at U+2028 / NEL / form feed inside JSON strings."""
+    import json
+
+    task = load_task("synthetic", n_examples=2, seed=0)
+    path = tmp_path / "u.jsonl"
+    task.to_jsonl(path)
+    lines = path.read_text().split("\n")
+    rows = [json.loads(x) for x in lines[1:] if x]
+    rows[0]["meta"] = {**rows[0].get("meta", {}), "note": "a\u2028b\x85c\x0cd"}
+    text = "\n".join([lines[0], *(json.dumps(r, ensure_ascii=False) for r in rows)]) + "\n"
+    path.write_text("\ufeff" + text, encoding="utf-8")  # and a BOM, as Windows editors write
+    again = ck.Task.from_jsonl(path)
+    assert again.examples[0].meta["note"] == "a\u2028b\x85c\x0cd"
+    assert torch.equal(again.clean_tokens, task.clean_tokens)

@@ -7,6 +7,7 @@ builder module exposes ``build(n_examples, seed, split, phase, **kw) -> Task``.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from circuitkit.tasks.base import Example, Task, word_tokenizer
@@ -19,30 +20,43 @@ BUILDERS = {
 
 
 def load_task(
-    name: str,
-    n_examples: int = 256,
+    name: str | Path,
+    n_examples: int | None = None,
     seed: int = 0,
     split: str = "train",
-    phase: int = 2,
+    phase: int | None = None,
     **kw: Any,
 ) -> Task:
     """Build a task by name ("icd10", "synthetic", "induction") or load a JSONL file path.
 
     ``split="test"`` draws examples held out from ``"train"`` (disjoint generator streams).
+    ``n_examples``: notes to build (default 256); for a JSONL file, its first ``n_examples``
+    rows (default all; ``seed`` and ``split`` do not apply to a file). ``phase``: 1 or 2
+    (default 2; for a file, the phase its header names).
     """
+    name = str(name)
+    if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
+        raise ValueError(f"n_examples must be a positive integer (or None); got {n_examples!r}.")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
-    if phase not in (1, 2):
+    if phase not in (None, 1, 2):
         raise ValueError(f"phase must be 1 (anchors) or 2 (shortlist/answer), got {phase!r}.")
     if name.endswith(".jsonl"):
-        return Task.from_jsonl(name).with_phase(phase)
+        task = Task.from_jsonl(name)
+        if n_examples is not None:
+            if n_examples > len(task):
+                raise ValueError(f"n_examples={n_examples} is more than the {len(task)} examples "
+                                 f"in {name}; pass None to use them all.")
+            task = task.subset(range(n_examples))
+        return task if phase is None else task.with_phase(phase)  # None: the file's phase
     if name not in BUILDERS:
         raise ValueError(
             f"Unknown task {name!r}; built-in tasks: {sorted(BUILDERS)}, or a path to a .jsonl "
             f"file (see Task.from_jsonl for the schema)."
         )
     module = importlib.import_module(BUILDERS[name])
-    return module.build(n_examples=n_examples, seed=seed, split=split, phase=phase, **kw)
+    return module.build(n_examples=256 if n_examples is None else n_examples, seed=seed,
+                        split=split, phase=2 if phase is None else phase, **kw)
 
 
 __all__ = ["Example", "Task", "load_task", "word_tokenizer"]

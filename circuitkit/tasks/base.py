@@ -94,7 +94,15 @@ class Task:
         """This task at ``phase``: examples that store per-phase corruptions
         (``meta["corrupt_tokens_p1"]`` / ``meta["corrupt_tokens_p2"]``) get that phase's
         ``corrupt_tokens``; others keep theirs."""
+        if phase not in (1, 2):
+            raise ValueError(f"phase must be 1 (anchors) or 2 (shortlist/answer), got {phase!r}.")
         key = f"corrupt_tokens_p{phase}"
+        lacking = [i for i, e in enumerate(self.examples) if key not in e.meta]
+        if phase != self.phase and lacking:  # its corrupt_tokens are another phase's
+            raise ValueError(
+                f"task {self.name!r} is phase {self.phase} and example(s) {lacking[:5]} store no "
+                f"phase-{phase} corruption (meta[{key!r}]): their corrupt_tokens are phase "
+                f"{self.phase}'s. Use the task at phase {self.phase}, or add {key} to the rows.")
         examples = [
             _replace(e, corrupt_tokens=torch.as_tensor(e.meta[key], dtype=torch.long))
             if key in e.meta else e

@@ -123,7 +123,8 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ``corrupt_tokens``)."""
     path = str(path)
     try:
-        lines = Path(path).read_text().splitlines()
+        # "\n" only: splitlines() also breaks at U+2028, NEL or form feed inside a JSON string
+        lines = Path(path).read_text(encoding="utf-8-sig").split("\n")  # (a BOM is fine)
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read task file {path}: {e}") from None
     errors: list[str] = []
