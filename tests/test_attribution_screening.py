@@ -320,6 +320,9 @@ def test_options_of_another_method_are_said_to_do_nothing(tiny_llama):
             run(method=method, **kw)
     with pytest.raises(ValueError, match="estimator"):  # a bad value is an error whatever runs
         run(method="exact", estimator="nonsense")
+    for method in ("attribution", "attribution+exact"):  # was dropped without a word
+        with pytest.warns(UserWarning, match="is not used: method=.* is not checkpointed"):
+            run(method=method, checkpoint="unused-folder")
 
 
 def test_pass_budget_caps_the_verification(tiny_llama):
@@ -362,3 +365,21 @@ def test_estimator_argument_is_checked(tiny_llama):
     with pytest.raises(ValueError, match="ig_steps"):
         attribution_patch_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
                                 estimator="ig", ig_steps=0, progress=False)
+
+
+def test_plan_prices_verified_cells_as_the_run_counts_them(tiny_llama):
+    """plan_patch priced a verified cell at half a pass; the run counts (L - l) / L. Verifying
+    every cell must cost what the run reports (and its exact part the exact sweep's)."""
+    from circuitkit.patching.api import plan_patch
+
+    g = torch.Generator().manual_seed(0)
+    clean, corrupt = (torch.randint(0, 64, (3, 6), generator=g) for _ in range(2))
+    metric = lambda lg: lg[:, -1, 3]  # noqa: E731
+    n_cells = tiny_llama.cfg.n_layers * tiny_llama.cfg.n_heads
+    plan = plan_patch(tiny_llama, clean, corrupt, metric, method="attribution+exact",
+                      top_k=n_cells)
+    run = ck.patch_heads(tiny_llama, clean, corrupt, metric, method="attribution+exact",
+                         top_k=n_cells, progress=False)
+    assert plan["pass_equivalents"] == pytest.approx(run.meta["cost"]["total_passes"], rel=1e-9)
+    exact = plan_patch(tiny_llama, clean, corrupt, metric, method="exact")
+    assert run.meta["cost"]["verify_passes"] == pytest.approx(exact["pass_equivalents"])

@@ -328,6 +328,16 @@ def test_bad_api_arguments_are_one_clear_line(tiny_llama, task, change, message)
         ck.patch_heads(tiny_llama, clean, corrupt, task.metric, progress=False, **kw)
 
 
+def test_a_task_metric_for_other_prompts_is_refused_not_an_index_error(tiny_llama, task):
+    sub = task.subset(range(2))
+    for method in ("exact", "attribution"):
+        with pytest.raises(ValueError, match=f"made for {len(task)} prompts but clean_tokens "
+                                             "has 2"):
+            ck.patch_heads(tiny_llama, sub.clean_tokens, sub.corrupt_tokens, task.metric,
+                           method=method, progress=False)
+    ck.patch_heads(tiny_llama, sub.clean_tokens, sub.corrupt_tokens, sub.metric, progress=False)
+
+
 def test_prompts_past_learned_positions_are_refused_not_an_index_error(tiny_gpt2):
     model = tiny_gpt2  # n_positions 64
     long = torch.randint(0, 50, (1, 70))

@@ -45,6 +45,7 @@ from circuitkit.patching.inputs import (
     METHODS,
     POSITIONS,
     check_batch_size,
+    check_metric_prompts,
     check_tokens,
     check_top_k,
     choice,
@@ -112,6 +113,10 @@ def patch_heads(
     ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
     """
     _check_method_options(method, estimator, atp_star, top_k)
+    if method in ("attribution", "attribution+exact"):
+        _unused_checkpoint(checkpoint, f"method={method!r}")
+    elif backend == "nnsight":
+        _unused_checkpoint(checkpoint, "backend='nnsight'")
     if backend != "transformer_lens" or remote:
         choice("backend", backend, BACKENDS)
         if backend != "nnsight":
@@ -255,8 +260,11 @@ def plan_patch(
         else:
             cells = most = min(top_k, n_cells)
 
-        def passes(k: int) -> float:  # a verified cell: one suffix pass per prompt, ~half
-            return screen + k * n * 0.5 + 2 * n
+        L = sweep.n_layers
+        per_cell = (L + 1) / (2 * L)  # a cell in layer l reruns (L - l) / L; its mean over layers
+
+        def passes(k: int) -> float:  # as the run counts it (meta["cost"]), for an average cell
+            return screen + k * n * per_cell + 2 * n
 
         def seconds(k: int) -> float:
             return per_pass * screen + per_cost * total * k / n_cells + cached_seconds
@@ -486,6 +494,7 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
             exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
         info["verified"] = "all"
     else:
+        _unused_checkpoint(checkpoint, "method='auto' chose 'attribution+exact' here, which")
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
             top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress)
@@ -510,9 +519,7 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     hooks.check_patchable(model, site, clean)
     n, seq = clean.shape
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
-    if pm.n_prompts is not None and pm.n_prompts != n:
-        raise ValueError(f"metric {pm.name!r} was made for {pm.n_prompts} prompts but "
-                         f"clean_tokens has {n}; build the metric for these prompts.")
+    check_metric_prompts(pm, n)
     return clean, corrupt, pm
 
 
@@ -534,6 +541,13 @@ def _check_method_options(method: str, estimator: str | None, atp_star: bool,
             f"method={method!r}: estimator and atp_star choose the estimate of method "
             "'attribution' or 'attribution+exact', top_k the cells 'attribution+exact' (or "
             "'auto') verifies.", stacklevel=3)
+
+
+def _unused_checkpoint(checkpoint: Any, what: str) -> None:
+    if checkpoint is not None:
+        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: {what} is not checkpointed "
+                      "(only exact sweeps of the TransformerLens backend store chunks).",
+                      stacklevel=3)
 
 
 def _described(meta: dict, metric: PromptMetric) -> dict:

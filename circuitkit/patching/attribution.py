@@ -104,7 +104,13 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import head_mlp, shortcuts
-from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_tokens, choice
+from circuitkit.patching.inputs import (
+    DIRECTIONS,
+    POSITIONS,
+    check_metric_prompts,
+    check_tokens,
+    choice,
+)
 from circuitkit.patching.plan import block_flop_shares, block_screen_passes, head_mlp_pays
 from circuitkit.patching.results import PatchResult
 
@@ -836,6 +842,7 @@ def attribution_patch_heads(
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     metric = as_metric(metric, n, seq, f.d_vocab)
+    check_metric_prompts(metric, n)
     qk = est in ("qk", "atp*")
     if qk and site not in ATP_STAR_SITES:
         raise NotImplementedError(

@@ -37,7 +37,14 @@ from torch import Tensor
 
 from circuitkit.hooks import ModelFacts
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching.inputs import DIRECTIONS, POSITIONS, check_batch_size, check_tokens, choice
+from circuitkit.patching.inputs import (
+    DIRECTIONS,
+    POSITIONS,
+    check_batch_size,
+    check_metric_prompts,
+    check_tokens,
+    choice,
+)
 from circuitkit.patching.results import PatchResult
 
 SITES = ("z", "q", "k", "v")
@@ -161,6 +168,7 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
                          f"got ids up to {int(max(clean.max(), corrupt.max()))}.")
     n, seq = clean.shape
     pm = as_metric(metric, n, seq, f.d_vocab)
+    check_metric_prompts(pm, n)
     reads = pm.read_positions()
     length = seq if reads is None else int(reads.max()) + 1  # causal: nothing after matters
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
