@@ -139,6 +139,11 @@ def test_facets_per_position():
     assert len(fig.data) == 2 and fig.layout.coloraxis.cmax == pytest.approx(1.9)
     with pytest.raises(ValueError, match="positions="):
         heatmaps.patch_heatmap(result(big, positions="each", per_prompt=False), positions=[30])
+    for kw in (dict(max_facets=0), dict(facet_cols=0)):  # were a ZeroDivisionError in plotly
+        with pytest.raises(ValueError, match="expected a positive integer"):
+            heatmaps.patch_heatmap(result(big, positions="each", per_prompt=False), **kw)
+    with pytest.raises(ValueError, match="no per-position facets"):  # was silently ignored
+        heatmaps.patch_heatmap(result(vals[..., 0]), positions=[0])
 
 
 @pytest.fixture

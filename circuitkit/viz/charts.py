@@ -277,6 +277,8 @@ def ablation_chart(frame: Any, n_cols: int = 3):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    if not (isinstance(n_cols, int) and n_cols >= 1):
+        raise ValueError(f"n_cols={n_cols!r}: expected a positive integer (panels per row).")
     _require(frame, ["variant", "metric"], "frame")
     value = _pick(frame, ("value", "mean"), "frame")
     if len(frame) == 0:

@@ -99,6 +99,13 @@ def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", nam
     )
 
 
+def _positive(**counts: int) -> None:
+    bad = {k: v for k, v in counts.items() if not (isinstance(v, int) and v >= 1)}
+    if bad:
+        raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}: expected a "
+                         "positive integer.")
+
+
 def _pick_positions(norms: Sequence[np.ndarray], positions: Sequence[int] | None,
                     max_facets: int) -> list[int]:
     seq = norms[0].shape[-1]
@@ -169,11 +176,15 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
     ``tokens[p]`` labels facet ``p``). ``interval=False`` skips the bootstrap (faster, no interval
     in the hover). Returns a ``plotly.graph_objects.Figure``.
     """
+    _positive(max_facets=max_facets, facet_cols=facet_cols)
     c = _cells(result, interval)
     m = _abs_max(c["normalized"])
     x_name, y_name = _axis_names(result)
     title = title or describe(result)
     if c["value"].ndim == 2:
+        if positions is not None:
+            raise ValueError("positions= picks facets of a positions='each' result; this result "
+                             f"has axes {tuple(result.axes)} (no per-position facets).")
         fig = _grid(1, 1, [""], c["value"].shape, x_name, y_name)
         fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
                              name=result.direction), row=1, col=1)
@@ -202,6 +213,7 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
     ``positions="each"`` results: one row per position, denoise and noise side by side.
     Returns a ``plotly.graph_objects.Figure``.
     """
+    _positive(max_facets=max_facets)
     for arg, res, want in (("denoise", denoise, "denoise"), ("noise", noise, "noise")):
         if getattr(res, "direction", None) != want:
             raise ValueError(f"{arg}= must be a PatchResult with direction={want!r}; got "
