@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -199,6 +200,34 @@ def test_jsonl_bad_rows_all_reported(task, tmp_path):
                        (5, "out of range"), (8, "malformed JSON")):
         assert any(x.startswith(f"{p}:{line}:") and what in x for x in msg.splitlines()), msg
     assert f"{p}:6:" not in msg and f"{p}:7:" not in msg  # good rows are not flagged
+
+
+def test_jsonl_typos_overlaps_and_bad_header_types_are_named(task, tmp_path):
+    """Unknown keys were dropped (a typo lost its data), a near-miss could be a target, and a
+    header of the wrong type crashed later with a bare TypeError or loaded silently."""
+    p = tmp_path / "t.jsonl"
+    task.subset(range(3)).to_jsonl(p)
+    lines = p.read_text().split("\n")
+    head, rows = json.loads(lines[0]), [json.loads(x) for x in lines[1:] if x]
+    rows[0]["corrupt_anchor"] = [0]  # a typo of corrupt_anchors
+    rows[1]["near_misses"] = rows[1]["near_misses"] + rows[1]["targets"][:1]
+    p.write_text("\n".join([json.dumps(head), *map(json.dumps, rows)]) + "\n")
+    with pytest.raises(ValueError) as err:
+        Task.from_jsonl(p)
+    msg = str(err.value)
+    assert f"{p}:2: unknown field(s) ['corrupt_anchor']" in msg
+    assert f"{p}:3: label(s)" in msg and "both targets and near_misses" in msg
+    for change, said in ((dict(vocab=5), "'vocab' must be a list of strings"),
+                         (dict(config=[1]), "'config' must be an object"),
+                         (dict(pad_id="0"), "'pad_id' must be a token id"),
+                         (dict(label_token_ids=[-1] + head["label_token_ids"][1:]),
+                          "'label_token_ids' holds token ids outside"),
+                         (dict(phase=True), "'phase' must be 1 or 2"),
+                         (dict(version="2"), "'version' must be an integer"),
+                         (dict(lable_names=[]), "unknown field(s) ['lable_names']")):
+        p.write_text("\n".join([json.dumps({**head, **change}), lines[1]]) + "\n")
+        with pytest.raises(ValueError, match=re.escape(said)):
+            Task.from_jsonl(p)
 
 
 # --- text rendering ------------------------------------------------------------------------------

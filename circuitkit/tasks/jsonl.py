@@ -65,10 +65,52 @@ def _is_int_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
 
 
+HEADER_OPTIONAL = ("phase", "pad_id", "bos_id", "eos_id", "config")
+ROW_FIELDS = (*INT_LIST_FIELDS, *OPTIONAL_INT_LISTS, "meta")
+
+
+def _is_str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _check_header(head: dict[str, Any]) -> list[str]:
+    """Types and ranges of the header's fields; an unknown key (a typo) is named."""
+    unknown = sorted(set(head) - set(HEADER_FIELDS) - set(HEADER_OPTIONAL))
+    bad = [f"header has unknown field(s) {unknown}; known: "
+           f"{sorted({*HEADER_FIELDS, *HEADER_OPTIONAL, 'format', 'version'})}"] if unknown else []
+    if not isinstance(head["name"], str):
+        bad.append("header 'name' must be a string")
+    for k in ("vocab", "label_names", "anchor_names"):
+        if not _is_str_list(head[k]):
+            bad.append(f"header {k!r} must be a list of strings")
+    if "config" in head and not isinstance(head["config"], dict):
+        bad.append("header 'config' must be an object")
+    if bad:
+        return bad
+    n_vocab, n_labels, n_anchors = (len(head["vocab"]), len(head["label_names"]),
+                                    len(head["anchor_names"]))
+    for k, n, lim, what in (("label_token_ids", n_labels, n_vocab, "token"),
+                            ("anchor_token_ids", n_anchors, n_vocab, "token"),
+                            ("label_anchor", n_labels, n_anchors, "anchor")):
+        if not _is_int_list(head[k]) or len(head[k]) != n:
+            bad.append(f"header {k!r} must be {n} integers")
+        elif any(not 0 <= v < lim for v in head[k]):
+            bad.append(f"header {k!r} holds {what} ids outside [0, {lim}): "
+                       f"{[v for v in head[k] if not 0 <= v < lim][:5]}")
+    for k in ("pad_id", "bos_id", "eos_id"):
+        if k in head and (type(head[k]) is not int or not 0 <= head[k] < n_vocab):
+            bad.append(f"header {k!r} must be a token id in [0, {n_vocab}), got {head[k]!r}")
+    return bad
+
+
 def _check_row(row: Any, phase: int, n_vocab: int, n_labels: int, n_anchors: int,
                version: int) -> list[str]:
     if not isinstance(row, dict):
         return ["example row is not a JSON object"]
+    unknown = sorted(set(row) - set(ROW_FIELDS))
+    if unknown:  # a typo ("corrupt_anchor") would otherwise drop what the user meant silently
+        return [f"unknown field(s) {unknown}; known: {list(ROW_FIELDS)} (free-form data goes "
+                "in 'meta')"]
     if "meta" in row and not isinstance(row["meta"], dict):
         return ["'meta' is not an object"]
     meta = row.get("meta", {})
@@ -108,6 +150,10 @@ def _check_row(row: Any, phase: int, n_vocab: int, n_labels: int, n_anchors: int
             bad.append(f"{k!r} positions out of range [1, {n}): {out}")
     if not row["targets"]:
         bad.append("empty label set ('targets' is [])")
+    both = sorted(set(row["targets"]) & set(row["near_misses"]))
+    if both:
+        bad.append(f"label(s) {both} are both targets and near_misses (a near-miss is a "
+                   "plausible wrong label, never a target)")
     for k, lim, what in (("targets", n_labels, "label"), ("near_misses", n_labels, "label"),
                          ("anchors", n_anchors, "anchor"),
                          ("corrupt_anchors", n_anchors, "anchor")):
@@ -138,17 +184,18 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         raise ValueError("\n".join(errors or [f"{path}:1: header lacks fields {missing}"]))
     version, phase = head.pop("version", 1), head.get("phase", 2)
     head.pop("format", None)
-    if phase not in (1, 2):
+    if type(phase) is not int or phase not in (1, 2):
         raise ValueError(f"{path}:1: header 'phase' must be 1 or 2, got {phase!r}")
-    if not isinstance(version, int) or version > VERSION:
-        raise ValueError(f"{path}:1: format version {version!r} is newer than this circuitkit "
+    if type(version) is not int or version < 1:
+        raise ValueError(f"{path}:1: header 'version' must be an integer >= 1, got {version!r}")
+    if version > VERSION:
+        raise ValueError(f"{path}:1: format version {version} is newer than this circuitkit "
                          f"reads ({VERSION}); upgrade circuitkit")
+    errors += [f"{path}:1: {b}" for b in _check_header(head)]
+    if errors:  # the rows cannot be checked against a header that is wrong
+        raise ValueError(f"{len(errors)} problem(s) in {path}:\n" + "\n".join(errors))
     n_vocab, n_labels, n_anchors = (len(head["vocab"]), len(head["label_names"]),
                                     len(head["anchor_names"]))
-    for k, n in (("label_token_ids", n_labels), ("anchor_token_ids", n_anchors),
-                 ("label_anchor", n_labels)):
-        if not _is_int_list(head[k]) or len(head[k]) != n:
-            errors.append(f"{path}:1: header {k!r} must be {n} integers")
     rows = []
     for lineno, line in enumerate(lines[1:], start=2):
         if not line.strip():
