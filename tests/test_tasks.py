@@ -312,6 +312,9 @@ def test_a_phase1_file_loads_as_phase1_and_is_never_relabelled(tmp_path):
         t1.with_phase(3)
     with pytest.raises(ValueError, match="n_examples must be a positive integer"):
         load_task("icd10", n_examples=0)
+    for seed in (1.5, 2**64):  # a torch error / an overflow inside the induction builder
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            load_task("induction", n_examples=2, seed=seed)
 
 
 def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):

@@ -7,6 +7,7 @@ builder module exposes ``build(n_examples, seed, split, phase, **kw) -> Task``.
 from __future__ import annotations
 
 import importlib
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ def load_task(
     name = str(name)
     if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
         raise ValueError(f"n_examples must be a positive integer (or None); got {n_examples!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+            or not -2**63 <= int(seed) < 2**63:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63); got {seed!r}.")
+    seed = int(seed)
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
     if phase not in (None, 1, 2):
