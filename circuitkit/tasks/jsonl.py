@@ -94,7 +94,7 @@ def _check_header(head: dict[str, Any]) -> list[str]:
                             ("label_anchor", n_labels, n_anchors, "anchor")):
         if not _is_int_list(head[k]) or len(head[k]) != n:
             bad.append(f"header {k!r} must be {n} integers")
-        elif any(not 0 <= v < lim for v in head[k]):
+        elif lim and any(not 0 <= v < lim for v in head[k]):  # (no anchors: placeholders)
             bad.append(f"header {k!r} holds {what} ids outside [0, {lim}): "
                        f"{[v for v in head[k] if not 0 <= v < lim][:5]}")
     for k in ("pad_id", "bos_id", "eos_id"):
