@@ -85,11 +85,15 @@ def check_metric_prompts(pm: Any, n: int) -> None:
     """Refuse a ``PromptMetric`` made for another number of prompts than the tokens hold (a
     task's metric on a subset of its prompts failed with an IndexError deep in a sweep)."""
     reads = pm.read_positions()
-    made_for = (pm.n_prompts if pm.prompt_idx is None and pm.n_prompts is not None
-                else len(pm.prompt_idx) if pm.prompt_idx is not None
-                else reads.shape[0] if reads is not None and reads.shape[0] != 1  # 1: broadcast
-                else None)
-    if made_for is not None and made_for != n:
+    if pm.prompt_idx is not None:  # a selection
+        made_for = len(pm.prompt_idx)
+    elif pm.n_prompts is not None:  # a wrapped callable
+        made_for = pm.n_prompts
+    elif reads is not None and reads.shape[0] != 1:  # one row of reads serves any prompt count
+        made_for = reads.shape[0]
+    else:
+        return
+    if made_for != n:
         raise ValueError(f"metric {pm.name!r} was made for {made_for} prompts but "
                          f"clean_tokens has {n}; build the metric for these prompts (a task's "
                          "metric: task.subset(...).metric for a subset of its prompts).")
