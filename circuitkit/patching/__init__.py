@@ -18,7 +18,7 @@ _EXPORTS = {
     "token_margin_metric": "circuitkit.metrics:token_margin_metric",
     "attribution_patch_heads": "circuitkit.patching.attribution:attribution_patch_heads",
     "attribution_plus_exact": "circuitkit.patching.api:attribution_plus_exact",
-    "verified_mask": "circuitkit.patching.api:verified_mask",
+    "verified_mask": "circuitkit.patching.results:verified_mask",
     "as_metric": "circuitkit.metrics:as_metric",
 }
 

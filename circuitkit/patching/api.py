@@ -50,7 +50,7 @@ from circuitkit.patching.inputs import (
     check_top_k,
     choice,
 )
-from circuitkit.patching.results import PatchResult
+from circuitkit.patching.results import PatchResult, verified_mask  # noqa: F401 (re-exported)
 from circuitkit.patching.sweep import (
     Chunk,
     Sweep,
@@ -438,11 +438,6 @@ def _within(picked: list[int], spent: float, cost: Tensor, limit: float) -> list
             keep.append(j)
             spent += float(cost[j])
     return keep
-
-
-def verified_mask(result: PatchResult) -> Tensor:
-    """``meta["verified"]`` of an ``attribution+exact`` result as a bool tensor."""
-    return torch.tensor(result.meta["verified"], dtype=torch.bool)
 
 
 # --- method="auto": exact when affordable, else screen then verify ------------------------------

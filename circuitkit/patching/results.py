@@ -181,9 +181,8 @@ class PatchResult:
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
             cols["ci_high"] = interval[1].reshape(-1).numpy()
-        verified = self.meta.get("verified")
-        if isinstance(verified, list):  # attribution+exact: which values are exact, not estimates
-            cols["verified"] = torch.tensor(verified, dtype=torch.bool).reshape(-1).numpy()
+        if isinstance(self.meta.get("verified"), list):  # attribution+exact: which are exact
+            cols["verified"] = verified_mask(self).reshape(-1).numpy()
         return pd.DataFrame(cols)
 
     def top(self, k: int = 10):
@@ -282,3 +281,8 @@ class PatchResult:
                 f"site={self.site!r}, positions={self.positions!r}, "
                 f"values={tuple(self.values.shape)} over {self.axes}, clean={self.clean:.4f}, "
                 f"corrupt={self.corrupt:.4f})")
+
+
+def verified_mask(result: PatchResult) -> Tensor:
+    """``meta["verified"]`` of an ``attribution+exact`` result as a bool tensor."""
+    return torch.tensor(result.meta["verified"], dtype=torch.bool)
