@@ -97,7 +97,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import model_fingerprint
     from circuitkit.scoring.heads import score_heads, top_heads
-    from circuitkit.scoring.validate import task_phases, validate_heads
+    from circuitkit.scoring.validate import validate_heads
+    from circuitkit.tasks.base import task_phases
 
     if int(n_examples) < 1:
         raise ValueError(f"n_examples must be >= 1; got {n_examples!r}.")

@@ -42,7 +42,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import top_heads
-from circuitkit.tasks.base import Task, check_task
+from circuitkit.tasks.base import Task, check_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
 VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
@@ -219,14 +219,6 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
         for p, d in sets_used.items()})
     return df
-
-
-def task_phases(task: Task) -> list[int]:
-    """The phases ``task`` has steps for: 1 with an ``anchor_pos >= 1``, 2 with an
-    ``answer_pos >= 1`` (the logits before a step predict it)."""
-    has = {1: any(p >= 1 for e in task.examples for p in e.anchor_pos),
-           2: any(p >= 1 for e in task.examples for p in e.answer_pos)}
-    return [p for p in (1, 2) if has[p]]
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:

@@ -238,6 +238,14 @@ def check_task(task: Any, caller: str) -> None:
         raise ValueError(f"{caller}: task has no examples; it needs at least one.")
 
 
+def task_phases(task: Task) -> list[int]:
+    """The phases ``task`` has steps for: 1 with an ``anchor_pos >= 1``, 2 with an
+    ``answer_pos >= 1`` (the logits before a step predict it)."""
+    has = {1: any(p >= 1 for e in task.examples for p in e.anchor_pos),
+           2: any(p >= 1 for e in task.examples for p in e.answer_pos)}
+    return [p for p in (1, 2) if has[p]]
+
+
 def _replace(task: Task, **changes: Any) -> Task:
     import dataclasses
 
