@@ -719,7 +719,7 @@ def resolve_estimator(estimator: str | None, atp_star: bool) -> str:
 # --- public API ------------------------------------------------------------------------------
 
 
-_RERUNS: Any = None  # WeakKeyDictionary model -> {"attn": bool, "mlp": bool}
+_RERUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {part: bool}
 
 
 def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
@@ -729,9 +729,6 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
     the run's ``hook_z``, its MLP (with its norms) against the block's MLP write. Some bridges
     cannot: OPT's MLP is no module of its own, Bloom's adds a residual it is handed and tiles
     ALiBi per head. Probed once per model."""
-    global _RERUNS
-    if _RERUNS is None:
-        _RERUNS = weakref.WeakKeyDictionary()
     if model in _RERUNS:
         return _RERUNS[model]
     probe = tokens[:1, :8].to(next(model.parameters()).device)

@@ -84,16 +84,13 @@ def norm_params(model: Any, norm: Any, what: str) -> tuple[str, Tensor, float]:
     return k, gain, float(eps)
 
 
-_OFFSET: Any = None  # WeakKeyDictionary norm module -> whether it scales by 1 + weight
+_OFFSET: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> 1 + weight?
 
 
 def _rms_gain(norm: Any, weight: Tensor, eps: float) -> Tensor:
     """``weight`` or ``1 + weight``, whichever the RMSNorm module ``norm`` applies. Which form a
     module has is probed once (the distillation signals ask every step, of a student whose
     weight changes); the gain is then read from the current weight."""
-    global _OFFSET
-    if _OFFSET is None:
-        _OFFSET = weakref.WeakKeyDictionary()
     if norm not in _OFFSET:
         probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
