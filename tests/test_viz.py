@@ -229,6 +229,8 @@ def test_ablation_chart():
     assert list(fig.layout.xaxis.categoryarray) == ["cot", "cot+p1", "cot+p1+p2"]
     with pytest.raises(ValueError, match="variant"):
         charts.ablation_chart(frame.drop(columns="variant"))
+    with pytest.raises(ValueError, match="n_cols=0: expected a positive integer"):
+        charts.ablation_chart(frame, n_cols=0)  # was a ZeroDivisionError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from circuitkit.viz.heatmaps import int_ticks
+from circuitkit.viz.heatmaps import check_counts, int_ticks
 
 PHASE_COLORS = {1: "#1f77b4", 2: "#d62728"}  # Phase 1 (coarse, anchors) blue, Phase 2 red
 
@@ -277,8 +277,7 @@ def ablation_chart(frame: Any, n_cols: int = 3):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    if not (isinstance(n_cols, int) and n_cols >= 1):
-        raise ValueError(f"n_cols={n_cols!r}: expected a positive integer (panels per row).")
+    check_counts(n_cols=n_cols)
     _require(frame, ["variant", "metric"], "frame")
     value = _pick(frame, ("value", "mean"), "frame")
     if len(frame) == 0:

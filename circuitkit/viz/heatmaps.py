@@ -99,7 +99,8 @@ def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", nam
     )
 
 
-def _positive(**counts: int) -> None:
+def check_counts(**counts: int) -> None:
+    """Refuse a count argument (facets, columns) below 1, naming it."""
     bad = {k: v for k, v in counts.items() if not (isinstance(v, int) and v >= 1)}
     if bad:
         raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}: expected a "
@@ -176,7 +177,7 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
     ``tokens[p]`` labels facet ``p``). ``interval=False`` skips the bootstrap (faster, no interval
     in the hover). Returns a ``plotly.graph_objects.Figure``.
     """
-    _positive(max_facets=max_facets, facet_cols=facet_cols)
+    check_counts(max_facets=max_facets, facet_cols=facet_cols)
     c = _cells(result, interval)
     m = _abs_max(c["normalized"])
     x_name, y_name = _axis_names(result)
@@ -213,7 +214,7 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
     ``positions="each"`` results: one row per position, denoise and noise side by side.
     Returns a ``plotly.graph_objects.Figure``.
     """
-    _positive(max_facets=max_facets)
+    check_counts(max_facets=max_facets)
     for arg, res, want in (("denoise", denoise, "denoise"), ("noise", noise, "noise")):
         if getattr(res, "direction", None) != want:
             raise ValueError(f"{arg}= must be a PatchResult with direction={want!r}; got "
