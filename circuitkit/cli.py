@@ -61,16 +61,9 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     if n_examples is not None and n_examples < 1:
         _fail(f"--n-examples must be a positive integer (notes in the run); got {n_examples}.")
     try:
-        if task.endswith(".jsonl"):
-            the_task = ck.load_task(task, phase=phase)
-            if n_examples is not None:
-                if n_examples > len(the_task):
-                    raise ValueError(f"--n-examples {n_examples} is more than the {len(the_task)} "
-                                     f"examples in {task}; drop it to use them all.")
-                the_task = the_task.subset(range(n_examples))
-        else:
-            the_task = ck.load_task(task, n_examples=n_examples or 64, seed=seed, split=split,
-                                    phase=phase)
+        file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
+        the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or 64,
+                                seed=seed, split=split, phase=phase)
         if model is None:
             return None, the_task
         the_model = (loader or ck.load_model)(model)

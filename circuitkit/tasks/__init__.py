@@ -51,7 +51,8 @@ def load_task(
         if n_examples is not None:
             if n_examples > len(task):
                 raise ValueError(f"n_examples={n_examples} is more than the {len(task)} examples "
-                                 f"in {name}; pass None to use them all.")
+                                 f"in {name}; ask for at most {len(task)}, or leave it out for "
+                                 "all of them.")
             task = task.subset(range(n_examples))
         return task if phase is None else task.with_phase(phase)  # None: the file's phase
     if name not in BUILDERS:
