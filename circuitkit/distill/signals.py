@@ -75,6 +75,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.scoring.heads import top_heads
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
 FORMAT = "circuitkit.distill.signals/1"
@@ -211,21 +212,19 @@ def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int,
         raise ValueError(f"top_k must be a positive number of heads, got {top_k}.")
     check_scores(scores, n_layers, n_heads)
     col = "coarse_score" if phase == 1 else "refine_score"
-    if scores[col].isna().all():
-        raise ValueError(f"scores have no {col}: the task they were computed on has no Phase-"
-                         f"{phase} steps; score the teacher on a CoT task (icd10, synthetic).")
-    top = scores.sort_values([f"phase{phase}_rank", "layer", "head"]).head(top_k)
-    s = torch.tensor(top[col].to_numpy(dtype="float64"))
+    heads = top_heads(scores, phase, top_k)  # refuses a phase the scores have no ranks for
+    value = dict(zip(zip(scores["layer"].astype(int), scores["head"].astype(int), strict=True),
+                     scores[col].astype("float64"), strict=True))
+    s = torch.tensor([value[h] for h in heads], dtype=torch.float64)
     if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen
-        bad = [(int(a), int(b)) for a, b, v in zip(top["layer"], top["head"], s.tolist(),
-                                                   strict=True) if v != v]
+        bad = [h for h, v in zip(heads, s.tolist(), strict=True) if v != v]
         raise ValueError(f"scores[{col!r}] is NaN for head(s) (layer, head) {bad}: NaN weights or "
                          "activations in the teacher? Recompute ck.score_heads on a finite model.")
     s = s.clamp(min=0)
     s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / len(s))
     w = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-    for (lay, hd), v in zip(zip(top["layer"], top["head"], strict=True), s.tolist(), strict=True):
-        w[int(lay), int(hd)] = v
+    for (lay, hd), v in zip(heads, s.tolist(), strict=True):
+        w[lay, hd] = v
     return w.float()
 
 

@@ -331,7 +331,7 @@ def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
     if scores[col].isna().all():
         raise ValueError(f"scores have no {col}: the task they were computed on has no "
                          f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
-    best = scores.sort_values(col).head(int(k))
+    best = scores.sort_values([col, "layer", "head"]).head(int(k))  # ties: (layer, head)
     return [(int(r.layer), int(r.head)) for r in best.itertuples()]
 
 
