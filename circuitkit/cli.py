@@ -476,12 +476,13 @@ def score(
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     files.write_text(out, df.to_csv(index=False))
-    cols = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]
-    typer.echo("top Phase-1 heads (coarse_score):\n"
-               + df.sort_values("phase1_rank").head(5)[cols].to_string(index=False))
-    cols = ["layer", "head", "loopback", "margin_widening", "refine_score"]
-    typer.echo("top Phase-2 heads (refine_score):\n"
-               + df.sort_values("phase2_rank").head(5)[cols].to_string(index=False))
+    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
+                        (2, ["layer", "head", "loopback", "margin_widening", "refine_score"])):
+        rank = f"phase{phase}_rank"
+        typer.echo(f"top Phase-{phase} heads ({cols[-1]}):\n"
+                   + df.sort_values(rank).head(5)[cols].to_string(index=False)
+                   if df[rank].notna().any() else  # not five NaN rows under a "top" title
+                   f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
     typer.echo(f"wrote {out}")
 
 

@@ -169,3 +169,12 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
         assert r.exit_code == 2, (args, r.output)
         assert said in r.output.replace("\n", " "), (args, r.output)
     assert not (tmp_path / "c" / "patch-p1-denoise.json").exists()
+
+
+def test_score_prints_no_top_heads_for_a_phase_the_task_lacks(tmp_path):
+    """induction has no anchors: five NaN rows used to be printed as "top Phase-1 heads"."""
+    r = run(["score", "--model", "induction-2l", "--task", "induction", "-n", "4", "--out",
+             str(tmp_path / "s.csv")])
+    assert r.exit_code == 0, r.output
+    assert "no Phase-1 scores: the task has no Phase-1 steps" in r.output
+    assert "top Phase-1 heads" not in r.output and "top Phase-2 heads" in r.output
