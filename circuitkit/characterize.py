@@ -1,5 +1,7 @@
 """``characterize``: the main job. Patch every head in both directions for both phases, score
-every head, validate the top heads causally, and write one results folder.
+every head, validate the top heads causally, and write one results folder. A task with steps
+of one phase only (a JSONL without ``anchor_pos``, or without ``answer_pos``) is characterized
+in that phase: its sweeps, scores and validation rows are that phase's.
 
 ``out_dir`` after a run::
 
@@ -7,16 +9,17 @@ every head, validate the top heads causally, and write one results folder.
     patch-p1-noise.*  patch-p2-denoise.*  patch-p2-noise.*
     scores.csv        score_heads (one row per head)
     validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
-    summary.json      identity (model, task fingerprints, options), versions, per-step timings,
-                      top heads per phase, the list of files, ``complete`` (every step done)
-    checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way)
+    summary.json      identity (model, task fingerprints, options), versions, ``phases``,
+                      per-step timings, top heads per phase, the list of files, ``complete``
+    checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
+                      validation's finished (phase, direction) runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
 Resumable: every finished step is recorded in ``summary.json`` (written atomically after the
-step's files), and rerunning the same call reuses those steps; a folder holding a run with a
-different identity is refused. A pretrained LLM whose vocabulary cannot hold the task's word
-tokens gets the task rendered as text (``circuitkit.scoring.text.text_task``; ``text=None``
-decides automatically).
+step's files), and rerunning the same call reuses those steps (within validation, its finished
+runs); a folder holding a run with a different identity is refused. A pretrained LLM whose
+vocabulary cannot hold the task's word tokens gets the task rendered as text
+(``circuitkit.scoring.text.text_task``; ``text=None`` decides automatically).
 """
 
 from __future__ import annotations
@@ -29,8 +32,20 @@ from typing import Any
 
 DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
 TEXT_OVERSAMPLE = 25  # source examples drawn per wanted text example (~5% render for SmolLM2)
-PATCH_STEPS = [(phase, direction) for phase in (1, 2) for direction in ("denoise", "noise")]
-STEPS = [f"patch-p{p}-{d}" for p, d in PATCH_STEPS] + ["scores", "validation"]
+
+
+def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
+    """The (phase, direction) sweeps of a task with steps for ``phases``."""
+    return [(phase, direction) for phase in phases for direction in ("denoise", "noise")]
+
+
+def step_names(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[str]:
+    """The step names ``characterize`` records in ``summary.json``, in order."""
+    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation"]
+
+
+PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
+STEPS = step_names()
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -47,8 +62,10 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
     from circuitkit.scoring.text import text_task
 
     file = str(task_name).endswith(".jsonl")  # a file: its first n_examples rows, at most all
+    # a file keeps the phase its header names (a task with answer steps only may store no
+    # Phase-1 corruption, and the reverse); the steps ask for each phase with with_phase
     task = ck.load_task(task_name, n_examples=None if file else n_examples, seed=seed,
-                        split=split, phase=2, **task_kwargs)
+                        split=split, phase=None if file else 2, **task_kwargs)
     if file and n_examples < len(task):
         task = task.subset(range(n_examples))
     vocab_error = None
@@ -65,8 +82,8 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
         if tok is None:
             raise ValueError("text=True needs a model with a tokenizer (model.tokenizer).")
         many = None if file else n_examples * TEXT_OVERSAMPLE  # a file: all its rows
-        source = ck.load_task(task_name, n_examples=many, seed=seed, split=split, phase=2,
-                              **task_kwargs)
+        source = ck.load_task(task_name, n_examples=many, seed=seed, split=split,
+                              phase=None if file else 2, **task_kwargs)
         return text_task(source, tok, n_examples=n_examples), True
     except ValueError as e:
         if vocab_error is None:  # text=True asked for: its own error
@@ -118,16 +135,16 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     n_heads = model.cfg.n_layers * model.cfg.n_heads
     if int(k) > n_heads:
         raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {k!r}.")
-    missing = [f"Phase-{p}" for p in (1, 2) if p not in task_phases(task)]
-    if missing:
+    phases = task_phases(task)  # a task with one phase's steps is characterized in that phase
+    if not phases:
         raise ValueError(
-            f"characterize needs a task with Phase-1 anchor steps and Phase-2 answer steps "
-            f"(icd10, synthetic, or a JSONL with anchor_pos and answer_pos); {task_name!r} has "
-            f"no {' or '.join(missing)} steps. Sweep it with `circuitkit patch --task "
-            f"{task_name}` and score it with `circuitkit score`.")
+            f"characterize needs a task with Phase-1 anchor steps or Phase-2 answer steps "
+            f"(anchor_pos / answer_pos >= 1: icd10, synthetic, or a JSONL with them); "
+            f"{task_name!r} has neither: no position for a metric to read.")
+    fingerprint = {p: task.with_phase(p).fingerprint() if p in phases else None for p in (1, 2)}
     identity = dict(model=name, model_fingerprint=model_fingerprint(model), task=task_name,
-                    task_fingerprint_p1=task.with_phase(1).fingerprint(),
-                    task_fingerprint_p2=task.with_phase(2).fingerprint(), text=rendered,
+                    task_fingerprint_p1=fingerprint[1],
+                    task_fingerprint_p2=fingerprint[2], text=rendered,
                     n_examples=len(task), seed=seed, split=split, k=int(k),
                     n_random=int(n_random), patch_method=patch_method,
                     task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
@@ -141,18 +158,20 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                 identity)) if old.get(key) != identity.get(key)}
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {diff}; use a new folder or delete it.")
+    expected = step_names(phases)  # a report of a partial run says which are missing
     summary.update(identity=identity, versions=versions(), task_config=task.config,
-                   steps_expected=STEPS, complete=False)  # a report of a partial run says so
+                   phases=phases, steps_expected=expected, complete=False)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     def record(step: str, seconds: float, files_: list[str]) -> None:
         steps[step] = dict(seconds=round(seconds, 3), files=files_)
         files.write_json(summary_path, summary)
 
-    total = len(PATCH_STEPS) + 2
+    sweeps = patch_steps(phases)
+    total = len(sweeps) + 2
     _log(progress, f"characterize {name} on {task.name} ({len(task)} examples"
                    f"{', text-rendered' if rendered else ''}) -> {out}")
-    for i, (phase, direction) in enumerate(PATCH_STEPS, 1):
+    for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
         if step in steps:
             _log(progress, f"[{i}/{total}] {step}: reused")
@@ -169,7 +188,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         record(step, time.perf_counter() - t0, [f"{step}.safetensors", f"{step}.json"])
     import pandas as pd
 
-    i = len(PATCH_STEPS) + 1
+    i = len(sweeps) + 1
     if "scores" in steps and (out / "scores.csv").exists():
         _log(progress, f"[{i}/{total}] scores: reused")
         scores = pd.read_csv(out / "scores.csv")
@@ -180,7 +199,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
         summary["scores_attrs"] = {k_: v for k_, v in scores.attrs.items()}
         summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
-                                for p in (1, 2)}
+                                for p in phases}
         record("scores", time.perf_counter() - t0, ["scores.csv"])
     i += 1
     if "validation" in steps and (out / "validation.csv").exists():
@@ -189,11 +208,12 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         _log(progress, f"[{i}/{total}] validation")
         t0 = time.perf_counter()
         val = validate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
-                             batch_size=batch_size, progress=progress)
+                             batch_size=batch_size, progress=progress,
+                             checkpoint=out / "checkpoints" / "validation")
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
-    summary["complete"] = all(step in steps for step in STEPS)
+    summary["complete"] = all(step in steps for step in expected)
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
     files.write_json(summary_path, summary)

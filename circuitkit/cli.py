@@ -476,13 +476,16 @@ def score(
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     files.write_text(out, df.to_csv(index=False))
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
     for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
                         (2, ["layer", "head", "loopback", "margin_widening", "refine_score"])):
-        rank = f"phase{phase}_rank"
+        if phase not in scored_phases(df):  # not five NaN rows under a "top" title
+            typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
+            continue
+        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, 5)].reset_index()
         typer.echo(f"top Phase-{phase} heads ({cols[-1]}):\n"
-                   + df.sort_values(rank).head(5)[cols].to_string(index=False)
-                   if df[rank].notna().any() else  # not five NaN rows under a "top" title
-                   f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
+                   + best[cols].to_string(index=False))
     typer.echo(f"wrote {out}")
 
 
@@ -504,8 +507,9 @@ def characterize(
     text: str = typer.Option("auto", help="Render the task as text: auto, yes or no."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass."),
 ) -> None:
-    """The main job: head patching (both directions, both phases), scores, causal validation,
-    one results folder (scores.csv, validation.csv, summary.json, patch-p{1,2}-{denoise,noise})."""
+    """The main job: head patching (both directions, each phase the task has steps for),
+    scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
+    patch-p{1,2}-{denoise,noise}, report.html)."""
     from circuitkit.characterize import characterize as run
     from circuitkit.models import ModelNotAvailableError
     from circuitkit.patching.inputs import METHODS, choice
@@ -526,8 +530,10 @@ def characterize(
     for phase in ("phase1", "phase2"):
         if phase in tops:
             typer.echo(f"top {phase} heads: " + " ".join(f"L{la}H{h}" for la, h in tops[phase]))
+    ps = "".join(str(p) for p in summary.get("phases", [1, 2]))
     typer.echo(f"wrote {out}/report.html (open it offline), scores.csv, validation.csv, "
-               "summary.json, patch-p{1,2}-{denoise,noise}.*")
+               f"summary.json, patch-p{ps if len(ps) == 1 else '{' + ','.join(ps) + '}'}"
+               "-{denoise,noise}.*")
 @app.command()
 def distill(
     ctx: typer.Context,

@@ -3,6 +3,7 @@ commands ``score`` and ``characterize`` as thin layers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -80,3 +81,42 @@ def test_cli_score_and_characterize(tmp_path):
     assert (tmp_path / "c" / "summary.json").exists() and "top phase2 heads" in res.output
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
+
+
+@pytest.mark.parametrize("drop, phase", [("anchor_pos", 2), ("answer_pos", 1)])
+def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop, phase):
+    """A JSONL task without anchor steps (or without answer steps) is characterized in the phase
+    it has: that phase's sweeps, scores, validation rows and report sections, and no others. It
+    used to be refused whole."""
+    task = ck.load_task("synthetic", n_examples=8, seed=0, **TASK)
+    task = dataclasses.replace(task, examples=[dataclasses.replace(e, **{drop: []})
+                                               for e in task.examples]).with_phase(phase)
+    task.to_jsonl(tmp_path / "task.jsonl")
+    out = tmp_path / "run"
+    summary = characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, n_examples=8, k=2,
+                           n_random=4, text=False, progress=False)
+    other = 3 - phase
+    assert summary["phases"] == [phase] and summary["complete"]
+    assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
+                                         "scores", "validation"]
+    assert list(summary["top_heads"]) == [f"phase{phase}"]
+    assert summary["identity"][f"task_fingerprint_p{other}"] is None
+    names = {p.name for p in out.iterdir()}
+    assert {f"patch-p{phase}-denoise.json", f"patch-p{phase}-noise.json"} <= names
+    assert not any(n.startswith(f"patch-p{other}") for n in names)
+    assert set(pd.read_csv(out / "validation.csv")["phase"]) == {phase}
+    scores = pd.read_csv(out / "scores.csv")
+    assert scores[f"phase{other}_rank"].isna().all() and scores[f"phase{phase}_rank"].notna().all()
+    html = (out / "report.html").read_text()
+    assert f"Top 10 Phase-{phase} heads" in html and f"Phase-{other} heads" not in html
+
+
+def test_characterize_refuses_a_task_with_no_steps(tiny_llama, tmp_path):
+    task = ck.load_task("synthetic", n_examples=4, seed=0, **TASK)
+    task = dataclasses.replace(task, examples=[dataclasses.replace(e, anchor_pos=[], answer_pos=[])
+                                               for e in task.examples])
+    task.to_jsonl(tmp_path / "task.jsonl")
+    with pytest.raises(ValueError, match="Phase-1 anchor steps or Phase-2 answer steps"):
+        characterize(tiny_llama, str(tmp_path / "task.jsonl"), tmp_path / "run", n_examples=4,
+                     text=False, progress=False)
+    assert not (tmp_path / "run" / "summary.json").exists()

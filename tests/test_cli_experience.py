@@ -156,8 +156,6 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
          "k must be in 1..32"),
         (["characterize", "-n", "2", "--n-random", "0", "--out", str(tmp_path / "c")],
          "n_random must be >= 1"),
-        (["characterize", "--model", "induction-2l", "--task", "induction", "-n", "2",
-          "--out", str(tmp_path / "c")], "no Phase-1 steps"),
         (["distill", "--seeds", "2", "--out", str(tmp_path / "d")], "--seeds is the ablation"),
         (["distill", "--quick", "--batch-size", "0", "--out", str(tmp_path / "d")],
          "batch_size must be a positive"),  # --quick no longer overrides what is typed

@@ -217,6 +217,11 @@ def test_planted_heads_rank_first_and_decoys_do_not():
     assert df.loc[PLANTED_P2, "margin_widening"] == pytest.approx(metric, rel=1e-4)
     assert top_heads(df.reset_index(), 1, 1) == [PLANTED_P1]
     assert top_heads(df.reset_index(), 2, 1) == [PLANTED_P2]
+    # a frame without the rank columns (a CSV of scores from elsewhere) ranks by the score
+    flat = df.reset_index()
+    for phase in (1, 2):
+        by_score = top_heads(flat.drop(columns=["phase1_rank", "phase2_rank"]), phase, 5)
+        assert by_score == top_heads(flat, phase, 5)
 
 
 def test_streaming_batches_do_not_change_scores(tiny_llama, synth):

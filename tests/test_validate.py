@@ -4,6 +4,7 @@ answer) and on random weights (no difference expected)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 from planted_circuit import PLANTED_P1, PLANTED_P2, planted_model, planted_task
@@ -188,3 +189,51 @@ def test_a_task_without_phase1_steps_validates_phase2_only():
         top_heads(scores, 1, 2)
     val = ck.validate_heads(model, task, scores, k=2, n_random=3, progress=False)
     assert set(val["phase"]) == {2} and len(val) == 4
+
+
+def test_interrupted_validation_resumes_its_finished_runs(planted, tmp_path, monkeypatch):
+    """With ``checkpoint``, a validation stopped in its second (phase, direction) run redoes
+    only the runs it had not finished, and gives the uninterrupted frame exactly; other head
+    sets (another seed) or other weights do not reuse them."""
+    model, task, scores = planted
+    want = validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False)
+    calls = []
+    real = ExactEngine.run_head_sets
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        if stop_at and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(ExactEngine, "run_head_sets", counted)
+    stop_at = 0
+    validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False)
+    per_run = len(calls) // 4  # engine calls per (phase, direction)
+    calls.clear()
+    stop_at = per_run + 1  # the first call of the second run
+    with pytest.raises(KeyboardInterrupt):
+        validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
+                       checkpoint=tmp_path)
+    calls.clear()
+    stop_at = 0
+    got = validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
+                         checkpoint=tmp_path)
+    assert len(calls) == 3 * per_run  # the first run was reused, the other three ran
+    pd.testing.assert_frame_equal(got, want)
+    calls.clear()
+    validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
+                   checkpoint=tmp_path)
+    assert not calls  # all four reused
+    validate_heads(model, task, scores, k=1, n_random=5, seed=1, progress=False,
+                   checkpoint=tmp_path)
+    assert len(calls) == 4 * per_run  # other random sets: nothing reused
+    calls.clear()
+    with torch.no_grad():
+        model.blocks[0].attn.W_O.mul_(1.5)  # type: ignore[union-attr]
+    try:
+        validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
+                       checkpoint=tmp_path)
+    finally:
+        with torch.no_grad():
+            model.blocks[0].attn.W_O.div_(1.5)  # type: ignore[union-attr]
+    assert len(calls) == 4 * per_run  # other weights: nothing reused

@@ -321,18 +321,34 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
 
 
 def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
-    """The ``k`` best heads of ``phase`` (1: ``phase1_rank``, 2: ``phase2_rank``), best first."""
+    """The ``k`` best heads of ``phase``, best first: by ``phase{phase}_rank`` (``score_heads``'
+    frame), or, for a frame without ranks, by ``coarse_score`` / ``refine_score`` descending.
+    Ties go to the lower ``(layer, head)``. A phase without ranks or scores is refused."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2; got {phase!r}.")
-    col = f"phase{phase}_rank"
-    missing = {"layer", "head", col} - set(scores.columns)
+    col, score = f"phase{phase}_rank", "coarse_score" if phase == 1 else "refine_score"
+    by = col if col in scores.columns else score
+    missing = {"layer", "head", by} - set(scores.columns)
     if missing:
-        raise ValueError(f"scores lacks columns {sorted(missing)}; pass score_heads' DataFrame.")
-    if scores[col].isna().all():
-        raise ValueError(f"scores have no {col}: the task they were computed on has no "
+        raise ValueError(f"scores lacks columns {sorted(missing)} (and {col}); pass score_heads' "
+                         "DataFrame.")
+    if scores[by].isna().all():
+        raise ValueError(f"scores have no {by}: the task they were computed on has no "
                          f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
-    best = scores.sort_values([col, "layer", "head"]).head(int(k))  # ties: (layer, head)
+    best = scores.sort_values([by, "layer", "head"], ascending=[by == col, True, True],
+                              na_position="last").head(int(k))
     return [(int(r.layer), int(r.head)) for r in best.itertuples()]
+
+
+def scored_phases(scores: Any) -> list[int]:
+    """The phases (1, 2) ``scores`` ranks heads for: a task without anchor (or answer) steps
+    leaves that phase's rank, or score, empty."""
+    out = []
+    for phase, score in ((1, "coarse_score"), (2, "refine_score")):
+        col = f"phase{phase}_rank" if f"phase{phase}_rank" in scores.columns else score
+        if col in scores.columns and scores[col].notna().any():
+            out.append(phase)
+    return out
 
 
 def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None

@@ -26,13 +26,19 @@ Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
   Carlo permutation p-value of the top set against the random sets;
 * ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the behaviour
   fully broken; denoise: 1 = fully restored).
+
+With ``checkpoint`` (a folder), each finished (phase, direction) run is saved there, named by
+the hash of everything it depends on (model weights, tokens, metrics, head sets), and a rerun
+reuses it: an interrupted validation loses at most the run in progress.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,11 +159,12 @@ def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
 
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
-                   progress: bool = True):
+                   progress: bool = True, checkpoint: str | Path | None = None):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
     with ``VALIDATION_COLUMNS``, one row per (phase, direction, quantity); see the module
     docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase.
-    ``batch_size``: sequences per forward (default from free memory)."""
+    ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
+    for finished runs (module docstring)."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
@@ -178,6 +185,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     if not phases:
         raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
+    saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
         tp = task.with_phase(phase)
@@ -195,6 +203,12 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         n, seq = clean.shape
         runs = {}
         for direction in ("noise", "denoise"):
+            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour), f.d_vocab)
+            if saved and (got := saved.load(key)) is not None:
+                runs[direction] = got
+                if progress:
+                    print(f"validate: phase {phase} {direction}: reused", file=sys.stderr)
+                continue
             if progress:
                 print(f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs {n_random} "
                       f"random sets, {n} prompts", file=sys.stderr)
@@ -206,6 +220,8 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
             runs[direction] = torch.cat([  # [2, n_sets, n]
                 engine.run_head_sets(sets, p0, p1, metrics=[metric, behaviour], rows=batch_size)
                 for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+            if saved:
+                saved.save(key, runs[direction])
         # base of noise = clean run; base of denoise = corrupt run
         for direction in ("noise", "denoise"):
             for qi, q in enumerate((metric, behaviour)):
@@ -219,6 +235,46 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
         for p, d in sets_used.items()})
     return df
+
+
+class _Saved:
+    """Finished (phase, direction) runs in a folder, one safetensors file each."""
+
+    def __init__(self, model: Any, folder: str | Path):
+        from circuitkit.files import check_writable_dir
+        from circuitkit.patching.checkpoint import model_fingerprint
+
+        self.folder = check_writable_dir(folder, "checkpoint")
+        self.model = model_fingerprint(model)
+
+    def key(self, task: Task, phase: int, direction: str, sets: list, metrics: Sequence[
+            PromptMetric], d_vocab: int) -> str:
+        from circuitkit.patching.checkpoint import identity_key, tokens_hash
+
+        n, seq = task.clean_tokens.shape
+        return identity_key(dict(
+            format=1, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
+            phase=phase, direction=direction, sets=[[list(h) for h in s] for s in sets],
+            metrics=[m.fingerprint(n, seq, d_vocab) for m in metrics], buckets=N_BUCKETS))
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"validation-{key}.safetensors"
+
+    def load(self, key: str) -> Tensor | None:
+        from safetensors.torch import load_file
+
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            return load_file(str(path))["runs"]
+        except Exception:  # a torn or foreign file: run again (it is rewritten atomically)
+            return None
+
+    def save(self, key: str, runs: Tensor) -> None:
+        from circuitkit.files import write_tensors
+
+        write_tensors(self.path(key), {"runs": runs}, metadata={"key": json.dumps(key)})
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:

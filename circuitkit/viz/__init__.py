@@ -20,7 +20,7 @@ _EXPORTS = {
     "attention": "circuitkit.viz.attention:attention",
     "AttentionView": "circuitkit.viz.attention:AttentionView",
     "write_report": "circuitkit.viz.report:write_report",
-    "top_heads": "circuitkit.viz.report:top_heads",
+    "top_heads": "circuitkit.scoring.heads:top_heads",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -158,25 +158,17 @@ def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
     return int(scores["layer"].max()) + 1
 
 
-def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
-    """The ``k`` best ``(layer, head)`` of a phase (1 or 2) in a ``ck.score_heads`` frame: by
-    ``phase{phase}_rank`` if present, else by ``coarse_score`` / ``refine_score``."""
-    if phase not in (1, 2):
-        raise ValueError(f"phase={phase!r}: expected 1 (coarse_score) or 2 (refine_score).")
-    rank, score = f"phase{phase}_rank", "coarse_score" if phase == 1 else "refine_score"
-    df = scores.sort_values(rank) if rank in scores.columns else \
-        scores.sort_values(score, ascending=False)
-    return [(int(r.layer), int(r.head)) for r in df.head(k).itertuples()]
-
-
 def _score_tables(scores: Any, k: int) -> str:
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
     parts = []
-    for phase, cols in ((1, ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank"]),
-                        (2, ["loopback", "margin_widening", "refine_score", "phase2_rank"])):
+    cols = {1: ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank"],
+            2: ["loopback", "margin_widening", "refine_score", "phase2_rank"]}
+    for phase in scored_phases(scores):  # a phase the task has no steps for has no table
         heads = top_heads(scores, phase, k)
         idx = scores.set_index(["layer", "head"])
         rows = idx.loc[heads].reset_index()
-        show = ["layer", "head"] + [c for c in cols if c in rows.columns]
+        show = ["layer", "head"] + [c for c in cols[phase] if c in rows.columns]
         parts.append(f"<div><h4>Top {len(heads)} Phase-{phase} heads</h4>"
                      f"{_table(rows[show])}</div>")
     return "<div class='tables'>" + "".join(parts) + "</div>"
@@ -206,6 +198,7 @@ def _or_raw(make, frame: Any) -> Any:
 def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int,
                        views: list) -> str:
     """Attention views of the top ``k`` heads of each phase, or a line saying why not."""
+    from circuitkit.scoring.heads import scored_phases, top_heads
     from circuitkit.viz.attention import attention
 
     summary = {**summary.get("identity", {}), **summary}  # characterize keeps them in identity
@@ -226,7 +219,7 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
             task = ck.load_task(str(task_name), n_examples=4, seed=int(summary.get("seed", 0)),
                                 split=str(summary.get("split", "test")))
         out = []
-        for phase in (1, 2):
+        for phase in scored_phases(scores):
             view = attention(model, task, heads=top_heads(scores, phase, k), example=0)
             view.title = f"Top {k} Phase-{phase} heads on {view.title}"
             views.append(view)
