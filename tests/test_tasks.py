@@ -181,6 +181,14 @@ def test_jsonl_round_trip(task, tmp_path):
     assert torch.equal(load_task(str(p), phase=1).corrupt_tokens, task.with_phase(1).corrupt_tokens)
 
 
+def test_jsonl_round_trip_keeps_an_induction_config(tmp_path):
+    task = load_task("induction", n_examples=3, seg_len=(4, 7))
+    task.to_jsonl(tmp_path / "i.jsonl")
+    back = Task.from_jsonl(tmp_path / "i.jsonl")
+    assert back.config == task.config and back.config["seg_len"] == [4, 7]
+    assert back.fingerprint() == task.fingerprint()
+
+
 def test_jsonl_bad_rows_all_reported(task, tmp_path):
     p = tmp_path / "t.jsonl"
     task.subset(range(8)).to_jsonl(p)

@@ -59,8 +59,9 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
         name="induction", examples=examples, label_names=labels, anchor_names=[],
         label_token_ids=torch.arange(n_special, vocab_size), anchor_token_ids=torch.zeros(0,
         dtype=torch.long), label_anchor=torch.zeros(len(labels), dtype=torch.long), vocab=vocab,
-        phase=phase, config=dict(name="induction", seg_len=seg_len, vocab_size=vocab_size,
-                                 unique=unique, seed=seed, split=split, metric="logprob"))
+        phase=phase, config=dict(  # a range as a list: what a JSONL round trip gives back
+            name="induction", seg_len=seg_len if isinstance(seg_len, int) else [lo, hi],
+            vocab_size=vocab_size, unique=unique, seed=seed, split=split, metric="logprob"))
 
 
 def _segment(n: int, length: int, unique: bool, g: torch.Generator) -> torch.Tensor:
