@@ -231,3 +231,56 @@ def test_report_of_an_unfinished_characterize_run_says_so(tmp_path):
         assert step in html.split("stopped before")[1].split("</p>")[0]
     (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS, True)))
     assert "Unfinished run" not in report_mod.build_report(tmp_path, attention=False)
+
+
+def test_report_survives_a_stray_pair_and_names_sweeps_by_their_phase(tmp_path):
+    """A json + safetensors pair that is not a PatchResult is skipped with a note (it used to
+    stop the whole report); a sweep's heading is the phase it records, not a guess from its
+    name ("step20" is not phase 2)."""
+    run = tmp_path / "run"
+    for direction in ("denoise", "noise"):
+        patch_result(direction, 1, 0).save(run / f"step20-{direction}")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(run / "probe.safetensors"))
+    (run / "probe.json").write_text(json.dumps({"note": 1}))
+    html = report_mod.write_report(run, attention=False).read_text()
+    assert "Skipped probe: not a PatchResult" in html
+    assert "<h3>Phase 1 sweep" in html and "Phase 2 sweep" not in html
+    assert report_mod._phase_of("step20", PatchResult(
+        values=torch.zeros(1, 1), clean=1.0, corrupt=0.0, direction="noise", method="exact",
+        site="z", positions="all")) is None
+    assert report_mod._phase_of("patch-p2", patch_result("noise", 2, 0)) == 2
+
+
+def test_report_attention_of_a_text_rendered_run_renders_the_task_as_text(tmp_path,
+                                                                             monkeypatch):
+    """A run that rendered its task as text for a pretrained LLM (summary identity text=True)
+    gets its attention views on that text, not on the built task's ids read as the LLM's."""
+    run = make_run(tmp_path / "run")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["identity"] = dict(model="icd-teacher", task="icd10", text=True, seed=3,
+                               split="test", task_kwargs=dict(n_labels=64))
+    for key in ("model", "task", "seed", "split"):  # characterize keeps them in identity
+        del summary[key]
+    (run / "summary.json").write_text(json.dumps(summary))
+    seen = {}
+
+    def load_for(model, task_name, n, seed, split, text, **kw):
+        seen.update(task=task_name, seed=seed, split=split, text=text, kw=kw)
+        raise ValueError("stop here")
+    monkeypatch.setattr("circuitkit.characterize.load_for", load_for)
+    html = report_mod.write_report(run).read_text()
+    assert seen == dict(task="icd10", seed=3, split="test", text=True, kw=dict(n_labels=64))
+    assert "Attention views skipped" in html and "stop here" in html
+
+
+def test_report_of_a_one_phase_run_says_why_the_scatter_is_missing(tmp_path):
+    run = make_run(tmp_path / "run", model=None)
+    scores = pd.read_csv(run / "scores.csv")
+    scores["coarse_score"] = np.nan
+    scores["phase1_rank"] = pd.array([pd.NA] * len(scores), dtype="Int64")
+    scores.to_csv(run / "scores.csv", index=False)
+    html = report_mod.write_report(run).read_text()
+    assert "Chart skipped: scores: coarse_score is empty" in html
+    assert "Top 10 Phase-2 heads" in html and "Top 10 Phase-1 heads" not in html

@@ -315,3 +315,67 @@ def test_validation_chart_reads_validate_heads_wide_frame():
     assert list(top.y) == [-3.0, 3.0] and list(top.error_y.array) == [1.0, 1.0]
     rand = next(t for t in fig.data if t.name == "random")
     assert list(rand.y) == [-1.5, 1.5] and all(t == "" for t in rand.text)
+
+
+# --- found by review: figures that drew the wrong thing, or nothing, without a word ----------
+def test_side_by_side_refuses_two_different_sweeps():
+    a, b = result(torch.zeros(3, 4)), result(torch.zeros(3, 4), direction="noise")
+    heatmaps.patch_heatmaps(a, b)  # the same sweep: fine
+    b.meta.update(phase=1, metric="anchor_margin")
+    with pytest.raises(ValueError, match="differ in metric .* phase"):
+        heatmaps.patch_heatmaps(a, b)
+
+
+def test_kv_head_axis_named_and_layer_positions_take_tokens():
+    res = result(torch.zeros(3, 2))
+    res.meta["head_axis"] = "kv_head"
+    fig = heatmaps.patch_heatmap(res)
+    assert fig.layout.xaxis.title.text == "kv head" and "kv head %{x}" in fig.data[0].hovertemplate
+    layers = result(torch.zeros(3, 4), axes=("layer", "pos"))
+    fig = heatmaps.patch_heatmap(layers, tokens=["<bos>", "a", "b", "c"])
+    assert list(fig.layout.xaxis.ticktext) == ["0: <bos>", "1: a", "2: b", "3: c"]
+    with pytest.raises(ValueError, match="tokens has 2 entries; the result has 4 positions"):
+        heatmaps.patch_heatmap(layers, tokens=["a", "b"])
+
+
+def test_hybrid_heatmap_says_which_cells_are_exact():
+    res = result(torch.arange(12.0).reshape(3, 4) / 12)
+    verified = torch.zeros(3, 4, dtype=torch.bool)
+    verified[1, 2] = verified[0, 0] = True
+    res.meta["verified"] = verified.tolist()
+    (tr,) = heatmaps.patch_heatmap(res).data
+    assert "exact (1) or estimate (0): %{customdata[3]" in tr.hovertemplate
+    np.testing.assert_array_equal(np.asarray(tr.customdata)[..., 3], verified.float().numpy())
+    (tr,) = heatmaps.patch_heatmap(res, interval=False).data
+    assert "%{customdata[1]" in tr.hovertemplate
+    np.testing.assert_array_equal(np.asarray(tr.customdata)[..., 1], verified.float().numpy())
+
+
+def test_one_phase_scores_a_clear_skip_and_one_profile_line(scores):
+    one = scores.assign(coarse_score=np.nan)
+    with pytest.raises(ValueError, match="coarse_score is empty .* no Phase-1 steps"):
+        charts.score_scatter(one)
+    fig = charts.phase_profile(one, 4)
+    assert [tr.name for tr in fig.data] == ["Phase 2: mean refine_score"]
+
+
+def test_per_seed_ablation_rows_are_refused():
+    runs = pd.DataFrame(dict(variant=["cot", "cot", "p1", "p1"], seed=[0, 1, 0, 1],
+                             metric=["focus"] * 4, value=[0.1, 0.5, 0.2, 0.9]))
+    with pytest.raises(ValueError, match="rows share a \\(variant, metric\\).*runs.csv"):
+        charts.ablation_chart(runs)
+    from circuitkit.viz.report import ablation_table
+    with pytest.raises(ValueError, match="rows share"):
+        ablation_table(runs)
+
+
+def test_bad_inputs_get_a_clear_error(scores):
+    with pytest.raises(TypeError, match="expected a PatchResult"):
+        heatmaps.patch_heatmap(None)
+    with pytest.raises(TypeError, match="expected a PatchResult"):
+        heatmaps.patch_heatmap(np.zeros((2, 2)))
+    with pytest.raises(ValueError, match=r"columns \['layer'\] must hold numbers"):
+        charts.score_scatter(scores.assign(layer="0"))
+    frame = pd.DataFrame(dict(set=["top-5"], effect=[0.5], p_value=["0.01"]))
+    with pytest.raises(ValueError, match=r"columns \['p_value'\] must hold numbers"):
+        charts.validation_chart(frame)

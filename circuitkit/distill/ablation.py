@@ -28,7 +28,7 @@ Outputs:
 * ``out/runs.csv``: ``variant, seed, metric, value`` (one row per run and metric);
 * ``out/ablation.csv``: ``variant, metric, mean, ci_low, ci_high, n_seeds``: the mean over seeds
   and its 95% t-interval ``mean +- t_{0.975, n-1} s / sqrt(n)`` (``s`` the sample standard
-  deviation; with one seed ``ci_low = ci_high = mean``). ``viz.charts.ablation_chart(frame)``
+  deviation; with one seed ``ci_low = ci_high = mean``). ``ck.viz.ablation_chart(frame)``
   reads this frame (``pandas.read_csv``).
 
 Sizes (``SIZES``): ``default`` (the table of the issue; 53 min end to end on 2 shared CPU cores,

@@ -36,6 +36,17 @@ def _pick(frame: Any, names: Sequence[str], arg: str, required: bool = True) -> 
     return None
 
 
+def _numeric(frame: Any, columns: Sequence[str], arg: str) -> None:
+    """Refuse a column that does not hold numbers (a CSV read with a stray header row, say)."""
+    import pandas as pd
+
+    bad = [c for c in columns if c in frame.columns
+           and not pd.api.types.is_numeric_dtype(frame[c].dtype)]
+    if bad:
+        raise ValueError(f"{arg}: columns {bad} must hold numbers; got dtypes "
+                         f"{[str(frame[c].dtype) for c in bad]} (e.g. {frame[bad[0]].iloc[0]!r}).")
+
+
 def _interval_columns(frame: Any) -> tuple[str, str] | None:
     for lo, hi in (("ci_low", "ci_high"), ("low", "high"), ("ci_lo", "ci_hi"),
                    ("lower", "upper")):
@@ -65,6 +76,12 @@ def score_scatter(scores: Any, label_top: int = 5):
     import plotly.graph_objects as go
 
     _require(scores, ["layer", "head", "coarse_score", "refine_score"], "scores")
+    _numeric(scores, ["layer", "head", "coarse_score", "refine_score"], "scores")
+    for col, phase in (("coarse_score", 1), ("refine_score", 2)):
+        if scores[col].isna().all():  # a task without this phase's steps (induction: anchors)
+            raise ValueError(f"scores: {col} is empty (the task has no Phase-{phase} steps); "
+                             "the scatter of the two scores needs both. phase_profile shows "
+                             "the other phase alone.")
     df = scores.reset_index(drop=True)
     names = [f"L{int(r.layer)}H{int(r.head)}" for r in df.itertuples()]
     top = set(df["coarse_score"].nlargest(label_top).index) | \
@@ -115,13 +132,20 @@ def phase_profile(scores: Any, n_layers: int):
     from plotly.subplots import make_subplots
 
     _require(scores, ["layer", "coarse_score", "refine_score"], "scores")
+    _numeric(scores, ["layer", "coarse_score", "refine_score"], "scores")
+    present = [(p, c, second) for p, c, second in ((1, "coarse_score", False),
+                                                    (2, "refine_score", True))
+               if scores[c].notna().any()]  # a phase the task has no steps for: no line
+    if not present:
+        raise ValueError("scores: coarse_score and refine_score are both empty (a task with "
+                         "neither Phase-1 nor Phase-2 steps).")
     top = int(scores["layer"].max()) if len(scores) else 0
     if not isinstance(n_layers, int | np.integer) or n_layers < 1 or n_layers <= top:
         raise ValueError(f"n_layers={n_layers!r}: expected an int > the largest layer in "
                          f"scores ({top}).")
     depth = lambda layers: np.asarray(layers, float) / max(n_layers - 1, 1)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for phase, column, second in ((1, "coarse_score", False), (2, "refine_score", True)):
+    for phase, column, second in present:
         m = layer_means(scores, column)
         fig.add_trace(go.Scatter(
             x=depth(m["layer"]), y=m["mean"], mode="lines+markers",
@@ -209,6 +233,7 @@ def validation_chart(validation: Any):
     direction = "direction" if "direction" in validation.columns else None
     phase = "phase" if "phase" in validation.columns else None
     interval = _interval_columns(validation)
+    _numeric(validation, [eff, *([p_col] if p_col else []), *(interval or ())], "validation")
     df = validation.reset_index(drop=True)
     panel_keys = [c for c in (phase, measure) if c]
     panels = list(df.groupby(panel_keys, sort=False)) if panel_keys else [((), df)]
@@ -258,13 +283,32 @@ def validation_chart(validation: Any):
 # --- distillation ablation ------------------------------------------------------------------
 
 
+def check_ablation_frame(frame: Any) -> str:
+    """Refuse a frame that is not one row per variant x metric (one row per seed would be drawn
+    as overlapping bars, or read as the mean); returns the value column's name."""
+    _require(frame, ["variant", "metric"], "frame")
+    value = _pick(frame, ("value", "mean"), "frame")
+    if len(frame) == 0:
+        raise ValueError("frame: expected at least one variant x metric row.")
+    _numeric(frame, [value], "frame")
+    dup = frame[frame.duplicated(["variant", "metric"], keep=False)]
+    if len(dup):
+        pairs = list(dict.fromkeys(zip(dup["variant"].astype(str), dup["metric"].astype(str),
+                                       strict=True)))
+        raise ValueError(f"frame: {len(dup)} rows share a (variant, metric): {pairs[:3]}... One "
+                         "row per seed (runs.csv)? Pass the aggregated ablation.csv, or "
+                         "frame.groupby(['variant', 'metric'], sort=False)['value'].mean()"
+                         ".reset_index().")
+    return value
+
+
 def ablation_chart(frame: Any, n_cols: int = 3):
     """Distillation ablation: one panel per metric, one bar per variant with its 95% interval.
 
     ``frame`` (long format, one row per variant x metric; the ablation CSV):
 
     =====================  =============================================================
-    ``variant``            e.g. ``cot``, ``cot+p1``, ``cot+p2``, ``cot+p1+p2``, ``uniform``
+    ``variant``            e.g. ``cot``, ``p1``, ``p2``, ``p1+p2``, ``nonselective``
     ``metric``             e.g. ``focus``, ``confusion_rate``, ``macro_f1``, ``exact_match``,
                            ``las``, ``sharpness``, ``loopback`` ...
     ``value``              mean over seeds (alias ``mean``)
@@ -272,16 +316,14 @@ def ablation_chart(frame: Any, n_cols: int = 3):
     ``n_seeds``            (optional, shown in the hover)
     =====================  =============================================================
 
-    Variants and metrics keep their order of first appearance.
+    Variants and metrics keep their order of first appearance. One row per seed (``runs.csv``)
+    is refused: aggregate first (``ablation.csv`` is).
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     check_counts(n_cols=n_cols)
-    _require(frame, ["variant", "metric"], "frame")
-    value = _pick(frame, ("value", "mean"), "frame")
-    if len(frame) == 0:
-        raise ValueError("frame: expected at least one variant x metric row.")
+    value = check_ablation_frame(frame)
     interval = _interval_columns(frame)
     metrics = list(dict.fromkeys(frame["metric"].astype(str)))
     variants = list(dict.fromkeys(frame["variant"].astype(str)))

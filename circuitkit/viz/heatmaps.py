@@ -3,8 +3,12 @@
 Colour is ``result.normalized()`` on a diverging scale centred at zero with a symmetric range
 ``[-m, m]``, ``m = max |normalized|`` over every panel of the figure (so denoise and noise side by
 side share one scale). Rows are layers (layer 0 at the top), columns heads (or positions, for layer
-sites); ticks are integers. Hover shows layer, head (position), the raw metric value, the normalized
-value and its 95% bootstrap interval over prompts (when the result holds per-prompt values).
+sites; "kv head" for a k/v sweep of a grouped-query model); ticks are integers, or the prompt's
+tokens across a layer x position map when ``tokens`` is given. Hover shows layer, head
+(position), the raw metric value, the normalized value and its 95% bootstrap interval over
+prompts (when the result holds per-prompt values); for ``attribution+exact`` results, whether
+the cell was verified exactly or is the estimator's value (the interval of an estimate says
+nothing about the estimator's error).
 
 ``positions="each"`` results (``values [n_layers, n_heads, seq]``) get one layer x head facet per
 position: all positions up to ``max_facets``, else the ``max_facets`` positions with the largest
@@ -27,6 +31,7 @@ DIRECTION_NOTE = {
     "noise": "noise: corrupt activation into the clean run (-1 = behaviour fully broken)",
 }
 PANEL_TITLE = {"denoise": "denoise (1 = restored)", "noise": "noise (-1 = broken)"}
+SAME_SWEEP = ("tokens_hash", "task_hash", "metric", "phase", "task", "head_axis")
 
 
 def int_ticks(n: int, max_ticks: int = 25) -> dict[str, Any]:
@@ -65,13 +70,21 @@ def describe(result: Any) -> str:
 
 
 def _cells(result: Any, interval: bool) -> dict[str, np.ndarray | None]:
-    """numpy views of a result: value, normalized, and the 95% interval (or None)."""
+    """numpy views of a result: value, normalized, the 95% interval (or None), and which cells
+    are exact (``attribution+exact``; else None)."""
+    from circuitkit.patching.results import PatchResult, verified_mask
+
+    if not isinstance(result, PatchResult):
+        raise TypeError(f"expected a PatchResult (ck.patch_heads / ck.patch_layers / "
+                        f"ck.PatchResult.load); got {type(result).__name__}.")
     ci = result.confidence_interval() if interval else None
+    verified = isinstance((result.meta or {}).get("verified"), list)
     return dict(
         value=result.values.float().numpy(),
         normalized=result.normalized().float().numpy(),
         low=None if ci is None else ci[0].float().numpy(),
         high=None if ci is None else ci[1].float().numpy(),
+        exact=verified_mask(result).float().numpy() if verified else None,
     )
 
 
@@ -92,6 +105,9 @@ def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", nam
     if c["low"] is not None:
         parts += [c["low"][index], c["high"][index]]
         hover += "<br>95% interval [%{customdata[1]:.3f}, %{customdata[2]:.3f}]"
+    if c["exact"] is not None:  # 1 = verified exactly, 0 = the estimator's value
+        hover += f"<br>exact (1) or estimate (0): %{{customdata[{len(parts)}]:.0f}}"
+        parts.append(c["exact"][index])
     return go.Heatmap(
         z=z, x=np.arange(z.shape[1]), y=np.arange(z.shape[0]),
         customdata=np.stack(parts, axis=-1), coloraxis="coloraxis", name=name,
@@ -124,9 +140,23 @@ def _pick_positions(norms: Sequence[np.ndarray], positions: Sequence[int] | None
 
 
 def _axis_names(result: Any) -> tuple[str, str]:
-    """(x name, y name) of a 2-D panel: heads or positions across, layers down."""
+    """(x name, y name) of a panel: heads (KV heads of a GQA k/v sweep) or positions across,
+    layers down."""
     axes = tuple(result.axes)
-    return (axes[1] if len(axes) == 2 else "head"), "layer"
+    x = axes[1] if len(axes) >= 2 else "head"
+    if x == "head" and (result.meta or {}).get("head_axis") == "kv_head":
+        x = "kv head"
+    return x, "layer"
+
+
+def _token_ticks(fig, tokens: Sequence[str] | None, n: int) -> None:
+    """Label a position axis with the prompt's tokens."""
+    if tokens is None:
+        return
+    if len(tokens) != n:
+        raise ValueError(f"tokens has {len(tokens)} entries; the result has {n} positions.")
+    fig.update_xaxes(tickmode="array", tickvals=list(range(n)),
+                     ticktext=[f"{p}: {t}" for p, t in enumerate(tokens)], tickangle=-60)
 
 
 def _grid(n_panels: int, n_cols: int, titles: list[str], shape: tuple[int, int],
@@ -174,8 +204,9 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
     """Heatmap of one ``PatchResult``: ``normalized()`` per layer x head (or layer x position).
 
     ``positions="each"`` results: one layer x head facet per position (``positions`` picks them;
-    ``tokens[p]`` labels facet ``p``). ``interval=False`` skips the bootstrap (faster, no interval
-    in the hover). Returns a ``plotly.graph_objects.Figure``.
+    ``tokens[p]`` labels facet ``p``); layer x position results: ``tokens`` label the position
+    axis. ``interval=False`` skips the bootstrap (faster, no interval in the hover). Returns a
+    ``plotly.graph_objects.Figure``.
     """
     check_counts(max_facets=max_facets, facet_cols=facet_cols)
     c = _cells(result, interval)
@@ -189,6 +220,8 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
         fig = _grid(1, 1, [""], c["value"].shape, x_name, y_name)
         fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
                              name=result.direction), row=1, col=1)
+        if x_name == "pos":
+            _token_ticks(fig, tokens, c["value"].shape[1])
         return _finish(fig, m, title)
     picked = _pick_positions([c["normalized"]], positions, max_facets)
     seq = c["value"].shape[-1]
@@ -197,9 +230,9 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
                  "picked, shown in position order)</sup>"
     cols = min(facet_cols, len(picked))
     fig = _grid(len(picked), cols, [_facet_title(p, tokens) for p in picked],
-                c["value"].shape[:2], "head", "layer")
+                c["value"].shape[:2], x_name, "layer")
     for i, p in enumerate(picked):
-        fig.add_trace(_trace(c, (slice(None), slice(None), p), "head", "layer",
+        fig.add_trace(_trace(c, (slice(None), slice(None), p), x_name, "layer",
                              extra=f"<br>pos {p}", name=f"pos {p}"),
                       row=i // cols + 1, col=i % cols + 1)
     return _finish(fig, m, title)
@@ -224,6 +257,16 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
         raise ValueError(f"denoise and noise must be the same sweep; got shapes "
                          f"{tuple(denoise.values.shape)} {denoise.axes} and "
                          f"{tuple(noise.values.shape)} {noise.axes}.")
+    # one figure, one title: the two must be the same prompts, metric, site and phase
+    differ = {k: (denoise.meta.get(k), noise.meta.get(k)) for k in SAME_SWEEP
+              if k in (denoise.meta or {}) and k in (noise.meta or {})
+              and denoise.meta[k] != noise.meta[k]}
+    differ.update({k: (getattr(denoise, k), getattr(noise, k)) for k in ("site", "positions")
+                   if getattr(denoise, k) != getattr(noise, k)})
+    if differ:
+        raise ValueError(f"denoise and noise must be the same sweep; they differ in "
+                         f"{', '.join(f'{k} ({a!r} vs {b!r})' for k, (a, b) in differ.items())}. "
+                         "Draw them apart with patch_heatmap.")
     cs = [_cells(r, interval) for r in (denoise, noise)]
     m = _abs_max(*(c["normalized"] for c in cs))
     x_name, y_name = _axis_names(denoise)
@@ -236,14 +279,16 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
         for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
             fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
                                  name=r.direction), row=1, col=j + 1)
+        if x_name == "pos":
+            _token_ticks(fig, tokens, cs[0]["value"].shape[1])
         return _finish(fig, m, title)
     picked = _pick_positions([c["normalized"] for c in cs], positions, max_facets)
     titles = [f"{_facet_title(p, tokens)}, {r.direction}" for p in picked
               for r in (denoise, noise)]
-    fig = _grid(2 * len(picked), 2, titles, cs[0]["value"].shape[:2], "head", "layer")
+    fig = _grid(2 * len(picked), 2, titles, cs[0]["value"].shape[:2], x_name, "layer")
     for i, p in enumerate(picked):
         for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
-            fig.add_trace(_trace(c, (slice(None), slice(None), p), "head", "layer",
+            fig.add_trace(_trace(c, (slice(None), slice(None), p), x_name, "layer",
                                  extra=f"<br>pos {p}", name=f"{r.direction} pos {p}"),
                           row=i + 1, col=j + 1)
     return _finish(fig, m, title)

@@ -33,10 +33,12 @@ from typing import Any
 
 # One line per quantity the report shows (what it means, in the report's own words).
 METRIC_LINES: dict[str, str] = {
-    "value": "the task metric after patching one component, mean over prompts (Phase 1: anchor "
-             "margin, logit of the correct anchor minus the mean logit of the corrupt evidence's "
-             "anchors at anchor steps; Phase 2: logit of the target minus the mean logit of its "
-             "near-miss siblings at answer steps).",
+    "value": "the task metric named in each sweep's title after patching one component, mean "
+             "over prompts. icd10 and synthetic: anchor_margin (Phase 1), logit of the correct "
+             "anchor minus the mean logit of the corrupt evidence's anchors at anchor steps; "
+             "target_vs_near_miss_margin (Phase 2), logit of the target minus the mean logit of "
+             "its near-miss siblings at answer steps. answer_logprob: mean log-probability of "
+             "the answer tokens.",
     "normalized": "denoise (clean activation into the corrupt run): (patched - corrupt) / "
                   "(clean - corrupt), 0 = no effect, 1 = clean behaviour restored; noise (corrupt "
                   "activation into the clean run): (patched - clean) / (clean - corrupt), "
@@ -72,7 +74,7 @@ METRIC_LINES: dict[str, str] = {
 }
 
 PAIR = re.compile(r"^(?P<base>.+)-(?P<direction>denoise|noise)$")
-PHASE_NAME = re.compile(r"p(?:hase)?-?(?P<phase>\d)")
+PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0 auto;
@@ -111,18 +113,27 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _patch_results(run_dir: Path) -> dict[str, Any]:
-    """``name -> PatchResult`` of every ``name.json`` + ``name.safetensors`` pair in run_dir."""
+def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
+    """``name -> PatchResult`` of every ``name.json`` + ``name.safetensors`` pair in run_dir, and
+    a line for each pair that is not a PatchResult (skipped: one stray file costs no report)."""
     from circuitkit.patching.results import PatchResult
 
-    found = {}
+    found, skipped = {}, []
     for js in sorted(run_dir.glob("*.json")):
         if js.with_suffix(".safetensors").exists():
-            found[js.stem] = PatchResult.load(run_dir / js.stem)
-    return found
+            try:
+                found[js.stem] = PatchResult.load(run_dir / js.stem)
+            except (ValueError, OSError, KeyError) as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                skipped.append(f"{js.stem}: not a PatchResult ({first})")
+    return found, skipped
 
 
-def _phase_of(name: str) -> int | None:
+def _phase_of(name: str, result: Any) -> int | None:
+    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
+    phase = (result.meta or {}).get("phase")
+    if phase is not None:
+        return int(phase)
     m = PHASE_NAME.search(name)
     return int(m.group("phase")) if m else None
 
@@ -135,7 +146,7 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
         m = PAIR.match(name)
         if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
             other = f"{m.group('base')}-noise"
-            phase = _phase_of(m.group("base"))
+            phase = _phase_of(m.group("base"), res)
             head = f"Phase {phase} sweep" if phase else m.group("base")
             out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
                        f"</span></h3>" + fig_html(patch_heatmaps(res, results[other])))
@@ -177,9 +188,9 @@ def _score_tables(scores: Any, k: int) -> str:
 def ablation_table(frame: Any) -> Any:
     """The ablation frame (long format, see ``charts.ablation_chart``) as variants x metrics,
     each cell ``"value [ci_low, ci_high]"``."""
-    from circuitkit.viz.charts import _interval_columns, _pick
+    from circuitkit.viz.charts import _interval_columns, check_ablation_frame
 
-    value = _pick(frame, ("value", "mean"), "frame")
+    value = check_ablation_frame(frame)
     iv = _interval_columns(frame)
     cells = [f"{r[value]:.3g}" + (f" [{r[iv[0]]:.3g}, {r[iv[1]]:.3g}]" if iv else "")
              for _, r in frame.iterrows()]
@@ -211,13 +222,18 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
                 return "<p class='skip'>Attention views skipped: summary.json names no model.</p>"
             model = ck.load_model(str(name))
         if task is None:
-            import circuitkit as ck
+            from circuitkit.characterize import load_for
 
             task_name = summary.get("task")
             if not task_name:
                 return "<p class='skip'>Attention views skipped: summary.json names no task.</p>"
-            task = ck.load_task(str(task_name), n_examples=4, seed=int(summary.get("seed", 0)),
-                                split=str(summary.get("split", "test")))
+            # the task as the run saw it: rendered as text for a pretrained LLM's tokenizer when
+            # the run was (the built task's ids mean other tokens to that model)
+            text = summary.get("text")
+            task, _ = load_for(model, str(task_name), 4, int(summary.get("seed", 0)),
+                               str(summary.get("split", "test")),
+                               None if text is None else bool(text),
+                               **(summary.get("task_kwargs") or {}))
         out = []
         for phase in scored_phases(scores):
             view = attention(model, task, heads=top_heads(scores, phase, k), example=0)
@@ -247,7 +263,7 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
                          f"circuitkit characterize or patch --out).")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    results = _patch_results(run_dir)
+    results, skipped = _patch_results(run_dir)
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
     scores, validation = read("scores.csv"), read("validation.csv")
     ablation = read("ablation.csv")
@@ -300,10 +316,12 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
                     for k, v in METRIC_LINES.items())
     sections.append(("metrics", "What the numbers mean", f"<table class='metrics'>{lines}</table>"))
-    if results:
+    if results or skipped:
         sections.append(("sweeps", "Activation-patching sweeps",
                          "<p class='note'>Layer x head, colour = normalized effect on one scale "
                          "centred at zero per figure; hover for value and 95% interval.</p>"
+                         + "".join(f"<p class='skip'>Skipped {_esc(line)}.</p>"
+                                   for line in skipped)
                          + "".join(_sweep_sections(results, fig_html))))
     views: list = []
     if scores is not None:
