@@ -114,6 +114,33 @@ def test_a_model_edited_in_a_middle_layer_does_not_resume_another_models_checkpo
                        checkpoint=tmp_path, progress=False)
 
 
+def test_a_head_ablated_in_a_wide_matrix_changes_the_fingerprint():
+    """A strided sample of a large W_O sees a few of its columns only (70B: head 0's): zeroing
+    head 1's slice of a 1024-wide model resumed the unablated model's checkpoint (values off by
+    0.06, new baselines). The row and column bit sums see every head."""
+    from circuitkit.patching.checkpoint import FINGERPRINT_SAMPLE, model_fingerprint
+
+    cfg = dict(model_type="llama", vocab_size=64, hidden_size=1024, intermediate_size=256,
+               num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
+               max_position_embeddings=64, seed=0)
+    model = ck.load_model(cfg)
+    before = model_fingerprint(model)
+    assert model_fingerprint(model) == before  # deterministic
+    name, w = next((n, p) for n, p in model.named_parameters() if "o_proj" in n)
+    step = w.numel() // FINGERPRINT_SAMPLE
+    sampled_cols = {i * step % w.shape[1] for i in range(FINGERPRINT_SAMPLE)}
+    assert not sampled_cols & set(range(64, 128))  # the sample alone cannot see head 1
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[:, 64:128] = 0  # ablate head 1 of layer 0
+        assert model_fingerprint(model) != before, name
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert model_fingerprint(model) == before
+
+
 def test_ctrl_c_saves_and_reraises(tiny_llama, task, tmp_path, monkeypatch, capsys):
     import circuitkit.models
 

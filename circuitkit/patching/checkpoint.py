@@ -46,31 +46,60 @@ def tokens_hash(*tokens: Tensor) -> str:
 
 
 FINGERPRINT_SAMPLE = 4096  # values per parameter
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width views
+_SUM_BLOCK = 1 << 22  # elements per integer block (bounds the int64 copy's memory)
+
+
+def _bit_sums(p: Tensor) -> Tensor:
+    """Row and column sums of a parameter's bit patterns (as integers, in int64, wrapping):
+    ``[rows + cols]`` for ``p`` viewed as ``[p.shape[0], -1]``, ``[1]`` for a vector. Integer
+    addition is associative, so the sums are exact whatever the device, thread count or order,
+    and every row and column (an attention head's slice of ``W_O``, an MLP neuron) counts."""
+    flat = p.detach().contiguous()
+    bits = flat.view(_INT_OF[flat.element_size()]) if flat.is_floating_point() else flat
+    if bits.ndim < 2:
+        return bits.reshape(-1).to(torch.int64).sum().reshape(1)
+    bits = bits.reshape(bits.shape[0], -1)
+    rows, cols = bits.shape
+    step = max(1, _SUM_BLOCK // max(cols, 1))
+    row_sums, col_sums = [], torch.zeros(cols, dtype=torch.int64, device=bits.device)
+    for r0 in range(0, rows, step):
+        block = bits[r0:r0 + step].to(torch.int64)
+        row_sums.append(block.sum(1))
+        col_sums += block.sum(0)
+    return torch.cat([*row_sums, col_sums])
 
 
 def model_fingerprint(model: Any) -> str:
-    """Hash of the shape facts, the model name, and every parameter's name, shape, dtype and an
-    evenly strided sample of ``FINGERPRINT_SAMPLE`` values. Every parameter: a fine-tune, a
+    """Hash of the shape facts, the model name, and every parameter's name, shape, dtype, an
+    evenly strided sample of ``FINGERPRINT_SAMPLE`` values and the integer sums of its bit
+    patterns over each row and each column (``_bit_sums``). Every parameter: a fine-tune, a
     merged LoRA or an edit of one layer's weights changes it (the first and last parameter
-    alone let a checkpoint of another model resume). Exact values, no sums: a float reduction's
-    rounding could differ between thread counts or ranks. One transfer per device."""
+    alone let a checkpoint of another model resume); every row and column: a strided sample of
+    a large matrix sees a few of its columns only (70B's ``W_O``: head 0), so a head ablated by
+    zeroing its slice would resume the unablated model's checkpoint. Exact values and integer
+    sums, no float sums: a float reduction's rounding could differ between thread counts or
+    ranks. One transfer per device."""
     h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
     h.update(str(getattr(model.cfg, "model_name", "")).encode())
     samples: list[Tensor] = []
+    sums: list[Tensor] = []
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             flat = p.detach().reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLE)
             samples.append(flat[::step][:FINGERPRINT_SAMPLE].float())
-        on_cpu: list[Tensor | None] = [None] * len(samples)
-        for dev in {t.device for t in samples}:  # placement-independent: parameter order kept
-            idx = [i for i, t in enumerate(samples) if t.device == dev]
-            for i, t in zip(idx, torch.cat([samples[i] for i in idx]).cpu().split(
-                    [samples[i].numel() for i in idx]), strict=True):
-                on_cpu[i] = t
-        for t in on_cpu:
-            h.update(t.numpy().tobytes())
+            sums.append(_bit_sums(p))
+        for group in (samples, sums):
+            on_cpu: list[Tensor | None] = [None] * len(group)
+            for dev in {t.device for t in group}:  # placement-independent: order kept
+                idx = [i for i, t in enumerate(group) if t.device == dev]
+                for i, t in zip(idx, torch.cat([group[i] for i in idx]).cpu().split(
+                        [group[i].numel() for i in idx]), strict=True):
+                    on_cpu[i] = t
+            for t in on_cpu:
+                h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
 
 
