@@ -77,7 +77,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
 @app.command()
 def info(
     model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
-    seq_len: int = typer.Option(512, help="Prompt length assumed for per-position costs."),
+    seq_len: int = typer.Option(None, help="Prompt length assumed for per-position costs "
+                                "(default 512, or the model's context if shorter)."),
     prompts: int = typer.Option(64, help="Prompts per sweep assumed for pass counts."),
     gpu_gb: float = typer.Option(80.0, help="Memory of one GPU, GB."),
 ) -> None:
@@ -89,12 +90,17 @@ def info(
     if not (math.isfinite(gpu_gb) and gpu_gb > 0):
         _fail(f"--gpu-gb must be a positive number of GB (memory of one GPU); got {gpu_gb}.")
     for flag, v in (("--seq-len", seq_len), ("--prompts", prompts)):
-        if v < 1:
+        if v is not None and v < 1:
             _fail(f"{flag} must be a positive integer; got {v}.")
     try:
         arch = models.architecture(model)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
+    if seq_len is None:
+        seq_len = min(512, arch.n_ctx) if arch.n_ctx else 512
+    elif arch.n_ctx and seq_len > arch.n_ctx:
+        _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
+              f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
     plan = models.cost_plan(arch, seq_len=seq_len, n_prompts=prompts, gpu_gb=gpu_gb)
     gqa = f" (GQA, {arch.n_heads // arch.n_kv_heads} query heads per KV head)" \
         if arch.n_kv_heads != arch.n_heads else ""
@@ -140,7 +146,8 @@ def patch(
                                "5e13 FLOPs per prompt token, e.g. every head of an 8B model; "
                                "else attribution+exact), exact, attribution or "
                                "attribution+exact."),
-    positions: str = typer.Option("all", help="all (per head) or each (per head and position)."),
+    positions: str = typer.Option(None, help="all (per head; the default for head sites) or "
+                                  "each (per head and position; the only one for layer sites)."),
     site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
                              "mlp_out (layers x positions)."),
     phase: int = typer.Option(2, help="Task phase (1 anchors, 2 answers)."),
@@ -150,13 +157,16 @@ def patch(
                                    "(default: from free memory; halved on out-of-memory)."),
     top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this many "
                               "cells (default: as many as the screen's error bound requires)."),
+    max_passes: float = typer.Option(None, "--max-passes", help="attribution+exact (and auto's "
+                                     "hybrid): stop verifying before the run passes this many "
+                                     "pass-equivalents in all (screen included)."),
     estimator: str = typer.Option(None, "--estimator", help="attribution: atp (default), block, "
                                   "qk, graddrop, atp*, ig; attribution+exact/auto screen with "
                                   "block (docs/attribution.md)."),
     out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
     checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
-                                    "chunks in OUT/checkpoint; rerunning the same command "
-                                    "resumes (exact sweeps)."),
+                                    "chunks (attribution+exact: the screen and verified cells) "
+                                    "in OUT/checkpoint; rerunning the same command resumes."),
     plan: bool = typer.Option(False, "--plan", help="Print the cost and stop: measured on a "
                               "one-chunk probe when the weights are here, else planned from the "
                               "config (passes, FLOPs, memory, GPUs, time on --gpu)."),
@@ -187,13 +197,27 @@ def patch(
     try:
         choice("direction", direction, DIRECTIONS)
         choice("method", method, METHODS)
-        choice("positions", positions, POSITIONS)
         choice("site", site, hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES)
+        layer_site = site in hooks.PATCH_LAYER_SITES
+        if positions is None:
+            positions = "each" if layer_site else "all"
+        choice("positions", positions, POSITIONS)
         choice("backend", backend, BACKENDS)
         check_batch_size(batch_size)
-        if site in hooks.PATCH_LAYER_SITES and (method not in ("exact", "auto") or plan):
-            raise ValueError(f"site={site!r} (a layer site) supports --method exact without "
+        if layer_site and (method not in ("exact", "auto") or plan):
+            raise ValueError(f"--site {site} (a layer site) supports --method exact without "
                              "--plan only.")
+        if layer_site and positions != "each":
+            raise ValueError(f"--site {site} (a layer site) patches one position at a time: use "
+                             "--positions each (its default), or a head site (z, q, k, v, "
+                             "pattern) for --positions all.")
+        if plan:
+            from circuitkit.patching.plan import GPU_CLASSES
+
+            choice("--gpu", gpu.upper(), sorted(GPU_CLASSES))
+            if not 0 < utilisation <= 1:
+                raise ValueError(f"--utilisation {utilisation}: expected a share of the GPU's "
+                                 "peak in (0, 1].")
         if remote and backend != "nnsight":
             raise ValueError("--remote runs through NDIF: add --backend nnsight.")
         if backend == "nnsight" and (site in hooks.PATCH_LAYER_SITES or plan):
@@ -214,7 +238,9 @@ def patch(
 
         if not models.weights_available(model):
             _plan_offline(model, task, n_examples, seed, split, phase, method, direction,
-                          positions, site, top_k, gpu, utilisation)
+                          positions, site, top_k, gpu, utilisation,
+                          batch_size=batch_size, estimator=estimator,
+                          n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
             return
     try:
         layout = distributed.init_replicas(gpus_per_replica) if not plan else None
@@ -248,28 +274,35 @@ def patch(
         typer.echo(note, err=True)
     kw = dict(direction=direction, method=method, positions=positions, site=site,
               batch_size=batch_size)
-    exact_like = method in ("exact", "auto")
+    stores = method != "attribution" and backend != "nnsight"  # what checkpoints
     try:
         if plan:
-            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k, **kw)
+            p = api.plan_patch(the_model, clean, corrupt, metric, top_k=top_k,
+                               estimator=estimator, **kw)
             typer.echo(format_plan(p))
             return
         run = api.patch_layers if site in hooks.PATCH_LAYER_SITES else api.patch_heads
         extra = {} if site in hooks.PATCH_LAYER_SITES else dict(
-            top_k=top_k, backend=backend, remote=remote,
+            top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
-        ckpt = out / "checkpoint" if checkpoint and exact_like and backend != "nnsight" \
-            else None
+        ckpt = out / "checkpoint" if checkpoint and stores else None
         res = run(the_model, clean, corrupt, metric, progress=True,
                   task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except ValueError as e:
         _fail(str(e))
     except KeyboardInterrupt:
-        resumable = ckpt is not None if not plan else False
-        typer.secho("interrupted; " + (f"finished chunks are in {out / 'checkpoint'}. Resume "
-                                       f"with the same command:\n  {_same_command(ctx)}"
-                                       if resumable else "nothing was saved (attribution and "
-                                       "nnsight runs are not checkpointed)."), err=True)
+        if plan:
+            why = "nothing to save (a plan)."
+        elif ckpt is not None:
+            why = (f"finished work is in {ckpt}. Resume with the same command:\n  "
+                   f"{_same_command(ctx)}")
+        elif stores:  # --no-checkpoint: the library's own line above says where chunks went
+            why = ("--no-checkpoint: nothing this command can resume (drop --no-checkpoint to "
+                   "make the rerun resume).")
+        else:
+            what = "--backend nnsight" if backend == "nnsight" else "--method attribution"
+            why = f"nothing was saved ({what} runs are not checkpointed)."
+        typer.secho("interrupted; " + why, err=True)
         raise typer.Exit(130) from None
     if distributed.rank_world()[0] != 0:  # every replica holds the merged result; 0 writes
         return
@@ -305,8 +338,15 @@ def _sweep_inputs(tokenizer, the_task):
         "log-prob of the answer tokens")
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was typed on the command line (not left at its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
 def _plan_offline(model, task, n_examples, seed, split, phase, method, direction, positions,
-                  site, top_k, gpu, utilisation) -> None:
+                  site, top_k, gpu, utilisation, *, batch_size=None, estimator=None,
+                  n_gpus=None) -> None:
     """``patch --plan`` without the weights: ``patching.plan.sweep_plan`` from the config."""
     from circuitkit import models
     from circuitkit.patching.plan import format_sweep_plan, sweep_plan
@@ -324,10 +364,15 @@ def _plan_offline(model, task, n_examples, seed, split, phase, method, direction
         how = "token counts of the task's tokens"
     try:
         p = sweep_plan(arch, lengths, site=site, positions=positions, direction=direction,
-                       top_k=top_k, gpu=gpu.upper(), utilisation=utilisation)
+                       top_k=top_k, gpu=gpu.upper(), utilisation=utilisation, rows=batch_size,
+                       n_gpus=n_gpus)
     except ValueError as e:
         _fail(str(e))
     text = format_sweep_plan(p, how)
+    if estimator not in (None, "atp"):
+        text += (f"\n(--estimator {estimator}: priced from the weights only; the rows above "
+                 "price plain AtP for attribution and the default screen for "
+                 "attribution+exact. Run --plan where the weights are for its cost.)")
     if method != "auto":
         text += f"\n(--method {method}: its row above)"
     typer.echo(text)
@@ -563,9 +608,7 @@ def distill(
     rerun the same command), or run the ablation table (--ablation)."""
     from circuitkit.files import check_writable_dir
 
-    def given(name: str) -> bool:  # typed on the command line (not the option's default)
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name != "DEFAULT"
+    given = lambda name: _given(ctx, name)  # noqa: E731
 
     try:
         if given("seeds") and not ablation:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -176,3 +177,55 @@ def test_score_prints_no_top_heads_for_a_phase_the_task_lacks(tmp_path):
     assert r.exit_code == 0, r.output
     assert "no Phase-1 scores: the task has no Phase-1 steps" in r.output
     assert "top Phase-1 heads" not in r.output and "top Phase-2 heads" in r.output
+
+
+@pytest.mark.parametrize("method, flags, said", [
+    ("attribution+exact", [], "finished work is in"),
+    ("exact", ["--no-checkpoint"], "--no-checkpoint: nothing this command can resume"),
+    ("attribution", [], "nothing was saved (--method attribution runs are not checkpointed)"),
+])
+def test_ctrl_c_says_what_was_kept_for_each_method(tmp_path, monkeypatch, method, flags, said):
+    """Ctrl-C used to promise a resume from an empty folder (auto's attribution+exact at
+    scale), or to say "nothing was saved" after saving chunks (--no-checkpoint)."""
+    import circuitkit.models
+
+    monkeypatch.setattr(circuitkit.models, "CACHE_DIR", tmp_path / "cache")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    if method == "attribution":
+        monkeypatch.setattr("circuitkit.patching.attribution.attribution_patch_heads",
+                            interrupted)
+    else:
+        monkeypatch.setattr(ExactEngine, "run_chunk", interrupted)
+        monkeypatch.setattr(ExactEngine, "run_variants", interrupted)
+    r = run([*PATCH, "--method", method, *flags, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 130 and said in r.output, r.output
+
+
+def test_layer_sites_default_to_each_position_and_all_is_refused_clearly(tmp_path):
+    r = run([*PATCH, "--site", "resid_pre", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert PatchResult.load(tmp_path / "a").axes == ("layer", "pos")
+    r = run([*PATCH, "--site", "resid_pre", "--positions", "all", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "use --positions each" in r.output.replace("\n", " ")
+
+
+def test_info_and_plan_refuse_what_they_cannot_price():
+    r = run(["info", "--model", "llama3-70b", "--seq-len", "100000"])
+    assert r.exit_code == 2 and "longer than llama3-70b's context (8192" in r.output
+    r = run(["info", "--model", "icd-teacher"])
+    assert r.exit_code == 0 and "64 prompts of 64 tokens" in r.output  # context 64, not 512
+    for flags, said in ((["--gpu", "B200"], "--gpu='B200'"), (["--utilisation", "2"],
+                                                             "--utilisation 2.0"),
+                        (["--gpus-per-replica", "1"], "needs at least 2")):
+        r = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan", *flags])
+        assert r.exit_code == 2 and said in r.output, (flags, r.output)
+    r = run(["patch", "--model", "induction-2l", "--task", "induction", "-n", "4", "--plan",
+             "--gpu", "B200"])  # with weights too: the flag is checked, not ignored
+    assert r.exit_code == 2 and "--gpu='B200'" in r.output
+    base = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan"]).output
+    small = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan", "--batch-size",
+                 "3"]).output
+    row = next(line for line in small.splitlines() if line.startswith("exact "))
+    assert base != small and re.search(r"GB\s+3\s", row), row  # chunk: 3 rows per forward

@@ -32,6 +32,7 @@ from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import attribution, distributed
 from circuitkit.patching import plan as costs
 from circuitkit.patching.checkpoint import (
+    HybridCheckpoint,
     SweepCheckpoint,
     default_dir,
     model_fingerprint,
@@ -86,6 +87,7 @@ def patch_heads(
     backend: str = "transformer_lens",
     remote: bool = False,
     estimator: str | None = None,
+    max_passes: float | None = None,
 ) -> PatchResult:
     """Patch every attention head (per layer; per position with ``positions="each"``).
 
@@ -105,16 +107,20 @@ def patch_heads(
     bound requires: ``attribution_plus_exact``), "auto" (``_auto``: exact below
     ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else attribution+exact with the automatic budget;
     ``meta["auto"]`` records the choice, the verified cells and, where every cell is exact, the
-    screening recall of the top k). ``batch_size``: sequences per forward (default: from free
-    memory; halved and retried on out-of-memory). ``checkpoint``: folder; finished chunks are
-    stored durably and a rerun resumes. Under ``torchrun`` the chunks are split over ranks
-    (replicas, see ``distributed``); every rank returns the merged result.
+    screening recall of the top k). ``max_passes``: attribution+exact (and auto's hybrid) stop
+    verifying when the next cell would pass this many pass-equivalents in all.
+    ``batch_size``: sequences per forward (default: from free memory; halved and retried on
+    out-of-memory). ``checkpoint``: folder; finished chunks (attribution+exact: the screen and
+    the verified cells) are stored durably and a rerun resumes. Under ``torchrun`` an exact
+    sweep's chunks are split over ranks (replicas, see ``distributed``); every rank returns the
+    merged result. Attribution and attribution+exact are not split: each replica runs them
+    whole (a warning says so).
     ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
     ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
     """
-    _check_method_options(method, estimator, atp_star, top_k)
-    if method in ("attribution", "attribution+exact"):
-        _unused_checkpoint(checkpoint, f"method={method!r}")
+    _check_method_options(method, estimator, atp_star, top_k, max_passes)
+    if method == "attribution":
+        _unused_checkpoint(checkpoint, "method='attribution'")
     elif backend == "nnsight":
         _unused_checkpoint(checkpoint, "backend='nnsight'")
     if backend != "transformer_lens" or remote:
@@ -136,8 +142,11 @@ def patch_heads(
     if method == "auto":
         return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
                      positions=positions, site=site, batch_size=batch_size,
-                     checkpoint=checkpoint, progress=progress, top_k=top_k, meta=meta)
+                     checkpoint=checkpoint, progress=progress, top_k=top_k,
+                     max_passes=max_passes, meta=meta)
     chosen = {} if estimator is None else dict(estimator=estimator)
+    if method in ("attribution", "attribution+exact"):
+        _whole_on_every_replica(f"method={method!r}")
     if method == "attribution":
         res = attribution.attribution_patch_heads(
             model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
@@ -147,7 +156,7 @@ def patch_heads(
         res = attribution_plus_exact(
             model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
             positions=positions, top_k=top_k, atp_star=atp_star, batch_size=batch_size,
-            progress=progress, **chosen)
+            progress=progress, max_passes=max_passes, checkpoint=checkpoint, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
         return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
@@ -180,10 +189,13 @@ def patch_layers(
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_LAYER_SITES)
-    if method != "exact" or positions != "each":
-        raise ValueError(f"patch_layers supports method='exact' and positions='each' only; got "
-                         f"method={method!r}, positions={positions!r}. Use patch_heads for "
-                         "attribution.")
+    if method != "exact":
+        raise ValueError(f"patch_layers is exact only; got method={method!r}. Use patch_heads "
+                         "for attribution (heads, not layers).")
+    if positions != "each":
+        raise ValueError(f"patch_layers patches one position at a time (positions='each', its "
+                         f"default); got positions={positions!r}. For one value per layer, use "
+                         "patch_heads (site z, positions='all').")
     sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
     return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
                 progress, dict(task_hash=task_hash))
@@ -201,13 +213,15 @@ def plan_patch(
     site: str = "z",
     batch_size: int | None = None,
     top_k: int | None = None,
+    estimator: str | None = None,
 ) -> dict[str, Any]:
     """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
 
     ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
     chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
-    cached runs; attribution: 4 per prompt, whatever the head count; attribution+exact: the
-    screening estimator's passes (``attribution.estimator_passes``) plus the verified cells:
+    cached runs; attribution: ``estimator``'s passes (``attribution.estimator_passes``; plain
+    AtP: 4 per prompt, whatever the head count); attribution+exact: the screening estimator's
+    passes (``estimator``, default the screening one) plus the verified cells:
     ``top_k``, or with the automatic budget (``top_k=None``) the expected
     ``plan.AUTO_EXPECTED_FRACTION`` of the cells (``verified_cells_max``, ``est_seconds_max``:
     at its cap, ``plan.AUTO_MAX_FRACTION``).
@@ -216,6 +230,7 @@ def plan_patch(
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_HEAD_SITES)
     check_top_k(top_k)
+    _check_method_options(method, estimator, False, top_k)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
     auto = None
@@ -246,14 +261,18 @@ def plan_patch(
     if method == "exact":
         out.update(pass_equivalents=exact_passes, est_seconds=per_cost * total)
     elif method == "attribution":
-        att = ATTRIBUTION_PASSES * n
-        out.update(pass_equivalents=att, est_seconds=per_pass * att, verified_cells=0)
+        att = n * attribution.estimator_passes(model, estimator or "atp", site, positions, seq,
+                                               batch=min(batch_size or n, n))
+        out.update(pass_equivalents=att, est_seconds=per_pass * att, verified_cells=0,
+                   estimator=estimator or "atp")
     else:
         from circuitkit.patching.plan import AUTO_EXPECTED_FRACTION, AUTO_MAX_FRACTION
 
         n_cells = sweep.n_layers * sweep.n_variants
-        screen = n * attribution.estimator_passes(model, attribution.SCREENING_ESTIMATOR, site,
-                                                  positions, seq, batch=min(batch_size or n, n))
+        screener = estimator or attribution.screening_estimator(model, site, clean_tokens)
+        screen = n * attribution.estimator_passes(model, screener, site, positions, seq,
+                                                  batch=min(batch_size or n, n))
+        out["estimator"] = screener
         if top_k is None:
             cells, most = (math.ceil(AUTO_EXPECTED_FRACTION * n_cells),
                            max(1, int(AUTO_MAX_FRACTION * n_cells)))
@@ -279,11 +298,12 @@ def plan_patch(
 
 
 def attribution_plus_exact(
-    model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: PromptMetric, *,
+    model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any, *,
     direction: str = "denoise", site: str = "z", positions: str = "all",
     top_k: int | None = None, atp_star: bool = False, estimator: str | None = None,
     recall_top: int = 10, quantile: float = 0.9, max_fraction: float = 0.5,
     max_passes: float | None = None, batch_size: int | None = None, progress: bool = True,
+    checkpoint: str | Path | None = None,
 ) -> PatchResult:
     """Screen every cell with an attribution estimator, then verify cells with the exact engine
     (``ExactEngine.run_variants``).
@@ -317,23 +337,76 @@ def attribution_plus_exact(
     in verification order; ``meta["attribution_values"]``: the screening estimate of every cell;
     ``meta["error_unit"]``: ``u`` of every cell;
     ``meta["cost"]``: pass-equivalents and seconds of the estimator and of the verification,
-    and of a full exact sweep for reference.
+    and of a full exact sweep for reference (each prompt up to its metric's last read, as the
+    exact engine runs it).
+
+    ``metric``: a ``PromptMetric`` or any callable (``as_metric``). ``batch_size``: sequences
+    per verification forward (default from free memory; halved and retried on out-of-memory).
+    ``checkpoint``: folder (``checkpoint.HybridCheckpoint``); the screen and every verified
+    cell are stored as they finish, and a rerun of the same call resumes (the rule replays
+    on the stored numbers and picks the same cells).
     """
     check_top_k(top_k)
     if not (0.0 < quantile <= 1.0 and 0.0 < max_fraction <= 1.0) or recall_top < 1:
         raise ValueError(f"quantile={quantile!r} and max_fraction={max_fraction!r} must lie in "
                          f"(0, 1] and recall_top={recall_top!r} must be >= 1.")
-    if max_passes is not None and not max_passes > 0:
-        raise ValueError(f"max_passes={max_passes!r}: expected a positive number of "
-                         "pass-equivalents (prompts through the whole model), or None.")
+    check_max_passes(max_passes, top_k)
+    clean_tokens, corrupt_tokens, metric = _check(
+        model, clean_tokens, corrupt_tokens, metric, direction, "attribution+exact", positions,
+        site, batch_size, hooks.PATCH_HEAD_SITES)
     if estimator is None:
         estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
                      else attribution.screening_estimator(model, site, clean_tokens))
-    est = attribution.attribution_patch_heads(
-        model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
-        positions=positions, estimator=estimator,
-        atp_star=atp_star and estimator in ("qk", "atp*"), batch_size=batch_size,
-        progress=progress)
+    sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, metric)
+    store = None
+    if checkpoint is not None:
+        store = HybridCheckpoint.open(checkpoint, dict(
+            sweep_identity(model, sweep, clean_tokens, corrupt_tokens, metric),
+            method="attribution+exact", estimator=estimator, atp_star=bool(atp_star)))
+    try:
+        return _screen_then_verify(
+            model, clean_tokens, corrupt_tokens, metric, sweep, store, direction=direction,
+            site=site, positions=positions, top_k=top_k, atp_star=atp_star,
+            estimator=estimator, recall_top=recall_top, quantile=quantile,
+            max_fraction=max_fraction, max_passes=max_passes, batch_size=batch_size,
+            progress=progress)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def check_max_passes(max_passes: Any, top_k: int | None) -> None:
+    """``max_passes``: None or a positive, finite number; not together with ``top_k``."""
+    if max_passes is None:
+        return
+    if isinstance(max_passes, bool) or not isinstance(max_passes, int | float) or not (
+            math.isfinite(max_passes) and max_passes > 0):
+        raise ValueError(f"max_passes={max_passes!r}: expected a positive number of "
+                         "pass-equivalents (prompts through the whole model), or None.")
+    if top_k is not None:
+        raise ValueError(f"max_passes={max_passes!r} and top_k={top_k!r}: top_k verifies "
+                         "exactly top_k cells whatever they cost; give one of the two.")
+
+
+def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
+                        metric: PromptMetric, sweep: Any, store: HybridCheckpoint | None, *,
+                        direction: str, site: str, positions: str, top_k: int | None,
+                        atp_star: bool, estimator: str, recall_top: int, quantile: float,
+                        max_fraction: float, max_passes: float | None, batch_size: int | None,
+                        progress: bool) -> PatchResult:
+    """``attribution_plus_exact`` after its checks: the screen (stored or run), then the rule."""
+    est = store.load_screen() if store is not None else None
+    if est is None:
+        est = attribution.attribution_patch_heads(
+            model, clean_tokens, corrupt_tokens, metric, direction=direction, site=site,
+            positions=positions, estimator=estimator,
+            atp_star=atp_star and estimator in ("qk", "atp*"), batch_size=batch_size,
+            progress=progress)
+        if store is not None:
+            store.save_screen(est)
+    elif progress:
+        print(f"attribution+exact: screen ({estimator}) reused from {store.path}",
+              file=sys.stderr)
     base = est.corrupt if direction == "denoise" else est.clean
     effect = (est.values - base).flatten()
     shape, n_cells = est.values.shape, effect.numel()
@@ -342,63 +415,73 @@ def attribution_plus_exact(
     downstream = (L - torch.arange(L).repeat_interleave(per_layer)) / L  # (L - l) / L per cell
     scale = (torch.tensor(est.meta["write_scale"]).flatten() * downstream).clamp_min(1e-12)
     t0 = time.perf_counter()
-    sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, metric)
     engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
-    per_fwd = max(1, (batch_size or max(n, 64)) // n)
+    rows = [batch_size or auto_rows(model, clean_tokens.shape[1])]  # sequences per forward
+    backoffs = [0]
     exact_pp = torch.zeros(n_cells, n)  # per-prompt exact metric of verified cells
     done = torch.zeros(n_cells, dtype=torch.bool)
     order: list[int] = []
+    stored = store.load_cells(n_cells, n) if store is not None else {}
+    finished: dict[int, Tensor] = dict(stored)
+    if stored and progress:
+        print(f"attribution+exact: {len(stored)} verified cells reused from {store.path}",
+              file=sys.stderr)
+
+    def run(layer: int, group: list[int]) -> Tensor:
+        """``[len(group), n]`` exact values, prompts split to fit ``rows`` (a metric without
+        per-prompt values needs all prompts in one forward)."""
+        step = min(n, rows[0]) if metric.per_prompt_values else n
+        return torch.cat([engine.run_variants(layer, [j % per_layer for j in group], p0,
+                                              min(p0 + step, n))
+                          for p0 in range(0, n, step)], dim=1)
 
     def verify(flat: list[int]) -> None:
         by_layer: dict[int, list[int]] = {}
         for j in flat:
-            by_layer.setdefault(j // per_layer, []).append(j)
+            if j in finished:  # a resumed run: the rule replays on the stored values
+                exact_pp[j] = finished[j]
+            else:
+                by_layer.setdefault(j // per_layer, []).append(j)
         for layer, js in by_layer.items():
-            for s in range(0, len(js), per_fwd):
-                group = js[s:s + per_fwd]
-                exact_pp[group] = engine.run_variants(layer, [j % per_layer for j in group], 0, n)
+            i = 0
+            while i < len(js):
+                per_fwd = max(1, rows[0] // (min(n, rows[0]) if metric.per_prompt_values else n))
+                group = js[i:i + per_fwd]
+                try:
+                    exact_pp[group] = run(layer, group)
+                except Exception as e:
+                    if not is_out_of_memory(e) or rows[0] == 1:
+                        raise
+                    release_cached_memory()
+                    rows[0], backoffs[0] = max(1, rows[0] // 2), backoffs[0] + 1
+                    continue
+                finished.update({j: exact_pp[j].clone() for j in group})
+                i += len(group)
+                if store is not None:  # a killed run loses at most the forward in progress
+                    store.save_cells(finished)
         done[flat] = True
         order.extend(flat)
 
     k_err, tau, stopped, rounds = 0.0, None, "top_k", 0
-    if top_k is not None:
-        verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
-    else:
-        cap = max(1, int(max_fraction * n_cells))
-        while True:
-            bound = effect.abs() + k_err * scale
-            bound[done] = -1.0
-            if int(done.sum()) >= min(recall_top, n_cells):
-                x = (exact_pp.mean(1) - base)[done].abs()
-                tau = float(x.topk(min(recall_top, x.numel())).values[-1])
-                if float(bound.max()) < tau:
-                    stopped = "bound"
-                    break
-            if bool(done.all()):
-                stopped = "all"
-                break
-            if int(done.sum()) >= cap:
-                stopped = "budget"
-                break
-            take = min(per_layer, int((~done).sum()), cap - int(done.sum()))
-            picked = torch.topk(bound, take).indices.tolist()
-            if rounds == 0:
-                # calibrate on the largest patches too, where a first-order estimate is least
-                # trustworthy: the bound is then not extrapolated to them
-                size = scale.clone()
-                size[picked] = -1.0
-                more = min(per_layer, n_cells - take, cap - take)
-                picked += torch.topk(size, max(0, more)).indices.tolist()
-            if max_passes is not None:
-                picked = _within(picked, est.meta["pass_equivalents"] + n * (
-                    2 + float(downstream[done].sum())), n * downstream, max_passes)
-                if not picked:
-                    stopped = "passes"
-                    break
-            verify(picked)
-            rounds += 1
-            ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
-            k_err = float(torch.quantile(ratio, quantile))
+    try:
+        if top_k is not None:
+            verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
+        else:
+            k_err, tau, stopped, rounds = _budget_rule(
+                effect, scale, downstream, exact_pp, done, base, verify, n, per_layer,
+                recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+                max_passes=max_passes, screen_passes=est.meta["pass_equivalents"])
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(finished)} verified cells" + (
+            f" and the screen saved in {store.path}; rerun the same call to resume." if store
+            is not None else " lost (no checkpoint folder: pass checkpoint= to keep them)."),
+            file=sys.stderr)
+        raise
+    if stopped == "passes" and rounds == 0:
+        warnings.warn(f"max_passes={max_passes!r} leaves nothing to verify: the screen costs "
+                      f"{est.meta['pass_equivalents']:.1f} pass-equivalents and the exact "
+                      f"engine's two cached runs {2 * n}; every cell is the estimate.",
+                      stacklevel=3)
     verify_seconds = time.perf_counter() - t0
     values = est.values.clone()
     per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
@@ -410,13 +493,17 @@ def attribution_plus_exact(
         if per_prompt is not None:
             per_prompt[(slice(None), *cell)] = exact_pp[j]
     # pass-equivalents: a verified cell of layer l re-runs layers l..L-1 (plus the engine's two
-    # cached runs per prompt); the full exact sweep does that for every cell
+    # cached runs per prompt); the exact sweep does that for every cell, each prompt up to its
+    # metric's last read (as plan_patch counts it)
     verify_passes = n * (float(downstream[order].sum()) + 2)
+    _, lengths = length_order(metric)
+    read_share = 1.0 if lengths is None else sum(lengths) / (n * clean_tokens.shape[1])
     cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
                 verify_passes=verify_passes,
                 total_passes=est.meta["pass_equivalents"] + verify_passes,
-                exact_sweep_passes=n * (float(downstream.sum()) + 2),
-                estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds)
+                exact_sweep_passes=n * (float(downstream.sum()) * read_share + 2),
+                estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds,
+                reused_cells=len(stored), rows_per_forward=rows[0], oom_backoffs=backoffs[0])
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
                   max_passes=max_passes,
@@ -427,6 +514,49 @@ def attribution_plus_exact(
                 error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
                    meta=meta)
+
+
+def _budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Tensor,
+                 done: Tensor, base: float, verify: Any, n: int, per_layer: int, *,
+                 recall_top: int, quantile: float, max_fraction: float,
+                 max_passes: float | None, screen_passes: float
+                 ) -> tuple[float, float | None, str, int]:
+    """The automatic budget of ``attribution_plus_exact`` (its docstring, steps 1-3): verify
+    (``verify(cells)`` fills ``exact_pp`` and ``done``) round by round until the bound, the
+    budget or ``max_passes`` stops it. Returns ``(k, tau, stopped, rounds)``."""
+    n_cells = effect.numel()
+    k_err, tau, rounds = 0.0, None, 0
+    cap = max(1, int(max_fraction * n_cells))
+    while True:
+        bound = effect.abs() + k_err * scale
+        bound[done] = -1.0
+        if int(done.sum()) >= min(recall_top, n_cells):
+            x = (exact_pp.mean(1) - base)[done].abs()
+            tau = float(x.topk(min(recall_top, x.numel())).values[-1])
+            if float(bound.max()) < tau:
+                return k_err, tau, "bound", rounds
+        if bool(done.all()):
+            return k_err, tau, "all", rounds
+        if int(done.sum()) >= cap:
+            return k_err, tau, "budget", rounds
+        take = min(per_layer, int((~done).sum()), cap - int(done.sum()))
+        picked = torch.topk(bound, take).indices.tolist()
+        if rounds == 0:
+            # calibrate on the largest patches too, where a first-order estimate is least
+            # trustworthy: the bound is then not extrapolated to them
+            size = scale.clone()
+            size[picked] = -1.0
+            more = min(per_layer, n_cells - take, cap - take)
+            picked += torch.topk(size, max(0, more)).indices.tolist()
+        if max_passes is not None:
+            picked = _within(picked, screen_passes + n * (2 + float(downstream[done].sum())),
+                             n * downstream, max_passes)
+            if not picked:
+                return k_err, tau, "passes", rounds
+        verify(picked)
+        rounds += 1
+        ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
+        k_err = float(torch.quantile(ratio, quantile))
 
 
 def _within(picked: list[int], spent: float, cost: Tensor, limit: float) -> list[int]:
@@ -461,7 +591,8 @@ def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
 
 def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direction: str,
           positions: str, site: str, batch_size: int | None, checkpoint: str | Path | None,
-          progress: bool, top_k: int | None, meta: dict) -> PatchResult:
+          progress: bool, top_k: int | None, meta: dict,
+          max_passes: float | None = None) -> PatchResult:
     """``method="auto"``. Below the threshold (``_auto_choice``): the exact sweep, plus the
     screening estimator's pass (``attribution.SCREENING_ESTIMATOR``) so the result says how well
     screening would have done (``attribution.screening_estimator``: plain AtP where the model
@@ -471,6 +602,9 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     given, its automatic verification budget; the verified cells are listed in
     ``meta["auto"]["verified"]`` (no recall: exact values exist for those cells only)."""
     info = _auto_choice(model, clean.shape[1], site, positions)
+    if max_passes is not None and info["chose"] == "exact":
+        warnings.warn(f"max_passes={max_passes!r} does nothing here: method='auto' chose the "
+                      "exact sweep (every cell).", stacklevel=3)
     estimator = attribution.screening_estimator(model, site, clean)
     n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
         clean.shape[1] if positions == "each" else 1)
@@ -489,10 +623,11 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
             exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
         info["verified"] = "all"
     else:
-        _unused_checkpoint(checkpoint, "method='auto' chose 'attribution+exact' here, which")
+        _whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress)
+            top_k=top_k, estimator=estimator, batch_size=batch_size, progress=progress,
+            max_passes=max_passes, checkpoint=checkpoint)
         info["verified"] = [list(c) for c in res.meta["verified_cells"]]
         info["screening"] = dict(k=len(info["verified"]), recall=None, estimator=estimator)
     res.meta.update(_described(meta, pm))
@@ -519,29 +654,42 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
 
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
-                          top_k: int | None) -> None:
+                          top_k: int | None, max_passes: float | None = None) -> None:
     """A bad ``estimator`` is refused whatever the method; options only another method uses
     are said to do nothing (a warning: a notebook loop may pass one set of options to every
     method), never dropped in silence."""
     if estimator is not None:
         choice("estimator", estimator, attribution.ESTIMATORS)
+    if method in ("attribution+exact", "auto"):
+        check_max_passes(max_passes, top_k)
     given = [name for name, on in (("estimator", estimator is not None), ("atp_star", atp_star),
-                                   ("top_k", top_k is not None)) if on]
-    allowed = {"exact": set(), "attribution": {"estimator", "atp_star"}, "auto": {"top_k"},
-               "attribution+exact": {"estimator", "atp_star", "top_k"}}.get(method)
+                                   ("top_k", top_k is not None),
+                                   ("max_passes", max_passes is not None)) if on]
+    allowed = {"exact": set(), "attribution": {"estimator", "atp_star"},
+               "auto": {"top_k", "max_passes"},
+               "attribution+exact": {"estimator", "atp_star", "top_k", "max_passes"}}.get(method)
     stray = [g for g in given if allowed is not None and g not in allowed]
     if stray:
         warnings.warn(
             f"{' and '.join(stray)} {'does' if len(stray) == 1 else 'do'} nothing with "
             f"method={method!r}: estimator and atp_star choose the estimate of method "
-            "'attribution' or 'attribution+exact', top_k the cells 'attribution+exact' (or "
-            "'auto') verifies.", stacklevel=3)
+            "'attribution' or 'attribution+exact', top_k and max_passes the cells "
+            "'attribution+exact' (or 'auto') verifies.", stacklevel=3)
+
+
+def _whole_on_every_replica(what: str) -> None:
+    """Under torchrun, say that this method is not split over the replicas."""
+    if distributed.rank_world()[1] > 1:
+        warnings.warn(f"{what} runs whole on every replica: only exact sweeps split their "
+                      "chunks over torchrun's replicas. Run it in one process, or use "
+                      "method='exact'.", stacklevel=3)
 
 
 def _unused_checkpoint(checkpoint: Any, what: str) -> None:
     if checkpoint is not None:
         warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: {what} is not checkpointed "
-                      "(only exact sweeps of the TransformerLens backend store chunks).",
+                      "(exact sweeps and attribution+exact of the TransformerLens backend "
+                      "are).",
                       stacklevel=3)
 
 

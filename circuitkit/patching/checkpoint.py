@@ -15,6 +15,11 @@ Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) a
   ``lock.rank<r>``); a second one is told the folder is in use.
 
 Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
+
+``attribution+exact`` keeps its own files in the same kind of folder (``HybridCheckpoint``):
+``hybrid.json`` (identity: the sweep's, plus the estimator), ``hybrid-screen.*`` (the screening
+estimate, a ``PatchResult``) and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
+exact values, rewritten atomically after each round, with the identity key and a checksum).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import json
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -232,12 +238,13 @@ def _chunk_problem(meta: dict, values: Tensor, key: str, cid: int, chunk: Chunk)
     return ""
 
 
-def _read_header(header: Path) -> dict:
+def _read_header(header: Path, *keys: str) -> dict:
+    keys = keys or ("identity", "chunks")
     try:
         stored = json.loads(header.read_text())
-        if not isinstance(stored.get("identity"), dict) or not isinstance(stored.get("chunks"),
-                                                                          list):
-            raise ValueError("missing 'identity' or 'chunks'")
+        if not isinstance(stored.get("identity"), dict) or not all(
+                isinstance(stored.get(k), dict | list) for k in keys):
+            raise ValueError(f"missing {' or '.join(repr(k) for k in keys)}")
         return stored
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"checkpoint header {header} is unreadable ({e}); delete the folder "
@@ -274,3 +281,95 @@ def _take_lock(path: Path, rank: int) -> _Lock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return _Lock(fd)
+
+
+class HybridCheckpoint:
+    """An ``attribution+exact`` run's folder: its screen and its verified cells (module
+    docstring). A resumed run loads both and replays its budget rule, which picks the same
+    cells from the same numbers, so only cells it never finished are computed."""
+
+    IDENTITY, SCREEN, CELLS = "hybrid.json", "hybrid-screen", "hybrid-cells.safetensors"
+
+    def __init__(self, path: Path, identity: dict, lock: Any):
+        self.path, self.identity, self.key, self._lock = path, identity, identity_key(
+            identity), lock
+
+    @classmethod
+    def open(cls, path: str | Path, identity: dict) -> HybridCheckpoint:
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"checkpoint {path} is a file, not a folder; pass a folder path.")
+        files.check_writable_dir(path, "checkpoint folder")
+        stored = path / cls.IDENTITY
+        if not stored.exists():
+            files.write_json(stored, dict(identity=identity))
+        lock = _take_lock(path, 0)
+        try:
+            old = _read_header(stored, "identity")["identity"]
+            if old != identity:
+                diff = {k: (old.get(k), identity.get(k)) for k in sorted(set(old) | set(identity))
+                        if old.get(k) != identity.get(k)}
+                raise ValueError(
+                    f"checkpoint {path} belongs to a different attribution+exact run; differing "
+                    f"fields (stored, now): {diff}. Use a new checkpoint folder, or delete "
+                    f"{stored.name} and the hybrid-* files there to start over.")
+            return cls(path, identity, lock)
+        except BaseException:
+            lock.close()
+            raise
+
+    def close(self) -> None:
+        self._lock.close()
+
+    def load_screen(self) -> Any:
+        """The stored screening estimate, or None (none yet, or unreadable: warned)."""
+        from circuitkit.patching.results import PatchResult
+
+        if not (self.path / f"{self.SCREEN}.json").exists():
+            return None
+        try:
+            res = PatchResult.load(self.path / self.SCREEN)
+            if res.meta.get("checkpoint_key") != self.key:
+                raise ValueError("from another run")
+            return replace(res, meta={k: v for k, v in res.meta.items()
+                                      if k != "checkpoint_key"})
+        except ValueError as e:
+            warnings.warn(f"circuitkit: checkpoint screen {self.path / self.SCREEN} is not "
+                          f"usable ({e}); screening again.", stacklevel=2)
+            return None
+
+    def save_screen(self, res: Any) -> None:
+        replace(res, meta=dict(res.meta, checkpoint_key=self.key)).save(
+            self.path / self.SCREEN, views=False)
+
+    def load_cells(self, n_cells: int, n_prompts: int) -> dict[int, Tensor]:
+        """``cell -> [n_prompts]`` exact values stored so far ({} when none or unusable)."""
+        from safetensors import safe_open
+
+        p = self.path / self.CELLS
+        if not p.exists():
+            return {}
+        try:
+            with safe_open(str(p), "pt") as f:
+                meta, cells, exact = f.metadata() or {}, f.get_tensor("cells"), f.get_tensor(
+                    "exact")
+            problem = ("from another run" if meta.get("run") != self.key else
+                       "modified (its values do not match their checksum)"
+                       if meta.get("sha256") != _values_digest(exact) else
+                       f"of shape {tuple(exact.shape)}" if exact.shape != (len(cells), n_prompts)
+                       or bool((cells < 0).any() | (cells >= n_cells).any()) else "")
+        except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed
+            problem = f"unreadable ({type(e).__name__}: {e})"
+        if problem:
+            warnings.warn(f"circuitkit: checkpoint file {p} is {problem}; verifying its cells "
+                          "again.", stacklevel=2)
+            return {}
+        return {int(c): exact[i] for i, c in enumerate(cells.tolist())}
+
+    def save_cells(self, done: dict[int, Tensor]) -> None:
+        if not done:
+            return
+        cells = torch.tensor(sorted(done), dtype=torch.long)
+        exact = torch.stack([done[int(c)] for c in cells]).float().contiguous()
+        files.write_tensors(self.path / self.CELLS, {"cells": cells, "exact": exact},
+                            metadata=dict(run=self.key, sha256=_values_digest(exact)))

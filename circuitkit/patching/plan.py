@@ -133,12 +133,13 @@ def gpus_needed(weights_bytes: float, gpu: GPUClass, one_row_bytes: float) -> in
 def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str = "all",
                direction: str = "denoise", top_k: int | None = None, gpu: str = "H100",
                utilisation: float = UTILISATION, dtype_bytes: int = 2, replicas: int = 1,
-               n_gpus: int | None = None) -> dict[str, Any]:
+               n_gpus: int | None = None, rows: int | None = None) -> dict[str, Any]:
     """Cost of a head sweep of ``arch`` (``models.Architecture``) over prompts of ``lengths``
     tokens, per method, on ``gpu`` (a key of ``GPU_CLASSES``) at ``dtype_bytes`` per element.
 
     ``n_gpus``: GPUs per replica (default: the fewest that hold the model, ``gpus_needed``);
-    ``replicas``: model copies sharing the work (``torchrun``, ``--gpus-per-replica``).
+    ``replicas``: model copies sharing the work (``torchrun``, ``--gpus-per-replica``);
+    ``rows``: sequences per forward (``--batch-size``; default: what fits the memory left).
     Returns a dict: the inputs, ``weights_bytes``, ``n_gpus``, ``gpu``, ``auto`` (the method
     ``--method auto`` picks) and ``methods``: ``{name: {pass_equivalents, flops,
     activation_bytes, rows, n_chunks, seconds, ...}}`` for "exact", "attribution" and
@@ -160,9 +161,17 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     n_pos = seq if positions == "each" else 1
     weights = arch.n_params * dtype_bytes
     one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
-    n_gpus = n_gpus or gpus_needed(weights, g, one_row)
+    need = gpus_needed(weights, g, one_row)
+    if n_gpus is not None and n_gpus < need:
+        raise ValueError(f"n_gpus={n_gpus} (--gpus-per-replica): {arch.name} needs at least "
+                         f"{need} {g.name} GPUs per copy ({weights / 1e9:.1f} GB of weights "
+                         "plus one sequence of activations).")
+    n_gpus = n_gpus or need
     budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE  # per GPU
-    rows = int(max(1, min(MAX_ROWS, budget // one_row)))
+    fit = int(max(1, min(MAX_ROWS, budget // one_row)))
+    if rows is not None and rows < 1:
+        raise ValueError(f"rows={rows!r} (--batch-size): expected a positive integer.")
+    rows = fit if rows is None else rows
     sweep = plan(Sweep("heads", site, direction, positions, L, n_units, n_pos, n, seq, True),
                  rows, lengths)
     per_pass = flops_per_pass(arch, seq)
@@ -180,6 +189,8 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     saved = (dtype_bytes * seq * L
              * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * seq)) / n_gpus
     att_rows = int(max(1, min(n, budget // (saved + one_row))))
+    if rows != fit:  # --batch-size: the attribution passes take it too
+        att_rows = min(rows, n)
     att = cost(4.0 * n, rows=att_rows, n_chunks=math.ceil(n / att_rows),
                activation_bytes=att_rows * (saved + one_row))
     n_cells = L * n_units * n_pos

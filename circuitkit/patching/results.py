@@ -213,11 +213,11 @@ class PatchResult:
         return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv",
                                                                    "html")}
 
-    def save(self, path: str | Path) -> list[Path]:
+    def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
         (``to_frame()``) and ``<path>.html`` (``heatmap()``), each atomically; ``path`` may be a
         folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
-        writes exactly these."""
+        writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
         from circuitkit import files
 
         paths = self._paths(path)
@@ -229,6 +229,8 @@ class PatchResult:
                     site=self.site, positions=self.positions, axes=list(self.axes),
                     meta=self.meta)
         files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        if not views:
+            return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
         # plotly.js once per folder (plotly.min.js beside the page), not 4.8 MB per figure
         files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
