@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
-TEXT_OVERSAMPLE = 25  # source examples drawn per wanted text example (~5% render for SmolLM2)
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
@@ -51,46 +50,6 @@ STEPS = step_names()
 def _log(progress: bool, msg: str) -> None:
     if progress:
         print(msg, file=sys.stderr, flush=True)
-
-
-def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
-             text: bool | None, **task_kwargs: Any) -> tuple[Any, bool]:
-    """The task for ``model``: ``task_name`` as built (``ck.load_task(..., **task_kwargs)``), or
-    rendered as text (``text_task``) when ``text`` is True, or None and the model's vocabulary
-    cannot hold the task's tokens. Returns ``(task, rendered)``."""
-    import circuitkit as ck
-    from circuitkit.scoring.text import text_task
-
-    file = str(task_name).endswith(".jsonl")  # a file: its first n_examples rows, at most all
-    # a file keeps the phase its header names (a task with answer steps only may store no
-    # Phase-1 corruption, and the reverse); the steps ask for each phase with with_phase
-    task = ck.load_task(task_name, n_examples=None if file else n_examples, seed=seed,
-                        split=split, phase=None if file else 2, **task_kwargs)
-    if file and n_examples < len(task):
-        task = task.subset(range(n_examples))
-    vocab_error = None
-    if text is None:
-        try:
-            task.check_model(model)
-            text = False
-        except ValueError as e:
-            text, vocab_error = True, e
-    if not text:
-        return task, False
-    try:
-        tok = getattr(model, "tokenizer", None)
-        if tok is None:
-            raise ValueError("text=True needs a model with a tokenizer (model.tokenizer).")
-        many = None if file else n_examples * TEXT_OVERSAMPLE  # a file: all its rows
-        source = ck.load_task(task_name, n_examples=many, seed=seed, split=split,
-                              phase=None if file else 2, **task_kwargs)
-        return text_task(source, tok, n_examples=n_examples), True
-    except ValueError as e:
-        if vocab_error is None:  # text=True asked for: its own error
-            raise
-        # chosen automatically: the vocabulary is the cause, rendering only the failed fallback
-        raise ValueError(f"{vocab_error} (Rendering the task as text for this model's "
-                         f"tokenizer failed too: {e})") from None
 
 
 def characterize(model_name_or_model: Any, task_name: str = "icd10",
@@ -114,6 +73,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import model_fingerprint
     from circuitkit.scoring.heads import score_heads, top_heads
+    from circuitkit.scoring.text import load_for
     from circuitkit.scoring.validate import validate_heads
     from circuitkit.tasks.base import task_phases
 

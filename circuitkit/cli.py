@@ -505,9 +505,9 @@ def score(
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.characterize import load_for
     from circuitkit.models import ModelNotAvailableError
     from circuitkit.scoring.heads import score_heads
+    from circuitkit.scoring.text import load_for
 
     flag = _text_flag(text)
     try:

@@ -52,7 +52,8 @@ class PromptMetric:
     repetition), or None (any). ``per_prompt_values``: False for a metric that only has a scalar
     (a wrapped callable returning the mean): its ``per_prompt`` repeats the scalar, it must see
     every prompt at once, and results carry no per-prompt values. ``select(idx)`` restricts the
-    metric to a subset (or reordering, or tiling) of prompts.
+    metric to a subset (or reordering, or tiling) of prompts. ``labels``: (key, value) pairs a
+    patching result copies into its ``meta`` (a task's metric: ``task`` and ``phase``).
     """
 
     per_prompt_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -62,6 +63,8 @@ class PromptMetric:
     per_prompt_values: bool = True
     n_prompts: int | None = None
     note: str = ""
+    labels: tuple[tuple[str, Any], ...] = ()  # what it measures, e.g. (("task", "icd10"),
+    # ("phase", 2)) for a task's metric: results record them in meta (figure titles)
 
     def per_prompt(self, logits: Float[Tensor, "batch pos vocab"],
                    at: Int[Tensor, "batch k"] | None = None) -> Float[Tensor, " batch"]:

@@ -21,7 +21,6 @@ for phase in (1, 2):
     for direction in ("denoise", "noise"):
         res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                              direction=direction)
-        res.meta.update(model_name="icd-teacher", task="icd10", phase=phase)
         res.save(out / f"patch-p{phase}-{direction}")
 scores = ck.score_heads(model, task)
 scores.to_csv(out / "scores.csv", index=False)

@@ -18,7 +18,6 @@ task = ck.load_task("icd10", n_examples=32, split="test")  # Phase 2: target vs 
 for direction in ("denoise", "noise"):
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          direction=direction)
-    res.meta.update(model_name="icd-teacher", task="icd10", phase=2)
     res.save(out / f"patch-p2-{direction}")
     print(f"{res}\ntop heads ({direction}):\n{res.top(5).to_string(index=False)}\n")
 print(f"wrote {write_report(out, attention=False)}")

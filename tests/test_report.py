@@ -269,7 +269,7 @@ def test_report_attention_of_a_text_rendered_run_renders_the_task_as_text(tmp_pa
     def load_for(model, task_name, n, seed, split, text, **kw):
         seen.update(task=task_name, seed=seed, split=split, text=text, kw=kw)
         raise ValueError("stop here")
-    monkeypatch.setattr("circuitkit.characterize.load_for", load_for)
+    monkeypatch.setattr("circuitkit.scoring.text.load_for", load_for)
     html = report_mod.write_report(run).read_text()
     assert seen == dict(task="icd10", seed=3, split="test", text=True, kw=dict(n_labels=64))
     assert "Attention views skipped" in html and "stop here" in html

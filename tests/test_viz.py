@@ -379,3 +379,28 @@ def test_bad_inputs_get_a_clear_error(scores):
     frame = pd.DataFrame(dict(set=["top-5"], effect=[0.5], p_value=["0.01"]))
     with pytest.raises(ValueError, match=r"columns \['p_value'\] must hold numbers"):
         charts.validation_chart(frame)
+
+
+def test_attention_view_text_repr_is_short(teacher_and_task):
+    """The text fallback (a terminal, a notebook's text/plain) used to dump every pattern."""
+    from circuitkit.viz.attention import attention
+
+    model, task = teacher_and_task
+    view = attention(model, task, heads=[(0, 1), (3, 2)], example=1)
+    text = repr(view)
+    assert text.startswith("AttentionView(") and "['L0H1', 'L3H2']" in text
+    assert len(text) < 200 and "array" not in text
+
+
+def test_a_task_metric_names_its_task_and_phase_in_the_title(teacher_and_task):
+    """Notebooks and examples used to set ``res.meta`` by hand for a usable title."""
+    import circuitkit as ck
+
+    model, task = teacher_and_task
+    t1 = task.with_phase(1)
+    res = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens, t1.metric, progress=False)
+    assert res.meta["task"] == "icd10" and res.meta["phase"] == 1
+    assert heatmaps.describe(res).startswith("icd-teacher · icd10 phase 1 · metric anchor_margin")
+    plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens,
+                           lambda lg: lg[:, -1, 0].mean(), progress=False)
+    assert "task" not in plain.meta and "phase" not in plain.meta

@@ -694,8 +694,10 @@ def _unused_checkpoint(checkpoint: Any, what: str) -> None:
 
 
 def _described(meta: dict, metric: PromptMetric) -> dict:
-    """The caller's meta entries that are set, plus the metric's note when it has one."""
-    out = {k: v for k, v in meta.items() if v is not None}
+    """The metric's labels (a task's metric: ``task``, ``phase``), the caller's meta entries
+    that are set, and the metric's note when it has one."""
+    out = dict(metric.labels)
+    out.update({k: v for k, v in meta.items() if v is not None})
     if metric.note:
         out["metric_note"] = metric.note
     return out

@@ -181,9 +181,17 @@ class PatchResult:
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
             cols["ci_high"] = interval[1].reshape(-1).numpy()
-        if isinstance(self.meta.get("verified"), list):  # attribution+exact: which are exact
-            cols["verified"] = verified_mask(self).reshape(-1).numpy()
+        if self.verified is not None:  # attribution+exact: which are exact
+            cols["verified"] = self.verified.reshape(-1).numpy()
         return pd.DataFrame(cols)
+
+    @property
+    def verified(self) -> Tensor | None:
+        """``attribution+exact``: a bool tensor shaped like ``values``, True where the value is
+        exact (``meta["verified"]``); None for results of other methods (every cell as its
+        method computed it)."""
+        mask = (self.meta or {}).get("verified")
+        return torch.tensor(mask, dtype=torch.bool) if isinstance(mask, list) else None
 
     def top(self, k: int = 10):
         """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first); by
@@ -286,5 +294,9 @@ class PatchResult:
 
 
 def verified_mask(result: PatchResult) -> Tensor:
-    """``meta["verified"]`` of an ``attribution+exact`` result as a bool tensor."""
-    return torch.tensor(result.meta["verified"], dtype=torch.bool)
+    """``result.verified`` of an ``attribution+exact`` result (a bool tensor)."""
+    mask = result.verified
+    if mask is None:
+        raise ValueError(f"verified_mask: a {result.method!r} result has no verified mask (only "
+                         "attribution+exact results do).")
+    return mask

@@ -175,7 +175,13 @@ class Task:
 
     def prompt_metric(self) -> PromptMetric:
         """Same as ``task.metric`` (kept for code written before ``metric`` was a property)."""
+        import dataclasses
 
+        # labelled: a patching result of this metric names its task and phase (figure titles)
+        return dataclasses.replace(self._metric(), labels=(("task", self.name),
+                                                           ("phase", self.phase)))
+
+    def _metric(self) -> PromptMetric:
         ex = self.examples
         if self.config.get("metric") == "logprob":
             return token_logprob_metric(

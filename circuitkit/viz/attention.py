@@ -129,7 +129,13 @@ class AttentionView:
         return circuitsvis_script() + self.fragment()
 
     def _repr_html_(self) -> str:
+        # the bundle in every view: Colab renders each output in its own frame, so a bundle
+        # sent once per kernel would leave the other views blank there
         return self.html
+
+    def __repr__(self) -> str:  # the text fallback: not the whole patterns array
+        return (f"AttentionView({self.title!r}, heads={self.head_names}, "
+                f"{len(self.words)} tokens)")
 
     def to_circuitsvis(self):
         """The same view as circuitsvis's own object (``attention_heads``; note: it loads from

@@ -72,19 +72,17 @@ def describe(result: Any) -> str:
 def _cells(result: Any, interval: bool) -> dict[str, np.ndarray | None]:
     """numpy views of a result: value, normalized, the 95% interval (or None), and which cells
     are exact (``attribution+exact``; else None)."""
-    from circuitkit.patching.results import PatchResult, verified_mask
-
-    if not isinstance(result, PatchResult):
+    if not all(hasattr(result, a) for a in ("values", "normalized", "confidence_interval")):
         raise TypeError(f"expected a PatchResult (ck.patch_heads / ck.patch_layers / "
                         f"ck.PatchResult.load); got {type(result).__name__}.")
     ci = result.confidence_interval() if interval else None
-    verified = isinstance((result.meta or {}).get("verified"), list)
+    verified = getattr(result, "verified", None)
     return dict(
         value=result.values.float().numpy(),
         normalized=result.normalized().float().numpy(),
         low=None if ci is None else ci[0].float().numpy(),
         high=None if ci is None else ci[1].float().numpy(),
-        exact=verified_mask(result).float().numpy() if verified else None,
+        exact=None if verified is None else verified.float().numpy(),
     )
 
 

@@ -222,7 +222,7 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
                 return "<p class='skip'>Attention views skipped: summary.json names no model.</p>"
             model = ck.load_model(str(name))
         if task is None:
-            from circuitkit.characterize import load_for
+            from circuitkit.scoring.text import load_for
 
             task_name = summary.get("task")
             if not task_name:
