@@ -165,3 +165,28 @@ def test_icd10_as_text_for_a_pretrained_tokenizer():
         reads = sorted(set(metric.read_positions()[row].tolist()))  # before each answer token
         said = tok.decode(clean[row, [r + 1 for r in reads]].tolist())
         assert said.strip() == answer  # the metric scores exactly the answer's tokens
+
+
+def test_characterize_and_score_render_icd10_as_text_for_a_pretrained_llm():
+    """``load_for`` (characterize, score) asked only whether the LLM's vocabulary could HOLD
+    the task's ids: SmolLM2's 49k tokens hold icd10's 3.5k, so it read icd10's word ids as its
+    own BPE tokens (id 0 '<pad>' as '<|endoftext|>'). Now the ids must mean the same words."""
+    import types
+
+    import circuitkit as ck
+    from circuitkit.scoring.text import load_for
+
+    tok = models.local_tokenizer("smollm2-135m")
+    if tok is None:
+        pytest.skip("no SmolLM2 tokenizer on this machine")
+    llm = types.SimpleNamespace(cfg=types.SimpleNamespace(d_vocab=len(tok)), tokenizer=tok)
+    task = ck.load_task("icd10", n_examples=2, split="test")
+    with pytest.raises(ValueError, match="reads .* token ids the task uses as other words"):
+        task.check_model(llm)
+    rendered, was = load_for(llm, "icd10", 2, 0, "test", None)
+    assert was and rendered.name == "icd10-text"
+    rendered.check_model(llm)  # the rendered task's ids are the tokenizer's own
+    teacher = ck.load_model("icd-teacher")
+    with pytest.raises(ValueError, match="other words"):  # another task's vocabulary
+        ck.load_task("synthetic", n_examples=2).check_model(teacher)
+    task.check_model(teacher)  # its own

@@ -214,8 +214,37 @@ class Task:
         """A HF ``PreTrainedTokenizerFast`` over ``self.vocab`` (word level)."""
         return word_tokenizer(self.vocab)
 
+    def vocabulary_problem(self, tokenizer: Any) -> str | None:
+        """Why ``tokenizer`` does not read this task's token ids as the task's words (a model
+        trained on another vocabulary, or a pretrained LLM), or None when it does. Only the ids
+        the task uses are compared; a tokenizer that is absent, or circuitkit's numbered
+        placeholder (``t0 .. tN``, random models built from a config), names no words and is
+        not held against the task."""
+        if tokenizer is None or not hasattr(tokenizer, "convert_ids_to_tokens"):
+            return None
+        used = sorted(set(self.clean_tokens.flatten().tolist())
+                      | set(self.corrupt_tokens.flatten().tolist()))
+        try:
+            theirs = tokenizer.convert_ids_to_tokens(used)
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError):
+            return None  # ids beyond the tokenizer: the size check speaks for them
+        if theirs == [f"t{i}" for i in used]:  # the numbered placeholder
+            return None
+        bad = [(i, t, self.vocab[i]) for i, t in zip(used, theirs, strict=True)
+               if i < len(self.vocab) and t != self.vocab[i]]
+        if not bad:
+            return None
+        shown = ", ".join(f"id {i} is {t!r} to the model but {w!r} to the task"
+                          for i, t, w in bad[:3])
+        return (f"the model's tokenizer reads {len(bad)} of the {len(used)} token ids the task "
+                f"uses as other words ({shown}): it was not trained on this task's vocabulary. "
+                f"Use a model trained on it (e.g. icd-teacher for icd10, or "
+                f"circuitkit.training.train on your JSONL), or render the task as text for a "
+                f"pretrained LLM (text=True / --text yes; icd10 and synthetic).")
+
     def check_model(self, model: Any) -> None:
-        """Refuse a model whose vocabulary cannot hold this task's token ids."""
+        """Refuse a model whose vocabulary cannot hold this task's token ids, or whose
+        tokenizer reads them as other words (``vocabulary_problem``)."""
         d_vocab = int(model.cfg.d_vocab)
         low = min(int(self.clean_tokens.min()), int(self.corrupt_tokens.min()))
         if low < 0:
@@ -229,6 +258,9 @@ class Task:
                 f"{d_vocab} tokens: use a model trained on this task's vocabulary (e.g. "
                 f"icd-teacher for icd10), or render the task as text for a pretrained LLM "
                 f"(circuitkit.tasks.text.render_text).")
+        problem = self.vocabulary_problem(getattr(model, "tokenizer", None))
+        if problem:
+            raise ValueError(f"task {self.name!r}: {problem}")
 
     def decode(self, ids: Tensor | list[int]) -> str:
         return " ".join(self.vocab[int(i)] for i in ids)

@@ -161,8 +161,7 @@ TEXT_TASKS = ("icd10", "synthetic")
 def speaks_task_vocab(tokenizer: Any, task: Task) -> bool:
     """Whether ``tokenizer`` is the task's own word vocabulary (a model trained on the task,
     such as the shipped toys), so the task's token ids are its input as they are."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return vocab == {w: i for i, w in enumerate(task.vocab)}
+    return tokenizer is not None and task.vocabulary_problem(tokenizer) is None
 
 
 def text_prompts(task: Task, tokenizer: Any, template: str = DEFAULT_TEMPLATE
