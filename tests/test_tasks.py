@@ -210,6 +210,30 @@ def test_jsonl_bad_rows_all_reported(task, tmp_path):
     assert f"{p}:6:" not in msg and f"{p}:7:" not in msg  # good rows are not flagged
 
 
+def test_jsonl_steps_must_hold_what_the_row_says(task, tmp_path):
+    """An off-by-one answer_pos (or anchor_pos), anchors not paired with anchor_pos, and labels
+    sharing a token used to load: every metric then read the wrong token."""
+    p = tmp_path / "t.jsonl"
+    task.subset(range(4)).to_jsonl(p)
+    lines = p.read_text().split("\n")
+    head, rows = json.loads(lines[0]), [json.loads(x) for x in lines[1:] if x]
+    rows[0]["answer_pos"] = [q - 1 for q in rows[0]["answer_pos"]]  # off by one -> line 2
+    rows[1]["anchor_pos"] = [q + 1 for q in rows[1]["anchor_pos"]]  # off by one -> line 3
+    rows[2]["anchors"] = []  # not paired with anchor_pos             -> line 4
+    p.write_text("\n".join([json.dumps(head), *map(json.dumps, rows)]) + "\n")
+    with pytest.raises(ValueError) as err:
+        Task.from_jsonl(p)
+    msg = str(err.value)
+    assert f"{p}:2: 'answer_pos'" in msg and "no target's" in msg and "off by one" in msg
+    assert f"{p}:3: 'anchor_pos'" in msg and "not anchor" in msg
+    assert f"{p}:4: 'anchors' has 0 entries and 'anchor_pos' {len(rows[2]['anchor_pos'])}" in msg
+    assert f"{p}:5:" not in msg  # the good row
+    dup = dict(head, label_token_ids=[head["label_token_ids"][0]] * len(head["label_token_ids"]))
+    p.write_text("\n".join([json.dumps(dup), *map(json.dumps, rows[3:])]) + "\n")
+    with pytest.raises(ValueError, match="labels share token ids"):
+        Task.from_jsonl(p)
+
+
 def test_jsonl_typos_overlaps_and_bad_header_types_are_named(task, tmp_path):
     """Unknown keys were dropped (a typo lost its data), a near-miss could be a target, and a
     header of the wrong type crashed later with a bare TypeError or loaded silently."""

@@ -100,11 +100,17 @@ def _check_header(head: dict[str, Any]) -> list[str]:
     for k in ("pad_id", "bos_id", "eos_id"):
         if k in head and (type(head[k]) is not int or not 0 <= head[k] < n_vocab):
             bad.append(f"header {k!r} must be a token id in [0, {n_vocab}), got {head[k]!r}")
+    for k, what in (("label_token_ids", "labels"), ("anchor_token_ids", "anchors")):
+        ids = head[k] if _is_int_list(head[k]) else []
+        shared = sorted({v for v in ids if ids.count(v) > 1})
+        if shared:  # no metric could tell such labels apart
+            bad.append(f"header {k!r}: {what} share token ids {shared[:5]}; every one needs a "
+                       "token of its own")
     return bad
 
 
 def _check_row(row: Any, phase: int, n_vocab: int, n_labels: int, n_anchors: int,
-               version: int) -> list[str]:
+               version: int, head: dict[str, Any] | None = None) -> list[str]:
     if not isinstance(row, dict):
         return ["example row is not a JSON object"]
     unknown = sorted(set(row) - set(ROW_FIELDS))
@@ -160,6 +166,39 @@ def _check_row(row: Any, phase: int, n_vocab: int, n_labels: int, n_anchors: int
         unknown = [v for v in row.get(k, []) if not 0 <= v < lim]
         if unknown:
             bad.append(f"unknown {what} id in {k!r}: {unknown}")
+    if bad or head is None:
+        return bad
+    return _check_steps(row, head)
+
+
+def _check_steps(row: dict[str, Any], head: dict[str, Any]) -> list[str]:
+    """The tokens at the step positions are what the row says they are: at each ``answer_pos``
+    the token of one of its ``targets``, at ``anchor_pos[j]`` the token of ``anchors[j]``.
+    An off-by-one position would otherwise make every metric read the wrong token."""
+    tokens, vocab, bad = row["tokens"], head["vocab"], []
+    hint = ("(positions count from 0 at the first token; the logits at p - 1 predict the "
+            "token at p: is the position off by one?)")
+    want = {head["label_token_ids"][t] for t in row["targets"]}
+    wrong = [p for p in row["answer_pos"] if tokens[p] not in want]
+    if wrong:
+        p = wrong[0]
+        bad.append(f"'answer_pos' {wrong} hold(s) token(s) that are no target's: position {p} "
+                   f"holds {vocab[tokens[p]]!r}, the targets' tokens are "
+                   f"{sorted(vocab[t] for t in want)} {hint}")
+    if row["anchor_pos"]:
+        if len(row["anchors"]) != len(row["anchor_pos"]):
+            bad.append(f"'anchors' has {len(row['anchors'])} entries and 'anchor_pos' "
+                       f"{len(row['anchor_pos'])}: anchors[j] is the anchor written at "
+                       "anchor_pos[j]")
+        else:
+            ids = head["anchor_token_ids"]
+            wrong = [(p, a) for p, a in zip(row["anchor_pos"], row["anchors"], strict=True)
+                     if tokens[p] != ids[a]]
+            if wrong:
+                (p, a) = wrong[0]
+                bad.append(f"'anchor_pos' {[w[0] for w in wrong]}: position {p} holds "
+                           f"{vocab[tokens[p]]!r}, not anchor {a}'s token "
+                           f"{vocab[ids[a]]!r} {hint}")
     return bad
 
 
@@ -205,7 +244,7 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         except json.JSONDecodeError as err:
             errors.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
             continue
-        bad = _check_row(row, phase, n_vocab, n_labels, n_anchors, version)
+        bad = _check_row(row, phase, n_vocab, n_labels, n_anchors, version, head)
         errors += [f"{path}:{lineno}: {b}" for b in bad]
         if not bad:
             row.pop(PHASE_CORRUPT[phase], None)
