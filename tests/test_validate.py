@@ -113,19 +113,30 @@ def test_focus_and_confusion_metrics_equal_evaluation(tiny_llama, synth):
                                    rtol=0)
 
 
-def test_random_head_sets_keep_layers():
+def test_random_head_sets_keep_layers_and_never_repeat():
+    """Sets were drawn with replacement: with 3 distinct sets possible and 20 asked, the
+    p-value counted repeats as independent draws (1/21 reported, 1/4 exact)."""
     top = [(0, 1), (2, 3), (2, 0)]
-    sets = random_head_sets(top, n_heads=4, n_random=50, seed=1)
-    assert len(sets) == 50 and all(sorted(la for la, _ in s) == [0, 2, 2] for s in sets)
+    sets = random_head_sets(top, n_heads=4, n_random=10, seed=1)
+    assert len(sets) == 10 and all(sorted(la for la, _ in s) == [0, 2, 2] for s in sets)
     assert all(set(s) != set(top) and len(set(s)) == 3 for s in sets)
-    assert sets == random_head_sets(top, n_heads=4, n_random=50, seed=1)  # seeded
+    assert len({tuple(s) for s in sets}) == 10  # distinct
+    assert sets == random_head_sets(top, n_heads=4, n_random=10, seed=1)  # seeded
+    with pytest.warns(UserWarning, match="only 23 random head sets differ"):
+        every = random_head_sets(top, n_heads=4, n_random=50, seed=1)
+    assert len({tuple(s) for s in every}) == 23 == 4 * 6 - 1  # C(4,1) C(4,2), less the top
     with pytest.raises(ValueError, match="fill whole layers"):
         random_head_sets([(1, 0), (1, 1)], n_heads=2, n_random=3, seed=0)
+    with pytest.warns(UserWarning, match="drawn from every layer"):
+        wide = random_head_sets([(1, 0), (1, 1)], n_heads=2, n_random=3, seed=0, n_layers=3)
+    assert len({tuple(s) for s in wide}) == 3 and all(len(s) == 2 for s in wide)
+    assert [(1, 0), (1, 1)] not in wide
 
 
 def test_planted_heads_far_outside_random(planted):
     model, task, scores = planted
-    df = validate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
+    with pytest.warns(UserWarning, match="random head sets differ from the top set"):
+        df = validate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
     assert len(df) == 8
     assert df.attrs["sets"][1]["top"] == [list(PLANTED_P1)]
     assert df.attrs["sets"][2]["top"] == [list(PLANTED_P2)]
@@ -140,7 +151,9 @@ def test_planted_heads_far_outside_random(planted):
             assert r.top_low > r.random_high + 10 * width + 0.1 * gap, r
         else:
             assert r.top_high < r.random_low - 10 * width - 0.1 * gap, r
-        assert r.p_value == pytest.approx(1 / 21)
+        # k = 1: the other heads of the planted head's layer are every random set there is
+        assert r.n_random == model.cfg.n_heads - 1
+        assert r.p_value == pytest.approx(1 / (1 + r.n_random))  # the floor: none as strong
     noise_p1 = df[(df.phase == 1) & (df.direction == "noise") & (df.quantity == "focus")].iloc[0]
     assert noise_p1.top_effect < -0.5  # Reasoning Focus collapses when the anchor head is noised
     noise_p2 = df[(df.phase == 2) & (df.direction == "noise") & (df.quantity == "confusion")]

@@ -6,9 +6,11 @@ For each phase ``P`` (1: Phase-1 task ``task.with_phase(1)``, heads ranked by ``
 ``z`` into the clean run; ``denoise``: their clean ``z`` into the corrupt run), the exact
 engine (``ExactEngine.run_head_sets``) runs, in the same batched suffix forwards:
 
-* the unpatched base run (the empty set), the top-``k`` set, and ``n_random`` random ``k``-sets
-  drawn from the same layers (for each layer holding ``c`` of the top heads, ``c`` distinct heads
-  of that layer uniformly; a draw equal to the top set is redrawn);
+* the unpatched base run (the empty set), the top-``k`` set, and ``n_random`` distinct random
+  ``k``-sets drawn from the same layers (for each layer holding ``c`` of the top heads, ``c``
+  distinct heads of that layer uniformly; a draw equal to the top set or to an earlier draw is
+  redrawn; all of them when fewer exist, and ``n_random`` in the frame says how many were used;
+  from every layer when the top heads fill their layers: ``random_head_sets``);
 * two per-prompt quantities on each: the phase's task metric (``task.prompt_metric()``:
   anchor margin / target-vs-near-miss margin) and its behaviour measure, Reasoning Focus
   (phase 1) or Near-Miss Confusion (phase 2), as defined in ``circuitkit.evaluation``
@@ -35,8 +37,10 @@ reuses it: an interrupted validation loses at most the run in progress.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,21 +114,45 @@ def confusion_metric(task: Task) -> PromptMetric:
 
 
 def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int,
-                     seed: int) -> list[list[tuple[int, int]]]:
-    """``n_random`` head sets with the layer counts of ``top`` (module docstring)."""
+                     seed: int, n_layers: int | None = None) -> list[list[tuple[int, int]]]:
+    """Up to ``n_random`` distinct head sets with the layer counts of ``top`` (module
+    docstring), none equal to ``top``. Fewer distinct sets than ``n_random`` exist: all of them
+    (the p-value is then exact over them; a warning says how many). ``top`` fills whole layers
+    (no other set from them): the sets are drawn from all ``n_layers`` layers instead, with a
+    warning, so the comparison keeps its size if not its depth."""
     counts: dict[int, int] = {}
     for layer, _ in top:
         counts[layer] = counts.get(layer, 0) + 1
+    want = sorted(top)
     if all(c == n_heads for c in counts.values()):
-        raise ValueError(f"the top heads fill whole layers {sorted(counts)}: no random set from "
-                         "the same layers can differ from them; use a smaller k.")
-    rng = random.Random(seed)
-    want = set(top)
-    out = []
-    while len(out) < n_random:
-        s = sorted((layer, h) for layer, c in sorted(counts.items())
-                   for h in rng.sample(range(n_heads), c))
-        if set(s) != want:
+        if n_layers is None or n_layers * n_heads == len(top):
+            raise ValueError(f"the top heads fill whole layers {sorted(counts)}: no random set "
+                             "from the same layers can differ from them; use a smaller k.")
+        warnings.warn(f"the top heads fill whole layers {sorted(counts)}, so no random set from "
+                      "the same layers differs from them: random sets are drawn from every "
+                      "layer instead (same size, not the same depth).", stacklevel=3)
+        pool = [(layer, h) for layer in range(n_layers) for h in range(n_heads)]
+        return _distinct(lambda rng: sorted(rng.sample(pool, len(top))),
+                         math.comb(len(pool), len(top)) - 1, want, n_random, seed)
+    possible = math.prod(math.comb(n_heads, c) for c in counts.values()) - 1
+    return _distinct(lambda rng: sorted((layer, h) for layer, c in sorted(counts.items())
+                                        for h in rng.sample(range(n_heads), c)),
+                     possible, want, n_random, seed)
+
+
+def _distinct(draw: Any, possible: int, top: list[tuple[int, int]], n_random: int,
+              seed: int) -> list[list[tuple[int, int]]]:
+    """``min(n_random, possible)`` distinct draws, none equal to ``top`` (a repeated set would
+    count twice in the p-value as if it were independent evidence)."""
+    if possible < n_random:
+        warnings.warn(f"only {possible} random head sets differ from the top set (n_random="
+                      f"{n_random} asked): all {possible} are used, and the p-value's floor is "
+                      f"1/{possible + 1}.", stacklevel=4)
+    rng, seen, out = random.Random(seed), {tuple(top)}, []
+    while len(out) < min(n_random, possible):
+        s = draw(rng)
+        if tuple(s) not in seen:
+            seen.add(tuple(s))
             out.append(s)
     return out
 
@@ -196,7 +224,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         metric = tp.metric
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         top = top_heads(scores, phase, k)
-        rand = random_head_sets(top, f.n_heads, n_random, seed + phase)
+        rand = random_head_sets(top, f.n_heads, n_random, seed + phase, f.n_layers)
         sets = [[], top, *rand]
         sets_used[phase] = dict(top=top, random=rand)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
@@ -228,7 +256,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                 stats = summarize(runs[direction][qi], runs["noise"][qi, 0],
                                   runs["denoise"][qi, 0], n_boot, seed)
                 rows.append(dict(phase=phase, direction=direction, quantity=q.name,
-                                 heads=_fmt(top), k=int(k), n_random=int(n_random),
+                                 heads=_fmt(top), k=int(k), n_random=len(rand),
                                  n_prompts=n, **stats))
     df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
     df.attrs.update(seed=seed, n_boot=n_boot, sets={
