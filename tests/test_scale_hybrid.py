@@ -168,3 +168,48 @@ def test_attribution_under_torchrun_says_it_is_not_split(model, task, monkeypatc
     with pytest.warns(UserWarning, match="runs whole on every replica"):
         ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                        method="attribution", progress=False)
+
+
+def test_a_damaged_screen_is_screened_again_and_reuse_is_counted_honestly(model, task, tmp_path):
+    """A screen file edited or swapped in was used without a word (no checksum), one lacking
+    meta crashed; reused_cells counted every stored cell, not the ones this run used."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    want = hybrid(model, task, top_k=5, checkpoint=tmp_path)
+    st = tmp_path / "hybrid-screen.safetensors"
+    tensors = load_file(str(st))
+    tensors["values"] = tensors["values"] + 100.0
+    save_file(tensors, str(st))
+    with pytest.warns(UserWarning, match="modified"):
+        again = hybrid(model, task, top_k=2, checkpoint=tmp_path)
+    assert again.meta["cost"]["reused_cells"] == 2  # of the 5 stored
+    assert again.meta["verified_cells"] == want.meta["verified_cells"][:2]
+    js = tmp_path / "hybrid-screen.json"
+    info = json.loads(js.read_text())
+    del info["meta"]["write_scale"]
+    js.write_text(json.dumps(info))
+    with pytest.warns(UserWarning, match="lacks \\['write_scale'\\]"):
+        hybrid(model, task, top_k=2, checkpoint=tmp_path)
+    # atp_star changes nothing for plain AtP: its checkpoint serves both
+    hybrid(model, task, top_k=2, estimator="atp", checkpoint=tmp_path / "atp")
+    res = hybrid(model, task, top_k=2, estimator="atp", atp_star=True,
+                 checkpoint=tmp_path / "atp")
+    assert res.meta["cost"]["reused_cells"] == 2
+
+
+def test_max_passes_that_leaves_nothing_spends_nothing_more(model, task):
+    import numpy as np
+
+    screen = hybrid(model, task, top_k=1).meta["cost"]["estimator_passes"]
+    with pytest.warns(UserWarning, match="leaves nothing to verify"):
+        res = hybrid(model, task, max_passes=float(screen) + 1.0)
+    assert res.meta["cost"]["total_passes"] == pytest.approx(screen)  # no cached runs either
+    res = hybrid(model, task, max_passes=np.int64(int(screen) + 40))  # numpy numbers are numbers
+    assert res.meta["cost"]["total_passes"] <= int(screen) + 40
+
+
+def test_the_hybrid_called_directly_keeps_the_task_labels(model, task):
+    res = hybrid(model, task, top_k=2)
+    assert res.meta["task"] == "induction" and res.meta["phase"] == task.phase

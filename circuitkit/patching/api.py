@@ -362,7 +362,8 @@ def attribution_plus_exact(
     if checkpoint is not None:
         store = HybridCheckpoint.open(checkpoint, dict(
             sweep_identity(model, sweep, clean_tokens, corrupt_tokens, metric),
-            method="attribution+exact", estimator=estimator, atp_star=bool(atp_star)))
+            method="attribution+exact", estimator=estimator,
+            atp_star=bool(atp_star) and estimator in ("qk", "atp*")))  # what it changes
     try:
         return _screen_then_verify(
             model, clean_tokens, corrupt_tokens, metric, sweep, store, direction=direction,
@@ -379,7 +380,9 @@ def check_max_passes(max_passes: Any, top_k: int | None) -> None:
     """``max_passes``: None or a positive, finite number; not together with ``top_k``."""
     if max_passes is None:
         return
-    if isinstance(max_passes, bool) or not isinstance(max_passes, int | float) or not (
+    import numbers
+
+    if isinstance(max_passes, bool) or not isinstance(max_passes, numbers.Real) or not (
             math.isfinite(max_passes) and max_passes > 0):
         raise ValueError(f"max_passes={max_passes!r}: expected a positive number of "
                          "pass-equivalents (prompts through the whole model), or None.")
@@ -415,8 +418,17 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
     downstream = (L - torch.arange(L).repeat_interleave(per_layer)) / L  # (L - l) / L per cell
     scale = (torch.tensor(est.meta["write_scale"]).flatten() * downstream).clamp_min(1e-12)
     t0 = time.perf_counter()
-    engine = ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep)
+    engines: list[ExactEngine] = []  # built at the first cell: its two cached runs cost 2n
+
+    def engine() -> ExactEngine:
+        if not engines:
+            engines.append(ExactEngine(model, clean_tokens, corrupt_tokens, metric, sweep))
+        return engines[0]
     rows = [batch_size or auto_rows(model, clean_tokens.shape[1])]  # sequences per forward
+    if not metric.per_prompt_values and batch_size is not None and batch_size < n:
+        warnings.warn(f"batch_size={batch_size} is below the {n} prompts, but a metric without "
+                      "per-prompt values needs every prompt in each forward: verification "
+                      f"runs {n} sequences per forward.", stacklevel=3)
     backoffs = [0]
     exact_pp = torch.zeros(n_cells, n)  # per-prompt exact metric of verified cells
     done = torch.zeros(n_cells, dtype=torch.bool)
@@ -431,15 +443,18 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
         """``[len(group), n]`` exact values, prompts split to fit ``rows`` (a metric without
         per-prompt values needs all prompts in one forward)."""
         step = min(n, rows[0]) if metric.per_prompt_values else n
-        return torch.cat([engine.run_variants(layer, [j % per_layer for j in group], p0,
-                                              min(p0 + step, n))
+        return torch.cat([engine().run_variants(layer, [j % per_layer for j in group], p0,
+                                                min(p0 + step, n))
                           for p0 in range(0, n, step)], dim=1)
+
+    reused: set[int] = set()
 
     def verify(flat: list[int]) -> None:
         by_layer: dict[int, list[int]] = {}
         for j in flat:
             if j in finished:  # a resumed run: the rule replays on the stored values
                 exact_pp[j] = finished[j]
+                reused.add(j)
             else:
                 by_layer.setdefault(j // per_layer, []).append(j)
         for layer, js in by_layer.items():
@@ -450,7 +465,9 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
                 try:
                     exact_pp[group] = run(layer, group)
                 except Exception as e:
-                    if not is_out_of_memory(e) or rows[0] == 1:
+                    smallest = len(group) == 1 and (rows[0] == 1 or not metric.per_prompt_values
+                                                    or rows[0] < 2)
+                    if not is_out_of_memory(e) or smallest:  # nothing left to shrink
                         raise
                     release_cached_memory()
                     rows[0], backoffs[0] = max(1, rows[0] // 2), backoffs[0] + 1
@@ -480,8 +497,8 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
     if stopped == "passes" and rounds == 0:
         warnings.warn(f"max_passes={max_passes!r} leaves nothing to verify: the screen costs "
                       f"{est.meta['pass_equivalents']:.1f} pass-equivalents and the exact "
-                      f"engine's two cached runs {2 * n}; every cell is the estimate.",
-                      stacklevel=3)
+                      f"engine's two cached runs would cost {2 * n}; every cell is the "
+                      "estimate.", stacklevel=3)
     verify_seconds = time.perf_counter() - t0
     values = est.values.clone()
     per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
@@ -495,7 +512,7 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
     # pass-equivalents: a verified cell of layer l re-runs layers l..L-1 (plus the engine's two
     # cached runs per prompt); the exact sweep does that for every cell, each prompt up to its
     # metric's last read (as plan_patch counts it)
-    verify_passes = n * (float(downstream[order].sum()) + 2)
+    verify_passes = n * (float(downstream[order].sum()) + 2 * bool(order))  # as a fresh run
     _, lengths = length_order(metric)
     read_share = 1.0 if lengths is None else sum(lengths) / (n * clean_tokens.shape[1])
     cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
@@ -503,7 +520,8 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
                 total_passes=est.meta["pass_equivalents"] + verify_passes,
                 exact_sweep_passes=n * (float(downstream.sum()) * read_share + 2),
                 estimator_seconds=est.meta["seconds"], verify_seconds=verify_seconds,
-                reused_cells=len(stored), rows_per_forward=rows[0], oom_backoffs=backoffs[0])
+                reused_cells=len(reused), rows_per_forward=rows[0] if metric.per_prompt_values
+                else max(rows[0], n), oom_backoffs=backoffs[0])
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
                   max_passes=max_passes,

@@ -918,7 +918,8 @@ def attribution_patch_heads(
         delta_mean = delta.mean(0)
     per_prompt = base_pp.reshape(-1, *([1] * (delta.ndim - 1))) + delta
     clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
-    meta = dict(model=str(getattr(model.cfg, "model_name", "")), metric=metric.name,
+    meta = dict(**dict(metric.labels), model=str(getattr(model.cfg, "model_name", "")),
+                metric=metric.name,
                 estimator=est, atp_star=qk, exact_tail=tail, n_prompts=n, batch_size=bs,
                 passes=ATTRIBUTION_COST if est == "atp" else f"see estimator {est!r}",
                 pass_equivalents=n * estimator_passes(model, est, site, positions, seq,

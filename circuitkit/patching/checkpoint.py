@@ -225,6 +225,17 @@ class SweepCheckpoint:
         return done
 
 
+def _screen_digest(res: Any) -> str:
+    """SHA-256 of a screen's tensors and the meta the rule reads (write scales, cost)."""
+    h = hashlib.sha256()
+    for t in (res.values, res.per_prompt, res.clean_per_prompt, res.corrupt_per_prompt):
+        if t is not None:
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    h.update(json.dumps([res.clean, res.corrupt, res.meta.get("write_scale"),
+                         res.meta.get("pass_equivalents")], default=str).encode())
+    return h.hexdigest()
+
+
 def _chunk_problem(meta: dict, values: Tensor, key: str, cid: int, chunk: Chunk) -> str:
     if meta.get("sweep") != key:
         return "from another sweep"
@@ -331,15 +342,22 @@ class HybridCheckpoint:
             res = PatchResult.load(self.path / self.SCREEN)
             if res.meta.get("checkpoint_key") != self.key:
                 raise ValueError("from another run")
+            missing = [k for k in ("write_scale", "pass_equivalents", "estimator", "seconds")
+                       if k not in res.meta]
+            if missing:
+                raise ValueError(f"its meta lacks {missing}")
+            if res.meta.get("checkpoint_sha256") != _screen_digest(res):
+                raise ValueError("modified: its values do not match their checksum")
             return replace(res, meta={k: v for k, v in res.meta.items()
-                                      if k != "checkpoint_key"})
+                                      if k not in ("checkpoint_key", "checkpoint_sha256")})
         except ValueError as e:
             warnings.warn(f"circuitkit: checkpoint screen {self.path / self.SCREEN} is not "
                           f"usable ({e}); screening again.", stacklevel=2)
             return None
 
     def save_screen(self, res: Any) -> None:
-        replace(res, meta=dict(res.meta, checkpoint_key=self.key)).save(
+        replace(res, meta=dict(res.meta, checkpoint_key=self.key,
+                               checkpoint_sha256=_screen_digest(res))).save(
             self.path / self.SCREEN, views=False)
 
     def load_cells(self, n_cells: int, n_prompts: int) -> dict[int, Tensor]:
