@@ -75,7 +75,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
     from circuitkit.scoring.validate import validate_heads
-    from circuitkit.tasks.base import task_phases
+    from circuitkit.tasks.base import phase_task, task_phases
 
     if int(n_examples) < 1:
         raise ValueError(f"n_examples must be >= 1; got {n_examples!r}.")
@@ -101,26 +101,33 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
             f"characterize needs a task with Phase-1 anchor steps or Phase-2 answer steps "
             f"(anchor_pos / answer_pos >= 1: icd10, synthetic, or a JSONL with them); "
             f"{task_name!r} has neither: no position for a metric to read.")
-    fingerprint = {p: task.with_phase(p).fingerprint() if p in phases else None for p in (1, 2)}
+    per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
+    fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
+    # what the sweeps and scores depend on; k and n_random change validation only
     identity = dict(model=name, model_fingerprint=model_fingerprint(model), task=task_name,
                     task_fingerprint_p1=fingerprint[1],
                     task_fingerprint_p2=fingerprint[2], text=rendered,
-                    n_examples=len(task), seed=seed, split=split, k=int(k),
-                    n_random=int(n_random), patch_method=patch_method,
+                    n_examples=len(task), seed=seed, split=split, patch_method=patch_method,
                     task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
+    validation_options = dict(k=int(k), n_random=int(n_random))
     summary_path = out / "summary.json"
     summary: dict[str, Any] = {}
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
-        if summary.get("identity") != identity:
-            old = summary.get("identity", {})
+        old = dict(summary.get("identity", {}))
+        stored_options = summary.get("validation_options") or {
+            key: old.pop(key) for key in ("k", "n_random") if key in old}  # older folders
+        if old != identity:
             diff = {key: (old.get(key), identity.get(key)) for key in sorted(set(old) | set(
                 identity)) if old.get(key) != identity.get(key)}
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {diff}; use a new folder or delete it.")
+        if stored_options != validation_options:  # same sweeps and scores: validate again
+            summary.get("steps", {}).pop("validation", None)
     expected = step_names(phases)  # a report of a partial run says which are missing
     summary.update(identity=identity, versions=versions(), task_config=task.config,
-                   phases=phases, steps_expected=expected, complete=False)
+                   phases=phases, steps_expected=expected, complete=False,
+                   validation_options=validation_options)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     def record(step: str, seconds: float, files_: list[str]) -> None:
@@ -138,12 +145,12 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
             continue
         _log(progress, f"[{i}/{total}] {step}")
         t0 = time.perf_counter()
-        tp = task.with_phase(phase)
+        tp = per_phase[phase]
         ckpt = out / "checkpoints" / step if patch_method == "exact" else None
         res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
                              direction=direction, method=patch_method, batch_size=batch_size,
                              checkpoint=ckpt, progress=progress, task_hash=tp.fingerprint())
-        res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(task))
+        res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
         res.save(out / step)
         record(step, time.perf_counter() - t0, [f"{step}.safetensors", f"{step}.json"])
     import pandas as pd
@@ -158,9 +165,9 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         scores = score_heads(model, task, batch_size=batch_size, progress=progress)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
         summary["scores_attrs"] = {k_: v for k_, v in scores.attrs.items()}
-        summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
-                                for p in phases}
         record("scores", time.perf_counter() - t0, ["scores.csv"])
+    summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
+                            for p in phases}  # (this call's k)
     i += 1
     if "validation" in steps and (out / "validation.csv").exists():
         _log(progress, f"[{i}/{total}] validation: reused")

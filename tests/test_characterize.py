@@ -8,6 +8,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 import circuitkit as ck
 from circuitkit.characterize import characterize
@@ -120,3 +121,41 @@ def test_characterize_refuses_a_task_with_no_steps(tiny_llama, tmp_path):
         characterize(tiny_llama, str(tmp_path / "task.jsonl"), tmp_path / "run", n_examples=4,
                      text=False, progress=False)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_new_k_validates_again_and_reuses_sweeps_and_scores(tiny_llama, tmp_path, monkeypatch):
+    """k and n_random change validation only: the whole folder used to be refused."""
+    out = tmp_path / "run"
+    run(tiny_llama, out)
+
+    def boom(*a, **k):
+        raise AssertionError("a sweep or the scores were recomputed")
+    monkeypatch.setattr(ck, "patch_heads", boom)
+    monkeypatch.setattr("circuitkit.scoring.heads.score_heads", boom)
+    summary = characterize(tiny_llama, "synthetic", out, n_examples=8, k=1, n_random=3,
+                           text=False, progress=False, task_kwargs=TASK)
+    val = pd.read_csv(out / "validation.csv")
+    assert set(val["k"]) == {1} and summary["validation_options"] == dict(k=1, n_random=3)
+    assert all(len(v) == 1 for v in summary["top_heads"].values()) and summary["complete"]
+
+
+def test_a_mixed_task_patches_each_phase_on_the_examples_with_its_steps(tiny_llama, tmp_path):
+    """Examples without anchor steps counted as 0 in the Phase-1 metric (half the mean, and
+    zero-effect prompts in every statistic)."""
+    task = ck.load_task("synthetic", n_examples=8, seed=0, **TASK)
+    task = dataclasses.replace(task, examples=[
+        dataclasses.replace(e, anchor_pos=[], anchors=[]) if i % 2 else e
+        for i, e in enumerate(task.examples)])
+    task.to_jsonl(tmp_path / "task.jsonl")
+    out = tmp_path / "run"
+    characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, n_examples=8, k=2, n_random=4,
+                 text=False, progress=False)
+    p1 = ck.PatchResult.load(out / "patch-p1-noise")
+    p2 = ck.PatchResult.load(out / "patch-p2-noise")
+    assert p1.per_prompt.shape[0] == 4 and p2.per_prompt.shape[0] == 8
+    anchored = task.subset([0, 2, 4, 6]).with_phase(1)
+    with torch.no_grad():
+        clean = anchored.metric(tiny_llama(anchored.clean_tokens)).item()
+    assert p1.clean == pytest.approx(clean, abs=1e-5)
+    val = pd.read_csv(out / "validation.csv")
+    assert set(val[val.phase == 1]["n_prompts"]) == {4}

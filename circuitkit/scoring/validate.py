@@ -52,7 +52,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import top_heads
-from circuitkit.tasks.base import Task, check_task, task_phases
+from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
 VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
@@ -216,7 +216,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        tp = task.with_phase(phase)
+        tp = phase_task(task, phase)  # the examples with steps of this phase
         # prompts sorted by the positions their metric needs, run in length buckets: each
         # bucket's forwards stop after its own last read (the statistics ignore prompt order)
         need = tp.metric.reads.max(1).values

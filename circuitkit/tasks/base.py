@@ -284,6 +284,16 @@ def task_phases(task: Task) -> list[int]:
     return [p for p in (1, 2) if has[p]]
 
 
+def phase_task(task: Task, phase: int) -> Task:
+    """``task.with_phase(phase)`` keeping only the examples with steps of that phase: an
+    example without anchor steps has no Phase-1 metric value, and counted as 0 it would dilute
+    the mean and add zero-effect prompts to every statistic."""
+    tp = task.with_phase(phase)
+    keep = [i for i, e in enumerate(tp.examples)
+            if any(p >= 1 for p in (e.anchor_pos if phase == 1 else e.answer_pos))]
+    return tp if len(keep) == len(tp) else tp.subset(keep)
+
+
 def _replace(task: Task, **changes: Any) -> Task:
     import dataclasses
 
