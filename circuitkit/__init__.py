@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 # public name -> "module:attribute" (resolved lazily, PEP 562)
 _EXPORTS = {
     "load_model": "circuitkit.models:load_model",
+    "save_model": "circuitkit.models:save_model",
     "ModelNotAvailableError": "circuitkit.models:ModelNotAvailableError",
     "PromptMetric": "circuitkit.metrics:PromptMetric",
     "as_metric": "circuitkit.metrics:as_metric",

@@ -506,6 +506,58 @@ def _loadable_tokenizer(tokenizer: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def hf_model_of(model: Any) -> Any:
+    """The HF model inside a ``TransformerBridge`` (or the model itself)."""
+    return getattr(model, "original_model", model)
+
+
+def plain_parameters(model: Any) -> dict[str, Any]:  # name -> torch.Tensor
+    """The HF model's parameters under its own names. Wrapping a model in a
+    ``TransformerBridge`` inserts ``_original_component`` into every name (and adds aliases and
+    a zero ``lm_head.bias`` to its ``state_dict``), so names are read from ``named_parameters``
+    with those segments removed."""
+    return {k.replace("._original_component", "").replace("_original_component.", ""): v
+            for k, v in hf_model_of(model).named_parameters()}
+
+
+def save_model(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:
+    """``model`` (a ``load_model`` result, or a HF model) as a plain HF folder, config + weights
+    + tokenizer (``tokenizer``, else the model's own): what ``load_model(folder)`` and the
+    CLI's ``--model folder`` read. A ``TransformerBridge``'s own ``save_pretrained`` fails on
+    the wrapper's shared tensors, so the weights go into a fresh model of the same config."""
+    from transformers import AutoModelForCausalLM
+
+    from circuitkit.files import write_files_into
+
+    hf = hf_model_of(model)
+    if not hasattr(hf, "config"):
+        raise ValueError(f"save_model: expected a model from ck.load_model or a transformers "
+                         f"model; got {type(model).__name__}.")
+    fresh = AutoModelForCausalLM.from_config(hf.config)
+    got = fresh.load_state_dict({k: v.detach() for k, v in plain_parameters(model).items()},
+                                strict=False)
+    tied = set(getattr(fresh, "_tied_weights_keys", None) or [])
+    missing = [k for k in got.missing_keys if k not in tied]
+    if missing or got.unexpected_keys:
+        raise ValueError(
+            f"save_model: the weights do not map onto a fresh {type(fresh).__name__} (missing "
+            f"{missing[:3]}, unexpected {got.unexpected_keys[:3]}): the bridge splits this "
+            "architecture's fused layers (GPT-2's c_attn into q, k, v). Save the transformers "
+            "model itself before ck.load_model: hf_model.save_pretrained(folder) and "
+            "tokenizer.save_pretrained(folder).")
+    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+
+    def write(d: Path) -> None:
+        fresh.save_pretrained(d)
+        if tok is not None:
+            tok.save_pretrained(d)
+    return write_files_into(Path(folder), write)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model",
+                   "spiece.model")
+
+
 def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, kw: dict):
     import torch
     from transformer_lens.model_bridge import TransformerBridge
@@ -550,6 +602,17 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
             )
         if dtype is None:
             dtype = default_dtype(json.loads((path / "config.json").read_text()), **placement)
+        if tokenizer is None and not any((path / f).exists() for f in TOKENIZER_FILES):
+            vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+            if vocab:  # (a folder of save_pretrained without its tokenizer)
+                import warnings
+
+                warnings.warn(f"{path} has no tokenizer files: token ids are read as they are "
+                              f"(circuitkit's numbered placeholder t0..t{vocab - 1}). Save your "
+                              "task's tokenizer there for words in the views: "
+                              "task.tokenizer().save_pretrained(folder), or ck.save_model.",
+                              stacklevel=3)
+                tokenizer = _loadable_tokenizer(_numbered_tokenizer(int(vocab)))
         return TransformerBridge.boot_transformers(
             str(path), dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
             **placement, **kw)

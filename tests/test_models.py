@@ -497,3 +497,49 @@ def test_attention_left_to_hf_loads_and_refuses_the_sites_it_cannot_patch():
             want = metric(model.run_with_hooks(clean, fwd_hooks=[(hooks.z(layer), patch)]))
         assert abs(float(res.values[layer, head]) - float(want)) < 1e-5
     assert (res.values - res.clean).abs().max() > 1e-3  # the z patches do something
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(model_type="llama", vocab_size=27, hidden_size=32, intermediate_size=64,
+         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=32, seed=3),
+    dict(model_type="llama", vocab_size=27, hidden_size=32, intermediate_size=64,
+         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+         max_position_embeddings=32, tie_word_embeddings=True, seed=4),
+])
+def test_save_model_gives_a_folder_the_cli_loads(cfg, tmp_path):
+    """A model from ck.load_model(dict) could not be saved (the bridge's shared tensors)."""
+    import circuitkit as ck
+
+    model = ck.load_model(dict(cfg))
+    ck.save_model(model, tmp_path / "m")
+    back = ck.load_model(str(tmp_path / "m"))
+    x = torch.randint(0, 27, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(x), back(x), atol=1e-5)
+    assert (tmp_path / "m" / "tokenizer.json").exists()
+
+
+def test_a_folder_without_tokenizer_files_loads_with_a_warning(tmp_path):
+    """It failed inside transformers, asking for sentencepiece or tiktoken."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import circuitkit as ck
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=27, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=4, max_position_embeddings=32)
+                     ).save_pretrained(tmp_path / "bare")
+    with pytest.warns(UserWarning, match="has no tokenizer files"):
+        model = ck.load_model(str(tmp_path / "bare"))
+    assert model.tokenizer.convert_ids_to_tokens([3]) == ["t3"]
+
+
+def test_save_model_says_what_to_do_for_a_split_architecture(tmp_path):
+    import circuitkit as ck
+
+    gpt2 = ck.load_model(dict(model_type="gpt2", vocab_size=27, n_embd=32, n_layer=1, n_head=4,
+                              n_positions=32, seed=4))
+    with pytest.raises(ValueError, match="splits this architecture's fused layers"):
+        ck.save_model(gpt2, tmp_path / "g")
+    assert not (tmp_path / "g").exists()

@@ -75,6 +75,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.scoring.heads import top_heads
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
@@ -410,20 +411,6 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
 
 
 # --- fingerprints -----------------------------------------------------------------------------
-
-
-def hf_model_of(model: Any) -> Any:
-    """The HF model inside a ``TransformerBridge`` (or the model itself)."""
-    return getattr(model, "original_model", model)
-
-
-def plain_parameters(model: Any) -> dict[str, Tensor]:
-    """The HF model's parameters under its own names. Wrapping a model in a
-    ``TransformerBridge`` inserts ``_original_component`` into every name (and adds aliases and
-    a zero ``lm_head.bias`` to its ``state_dict``), so names are read from ``named_parameters``
-    with those segments removed."""
-    return {k.replace("._original_component", "").replace("_original_component.", ""): v
-            for k, v in hf_model_of(model).named_parameters()}
 
 
 def model_fingerprint(model: Any) -> str:
