@@ -48,12 +48,14 @@ def _same_command(ctx: typer.Context) -> str:
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
-          phase: int, loader=None):
+          phase: int | None, loader=None, renders: bool = False):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
     ``n_examples`` rows (None: all of them). ``model=None``: the task only. ``loader``: what
-    loads the model (default ``ck.load_model``; its vocabulary is then checked).
+    loads the model (default ``ck.load_model``; its vocabulary is then checked, unless
+    ``renders`` and the task is one the command renders as text for a pretrained LLM).
+    ``phase``: None takes a file's own phase (a built-in's default: 2).
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
@@ -68,7 +70,7 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
             return None, the_task
         the_model = (loader or ck.load_model)(model)
         if loader is None:
-            the_task.check_model(the_model)
+            _check_vocabulary(the_model, the_task, renders)
         return the_model, the_task
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
@@ -150,7 +152,8 @@ def patch(
                                   "each (per head and position; the only one for layer sites)."),
     site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
                              "mlp_out (layers x positions)."),
-    phase: int = typer.Option(2, help="Task phase (1 anchors, 2 answers)."),
+    phase: int = typer.Option(None, help="Task phase: 1 (anchors) or 2 (answers); default 2, "
+                              "or a .jsonl file's own phase."),
     split: str = typer.Option("test", help="Task split: train or test."),
     seed: int = typer.Option(0, help="Task seed."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
@@ -263,12 +266,20 @@ def patch(
 
             placement = models.replica_placement(layout.local_gpus)
             loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
-        the_model, the_task = _load(model, task, n_examples, seed, split, phase, loader=loader)
+        the_model, the_task = _load(model, task, n_examples, seed, split, phase, loader=loader,
+                                    renders=True)
         if loader is not None:
             try:
-                the_task.check_model(the_model)
+                _check_vocabulary(the_model, the_task, renders=True)
             except ValueError as e:
                 _fail(str(e))
+    from circuitkit.tasks.base import phase_task, task_phases
+
+    if the_task.phase not in task_phases(the_task):
+        _fail(f"task {task!r} has no Phase-{the_task.phase} steps "
+              f"({'anchor_pos' if the_task.phase == 1 else 'answer_pos'} all empty): nothing to "
+              f"patch; its phases: {task_phases(the_task) or 'none'} (--phase).")
+    the_task = phase_task(the_task, the_task.phase)  # the examples with this phase's steps
     clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
     if note:
         typer.echo(note, err=True)
@@ -306,7 +317,7 @@ def patch(
         raise typer.Exit(130) from None
     if distributed.rank_world()[0] != 0:  # every replica holds the merged result; 0 writes
         return
-    res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=phase,
+    res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=the_task.phase,
                     split=split, seed=seed)
     written = res.save(out / "result")
     top = res.top(5)
@@ -316,6 +327,18 @@ def patch(
     typer.echo(f"{res}\nstrongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
                f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
     typer.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _check_vocabulary(model, task, renders: bool) -> None:
+    """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
+    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
+    from circuitkit.tasks.text import TEXT_TASKS
+
+    tok = getattr(model, "tokenizer", None)
+    if renders and task.name in TEXT_TASKS and tok is not None and \
+            task.vocabulary_problem(tok) is not None:
+        return
+    task.check_model(model)
 
 
 def _sweep_inputs(tokenizer, the_task):

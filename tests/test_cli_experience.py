@@ -229,3 +229,34 @@ def test_info_and_plan_refuse_what_they_cannot_price():
                  "3"]).output
     row = next(line for line in small.splitlines() if line.startswith("exact "))
     assert base != small and re.search(r"GB\s+3\s", row), row  # chunk: 3 rows per forward
+
+
+def test_patch_takes_a_files_own_phase_and_renders_icd10_for_an_llm(tmp_path):
+    """--phase defaulted to 2 and patched a phase-1 file's phase 2; the new vocabulary check
+    must not stop `patch` from rendering icd10 as text for a pretrained LLM."""
+    import types
+
+    import circuitkit as ck
+    from circuitkit import models
+    from circuitkit.cli import _check_vocabulary
+
+    task = ck.load_task("synthetic", n_examples=4, n_labels=8, children=4,
+                        labels_per_note=(1, 1), phase=1)
+    task.to_jsonl(tmp_path / "p1.jsonl")
+    model = ck.load_model(dict(model_type="llama", vocab_size=len(task.vocab), hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, max_position_embeddings=64, seed=0))
+    ck.save_model(model, tmp_path / "m", tokenizer=task.tokenizer())
+    r = run(["patch", "--model", str(tmp_path / "m"), "--task", str(tmp_path / "p1.jsonl"),
+             "--method", "exact", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    res = PatchResult.load(tmp_path / "o")
+    assert res.meta["phase"] == 1 and res.meta["metric"] == "anchor_margin"
+    tok = models.local_tokenizer("smollm2-135m")
+    if tok is None:
+        pytest.skip("no SmolLM2 tokenizer here")
+    llm = types.SimpleNamespace(cfg=types.SimpleNamespace(d_vocab=len(tok)), tokenizer=tok)
+    icd = ck.load_task("icd10", n_examples=2)
+    _check_vocabulary(llm, icd, renders=True)  # patch renders it: no refusal
+    with pytest.raises(ValueError, match="other words"):
+        _check_vocabulary(llm, icd, renders=False)  # evaluate would read raw ids: refused

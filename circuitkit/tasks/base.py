@@ -101,8 +101,9 @@ class Task:
         if phase != self.phase and lacking:  # its corrupt_tokens are another phase's
             raise ValueError(
                 f"task {self.name!r} is phase {self.phase} and example(s) {lacking[:5]} store no "
-                f"phase-{phase} corruption (meta[{key!r}]): their corrupt_tokens are phase "
-                f"{self.phase}'s. Use the task at phase {self.phase}, or add {key} to the rows.")
+                f"phase-{phase} corruption ({key!r}): their corrupt_tokens are phase "
+                f"{self.phase}'s. Use the task at phase {self.phase} (--phase {self.phase}), or "
+                f"add {key} to the rows.")
         examples = [
             _replace(e, corrupt_tokens=torch.as_tensor(e.meta[key], dtype=torch.long))
             if key in e.meta else e
