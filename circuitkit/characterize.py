@@ -104,7 +104,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
     # what the sweeps and scores depend on; k and n_random change validation only
-    identity = dict(model=name, model_fingerprint=model_fingerprint(model), task=task_name,
+    # the model by its weights (model_fingerprint), not by the path it was typed as
+    identity = dict(model_fingerprint=model_fingerprint(model), task=task_name,
                     task_fingerprint_p1=fingerprint[1],
                     task_fingerprint_p2=fingerprint[2], text=rendered,
                     n_examples=len(task), seed=seed, split=split, patch_method=patch_method,
@@ -115,6 +116,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
         old = dict(summary.get("identity", {}))
+        old.pop("model", None)  # older folders named the model in the identity
         stored_options = summary.get("validation_options") or {
             key: old.pop(key) for key in ("k", "n_random") if key in old}  # older folders
         if old != identity:
@@ -125,6 +127,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         if stored_options != validation_options:  # same sweeps and scores: validate again
             summary.get("steps", {}).pop("validation", None)
     expected = step_names(phases)  # a report of a partial run says which are missing
+    local = Path(name).expanduser()
+    summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
                    phases=phases, steps_expected=expected, complete=False,
                    validation_options=validation_options)

@@ -159,3 +159,29 @@ def test_a_mixed_task_patches_each_phase_on_the_examples_with_its_steps(tiny_lla
     assert p1.clean == pytest.approx(clean, abs=1e-5)
     val = pd.read_csv(out / "validation.csv")
     assert set(val[val.phase == 1]["n_prompts"]) == {4}
+
+
+def test_a_model_folder_typed_from_another_directory_is_the_same_run(tiny_llama, tmp_path,
+                                                                     monkeypatch):
+    """The identity held the model path as typed and the fingerprint hashed it: the same
+    folder from another working directory was refused; the report from elsewhere lost its
+    attention views."""
+    from circuitkit.viz.report import write_report
+
+    task = ck.load_task("synthetic", n_examples=4, seed=0, **TASK)
+    ck.save_model(tiny_llama, tmp_path / "m", tokenizer=task.tokenizer())
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    characterize("m", "synthetic", tmp_path / "run", n_examples=4, k=1, n_random=2, text=False,
+                 progress=False, task_kwargs=TASK, report=False)
+
+    def boom(*a, **k):
+        raise AssertionError("a sweep was recomputed")
+    monkeypatch.setattr(ck, "patch_heads", boom)
+    monkeypatch.chdir(tmp_path / "sub")
+    summary = characterize("../m", "synthetic", tmp_path / "run", n_examples=4, k=1,
+                           n_random=2, text=False, progress=False, task_kwargs=TASK,
+                           report=False)
+    assert summary["model_path"] == str((tmp_path / "m").resolve())
+    html = write_report(tmp_path / "run").read_text()
+    assert "Attention views skipped" not in html and "CircuitsVis.render(" in html

@@ -217,7 +217,8 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
         if model is None:
             import circuitkit as ck
 
-            name = summary.get("model") or summary.get("model_name")
+            # a local folder by its absolute path: the report may run from another folder
+            name = summary.get("model_path") or summary.get("model") or summary.get("model_name")
             if not name:
                 return "<p class='skip'>Attention views skipped: summary.json names no model.</p>"
             model = ck.load_model(str(name))
