@@ -364,3 +364,29 @@ def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
     again = ck.Task.from_jsonl(path)
     assert again.examples[0].meta["note"] == "a\u2028b\x85c\x0cd"
     assert torch.equal(again.clean_tokens, task.clean_tokens)
+
+
+def test_file_level_mistakes_get_a_message_that_says_which(task, tmp_path):
+    p = tmp_path / "t.jsonl"
+    task.subset(range(2)).to_jsonl(p)
+    head, *rows = p.read_text().split("\n")
+    cases = [
+        ("", "is empty: line 1 must be the header"),
+        ("  \n\n", "is empty"),
+        ("[1, 2]\n" + rows[0], "the header must be a JSON object; got a list"),
+        ("\n".join(rows), "line 1 is an example row; the file needs its header first"),
+        (head.replace('"circuitkit.task"', '"other"') + "\n" + rows[0], "not a circuitkit task"),
+        (head.replace('"label_names"', '"labels"') + "\n" + rows[0],
+         "lacks fields ['label_names']"),
+    ]
+    for text, said in cases:
+        p.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            Task.from_jsonl(p)
+    p.write_text(head.replace('"label_names"', '"labels"') + "\n" + rows[0])
+    with pytest.raises(ValueError, match=re.escape("unknown field(s) ['labels']")):
+        Task.from_jsonl(p)
+    (tmp_path / "t.json").write_text(head)
+    with pytest.raises(ValueError, match="needs the .jsonl extension"):
+        load_task(str(tmp_path / "t.json"))
+    assert repr(task).startswith(f"Task({task.name!r}, phase") and len(repr(task)) < 200

@@ -59,6 +59,8 @@ def load_task(
         raise ValueError(
             f"Unknown task {name!r}; built-in tasks: {sorted(BUILDERS)}, or a path to a .jsonl "
             f"file (see Task.from_jsonl for the schema)."
+            + (f" {name} exists: a task file needs the .jsonl extension." if Path(name).is_file()
+               else "")
         )
     module = importlib.import_module(BUILDERS[name])
     return module.build(n_examples=256 if n_examples is None else n_examples, seed=seed,

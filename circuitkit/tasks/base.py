@@ -68,6 +68,11 @@ class Task:
     config: dict[str, Any] = field(default_factory=dict)
 
     # --- batched views --------------------------------------------------------------------------
+    def __repr__(self) -> str:  # not every example: a task holds thousands of tensors
+        return (f"Task({self.name!r}, phase {self.phase}, {len(self.examples)} examples, "
+                f"{len(self.vocab)} tokens, {len(self.label_names)} labels, "
+                f"{len(self.anchor_names)} anchors)")
+
     def __len__(self) -> int:
         return len(self.examples)
 

@@ -213,16 +213,30 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read task file {path}: {e}") from None
     errors: list[str] = []
+    if not any(line.strip() for line in lines):
+        raise ValueError(f"{path} is empty: line 1 must be the header object and every further "
+                         "line one example (schema: docs/jsonl.md).")
     try:
-        head = json.loads(lines[0]) if lines else None
+        head = json.loads(lines[0])
     except json.JSONDecodeError as err:
-        head = None
-        errors.append(f"{path}:1: malformed JSON in header ({err.msg})")
-    if not isinstance(head, dict) or any(k not in head for k in HEADER_FIELDS):
-        missing = [k for k in HEADER_FIELDS if not isinstance(head, dict) or k not in head]
-        raise ValueError("\n".join(errors or [f"{path}:1: header lacks fields {missing}"]))
+        raise ValueError(f"{path}:1: malformed JSON in header ({err.msg})") from None
+    if not isinstance(head, dict):
+        raise ValueError(f"{path}:1: the header must be a JSON object; got a "
+                         f"{type(head).__name__} (schema: docs/jsonl.md).")
+    if "tokens" in head and "vocab" not in head:
+        raise ValueError(f"{path}:1: line 1 is an example row; the file needs its header first "
+                         "(name, vocab, label_names, ...; schema: docs/jsonl.md).")
+    fmt = head.pop("format", FORMAT)
+    if fmt != FORMAT:
+        raise ValueError(f"{path}:1: header 'format' is {fmt!r}, not {FORMAT!r}: not a "
+                         "circuitkit task file.")
+    missing = [k for k in HEADER_FIELDS if k not in head]
+    if missing:  # every header problem that can be named without those fields
+        unknown = sorted(set(head) - set(HEADER_FIELDS) - set(HEADER_OPTIONAL) - {"version"})
+        errors = [f"{path}:1: header lacks fields {missing}"] + (
+            [f"{path}:1: header has unknown field(s) {unknown}"] if unknown else [])
+        raise ValueError("\n".join(errors))
     version, phase = head.pop("version", 1), head.get("phase", 2)
-    head.pop("format", None)
     if type(phase) is not int or phase not in (1, 2):
         raise ValueError(f"{path}:1: header 'phase' must be 1 or 2, got {phase!r}")
     if type(version) is not int or version < 1:
