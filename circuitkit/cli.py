@@ -443,7 +443,8 @@ def format_plan(p: dict) -> str:
 
 
 METRIC_MEANINGS = {
-    "focus": "Reasoning Focus: probability mass on the correct anchors at Phase-1 steps",
+    "focus": "Reasoning Focus: probability of the correct anchor among the anchors at "
+             "Phase-1 steps",
     "confusion": "Near-Miss Confusion: mass on near-miss siblings among target+near-miss "
                  "labels at answer steps",
     "confusion_rate": "share of notes whose decoded answer contains a near-miss",

@@ -57,7 +57,8 @@ class TrainConfig:
     warmup: int = 100
     weight_decay: float = 0.01
     seed: int = 0
-    pool_size: int = 20000  # examples generated once, sampled with replacement
+    pool_size: int = 20000  # examples generated once, sampled with replacement (a .jsonl
+    # task: all of its rows)
     save_every: int = 250
     # CoT source: None = the task's own CoT; else a model (name or folder) whose greedy CoT and
     # answer replace it (sequence-level distillation: the baseline student of the paper).
@@ -232,7 +233,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
             f"{legacy} is a pickled training state (older circuitkit); it is not loaded, since "
             "unpickling a file can run arbitrary code. Delete it to start this run over, or "
             "use another out_dir.")
-    pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.seed, split="train",
+    # a .jsonl file is its own pool: all its rows (pool_size builds that many of a built-in)
+    pool = load_task(cfg.task, n_examples=None if str(cfg.task).endswith(".jsonl")
+                     else cfg.pool_size, seed=cfg.seed, split="train",
                      **cfg.task_kw)
     tokens, mask = (teacher_cot(pool, cfg.teacher) if cfg.teacher
                     else (pool.clean_tokens, loss_mask(pool)))

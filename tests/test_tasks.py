@@ -390,3 +390,30 @@ def test_file_level_mistakes_get_a_message_that_says_which(task, tmp_path):
     with pytest.raises(ValueError, match="needs the .jsonl extension"):
         load_task(str(tmp_path / "t.json"))
     assert repr(task).startswith(f"Task({task.name!r}, phase") and len(repr(task)) < 200
+
+
+def test_anchor_margin_without_corrupt_anchors_is_against_the_other_anchors():
+    """It fell back to the whole vocabulary's mean logit, not the other anchors'."""
+    import dataclasses
+
+    t = load_task("synthetic", n_examples=4, n_labels=8, children=4, labels_per_note=(1, 1),
+                  phase=1)
+    bare = dataclasses.replace(t, examples=[dataclasses.replace(
+        e, meta={k: v for k, v in e.meta.items() if k != "corrupt_anchors"})
+        for e in t.examples])
+    logits = torch.randn(4, t.clean_tokens.shape[1], len(t.vocab),
+                         generator=torch.Generator().manual_seed(0))
+    got = bare.metric.per_prompt(logits)
+    for i, e in enumerate(bare.examples):
+        steps = []
+        for p in e.anchor_pos:
+            a = int(e.tokens[p])
+            others = [x for x in t.anchor_token_ids.tolist() if x not in e.tokens[e.anchor_pos]]
+            steps.append(logits[i, p - 1, a] - logits[i, p - 1, others].mean())
+        assert float(got[i]) == pytest.approx(float(torch.stack(steps).mean()), abs=1e-5)
+    # with corrupt_anchors: those, as before
+    e = t.examples[0]
+    p, a = e.anchor_pos[0], int(e.tokens[e.anchor_pos[0]])
+    rivals = t.anchor_token_ids[e.meta["corrupt_anchors"]]
+    want = logits[0, p - 1, a] - logits[0, p - 1, rivals].mean()
+    assert float(t.metric.per_prompt(logits)[0]) == pytest.approx(float(want), abs=1e-5)

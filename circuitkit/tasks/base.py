@@ -175,7 +175,8 @@ class Task:
         Phase 2: target-vs-near-miss logit margin at answer steps,
         ``mean_steps(logit[target] - mean(logit[near_misses]))``.
         Phase 1: correct-anchor-vs-other-anchors margin at anchor steps,
-        ``mean_steps(logit[anchor] - mean(logit[anchors of the corrupt evidence]))``.
+        ``mean_steps(logit[anchor] - mean(logit[anchors of the corrupt evidence]))`` (a row
+        without ``corrupt_anchors``: the mean over every other anchor).
         """
         return self.prompt_metric()
 
@@ -194,12 +195,19 @@ class Task:
                 [e.answer_pos for e in ex], [e.tokens[e.answer_pos].tolist() for e in ex],
                 name="answer_logprob")
         if self.phase == 1:
+            anchors = self.anchor_token_ids.tolist()
+
+            def rivals(e: Example) -> list[int]:
+                # the anchors the corrupt evidence points to; a row without them (a JSONL
+                # leaving corrupt_anchors out) is compared with every other anchor, not with
+                # the whole vocabulary's mean
+                if e.meta.get("corrupt_anchors"):
+                    return self.anchor_token_ids[e.meta["corrupt_anchors"]].tolist()
+                own = set(e.tokens[e.anchor_pos].tolist())
+                return [t for t in anchors if t not in own]
             return token_margin_metric(
-                [e.anchor_pos for e in ex],
-                [e.tokens[e.anchor_pos].tolist() for e in ex],
-                [self.anchor_token_ids[e.meta.get("corrupt_anchors", [])].tolist() for e in ex],
-                name="anchor_margin",
-            )
+                [e.anchor_pos for e in ex], [e.tokens[e.anchor_pos].tolist() for e in ex],
+                [rivals(e) for e in ex], name="anchor_margin")
         return token_margin_metric(
             [e.answer_pos for e in ex],
             [e.tokens[e.answer_pos].tolist() for e in ex],
