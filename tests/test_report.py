@@ -284,3 +284,18 @@ def test_report_of_a_one_phase_run_says_why_the_scatter_is_missing(tmp_path):
     html = report_mod.write_report(run).read_text()
     assert "Chart skipped: scores: coarse_score is empty" in html
     assert "Top 10 Phase-2 heads" in html and "Top 10 Phase-1 heads" not in html
+
+
+def test_report_says_when_the_corruption_did_not_lower_the_metric(tmp_path):
+    """A random model's clean and corrupt runs differ by noise (or the wrong way round): the
+    normalized values of ±1.3 were shown with no word."""
+    run = tmp_path / "run"
+    for direction in ("denoise", "noise"):
+        res = patch_result(direction, 1, 0)
+        res.clean, res.corrupt = 0.0185, 0.0532
+        res.save(run / f"patch-p1-{direction}")
+    html = report_mod.write_report(run, attention=False).read_text()
+    assert html.count("The corruption did not lower the metric here") == 1
+    patch_result("denoise", 2, 0).save(run / "good-denoise")
+    html = report_mod.write_report(run, attention=False).read_text()
+    assert html.count("The corruption did not lower the metric here") == 1  # not for the good one

@@ -426,3 +426,15 @@ def test_post_norm_head_writes_add_up_to_the_normalised_attention_output(synth):
     post = {1: refine.norm_params(model, model.blocks[1].ln1_post, "post-attention norm")}
     _, write = signals._pooled(acts, w, b, q, {1: model.blocks[1].attn.W_O.detach()}, post)
     torch.testing.assert_close(write, cache[hooks.attn_out(1)][b, q], atol=1e-5, rtol=1e-4)
+
+
+def test_scores_all_tied_say_their_ranks_mean_nothing(monkeypatch):
+    """Short query rows cap kurtosis at <= 0, so every coarse_score was 0 and (layer, head)
+    order was reported as the top heads without a word."""
+    from circuitkit.scoring import coarse
+
+    monkeypatch.setattr(coarse, "coarse_score", lambda s, a: torch.zeros_like(s))
+    model, task = planted_model(), planted_task(4)
+    with pytest.warns(UserWarning, match="every head has the same coarse_score"):
+        df = score_heads(model, task, progress=False)
+    assert (df["coarse_score"] == 0).all()

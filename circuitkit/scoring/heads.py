@@ -308,6 +308,14 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         margin_widening=mean["margin_widening"].reshape(-1).numpy(),
         refine_score=rs.reshape(-1).numpy()))
     for phase, col in ((1, "coarse_score"), (2, "refine_score")):
+        values = df[col].dropna()
+        if len(values) > 1 and values.max() == values.min():
+            import warnings
+
+            warnings.warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
+                          "(layer, head) order, not a finding (Phase-1 sharpness needs query "
+                          "rows long enough for kurtosis to exceed 0; docs/scores.md).",
+                          stacklevel=2)
         # a phase the task has no steps for (induction: no anchors) gets no ranks, not row order
         rank = df[col].rank(ascending=False, method="first", na_option="bottom")
         df[f"phase{phase}_rank"] = rank.astype(int) if df[col].notna().any() \

@@ -149,12 +149,23 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
             phase = _phase_of(m.group("base"), res)
             head = f"Phase {phase} sweep" if phase else m.group("base")
             out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
-                       f"</span></h3>" + fig_html(patch_heatmaps(res, results[other])))
+                       f"</span></h3>" + _gap_warning(res)
+                       + fig_html(patch_heatmaps(res, results[other])))
             done |= {name, other}
     for name, res in results.items():
         if name not in done:
-            out.append(f"<h3>{_esc(name)}</h3>" + fig_html(patch_heatmap(res)))
+            out.append(f"<h3>{_esc(name)}</h3>" + _gap_warning(res) + fig_html(patch_heatmap(res)))
     return out
+
+
+def _gap_warning(res: Any) -> str:
+    """A line when the corruption did not lower the metric: normalized values then do not
+    read as shares of the behaviour restored or broken."""
+    if res.clean > res.corrupt:
+        return ""
+    return (f"<p class='warn'>The corruption did not lower the metric here (clean "
+            f"{res.clean:.4g}, corrupt {res.corrupt:.4g}): the model does not show the behaviour "
+            "this sweep measures, so the normalized values are not shares of it.</p>")
 
 
 def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
