@@ -186,6 +186,11 @@ def test_characterize_and_score_render_icd10_as_text_for_a_pretrained_llm():
     rendered, was = load_for(llm, "icd10", 2, 0, "test", None)
     assert was and rendered.name == "icd10-text"
     rendered.check_model(llm)  # the rendered task's ids are the tokenizer's own
+    import dataclasses  # a vocab written as decoded text (" heart", not "Ġheart") is the same
+
+    decoded = dataclasses.replace(rendered, vocab=[tok.decode([i])
+                                                   for i in range(len(rendered.vocab))])
+    decoded.check_model(llm)
     teacher = ck.load_model("icd-teacher")
     with pytest.raises(ValueError, match="other words"):  # another task's vocabulary
         ck.load_task("synthetic", n_examples=2).check_model(teacher)

@@ -246,6 +246,9 @@ class Task:
             return None
         bad = [(i, t, self.vocab[i]) for i, t in zip(used, theirs, strict=True)
                if i < len(self.vocab) and t != self.vocab[i]]
+        if bad and hasattr(tokenizer, "decode"):  # a vocab written as decoded text (" heart"
+            bad = [(i, t, w) for i, t, w in bad  # for BPE's "Ġheart") names the same token
+                   if tokenizer.decode([i]).strip() != w.strip()]
         if not bad:
             return None
         shown = ", ".join(f"id {i} is {t!r} to the model but {w!r} to the task"
