@@ -71,7 +71,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
-    from circuitkit.patching.checkpoint import model_fingerprint
+    from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
     from circuitkit.scoring.validate import validate_heads
@@ -120,10 +120,9 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         stored_options = summary.get("validation_options") or {
             key: old.pop(key) for key in ("k", "n_random") if key in old}  # older folders
         if old != identity:
-            diff = {key: (old.get(key), identity.get(key)) for key in sorted(set(old) | set(
-                identity)) if old.get(key) != identity.get(key)}
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
-                             f"(stored, now): {diff}; use a new folder or delete it.")
+                             f"(stored, now): {identity_diff(old, identity)}; use a new folder "
+                             "or delete it.")
         if stored_options != validation_options:  # same sweeps and scores: validate again
             summary.get("steps", {}).pop("validation", None)
     expected = step_names(phases)  # a report of a partial run says which are missing

@@ -332,13 +332,10 @@ def patch(
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
     model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
-    from circuitkit.tasks.text import TEXT_TASKS
+    from circuitkit.tasks.text import needs_text
 
-    tok = getattr(model, "tokenizer", None)
-    if renders and task.name in TEXT_TASKS and tok is not None and \
-            task.vocabulary_problem(tok) is not None:
-        return
-    task.check_model(model)
+    if not (renders and needs_text(getattr(model, "tokenizer", None), task)):
+        task.check_model(model)
 
 
 def _sweep_inputs(tokenizer, the_task):
@@ -346,10 +343,9 @@ def _sweep_inputs(tokenizer, the_task):
     whose tokenizer is not the task's word vocabulary (a pretrained LLM) is rendered as text
     (``tasks.text.text_prompts``: examples whose clean and corrupt texts differ in token count
     are dropped; metric: log-prob of the answer tokens); otherwise the task's own tokens."""
-    from circuitkit.tasks.text import TEXT_TASKS, speaks_task_vocab, text_prompts
+    from circuitkit.tasks.text import needs_text, text_prompts
 
-    if the_task.name not in TEXT_TASKS or tokenizer is None or speaks_task_vocab(tokenizer,
-                                                                                 the_task):
+    if not needs_text(tokenizer, the_task):
         return the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric, ""
     try:
         clean, corrupt, metric, kept = text_prompts(the_task, tokenizer)

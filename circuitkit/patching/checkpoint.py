@@ -19,7 +19,8 @@ Several ranks can share a folder: chunk files never collide and only rank 0 writ
 ``attribution+exact`` keeps its own files in the same kind of folder (``HybridCheckpoint``):
 ``hybrid.json`` (identity: the sweep's, plus the estimator), ``hybrid-screen.*`` (the screening
 estimate, a ``PatchResult``) and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
-exact values, rewritten atomically after each round, with the identity key and a checksum).
+exact values, rewritten atomically after each verification forward, with the identity key
+and a checksum).
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
                 split_prompts=sweep.split_prompts, prompt_order="by_length")
 
 
+def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``key -> (stored, now)`` for every field in which two identities differ (what a refused
+    resume names)."""
+    return {k: (stored.get(k), now.get(k)) for k in sorted(set(stored) | set(now))
+            if stored.get(k) != now.get(k)}
+
+
 def identity_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -176,13 +184,10 @@ class SweepCheckpoint:
         try:
             stored = _read_header(header)
             if stored["identity"] != identity:
-                old = stored["identity"]
-                diff = {k: (old.get(k), identity.get(k)) for k in sorted(set(old) | set(identity))
-                        if old.get(k) != identity.get(k)}
                 raise ValueError(
                     f"checkpoint {path} belongs to a different sweep; differing fields "
-                    f"(stored, now): {diff}. Use a new checkpoint folder, or delete this one to "
-                    "start over.")
+                    f"(stored, now): {identity_diff(stored['identity'], identity)}. Use a new "
+                    "checkpoint folder, or delete this one to start over.")
             return cls(path, identity, tuple(Chunk(*c) for c in stored["chunks"]), lock)
         except BaseException:
             lock.close()
@@ -318,12 +323,11 @@ class HybridCheckpoint:
         try:
             old = _read_header(stored, "identity")["identity"]
             if old != identity:
-                diff = {k: (old.get(k), identity.get(k)) for k in sorted(set(old) | set(identity))
-                        if old.get(k) != identity.get(k)}
                 raise ValueError(
                     f"checkpoint {path} belongs to a different attribution+exact run; differing "
-                    f"fields (stored, now): {diff}. Use a new checkpoint folder, or delete "
-                    f"{stored.name} and the hybrid-* files there to start over.")
+                    f"fields (stored, now): {identity_diff(old, identity)}. Use a new "
+                    f"checkpoint folder, or delete {stored.name} and the hybrid-* files there "
+                    "to start over.")
             return cls(path, identity, lock)
         except BaseException:
             lock.close()

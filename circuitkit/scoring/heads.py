@@ -334,8 +334,7 @@ def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
     Ties go to the lower ``(layer, head)``. A phase without ranks or scores is refused."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2; got {phase!r}.")
-    col, score = f"phase{phase}_rank", "coarse_score" if phase == 1 else "refine_score"
-    by = col if col in scores.columns else score
+    col, by = f"phase{phase}_rank", _ranked_by(scores, phase)
     missing = {"layer", "head", by} - set(scores.columns)
     if missing:
         raise ValueError(f"scores lacks columns {sorted(missing)} (and {col}); pass score_heads' "
@@ -351,12 +350,15 @@ def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
 def scored_phases(scores: Any) -> list[int]:
     """The phases (1, 2) ``scores`` ranks heads for: a task without anchor (or answer) steps
     leaves that phase's rank, or score, empty."""
-    out = []
-    for phase, score in ((1, "coarse_score"), (2, "refine_score")):
-        col = f"phase{phase}_rank" if f"phase{phase}_rank" in scores.columns else score
-        if col in scores.columns and scores[col].notna().any():
-            out.append(phase)
-    return out
+    return [phase for phase in (1, 2) if (col := _ranked_by(scores, phase)) in scores.columns
+            and scores[col].notna().any()]
+
+
+def _ranked_by(scores: Any, phase: int) -> str:
+    """The column ``phase``'s heads are ranked by: ``phase{phase}_rank``, or for a frame
+    without it, the phase's score."""
+    col = f"phase{phase}_rank"
+    return col if col in scores.columns else ("coarse_score" if phase == 1 else "refine_score")
 
 
 def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None

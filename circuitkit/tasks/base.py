@@ -296,9 +296,12 @@ def check_task(task: Any, caller: str) -> None:
 def task_phases(task: Task) -> list[int]:
     """The phases ``task`` has steps for: 1 with an ``anchor_pos >= 1``, 2 with an
     ``answer_pos >= 1`` (the logits before a step predict it)."""
-    has = {1: any(p >= 1 for e in task.examples for p in e.anchor_pos),
-           2: any(p >= 1 for e in task.examples for p in e.answer_pos)}
-    return [p for p in (1, 2) if has[p]]
+    return [p for p in (1, 2) if any(_has_steps(e, p) for e in task.examples)]
+
+
+def _has_steps(example: Example, phase: int) -> bool:
+    """Whether ``example`` has a step of ``phase`` (an anchor, or an answer, at position >= 1)."""
+    return any(p >= 1 for p in (example.anchor_pos if phase == 1 else example.answer_pos))
 
 
 def phase_task(task: Task, phase: int) -> Task:
@@ -306,8 +309,7 @@ def phase_task(task: Task, phase: int) -> Task:
     example without anchor steps has no Phase-1 metric value, and counted as 0 it would dilute
     the mean and add zero-effect prompts to every statistic."""
     tp = task.with_phase(phase)
-    keep = [i for i, e in enumerate(tp.examples)
-            if any(p >= 1 for p in (e.anchor_pos if phase == 1 else e.answer_pos))]
+    keep = [i for i, e in enumerate(tp.examples) if _has_steps(e, phase)]
     return tp if len(keep) == len(tp) else tp.subset(keep)
 
 

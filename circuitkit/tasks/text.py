@@ -158,6 +158,13 @@ def render_text(task: Task, tokenizer, phase: int | None = None,
 TEXT_TASKS = ("icd10", "synthetic")
 
 
+def needs_text(tokenizer: Any, task: Task) -> bool:
+    """Whether a model with ``tokenizer`` gets ``task`` rendered as text: a CoT task
+    (``TEXT_TASKS``) whose word ids the tokenizer reads as other words (a pretrained LLM)."""
+    return (task.name in TEXT_TASKS and tokenizer is not None
+            and not speaks_task_vocab(tokenizer, task))
+
+
 def speaks_task_vocab(tokenizer: Any, task: Task) -> bool:
     """Whether ``tokenizer`` is the task's own word vocabulary (a model trained on the task,
     such as the shipped toys), so the task's token ids are its input as they are."""
