@@ -65,7 +65,6 @@ from circuitkit.patching.sweep import (
 
 # One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;
 # a backward counts as two forwards.
-ATTRIBUTION_PASSES = 4  # per prompt: base forward + source forward + backward (2)
 
 
 def patch_heads(
@@ -439,10 +438,12 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
         print(f"attribution+exact: {len(stored)} verified cells reused from {store.path}",
               file=sys.stderr)
 
+    def prompts_per_forward() -> int:  # a metric without per-prompt values needs them all
+        return min(n, rows[0]) if metric.per_prompt_values else n
+
     def run(layer: int, group: list[int]) -> Tensor:
-        """``[len(group), n]`` exact values, prompts split to fit ``rows`` (a metric without
-        per-prompt values needs all prompts in one forward)."""
-        step = min(n, rows[0]) if metric.per_prompt_values else n
+        """``[len(group), n]`` exact values, prompts split to fit ``rows``."""
+        step = prompts_per_forward()
         return torch.cat([engine().run_variants(layer, [j % per_layer for j in group], p0,
                                                 min(p0 + step, n))
                           for p0 in range(0, n, step)], dim=1)
@@ -460,13 +461,11 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
         for layer, js in by_layer.items():
             i = 0
             while i < len(js):
-                per_fwd = max(1, rows[0] // (min(n, rows[0]) if metric.per_prompt_values else n))
-                group = js[i:i + per_fwd]
+                group = js[i:i + max(1, rows[0] // prompts_per_forward())]
                 try:
                     exact_pp[group] = run(layer, group)
                 except Exception as e:
-                    smallest = len(group) == 1 and (rows[0] == 1 or not metric.per_prompt_values
-                                                    or rows[0] < 2)
+                    smallest = len(group) == 1 and (rows[0] == 1 or not metric.per_prompt_values)
                     if not is_out_of_memory(e) or smallest:  # nothing left to shrink
                         raise
                     release_cached_memory()
