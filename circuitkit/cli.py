@@ -253,6 +253,13 @@ def patch(
         typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return
+    if not plan and distributed.rank_world()[0] == 0:  # rank 0 writes OUT (every method)
+        from circuitkit.files import lock_folder
+
+        try:
+            ctx.call_on_close(lock_folder(out, "--out folder").close)
+        except ValueError as e:
+            _fail(str(e))
     if backend == "nnsight":
         from circuitkit.patching import nnsight_backend
 
@@ -319,7 +326,10 @@ def patch(
         return
     res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=the_task.phase,
                     split=split, seed=seed)
-    written = res.save(out / "result")
+    try:
+        written = res.save(out / "result")
+    except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
+        _fail(str(e))
     top = res.top(5)
     auto = res.meta.get("auto")
     if auto:
@@ -471,7 +481,10 @@ def evaluate(
         _fail(f"--batch-size must be a positive integer; got {batch_size}.")
     the_model, the_task = _load(model, task, n_examples if n_examples is not None
                                 else (None if task.endswith(".jsonl") else 512), seed, split, 2)
-    scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    try:
+        scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
+        _fail(f"{model}: {e}")
     if as_json:
         typer.echo(json.dumps(dict(model=model, task=task, n_examples=len(the_task), split=split,
                                    seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
@@ -538,9 +551,9 @@ def score(
         the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=True)
+        files.write_text(out, df.to_csv(index=False))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
-    files.write_text(out, df.to_csv(index=False))
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
