@@ -636,6 +636,8 @@ def distill(
     seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant."),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
+                                   "training state) of another configuration in --out."),
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
     rerun the same command), or run the ablation table (--ablation)."""
@@ -669,7 +671,7 @@ def distill(
         cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
                             lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
                             seed=seed, store=str(store) if store else None, **kw)
-        folder = train_student(cfg, out)
+        folder = train_student(cfg, out, overwrite=overwrite)
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
