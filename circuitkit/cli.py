@@ -187,6 +187,7 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes OUT/result.{safetensors,json,csv,
     html} and prints the strongest cells."""
     from circuitkit import hooks
+    from circuitkit.files import WriteError
     from circuitkit.patching import api, distributed
     from circuitkit.patching.inputs import (
         BACKENDS,
@@ -306,7 +307,7 @@ def patch(
         ckpt = out / "checkpoint" if checkpoint and stores else None
         res = run(the_model, clean, corrupt, metric, progress=True,
                   task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
-    except ValueError as e:
+    except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
         _fail(str(e))
     except KeyboardInterrupt:
         if plan:

@@ -104,6 +104,35 @@ def test_a_full_disk_during_patch_is_one_line_and_the_rerun_repairs_the_page(tmp
     assert 'src="plotly.min.js"' in (out / "result.html").read_text()
 
 
+def test_a_full_disk_while_saving_checkpoint_chunks_is_one_line_and_resumes(tmp_path,
+                                                                           monkeypatch):
+    """safetensors reports a full disk as a ``SafetensorError`` (not an ``OSError``): it was a
+    traceback. Now one line; the rerun keeps the chunks written before the disk filled."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    out = tmp_path / "p"
+    args = [*PATCH, "--method", "exact", "--batch-size", "2", "--out", out]
+    calls = [0]
+
+    def filling(tensors, filename, metadata=None):
+        calls[0] += 1
+        if calls[0] > 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on "
+                                  "device (os error 28)")
+        save_file(tensors, filename, metadata=metadata)
+
+    with monkeypatch.context() as m:
+        m.setattr("safetensors.torch.save_file", filling)
+        r = _cli(args)
+    assert r.exit_code == 2, (r.output, r.exception)
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "chunk_" in errors[0] and "No space left" in errors[0], r.output
+    assert len(list((out / "checkpoint").glob("chunk_*.safetensors"))) == 2
+    r = _cli(args)
+    assert r.exit_code == 0 and "resumed 2 of" in r.output, r.output
+
+
 def test_a_truncated_plotly_bundle_is_replaced(tmp_path):
     """A half bundle left by an older version (or any damage) is rewritten by the next save."""
     from plotly.offline import get_plotlyjs
@@ -198,6 +227,8 @@ def test_taking_a_lock_removes_dead_writers_temporaries(tmp_path):
     (tmp_path / f".staging.{dead}" / "model.safetensors").write_text("half")
     (tmp_path / f".out.{dead}.partial").mkdir()
     (tmp_path / "keep.tmp").write_text("not ours")
+    with files.lock_folder(tmp_path, clean=False):  # a folder other hosts' ranks write too
+        assert (tmp_path / f".model.safetensors.{dead}.tmp").exists()
     with files.lock_folder(tmp_path):
         pass
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(

@@ -178,7 +178,7 @@ class SweepCheckpoint:
             files.write_json(header, dict(identity=identity, chunks=[list(c) for c in chunks]))
         if world > 1:
             dist.barrier()
-        lock = _take_lock(path, rank)
+        lock = _take_lock(path, rank, world)
         try:
             stored = _read_header(header)
             if stored["identity"] != identity:
@@ -265,9 +265,11 @@ def _read_header(header: Path, *keys: str) -> dict:
                          f"{header.parent} to start the sweep over.") from None
 
 
-def _take_lock(path: Path, rank: int) -> files.FolderLock:
-    """Rank ``rank``'s lock of a checkpoint folder (``files.lock_folder`` on ``lock.rank<r>``)."""
-    return files.lock_folder(path, "checkpoint folder", f"lock.rank{rank}")
+def _take_lock(path: Path, rank: int, world: int = 1) -> files.FolderLock:
+    """Rank ``rank``'s lock of a checkpoint folder (``files.lock_folder`` on ``lock.rank<r>``);
+    a lone process also removes the temporaries dead writers left (ranks may run on other
+    hosts, whose pids cannot be checked from here)."""
+    return files.lock_folder(path, "checkpoint folder", f"lock.rank{rank}", clean=world == 1)
 
 
 class HybridCheckpoint:
