@@ -35,10 +35,14 @@ def test_beats_mixed_and_not_are_said_per_quantity_and_direction():
                                               ("margin", "denoise"): 0.6}))
     assert verdict is None
     assert "on focus when noised, not denoised (p = 0.01 noise; p = 0.3 denoise)" in text
-    assert "not on margin (p = 0.5 noise; p = 0.6 denoise): above 0.05" in text
+    assert "not on margin (p = 0.5 noise; p = 0.6 denoise), above 0.05" in text
     text, verdict = validation_sentence(rows({("focus", "noise"): 0.4}, n_random=4))
     assert verdict is False and "do not beat 4 random 3-head sets" in text
     assert "cannot reach p < 0.05" in text
+    # at a floor above 0.05 the top set outdid every random set: said so, and not significant
+    text, verdict = validation_sentence(rows({("focus", "noise"): 0.2}, n_random=4))
+    assert verdict is None and "have a larger effect than all 4 random 3-head sets on focus " \
+        "(p = 0.2 noise, the floor), which is not significant" in text
 
 
 def _result(values: torch.Tensor, direction: str, phase: int = 2) -> PatchResult:

@@ -29,6 +29,10 @@ from torch import Tensor
 from circuitkit.metrics import PromptMetric, token_logprob_metric, token_margin_metric
 from circuitkit.tasks import jsonl
 
+# The CoT tasks that can be rendered as plain text for a pretrained LLM (``tasks.text``); a JSONL
+# task is read as the token ids it stores.
+TEXT_TASKS = ("icd10", "synthetic")
+
 
 @dataclass
 class Example:
@@ -253,11 +257,20 @@ class Task:
             return None
         shown = ", ".join(f"id {i} is {t!r} to the model but {w!r} to the task"
                           for i, t, w in bad[:3])
-        return (f"the model's tokenizer reads {len(bad)} of the {len(used)} token ids the task "
-                f"uses as other words ({shown}): it was not trained on this task's vocabulary. "
-                f"Use a model trained on it (e.g. icd-teacher for icd10, or "
-                f"circuitkit.training.train on your JSONL), or render the task as text for a "
-                f"pretrained LLM (text=True / --text yes; icd10 and synthetic).")
+        said = (f"the model's tokenizer reads {len(bad)} of the {len(used)} token ids the task "
+                f"uses as other words ({shown}): it was not trained on this task's vocabulary. ")
+        if self.name in TEXT_TASKS:
+            return said + (
+                f"Use a model trained on it (e.g. icd-teacher for {self.name}), or have the task "
+                "rendered as text for a pretrained LLM: circuitkit patch does so by itself, "
+                "score and characterize with --text auto (their default) or --text yes, "
+                "Python with text=True (characterize, circuitkit.scoring.text.load_for); "
+                "evaluate reads the task's own ids.")
+        return said + (
+            "A task read from a file is given to the model as the token ids it stores (it is "
+            "not rendered as text): use a model trained on its vocabulary, e.g. "
+            "circuitkit.training.train(TrainConfig(task='your.jsonl', preset='teacher'), "
+            "'runs/my-model'), then --model runs/my-model (docs/jsonl.md).")
 
     def check_model(self, model: Any) -> None:
         """Refuse a model whose vocabulary cannot hold this task's token ids, or whose

@@ -117,12 +117,11 @@ def _rows(validation: Any, phase: int) -> dict[tuple[str, str], Any]:
 def floor_note(n_random: int) -> str:
     """The smallest p-value ``n_random`` random sets allow, said in words."""
     floor = 1 / (n_random + 1)
-    text = (f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}, "
-            "the floor: the strongest result this test can give")
+    text = f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}"
     if floor > ALPHA:
-        text += (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
-                 f"{math.ceil(1 / ALPHA)} or more")
-    return text + "."
+        return text + (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
+                       f"{math.ceil(1 / ALPHA)} or more.")
+    return text + ", the floor: the strongest result this test can give."
 
 
 def _p_phrase(ps: dict[str, float], n_random: int) -> str:
@@ -136,37 +135,42 @@ def _p_phrase(ps: dict[str, float], n_random: int) -> str:
 
 def validation_sentence(rows: dict[tuple[str, str], Any]) -> tuple[str, bool | None]:
     """Whether the top set beats the random head sets, per quantity, with its p-values and
-    their floor; and a verdict: True (on every quantity), False (on none), None (mixed)."""
+    their floor; and a verdict: True (beats on every quantity), False (on none), None (mixed,
+    or at a floor above ``ALPHA``: larger than every random set, yet not significant)."""
     quantities = list(dict.fromkeys(q for q, _ in rows))
     if not quantities:
         return "", None
     first = next(iter(rows.values()))
     n_random, k = int(first["n_random"]), int(first["k"])
-    beats, misses = [], []
+    floor = 1 / (n_random + 1)
+    beats, tops, misses = [], [], []
     for q in quantities:
         ps = {d: float(rows[q, d]["p_value"]) for d in ("noise", "denoise") if (q, d) in rows}
+        said = f"{q} ({_p_phrase(ps, n_random)})"
         won = [d for d, p in ps.items() if p <= ALPHA]
         if len(won) == len(ps):
-            beats.append(f"{q} ({_p_phrase(ps, n_random)})")
+            beats.append(said)
         elif won:
             lost = [d for d in ps if d not in won]
             beats.append(f"{q} when {' and '.join(won)}d, not {' and '.join(lost)}d "
                          f"({_p_phrase(ps, n_random)})")
+        elif floor > ALPHA and all(abs(p - floor) < 1e-9 for p in ps.values()):
+            tops.append(said)  # larger than every random set: as far as this test can go
         else:
-            misses.append(f"{q} ({_p_phrase(ps, n_random)})")
+            misses.append(said)
     sets = f"{n_random} random {k}-head sets"
-    if beats and misses:
-        text = (f"Patched together they beat {sets} on {' and '.join(beats)}, not on "
-                f"{' and '.join(misses)}: above {ALPHA:g}.")
-        verdict = None
-    elif beats:
-        text = f"Patched together they beat {sets} on {' and '.join(beats)}."
-        verdict = True
-    else:
-        text = (f"Patched together they do not beat {sets}: {' and '.join(misses)}, above "
-                f"{ALPHA:g}.")
-        verdict = False
-    return f"{text} {floor_note(n_random)}", verdict
+    out = []
+    if beats:
+        out.append(f"beat {sets} on {' and '.join(beats)}")
+    if tops:
+        out.append(f"{'' if not beats else 'and '}have a larger effect than all {sets} on "
+                   f"{' and '.join(tops)}, which is not significant")
+    if misses:
+        out.append(("not on " if beats or tops else f"do not beat {sets}: ")
+                   + f"{' and '.join(misses)}, above {ALPHA:g}")
+    verdict = True if beats and not (tops or misses) else False if misses and not (
+        beats or tops) else None
+    return f"Patched together they {', '.join(out)}. {floor_note(n_random)}", verdict
 
 
 def effect_sentence(rows: dict[tuple[str, str], Any]) -> str:
@@ -336,3 +340,18 @@ def run_line(summary: dict | None) -> str:
             f"{ident['patch_method']} patching" if ident.get("patch_method") else None]
     said = ", ".join(b for b in bits if b)
     return f"{model or 'a model'} on {task or 'a task'}" + (f": {said}" if said else "")
+
+
+def format_findings(found: list[Finding], line: str = "", width: int = 88) -> str:
+    """The findings as console text, wrapped at ``width`` columns: one paragraph per phase,
+    its notes indented under it."""
+    import textwrap
+
+    out = [f"findings ({line}):" if line else "findings:"]
+    for f in found:
+        out.append(textwrap.fill(f"{f.title}. {f.headline}", width))
+        out += [textwrap.fill(n, width, initial_indent="  - ", subsequent_indent="    ")
+                for n in f.notes]
+    if not found:
+        out.append("nothing to summarise (no sweeps, scores or validation)")
+    return "\n".join(out)

@@ -1,10 +1,15 @@
 """``report.html``: one self-contained page of a results folder (opens offline, can be mailed).
 
 ``write_report(run_dir)`` reads what it finds in ``run_dir`` (the folder ``circuitkit characterize``
-writes; every part is optional, a missing part is skipped with a note):
+writes; every part is optional, a missing part is skipped with a note). The page leads with the
+findings in words (``viz.findings``: per phase which heads, which layers, whether they beat
+random head sets with the p-value's floor, the key effect, the strongest patching cell), then
+the sweeps, scores, validation, attention and ablation; the glossary lists only the quantities
+the page shows; model fingerprints, versions and timings come last.
 
 ==============================================  ===============================================
-``summary.json``                                model, task, sizes, versions, timings (a table);
+``summary.json``                                model, task, sizes, versions, timings (a table,
+                                                last);
                                                 ``model`` (a name ``ck.load_model`` takes) and
                                                 ``task`` (``ck.load_task``) enable attention views
 ``patch-p1-denoise`` / ``patch-p1-noise`` ...   ``PatchResult`` files (``.safetensors`` +
@@ -215,6 +220,22 @@ def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
             if col in frame.columns:
                 want |= {MEASURE_TERMS[m] for m in frame[col].astype(str) if m in MEASURE_TERMS}
     return [k for k in METRIC_LINES if k in want]
+
+
+def findings_in(run_dir: str | Path) -> tuple[str, list]:
+    """``(run line, viz.findings)`` of a results folder: what ``findings_section`` shows, for
+    the console (``circuitkit characterize`` prints it)."""
+    import pandas as pd
+
+    from circuitkit.viz.findings import findings, run_line
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
+    results, _ = _patch_results(run_dir)
+    return run_line(summary), findings(summary, read("validation.csv"), read("scores.csv"),
+                                       results)
 
 
 def findings_section(summary: dict, validation: Any, scores: Any,
