@@ -97,3 +97,18 @@ def test_findings_read_what_validate_heads_and_score_heads_write(tiny_llama):
 @pytest.mark.parametrize("bad", [None, pd.DataFrame({"set": ["top"], "effect": [1.0]})])
 def test_frames_findings_cannot_read_give_no_validation_sentence(bad):
     assert findings({}, bad, None, None) == []
+
+
+def test_a_sweep_whose_corruption_raised_the_metric_gets_raw_changes_not_shares():
+    de, no = torch.zeros(2, 2), torch.zeros(2, 2)
+    de[1, 0], no[1, 0] = 0.8, -0.5
+    raised = {d: PatchResult(values=v, clean=0.0, corrupt=0.3, direction=d, method="exact",
+                             site="z", positions="all", meta=dict(phase=1, metric="m"))
+              for d, v in (("denoise", de), ("noise", no))}
+    cell, said = strongest_cell(raised)
+    assert cell == (1, 0)  # |effect|: 0.5 + 0.5 (denoise baseline 0.3, noise baseline 0)
+    assert said == {"denoise": "denoise changes the metric by +0.5",
+                    "noise": "noise changes the metric by \u22120.5"}
+    (f,) = findings({}, None, None, {"p1-denoise": raised["denoise"], "p1-noise": raised["noise"]})
+    assert "the corruption did not lower m, so no share of it is given" in f.headline
+    assert "%" not in f.text()

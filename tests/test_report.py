@@ -258,10 +258,10 @@ def test_report_survives_a_stray_pair_and_names_sweeps_by_their_phase(tmp_path):
     html = report_mod.write_report(run, attention=False).read_text()
     assert "Skipped probe: not a PatchResult" in html
     assert "<h3>Phase 1 sweep" in html and "Phase 2 sweep" not in html
-    assert report_mod._phase_of("step20", PatchResult(
+    assert report_mod.phase_of("step20", PatchResult(
         values=torch.zeros(1, 1), clean=1.0, corrupt=0.0, direction="noise", method="exact",
         site="z", positions="all")) is None
-    assert report_mod._phase_of("patch-p2", patch_result("noise", 2, 0)) == 2
+    assert report_mod.phase_of("patch-p2", patch_result("noise", 2, 0)) == 2
 
 
 def test_report_attention_of_a_text_rendered_run_renders_the_task_as_text(tmp_path,

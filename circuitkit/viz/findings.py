@@ -204,11 +204,15 @@ def effect_sentence(rows: dict[tuple[str, str], Any]) -> str:
     return f"Key effect{name}: " + "; ".join(parts) + "."
 
 
-def _phase_of(name: str, result: Any) -> int | None:
-    phase = (getattr(result, "meta", None) or {}).get("phase")
+PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
+
+
+def phase_of(name: str, result: Any) -> int | None:
+    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
+    phase = (result.meta or {}).get("phase")
     if phase is not None:
         return int(phase)
-    m = re.search(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])", name)
+    m = PHASE_NAME.search(name)
     return int(m.group("phase")) if m else None
 
 
@@ -216,7 +220,7 @@ def _head_sweeps(results: dict[str, Any] | None, phase: int) -> dict[str, Any]:
     """``{direction: PatchResult}`` of this phase's head sweeps (layer x head)."""
     out = {}
     for name, res in (results or {}).items():
-        if tuple(getattr(res, "axes", ())) == ("layer", "head") and _phase_of(name, res) == phase:
+        if tuple(getattr(res, "axes", ())) == ("layer", "head") and phase_of(name, res) == phase:
             out.setdefault(res.direction, res)
     return out
 
@@ -231,29 +235,42 @@ def _normalized(res: Any):
     return norm, (None if ci is None else (ci[0].numpy(), ci[1].numpy()))
 
 
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x >= 0 else f"\u2212{-x:.0%}"
+
+
 def strongest_cell(sweeps: dict[str, Any]) -> tuple[tuple[int, int], dict[str, str]] | None:
     """The head with the largest ``|normalized|`` summed over the directions given, and per
-    direction a phrase of its share with its 95% interval."""
+    direction a phrase of its share of the clean-corrupt gap (restored by denoise, removed by
+    noise) with its 95% interval. Where the corruption did not lower the metric (normalized
+    values are then no shares of it), the largest ``|effect|`` and its raw change instead."""
     import numpy as np
 
     if not sweeps:
         return None
-    norms = {d: _normalized(r) for d, r in sweeps.items()}
-    total = sum(np.nan_to_num(np.abs(n)) for n, _ in norms.values())
+    shares = all(r.clean > r.corrupt and not getattr(r, "degenerate", False)
+                 for r in sweeps.values())
+    if shares:
+        cells = {d: _normalized(r) for d, r in sweeps.items()}
+    else:
+        cells = {d: (r.effect().float().numpy(), None) for d, r in sweeps.items()}
+    total = sum(np.nan_to_num(np.abs(n)) for n, _ in cells.values())
     if not np.isfinite(total).all() or float(np.max(total)) == 0.0:
         return None
     layer, head = np.unravel_index(int(np.argmax(total)), total.shape)
     said = {}
-    for d, (n, ci) in norms.items():
+    for d, (n, ci) in cells.items():
         v = float(n[layer, head])
         if not math.isfinite(v):
             continue
-        verb = ("restores" if v >= 0 else "lowers the metric by") if d == "denoise" else \
-            ("removes" if v <= 0 else "raises the metric by")
-        text = f"{d} {verb} {_pct(v)}"
+        if not shares:
+            said[d] = f"{d} changes the metric by {_signed(v)}"
+            continue
+        sign = 1.0 if d == "denoise" else -1.0  # a share restored, or removed
+        text = f"{d} {'restores' if d == 'denoise' else 'removes'} {_share(sign * v)}"
         if ci is not None:
-            lo, hi = sorted((abs(float(ci[0][layer, head])), abs(float(ci[1][layer, head]))))
-            text += f" [{lo:.0%}, {hi:.0%}]"
+            lo, hi = sorted((sign * float(ci[0][layer, head]), sign * float(ci[1][layer, head])))
+            text += f" [{_share(lo)}, {_share(hi)}]"
         said[d] = text
     return (int(layer), int(head)), said
 
@@ -269,7 +286,10 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
     any_res = next(iter(sweeps.values()))
     metric = (any_res.meta or {}).get("metric") or "the metric"
     said = list(said.values())
-    said[0] += f" of the clean-corrupt difference in {metric}"
+    if "%" in said[0]:
+        said[0] += f" of the clean-corrupt difference in {metric}"
+    else:
+        said.append(f"the corruption did not lower {metric}, so no share of it is given")
     out = [f"Strongest single head in the Phase-{phase} patching sweeps: {head_name(cell)} "
            f"({'; '.join(said)})."]
     if top and cell not in top and scores is not None:

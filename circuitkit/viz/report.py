@@ -36,6 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from circuitkit.viz.findings import phase_of
+
 # One line per quantity the report shows (what it means, in the report's own words).
 METRIC_LINES: dict[str, str] = {
     "value": "the task metric named in each sweep's title after patching one component, mean "
@@ -89,7 +91,6 @@ MEASURE_TERMS = {"focus": "focus", "confusion": "confusion", "confusion_rate": "
                  "exact_match": "macro_f1 / micro_f1 / exact_match", "las": "las"}
 
 PAIR = re.compile(r"^(?P<base>.+)-(?P<direction>denoise|noise)$")
-PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0 auto;
@@ -146,15 +147,6 @@ def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     return found, skipped
 
 
-def _phase_of(name: str, result: Any) -> int | None:
-    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
-    phase = (result.meta or {}).get("phase")
-    if phase is not None:
-        return int(phase)
-    m = PHASE_NAME.search(name)
-    return int(m.group("phase")) if m else None
-
-
 def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.viz.heatmaps import patch_heatmap, patch_heatmaps
 
@@ -163,7 +155,7 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
         m = PAIR.match(name)
         if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
             other = f"{m.group('base')}-noise"
-            phase = _phase_of(m.group("base"), res)
+            phase = phase_of(m.group("base"), res)
             head = f"Phase {phase} sweep" if phase else m.group("base")
             out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
                        f"</span></h3>" + _gap_warning(res)
@@ -179,7 +171,7 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
 def sweep_heading(name: str, result: Any) -> str:
     """A single sweep's heading: ``"Phase 2 sweep, noise: target_vs_near_miss_margin
     (result)"``; what it patched (heads, layers, per position) when it is not a head sweep."""
-    phase = _phase_of(name, result)
+    phase = phase_of(name, result)
     what = {("layer", "head"): "", ("layer", "head", "pos"): " per position",
             ("layer", "pos"): f" of layer site {result.site}"}.get(tuple(result.axes), "")
     head = (f"Phase {phase} sweep" if phase else "Sweep") + what + f", {result.direction}"
