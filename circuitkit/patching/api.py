@@ -665,7 +665,7 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     clean, corrupt = check_tokens(clean, corrupt, model)
     hooks.check_patchable(model, site, clean)
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
     return clean, corrupt, pm
 

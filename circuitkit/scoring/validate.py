@@ -235,7 +235,8 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
             bar.refresh()
         runs = {}
         for direction in ("noise", "denoise"):
-            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour), f.d_vocab)
+            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
+                                      f.d_vocab_out)
             if saved and (got := saved.load(key)) is not None:
                 runs[direction] = got
                 _say(bar, progress, f"validate: phase {phase} {direction}: reused")

@@ -26,6 +26,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, token_logprob_metric, token_margin_metric
 from circuitkit.tasks import jsonl
 
@@ -288,6 +289,17 @@ class Task:
                 f"{d_vocab} tokens: use a model trained on this task's vocabulary (e.g. "
                 f"icd-teacher for icd10), or render the task as text for a pretrained LLM "
                 f"(circuitkit.tasks.text.render_text).")
+        out = hooks.vocab_out(model)
+        phases = task_phases(self)
+        read = [int(t) for p, ids in ((1, self.anchor_token_ids), (2, self.label_token_ids))
+                if p in phases for t in ids.tolist()]
+        read += [int(e.tokens[p]) for e in self.examples for p in e.anchor_pos + e.answer_pos]
+        if read and max(read) >= out:
+            raise ValueError(
+                f"task {self.name!r}: its metrics read the logits of token ids up to {max(read)} "
+                f"(its label and anchor tokens) but the model's unembedding has {out} outputs "
+                f"(its own output vocabulary, d_vocab_out < d_vocab, as a Tracr model's); give "
+                f"the labels and anchors token ids below {out}.")
         problem = self.vocabulary_problem(getattr(model, "tokenizer", None))
         if problem:
             raise ValueError(f"task {self.name!r}: {problem}")
