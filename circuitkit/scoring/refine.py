@@ -1,12 +1,33 @@
-"""Phase-2 components: loopback attention, margin widening and their combination (RefineScore).
+"""Phase-2 components: the loop-back decomposed, margin widening and RefineScore.
 
 Shapes: ``N`` Phase-2 query rows (one per example and answer step), ``H`` heads, ``S`` key
-positions, ``D`` = d_model. A Phase-2 query position is ``answer_pos - 1``: the position whose
-logits predict the answer label.
+positions, ``K`` shortlist keys of a row (padded), ``D`` = d_model. A Phase-2 query position is
+``answer_pos - 1``: the position whose logits predict the answer label. ``A[n, h, s]`` is the
+head's attention row; ``T``/``M`` the shortlist positions (keys ``<= q``) holding one of the
+example's target / near-miss tokens, ``SL`` all its shortlist positions.
 
-* ``loopback = sum_s rows[n, h, s] * (target_keys - near_keys)[n, s]`` [N, H]:
-  attention mass on the shortlist positions that hold one of the example's target labels minus the
-  mass on those holding one of its near-miss labels (each in [0, 1], so loopback is in [-1, 1]).
+* ``shortlist_share = sum_{s in SL} A[n, h, s]`` in [0, 1]: how much the head re-reads the
+  shortlist at all.
+* ``key_preference = (a_T - a_M) / (a_T + a_M)`` in [-1, 1], with ``a_T = mean_{s in T} A`` and
+  ``a_M = mean_{s in M} A`` the mean attention *per entry*: count-balanced (a head uniform over
+  the shortlist scores 0 whatever the numbers of targets and near-misses), independent of the
+  share, and equal to ``tanh(Delta / 2)`` where ``Delta = log a_T - log a_M`` is the difference
+  of the (log-mean-exp) pre-softmax QK logits of the two groups, so it is the QK logit difference
+  squashed onto [-1, 1]. Undefined (left out of the mean) for a row without a target or without
+  a near-miss entry.
+* ``ov_copy``: what the head does with the entries it reads. The write it takes from shortlist
+  key ``s`` is ``A[n, h, s] v[s, h] @ W_O[h]`` (``v`` its value vector; ``z = sum_s A v``), and
+  its own-label effect ``e[n, s, h] = n(v[s, h] @ W_O[h]) . (W_U[:, tok(s)] - mean_{s' in SL}
+  W_U[:, tok(s')])``: the direct effect, through the final norm as the run scaled it, on the
+  logit of the label at ``s`` relative to the shortlist's labels. ``ov_copy = sum_{s in SL} A e /
+  sum_{s in SL} A``, the attention-weighted mean: > 0 the head copies what it reads, < 0 it
+  suppresses it (logits per unit of attention; NaN where a model gives no per-head ``W_O``,
+  and ``loopback`` then takes ``|key_preference|``).
+* ``loopback = shortlist_share * key_preference * sign(ov_copy)`` in [-1, 1]: re-reading the
+  shortlist, selectively, in the direction the OV circuit turns into margin. A head attending to
+  target entries and copying them scores +1; one attending to near-miss entries and suppressing
+  them scores +1 too; a uniform head, or one that never looks, scores 0; one that attends to
+  targets and suppresses them (or to near-misses and copies them) scores -1.
 * ``margin_widening``: the head's direct effect on the target-vs-near-miss logit margin,
   ``(norm_scale(w, x) @ (W_U[:, t] - mean_m W_U[:, m]))``: its write ``w`` [N, H, D] passed through
   the final norm *as that run scaled it* (``final_norm_linear``), dotted with the unembedding
@@ -14,14 +35,15 @@ logits predict the answer label.
   (their mean: "averaged over near-misses"; the vocabulary mean when an example has none, as the
   task metric does). Summed over every residual component, these direct effects add up to the
   metric's logit margin (up to the unembedding bias).
-* ``refine_score = (1 + loopback) / 2 * margin_widening``: the loopback mapped monotonically
-  from [-1, 1] onto a gate in [0, 1], times the margin effect. High only when the head pushes the
-  margin in the target's favour *and* its attention favours the targets' shortlist entries; a
-  head that attends there but writes off the margin direction scores ~0, a head that looks only
-  at near-miss entries scores 0, and one that does not look back at the shortlist at all gets
-  half weight. (A clipped ``max(loopback, 0)`` gate was rejected: a shortlist holds up to three
-  near-misses per target, so even a uniform look-back has negative loopback, and on the shipped
-  teacher every head's loopback is negative, which would zero every score.)
+* ``refine_score = margin_widening * max(loopback, 0)``: high only when the head widens the margin
+  *and* gets there by re-reading the shortlist selectively, whichever of the two ways (copying
+  targets, suppressing near-misses). A head that widens the margin from elsewhere (the note) or
+  reads the shortlist uniformly scores 0; a head that narrows the margin while re-reading scores
+  below 0. (Rejected: the former ``(1 + mass_T - mass_M) / 2 * margin_widening`` gate, >= 0.3 for
+  every head on the shipped teacher, so the ranking was margin_widening's (Spearman 0.99), and
+  its count-confounded mass difference was negative even for a uniform head.)
+* ``mechanism``: "copy" (``ov_copy > 0``) or "suppress" (``< 0``) for a head with
+  ``margin_widening > 0`` and ``loopback >= MECHANISM_MIN_LOOPBACK``, else "-".
 
 Final norm (``final_norm_linear``), with ``x`` [N, D] the residual entering the final norm at the
 query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's gain (its weight; ``1 + weight``
@@ -42,14 +64,53 @@ import weakref
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
+MECHANISM_MIN_LOOPBACK = 0.1  # below it a head's re-reading is too weak to name a mechanism
 
-def loopback(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],
-             near_keys: Float[Tensor, "N S"]) -> Float[Tensor, "N H"]:
-    """Attention mass on target shortlist positions minus mass on near-miss ones."""
-    return torch.einsum("nhs,ns->nh", rows.float(), (target_keys - near_keys).float())
+
+def shortlist_share(rows: Float[Tensor, "N H S"], shortlist_keys: Float[Tensor, "N S"]
+                    ) -> Float[Tensor, "N H"]:
+    """Attention mass on the shortlist positions."""
+    return torch.einsum("nhs,ns->nh", rows.float(), shortlist_keys.float())
+
+
+def key_preference(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],
+                   near_keys: Float[Tensor, "N S"]) -> tuple[Float[Tensor, "N H"],
+                                                              Bool[Tensor, " N"]]:
+    """``(a_T - a_M) / (a_T + a_M)`` per row and head (module docstring), and which rows have
+    both a target and a near-miss entry (the others are 0 here and must be left out)."""
+    t, m = target_keys.float(), near_keys.float()
+    n_t, n_m = t.sum(-1), m.sum(-1)  # [N]
+    valid = (n_t > 0) & (n_m > 0)
+    a_t = torch.einsum("nhs,ns->nh", rows.float(), t) / n_t.clamp(min=1)[:, None]
+    a_m = torch.einsum("nhs,ns->nh", rows.float(), m) / n_m.clamp(min=1)[:, None]
+    pref = (a_t - a_m) / (a_t + a_m).clamp(min=1e-30)
+    return torch.where(valid[:, None], pref, torch.zeros_like(pref)), valid
+
+
+def own_label_effects(scaled_key_writes: Float[Tensor, "N K H D"],
+                      label_dirs: Float[Tensor, "N K D"]) -> Float[Tensor, "N K H"]:
+    """``e[n, k, h] = scaled_key_writes[n, k, h] . label_dirs[n, k]`` with ``label_dirs`` the
+    shortlist-centred unembedding column of the label at key ``k``."""
+    return torch.einsum("nkhd,nkd->nkh", scaled_key_writes.float(), label_dirs.float())
+
+
+def ov_copy(rows_at_keys: Float[Tensor, "N H K"], effects: Float[Tensor, "N K H"],
+            valid_keys: Bool[Tensor, "N K"]) -> Float[Tensor, "N H"]:
+    """``sum_k A e / sum_k A`` over the row's valid shortlist keys (0 for a row without any)."""
+    a = rows_at_keys.float() * valid_keys[:, None, :].float()
+    num = torch.einsum("nhk,nkh->nh", a, effects.float())
+    return num / a.sum(-1).clamp(min=1e-30)
+
+
+def aligned_loopback(share: Tensor, preference: Tensor, copy: Tensor) -> Tensor:
+    """``shortlist_share * key_preference * sign(ov_copy)`` (module docstring); where
+    ``ov_copy`` is unknown (NaN: no per-head ``W_O``), ``shortlist_share * |key_preference|``:
+    selective re-reading either way, the margin deciding the sign."""
+    known = share * preference * torch.sign(copy.nan_to_num(0.0))
+    return torch.where(copy.isnan(), share * preference.abs(), known)
 
 
 def final_norm(model: Any) -> tuple[str, Tensor, float]:
@@ -131,5 +192,14 @@ def margin_widening(scaled_writes: Float[Tensor, "N H D"], margin_dir: Float[Ten
 
 
 def refine_score(loopback_: Tensor, margin: Tensor) -> Tensor:
-    """``(1 + loopback) / 2 * margin_widening`` (module docstring)."""
-    return (1 + loopback_) / 2 * margin
+    """``margin_widening * max(loopback, 0)`` (module docstring)."""
+    return margin * loopback_.clamp(min=0)
+
+
+def mechanism(loopback_: Any, margin: Any, copy: Any) -> list[str]:
+    """"copy" / "suppress" / "-" per head (module docstring); array-likes of equal length."""
+    out = []
+    for lb, mw, ov in zip(loopback_, margin, copy, strict=True):
+        named = mw > 0 and lb >= MECHANISM_MIN_LOOPBACK and ov == ov and ov != 0
+        out.append(("copy" if ov > 0 else "suppress") if named else "-")
+    return out
