@@ -543,8 +543,11 @@ def score(
     files.write_text(out, df.to_csv(index=False))
     from circuitkit.scoring.heads import scored_phases, top_heads
 
-    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
-                        (2, ["layer", "head", "loopback", "margin_widening", "refine_score"])):
+    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
+                             "phase1_inclusion", "coarse_score"]),
+                        (2, ["layer", "head", "shortlist_share", "key_preference", "ov_copy",
+                             "mechanism", "margin_widening", "phase2_inclusion",
+                             "refine_score"])):
         if phase not in scored_phases(df):  # not five NaN rows under a "top" title
             typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
             continue

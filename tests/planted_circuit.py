@@ -193,15 +193,21 @@ CONST, LAB, PAIR = 48, 50, 58
 #   "uniform": attends to all eight entries alike, writes +W_U of the label it reads;
 #   "never": attends to the note's P_j, writes W_U of both targets (widens the margin most,
 #            never looking at the shortlist);
+#   "retrieve": attends to the six near-miss entries, reads the pair the mover stored there
+#               and writes W_U of both targets (neither copies nor suppresses what it reads);
 #   "zero": nothing.
-REFINE_KINDS = ("copy", "suppress", "uniform", "never")
-SCALE = {"copy": 2.0, "suppress": 2.0, "uniform": 2.0, "never": 3.0}
+REFINE_KINDS = ("copy", "suppress", "uniform", "never", "retrieve")
+SCALE = {"copy": 2.0, "suppress": 2.0, "uniform": 2.0, "never": 3.0, "retrieve": 0.2}
 
 
 @torch.no_grad()
 def refine_model(kinds: tuple[str, ...] = REFINE_KINDS):
+    """Layer-1 head ``h`` is of ``kinds[h]`` (zero heads added up to a divisor of d_model)."""
     from tinymodels import make_model
 
+    kinds = tuple(kinds)
+    while 64 % len(kinds):  # (d_model must be a multiple of the heads: pad with zero heads)
+        kinds += ("zero",)
     H = len(kinds)
     cfg = {"model_type": "llama", "vocab_size": RV, "hidden_size": 64, "intermediate_size": 16,
            "num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": H,
@@ -243,11 +249,16 @@ def refine_model(kinds: tuple[str, ...] = REFINE_KINDS):
                 a1.q_proj.weight[row(h, 4 + j), PAIR + j] = 6.0
             for k in range(8):
                 a1.k_proj.weight[row(h, 4 + k // 2), R0 + k] = 1.0
-        elif kind in ("suppress", "uniform"):  # every label; suppress: minus its targets
+        elif kind in ("suppress", "uniform", "retrieve"):  # every label; minus its targets
             a1.q_proj.weight[row(h, 12), CONST] = 6.0
             for k in range(8):
                 a1.k_proj.weight[row(h, 12), R0 + k] = 1.0
-            if kind == "suppress":
+            if kind == "retrieve":  # value: the pair stored at the entry; output: the targets
+                for j in range(4):
+                    a1.v_proj.weight[row(h, j), PAIR + j] = 1.0
+                    a1.o_proj.weight[LAB + 2 * j, row(h, j)] = s
+                    a1.o_proj.weight[LAB + 2 * j + 1, row(h, j)] = s
+            if kind in ("suppress", "retrieve"):
                 for j in range(4):
                     a1.q_proj.weight[row(h, 4 + j), PAIR + j] = -12.0
                 for k in range(8):

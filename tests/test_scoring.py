@@ -97,11 +97,6 @@ def test_coarse_and_refine_combinations():
     assert coarse.coarse_score(torch.tensor(3.0), torch.tensor(2.0)).item() == pytest.approx(
         2 * torch.tanh(torch.tensor(1.0)).item())
     assert coarse.coarse_score(torch.tensor(-1.5), torch.tensor(2.0)).item() == 0.0
-    # margin_widening * max(loopback, 0)
-    assert refine.refine_score(torch.tensor(1.0), torch.tensor(3.0)).item() == 3.0
-    assert refine.refine_score(torch.tensor(-1.0), torch.tensor(3.0)).item() == 0.0
-    assert refine.refine_score(torch.tensor(0.5), torch.tensor(3.0)).item() == 1.5
-    assert refine.refine_score(torch.tensor(0.5), torch.tensor(-2.0)).item() == -1.0
 
 
 def test_loopback_parts_on_known_positions():
@@ -124,17 +119,23 @@ def test_loopback_parts_on_known_positions():
     # no near-miss entry: undefined, flagged
     _, none = refine.key_preference(rows, target, torch.zeros_like(near))
     assert none.tolist() == [False]
-    # ov_copy: attention-weighted mean of the per-key effects over valid keys
+    assert refine.loopback(share, pref[0]).tolist() == pytest.approx([0.45, 0.0, -1.0, 0.0])
+    # per-key effects: attention-weighted sums over the keys asked for, and their mass
     at_keys = torch.tensor([[[0.2, 0.6, 0.1], [0.5, 0.5, 0.0]]])  # [N=1, H=2, K=3]
     effects = torch.tensor([[[1.0, -1.0], [2.0, 3.0], [4.0, 9.0]]])  # [N, K, H]
     ok = torch.tensor([[True, True, False]])
-    got = refine.ov_copy(at_keys, effects, ok)[0]
-    assert got.tolist() == pytest.approx([(0.2 * 1 + 0.6 * 2) / 0.8, (-0.5 + 1.5) / 1.0])
-    lb = refine.aligned_loopback(torch.tensor([0.9, 0.9, 0.5]), torch.tensor([0.5, -0.5, 1.0]),
-                                 torch.tensor([2.0, -3.0, float("nan")]))
-    assert lb.tolist() == pytest.approx([0.45, 0.45, 0.5])  # copy, suppress, OV unknown
-    assert refine.mechanism([0.45, 0.45, 0.05, 0.45], [1.0, 1.0, 1.0, -1.0],
-                            [2.0, -3.0, 2.0, 2.0]) == ["copy", "suppress", "-", "-"]
+    total, mass = refine.attended_sum(at_keys, effects, ok)
+    assert total[0].tolist() == pytest.approx([0.2 * 1 + 0.6 * 2, -0.5 + 1.5])
+    assert mass[0].tolist() == pytest.approx([0.8, 1.0])
+    uniform = refine.uniform_sum(torch.tensor([[0.5, 1.0]]), effects, ok)
+    assert uniform[0].tolist() == pytest.approx([0.5 * 1.5, 1.0 * 1.0])
+    # where the shortlist margin comes from (target / near-miss entries) and which side of
+    # the margin it moves (target up / near-misses down); "-" below a tenth of the strongest
+    # refine_score, or <= 0
+    got = refine.mechanism([1.0, 1.0, 1.0, 1.0, 0.05, -1.0], [0.8, 0.2, 0.2, 0.8, 1, 1],
+                           [0.2, 0.8, 0.8, 0.2, 0, 0], [0.9, 0.1, 0.9, 0.1, 1, 1],
+                           [0.1, 0.9, 0.1, 0.9, 0, 0])
+    assert got == ["copy", "suppress", "retrieve", "retrieve", "-", "-"]
 
 
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_gpt2"])
@@ -181,7 +182,9 @@ def test_score_heads_equals_reference_from_full_cache(which, synth, request):
     ln = model.ln_final.original_component
     norm_is_rms = which == "tiny_llama"
     parts = ("sharpness", "anchor_alignment", "anchor_alignment_tokens", "shortlist_share",
-             "key_preference", "ov_copy", "margin_widening")
+             "key_preference", "ov_copy", "ov_copy_targets", "ov_copy_near_misses",
+             "margin_widening", "refine_score", "margin_from_targets", "margin_from_near_misses",
+             "refine_target_up", "refine_if_uniform")
     want = {k: torch.zeros(L, H) for k in parts}
     tok_cols = W_U[:, synth.anchor_token_ids]
     u_tok = tok_cols - tok_cols.mean(1, keepdim=True)
@@ -222,7 +225,8 @@ def test_score_heads_equals_reference_from_full_cache(which, synth, request):
             sl_tok = e.tokens[sl].tolist()
             t_pos = [s for s, t in zip(sl, sl_tok, strict=True) if t in lt[e.targets].tolist()]
             n_pos = [s for s, t in zip(sl, sl_tok, strict=True) if t in near.tolist()]
-            centred = W_U[:, sl_tok] - W_U[:, sl_tok].mean(1, keepdim=True)  # [D, K]
+            centred = W_U[:, sl_tok] - W_U.mean(1, keepdim=True)  # [D, K]: logit - mean logit
+            t_up = W_U[:, int(e.tokens[p])] - W_U.mean(1)
             for lay in range(L):
                 pat = cache[hooks.pattern(lay)][b, :, q]  # [H, S]
                 want["shortlist_share"][lay] += pat[:, sl].sum(-1) / len(e.answer_pos)
@@ -236,16 +240,22 @@ def test_score_heads_equals_reference_from_full_cache(which, synth, request):
                     torch.testing.assert_close(pat[h, :q + 1] @ per_key[:q + 1], res[h],
                                                atol=1e-5, rtol=1e-4)
                     effect = (scale(per_key[sl]) * centred.T).sum(-1)  # [K]
-                    want["ov_copy"][lay, h] += (pat[h, sl] @ effect / pat[h, sl].sum()
-                                                / len(e.answer_pos))
+                    margin = scale(per_key[sl]) @ d_u  # [K]
+                    a = pat[h, sl]
+                    steps = len(e.answer_pos)
+                    want["ov_copy"][lay, h] += a @ effect / a.sum() / steps
+                    want["refine_score"][lay, h] += a @ margin / steps
+                    want["refine_if_uniform"][lay, h] += a.sum() * margin.mean() / steps
+                    want["refine_target_up"][lay, h] += a @ (scale(per_key[sl]) @ t_up) / steps
+                    for name, group in (("targets", t_pos), ("near_misses", n_pos)):
+                        i = [sl.index(x) for x in group]
+                        want[f"ov_copy_{name}"][lay, h] += a[i] @ effect[i] / a[i].sum() / steps
+                        want[f"margin_from_{name}"][lay, h] += a[i] @ margin[i] / steps
     for k, v in want.items():
         got = torch.tensor(df[k].to_numpy()).reshape(L, H).float()
         torch.testing.assert_close(got, v / len(synth), atol=2e-4, rtol=1e-4, msg=k)
-    # the combinations, from the columns
-    lb = df.shortlist_share * df.key_preference * df.ov_copy.apply(lambda x: (x > 0) - (x < 0))
-    assert df.loopback.to_numpy() == pytest.approx(lb.to_numpy(), abs=1e-6)
-    assert df.refine_score.to_numpy() == pytest.approx(
-        (df.margin_widening * lb.clip(lower=0)).to_numpy(), abs=1e-6)
+    assert df.loopback.to_numpy() == pytest.approx(
+        (df.shortlist_share * df.key_preference).to_numpy(), abs=1e-6)
 
 
 def test_planted_heads_rank_first_and_decoys_do_not():
@@ -265,13 +275,15 @@ def test_planted_heads_rank_first_and_decoys_do_not():
         assert df.loc[decoy, "phase1_rank"] > 1
         assert df.loc[decoy, "coarse_score"] < 1e-3 * df.loc[PLANTED_P1, "coarse_score"]
     # Phase 2: the decoy reads the target entry just like the planted head, writes nothing
-    for col in ("shortlist_share", "key_preference"):
+    for col in ("shortlist_share", "key_preference", "loopback"):
         assert df.loc[PLANTED_P2, col] > 0.99
         assert df.loc[DECOY_P2, col] == pytest.approx(df.loc[PLANTED_P2, col], abs=1e-4)
     assert df.loc[PLANTED_P2, "ov_copy"] > 1 and df.loc[PLANTED_P2, "mechanism"] == "copy"
-    assert df.loc[PLANTED_P2, "loopback"] > 0.99
+    assert df.loc[PLANTED_P2, "refine_score"] == pytest.approx(
+        df.loc[PLANTED_P2, "margin_widening"], rel=1e-3)
     assert abs(df.loc[DECOY_P2, "margin_widening"]) < 1e-5
     assert abs(df.loc[DECOY_P2, "ov_copy"]) < 1e-5 and df.loc[DECOY_P2, "mechanism"] == "-"
+    assert abs(df.loc[DECOY_P2, "refine_score"]) < 1e-5
     assert df.loc[DECOY_P2, "phase2_rank"] > 1
     # the planted head is the only writer along the margin: its direct effect is the metric
     with torch.no_grad():
@@ -313,33 +325,49 @@ def test_anchor_centroid_head_ranks_first_under_the_default():
 
 
 def test_planted_refiners_copy_and_suppress_rank_above_uniform_and_blind_heads():
-    """Two target entries against six near-misses. A head copying the targets it reads and
-    one suppressing the near-misses it reads refine the shortlist; a head uniform over the
-    shortlist (copying, so its per-entry writes are as strong) and one that widens the margin
-    most but never looks at the shortlist do not. The former score (mass on targets minus
-    mass on near-misses, as a gate on margin_widening) ranked the blind head second and the
-    suppressor third (0.017, its gate 0.04), and named no mechanism."""
+    """Two target entries against six near-misses. A head copying the targets it reads, one
+    suppressing the near-misses it reads, and one reading the near-miss entries for the target
+    information stored there refine the shortlist; a head uniform over the shortlist (copying,
+    so its per-entry writes are as strong) and one that widens the margin most but never looks
+    at the shortlist do not. The former score (mass on targets minus mass on near-misses, as a
+    gate on margin_widening) ranked the blind head second and the suppressor third (0.017, its
+    gate 0.04), and named no mechanism."""
     model, task = refine_model(), refine_task(24)
-    copy, suppress, uniform, never = ((1, h) for h in range(len(REFINE_KINDS)))
-    df = score_heads(model, task, progress=False, k=2).set_index(["layer", "head"])
+    copy, suppress, uniform, never, retrieve = ((1, h) for h in range(len(REFINE_KINDS)))
+    df = score_heads(model, task, progress=False, k=3).set_index(["layer", "head"])
     ranks = df["phase2_rank"]
     assert max(ranks[copy], ranks[suppress]) < min(ranks[uniform], ranks[never])
-    assert {ranks[copy], ranks[suppress]} == {1, 2}
+    assert {ranks[copy], ranks[suppress], ranks[retrieve]} == {1, 2, 3}
     assert df.loc[copy, "mechanism"] == "copy" and df.loc[suppress, "mechanism"] == "suppress"
+    assert df.loc[retrieve, "mechanism"] == "retrieve"
     assert df.loc[uniform, "mechanism"] == "-" and df.loc[never, "mechanism"] == "-"
     assert df.loc[copy, "ov_copy"] > 1 and df.loc[suppress, "ov_copy"] < -1
     assert df.loc[uniform, "ov_copy"] > 1  # it copies what it reads, but reads all alike
+    assert abs(df.loc[retrieve, "ov_copy"]) < 0.1  # it writes what is stored, not the label
     assert df.loc[copy, "key_preference"] > 0.99 and df.loc[suppress, "key_preference"] < -0.99
     assert abs(df.loc[uniform, "key_preference"]) < 1e-3  # count-balanced: 2 vs 6 entries
     assert df.loc[uniform, "shortlist_share"] > 0.9 and df.loc[never, "shortlist_share"] < 0.3
-    # margin alone would rank the blind head first
-    assert df["margin_widening"].idxmax() == never
-    for head in (copy, suppress):
-        assert df.loc[head, "loopback"] > 0.9 and df.loc[head, "margin_widening"] > 0.3
-    # bootstrap: the two refiners are the top 2 in every resample, no other head in any
+    assert df.loc[copy, "loopback"] > 0.9 and df.loc[suppress, "loopback"] < -0.9
+    # margin alone ranks the blind head above the copy and suppress heads
+    assert df.loc[never, "margin_widening"] > max(df.loc[copy, "margin_widening"],
+                                                  df.loc[suppress, "margin_widening"])
+    assert abs(df.loc[never, "refine_score"]) < 1e-3 and abs(df.loc[uniform, "refine_score"]) < 1e-3
+    # where the margin comes from: copy from target entries raising the target, suppress from
+    # near-miss entries lowering them, retrieve from near-miss entries raising the target
+    c, sp, rt = df.loc[copy], df.loc[suppress], df.loc[retrieve]
+    assert c.margin_from_targets > 0.9 * c.refine_score and c.refine_target_up > c.refine_near_down
+    assert sp.margin_from_near_misses > 0.9 * sp.refine_score
+    assert sp.refine_near_down > sp.refine_target_up
+    assert rt.margin_from_near_misses > 0.9 * rt.refine_score
+    assert rt.refine_target_up > rt.refine_near_down
+    # refine_score is the shortlist's part of margin_widening (up to the leak elsewhere)
+    for head in (copy, suppress, retrieve):
+        assert df.loc[head, "refine_score"] == pytest.approx(df.loc[head, "margin_widening"],
+                                                             rel=0.1)
+    # bootstrap: the three refiners are the top 3 in every resample, no other head in any
     inc = df["phase2_inclusion"]
-    assert inc[copy] >= 0.95 and inc[suppress] >= 0.95
-    assert (inc.drop([copy, suppress]) <= 0.2).all()
+    assert (inc[[copy, suppress, retrieve]] >= 0.95).all()
+    assert (inc.drop([copy, suppress, retrieve]) <= 0.2).all()
     parts = {r["part"]: r for r in df.attrs["refine_parts"]}
     assert parts["margin_widening"]["spearman_alone"] < 0.9  # the ranking is not margin's
 
@@ -357,17 +385,50 @@ def test_streaming_batches_do_not_change_scores(tiny_llama, synth):
                                    atol=1e-5, rtol=1e-5, msg=col)
 
 
+def test_streaming_batches_of_different_widths():
+    """A batch is as wide as its longest example, narrower than the positions the task reads
+    (the Phase-2 key masks were sized by the task and failed to broadcast)."""
+    import dataclasses
+
+    def shifted(e, by):
+        pad = torch.full((by,), 6)
+        return dataclasses.replace(
+            e, tokens=torch.cat([e.tokens[:1], pad, e.tokens[1:]]),
+            corrupt_tokens=torch.cat([e.corrupt_tokens[:1], pad, e.corrupt_tokens[1:]]),
+            evidence_pos=[p + by for p in e.evidence_pos],
+            shortlist_pos=[p + by for p in e.shortlist_pos],
+            answer_pos=[p + by for p in e.answer_pos], meta={})
+
+    def cut(e):  # ends at its answer token: 18 tokens
+        return dataclasses.replace(e, tokens=e.tokens[:18], corrupt_tokens=e.corrupt_tokens[:18],
+                                   meta={})
+
+    task = refine_task(8)
+    task = dataclasses.replace(task, examples=[shifted(e, 2) if i % 2 else cut(e)
+                                               for i, e in enumerate(task.examples)])
+    model = refine_model()
+    a = score_heads(model, task, progress=False, k=2)
+    b = score_heads(model, task, batch_size=1, progress=False, k=2)
+    for col in NUMERIC:
+        torch.testing.assert_close(torch.tensor(a[col].to_numpy(dtype=float)),
+                                   torch.tensor(b[col].to_numpy(dtype=float)),
+                                   atol=1e-5, rtol=1e-5, equal_nan=True, msg=col)
+
+
 def test_hook_result_path_equals_W_O_path(tiny_llama, synth, monkeypatch):
     a = score_heads(tiny_llama, synth, progress=False)
     monkeypatch.setattr("circuitkit.scoring.heads.write_source", lambda model: "result")
     b = score_heads(tiny_llama, synth, progress=False)
     assert b.attrs["write_source"] == "result"
-    # no W_O: what a head writes per key is unknown, so ov_copy is NaN and loopback reads
-    # |key_preference|; everything else is the same
-    assert b["ov_copy"].isna().all() and (b["mechanism"] == "-").all()
-    assert b["loopback"].to_numpy() == pytest.approx(
-        (a["shortlist_share"] * a["key_preference"].abs()).to_numpy(), abs=1e-5)
-    for col in [c for c in NUMERIC if c not in ("ov_copy", "loopback", "refine_score")
+    # no W_O: what a head writes per key is unknown, so the per-key parts are NaN and
+    # refine_score is shortlist_share * margin_widening; everything else is the same
+    key_parts = ["ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
+                 "margin_from_near_misses", "refine_target_up", "refine_near_down",
+                 "refine_if_uniform"]
+    assert b[key_parts].isna().all().all() and (b["mechanism"] == "-").all()
+    assert b["refine_score"].to_numpy() == pytest.approx(
+        (a["shortlist_share"] * a["margin_widening"]).to_numpy(), abs=1e-5)
+    for col in [c for c in NUMERIC if c not in key_parts + ["refine_score"]
                 and not c.startswith("phase2")]:
         torch.testing.assert_close(torch.tensor(a[col].to_numpy(), dtype=torch.float64),
                                    torch.tensor(b[col].to_numpy(), dtype=torch.float64),

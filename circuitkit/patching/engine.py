@@ -38,7 +38,9 @@ there (``Sweep.run_length``; prompts are swept in order of that length, ``sweep.
 This module holds the engine only: what to patch and how it is cut into chunks is
 ``patching/sweep.py``; running a whole sweep (checkpoints, ranks, progress) is ``patching/api.py``.
 A chunk's result is a ``[n_variants, n_prompts]`` tensor (``run_chunk``); ``run_variants`` patches
-any subset of one layer's variants.
+any subset of one layer's variants; ``run_head_sets`` patches whole head sets together, with the
+source run's ``z`` or, for ablations of the base run, zeros, the mean base ``z`` or another
+prompt's base ``z`` (``source=``).
 """
 
 from __future__ import annotations

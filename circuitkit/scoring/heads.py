@@ -14,13 +14,15 @@ shortlist_share          mean attention mass on the shortlist entries at the Pha
                          positions ``q = answer_pos - 1``
 key_preference           mean ``(a_T - a_M) / (a_T + a_M)``, ``a_T``/``a_M`` the mean attention
                          per target / near-miss entry (count-balanced, in [-1, 1])
-ov_copy                  attention-weighted mean own-label effect of the entries read
+ov_copy                  attention-weighted mean own-label effect of the shortlist entries read
                          (+ copies what it reads, - suppresses)
-mechanism                "copy" / "suppress" / "-" (``refine.mechanism``)
-loopback                 ``shortlist_share * key_preference * sign(ov_copy)``
+mechanism                "copy" / "suppress" / "retrieve" / "-" (``refine.mechanism``)
+loopback                 ``shortlist_share * key_preference`` (attention only, signed)
 margin_widening          mean direct effect of the head's write (through the run's final-norm
                          scale) on ``logit[target] - mean logit[near_misses]``
-refine_score             ``margin_widening * max(loopback, 0)``
+refine_score             the part of margin_widening the head writes from the shortlist entries
+                         it reads: ``sum_{s in shortlist} A[s] m[s]``, ``m[s]`` the margin
+                         effect of key ``s``'s value through ``W_O``
 phase1_rank              rank of ``coarse_score`` (1 = highest; ties by (layer, head) order;
                          empty when the task has no steps of that phase)
 phase2_rank              rank of ``refine_score``
@@ -32,13 +34,21 @@ phase2_rank_low/high     the same for Phase 2
 anchor_alignment_tokens  ``anchor_alignment`` with the anchor tokens' own unembedding columns
 coarse_score_tokens      ``coarse_score`` with those
 phase1_rank_tokens       rank of ``coarse_score_tokens``
+ov_copy_targets          ``ov_copy`` over the target entries only
+ov_copy_near_misses      ``ov_copy`` over the near-miss entries only
+margin_from_targets      ``refine_score``'s sum over the target entries only
+margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
+refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
+refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
+refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
 =======================  ===================================================================
 
 Means are over an example's query positions, then over examples (as Reasoning Focus is); a
 row where a component is undefined (``key_preference`` without a target or a near-miss entry)
-is left out of that component's mean. ``loopback``, ``refine_score`` and the ranks are computed
-from the head's means. Bootstrap: ``n_boot`` resamples (with replacement) of the examples with
-steps of that phase, every component re-averaged and the scores and ranks recomputed.
+is left out of that component's mean. ``loopback``, ``coarse_score`` and the ranks are
+computed from the head's means. Bootstrap: ``n_boot`` resamples (with replacement) of the
+examples with steps of that phase, every component re-averaged and the scores and ranks
+recomputed.
 ``attrs`` also hold ``unstable`` (top-``k`` heads included in fewer than ``STABLE_MIN`` of the
 resamples), ``anchor_agreement`` (Spearman of ``coarse_score`` against ``coarse_score_tokens``
 and the overlap of the two top-``k`` sets) and ``refine_parts`` (``refine_part_influence``).
@@ -50,8 +60,9 @@ through the norm as the run scaled it (``refine.final_norm_linear``: the heads' 
 norm's output, exact for RMSNorm without bias);
 ``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special;
 ``hook_v`` is per KV head: query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``.
-Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``), and
-their ``ov_copy`` is NaN; without either, ``score_heads`` refuses.
+Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``); their
+per-key parts are NaN and ``refine_score`` is ``shortlist_share * margin_widening``; without
+either, ``score_heads`` refuses.
 
 Streaming: one ``run_with_cache`` per batch of examples, filtered to ``hook_pattern``,
 ``hook_z`` and ``hook_v`` of every layer and ``ln_final.hook_in``; only the rows at query
@@ -79,13 +90,20 @@ COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "sh
            "key_preference", "ov_copy", "mechanism", "loopback", "margin_widening",
            "refine_score", "phase1_rank", "phase2_rank", "phase1_inclusion", "phase2_inclusion",
            "phase1_rank_low", "phase1_rank_high", "phase2_rank_low", "phase2_rank_high",
-           "anchor_alignment_tokens", "coarse_score_tokens", "phase1_rank_tokens"]
+           "anchor_alignment_tokens", "coarse_score_tokens", "phase1_rank_tokens",
+           "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
+           "margin_from_near_misses", "refine_target_up", "refine_near_down",
+           "refine_if_uniform"]
 BATCH_BYTES = 256 * 2**20  # cached activations per batch (patterns dominate: L*H*S^2 floats)
 N_BOOT = 50  # bootstrap resamples of the examples (rank intervals, top-k inclusion)
 STABLE_MIN = 0.8  # a top-k head included in fewer resamples than this is flagged unstable
 # per-example means kept for the bootstrap: Phase 1 / Phase 2 components
 PHASE1_PARTS = ("sharpness", "anchor_alignment", "anchor_alignment_tokens")
-PHASE2_PARTS = ("shortlist_share", "key_preference", "ov_copy", "margin_widening")
+# (the first of each is the one every example with steps of that phase has)
+PHASE2_PARTS = ("shortlist_share", "key_preference", "margin_widening", "refine_score",
+                "ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "refine_if_uniform")
+KEY_PARTS = PHASE2_PARTS[3:]  # need each key's write: NaN without W_O
 
 
 @dataclass
@@ -199,13 +217,12 @@ def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
 
 def label_directions(W_U: Float[Tensor, "D V"], key_tok: Int[Tensor, "N K"]
                      ) -> Float[Tensor, "N K D"]:
-    """``W_U[:, tok_k] - mean_{k'} W_U[:, tok_k']`` over each row's valid keys (``key_tok >= 0``):
-    the shortlist-centred label directions ``ov_copy`` reads the entries' effects along."""
+    """``W_U[:, tok_k] - mean_v W_U[:, v]`` for each row's keys (0 where ``key_tok < 0``): the
+    own-label directions ``ov_copy`` reads the entries' effects along (logit minus mean logit)."""
     W = W_U.float()
     valid = (key_tok >= 0).to(W.device)
     cols = W[:, key_tok.clamp(min=0).to(W.device)].permute(1, 2, 0)  # [N, K, D]
-    mean = (cols * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
-    return (cols - mean[:, None, :]) * valid[..., None]
+    return (cols - W.mean(1)[None, None, :]) * valid[..., None]
 
 
 def anchor_mode(task: Task, mode: str) -> str:
@@ -351,12 +368,16 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             b2, q2 = plan.b2.to(device), plan.q2.to(device)
             x2 = cache[hooks.FINAL_NORM_IN][b2, q2]
             margin_dir = margin_directions(W_U, plan.target_tok, plan.near_tok)
+            vocab_mean = W_U.float().mean(1)[None, :]
             key_ok = (plan.key_pos >= 0).to(device)
             key_pos = plan.key_pos.clamp(min=0).to(device)
-            label_dir = label_directions(W_U, plan.key_tok)
-            _, pref_ok = refine.key_preference(torch.zeros(len(b2), 1, seq),
-                                               plan.target_keys, plan.near_keys)
-            ov_ok = key_ok.any(-1).cpu()
+            label_dir = label_directions(W_U, plan.key_tok)  # own label vs the vocab mean
+            target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
+            # rows with a target and a near-miss entry (the others have no key_preference)
+            pref_ok = (plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0)
+            key_t = (plan.target_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
+                & key_ok
+            key_m = (plan.near_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) & key_ok
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
             if pat.shape[1] != H:
@@ -383,17 +404,33 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
                                                 plan.near_keys.to(device))
                 acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
-                if W_O is None:
-                    copy = torch.full((len(b2), H), float("nan"))
-                else:
-                    at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
-                    key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
-                    n, kk = key_pos.shape
-                    key_scaled = refine.final_norm_linear(
-                        key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
-                    effects = refine.own_label_effects(key_scaled, label_dir.to(device))
-                    copy = refine.ov_copy(at_keys, effects, key_ok)
-                acc["ov_copy"].add(lay, ex2, copy, plan.w2 * ov_ok)
+                if W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
+                    nan = torch.full((len(b2), H), float("nan"))
+                    for c in KEY_PARTS:
+                        acc[c].add(lay, ex2, nan, plan.w2)
+                    continue
+                at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
+                key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
+                n, kk = key_pos.shape
+                key_scaled = refine.final_norm_linear(
+                    key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
+                own = refine.key_effects(key_scaled, label_dir.to(device))  # [N, K, H]
+                gain = refine.key_effects(key_scaled, margin_dir[:, None, :].expand(-1, kk, -1)
+                                          .to(device))
+                up = refine.key_effects(key_scaled, target_dir[:, None, :].expand(-1, kk, -1)
+                                        .to(device))
+                acc["refine_target_up"].add(lay, ex2, refine.attended_sum(at_keys, up, key_ok)[0],
+                                            plan.w2)
+                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m)):
+                    e_sum, mass = refine.attended_sum(at_keys, own, keys)
+                    has = keys.any(-1).cpu()
+                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30), plan.w2 * has)
+                    m_sum, _ = refine.attended_sum(at_keys, gain, keys)
+                    name = "refine_score" if not c else "margin_from" + c
+                    acc[name].add(lay, ex2, m_sum, plan.w2)
+                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
+                                             plan.w2)
         del cache
         if bar is not None:
             bar.update(len(sub))
@@ -411,12 +448,21 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         warnings.warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
                       "scored on re-reading a shortlist, so refine_score is margin_widening "
                       "alone and loopback is NaN (docs/scores.md).", stacklevel=2)
+    if n2 and shortlist and source != "W_O":
+        import warnings
+
+        warnings.warn("the model's attention exposes no W_O, so what a head writes per key "
+                      "is unknown: ov_copy and the margin parts are NaN and refine_score is "
+                      "shortlist_share * margin_widening (docs/scores.md).", stacklevel=2)
     scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
     flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
     df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
                            **flat))
-    df["mechanism"] = refine.mechanism(df["loopback"], df["margin_widening"], df["ov_copy"])
+    df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
+    df["mechanism"] = refine.mechanism(df["refine_score"], df["margin_from_targets"],
+                                       df["margin_from_near_misses"], df["refine_target_up"],
+                                       df["refine_near_down"])
     boot_seed = int(seed)
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
@@ -459,20 +505,21 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
 def _scores(mean: dict[str, Tensor], shortlist: bool = True) -> dict[str, Tensor]:
     """coarse_score (both anchor readings), loopback and refine_score from the components'
     means (any leading shape: one per bootstrap resample). Without a shortlist in the task
-    (``shortlist`` False), loopback is NaN and refine_score is margin_widening."""
+    (``shortlist`` False), loopback is NaN and refine_score is margin_widening; without per-key
+    writes (no ``W_O``: refine_score NaN), refine_score is ``shortlist_share *
+    margin_widening``."""
     out: dict[str, Tensor] = {}
     if "sharpness" in mean:
         out["coarse_score"] = coarse.coarse_score(mean["sharpness"], mean["anchor_alignment"])
         out["coarse_score_tokens"] = coarse.coarse_score(mean["sharpness"],
                                                          mean["anchor_alignment_tokens"])
     if "shortlist_share" in mean:
-        lb = refine.aligned_loopback(mean["shortlist_share"], mean["key_preference"],
-                                     mean["ov_copy"])
+        lb = refine.loopback(mean["shortlist_share"], mean["key_preference"])
+        rs = mean["refine_score"]
+        rs = torch.where(rs.isnan(), mean["shortlist_share"] * mean["margin_widening"], rs)
         if not shortlist:
-            lb = torch.full_like(lb, float("nan"))
-        out["loopback"] = lb
-        out["refine_score"] = refine.refine_score(lb, mean["margin_widening"]) if shortlist \
-            else mean["margin_widening"]
+            lb, rs = torch.full_like(lb, float("nan")), mean["margin_widening"]
+        out["loopback"], out["refine_score"] = lb, rs
     return out
 
 
@@ -540,7 +587,8 @@ def stability_summary(scores: Any, k: int) -> dict[str, Any]:
         agreement = dict(spearman=spearman(scores["coarse_score"], scores["coarse_score_tokens"]),
                          top_k_overlap=len(top_a & top_b), k=k)
     parts = None
-    if scores["refine_score"].notna().any() and scores["loopback"].notna().any():
+    if scores["refine_score"].notna().any() and scores["loopback"].notna().any() \
+            and scores["refine_if_uniform"].notna().any():
         parts = refine_part_influence(scores, k).to_dict(orient="records")
     return dict(unstable=unstable, anchor_agreement=agreement, refine_parts=parts)
 
@@ -559,37 +607,41 @@ def spearman(a: Any, b: Any) -> float:
 
 def refine_part_influence(scores: Any, k: int = 5):
     """How much each part of RefineScore moves the Phase-2 ranking: a DataFrame, one row per
-    part (margin_widening, shortlist_share, key_preference (its size), ov_copy (its sign,
-    against the preference's)), with ``spearman_alone`` (refine_score against the part by
-    itself: ``margin_widening``, ``shortlist_share``, ``|key_preference|``, the sign agreement
-    ``sign(key_preference) * sign(ov_copy)``), ``spearman_without`` (against refine_score
-    recomputed with that part set to 1) and ``top_k_kept`` (heads of the top ``k`` that stay
-    in the top ``k`` without the part)."""
+    part, with ``spearman_alone`` (refine_score against the part by itself), ``spearman_without``
+    (against refine_score with the part taken out) and ``top_k_kept`` (heads of refine_score's
+    top ``k`` still in the top ``k`` without it):
+
+    * margin_widening: alone; without = ``margin_widening - refine_score``, what the head writes
+      from keys off the shortlist (refine_score is the shortlist's part of margin_widening);
+    * shortlist_share: alone; without = ``refine_score / shortlist_share``, the margin per unit
+      of shortlist attention (as if every head gave the shortlist all its attention);
+    * key_preference (its size, the selection): alone ``|key_preference|``; without =
+      ``refine_if_uniform``, the head's shortlist attention spread evenly over the entries;
+    * ov (what the head writes from what it reads): alone ``ov_copy``; without =
+      ``shortlist_share * |key_preference|``, attention statistics only;
+    * loopback (attention only, signed): alone.
+    """
     import numpy as np
     import pandas as pd
 
-    mw = scores["margin_widening"].to_numpy(float)
-    share = scores["shortlist_share"].to_numpy(float)
-    pref = scores["key_preference"].to_numpy(float)
-    ov = scores["ov_copy"].to_numpy(float)  # NaN (no W_O): loopback takes |key_preference|
-    sign = np.where(np.isnan(ov), 1.0, np.sign(pref) * np.sign(np.nan_to_num(ov)))
-    size = np.abs(pref)
-
-    def refine_of(m, s, p, g):
-        return m * np.clip(s * p * g, 0, None)
-
-    full = refine_of(mw, share, size, sign)
-    top = set(np.argsort(-full, kind="stable")[:k])
+    col = lambda c: scores[c].to_numpy(float)  # noqa: E731
+    rs, share = col("refine_score"), col("shortlist_share")
+    nan = np.full_like(rs, np.nan)
+    full_top = set(np.argsort(-np.nan_to_num(rs, nan=-np.inf), kind="stable")[:k])
+    per_unit = np.divide(rs, share, out=np.zeros_like(rs), where=share > 0)
     rows = []
     for part, alone, without in (
-            ("margin_widening", mw, refine_of(1.0, share, size, sign)),
-            ("shortlist_share", share, refine_of(mw, 1.0, size, sign)),
-            ("key_preference", size, refine_of(mw, share, 1.0, sign)),
-            ("ov_copy", sign, refine_of(mw, share, size, 1.0))):
-        kept = set(np.argsort(-without, kind="stable")[:k])
-        rows.append(dict(part=part, spearman_alone=spearman(full, alone),
-                         spearman_without=spearman(full, without), top_k_kept=len(top & kept),
-                         k=k))
+            ("margin_widening", col("margin_widening"), col("margin_widening") - rs),
+            ("shortlist_share", share, per_unit),
+            ("key_preference", np.abs(col("key_preference")), col("refine_if_uniform")),
+            ("ov_copy", col("ov_copy"), share * np.abs(col("key_preference"))),
+            ("loopback", col("loopback"), nan)):
+        kept = np.nan
+        if not np.isnan(without).all():
+            kept = len(full_top & set(np.argsort(-np.nan_to_num(without, nan=-np.inf),
+                                                 kind="stable")[:k]))
+        rows.append(dict(part=part, spearman_alone=spearman(rs, alone),
+                         spearman_without=spearman(rs, without), top_k_kept=kept, k=k))
     return pd.DataFrame(rows)
 
 
