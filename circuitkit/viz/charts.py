@@ -106,7 +106,7 @@ def score_scatter(scores: Any, label_top: int = 5):
         title="Head scores: Phase 1 (coarse) vs Phase 2 (refine)<br><sup>one point per head, "
         "colour = layer; top heads of each score labelled</sup>",
         xaxis_title="coarse_score (Phase 1: sharp attention x anchor-aligned write)",
-        yaxis_title="refine_score (Phase 2: margin widening x loop-back)",
+        yaxis_title="refine_score (Phase 2: margin written from the shortlist)",
         height=520, width=760, plot_bgcolor="white",
         xaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),
         yaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),

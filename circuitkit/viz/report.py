@@ -60,17 +60,19 @@ METRIC_LINES: dict[str, str] = {
                       "(a_T - a_M) / (a_T + a_M): count-balanced, 0 for a head uniform over "
                       "the shortlist, +1 targets only, -1 near-misses only.",
     "ov_copy": "what the head writes from the entries it reads, on their own label's logit "
-               "(relative to the shortlist's labels), attention-weighted: + copies, "
-               "- suppresses.",
-    "mechanism": "copy (attends to targets, copies them) or suppress (attends to near-misses, "
-                 "suppresses them), for heads that widen the margin and re-read the shortlist "
-                 "(loopback >= 0.1); - otherwise.",
-    "loopback": "shortlist_share x key_preference x sign(ov_copy): selective re-reading of the "
-                "shortlist in the direction the head's OV turns into margin (+1 either way).",
+               "(minus the mean logit), attention-weighted: + copies, - suppresses.",
+    "mechanism": "for heads with a refine_score of at least a tenth of the largest: copy "
+                 "(margin mostly from target entries, mostly raising the target), suppress "
+                 "(from near-miss entries, lowering them) or retrieve (the two disagree, e.g. "
+                 "reading near-miss entries and raising the target); - otherwise.",
+    "loopback": "shortlist_share x key_preference: re-attending to the shortlist and to which "
+                "side of it (+1 targets only, -1 near-misses only, 0 uniform or none).",
     "margin_widening": "the head's direct effect on the target-vs-near-miss logit margin "
                        "(its write through the final norm, dotted with W_U[target] - "
                        "W_U[near_miss]).",
-    "refine_score": "Phase-2 score: margin_widening x max(loopback, 0).",
+    "refine_score": "Phase-2 score: the part of margin_widening the head writes from the "
+                    "shortlist entries it reads (sum over entries of attention x that entry's "
+                    "value through W_O on the margin).",
     "phase1_rank / phase2_rank": "rank of the head by coarse_score / refine_score (1 = best).",
     "inclusion / rank interval": "share of bootstrap resamples of the examples in which the "
                                  "head is in the top k, and the 2.5-97.5 percentile of its "
@@ -210,8 +212,9 @@ def _score_tables(scores: Any, k: int) -> str:
                 "phase1_rank_low", "phase1_rank_high", "phase1_inclusion",
                 "phase1_rank_tokens"],
             2: ["shortlist_share", "key_preference", "ov_copy", "mechanism", "loopback",
-                "margin_widening", "refine_score", "phase2_rank", "phase2_rank_low",
-                "phase2_rank_high", "phase2_inclusion"]}
+                "margin_widening", "refine_score", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "phase2_rank",
+                "phase2_rank_low", "phase2_rank_high", "phase2_inclusion"]}
     for phase in scored_phases(scores):  # a phase the task has no steps for has no table
         heads = top_heads(scores, phase, k)
         idx = scores.set_index(["layer", "head"])
@@ -251,7 +254,7 @@ def _stability_lines(summary: dict, scores: Any) -> str:
 
         out.append("<h4>How much each RefineScore part moves the Phase-2 ranking</h4>"
                    "<p class='note'>spearman_alone: refine_score against the part by itself; "
-                   "spearman_without: against refine_score with that part set to 1; "
+                   "spearman_without: against refine_score without the part (docs/scores.md); "
                    "top_k_kept: top-k heads still in the top k without it.</p>"
                    + _table(pd.DataFrame(parts)))
     return "".join(out)
