@@ -27,6 +27,7 @@ _EXPORTS = {
     "PatchResult": "circuitkit.patching.results:PatchResult",
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.scoring.validate:validate_heads",
+    "ablate_heads": "circuitkit.scoring.validate:ablate_heads",
 }
 
 

@@ -7,11 +7,17 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
     patch-p1-denoise.safetensors/.json   PatchResult (ck.PatchResult.load), phase-1 task metric
     patch-p1-noise.*  patch-p2-denoise.*  patch-p2-noise.*
-    scores.csv        score_heads (one row per head)
-    validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
+    scores.csv        score_heads (one row per head, with bootstrap rank intervals and top-k
+                      inclusion)
+    validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
+                      direction)
+    head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
+                      random sets: exact match, confusion, focus)
     summary.json      identity (model, task fingerprints, options), versions, ``phases``,
                       per-step timings and files, ``steps_run_this_call`` (the others were
-                      reused), top heads per phase, ``complete``
+                      reused), top heads per phase, ``complete``, and the score summaries
+                      (``scores_attrs``, ``stability``, ``validation_sets``; keys in
+                      docs/scores.md)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
                       validation's finished (phase, direction) runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
@@ -41,7 +47,8 @@ def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int,
 
 def step_names(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[str]:
     """The step names ``characterize`` records in ``summary.json``, in order."""
-    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation"]
+    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation",
+                                                                   "ablation"]
 
 
 PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
@@ -64,8 +71,9 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     summary dict also written to ``out_dir/summary.json``.
 
     ``n_examples``: prompts (for a text-rendered task: kept text examples); ``k``/``n_random``:
-    validation set size and number of random sets; ``patch_method``: "exact" (default),
-    "attribution" or "attribution+exact" (for models too big for exact sweeps on the machine);
+    top set size (bootstrap inclusion, validation, ablation) and random sets per pool;
+    ``patch_method``: "exact" (default), "attribution" or "attribution+exact" (for models too
+    big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``).
     """
@@ -75,7 +83,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
-    from circuitkit.scoring.validate import validate_heads
+    from circuitkit.scoring.validate import ablate_heads, validate_heads
     from circuitkit.tasks.base import phase_task, task_phases
 
     if int(n_examples) < 1:
@@ -104,7 +112,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
             f"{task_name!r} has neither: no position for a metric to read.")
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
-    # what the sweeps and scores depend on; k and n_random change validation only
+    # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
+    # validation and ablation only (the sweeps are reused)
     # the model by its weights (model_fingerprint), not by the path it was typed as
     identity = dict(model_fingerprint=model_fingerprint(model), task=task_name,
                     task_fingerprint_p1=fingerprint[1],
@@ -124,8 +133,9 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {identity_diff(old, identity)}; use a new folder "
                              "or delete it.")
-        if stored_options != validation_options:  # same sweeps and scores: validate again
-            summary.get("steps", {}).pop("validation", None)
+        if stored_options != validation_options:  # same sweeps: score and validate again
+            for step in ("scores", "validation", "ablation"):
+                summary.get("steps", {}).pop(step, None)
     expected = step_names(phases)  # a report of a partial run says which are missing
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
@@ -144,7 +154,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_json(summary_path, summary)
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 2
+    total = len(sweeps) + 3
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
@@ -174,12 +184,14 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
                        f"scores on {len(task)} examples")
         t0 = time.perf_counter()
-        scores = score_heads(model, task, batch_size=batch_size, progress=progress)
+        scores = score_heads(model, task, batch_size=batch_size, progress=progress, k=k,
+                             seed=seed)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
-        summary["scores_attrs"] = {k_: v for k_, v in scores.attrs.items()}
+        summary["scores_attrs"] = _json_safe(scores.attrs)
         record("scores", time.perf_counter() - t0, ["scores.csv"])
     summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
                             for p in phases}  # (this call's k)
+    summary["stability"] = _json_safe(stability(scores, phases, k))
     i += 1
     if "validation" in steps and (out / "validation.csv").exists():
         _log(progress, f"[{i}/{total}] validation: reused")
@@ -193,6 +205,18 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
+    i += 1
+    if "ablation" in steps and (out / "head-ablation.csv").exists():
+        _log(progress, f"[{i}/{total}] ablation: reused")
+    else:
+        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase zero-, mean- "
+                       f"and resample-ablated, against {n_random} random {k}-head sets")
+        t0 = time.perf_counter()
+        abl = ablate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
+                           batch_size=batch_size, progress=progress,
+                           checkpoint=out / "checkpoints" / "validation")
+        files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
+        record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     summary["complete"] = all(step in steps for step in expected)
     summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
@@ -225,3 +249,45 @@ def timing_line(summary: dict[str, Any], seconds: float) -> str:
     rest = seconds - spent
     parts.append(f"{rest:.1f} s loading, writing and drawing the report")
     return f"took {seconds:.1f} s: " + ", ".join(parts)
+
+
+def stability(scores: Any, phases: list[int], k: int) -> dict[str, Any]:
+    """``summary["stability"]``: per phase, the top-``k`` heads with their bootstrap inclusion
+    and rank interval, and those included in fewer than ``STABLE_MIN`` of the resamples."""
+    from circuitkit.scoring.heads import STABLE_MIN, top_heads
+
+    out: dict[str, Any] = {}
+    idx = scores.set_index(["layer", "head"])
+    for p in phases:
+        inc = f"phase{p}_inclusion"
+        if inc not in idx.columns:  # a scores.csv from before the bootstrap
+            continue
+        top = top_heads(scores, p, k)
+        rows = [dict(head=[la, h], rank=_int(idx.loc[(la, h), f"phase{p}_rank"]),
+                     inclusion=float(idx.loc[(la, h), inc]),
+                     rank_low=_int(idx.loc[(la, h), f"phase{p}_rank_low"]),
+                     rank_high=_int(idx.loc[(la, h), f"phase{p}_rank_high"])) for la, h in top]
+        out[f"phase{p}"] = dict(k=int(k), top=rows, unstable=[
+            r["head"] for r in rows if not r["inclusion"] >= STABLE_MIN])
+    return out
+
+
+def _int(x: Any) -> int | None:
+    import pandas as pd
+
+    return None if pd.isna(x) else int(x)
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with NaN as None and numpy scalars as Python numbers (summary.json stays JSON)."""
+    import math
+
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, str):
+        x = x.item()
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x

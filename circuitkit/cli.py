@@ -647,7 +647,9 @@ def score(
                              metavar="TASK"),
     n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
     split: str = typer.Option("test", help="Task split: test or train.", metavar="SPLIT"),
-    seed: int = typer.Option(0, help="Task seed.", metavar="SEED"),
+    seed: int = typer.Option(0, help="Task seed (and the bootstrap's).", metavar="SEED"),
+    k: int = typer.Option(5, "-k", help="Top heads per phase whose bootstrap inclusion is "
+                          "reported.", metavar="K"),
     text: str = typer.Option("auto", help="Render the task as text for a pretrained LLM: auto "
                              "(when the model's vocabulary cannot hold the task), yes or no.",
                              metavar="auto|yes|no"),
@@ -669,18 +671,22 @@ def score(
         files.check_writable_file(out, "--out", "scores.csv")
         the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
-        df = score_heads(the_model, the_task, batch_size=batch_size, progress=True)
+        df = score_heads(the_model, the_task, batch_size=batch_size, progress=True, k=k,
+                         seed=seed)  # as characterize scores: the same table for the same flags
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     files.write_text(out, df.to_csv(index=False))
     from circuitkit.scoring.heads import scored_phases, top_heads
 
-    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
-                        (2, ["layer", "head", "loopback", "margin_widening", "refine_score"])):
+    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
+                             "phase1_inclusion", "coarse_score"]),
+                        (2, ["layer", "head", "shortlist_share", "key_preference", "ov_copy",
+                             "mechanism", "margin_widening", "phase2_inclusion",
+                             "refine_score"])):
         if phase not in scored_phases(df):  # not five NaN rows under a "top" title
             typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
             continue
-        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, 5)].reset_index()
+        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, k)].reset_index()
         typer.echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
                    "\n" + best[cols].to_string(index=False))
     typer.echo(f"wrote {out}")

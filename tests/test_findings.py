@@ -87,11 +87,16 @@ def test_findings_read_what_validate_heads_and_score_heads_write(tiny_llama):
     found = findings({}, val, scores, {})
     assert [f.phase for f in found] == [1, 2]
     for f in found:
-        top = val[val.phase == f.phase].iloc[0]
+        rows = val[val.phase == f.phase]
+        top = rows[rows["pool"] == "all-layers"].iloc[0]  # the headline: sets disjoint from top
+        same = rows[rows["pool"] == "same-layers"].iloc[0]
         assert f.heads == [tuple(int(x) for x in h[1:].split("H")) for h in top.heads.split()]
         assert f"{int(top.n_random)} random 2-head sets" in f.headline
         assert f"1/{int(top.n_random) + 1}" in f.headline and "cannot reach" in f.headline
         assert f.notes[0].startswith("Key effect on ")
+        said = [n for n in f.notes if n.startswith("Against sets drawn from the same layers")]
+        assert len(said) == 1 and f"{int(same.n_random)} random 2-head sets" in said[0]
+        assert f"1/{int(same.n_random) + 1}" in said[0]
 
 
 @pytest.mark.parametrize("bad", [None, pd.DataFrame({"set": ["top"], "effect": [1.0]})])

@@ -105,11 +105,14 @@ def test_report_is_self_contained_with_every_section(full_report):
     # findings lead; fingerprints and versions come last
     order = re.findall(r"<section id='([a-z]+)'>", html)
     assert order[0] == "findings" and order[-1] == "summary", order
-    # the glossary names what the page shows: the ablation here has focus and las only
+    # the glossary names what the page shows: the ablation here has focus and las only, the
+    # score table none of the shortlist columns or bootstrap inclusion, and there is no
+    # head-ablation.csv
     glossary = html.replace("&amp;", "&").split("<table class='metrics'>")[1].split("</table>")[0]
     shown = set(re.findall(r"<tr><td>([^<]+)</td>", glossary))
-    assert shown == set(report_mod.METRIC_LINES) - {"confusion_rate",
-                                                     "macro_f1 / micro_f1 / exact_match"}
+    assert shown == set(report_mod.METRIC_LINES) - {
+        "confusion_rate", "macro_f1 / micro_f1 / exact_match", "shortlist_share",
+        "key_preference", "ov_copy", "mechanism", "inclusion / rank interval", "ablation"}
     assert "0.5 [0.45, 0.55]" in html  # ablation cell: mean [interval]
     size = path.stat().st_size
     assert 4.8e6 < size < 8e6, size
@@ -237,7 +240,7 @@ def test_report_of_an_unfinished_characterize_run_says_so(tmp_path):
 
     (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS[:3], False)))
     html = report_mod.build_report(tmp_path, attention=False)
-    assert "Unfinished run" in html and "before 3 of its 6 steps" in html
+    assert "Unfinished run" in html and f"before {len(STEPS) - 3} of its {len(STEPS)} steps" in html
     for step in STEPS[3:]:
         assert step in html.split("stopped before")[1].split("</p>")[0]
     (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS, True)))

@@ -39,7 +39,9 @@ A bidirectional model (``hooks.facts(model).causal`` False, e.g. a Tracr program
 This module holds the engine only: what to patch and how it is cut into chunks is
 ``patching/sweep.py``; running a whole sweep (checkpoints, ranks, progress) is ``patching/api.py``.
 A chunk's result is a ``[n_variants, n_prompts]`` tensor (``run_chunk``); ``run_variants`` patches
-any subset of one layer's variants.
+any subset of one layer's variants; ``run_head_sets`` patches whole head sets together, with the
+source run's ``z`` or, for ablations of the base run, zeros, the mean base ``z`` or another
+prompt's base ``z`` (``source=``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class ExactEngine:
             self.attn_at_rows = shortcuts.supports_attention_at_rows(
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
+        self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
                      ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
@@ -428,9 +431,16 @@ class ExactEngine:
     @torch.no_grad()
     def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
                       p1: int | None = None, metrics: Sequence[Any] | None = None,
-                      rows: int | None = None) -> Float[Tensor, "n_metrics n_sets n_p"]:
+                      rows: int | None = None, source: str = "source", seed: int = 0
+                      ) -> Float[Tensor, "n_metrics n_sets n_p"]:
         """Metrics after patching each head set *together*: every ``(layer, head)`` of a set gets
         its source ``z`` at all positions, at every layer the set spans, in one run.
+
+        ``source``: what the set's heads get (the same hook writes, other values; ablations of
+        the base run): "source" (the source run's ``z``: noise / denoise), "zero" (0), "mean"
+        (``mean_z``: the head's mean base ``z`` over every prompt's positions up to its last
+        read), "resample" (the base ``z`` of another prompt among ``p0:p1``, at the same
+        positions: a derangement of the prompts seeded by ``seed``, one for the whole call).
 
         Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
         layer). Sets are grouped by their lowest layer ``l0``; a group's sets are stacked in the
@@ -452,6 +462,11 @@ class ExactEngine:
                              f"(got kind={sw.kind!r}, site={sw.site!r}, "
                              f"positions={sw.positions!r}).")
         p1 = sw.n_prompts if p1 is None else p1
+        if source not in HEAD_SET_SOURCES:
+            raise ValueError(f"source={source!r}; expected one of {list(HEAD_SET_SOURCES)}.")
+        if source == "resample" and p1 - p0 < 2:
+            raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
+                             f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
         metrics = [self.metric] if metrics is None else list(metrics)
         for i, m in enumerate(metrics):
             if not isinstance(m, PromptMetric):
@@ -475,6 +490,7 @@ class ExactEngine:
                 raise ValueError(f"head_sets: {bad} outside the model's {sw.n_layers} layers x "
                                  f"{sw.n_units} heads.")
         n_p, length = p1 - p0, self._run_length(p0, p1)
+        perm = derangement(n_p, seed) if source == "resample" else None
         out = torch.empty(len(metrics), len(sets), n_p)
         at = None if self.reads is None else self.reads[p0:p1]
         per = max(1, (rows or auto_rows(model, length)) // n_p)
@@ -489,7 +505,7 @@ class ExactEngine:
                 fwd_hooks = []
                 for layer in sorted({la for i in idx for la, _ in sets[i]}):
                     heads = [[h for la, h in sets[i] if la == layer] for i in idx]
-                    src = self._span(self.src[layer], p0, p1, length, site=True)
+                    src = self._head_set_source(layer, source, p0, p1, length, perm)
 
                     def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
                         view = act.view(n_g, n_p, *act.shape[1:])
@@ -515,4 +531,39 @@ class ExactEngine:
                     out[k, idx] = evaluate_metric(tiled, logits, what, at=rows_at).view(n_g, n_p)
         return out
 
+    def _head_set_source(self, layer: int, source: str, p0: int, p1: int, length: int,
+                         perm: Tensor | None) -> Float[Tensor, "n_p pos head d_head"]:
+        """The ``z`` that ``run_head_sets`` writes into a set's heads at ``layer`` (its
+        ``source``)."""
+        if source == "source":
+            return self._span(self.src[layer], p0, p1, length, site=True)
+        base = self._span(self.site_base[layer], p0, p1, length, site=True)
+        if source == "zero":
+            return torch.zeros_like(base)
+        if source == "mean":
+            return self.mean_z(layer).to(base)[None, None].expand_as(base)
+        return base[perm.to(base.device)]
 
+    def mean_z(self, layer: int) -> Float[Tensor, "head d_head"]:
+        """Mean base ``z`` of each head of ``layer`` over every prompt and position up to that
+        prompt's last read (all ``length`` positions when reads are unknown), float64 sums."""
+        if layer not in self._mean_z:
+            z = self.site_base[layer].double()  # [n, length, head, d_head]
+            last = (self.reads.max(1).values if self.reads is not None
+                    else torch.full((z.shape[0],), self.length - 1))
+            keep = (torch.arange(z.shape[1])[None, :] <= last[:, None]).double()
+            self._mean_z[layer] = (einops.einsum(z, keep, "n p h d, n p -> h d")
+                                   / keep.sum()).float()
+        return self._mean_z[layer]
+
+
+HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
+
+
+def derangement(n: int, seed: int) -> Tensor:
+    """A seeded random permutation of ``range(n)`` without fixed points (``n >= 2``)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(n, generator=g)
+        if not bool((perm == torch.arange(n)).any()):
+            return perm

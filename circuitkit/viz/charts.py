@@ -156,8 +156,9 @@ def score_scatter(scores: Any, label_top: int = 5):
               list(df["refine_score"].nlargest(label_top).index)]
     top = list(dict.fromkeys(i for pair in zip(*firsts, strict=False) for i in pair))
     top += [i for f in firsts for i in f if i not in top]
-    extra = [c for c in ("sharpness", "anchor_alignment", "loopback", "margin_widening",
-                         "phase1_rank", "phase2_rank") if c in df.columns]
+    extra = [c for c in ("sharpness", "anchor_alignment", "shortlist_share", "key_preference",
+                         "ov_copy", "loopback", "margin_widening", "phase1_rank", "phase2_rank",
+                         "phase1_inclusion", "phase2_inclusion") if c in df.columns]
     hover = "<b>%{hovertext}</b><br>coarse_score %{x:.4g}<br>refine_score %{y:.4g}" + "".join(
         f"<br>{c} %{{customdata[{i}]:.4g}}" for i, c in enumerate(extra))
     n_layers = int(df["layer"].max()) + 1 if len(df) else 1
@@ -183,7 +184,7 @@ def score_scatter(scores: Any, label_top: int = 5):
         title="Head scores: Phase 1 (coarse) vs Phase 2 (refine)<br><sup>one point per head, "
         "colour = layer; top heads of each score labelled</sup>",
         xaxis_title="coarse_score (Phase 1: sharp attention x anchor-aligned write)",
-        yaxis_title="refine_score (Phase 2: loop-back x margin widening)",
+        yaxis_title="refine_score (Phase 2: margin written from the shortlist)",
         height=SCATTER_H + SCATTER_MARGIN["t"] + SCATTER_MARGIN["b"],
         width=SCATTER_W + SCATTER_MARGIN["l"] + SCATTER_MARGIN["r"], plot_bgcolor="white",
         margin=dict(**SCATTER_MARGIN, autoexpand=False),
@@ -271,13 +272,20 @@ def _long_validation(validation: Any) -> Any:
     if not all(c in validation.columns for c in wide):
         return validation
     keep = [c for c in ("phase", "direction", "quantity", "p_value") if c in validation.columns]
+    pooled = "pool" in validation.columns  # random sets of several pools: one series each
     parts = []
     for label, (e, lo, hi) in (("top-k", wide[:3]), ("random", wide[3:])):
         part = validation[keep].copy()
         part["set"], part["effect"] = label, validation[e]
         part["ci_low"], part["ci_high"] = validation[lo], validation[hi]
-        if label == "random" and "p_value" in part:
-            part["p_value"] = float("nan")  # the p-value belongs to the top-k set
+        if label == "random":
+            if pooled:
+                part["set"] = "random (" + validation["pool"].astype(str) + ")"
+            if "p_value" in part:  # the p-value belongs to the top-k set
+                part["p_value"] = float("nan")
+        elif pooled:  # the top set's effect is the same in every pool: once, p of the first
+            part = part.loc[~validation[[c for c in ("phase", "direction", "quantity")
+                                         if c in validation.columns]].duplicated()]
         parts.append(part)
     return pd.concat(parts, ignore_index=True)
 

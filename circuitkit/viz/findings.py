@@ -13,8 +13,10 @@ argument             fields
 ``validation``       ``ck.validate_heads``' frame, one row per (phase, direction, quantity):
                      ``phase, direction, quantity, heads, k, n_random, n_prompts, clean, corrupt,
                      top_effect, top_low, top_high, random_mean, p_value, normalized``
-                     (a frame without them, e.g. a hand-made long table, gives no validation
-                     sentence; several rows per key: the first is read)
+                     and ``pool``/``overlap``: the headline reads the "all-layers" sets
+                     (disjoint from the top set), a note the "same-layers" ones (a frame
+                     without them, e.g. a hand-made long table, gives no validation sentence;
+                     several rows per key: the first is read)
 ``scores``           ``ck.score_heads``' frame: ``layer, head`` and ``phase{1,2}_rank`` (else
                      ``coarse_score``/``refine_score``; ``scoring.heads.top_heads`` ranks)
 ``results``          ``{name: PatchResult}``; head sweeps (axes ``layer, head``) with
@@ -40,8 +42,8 @@ PHASE_NAMES = {1: "Phase 1 (coarse: anchors)",
                2: "Phase 2 (refinement: target vs near-miss codes)"}
 RANKED_BY = {
     1: ("coarse_score", "sharp attention \u00d7 a write aligned with the correct anchor"),
-    2: ("refine_score", "loop-back attention to the target's shortlist entry \u00d7 the head's "
-                        "own direct write widening the target-vs-near-miss margin"),
+    2: ("refine_score", "the part of the head's direct write widening the target-vs-near-miss "
+                        "margin that it writes from the shortlist entries it attends to"),
 }
 BEHAVIOUR = {"focus": "Reasoning Focus", "confusion": "Near-Miss Confusion"}
 VALIDATION_FIELDS = ("phase", "direction", "quantity", "k", "n_random", "clean", "corrupt",
@@ -103,15 +105,34 @@ def _parse_heads(text: Any) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in re.findall(r"L(\d+)H(\d+)", str(text))]
 
 
-def _rows(validation: Any, phase: int) -> dict[tuple[str, str], Any]:
-    """``{(quantity, direction): row}`` of ``phase`` in a ``validate_heads`` frame."""
+def _rows(validation: Any, phase: int, pool: str = "all-layers") -> dict[tuple[str, str], Any]:
+    """``{(quantity, direction): row}`` of ``phase`` in a ``validate_heads`` frame, for the
+    random sets of ``pool`` (a frame from before the pools has one set of rows)."""
     if validation is None or not all(c in getattr(validation, "columns", ())
                                      for c in VALIDATION_FIELDS):
         return {}
+    rows = validation[validation["phase"] == phase]
+    if "pool" in rows.columns:
+        rows = rows[rows["pool"] == pool]
     out = {}
-    for _, r in validation[validation["phase"] == phase].iterrows():
+    for _, r in rows.iterrows():
         out.setdefault((str(r["quantity"]), str(r["direction"])), r)
     return out
+
+
+def same_layers_sentence(rows: dict[tuple[str, str], Any]) -> str:
+    """The test against random sets drawn from the top heads' own layers (``pool``
+    "same-layers"): how many heads each shares with the top set, and the outcome."""
+    if not rows:
+        return ""
+    first = next(iter(rows.values()))
+    shared = int(first["overlap"]) if "overlap" in first and first["overlap"] == first[
+        "overlap"] else 0
+    said, _ = validation_sentence(rows)
+    said = said.replace("Patched together they", "Against sets drawn from the same layers"
+                        + (f" (each sharing {shared} heads with the top set, as those layers "
+                           "hold few others)" if shared else "") + ", they", 1)
+    return said
 
 
 def floor_note(n_random: int) -> str:
@@ -337,7 +358,8 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         if said:
             parts.append(said)
         effect = effect_sentence(rows)
-        notes = ([effect] if effect else []) + sweep_sentences(
+        same = same_layers_sentence(_rows(validation, phase, "same-layers"))
+        notes = ([effect] if effect else []) + ([same] if same else []) + sweep_sentences(
             phase, _head_sweeps(results, phase), top, scores, len(top) or k)
         if not parts and not notes:
             continue

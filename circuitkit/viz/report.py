@@ -19,6 +19,8 @@ the page shows; model fingerprints, versions and timings come last.
 ``scores.csv``                                  ``ck.score_heads``: top-head tables, score scatter,
                                                 phase profile
 ``validation.csv``                              ``ck.validate_heads``: chart and table
+``head-ablation.csv``                           ``ck.ablate_heads``: top-k vs random heads under
+                                                zero / mean / resample ablation (a table)
 ``ablation.csv`` (or ``distill/ablation.csv``)  distillation ablation (``charts.ablation_chart``)
 ==============================================  ===============================================
 
@@ -55,20 +57,42 @@ METRIC_LINES: dict[str, str] = {
     "sharpness": "excess kurtosis of the head's attention row at Phase-1 query positions "
                  "(one sharp peak high, a flat row low), mean over positions and examples.",
     "anchor_alignment": "cosine of the head's write with the correct anchor's (centred) "
-                        "unembedding direction minus its mean cosine with the other anchors'.",
+                        "direction minus its mean cosine with the other anchors': by default "
+                        "the centroid of the anchor's labels' unembeddings (the _tokens "
+                        "columns use the anchor token's own unembedding).",
     "coarse_score": "Phase-1 score: high only when attention is sharp and the write is "
                     "anchor-aligned.",
-    "loopback": "attention mass at Phase-2 query positions on the shortlist entries of target "
-                "labels minus that on near-miss labels.",
+    "shortlist_share": "attention mass at Phase-2 query positions on the shortlist entries.",
+    "key_preference": "mean attention per target entry against per near-miss entry, "
+                      "(a_T - a_M) / (a_T + a_M): count-balanced, 0 for a head uniform over "
+                      "the shortlist, +1 targets only, -1 near-misses only.",
+    "ov_copy": "what the head writes from the entries it reads, on their own label's logit "
+               "(minus the mean logit), attention-weighted: + copies, - suppresses.",
+    "mechanism": "for heads with a refine_score of at least a tenth of the largest: copy "
+                 "(margin mostly from target entries, mostly raising the target), suppress "
+                 "(from near-miss entries, lowering them) or retrieve (the two disagree, e.g. "
+                 "reading near-miss entries and raising the target); - otherwise.",
+    "loopback": "shortlist_share x key_preference: re-attending to the shortlist and to which "
+                "side of it (+1 targets only, -1 near-misses only, 0 uniform or none).",
     "margin_widening": "the head's direct effect on the target-vs-near-miss logit margin "
                        "(its write through the final norm, dotted with W_U[target] - "
                        "W_U[near_miss]).",
-    "refine_score": "Phase-2 score: combines loop-back and margin widening.",
+    "refine_score": "Phase-2 score: the part of margin_widening the head writes from the "
+                    "shortlist entries it reads (sum over entries of attention x that entry's "
+                    "value through W_O on the margin).",
     "phase1_rank / phase2_rank": "rank of the head by coarse_score / refine_score (1 = best).",
+    "inclusion / rank interval": "share of bootstrap resamples of the examples in which the "
+                                 "head is in the top k, and the 2.5-97.5 percentile of its "
+                                 "rank there; a top head below 0.8 is flagged unstable.",
     "effect (validation)": "change of the measure when the head set is patched together (noise "
                            "or denoise), with its bootstrap 95% interval over prompts; p = "
-                           "permutation p-value against sets of random heads from the same "
-                           "layers.",
+                           "permutation p-value against random head sets of one pool: "
+                           "same-layers (the top heads' layers, overlap = top heads every set "
+                           "shares where a layer has too few others) or all-layers (disjoint).",
+    "ablation": "the top-k set, or a random set, zero-, mean- or resample-ablated (z set to 0, "
+                "to its mean over the prompts, or to another prompt's) on the clean run: "
+                "exact_match (teacher-forced: every answer step's arg-max is a target), "
+                "confusion and focus; effect = ablated - unablated, 95% intervals.",
     "focus": "Reasoning Focus: softmax mass on the correct anchors among all anchors at anchor "
              "steps (teacher-forced), mean over examples.",
     "confusion": "Near-Miss Confusion: softmax mass on near-misses among targets + near-misses "
@@ -84,7 +108,8 @@ METRIC_LINES: dict[str, str] = {
 # validation's and the ablation's also by the measures their frames name.
 SWEEP_TERMS = ("value", "normalized", "95% interval")
 SCORE_TERMS = {1: ("sharpness", "anchor_alignment", "coarse_score"),
-               2: ("loopback", "margin_widening", "refine_score")}
+               2: ("shortlist_share", "key_preference", "ov_copy", "mechanism", "loopback",
+                   "margin_widening", "refine_score")}
 MEASURE_TERMS = {"focus": "focus", "confusion": "confusion", "confusion_rate": "confusion_rate",
                  "macro_f1": "macro_f1 / micro_f1 / exact_match",
                  "micro_f1": "macro_f1 / micro_f1 / exact_match",
@@ -190,7 +215,7 @@ def _gap_warning(res: Any) -> str:
 
 
 def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
-                   ablation: Any) -> list[str]:
+                   ablation: Any, head_ablation: Any = None) -> list[str]:
     """The ``METRIC_LINES`` entries a page shows something of, in their order."""
     from circuitkit.scoring.heads import scored_phases
 
@@ -200,10 +225,13 @@ def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
     if scores is not None:
         phases = scored_phases(scores) if "layer" in scores.columns else []
         for phase in phases:
-            want |= set(SCORE_TERMS[phase])
+            want |= {t for t in SCORE_TERMS[phase] if t in scores.columns}
         if phases:
             want.add("phase1_rank / phase2_rank")
-    for frame, extra in ((validation, "effect (validation)"), (ablation, None)):
+        if any(f"phase{p}_inclusion" in scores.columns for p in phases):
+            want.add("inclusion / rank interval")
+    for frame, extra in ((validation, "effect (validation)"), (head_ablation, "ablation"),
+                         (ablation, None)):
         if frame is None:
             continue
         if extra:
@@ -265,8 +293,13 @@ def _score_tables(scores: Any, k: int) -> str:
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     parts = []
-    cols = {1: ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank"],
-            2: ["loopback", "margin_widening", "refine_score", "phase2_rank"]}
+    cols = {1: ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank",
+                "phase1_rank_low", "phase1_rank_high", "phase1_inclusion",
+                "phase1_rank_tokens"],
+            2: ["shortlist_share", "key_preference", "ov_copy", "mechanism", "loopback",
+                "margin_widening", "refine_score", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "phase2_rank",
+                "phase2_rank_low", "phase2_rank_high", "phase2_inclusion"]}
     for phase in scored_phases(scores):  # a phase the task has no steps for has no table
         heads = top_heads(scores, phase, k)
         idx = scores.set_index(["layer", "head"])
@@ -275,6 +308,59 @@ def _score_tables(scores: Any, k: int) -> str:
         parts.append(f"<div><h4>Top {len(heads)} Phase-{phase} heads</h4>"
                      f"{_table(rows[show])}</div>")
     return "<div class='tables'>" + "".join(parts) + "</div>"
+
+
+def _stability_lines(summary: dict, scores: Any) -> str:
+    """Lines under the score tables: top-k heads whose bootstrap inclusion is below 0.8, the
+    agreement of the two anchor-direction rankings, and how much each RefineScore part moves
+    the Phase-2 ranking (``summary.json``'s ``stability`` / ``scores_attrs``)."""
+    out = []
+    for phase, st in (summary.get("stability") or {}).items():
+        n = phase.removeprefix("phase")
+        if st.get("unstable"):
+            heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
+            out.append(f"<p class='warn'>Phase-{n} top-{st['k']}: {_esc(heads)} in the top "
+                       f"{st['k']} in fewer than 80% of the bootstrap resamples of the "
+                       "examples: the ranking there is not stable.</p>")
+        elif st.get("top"):
+            out.append(f"<p class='note'>Phase-{n} top-{st['k']}: every head in the top "
+                       f"{st['k']} in at least 80% of the bootstrap resamples.</p>")
+    attrs = summary.get("scores_attrs") or {}
+    agree = attrs.get("anchor_agreement")
+    if agree:
+        sp = agree.get("spearman")
+        out.append(f"<p class='note'>Phase-1 ranking with label-centroid anchor directions "
+                   f"against anchor-token columns: Spearman "
+                   f"{'n/a' if sp is None else f'{sp:.3f}'}, top-{agree['k']} overlap "
+                   f"{agree['top_k_overlap']} of {agree['k']}.</p>")
+    parts = attrs.get("refine_parts")
+    if parts:
+        import pandas as pd
+
+        out.append("<h4>How much each RefineScore part moves the Phase-2 ranking</h4>"
+                   "<p class='note'>spearman_alone: refine_score against the part by itself; "
+                   "spearman_without: against refine_score without the part (docs/scores.md); "
+                   "top_k_kept: top-k heads still in the top k without it.</p>"
+                   + _table(pd.DataFrame(parts)))
+    return "".join(out)
+
+
+def _head_ablation_table(frame: Any) -> Any:
+    """``head-ablation.csv`` as one row per (phase, pool, ablation, quantity) with
+    ``"value [low, high]"`` cells for the top set's and the random sets' effects."""
+    need = {"top_effect", "top_low", "top_high", "random_mean", "random_low", "random_high"}
+    if not need <= set(frame.columns):
+        return frame
+    show = frame.copy()
+    show["top effect [95%]"] = [f"{r.top_effect:+.3f} [{r.top_low:+.3f}, {r.top_high:+.3f}]"
+                                for r in frame.itertuples()]
+    show["random effect [95%]"] = [
+        f"{r.random_mean:+.3f} [{r.random_low:+.3f}, {r.random_high:+.3f}]"
+        for r in frame.itertuples()]
+    keep = [c for c in ("phase", "pool", "ablation", "quantity", "heads", "n_random", "overlap",
+                        "n_prompts", "base", "top_value") if c in show.columns]
+    return show[keep + ["top effect [95%]", "random effect [95%]"]
+                + [c for c in ("p_value",) if c in show.columns]]
 
 
 def ablation_table(frame: Any) -> Any:
@@ -360,6 +446,7 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
     scores, validation = read("scores.csv"), read("validation.csv")
     ablation = read("ablation.csv")
+    head_ablation = read("head-ablation.csv")
     if ablation is None and (run_dir / "distill" / "ablation.csv").exists():
         ablation = pd.read_csv(run_dir / "distill" / "ablation.csv")
     if not (summary or results or scores is not None or validation is not None
@@ -421,12 +508,20 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     views: list = []
     if scores is not None:
         body = _score_tables(scores, top_k)
+        body += _stability_lines(summary, scores)
         body += chart(charts.score_scatter, scores)
         body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
         sections.append(("scores", "Head scores", body))
     if validation is not None:
         sections.append(("validation", "Causal validation",
                          chart(charts.validation_chart, validation) + _table(validation)))
+    if head_ablation is not None:
+        sections.append(("head-ablation", "Ablation of the top heads",
+                         "<p class='note'>Each phase's top-k set and random sets ablated on "
+                         "the clean run; effect = ablated - unablated, mean over prompts "
+                         "[bootstrap 95% interval]; the random interval is where one random "
+                         "set's effect falls; p against that pool's random sets.</p>"
+                         + _table(_head_ablation_table(head_ablation))))
     if attention and scores is not None:
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
@@ -437,7 +532,7 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
                          + "<p class='note'>mean over seeds [95% interval]</p>"
                          + _table(_or_raw(ablation_table, ablation))))
 
-    terms = glossary_terms(results, scores, validation, ablation)
+    terms = glossary_terms(results, scores, validation, ablation, head_ablation)
     if terms:
         lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(METRIC_LINES[k])}</td></tr>"
                         for k in terms)
