@@ -86,6 +86,26 @@ def attn_result_off(model: Any):
             model.set_use_attn_result(True)
 
 
+@contextlib.contextmanager
+def split_qkv_inputs(model: Any):
+    """Each head's q/k/v input as its own copy of the residual for the run (``hooks.q_input``
+    ...: TransformerLens's ``use_split_qkv_input``; ``use_attn_in``, exclusive with it, off
+    meanwhile); the caller's flags are restored on exit. Every copy goes through the block's
+    norm and its head's projection alone, so an edit of one copy reaches one head only."""
+    split = bool(getattr(model.cfg, "use_split_qkv_input", False))
+    attn_in = bool(getattr(model.cfg, "use_attn_in", False))
+    try:
+        if attn_in:
+            model.set_use_attn_in(False)
+        if not split:
+            model.set_use_split_qkv_input(True)
+        yield
+    finally:
+        model.set_use_split_qkv_input(split)
+        if attn_in:
+            model.set_use_attn_in(True)
+
+
 def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, Any]]:
     """Blocks ``0..layer-1`` as identities (``block_arity``: see ``output_arity``)."""
     def identity(*args: Any, **kwargs: Any) -> Any:
