@@ -48,10 +48,10 @@ only; every other reader keeps the base run. Nothing before the receiver's layer
 the run re-enters at ``l`` from the cached base ``resid_pre(l)``, with the edges into layer ``l``
 stacked in the batch. The receiver's patched input activation (``hook_q/k/v`` of layer ``l``,
 head slice) is the module's own computation on ``resid_pre(l) + delta_s``: one partial run per
-sender, stopped once block ``l``'s q/k/v hooks fired (``_inputs_at``), whose head slices a hook
-then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads the final
-residual plus ``delta_s``: the last block returns that value and only the final norm and the
-unembedding run.
+sender, stopped once block ``l``'s q/k/v hooks fired (``shortcuts.run_until``), whose head
+slices a hook then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads
+the final residual plus ``delta_s``: the last block returns that value and only the final norm
+and the unembedding run.
 """
 
 from __future__ import annotations
@@ -548,10 +548,6 @@ class ExactEngine:
 # --- edges ---------------------------------------------------------------------------------------
 
 
-class _Stop(Exception):
-    """Raised by a hook once a partial run has what it came for (``EdgeEngine._inputs_at``)."""
-
-
 def check_edge_model(model: Any) -> None:
     """``ValueError`` (one line, naming the block) where an edge is not defined: a block that
     normalises its attention output before the residual add (post-norm, e.g. Gemma 2), where a
@@ -611,31 +607,6 @@ class EdgeEngine(ExactEngine):
             out.append(dz @ self.W_O[sl][h].to(dz.device))
         return torch.stack(out)
 
-    def _inputs_at(self, layer: int, x: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
-        """Activations at hooks ``names`` (block ``layer``'s q/k/v) of a run re-entering at
-        ``layer`` with residual ``x``, stopped as soon as all of them fired: the layer's own
-        norm and projections (biases, Q/K norms, GQA) on ``x``, nothing after."""
-        got: dict[str, Tensor] = {}
-
-        def grab(name: str):
-            def hook(t: Tensor, hook: Any) -> Tensor:
-                got[name] = t.detach().clone()
-                if len(got) == len(names):
-                    raise _Stop
-                return t
-            return hook
-
-        forwards = shortcuts.skipped_blocks(self.model, layer, self.block_arity)
-        try:
-            self._suffix(x, layer, forwards, [(n, grab(n)) for n in names])
-        except _Stop:
-            pass
-        missing = [n for n in names if n not in got]
-        if missing:
-            raise RuntimeError(f"block {layer}'s attention did not fire {missing}: edges need "
-                               "its q/k/v hooks.")
-        return got
-
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:
         """Logits with each edge into receiver layer ``layer`` patched, rows variant-major."""
@@ -663,7 +634,8 @@ class EdgeEngine(ExactEngine):
         resid = self._span(self.resid[layer], p0, p1, length, layer=layer)
         names = {i: hooks.head_site(self.layout.inputs[i], layer)
                  for i in sorted(set(cells[:, 1].tolist()))}
-        src = self._inputs_at(layer, (resid[None] + writes).flatten(0, 1), list(names.values()))
+        src = shortcuts.run_until(model, layer, (resid[None] + writes).flatten(0, 1),
+                                  list(names.values()), self.block_arity)
         fwd_hooks = []
         for i, name in names.items():
             js = (cells[:, 1] == i).nonzero()[:, 0]

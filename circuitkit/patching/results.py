@@ -559,7 +559,7 @@ CIRCUIT_FORMAT = "circuitkit.circuit"
 
 @dataclass
 class CircuitResult:
-    """A faithfulness curve and the kept set (``patching.circuit.circuit``).
+    """A faithfulness curve and the kept set (``patching.faithfulness.circuit``).
 
     ``kind``: "edges" or "heads"; ``sizes``: shares of the scored items kept (ascending),
     ``n_kept``: how many items that is; ``faithfulness[k] = (m(C_k) - empty) / (full -

@@ -1,4 +1,4 @@
-"""Circuit faithfulness: keep the top edges (or heads), ablate the rest, measure the metric.
+"""Circuit faithfulness (``ck.circuit``): keep the top edges (or heads), ablate the rest.
 
 ``circuit(model, task, scores)`` ranks the items of an ``EdgeResult`` (edges) or a head
 ``PatchResult`` (heads) by their effect, keeps the top ``size`` share of them for each size of
@@ -14,10 +14,11 @@ ablated, and reports the normalized metric of each circuit and MIB's areas:
 ``ablation="corrupt"`` when the items cover the model). Intervals: percentile bootstrap over
 prompts of f, CPR and CMD (each resample recomputes the means, as ``PatchResult`` does).
 
-The run (``_ablated_metrics``): each head's q/k/v input is its own copy of the residual
-(``shortcuts.split_qkv_inputs``). With ``live_s`` a sender's write in this run and ``abl_s`` its
-ablated write (``ablation``: the corrupt run's, zero, the mean over the task's clean prompts
-per position, or another prompt's clean write), a receiver ``r`` reads at input ``i``
+The run (``_Ablated``), block by block: each head's q/k/v input is its own copy of the residual
+(its activation computed by the module itself on that copy, ``shortcuts.run_until``). With
+``live_s`` a sender's write in this run and ``abl_s`` its ablated write (``ablation``: the
+corrupt run's, zero, the mean over the task's clean prompts per position, or another prompt's
+clean write), a receiver ``r`` reads at input ``i``
 
     x_r,i = x - sum_{s alive, (s, r, i) not kept} (live_s - abl_s)
 
@@ -318,8 +319,10 @@ class _Ablated:
         L = graph.n_layers
         names = [hooks.resid_pre(0), *(hooks.z(la) for la in range(L))]
         with torch.no_grad():
+            self.block_arity, _ = shortcuts.output_arity(model, self.clean)
             logits, cache = self._run(self.clean, names)
             self.clean_metric = evaluate_metric(metric, logits, "clean run", at=self.reads)
+            self.resid0 = cache[hooks.resid_pre(0)]
             self.abl = self._ablated_writes(ablation, corrupt, cache, seed)
         f = hooks.facts(model)
         d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
@@ -390,12 +393,14 @@ class _Ablated:
         return torch.cat(out)
 
     def _forward(self, kept: Bool[Tensor, "c s r i"], alive: Bool[Tensor, "c s"]) -> Tensor:
-        """Logits of the clean prompts under each circuit (rows circuit-major)."""
+        """Logits of the clean prompts under each circuit (rows circuit-major), block by block:
+        each head's q/k/v is the module's own computation on its corrected residual
+        (``shortcuts.run_until`` on one copy per head), then the block runs on the stream
+        with those slices written in and dead senders' writes swapped at ``hook_attn_out``."""
         g, model = self.graph, self.model
         c, n, L, H = kept.shape[0], self.clean.shape[0], g.n_layers, g.n_heads
-        dev = self.device
+        dev, arity = self.device, self.block_arity
         kept, alive = kept.to(dev), alive.to(dev)
-        live: list[Tensor] = [None] * (L + 1)  # per sender layer: live - ablated writes
 
         def tile(t: Tensor) -> Tensor:  # [n or 1, ...] -> [c * n, ...]
             return t.expand(n, *t.shape[1:]).repeat(c, *([1] * (t.ndim - 1)))
@@ -403,61 +408,61 @@ class _Ablated:
         def rows(mask: Tensor) -> Tensor:  # [c, ...] -> [c * n, ...] (circuit-major)
             return mask.repeat_interleave(n, 0)
 
-        def senders_of(layer: int) -> slice:  # dense sender indices of layers < layer
-            return slice(0, 1 + layer * H)
-
-        def embed(t: Tensor, hook: Any) -> Tensor:
-            diff = t - tile(self.abl[0][:, :t.shape[1], 0])
-            live[0] = diff[:, :, None]
-            dead = ~rows(alive[:, 0])
-            return t - dead[:, None, None].to(t.dtype) * diff
-
-        def z_hook(layer: int):
-            def hook(t: Tensor, hook: Any) -> Tensor:
-                W_O = model.blocks[layer].attn.W_O.detach()
-                w = einops.einsum(t, W_O, "b p h d, h d m -> b p h m")
-                live[layer + 1] = w - tile(self.abl[layer + 1][:, :t.shape[1]])
-                return t
-            return hook
-
-        def attn_out_hook(layer: int):
-            def hook(t: Tensor, hook: Any) -> Tensor:
-                dead = (~rows(alive[:, 1 + layer * H:1 + (layer + 1) * H])).to(t.dtype)
-                return t - einops.einsum(dead, live[layer + 1], "b h, b p h m -> b p m")
-            return hook
-
-        def correction(layer: int, mask: Tensor) -> Tensor:
-            """sum_s mask[row, s, unit] (live_s - abl_s): [rows, pos, units, d]."""
+        def correction(layer: int, drop: Tensor) -> Tensor:
+            """sum_s drop[row, s, unit] (live_s - abl_s): [rows, pos, units, d]."""
             diffs = torch.cat(live[:layer + 1], dim=2)  # [rows, pos, senders, d]
-            return einops.einsum(rows(mask).to(diffs.dtype), diffs,
-                                 "b s u, b p s m -> b p u m")
+            return einops.einsum(rows(drop).to(diffs.dtype), diffs, "b s u, b p s m -> b p u m")
 
-        def input_hook(layer: int, i: int, units: int):
-            def hook(t: Tensor, hook: Any) -> Tensor:
-                r = slice(layer * H, layer * H + units)
-                s = senders_of(layer)
-                drop = alive[:, s, None] & ~kept[:, s, r, i]  # [c, senders, units]
-                return t - correction(layer, drop)
-            return hook
-
-        def logits_hook(t: Tensor, hook: Any) -> Tensor:
-            s = senders_of(L)
-            drop = alive[:, s, None] & ~kept[:, s, L * H:L * H + 1, 0]
-            return t - correction(L, drop)[:, :, 0]
-
-        fwd = [(hooks.resid_pre(0), embed)]
-        for la in range(L):
-            fwd.append((hooks.z(la), z_hook(la)))
-            fwd.append((hooks.attn_out(la), attn_out_hook(la)))
+        x = tile(self.resid0)
+        diff = x - tile(self.abl[0][:, :, 0])
+        live = [diff[:, :, None]]  # per sender layer: live - ablated writes [rows, pos, k, d]
+        x = x - rows(~alive[:, :1]).to(x.dtype)[:, :, None] * diff  # the stream
+        for layer in range(L):
+            s = slice(0, 1 + layer * H)  # senders before this layer
+            copies, spans = [], []
             for i, name in enumerate(hooks.EDGE_INPUTS):
                 units = g.n_kv if name in hooks.KV_SITES else H
-                fwd.append((hooks.edge_input(name, la), input_hook(la, i, units)))
-        fwd.append((hooks.resid_post(L - 1), logits_hook))
-        tokens = self.clean.repeat(c, 1)
-        idx = None if self.reads is None else self.reads.repeat(c, 1).to(dev)
-        ctx = shortcuts.reads_only(model, idx) if idx is not None else \
-            shortcuts.attn_result_off(model)
-        with shortcuts.split_qkv_inputs(model), ctx, shortcuts.hooked(model, fwd):
-            out = model(tokens)
-        self.forwards += 1
-        return out
+                drop = alive[:, s, None] & ~kept[:, s, layer * H:layer * H + units, i]
+                if bool(drop.any()):
+                    fixed = x[:, :, None] - correction(layer, drop)  # [rows, pos, units, d]
+                    copies.append(einops.rearrange(fixed, "b p u m -> (u b) p m"))
+                    spans.append((hooks.head_site(name, layer), units))
+            given: dict[str, Tensor] = {}
+            if copies:
+                got = shortcuts.run_until(model, layer, torch.cat(copies),
+                                          [site for site, _ in spans], arity)
+                start = 0
+                for site, units in spans:
+                    act = got[site][start:start + units * x.shape[0]]
+                    act = act.view(units, x.shape[0], *act.shape[1:])  # [copy, rows, pos, u, d]
+                    given[site] = torch.stack([act[u, :, :, u] for u in range(units)], dim=2)
+                    start += units * x.shape[0]
+
+            def put(value: Tensor):
+                return lambda t, hook: value.to(t.dtype)
+
+            def z_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
+                W_O = model.blocks[layer].attn.W_O.detach()
+                w = einops.einsum(t, W_O, "b p h d, h d m -> b p h m")
+                live.append(w - tile(self.abl[layer + 1][:, :t.shape[1]]))
+                return t
+
+            def attn_out_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
+                dead = (~rows(alive[:, 1 + layer * H:1 + (layer + 1) * H])).to(t.dtype)
+                return t - einops.einsum(dead, live[layer + 1], "b h, b p h m -> b p m")
+
+            fwd = [(site, put(value)) for site, value in given.items()]
+            fwd += [(hooks.z(layer), z_hook), (hooks.attn_out(layer), attn_out_hook)]
+            x = shortcuts.run_until(model, layer, x, [hooks.resid_post(layer)], arity,
+                                    fwd)[hooks.resid_post(layer)]
+            self.forwards += 1 + bool(copies)
+        drop = alive[:, :, None] & ~kept[:, :, L * H:L * H + 1, 0]
+        final = x - correction(L, drop)[:, :, 0]
+        # the logits of the corrected final residual: the last block returns it
+        forwards = shortcuts.skipped_blocks(model, L - 1, arity) + [
+            (model.blocks[L - 1], shortcuts.returning(final, arity))]
+        fwd_hooks = [] if self.reads is None else [(hooks.UNEMBED_IN, shortcuts.gather_rows(
+            self.reads.repeat(c, 1).to(dev)))]
+        with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
+                shortcuts.attn_result_off(model):
+            return model(x, start_at_layer=L - 1)
