@@ -265,9 +265,16 @@ class EdgeLayout:
                     rows += [(s, i, u) for i, us in units for u in us]
         return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
 
+    def count(self, layer: int) -> int:
+        """``len(cells(layer))``, counted without listing them (a 70B plan has millions)."""
+        if layer == self.n_layers:
+            return len(self.senders) if logits_node(self.n_layers) in self.receivers else 0
+        before = sum(1 for sl, _ in self.senders if sl < layer)
+        return before * sum(len(self.units(layer, name)) for name in self.inputs)
+
     @property
     def layer_variants(self) -> tuple[int, ...]:
-        return tuple(int(self.cells(layer).shape[0]) for layer in range(self.n_layers + 1))
+        return tuple(self.count(layer) for layer in range(self.n_layers + 1))
 
     @property
     def n_edges(self) -> int:
