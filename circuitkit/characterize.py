@@ -11,6 +11,9 @@ in that phase: its sweeps, scores and validation rows are that phase's.
     validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
     summary.json      identity (model, task fingerprints, options), versions, ``phases``,
                       per-step timings, top heads per phase, the list of files, ``complete``
+    edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
+                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
+                      ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
                       validation's finished (phase, direction) runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
@@ -57,8 +60,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  seed: int = 0, split: str = "test", k: int = 5, n_random: int = 20,
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
-                 task_kwargs: dict[str, Any] | None = None, report: bool = True
-                 ) -> dict[str, Any]:
+                 task_kwargs: dict[str, Any] | None = None, report: bool = True,
+                 edges: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
@@ -66,7 +69,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     validation set size and number of random sets; ``patch_method``: "exact" (default),
     "attribution" or "attribution+exact" (for models too big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
-    ``out_dir/report.html`` at the end (``circuitkit.viz.report``).
+    ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
+    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``).
     """
     import circuitkit as ck
     from circuitkit import files
@@ -125,7 +129,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                              "or delete it.")
         if stored_options != validation_options:  # same sweeps and scores: validate again
             summary.get("steps", {}).pop("validation", None)
-    expected = step_names(phases)  # a report of a partial run says which are missing
+    expected = step_names(phases) + (["edges"] if edges else [])  # what a partial run misses
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
@@ -183,6 +187,16 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
+    if edges:
+        i += 1
+        if "edges" in steps:
+            _log(progress, f"[{i}/{total + 1}] edges: reused")
+        else:
+            _log(progress, f"[{i}/{total + 1}] edges")
+            t0 = time.perf_counter()
+            written = _edges_step(model, per_phase, scores, k, out, batch_size, progress,
+                                  dict(model_name=name, task=task_name))
+            record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
@@ -197,3 +211,34 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     _log(progress, f"done: {out} (steps {summary['seconds_all_steps']:.1f} s, this call "
                    f"{time.perf_counter() - t_all:.1f} s)")
     return summary
+
+
+def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,
+                batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
+    """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
+    after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
+    only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
+    returns the files written (relative to ``out``), none when no receiver lies after a
+    sender."""
+    import circuitkit as ck
+    from circuitkit.scoring.heads import top_heads
+
+    phases = sorted(per_phase)
+    senders = top_heads(scores, phases[0], k)
+    first = min(la for la, _ in senders)
+    receivers = [h for h in top_heads(scores, phases[-1], k) if h[0] > first]
+    if not receivers:
+        _log(progress, f"edges: no top Phase-{phases[-1]} head lies after a top "
+                       f"Phase-{phases[0]} head; nothing to patch")
+        return []
+    tp = per_phase[phases[-1]]
+    folder = out / "edges"
+    res = ck.patch_edges(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
+                         receivers, batch_size=batch_size, checkpoint=out / "checkpoints" /
+                         "edges", progress=progress, task_hash=tp.fingerprint())
+    res.meta.update(meta, phase=phases[-1], n_examples=len(tp), senders_from=f"phase{phases[0]}",
+                    receivers_from=f"phase{phases[-1]}")
+    res.save(folder / "edges", views=False)
+    circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
+    circ.save_json(folder / "circuit.json")
+    return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]

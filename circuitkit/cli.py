@@ -711,6 +711,9 @@ def characterize(
                                      "attribution+exact."),
     text: str = typer.Option("auto", help="Render the task as text: auto, yes or no."),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass."),
+    edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
+                               "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
+                               "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
@@ -724,7 +727,7 @@ def characterize(
         choice("patch_method", patch_method, METHODS)
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=True)
+                      text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -457,3 +457,31 @@ def test_pictures(tmp_path):
     assert list(curve.data[-1].y) == pytest.approx(circ.faithfulness.tolist())
     with pytest.raises(TypeError, match="CircuitResult"):
         ck.viz.circuit_graph(task)
+
+
+def test_characterize_edges_and_report(tiny_llama, tmp_path):
+    """``characterize --edges``: the top Phase-1 heads into the top Phase-2 heads after them,
+    on the Phase-2 metric; a step of its own (resumed), and a section of report.html."""
+    import pandas as pd
+
+    from circuitkit.characterize import characterize
+    from circuitkit.scoring.heads import top_heads
+
+    out = tmp_path / "run"
+    kw = dict(n_examples=8, k=3, n_random=3, text=False, progress=False,
+              task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1)))
+    summary = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    assert summary["complete"] and "edges" in summary["steps"]
+    scores = pd.read_csv(out / "scores.csv")
+    res = ck.EdgeResult.load(out / "edges" / "edges")
+    senders = top_heads(scores, 1, 3)
+    first = min(la for la, _ in senders)
+    assert set(res.senders) == set(senders)
+    assert set(res.receivers) == {h for h in top_heads(scores, 2, 3) if h[0] > first}
+    assert res.meta["phase"] == 2 and res.per_prompt is not None
+    circ = json.loads((out / "edges" / "circuit.json").read_text())
+    assert circ["n_items"] == int(res.edge_mask().sum()) and len(circ["curve"]) == 10
+    html = (out / "report.html").read_text()
+    assert "Edges: which heads feed which" in html and "CPR" in html
+    again = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    assert again["steps"]["edges"] == summary["steps"]["edges"]  # reused, not rerun

@@ -612,8 +612,8 @@ class CircuitResult:
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
         """The kept set as JSON-ready data: ``nodes`` (name, layer, head), ``edges`` (sender,
-        receiver, input, score; for heads: the kept heads' scores), its faithfulness, and the
-        curve's CPR and CMD."""
+        receiver, input, score; for heads: the kept heads' scores), its faithfulness, the
+        curve (``to_frame`` rows) and its CPR and CMD."""
         k = self.chosen if index is None else index
         kept = self.kept(k)
         nodes: dict[str, dict[str, Any]] = {}
@@ -633,6 +633,7 @@ class CircuitResult:
                 node([h["layer"], h["head"]])
                 nodes[node_name([h["layer"], h["head"]], self.n_layers)]["score"] = h["score"]
         band = (self.intervals or {}).get("faithfulness")
+        curve = self.to_frame().to_dict(orient="records")
         return dict(format=CIRCUIT_FORMAT, version=1, kind=self.kind, size=self.sizes[k],
                     n_kept=self.n_kept[k], n_items=len(self.items),
                     faithfulness=float(self.faithfulness[k]),
@@ -640,6 +641,7 @@ class CircuitResult:
                     ablation=self.ablation, rank=self.rank, cpr=self.cpr, cmd=self.cmd,
                     cpr_ci=(self.intervals or {}).get("cpr"),
                     cmd_ci=(self.intervals or {}).get("cmd"),
+                    n_layers=self.n_layers, curve=curve,
                     nodes=sorted(nodes.values(), key=lambda d: (d["layer"], d["head"])),
                     edges=edges, meta=self.meta)
 

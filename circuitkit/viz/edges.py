@@ -27,6 +27,13 @@ def _edges_of(source: Any, top: int, index: int | None) -> tuple[list[dict], int
         return (source.kept(k), source.n_layers,
                 f"circuit: {source.n_kept[k]} of {len(source.items)} edges, faithfulness "
                 f"{f:.3f} ({source.ablation} ablation)")
+    if isinstance(source, dict) and "edges" in source and "nodes" in source:  # circuit.json
+        where = {n["name"]: [n["layer"], n["head"]] for n in source["nodes"]}
+        edges = [dict(e, sender=where[e["sender"]], receiver=where[e["receiver"]])
+                 for e in source["edges"]]
+        return (edges, int(source["n_layers"]),
+                f"circuit: {source['n_kept']} of {source['n_items']} edges, faithfulness "
+                f"{source['faithfulness']:.3f} ({source['ablation']} ablation)")
     if hasattr(source, "edge_mask") and hasattr(source, "top"):  # an EdgeResult
         df = source.top(top)
         base = source.corrupt if source.direction == "denoise" else source.clean
@@ -42,7 +49,8 @@ def _edges_of(source: Any, top: int, index: int | None) -> tuple[list[dict], int
 def circuit_graph(source: Any, title: str | None = None, *, top: int = 30,
                   index: int | None = None, max_width: float = 10.0):
     """The edges of a circuit (``CircuitResult``: its kept set, or circuit ``index`` of its
-    curve) or the ``top`` edges of an ``EdgeResult`` as a graph: x = layer (embeddings -1,
+    curve; or its ``to_dict()``, e.g. a loaded ``circuit.json``) or the ``top`` edges of an
+    ``EdgeResult`` as a graph: x = layer (embeddings -1,
     logits n_layers), y = head; line width proportional to ``|score|`` (at most
     ``max_width``), colour by input, dashed when the score is negative."""
     import plotly.graph_objects as go
