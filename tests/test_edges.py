@@ -485,3 +485,46 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     assert "Edges: which heads feed which" in html and "CPR" in html
     again = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
     assert again["steps"]["edges"] == summary["steps"]["edges"]  # reused, not rerun
+
+
+def test_cli_plans_70b_edges_offline_and_counts_them(monkeypatch, tmp_path):
+    """``circuitkit edges --plan`` from the shipped config (no weights): the edge count is
+    the one a hand count of Llama-3-70B's graph gives (q on 64 heads, k/v on 8 KV heads per
+    layer, the embeddings as a sender, the logits as a receiver)."""
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    r = CliRunner().invoke(app, ["edges", "--model", "llama3-70b", "--task", "icd10", "-n", "8",
+                                 "--plan", "--gpu", "H200"])
+    assert r.exit_code == 0, r.output
+    L, H, KV = 80, 64, 8
+    senders_before = [1 + H * la for la in range(L)]
+    n = sum(s * (H + 2 * KV) for s in senders_before) + (1 + L * H)
+    assert f"{n:,} edges" in r.output and "no weights needed" in r.output
+    for row in ("exact ", "TL direct-path loop", "eap ", "eap-ig-inputs (m=5)",
+                "eap-ig-activations (m=5)", "attribution+exact@"):
+        assert any(line.startswith(row) for line in r.output.splitlines()), row
+    bad = CliRunner().invoke(app, ["edges", "--model", "llama3-70b", "--task", "icd10", "--plan",
+                                   "--senders", "L90H0"])
+    assert bad.exit_code == 2 and "outside the model's 80 layers" in bad.output
+
+
+def test_cli_edges_writes_results_and_the_circuit(tmp_path):
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    out = tmp_path / "e"
+    r = CliRunner().invoke(app, ["edges", "--model", "icd-teacher", "--task", "icd10", "-n", "4",
+                                 "--senders", "embed,L0H2", "--receivers", "L2H6,logits",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = ck.EdgeResult.load(out / "edges")
+    assert res.receivers == ((2, 6), (4, -1)) and res.senders == ((-1, -1), (0, 2))
+    assert json.loads((out / "circuit.json").read_text())["n_items"] == 8
+    assert {"edges.csv", "edges.html", "circuit.html", "faithfulness.html"} <= {
+        p.name for p in out.iterdir()}
+    assert "strongest edges" in r.output and "CPR" in r.output

@@ -39,7 +39,7 @@ from circuitkit.patching.checkpoint import (
     sweep_identity,
     tokens_hash,
 )
-from circuitkit.patching.engine import EdgeEngine, ExactEngine, check_edge_model
+from circuitkit.patching.engine import EdgeEngine, ExactEngine
 from circuitkit.patching.inputs import (
     BACKENDS,
     DIRECTIONS,
@@ -47,6 +47,7 @@ from circuitkit.patching.inputs import (
     METHODS,
     POSITIONS,
     check_batch_size,
+    check_edge_model,
     check_edge_nodes,
     check_metric_prompts,
     check_tokens,

@@ -69,6 +69,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
+from circuitkit.patching.inputs import check_edge_model
 from circuitkit.patching.sweep import Chunk, Sweep, auto_rows
 
 # Max |fast - plain| on the probe chunk, relative to max(1, |metric|), by weight dtype: the two
@@ -546,20 +547,6 @@ class ExactEngine:
 
 
 # --- edges ---------------------------------------------------------------------------------------
-
-
-def check_edge_model(model: Any) -> None:
-    """``ValueError`` (one line, naming the block) where an edge is not defined: a block that
-    normalises its attention output before the residual add (post-norm, e.g. Gemma 2), where a
-    head's residual write is not ``z @ W_O``."""
-    for layer in range(hooks.facts(model).n_layers):
-        post = hooks.post_norm(model, layer, "attn")
-        if post is not None:
-            raise ValueError(
-                f"blocks.{layer} normalises its attention output before the residual add "
-                f"({type(post).__name__}, a post-attention norm as in Gemma 2): a head's "
-                "residual write is not z @ W_O there, so edges are not defined on this model; "
-                "patch heads (patch_heads) instead.")
 
 
 class EdgeEngine(ExactEngine):

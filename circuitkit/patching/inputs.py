@@ -188,3 +188,19 @@ def _node(role: str, node: Any, f: Any, special: str, special_node: tuple[int, i
 def _node_name(node: tuple[int, int], n_layers: int) -> str:
     layer, head = node
     return "embed" if layer < 0 else "logits" if layer >= n_layers else f"L{layer}H{head}"
+
+
+def check_edge_model(model: Any) -> None:
+    """``ValueError`` (one line, naming the block) where an edge is not defined: a block that
+    normalises its attention output before the residual add (post-norm, e.g. Gemma 2), where a
+    head's residual write is not ``z @ W_O``."""
+    from circuitkit import hooks
+
+    for layer in range(hooks.facts(model).n_layers):
+        post = hooks.post_norm(model, layer, "attn")
+        if post is not None:
+            raise ValueError(
+                f"blocks.{layer} normalises its attention output before the residual add "
+                f"({type(post).__name__}, a post-attention norm as in Gemma 2): a head's "
+                "residual write is not z @ W_O there, so edges are not defined on this model; "
+                "patch heads (patch_heads) instead.")
