@@ -209,7 +209,8 @@ def patch_edges(
     steps; ``attribution.attribution_patch_edges``) or "attribution+exact" (an estimator
     screens every edge, default "eap-ig-inputs", and the exact engine verifies the ``top_k``,
     or as many as the error bound of ``attribution_plus_exact`` requires; ``max_passes`` caps
-    the cost). ``checkpoint``: folder; finished chunks (exact) are stored and a rerun resumes.
+    the cost). ``checkpoint``: folder; finished chunks of an exact sweep are stored and a rerun
+    resumes (the other methods are not checkpointed: a warning says so).
     ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
     """
     choice("method", method, EDGE_METHODS)
@@ -220,8 +221,9 @@ def patch_edges(
         else:
             choice("estimator", estimator or attribution.EDGE_ESTIMATORS[0],
                    attribution.EDGE_ESTIMATORS)
-    if method == "attribution":
-        _unused_checkpoint(checkpoint, "method='attribution'")
+    if method != "exact" and checkpoint is not None:
+        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: edges are checkpointed with "
+                      f"method='exact' only (method={method!r} is not).", stacklevel=2)
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, "exact", "all", "z", batch_size,
                                               hooks.PATCH_HEAD_SITES)
