@@ -17,7 +17,9 @@ One process; every comparison runs A, B, A, B and keeps each one's minimum.
     ``--ig-steps``): seconds, and against exact over every edge: Spearman of the effects and
     top-20 recall (exact top 20 by |effect| found in the estimate's top 20), per input.
   - ``ck.circuit`` on the exact edges (MIB's 10 sizes, corrupt ablation, 200 bootstrap
-    resamples): seconds and forwards, against the exact sweep's seconds.
+    resamples): seconds against the exact sweep's; then CPR and CMD of the circuits each
+    ranking (exact, EAP, EAP-IG) keeps. The quality and faithfulness rows run on
+    ``--n-quality`` prompts (default 32), the TL comparison on ``--n`` (default 8).
 * ``smollm2``: SmolLM2-135M (offline copy), repeated random tokens (``<bos> A A``, |A| = 8,
   first copy resampled in the corrupt run, metric: log-prob of the second copy); exact head
   patching (site z) picks the top 20 heads by |effect|; exact edges among them (senders and
@@ -70,6 +72,15 @@ def recall(est: torch.Tensor, ref: torch.Tensor, k: int = 20) -> tuple[int, int]
     k = min(k, ref.numel())
     top = lambda t: set(t.abs().topk(k).indices.tolist())  # noqa: E731
     return len(top(est) & top(ref)), k
+
+
+def significant(exact: Any) -> dict[str, int]:
+    """Edges whose exact 95% interval excludes 0, per input ("resid": into the logits)."""
+    df = exact.to_frame()
+    if "ci_low" not in df:
+        return {}
+    sig = (df.ci_low > 0) | (df.ci_high < 0)
+    return {k: int(v) for k, v in sig.groupby(df.input).sum().items()}
 
 
 def quality(est: Any, exact: Any, k: int = 20) -> dict[str, tuple[float, int, int]]:
@@ -144,7 +155,7 @@ def tl_vs_exact(model, clean, corrupt, metric, repeats) -> None:
           f"{err:.2e} (target <= 1e-4)")
 
 
-def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> Any:
+def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, dict]:
     runs: dict[str, Callable[[], Any]] = {
         "exact": lambda: ck.patch_edges(model, clean, corrupt, metric, progress=False)}
     for est in ESTIMATORS:
@@ -154,7 +165,8 @@ def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> Any:
     got = interleaved(runs, repeats)
     t_ex, exact = got["exact"]
     print(f"  full sweep: {int(exact.edge_mask().sum())} edges (embeddings and logits "
-          f"included), exact {t_ex:.2f} s")
+          f"included), exact {t_ex:.2f} s; edges whose exact 95% interval excludes 0: "
+          f"{significant(exact)}")
     print(f"  {'estimator':<20s} {'s':>7s} {'x faster':>9s}   Spearman / top-20 recall: "
           f"{'all':>14s} {'q':>14s} {'k':>14s} {'v':>14s}")
     for est in ESTIMATORS:
@@ -164,32 +176,43 @@ def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> Any:
                         f"{'-':>14s}" for k in ("all", "q", "k", "v"))
         label = est + (f" (m={ig_steps})" if est != "eap" else "")
         print(f"  {label:<20s} {t:7.2f} {t_ex / t:8.1f}x   {'':>25s}{cells}")
-    return exact
+    return exact, {est: got[est][1] for est in ESTIMATORS}
 
 
-def faithfulness_cost(model, task, exact, t_exact) -> Any:
+def _band(b: Any) -> str:
+    return f"[{b[0]:.3f}, {b[1]:.3f}]" if b else ""
+
+
+def faithfulness_cost(model, task, exact, t_exact, estimates: dict) -> Any:
     t = time.perf_counter()
     circ = ck.circuit(model, task, exact, n_boot=200, progress=False)
     dt = time.perf_counter() - t
-    ci = circ.intervals or {}
-    print(f"  faithfulness curve ({len(circ.sizes)} sizes, {circ.meta['forwards']} forwards "
-          f"incl. partial): {dt:.2f} s = {dt / t_exact:.2f}x the exact sweep; CPR "
-          f"{circ.cpr:.3f} {ci.get('cpr')}, CMD {circ.cmd:.3f} {ci.get('cmd')}")
-    print("   " + " ".join(f"{s:.3g}:{v:.2f}" for s, v in zip(circ.sizes,
-                                                            circ.faithfulness.tolist(),
-                                                            strict=True)))
+    print(f"  faithfulness curve ({len(circ.sizes)} sizes, {circ.meta['forwards']} partial "
+          f"runs over all circuits stacked): {dt:.2f} s = {dt / t_exact:.2f}x the exact sweep")
+    print("  circuits ranked by (|score|, corrupt ablation, 200 bootstrap resamples):")
+    print(f"    {'ranking':<20s} {'CPR':>6s} {'95% interval':>18s} {'CMD':>6s} "
+          f"{'95% interval':>18s}  faithfulness at 0.1% .. 100%")
+    for name, res in (("exact", exact), *estimates.items()):
+        c = circ if name == "exact" else ck.circuit(model, task, res, n_boot=200,
+                                                    progress=False)
+        b = c.intervals or {}
+        curve = " ".join(f"{v:.2f}" for v in c.faithfulness.tolist())
+        print(f"    {name:<20s} {c.cpr:6.3f} {_band(b.get('cpr')):>18s} {c.cmd:6.3f} "
+              f"{_band(b.get('cmd')):>18s}  {curve}")
     return circ
 
 
-def small_model(part: str, n: int, repeats: int, ig_steps: int) -> None:
+def small_model(part: str, n: int, n_quality: int, repeats: int, ig_steps: int,
+                tl: bool) -> None:
     model, clean, corrupt, metric, desc = setting(part, n)
     print(f"\n== {desc}")
-    tl_vs_exact(model, clean, corrupt, metric, repeats)
-    t = time.perf_counter()
-    exact = estimators(model, clean, corrupt, metric, repeats, ig_steps)
-    t_exact = exact.meta["seconds"]
-    del t
-    faithfulness_cost(model, (clean, corrupt, metric), exact, t_exact)
+    if tl:
+        tl_vs_exact(model, clean, corrupt, metric, repeats)
+    if n_quality != n:
+        model, clean, corrupt, metric, desc = setting(part, n_quality)
+        print(f"  attribution quality and faithfulness on {n_quality} prompts")
+    exact, estimates = estimators(model, clean, corrupt, metric, repeats, ig_steps)
+    faithfulness_cost(model, (clean, corrupt, metric), exact, exact.meta["seconds"], estimates)
 
 
 def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
@@ -221,7 +244,8 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
     exact = ck.patch_edges(model, clean, corrupt, metric, senders=top, receivers=receivers,
                            progress=False)
     t_ex = time.perf_counter() - t
-    print(f"  exact edges among them: {int(exact.edge_mask().sum())} edges, {t_ex:.1f} s")
+    print(f"  exact edges among them: {int(exact.edge_mask().sum())} edges, {t_ex:.1f} s; "
+          f"whose 95% interval excludes 0: {significant(exact)}")
     print(f"  {'estimator':<24s} {'s':>7s}   Spearman / top-20 recall: {'all':>14s} "
           f"{'q':>14s} {'k':>14s} {'v':>14s}")
     for est in ESTIMATORS:
@@ -244,7 +268,11 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="teacher,llama,smollm2")
-    ap.add_argument("--n", type=int, default=8, help="prompts (teacher, llama)")
+    ap.add_argument("--n", type=int, default=8, help="prompts of the TL comparison (teacher, "
+                    "llama)")
+    ap.add_argument("--n-quality", type=int, default=32, help="prompts of the attribution "
+                    "quality and faithfulness rows (teacher, llama)")
+    ap.add_argument("--skip-tl", action="store_true", help="skip TransformerLens's loop")
     ap.add_argument("--n-smollm2", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ig-steps", type=int, default=5)
@@ -257,7 +285,8 @@ def main() -> None:
     parts = args.part.split(",")
     for part in ("teacher", "llama"):
         if part in parts:
-            small_model(part, args.n, args.repeats, args.ig_steps)
+            small_model(part, args.n, args.n_quality, args.repeats, args.ig_steps,
+                        not args.skip_tl)
     if "smollm2" in parts:
         smollm2(args.n_smollm2, args.ig_steps)
 

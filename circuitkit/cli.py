@@ -344,7 +344,7 @@ def edges(
                                "attribution+exact (screen, then verify)."),
     estimator: str = typer.Option(None, "--estimator", help="attribution: eap (default), "
                                   "eap-ig-inputs, eap-ig-activations; attribution+exact screens "
-                                  "with eap-ig-inputs."),
+                                  "with eap unless given."),
     ig_steps: int = typer.Option(None, "--ig-steps", help="EAP-IG interpolation steps "
                                  "(default 5)."),
     top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this "

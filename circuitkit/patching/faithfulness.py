@@ -44,8 +44,13 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.engine import check_edge_model, evaluate_metric
-from circuitkit.patching.inputs import check_metric_prompts, check_tokens, choice
+from circuitkit.patching.engine import evaluate_metric
+from circuitkit.patching.inputs import (
+    check_edge_model,
+    check_metric_prompts,
+    check_tokens,
+    choice,
+)
 from circuitkit.patching.results import CircuitResult, EdgeResult, PatchResult
 from circuitkit.patching.sweep import auto_rows
 

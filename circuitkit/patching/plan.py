@@ -312,7 +312,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
     one full pass per head -> later head edge and prompt (it has no embeddings or logits).
     Attribution: eap 4 per prompt, eap-ig-inputs ``2 + 3 m``, eap-ig-activations
-    ``2 + 3 m x`` sender layers; attribution+exact: eap-ig-inputs + the verified edges
+    ``2 + 3 m x`` sender layers; attribution+exact: the eap screen + the verified edges
     (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
     Time, GPUs and memory as ``sweep_plan``; ``results_bytes``: the per-prompt result tensor
     (float32, every sender x receiver x input cell)."""
@@ -375,7 +375,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
         AUTO_EXPECTED_FRACTION * n_edges)
     mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
     methods["attribution+exact"] = cost(
-        methods["eap-ig-inputs"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
+        methods["eap"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
         verified_edges=cells, budget="top_k" if top_k is not None else "auto")
     host = dtype_bytes * L * sum(lengths) * (arch.d_model + arch.n_heads * arch.d_head)
     results = 4 * n * len(layout.senders) * len(layout.receivers) * len(layout.inputs)
