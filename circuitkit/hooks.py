@@ -15,6 +15,8 @@ z          [batch, pos, n_heads, d_head]            2
 result     [batch, pos, n_heads, d_model]           2
 pattern    [batch, n_heads, query_pos, key_pos]     1
 scores     [batch, n_heads, query_pos, key_pos]     1
+q_input    [batch, pos, n_heads, d_model]           2 (split inputs only)
+k_input    [batch, pos, n_kv_heads, d_model]        2 (split inputs only)
 =========  =======================================  ==========
 
 This module imports nothing heavy: it is safe to use from ``circuitkit --help``.
