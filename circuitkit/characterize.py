@@ -10,7 +10,8 @@ in that phase: its sweeps, scores and validation rows are that phase's.
     scores.csv        score_heads (one row per head)
     validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
     summary.json      identity (model, task fingerprints, options), versions, ``phases``,
-                      per-step timings, top heads per phase, the list of files, ``complete``
+                      per-step timings and files, ``steps_run_this_call`` (the others were
+                      reused), top heads per phase, ``complete``
     edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
                       writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
                       ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
@@ -137,29 +138,36 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                    validation_options=validation_options)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
+    ran: list[str] = []  # the steps computed by this call (the others were reused)
+    summary["steps_run_this_call"] = ran
+
     def record(step: str, seconds: float, files_: list[str]) -> None:
         steps[step] = dict(seconds=round(seconds, 3), files=files_)
+        ran.append(step)
+        summary["steps_run_this_call"] = ran
         files.write_json(summary_path, summary)
 
     sweeps = patch_steps(phases)
     total = len(sweeps) + 2
-    _log(progress, f"characterize {name} on {task.name} ({len(task)} examples"
-                   f"{', text-rendered' if rendered else ''}) -> {out}")
+    _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
+                   f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
         if step in steps:
             _log(progress, f"[{i}/{total}] {step}: reused")
             continue
-        _log(progress, f"[{i}/{total}] {step}")
-        t0 = time.perf_counter()
         tp = per_phase[phase]
+        how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
+        _log(progress, f"[{i}/{total}] {step}: Phase {phase}, metric {tp.metric.name}, "
+                       f"{direction} ({how} runs), {len(tp)} prompts")
+        t0 = time.perf_counter()
         ckpt = out / "checkpoints" / step if patch_method == "exact" else None
         res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
                              direction=direction, method=patch_method, batch_size=batch_size,
                              checkpoint=ckpt, progress=progress, task_hash=tp.fingerprint())
         res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
-        res.save(out / step)
-        record(step, time.perf_counter() - t0, [f"{step}.safetensors", f"{step}.json"])
+        written = res.save(out / step)
+        record(step, time.perf_counter() - t0, [p.name for p in written])
     import pandas as pd
 
     i = len(sweeps) + 1
@@ -167,7 +175,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         _log(progress, f"[{i}/{total}] scores: reused")
         scores = pd.read_csv(out / "scores.csv")
     else:
-        _log(progress, f"[{i}/{total}] scores")
+        _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
+                       f"scores on {len(task)} examples")
         t0 = time.perf_counter()
         scores = score_heads(model, task, batch_size=batch_size, progress=progress)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
@@ -179,7 +188,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     if "validation" in steps and (out / "validation.csv").exists():
         _log(progress, f"[{i}/{total}] validation: reused")
     else:
-        _log(progress, f"[{i}/{total}] validation")
+        _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
+                       f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
         val = validate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
                              batch_size=batch_size, progress=progress,
@@ -198,19 +208,37 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                                   dict(model_name=name, task=task_name))
             record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
+    summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
     files.write_json(summary_path, summary)
     if report:  # always rewritten: it is a view of the folder, cheap next to the steps
-        from circuitkit.viz.report import describe_written, write_report
+        from circuitkit.viz.report import write_report
 
-        _log(progress, "report")
         t0 = time.perf_counter()
         path = write_report(out, model=model, task=task)
-        _log(progress, describe_written(path, time.perf_counter() - t0))
-    _log(progress, f"done: {out} (steps {summary['seconds_all_steps']:.1f} s, this call "
-                   f"{time.perf_counter() - t_all:.1f} s)")
+        _log(progress, f"report: {path.stat().st_size / 1e6:.1f} MB in "
+                       f"{time.perf_counter() - t0:.1f} s")
+    _log(progress, timing_line(summary, time.perf_counter() - t_all))
     return summary
+
+
+def timing_line(summary: dict[str, Any], seconds: float) -> str:
+    """How long this call took, and on what: the steps it computed, the steps it reused."""
+    steps = summary.get("steps", {})
+    ran = [s for s in summary.get("steps_run_this_call", []) if s in steps]
+    reused = [s for s in steps if s not in ran]
+    spent = sum(steps[s]["seconds"] for s in ran)
+    parts = []
+    if ran:
+        parts.append(f"{spent:.1f} s computing {len(ran)} step{'s' if len(ran) > 1 else ''}")
+    if reused:
+        before = sum(steps[s]["seconds"] for s in reused)
+        parts.append(f"{len(reused)} step{'s' if len(reused) > 1 else ''} reused from the "
+                     f"folder (they had taken {before:.1f} s)")
+    rest = seconds - spent
+    parts.append(f"{rest:.1f} s loading, writing and drawing the report")
+    return f"took {seconds:.1f} s: " + ", ".join(parts)
 
 
 def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,

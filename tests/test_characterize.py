@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -75,11 +76,33 @@ def test_cli_score_and_characterize(tmp_path):
     res = runner.invoke(app, ["score", "--model", "icd-teacher", "-n", "8", "--out",
                               str(tmp_path / "s.csv")])
     assert res.exit_code == 0, res.output
-    assert "top Phase-1 heads" in res.output and len(pd.read_csv(tmp_path / "s.csv")) == 32
+    assert "top Phase-1 heads by coarse_score (8 examples, test split, seed 0)" in res.output
+    assert len(pd.read_csv(tmp_path / "s.csv")) == 32
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
                               "--n-random", "3", "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "c" / "summary.json").exists() and "top phase2 heads" in res.output
+    assert (tmp_path / "c" / "summary.json").exists()
+    # the same arguments rank the same heads: characterize's scores are score's
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "s.csv"),
+                                  pd.read_csv(tmp_path / "c" / "scores.csv"))
+    said = " ".join(res.output.split())
+    assert "findings (icd-teacher on icd10: 8 test examples, seed 0, exact patching):" in said
+    for phase in (1, 2):
+        top = json.loads((tmp_path / "c" / "summary.json").read_text())["top_heads"][
+            f"phase{phase}"]
+        names = " and ".join(f"L{la}H{h}" for la, h in top)
+        assert f"The top 2 heads by {('coarse', 'refine')[phase - 1]}_score are {names}" in said
+    # its outcome: the validation's verdict with the floor of 3 random sets
+    assert "With 3 random sets no p can be below 1/4 = 0.25" in said
+    # one line per file written; report.html once
+    assert said.count("report.html") == 1 and "wrote " + str(tmp_path / "c" / "scores.csv") \
+        in said
+    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 6 steps, [\d.]+ s loading", said)
+    again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
+                                "--n-random", "3", "--out", str(tmp_path / "c")])
+    said = " ".join(again.output.split())
+    assert "6 steps reused from the folder (they had taken" in said
+    assert "kept (finished by an earlier run): patch-p1-denoise" in said
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
 

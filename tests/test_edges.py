@@ -22,13 +22,36 @@ from planted_induction import (
     planted_induction_model,
     planted_task,
 )
-from test_architectures import ARCHS, _data, _model
-from tinymodels import TINY_GPT2, TINY_LLAMA, make_model
+from tinymodels import (
+    ARCHS,
+    NATIVE,
+    SMALL,
+    TINY_GPT2,
+    TINY_LLAMA,
+    make_model,
+    native_model,
+    with_random_post_norms,
+)
 
 import circuitkit as ck
 from circuitkit import hooks
+from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching import faithfulness
 from circuitkit.patching.engine import EdgeEngine
+
+
+def _model(name):
+    return with_random_post_norms({**SMALL, **ARCHS[name]})
+
+
+def _data(n=2, seq=8, vocab=64):
+    """Random clean/corrupt tokens below ``vocab`` (a model's logits' width: the metric reads
+    the clean tokens' log-probs) and that metric at positions 4 and 7."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, vocab, (n, seq), generator=g)
+    corrupt = torch.randint(0, vocab, (n, seq), generator=g)
+    metric = token_logprob_metric([[4, 7]] * n, [clean[i, [4, 7]].tolist() for i in range(n)])
+    return clean, corrupt, metric
 
 
 def _pair(seed: int = 0, n: int = 3, seq: int = 7):
@@ -145,11 +168,13 @@ def test_exact_edges_equal_hand_loop_on_gqa(tiny_llama, direction):
     assert not torch.isnan(res.values[0, recv[(1, f.n_kv_heads)], res.inputs.index("q")])
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", list(ARCHS) + [f"native-{k}" for k in NATIVE])
 def test_exact_edges_on_every_layout(name):
-    """Every block layout: equal to the hand loop, or refused in one line naming the block."""
-    model = _model(name)
-    clean, corrupt, metric = _data()
+    """Every block layout (HF bridges and TransformerLens-native configs: attention-only, no
+    norm, own output vocabulary, soft-caps, bidirectional ...): equal to the hand loop, or
+    refused in one line naming the block."""
+    model = native_model(**NATIVE[name[7:]]) if name.startswith("native-") else _model(name)
+    clean, corrupt, metric = _data(vocab=hooks.facts(model).d_vocab_out)
     senders = ["embed", (0, 0), (0, 3)]
     receivers = [(1, 0), (1, 1), (1, 3), "logits"]
     with warnings.catch_warnings():
@@ -204,12 +229,21 @@ def _unhooked(model, tokens, metric):
         return metric(model(tokens))
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama_gqa"])
+@pytest.mark.parametrize("which", ["gpt2", "llama_gqa", "gpt_neox", "native-attn-only",
+                                   "native-bidirectional", "native-vocab-out"])
 def test_faithfulness_all_edges_kept_is_the_clean_run_none_the_corrupt_run(which):
-    model = make_model(TINY_GPT2 if which == "gpt2" else TINY_LLAMA)
-    clean, corrupt = _pair(2)
+    """Every layout the edge engine runs (parallel blocks, attention-only, bidirectional, an
+    own output vocabulary too): keeping every edge is the clean run, none the corrupt run."""
+    if which.startswith("native-"):
+        model = native_model(**NATIVE[which[7:]])
+    else:
+        model = _model(which) if which in ARCHS else make_model(
+            TINY_GPT2 if which == "gpt2" else TINY_LLAMA)
+    clean, corrupt = _pair(2, seq=7 if which != "native-attn-only" else 6)
+    clean, corrupt = clean % hooks.facts(model).d_vocab_out, corrupt % hooks.facts(
+        model).d_vocab_out
     res = ck.patch_edges(model, clean, corrupt, margin, progress=False)
-    pm = ck.as_metric(margin, *clean.shape, hooks.facts(model).d_vocab)
+    pm = ck.as_metric(margin, *clean.shape, hooks.facts(model).d_vocab_out)
     graph = faithfulness._Graph.of(model, res)
     run = faithfulness._Ablated(model, clean, corrupt, pm, graph, "corrupt", 0, None)
     got = run.metrics([torch.ones(graph.n_items, dtype=torch.bool),

@@ -173,7 +173,16 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
                   progress: bool = True, resume: bool = True, scores: Any = None,
                   **overrides: Any) -> Path:
     """Train a student (module docstring); returns ``out_dir`` (an HF folder). ``overrides``:
-    ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``)."""
+    ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``). ``progress``:
+    this function's bars, and transformers' own (loading the teacher, saving the student)."""
+    from circuitkit.models import hf_progress
+
+    with hf_progress(progress):
+        return _train_student(cfg, out_dir, progress, resume, scores, **overrides)
+
+
+def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: bool,
+                   resume: bool, scores: Any, **overrides: Any) -> Path:
     from tqdm.auto import tqdm
 
     from circuitkit.distill.signals import BatchStream

@@ -870,7 +870,7 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     clean, corrupt = check_tokens(clean, corrupt, model)
     hooks.check_patchable(model, site, clean)
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
     return clean, corrupt, pm
 
@@ -955,16 +955,28 @@ def versions() -> dict[str, str]:
     return dict(_versions())
 
 
+# circuitkit's distribution name (PyPI's "circuitkit" is another project); the import name is
+# circuitkit. An install made before the rename is found under the old name, by its summary.
+DIST_NAME = "circuitkit-tl"
+
+
 @functools.cache
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, distribution, version
 
     out = {}
     for pkg in ("circuitkit", "torch", "transformer-lens", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "?"
+        out[pkg] = "?"
+        for name in ((DIST_NAME, "circuitkit") if pkg == "circuitkit" else (pkg,)):
+            try:
+                dist = distribution(name)
+            except PackageNotFoundError:
+                continue
+            if name == pkg and pkg == "circuitkit" and "distil" not in (
+                    dist.metadata.get("Summary") or ""):
+                continue  # PyPI's other circuitkit
+            out[pkg] = version(name)
+            break
     return out
 
 
@@ -1038,13 +1050,17 @@ def _sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, swe
     if order is not None:
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
+    bar = _Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
+                    f"{sweep.site} {sweep.direction}")
     engine, sweep, rows, first, backoffs = _fit_rows(model, clean, corrupt, metric, sweep, rows,
-                                                     lengths, stored, make_engine=make_engine)
+                                                     lengths, stored, bar=bar, rank=rank,
+                                                     world=world, make_engine=make_engine)
     if world > 1 and stored is None:  # every rank must cut the sweep into the same chunks
         agreed = distributed.agreed_min(rows)
         if agreed < rows:
             rows, first = agreed, {}
             sweep = engine.sweep = plan(sweep, rows, lengths)
+            bar.reset()  # a new plan: the bar restarts over its chunks
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity(), sweep.chunks, rank=rank,
@@ -1062,8 +1078,7 @@ def _sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, swe
                   file=sys.stderr)
         splits = [0]
         computed = _compute(engine, sweep, [c for c in mine if c not in first], ckpt, identity,
-                            progress and rank == 0, n_done=len(done), splits=splits,
-                            computed=first)
+                            bar, n_done=len(done), splits=splits, computed=first)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -1085,13 +1100,16 @@ def _heaviest(sweep: Sweep) -> int:
 
 def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
               rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
-              timing: dict[str, float] | None = None, make_engine: Any = ExactEngine
+              timing: dict[str, float] | None = None, bar: _Progress | None = None,
+              rank: int = 0, world: int = 1, make_engine: Any = ExactEngine
               ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
     """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
     a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
     Returns (engine, planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed
     by a checkpoint (``stored``) is kept (no probe: ``_chunk_fitting`` splits a chunk that
-    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe."""
+    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe.
+    ``bar``: opened on the plan's chunks of this ``rank`` (of ``world``) before the probe runs,
+    so it starts at 0 and counts the probe's chunk when it is this rank's."""
     backoffs = 0
     timing = {} if timing is None else timing
     while True:
@@ -1106,7 +1124,12 @@ def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
             first = {}
             if stored is None and planned.chunks:
                 cid = _heaviest(planned)
+                if bar is not None:
+                    bar.open(sum(planned.chunk_prompts(c) for i, c in
+                                 enumerate(planned.chunks) if i % world == rank))
                 first[cid] = engine.run_chunk(planned.chunks[cid])
+                if bar is not None and cid % world == rank:
+                    bar.update(planned.chunk_prompts(planned.chunks[cid]))
             timing.update(cached=t1 - t0, probe=time.perf_counter() - t1)
             return engine, planned, rows, first, backoffs
         except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
@@ -1147,29 +1170,54 @@ def _chunk_fitting(engine: ExactEngine, chunk: Chunk, splits: list[int]) -> Tens
     raise err
 
 
+class _Progress:
+    """A sweep's progress bar (tqdm over patched prompts), opened once the plan is known: before
+    the memory probe runs, so it starts at 0 (it used to open after the probe, at ~16%)."""
+
+    def __init__(self, show: bool, desc: str):
+        self.show, self.desc, self.bar = show, desc, None
+
+    def open(self, total: int) -> None:
+        if not self.show:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="patched-prompt",
+                            dynamic_ncols=True, file=sys.stderr)
+        else:  # re-planned (out of memory): the same bar, from 0 over the new chunks
+            self.bar.reset(total=total)
+
+    def reset(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
-             identity: _Lazy, show: bool, n_done: int, splits: list[int],
+             identity: _Lazy, bar: _Progress, n_done: int, splits: list[int],
              computed: dict[int, Tensor]) -> dict[int, Tensor]:
     """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
-    default folder when the sweep had none) and says how to resume."""
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        # the memory probe's chunk (already done) counts too: the bar shows the whole sweep
-        bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in [*computed, *mine]),
-                   initial=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in computed),
-                   desc=f"{'edges' if sweep.kind == 'edges' else 'patch'} {sweep.site} "
-                        f"{sweep.direction}", unit="patched-prompt",
-                   dynamic_ncols=True, file=sys.stderr)
+    default folder when the sweep had none) and says how to resume. ``bar``: opened here
+    unless the memory probe opened it (then it has counted the probe's chunk)."""
+    if bar.bar is None:
+        bar.open(sum(sweep.chunk_prompts(sweep.chunks[c]) for c in [*computed, *mine]))
+        bar.update(sum(sweep.chunk_prompts(sweep.chunks[c]) for c in computed))
     computed = dict(computed)
     try:
         for cid in mine:
             computed[cid] = _chunk_fitting(engine, sweep.chunks[cid], splits)
             if ckpt is not None:
                 ckpt.save_chunk(cid, computed[cid])
-            if bar is not None:
-                bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
+            bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
     except KeyboardInterrupt:
         named = ckpt is not None  # the caller chose the folder: it knows how to resume
         if ckpt is None and computed:
@@ -1183,6 +1231,5 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
                                     f"checkpoint={str(ckpt.path)!r} to resume."), file=sys.stderr)
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return computed

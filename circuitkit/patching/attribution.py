@@ -360,30 +360,30 @@ def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, b
     return total if positions == "all" else einops.rearrange(total, "b (h p) -> b h p", p=seq)
 
 
-def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _MetricStash,
-                 idx: Tensor, batch: int, fwd_hooks: Sequence[tuple[str, Callable]] = ()
-                 ) -> Float[Tensor, "b c"]:
-    """Metric after running the last block, final norm and unembedding on ``x`` ([c*b, pos, d]).
+def _tail_metric(model: Any, x: Tensor, block_arity: int, stash: _MetricStash, batch: int,
+                 fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "b c"]:
+    """Metric of the model's own forward re-entered at the last block with input ``x``
+    ([c*b, pos, d]): the last block, the final norm, the unembedding and whatever the model does
+    to the logits after it (a soft-cap, Cohere's logit scale), as the exact engine runs it.
 
     Returns [b, c]: per-prompt values of each copy.
     """
-    last = model.blocks[len(model.blocks) - 1]
+    last = len(model.blocks) - 1
     n_c = x.shape[0] // batch
     at = None if stash.at is None else stash.at.repeat(n_c, 1)
-    # With known read positions the MLP, final norm and unembedding run there only.
-    lean = [] if at is None else [(last.mlp, shortcuts.mlp_at_rows(last.mlp, at))]
-    with model.hooks(fwd_hooks=list(fwd_hooks)), shortcuts.overridden(lean):
-        out = last(x, **_expand_kwargs(block_kw, n_c, batch))
-    out = out[0] if isinstance(out, tuple) else out
-    if at is not None:
-        out = shortcuts.take_rows(out, at)
-    logits = model.unembed(model.ln_final(out))
+    forwards = shortcuts.skipped_blocks(model, last, block_arity)
+    tail_hooks = list(fwd_hooks)
+    if at is not None:  # the last MLP and the unembedding at the read positions only
+        forwards += shortcuts.last_mlp_at_rows(model, at)
+        tail_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(at)))
+    with shortcuts.overridden(forwards), shortcuts.hooked(model, tail_hooks):
+        logits = model(x, start_at_layer=last)
     vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
     return einops.rearrange(vals, "(c b) -> b c", c=n_c)
 
 
-def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positions,
-                batch, a_raw: dict[int, Tensor]) -> Tensor:
+def _exact_tail(model, layer, dz, r_last, block_arity, g_r_last, stash, positions, batch,
+                a_raw: dict[int, Tensor]) -> Tensor:
     """Exact last block + readout for each head's patch (site z); see the module docstring.
 
     ``layer`` < last: ``m(tail(r_last + dr)) - m_base - dr . dm/dr_last`` (a correction added
@@ -405,8 +405,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
                 dr_c = einops.einsum(m, d_r, "c p h, b p h m -> c b p m")
                 x = einops.rearrange(r_last[None] + dr_c, "c b p m -> (c b) p m")
                 linear = einops.einsum(dr_c, g_r_last, "c b p m, b p m -> b c")
-                out.append(_tail_metric(model, x, block_kw, stash, idx, batch) - m_base
-                           - linear)
+                out.append(_tail_metric(model, x, block_arity, stash, batch) - m_base - linear)
             else:
                 add = einops.rearrange(m[:, None, :, :, None] * dz[None],
                                        "c b p h d -> (c b) p h d")
@@ -414,7 +413,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
                 def patch(t: Tensor, hook: Any, add=add) -> Tensor:
                     return t + add
 
-                out.append(_tail_metric(model, r_last.repeat(c, 1, 1), block_kw, stash, idx,
+                out.append(_tail_metric(model, r_last.repeat(c, 1, 1), block_arity, stash,
                                         batch, [(hooks.z(last), patch)]) - m_base)
     eff = torch.cat(out, dim=1)  # [b, copies]
     return eff if positions == "all" else einops.rearrange(eff, "b (h p) -> b h p", p=seq)
@@ -480,8 +479,9 @@ def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
     """``MLP_l(r_mid + dr) - MLP_l(r_mid)`` for each copy ``c`` (norm included), exactly.
 
     Position-wise, so every (prompt, position, copy) is one row. Zero for parallel
-    attention/MLP blocks, whose MLP reads the block input, not the head's write."""
-    if getattr(model.cfg, "parallel_attn_mlp", False):
+    attention/MLP blocks, whose MLP reads the block input, not the head's write, and for blocks
+    without an MLP (attention-only)."""
+    if hooks.parallel(model) or not hooks.has_mlp(model, layer):
         return torch.zeros_like(dr)
     mlp = _mlp_of(model, layer)
     b, p, c, m = dr.shape
@@ -645,9 +645,10 @@ def _plain_run(model: Any, tokens: Tensor, stash: _MetricStash, names: Sequence[
     return {n: cache[n] for n in names}
 
 
-def _gates(n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
+def _gates(model: Any, n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
     """GradDrop: a 0/1 mask per block and forward hooks that scale the gradient flowing back
-    through that block's attention and MLP outputs by it (the forward is unchanged)."""
+    through that block's attention and MLP outputs (an attention-only block: its attention
+    output) by it (the forward is unchanged)."""
     mask = torch.ones(n_layers)
 
     def gate(layer: int) -> Callable:
@@ -658,7 +659,8 @@ def _gates(n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
         return f
 
     fwd = [(name(layer), gate(layer)) for layer in range(n_layers)
-           for name in (hooks.attn_out, hooks.mlp_out)]
+           for name in (hooks.attn_out, hooks.mlp_out)
+           if name is hooks.attn_out or hooks.has_mlp(model, layer)]
     return mask, fwd
 
 
@@ -669,7 +671,8 @@ def block_shares(model: Any, seq: int) -> tuple[float, float]:
     """FLOP shares (attention, MLP) of one block per token (attention scores over ``seq``/2 keys
     on average): what one attention or one MLP call costs, in blocks."""
     f = hooks.facts(model)
-    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model) if hooks.has_mlp(model) \
+        else 0
     return block_flop_shares(f.d_model, d_mlp, f.d_head, f.n_heads, f.n_kv_heads, seq,
                              gated=bool(getattr(model.cfg, "gated_mlp", False)))
 
@@ -747,7 +750,7 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
             pass
         try:
             r_mid = cache[hooks.resid_mid_of(model, 0)]
-            if getattr(model.cfg, "parallel_attn_mlp", False):
+            if hooks.parallel(model) or not hooks.has_mlp(model, 0):
                 ok["mlp"] = True  # nothing runs after the head (the change is zero)
             else:
                 want = cache[hooks.resid_post(0)] - r_mid  # the MLP's own write
@@ -838,7 +841,7 @@ def attribution_patch_heads(
     hooks.check_patchable(model, site, clean_tokens)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
-    metric = as_metric(metric, n, seq, f.d_vocab)
+    metric = as_metric(metric, n, seq, f.d_vocab_out)
     check_metric_prompts(metric, n)
     qk = est in ("qk", "atp*")
     if qk and site not in ATP_STAR_SITES:
@@ -862,6 +865,11 @@ def attribution_patch_heads(
             "model's own modules, which this architecture's bridge does not allow (e.g. OPT's "
             "MLP is no module of its own, Bloom's needs the residual); use estimator 'atp', "
             "'ig' or 'graddrop'.")
+    if est == "block" and not hooks.has_mlp(model):
+        warnings.warn(f"estimator 'block': this model's blocks have no MLP (attention-only), so "
+                      f"nothing after a head's write is run exactly: the estimate is "
+                      f"{'plain AtP' if site == 'z' else 'the head attention exact, then linear'}"
+                      ".", RuntimeWarning, stacklevel=2)
     if exact_tail and (site != "z" or not qk):
         raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
                                   "or 'atp*' only.")
@@ -967,10 +975,8 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
                                                            for lay in resid_layers]
     mids = [hooks.resid_mid_of(model, lay) for lay in range(f.n_layers)] if site == "z" else []
     raws = _raw_attn_names(model) if site == "z" else []
-    modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
-    if tail:
-        modules["block"] = model.blocks[last]
-    capture = _Inputs(modules)
+    capture = _Inputs({lay: model.blocks[lay].attn for lay in attn_layers})
+    block_arity = shortcuts.output_arity(model, base)[0] if tail else 0
     with torch.enable_grad(), capture, _lean(model, at):
         # hook_embed is cached too: TL's backward stops at the most upstream cached point,
         # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
@@ -986,15 +992,14 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
     r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
     g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
              for lp in attn_layers}
-    idx = torch.arange(b)
     eff, scale = [], []
     for st in steps:
         name = site_names[st.layer]
         a_b, a_s = acts[name], sc.activations[name]
         delta = a_s - a_b
         if st.own == "exact_tail":
-            e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                            None, stash_base, idx, positions, b, a_raw)
+            e = _exact_tail(model, st.layer, delta, r_base[last], block_arity, None,
+                            stash_base, positions, b, a_raw)
         elif st.own == "qk_exact":
             e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
                                  capture.kwargs[st.layer], g_pat[st.layer], positions, b)
@@ -1004,9 +1009,8 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
             e = e + _atp_star_z_downstream(model, st.layer, delta, r_base, capture.kwargs,
                                            g_pat, positions, b, st.downstream_qk, a_raw)
         if st.tail_correction:
-            e = e + _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                                grads[hooks.resid_pre(last)], stash_base, idx, positions, b,
-                                a_raw)
+            e = e + _exact_tail(model, st.layer, delta, r_base[last], block_arity,
+                                grads[hooks.resid_pre(last)], stash_base, positions, b, a_raw)
         eff.append(e.detach())
         scale.append(_z_scale(model, st.layer, delta, acts[mids[st.layer]], positions, a_raw)
                      if site == "z" else _site_scale(delta, a_b, site, positions))
@@ -1083,7 +1087,7 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
     mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
     raws = _raw_attn_names(model) if site == "z" else []
-    mask, gates = _gates(L)
+    mask, gates = _gates(model, L)
     with _lean(model, at):
         obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *raws],
                               extra=gates)

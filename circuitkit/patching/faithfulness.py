@@ -88,7 +88,7 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     clean, corrupt, metric = _task_inputs(task)
     clean, corrupt = check_tokens(clean, corrupt, model)
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
     check_edge_model(model)
     graph = _Graph.of(model, edges_or_heads)
@@ -318,7 +318,9 @@ class _Ablated:
         self.model, self.metric, self.graph = model, metric, graph
         self.device = next(model.parameters()).device
         self.reads = metric.read_positions()
-        self.length = clean.shape[1] if self.reads is None else int(self.reads.max()) + 1
+        # causal: nothing after the last read matters; a bidirectional model reads everything
+        whole = self.reads is None or not hooks.facts(model).causal
+        self.length = clean.shape[1] if whole else int(self.reads.max()) + 1
         self.clean = clean[:, :self.length].to(self.device)
         self.forwards = 0
         L = graph.n_layers

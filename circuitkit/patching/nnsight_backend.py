@@ -118,7 +118,8 @@ def facts(lm: Any) -> ModelFacts:
     return ModelFacts(n_layers=int(c.num_hidden_layers), n_heads=n_heads,
                       n_kv_heads=int(getattr(c, "num_key_value_heads", None) or n_heads),
                       d_head=d_head, d_model=int(c.hidden_size), d_vocab=int(c.vocab_size),
-                      n_ctx=int(getattr(c, "max_position_embeddings", 0) or 0))
+                      n_ctx=int(getattr(c, "max_position_embeddings", 0) or 0),
+                      d_vocab_out=int(c.vocab_size), causal=True)  # HF causal LMs
 
 
 def _attention(lm: Any, layer: int) -> Any:
@@ -167,7 +168,7 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
         raise ValueError(f"token ids must lie in [0, {f.d_vocab}) for this model's vocabulary; "
                          f"got ids up to {int(max(clean.max(), corrupt.max()))}.")
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, f.d_vocab)
+    pm = as_metric(metric, n, seq, f.d_vocab_out)
     check_metric_prompts(pm, n)
     reads = pm.read_positions()
     length = seq if reads is None else int(reads.max()) + 1  # causal: nothing after matters

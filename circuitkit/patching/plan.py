@@ -234,14 +234,16 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
         methods={"exact": exact, "attribution": att, "attribution+exact": hybrid})
 
 
-def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
-    """The ``--plan`` text of a ``sweep_plan`` dict (no weights)."""
+def format_sweep_plan(p: dict[str, Any], tokens_from: str = "",
+                      weights_here: bool = False) -> str:
+    """The ``--plan`` text of a ``sweep_plan`` dict (planned from the config: no weights, or
+    ``weights_here`` and hypothetical prompts, ``--seq-len``)."""
     gb = 1e9
     cells = f"{p['n_layers']} layers x {p['n_units']} heads" + (
         f" x {p['n_pos']} positions" if p["n_pos"] > 1 else "")
     lines = [
         f"model        {p['model']} ({p['n_params'] / 1e9:.2f} B parameters; planned from its "
-        "config, no weights on this machine)",
+        + ("config)" if weights_here else "config, no weights on this machine)"),
         f"sweep        {cells} = {p['n_cells']:,} cells, site {p['site']}, {p['direction']}",
         f"prompts      {p['n_prompts']} of up to {p['seq']} tokens (mean {p['mean_tokens']:.1f})"
         + (f"; {tokens_from}" if tokens_from else ""),

@@ -223,7 +223,8 @@ class PatchResult:
 
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
-        (``to_frame()``) and ``<path>.html`` (``heatmap()``), each atomically; ``path`` may be a
+        (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page with plotly.js inlined: it
+        opens alone, offline), each atomically; ``path`` may be a
         folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
         writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
         from circuitkit import files
@@ -240,9 +241,9 @@ class PatchResult:
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        # plotly.js once per folder (plotly.min.js beside the page), not 4.8 MB per figure
+        # plotly.js inlined once (~4.8 MB): the page opens alone, copied to any folder, offline
         files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
-            p, include_plotlyjs="directory"))
+            p, include_plotlyjs=True, full_html=True))
         return list(paths.values())
 
     @classmethod

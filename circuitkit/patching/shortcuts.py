@@ -253,10 +253,9 @@ def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
     and no per-head results. The MLP keeps every position where its input hook is the block's
     ``hook_resid_mid`` (a block without a pre-MLP norm, OLMo 2): that stays whole."""
     layer = len(model.blocks) - 1
-    last = model.blocks[layer]
-    module = getattr(last, "mlp", None)  # None: an attention-only block
-    mlp = [] if module is None or hooks.owner(model, hooks.resid_mid_of(model, layer)) is module \
-        else [(module, mlp_at_rows(module, idx))]
+    mlp = last_mlp_at_rows(model, idx)
+    if mlp and hooks.owner(model, hooks.resid_mid_of(model, layer)) is mlp[0][0]:
+        mlp = []
     with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, gather_rows(idx))]), overridden(mlp), \
             attn_result_off(model):
         yield
@@ -277,6 +276,16 @@ def put_rows(y: Tensor, idx: Int[Tensor, "rows k"], seq: int) -> Tensor:
 def gather_rows(idx: Int[Tensor, "rows k"]):
     """A hook applying ``take_rows``."""
     return lambda x, hook: take_rows(x, idx)
+
+
+def last_mlp_at_rows(model: Any, idx: Int[Tensor, "rows k"]) -> list[tuple[Any, Any]]:
+    """The last block's MLP computed only at ``idx`` (``mlp_at_rows``), as ``overridden``
+    takes it; nothing for a block without an MLP (attention-only)."""
+    layer = len(model.blocks) - 1
+    if not hooks.has_mlp(model, layer):
+        return []
+    mlp = model.blocks[layer].mlp
+    return [(mlp, mlp_at_rows(mlp, idx))]
 
 
 def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):

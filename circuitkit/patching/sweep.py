@@ -167,7 +167,7 @@ def bytes_per_row(model: Any, seq: int) -> int:
     f = hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
     elem = next(model.parameters()).element_size()
-    return row_bytes(f.d_model, d_mlp, f.n_heads, f.d_vocab, seq, elem)
+    return row_bytes(f.d_model, d_mlp, f.n_heads, f.d_vocab_out, seq, elem)
 
 
 def model_devices(model: Any) -> list[torch.device]:

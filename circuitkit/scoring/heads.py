@@ -222,7 +222,9 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
     need = max(max(e.anchor_pos + e.answer_pos + e.shortlist_pos, default=0)
                for e in task.examples)
-    seq = min(need + 1, task.clean_tokens.shape[1])  # causal: later positions cannot matter
+    seq = task.clean_tokens.shape[1]
+    if f.causal:  # later positions cannot matter (a bidirectional model reads them all)
+        seq = min(need + 1, seq)
     bs = int(batch_size) if batch_size else auto_batch(model, seq)
     names = {hooks.pattern(lay) for lay in range(L)}
     names |= {hooks.z(lay) if source == "W_O" else hooks.result(lay) for lay in range(L)}

@@ -25,10 +25,11 @@ logits predict the answer label.
 
 Final norm (``final_norm_linear``), with ``x`` [N, D] the residual entering the final norm at the
 query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's gain (its weight; ``1 + weight``
-for Gemma's RMSNorm):
+for Gemma's RMSNorm; 1 for TransformerLens's weightless ``LNPre`` / ``RMSPre``):
 
 * RMSNorm: ``w * g / sqrt(mean(x^2) + eps)``;
-* LayerNorm: ``(w - mean(w)) * g / sqrt(var(x) + eps)`` (the bias is not part of any head's write).
+* LayerNorm: ``(w - mean(w)) * g / sqrt(var(x) + eps)`` (the bias is not part of any head's write);
+* no normalization (``normalization_type=None``): ``w``.
 
 The norm's input is the sum of all components' writes, so this is the exact linearisation of the
 final norm around that run (the "frozen scale" of direct logit attribution). Logits a model caps
@@ -53,10 +54,12 @@ def loopback(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],
 
 
 def final_norm(model: Any) -> tuple[str, Tensor, float]:
-    """``(kind, gain [D], eps)`` of the model's final norm; kind "rms" or "ln".
+    """``(kind, gain [D], eps)`` of the model's final norm; kind "rms", "ln" or "none" (a model
+    without normalization: the identity).
 
     ``gain`` is the scale the norm applies: its weight, or ``1 + weight`` for an RMSNorm that
-    stores the offset (Gemma, Gemma 2), told apart by running the module on a probe.
+    stores the offset (Gemma, Gemma 2), told apart by running the module on a probe; ones for a
+    norm without weight (TransformerLens's ``LNPre`` / ``RMSPre``) and for "none".
     Raises ``ValueError`` for a norm this module cannot linearise."""
     return norm_params(model, getattr(model, "ln_final", None), "the final norm")
 
@@ -68,6 +71,11 @@ def norm_params(model: Any, norm: Any, what: str) -> tuple[str, Tensor, float]:
     inner = getattr(norm, "original_component", norm)
     weight = getattr(inner, "weight", None)
     eps = getattr(inner, "variance_epsilon", getattr(inner, "eps", getattr(model.cfg, "eps", None)))
+    ones = torch.ones(int(model.cfg.d_model), dtype=next(model.parameters()).dtype)
+    if not kind and isinstance(inner, torch.nn.Identity):  # no normalization at all
+        return "none", ones, 0.0
+    if weight is None and kind in ("LNPRE", "RMSPRE"):  # normalises, scales by nothing
+        weight = ones
     if kind.startswith("RMS"):
         k = "rms"
     elif kind.startswith("LN"):
@@ -108,6 +116,8 @@ def final_norm_linear(writes: Float[Tensor, "N H D"], x: Float[Tensor, "N D"], k
     input ``x`` is the sum of the writes (Gemma 2's post-attention norm over its heads, too)."""
     x = x.float()
     w = writes.float()
+    if kind == "none":
+        return w
     g = weight.float().to(w.device)
     if kind == "rms":
         scale = (x.pow(2).mean(-1) + eps).rsqrt()  # [N]

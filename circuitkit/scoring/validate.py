@@ -215,6 +215,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
+    bar = _validation_bar(task, phases, int(n_random), progress)
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
         tp = phase_task(task, phase)  # the examples with steps of this phase
         # prompts sorted by the positions their metric needs, run in length buckets: each
@@ -229,24 +230,28 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
         sets_used[phase] = dict(top=top, random=rand)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
+        if bar is not None:  # fewer distinct random sets than asked: the bar's total shrinks
+            bar.total -= 2 * (2 + int(n_random) - len(sets)) * n
+            bar.refresh()
         runs = {}
         for direction in ("noise", "denoise"):
-            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour), f.d_vocab)
+            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
+                                      f.d_vocab_out)
             if saved and (got := saved.load(key)) is not None:
                 runs[direction] = got
-                if progress:
-                    print(f"validate: phase {phase} {direction}: reused", file=sys.stderr)
+                _say(bar, progress, f"validate: phase {phase} {direction}: reused")
+                _counted(bar, len(sets) * n, got)
                 continue
-            if progress:
-                print(f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs {n_random} "
-                      f"random sets, {n} prompts", file=sys.stderr)
+            _say(bar, progress, f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs "
+                                f"{len(rand)} random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
             # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
             engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
                                  rows=batch_size)
             bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
             runs[direction] = torch.cat([  # [2, n_sets, n]
-                engine.run_head_sets(sets, p0, p1, metrics=[metric, behaviour], rows=batch_size)
+                _counted(bar, len(sets) * (p1 - p0), engine.run_head_sets(
+                    sets, p0, p1, metrics=[metric, behaviour], rows=batch_size))
                 for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
             if saved:
                 saved.save(key, runs[direction])
@@ -258,11 +263,40 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                 rows.append(dict(phase=phase, direction=direction, quantity=q.name,
                                  heads=_fmt(top), k=int(k), n_random=len(rand),
                                  n_prompts=n, **stats))
+    if bar is not None:
+        bar.close()
     df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
     df.attrs.update(seed=seed, n_boot=n_boot, sets={
         p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
         for p, d in sets_used.items()})
     return df
+
+
+def _validation_bar(task: Task, phases: list[int], n_random: int, progress: bool):
+    """A bar over patched prompts: per phase and direction, (base + top + ``n_random``) sets x
+    the phase's prompts (an upper bound when fewer distinct random sets exist; a reused run
+    counts at once)."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    total = sum(2 * (2 + n_random) * len(phase_task(task, p)) for p in phases)
+    return tqdm(total=total, desc="validate", unit="patched-prompt", dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _say(bar: Any, progress: bool, line: str) -> None:
+    """A progress line on stderr, above the bar when there is one."""
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    elif progress:
+        print(line, file=sys.stderr)
+
+
+def _counted(bar: Any, n: int, runs: Tensor) -> Tensor:
+    if bar is not None:
+        bar.update(n)
+    return runs
 
 
 class _Saved:

@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from circuitkit.tasks.base import Task
+from circuitkit.tasks.base import TEXT_TASKS, Task
 
 DEFAULT_TEMPLATE = "Clinical note: {note}\nCandidate codes: {candidates}\nAnswer:"
 # Estimate of characters per token when the model's tokenizer is absent (``token_counts``):
@@ -154,8 +154,8 @@ def render_text(task: Task, tokenizer, phase: int | None = None,
 
 # --- a CoT task as a pretrained LLM's sweep input -----------------------------------------------
 
-# Built-in tasks whose examples read as text (a note, candidate codes, an answer).
-TEXT_TASKS = ("icd10", "synthetic")
+# Built-in tasks whose examples read as text (a note, candidate codes, an answer): TEXT_TASKS,
+# defined beside Task (its vocabulary check names them) and imported above.
 
 
 def needs_text(tokenizer: Any, task: Task) -> bool:

@@ -23,6 +23,7 @@ _EXPORTS = {
     "attention": "circuitkit.viz.attention:attention",
     "AttentionView": "circuitkit.viz.attention:AttentionView",
     "write_report": "circuitkit.viz.report:write_report",
+    "findings": "circuitkit.viz.findings:findings",
     "top_heads": "circuitkit.scoring.heads:top_heads",
 }
 

@@ -182,9 +182,49 @@ def _grid(n_panels: int, n_cols: int, titles: list[str], shape: tuple[int, int],
     return fig
 
 
+# Title fonts (px: plotly's default title size, and a <sup> line's) and the width of one
+# character in em, generous, so that an estimated line is never narrower than the drawn one.
+TITLE_PX, SUP_PX, CHAR_EM = 17.0, 12.0, 0.6
+SUBPLOT_TITLE_ROOM = 70  # px between the title's last line and the panels (panel titles)
+
+
+def _wrap_words(text: str, max_chars: int) -> list[str]:
+    """Greedy word wrap; a " · " separator stays at the end of the line it follows."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and (len(lines[-1]) + 1 + len(word) <= max_chars or word == "\u00b7"):
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def wrap_title(title: str, width: float) -> tuple[str, float]:
+    """``title`` (plotly text: lines split by ``<br>``, small lines in ``<sup>``) with line
+    breaks so that no line is wider than ``width`` px, and the wrapped title's height in px."""
+    out, height = [], 0.0
+    for line in title.split("<br>"):
+        sup = line.startswith("<sup>") and line.endswith("</sup>")
+        text = line[5:-6] if sup else line
+        px = SUP_PX if sup else TITLE_PX
+        for part in _wrap_words(text, max(12, int(width / (CHAR_EM * px)))):
+            out.append(f"<sup>{part}</sup>" if sup else part)
+            height += px * 1.3
+    return "<br>".join(out), height
+
+
 def _finish(fig, m: float, title: str):
+    # a title is wrapped to the figure's width (a long one used to be cut at its edge), and the
+    # top margin grows to hold it
+    width = (fig.layout.width or 700) - 30
+    title, height = wrap_title(title, width)
+    top = fig.layout.margin.t or 0
+    need = int(height + SUBPLOT_TITLE_ROOM)
+    if need > top:
+        fig.update_layout(margin=dict(t=need), height=(fig.layout.height or 0) + need - top)
     fig.update_layout(
-        title=dict(text=title, x=0.01, xanchor="left"),
+        title=dict(text=title, x=0.01, xanchor="left", y=1 - 12 / fig.layout.height,
+                   yanchor="top"),
         coloraxis=dict(colorscale=COLORSCALE, cmid=0.0, cmin=-m, cmax=m,
                        colorbar=dict(title=dict(text="normalized"))),
         plot_bgcolor="white",

@@ -1,10 +1,15 @@
 """``report.html``: one self-contained page of a results folder (opens offline, can be mailed).
 
 ``write_report(run_dir)`` reads what it finds in ``run_dir`` (the folder ``circuitkit characterize``
-writes; every part is optional, a missing part is skipped with a note):
+writes; every part is optional, a missing part is skipped with a note). The page leads with the
+findings in words (``viz.findings``: per phase which heads, which layers, whether they beat
+random head sets with the p-value's floor, the key effect, the strongest patching cell), then
+the sweeps, scores, validation, attention and ablation; the glossary lists only the quantities
+the page shows; model fingerprints, versions and timings come last.
 
 ==============================================  ===============================================
-``summary.json``                                model, task, sizes, versions, timings (a table);
+``summary.json``                                model, task, sizes, versions, timings (a table,
+                                                last);
                                                 ``model`` (a name ``ck.load_model`` takes) and
                                                 ``task`` (``ck.load_task``) enable attention views
 ``patch-p1-denoise`` / ``patch-p1-noise`` ...   ``PatchResult`` files (``.safetensors`` +
@@ -33,6 +38,8 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from circuitkit.viz.findings import phase_of
 
 # One line per quantity the report shows (what it means, in the report's own words).
 METRIC_LINES: dict[str, str] = {
@@ -76,8 +83,17 @@ METRIC_LINES: dict[str, str] = {
            "predict the model's answer, averaged over leaking and non-leaking examples.",
 }
 
+# Which glossary entries a page needs: the sweeps' and the score table's by what it shows; the
+# validation's and the ablation's also by the measures their frames name.
+SWEEP_TERMS = ("value", "normalized", "95% interval")
+SCORE_TERMS = {1: ("sharpness", "anchor_alignment", "coarse_score"),
+               2: ("loopback", "margin_widening", "refine_score")}
+MEASURE_TERMS = {"focus": "focus", "confusion": "confusion", "confusion_rate": "confusion_rate",
+                 "macro_f1": "macro_f1 / micro_f1 / exact_match",
+                 "micro_f1": "macro_f1 / micro_f1 / exact_match",
+                 "exact_match": "macro_f1 / micro_f1 / exact_match", "las": "las"}
+
 PAIR = re.compile(r"^(?P<base>.+)-(?P<direction>denoise|noise)$")
-PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0 auto;
@@ -90,6 +106,8 @@ table.tbl th,table.tbl td{border:1px solid #ddd;padding:3px 8px;text-align:right
 table.tbl th{background:#f4f4f4} table.metrics td{padding:2px 10px;vertical-align:top}
 table.metrics td:first-child{font-weight:600;white-space:nowrap}
 .tables,.views{display:flex;gap:36px;flex-wrap:wrap} .views>div{flex:1 1 640px;max-width:720px}
+.finding{max-width:1100px;margin:10px 0 18px;line-height:1.45}
+.finding p{margin:4px 0} .finding ul{margin:4px 0;padding-left:22px;color:#333}
 """
 
 
@@ -132,15 +150,6 @@ def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     return found, skipped
 
 
-def _phase_of(name: str, result: Any) -> int | None:
-    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
-    phase = (result.meta or {}).get("phase")
-    if phase is not None:
-        return int(phase)
-    m = PHASE_NAME.search(name)
-    return int(m.group("phase")) if m else None
-
-
 def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.viz.heatmaps import patch_heatmap, patch_heatmaps
 
@@ -149,7 +158,7 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
         m = PAIR.match(name)
         if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
             other = f"{m.group('base')}-noise"
-            phase = _phase_of(m.group("base"), res)
+            phase = phase_of(m.group("base"), res)
             head = f"Phase {phase} sweep" if phase else m.group("base")
             out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
                        f"</span></h3>" + _gap_warning(res)
@@ -157,8 +166,20 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
             done |= {name, other}
     for name, res in results.items():
         if name not in done:
-            out.append(f"<h3>{_esc(name)}</h3>" + _gap_warning(res) + fig_html(patch_heatmap(res)))
+            out.append(f"<h3>{_esc(sweep_heading(name, res))}</h3>" + _gap_warning(res)
+                       + fig_html(patch_heatmap(res)))
     return out
+
+
+def sweep_heading(name: str, result: Any) -> str:
+    """A single sweep's heading: ``"Phase 2 sweep, noise: target_vs_near_miss_margin
+    (result)"``; what it patched (heads, layers, per position) when it is not a head sweep."""
+    phase = phase_of(name, result)
+    what = {("layer", "head"): "", ("layer", "head", "pos"): " per position",
+            ("layer", "pos"): f" of layer site {result.site}"}.get(tuple(result.axes), "")
+    head = (f"Phase {phase} sweep" if phase else "Sweep") + what + f", {result.direction}"
+    metric = (result.meta or {}).get("metric")
+    return head + (f": {metric}" if metric else "") + f" ({name})"
 
 
 def _gap_warning(res: Any) -> str:
@@ -169,6 +190,66 @@ def _gap_warning(res: Any) -> str:
     return (f"<p class='warn'>The corruption did not lower the metric here (clean "
             f"{res.clean:.4g}, corrupt {res.corrupt:.4g}): the model does not show the behaviour "
             "this sweep measures, so the normalized values are not shares of it.</p>")
+
+
+def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
+                   ablation: Any) -> list[str]:
+    """The ``METRIC_LINES`` entries a page shows something of, in their order."""
+    from circuitkit.scoring.heads import scored_phases
+
+    want: set[str] = set()
+    if results:
+        want |= set(SWEEP_TERMS)
+    if scores is not None:
+        phases = scored_phases(scores) if "layer" in scores.columns else []
+        for phase in phases:
+            want |= set(SCORE_TERMS[phase])
+        if phases:
+            want.add("phase1_rank / phase2_rank")
+    for frame, extra in ((validation, "effect (validation)"), (ablation, None)):
+        if frame is None:
+            continue
+        if extra:
+            want.add(extra)
+        for col in ("quantity", "measure", "metric"):
+            if col in frame.columns:
+                want |= {MEASURE_TERMS[m] for m in frame[col].astype(str) if m in MEASURE_TERMS}
+    return [k for k in METRIC_LINES if k in want]
+
+
+def findings_in(run_dir: str | Path) -> tuple[str, list]:
+    """``(run line, viz.findings)`` of a results folder: what ``findings_section`` shows, for
+    the console (``circuitkit characterize`` prints it)."""
+    import pandas as pd
+
+    from circuitkit.viz.findings import findings, run_line
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
+    results, _ = _patch_results(run_dir)
+    return run_line(summary), findings(summary, read("validation.csv"), read("scores.csv"),
+                                       results)
+
+
+def findings_section(summary: dict, validation: Any, scores: Any,
+                     results: dict[str, Any]) -> str:
+    """The report's first section: ``viz.findings`` rendered (one block per phase)."""
+    from circuitkit.viz.findings import findings, run_line
+
+    found = findings(summary, validation, scores, results)
+    line = run_line(summary)
+    out = f"<p class='note'>{_esc(line)}</p>" if line else ""
+    for f in found:
+        notes = "".join(f"<li>{_esc(n)}</li>" for n in f.notes)
+        out += (f"<div class='finding' data-phase='{f.phase}'><p><b>{_esc(f.title)}.</b> "
+                f"{_esc(f.headline)}</p>"
+                + (f"<ul>{notes}</ul>" if notes else "") + "</div>")
+    if not found:
+        out += "<p class='skip'>Nothing to summarise: the folder holds no sweeps, scores or " \
+               "validation.</p>"
+    return out
 
 
 def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
@@ -314,6 +395,10 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
+    if results or scores is not None or validation is not None:
+        sections.append(("findings", "Findings", findings_section(summary, validation, scores,
+                                                                  results)))
+    details = None
     if summary:
         flat = _flatten(summary)
         # the headline first (what ran, on what, how long); everything else folded away
@@ -327,10 +412,8 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             body += ("<details><summary>full summary.json</summary>"
                      + _table(pd.DataFrame(list(rest.items()), columns=["key", "value"]))
                      + "</details>")
-        sections.append(("summary", "Model and task", body))
-    lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
-                    for k, v in METRIC_LINES.items())
-    sections.append(("metrics", "What the numbers mean", f"<table class='metrics'>{lines}</table>"))
+        # fingerprints, versions and timings: the last section (findings lead the page)
+        details = ("summary", "Model, task and versions", body)
     if results or skipped:
         sections.append(("sweeps", "Activation-patching sweeps",
                          "<p class='note'>Layer x head, colour = normalized effect on one scale "
@@ -360,6 +443,14 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
                          + "<p class='note'>mean over seeds [95% interval]</p>"
                          + _table(_or_raw(ablation_table, ablation))))
 
+    terms = glossary_terms(results, scores, validation, ablation)
+    if terms:
+        lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(METRIC_LINES[k])}</td></tr>"
+                        for k in terms)
+        sections.append(("metrics", "What the numbers mean",
+                         f"<table class='metrics'>{lines}</table>"))
+    if details:
+        sections.append(details)
     title = "circuitkit report" + (f": {model_name}" if model_name else "") + \
         (f" on {task_name}" if task_name else "")
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
