@@ -18,6 +18,9 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       reused), top heads per phase, ``complete``, and the score summaries
                       (``scores_attrs``, ``stability``, ``validation_sets``; keys in
                       docs/scores.md)
+    edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
+                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
+                      ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
                       validation's finished (phase, direction) runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
@@ -65,8 +68,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  seed: int = 0, split: str = "test", k: int = 5, n_random: int = 20,
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
-                 task_kwargs: dict[str, Any] | None = None, report: bool = True
-                 ) -> dict[str, Any]:
+                 task_kwargs: dict[str, Any] | None = None, report: bool = True,
+                 edges: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
@@ -75,7 +78,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``patch_method``: "exact" (default), "attribution" or "attribution+exact" (for models too
     big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
-    ``out_dir/report.html`` at the end (``circuitkit.viz.report``).
+    ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
+    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``).
     """
     import circuitkit as ck
     from circuitkit import files
@@ -133,10 +137,10 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {identity_diff(old, identity)}; use a new folder "
                              "or delete it.")
-        if stored_options != validation_options:  # same sweeps: score and validate again
-            for step in ("scores", "validation", "ablation"):
+        if stored_options != validation_options:  # same sweeps: score, validate, ablate and
+            for step in ("scores", "validation", "ablation", "edges"):  # patch edges again
                 summary.get("steps", {}).pop(step, None)
-    expected = step_names(phases)  # a report of a partial run says which are missing
+    expected = step_names(phases) + (["edges"] if edges else [])  # what a partial run misses
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
@@ -154,7 +158,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         files.write_json(summary_path, summary)
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 3
+    total = len(sweeps) + 3 + int(bool(edges))
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
@@ -217,6 +221,16 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                            checkpoint=out / "checkpoints" / "validation")
         files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
+    if edges:
+        i += 1
+        if "edges" in steps:
+            _log(progress, f"[{i}/{total}] edges: reused")
+        else:
+            _log(progress, f"[{i}/{total}] edges")
+            t0 = time.perf_counter()
+            written = _edges_step(model, per_phase, scores, k, out, batch_size, progress,
+                                  dict(model_name=name, task=task_name))
+            record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
     summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
@@ -291,3 +305,34 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, float) and math.isnan(x):
         return None
     return x
+
+
+def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,
+                batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
+    """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
+    after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
+    only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
+    returns the files written (relative to ``out``), none when no receiver lies after a
+    sender."""
+    import circuitkit as ck
+    from circuitkit.scoring.heads import top_heads
+
+    phases = sorted(per_phase)
+    senders = top_heads(scores, phases[0], k)
+    first = min(la for la, _ in senders)
+    receivers = [h for h in top_heads(scores, phases[-1], k) if h[0] > first]
+    if not receivers:
+        _log(progress, f"edges: no top Phase-{phases[-1]} head lies after a top "
+                       f"Phase-{phases[0]} head; nothing to patch")
+        return []
+    tp = per_phase[phases[-1]]
+    folder = out / "edges"
+    res = ck.patch_edges(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
+                         receivers, batch_size=batch_size, checkpoint=out / "checkpoints" /
+                         "edges", progress=progress, task_hash=tp.fingerprint())
+    res.meta.update(meta, phase=phases[-1], n_examples=len(tp), senders_from=f"phase{phases[0]}",
+                    receivers_from=f"phase{phases[-1]}")
+    res.save(folder / "edges", views=False)
+    circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
+    circ.save_json(folder / "circuit.json")
+    return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]

@@ -421,6 +421,156 @@ def _checkpoint_dir(out: Path) -> Path:
     return new
 
 
+@app.command(short_help="Which heads feed which heads' q, k, v: edge patching.")
+def edges(
+    ctx: typer.Context,
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic, induction or "
+                             "a .jsonl.", metavar="TASK"),
+    inputs: str = typer.Option("q,k,v", "--inputs", help="Receiving heads' inputs, comma "
+                               "separated: q, k, v.", metavar="INPUTS"),
+    senders: str = typer.Option("all", "--senders", help="all (every head and the embeddings) "
+                                "or nodes, comma separated: embed, L0H3, ...", metavar="NODES"),
+    receivers: str = typer.Option("all", "--receivers", help="all (every head and the logits) "
+                                  "or nodes, comma separated: L3H1, ..., logits.",
+                                  metavar="NODES"),
+    method: str = typer.Option("exact", help="exact, attribution (EAP / EAP-IG) or "
+                               "attribution+exact (screen, then verify).", metavar="METHOD"),
+    estimator: str = typer.Option(None, "--estimator", help="attribution: eap (default), "
+                                  "eap-ig-inputs, eap-ig-activations; attribution+exact screens "
+                                  "with eap unless given.", metavar="NAME"),
+    ig_steps: int = typer.Option(None, "--ig-steps", help="EAP-IG interpolation steps "
+                                 "(default 5).", metavar="M"),
+    top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this "
+                              "many edges (default: as many as the screen's error bound asks).",
+                              metavar="K"),
+    direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise.",
+                                  metavar="DIRECTION"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    phase: int = typer.Option(None, help="Task phase: 1 (anchors) or 2 (answers); default 2, "
+                              "or a .jsonl file's own phase.", metavar="PHASE"),
+    split: str = typer.Option("test", help="Task split: train or test.", metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed.", metavar="SEED"),
+    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass.",
+                                   metavar="N"),
+    circuit: bool = typer.Option(True, "--circuit/--no-circuit", help="Also measure the "
+                                 "faithfulness curve of the top edges (CPR, CMD, kept set)."),
+    ablation: str = typer.Option("corrupt", help="--circuit: what an ablated edge carries: "
+                                 "corrupt, zero, mean or resample.", metavar="KIND"),
+    out: Path = typer.Option(Path("edges-out"), "--out", "-o", help="Output folder.",
+                             metavar="DIR"),
+    checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
+                                    "chunks (exact) in OUT/checkpoints/edges; rerunning "
+                                    "resumes."),
+    plan: bool = typer.Option(False, "--plan", help="Print the cost from the model's config "
+                              "(no weights needed) and stop."),
+    gpu: str = typer.Option("H100", help="--plan: GPU class (H100, H200, A100).",
+                            metavar="GPU"),
+    utilisation: float = typer.Option(0.4, help="--plan: share of the GPU's bf16 dense peak.",
+                                      metavar="SHARE"),
+) -> None:
+    """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
+    OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
+    from circuitkit.patching.inputs import DIRECTIONS, EDGE_METHODS, check_batch_size, choice
+
+    try:
+        choice("method", method, EDGE_METHODS)
+        choice("direction", direction, DIRECTIONS)
+        check_batch_size(batch_size)
+        if plan:
+            from circuitkit.patching.plan import GPU_CLASSES
+
+            choice("--gpu", gpu.upper(), sorted(GPU_CLASSES))
+        else:
+            from circuitkit.files import check_writable_dir
+
+            check_writable_dir(out)
+    except ValueError as e:
+        _fail(str(e))
+    nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
+             for k, v in (("senders", senders), ("receivers", receivers))}
+    n = n_examples
+    if plan:
+        _edge_plan_offline(model, task, n, seed, split, phase, inputs, nodes, direction, top_k,
+                           ig_steps, gpu, utilisation, batch_size)
+        return
+    import circuitkit as ck
+    from circuitkit.tasks.base import phase_task
+
+    the_model, the_task = _load(model, task, n, seed, split, phase, renders=True)
+    the_task = phase_task(the_task, the_task.phase)
+    clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
+    if note:
+        typer.echo(note, err=True)
+    ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
+    try:
+        res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
+                             nodes["receivers"], inputs, direction=direction, method=method,
+                             estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                             batch_size=batch_size, checkpoint=ckpt, progress=True,
+                             task_hash=the_task.fingerprint())
+        res.meta.update(model_name=model, task=task, n_examples=len(clean),
+                        phase=the_task.phase, split=split, seed=seed)
+        written = res.save(out / "edges")
+        circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=ablation,
+                          batch_size=batch_size, progress=True) if circuit else None
+    except ValueError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+                 f"{_same_command(ctx)}") if ckpt is not None else "nothing was saved."
+        typer.secho("interrupted; " + where, err=True)
+        raise typer.Exit(130) from None
+    typer.echo(f"{res}\nstrongest edges (normalized: 1 = clean behaviour restored):")
+    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+        ["ci_low", "ci_high"] if res.per_prompt is not None else [])
+    typer.echo(res.top(10)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if circ is not None:
+        from circuitkit import files
+        from circuitkit.viz.edges import circuit_graph, faithfulness_curve
+
+        written.append(circ.save_json(out / "circuit.json"))
+        for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
+                          ("faithfulness.html", faithfulness_curve(circ))):
+            if fig is not None:
+                written.append(files.atomic_write(out / name, lambda p, fig=fig: fig.write_html(
+                    p, include_plotlyjs="directory")))
+        typer.echo(f"{circ}\n" + circ.to_frame().to_string(
+            index=False, float_format=lambda v: f"{v:.3f}"))
+    for path in written:  # one line per file
+        typer.echo(f"wrote {path}")
+
+
+def _edge_plan_offline(model, task, n_examples, seed, split, phase, inputs, nodes, direction,
+                       top_k, ig_steps, gpu, utilisation, batch_size) -> None:
+    """``edges --plan``: ``patching.plan.edge_plan`` from the model's config (no weights)."""
+    from circuitkit import models
+    from circuitkit.patching.inputs import check_edge_nodes
+    from circuitkit.patching.plan import edge_plan, format_edge_plan
+    from circuitkit.patching.sweep import EdgeLayout
+    from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
+
+    try:
+        arch = models.architecture(model)
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    _, the_task = _load(None, task, n_examples, seed, split, phase)
+    if the_task.name in TEXT_TASKS:
+        lengths, how = token_counts(prompt_texts(the_task), models.local_tokenizer(model))
+    else:
+        lengths = [int((e.tokens != the_task.pad_id).sum()) for e in the_task.examples]
+        how = "token counts of the task's tokens"
+    try:
+        s, r, i = check_edge_nodes(arch, nodes["senders"], nodes["receivers"], inputs)
+        layout = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
+        p = edge_plan(arch, lengths, layout, direction=direction, top_k=top_k,
+                      ig_steps=ig_steps or 5, gpu=gpu.upper(), utilisation=utilisation,
+                      rows=batch_size)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(format_edge_plan(p, how))
+
+
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
     model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
@@ -714,6 +864,9 @@ def characterize(
                              metavar="auto|yes|no"),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass.",
                                    metavar="N"),
+    edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
+                               "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
+                               "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
@@ -728,7 +881,7 @@ def characterize(
         n_examples = _n_for(task, n_examples)
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=True)
+                      text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

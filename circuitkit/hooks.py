@@ -15,6 +15,8 @@ z          [batch, pos, n_heads, d_head]            2
 result     [batch, pos, n_heads, d_model]           2
 pattern    [batch, n_heads, query_pos, key_pos]     1
 scores     [batch, n_heads, query_pos, key_pos]     1
+q_input    [batch, pos, n_heads, d_model]           2 (split inputs only)
+k_input    [batch, pos, n_kv_heads, d_model]        2 (split inputs only)
 =========  =======================================  ==========
 
 This module imports nothing heavy: it is safe to use from ``circuitkit --help``.
@@ -96,6 +98,23 @@ def scores(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_attn_scores"
 
 
+def q_input(layer: int) -> str:
+    """Each head's own copy of the residual its queries read, ``[batch, pos, n_heads,
+    d_model]`` (before the block's norm); fires only under ``use_split_qkv_input``
+    (``patching.shortcuts.split_qkv_inputs``)."""
+    return f"blocks.{layer}.attn.hook_q_input"
+
+
+def k_input(layer: int) -> str:
+    """As ``q_input`` for keys: ``[batch, pos, n_kv_heads, d_model]`` (a copy per KV head)."""
+    return f"blocks.{layer}.attn.hook_k_input"
+
+
+def v_input(layer: int) -> str:
+    """As ``q_input`` for values: ``[batch, pos, n_kv_heads, d_model]``."""
+    return f"blocks.{layer}.attn.hook_v_input"
+
+
 EMBED = "hook_embed"
 FINAL_NORM_IN = "ln_final.hook_in"
 UNEMBED_IN = "unembed.hook_in"  # normalised final residual [batch, pos, d_model]
@@ -112,6 +131,18 @@ KV_SITES = frozenset({"k", "v"})
 # The sites a patching sweep can patch: the one table the engine, results, scoring and the CLI use.
 PATCH_HEAD_SITES = ("z", "pattern", "q", "k", "v")
 PATCH_LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
+# The inputs an edge can feed in a receiving head (``patching.api.patch_edges``).
+EDGE_INPUTS = ("q", "k", "v")
+INPUT_SITES: dict[str, Callable[[int], str]] = {"q": q_input, "k": k_input, "v": v_input}
+
+
+def edge_input(name: str, layer: int) -> str:
+    """Hook name of the per-head residual copy a head's input ``name`` ("q", "k", "v") reads
+    (``q_input`` ...)."""
+    if name not in INPUT_SITES:
+        raise ValueError(f"input={name!r} is not a head input; expected one of "
+                         f"{list(EDGE_INPUTS)}.")
+    return INPUT_SITES[name](layer)
 
 
 def head_site(site: str, layer: int) -> str:

@@ -21,7 +21,7 @@ import time
 import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Int
@@ -39,25 +39,34 @@ from circuitkit.patching.checkpoint import (
     sweep_identity,
     tokens_hash,
 )
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.engine import EdgeEngine, ExactEngine
 from circuitkit.patching.inputs import (
     BACKENDS,
     DIRECTIONS,
+    EDGE_METHODS,
     METHODS,
     POSITIONS,
     check_batch_size,
+    check_edge_model,
+    check_edge_nodes,
     check_metric_prompts,
     check_tokens,
     check_top_k,
     choice,
 )
-from circuitkit.patching.results import PatchResult, verified_mask  # noqa: F401 (re-exported)
+from circuitkit.patching.results import (  # noqa: F401 (verified_mask re-exported)
+    EdgeResult,
+    PatchResult,
+    verified_mask,
+)
 from circuitkit.patching.sweep import (
     Chunk,
+    EdgeLayout,
     Sweep,
     auto_rows,
     is_out_of_memory,
     length_order,
+    make_edge_sweep,
     make_sweep,
     plan,
     release_cached_memory,
@@ -162,6 +171,202 @@ def patch_heads(
                     progress, meta)
     res.meta.update(_described(meta, pm))
     return res
+
+
+def patch_edges(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    senders: Any = None,
+    receivers: Any = None,
+    inputs: Any = hooks.EDGE_INPUTS,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    batch_size: int | None = None,
+    estimator: str | None = None,
+    ig_steps: int | None = None,
+    top_k: int | None = None,
+    max_passes: float | None = None,
+    task_hash: str | None = None,
+) -> EdgeResult:
+    """Patch every edge: a sender's write into one receiver's q, k or v input alone.
+
+    An edge (sender, receiver, input): the sender's write (source minus base: a head's
+    ``dz @ W_O``, or the embeddings' difference) is added to the receiver's own copy of the
+    residual at that input only; every other reader keeps the base run (denoise: base corrupt,
+    source clean; noise: the reverse). ``values[s, r, i]`` is the metric after that patch,
+    mean over prompts (``EdgeResult``; docs/edges.md).
+
+    ``senders``/``receivers``: lists of ``(layer, head)`` (or "L3H2"), with "embed" (a sender)
+    and "logits" (a receiver); None: every head and the embeddings / the logits. ``inputs``:
+    any of "q", "k", "v" (under GQA, k/v receivers are KV heads). ``method``: "exact" (the
+    edge engine: receivers of one layer per forward, re-entering at their layer), "attribution"
+    (``estimator``: "eap", the default, "eap-ig-inputs" or "eap-ig-activations", ``ig_steps``
+    steps; ``attribution.attribution_patch_edges``) or "attribution+exact" (an estimator
+    screens every edge, default "eap", and the exact engine verifies the ``top_k``,
+    or as many as the error bound of ``attribution_plus_exact`` requires; ``max_passes`` caps
+    the cost). ``checkpoint``: folder; finished chunks of an exact sweep are stored and a rerun
+    resumes (the other methods are not checkpointed: a warning says so).
+    ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
+    """
+    choice("method", method, EDGE_METHODS)
+    _check_method_options(method, None, False, top_k, max_passes)
+    if estimator is not None or ig_steps is not None:
+        if method == "exact":
+            warnings.warn("estimator and ig_steps do nothing with method='exact'.", stacklevel=2)
+        else:
+            choice("estimator", estimator or attribution.EDGE_ESTIMATORS[0],
+                   attribution.EDGE_ESTIMATORS)
+    if method != "exact" and checkpoint is not None:
+        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: edges are checkpointed with "
+                      f"method='exact' only (method={method!r} is not).", stacklevel=2)
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, "exact", "all", "z", batch_size,
+                                              hooks.PATCH_HEAD_SITES)
+    layout = edge_layout(model, senders, receivers, inputs)
+    for name in layout.inputs:
+        hooks.check_patchable(model, name, clean_tokens)
+    check_edge_model(model)
+    meta = dict(task_hash=task_hash, kv_heads=hooks.facts(model).gqa)
+    if method == "attribution":
+        res = attribution.attribution_patch_edges(
+            model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
+            estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
+        res.meta.update(_described(meta, pm))
+        return res
+    if method == "attribution+exact":
+        res = _edges_screen_then_verify(
+            model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
+            estimator=estimator, ig_steps=ig_steps, top_k=top_k, max_passes=max_passes,
+            batch_size=batch_size, progress=progress)
+        res.meta.update(_described(meta, pm))
+        return res
+    sweep = make_edge_sweep(model, layout, direction, clean_tokens, pm)
+    swept = _sweep(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                   progress, make_engine=functools.partial(EdgeEngine, layout=layout),
+                   identity_extra=layout.to_dict())
+    values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
+    pp = pm.per_prompt_values
+    return EdgeResult(
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=direction, method="exact", senders=layout.senders,
+        receivers=layout.receivers, inputs=layout.inputs, n_layers=layout.n_layers,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None,
+        meta=dict(model=str(getattr(model.cfg, "model_name", "")), n_edges=layout.n_edges,
+                  **swept.provenance(model), **_described(meta, pm)))
+
+
+def _edges_screen_then_verify(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+                              layout: EdgeLayout, *, direction: str, estimator: str | None,
+                              ig_steps: int | None, top_k: int | None, max_passes: float | None,
+                              batch_size: int | None, progress: bool, recall_top: int = 10,
+                              quantile: float = 0.9, max_fraction: float = 0.5) -> EdgeResult:
+    """``patch_edges(method="attribution+exact")``: screen every edge with an edge estimator
+    (default ``attribution.EDGE_SCREENING_ESTIMATOR``), then verify edges with the edge engine
+    (``EdgeEngine.run_variants``): the ``top_k`` largest ``|estimated effect|``, or with
+    ``top_k=None`` by ``attribution_plus_exact``'s rule (``_budget_rule``), the error unit of an
+    edge being ``u = write_scale x (L + 1 - l) / (L + 1)`` (``l``: its receiver layer; the logits
+    count as layer ``L``). ``values``: exact where verified (``meta["verified"]``), the
+    estimate elsewhere; ``meta["cost"]``: pass-equivalents of the screen and of the
+    verification."""
+    est = attribution.attribution_patch_edges(
+        model, clean, corrupt, metric, layout, direction=direction,
+        estimator=estimator or attribution.EDGE_SCREENING_ESTIMATOR, ig_steps=ig_steps,
+        batch_size=batch_size, progress=progress)
+    mask = est.edge_mask()
+    cells = mask.nonzero()  # [E, 3]: sender, receiver, input
+    n, L = clean.shape[0], layout.n_layers
+    base = est.corrupt if direction == "denoise" else est.clean
+    effect = (est.values - base)[mask]
+    ws = torch.tensor([[[float("nan") if v is None else v for v in row] for row in mat]
+                       for mat in est.meta["write_scale"]])[mask]
+    rl = torch.tensor([layout.receivers[int(r)][0] for r in cells[:, 1]])
+    downstream = (L + 1 - rl).float() / (L + 1)
+    scale = (ws.nan_to_num(0.0) * downstream).clamp_min(1e-12)
+    where: dict[tuple[int, int, int], tuple[int, int]] = {}  # (s, r, i) -> (layer, variant)
+    r_index = layout.receiver_index()
+    for layer in range(L + 1):
+        for v, (s, i, u) in enumerate(layout.cells(layer).tolist()):
+            where[(s, r_index[(layer, u) if layer < L else (L, -1)], i)] = (layer, v)
+    place = [where[tuple(c)] for c in cells.tolist()]
+    t0 = time.perf_counter()
+    engines: list[EdgeEngine] = []
+
+    def engine() -> EdgeEngine:
+        if not engines:
+            sweep = make_edge_sweep(model, layout, direction, clean, metric)
+            engines.append(EdgeEngine(model, clean, corrupt, metric, sweep, layout))
+        return engines[0]
+
+    rows = batch_size or auto_rows(model, clean.shape[1])
+    step = min(n, rows) if metric.per_prompt_values else n
+    per = max(1, rows // step)
+    n_cells = len(place)
+    exact_pp = torch.zeros(n_cells, n)
+    done = torch.zeros(n_cells, dtype=torch.bool)
+    order: list[int] = []
+
+    def verify(flat: list[int]) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for j in flat:
+            by_layer.setdefault(place[j][0], []).append(j)
+        for layer, js in by_layer.items():
+            for g0 in range(0, len(js), per):
+                group = js[g0:g0 + per]
+                exact_pp[group] = torch.cat([
+                    engine().run_variants(layer, [place[j][1] for j in group], p0,
+                                          min(p0 + step, n)) for p0 in range(0, n, step)], 1)
+        done[flat] = True
+        order.extend(flat)
+
+    k_err, tau, stopped, rounds = 0.0, None, "top_k", 0
+    if top_k is not None:
+        verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
+    else:
+        per_round = max(1, len(layout.inputs) * hooks.facts(model).n_heads)
+        k_err, tau, stopped, rounds = _budget_rule(
+            effect, scale, downstream, exact_pp, done, base, verify, n, per_round,
+            recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+            max_passes=max_passes, screen_passes=est.meta["pass_equivalents"])
+    values = est.values.clone()
+    per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
+    verified = torch.zeros_like(mask)
+    for j in order:
+        s, r, i = cells[j].tolist()
+        values[s, r, i] = exact_pp[j].mean()
+        verified[s, r, i] = True
+        if per_prompt is not None:
+            per_prompt[:, s, r, i] = exact_pp[j]
+    verify_passes = n * (float(downstream[order].sum()) + 2 * bool(order))
+    cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
+                verify_passes=verify_passes,
+                total_passes=est.meta["pass_equivalents"] + verify_passes,
+                exact_sweep_passes=n * (float(downstream.sum()) + 2),
+                estimator_seconds=est.meta["seconds"],
+                verify_seconds=time.perf_counter() - t0)
+    budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
+                  recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+                  max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
+                  rounds=rounds)
+    meta = dict(est.meta, verified=verified.tolist(), n_verified=len(order),
+                verified_fraction=len(order) / max(1, n_cells), budget=budget, cost=cost,
+                attribution_values=[[[None if v != v else v for v in row] for row in mat]
+                                    for mat in est.values.tolist()])
+    return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
+                   meta=meta)
+
+
+def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
+                inputs: Any = hooks.EDGE_INPUTS) -> EdgeLayout:
+    """The ``EdgeLayout`` of ``patch_edges``'s node arguments (checked: ``check_edge_nodes``)."""
+    s, r, i = check_edge_nodes(model, senders, receivers, inputs)
+    f = hooks.facts(model)
+    return EdgeLayout(f.n_layers, f.n_heads, f.n_kv_heads, s, r, i)
 
 
 def patch_layers(
@@ -778,11 +983,65 @@ def _versions() -> dict[str, str]:
 def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
          batch_size: int | None, checkpoint: str | Path | None, progress: bool,
          meta: dict) -> PatchResult:
+    swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+    values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
+    pp = metric.per_prompt_values
+    extra = _described(meta, metric)
+    axes = ("layer", "pos") if sweep.kind == "layers" else (
+        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
+    return PatchResult(
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
+        meta=dict(model=str(getattr(model.cfg, "model_name", "")), **swept.provenance(model),
+                  **extra))
+
+
+class _Swept(NamedTuple):
+    """A finished exact sweep (``_sweep``): its engine, every chunk's values, the prompt order
+    it ran in (None: the caller's) and what the run recorded."""
+
+    engine: Any
+    done: dict[int, Tensor]
+    order: Tensor | None
+    info: dict[str, Any]
+
+    def provenance(self, model: Any) -> dict[str, Any]:
+        """The meta entries every exact result records."""
+        return dict(**self.info, versions=versions(), facts=asdict(hooks.facts(model)))
+
+
+def _assembled(swept: _Swept) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """(values, per_prompt, clean per prompt, corrupt per prompt) of a finished sweep, per
+    prompt in the caller's order."""
+    engine = swept.engine
+    values, per_prompt = engine.assemble(swept.done)
+    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
+    if swept.order is not None:  # back to the caller's prompt order
+        inv = torch.argsort(swept.order)
+        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
+        per_prompt = None if per_prompt is None else per_prompt[inv]
+    return values, per_prompt, clean_pp, corrupt_pp
+
+
+def _identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              extra: dict) -> dict[str, Any]:
+    return dict(sweep_identity(model, sweep, clean, corrupt, metric), **extra)
+
+
+def _sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+           batch_size: int | None, checkpoint: str | Path | None, progress: bool,
+           make_engine: Any = ExactEngine, identity_extra: dict | None = None) -> _Swept:
+    """Run every chunk of ``sweep`` with an engine from ``make_engine`` (``ExactEngine`` or
+    ``EdgeEngine``): prompts sorted by length, memory fitted, checkpoint opened (its identity:
+    ``sweep_identity`` plus ``identity_extra``), this rank's chunks computed and saved, ranks
+    merged."""
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
     # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
-    identity = _Lazy(sweep_identity, model, sweep, clean, corrupt, metric)
+    identity = _Lazy(_identity, model, sweep, clean, corrupt, metric, identity_extra or {})
     fingerprints = dict(model_fingerprint=model_fingerprint(model),
                         tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
@@ -791,10 +1050,11 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
     if order is not None:
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
-    bar = _Progress(progress and rank == 0, f"patch {sweep.site} {sweep.direction}")
+    bar = _Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
+                    f"{sweep.site} {sweep.direction}")
     engine, sweep, rows, first, backoffs = _fit_rows(model, clean, corrupt, metric, sweep, rows,
                                                      lengths, stored, bar=bar, rank=rank,
-                                                     world=world)
+                                                     world=world, make_engine=make_engine)
     if world > 1 and stored is None:  # every rank must cut the sweep into the same chunks
         agreed = distributed.agreed_min(rows)
         if agreed < rows:
@@ -825,28 +1085,10 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
     done.update(computed)
     if world > 1:
         done.update(distributed.all_gather_chunks(computed))
-    values, per_prompt = engine.assemble(done)
-    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
-    if order is not None:  # back to the caller's prompt order
-        inv = torch.argsort(order)
-        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
-        per_prompt = None if per_prompt is None else per_prompt[inv]
-    pp = metric.per_prompt_values
-    extra = _described(meta, metric)
-    axes = ("layer", "pos") if sweep.kind == "layers" else (
-        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
-    return PatchResult(
-        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
-        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
-        meta=dict(model=str(getattr(model.cfg, "model_name", "")),
-                  **fingerprints,
-                  metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
-                  n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
-                  oom_chunk_splits=splits[0],
-                  seconds=time.perf_counter() - t_start, versions=versions(),
-                  facts=asdict(hooks.facts(model)), **extra))
+    info = dict(**fingerprints, metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
+                n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
+                oom_chunk_splits=splits[0], seconds=time.perf_counter() - t_start)
+    return _Swept(engine, done, order, info)
 
 
 def _heaviest(sweep: Sweep) -> int:
@@ -859,7 +1101,7 @@ def _heaviest(sweep: Sweep) -> int:
 def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
               rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
               timing: dict[str, float] | None = None, bar: _Progress | None = None,
-              rank: int = 0, world: int = 1
+              rank: int = 0, world: int = 1, make_engine: Any = ExactEngine
               ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
     """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
     a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
@@ -877,7 +1119,7 @@ def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         oom = None
         try:
             t0 = time.perf_counter()
-            engine = ExactEngine(model, clean, corrupt, metric, planned, rows=rows)
+            engine = make_engine(model, clean, corrupt, metric, planned, rows=rows)
             t1 = time.perf_counter()
             first = {}
             if stored is None and planned.chunks:

@@ -42,6 +42,19 @@ A chunk's result is a ``[n_variants, n_prompts]`` tensor (``run_chunk``); ``run_
 any subset of one layer's variants; ``run_head_sets`` patches whole head sets together, with the
 source run's ``z`` or, for ablations of the base run, zeros, the mean base ``z`` or another
 prompt's base ``z`` (``source=``).
+
+Edges (``EdgeEngine``, a subclass: same cached runs, restart, chunks, read-position logits,
+metric evaluation; only the patch differs). An edge (sender, receiver, input) adds the sender's
+write ``delta_s`` (source minus base: ``dz[:, :, h] @ W_O[h]`` of head ``h``, or the embeddings'
+``resid_pre(0)`` difference) to the receiver's own copy of the residual at one input (q, k or v)
+only; every other reader keeps the base run. Nothing before the receiver's layer ``l`` changes, so
+the run re-enters at ``l`` from the cached base ``resid_pre(l)``, with the edges into layer ``l``
+stacked in the batch. The receiver's patched input activation (``hook_q/k/v`` of layer ``l``,
+head slice) is the module's own computation on ``resid_pre(l) + delta_s``: one partial run per
+sender, stopped once block ``l``'s q/k/v hooks fired (``shortcuts.run_until``), whose head
+slices a hook then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads
+the final residual plus ``delta_s``: the last block returns that value and only the final norm
+and the unembedding run.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
+from circuitkit.patching.inputs import check_edge_model
 from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
 
 # Max |fast - plain| on the probe chunk, relative to max(1, |metric|), by weight dtype: the two
@@ -102,20 +116,7 @@ class ExactEngine:
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep,
                  fast: bool | None = None, rows: int | None = None):
-        self.model, self.metric, self.sweep = model, metric, sweep
-        self.device = next(model.parameters()).device
-        # A model split over GPUs (n_devices / device_map) holds block l on its own device:
-        # cached tensors for layer l go straight there.
-        self.layer_device = [next(b.parameters()).device for b in model.blocks]
-        self.reads = metric.read_positions()
-        # Causal model: positions after the last one the metric reads cannot matter. Runs stop
-        # there; a per-position patch beyond it is a no-op (its value is the base metric). A
-        # bidirectional model (Tracr's) reads every position at every position: runs are whole.
-        self.causal = hooks.facts(model).causal
-        self.length = self._run_length(0, sweep.n_prompts)
-        base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base = base[:, :self.length].to(self.device)
-        self.source = source[:, :self.length].to(self.device)
+        self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
         self.site_names = [self._site_name(layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
@@ -146,6 +147,25 @@ class ExactEngine:
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
         self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
+
+    def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              sweep: Sweep) -> None:
+        """What every engine holds: the model, metric and sweep, devices, the metric's reads
+        and the base and source tokens (up to the last read position)."""
+        self.model, self.metric, self.sweep = model, metric, sweep
+        self.device = next(model.parameters()).device
+        # A model split over GPUs (n_devices / device_map) holds block l on its own device:
+        # cached tensors for layer l go straight there.
+        self.layer_device = [next(b.parameters()).device for b in model.blocks]
+        self.reads = metric.read_positions()
+        # Causal model: positions after the last one the metric reads cannot matter. Runs stop
+        # there; a per-position patch beyond it is a no-op (its value is the base metric). A
+        # bidirectional model (Tracr's) reads every position at every position: runs are whole.
+        self.causal = hooks.facts(model).causal
+        self.length = self._run_length(0, sweep.n_prompts)
+        base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
+        self.base = base[:, :self.length].to(self.device)
+        self.source = source[:, :self.length].to(self.device)
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
                      ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
@@ -357,18 +377,35 @@ class ExactEngine:
                 return self._write_patch(act, src, variants, length)
 
             fwd_hooks = [(self.site_names[layer], hook)]
-        at = None if self.reads is None else self.reads[p0:p1]
-        if at is not None:
-            # Unembed only the positions the metric reads: with a big vocabulary the
-            # unembedding costs as much as several blocks, and most positions are never read.
-            rows = at.to(self.device).repeat(n_v, 1)
-            # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
-            fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(rows)))
-            if fast and not (sw.site == "mlp_out" and block is last):
-                forwards += shortcuts.last_mlp_at_rows(model, rows)
-            if fast and block is not last and self.attn_at_rows:
-                forwards.append((last.attn, shortcuts.attention_at_rows(
-                    last.attn, rows, self.attn_arity)))
+        hooks_at, forwards_at = self._read_rows_only(
+            p0, p1, n_v, fast, last_mlp=not (sw.site == "mlp_out" and block is last),
+            last_attn=block is not last)
+        return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _read_rows_only(self, p0: int, p1: int, n_v: int, fast: bool, last_mlp: bool = True,
+                        last_attn: bool = True) -> tuple[list, list]:
+        """(hooks, forwards) that compute the logits of ``n_v`` variant-major copies of prompts
+        ``p0:p1`` at the metric's read positions only: the unembedding there (it costs as much
+        as several blocks with a big vocabulary, and most positions are never read), and on
+        the fast path the last block's MLP (``last_mlp``; a block without one is left alone)
+        and its attention queries (``last_attn``, where ``attention_at_rows`` reproduces it)
+        there too. Nothing when the metric's reads are unknown."""
+        if self.reads is None:
+            return [], []
+        last = self.model.blocks[len(self.model.blocks) - 1]
+        rows = self.reads[p0:p1].to(self.device).repeat(n_v, 1)
+        # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
+        fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(rows))]
+        forwards = shortcuts.last_mlp_at_rows(self.model, rows) if fast and last_mlp else []
+        if fast and last_attn and self.attn_at_rows:
+            forwards.append((last.attn, shortcuts.attention_at_rows(
+                last.attn, rows, self.attn_arity)))
+        return fwd_hooks, forwards
+
+    def _suffix(self, x: Tensor, layer: int, forwards: list, fwd_hooks: list) -> Tensor:
+        """``model(x, start_at_layer=layer)`` with ``forwards`` replaced and ``fwd_hooks``
+        attached for the run, and no per-head results."""
+        model = self.model
         with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
                 shortcuts.attn_result_off(model):
             return model(x, start_at_layer=layer)
@@ -567,3 +604,138 @@ def derangement(n: int, seed: int) -> Tensor:
         perm = torch.randperm(n, generator=g)
         if not bool((perm == torch.arange(n)).any()):
             return perm
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+
+class EdgeEngine(ExactEngine):
+    """Exact edge patching (module docstring, "Edges"): the cached runs, restart, chunking and
+    metric evaluation of ``ExactEngine``; the patch is an edge's.
+
+    ``layout``: the ``sweep.EdgeLayout``; the sweep's layer ``l`` is receiver layer ``l``
+    (``n_layers``: the logits) and its variants are ``layout.cells(l)``.
+    """
+
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+                 sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):
+        check_edge_model(model)
+        self._bind(model, clean, corrupt, metric, sweep)
+        self.layout = layout
+        L = layout.n_layers
+        self.cells = [layout.cells(layer) for layer in range(L + 1)]
+        self.attn_cached = False  # the receiving layer's attention runs (with its patched input)
+        names = [hooks.resid_pre(layer) for layer in range(L)] + [
+            hooks.z(layer) for layer in range(L)] + [hooks.resid_post(L - 1)]
+        with torch.no_grad():
+            self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
+            (self.base_metric, self.source_metric), cache = self._cached_runs(
+                [self.base, self.source], names, rows or auto_rows(model, self.length))
+            self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
+            self.embed_delta = cache[hooks.resid_pre(0)][1] - self.resid[0]
+            self.dz = [cache[hooks.z(layer)][1] - cache[hooks.z(layer)][0] for layer in range(L)]
+            self.final = cache[hooks.resid_post(L - 1)][0]  # what the final norm reads
+            del cache
+            self.W_O = [b.attn.W_O.detach() for b in model.blocks]
+            self.attn_at_rows = shortcuts.supports_attention_at_rows(model.blocks[L - 1].attn)
+            self.fast = self._fast_path_agrees() if fast is None else fast
+
+    def _writes(self, senders: Sequence[int], p0: int, p1: int, length: int,
+                layer: int | None) -> Float[Tensor, "n_s n_p pos d_model"]:
+        """Each sender's write ``delta_s`` on prompts ``p0:p1`` (on block ``layer``'s device):
+        the embeddings' ``resid_pre(0)`` difference, or ``dz[:, :, h] @ W_O[h]``."""
+        out = []
+        for s in senders:
+            sl, h = self.layout.senders[s]
+            if sl < 0:
+                out.append(self._span(self.embed_delta, p0, p1, length, layer=layer))
+                continue
+            dz = self._span(self.dz[sl], p0, p1, length, layer=layer)[:, :, h]
+            out.append(dz @ self.W_O[sl][h].to(dz.device))
+        return torch.stack(out)
+
+    def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                        fast: bool | None) -> Tensor:
+        """Logits with each edge into receiver layer ``layer`` patched, rows variant-major."""
+        model, L = self.model, self.layout.n_layers
+        fast = self.fast if fast is None else fast
+        n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
+        cells = self.cells[layer][list(variants)]  # [n_v, 3]: sender, input, head
+        senders = sorted(set(cells[:, 0].tolist()))
+        row_of = {s: i for i, s in enumerate(senders)}
+        srow = torch.tensor([row_of[s] for s in cells[:, 0].tolist()], dtype=torch.long)
+        at = min(layer, L - 1)
+        dev = self.layer_device[at]
+        writes = self._writes(senders, p0, p1, length, at)  # [n_s, n_p, pos, d_model]
+        forwards = shortcuts.skipped_blocks(model, at, self.block_arity)
+        if fast:
+            forwards += shortcuts.native_norms(model, at)
+        if layer == L:  # the logits: the final residual plus each sender's write
+            final = self._span(self.final, p0, p1, length, layer=at)
+            out = (final[None] + writes[srow.to(dev)]).flatten(0, 1)
+            x = self._span(self.resid[at], p0, p1, length, layer=at).repeat(n_v, 1, 1)
+            forwards.append((model.blocks[at], shortcuts.returning(out, self.block_arity)))
+            hooks_at, forwards_at = self._read_rows_only(p0, p1, n_v, fast, last_mlp=False,
+                                                         last_attn=False)
+            return self._suffix(x, at, forwards + forwards_at, hooks_at)
+        resid = self._span(self.resid[layer], p0, p1, length, layer=layer)
+        names = {i: hooks.head_site(self.layout.inputs[i], layer)
+                 for i in sorted(set(cells[:, 1].tolist()))}
+        src = shortcuts.run_until(model, layer, (resid[None] + writes).flatten(0, 1),
+                                  list(names.values()), self.block_arity)
+        fwd_hooks = []
+        for i, name in names.items():
+            js = (cells[:, 1] == i).nonzero()[:, 0]
+
+            def write(act: Tensor, hook: Any, js=js, name=name) -> Tensor:
+                view = act.view(n_v, n_p, *act.shape[1:])
+                units = cells[js, 2].to(act.device)
+                given = src[name].view(len(senders), n_p, *act.shape[1:])
+                view[js.to(act.device), :, :, units] = given[srow[js].to(act.device), :, :,
+                                                             units]
+                return act
+
+            fwd_hooks.append((name, write))
+        hooks_at, forwards_at = self._read_rows_only(p0, p1, n_v, fast,
+                                                     last_attn=layer != L - 1)
+        x = resid.repeat(n_v, 1, 1)
+        return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _probe_fast_path(self) -> bool:
+        """The fast path against the plain one on the first and last edge of the earliest
+        receiver layer (every later block runs) and of the logits, on two prompts (all of them
+        for a scalar metric)."""
+        sw = self.sweep
+        p1 = min(2, sw.n_prompts) if sw.split_prompts else sw.n_prompts
+        layers = [la for la, c in enumerate(self.cells) if len(c)]
+        err, scale = 0.0, 1.0
+        for layer in sorted({layers[0], layers[-1]}):
+            variants = sorted({0, len(self.cells[layer]) - 1})
+            fast = self.run_variants(layer, variants, 0, p1, fast=True)
+            plain = self.run_variants(layer, variants, 0, p1, fast=False)
+            err = max(err, float((fast - plain).abs().max()))
+            scale = max(scale, float(plain.abs().max()))
+        tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
+        if err <= tol * scale:
+            return True
+        warnings.warn(
+            f"circuitkit: the fast edge-patching path differs from the plain hooked path by "
+            f"{err:.2e} on this model ({type(self.model.blocks[0]).__name__} blocks); using the "
+            "plain path (slower, still exact). Please report the architecture.", stacklevel=3)
+        return False
+
+    def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """Chunk results -> (values ``[n_senders, n_receivers, n_inputs]``, per_prompt
+        ``[n_prompts, ...]`` or None); NaN where (sender, receiver, input) is no edge."""
+        sw, lay = self.sweep, self.layout
+        r_index = lay.receiver_index()
+        L = lay.n_layers
+        grid = torch.full((sw.n_prompts, len(lay.senders), len(lay.receivers), len(lay.inputs)),
+                          float("nan"))
+        for cid, c in enumerate(sw.chunks):
+            cells = self.cells[c.layer][c.v0:c.v1]
+            r = torch.tensor([r_index[(c.layer, int(u)) if c.layer < L else (L, -1)]
+                              for u in cells[:, 2]], dtype=torch.long)
+            grid[c.p0:c.p1, cells[:, 0], r, cells[:, 1]] = done[cid].T
+        values = grid.mean(0)
+        return values, grid if self.metric.per_prompt_values else None

@@ -301,3 +301,359 @@ def verified_mask(result: PatchResult) -> Tensor:
         raise ValueError(f"verified_mask: a {result.method!r} result has no verified mask (only "
                          "attribution+exact results do).")
     return mask
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+EDGE_FORMAT = "circuitkit.edge_result"
+EDGE_FORMAT_VERSION = 1
+EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values
+
+
+def node_name(node: tuple[int, int] | list[int], n_layers: int) -> str:
+    """``"embed"`` (layer -1), ``"logits"`` (layer ``n_layers``) or ``"L{layer}H{head}"``."""
+    layer, head = int(node[0]), int(node[1])
+    return "embed" if layer < 0 else "logits" if layer >= n_layers else f"L{layer}H{head}"
+
+
+@dataclass
+class EdgeResult:
+    """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
+
+    ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
+    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only. Nodes are ``(layer, head)``:
+    the senders include the embeddings as ``(-1, -1)`` ("embed"), the receivers the logits as
+    ``(n_layers, -1)`` ("logits": the final residual the unembedding reads; it has one input,
+    stored at input index 0 and shown as input "resid"). NaN where ``(s, r, i)`` is no edge:
+    the receiver's layer is not after the sender's, the logits' other input slots, and under
+    GQA a k/v receiver ``(l, g)`` with ``g >= n_kv_heads`` (k/v receivers are KV heads:
+    ``meta["kv_heads"]``). ``per_prompt``: ``[n_prompts, n_senders, n_receivers, n_inputs]``.
+    Normalisation and intervals are ``PatchResult``'s (one definition: ``_as_patch_result``).
+    """
+
+    values: Float[Tensor, "sender receiver input"]
+    clean: float
+    corrupt: float
+    direction: str
+    method: str
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    inputs: tuple[str, ...]
+    n_layers: int
+    per_prompt: Float[Tensor, "n_prompts sender receiver input"] | None = None
+    clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.senders = tuple((int(a), int(b)) for a, b in self.senders)
+        self.receivers = tuple((int(a), int(b)) for a, b in self.receivers)
+        self.inputs = tuple(self.inputs)
+        self.n_layers = int(self.n_layers)
+        bad = [i for i in self.inputs if i not in hooks.EDGE_INPUTS]
+        if bad or not self.inputs:
+            raise ValueError(f"inputs={list(self.inputs)} must be a non-empty subset of "
+                             f"{list(hooks.EDGE_INPUTS)}.")
+        shape = (len(self.senders), len(self.receivers), len(self.inputs))
+        if not isinstance(self.values, Tensor) or tuple(self.values.shape) != shape:
+            raise ValueError(f"values must be a [senders, receivers, inputs] = {list(shape)} "
+                             f"tensor; got shape {tuple(getattr(self.values, 'shape', ()))}.")
+        for a, b in self.senders:
+            if not (a == -1 and b == -1 or 0 <= a < self.n_layers and b >= 0):
+                raise ValueError(f"sender ({a}, {b}) is not a node of a {self.n_layers}-layer "
+                                 "model ((layer, head), or (-1, -1) for the embeddings).")
+        for a, b in self.receivers:
+            if not (a == self.n_layers and b == -1 or 0 <= a < self.n_layers and b >= 0):
+                raise ValueError(f"receiver ({a}, {b}) is not a node of a {self.n_layers}-layer "
+                                 f"model ((layer, head), or ({self.n_layers}, -1) for the "
+                                 "logits).")
+        pp = self.per_prompt
+        if pp is not None and (not isinstance(pp, Tensor) or tuple(pp.shape[1:]) != shape):
+            raise ValueError(f"per_prompt must be a [n_prompts, {', '.join(map(str, shape))}] "
+                             f"tensor; got shape {tuple(getattr(pp, 'shape', ()))}.")
+        # the rest (direction, method, baselines, per-prompt shapes) as a PatchResult checks it
+        self._as_patch_result()
+
+    def _as_patch_result(self, values: Tensor | None = None) -> PatchResult:
+        """The same numbers as a ``PatchResult`` over (sender, receiver x input): its
+        normalisation, bootstrap and degenerate rule are the edges' too."""
+        n_s = len(self.senders)
+        pp = self.per_prompt
+        return PatchResult(
+            values=(self.values if values is None else values).reshape(n_s, -1),
+            clean=self.clean, corrupt=self.corrupt, direction=self.direction,
+            method=self.method, site="z", positions="all",
+            per_prompt=None if pp is None else pp.reshape(pp.shape[0], n_s, -1),
+            clean_per_prompt=self.clean_per_prompt, corrupt_per_prompt=self.corrupt_per_prompt,
+            axes=("sender", "receiver_input"))
+
+    @property
+    def degenerate(self) -> bool:
+        return self._as_patch_result().degenerate
+
+    def normalized(self) -> Float[Tensor, "sender receiver input"]:
+        """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
+        corrupt)``, noise ``(v - clean) / (clean - corrupt)``."""
+        return self._as_patch_result().normalized().reshape(self.values.shape)
+
+    def effect(self) -> Float[Tensor, "sender receiver input"]:
+        """``values - baseline`` (corrupt for denoise, clean for noise)."""
+        return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
+
+    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0
+                            ) -> tuple[Tensor, Tensor] | None:
+        """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
+        normalized value) of each edge, values-shaped; None without per-prompt values."""
+        got = self._as_patch_result().confidence_interval(level, n_boot, seed)
+        return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
+
+    def sender_names(self) -> list[str]:
+        return [node_name(s, self.n_layers) for s in self.senders]
+
+    def receiver_names(self) -> list[str]:
+        return [node_name(r, self.n_layers) for r in self.receivers]
+
+    def edge_mask(self) -> Tensor:
+        """Bool ``[senders, receivers, inputs]``: True where the cell is an edge."""
+        return ~torch.isnan(self.values)
+
+    def to_frame(self, ci: bool = True):
+        """pandas DataFrame, one row per edge: sender_layer, sender_head, receiver_layer,
+        receiver_head, input, value, normalized[, ci_low, ci_high][, verified], sender,
+        receiver (names: "embed", "L0H1", "logits"). The embeddings are layer -1, the logits
+        layer ``n_layers`` (head -1) with input "resid"."""
+        import pandas as pd
+
+        idx = self.edge_mask().nonzero()
+        s, r, i = idx[:, 0], idx[:, 1], idx[:, 2]
+        snd = torch.tensor(self.senders).reshape(-1, 2)[s]
+        rcv = torch.tensor(self.receivers).reshape(-1, 2)[r]
+        logits = rcv[:, 0] == self.n_layers
+        with warnings.catch_warnings():  # said once by normalized() itself, not per view
+            if self.degenerate:
+                warnings.simplefilter("ignore")
+            norm = self.normalized()[s, r, i]
+        cols = dict(sender_layer=snd[:, 0].numpy(), sender_head=snd[:, 1].numpy(),
+                    receiver_layer=rcv[:, 0].numpy(), receiver_head=rcv[:, 1].numpy(),
+                    input=["resid" if lg else self.inputs[k]
+                           for lg, k in zip(logits.tolist(), i.tolist(), strict=True)],
+                    value=self.values[s, r, i].float().numpy(), normalized=norm.float().numpy())
+        interval = self.confidence_interval() if ci else None
+        if interval is not None:
+            cols["ci_low"] = interval[0][s, r, i].numpy()
+            cols["ci_high"] = interval[1][s, r, i].numpy()
+        verified = (self.meta or {}).get("verified")
+        if isinstance(verified, list):  # attribution+exact: which values are exact
+            cols["verified"] = torch.tensor(verified, dtype=torch.bool)[s, r, i].numpy()
+        names_s, names_r = self.sender_names(), self.receiver_names()
+        cols["sender"] = [names_s[k] for k in s.tolist()]
+        cols["receiver"] = [names_r[k] for k in r.tolist()]
+        return pd.DataFrame(cols)
+
+    def top(self, k: int = 10, input: str | None = None):
+        """The ``k`` edges with the largest ``|normalized|`` (by ``|effect|`` when normalized
+        values are undefined), strongest first; ``input``: only edges into that input ("q",
+        "k", "v", or "resid" for the logits)."""
+        df = self.to_frame()
+        if input is not None:
+            df = df[df["input"] == input]
+        base = self.corrupt if self.direction == "denoise" else self.clean
+        key = df["value"] - base if self.degenerate else df["normalized"]
+        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
+        return df.loc[order].reset_index(drop=True)
+
+    def heatmap(self, title: str | None = None, **kw):
+        """plotly Figure: sender x receiver heatmap of ``normalized()``, one panel per input
+        (``circuitkit.viz.heatmaps.edge_heatmap``)."""
+        from circuitkit.viz.heatmaps import edge_heatmap  # patching never imports viz at load
+
+        return edge_heatmap(self, title, **kw)
+
+    # --- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
+        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), and with ``views``
+        ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``), each written
+        atomically; ``path`` may be a folder (then ``<folder>/edges.*``)."""
+        from circuitkit import files
+
+        paths = _edge_paths(path)
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: getattr(self, k) for k in EDGE_TENSORS if getattr(self, k) is not None}
+        files.write_tensors(paths["safetensors"], tensors)
+        info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
+                    corrupt=self.corrupt, direction=self.direction, method=self.method,
+                    senders=[list(s) for s in self.senders],
+                    receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
+                    n_layers=self.n_layers, meta=self.meta)
+        files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        if not views:
+            return [paths["safetensors"], paths["json"]]
+        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
+        files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
+            p, include_plotlyjs="directory"))
+        return list(paths.values())
+
+    @classmethod
+    def load(cls, path: str | Path) -> EdgeResult:
+        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict:
+        every field is validated; a bad file is named with what is wrong (``ValueError``)."""
+        from safetensors.torch import load_file
+
+        paths = _edge_paths(path)
+        js, st = paths["json"], paths["safetensors"]
+        for p in (js, st):
+            if not p.exists():
+                raise ValueError(f"no edge result at {path}: {p} does not exist (expected the "
+                                 "files EdgeResult.save writes).")
+        try:
+            info = json.loads(js.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{js} is not a readable edge result file ({e}).") from None
+        if not isinstance(info, dict) or info.get("format") != EDGE_FORMAT:
+            raise ValueError(f"{js} is not a circuitkit edge result (format "
+                             f"{info.get('format') if isinstance(info, dict) else None!r}).")
+        if not isinstance(info.get("version"), int) or info["version"] > EDGE_FORMAT_VERSION:
+            raise ValueError(f"{js}: format version {info.get('version')!r} is not one this "
+                             f"circuitkit reads (<= {EDGE_FORMAT_VERSION}); upgrade circuitkit.")
+        keys = ("clean", "corrupt", "direction", "method", "senders", "receivers", "inputs",
+                "n_layers")
+        missing = [k for k in keys if k not in info]
+        if missing:
+            raise ValueError(f"{js}: missing field(s) {missing}.")
+        try:
+            tensors = load_file(str(st))
+        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+            raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+        unknown = sorted(set(tensors) - set(EDGE_TENSORS))
+        if "values" not in tensors or unknown:
+            raise ValueError(f"{st}: expected tensors {list(EDGE_TENSORS)} with 'values'; got "
+                             f"{sorted(tensors)}.")
+        meta = info.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"{js}: meta must be a JSON object.")
+        try:
+            return cls(**{k: tensors.get(k) for k in EDGE_TENSORS},
+                       **{k: info[k] for k in keys}, meta=meta)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{js}: {e}") from None
+
+    def __repr__(self) -> str:
+        return (f"EdgeResult(method={self.method!r}, direction={self.direction!r}, "
+                f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
+                f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
+                f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
+
+
+def _edge_paths(path: str | Path) -> dict[str, Path]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "edges"
+    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+        p = p.with_suffix("")
+    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
+
+
+# --- circuits ------------------------------------------------------------------------------------
+
+CIRCUIT_FORMAT = "circuitkit.circuit"
+
+
+@dataclass
+class CircuitResult:
+    """A faithfulness curve and the kept set (``patching.faithfulness.circuit``).
+
+    ``kind``: "edges" or "heads"; ``sizes``: shares of the scored items kept (ascending),
+    ``n_kept``: how many items that is; ``faithfulness[k] = (m(C_k) - empty) / (full -
+    empty)`` with ``full``/``empty`` the metric with every scored item kept / ablated;
+    ``per_prompt``: ``[n_sizes, n_prompts]`` metric of each circuit. ``cpr``/``cmd``: MIB's
+    areas (under f; between f and 1) over the kept share. ``items``: every scored item,
+    ranked (edges: ``sender``/``receiver`` as ``[layer, head]``, the embeddings ``[-1, -1]``,
+    the logits ``[n_layers, -1]``, ``input``, ``score``; heads: ``layer``, ``head``,
+    ``score``). ``chosen``: index of the kept set, the smallest circuit with faithfulness >=
+    ``target`` (the largest when none reaches it). ``intervals``: bootstrap percentile
+    intervals over prompts of faithfulness (per size), CPR and CMD, or None.
+    """
+
+    kind: str
+    sizes: tuple[float, ...]
+    n_kept: tuple[int, ...]
+    faithfulness: Float[Tensor, " n_sizes"]
+    full: float
+    empty: float
+    cpr: float
+    cmd: float
+    items: list[dict[str, Any]]
+    n_layers: int
+    ablation: str
+    rank: str
+    target: float
+    chosen: int
+    per_prompt: Float[Tensor, "n_sizes n_prompts"] | None = None
+    full_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    empty_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    intervals: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def kept(self, index: int | None = None) -> list[dict[str, Any]]:
+        """The items of circuit ``index`` of the curve (default ``chosen``), strongest first."""
+        k = self.chosen if index is None else index
+        return self.items[:self.n_kept[k]]
+
+    def to_frame(self):
+        """pandas DataFrame, one row per size: size, n_kept, faithfulness[, ci_low, ci_high]."""
+        import pandas as pd
+
+        df = pd.DataFrame(dict(size=list(self.sizes), n_kept=list(self.n_kept),
+                               faithfulness=self.faithfulness.float().numpy()))
+        band = (self.intervals or {}).get("faithfulness")
+        if band:
+            df["ci_low"] = [b[0] for b in band]
+            df["ci_high"] = [b[1] for b in band]
+        return df
+
+    def to_dict(self, index: int | None = None) -> dict[str, Any]:
+        """The kept set as JSON-ready data: ``nodes`` (name, layer, head), ``edges`` (sender,
+        receiver, input, score; for heads: the kept heads' scores), its faithfulness, the
+        curve (``to_frame`` rows) and its CPR and CMD."""
+        k = self.chosen if index is None else index
+        kept = self.kept(k)
+        nodes: dict[str, dict[str, Any]] = {}
+
+        def node(layer_head: list[int]) -> str:
+            name = node_name(layer_head, self.n_layers)
+            nodes.setdefault(name, dict(name=name, layer=int(layer_head[0]),
+                                        head=int(layer_head[1])))
+            return name
+
+        if self.kind == "edges":
+            edges = [dict(sender=node(e["sender"]), receiver=node(e["receiver"]),
+                          input=e["input"], score=e["score"]) for e in kept]
+        else:
+            edges = []
+            for h in kept:
+                node([h["layer"], h["head"]])
+                nodes[node_name([h["layer"], h["head"]], self.n_layers)]["score"] = h["score"]
+        band = (self.intervals or {}).get("faithfulness")
+        curve = self.to_frame().to_dict(orient="records")
+        return dict(format=CIRCUIT_FORMAT, version=1, kind=self.kind, size=self.sizes[k],
+                    n_kept=self.n_kept[k], n_items=len(self.items),
+                    faithfulness=float(self.faithfulness[k]),
+                    faithfulness_ci=band[k] if band else None, target=self.target,
+                    ablation=self.ablation, rank=self.rank, cpr=self.cpr, cmd=self.cmd,
+                    cpr_ci=(self.intervals or {}).get("cpr"),
+                    cmd_ci=(self.intervals or {}).get("cmd"),
+                    n_layers=self.n_layers, curve=curve,
+                    nodes=sorted(nodes.values(), key=lambda d: (d["layer"], d["head"])),
+                    edges=edges, meta=self.meta)
+
+    def save_json(self, path: str | Path, index: int | None = None) -> Path:
+        """``to_dict(index)`` written atomically as JSON."""
+        from circuitkit import files
+
+        return files.write_text(path, json.dumps(self.to_dict(index), indent=1, default=str))
+
+    def __repr__(self) -> str:
+        k = self.chosen
+        return (f"CircuitResult({self.kind}, ablation={self.ablation!r}, CPR={self.cpr:.3f}, "
+                f"CMD={self.cmd:.3f}, kept {self.n_kept[k]} of {len(self.items)} "
+                f"(faithfulness {float(self.faithfulness[k]):.3f}))")

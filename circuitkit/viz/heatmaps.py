@@ -330,3 +330,54 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
                                  extra=f"<br>pos {p}", name=f"{r.direction} pos {p}"),
                           row=i + 1, col=j + 1)
     return _finish(fig, m, title)
+
+
+def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str] | None = None,
+                 interval: bool = True, n_cols: int = 3):
+    """Sender x receiver heatmap of an ``EdgeResult``'s ``normalized()``, one panel per input
+    (q, k, v; the logits column, which has one input, shows in the first panel). Rows: senders
+    (the embeddings first), columns: receivers (the logits last); blank where (sender,
+    receiver, input) is no edge. Hover: the names, raw value, normalized value and its 95%
+    bootstrap interval over prompts (when the result holds per-prompt values)."""
+    import plotly.graph_objects as go
+
+    if not all(hasattr(result, a) for a in ("values", "senders", "receivers", "inputs")):
+        raise TypeError(f"expected an EdgeResult (ck.patch_edges / ck.EdgeResult.load); got "
+                        f"{type(result).__name__}.")
+    check_counts(n_cols=n_cols)
+    names = list(result.inputs if inputs is None else inputs)
+    bad = [i for i in names if i not in result.inputs]
+    if bad or not names:
+        raise ValueError(f"inputs={names!r}: expected some of the result's inputs "
+                         f"{list(result.inputs)}.")
+    c = _cells(result, interval)
+    senders, receivers = result.sender_names(), result.receiver_names()
+    n_cols = min(n_cols, len(names))
+    fig = _grid(len(names), n_cols, [f"into {n}" for n in names],
+                (len(senders), len(receivers)), "receiver", "sender")
+    for k, name in enumerate(names):
+        i = list(result.inputs).index(name)
+        index = (slice(None), slice(None), i)
+        trace = _trace(c, index, "receiver", "sender", extra=f"<br>input {name}", name=name)
+        trace.update(x=receivers, y=senders)
+        fig.add_trace(trace, row=k // n_cols + 1, col=k % n_cols + 1)
+    fig.update_xaxes(tickmode="auto", tickangle=-60)
+    fig.update_yaxes(tickmode="auto")
+    m = _abs_max(c["normalized"])
+    if title is None:
+        meta = result.meta or {}
+        task = meta.get("task")
+        if task and meta.get("phase") is not None:
+            task = f"{task} phase {meta['phase']}"
+        head = [model_label(meta), task, f"metric {meta['metric']}" if meta.get("metric")
+                else None, result.direction]
+        n = meta.get("n_prompts")
+        sub = [result.method, "edges: a sender's write into one receiver's input",
+               f"{n} prompts" if n else None, "colour = normalized effect"]
+        title = (" · ".join(str(p) for p in head if p) + "<br><sup>"
+                 + ", ".join(str(p) for p in sub if p) + "</sup>")
+    fig = _finish(fig, m, title)
+    fig.add_annotation(text=DIRECTION_NOTE.get(result.direction, ""), xref="paper",
+                       yref="paper", x=0, y=-0.12, showarrow=False, font=dict(size=11),
+                       xanchor="left")
+    return go.Figure(fig)

@@ -22,6 +22,9 @@ the page shows; model fingerprints, versions and timings come last.
 ``head-ablation.csv``                           ``ck.ablate_heads``: top-k vs random heads under
                                                 zero / mean / resample ablation (a table)
 ``ablation.csv`` (or ``distill/ablation.csv``)  distillation ablation (``charts.ablation_chart``)
+``edges/edges.*``, ``edges/circuit.json``       ``characterize --edges``: sender x receiver
+                                                heatmap per input, top edges by input, the
+                                                circuit graph and its faithfulness
 ==============================================  ===============================================
 
 JavaScript: plotly.js (~4.8 MB) is inlined once in ``<head>`` and every figure is a
@@ -526,6 +529,9 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
                                             views)))
+    edges = _edges_section(run_dir, fig_html)
+    if edges:
+        sections.append(("edges", "Edges: which heads feed which", edges))
     if ablation is not None:
         sections.append(("distillation", "Distillation ablation",
                          chart(charts.ablation_chart, ablation)
@@ -555,6 +561,49 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"<h1>{_esc(title)}</h1><p class='note'>{_esc(run_dir.resolve())} · generated "
             f"{stamp} · self-contained (no network needed)</p><nav>{nav}</nav>{body}"
             f"</body></html>")
+
+
+def _edges_section(run_dir: Path, fig_html) -> str | None:
+    """``characterize --edges``'s results (``run_dir/edges``): the sender x receiver heatmap
+    per input, the strongest edges into each input with their intervals, and the circuit
+    (graph, faithfulness curve as a table, CPR and CMD); None when there are none."""
+    import pandas as pd
+
+    from circuitkit.patching.results import EdgeResult
+    from circuitkit.viz.edges import circuit_graph
+
+    folder = run_dir / "edges"
+    if not (folder / "edges.json").exists():
+        return None
+    try:
+        res = EdgeResult.load(folder / "edges")
+    except ValueError as e:
+        return f"<p class='skip'>Edges skipped: {_esc(e)}</p>"
+    meta = res.meta or {}
+    body = (f"<p class='note'>Senders: the top {_esc(meta.get('senders_from', ''))} heads; "
+            f"receivers: the top {_esc(meta.get('receivers_from', ''))} heads after them. An "
+            "edge adds the sender's clean-minus-corrupt write to one receiver's q, k or v input "
+            "only (every other reader keeps the corrupt run); value: the metric after that "
+            "patch, normalized as the sweeps above.</p>")
+    body += fig_html(res.heatmap())
+    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+        ["ci_low", "ci_high"] if res.per_prompt is not None else [])
+    tops = [res.top(5, input=name)[cols] for name in res.inputs]
+    body += _table(pd.concat(tops, ignore_index=True), "{:.3f}")
+    if (folder / "circuit.json").exists():
+        circ = json.loads((folder / "circuit.json").read_text())
+        ci = lambda key: (f" [{circ[key][0]:.3f}, {circ[key][1]:.3f}]"  # noqa: E731
+                          if circ.get(key) else "")
+        body += (f"<p>Circuit ({circ['ablation']} ablation of the edges left out): the top "
+                 f"{circ['n_kept']} of {circ['n_items']} edges reach faithfulness "
+                 f"{circ['faithfulness']:.3f}{ci('faithfulness_ci')}; over the curve CPR "
+                 f"{circ['cpr']:.3f}{ci('cpr_ci')} (area under it; 1 is best) and CMD "
+                 f"{circ['cmd']:.3f}{ci('cmd_ci')} (area between it and 1; 0 is best).</p>")
+        if circ.get("curve"):
+            body += _table(pd.DataFrame(circ["curve"]), "{:.3f}")
+        if circ.get("edges"):
+            body += fig_html(circuit_graph(circ))
+    return body
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:
