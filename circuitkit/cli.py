@@ -5,6 +5,7 @@ Heavy imports (torch, transformer_lens) happen inside commands, so ``circuitkit 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -27,6 +28,30 @@ def _fail(msg: str) -> None:
     """End the command with the whole message (every line: which row, which file, what to do)."""
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _baseline_warnings_as_lines():
+    """Inside: a ``DegenerateBaselineWarning`` prints as one ``warning:`` line (Python's own
+    format adds the file, line and source of the call); other warnings as Python prints them."""
+    import warnings
+
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DegenerateBaselineWarning):
+            typer.secho(f"warning: {str(message).removeprefix('circuitkit: ')}",
+                        fg=typer.colors.YELLOW, err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _same_command(ctx: typer.Context) -> str:
@@ -297,8 +322,9 @@ def patch(
             top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
         ckpt = out / "checkpoint" if checkpoint and stores else None
-        res = run(the_model, clean, corrupt, metric, progress=True,
-                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+        with _baseline_warnings_as_lines():
+            res = run(the_model, clean, corrupt, metric, progress=True,
+                      task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except ValueError as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -324,18 +350,29 @@ def patch(
     auto = res.meta.get("auto")
     if auto:
         typer.echo(_describe_auto(auto))
-    typer.echo(f"{res}\nstrongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
-               f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
+    scale = ("raw effect = value - baseline, see the warning above" if res.degenerate
+             else "normalized: 1 = clean behaviour restored, -1 = fully broken")
+    typer.echo(f"{res}\nstrongest cells ({scale}):\n"
+               f"{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
     typer.echo("wrote " + ", ".join(str(p) for p in written))
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
-    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
-    from circuitkit.tasks.text import needs_text
+    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it, where
+    the tokenizer reads the text without unknown tokens (``tasks.text.text_problem``; the rule
+    ``score`` follows through ``scoring.text.load_for``)."""
+    from circuitkit.tasks.text import needs_text, text_problem
 
-    if not (renders and needs_text(getattr(model, "tokenizer", None), task)):
+    tok = getattr(model, "tokenizer", None)
+    if not (renders and needs_text(tok, task)):
         task.check_model(model)
+        return
+    problem = text_problem(task, tok)
+    if problem:  # worded as load_for words it
+        raise ValueError(f"task {task.name!r}: {task.vocabulary_problem(tok)} (Rendering the "
+                         f"task as text for this model's tokenizer failed too: task "
+                         f"{task.name!r} cannot be rendered as text for this model: {problem}.)")
 
 
 def _sweep_inputs(tokenizer, the_task):
@@ -582,9 +619,10 @@ def characterize(
     flag = _text_flag(text)
     try:
         choice("patch_method", patch_method, METHODS)
-        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=True)
+        with _baseline_warnings_as_lines():
+            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                          n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                          text=flag, progress=True)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -45,13 +45,20 @@ from circuitkit.patching.inputs import (
     DIRECTIONS,
     METHODS,
     POSITIONS,
+    NoGradientError,
     check_batch_size,
+    check_gradient,
     check_metric_prompts,
     check_tokens,
     check_top_k,
+    checked_metric,
     choice,
 )
-from circuitkit.patching.results import PatchResult, verified_mask  # noqa: F401 (re-exported)
+from circuitkit.patching.results import (  # noqa: F401 (re-exported)
+    PatchResult,
+    quiet_baseline,
+    verified_mask,
+)
 from circuitkit.patching.sweep import (
     Chunk,
     Sweep,
@@ -128,10 +135,12 @@ def patch_heads(
             raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
         from circuitkit.patching import nnsight_backend
 
-        return nnsight_backend.patch_heads(
+        res = nnsight_backend.patch_heads(
             model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
             positions=positions, site=site, batch_size=batch_size, progress=progress,
             remote=remote, task_hash=task_hash)
+        res.warn_if_degenerate()
+        return res
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
                                               hooks.PATCH_HEAD_SITES)
@@ -139,10 +148,12 @@ def patch_heads(
     meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
                 task_hash=task_hash)
     if method == "auto":
-        return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
-                     positions=positions, site=site, batch_size=batch_size,
-                     checkpoint=checkpoint, progress=progress, top_k=top_k,
-                     max_passes=max_passes, meta=meta)
+        res = _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
+                    positions=positions, site=site, batch_size=batch_size,
+                    checkpoint=checkpoint, progress=progress, top_k=top_k,
+                    max_passes=max_passes, meta=meta)
+        res.warn_if_degenerate()
+        return res
     chosen = {} if estimator is None else dict(estimator=estimator)
     if method in ("attribution", "attribution+exact"):
         _whole_on_every_replica(f"method={method!r}")
@@ -158,9 +169,12 @@ def patch_heads(
             progress=progress, max_passes=max_passes, checkpoint=checkpoint, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
-        return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                    progress, meta)
+        res = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                   progress, meta)
+        res.warn_if_degenerate()
+        return res
     res.meta.update(_described(meta, pm))
+    res.warn_if_degenerate()
     return res
 
 
@@ -196,8 +210,10 @@ def patch_layers(
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
     sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
-    return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                progress, dict(task_hash=task_hash))
+    res = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+               progress, dict(task_hash=task_hash))
+    res.warn_if_degenerate()
+    return res
 
 
 def plan_patch(
@@ -364,7 +380,7 @@ def attribution_plus_exact(
             method="attribution+exact", estimator=estimator,
             atp_star=bool(atp_star) and estimator in ("qk", "atp*")))  # what it changes
     try:
-        return _screen_then_verify(
+        res = _screen_then_verify(
             model, clean_tokens, corrupt_tokens, metric, sweep, store, direction=direction,
             site=site, positions=positions, top_k=top_k, atp_star=atp_star,
             estimator=estimator, recall_top=recall_top, quantile=quantile,
@@ -373,6 +389,8 @@ def attribution_plus_exact(
     finally:
         if store is not None:
             store.close()
+    res.warn_if_degenerate()
+    return res
 
 
 def check_max_passes(max_passes: Any, top_k: int | None) -> None:
@@ -530,7 +548,7 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
                 cost=cost, attribution_values=est.values.tolist(),
                 error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
-                   meta=meta)
+                   meta=meta).said_as(est)  # the screen's baselines: said once
 
 
 def _budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Tensor,
@@ -629,17 +647,11 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
         res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
-        screen = attribution.attribution_patch_heads(
-            model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            estimator=estimator, batch_size=batch_size, progress=False)
-        base = res.corrupt if direction == "denoise" else res.clean
-        exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
-        info["screening"] = dict(
-            k=k, estimator=estimator,
-            recall=len(set(exact_top) & set(screen_top)) / max(1, k),
-            exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
         info["verified"] = "all"
+        info["screening"] = _screening_recall(model, clean, corrupt, pm, res, k, estimator,
+                                              direction, site, positions, batch_size)
     else:
+        check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
         _whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
@@ -650,6 +662,26 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     res.meta.update(_described(meta, pm))
     res.meta["auto"] = info
     return res
+
+
+def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric,
+                      res: PatchResult, k: int, estimator: str, direction: str, site: str,
+                      positions: str, batch_size: int | None) -> dict[str, Any]:
+    """``meta["auto"]["screening"]`` of an exact ``auto`` run: how many of the exact top ``k``
+    cells the screen finds (none for a metric without a gradient: it cannot screen)."""
+    try:
+        check_gradient(pm, "attribution")
+        with quiet_baseline():  # the exact result says it, once
+            screen = attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+                estimator=estimator, batch_size=batch_size, progress=False)
+    except NoGradientError:
+        return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
+    base = res.corrupt if direction == "denoise" else res.clean
+    exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
+    return dict(k=k, estimator=estimator,
+                recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+                exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
 
 
 # --- checks and orchestration --------------------------------------------------------------------
@@ -667,7 +699,8 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     n, seq = clean.shape
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
     check_metric_prompts(pm, n)
-    return clean, corrupt, pm
+    check_gradient(pm, method)
+    return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size)
 
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
