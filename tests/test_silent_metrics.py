@@ -158,6 +158,31 @@ def test_a_logits_dependent_read_gets_the_true_baseline(teacher, prompts, form):
         assert est.clean == pytest.approx(res.clean, abs=ATOL)
 
 
+def test_an_exact_sweep_checks_probed_reads_on_its_own_cached_runs(teacher, prompts,
+                                                                   monkeypatch):
+    """No forward of its own: the engine's cached clean and corrupt runs unembed every position
+    for the check, whether the reads hold (POS -1) or not (the torch.where form: restarted
+    reading every position)."""
+    from circuitkit.patching import inputs
+
+    def no_forward(*args, **kw):
+        def forward(tokens):
+            raise AssertionError("an unpatched forward besides the engine's cached runs")
+        return forward
+
+    monkeypatch.setattr(inputs, "model_logits", no_forward)
+    clean, corrupt = prompts
+    for metric in (lambda logits: logits[:, -1, 5].mean(), WHERE["tokens (5, 6)"]):
+        for run in (ck.patch_heads, ck.patch_layers):
+            res = quiet(run, teacher, clean, corrupt, metric, progress=False)
+            with torch.no_grad():
+                assert res.clean == pytest.approx(float(metric(teacher(clean)).mean()),
+                                                  abs=ATOL)
+        torch.testing.assert_close(
+            quiet(ck.patch_heads, teacher, clean, corrupt, metric, progress=False).values,
+            tl_heads(teacher, clean, corrupt, metric), atol=ATOL, rtol=0)
+
+
 def test_probed_reads_that_fail_on_real_logits_read_every_position(teacher, prompts):
     clean, corrupt = prompts
     pm = ck.as_metric(WHERE["tokens (5, 6)"], *clean.shape, int(teacher.cfg.d_vocab))

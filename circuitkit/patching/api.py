@@ -46,6 +46,7 @@ from circuitkit.patching.inputs import (
     METHODS,
     POSITIONS,
     NoGradientError,
+    ReadsDoNotHold,
     check_batch_size,
     check_gradient,
     check_metric_prompts,
@@ -53,6 +54,7 @@ from circuitkit.patching.inputs import (
     check_top_k,
     checked_metric,
     choice,
+    without_probed_reads,
 )
 from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     PatchResult,
@@ -143,7 +145,8 @@ def patch_heads(
         return res
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_HEAD_SITES)
+                                              hooks.PATCH_HEAD_SITES,
+                                              engine_checks=method == "exact")
     f = hooks.facts(model)
     meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
                 task_hash=task_hash)
@@ -169,8 +172,8 @@ def patch_heads(
             progress=progress, max_passes=max_passes, checkpoint=checkpoint, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
-        res = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                   progress, meta)
+        res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                      progress, meta)
         res.warn_if_degenerate()
         return res
     res.meta.update(_described(meta, pm))
@@ -201,7 +204,7 @@ def patch_layers(
     method = "exact" if method == "auto" else method  # one choice for layer sites
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_LAYER_SITES)
+                                              hooks.PATCH_LAYER_SITES, engine_checks=True)
     if method != "exact":
         raise ValueError(f"patch_layers is exact only; got method={method!r}. Use patch_heads "
                          "for attribution (heads, not layers).")
@@ -210,8 +213,8 @@ def patch_layers(
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
     sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
-    res = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-               progress, dict(task_hash=task_hash))
+    res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                  progress, dict(task_hash=task_hash))
     res.warn_if_degenerate()
     return res
 
@@ -646,7 +649,8 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
-        res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
+        res, pm = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                       meta)
         info["verified"] = "all"
         info["screening"] = _screening_recall(model, clean, corrupt, pm, res, k, estimator,
                                               direction, site, positions, batch_size)
@@ -688,7 +692,9 @@ def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetr
 
 
 def _check(model, clean, corrupt, metric, direction, method, positions, site, batch_size,
-           sites) -> tuple[Tensor, Tensor, PromptMetric]:
+           sites, engine_checks: bool = False) -> tuple[Tensor, Tensor, PromptMetric]:
+    """Arguments checked, the metric wrapped and fit for the tokens (``checked_metric``;
+    ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs)."""
     choice("direction", direction, DIRECTIONS)
     choice("method", method, METHODS)
     choice("positions", positions, POSITIONS)
@@ -700,7 +706,8 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
     check_metric_prompts(pm, n)
     check_gradient(pm, method)
-    return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size)
+    return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
+                                          engine_checks=engine_checks)
 
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
@@ -798,7 +805,26 @@ def _versions() -> dict[str, str]:
 
 def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
          batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-         meta: dict) -> PatchResult:
+         meta: dict) -> tuple[PatchResult, PromptMetric]:
+    """The exact sweep, and the metric it ran with: a probed metric's reads are checked by the
+    engine's cached runs (``inputs.ReadsDoNotHold``); where they do not hold, the sweep starts
+    again reading every position (and right padding is checked for that metric)."""
+    try:
+        res = _run_engine(model, clean, corrupt, metric, sweep, batch_size, checkpoint,
+                          progress, meta)
+        return res, replace(metric, probed=False)
+    except ReadsDoNotHold as e:
+        metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
+                                batch_size)
+    sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction, sweep.positions, clean,
+                       metric)
+    return _run_engine(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
+                       meta), metric
+
+
+def _run_engine(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+                batch_size: int | None, checkpoint: str | Path | None, progress: bool,
+                meta: dict) -> PatchResult:
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a

@@ -123,6 +123,26 @@ def no_gradient_message(name: str, method: str) -> str:
             "head; use method='exact', or return a torch expression of the logits.")
 
 
+class ReadsDoNotHold(ValueError):
+    """A probed metric's read positions do not give its value on the real ``which`` ("clean"
+    or "corrupt") logits (raised by ``ExactEngine``, which checks them on its cached runs; the
+    sweep restarts with ``without_probed_reads``)."""
+
+    def __init__(self, name: str, which: str):
+        super().__init__(f"metric {name!r}: the read positions a probe found do not give its "
+                         f"value on the real {which} logits; wrap it again (as_metric) or declare "
+                         "its reads in a PromptMetric.")
+        self.which = which
+
+
+def without_probed_reads(pm: Any, which: str) -> Any:
+    """``pm`` reading every position, its note saying why (``ReadsDoNotHold``)."""
+    return pm.reading_every_position(
+        f"metric {pm.name!r}: the read positions the probe found do not give its value on the "
+        f"real {which} logits (it reads where the logits decide, e.g. through torch.where): "
+        "every position was computed")
+
+
 def model_logits(model: Any, rows: int | None = None):
     """``tokens -> logits [batch, seq, vocab]`` of an unpatched TransformerLens run, ``rows``
     sequences per forward (default all), on the model's device."""
@@ -226,19 +246,23 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
 
 
 def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
-                   batch_size: int | None = None, logits_of: Any = None) -> Any:
+                   batch_size: int | None = None, logits_of: Any = None,
+                   engine_checks: bool = False) -> Any:
     """``pm`` fit for these tokens, before any sweep work:
 
     * read positions a probe found on random logits (``pm.probed``) are checked on the real
       clean and corrupt logits: the values from the logits at the reads only (zeros elsewhere,
       as sweeps hand them) must equal those from the full logits (``PromptMetric.reads_hold``);
-      where they do not, every position is read and the note says so;
+      where they do not, every position is read and the note says so. ``engine_checks``: left
+      to the exact engine, whose cached clean and corrupt runs then unembed every position
+      (``ReadsDoNotHold``; no forward of their own);
     * right padding the metric would read is refused (``check_padding``).
 
     ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``)
-    runs the unpatched model: once per token set, only for probed metrics or right-padded
-    prompts under a metric whose reads are unknown; ``logits_of=False``: never (the probe's
-    reads stand, unknown reads on padded prompts are refused)."""
+    runs the unpatched model: once per token set, only for probed metrics (unless
+    ``engine_checks``) or right-padded prompts under a metric whose reads are unknown;
+    ``logits_of=False``: never (the probe's reads stand, unknown reads on padded prompts are
+    refused)."""
     pad = pad_token_id(model)
     real = padded_lengths(clean, corrupt, pad)
     if pm.read_positions() is not None:
@@ -255,14 +279,11 @@ def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
             got[which] = get(tokens[which])
         return got[which]
 
-    if getattr(pm, "probed", False):
+    if getattr(pm, "probed", False) and not engine_checks:
         from dataclasses import replace
 
         bad = next((w for w in ("clean", "corrupt") if not pm.reads_hold(runs(w))), None)
-        pm = replace(pm, probed=False) if bad is None else pm.reading_every_position(
-            f"metric {pm.name!r}: the read positions the probe found do not give its value on "
-            f"the real {bad} logits (it reads where the logits decide, e.g. through "
-            "torch.where): every position was computed")
+        pm = replace(pm, probed=False) if bad is None else without_probed_reads(pm, bad)
     if pm.read_positions() is None:
         check_padding(clean, corrupt, pm, real, pad, runs)
     return pm
