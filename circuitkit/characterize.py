@@ -85,6 +85,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     from circuitkit import files
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
+    from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
     from circuitkit.scoring.validate import ablate_heads, validate_heads
@@ -159,12 +160,14 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
 
     sweeps = patch_steps(phases)
     total = len(sweeps) + 3 + int(bool(edges))
+    sweep_results: dict[tuple[int, str], Any] = {}
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
         if step in steps:
             _log(progress, f"[{i}/{total}] {step}: reused")
+            sweep_results[phase, direction] = _stored(out / step)
             continue
         tp = per_phase[phase]
         how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
@@ -172,12 +175,16 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                        f"{direction} ({how} runs), {len(tp)} prompts")
         t0 = time.perf_counter()
         ckpt = out / "checkpoints" / step if patch_method == "exact" else None
-        res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                             direction=direction, method=patch_method, batch_size=batch_size,
-                             checkpoint=ckpt, progress=progress, task_hash=tp.fingerprint())
+        with quiet_baseline():  # said once per phase below
+            res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                 direction=direction, method=patch_method,
+                                 batch_size=batch_size, checkpoint=ckpt, progress=progress,
+                                 task_hash=tp.fingerprint())
         res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
         written = res.save(out / step)
+        sweep_results[phase, direction] = res
         record(step, time.perf_counter() - t0, [p.name for p in written])
+    _say_degenerate(sweep_results)
     import pandas as pd
 
     i = len(sweeps) + 1
@@ -336,3 +343,30 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
     circ.save_json(folder / "circuit.json")
     return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]
+
+
+def _stored(path: Path) -> Any:
+    """A reused sweep's result (None if it cannot be read: the report says what is missing)."""
+    from circuitkit.patching.results import PatchResult
+
+    try:
+        return PatchResult.load(path)
+    except ValueError:
+        return None
+
+
+def _say_degenerate(results: dict[tuple[int, str], Any]) -> None:
+    """One warning per phase whose corruption does not lower its metric by the margin
+    (``PatchResult.degenerate``, the rule every entry point follows), naming its sweeps."""
+    import warnings
+
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
+    for phase in sorted({p for p, _ in results}):
+        bad = {d: r for (p, d), r in results.items() if p == phase and r is not None
+               and r.degenerate}
+        if bad:
+            reason = next(iter(bad.values())).degenerate_reason().removeprefix("circuitkit: ")
+            names = ", ".join(f"patch-p{phase}-{d}" for d in bad)
+            warnings.warn(DegenerateBaselineWarning(
+                f"circuitkit: phase {phase} ({names}): {reason}"), stacklevel=3)

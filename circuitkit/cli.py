@@ -5,6 +5,7 @@ Heavy imports (torch, transformer_lens) happen inside commands, so ``circuitkit 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -39,6 +40,30 @@ def _fail(msg: str) -> None:
     """End the command with the whole message (every line: which row, which file, what to do)."""
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _baseline_warnings_as_lines():
+    """Inside: a ``DegenerateBaselineWarning`` prints as one ``warning:`` line (Python's own
+    format adds the file, line and source of the call); other warnings as Python prints them."""
+    import warnings
+
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DegenerateBaselineWarning):
+            typer.secho(f"warning: {str(message).removeprefix('circuitkit: ')}",
+                        fg=typer.colors.YELLOW, err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _same_command(ctx: typer.Context) -> str:
@@ -371,8 +396,9 @@ def patch(
             top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
         ckpt = _checkpoint_dir(out) if checkpoint and stores else None
-        res = run(the_model, clean, corrupt, metric, progress=True,
-                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+        with _baseline_warnings_as_lines():
+            res = run(the_model, clean, corrupt, metric, progress=True,
+                      task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except ValueError as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -398,10 +424,12 @@ def patch(
     auto = res.meta.get("auto")
     if auto:
         typer.echo(_describe_auto(auto))
+    scale = ("raw effect = value - baseline, see the warning above" if res.degenerate
+             else "normalized: 1 = clean behaviour restored, -1 = fully broken")
     typer.echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
                f"over {len(clean)} prompts, {split} split, seed {seed})\n"
-               f"strongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
-               f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
+               f"strongest cells ({scale}):\n"
+               f"{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")
 
@@ -504,11 +532,12 @@ def edges(
         typer.echo(note, err=True)
     ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
     try:
-        res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
-                             nodes["receivers"], inputs, direction=direction, method=method,
-                             estimator=estimator, ig_steps=ig_steps, top_k=top_k,
-                             batch_size=batch_size, checkpoint=ckpt, progress=True,
-                             task_hash=the_task.fingerprint())
+        with _baseline_warnings_as_lines():
+            res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
+                                 nodes["receivers"], inputs, direction=direction, method=method,
+                                 estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                                 batch_size=batch_size, checkpoint=ckpt, progress=True,
+                                 task_hash=the_task.fingerprint())
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
         written = res.save(out / "edges")
@@ -521,7 +550,9 @@ def edges(
                  f"{_same_command(ctx)}") if ckpt is not None else "nothing was saved."
         typer.secho("interrupted; " + where, err=True)
         raise typer.Exit(130) from None
-    typer.echo(f"{res}\nstrongest edges (normalized: 1 = clean behaviour restored):")
+    scale = ("raw effect = value - baseline, see the warning above" if res.degenerate
+             else "normalized: 1 = clean behaviour restored")
+    typer.echo(f"{res}\nstrongest edges ({scale}):")
     cols = ["sender", "receiver", "input", "value", "normalized"] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else [])
     typer.echo(res.top(10)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -573,11 +604,20 @@ def _edge_plan_offline(model, task, n_examples, seed, split, phase, inputs, node
 
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
-    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
-    from circuitkit.tasks.text import needs_text
+    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it, where
+    the tokenizer reads the text without unknown tokens (``tasks.text.text_problem``; the rule
+    ``score`` follows through ``scoring.text.load_for``)."""
+    from circuitkit.tasks.text import needs_text, text_problem
 
-    if not (renders and needs_text(getattr(model, "tokenizer", None), task)):
+    tok = getattr(model, "tokenizer", None)
+    if not (renders and needs_text(tok, task)):
         task.check_model(model)
+        return
+    problem = text_problem(task, tok)
+    if problem:  # worded as load_for words it
+        raise ValueError(f"task {task.name!r}: {task.vocabulary_problem(tok)} (Rendering the "
+                         f"task as text for this model's tokenizer failed too: task "
+                         f"{task.name!r} cannot be rendered as text for this model: {problem}.)")
 
 
 def _sweep_inputs(tokenizer, the_task):
@@ -879,9 +919,10 @@ def characterize(
     try:
         choice("patch_method", patch_method, METHODS)
         n_examples = _n_for(task, n_examples)
-        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=True, edges=edges)
+        with _baseline_warnings_as_lines():
+            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                          n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                          text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -46,17 +46,23 @@ from circuitkit.patching.inputs import (
     EDGE_METHODS,
     METHODS,
     POSITIONS,
+    NoGradientError,
+    ReadsDoNotHold,
     check_batch_size,
     check_edge_model,
     check_edge_nodes,
+    check_gradient,
     check_metric_prompts,
     check_tokens,
     check_top_k,
+    checked_metric,
     choice,
+    without_probed_reads,
 )
-from circuitkit.patching.results import (  # noqa: F401 (verified_mask re-exported)
+from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     EdgeResult,
     PatchResult,
+    quiet_baseline,
     verified_mask,
 )
 from circuitkit.patching.sweep import (
@@ -137,21 +143,26 @@ def patch_heads(
             raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
         from circuitkit.patching import nnsight_backend
 
-        return nnsight_backend.patch_heads(
+        res = nnsight_backend.patch_heads(
             model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
             positions=positions, site=site, batch_size=batch_size, progress=progress,
             remote=remote, task_hash=task_hash)
+        res.warn_if_degenerate()
+        return res
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_HEAD_SITES)
+                                              hooks.PATCH_HEAD_SITES,
+                                              engine_checks=method == "exact")
     f = hooks.facts(model)
     meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
                 task_hash=task_hash)
     if method == "auto":
-        return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
-                     positions=positions, site=site, batch_size=batch_size,
-                     checkpoint=checkpoint, progress=progress, top_k=top_k,
-                     max_passes=max_passes, meta=meta)
+        res = _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
+                    positions=positions, site=site, batch_size=batch_size,
+                    checkpoint=checkpoint, progress=progress, top_k=top_k,
+                    max_passes=max_passes, meta=meta)
+        res.warn_if_degenerate()
+        return res
     chosen = {} if estimator is None else dict(estimator=estimator)
     if method in ("attribution", "attribution+exact"):
         _whole_on_every_replica(f"method={method!r}")
@@ -167,9 +178,12 @@ def patch_heads(
             progress=progress, max_passes=max_passes, checkpoint=checkpoint, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
-        return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                    progress, meta)
+        res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                      progress, meta)
+        res.warn_if_degenerate()
+        return res
     res.meta.update(_described(meta, pm))
+    res.warn_if_degenerate()
     return res
 
 
@@ -237,6 +251,7 @@ def patch_edges(
             model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
             estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
         res.meta.update(_described(meta, pm))
+        res.warn_if_degenerate()
         return res
     if method == "attribution+exact":
         res = _edges_screen_then_verify(
@@ -244,6 +259,7 @@ def patch_edges(
             estimator=estimator, ig_steps=ig_steps, top_k=top_k, max_passes=max_passes,
             batch_size=batch_size, progress=progress)
         res.meta.update(_described(meta, pm))
+        res.warn_if_degenerate()
         return res
     sweep = make_edge_sweep(model, layout, direction, clean_tokens, pm)
     swept = _sweep(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
@@ -251,7 +267,7 @@ def patch_edges(
                    identity_extra=layout.to_dict())
     values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
     pp = pm.per_prompt_values
-    return EdgeResult(
+    res = EdgeResult(
         values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
         direction=direction, method="exact", senders=layout.senders,
         receivers=layout.receivers, inputs=layout.inputs, n_layers=layout.n_layers,
@@ -259,6 +275,8 @@ def patch_edges(
         corrupt_per_prompt=corrupt_pp if pp else None,
         meta=dict(model=str(getattr(model.cfg, "model_name", "")), n_edges=layout.n_edges,
                   **swept.provenance(model), **_described(meta, pm)))
+    res.warn_if_degenerate()
+    return res
 
 
 def _edges_screen_then_verify(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
@@ -392,7 +410,7 @@ def patch_layers(
     method = "exact" if method == "auto" else method  # one choice for layer sites
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_LAYER_SITES)
+                                              hooks.PATCH_LAYER_SITES, engine_checks=True)
     if method != "exact":
         raise ValueError(f"patch_layers is exact only; got method={method!r}. Use patch_heads "
                          "for attribution (heads, not layers).")
@@ -401,8 +419,10 @@ def patch_layers(
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
     sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
-    return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                progress, dict(task_hash=task_hash))
+    res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                  progress, dict(task_hash=task_hash))
+    res.warn_if_degenerate()
+    return res
 
 
 def plan_patch(
@@ -569,7 +589,7 @@ def attribution_plus_exact(
             method="attribution+exact", estimator=estimator,
             atp_star=bool(atp_star) and estimator in ("qk", "atp*")))  # what it changes
     try:
-        return _screen_then_verify(
+        res = _screen_then_verify(
             model, clean_tokens, corrupt_tokens, metric, sweep, store, direction=direction,
             site=site, positions=positions, top_k=top_k, atp_star=atp_star,
             estimator=estimator, recall_top=recall_top, quantile=quantile,
@@ -578,6 +598,8 @@ def attribution_plus_exact(
     finally:
         if store is not None:
             store.close()
+    res.warn_if_degenerate()
+    return res
 
 
 def check_max_passes(max_passes: Any, top_k: int | None) -> None:
@@ -735,7 +757,7 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
                 cost=cost, attribution_values=est.values.tolist(),
                 error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
-                   meta=meta)
+                   meta=meta).said_as(est)  # the screen's baselines: said once
 
 
 def _budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Tensor,
@@ -833,18 +855,13 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
-        res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
-        screen = attribution.attribution_patch_heads(
-            model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            estimator=estimator, batch_size=batch_size, progress=False)
-        base = res.corrupt if direction == "denoise" else res.clean
-        exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
-        info["screening"] = dict(
-            k=k, estimator=estimator,
-            recall=len(set(exact_top) & set(screen_top)) / max(1, k),
-            exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
+        res, pm = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                       meta)
         info["verified"] = "all"
+        info["screening"] = _screening_recall(model, clean, corrupt, pm, res, k, estimator,
+                                              direction, site, positions, batch_size)
     else:
+        check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
         _whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
@@ -857,11 +874,33 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     return res
 
 
+def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric,
+                      res: PatchResult, k: int, estimator: str, direction: str, site: str,
+                      positions: str, batch_size: int | None) -> dict[str, Any]:
+    """``meta["auto"]["screening"]`` of an exact ``auto`` run: how many of the exact top ``k``
+    cells the screen finds (none for a metric without a gradient: it cannot screen)."""
+    try:
+        check_gradient(pm, "attribution")
+        with quiet_baseline():  # the exact result says it, once
+            screen = attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+                estimator=estimator, batch_size=batch_size, progress=False)
+    except NoGradientError:
+        return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
+    base = res.corrupt if direction == "denoise" else res.clean
+    exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
+    return dict(k=k, estimator=estimator,
+                recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+                exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
+
+
 # --- checks and orchestration --------------------------------------------------------------------
 
 
 def _check(model, clean, corrupt, metric, direction, method, positions, site, batch_size,
-           sites) -> tuple[Tensor, Tensor, PromptMetric]:
+           sites, engine_checks: bool = False) -> tuple[Tensor, Tensor, PromptMetric]:
+    """Arguments checked, the metric wrapped and fit for the tokens (``checked_metric``;
+    ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs)."""
     choice("direction", direction, DIRECTIONS)
     choice("method", method, METHODS)
     choice("positions", positions, POSITIONS)
@@ -872,7 +911,9 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     n, seq = clean.shape
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
-    return clean, corrupt, pm
+    check_gradient(pm, method)
+    return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
+                                          engine_checks=engine_checks)
 
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
@@ -982,8 +1023,25 @@ def _versions() -> dict[str, str]:
 
 def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
          batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-         meta: dict) -> PatchResult:
-    swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+         meta: dict) -> tuple[PatchResult, PromptMetric]:
+    """The exact sweep, and the metric it ran with: a probed metric's reads are checked by the
+    engine's cached runs (``inputs.ReadsDoNotHold``); where they do not hold, the sweep starts
+    again reading every position (and right padding is checked for that metric)."""
+    try:
+        swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+        metric = replace(metric, probed=False)
+    except ReadsDoNotHold as e:
+        metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
+                                batch_size)
+        sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction, sweep.positions,
+                           clean, metric)
+        swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+    return _patch_result(model, swept, sweep, metric, meta), metric
+
+
+def _patch_result(model: Any, swept: _Swept, sweep: Sweep, metric: PromptMetric,
+                  meta: dict) -> PatchResult:
+    """The ``PatchResult`` of a finished head or layer sweep."""
     values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
     pp = metric.per_prompt_values
     extra = _described(meta, metric)

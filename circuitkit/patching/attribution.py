@@ -107,9 +107,13 @@ from circuitkit.patching import head_mlp, shortcuts
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     POSITIONS,
+    NoGradientError,
+    check_gradient,
     check_metric_prompts,
     check_tokens,
+    checked_metric,
     choice,
+    no_gradient_message,
 )
 from circuitkit.patching.plan import block_flop_shares, block_screen_passes, head_mlp_pays
 from circuitkit.patching.results import PatchResult
@@ -155,9 +159,11 @@ class _MetricStash:
     def __call__(self, logits: Tensor) -> Tensor:
         v = self.metric.per_prompt(logits, at=self.at)
         self.value = v.detach()
-        if not v.requires_grad:
-            # A locally constant (e.g. argmax-based) metric: its gradient is zero, so every
-            # first-order estimate is "no effect" (metric.note says it is not differentiable).
+        if not v.requires_grad and logits.requires_grad:
+            # no gradient reaches the logits (.item(), numpy, .detach(), an argmax): every
+            # first-order estimate would be 0. (A PromptMetric built by hand is only known here.)
+            raise NoGradientError(no_gradient_message(self.metric.name, "attribution"))
+        if not v.requires_grad:  # a run without gradients (the source run): its value only
             v = v + 0 * logits.flatten()[0]
         return v.sum()
 
@@ -843,6 +849,8 @@ def attribution_patch_heads(
     n, seq = clean_tokens.shape
     metric = as_metric(metric, n, seq, f.d_vocab_out)
     check_metric_prompts(metric, n)
+    check_gradient(metric, "attribution")
+    metric = checked_metric(model, clean_tokens, corrupt_tokens, metric, batch_size)
     qk = est in ("qk", "atp*")
     if qk and site not in ATP_STAR_SITES:
         raise NotImplementedError(
@@ -939,11 +947,13 @@ def attribution_patch_heads(
     if steps is not None:
         meta["plan"] = [dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
                              tail_correction=st.tail_correction) for st in steps]
-    return PatchResult(
+    res = PatchResult(
         values=base_pp.mean() + delta_mean, clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
         direction=direction, method="attribution", site=site, positions=positions,
         per_prompt=per_prompt if pp else None, clean_per_prompt=clean_pp if pp else None,
         corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+    res.warn_if_degenerate()
+    return res
 
 
 # --- one batch of prompts, per estimator ----------------------------------------------------------

@@ -72,7 +72,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.inputs import check_edge_model
+from circuitkit.patching.inputs import ReadsDoNotHold, check_edge_model
 from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
 
 # Max |fast - plain| on the probe chunk, relative to max(1, |metric|), by weight dtype: the two
@@ -132,7 +132,7 @@ class ExactEngine:
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
                 [self.base, self.source], [*base_names, *self.site_names],
-                rows or auto_rows(model, self.length))
+                rows or auto_rows(model, self.base.shape[1]))
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.attn_base = [cache[hooks.attn_out(layer)][0] for layer in range(L)] \
                 if self.attn_cached and sweep.site != "z" else []
@@ -151,7 +151,8 @@ class ExactEngine:
     def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
               sweep: Sweep) -> None:
         """What every engine holds: the model, metric and sweep, devices, the metric's reads
-        and the base and source tokens (up to the last read position)."""
+        and the base and source tokens (up to the last read position; all positions for a
+        probed metric, whose reads the cached runs check)."""
         self.model, self.metric, self.sweep = model, metric, sweep
         self.device = next(model.parameters()).device
         # A model split over GPUs (n_devices / device_map) holds block l on its own device:
@@ -163,23 +164,29 @@ class ExactEngine:
         # bidirectional model (Tracr's) reads every position at every position: runs are whole.
         self.causal = hooks.facts(model).causal
         self.length = self._run_length(0, sweep.n_prompts)
+        # Reads a probe found on random logits (metric.probed) are checked on the cached runs'
+        # full logits (inputs.ReadsDoNotHold where they do not hold): those runs go to the end.
+        cached = sweep.seq if metric.probed else self.length
         base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base = base[:, :self.length].to(self.device)
-        self.source = source[:, :self.length].to(self.device)
+        self.base = base[:, :cached].to(self.device)
+        self.source = source[:, :cached].to(self.device)
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
                      ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
         """Metric of unpatched runs of each ``[n, seq]`` token set and their activations at
         ``names`` (``cache[name][set]``, stored on the CPU). The sets run stacked in the batch,
-        at most ``rows`` sequences per forward."""
+        at most ``rows`` sequences per forward. A probed metric's reads are checked on each
+        set's full logits first (``inputs.ReadsDoNotHold``)."""
         want, n = set(names), self.sweep.n_prompts
         tokens = torch.cat(list(token_sets))
+        check = self.metric.probed and self.reads is not None
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
+        gather = None if check else reads  # (checked: every position unembedded)
         logits, acts = [], {name: [] for name in want}
         for r0 in range(0, tokens.shape[0], rows):
             fwd_hooks = []
-            if reads is not None:
-                idx = reads[r0:r0 + rows].to(self.device)
+            if gather is not None:
+                idx = gather[r0:r0 + rows].to(self.device)
                 fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
             norms = shortcuts.native_norms(self.model, 0, keep=want)  # the cache hooks come later
             with shortcuts.hooked(self.model, fwd_hooks), shortcuts.attn_result_off(self.model), \
@@ -193,6 +200,14 @@ class ExactEngine:
                 acts[name].append(cache[name].to("cpu"))
             del cache
         all_logits = torch.cat(logits)
+        if check:
+            which = ("corrupt", "clean") if self.sweep.direction == "denoise" else ("clean",
+                                                                                 "corrupt")
+            for i in range(len(token_sets)):
+                if not self.metric.reads_hold(all_logits[i * n:(i + 1) * n]):
+                    raise ReadsDoNotHold(self.metric.name, which[i % 2])
+            rows_idx = torch.arange(all_logits.shape[0], device=all_logits.device)[:, None]
+            all_logits = all_logits[rows_idx, reads.to(all_logits.device)]
         whats = ("unpatched base run", "unpatched source run")
         values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
                                   at=self.reads) for i in range(len(token_sets))]

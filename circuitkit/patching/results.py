@@ -10,13 +10,26 @@ Normalisation (``normalized()``), with ``clean``/``corrupt`` the unpatched basel
   0 = no effect, 1 = the clean behaviour fully restored.
 * noise (corrupt activation into the clean run): ``(patched - clean) / (clean - corrupt)``;
   0 = no effect, -1 = the behaviour fully broken (the patched run scores like the corrupt run).
+
+The degenerate-baseline rule (one rule for every entry point, view and figure; docs/metrics.md):
+the corruption must *lower* the metric (higher = more of the clean behaviour) by more than a
+margin, ``gap = clean - corrupt > margin``, with ``margin = max(MIN_GAP_SE * se, tol)``: ``se``
+the standard error of the per-prompt gaps ``clean_i - corrupt_i`` (0 without per-prompt values or
+with one prompt), ``tol = DEGENERATE * max(1, |clean|, |corrupt|)`` (rounding). Otherwise the
+result is ``degenerate``: the ratio over ``clean - corrupt`` is noise (or of the wrong sign), so
+``normalized()`` returns the raw effect ``values - baseline`` instead, warns once per result
+(``DegenerateBaselineWarning``, one line saying what to do), and ``meta["normalization"]``
+records why; every figure then shows raw effects. ``weak_prompts()`` flags the prompts whose own
+gap is at most the margin.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +49,36 @@ POSITIONS = ("all", "each")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
 DEGENERATE = 1e-6
+# The corruption must lower the metric by more than this many standard errors of the
+# per-prompt gaps (about a one-sided 98% test that it lowers it at all).
+MIN_GAP_SE = 2.0
+
+
+class DegenerateBaselineWarning(UserWarning):
+    """The corruption does not lower the metric by its margin: normalized values mean nothing
+    (``PatchResult.degenerate``)."""
+
+
+def _outside_circuitkit() -> int:
+    """``stacklevel`` of ``warnings.warn`` called here that names the first frame outside the
+    circuitkit package (the user's call, however deep the library's own calls went)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+@contextlib.contextmanager
+def quiet_baseline() -> Iterator[None]:
+    """Silence ``DegenerateBaselineWarning`` inside (a caller that says it another way: the
+    CLI's one line, characterize's one line per phase, the report's note)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)
+        yield
 
 
 @dataclass
@@ -58,6 +101,8 @@ class PatchResult:
     corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
     axes: tuple[str, ...] | None = None  # default: inferred from values.ndim and positions
     meta: dict[str, Any] = field(default_factory=dict)
+    # whether the degenerate baseline was said (warned) for this result: once per result
+    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("direction", self.direction, DIRECTIONS),
@@ -96,13 +141,108 @@ class PatchResult:
                 if t is not None and tuple(t.shape) != (n,):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [{n}] (one "
                                      "value per prompt of per_prompt).")
+        self.meta = dict(self.meta or {})
+        self._record_baseline()
+
+    # --- the degenerate-baseline rule (module docstring) ------------------------------------
+    def _prompt_gaps(self) -> Tensor | None:
+        """``clean_i - corrupt_i`` per prompt (float64), or None without per-prompt values."""
+        if self.clean_per_prompt is None or self.corrupt_per_prompt is None:
+            return None
+        return self.clean_per_prompt.double() - self.corrupt_per_prompt.double()
+
+    @property
+    def gap(self) -> float:
+        """``clean - corrupt``: how much the corruption lowers the metric."""
+        return self.clean - self.corrupt
+
+    @property
+    def gap_margin(self) -> float:
+        """What ``gap`` must exceed: ``max(MIN_GAP_SE * se, tol)`` (module docstring)."""
+        tol = DEGENERATE * max(1.0, abs(self.clean), abs(self.corrupt))
+        gaps = self._prompt_gaps()
+        if gaps is None or gaps.numel() < 2:
+            return tol
+        se = float(gaps.std()) / math.sqrt(gaps.numel())
+        return max(MIN_GAP_SE * se, tol) if math.isfinite(se) else tol
 
     @property
     def degenerate(self) -> bool:
-        """True when clean and corrupt score the same: the corruption does not change the
-        metric, so normalized values (a ratio over clean - corrupt) are undefined."""
-        return abs(self.clean - self.corrupt) <= DEGENERATE * max(1.0, abs(self.clean),
-                                                                   abs(self.corrupt))
+        """True when the corruption does not lower the metric by more than ``gap_margin``
+        (clean and corrupt score the same, the corruption raises the metric, or the gap is
+        within the noise of the per-prompt gaps): normalized values are then meaningless and
+        ``normalized()`` returns raw effects."""
+        return self.gap <= self.gap_margin
+
+    def degenerate_reason(self) -> str | None:
+        """One line saying why the result is ``degenerate`` and what to do; None if it is not."""
+        if not self.degenerate:
+            return None
+        name = (self.meta or {}).get("metric")
+        metric = f"metric {name!r}" if name else "the metric"
+        gaps, margin = self._prompt_gaps(), self.gap_margin
+        if abs(self.gap) <= DEGENERATE * max(1.0, abs(self.clean), abs(self.corrupt)):
+            how = f"does not change {metric}"
+        elif self.gap < 0:
+            how = f"raises {metric}"
+        else:
+            how = (f"lowers {metric} by {self.gap:.3g} only, within {MIN_GAP_SE:g} standard "
+                   f"errors of the per-prompt gaps ({margin:.3g}, {gaps.numel()} prompts)")
+        return (f"circuitkit: the corruption {how} (clean {self.clean:.4g}, corrupt "
+                f"{self.corrupt:.4g}), so normalized values are not shares of the behaviour: "
+                "raw effects (value - baseline) are shown instead. Use a corruption that "
+                "removes the behaviour, more prompts, or the negated metric if lower means "
+                "more of it.")
+
+    def weak_prompts(self) -> Tensor | None:
+        """Bool ``[n_prompts]``: prompts whose own gap ``clean_i - corrupt_i`` is at most
+        ``gap_margin`` (their corruption does not lower their metric); None without per-prompt
+        values. ``result.select_prompts(~result.weak_prompts())`` drops them."""
+        gaps = self._prompt_gaps()
+        return None if gaps is None else gaps <= self.gap_margin
+
+    def select_prompts(self, keep: Tensor) -> PatchResult:
+        """This result over the prompts ``keep`` (a bool mask or indices) only: values, clean
+        and corrupt recomputed from the per-prompt values (needs them)."""
+        if self.per_prompt is None or self.clean_per_prompt is None:
+            raise ValueError("select_prompts needs per-prompt values; this result has none (a "
+                             "metric that returns one value for the whole batch).")
+        keep = torch.as_tensor(keep)
+        idx = keep.nonzero()[:, 0] if keep.dtype == torch.bool else keep.long()
+        if idx.numel() == 0:
+            raise ValueError("select_prompts: no prompt kept.")
+        pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
+            self.corrupt_per_prompt[idx]
+        meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
+        return PatchResult(values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
+                           direction=self.direction, method=self.method, site=self.site,
+                           positions=self.positions, per_prompt=pp, clean_per_prompt=cl,
+                           corrupt_per_prompt=co, axes=self.axes, meta=meta)
+
+    def warn_if_degenerate(self) -> bool:
+        """Warn ``degenerate_reason()`` (``DegenerateBaselineWarning``, at the caller's line
+        outside circuitkit), once per result. Entry points call it as they return;
+        ``normalized()`` and the views call it too. Returns ``degenerate``."""
+        reason = self.degenerate_reason()
+        if reason is not None and not self._baseline_said:
+            self._baseline_said = True
+            warnings.warn(DegenerateBaselineWarning(reason), stacklevel=_outside_circuitkit())
+        return reason is not None
+
+    def said_as(self, other: PatchResult) -> PatchResult:
+        """This result, counting ``other``'s degenerate-baseline warning as its own (a result
+        made from ``other``, with the same baselines, says it once). Returns self."""
+        self._baseline_said = self._baseline_said or other._baseline_said
+        return self
+
+    def _record_baseline(self) -> None:
+        """``meta["normalization"]``: why values are shown raw (a degenerate result), else
+        absent."""
+        reason = self.degenerate_reason()
+        if reason is None:
+            self.meta.pop("normalization", None)
+        else:
+            self.meta["normalization"] = "raw effect: " + reason.removeprefix("circuitkit: ")
 
     # --- normalisation and intervals -----------------------------------------------------------
     def _normalize(self, patched: Tensor, clean: Tensor | float, corrupt: Tensor | float) -> Tensor:
@@ -112,15 +252,12 @@ class PatchResult:
     def normalized(self) -> Float[Tensor, "..."]:
         """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``.
 
-        NaN everywhere, with a warning, when clean and corrupt score the same (``degenerate``).
+        A ``degenerate`` result (the corruption does not lower the metric by its margin) gives
+        the raw effect ``values - baseline`` (``effect()``) instead, with one warning per result
+        and ``meta["normalization"]`` saying why.
         """
-        if self.degenerate:
-            warnings.warn(
-                f"circuitkit: clean and corrupt runs score the same ({self.clean:.6g}): the "
-                "corruption does not change the metric, so normalized values are undefined "
-                "(NaN). Check that corrupt_tokens differ where the metric reads, or use the raw "
-                "values (result.effect()).", stacklevel=2)
-            return torch.full_like(self.values, float("nan"))
+        if self.warn_if_degenerate():
+            return self.effect()
         return self._normalize(self.values, self.clean, self.corrupt)
 
     def effect(self) -> Float[Tensor, "..."]:
@@ -129,7 +266,7 @@ class PatchResult:
         return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
 
     def confidence_interval(
-        self, level: float = 0.95, n_boot: int = 1000, seed: int = 0
+        self, level: float = 0.95, n_boot: int = 1000, seed: int = 0, raw: bool | None = None
     ) -> tuple[Tensor, Tensor] | None:
         """Percentile bootstrap over prompts of ``normalized()``: ``(low, high)``, values-shaped.
 
@@ -137,10 +274,13 @@ class PatchResult:
         (patched, clean and corrupt means over the same resample), so the interval is that of
         the reported statistic. TransformerLens's ``PatchingResult.bootstrap_ci`` bootstraps a
         single per-example statistic and cannot express this ratio of means, hence our own.
-        Returns None without per-prompt values.
+        ``raw``: the interval of the raw effect ``values - baseline`` instead (default: for a
+        ``degenerate`` result, whose ``normalized()`` is that effect). Returns None without
+        per-prompt values.
         """
-        if self.per_prompt is None or self.clean_per_prompt is None or self.degenerate:
+        if self.per_prompt is None or self.clean_per_prompt is None:
             return None
+        raw = self.degenerate if raw is None else raw
         n = self.per_prompt.shape[0]
         g = torch.Generator().manual_seed(seed)
         # Resample counts [n_boot, n]: mean over a resample = counts @ x / n.
@@ -155,7 +295,10 @@ class PatchResult:
         q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
         for start in range(0, flat.shape[1], 4096):  # bounded memory: [n_boot, 4096] at a time
             patched = w @ flat[:, start:start + 4096]
-            norm = self._normalize(patched, clean[:, None], corrupt[:, None])
+            if raw:
+                norm = patched - (corrupt if self.direction == "denoise" else clean)[:, None]
+            else:
+                norm = self._normalize(patched, clean[:, None], corrupt[:, None])
             ql = torch.quantile(norm, q, dim=0)
             lo.append(ql[0])
             hi.append(ql[1])
@@ -173,17 +316,17 @@ class PatchResult:
         idx = idx.reshape(-1, len(self.axes))
         cols = {a: idx[:, i].numpy() for i, a in enumerate(self.axes)}
         cols["value"] = self.values.reshape(-1).float().numpy()
-        with warnings.catch_warnings():  # said once by normalized() itself, not per view
-            if self.degenerate:
-                warnings.simplefilter("ignore")
-            cols["normalized"] = self.normalized().reshape(-1).float().numpy()
+        cols["normalized"] = self.normalized().reshape(-1).float().numpy()  # (warns once)
         interval = self.confidence_interval() if ci else None
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
             cols["ci_high"] = interval[1].reshape(-1).numpy()
         if self.verified is not None:  # attribution+exact: which are exact
             cols["verified"] = self.verified.reshape(-1).numpy()
-        return pd.DataFrame(cols)
+        frame = pd.DataFrame(cols)
+        if self.degenerate:  # its "normalized" column holds raw effects: say so
+            frame.attrs["normalization"] = self.meta["normalization"]
+        return frame
 
     @property
     def verified(self) -> Tensor | None:
@@ -194,12 +337,12 @@ class PatchResult:
         return torch.tensor(mask, dtype=torch.bool) if isinstance(mask, list) else None
 
     def top(self, k: int = 10):
-        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first); by
-        ``|effect|`` when normalized values are undefined (``degenerate``)."""
+        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first): by
+        ``|effect|`` for a ``degenerate`` result (its ``normalized`` column holds raw effects,
+        and it warns once)."""
         df = self.to_frame()
-        base = self.corrupt if self.direction == "denoise" else self.clean
-        key = df["value"] - base if self.degenerate else df["normalized"]
-        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
+        order = df["normalized"].abs().sort_values(ascending=False,
+                                                   na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 
     def heatmap(self, title: str | None = None, **kw):
@@ -233,6 +376,7 @@ class PatchResult:
         paths["json"].parent.mkdir(parents=True, exist_ok=True)
         tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
         files.write_tensors(paths["safetensors"], tensors)
+        self._record_baseline()  # (fields may have been changed since it was made)
         info = dict(format=FORMAT, version=FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     site=self.site, positions=self.positions, axes=list(self.axes),
@@ -344,6 +488,8 @@ class EdgeResult:
     clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
     corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # whether the degenerate baseline was said (warned) for this result: once per result
+    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.senders = tuple((int(a), int(b)) for a, b in self.senders)
@@ -379,32 +525,46 @@ class EdgeResult:
         normalisation, bootstrap and degenerate rule are the edges' too."""
         n_s = len(self.senders)
         pp = self.per_prompt
-        return PatchResult(
+        view = PatchResult(
             values=(self.values if values is None else values).reshape(n_s, -1),
             clean=self.clean, corrupt=self.corrupt, direction=self.direction,
             method=self.method, site="z", positions="all",
             per_prompt=None if pp is None else pp.reshape(pp.shape[0], n_s, -1),
             clean_per_prompt=self.clean_per_prompt, corrupt_per_prompt=self.corrupt_per_prompt,
-            axes=("sender", "receiver_input"))
+            axes=("sender", "receiver_input"), meta=dict(metric=self.meta.get("metric")))
+        view._baseline_said = self._baseline_said  # one warning per edge result, not per view
+        return view
 
     @property
     def degenerate(self) -> bool:
         return self._as_patch_result().degenerate
 
+    def warn_if_degenerate(self) -> bool:
+        """``PatchResult.warn_if_degenerate``: once per edge result."""
+        view = self._as_patch_result()
+        said = view.warn_if_degenerate()
+        self._baseline_said = view._baseline_said
+        return said
+
     def normalized(self) -> Float[Tensor, "sender receiver input"]:
         """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
-        corrupt)``, noise ``(v - clean) / (clean - corrupt)``."""
-        return self._as_patch_result().normalized().reshape(self.values.shape)
+        corrupt)``, noise ``(v - clean) / (clean - corrupt)``; the raw effect for a
+        ``degenerate`` result (one warning per result)."""
+        view = self._as_patch_result()
+        out = view.normalized().reshape(self.values.shape)
+        self._baseline_said = view._baseline_said
+        return out
 
     def effect(self) -> Float[Tensor, "sender receiver input"]:
         """``values - baseline`` (corrupt for denoise, clean for noise)."""
         return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
 
-    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0
-                            ) -> tuple[Tensor, Tensor] | None:
+    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
+                            raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
         """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
-        normalized value) of each edge, values-shaped; None without per-prompt values."""
-        got = self._as_patch_result().confidence_interval(level, n_boot, seed)
+        normalized value, or of the raw effect: ``raw``, default for a ``degenerate`` result)
+        of each edge, values-shaped; None without per-prompt values."""
+        got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
         return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
 
     def sender_names(self) -> list[str]:

@@ -304,6 +304,25 @@ class Task:
         if problem:
             raise ValueError(f"task {self.name!r}: {problem}")
 
+    def padding_problem(self) -> str | None:
+        """Why a step position of some example lies in its own right padding (a trailing run
+        of ``pad_id`` in its tokens, e.g. rows of ``model.to_tokens`` of prompts of different
+        lengths), or None. Stacked views pad every example to one length and each metric reads
+        its own example's positions, so padding is only wrong where a position points into it."""
+        for i, e in enumerate(self.examples):
+            for name, toks in (("tokens", e.tokens), ("corrupt_tokens", e.corrupt_tokens)):
+                real = len(toks) - int((toks.flip(0) == self.pad_id).long().cumprod(0).sum())
+                if real == len(toks):
+                    continue
+                for field_ in ("evidence_pos", "anchor_pos", "shortlist_pos", "answer_pos"):
+                    bad = [p for p in getattr(e, field_) if p >= real]
+                    if bad:
+                        return (f"example {i}'s {field_} {bad} point(s) into its right padding "
+                                f"(its {name} end in {len(toks) - real} pad tokens, id "
+                                f"{self.pad_id}, after {real} tokens): give each example its "
+                                "own unpadded tokens, with positions inside them.")
+        return None
+
     def decode(self, ids: Tensor | list[int]) -> str:
         return " ".join(self.vocab[int(i)] for i in ids)
 
@@ -316,6 +335,9 @@ def check_task(task: Any, caller: str) -> None:
                          f"or ck.Task.from_jsonl(path)); got {got}.")
     if len(task) == 0:
         raise ValueError(f"{caller}: task has no examples; it needs at least one.")
+    padding = task.padding_problem()
+    if padding:
+        raise ValueError(f"{caller}: task {task.name!r}: {padding}")
 
 
 def task_phases(task: Task) -> list[int]:

@@ -176,6 +176,13 @@ def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
 
 
 def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
+    from circuitkit.patching.results import quiet_baseline
+
+    with quiet_baseline():  # the page says it (_gap_warning): no console warning per figure
+        return _sweep_figures(results, fig_html)
+
+
+def _sweep_figures(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.viz.heatmaps import patch_heatmap, patch_heatmaps
 
     out, done = [], set()
@@ -208,13 +215,14 @@ def sweep_heading(name: str, result: Any) -> str:
 
 
 def _gap_warning(res: Any) -> str:
-    """A line when the corruption did not lower the metric: normalized values then do not
-    read as shares of the behaviour restored or broken."""
-    if res.clean > res.corrupt:
+    """A line when the corruption did not lower the metric by its margin
+    (``PatchResult.degenerate``, the one rule): the figure then shows raw effects."""
+    if not res.degenerate:
         return ""
-    return (f"<p class='warn'>The corruption did not lower the metric here (clean "
-            f"{res.clean:.4g}, corrupt {res.corrupt:.4g}): the model does not show the behaviour "
-            "this sweep measures, so the normalized values are not shares of it.</p>")
+    return (f"<p class='warn'>The corruption did not lower the metric here by its margin "
+            f"(clean {res.clean:.4g}, corrupt {res.corrupt:.4g}, margin "
+            f"{res.gap_margin:.3g}): the model does not show the behaviour this sweep measures, "
+            "so the figure shows raw effects (value - baseline), not shares of it.</p>")
 
 
 def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
