@@ -25,8 +25,13 @@ _EXPORTS = {
     "patch_layers": "circuitkit.patching.api:patch_layers",
     "plan_patch": "circuitkit.patching.api:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
+    "patch_edges": "circuitkit.patching.api:patch_edges",
+    "EdgeResult": "circuitkit.patching.results:EdgeResult",
+    "circuit": "circuitkit.patching.faithfulness:circuit",
+    "CircuitResult": "circuitkit.patching.results:CircuitResult",
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.scoring.validate:validate_heads",
+    "ablate_heads": "circuitkit.scoring.validate:ablate_heads",
 }
 
 

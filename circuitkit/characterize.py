@@ -7,10 +7,20 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
     patch-p1-denoise.safetensors/.json   PatchResult (ck.PatchResult.load), phase-1 task metric
     patch-p1-noise.*  patch-p2-denoise.*  patch-p2-noise.*
-    scores.csv        score_heads (one row per head)
-    validation.csv    validate_heads (top-k vs random head sets, per phase and direction)
+    scores.csv        score_heads (one row per head, with bootstrap rank intervals and top-k
+                      inclusion)
+    validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
+                      direction)
+    head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
+                      random sets: exact match, confusion, focus)
     summary.json      identity (model, task fingerprints, options), versions, ``phases``,
-                      per-step timings, top heads per phase, the list of files, ``complete``
+                      per-step timings and files, ``steps_run_this_call`` (the others were
+                      reused), top heads per phase, ``complete``, and the score summaries
+                      (``scores_attrs``, ``stability``, ``validation_sets``; keys in
+                      docs/scores.md)
+    edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
+                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
+                      ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
                       validation's finished (phase, direction) runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
@@ -45,7 +55,8 @@ def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int,
 
 def step_names(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[str]:
     """The step names ``characterize`` records in ``summary.json``, in order."""
-    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation"]
+    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation",
+                                                                   "ablation"]
 
 
 PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
@@ -62,21 +73,23 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  seed: int = 0, split: str = "test", k: int = 5, n_random: int = 20,
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
-                 task_kwargs: dict[str, Any] | None = None, report: bool = True
-                 ) -> dict[str, Any]:
+                 task_kwargs: dict[str, Any] | None = None, report: bool = True,
+                 edges: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
     ``n_examples``: prompts (for a text-rendered task: kept text examples); ``k``/``n_random``:
-    validation set size and number of random sets; ``patch_method``: "exact" (default),
-    "attribution" or "attribution+exact" (for models too big for exact sweeps on the machine);
+    top set size (bootstrap inclusion, validation, ablation) and random sets per pool;
+    ``patch_method``: "exact" (default), "attribution" or "attribution+exact" (for models too
+    big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
-    ``out_dir/report.html`` at the end (``circuitkit.viz.report``).
+    ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
+    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``).
     """
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
         return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
                              k, n_random, batch_size, patch_method, text, progress, task_kwargs,
-                             report, held)
+                             report, edges, held)
 
 
 def step_problem(out: Path, record: dict[str, Any]) -> str:
@@ -105,14 +118,15 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                   n_examples: int, seed: int, split: str, k: int, n_random: int,
                   batch_size: int | None, patch_method: str, text: bool | None,
                   progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
-                  held: contextlib.ExitStack) -> dict[str, Any]:
+                  edges: bool, held: contextlib.ExitStack) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
+    from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
-    from circuitkit.scoring.validate import validate_heads
+    from circuitkit.scoring.validate import ablate_heads, validate_heads
     from circuitkit.tasks.base import phase_task, task_phases
 
     if int(n_examples) < 1:
@@ -142,7 +156,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             f"{task_name!r} has neither: no position for a metric to read.")
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
-    # what the sweeps and scores depend on; k and n_random change validation only
+    # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
+    # validation and ablation only (the sweeps are reused)
     # the model by its weights (model_fingerprint), not by the path it was typed as
     identity = dict(model_fingerprint=model_fingerprint(model), task=task_name,
                     task_fingerprint_p1=fingerprint[1],
@@ -167,9 +182,10 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {identity_diff(old, identity)}; use a new folder "
                              "or delete it.")
-        if stored_options != validation_options:  # same sweeps and scores: validate again
-            summary.get("steps", {}).pop("validation", None)
-    expected = step_names(phases)  # a report of a partial run says which are missing
+        if stored_options != validation_options:  # same sweeps: score, validate, ablate and
+            for step in ("scores", "validation", "ablation", "edges"):  # patch edges again
+                summary.get("steps", {}).pop(step, None)
+    expected = step_names(phases) + (["edges"] if edges else [])  # what a partial run misses
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
@@ -177,9 +193,14 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                    validation_options=validation_options)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
+    ran: list[str] = []  # the steps computed by this call (the others were reused)
+    summary["steps_run_this_call"] = ran
+
     def record(step: str, seconds: float, files_: list[str]) -> None:
         steps[step] = dict(seconds=round(seconds, 3), files=files_,
                            sha256={f: files.sha256_file(out / f) for f in files_})
+        ran.append(step)
+        summary["steps_run_this_call"] = ran
         files.write_json(summary_path, summary)
 
     def reusable(step: str, i: int) -> bool:
@@ -196,40 +217,52 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         return True
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 2
-    _log(progress, f"characterize {name} on {task.name} ({len(task)} examples"
-                   f"{', text-rendered' if rendered else ''}) -> {out}")
+    total = len(sweeps) + 3 + int(bool(edges))
+    sweep_results: dict[tuple[int, str], Any] = {}
+    _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
+                   f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
         if reusable(step, i):
+            sweep_results[phase, direction] = _stored(out / step)
             continue
-        _log(progress, f"[{i}/{total}] {step}")
-        t0 = time.perf_counter()
         tp = per_phase[phase]
+        how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
+        _log(progress, f"[{i}/{total}] {step}: Phase {phase}, metric {tp.metric.name}, "
+                       f"{direction} ({how} runs), {len(tp)} prompts")
+        t0 = time.perf_counter()
         ckpt = out / "checkpoints" / step if patch_method == "exact" else None
-        res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                             direction=direction, method=patch_method, batch_size=batch_size,
-                             checkpoint=ckpt, progress=progress, task_hash=tp.fingerprint())
+        with quiet_baseline():  # said once per phase below
+            res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                 direction=direction, method=patch_method,
+                                 batch_size=batch_size, checkpoint=ckpt, progress=progress,
+                                 task_hash=tp.fingerprint())
         res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
-        res.save(out / step)
-        record(step, time.perf_counter() - t0, [f"{step}.safetensors", f"{step}.json"])
+        written = res.save(out / step)
+        sweep_results[phase, direction] = res
+        record(step, time.perf_counter() - t0, [p.name for p in written])
+    _say_degenerate(sweep_results)
     import pandas as pd
 
     i = len(sweeps) + 1
     if reusable("scores", i):
         scores = pd.read_csv(out / "scores.csv")
     else:
-        _log(progress, f"[{i}/{total}] scores")
+        _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
+                       f"scores on {len(task)} examples")
         t0 = time.perf_counter()
-        scores = score_heads(model, task, batch_size=batch_size, progress=progress)
+        scores = score_heads(model, task, batch_size=batch_size, progress=progress, k=k,
+                             seed=seed)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
-        summary["scores_attrs"] = {k_: v for k_, v in scores.attrs.items()}
+        summary["scores_attrs"] = _json_safe(scores.attrs)
         record("scores", time.perf_counter() - t0, ["scores.csv"])
     summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
                             for p in phases}  # (this call's k)
+    summary["stability"] = _json_safe(stability(scores, phases, k))
     i += 1
     if not reusable("validation", i):
-        _log(progress, f"[{i}/{total}] validation")
+        _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
+                       f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
         val = validate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
                              batch_size=batch_size, progress=progress,
@@ -237,17 +270,153 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
+    i += 1
+    if not reusable("ablation", i):
+        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase zero-, mean- "
+                       f"and resample-ablated, against {n_random} random {k}-head sets")
+        t0 = time.perf_counter()
+        abl = ablate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
+                           batch_size=batch_size, progress=progress,
+                           checkpoint=out / "checkpoints" / "validation")
+        files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
+        record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
+    if edges:
+        i += 1
+        if not reusable("edges", i):
+            _log(progress, f"[{i}/{total}] edges")
+            t0 = time.perf_counter()
+            written = _edges_step(model, per_phase, scores, k, out, batch_size, progress,
+                                  dict(model_name=name, task=task_name))
+            record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
+    summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
     files.write_json(summary_path, summary)
     if report:  # always rewritten: it is a view of the folder, cheap next to the steps
-        from circuitkit.viz.report import describe_written, write_report
+        from circuitkit.viz.report import write_report
 
-        _log(progress, "report")
         t0 = time.perf_counter()
         path = write_report(out, model=model, task=task)
-        _log(progress, describe_written(path, time.perf_counter() - t0))
-    _log(progress, f"done: {out} (steps {summary['seconds_all_steps']:.1f} s, this call "
-                   f"{time.perf_counter() - t_all:.1f} s)")
+        _log(progress, f"report: {path.stat().st_size / 1e6:.1f} MB in "
+                       f"{time.perf_counter() - t0:.1f} s")
+    _log(progress, timing_line(summary, time.perf_counter() - t_all))
     return summary
+
+
+def timing_line(summary: dict[str, Any], seconds: float) -> str:
+    """How long this call took, and on what: the steps it computed, the steps it reused."""
+    steps = summary.get("steps", {})
+    ran = [s for s in summary.get("steps_run_this_call", []) if s in steps]
+    reused = [s for s in steps if s not in ran]
+    spent = sum(steps[s]["seconds"] for s in ran)
+    parts = []
+    if ran:
+        parts.append(f"{spent:.1f} s computing {len(ran)} step{'s' if len(ran) > 1 else ''}")
+    if reused:
+        before = sum(steps[s]["seconds"] for s in reused)
+        parts.append(f"{len(reused)} step{'s' if len(reused) > 1 else ''} reused from the "
+                     f"folder (they had taken {before:.1f} s)")
+    rest = seconds - spent
+    parts.append(f"{rest:.1f} s loading, writing and drawing the report")
+    return f"took {seconds:.1f} s: " + ", ".join(parts)
+
+
+def stability(scores: Any, phases: list[int], k: int) -> dict[str, Any]:
+    """``summary["stability"]``: per phase, the top-``k`` heads with their bootstrap inclusion
+    and rank interval, and those included in fewer than ``STABLE_MIN`` of the resamples."""
+    from circuitkit.scoring.heads import STABLE_MIN, top_heads
+
+    out: dict[str, Any] = {}
+    idx = scores.set_index(["layer", "head"])
+    for p in phases:
+        inc = f"phase{p}_inclusion"
+        if inc not in idx.columns:  # a scores.csv from before the bootstrap
+            continue
+        top = top_heads(scores, p, k)
+        rows = [dict(head=[la, h], rank=_int(idx.loc[(la, h), f"phase{p}_rank"]),
+                     inclusion=float(idx.loc[(la, h), inc]),
+                     rank_low=_int(idx.loc[(la, h), f"phase{p}_rank_low"]),
+                     rank_high=_int(idx.loc[(la, h), f"phase{p}_rank_high"])) for la, h in top]
+        out[f"phase{p}"] = dict(k=int(k), top=rows, unstable=[
+            r["head"] for r in rows if not r["inclusion"] >= STABLE_MIN])
+    return out
+
+
+def _int(x: Any) -> int | None:
+    import pandas as pd
+
+    return None if pd.isna(x) else int(x)
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with NaN as None and numpy scalars as Python numbers (summary.json stays JSON)."""
+    import math
+
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, str):
+        x = x.item()
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,
+                batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
+    """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
+    after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
+    only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
+    returns the files written (relative to ``out``), none when no receiver lies after a
+    sender."""
+    import circuitkit as ck
+    from circuitkit.scoring.heads import top_heads
+
+    phases = sorted(per_phase)
+    senders = top_heads(scores, phases[0], k)
+    first = min(la for la, _ in senders)
+    receivers = [h for h in top_heads(scores, phases[-1], k) if h[0] > first]
+    if not receivers:
+        _log(progress, f"edges: no top Phase-{phases[-1]} head lies after a top "
+                       f"Phase-{phases[0]} head; nothing to patch")
+        return []
+    tp = per_phase[phases[-1]]
+    folder = out / "edges"
+    res = ck.patch_edges(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
+                         receivers, batch_size=batch_size, checkpoint=out / "checkpoints" /
+                         "edges", progress=progress, task_hash=tp.fingerprint())
+    res.meta.update(meta, phase=phases[-1], n_examples=len(tp), senders_from=f"phase{phases[0]}",
+                    receivers_from=f"phase{phases[-1]}")
+    res.save(folder / "edges", views=False)
+    circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
+    circ.save_json(folder / "circuit.json")
+    return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]
+
+
+def _stored(path: Path) -> Any:
+    """A reused sweep's result (None if it cannot be read: the report says what is missing)."""
+    from circuitkit.patching.results import PatchResult
+
+    try:
+        return PatchResult.load(path)
+    except ValueError:
+        return None
+
+
+def _say_degenerate(results: dict[tuple[int, str], Any]) -> None:
+    """One warning per phase whose corruption does not lower its metric by the margin
+    (``PatchResult.degenerate``, the rule every entry point follows), naming its sweeps."""
+    import warnings
+
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
+    for phase in sorted({p for p, _ in results}):
+        bad = {d: r for (p, d), r in results.items() if p == phase and r is not None
+               and r.degenerate}
+        if bad:
+            reason = next(iter(bad.values())).degenerate_reason().removeprefix("circuitkit: ")
+            names = ", ".join(f"patch-p{phase}-{d}" for d in bad)
+            warnings.warn(DegenerateBaselineWarning(
+                f"circuitkit: phase {phase} ({names}): {reason}"), stacklevel=3)

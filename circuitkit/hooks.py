@@ -15,6 +15,8 @@ z          [batch, pos, n_heads, d_head]            2
 result     [batch, pos, n_heads, d_model]           2
 pattern    [batch, n_heads, query_pos, key_pos]     1
 scores     [batch, n_heads, query_pos, key_pos]     1
+q_input    [batch, pos, n_heads, d_model]           2 (split inputs only)
+k_input    [batch, pos, n_kv_heads, d_model]        2 (split inputs only)
 =========  =======================================  ==========
 
 This module imports nothing heavy: it is safe to use from ``circuitkit --help``.
@@ -39,8 +41,11 @@ def resid_mid(layer: int) -> str:
 
 def resid_mid_of(model: Any, layer: int) -> str:
     """The residual a head's write joins before the block's MLP: ``resid_mid``; a parallel block
-    (attention and MLP both read the block input) has none, so ``resid_pre``."""
-    return resid_pre(layer) if getattr(model.cfg, "parallel_attn_mlp", False) else resid_mid(layer)
+    (attention and MLP both read the block input, ``parallel``) has none, so ``resid_pre``; a
+    block without an MLP (``has_mlp``: attention-only) ends there, so ``resid_post``."""
+    if not has_mlp(model, layer):
+        return resid_post(layer)
+    return resid_pre(layer) if parallel(model) else resid_mid(layer)
 
 
 def resid_post(layer: int) -> str:
@@ -93,6 +98,23 @@ def scores(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_attn_scores"
 
 
+def q_input(layer: int) -> str:
+    """Each head's own copy of the residual its queries read, ``[batch, pos, n_heads,
+    d_model]`` (before the block's norm); fires only under ``use_split_qkv_input``
+    (``patching.shortcuts.split_qkv_inputs``)."""
+    return f"blocks.{layer}.attn.hook_q_input"
+
+
+def k_input(layer: int) -> str:
+    """As ``q_input`` for keys: ``[batch, pos, n_kv_heads, d_model]`` (a copy per KV head)."""
+    return f"blocks.{layer}.attn.hook_k_input"
+
+
+def v_input(layer: int) -> str:
+    """As ``q_input`` for values: ``[batch, pos, n_kv_heads, d_model]``."""
+    return f"blocks.{layer}.attn.hook_v_input"
+
+
 EMBED = "hook_embed"
 FINAL_NORM_IN = "ln_final.hook_in"
 UNEMBED_IN = "unembed.hook_in"  # normalised final residual [batch, pos, d_model]
@@ -109,6 +131,18 @@ KV_SITES = frozenset({"k", "v"})
 # The sites a patching sweep can patch: the one table the engine, results, scoring and the CLI use.
 PATCH_HEAD_SITES = ("z", "pattern", "q", "k", "v")
 PATCH_LAYER_SITES = ("resid_pre", "attn_out", "mlp_out")
+# The inputs an edge can feed in a receiving head (``patching.api.patch_edges``).
+EDGE_INPUTS = ("q", "k", "v")
+INPUT_SITES: dict[str, Callable[[int], str]] = {"q": q_input, "k": k_input, "v": v_input}
+
+
+def edge_input(name: str, layer: int) -> str:
+    """Hook name of the per-head residual copy a head's input ``name`` ("q", "k", "v") reads
+    (``q_input`` ...)."""
+    if name not in INPUT_SITES:
+        raise ValueError(f"input={name!r} is not a head input; expected one of "
+                         f"{list(EDGE_INPUTS)}.")
+    return INPUT_SITES[name](layer)
 
 
 def head_site(site: str, layer: int) -> str:
@@ -154,8 +188,10 @@ class ModelFacts:
     n_kv_heads: int
     d_head: int
     d_model: int
-    d_vocab: int
+    d_vocab: int  # token ids the embedding reads
     n_ctx: int
+    d_vocab_out: int  # logits the unembedding writes (smaller for Tracr models)
+    causal: bool  # a position attends to earlier ones only (False: bidirectional, Tracr)
 
     @property
     def gqa(self) -> bool:
@@ -167,6 +203,14 @@ class ModelFacts:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def vocab_out(model_or_cfg: Any) -> int:
+    """Logits the unembedding writes: the config's own output vocabulary where it sets one
+    (``d_vocab_out > 0``, e.g. a Tracr model's), else ``d_vocab``."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    out = getattr(cfg, "d_vocab_out", None)
+    return int(out) if isinstance(out, int) and out > 0 else int(cfg.d_vocab)
 
 
 def facts(model_or_cfg: Any) -> ModelFacts:
@@ -183,12 +227,30 @@ def facts(model_or_cfg: Any) -> ModelFacts:
             d_model=int(cfg.d_model),
             d_vocab=int(cfg.d_vocab),
             n_ctx=int(cfg.n_ctx),
+            d_vocab_out=vocab_out(cfg),
+            causal=getattr(cfg, "attention_dir", "causal") != "bidirectional",
         )
     except AttributeError as e:
         raise TypeError(
             f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
             f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
         ) from None
+
+
+def has_mlp(model: Any, layer: int = 0) -> bool:
+    """Whether block ``layer`` has an MLP (an attention-only model's blocks have none; the
+    config's ``attn_only`` is not asked: a model may keep zeroed MLPs under that flag)."""
+    return "mlp" in model.blocks[layer]._modules
+
+
+def parallel(model: Any) -> bool:
+    """Whether the MLP reads the block input rather than the residual after attention
+    (GPT-NeoX, GPT-J, Phi, Falcon, Cohere). The config's ``parallel_attn_mlp`` says so, and the
+    bridge then has no ``hook_resid_mid``; where it has one the block adds the attention output
+    before its MLP whatever the config says (a TransformerLens-native model runs its blocks in
+    sequence with ``parallel_attn_mlp=True``)."""
+    return bool(getattr(model.cfg, "parallel_attn_mlp", False)) and has_mlp(model) \
+        and resid_mid(0) not in model.hook_dict
 
 
 def owner(model: Any, hook_name: str) -> Any:
@@ -210,6 +272,8 @@ def post_norm(model: Any, layer: int, part: str) -> Any:
     residual add, or None (pre-norm blocks): the module owning ``attn_out``/``mlp_out`` when
     that is not the attention/MLP itself."""
     block = model.blocks[layer]
+    if part == "mlp" and not has_mlp(model, layer):
+        return None
     module, name = (block.attn, attn_out(layer)) if part == "attn" else (block.mlp,
                                                                           mlp_out(layer))
     found = owner(model, name)
@@ -222,7 +286,8 @@ _PATCHABLE: Any = None  # WeakKeyDictionary model -> {site: bool}, made on first
 
 
 def check_patchable(model: Any, site: str, tokens: Any) -> None:
-    """``ValueError`` when an edit at head site ``site`` does not reach the model's output.
+    """``ValueError`` when an edit at head site ``site`` does not reach the model's output, or
+    when the model has no hook for layer site ``site`` (``mlp_out`` of an attention-only model).
 
     TransformerLens fires some hooks after the fact, on attention it leaves to the HF module
     (GPT-J's ``hook_pattern``): it discards an edit there, so a sweep would report no effect for
@@ -230,6 +295,14 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
     (a layer may legitimately write nothing, e.g. a planted circuit's) on ``tokens[:1, :8]``,
     the logits compared bit for bit."""
     global _PATCHABLE
+    if site in LAYER_SITES and hasattr(model, "hook_dict") \
+            and layer_site(site, 0) not in model.hook_dict:
+        why = ("its blocks have no MLP (an attention-only model)" if site == "mlp_out"
+               and not has_mlp(model) else "TransformerLens gives this model no such hook")
+        others = " or ".join(repr(s) for s in PATCH_LAYER_SITES if s != site
+                             and layer_site(s, 0) in model.hook_dict)
+        raise ValueError(f"site={site!r}: this model has no {layer_site(site, 0)!r}: {why}; "
+                         f"patch {others} instead.")
     if site not in HEAD_SITES or not hasattr(model, "run_with_hooks"):
         return
     import warnings

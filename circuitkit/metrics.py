@@ -24,6 +24,17 @@ metric), every position is read, and ``metric.note`` says so (sweeps copy it int
 hold zeros), so results do not depend on the form the metric
 takes.
 
+The probe's findings are kept per function *code* and shape, and reused only while the callable
+still gives the same values on the first probe input (``_same``): a lambda reading a global
+``POS`` that changed since, or a new lambda with other closure values, is probed again (one
+call of ``fn`` decides; measured in ``benchmarks/metric_probe.py``). Random logits cannot show
+every read of a metric whose read position depends on the logits themselves
+(``torch.where(l[:, -1, a] > l[:, -1, b], l[:, -1, c], l[:, -3, c])``), so probed reads are
+marked ``probed``: every entry point checks them on the real clean and corrupt logits
+(``PromptMetric.reads_hold``, ``patching.inputs.checked_metric``) and reads every position
+where they do not hold. ``gradient`` records whether the callable's value carries a gradient to the
+logits (``.item()``, numpy and ``.detach()`` do not): attribution refuses a metric without one.
+
 Positions follow the task layout: the prediction of the token at position ``p`` is read from the
 logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metrics from it.
 """
@@ -31,7 +42,7 @@ logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metric
 from __future__ import annotations
 
 import hashlib
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -54,6 +65,9 @@ class PromptMetric:
     every prompt at once, and results carry no per-prompt values. ``select(idx)`` restricts the
     metric to a subset (or reordering, or tiling) of prompts. ``labels``: (key, value) pairs a
     patching result copies into its ``meta`` (a task's metric: ``task`` and ``phase``).
+    ``probed``: ``reads`` were found on random logits (``as_metric``) and are still to be
+    checked on real ones (``reads_hold``). ``gradient``: whether the value carries a gradient
+    to the logits (None: not known, e.g. a ``PromptMetric`` built by hand).
     """
 
     per_prompt_fn: Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -65,6 +79,8 @@ class PromptMetric:
     note: str = ""
     labels: tuple[tuple[str, Any], ...] = ()  # what it measures, e.g. (("task", "icd10"),
     # ("phase", 2)) for a task's metric: results record them in meta (figure titles)
+    probed: bool = False
+    gradient: bool | None = None
 
     def per_prompt(self, logits: Float[Tensor, "batch pos vocab"],
                    at: Int[Tensor, "batch k"] | None = None) -> Float[Tensor, " batch"]:
@@ -91,6 +107,26 @@ class PromptMetric:
         if self.reads is None or self.prompt_idx is None:
             return self.reads
         return self.reads[self.prompt_idx]
+
+    def reads_hold(self, logits: Float[Tensor, "batch seq vocab"]) -> bool:
+        """Whether the values from ``logits`` at ``reads`` only (zeros elsewhere, as sweeps
+        hand them) equal the values from the full ``logits`` (rtol 1e-5, atol 1e-6). Always
+        True without ``reads``."""
+        reads = self.read_positions()
+        if reads is None:
+            return True
+        n = logits.shape[0]
+        at = reads.to(logits.device).expand(n, -1)
+        with torch.no_grad():
+            full = self.per_prompt(logits)
+            kept = self.per_prompt(logits[torch.arange(n, device=logits.device)[:, None], at],
+                                   at=at)
+        return _same(kept, full)
+
+    def reading_every_position(self, why: str) -> PromptMetric:
+        """This metric with its reads dropped (every position computed), ``why`` in its note."""
+        return replace(self, reads=None, probed=False,
+                       note="; ".join(p for p in (self.note, why) if p))
 
     def select(self, idx: Sequence[int] | Tensor) -> PromptMetric:
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -122,7 +158,9 @@ def as_metric(metric: Any, n_prompts: int | None = None, seq: int | None = None,
     """``metric`` as a ``PromptMetric`` (returned as is when it already is one).
 
     A plain callable ``fn(logits [n_prompts, seq, d_vocab]) -> scalar | [n_prompts]`` is
-    probed once (module docstring) and wrapped; it needs the shape of the logits it will see.
+    probed (module docstring) and wrapped; it needs the shape of the logits it will see. The
+    probe's findings are reused for the same function code and shape only while ``fn`` gives
+    the same values on the first probe input as when it was probed.
     """
     if isinstance(metric, PromptMetric):
         return metric
@@ -133,21 +171,64 @@ def as_metric(metric: Any, n_prompts: int | None = None, seq: int | None = None,
         raise ValueError("as_metric(fn) needs n_prompts, seq and d_vocab: the shape of the "
                          "logits fn will be called on.")
     name = name or str(getattr(metric, "__name__", None) or type(metric).__name__)
-    key = (n_prompts, seq, d_vocab, name)
-    try:  # the same callable on the same shape (e.g. both directions): probed once
-        cached = _WRAPPED.setdefault(metric, {})
-    except TypeError:  # not weak-referenceable: no cache
-        cached = {}
-    if key not in cached:
-        per_prompt, reads, note, vmappable = _probe(metric, n_prompts, seq, d_vocab, name)
-        fn = _wrapped(metric, per_prompt, n_prompts, seq, d_vocab, name, vmappable)
-        cached[key] = PromptMetric(fn, name, reads=reads, per_prompt_values=per_prompt,
-                                   n_prompts=n_prompts, note=note)
-    return cached[key]
+    key = (_code(metric), n_prompts, seq, d_vocab, name)
+    xs = torch.empty(2, n_prompts, seq, d_vocab)  # the second is filled only to probe
+    _probe_input(xs[0], 0)
+    with torch.no_grad():
+        now, _ = _call(metric, xs[0], n_prompts, name)
+    seen = _PROBED.get(key)
+    if seen is not None and _same(seen[0], now.detach()):
+        _PROBED.move_to_end(key)
+        found = seen[1]
+    else:
+        _probe_input(xs[1], 1)
+        found = _probe(metric, xs, n_prompts, name)
+        _PROBED[key] = (now.detach(), found)
+        while len(_PROBED) > PROBED_KEPT:
+            _PROBED.popitem(last=False)
+    del xs
+    fn = _wrapped(metric, found.per_prompt, n_prompts, seq, d_vocab, name, found.vmappable)
+    return PromptMetric(fn, name, reads=found.reads, per_prompt_values=found.per_prompt,
+                        n_prompts=n_prompts, note=found.note, probed=found.reads is not None,
+                        gradient=found.gradient)
 
 
-# Wrapped callables by callable (weakly: a wrapper lives as long as the user's function).
-_WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Found:
+    """What the probe found about a callable (``_probe``)."""
+
+    per_prompt: bool
+    reads: Tensor | None
+    note: str
+    vmappable: bool
+    gradient: bool
+
+
+# Probe findings by (function code, n, seq, d_vocab, name) -> (values on the first probe input,
+# findings); the oldest dropped beyond PROBED_KEPT. Keyed on code, not on the callable: a
+# notebook cell re-run makes a new lambda each time, and the values decide whether the
+# findings still hold.
+_PROBED: OrderedDict[tuple, tuple[Tensor, _Found]] = OrderedDict()
+PROBED_KEPT = 64
+
+
+def _code(fn: Any) -> Any:
+    """What identifies a callable's code: its ``__code__`` (a bound method: its function's),
+    else its type (a callable object; the values tell instances apart)."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__",
+                                                    None)
+    return code if code is not None else type(fn)
+
+
+def _probe_input(out: Tensor, i: int) -> None:
+    """Fill ``out`` ``[n, seq, d_vocab]`` with probe input ``i`` (seeded): a random vocabulary
+    profile, scaled and shifted at random per position, so every position has its own softmax.
+    One pass over the tensor where filling it with random numbers would cost ~5x more."""
+    n, seq, d_vocab = out.shape
+    g = torch.Generator().manual_seed(i)
+    profile = torch.rand(1, 1, d_vocab, generator=g).mul_(8).sub_(4)
+    scale = torch.rand(n, seq, 1, generator=g).add_(0.5)
+    torch.addcmul(torch.randn(n, seq, 1, generator=g), profile, scale, out=out)
 
 
 def _call(fn: Callable, logits: Tensor, n: int, name: str) -> tuple[Tensor, bool]:
@@ -163,23 +244,15 @@ def _call(fn: Callable, logits: Tensor, n: int, name: str) -> tuple[Tensor, bool
                      f"(mean over prompts) or [{n}] (one value per prompt).")
 
 
-def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
-           ) -> tuple[bool, Tensor | None, str, bool]:
-    """(per-prompt?, reads [n, k] or None, note, vmappable?): see the module docstring.
+def _probe(fn: Callable, xs: Tensor, n: int, name: str) -> _Found:
+    """What ``fn`` reads, from the two probe inputs ``xs`` ``[2, n, seq, d_vocab]``: see the
+    module docstring.
 
     vmappable: ``torch.vmap(fn)`` over a leading copy axis of the two probe inputs gives what the
     two plain calls gave (pure tensor code does; ``.item()``, data-dependent Python branches and
     in-place writes into the input do not); then all copies of a sweep chunk are one call."""
-    touched = torch.zeros(n, seq, dtype=torch.bool)
+    touched = torch.zeros(n, xs.shape[2], dtype=torch.bool)
     per_prompt, differentiable = False, True
-    # Two generic inputs: a random vocabulary profile, scaled and shifted at random per
-    # position (so every position has its own softmax); one pass over [2, n, seq, d_vocab]
-    # where filling it with random numbers would cost ~5x more, and the probe runs on every
-    # call with a new lambda.
-    g = torch.Generator().manual_seed(0)
-    profile = torch.rand(2, 1, 1, d_vocab, generator=g).mul_(8).sub_(4)
-    scale = torch.rand(2, n, seq, 1, generator=g).add_(0.5)
-    xs = torch.addcmul(torch.randn(2, n, seq, 1, generator=g), profile, scale)
     outs = []
     for x in xs:
         x = x.detach().requires_grad_(True)
@@ -198,25 +271,29 @@ def _probe(fn: Callable, n: int, seq: int, d_vocab: int, name: str
         notes.append(f"metric {name!r}: one prompt's value depends on other prompts' logits, so "
                      "its mean over the batch is the value and prompts are never split (no "
                      "per-prompt values)")
+
+    def found(reads: Tensor | None) -> _Found:
+        return _Found(per_prompt, reads, "; ".join(notes), vmappable, differentiable)
+
     if not differentiable:
         notes.append(f"metric {name!r} is not differentiable, so the positions it reads are "
                      "unknown: every position was computed (slower, same values)")
-        return per_prompt, None, "; ".join(notes), vmappable
+        return found(None)
     if not touched.any(-1).all():
         notes.append(f"metric {name!r}: the probe found prompts whose value reads no logit; "
                      "every position was computed")
-        return per_prompt, None, "; ".join(notes), vmappable
+        return found(None)
     if not _reads_suffice(fn, xs, outs, touched, name):
         notes.append(f"metric {name!r} depends on logits where it has no gradient (a max, a "
                      "clamp, a detach): every position was computed (slower, same values)")
-        return per_prompt, None, "; ".join(notes), vmappable
+        return found(None)
     width = int(touched.sum(-1).max())
     reads = torch.zeros(n, width, dtype=torch.long)
     for b in range(n):
         pos = touched[b].nonzero()[:, 0]
         reads[b] = torch.cat([pos, pos[:1].expand(width - len(pos))])
     notes.insert(0, f"metric {name!r}: read positions found by a gradient probe")
-    return per_prompt, reads, "; ".join(notes), vmappable
+    return found(reads)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -19,6 +19,7 @@ LayerNorm would upcast a bf16 70B model to fp32). One dtype rule covers every na
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -389,6 +390,22 @@ def _positive_int(tl: dict, key: str) -> int:
 # --- loading ------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def hf_progress(show: bool):
+    """transformers' own progress bars (loading weights, writing shards) off within the block
+    unless ``show`` (the caller's ``progress``); never turned on, and restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     name_or_path: Any,
     device: Any = None,
@@ -463,7 +480,9 @@ def load_model(
     _check_placement(device, n_devices, device_map)
     torch_dtype = _torch_dtype(dtype)
     placement = dict(device=device, n_devices=n_devices, device_map=device_map)
-    bridge = _boot(name_or_path, placement, torch_dtype, tokenizer, trust_remote_code, kw)
+    # a shipped toy loads in milliseconds: no "Loading weights" bar for it
+    with hf_progress(not (isinstance(name_or_path, str) and name_or_path in SHIPPED)):
+        bridge = _boot(name_or_path, placement, torch_dtype, tokenizer, trust_remote_code, kw)
     bridge.eval()
     rope = getattr(getattr(getattr(bridge, "original_model", None), "config", None),
                    "rope_parameters", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -35,7 +36,7 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert list(pd.read_csv(out / "scores.csv").columns) == COLUMNS
     assert list(pd.read_csv(out / "validation.csv").columns) == VALIDATION_COLUMNS
     stored = json.loads((out / "summary.json").read_text())
-    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 6
+    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 7
     assert stored["identity"]["task_fingerprint_p2"] and stored["versions"]["torch"]
     assert all(s["seconds"] >= 0 for s in stored["steps"].values())
 
@@ -72,14 +73,37 @@ def test_cli_score_and_characterize(tmp_path):
     from circuitkit.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["score", "--model", "icd-teacher", "-n", "8", "--out",
+    res = runner.invoke(app, ["score", "--model", "icd-teacher", "-n", "8", "-k", "2", "--out",
                               str(tmp_path / "s.csv")])
     assert res.exit_code == 0, res.output
-    assert "top Phase-1 heads" in res.output and len(pd.read_csv(tmp_path / "s.csv")) == 32
+    assert "top Phase-1 heads by coarse_score (8 examples, test split, seed 0)" in res.output
+    assert len(pd.read_csv(tmp_path / "s.csv")) == 32
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
                               "--n-random", "3", "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "c" / "summary.json").exists() and "top phase2 heads" in res.output
+    assert (tmp_path / "c" / "summary.json").exists()
+    # the same arguments rank the same heads: characterize's scores are score's (top-k
+    # inclusion included: both bootstrap with the same k and seed)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "s.csv"),
+                                  pd.read_csv(tmp_path / "c" / "scores.csv"))
+    said = " ".join(res.output.split())
+    assert "findings (icd-teacher on icd10: 8 test examples, seed 0, exact patching):" in said
+    for phase in (1, 2):
+        top = json.loads((tmp_path / "c" / "summary.json").read_text())["top_heads"][
+            f"phase{phase}"]
+        names = " and ".join(f"L{la}H{h}" for la, h in top)
+        assert f"The top 2 heads by {('coarse', 'refine')[phase - 1]}_score are {names}" in said
+    # its outcome: the validation's verdict with the floor of 3 random sets
+    assert "With 3 random sets no p can be below 1/4 = 0.25" in said
+    # one line per file written; report.html once
+    assert said.count("report.html") == 1 and "wrote " + str(tmp_path / "c" / "scores.csv") \
+        in said
+    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 7 steps, [\d.]+ s loading", said)
+    again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
+                                "--n-random", "3", "--out", str(tmp_path / "c")])
+    said = " ".join(again.output.split())
+    assert "7 steps reused from the folder (they had taken" in said
+    assert "kept (finished by an earlier run): patch-p1-denoise" in said
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
 
@@ -99,7 +123,7 @@ def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop,
     other = 3 - phase
     assert summary["phases"] == [phase] and summary["complete"]
     assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
-                                         "scores", "validation"]
+                                         "scores", "validation", "ablation"]
     assert list(summary["top_heads"]) == [f"phase{phase}"]
     assert summary["identity"][f"task_fingerprint_p{other}"] is None
     names = {p.name for p in out.iterdir()}
@@ -123,19 +147,22 @@ def test_characterize_refuses_a_task_with_no_steps(tiny_llama, tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_a_new_k_validates_again_and_reuses_sweeps_and_scores(tiny_llama, tmp_path, monkeypatch):
-    """k and n_random change validation only: the whole folder used to be refused."""
+def test_a_new_k_validates_again_and_reuses_sweeps(tiny_llama, tmp_path, monkeypatch):
+    """k and n_random change the scores' top-k inclusion, validation and ablation only: the
+    whole folder used to be refused; the sweeps are reused."""
     out = tmp_path / "run"
     run(tiny_llama, out)
 
     def boom(*a, **k):
-        raise AssertionError("a sweep or the scores were recomputed")
+        raise AssertionError("a sweep was recomputed")
     monkeypatch.setattr(ck, "patch_heads", boom)
-    monkeypatch.setattr("circuitkit.scoring.heads.score_heads", boom)
     summary = characterize(tiny_llama, "synthetic", out, n_examples=8, k=1, n_random=3,
                            text=False, progress=False, task_kwargs=TASK)
     val = pd.read_csv(out / "validation.csv")
     assert set(val["k"]) == {1} and summary["validation_options"] == dict(k=1, n_random=3)
+    assert set(pd.read_csv(out / "head-ablation.csv")["k"]) == {1}
+    assert summary["scores_attrs"]["k"] == 1
+    assert all(st["k"] == 1 and len(st["top"]) == 1 for st in summary["stability"].values())
     assert all(len(v) == 1 for v in summary["top_heads"].values()) and summary["complete"]
 
 

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from circuitkit.cli import app
@@ -215,7 +216,7 @@ def test_info_and_plan_refuse_what_they_cannot_price():
     r = run(["info", "--model", "llama3-70b", "--seq-len", "100000"])
     assert r.exit_code == 2 and "longer than llama3-70b's context (8192" in r.output
     r = run(["info", "--model", "icd-teacher"])
-    assert r.exit_code == 0 and "64 prompts of 64 tokens" in r.output  # context 64, not 512
+    assert r.exit_code == 0 and "128 prompts of 64 tokens" in r.output  # context 64, not 512
     for flags, said in ((["--gpu", "B200"], "--gpu='B200'"), (["--utilisation", "2"],
                                                              "--utilisation 2.0"),
                         (["--gpus-per-replica", "1"], "needs at least 2")):
@@ -260,3 +261,157 @@ def test_patch_takes_a_files_own_phase_and_renders_icd10_for_an_llm(tmp_path):
     _check_vocabulary(llm, icd, renders=True)  # patch renders it: no refusal
     with pytest.raises(ValueError, match="other words"):
         _check_vocabulary(llm, icd, renders=False)  # evaluate would read raw ids: refused
+
+
+# --- one set of defaults, plain help, text that names what exists ---------------------------
+
+
+def _numbers(line: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in re.findall(r"\d[\d,]*\.?\d*", line)]
+
+
+def test_info_and_plan_agree_on_the_70b_pass_count():
+    """They disagreed (166,016 against 132,519): info priced 64 prompts of 512 tokens, --plan
+    the task's own shorter prompts. With the same --seq-len and -n they price the same thing."""
+    for seq, n in ((512, 64), (300, 16)):
+        info = run(["info", "--model", "llama3-70b", "--seq-len", str(seq), "-n", str(n)])
+        plan = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan", "--seq-len",
+                    str(seq), "-n", str(n)])
+        assert info.exit_code == 0 and plan.exit_code == 0, (info.output, plan.output)
+        exact_info = next(ln for ln in info.output.splitlines() if "exact, all positions" in ln)
+        exact_plan = next(ln for ln in plan.output.splitlines() if ln.startswith("exact "))
+        att_info = next(ln for ln in info.output.splitlines() if "attribution (any" in ln)
+        att_plan = next(ln for ln in plan.output.splitlines() if ln.startswith("attribution "))
+        assert _numbers(exact_info)[1] == _numbers(exact_plan)[0]  # pass-equivalents
+        assert _numbers(att_info)[0] == _numbers(att_plan)[0] == 4 * n
+        # the weights in the same unit (GB), GiB beside it in info
+        gb = re.search(r"weights\s+([\d.]+) GB", plan.output).group(1)
+        assert f"weights      {gb} GB bf16" in info.output
+    assert (seq, n) == (300, 16) and "16 prompts of 300 tokens each" in info.output
+    bad = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--seq-len", "64"])
+    assert bad.exit_code == 2 and "--seq-len prices prompts of that length with --plan" in \
+        bad.output
+
+
+def test_readme_70b_figures_are_what_the_command_as_written_prints(monkeypatch):
+    """The README quoted --top-k 20 figures (3.4 min) under a command that prints ~1,024 verified
+    cells. Its numbers now come from the command as written (tokens estimated, as on a machine
+    without the Llama tokenizer)."""
+    from pathlib import Path
+
+    from circuitkit import models
+
+    monkeypatch.setattr(models, "local_tokenizer", lambda name: None)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    cmd = re.search(r"circuitkit (patch --model llama3-70b --task icd10 --plan --gpu H100)",
+                    readme).group(1).split()
+    text = readme.split("What the first command above prints for 70B")[1].split("Runs size")[0]
+    said = " ".join(text.split())
+    for args in (cmd, [*cmd, "--top-k", "20"]):
+        out = run(args).output
+        rows = {ln.split()[0]: ln for ln in out.splitlines()
+                if ln.startswith(("exact ", "attribution"))}
+        for name, row in rows.items():
+            passes, time_ = row.split()[1], " ".join(row.split()[7:9])
+            if args is cmd or name.endswith("@20"):
+                assert passes in said and time_ in said, (name, passes, time_, said)
+    assert "141.1 GB" in said and "128 icd10 notes" in said
+
+
+def test_info_without_a_model_lists_the_models():
+    r = run(["info"])
+    assert r.exit_code == 0, r.output
+    from circuitkit import models
+
+    for name in (*models.SHIPPED, *models.ALIASES):
+        assert re.search(rf"^  {re.escape(name)} ", r.output, re.M), name
+    assert "meta-llama/Meta-Llama-3-70B" in r.output and "80 x 64" in r.output
+    assert max(len(line) for line in r.output.splitlines()) <= 80
+
+
+def test_help_fits_80_columns_whole_without_type_tags():
+    """At 80 columns rich's table cut options with "..." and tagged every option <str>/<int>."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLUMNS="80")
+    for cmd in ([], ["info"], ["patch"], ["evaluate"], ["report"], ["score"], ["characterize"],
+                ["distill"]):
+        out = subprocess.run([sys.executable, "-m", "circuitkit.cli", *cmd, "--help"],
+                             capture_output=True, text=True, env=env, timeout=60).stdout
+        assert "\u2026" not in out and "..." not in out.replace("[ARGS]...", ""), (cmd, out)
+        assert not re.search(r"<(str|int|float|bool)>", out), (cmd, out)
+        assert max(len(line) for line in out.splitlines()) <= 80, cmd
+    patch_help = subprocess.run([sys.executable, "-m", "circuitkit.cli", "patch", "--help"],
+                                capture_output=True, text=True, env=env, timeout=60).stdout
+    assert "attribution+exact/auto" in patch_help  # the option rich cut at "attribution+exact/au"
+
+
+def test_every_command_has_the_same_model_task_and_n_defaults():
+    import typer.main
+
+    from circuitkit.characterize import DEFAULT_N
+
+    group = typer.main.get_command(app)
+    for name in ("patch", "score", "evaluate", "characterize"):
+        params = {p.name: p for p in group.commands[name].params}
+        assert params["model"].default == "icd-teacher", name
+        assert params["task"].default == "icd10", name
+        assert params["n_examples"].default is None, name  # resolved to DEFAULT_N at run time
+        assert f"default {DEFAULT_N}" in params["n_examples"].help, name
+    params = {p.name: p for p in group.commands["info"].params}
+    assert params["prompts"].default == DEFAULT_N and params["model"].default is None
+
+
+def test_the_vocabulary_error_names_options_that_exist():
+    """It advised `--text yes` to a JSONL task in `patch`, which has no --text (and a JSONL task
+    is never rendered as text)."""
+    import typer.main
+
+    import circuitkit as ck
+    from circuitkit import models
+
+    tok = models.local_tokenizer("smollm2-135m")
+    if tok is None:
+        pytest.skip("no SmolLM2 tokenizer here")
+    group = typer.main.get_command(app)
+    icd = ck.load_task("icd10", n_examples=2)
+    said = icd.vocabulary_problem(tok)
+    for opt in re.findall(r"--[a-z-]+", said):
+        holders = [c for c, cmd in group.commands.items()
+                   if any(opt in p.opts for p in cmd.params)]
+        assert holders, opt
+    assert "score and characterize with --text auto" in said
+    synthetic = ck.load_task("synthetic", n_examples=2, n_labels=8, children=4,
+                             labels_per_note=(1, 1))
+    import dataclasses
+
+    as_file = dataclasses.replace(synthetic, name="my-notes")  # a task read from a .jsonl
+    said = as_file.vocabulary_problem(tok)
+    assert "--text" not in said and "circuitkit.training.train" in said
+
+
+def test_an_old_checkpoint_folder_is_moved_and_resumed(tmp_path):
+    """A folder got both checkpoint/ (patch) and checkpoints/ (characterize); patch now uses
+    checkpoints/result and moves an older checkpoint/ there, resuming from it."""
+    out = tmp_path / "o"
+    first = run([*PATCH, "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    assert (out / "checkpoints" / "result").is_dir() and not (out / "checkpoint").exists()
+    before = PatchResult.load(out).values
+    (out / "checkpoints" / "result").rename(out / "checkpoint")  # as an older circuitkit left it
+    again = run([*PATCH, "--out", str(out)])
+    assert again.exit_code == 0, again.output
+    assert "moved" in again.output and "resumed" in again.output
+    assert not (out / "checkpoint").exists() and (out / "checkpoints" / "result").is_dir()
+    assert torch.equal(PatchResult.load(out).values, before)  # from the moved chunks
+
+
+def test_patch_names_its_metric_and_phase(tmp_path):
+    r = run([*PATCH, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "patching induction-2l on induction Phase 2, metric " in r.output
+    res = PatchResult.load(tmp_path / "o")
+    assert f"Phase 2, metric {res.meta['metric']}" in r.output
+    assert sum(line.startswith("wrote ") for line in r.output.splitlines()) == 4  # one a file

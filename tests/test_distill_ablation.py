@@ -60,3 +60,31 @@ def test_interval_by_hand():
     assert (m, lo, hi) == pytest.approx((2.0, 2.0 - h, 2.0 + h))
     assert interval([0.5]) == (0.5, 0.5, 0.5)
     assert all(math.isnan(v) for v in interval([]))
+
+
+def test_progress_false_prints_no_bars_and_ties_warn_nothing(tmp_path, capfd):
+    """03_distill printed five "every head has the same coarse_score" warnings and ~30 bars
+    (transformers' loading and saving bars) under progress=False. A barely trained student,
+    whose heads all score 0, gets its rank-1 head by the stated tie-break instead."""
+    import warnings
+
+    from circuitkit.distill.ablation import run_ablation
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        frame = run_ablation(tmp_path / "abl", seeds=1, size="quick", variants=("cot",),
+                             progress=False)
+    out, err = capfd.readouterr()
+    assert "%|" not in out + err and "Loading weights" not in err, err[-2000:]
+    assert not [str(w.message) for w in caught if "every head has the same" in str(w.message)]
+    assert set(frame.metric) == set(METRICS)
+    import json
+
+    m = json.loads((tmp_path / "abl" / "runs" / "cot-seed0" / "metrics.json").read_text())
+    with pytest.warns(UserWarning, match="every head has the same coarse_score"):
+        scores = ck.score_heads(  # the case this guards: every head ties
+            ck.load_model(str(tmp_path / "abl" / "runs" / "cot-seed0")),
+            ck.load_task("icd10", n_examples=16, seed=0, split="test").subset(range(8)),
+            progress=False)
+    best = scores.sort_values(["coarse_score", "sharpness"], ascending=False).iloc[0]
+    assert m["metrics"]["phase1_head"] == f"{int(best.layer)}.{int(best['head'])}"

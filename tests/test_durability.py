@@ -81,27 +81,27 @@ def _full_disk(monkeypatch, name: str):
 
 def test_a_full_disk_during_patch_is_one_line_and_the_rerun_repairs_the_page(tmp_path,
                                                                             monkeypatch):
-    """Before: ``plotly.min.js`` was written in place by plotly (outside ``atomic_write``); a
-    full disk left half of it, the CLI printed a traceback, and the rerun kept the half file
-    (plotly keeps any bundle it finds), so ``result.html`` drew nothing."""
+    """Before: a full disk while ``result.html`` was written printed a traceback (exit 1). Now
+    one ``error:`` line naming the file, nothing half-written under its name, and the rerun
+    (the sweep resumed from its checkpoint) writes the whole page."""
     from plotly.offline import get_plotlyjs
 
     out = tmp_path / "p"
     args = [*PATCH, "--method", "exact", "--out", out]
     with monkeypatch.context() as m:
-        _full_disk(m, "plotly.min.js")
+        _full_disk(m, "result.html")
         r = _cli(args)
     assert r.exit_code == 2, (r.output, r.exception)
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "plotly.min.js" in errors[0], r.output
+    assert len(errors) == 1 and "result.html" in errors[0], r.output
     assert "No space left on device" in errors[0] and "free some space" in errors[0]
     assert "Traceback" not in r.output
-    assert not (out / "plotly.min.js").exists()  # nothing half-written under its name
+    assert not (out / "result.html").exists()  # nothing half-written under its name
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     r = _cli(args)  # the rerun: the sweep resumes from its checkpoint, the page is whole
     assert r.exit_code == 0, r.output
-    assert (out / "plotly.min.js").read_text(encoding="utf-8") == get_plotlyjs()
-    assert 'src="plotly.min.js"' in (out / "result.html").read_text()
+    page = (out / "result.html").read_text(encoding="utf-8")
+    assert get_plotlyjs()[-2000:] in page and page.rstrip().endswith("</html>")
 
 
 def test_a_full_disk_while_saving_checkpoint_chunks_is_one_line_and_resumes(tmp_path,
@@ -128,20 +128,27 @@ def test_a_full_disk_while_saving_checkpoint_chunks_is_one_line_and_resumes(tmp_
     assert r.exit_code == 2, (r.output, r.exception)
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "chunk_" in errors[0] and "No space left" in errors[0], r.output
-    assert len(list((out / "checkpoint").glob("chunk_*.safetensors"))) == 2
+    assert len(list((out / "checkpoints" / "result").glob("chunk_*.safetensors"))) == 2
     r = _cli(args)
     assert r.exit_code == 0 and "resumed 2 of" in r.output, r.output
 
 
 def test_a_truncated_plotly_bundle_is_replaced(tmp_path):
-    """A half bundle left by an older version (or any damage) is rewritten by the next save."""
+    """Pages that share one ``plotly.min.js`` (edge results, circuit pages) got it from plotly's
+    ``include_plotlyjs="directory"``, written in place and kept whatever it held: a write cut
+    short left every later page blank. ``plotly_bundle`` writes it atomically and replaces a
+    copy that is not the whole bundle; a whole one is left alone."""
     from plotly.offline import get_plotlyjs
 
-    res = PatchResult(values=torch.zeros(2, 3), clean=1.0, corrupt=0.0, direction="denoise",
-                      method="exact", site="z", positions="all")
-    (tmp_path / "plotly.min.js").write_text(get_plotlyjs()[:1000], encoding="utf-8")
-    res.save(tmp_path / "r")
-    assert (tmp_path / "plotly.min.js").read_text(encoding="utf-8") == get_plotlyjs()
+    from circuitkit.patching.results import plotly_bundle
+
+    bundle = tmp_path / "plotly.min.js"
+    bundle.write_text(get_plotlyjs()[:1000], encoding="utf-8")
+    assert plotly_bundle(tmp_path) == bundle
+    assert bundle.read_text(encoding="utf-8") == get_plotlyjs()
+    os.utime(bundle, (1, 1))
+    plotly_bundle(tmp_path)
+    assert bundle.stat().st_mtime == 1
 
 
 def test_write_failures_name_the_file_and_keep_the_old_one(tmp_path, monkeypatch):

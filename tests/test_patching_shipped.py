@@ -75,7 +75,7 @@ def test_cli_patch_writes_outputs(tmp_path):
     res = PatchResult.load(out)  # the folder the CLI wrote
     assert {p.name for p in out.iterdir() if p.is_file()} >= {p.name for p in res.save(
         tmp_path / "again" / "result")}  # --out holds exactly what res.save writes (and more:
-    # plotly.min.js beside the page, the checkpoint folder)
+    # the checkpoint folder)
     assert res.values.shape == (2, 4) and res.meta["task_hash"]
     r = CliRunner().invoke(app, ["patch", "--model", "induction-2l", "--task", "induction",
                                  "--n-examples", "8", "--plan"])

@@ -183,15 +183,22 @@ def test_attribution_refuses_a_nan_metric(tiny_llama, task):
                        method="attribution", progress=False)
 
 
-def test_clean_equal_to_corrupt_warns_and_ranks_by_raw_effect(tiny_llama, task):
-    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.clean_tokens, task.metric,
-                         progress=False)
-    assert res.degenerate
-    with pytest.warns(UserWarning, match="score the same"):
-        assert res.normalized().isnan().all()
-    assert res.confidence_interval() is None
-    top = res.top(3)
+def test_clean_equal_to_corrupt_warns_once_and_shows_raw_effects(tiny_llama, task):
+    """Clean = corrupt: the sweep warns once (at the call), and normalized() and top() give the
+    raw effect value - baseline (no further warning) instead of NaN."""
+    with pytest.warns(UserWarning, match="does not change") as caught:
+        res = ck.patch_heads(tiny_llama, task.clean_tokens, task.clean_tokens, task.metric,
+                             progress=False)
+    assert res.degenerate and len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        torch.testing.assert_close(res.normalized(), res.values - res.corrupt)
+        low, high = res.confidence_interval()
+        assert bool((low <= res.normalized() + 1e-6).all() and (res.normalized() <= high + 1e-6)
+                    .all())
+        top = res.top(3)
     assert len(top) == 3 and not top["value"].isna().any()
+    assert "raw effect" in res.meta["normalization"]
     fake = PatchResult(values=torch.tensor([[0.0, 3.0], [-5.0, 1.0]]), clean=1.0, corrupt=1.0,
                        direction="noise", method="exact", site="z", positions="all")
     with warnings.catch_warnings():

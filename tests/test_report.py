@@ -97,12 +97,22 @@ def test_report_is_self_contained_with_every_section(full_report):
     assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)\s*=\s*[\"']?(https?:)?//",
                          html, re.IGNORECASE)  # nothing fetched
     assert "unpkg.com" not in html
-    for heading in ("Model and task", "What the numbers mean", "Phase 1 sweep", "Phase 2 sweep",
-                    "Top 10 Phase-1 heads", "Top 10 Phase-2 heads", "Causal validation",
-                    "Top 3 Phase-1 heads on icd10", "Distillation ablation"):
+    for heading in ("Findings", "Model, task and versions", "What the numbers mean",
+                    "Phase 1 sweep", "Phase 2 sweep", "Top 10 Phase-1 heads",
+                    "Top 10 Phase-2 heads", "Causal validation", "Top 3 Phase-1 heads on icd10",
+                    "Distillation ablation"):
         assert heading in html
-    for name in report_mod.METRIC_LINES:
-        assert f"<td>{name}</td>" in html.replace("&amp;", "&")
+    # findings lead; fingerprints and versions come last
+    order = re.findall(r"<section id='([a-z]+)'>", html)
+    assert order[0] == "findings" and order[-1] == "summary", order
+    # the glossary names what the page shows: the ablation here has focus and las only, the
+    # score table none of the shortlist columns or bootstrap inclusion, and there is no
+    # head-ablation.csv
+    glossary = html.replace("&amp;", "&").split("<table class='metrics'>")[1].split("</table>")[0]
+    shown = set(re.findall(r"<tr><td>([^<]+)</td>", glossary))
+    assert shown == set(report_mod.METRIC_LINES) - {
+        "confusion_rate", "macro_f1 / micro_f1 / exact_match", "shortlist_share",
+        "key_preference", "ov_copy", "mechanism", "inclusion / rank interval", "ablation"}
     assert "0.5 [0.45, 0.55]" in html  # ablation cell: mean [interval]
     size = path.stat().st_size
     assert 4.8e6 < size < 8e6, size
@@ -117,7 +127,11 @@ def test_report_skips_attention_without_a_model_and_reads_patch_folders(tmp_path
     solo = tmp_path / "patch"
     patch_result("noise", 2, 0).save(solo / "result")
     html = report_mod.write_report(solo).read_text()
-    assert html.count('class="plotly-graph-div"') == 1 and "<h3>result</h3>" in html
+    assert html.count('class="plotly-graph-div"') == 1
+    assert "<h3>Phase 2 sweep, noise: margin (result)</h3>" in html  # not "result"
+    glossary = html.split("<table class='metrics'>")[1].split("</table>")[0]
+    assert re.findall(r"<tr><td>([^<]+)</td>", glossary) == list(report_mod.SWEEP_TERMS)
+    assert "Strongest single head in the Phase-2 patching sweeps: L2H4" in html
     # frames whose columns the charts do not know: the table stays, the chart says why not
     pd.DataFrame({"who": ["top"], "how_much": [1.0]}).to_csv(run / "validation.csv", index=False)
     pd.DataFrame({"name": ["cot"], "score": [1.0]}).to_csv(run / "distill" / "ablation.csv",
@@ -226,7 +240,7 @@ def test_report_of_an_unfinished_characterize_run_says_so(tmp_path):
 
     (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS[:3], False)))
     html = report_mod.build_report(tmp_path, attention=False)
-    assert "Unfinished run" in html and "before 3 of its 6 steps" in html
+    assert "Unfinished run" in html and f"before {len(STEPS) - 3} of its {len(STEPS)} steps" in html
     for step in STEPS[3:]:
         assert step in html.split("stopped before")[1].split("</p>")[0]
     (tmp_path / "summary.json").write_text(json.dumps(summary(STEPS, True)))
@@ -247,10 +261,10 @@ def test_report_survives_a_stray_pair_and_names_sweeps_by_their_phase(tmp_path):
     html = report_mod.write_report(run, attention=False).read_text()
     assert "Skipped probe: not a PatchResult" in html
     assert "<h3>Phase 1 sweep" in html and "Phase 2 sweep" not in html
-    assert report_mod._phase_of("step20", PatchResult(
+    assert report_mod.phase_of("step20", PatchResult(
         values=torch.zeros(1, 1), clean=1.0, corrupt=0.0, direction="noise", method="exact",
         site="z", positions="all")) is None
-    assert report_mod._phase_of("patch-p2", patch_result("noise", 2, 0)) == 2
+    assert report_mod.phase_of("patch-p2", patch_result("noise", 2, 0)) == 2
 
 
 def test_report_attention_of_a_text_rendered_run_renders_the_task_as_text(tmp_path,
@@ -301,3 +315,152 @@ def test_report_says_when_the_corruption_did_not_lower_the_metric(tmp_path):
     patch_result("denoise", 2, 0).save(run / "good-denoise")
     html = report_mod.write_report(run, attention=False).read_text()
     assert html.count("The corruption did not lower the metric here") == 1  # not for the good one
+
+
+# --- findings in words, readable labels, self-contained single pages (in a browser) ---------
+
+PROBE = """<script>
+window.addEventListener('load', () => setTimeout(() => {
+  const box = e => { const r = e.getBoundingClientRect();
+    return {text: e.textContent, x0: r.left, y0: r.top, x1: r.right, y1: r.bottom}; };
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot')).map(div => ({
+    title: (div.querySelector('.gtitle') || {}).textContent || '',
+    svg: box(div.querySelector('svg.main-svg')),
+    titles: Array.from(div.querySelectorAll('.gtitle')).map(box),
+    labels: Array.from(div.querySelectorAll('.annotation-text, .textpoint text')).map(box)
+      .filter(b => b.text)}));
+  const findings = Array.from(document.querySelectorAll('.finding')).map(e => e.innerText);
+  const pre = document.createElement('pre');
+  pre.id = 'probe';
+  pre.textContent = JSON.stringify({plots, findings});
+  document.body.appendChild(pre);
+}, 1000));
+</script>"""
+
+
+def probe(exe: str, page: Path, tmp: Path) -> dict:
+    """Open ``page`` (a copy with PROBE appended) in headless Chromium; the boxes of every
+    plot's title and text labels, and the findings' text, as the browser laid them out."""
+    copy = tmp / f"probed-{uuid.uuid4().hex[:6]}.html"
+    copy.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>"),
+                    encoding="utf-8")
+    run = run_chromium(exe, tmp, copy.as_uri(), "--dump-dom", "--window-size=1400,1000")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert console_lines(run.stderr) == [], console_lines(run.stderr)
+    found = re.search(r'<pre id="probe">(.*?)</pre>', run.stdout, re.S)
+    assert found, "the probe did not run (no <pre id=probe> in the DOM)"
+    import html as html_mod
+
+    return json.loads(html_mod.unescape(found.group(1)))
+
+
+def teacher_like_run(path: Path) -> Path:
+    """A folder shaped like the teacher's characterize run: the five Phase-1 heads crowd one
+    corner of the score scatter (their labels used to print over each other), validation with
+    20 random sets (p = 1/21 at the floor, 2/21 for anchor_margin), and the strongest Phase-2
+    patching cell (L0H4) outside the top Phase-2 heads, which are ranked by refine_score."""
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    rows = []
+    for la in range(N_LAYERS):
+        for h in range(N_HEADS):
+            coarse, refine = rng.uniform(0, 0.05), rng.uniform(0, 0.1)
+            if la == 0:  # a tight cluster of strong Phase-1 heads, all with refine ~0.01
+                coarse, refine = 0.13 - 0.004 * h, 0.010 + 0.001 * (h % 3)
+            if la == 2 and h in (0, 3, 4, 6, 7):
+                refine = 0.2 + 0.02 * h
+            rows.append(dict(layer=la, head=h, sharpness=1.0, anchor_alignment=0.1,
+                             coarse_score=coarse, loopback=-0.3, margin_widening=refine,
+                             refine_score=refine))
+    scores = pd.DataFrame(rows)
+    scores["phase1_rank"] = scores["coarse_score"].rank(ascending=False,
+                                                        method="first").astype(int)
+    scores["phase2_rank"] = scores["refine_score"].rank(ascending=False,
+                                                        method="first").astype(int)
+    scores.to_csv(path / "scores.csv", index=False)
+    val = []
+    for phase, metric, behaviour in ((1, "anchor_margin", "focus"),
+                                     (2, "target_vs_near_miss_margin", "confusion")):
+        top = " ".join(f"L{la}H{h}" for la, h in
+                       scores.sort_values(f"phase{phase}_rank")[["layer", "head"]].values[:5])
+        for direction in ("noise", "denoise"):
+            for q in (metric, behaviour):
+                p = 2 / 21 if (phase, q) == (1, "anchor_margin") else 1 / 21
+                sign = -1 if direction == "noise" else 1
+                val.append(dict(phase=phase, direction=direction, quantity=q, heads=top, k=5,
+                                n_random=20, n_prompts=128, clean=1.0, corrupt=0.2,
+                                top_effect=sign * 0.6, top_low=sign * 0.55,
+                                top_high=sign * 0.65, random_mean=sign * 0.4,
+                                random_low=sign * 0.3, random_high=sign * 0.5, p_value=p,
+                                normalized=sign * 0.75))
+    pd.DataFrame(val).to_csv(path / "validation.csv", index=False)
+    g = torch.Generator().manual_seed(0)
+    for phase in (1, 2):
+        for direction in ("denoise", "noise"):
+            effect = 0.05 * torch.rand(N_LAYERS, N_HEADS, generator=g)
+            effect[(0, 2) if phase == 1 else (0, 4)] = 0.3  # early heads patch strongest
+            sign, base = (1.0, 0.0) if direction == "denoise" else (-1.0, 1.0)
+            jitter = 0.05 * torch.randn(8, N_LAYERS, N_HEADS, generator=g)
+            pp = base + sign * effect + jitter - jitter.mean(0)
+            PatchResult(values=pp.mean(0), clean=1.0, corrupt=0.0, direction=direction,
+                        method="exact", site="z", positions="all", per_prompt=pp,
+                        clean_per_prompt=torch.ones(8), corrupt_per_prompt=torch.zeros(8),
+                        meta=dict(task="icd10", phase=phase, metric="margin")).save(
+                path / f"patch-p{phase}-{direction}", views=False)
+    (path / "summary.json").write_text(json.dumps(dict(
+        model="icd-teacher", phases=[1, 2], validation_options=dict(k=5, n_random=20),
+        identity=dict(task="icd10", n_examples=128, split="test", seed=0))))
+    return path
+
+
+def test_report_leads_with_findings_and_its_labels_do_not_overlap(tmp_path):
+    """Read in the browser: the findings say which heads, which layers, whether they beat the
+    random sets with the p-value's floor, and why the strongest Phase-2 cell is not a top
+    Phase-2 head; no two scatter labels overlap; no title runs past its figure."""
+    exe = browser()
+    run = teacher_like_run(tmp_path / "run")
+    page = report_mod.write_report(run, attention=False)
+    got = probe(exe, page, tmp_path)
+    p1, p2 = got["findings"]
+    assert p1.startswith("Phase 1 (coarse: anchors). The top 5 heads by coarse_score are "
+                         "L0H0, L0H1, L0H2, L0H3 and L0H4, all in layer 0."), p1
+    assert "beat 20 random 5-head sets on focus (p = 0.048 in both directions, the floor), " \
+           "not on anchor_margin (p = 0.095 in both directions)" in p1
+    assert "no p can be below 1/21 = 0.048" in p1
+    assert "L2H7, L2H6, L2H4, L2H3 and L2H0, all in layer 2" in p2
+    assert "Why L0H4, the strongest Phase-2 patching cell, is not among the top 5 Phase-2 " \
+           "heads: they are ranked by refine_score" in p2
+    (scatter,) = [p for p in got["plots"] if p["title"].startswith("Head scores")]
+    labels = scatter["labels"]
+    assert len(labels) == 10, labels  # the top 5 of each score
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            overlap = min(a["x1"], b["x1"]) - max(a["x0"], b["x0"]) > 0.5 and \
+                min(a["y1"], b["y1"]) - max(a["y0"], b["y0"]) > 0.5
+            assert not overlap, (a, b)
+        assert scatter["svg"]["x0"] <= a["x0"] and a["x1"] <= scatter["svg"]["x1"], a
+    for plot in got["plots"]:
+        for t in plot["titles"]:
+            assert t["x1"] <= plot["svg"]["x1"] + 1, (plot["title"], t, plot["svg"])
+
+
+def test_a_sweep_page_copied_alone_draws_its_plot_with_its_whole_title(tmp_path):
+    """result.html used to load plotly.min.js from beside it: copied alone it was blank
+    ("Plotly is not defined"), and its title was cut at the figure's 540 px."""
+    exe = browser()
+    res = patch_result("denoise", 2, 0)
+    res.meta.update(metric="target_vs_near_miss_margin", task="icd10", phase=2)
+    res.save(tmp_path / "made" / "result")
+    alone = tmp_path / "elsewhere"
+    alone.mkdir()
+    shutil.copy(tmp_path / "made" / "result.html", alone / "result.html")
+    assert sorted(p.name for p in alone.iterdir()) == ["result.html"]
+    got = probe(exe, alone / "result.html", tmp_path)
+    (plot,) = got["plots"]  # drawn: Plotly ran from the page itself
+    assert "target_vs_near_miss_margin" in plot["title"]
+    for t in plot["titles"]:
+        assert t["x1"] <= plot["svg"]["x1"] + 1, (t, plot["svg"])
+    fig_html = (alone / "result.html").read_text()
+    from plotly.offline import get_plotlyjs
+
+    assert fig_html.count(get_plotlyjs()[:400]) == 1 and "plotly.min.js" not in fig_html

@@ -73,9 +73,9 @@ def test_two_replicas_equal_one_process(runs):
     assert torch.equal(res.values, single.values)
     assert torch.equal(res.per_prompt, single.per_prompt)
     # each replica checkpointed its own chunks into the shared folder: together, all of them
-    chunks = list((tmp / "two" / "checkpoint").glob("chunk_*.safetensors"))
+    chunks = list((tmp / "two" / "checkpoints" / "result").glob("chunk_*.safetensors"))
     assert len(chunks) == res.meta["n_chunks"] > 2
-    assert {p.name for p in (tmp / "two" / "checkpoint").glob("lock.rank*")} == {
+    assert {p.name for p in (tmp / "two" / "checkpoints" / "result").glob("lock.rank*")} == {
         "lock.rank0", "lock.rank1"}
     assert "wrote" in outs[0] and "wrote" not in outs[1]  # rank 0 writes the merged result
 

@@ -86,8 +86,11 @@ def test_a_hybrid_checkpoint_of_another_run_is_refused(model, task, tmp_path):
 
 
 def test_patch_heads_and_the_cli_checkpoint_the_hybrid(model, task, tmp_path):
+    from circuitkit.patching.results import DegenerateBaselineWarning
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "checkpoint is not used" would fail here
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)  # (a random model)
         ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                        method="attribution+exact", top_k=3, checkpoint=tmp_path,
                        progress=False)

@@ -1,13 +1,22 @@
-"""Causal validation: ExactEngine.run_head_sets against plain hooked runs, the focus/confusion
-PromptMetrics against circuitkit.evaluation, and validate_heads on the planted circuit (known
-answer) and on random weights (no difference expected)."""
+"""Causal validation: ExactEngine.run_head_sets (patching and zero / mean / resample ablation)
+against plain hooked runs, the focus/confusion/exact-match PromptMetrics against
+circuitkit.evaluation and hand arg-maxes, the two random-set pools, and validate_heads /
+ablate_heads on planted circuits (known answers: carried by the top heads, or by no head more
+than by random ones) and on random weights (no difference expected)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 import torch
-from planted_circuit import PLANTED_P1, PLANTED_P2, planted_model, planted_task
+from planted_circuit import (
+    PLANTED_P1,
+    PLANTED_P2,
+    planted_model,
+    planted_task,
+    refine_model,
+    refine_task,
+)
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -16,7 +25,11 @@ from circuitkit.patching.engine import ExactEngine
 from circuitkit.patching.sweep import Sweep
 from circuitkit.scoring.heads import score_heads, top_heads
 from circuitkit.scoring.validate import (
+    ABLATION_COLUMNS,
+    VALIDATION_COLUMNS,
+    ablate_heads,
     confusion_metric,
+    exact_match_metric,
     focus_metric,
     random_head_sets,
     validate_heads,
@@ -33,7 +46,8 @@ def synth():
 @pytest.fixture(scope="module")
 def planted():
     model, task = planted_model(), planted_task(24)
-    return model, task, score_heads(model, task, progress=False)
+    # its causal Phase-1 head writes the anchor token's column: the token reading ranks it
+    return model, task, score_heads(model, task, progress=False, anchor_directions="tokens")
 
 
 def reference(model, base, source, head_sets, metric):
@@ -115,49 +129,180 @@ def test_focus_and_confusion_metrics_equal_evaluation(tiny_llama, synth):
 
 def test_random_head_sets_keep_layers_and_never_repeat():
     """Sets were drawn with replacement: with 3 distinct sets possible and 20 asked, the
-    p-value counted repeats as independent draws (1/21 reported, 1/4 exact)."""
+    p-value counted repeats as independent draws (1/21 reported, 1/4 exact). Same-layers sets
+    now leave the top heads out where their layer has room."""
     top = [(0, 1), (2, 3), (2, 0)]
-    sets = random_head_sets(top, n_heads=4, n_random=10, seed=1)
-    assert len(sets) == 10 and all(sorted(la for la, _ in s) == [0, 2, 2] for s in sets)
-    assert all(set(s) != set(top) and len(set(s)) == 3 for s in sets)
-    assert len({tuple(s) for s in sets}) == 10  # distinct
-    assert sets == random_head_sets(top, n_heads=4, n_random=10, seed=1)  # seeded
-    with pytest.warns(UserWarning, match="only 23 random head sets differ"):
+    sets = random_head_sets(top, n_heads=4, n_random=3, seed=1)
+    assert len(sets) == 3 and all(sorted(la for la, _ in s) == [0, 2, 2] for s in sets)
+    assert all(not set(s) & set(top) and len(set(s)) == 3 for s in sets)  # disjoint
+    assert sets == random_head_sets(top, n_heads=4, n_random=3, seed=1)  # seeded
+    with pytest.warns(UserWarning, match="only 3 same-layers random head sets differ"):
         every = random_head_sets(top, n_heads=4, n_random=50, seed=1)
-    assert len({tuple(s) for s in every}) == 23 == 4 * 6 - 1  # C(4,1) C(4,2), less the top
-    with pytest.raises(ValueError, match="fill whole layers"):
-        random_head_sets([(1, 0), (1, 1)], n_heads=2, n_random=3, seed=0)
-    with pytest.warns(UserWarning, match="drawn from every layer"):
-        wide = random_head_sets([(1, 0), (1, 1)], n_heads=2, n_random=3, seed=0, n_layers=3)
-    assert len({tuple(s) for s in wide}) == 3 and all(len(s) == 2 for s in wide)
-    assert [(1, 0), (1, 1)] not in wide
+    assert len({tuple(s) for s in every}) == 3 == 3 * 1  # C(3,1) C(2,2): the other heads only
+    wide = random_head_sets(top, n_heads=4, n_random=50, seed=1, n_layers=3, pool="all-layers")
+    assert len({tuple(s) for s in wide}) == 50 and all(not set(s) & set(top) for s in wide)
+    assert {la for s in wide for la, _ in s} == {0, 1, 2}
+    with pytest.warns(UserWarning, match="fill every head there"):
+        assert random_head_sets([(1, 0), (1, 1)], n_heads=2, n_random=3, seed=0) == []
+    with pytest.raises(ValueError, match="n_layers"):
+        random_head_sets(top, n_heads=4, n_random=3, seed=0, pool="all-layers")
+
+
+def test_a_top_five_in_an_eight_head_layer_draws_across_layers_or_states_the_overlap():
+    """Top-5 in an 8-head layer: a same-layers 5-set must reuse 2 top heads (it used to share
+    2-4 with the top set silently); the frame says so, and the all-layers pool is disjoint."""
+    top = [(1, h) for h in range(5)]
+    with pytest.warns(UserWarning, match="only 10 same-layers"):
+        same = random_head_sets(top, n_heads=8, n_random=20, seed=0)
+    assert len(same) == 10  # C(5, 2): which two top heads fill the layer
+    assert all({(1, 5), (1, 6), (1, 7)} <= set(s) and len(set(s) & set(top)) == 2 for s in same)
+    wide = random_head_sets(top, n_heads=8, n_random=20, seed=0, n_layers=3, pool="all-layers")
+    assert len(wide) == 20 and all(not set(s) & set(top) for s in wide)
+    assert len({la for s in wide for la, _ in s}) == 3
 
 
 def test_planted_heads_far_outside_random(planted):
     model, task, scores = planted
     with pytest.warns(UserWarning, match="random head sets differ from the top set"):
         df = validate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
-    assert len(df) == 8
+    assert list(df.columns) == VALIDATION_COLUMNS and len(df) == 16
     assert df.attrs["sets"][1]["top"] == [list(PLANTED_P1)]
     assert df.attrs["sets"][2]["top"] == [list(PLANTED_P2)]
     for r in df.itertuples():
         width = r.random_high - r.random_low
         gap = abs(r.clean - r.corrupt)
         assert gap > 0.5 if "margin" in r.quantity else gap > 0.3
-        # the planted head alone carries the behaviour: its effect is most of clean - corrupt,
-        # and its whole 95% interval lies beyond the random sets' interval by far
+        # the planted head alone carries the behaviour: its effect is most of clean - corrupt
         assert abs(r.normalized) > 0.9, r
-        if r.top_effect > 0:
-            assert r.top_low > r.random_high + 10 * width + 0.1 * gap, r
-        else:
-            assert r.top_high < r.random_low - 10 * width - 0.1 * gap, r
-        # k = 1: the other heads of the planted head's layer are every random set there is
-        assert r.n_random == model.cfg.n_heads - 1
-        assert r.p_value == pytest.approx(1 / (1 + r.n_random))  # the floor: none as strong
+        assert r.overlap == 0  # k = 1: room for disjoint sets in both pools
+        # the other heads of the planted head's layer, or of the model: every set there is
+        assert r.n_random == (model.cfg.n_heads - 1 if r.pool == "same-layers"
+                              else model.cfg.n_layers * model.cfg.n_heads - 1)
+        if r.pool == "same-layers":  # nothing else in its layer does it: far outside them
+            if r.top_effect > 0:
+                assert r.top_low > r.random_high + 10 * width + 0.1 * gap, r
+            else:
+                assert r.top_high < r.random_low - 10 * width - 0.1 * gap, r
+            assert r.p_value == pytest.approx(1 / (1 + r.n_random))  # the floor
+    # across layers, the Phase-2 circuit's other heads (its mover L0H2) do as much: the
+    # all-layers control can say the planted head is not alone
+    p2_all = df[(df.phase == 2) & (df.pool == "all-layers") & (df.direction == "noise")]
+    assert (p2_all.p_value >= 2 / 8).all()
     noise_p1 = df[(df.phase == 1) & (df.direction == "noise") & (df.quantity == "focus")].iloc[0]
     assert noise_p1.top_effect < -0.5  # Reasoning Focus collapses when the anchor head is noised
     noise_p2 = df[(df.phase == 2) & (df.direction == "noise") & (df.quantity == "confusion")]
     assert noise_p2.iloc[0].top_effect > 0.5  # Near-Miss Confusion rises
+
+
+def test_a_top_set_no_better_than_random_gets_a_large_p_value():
+    """Eight identical copy heads in layer 1 carry the Phase-2 behaviour together, and the
+    layer-0 mover feeds them all: the top-5 (five of the eight) is no better than five other
+    heads, so neither pool may call it specific (p >= 0.2), and the same-layers pool says its
+    sets share 2 heads with the top set."""
+    model, task = refine_model(("copy",) * 8), refine_task(16)
+    scores = score_heads(model, task, progress=False, k=5)
+    top = top_heads(scores, 2, 5)
+    assert {la for la, _ in top} == {1}
+    with pytest.warns(UserWarning, match="only 10 same-layers"):
+        df = validate_heads(model, task, scores, k=5, n_random=20, seed=0, progress=False)
+    same = df[df.pool == "same-layers"]
+    wide = df[df.pool == "all-layers"]
+    assert set(same.overlap) == {2} and set(same.n_random) == {10}
+    assert set(wide.overlap) == {0} and set(wide.n_random) == {20}
+    assert (df.p_value >= 0.2).all(), df[["pool", "direction", "quantity", "p_value"]]
+    sets = df.attrs["sets"][2]["random"]
+    assert all(not {tuple(h) for h in s} & set(top) for s in sets["all-layers"])
+
+
+def test_ablation_sources_equal_hand_hooked_runs(tiny_llama, synth):
+    """zero / mean / resample ablation through run_head_sets against a plain run_with_hooks
+    that writes the same z by hand (mean: over every prompt's positions up to its last read;
+    resample: the engine's derangement of the prompts)."""
+    from circuitkit.patching.engine import derangement
+
+    model, metric = tiny_llama, synth.metric
+    clean = synth.clean_tokens
+    n, seq = clean.shape
+    f = hooks.facts(model)
+    engine = ExactEngine(model, clean, clean, metric,
+                         Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n, seq,
+                               True), fast=False)
+    sets = [[], [(0, 1)], [(0, 0), (2, 3)], [(1, 2), (2, 0), (2, 1)]]
+    names = [hooks.z(la) for la in range(f.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(clean, names_filter=lambda x: x in names)
+    last = metric.reads.max(1).values
+    keep = (torch.arange(seq)[None, :] <= last[:, None]).float()
+    for source in ("zero", "mean", "resample"):
+        got = engine.run_head_sets(sets, p0=2, p1=10, source=source, seed=3)
+        perm = derangement(8, 3) + 2
+        out = []
+        for s in sets:
+            fwd = []
+            for layer in sorted({la for la, _ in s}):
+                heads = [h for la, h in s if la == layer]
+                z_all = cache[hooks.z(layer)]
+                mean = torch.einsum("nphd,np->hd", z_all.double(), keep.double()) / keep.sum()
+
+                def hook(z, hook, heads=heads, z_all=z_all, mean=mean, source=source,
+                         perm=perm):
+                    if source == "zero":
+                        z[:, :, heads] = 0.0
+                    elif source == "mean":
+                        z[:, :, heads] = mean[heads].float()
+                    else:
+                        z[:, :, heads] = z_all[perm][:, :z.shape[1], heads]
+                    return z
+                fwd.append((hooks.z(layer), hook))
+            with torch.no_grad():
+                logits = model.run_with_hooks(clean[2:10], fwd_hooks=fwd)
+            out.append(metric.select(list(range(2, 10))).per_prompt(logits))
+        torch.testing.assert_close(got[0], torch.stack(out), atol=1e-5, rtol=0, msg=source)
+    assert not bool((derangement(8, 3) == torch.arange(8)).any())
+    with pytest.raises(ValueError, match="source="):
+        engine.run_head_sets(sets, source="shuffle")
+    with pytest.raises(ValueError, match="at least 2"):
+        engine.run_head_sets(sets, p0=0, p1=1, source="resample")
+
+
+def test_exact_match_metric_is_a_hand_argmax(tiny_llama, synth):
+    with torch.no_grad():
+        logits = tiny_llama(synth.clean_tokens)
+    metric = exact_match_metric(synth)
+    lt = synth.label_token_ids
+    want = torch.tensor([float(all(int(logits[i, p - 1].argmax()) in lt[e.targets].tolist()
+                                   for p in e.answer_pos))
+                         for i, e in enumerate(synth.examples)])
+    torch.testing.assert_close(metric.per_prompt(logits), want)
+    # the planted circuit answers every note right; flipping the logits makes none right
+    model, task = planted_model(), planted_task(8)
+    with torch.no_grad():
+        lg = model(task.clean_tokens)
+    assert exact_match_metric(task).per_prompt(lg).tolist() == [1.0] * 8
+    assert exact_match_metric(task).per_prompt(-lg).tolist() == [0.0] * 8
+
+
+def test_ablating_the_planted_phase2_head_raises_confusion_unlike_random_heads(planted):
+    model, task, scores = planted
+    with pytest.warns(UserWarning, match="random head sets differ"):
+        df = ablate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
+    assert list(df.columns) == ABLATION_COLUMNS
+    assert set(df.ablation) == {"zero", "mean", "resample"}
+    assert set(df.quantity) == {"exact_match", "confusion", "focus"}
+    assert len(df) == 2 * 2 * 3 * 3  # phase x pool x ablation x quantity
+    p2 = df[(df.phase == 2) & (df.pool == "same-layers")].set_index(["ablation", "quantity"])
+    for ablation in ("zero", "mean", "resample"):
+        conf = p2.loc[(ablation, "confusion")]
+        assert conf.base < 0.01 and conf.top_effect > 0.4 and conf.top_low > 0.3
+        assert abs(conf.random_mean) < 0.01 and conf.p_value == pytest.approx(1 / 4)
+        em = p2.loc[(ablation, "exact_match")]
+        # (mean ablation writes the average label: a coin flip between the two children)
+        assert em.base == 1.0 and em.top_effect < -0.4 and em.top_high < -0.2
+        assert p2.loc[(ablation, "focus")].top_effect == pytest.approx(0.0, abs=1e-3)
+    # the Phase-1 head's ablation breaks focus, not the answer (the mover carries that)
+    p1 = df[(df.phase == 1) & (df.pool == "same-layers")].set_index(["ablation", "quantity"])
+    assert p1.loc[("zero", "focus")].top_effect < -0.5
+    assert p1.loc[("zero", "exact_match")].top_effect == 0.0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 3])
@@ -165,7 +310,10 @@ def test_random_weights_top_k_like_random(seed, synth):
     """Random weights: no head set carries a planted behaviour, so the top-k set's effect stays
     near the random sets' interval (within one interval width of it), unlike the planted heads
     (beyond ten widths). It need not lie strictly inside: margin_widening is a direct effect, so
-    even in a random network the Phase-2 top set can be the most effective of the 21 sets."""
+    even in a random network the Phase-2 top set can be the most effective of the 21 sets.
+    Checked against the all-layers pool: five other heads of one layer (same-layers, disjoint)
+    can spread less than the whole model's (seed 1: the Phase-1 top set, L0H0-2 by tie order,
+    lies 2.8 same-layer widths out, p = 0.09, and inside the all-layers interval)."""
     from tinymodels import make_model
 
     model = make_model({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
@@ -177,7 +325,8 @@ def test_random_weights_top_k_like_random(seed, synth):
     for r in df.itertuples():
         width = r.random_high - r.random_low
         assert width > 0
-        assert r.random_low - width <= r.top_effect <= r.random_high + width, r
+        if r.pool == "all-layers":
+            assert r.random_low - width <= r.top_effect <= r.random_high + width, r
 
 
 def test_validate_refuses_bad_input(planted):
@@ -195,13 +344,17 @@ def test_a_task_without_phase1_steps_validates_phase2_only():
     ranks (not row order), and validation tests Phase 2 alone (it failed inside the engine)."""
     model = ck.load_model("induction-2l")
     task = ck.load_task("induction", n_examples=6, seed=0)
-    scores = ck.score_heads(model, task, progress=False)
+    with pytest.warns(UserWarning, match="no shortlist positions"):
+        scores = ck.score_heads(model, task, progress=False)
     assert scores["coarse_score"].isna().all() and scores["phase1_rank"].isna().all()
+    # no shortlist to re-read: refine_score is the direct effect on the answer margin
+    assert scores["loopback"].isna().all()
+    assert scores["refine_score"].tolist() == scores["margin_widening"].tolist()
     assert sorted(scores["phase2_rank"].tolist()) == list(range(1, len(scores) + 1))
     with pytest.raises(ValueError, match="no phase1_rank"):
         top_heads(scores, 1, 2)
     val = ck.validate_heads(model, task, scores, k=2, n_random=3, progress=False)
-    assert set(val["phase"]) == {2} and len(val) == 4
+    assert set(val["phase"]) == {2} and len(val) == 8  # 2 pools x 2 directions x 2 quantities
 
 
 def test_interrupted_validation_resumes_its_finished_runs(planted, tmp_path, monkeypatch):

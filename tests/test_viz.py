@@ -165,8 +165,12 @@ def test_score_scatter(scores):
     np.testing.assert_array_equal(tr.marker.color, scores["layer"])
     assert tr.marker.colorbar.title.text == "layer"
     assert list(tr.marker.colorbar.tickvals) == [0, 1, 2, 3]
-    labelled = sorted(t for t in tr.text if t)
+    labelled = sorted(a.text for a in fig.layout.annotations)
     assert labelled == sorted(["L0H2", "L0H1", "L3H2", "L3H1"])  # top 2 of each score
+    for a in fig.layout.annotations:  # each label points at its own head
+        la, h = int(a.text[1]), int(a.text[3])
+        row = scores[(scores["layer"] == la) & (scores["head"] == h)].iloc[0]
+        assert (a.x, a.y) == (row.coarse_score, row.refine_score)
     assert "coarse_score" in fig.layout.xaxis.title.text
     assert "refine_score" in fig.layout.yaxis.title.text
     assert "phase1_rank" in tr.hovertemplate
@@ -174,10 +178,13 @@ def test_score_scatter(scores):
         charts.score_scatter(scores.drop(columns="refine_score"))
 
 
-def test_phase_profile_means_by_relative_depth(scores):
+def test_phase_profile_means_by_layer(scores):
     fig = charts.phase_profile(scores, n_layers=4)
     p1, p2 = fig.data
-    np.testing.assert_allclose(p1.x, [0, 1 / 3, 2 / 3, 1])
+    np.testing.assert_allclose(p1.x, [0, 1, 2, 3])  # layers, ticked by layer number
+    assert list(fig.layout.xaxis.tickvals) == [0, 1, 2, 3]
+    assert fig.layout.xaxis.title.text.startswith("layer") and "depth" not in \
+        fig.layout.xaxis.title.text
     np.testing.assert_allclose(p1.y, [4.1, 3.1, 2.1, 1.1])  # mean of 4 - l + 0.1 h, h = 0..2
     np.testing.assert_allclose(p2.y, [0.01, 1.01, 2.01, 3.01])
     np.testing.assert_allclose(p1.error_y.array, [0.1 / np.sqrt(3)] * 4)  # std 0.1 over 3 heads
@@ -401,6 +408,6 @@ def test_a_task_metric_names_its_task_and_phase_in_the_title(teacher_and_task):
     res = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens, t1.metric, progress=False)
     assert res.meta["task"] == "icd10" and res.meta["phase"] == 1
     assert heatmaps.describe(res).startswith("icd-teacher · icd10 phase 1 · metric anchor_margin")
-    plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens,
-                           lambda lg: lg[:, -1, 0].mean(), progress=False)
+    plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens,  # (right-padded prompts:
+                           lambda lg: t1.metric(lg), progress=False)  # each reads its own)
     assert "task" not in plain.meta and "phase" not in plain.meta

@@ -3,6 +3,9 @@ module of its own, because ``conftest`` is ambiguous once notebooks/ has a conft
 
 ``TINY_LLAMA``: 3 layers, 4 query heads sharing 2 KV heads (GQA), rotary, d_model 64, vocab 64.
 ``TINY_GPT2``: 2 layers, 4 heads, learned positions, d_model 32, vocab 64.
+``ARCHS`` (with ``SMALL``): the HF block layouts TransformerLens bridges, 2 layers, d_model 32.
+``NATIVE``: TransformerLens-native layouts (``TransformerBridgeConfig`` + ``boot_native``).
+``hooked_sweep``: the reference every exact sweep is checked against (a plain hooked forward).
 """
 
 from __future__ import annotations
@@ -69,3 +72,104 @@ def hand_patch_heads(model, base, source, metric, site="z"):
             with torch.no_grad():
                 out[layer, h] = metric(model.run_with_hooks(base, fwd_hooks=[(name, patch)]))
     return out
+
+
+# HF layouts TransformerLens bridges: pre-norm (Llama with GQA, Mixtral), GPT-2 (learned
+# positions, LayerNorm), parallel attention/MLP (GPT-NeoX, GPT-J, Phi, Falcon, Cohere), post-norm
+# (Gemma 2: pre and post; OLMo 2: post only), multi-query (GPT-BigCode) and bridges that leave
+# attention to HF (GPT-J, OPT: a post-hoc ``hook_pattern``; OPT's MLP is no module of its own).
+SMALL = dict(vocab_size=64, num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+             max_position_embeddings=64, seed=0)
+ARCHS = {
+    "llama": dict(model_type="llama", intermediate_size=64, num_key_value_heads=2),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "gpt_neox": dict(model_type="gpt_neox", intermediate_size=64),
+    "gptj": dict(model_type="gptj", n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                 rotary_dim=4),
+    "phi": dict(model_type="phi", intermediate_size=64),
+    "falcon": dict(model_type="falcon"),
+    "cohere": dict(model_type="cohere", intermediate_size=64, num_key_value_heads=2),
+    "gemma2": dict(model_type="gemma2", intermediate_size=64, num_key_value_heads=2,
+                   head_dim=8),
+    "olmo2": dict(model_type="olmo2", intermediate_size=64, num_key_value_heads=2),
+    "mixtral": dict(model_type="mixtral", intermediate_size=64, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2),
+    "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=32, n_layer=2, n_head=4,
+                        n_positions=64, multi_query=True),
+    "opt": dict(model_type="opt", ffn_dim=64, word_embed_proj_dim=32),
+}
+POST_HOC_PATTERN = {"gptj", "opt"}
+
+# TransformerLens-native layouts, on NATIVE_BASE (2 layers, 4 heads, d_model 32, vocab 64, LN).
+NATIVE_BASE = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, n_ctx=16, d_vocab=64,
+                   act_fn="gelu", seed=0)
+NATIVE = {
+    "attn-only": dict(attn_only=True, normalization_type=None),
+    "attn-only-ln": dict(attn_only=True, normalization_type="LN"),
+    "no-norm": dict(normalization_type=None),
+    "ln": dict(normalization_type="LN"),
+    "rms": dict(normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
+                n_key_value_heads=2, act_fn="silu"),
+    "lnpre": dict(normalization_type="LNPre"),
+    "rmspre": dict(normalization_type="RMSPre"),
+    "vocab-out": dict(d_vocab_out=24),
+    # TL runs native blocks in sequence whatever parallel_attn_mlp says (no norm: the block
+    # estimator is then exact on the last layer, which tells the two readings apart)
+    "parallel": dict(parallel_attn_mlp=True, normalization_type=None),
+    "softcap": dict(attn_scores_soft_cap=2.0, output_logits_soft_cap=3.0),
+    "bidirectional": dict(attention_dir="bidirectional"),
+}
+
+
+def native_model(**over):
+    """``ck.load_model(TransformerBridgeConfig(**NATIVE_BASE, **over))``: a TransformerLens-native
+    bridge (random init, seeded), in eval mode."""
+    from transformer_lens.config import TransformerBridgeConfig
+
+    import circuitkit as ck
+
+    return ck.load_model(TransformerBridgeConfig(**{**NATIVE_BASE, **over}))
+
+
+def hooked_sweep(model, base, source, metric, kind="heads", site="z", positions="all"):
+    """Metric (mean over prompts) after patching each cell of ``base``'s run with ``source``'s
+    activation: ``[n_layers, n_heads]`` (heads, positions "all"), ``[n_layers, n_heads, seq]``
+    (heads, "each"; pattern: the query row) or ``[n_layers, seq]`` (layers). One plain
+    ``run_with_hooks`` forward of the whole model per layer, every cell's copy of the prompts
+    stacked in the batch: the reference for exact sweeps, written apart from the engine."""
+    import torch
+
+    from circuitkit import hooks
+
+    f = hooks.facts(model)
+    n, seq = base.shape
+    with torch.no_grad():
+        _, cache = model.run_with_cache(source)
+    units = f.n_heads_at(site) if kind == "heads" else 1
+    cells = [(u, p) for u in range(units)
+             for p in (range(seq) if kind == "layers" or positions == "each" else [None])]
+    out = torch.zeros(f.n_layers, len(cells))
+    for layer in range(f.n_layers):
+        name = hooks.head_site(site, layer) if kind == "heads" else hooks.layer_site(site, layer)
+        src = cache[name]
+
+        def patch(t, hook, src=src):
+            t = t.clone()
+            view = t.view(len(cells), n, *t.shape[1:])
+            for i, (u, p) in enumerate(cells):
+                ix = [slice(None)] * src.ndim
+                if kind == "heads":
+                    ix[hooks.head_axis(site)] = u
+                if p is not None:
+                    ix[2 if site == "pattern" else 1] = p
+                view[i][tuple(ix)] = src[tuple(ix)]
+            return t
+
+        with torch.no_grad():
+            logits = model.run_with_hooks(base.repeat(len(cells), 1), fwd_hooks=[(name, patch)])
+        for i in range(len(cells)):
+            out[layer, i] = torch.as_tensor(metric(logits[i * n:(i + 1) * n])).float().mean()
+    if kind == "layers":
+        return out
+    return out.view(f.n_layers, units, -1).squeeze(-1) if positions == "all" else \
+        out.view(f.n_layers, units, seq)

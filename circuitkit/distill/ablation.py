@@ -21,7 +21,9 @@ run, on held-out ``icd10`` test notes: ``focus``, ``confusion``, ``confusion_rat
 and fitted further on the student's outputs on train notes disjoint from the test notes), and
 the student's own mechanism (``ck.score_heads`` of the student on test notes): ``sharpness``
 and ``anchor_alignment`` of its rank-1 Phase-1 head, ``loopback`` and ``margin_widening`` of
-its rank-1 Phase-2 head.
+its rank-1 Phase-2 head (rank 1 by ``coarse_score`` / ``refine_score``; a tie, as when no head
+of a barely trained student is sharp enough to score, goes to the higher ``sharpness`` /
+``loopback``).
 
 Outputs:
 
@@ -41,6 +43,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -114,9 +117,18 @@ def student_metrics(folder: Path, test: Any, sim_task: Any, simulator: Any,
     res = ev.las(None, test, sim_task, generations=gens, train_generations=decode(hf, sim_task),
                  simulator=simulator)
     out.update({k: float(v) for k, v in res.items()})
-    scores = score_heads(ck.load_model(str(folder)), fidelity_task, progress=False)
-    p1 = scores.sort_values("phase1_rank").iloc[0]
-    p2 = scores.sort_values("phase2_rank").iloc[0]
+    with warnings.catch_warnings():
+        # A barely trained student can score the same on every head (coarse_score is 0 while
+        # no head's attention is sharp): its rank-1 head is then picked by the tie-break below,
+        # not by (layer, head) order, so score_heads' warning about tied ranks does not apply.
+        warnings.filterwarnings("ignore", message="every head has the same")
+        scores = score_heads(ck.load_model(str(folder)), fidelity_task, progress=False)
+    # rank-1 heads: by the phase's score, ties by its first component (the sharpest head when
+    # none is sharp enough to score), then by (layer, head)
+    p1 = scores.sort_values(["coarse_score", "sharpness", "layer", "head"],
+                            ascending=[False, False, True, True]).iloc[0]
+    p2 = scores.sort_values(["refine_score", "loopback", "layer", "head"],
+                            ascending=[False, False, True, True]).iloc[0]
     out.update(sharpness=float(p1["sharpness"]), anchor_alignment=float(p1["anchor_alignment"]),
                loopback=float(p2["loopback"]), margin_widening=float(p2["margin_widening"]),
                phase1_head=f"{int(p1['layer'])}.{int(p1['head'])}",
@@ -165,6 +177,7 @@ def _run_ablation(out: Path, teacher: str, seeds: int, size: str, student: Any,
 
     from circuitkit.evaluation import pretrained_simulator
     from circuitkit.files import write_json, write_text
+    from circuitkit.models import hf_progress
     from circuitkit.tasks import load_task
 
     sz = SIZES[size]
@@ -194,7 +207,8 @@ def _run_ablation(out: Path, teacher: str, seeds: int, size: str, student: Any,
                 if simulator is None:  # deterministic: pre-fitted once per process
                     simulator = pretrained_simulator(load_task(
                         task, n_examples=sz["sim_pretrain_examples"], seed=2, split="train"))
-                m = student_metrics(run, test, sim_task, simulator, fidelity)
+                with hf_progress(progress):  # its model loads show no bar unless asked
+                    m = student_metrics(run, test, sim_task, simulator, fidelity)
                 write_json(done, dict(variant=v, seed=seed, metrics=m, config=asdict(cfg),
                                       eval_seconds=round(time.perf_counter() - t0, 1)))
             m = json.loads(done.read_text())["metrics"]

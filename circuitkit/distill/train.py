@@ -199,10 +199,12 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
                   progress: bool = True, resume: bool = True, scores: Any = None,
                   overwrite: bool = False, **overrides: Any) -> Path:
     """Train a student (module docstring); returns ``out_dir`` (an HF folder). ``overrides``:
-    ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``). ``overwrite``: a
-    finished student or training state of another config in ``out_dir`` is deleted first
-    (otherwise refused)."""
+    ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``). ``progress``:
+    this function's bars, and transformers' own (loading the teacher, saving the student).
+    ``overwrite``: a finished student or training state of another config in ``out_dir`` is
+    deleted first (otherwise refused)."""
     from circuitkit.files import check_writable_dir, lock_folder
+    from circuitkit.models import hf_progress
 
     cfg = cfg or DistillConfig()
     if overrides:
@@ -213,7 +215,8 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
         cfg = DistillConfig(**{**asdict(cfg), **overrides})
     cfg.check()
     out = check_writable_dir(out_dir, "out_dir")
-    with lock_folder(out, "out_dir"):  # one run per folder; dead writers' temporaries removed
+    # one run per folder (dead writers' temporaries removed); transformers' bars follow progress
+    with lock_folder(out, "out_dir"), hf_progress(progress):
         return _train_student(cfg, out, progress, resume, scores, overwrite)
 
 

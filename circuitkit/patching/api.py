@@ -21,7 +21,7 @@ import time
 import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Int
@@ -39,25 +39,40 @@ from circuitkit.patching.checkpoint import (
     sweep_identity,
     tokens_hash,
 )
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.engine import EdgeEngine, ExactEngine
 from circuitkit.patching.inputs import (
     BACKENDS,
     DIRECTIONS,
+    EDGE_METHODS,
     METHODS,
     POSITIONS,
+    NoGradientError,
+    ReadsDoNotHold,
     check_batch_size,
+    check_edge_model,
+    check_edge_nodes,
+    check_gradient,
     check_metric_prompts,
     check_tokens,
     check_top_k,
+    checked_metric,
     choice,
+    without_probed_reads,
 )
-from circuitkit.patching.results import PatchResult, verified_mask  # noqa: F401 (re-exported)
+from circuitkit.patching.results import (  # noqa: F401 (re-exported)
+    EdgeResult,
+    PatchResult,
+    quiet_baseline,
+    verified_mask,
+)
 from circuitkit.patching.sweep import (
     Chunk,
+    EdgeLayout,
     Sweep,
     auto_rows,
     is_out_of_memory,
     length_order,
+    make_edge_sweep,
     make_sweep,
     plan,
     release_cached_memory,
@@ -128,21 +143,26 @@ def patch_heads(
             raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
         from circuitkit.patching import nnsight_backend
 
-        return nnsight_backend.patch_heads(
+        res = nnsight_backend.patch_heads(
             model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
             positions=positions, site=site, batch_size=batch_size, progress=progress,
             remote=remote, task_hash=task_hash)
+        res.warn_if_degenerate()
+        return res
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_HEAD_SITES)
+                                              hooks.PATCH_HEAD_SITES,
+                                              engine_checks=method == "exact")
     f = hooks.facts(model)
     meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
                 task_hash=task_hash)
     if method == "auto":
-        return _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
-                     positions=positions, site=site, batch_size=batch_size,
-                     checkpoint=checkpoint, progress=progress, top_k=top_k,
-                     max_passes=max_passes, meta=meta)
+        res = _auto(model, clean_tokens, corrupt_tokens, pm, direction=direction,
+                    positions=positions, site=site, batch_size=batch_size,
+                    checkpoint=checkpoint, progress=progress, top_k=top_k,
+                    max_passes=max_passes, meta=meta)
+        res.warn_if_degenerate()
+        return res
     chosen = {} if estimator is None else dict(estimator=estimator)
     if method in ("attribution", "attribution+exact"):
         _whole_on_every_replica(f"method={method!r}")
@@ -158,10 +178,213 @@ def patch_heads(
             progress=progress, max_passes=max_passes, checkpoint=checkpoint, **chosen)
     else:
         sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
-        return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                    progress, meta)
+        res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                      progress, meta)
+        res.warn_if_degenerate()
+        return res
     res.meta.update(_described(meta, pm))
+    res.warn_if_degenerate()
     return res
+
+
+def patch_edges(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    senders: Any = None,
+    receivers: Any = None,
+    inputs: Any = hooks.EDGE_INPUTS,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    batch_size: int | None = None,
+    estimator: str | None = None,
+    ig_steps: int | None = None,
+    top_k: int | None = None,
+    max_passes: float | None = None,
+    task_hash: str | None = None,
+) -> EdgeResult:
+    """Patch every edge: a sender's write into one receiver's q, k or v input alone.
+
+    An edge (sender, receiver, input): the sender's write (source minus base: a head's
+    ``dz @ W_O``, or the embeddings' difference) is added to the receiver's own copy of the
+    residual at that input only; every other reader keeps the base run (denoise: base corrupt,
+    source clean; noise: the reverse). ``values[s, r, i]`` is the metric after that patch,
+    mean over prompts (``EdgeResult``; docs/edges.md).
+
+    ``senders``/``receivers``: lists of ``(layer, head)`` (or "L3H2"), with "embed" (a sender)
+    and "logits" (a receiver); None: every head and the embeddings / the logits. ``inputs``:
+    any of "q", "k", "v" (under GQA, k/v receivers are KV heads). ``method``: "exact" (the
+    edge engine: receivers of one layer per forward, re-entering at their layer), "attribution"
+    (``estimator``: "eap", the default, "eap-ig-inputs" or "eap-ig-activations", ``ig_steps``
+    steps; ``attribution.attribution_patch_edges``) or "attribution+exact" (an estimator
+    screens every edge, default "eap", and the exact engine verifies the ``top_k``,
+    or as many as the error bound of ``attribution_plus_exact`` requires; ``max_passes`` caps
+    the cost). ``checkpoint``: folder; finished chunks of an exact sweep are stored and a rerun
+    resumes (the other methods are not checkpointed: a warning says so).
+    ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
+    """
+    choice("method", method, EDGE_METHODS)
+    _check_method_options(method, None, False, top_k, max_passes)
+    if estimator is not None or ig_steps is not None:
+        if method == "exact":
+            warnings.warn("estimator and ig_steps do nothing with method='exact'.", stacklevel=2)
+        else:
+            choice("estimator", estimator or attribution.EDGE_ESTIMATORS[0],
+                   attribution.EDGE_ESTIMATORS)
+    if method != "exact" and checkpoint is not None:
+        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: edges are checkpointed with "
+                      f"method='exact' only (method={method!r} is not).", stacklevel=2)
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, "exact", "all", "z", batch_size,
+                                              hooks.PATCH_HEAD_SITES)
+    layout = edge_layout(model, senders, receivers, inputs)
+    for name in layout.inputs:
+        hooks.check_patchable(model, name, clean_tokens)
+    check_edge_model(model)
+    meta = dict(task_hash=task_hash, kv_heads=hooks.facts(model).gqa)
+    if method == "attribution":
+        res = attribution.attribution_patch_edges(
+            model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
+            estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
+        res.meta.update(_described(meta, pm))
+        res.warn_if_degenerate()
+        return res
+    if method == "attribution+exact":
+        res = _edges_screen_then_verify(
+            model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
+            estimator=estimator, ig_steps=ig_steps, top_k=top_k, max_passes=max_passes,
+            batch_size=batch_size, progress=progress)
+        res.meta.update(_described(meta, pm))
+        res.warn_if_degenerate()
+        return res
+    sweep = make_edge_sweep(model, layout, direction, clean_tokens, pm)
+    swept = _sweep(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                   progress, make_engine=functools.partial(EdgeEngine, layout=layout),
+                   identity_extra=layout.to_dict())
+    values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
+    pp = pm.per_prompt_values
+    res = EdgeResult(
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=direction, method="exact", senders=layout.senders,
+        receivers=layout.receivers, inputs=layout.inputs, n_layers=layout.n_layers,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None,
+        meta=dict(model=str(getattr(model.cfg, "model_name", "")), n_edges=layout.n_edges,
+                  **swept.provenance(model), **_described(meta, pm)))
+    res.warn_if_degenerate()
+    return res
+
+
+def _edges_screen_then_verify(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+                              layout: EdgeLayout, *, direction: str, estimator: str | None,
+                              ig_steps: int | None, top_k: int | None, max_passes: float | None,
+                              batch_size: int | None, progress: bool, recall_top: int = 10,
+                              quantile: float = 0.9, max_fraction: float = 0.5) -> EdgeResult:
+    """``patch_edges(method="attribution+exact")``: screen every edge with an edge estimator
+    (default ``attribution.EDGE_SCREENING_ESTIMATOR``), then verify edges with the edge engine
+    (``EdgeEngine.run_variants``): the ``top_k`` largest ``|estimated effect|``, or with
+    ``top_k=None`` by ``attribution_plus_exact``'s rule (``_budget_rule``), the error unit of an
+    edge being ``u = write_scale x (L + 1 - l) / (L + 1)`` (``l``: its receiver layer; the logits
+    count as layer ``L``). ``values``: exact where verified (``meta["verified"]``), the
+    estimate elsewhere; ``meta["cost"]``: pass-equivalents of the screen and of the
+    verification."""
+    est = attribution.attribution_patch_edges(
+        model, clean, corrupt, metric, layout, direction=direction,
+        estimator=estimator or attribution.EDGE_SCREENING_ESTIMATOR, ig_steps=ig_steps,
+        batch_size=batch_size, progress=progress)
+    mask = est.edge_mask()
+    cells = mask.nonzero()  # [E, 3]: sender, receiver, input
+    n, L = clean.shape[0], layout.n_layers
+    base = est.corrupt if direction == "denoise" else est.clean
+    effect = (est.values - base)[mask]
+    ws = torch.tensor([[[float("nan") if v is None else v for v in row] for row in mat]
+                       for mat in est.meta["write_scale"]])[mask]
+    rl = torch.tensor([layout.receivers[int(r)][0] for r in cells[:, 1]])
+    downstream = (L + 1 - rl).float() / (L + 1)
+    scale = (ws.nan_to_num(0.0) * downstream).clamp_min(1e-12)
+    where: dict[tuple[int, int, int], tuple[int, int]] = {}  # (s, r, i) -> (layer, variant)
+    r_index = layout.receiver_index()
+    for layer in range(L + 1):
+        for v, (s, i, u) in enumerate(layout.cells(layer).tolist()):
+            where[(s, r_index[(layer, u) if layer < L else (L, -1)], i)] = (layer, v)
+    place = [where[tuple(c)] for c in cells.tolist()]
+    t0 = time.perf_counter()
+    engines: list[EdgeEngine] = []
+
+    def engine() -> EdgeEngine:
+        if not engines:
+            sweep = make_edge_sweep(model, layout, direction, clean, metric)
+            engines.append(EdgeEngine(model, clean, corrupt, metric, sweep, layout))
+        return engines[0]
+
+    rows = batch_size or auto_rows(model, clean.shape[1])
+    step = min(n, rows) if metric.per_prompt_values else n
+    per = max(1, rows // step)
+    n_cells = len(place)
+    exact_pp = torch.zeros(n_cells, n)
+    done = torch.zeros(n_cells, dtype=torch.bool)
+    order: list[int] = []
+
+    def verify(flat: list[int]) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for j in flat:
+            by_layer.setdefault(place[j][0], []).append(j)
+        for layer, js in by_layer.items():
+            for g0 in range(0, len(js), per):
+                group = js[g0:g0 + per]
+                exact_pp[group] = torch.cat([
+                    engine().run_variants(layer, [place[j][1] for j in group], p0,
+                                          min(p0 + step, n)) for p0 in range(0, n, step)], 1)
+        done[flat] = True
+        order.extend(flat)
+
+    k_err, tau, stopped, rounds = 0.0, None, "top_k", 0
+    if top_k is not None:
+        verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
+    else:
+        per_round = max(1, len(layout.inputs) * hooks.facts(model).n_heads)
+        k_err, tau, stopped, rounds = _budget_rule(
+            effect, scale, downstream, exact_pp, done, base, verify, n, per_round,
+            recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+            max_passes=max_passes, screen_passes=est.meta["pass_equivalents"])
+    values = est.values.clone()
+    per_prompt = est.per_prompt.clone() if est.per_prompt is not None else None
+    verified = torch.zeros_like(mask)
+    for j in order:
+        s, r, i = cells[j].tolist()
+        values[s, r, i] = exact_pp[j].mean()
+        verified[s, r, i] = True
+        if per_prompt is not None:
+            per_prompt[:, s, r, i] = exact_pp[j]
+    verify_passes = n * (float(downstream[order].sum()) + 2 * bool(order))
+    cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
+                verify_passes=verify_passes,
+                total_passes=est.meta["pass_equivalents"] + verify_passes,
+                exact_sweep_passes=n * (float(downstream.sum()) + 2),
+                estimator_seconds=est.meta["seconds"],
+                verify_seconds=time.perf_counter() - t0)
+    budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
+                  recall_top=recall_top, quantile=quantile, max_fraction=max_fraction,
+                  max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
+                  rounds=rounds)
+    meta = dict(est.meta, verified=verified.tolist(), n_verified=len(order),
+                verified_fraction=len(order) / max(1, n_cells), budget=budget, cost=cost,
+                attribution_values=[[[None if v != v else v for v in row] for row in mat]
+                                    for mat in est.values.tolist()])
+    return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
+                   meta=meta)
+
+
+def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
+                inputs: Any = hooks.EDGE_INPUTS) -> EdgeLayout:
+    """The ``EdgeLayout`` of ``patch_edges``'s node arguments (checked: ``check_edge_nodes``)."""
+    s, r, i = check_edge_nodes(model, senders, receivers, inputs)
+    f = hooks.facts(model)
+    return EdgeLayout(f.n_layers, f.n_heads, f.n_kv_heads, s, r, i)
 
 
 def patch_layers(
@@ -187,7 +410,7 @@ def patch_layers(
     method = "exact" if method == "auto" else method  # one choice for layer sites
     clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
                                               direction, method, positions, site, batch_size,
-                                              hooks.PATCH_LAYER_SITES)
+                                              hooks.PATCH_LAYER_SITES, engine_checks=True)
     if method != "exact":
         raise ValueError(f"patch_layers is exact only; got method={method!r}. Use patch_heads "
                          "for attribution (heads, not layers).")
@@ -196,8 +419,10 @@ def patch_layers(
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
     sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
-    return _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                progress, dict(task_hash=task_hash))
+    res, _ = _run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
+                  progress, dict(task_hash=task_hash))
+    res.warn_if_degenerate()
+    return res
 
 
 def plan_patch(
@@ -364,7 +589,7 @@ def attribution_plus_exact(
             method="attribution+exact", estimator=estimator,
             atp_star=bool(atp_star) and estimator in ("qk", "atp*")))  # what it changes
     try:
-        return _screen_then_verify(
+        res = _screen_then_verify(
             model, clean_tokens, corrupt_tokens, metric, sweep, store, direction=direction,
             site=site, positions=positions, top_k=top_k, atp_star=atp_star,
             estimator=estimator, recall_top=recall_top, quantile=quantile,
@@ -373,6 +598,8 @@ def attribution_plus_exact(
     finally:
         if store is not None:
             store.close()
+    res.warn_if_degenerate()
+    return res
 
 
 def check_max_passes(max_passes: Any, top_k: int | None) -> None:
@@ -530,7 +757,7 @@ def _screen_then_verify(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor
                 cost=cost, attribution_values=est.values.tolist(),
                 error_unit=scale.reshape(shape).tolist())
     return replace(est, values=values, per_prompt=per_prompt, method="attribution+exact",
-                   meta=meta)
+                   meta=meta).said_as(est)  # the screen's baselines: said once
 
 
 def _budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Tensor,
@@ -628,18 +855,13 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
-        res = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress, meta)
-        screen = attribution.attribution_patch_heads(
-            model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-            estimator=estimator, batch_size=batch_size, progress=False)
-        base = res.corrupt if direction == "denoise" else res.clean
-        exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
-        info["screening"] = dict(
-            k=k, estimator=estimator,
-            recall=len(set(exact_top) & set(screen_top)) / max(1, k),
-            exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
+        res, pm = _run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                       meta)
         info["verified"] = "all"
+        info["screening"] = _screening_recall(model, clean, corrupt, pm, res, k, estimator,
+                                              direction, site, positions, batch_size)
     else:
+        check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
         _whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         res = attribution_plus_exact(
             model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
@@ -652,11 +874,33 @@ def _auto(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direc
     return res
 
 
+def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric,
+                      res: PatchResult, k: int, estimator: str, direction: str, site: str,
+                      positions: str, batch_size: int | None) -> dict[str, Any]:
+    """``meta["auto"]["screening"]`` of an exact ``auto`` run: how many of the exact top ``k``
+    cells the screen finds (none for a metric without a gradient: it cannot screen)."""
+    try:
+        check_gradient(pm, "attribution")
+        with quiet_baseline():  # the exact result says it, once
+            screen = attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+                estimator=estimator, batch_size=batch_size, progress=False)
+    except NoGradientError:
+        return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
+    base = res.corrupt if direction == "denoise" else res.clean
+    exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
+    return dict(k=k, estimator=estimator,
+                recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+                exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
+
+
 # --- checks and orchestration --------------------------------------------------------------------
 
 
 def _check(model, clean, corrupt, metric, direction, method, positions, site, batch_size,
-           sites) -> tuple[Tensor, Tensor, PromptMetric]:
+           sites, engine_checks: bool = False) -> tuple[Tensor, Tensor, PromptMetric]:
+    """Arguments checked, the metric wrapped and fit for the tokens (``checked_metric``;
+    ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs)."""
     choice("direction", direction, DIRECTIONS)
     choice("method", method, METHODS)
     choice("positions", positions, POSITIONS)
@@ -665,9 +909,11 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     clean, corrupt = check_tokens(clean, corrupt, model)
     hooks.check_patchable(model, site, clean)
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab)
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
-    return clean, corrupt, pm
+    check_gradient(pm, method)
+    return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
+                                          engine_checks=engine_checks)
 
 
 def _check_method_options(method: str, estimator: str | None, atp_star: bool,
@@ -750,27 +996,110 @@ def versions() -> dict[str, str]:
     return dict(_versions())
 
 
+# circuitkit's distribution name (PyPI's "circuitkit" is another project); the import name is
+# circuitkit. An install made before the rename is found under the old name, by its summary.
+DIST_NAME = "circuitkit-tl"
+
+
 @functools.cache
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, distribution, version
 
     out = {}
     for pkg in ("circuitkit", "torch", "transformer-lens", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "?"
+        out[pkg] = "?"
+        for name in ((DIST_NAME, "circuitkit") if pkg == "circuitkit" else (pkg,)):
+            try:
+                dist = distribution(name)
+            except PackageNotFoundError:
+                continue
+            if name == pkg and pkg == "circuitkit" and "distil" not in (
+                    dist.metadata.get("Summary") or ""):
+                continue  # PyPI's other circuitkit
+            out[pkg] = version(name)
+            break
     return out
 
 
 def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
          batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-         meta: dict) -> PatchResult:
+         meta: dict) -> tuple[PatchResult, PromptMetric]:
+    """The exact sweep, and the metric it ran with: a probed metric's reads are checked by the
+    engine's cached runs (``inputs.ReadsDoNotHold``); where they do not hold, the sweep starts
+    again reading every position (and right padding is checked for that metric)."""
+    try:
+        swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+        metric = replace(metric, probed=False)
+    except ReadsDoNotHold as e:
+        metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
+                                batch_size)
+        sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction, sweep.positions,
+                           clean, metric)
+        swept = _sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+    return _patch_result(model, swept, sweep, metric, meta), metric
+
+
+def _patch_result(model: Any, swept: _Swept, sweep: Sweep, metric: PromptMetric,
+                  meta: dict) -> PatchResult:
+    """The ``PatchResult`` of a finished head or layer sweep."""
+    values, per_prompt, clean_pp, corrupt_pp = _assembled(swept)
+    pp = metric.per_prompt_values
+    extra = _described(meta, metric)
+    axes = ("layer", "pos") if sweep.kind == "layers" else (
+        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
+    return PatchResult(
+        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
+        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
+        meta=dict(model=str(getattr(model.cfg, "model_name", "")), **swept.provenance(model),
+                  **extra))
+
+
+class _Swept(NamedTuple):
+    """A finished exact sweep (``_sweep``): its engine, every chunk's values, the prompt order
+    it ran in (None: the caller's) and what the run recorded."""
+
+    engine: Any
+    done: dict[int, Tensor]
+    order: Tensor | None
+    info: dict[str, Any]
+
+    def provenance(self, model: Any) -> dict[str, Any]:
+        """The meta entries every exact result records."""
+        return dict(**self.info, versions=versions(), facts=asdict(hooks.facts(model)))
+
+
+def _assembled(swept: _Swept) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """(values, per_prompt, clean per prompt, corrupt per prompt) of a finished sweep, per
+    prompt in the caller's order."""
+    engine = swept.engine
+    values, per_prompt = engine.assemble(swept.done)
+    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
+    if swept.order is not None:  # back to the caller's prompt order
+        inv = torch.argsort(swept.order)
+        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
+        per_prompt = None if per_prompt is None else per_prompt[inv]
+    return values, per_prompt, clean_pp, corrupt_pp
+
+
+def _identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              extra: dict) -> dict[str, Any]:
+    return dict(sweep_identity(model, sweep, clean, corrupt, metric), **extra)
+
+
+def _sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
+           batch_size: int | None, checkpoint: str | Path | None, progress: bool,
+           make_engine: Any = ExactEngine, identity_extra: dict | None = None) -> _Swept:
+    """Run every chunk of ``sweep`` with an engine from ``make_engine`` (``ExactEngine`` or
+    ``EdgeEngine``): prompts sorted by length, memory fitted, checkpoint opened (its identity:
+    ``sweep_identity`` plus ``identity_extra``), this rank's chunks computed and saved, ranks
+    merged."""
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
     # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
-    identity = _Lazy(sweep_identity, model, sweep, clean, corrupt, metric)
+    identity = _Lazy(_identity, model, sweep, clean, corrupt, metric, identity_extra or {})
     fingerprints = dict(model_fingerprint=model_fingerprint(model),
                         tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
@@ -779,13 +1108,17 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
     if order is not None:
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
+    bar = _Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
+                    f"{sweep.site} {sweep.direction}")
     engine, sweep, rows, first, backoffs = _fit_rows(model, clean, corrupt, metric, sweep, rows,
-                                                     lengths, stored)
+                                                     lengths, stored, bar=bar, rank=rank,
+                                                     world=world, make_engine=make_engine)
     if world > 1 and stored is None:  # every rank must cut the sweep into the same chunks
         agreed = distributed.agreed_min(rows)
         if agreed < rows:
             rows, first = agreed, {}
             sweep = engine.sweep = plan(sweep, rows, lengths)
+            bar.reset()  # a new plan: the bar restarts over its chunks
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity(), sweep.chunks, rank=rank,
@@ -803,36 +1136,17 @@ def _run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep
                   file=sys.stderr)
         splits = [0]
         computed = _compute(engine, sweep, [c for c in mine if c not in first], ckpt, identity,
-                            progress and rank == 0, n_done=len(done), splits=splits,
-                            computed=first)
+                            bar, n_done=len(done), splits=splits, computed=first)
     finally:
         if ckpt is not None:
             ckpt.close()
     done.update(computed)
     if world > 1:
         done.update(distributed.all_gather_chunks(computed))
-    values, per_prompt = engine.assemble(done)
-    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
-    if order is not None:  # back to the caller's prompt order
-        inv = torch.argsort(order)
-        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
-        per_prompt = None if per_prompt is None else per_prompt[inv]
-    pp = metric.per_prompt_values
-    extra = _described(meta, metric)
-    axes = ("layer", "pos") if sweep.kind == "layers" else (
-        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
-    return PatchResult(
-        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
-        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
-        meta=dict(model=str(getattr(model.cfg, "model_name", "")),
-                  **fingerprints,
-                  metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
-                  n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
-                  oom_chunk_splits=splits[0],
-                  seconds=time.perf_counter() - t_start, versions=versions(),
-                  facts=asdict(hooks.facts(model)), **extra))
+    info = dict(**fingerprints, metric=metric.name, n_prompts=sweep.n_prompts, seq=sweep.seq,
+                n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
+                oom_chunk_splits=splits[0], seconds=time.perf_counter() - t_start)
+    return _Swept(engine, done, order, info)
 
 
 def _heaviest(sweep: Sweep) -> int:
@@ -844,13 +1158,16 @@ def _heaviest(sweep: Sweep) -> int:
 
 def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
               rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
-              timing: dict[str, float] | None = None
+              timing: dict[str, float] | None = None, bar: _Progress | None = None,
+              rank: int = 0, world: int = 1, make_engine: Any = ExactEngine
               ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
     """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
     a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
     Returns (engine, planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed
     by a checkpoint (``stored``) is kept (no probe: ``_chunk_fitting`` splits a chunk that
-    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe."""
+    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe.
+    ``bar``: opened on the plan's chunks of this ``rank`` (of ``world``) before the probe runs,
+    so it starts at 0 and counts the probe's chunk when it is this rank's."""
     backoffs = 0
     timing = {} if timing is None else timing
     while True:
@@ -860,12 +1177,17 @@ def _fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         oom = None
         try:
             t0 = time.perf_counter()
-            engine = ExactEngine(model, clean, corrupt, metric, planned, rows=rows)
+            engine = make_engine(model, clean, corrupt, metric, planned, rows=rows)
             t1 = time.perf_counter()
             first = {}
             if stored is None and planned.chunks:
                 cid = _heaviest(planned)
+                if bar is not None:
+                    bar.open(sum(planned.chunk_prompts(c) for i, c in
+                                 enumerate(planned.chunks) if i % world == rank))
                 first[cid] = engine.run_chunk(planned.chunks[cid])
+                if bar is not None and cid % world == rank:
+                    bar.update(planned.chunk_prompts(planned.chunks[cid]))
             timing.update(cached=t1 - t0, probe=time.perf_counter() - t1)
             return engine, planned, rows, first, backoffs
         except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
@@ -906,28 +1228,54 @@ def _chunk_fitting(engine: ExactEngine, chunk: Chunk, splits: list[int]) -> Tens
     raise err
 
 
+class _Progress:
+    """A sweep's progress bar (tqdm over patched prompts), opened once the plan is known: before
+    the memory probe runs, so it starts at 0 (it used to open after the probe, at ~16%)."""
+
+    def __init__(self, show: bool, desc: str):
+        self.show, self.desc, self.bar = show, desc, None
+
+    def open(self, total: int) -> None:
+        if not self.show:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="patched-prompt",
+                            dynamic_ncols=True, file=sys.stderr)
+        else:  # re-planned (out of memory): the same bar, from 0 over the new chunks
+            self.bar.reset(total=total)
+
+    def reset(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
-             identity: _Lazy, show: bool, n_done: int, splits: list[int],
+             identity: _Lazy, bar: _Progress, n_done: int, splits: list[int],
              computed: dict[int, Tensor]) -> dict[int, Tensor]:
     """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
-    default folder when the sweep had none) and says how to resume."""
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        # the memory probe's chunk (already done) counts too: the bar shows the whole sweep
-        bar = tqdm(total=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in [*computed, *mine]),
-                   initial=sum(sweep.chunk_prompts(sweep.chunks[c]) for c in computed),
-                   desc=f"patch {sweep.site} {sweep.direction}", unit="patched-prompt",
-                   dynamic_ncols=True, file=sys.stderr)
+    default folder when the sweep had none) and says how to resume. ``bar``: opened here
+    unless the memory probe opened it (then it has counted the probe's chunk)."""
+    if bar.bar is None:
+        bar.open(sum(sweep.chunk_prompts(sweep.chunks[c]) for c in [*computed, *mine]))
+        bar.update(sum(sweep.chunk_prompts(sweep.chunks[c]) for c in computed))
     computed = dict(computed)
     try:
         for cid in mine:
             computed[cid] = _chunk_fitting(engine, sweep.chunks[cid], splits)
             if ckpt is not None:
                 ckpt.save_chunk(cid, computed[cid])
-            if bar is not None:
-                bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
+            bar.update(sweep.chunk_prompts(sweep.chunks[cid]))
     except KeyboardInterrupt:
         named = ckpt is not None  # the caller chose the folder: it knows how to resume
         if ckpt is None and computed:
@@ -941,6 +1289,5 @@ def _compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepChec
                                     f"checkpoint={str(ckpt.path)!r} to resume."), file=sys.stderr)
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return computed

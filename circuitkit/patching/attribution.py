@@ -107,9 +107,13 @@ from circuitkit.patching import head_mlp, shortcuts
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     POSITIONS,
+    NoGradientError,
+    check_gradient,
     check_metric_prompts,
     check_tokens,
+    checked_metric,
     choice,
+    no_gradient_message,
 )
 from circuitkit.patching.plan import block_flop_shares, block_screen_passes, head_mlp_pays
 from circuitkit.patching.results import PatchResult
@@ -155,9 +159,11 @@ class _MetricStash:
     def __call__(self, logits: Tensor) -> Tensor:
         v = self.metric.per_prompt(logits, at=self.at)
         self.value = v.detach()
-        if not v.requires_grad:
-            # A locally constant (e.g. argmax-based) metric: its gradient is zero, so every
-            # first-order estimate is "no effect" (metric.note says it is not differentiable).
+        if not v.requires_grad and logits.requires_grad:
+            # no gradient reaches the logits (.item(), numpy, .detach(), an argmax): every
+            # first-order estimate would be 0. (A PromptMetric built by hand is only known here.)
+            raise NoGradientError(no_gradient_message(self.metric.name, "attribution"))
+        if not v.requires_grad:  # a run without gradients (the source run): its value only
             v = v + 0 * logits.flatten()[0]
         return v.sum()
 
@@ -360,30 +366,30 @@ def _atp_star_z_downstream(model, layer, dz, r_base, kwargs, g_pat, positions, b
     return total if positions == "all" else einops.rearrange(total, "b (h p) -> b h p", p=seq)
 
 
-def _tail_metric(model: Any, x: Tensor, block_kw: dict[str, Any], stash: _MetricStash,
-                 idx: Tensor, batch: int, fwd_hooks: Sequence[tuple[str, Callable]] = ()
-                 ) -> Float[Tensor, "b c"]:
-    """Metric after running the last block, final norm and unembedding on ``x`` ([c*b, pos, d]).
+def _tail_metric(model: Any, x: Tensor, block_arity: int, stash: _MetricStash, batch: int,
+                 fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "b c"]:
+    """Metric of the model's own forward re-entered at the last block with input ``x``
+    ([c*b, pos, d]): the last block, the final norm, the unembedding and whatever the model does
+    to the logits after it (a soft-cap, Cohere's logit scale), as the exact engine runs it.
 
     Returns [b, c]: per-prompt values of each copy.
     """
-    last = model.blocks[len(model.blocks) - 1]
+    last = len(model.blocks) - 1
     n_c = x.shape[0] // batch
     at = None if stash.at is None else stash.at.repeat(n_c, 1)
-    # With known read positions the MLP, final norm and unembedding run there only.
-    lean = [] if at is None else [(last.mlp, shortcuts.mlp_at_rows(last.mlp, at))]
-    with model.hooks(fwd_hooks=list(fwd_hooks)), shortcuts.overridden(lean):
-        out = last(x, **_expand_kwargs(block_kw, n_c, batch))
-    out = out[0] if isinstance(out, tuple) else out
-    if at is not None:
-        out = shortcuts.take_rows(out, at)
-    logits = model.unembed(model.ln_final(out))
+    forwards = shortcuts.skipped_blocks(model, last, block_arity)
+    tail_hooks = list(fwd_hooks)
+    if at is not None:  # the last MLP and the unembedding at the read positions only
+        forwards += shortcuts.last_mlp_at_rows(model, at)
+        tail_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(at)))
+    with shortcuts.overridden(forwards), shortcuts.hooked(model, tail_hooks):
+        logits = model(x, start_at_layer=last)
     vals = stash.metric.select(torch.arange(batch).repeat(n_c)).per_prompt(logits, at=at)
     return einops.rearrange(vals, "(c b) -> b c", c=n_c)
 
 
-def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positions,
-                batch, a_raw: dict[int, Tensor]) -> Tensor:
+def _exact_tail(model, layer, dz, r_last, block_arity, g_r_last, stash, positions, batch,
+                a_raw: dict[int, Tensor]) -> Tensor:
     """Exact last block + readout for each head's patch (site z); see the module docstring.
 
     ``layer`` < last: ``m(tail(r_last + dr)) - m_base - dr . dm/dr_last`` (a correction added
@@ -405,8 +411,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
                 dr_c = einops.einsum(m, d_r, "c p h, b p h m -> c b p m")
                 x = einops.rearrange(r_last[None] + dr_c, "c b p m -> (c b) p m")
                 linear = einops.einsum(dr_c, g_r_last, "c b p m, b p m -> b c")
-                out.append(_tail_metric(model, x, block_kw, stash, idx, batch) - m_base
-                           - linear)
+                out.append(_tail_metric(model, x, block_arity, stash, batch) - m_base - linear)
             else:
                 add = einops.rearrange(m[:, None, :, :, None] * dz[None],
                                        "c b p h d -> (c b) p h d")
@@ -414,7 +419,7 @@ def _exact_tail(model, layer, dz, r_last, block_kw, g_r_last, stash, idx, positi
                 def patch(t: Tensor, hook: Any, add=add) -> Tensor:
                     return t + add
 
-                out.append(_tail_metric(model, r_last.repeat(c, 1, 1), block_kw, stash, idx,
+                out.append(_tail_metric(model, r_last.repeat(c, 1, 1), block_arity, stash,
                                         batch, [(hooks.z(last), patch)]) - m_base)
     eff = torch.cat(out, dim=1)  # [b, copies]
     return eff if positions == "all" else einops.rearrange(eff, "b (h p) -> b h p", p=seq)
@@ -480,8 +485,9 @@ def _mlp_change(model: Any, layer: int, r_mid: Float[Tensor, "b pos m"],
     """``MLP_l(r_mid + dr) - MLP_l(r_mid)`` for each copy ``c`` (norm included), exactly.
 
     Position-wise, so every (prompt, position, copy) is one row. Zero for parallel
-    attention/MLP blocks, whose MLP reads the block input, not the head's write."""
-    if getattr(model.cfg, "parallel_attn_mlp", False):
+    attention/MLP blocks, whose MLP reads the block input, not the head's write, and for blocks
+    without an MLP (attention-only)."""
+    if hooks.parallel(model) or not hooks.has_mlp(model, layer):
         return torch.zeros_like(dr)
     mlp = _mlp_of(model, layer)
     b, p, c, m = dr.shape
@@ -645,9 +651,10 @@ def _plain_run(model: Any, tokens: Tensor, stash: _MetricStash, names: Sequence[
     return {n: cache[n] for n in names}
 
 
-def _gates(n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
+def _gates(model: Any, n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
     """GradDrop: a 0/1 mask per block and forward hooks that scale the gradient flowing back
-    through that block's attention and MLP outputs by it (the forward is unchanged)."""
+    through that block's attention and MLP outputs (an attention-only block: its attention
+    output) by it (the forward is unchanged)."""
     mask = torch.ones(n_layers)
 
     def gate(layer: int) -> Callable:
@@ -658,7 +665,8 @@ def _gates(n_layers: int) -> tuple[Tensor, list[tuple[str, Callable]]]:
         return f
 
     fwd = [(name(layer), gate(layer)) for layer in range(n_layers)
-           for name in (hooks.attn_out, hooks.mlp_out)]
+           for name in (hooks.attn_out, hooks.mlp_out)
+           if name is hooks.attn_out or hooks.has_mlp(model, layer)]
     return mask, fwd
 
 
@@ -669,7 +677,8 @@ def block_shares(model: Any, seq: int) -> tuple[float, float]:
     """FLOP shares (attention, MLP) of one block per token (attention scores over ``seq``/2 keys
     on average): what one attention or one MLP call costs, in blocks."""
     f = hooks.facts(model)
-    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+    d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model) if hooks.has_mlp(model) \
+        else 0
     return block_flop_shares(f.d_model, d_mlp, f.d_head, f.n_heads, f.n_kv_heads, seq,
                              gated=bool(getattr(model.cfg, "gated_mlp", False)))
 
@@ -747,7 +756,7 @@ def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
             pass
         try:
             r_mid = cache[hooks.resid_mid_of(model, 0)]
-            if getattr(model.cfg, "parallel_attn_mlp", False):
+            if hooks.parallel(model) or not hooks.has_mlp(model, 0):
                 ok["mlp"] = True  # nothing runs after the head (the change is zero)
             else:
                 want = cache[hooks.resid_post(0)] - r_mid  # the MLP's own write
@@ -838,8 +847,10 @@ def attribution_patch_heads(
     hooks.check_patchable(model, site, clean_tokens)
     f = hooks.facts(model)
     n, seq = clean_tokens.shape
-    metric = as_metric(metric, n, seq, f.d_vocab)
+    metric = as_metric(metric, n, seq, f.d_vocab_out)
     check_metric_prompts(metric, n)
+    check_gradient(metric, "attribution")
+    metric = checked_metric(model, clean_tokens, corrupt_tokens, metric, batch_size)
     qk = est in ("qk", "atp*")
     if qk and site not in ATP_STAR_SITES:
         raise NotImplementedError(
@@ -862,6 +873,11 @@ def attribution_patch_heads(
             "model's own modules, which this architecture's bridge does not allow (e.g. OPT's "
             "MLP is no module of its own, Bloom's needs the residual); use estimator 'atp', "
             "'ig' or 'graddrop'.")
+    if est == "block" and not hooks.has_mlp(model):
+        warnings.warn(f"estimator 'block': this model's blocks have no MLP (attention-only), so "
+                      f"nothing after a head's write is run exactly: the estimate is "
+                      f"{'plain AtP' if site == 'z' else 'the head attention exact, then linear'}"
+                      ".", RuntimeWarning, stacklevel=2)
     if exact_tail and (site != "z" or not qk):
         raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
                                   "or 'atp*' only.")
@@ -931,11 +947,13 @@ def attribution_patch_heads(
     if steps is not None:
         meta["plan"] = [dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
                              tail_correction=st.tail_correction) for st in steps]
-    return PatchResult(
+    res = PatchResult(
         values=base_pp.mean() + delta_mean, clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
         direction=direction, method="attribution", site=site, positions=positions,
         per_prompt=per_prompt if pp else None, clean_per_prompt=clean_pp if pp else None,
         corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+    res.warn_if_degenerate()
+    return res
 
 
 # --- one batch of prompts, per estimator ----------------------------------------------------------
@@ -967,10 +985,8 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
                                                            for lay in resid_layers]
     mids = [hooks.resid_mid_of(model, lay) for lay in range(f.n_layers)] if site == "z" else []
     raws = _raw_attn_names(model) if site == "z" else []
-    modules: dict[Any, Any] = {lay: model.blocks[lay].attn for lay in attn_layers}
-    if tail:
-        modules["block"] = model.blocks[last]
-    capture = _Inputs(modules)
+    capture = _Inputs({lay: model.blocks[lay].attn for lay in attn_layers})
+    block_arity = shortcuts.output_arity(model, base)[0] if tail else 0
     with torch.enable_grad(), capture, _lean(model, at):
         # hook_embed is cached too: TL's backward stops at the most upstream cached point,
         # whose own backward hook never fires, and a converted point (hook_z, hook_q ...)
@@ -986,15 +1002,14 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
     r_base = {lp: acts[hooks.resid_pre(lp)] for lp in resid_layers}
     g_pat = {lp: _zero_if_none(grads[hooks.pattern(lp)], acts[hooks.pattern(lp)])
              for lp in attn_layers}
-    idx = torch.arange(b)
     eff, scale = [], []
     for st in steps:
         name = site_names[st.layer]
         a_b, a_s = acts[name], sc.activations[name]
         delta = a_s - a_b
         if st.own == "exact_tail":
-            e = _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                            None, stash_base, idx, positions, b, a_raw)
+            e = _exact_tail(model, st.layer, delta, r_base[last], block_arity, None,
+                            stash_base, positions, b, a_raw)
         elif st.own == "qk_exact":
             e = _atp_star_qk_own(model, st.layer, site, a_s, r_base[st.layer],
                                  capture.kwargs[st.layer], g_pat[st.layer], positions, b)
@@ -1004,9 +1019,8 @@ def _batch_atp_qk(model, base, src, stash_base, stash_src, site, positions, at, 
             e = e + _atp_star_z_downstream(model, st.layer, delta, r_base, capture.kwargs,
                                            g_pat, positions, b, st.downstream_qk, a_raw)
         if st.tail_correction:
-            e = e + _exact_tail(model, st.layer, delta, r_base[last], capture.kwargs["block"],
-                                grads[hooks.resid_pre(last)], stash_base, idx, positions, b,
-                                a_raw)
+            e = e + _exact_tail(model, st.layer, delta, r_base[last], block_arity,
+                                grads[hooks.resid_pre(last)], stash_base, positions, b, a_raw)
         eff.append(e.detach())
         scale.append(_z_scale(model, st.layer, delta, acts[mids[st.layer]], positions, a_raw)
                      if site == "z" else _site_scale(delta, a_b, site, positions))
@@ -1083,7 +1097,7 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
     site_names = [hooks.head_site(site, layer) for layer in range(L)]
     mids = [hooks.resid_mid_of(model, layer) for layer in range(L)] if site == "z" else []
     raws = _raw_attn_names(model) if site == "z" else []
-    mask, gates = _gates(L)
+    mask, gates = _gates(model, L)
     with _lean(model, at):
         obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *raws],
                               extra=gates)
@@ -1128,3 +1142,196 @@ def _graddrop_combine(terms: Tensor) -> Tensor:
 
 def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
     return torch.zeros_like(like) if g is None else g
+
+
+# --- edges ---------------------------------------------------------------------------------------
+# An edge (sender s, receiver r, input i) is estimated as its sender's write dotted with the
+# gradient of the metric at the receiver's own copy of the residual at that input
+# (``hooks.q_input`` ..., under ``shortcuts.split_qkv_inputs``), summed over positions:
+#
+#     eap:                 delta(s, r, i) = sum_{pos, d} delta_s[pos, d] * dm/dx_{r,i}[pos, d]
+#     eap-ig-inputs:       the gradient averaged over m runs with the token embeddings
+#                          interpolated base -> source, alpha_k = (k + 1/2) / m (Hanna et al. 2024)
+#     eap-ig-activations:  for the senders of layer a, the gradient averaged over m runs with
+#                          layer a's attention output (the embeddings for "embed") interpolated
+#                          base -> source, everything else the base run (Marks et al. 2024)
+#
+# ``delta_s`` = source minus base write (a head's ``dz[:, :, h] @ W_O[h]``, the embeddings'
+# ``resid_pre(0)`` difference); the logits' gradient is taken at the final residual. Gradients
+# are those of the base run (denoise: corrupt), as for heads. Docs: docs/edges.md.
+
+EDGE_ESTIMATORS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+EDGE_IG_STEPS = 5
+# What attribution+exact screens edges with by default: plain EAP ranks single edges closest to
+# exact (benchmarks/edges.py: Spearman 0.94 teacher, 0.95 random Llama, 0.997 SmolLM2, against
+# 0.84-0.91, 0.88-0.91, 0.65-0.90 for EAP-IG; docs/edges.md)
+EDGE_SCREENING_ESTIMATOR = "eap"
+
+
+def edge_estimator_passes(estimator: str, ig_steps: int, n_sender_groups: int) -> float:
+    """Pass-equivalents per prompt of an edge estimator (a backward counts 2): eap 4 (the base
+    run with gradients, the source run); eap-ig-inputs 2 + 3 m; eap-ig-activations 2 + 3 m per
+    sender layer (the embeddings count as one). The split-input forward, each head's norm on
+    its own residual copy, costs more than a plain one and is not counted."""
+    if estimator == "eap":
+        return 4.0
+    if estimator == "eap-ig-inputs":
+        return 2.0 + 3.0 * ig_steps
+    return 2.0 + 3.0 * ig_steps * n_sender_groups
+
+
+def _sender_writes(model: Any, senders: Sequence[tuple[int, int]], base: dict[str, Tensor],
+                   src: dict[str, Tensor]) -> Float[Tensor, "s b pos d_model"]:
+    """``delta_s`` of every sender from two runs' caches (``hook_z``, ``resid_pre(0)``)."""
+    out = []
+    for sl, h in senders:
+        if sl < 0:
+            out.append(src[hooks.resid_pre(0)] - base[hooks.resid_pre(0)])
+        else:
+            dz = (src[hooks.z(sl)] - base[hooks.z(sl)])[:, :, h]
+            out.append(dz @ model.blocks[sl].attn.W_O[h].detach())
+    return torch.stack(out)
+
+
+def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
+                            metric: PromptMetric, layout: Any, direction: str = "denoise",
+                            estimator: str | None = None, ig_steps: int | None = None,
+                            batch_size: int | None = None, progress: bool = True) -> Any:
+    """Estimate every edge of ``layout`` (``sweep.EdgeLayout``) by ``estimator`` (see the
+    comment above, docs/edges.md); an ``EdgeResult`` with ``method="attribution"``:
+    ``values = metric(base) + delta`` (mean over prompts), ``meta``: estimator, ig_steps,
+    pass_equivalents, seconds, write_scale (``|delta_s| / |x_r|``, mean over prompts and
+    positions, per edge; None where no edge). Arguments are checked by ``api.patch_edges``."""
+    from circuitkit.patching.results import EdgeResult
+
+    t_start = time.perf_counter()
+    est = estimator or EDGE_ESTIMATORS[0]
+    choice("estimator", est, EDGE_ESTIMATORS)
+    m = EDGE_IG_STEPS if ig_steps is None else ig_steps
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"ig_steps={ig_steps!r}: expected a positive integer (interpolation "
+                         "steps of the eap-ig estimators).")
+    L, n = layout.n_layers, clean_tokens.shape[0]
+    n_s, n_r, n_i = len(layout.senders), len(layout.receivers), len(layout.inputs)
+    r_index = layout.receiver_index()
+    logits = (L, -1) in r_index
+    recv_layers = sorted({la for la, _ in layout.receivers if la < L})
+    grad_names = [hooks.edge_input(i, la) for la in recv_layers for i in layout.inputs]
+    grad_names += [hooks.resid_post(L - 1)] if logits else []
+    groups = sorted({max(sl, -1) for sl, _ in layout.senders}) if est == "eap-ig-activations" \
+        else [None]
+    plain = sorted({hooks.EMBED, hooks.resid_pre(0), hooks.resid_post(L - 1),
+                    *(hooks.z(sl) for sl, _ in layout.senders if sl >= 0),
+                    *(hooks.resid_pre(la) for la in recv_layers),
+                    *(hooks.attn_out(g) for g in groups if g is not None and g >= 0)})
+    device = next(model.parameters()).device
+    bs = batch_size if (batch_size and metric.per_prompt_values) else n
+    base_all, src_all = ((corrupt_tokens, clean_tokens) if direction == "denoise"
+                         else (clean_tokens, corrupt_tokens))
+    reads = metric.read_positions()
+    scores, scales, base_vals, src_vals = [], [], [], []
+    # cells: for each receiver layer, the senders before it
+    before = {la: [s for s, (sl, _) in enumerate(layout.senders) if sl < la]
+              for la in [*recv_layers, L]}
+    with shortcuts.attn_result_off(model):
+        for start in _progress(range(0, n, bs), progress and n > bs, f"edges {est}"):
+            idx = torch.arange(start, min(start + bs, n))
+            base, src = base_all[idx].to(device), src_all[idx].to(device)
+            at = None if reads is None else reads[idx].to(device)
+            stash_base, stash_src = _MetricStash(metric, idx, at), _MetricStash(metric, idx, at)
+            with _lean(model, at):
+                b_acts = _plain_run(model, base, stash_base, plain)
+                s_acts = _plain_run(model, src, stash_src, plain)
+            delta = _sender_writes(model, layout.senders, b_acts, s_acts)  # [S, b, pos, d]
+            b = base.shape[0]
+            score = torch.full((b, n_s, n_r, n_i), float("nan"))
+            scale = torch.full((n_s, n_r, n_i), float("nan"))
+            for group in groups:
+                grads = _edge_grads(model, base, stash_base, idx, at, grad_names, est, m, group,
+                                    b_acts, s_acts)
+                mine = [s for s, (sl, _) in enumerate(layout.senders)
+                        if group is None or max(sl, -1) == group]
+                for la in [*recv_layers, *([L] if logits else [])]:
+                    ss = [s for s in before[la] if s in mine]
+                    if not ss:
+                        continue
+                    d = delta[ss]
+                    x = b_acts[hooks.resid_pre(la) if la < L else hooks.resid_post(L - 1)]
+                    rel = (d.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)).mean((1, 2))
+                    st = torch.tensor(ss)
+                    if la == L:
+                        g = grads[hooks.resid_post(L - 1)]
+                        score[:, st, r_index[(L, -1)], 0] = einsum(
+                            d, g, "s b p m, b p m -> b s").float().cpu()
+                        scale[st, r_index[(L, -1)], 0] = rel.float().cpu()
+                        continue
+                    for i, name in enumerate(layout.inputs):
+                        units = layout.units(la, name)
+                        if not units:
+                            continue
+                        g = grads[hooks.edge_input(name, la)][:, :, units]
+                        rt = torch.tensor([r_index[(la, u)] for u in units])
+                        e = einsum(d, g, "s b p m, b p h m -> b s h").float().cpu()
+                        score[:, st[:, None], rt[None, :], i] = e
+                        scale[st[:, None], rt[None, :], i] = rel.float().cpu()[:, None]
+            scores.append(score)
+            scales.append(scale)
+            base_vals.append(stash_base.value.float().cpu())
+            src_vals.append(stash_src.value.float().cpu())
+    delta = torch.cat(scores)
+    base_pp, src_pp = torch.cat(base_vals), torch.cat(src_vals)
+    edge = ~torch.isnan(delta[0])
+    if not (torch.isfinite(base_pp).all() and torch.isfinite(src_pp).all()
+            and torch.isfinite(delta[:, edge]).all()):
+        raise ValueError(f"metric {metric.name!r} or its gradient is not finite on these prompts "
+                         f"(base {base_pp.tolist()[:4]}, source {src_pp.tolist()[:4]}); "
+                         "attribution cannot estimate effects.")
+    pp = metric.per_prompt_values
+    per_prompt = base_pp[:, None, None, None] + delta
+    clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
+    scale = torch.stack(scales).mean(0)
+    n_groups = len(groups) if est == "eap-ig-activations" else 1
+    meta = dict(**dict(metric.labels), model=str(getattr(model.cfg, "model_name", "")),
+                metric=metric.name, estimator=est, n_prompts=n, batch_size=bs,
+                pass_equivalents=n * edge_estimator_passes(est, m, n_groups),
+                seconds=time.perf_counter() - t_start,
+                write_scale=[[[None if v != v else v for v in row] for row in mat]
+                             for mat in scale.tolist()])
+    if est != "eap":
+        meta["ig_steps"] = m
+    return EdgeResult(
+        values=base_pp.mean() + delta.mean(0), clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
+        direction=direction, method="attribution", senders=layout.senders,
+        receivers=layout.receivers, inputs=layout.inputs, n_layers=L,
+        per_prompt=per_prompt if pp else None, clean_per_prompt=clean_pp if pp else None,
+        corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+
+
+def _edge_grads(model: Any, base: Tensor, stash: _MetricStash, idx: Tensor, at: Tensor | None,
+                names: Sequence[str], estimator: str, steps: int, group: int | None,
+                b_acts: dict[str, Tensor], s_acts: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Gradients of the metric (sum over prompts) at the receivers' inputs ``names``: of the
+    base run ("eap"), or averaged over ``steps`` interpolated runs: the embeddings
+    ("eap-ig-inputs"; "eap-ig-activations" with ``group`` -1) or layer ``group``'s attention
+    output ("eap-ig-activations") from base to source at ``alpha_k = (k + 1/2) / steps``."""
+    runs = [None] if estimator == "eap" else [(k + 0.5) / steps for k in range(steps)]
+    out = {name: 0.0 for name in names}
+    e_b, e_s = b_acts[hooks.EMBED], s_acts[hooks.EMBED]
+    for alpha in runs:
+        embed, extra = None, []
+        if alpha is not None and (estimator == "eap-ig-inputs" or group == -1):
+            embed = e_b + alpha * (e_s - e_b)
+        elif alpha is not None:
+            a_b, a_s = b_acts[hooks.attn_out(group)], s_acts[hooks.attn_out(group)]
+
+            def interpolate(t: Tensor, hook: Any, a_b=a_b, a_s=a_s, alpha=alpha) -> Tensor:
+                return a_b + alpha * (a_s - a_b)
+
+            extra = [(hooks.attn_out(group), interpolate)]
+        fresh = _MetricStash(stash.metric, torch.arange(base.shape[0]), stash.at)
+        with shortcuts.split_qkv_inputs(model), _lean(model, at):
+            obj, kept = _grad_run(model, base, fresh, names, embed=embed, extra=extra)
+            grads = _grads(obj, kept, names, retain=False)
+        for name, g in zip(names, grads, strict=True):
+            out[name] = out[name] + g.detach() / len(runs)
+    return out

@@ -116,7 +116,7 @@ def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
                 direction=sweep.direction, positions=sweep.positions,
                 tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
                 metric=metric.name,
-                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab),
+                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
                 split_prompts=sweep.split_prompts, prompt_order="by_length")
 
 

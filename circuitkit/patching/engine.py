@@ -34,11 +34,27 @@ the fast path against the plain hooked path on a probe chunk of the model at han
 
 Causal models: nothing after a prompt's last read position can change its metric, so runs stop
 there (``Sweep.run_length``; prompts are swept in order of that length, ``sweep.length_order``).
+A bidirectional model (``hooks.facts(model).causal`` False, e.g. a Tracr program) runs whole.
 
 This module holds the engine only: what to patch and how it is cut into chunks is
 ``patching/sweep.py``; running a whole sweep (checkpoints, ranks, progress) is ``patching/api.py``.
 A chunk's result is a ``[n_variants, n_prompts]`` tensor (``run_chunk``); ``run_variants`` patches
-any subset of one layer's variants.
+any subset of one layer's variants; ``run_head_sets`` patches whole head sets together, with the
+source run's ``z`` or, for ablations of the base run, zeros, the mean base ``z`` or another
+prompt's base ``z`` (``source=``).
+
+Edges (``EdgeEngine``, a subclass: same cached runs, restart, chunks, read-position logits,
+metric evaluation; only the patch differs). An edge (sender, receiver, input) adds the sender's
+write ``delta_s`` (source minus base: ``dz[:, :, h] @ W_O[h]`` of head ``h``, or the embeddings'
+``resid_pre(0)`` difference) to the receiver's own copy of the residual at one input (q, k or v)
+only; every other reader keeps the base run. Nothing before the receiver's layer ``l`` changes, so
+the run re-enters at ``l`` from the cached base ``resid_pre(l)``, with the edges into layer ``l``
+stacked in the batch. The receiver's patched input activation (``hook_q/k/v`` of layer ``l``,
+head slice) is the module's own computation on ``resid_pre(l) + delta_s``: one partial run per
+sender, stopped once block ``l``'s q/k/v hooks fired (``shortcuts.run_until``), whose head
+slices a hook then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads
+the final residual plus ``delta_s``: the last block returns that value and only the final norm
+and the unembedding run.
 """
 
 from __future__ import annotations
@@ -56,7 +72,8 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.sweep import Chunk, Sweep, auto_rows
+from circuitkit.patching.inputs import ReadsDoNotHold, check_edge_model
+from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
 
 # Max |fast - plain| on the probe chunk, relative to max(1, |metric|), by weight dtype: the two
 # paths round differently (the z write is added after the output projection, not inside it).
@@ -99,18 +116,7 @@ class ExactEngine:
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep,
                  fast: bool | None = None, rows: int | None = None):
-        self.model, self.metric, self.sweep = model, metric, sweep
-        self.device = next(model.parameters()).device
-        # A model split over GPUs (n_devices / device_map) holds block l on its own device:
-        # cached tensors for layer l go straight there.
-        self.layer_device = [next(b.parameters()).device for b in model.blocks]
-        self.reads = metric.read_positions()
-        # Causal model: positions after the last one the metric reads cannot matter. Runs stop
-        # there; a per-position patch beyond it is a no-op (its value is the base metric).
-        self.length = sweep.seq if self.reads is None else int(self.reads.max()) + 1
-        base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base = base[:, :self.length].to(self.device)
-        self.source = source[:, :self.length].to(self.device)
+        self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
         self.site_names = [self._site_name(layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
@@ -126,7 +132,7 @@ class ExactEngine:
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
                 [self.base, self.source], [*base_names, *self.site_names],
-                rows or auto_rows(model, self.length))
+                rows or auto_rows(model, self.base.shape[1]))
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.attn_base = [cache[hooks.attn_out(layer)][0] for layer in range(L)] \
                 if self.attn_cached and sweep.site != "z" else []
@@ -140,20 +146,47 @@ class ExactEngine:
             self.attn_at_rows = shortcuts.supports_attention_at_rows(
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
+        self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
+
+    def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              sweep: Sweep) -> None:
+        """What every engine holds: the model, metric and sweep, devices, the metric's reads
+        and the base and source tokens (up to the last read position; all positions for a
+        probed metric, whose reads the cached runs check)."""
+        self.model, self.metric, self.sweep = model, metric, sweep
+        self.device = next(model.parameters()).device
+        # A model split over GPUs (n_devices / device_map) holds block l on its own device:
+        # cached tensors for layer l go straight there.
+        self.layer_device = [next(b.parameters()).device for b in model.blocks]
+        self.reads = metric.read_positions()
+        # Causal model: positions after the last one the metric reads cannot matter. Runs stop
+        # there; a per-position patch beyond it is a no-op (its value is the base metric). A
+        # bidirectional model (Tracr's) reads every position at every position: runs are whole.
+        self.causal = hooks.facts(model).causal
+        self.length = self._run_length(0, sweep.n_prompts)
+        # Reads a probe found on random logits (metric.probed) are checked on the cached runs'
+        # full logits (inputs.ReadsDoNotHold where they do not hold): those runs go to the end.
+        cached = sweep.seq if metric.probed else self.length
+        base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
+        self.base = base[:, :cached].to(self.device)
+        self.source = source[:, :cached].to(self.device)
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
                      ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
         """Metric of unpatched runs of each ``[n, seq]`` token set and their activations at
         ``names`` (``cache[name][set]``, stored on the CPU). The sets run stacked in the batch,
-        at most ``rows`` sequences per forward."""
+        at most ``rows`` sequences per forward. A probed metric's reads are checked on each
+        set's full logits first (``inputs.ReadsDoNotHold``)."""
         want, n = set(names), self.sweep.n_prompts
         tokens = torch.cat(list(token_sets))
+        check = self.metric.probed and self.reads is not None
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
+        gather = None if check else reads  # (checked: every position unembedded)
         logits, acts = [], {name: [] for name in want}
         for r0 in range(0, tokens.shape[0], rows):
             fwd_hooks = []
-            if reads is not None:
-                idx = reads[r0:r0 + rows].to(self.device)
+            if gather is not None:
+                idx = gather[r0:r0 + rows].to(self.device)
                 fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
             norms = shortcuts.native_norms(self.model, 0, keep=want)  # the cache hooks come later
             with shortcuts.hooked(self.model, fwd_hooks), shortcuts.attn_result_off(self.model), \
@@ -167,6 +200,14 @@ class ExactEngine:
                 acts[name].append(cache[name].to("cpu"))
             del cache
         all_logits = torch.cat(logits)
+        if check:
+            which = ("corrupt", "clean") if self.sweep.direction == "denoise" else ("clean",
+                                                                                 "corrupt")
+            for i in range(len(token_sets)):
+                if not self.metric.reads_hold(all_logits[i * n:(i + 1) * n]):
+                    raise ReadsDoNotHold(self.metric.name, which[i % 2])
+            rows_idx = torch.arange(all_logits.shape[0], device=all_logits.device)[:, None]
+            all_logits = all_logits[rows_idx, reads.to(all_logits.device)]
         whats = ("unpatched base run", "unpatched source run")
         values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
                                   at=self.reads) for i in range(len(token_sets))]
@@ -199,8 +240,10 @@ class ExactEngine:
         return self.base_metric if self.sweep.direction == "denoise" else self.source_metric
 
     def _run_length(self, p0: int, p1: int) -> int:
-        """Positions prompts ``p0:p1`` need: up to their last read (causal model)."""
-        return self.length if self.reads is None else int(self.reads[p0:p1].max()) + 1
+        """Positions prompts ``p0:p1`` need: up to their last read (causal model), else all."""
+        if self.reads is None or not self.causal:
+            return self.sweep.seq
+        return int(self.reads[p0:p1].max()) + 1
 
     def _span(self, cached: Tensor, p0: int, p1: int, length: int, site: bool = False,
               layer: int | None = None) -> Tensor:
@@ -305,7 +348,7 @@ class ExactEngine:
         token-rows and each keeps >= 1/4 of the prompts (as ``sweep.plan`` does across chunks
         for per-prompt metrics); None otherwise, or when the logits are not read at known
         positions (full-length logits of two buckets would not join)."""
-        if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts:
+        if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
             return None  # (a per-prompt metric's chunks are already length buckets: sweep.plan)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()
         if any(a > b for a, b in zip(need, need[1:], strict=False)):
@@ -349,18 +392,35 @@ class ExactEngine:
                 return self._write_patch(act, src, variants, length)
 
             fwd_hooks = [(self.site_names[layer], hook)]
-        at = None if self.reads is None else self.reads[p0:p1]
-        if at is not None:
-            # Unembed only the positions the metric reads: with a big vocabulary the
-            # unembedding costs as much as several blocks, and most positions are never read.
-            rows = at.to(self.device).repeat(n_v, 1)
-            # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
-            fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(rows)))
-            if fast and not (sw.site == "mlp_out" and block is last):
-                forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, rows)))
-            if fast and block is not last and self.attn_at_rows:
-                forwards.append((last.attn, shortcuts.attention_at_rows(
-                    last.attn, rows, self.attn_arity)))
+        hooks_at, forwards_at = self._read_rows_only(
+            p0, p1, n_v, fast, last_mlp=not (sw.site == "mlp_out" and block is last),
+            last_attn=block is not last)
+        return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _read_rows_only(self, p0: int, p1: int, n_v: int, fast: bool, last_mlp: bool = True,
+                        last_attn: bool = True) -> tuple[list, list]:
+        """(hooks, forwards) that compute the logits of ``n_v`` variant-major copies of prompts
+        ``p0:p1`` at the metric's read positions only: the unembedding there (it costs as much
+        as several blocks with a big vocabulary, and most positions are never read), and on
+        the fast path the last block's MLP (``last_mlp``; a block without one is left alone)
+        and its attention queries (``last_attn``, where ``attention_at_rows`` reproduces it)
+        there too. Nothing when the metric's reads are unknown."""
+        if self.reads is None:
+            return [], []
+        last = self.model.blocks[len(self.model.blocks) - 1]
+        rows = self.reads[p0:p1].to(self.device).repeat(n_v, 1)
+        # (After the final norm: HF GPT-2 reshapes the norm's output to the input's shape.)
+        fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(rows))]
+        forwards = shortcuts.last_mlp_at_rows(self.model, rows) if fast and last_mlp else []
+        if fast and last_attn and self.attn_at_rows:
+            forwards.append((last.attn, shortcuts.attention_at_rows(
+                last.attn, rows, self.attn_arity)))
+        return fwd_hooks, forwards
+
+    def _suffix(self, x: Tensor, layer: int, forwards: list, fwd_hooks: list) -> Tensor:
+        """``model(x, start_at_layer=layer)`` with ``forwards`` replaced and ``fwd_hooks``
+        attached for the run, and no per-head results."""
+        model = self.model
         with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
                 shortcuts.attn_result_off(model):
             return model(x, start_at_layer=layer)
@@ -387,16 +447,24 @@ class ExactEngine:
         if sw.n_pos > 1:
             pos = int(self.reads[0].max()) if self.reads is not None else sw.seq - 1
         variants = sorted({0, pos, (sw.n_units - 1) * sw.n_pos + pos})
-        fast = self.run_variants(0, variants, 0, p1, fast=True)
         plain = self.run_variants(0, variants, 0, p1, fast=False)
-        err = float((fast - plain).abs().max())
-        tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
-        if err <= tol * max(1.0, float(plain.abs().max())):
-            return True
+        try:
+            fast = self.run_variants(0, variants, 0, p1, fast=True)
+        except Exception as e:  # noqa: BLE001 - a replacement forward this layout cannot take
+            if is_out_of_memory(e):
+                raise
+            # (OPT's MLP is no module of its own: a cached MLP output does not fit its place)
+            why = f"fails on this model ({type(e).__name__})"
+        else:
+            err = float((fast - plain).abs().max())
+            tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
+            if err <= tol * max(1.0, float(plain.abs().max())):
+                return True
+            why = f"differs from the plain hooked path by {err:.2e} on this model"
         warnings.warn(
-            f"circuitkit: the fast exact-patching path differs from the plain hooked path by "
-            f"{err:.2e} on this model ({type(self.model.blocks[0]).__name__} blocks); using the "
-            "plain path (slower, still exact). Please report the architecture.", stacklevel=3)
+            f"circuitkit: the fast exact-patching path {why} ({type(self.model.blocks[0]).__name__}"
+            f" blocks, site {sw.site!r}); using the plain path (slower, still exact). Please "
+            "report the architecture.", stacklevel=3)
         return False
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
@@ -415,9 +483,16 @@ class ExactEngine:
     @torch.no_grad()
     def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
                       p1: int | None = None, metrics: Sequence[Any] | None = None,
-                      rows: int | None = None) -> Float[Tensor, "n_metrics n_sets n_p"]:
+                      rows: int | None = None, source: str = "source", seed: int = 0
+                      ) -> Float[Tensor, "n_metrics n_sets n_p"]:
         """Metrics after patching each head set *together*: every ``(layer, head)`` of a set gets
         its source ``z`` at all positions, at every layer the set spans, in one run.
+
+        ``source``: what the set's heads get (the same hook writes, other values; ablations of
+        the base run): "source" (the source run's ``z``: noise / denoise), "zero" (0), "mean"
+        (``mean_z``: the head's mean base ``z`` over every prompt's positions up to its last
+        read), "resample" (the base ``z`` of another prompt among ``p0:p1``, at the same
+        positions: a derangement of the prompts seeded by ``seed``, one for the whole call).
 
         Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
         layer). Sets are grouped by their lowest layer ``l0``; a group's sets are stacked in the
@@ -439,6 +514,11 @@ class ExactEngine:
                              f"(got kind={sw.kind!r}, site={sw.site!r}, "
                              f"positions={sw.positions!r}).")
         p1 = sw.n_prompts if p1 is None else p1
+        if source not in HEAD_SET_SOURCES:
+            raise ValueError(f"source={source!r}; expected one of {list(HEAD_SET_SOURCES)}.")
+        if source == "resample" and p1 - p0 < 2:
+            raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
+                             f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
         metrics = [self.metric] if metrics is None else list(metrics)
         for i, m in enumerate(metrics):
             if not isinstance(m, PromptMetric):
@@ -462,13 +542,13 @@ class ExactEngine:
                 raise ValueError(f"head_sets: {bad} outside the model's {sw.n_layers} layers x "
                                  f"{sw.n_units} heads.")
         n_p, length = p1 - p0, self._run_length(p0, p1)
+        perm = derangement(n_p, seed) if source == "resample" else None
         out = torch.empty(len(metrics), len(sets), n_p)
         at = None if self.reads is None else self.reads[p0:p1]
         per = max(1, (rows or auto_rows(model, length)) // n_p)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(sets):
             groups.setdefault(min((la for la, _ in s), default=sw.n_layers - 1), []).append(i)
-        last = model.blocks[sw.n_layers - 1]
         for start, members in sorted(groups.items()):
             for g0 in range(0, len(members), per):
                 idx = members[g0:g0 + per]
@@ -477,7 +557,7 @@ class ExactEngine:
                 fwd_hooks = []
                 for layer in sorted({la for i in idx for la, _ in sets[i]}):
                     heads = [[h for la, h in sets[i] if la == layer] for i in idx]
-                    src = self._span(self.src[layer], p0, p1, length, site=True)
+                    src = self._head_set_source(layer, source, p0, p1, length, perm)
 
                     def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
                         view = act.view(n_g, n_p, *act.shape[1:])
@@ -492,7 +572,7 @@ class ExactEngine:
                     read_rows = at.to(self.device).repeat(n_g, 1)
                     fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
                     if self.fast:
-                        forwards.append((last.mlp, shortcuts.mlp_at_rows(last.mlp, read_rows)))
+                        forwards += shortcuts.last_mlp_at_rows(model, read_rows)
                 with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
                         shortcuts.attn_result_off(model):
                     logits = model(x, start_at_layer=start)
@@ -503,4 +583,174 @@ class ExactEngine:
                     out[k, idx] = evaluate_metric(tiled, logits, what, at=rows_at).view(n_g, n_p)
         return out
 
+    def _head_set_source(self, layer: int, source: str, p0: int, p1: int, length: int,
+                         perm: Tensor | None) -> Float[Tensor, "n_p pos head d_head"]:
+        """The ``z`` that ``run_head_sets`` writes into a set's heads at ``layer`` (its
+        ``source``)."""
+        if source == "source":
+            return self._span(self.src[layer], p0, p1, length, site=True)
+        base = self._span(self.site_base[layer], p0, p1, length, site=True)
+        if source == "zero":
+            return torch.zeros_like(base)
+        if source == "mean":
+            return self.mean_z(layer).to(base)[None, None].expand_as(base)
+        return base[perm.to(base.device)]
 
+    def mean_z(self, layer: int) -> Float[Tensor, "head d_head"]:
+        """Mean base ``z`` of each head of ``layer`` over every prompt and position up to that
+        prompt's last read (all ``length`` positions when reads are unknown), float64 sums."""
+        if layer not in self._mean_z:
+            z = self.site_base[layer].double()  # [n, length, head, d_head]
+            last = (self.reads.max(1).values if self.reads is not None
+                    else torch.full((z.shape[0],), self.length - 1))
+            keep = (torch.arange(z.shape[1])[None, :] <= last[:, None]).double()
+            self._mean_z[layer] = (einops.einsum(z, keep, "n p h d, n p -> h d")
+                                   / keep.sum()).float()
+        return self._mean_z[layer]
+
+
+HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
+
+
+def derangement(n: int, seed: int) -> Tensor:
+    """A seeded random permutation of ``range(n)`` without fixed points (``n >= 2``)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(n, generator=g)
+        if not bool((perm == torch.arange(n)).any()):
+            return perm
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+
+class EdgeEngine(ExactEngine):
+    """Exact edge patching (module docstring, "Edges"): the cached runs, restart, chunking and
+    metric evaluation of ``ExactEngine``; the patch is an edge's.
+
+    ``layout``: the ``sweep.EdgeLayout``; the sweep's layer ``l`` is receiver layer ``l``
+    (``n_layers``: the logits) and its variants are ``layout.cells(l)``.
+    """
+
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+                 sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):
+        check_edge_model(model)
+        self._bind(model, clean, corrupt, metric, sweep)
+        self.layout = layout
+        L = layout.n_layers
+        self.cells = [layout.cells(layer) for layer in range(L + 1)]
+        self.attn_cached = False  # the receiving layer's attention runs (with its patched input)
+        names = [hooks.resid_pre(layer) for layer in range(L)] + [
+            hooks.z(layer) for layer in range(L)] + [hooks.resid_post(L - 1)]
+        with torch.no_grad():
+            self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
+            (self.base_metric, self.source_metric), cache = self._cached_runs(
+                [self.base, self.source], names, rows or auto_rows(model, self.length))
+            self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
+            self.embed_delta = cache[hooks.resid_pre(0)][1] - self.resid[0]
+            self.dz = [cache[hooks.z(layer)][1] - cache[hooks.z(layer)][0] for layer in range(L)]
+            self.final = cache[hooks.resid_post(L - 1)][0]  # what the final norm reads
+            del cache
+            self.W_O = [b.attn.W_O.detach() for b in model.blocks]
+            self.attn_at_rows = shortcuts.supports_attention_at_rows(model.blocks[L - 1].attn)
+            self.fast = self._fast_path_agrees() if fast is None else fast
+
+    def _writes(self, senders: Sequence[int], p0: int, p1: int, length: int,
+                layer: int | None) -> Float[Tensor, "n_s n_p pos d_model"]:
+        """Each sender's write ``delta_s`` on prompts ``p0:p1`` (on block ``layer``'s device):
+        the embeddings' ``resid_pre(0)`` difference, or ``dz[:, :, h] @ W_O[h]``."""
+        out = []
+        for s in senders:
+            sl, h = self.layout.senders[s]
+            if sl < 0:
+                out.append(self._span(self.embed_delta, p0, p1, length, layer=layer))
+                continue
+            dz = self._span(self.dz[sl], p0, p1, length, layer=layer)[:, :, h]
+            out.append(dz @ self.W_O[sl][h].to(dz.device))
+        return torch.stack(out)
+
+    def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                        fast: bool | None) -> Tensor:
+        """Logits with each edge into receiver layer ``layer`` patched, rows variant-major."""
+        model, L = self.model, self.layout.n_layers
+        fast = self.fast if fast is None else fast
+        n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
+        cells = self.cells[layer][list(variants)]  # [n_v, 3]: sender, input, head
+        senders = sorted(set(cells[:, 0].tolist()))
+        row_of = {s: i for i, s in enumerate(senders)}
+        srow = torch.tensor([row_of[s] for s in cells[:, 0].tolist()], dtype=torch.long)
+        at = min(layer, L - 1)
+        dev = self.layer_device[at]
+        writes = self._writes(senders, p0, p1, length, at)  # [n_s, n_p, pos, d_model]
+        forwards = shortcuts.skipped_blocks(model, at, self.block_arity)
+        if fast:
+            forwards += shortcuts.native_norms(model, at)
+        if layer == L:  # the logits: the final residual plus each sender's write
+            final = self._span(self.final, p0, p1, length, layer=at)
+            out = (final[None] + writes[srow.to(dev)]).flatten(0, 1)
+            x = self._span(self.resid[at], p0, p1, length, layer=at).repeat(n_v, 1, 1)
+            forwards.append((model.blocks[at], shortcuts.returning(out, self.block_arity)))
+            hooks_at, forwards_at = self._read_rows_only(p0, p1, n_v, fast, last_mlp=False,
+                                                         last_attn=False)
+            return self._suffix(x, at, forwards + forwards_at, hooks_at)
+        resid = self._span(self.resid[layer], p0, p1, length, layer=layer)
+        names = {i: hooks.head_site(self.layout.inputs[i], layer)
+                 for i in sorted(set(cells[:, 1].tolist()))}
+        src = shortcuts.run_until(model, layer, (resid[None] + writes).flatten(0, 1),
+                                  list(names.values()), self.block_arity)
+        fwd_hooks = []
+        for i, name in names.items():
+            js = (cells[:, 1] == i).nonzero()[:, 0]
+
+            def write(act: Tensor, hook: Any, js=js, name=name) -> Tensor:
+                view = act.view(n_v, n_p, *act.shape[1:])
+                units = cells[js, 2].to(act.device)
+                given = src[name].view(len(senders), n_p, *act.shape[1:])
+                view[js.to(act.device), :, :, units] = given[srow[js].to(act.device), :, :,
+                                                             units]
+                return act
+
+            fwd_hooks.append((name, write))
+        hooks_at, forwards_at = self._read_rows_only(p0, p1, n_v, fast,
+                                                     last_attn=layer != L - 1)
+        x = resid.repeat(n_v, 1, 1)
+        return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _probe_fast_path(self) -> bool:
+        """The fast path against the plain one on the first and last edge of the earliest
+        receiver layer (every later block runs) and of the logits, on two prompts (all of them
+        for a scalar metric)."""
+        sw = self.sweep
+        p1 = min(2, sw.n_prompts) if sw.split_prompts else sw.n_prompts
+        layers = [la for la, c in enumerate(self.cells) if len(c)]
+        err, scale = 0.0, 1.0
+        for layer in sorted({layers[0], layers[-1]}):
+            variants = sorted({0, len(self.cells[layer]) - 1})
+            fast = self.run_variants(layer, variants, 0, p1, fast=True)
+            plain = self.run_variants(layer, variants, 0, p1, fast=False)
+            err = max(err, float((fast - plain).abs().max()))
+            scale = max(scale, float(plain.abs().max()))
+        tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
+        if err <= tol * scale:
+            return True
+        warnings.warn(
+            f"circuitkit: the fast edge-patching path differs from the plain hooked path by "
+            f"{err:.2e} on this model ({type(self.model.blocks[0]).__name__} blocks); using the "
+            "plain path (slower, still exact). Please report the architecture.", stacklevel=3)
+        return False
+
+    def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """Chunk results -> (values ``[n_senders, n_receivers, n_inputs]``, per_prompt
+        ``[n_prompts, ...]`` or None); NaN where (sender, receiver, input) is no edge."""
+        sw, lay = self.sweep, self.layout
+        r_index = lay.receiver_index()
+        L = lay.n_layers
+        grid = torch.full((sw.n_prompts, len(lay.senders), len(lay.receivers), len(lay.inputs)),
+                          float("nan"))
+        for cid, c in enumerate(sw.chunks):
+            cells = self.cells[c.layer][c.v0:c.v1]
+            r = torch.tensor([r_index[(c.layer, int(u)) if c.layer < L else (L, -1)]
+                              for u in cells[:, 2]], dtype=torch.long)
+            grid[c.p0:c.p1, cells[:, 0], r, cells[:, 1]] = done[cid].T
+        values = grid.mean(0)
+        return values, grid if self.metric.per_prompt_values else None

@@ -185,7 +185,7 @@ def head_mlp(model: Any, layer: int) -> HeadMLP | None:
 def _parts(model: Any, layer: int) -> tuple | None:
     norm = str(getattr(model.cfg, "normalization_type", "") or "")
     # a parallel block's MLP reads the block input, not the head's write: nothing to compute
-    if norm not in ("RMS", "LN") or getattr(model.cfg, "parallel_attn_mlp", False):
+    if norm not in ("RMS", "LN") or hooks.parallel(model) or not hooks.has_mlp(model, layer):
         return None
     block = model.blocks[layer]
     # a post-attention/MLP norm (Gemma 2) makes neither the write nor the MLP output linear in W_O

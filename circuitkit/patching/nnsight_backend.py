@@ -43,6 +43,7 @@ from circuitkit.patching.inputs import (
     check_batch_size,
     check_metric_prompts,
     check_tokens,
+    checked_metric,
     choice,
 )
 from circuitkit.patching.results import PatchResult
@@ -118,7 +119,8 @@ def facts(lm: Any) -> ModelFacts:
     return ModelFacts(n_layers=int(c.num_hidden_layers), n_heads=n_heads,
                       n_kv_heads=int(getattr(c, "num_key_value_heads", None) or n_heads),
                       d_head=d_head, d_model=int(c.hidden_size), d_vocab=int(c.vocab_size),
-                      n_ctx=int(getattr(c, "max_position_embeddings", 0) or 0))
+                      n_ctx=int(getattr(c, "max_position_embeddings", 0) or 0),
+                      d_vocab_out=int(c.vocab_size), causal=True)  # HF causal LMs
 
 
 def _attention(lm: Any, layer: int) -> Any:
@@ -167,8 +169,11 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
         raise ValueError(f"token ids must lie in [0, {f.d_vocab}) for this model's vocabulary; "
                          f"got ids up to {int(max(clean.max(), corrupt.max()))}.")
     n, seq = clean.shape
-    pm = as_metric(metric, n, seq, f.d_vocab)
+    pm = as_metric(metric, n, seq, f.d_vocab_out)
     check_metric_prompts(pm, n)
+    # (remotely, checking reads on the real logits would download them whole: not done)
+    pm = checked_metric(lm, clean, corrupt, pm,
+                        logits_of=False if remote else (lambda t: _logits(lm, t)))
     reads = pm.read_positions()
     length = seq if reads is None else int(reads.max()) + 1  # causal: nothing after matters
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
@@ -238,6 +243,13 @@ def _metric_of(logits: Tensor, pm: PromptMetric, reads: Tensor | None, copies: i
     tiled = pm.select(list(range(n)) * copies)
     at = None if reads is None else reads.repeat(copies, 1)
     return evaluate_metric(tiled, logits.float(), what, at=at).view(copies, n)
+
+
+def _logits(lm: Any, tokens: Tensor) -> Tensor:
+    """Logits ``[batch, seq, vocab]`` of an unpatched local run."""
+    with torch.no_grad(), lm.trace(tokens):
+        out = lm.lm_head.output.save()
+    return out
 
 
 def _read_logits(lm: Any, rows: int, reads: Tensor | None, copies: int) -> Any:

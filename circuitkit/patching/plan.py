@@ -234,14 +234,16 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
         methods={"exact": exact, "attribution": att, "attribution+exact": hybrid})
 
 
-def format_sweep_plan(p: dict[str, Any], tokens_from: str = "") -> str:
-    """The ``--plan`` text of a ``sweep_plan`` dict (no weights)."""
+def format_sweep_plan(p: dict[str, Any], tokens_from: str = "",
+                      weights_here: bool = False) -> str:
+    """The ``--plan`` text of a ``sweep_plan`` dict (planned from the config: no weights, or
+    ``weights_here`` and hypothetical prompts, ``--seq-len``)."""
     gb = 1e9
     cells = f"{p['n_layers']} layers x {p['n_units']} heads" + (
         f" x {p['n_pos']} positions" if p["n_pos"] > 1 else "")
     lines = [
         f"model        {p['model']} ({p['n_params'] / 1e9:.2f} B parameters; planned from its "
-        "config, no weights on this machine)",
+        + ("config)" if weights_here else "config, no weights on this machine)"),
         f"sweep        {cells} = {p['n_cells']:,} cells, site {p['site']}, {p['direction']}",
         f"prompts      {p['n_prompts']} of up to {p['seq']} tokens (mean {p['mean_tokens']:.1f})"
         + (f"; {tokens_from}" if tokens_from else ""),
@@ -293,3 +295,130 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:,.1f} min"
     return f"{seconds / 3600:,.1f} h"
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+
+def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "denoise",
+              top_k: int | None = None, ig_steps: int = 5, gpu: str = "H100",
+              utilisation: float = UTILISATION, dtype_bytes: int = 2,
+              n_gpus: int | None = None, rows: int | None = None) -> dict[str, Any]:
+    """Cost of an edge sweep (``api.patch_edges``) of ``arch`` over prompts of ``lengths``
+    tokens, per method, from the config alone (``layout``: the ``sweep.EdgeLayout``).
+
+    Exact: the engine's plan (length buckets as ``sweep.plan`` cuts them, at most ``rows``
+    sequences per forward); an edge into layer ``l`` reruns blocks ``l..L-1`` up to its bucket's
+    last read (the logits: one block's worth, the final norm and unembedding), plus one partial
+    run per (sender, receiver layer) through the receiving layer's norm and q/k/v projections
+    (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
+    one full pass per head -> later head edge and prompt (it has no embeddings or logits).
+    Attribution: eap 4 per prompt, eap-ig-inputs ``2 + 3 m``, eap-ig-activations
+    ``2 + 3 m x`` sender layers; attribution+exact: the eap screen + the verified edges
+    (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
+    Time, GPUs and memory as ``sweep_plan``; ``results_bytes``: the per-prompt result tensor
+    (float32, every sender x receiver x input cell)."""
+    if gpu not in GPU_CLASSES:
+        raise ValueError(f"gpu={gpu!r} is not a known GPU class; expected one of "
+                         f"{sorted(GPU_CLASSES)}.")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
+                         f"{lengths[:8]}.")
+    check_top_k(top_k)
+    g = GPU_CLASSES[gpu]
+    lengths = sorted(int(x) for x in lengths)
+    n, seq, L = len(lengths), lengths[-1], arch.n_layers
+    weights = arch.n_params * dtype_bytes
+    one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
+    n_gpus = n_gpus or gpus_needed(weights, g, one_row)
+    budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE
+    rows = rows or int(max(1, min(MAX_ROWS, budget // one_row)))
+    per_layer = layout.layer_variants
+    n_edges = sum(per_layer)
+    # the engine's length buckets (one variant per layer: what plan cuts prompts into)
+    buckets = sorted({(c.p0, c.p1) for c in plan(
+        Sweep("edges", "", direction, "all", 1, 1, 1, n, seq, True), rows, lengths).chunks})
+    token_blocks, n_chunks = 0.0, 0
+    senders_before = [sum(1 for sl, _ in layout.senders if sl < la) for la in range(L + 1)]
+    for p0, p1 in buckets:
+        c, per = lengths[p1 - 1], max(1, rows // (p1 - p0))
+        for layer, v in enumerate(per_layer):
+            if not v:
+                continue
+            token_blocks += v * (p1 - p0) * c * max(1, L - layer)
+            token_blocks += senders_before[layer] * (p1 - p0) * c / 3 if layer < L else 0
+            n_chunks += math.ceil(v / per)
+    per_pass = flops_per_pass(arch, seq)
+    rate = g.bf16_dense_flops * utilisation
+
+    def cost(passes: float, **extra: Any) -> dict[str, Any]:
+        return dict(pass_equivalents=passes, flops=passes * per_pass,
+                    seconds=passes * per_pass / rate, **extra)
+
+    exact = cost(token_blocks / (L * seq) + 2 * n, n_chunks=n_chunks,
+                 rows=min(rows, max(per_layer) * n), activation_bytes=min(rows, n_edges * n)
+                 * one_row)
+    # TL's loop: one forward per (head, later query head) pair and input; k/v only without GQA
+    tl_inputs = [i for i in layout.inputs if i == "q" or arch.n_kv_heads == arch.n_heads]
+    head_edges = sum(1 for sl, _ in layout.senders if sl >= 0 for rl, _ in layout.receivers
+                     if sl < rl < L) * len(tl_inputs)
+    groups = len({max(sl, -1) for sl, _ in layout.senders})
+    # attribution keeps every layer's saved tensors and one residual copy per head and input
+    saved = dtype_bytes * seq * L * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * seq
+                                     + (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_model)
+    att_rows = int(max(1, min(n, budget // (saved / n_gpus + one_row))))
+    methods = {"exact": exact,
+               "TL loop": cost(float(head_edges * n), forwards=head_edges)}
+    for est, per_prompt in (("eap", 4.0), ("eap-ig-inputs", 2.0 + 3.0 * ig_steps),
+                            ("eap-ig-activations", 2.0 + 3.0 * ig_steps * groups)):
+        methods[est] = cost(per_prompt * n, rows=att_rows,
+                            activation_bytes=att_rows * (saved / n_gpus + one_row))
+    cells = min(top_k, n_edges) if top_k is not None else math.ceil(
+        AUTO_EXPECTED_FRACTION * n_edges)
+    mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
+    methods["attribution+exact"] = cost(
+        methods["eap"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
+        verified_edges=cells, budget="top_k" if top_k is not None else "auto")
+    host = dtype_bytes * L * sum(lengths) * (arch.d_model + arch.n_heads * arch.d_head)
+    results = 4 * n * len(layout.senders) * len(layout.receivers) * len(layout.inputs)
+    return dict(model=arch.name, n_params=arch.n_params, n_layers=L, n_heads=arch.n_heads,
+                n_kv_heads=arch.n_kv_heads, n_senders=len(layout.senders),
+                n_receivers=len(layout.receivers), inputs=list(layout.inputs),
+                n_edges=n_edges, head_edges=head_edges, n_prompts=n, seq=seq,
+                mean_tokens=sum(lengths) / n, direction=direction, dtype_bytes=dtype_bytes,
+                weights_bytes=weights, gpu=g.name, n_gpus=n_gpus, utilisation=utilisation,
+                peak_flops=g.bf16_dense_flops, activation_budget_bytes=budget,
+                host_cache_bytes=host, results_bytes=results, ig_steps=ig_steps,
+                methods=methods)
+
+
+def format_edge_plan(p: dict[str, Any], tokens_from: str = "") -> str:
+    """The ``circuitkit edges --plan`` text of an ``edge_plan`` dict."""
+    gb = 1e9
+    lines = [
+        f"model        {p['model']} ({p['n_params'] / 1e9:.2f} B parameters; planned from its "
+        "config, no weights needed)",
+        f"edges        {p['n_senders']:,} senders x {p['n_receivers']:,} receivers, inputs "
+        f"{','.join(p['inputs'])}: {p['n_edges']:,} edges",
+        f"prompts      {p['n_prompts']} of up to {p['seq']} tokens (mean {p['mean_tokens']:.1f})"
+        + (f"; {tokens_from}" if tokens_from else ""),
+        f"weights      {p['weights_bytes'] / gb:,.1f} GB on {p['n_gpus']} x {p['gpu']}",
+        f"host RAM     {p['host_cache_bytes'] / gb:,.1f} GB for the exact engine's cached "
+        f"activations; results {p['results_bytes'] / gb:,.2f} GB (per-prompt values)",
+        f"time basis   bf16 dense peak {p['peak_flops'] / 1e12:,.0f} TFLOP/s x "
+        f"{p['utilisation']:.0%} utilisation",
+        "",
+        f"{'method':<26} {'pass-equiv.':>14} {'PFLOP':>11} {'time':>10}",
+    ]
+    for name, m in p["methods"].items():
+        label = "TL direct-path loop" if name == "TL loop" else (
+            f"attribution+exact@{m['verified_edges']:,}" if name == "attribution+exact"
+            else name)
+        if name.startswith("eap-ig"):
+            label += f" (m={p['ig_steps']})"
+        lines.append(f"{label:<26} {m['pass_equivalents']:>14,.0f} {m['flops'] / 1e15:>11,.1f} "
+                     f"{_duration(m['seconds']):>10}")
+    lines += ["", "pass-equivalent: one prompt through the whole model (a backward counts 2)",
+              f"TL's loop: one forward per head -> head edge it supports ({p['head_edges']:,}; "
+              "q only under GQA) and prompt"]
+    return "\n".join(lines)

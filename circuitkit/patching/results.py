@@ -10,13 +10,26 @@ Normalisation (``normalized()``), with ``clean``/``corrupt`` the unpatched basel
   0 = no effect, 1 = the clean behaviour fully restored.
 * noise (corrupt activation into the clean run): ``(patched - clean) / (clean - corrupt)``;
   0 = no effect, -1 = the behaviour fully broken (the patched run scores like the corrupt run).
+
+The degenerate-baseline rule (one rule for every entry point, view and figure; docs/metrics.md):
+the corruption must *lower* the metric (higher = more of the clean behaviour) by more than a
+margin, ``gap = clean - corrupt > margin``, with ``margin = max(MIN_GAP_SE * se, tol)``: ``se``
+the standard error of the per-prompt gaps ``clean_i - corrupt_i`` (0 without per-prompt values or
+with one prompt), ``tol = DEGENERATE * max(1, |clean|, |corrupt|)`` (rounding). Otherwise the
+result is ``degenerate``: the ratio over ``clean - corrupt`` is noise (or of the wrong sign), so
+``normalized()`` returns the raw effect ``values - baseline`` instead, warns once per result
+(``DegenerateBaselineWarning``, one line saying what to do), and ``meta["normalization"]``
+records why; every figure then shows raw effects. ``weak_prompts()`` flags the prompts whose own
+gap is at most the margin.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +49,36 @@ POSITIONS = ("all", "each")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
 DEGENERATE = 1e-6
+# The corruption must lower the metric by more than this many standard errors of the
+# per-prompt gaps (about a one-sided 98% test that it lowers it at all).
+MIN_GAP_SE = 2.0
+
+
+class DegenerateBaselineWarning(UserWarning):
+    """The corruption does not lower the metric by its margin: normalized values mean nothing
+    (``PatchResult.degenerate``)."""
+
+
+def _outside_circuitkit() -> int:
+    """``stacklevel`` of ``warnings.warn`` called here that names the first frame outside the
+    circuitkit package (the user's call, however deep the library's own calls went)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+@contextlib.contextmanager
+def quiet_baseline() -> Iterator[None]:
+    """Silence ``DegenerateBaselineWarning`` inside (a caller that says it another way: the
+    CLI's one line, characterize's one line per phase, the report's note)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)
+        yield
 
 
 @dataclass
@@ -58,6 +101,8 @@ class PatchResult:
     corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
     axes: tuple[str, ...] | None = None  # default: inferred from values.ndim and positions
     meta: dict[str, Any] = field(default_factory=dict)
+    # whether the degenerate baseline was said (warned) for this result: once per result
+    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("direction", self.direction, DIRECTIONS),
@@ -96,13 +141,108 @@ class PatchResult:
                 if t is not None and tuple(t.shape) != (n,):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [{n}] (one "
                                      "value per prompt of per_prompt).")
+        self.meta = dict(self.meta or {})
+        self._record_baseline()
+
+    # --- the degenerate-baseline rule (module docstring) ------------------------------------
+    def _prompt_gaps(self) -> Tensor | None:
+        """``clean_i - corrupt_i`` per prompt (float64), or None without per-prompt values."""
+        if self.clean_per_prompt is None or self.corrupt_per_prompt is None:
+            return None
+        return self.clean_per_prompt.double() - self.corrupt_per_prompt.double()
+
+    @property
+    def gap(self) -> float:
+        """``clean - corrupt``: how much the corruption lowers the metric."""
+        return self.clean - self.corrupt
+
+    @property
+    def gap_margin(self) -> float:
+        """What ``gap`` must exceed: ``max(MIN_GAP_SE * se, tol)`` (module docstring)."""
+        tol = DEGENERATE * max(1.0, abs(self.clean), abs(self.corrupt))
+        gaps = self._prompt_gaps()
+        if gaps is None or gaps.numel() < 2:
+            return tol
+        se = float(gaps.std()) / math.sqrt(gaps.numel())
+        return max(MIN_GAP_SE * se, tol) if math.isfinite(se) else tol
 
     @property
     def degenerate(self) -> bool:
-        """True when clean and corrupt score the same: the corruption does not change the
-        metric, so normalized values (a ratio over clean - corrupt) are undefined."""
-        return abs(self.clean - self.corrupt) <= DEGENERATE * max(1.0, abs(self.clean),
-                                                                   abs(self.corrupt))
+        """True when the corruption does not lower the metric by more than ``gap_margin``
+        (clean and corrupt score the same, the corruption raises the metric, or the gap is
+        within the noise of the per-prompt gaps): normalized values are then meaningless and
+        ``normalized()`` returns raw effects."""
+        return self.gap <= self.gap_margin
+
+    def degenerate_reason(self) -> str | None:
+        """One line saying why the result is ``degenerate`` and what to do; None if it is not."""
+        if not self.degenerate:
+            return None
+        name = (self.meta or {}).get("metric")
+        metric = f"metric {name!r}" if name else "the metric"
+        gaps, margin = self._prompt_gaps(), self.gap_margin
+        if abs(self.gap) <= DEGENERATE * max(1.0, abs(self.clean), abs(self.corrupt)):
+            how = f"does not change {metric}"
+        elif self.gap < 0:
+            how = f"raises {metric}"
+        else:
+            how = (f"lowers {metric} by {self.gap:.3g} only, within {MIN_GAP_SE:g} standard "
+                   f"errors of the per-prompt gaps ({margin:.3g}, {gaps.numel()} prompts)")
+        return (f"circuitkit: the corruption {how} (clean {self.clean:.4g}, corrupt "
+                f"{self.corrupt:.4g}), so normalized values are not shares of the behaviour: "
+                "raw effects (value - baseline) are shown instead. Use a corruption that "
+                "removes the behaviour, more prompts, or the negated metric if lower means "
+                "more of it.")
+
+    def weak_prompts(self) -> Tensor | None:
+        """Bool ``[n_prompts]``: prompts whose own gap ``clean_i - corrupt_i`` is at most
+        ``gap_margin`` (their corruption does not lower their metric); None without per-prompt
+        values. ``result.select_prompts(~result.weak_prompts())`` drops them."""
+        gaps = self._prompt_gaps()
+        return None if gaps is None else gaps <= self.gap_margin
+
+    def select_prompts(self, keep: Tensor) -> PatchResult:
+        """This result over the prompts ``keep`` (a bool mask or indices) only: values, clean
+        and corrupt recomputed from the per-prompt values (needs them)."""
+        if self.per_prompt is None or self.clean_per_prompt is None:
+            raise ValueError("select_prompts needs per-prompt values; this result has none (a "
+                             "metric that returns one value for the whole batch).")
+        keep = torch.as_tensor(keep)
+        idx = keep.nonzero()[:, 0] if keep.dtype == torch.bool else keep.long()
+        if idx.numel() == 0:
+            raise ValueError("select_prompts: no prompt kept.")
+        pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
+            self.corrupt_per_prompt[idx]
+        meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
+        return PatchResult(values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
+                           direction=self.direction, method=self.method, site=self.site,
+                           positions=self.positions, per_prompt=pp, clean_per_prompt=cl,
+                           corrupt_per_prompt=co, axes=self.axes, meta=meta)
+
+    def warn_if_degenerate(self) -> bool:
+        """Warn ``degenerate_reason()`` (``DegenerateBaselineWarning``, at the caller's line
+        outside circuitkit), once per result. Entry points call it as they return;
+        ``normalized()`` and the views call it too. Returns ``degenerate``."""
+        reason = self.degenerate_reason()
+        if reason is not None and not self._baseline_said:
+            self._baseline_said = True
+            warnings.warn(DegenerateBaselineWarning(reason), stacklevel=_outside_circuitkit())
+        return reason is not None
+
+    def said_as(self, other: PatchResult) -> PatchResult:
+        """This result, counting ``other``'s degenerate-baseline warning as its own (a result
+        made from ``other``, with the same baselines, says it once). Returns self."""
+        self._baseline_said = self._baseline_said or other._baseline_said
+        return self
+
+    def _record_baseline(self) -> None:
+        """``meta["normalization"]``: why values are shown raw (a degenerate result), else
+        absent."""
+        reason = self.degenerate_reason()
+        if reason is None:
+            self.meta.pop("normalization", None)
+        else:
+            self.meta["normalization"] = "raw effect: " + reason.removeprefix("circuitkit: ")
 
     # --- normalisation and intervals -----------------------------------------------------------
     def _normalize(self, patched: Tensor, clean: Tensor | float, corrupt: Tensor | float) -> Tensor:
@@ -112,15 +252,12 @@ class PatchResult:
     def normalized(self) -> Float[Tensor, "..."]:
         """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``.
 
-        NaN everywhere, with a warning, when clean and corrupt score the same (``degenerate``).
+        A ``degenerate`` result (the corruption does not lower the metric by its margin) gives
+        the raw effect ``values - baseline`` (``effect()``) instead, with one warning per result
+        and ``meta["normalization"]`` saying why.
         """
-        if self.degenerate:
-            warnings.warn(
-                f"circuitkit: clean and corrupt runs score the same ({self.clean:.6g}): the "
-                "corruption does not change the metric, so normalized values are undefined "
-                "(NaN). Check that corrupt_tokens differ where the metric reads, or use the raw "
-                "values (result.effect()).", stacklevel=2)
-            return torch.full_like(self.values, float("nan"))
+        if self.warn_if_degenerate():
+            return self.effect()
         return self._normalize(self.values, self.clean, self.corrupt)
 
     def effect(self) -> Float[Tensor, "..."]:
@@ -129,7 +266,7 @@ class PatchResult:
         return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
 
     def confidence_interval(
-        self, level: float = 0.95, n_boot: int = 1000, seed: int = 0
+        self, level: float = 0.95, n_boot: int = 1000, seed: int = 0, raw: bool | None = None
     ) -> tuple[Tensor, Tensor] | None:
         """Percentile bootstrap over prompts of ``normalized()``: ``(low, high)``, values-shaped.
 
@@ -137,10 +274,13 @@ class PatchResult:
         (patched, clean and corrupt means over the same resample), so the interval is that of
         the reported statistic. TransformerLens's ``PatchingResult.bootstrap_ci`` bootstraps a
         single per-example statistic and cannot express this ratio of means, hence our own.
-        Returns None without per-prompt values.
+        ``raw``: the interval of the raw effect ``values - baseline`` instead (default: for a
+        ``degenerate`` result, whose ``normalized()`` is that effect). Returns None without
+        per-prompt values.
         """
-        if self.per_prompt is None or self.clean_per_prompt is None or self.degenerate:
+        if self.per_prompt is None or self.clean_per_prompt is None:
             return None
+        raw = self.degenerate if raw is None else raw
         n = self.per_prompt.shape[0]
         g = torch.Generator().manual_seed(seed)
         # Resample counts [n_boot, n]: mean over a resample = counts @ x / n.
@@ -155,7 +295,10 @@ class PatchResult:
         q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
         for start in range(0, flat.shape[1], 4096):  # bounded memory: [n_boot, 4096] at a time
             patched = w @ flat[:, start:start + 4096]
-            norm = self._normalize(patched, clean[:, None], corrupt[:, None])
+            if raw:
+                norm = patched - (corrupt if self.direction == "denoise" else clean)[:, None]
+            else:
+                norm = self._normalize(patched, clean[:, None], corrupt[:, None])
             ql = torch.quantile(norm, q, dim=0)
             lo.append(ql[0])
             hi.append(ql[1])
@@ -173,17 +316,17 @@ class PatchResult:
         idx = idx.reshape(-1, len(self.axes))
         cols = {a: idx[:, i].numpy() for i, a in enumerate(self.axes)}
         cols["value"] = self.values.reshape(-1).float().numpy()
-        with warnings.catch_warnings():  # said once by normalized() itself, not per view
-            if self.degenerate:
-                warnings.simplefilter("ignore")
-            cols["normalized"] = self.normalized().reshape(-1).float().numpy()
+        cols["normalized"] = self.normalized().reshape(-1).float().numpy()  # (warns once)
         interval = self.confidence_interval() if ci else None
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
             cols["ci_high"] = interval[1].reshape(-1).numpy()
         if self.verified is not None:  # attribution+exact: which are exact
             cols["verified"] = self.verified.reshape(-1).numpy()
-        return pd.DataFrame(cols)
+        frame = pd.DataFrame(cols)
+        if self.degenerate:  # its "normalized" column holds raw effects: say so
+            frame.attrs["normalization"] = self.meta["normalization"]
+        return frame
 
     @property
     def verified(self) -> Tensor | None:
@@ -194,12 +337,12 @@ class PatchResult:
         return torch.tensor(mask, dtype=torch.bool) if isinstance(mask, list) else None
 
     def top(self, k: int = 10):
-        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first); by
-        ``|effect|`` when normalized values are undefined (``degenerate``)."""
+        """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first): by
+        ``|effect|`` for a ``degenerate`` result (its ``normalized`` column holds raw effects,
+        and it warns once)."""
         df = self.to_frame()
-        base = self.corrupt if self.direction == "denoise" else self.clean
-        key = df["value"] - base if self.degenerate else df["normalized"]
-        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
+        order = df["normalized"].abs().sort_values(ascending=False,
+                                                   na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 
     def heatmap(self, title: str | None = None, **kw):
@@ -223,7 +366,8 @@ class PatchResult:
 
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
-        (``to_frame()``) and ``<path>.html`` (``heatmap()``), each atomically; ``path`` may be a
+        (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page with plotly.js inlined: it
+        opens alone, offline), each atomically; ``path`` may be a
         folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
         writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
         from circuitkit import files
@@ -232,6 +376,7 @@ class PatchResult:
         paths["json"].parent.mkdir(parents=True, exist_ok=True)
         tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
         files.write_tensors(paths["safetensors"], tensors)
+        self._record_baseline()  # (fields may have been changed since it was made)
         info = dict(format=FORMAT, version=FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     site=self.site, positions=self.positions, axes=list(self.axes),
@@ -240,10 +385,9 @@ class PatchResult:
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        # plotly.js once per folder (plotly.min.js beside the page), not 4.8 MB per figure
-        _plotly_bundle(paths["html"].parent)
+        # plotly.js inlined once (~4.8 MB): the page opens alone, copied to any folder, offline
         files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
-            p, include_plotlyjs=PLOTLY_BUNDLE))
+            p, include_plotlyjs=True, full_html=True))
         return list(paths.values())
 
     @classmethod
@@ -291,10 +435,11 @@ AXES = ("layer", "head", "pos")
 MEAN_RTOL = 1e-4
 
 
-def _plotly_bundle(folder: Path) -> None:
-    """``folder/plotly.min.js``, written atomically unless a complete copy is there (plotly's own
+def plotly_bundle(folder: Path) -> Path:
+    """``folder/plotly.min.js`` for pages written with ``include_plotlyjs=PLOTLY_BUNDLE``,
+    written atomically unless a complete copy is there (plotly's own
     ``include_plotlyjs="directory"`` writes it in place and keeps whatever it finds, so a write
-    cut short by a full disk left every later page blank)."""
+    cut short by a full disk left every later page blank). Returns its path."""
     from plotly.offline import get_plotlyjs
 
     from circuitkit import files
@@ -302,10 +447,10 @@ def _plotly_bundle(folder: Path) -> None:
     js, dest = get_plotlyjs(), folder / PLOTLY_BUNDLE
     try:
         if dest.stat().st_size == len(js.encode()) and dest.read_text(encoding="utf-8") == js:
-            return
+            return dest
     except (OSError, UnicodeDecodeError):
         pass
-    files.atomic_write(dest, lambda p: p.write_text(js, encoding="utf-8"))
+    return files.atomic_write(dest, lambda p: p.write_text(js, encoding="utf-8"))
 
 
 def _number(x: Any) -> bool:
@@ -394,3 +539,377 @@ def verified_mask(result: PatchResult) -> Tensor:
         raise ValueError(f"verified_mask: a {result.method!r} result has no verified mask (only "
                          "attribution+exact results do).")
     return mask
+
+
+# --- edges ---------------------------------------------------------------------------------------
+
+EDGE_FORMAT = "circuitkit.edge_result"
+EDGE_FORMAT_VERSION = 1
+EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values
+
+
+def node_name(node: tuple[int, int] | list[int], n_layers: int) -> str:
+    """``"embed"`` (layer -1), ``"logits"`` (layer ``n_layers``) or ``"L{layer}H{head}"``."""
+    layer, head = int(node[0]), int(node[1])
+    return "embed" if layer < 0 else "logits" if layer >= n_layers else f"L{layer}H{head}"
+
+
+@dataclass
+class EdgeResult:
+    """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
+
+    ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
+    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only. Nodes are ``(layer, head)``:
+    the senders include the embeddings as ``(-1, -1)`` ("embed"), the receivers the logits as
+    ``(n_layers, -1)`` ("logits": the final residual the unembedding reads; it has one input,
+    stored at input index 0 and shown as input "resid"). NaN where ``(s, r, i)`` is no edge:
+    the receiver's layer is not after the sender's, the logits' other input slots, and under
+    GQA a k/v receiver ``(l, g)`` with ``g >= n_kv_heads`` (k/v receivers are KV heads:
+    ``meta["kv_heads"]``). ``per_prompt``: ``[n_prompts, n_senders, n_receivers, n_inputs]``.
+    Normalisation and intervals are ``PatchResult``'s (one definition: ``_as_patch_result``).
+    """
+
+    values: Float[Tensor, "sender receiver input"]
+    clean: float
+    corrupt: float
+    direction: str
+    method: str
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    inputs: tuple[str, ...]
+    n_layers: int
+    per_prompt: Float[Tensor, "n_prompts sender receiver input"] | None = None
+    clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    # whether the degenerate baseline was said (warned) for this result: once per result
+    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.senders = tuple((int(a), int(b)) for a, b in self.senders)
+        self.receivers = tuple((int(a), int(b)) for a, b in self.receivers)
+        self.inputs = tuple(self.inputs)
+        self.n_layers = int(self.n_layers)
+        bad = [i for i in self.inputs if i not in hooks.EDGE_INPUTS]
+        if bad or not self.inputs:
+            raise ValueError(f"inputs={list(self.inputs)} must be a non-empty subset of "
+                             f"{list(hooks.EDGE_INPUTS)}.")
+        shape = (len(self.senders), len(self.receivers), len(self.inputs))
+        if not isinstance(self.values, Tensor) or tuple(self.values.shape) != shape:
+            raise ValueError(f"values must be a [senders, receivers, inputs] = {list(shape)} "
+                             f"tensor; got shape {tuple(getattr(self.values, 'shape', ()))}.")
+        for a, b in self.senders:
+            if not (a == -1 and b == -1 or 0 <= a < self.n_layers and b >= 0):
+                raise ValueError(f"sender ({a}, {b}) is not a node of a {self.n_layers}-layer "
+                                 "model ((layer, head), or (-1, -1) for the embeddings).")
+        for a, b in self.receivers:
+            if not (a == self.n_layers and b == -1 or 0 <= a < self.n_layers and b >= 0):
+                raise ValueError(f"receiver ({a}, {b}) is not a node of a {self.n_layers}-layer "
+                                 f"model ((layer, head), or ({self.n_layers}, -1) for the "
+                                 "logits).")
+        pp = self.per_prompt
+        if pp is not None and (not isinstance(pp, Tensor) or tuple(pp.shape[1:]) != shape):
+            raise ValueError(f"per_prompt must be a [n_prompts, {', '.join(map(str, shape))}] "
+                             f"tensor; got shape {tuple(getattr(pp, 'shape', ()))}.")
+        # the rest (direction, method, baselines, per-prompt shapes) as a PatchResult checks it
+        self._as_patch_result()
+
+    def _as_patch_result(self, values: Tensor | None = None) -> PatchResult:
+        """The same numbers as a ``PatchResult`` over (sender, receiver x input): its
+        normalisation, bootstrap and degenerate rule are the edges' too."""
+        n_s = len(self.senders)
+        pp = self.per_prompt
+        view = PatchResult(
+            values=(self.values if values is None else values).reshape(n_s, -1),
+            clean=self.clean, corrupt=self.corrupt, direction=self.direction,
+            method=self.method, site="z", positions="all",
+            per_prompt=None if pp is None else pp.reshape(pp.shape[0], n_s, -1),
+            clean_per_prompt=self.clean_per_prompt, corrupt_per_prompt=self.corrupt_per_prompt,
+            axes=("sender", "receiver_input"), meta=dict(metric=self.meta.get("metric")))
+        view._baseline_said = self._baseline_said  # one warning per edge result, not per view
+        return view
+
+    @property
+    def degenerate(self) -> bool:
+        return self._as_patch_result().degenerate
+
+    def warn_if_degenerate(self) -> bool:
+        """``PatchResult.warn_if_degenerate``: once per edge result."""
+        view = self._as_patch_result()
+        said = view.warn_if_degenerate()
+        self._baseline_said = view._baseline_said
+        return said
+
+    def normalized(self) -> Float[Tensor, "sender receiver input"]:
+        """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
+        corrupt)``, noise ``(v - clean) / (clean - corrupt)``; the raw effect for a
+        ``degenerate`` result (one warning per result)."""
+        view = self._as_patch_result()
+        out = view.normalized().reshape(self.values.shape)
+        self._baseline_said = view._baseline_said
+        return out
+
+    def effect(self) -> Float[Tensor, "sender receiver input"]:
+        """``values - baseline`` (corrupt for denoise, clean for noise)."""
+        return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
+
+    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
+                            raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
+        """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
+        normalized value, or of the raw effect: ``raw``, default for a ``degenerate`` result)
+        of each edge, values-shaped; None without per-prompt values."""
+        got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
+        return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
+
+    def sender_names(self) -> list[str]:
+        return [node_name(s, self.n_layers) for s in self.senders]
+
+    def receiver_names(self) -> list[str]:
+        return [node_name(r, self.n_layers) for r in self.receivers]
+
+    def edge_mask(self) -> Tensor:
+        """Bool ``[senders, receivers, inputs]``: True where the cell is an edge."""
+        return ~torch.isnan(self.values)
+
+    def to_frame(self, ci: bool = True):
+        """pandas DataFrame, one row per edge: sender_layer, sender_head, receiver_layer,
+        receiver_head, input, value, normalized[, ci_low, ci_high][, verified], sender,
+        receiver (names: "embed", "L0H1", "logits"). The embeddings are layer -1, the logits
+        layer ``n_layers`` (head -1) with input "resid"."""
+        import pandas as pd
+
+        idx = self.edge_mask().nonzero()
+        s, r, i = idx[:, 0], idx[:, 1], idx[:, 2]
+        snd = torch.tensor(self.senders).reshape(-1, 2)[s]
+        rcv = torch.tensor(self.receivers).reshape(-1, 2)[r]
+        logits = rcv[:, 0] == self.n_layers
+        with warnings.catch_warnings():  # said once by normalized() itself, not per view
+            if self.degenerate:
+                warnings.simplefilter("ignore")
+            norm = self.normalized()[s, r, i]
+        cols = dict(sender_layer=snd[:, 0].numpy(), sender_head=snd[:, 1].numpy(),
+                    receiver_layer=rcv[:, 0].numpy(), receiver_head=rcv[:, 1].numpy(),
+                    input=["resid" if lg else self.inputs[k]
+                           for lg, k in zip(logits.tolist(), i.tolist(), strict=True)],
+                    value=self.values[s, r, i].float().numpy(), normalized=norm.float().numpy())
+        interval = self.confidence_interval() if ci else None
+        if interval is not None:
+            cols["ci_low"] = interval[0][s, r, i].numpy()
+            cols["ci_high"] = interval[1][s, r, i].numpy()
+        verified = (self.meta or {}).get("verified")
+        if isinstance(verified, list):  # attribution+exact: which values are exact
+            cols["verified"] = torch.tensor(verified, dtype=torch.bool)[s, r, i].numpy()
+        names_s, names_r = self.sender_names(), self.receiver_names()
+        cols["sender"] = [names_s[k] for k in s.tolist()]
+        cols["receiver"] = [names_r[k] for k in r.tolist()]
+        return pd.DataFrame(cols)
+
+    def top(self, k: int = 10, input: str | None = None):
+        """The ``k`` edges with the largest ``|normalized|`` (by ``|effect|`` when normalized
+        values are undefined), strongest first; ``input``: only edges into that input ("q",
+        "k", "v", or "resid" for the logits)."""
+        df = self.to_frame()
+        if input is not None:
+            df = df[df["input"] == input]
+        base = self.corrupt if self.direction == "denoise" else self.clean
+        key = df["value"] - base if self.degenerate else df["normalized"]
+        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
+        return df.loc[order].reset_index(drop=True)
+
+    def heatmap(self, title: str | None = None, **kw):
+        """plotly Figure: sender x receiver heatmap of ``normalized()``, one panel per input
+        (``circuitkit.viz.heatmaps.edge_heatmap``)."""
+        from circuitkit.viz.heatmaps import edge_heatmap  # patching never imports viz at load
+
+        return edge_heatmap(self, title, **kw)
+
+    # --- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
+        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), and with ``views``
+        ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``), each written
+        atomically; ``path`` may be a folder (then ``<folder>/edges.*``)."""
+        from circuitkit import files
+
+        paths = _edge_paths(path)
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: getattr(self, k) for k in EDGE_TENSORS if getattr(self, k) is not None}
+        files.write_tensors(paths["safetensors"], tensors)
+        info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
+                    corrupt=self.corrupt, direction=self.direction, method=self.method,
+                    senders=[list(s) for s in self.senders],
+                    receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
+                    n_layers=self.n_layers, meta=self.meta)
+        files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        if not views:
+            return [paths["safetensors"], paths["json"]]
+        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
+        # plotly.js once per folder, beside the page (written atomically: plotly_bundle)
+        plotly_bundle(paths["html"].parent)
+        files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
+            p, include_plotlyjs=PLOTLY_BUNDLE))
+        return list(paths.values())
+
+    @classmethod
+    def load(cls, path: str | Path) -> EdgeResult:
+        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict:
+        every field is validated; a bad file is named with what is wrong (``ValueError``)."""
+        from safetensors.torch import load_file
+
+        paths = _edge_paths(path)
+        js, st = paths["json"], paths["safetensors"]
+        for p in (js, st):
+            if not p.exists():
+                raise ValueError(f"no edge result at {path}: {p} does not exist (expected the "
+                                 "files EdgeResult.save writes).")
+        try:
+            info = json.loads(js.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{js} is not a readable edge result file ({e}).") from None
+        if not isinstance(info, dict) or info.get("format") != EDGE_FORMAT:
+            raise ValueError(f"{js} is not a circuitkit edge result (format "
+                             f"{info.get('format') if isinstance(info, dict) else None!r}).")
+        if not isinstance(info.get("version"), int) or info["version"] > EDGE_FORMAT_VERSION:
+            raise ValueError(f"{js}: format version {info.get('version')!r} is not one this "
+                             f"circuitkit reads (<= {EDGE_FORMAT_VERSION}); upgrade circuitkit.")
+        keys = ("clean", "corrupt", "direction", "method", "senders", "receivers", "inputs",
+                "n_layers")
+        missing = [k for k in keys if k not in info]
+        if missing:
+            raise ValueError(f"{js}: missing field(s) {missing}.")
+        try:
+            tensors = load_file(str(st))
+        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+            raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+        unknown = sorted(set(tensors) - set(EDGE_TENSORS))
+        if "values" not in tensors or unknown:
+            raise ValueError(f"{st}: expected tensors {list(EDGE_TENSORS)} with 'values'; got "
+                             f"{sorted(tensors)}.")
+        meta = info.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"{js}: meta must be a JSON object.")
+        try:
+            return cls(**{k: tensors.get(k) for k in EDGE_TENSORS},
+                       **{k: info[k] for k in keys}, meta=meta)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{js}: {e}") from None
+
+    def __repr__(self) -> str:
+        return (f"EdgeResult(method={self.method!r}, direction={self.direction!r}, "
+                f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
+                f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
+                f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
+
+
+def _edge_paths(path: str | Path) -> dict[str, Path]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "edges"
+    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+        p = p.with_suffix("")
+    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
+
+
+# --- circuits ------------------------------------------------------------------------------------
+
+CIRCUIT_FORMAT = "circuitkit.circuit"
+
+
+@dataclass
+class CircuitResult:
+    """A faithfulness curve and the kept set (``patching.faithfulness.circuit``).
+
+    ``kind``: "edges" or "heads"; ``sizes``: shares of the scored items kept (ascending),
+    ``n_kept``: how many items that is; ``faithfulness[k] = (m(C_k) - empty) / (full -
+    empty)`` with ``full``/``empty`` the metric with every scored item kept / ablated;
+    ``per_prompt``: ``[n_sizes, n_prompts]`` metric of each circuit. ``cpr``/``cmd``: MIB's
+    areas (under f; between f and 1) over the kept share. ``items``: every scored item,
+    ranked (edges: ``sender``/``receiver`` as ``[layer, head]``, the embeddings ``[-1, -1]``,
+    the logits ``[n_layers, -1]``, ``input``, ``score``; heads: ``layer``, ``head``,
+    ``score``). ``chosen``: index of the kept set, the smallest circuit with faithfulness >=
+    ``target`` (the largest when none reaches it). ``intervals``: bootstrap percentile
+    intervals over prompts of faithfulness (per size), CPR and CMD, or None.
+    """
+
+    kind: str
+    sizes: tuple[float, ...]
+    n_kept: tuple[int, ...]
+    faithfulness: Float[Tensor, " n_sizes"]
+    full: float
+    empty: float
+    cpr: float
+    cmd: float
+    items: list[dict[str, Any]]
+    n_layers: int
+    ablation: str
+    rank: str
+    target: float
+    chosen: int
+    per_prompt: Float[Tensor, "n_sizes n_prompts"] | None = None
+    full_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    empty_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    intervals: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def kept(self, index: int | None = None) -> list[dict[str, Any]]:
+        """The items of circuit ``index`` of the curve (default ``chosen``), strongest first."""
+        k = self.chosen if index is None else index
+        return self.items[:self.n_kept[k]]
+
+    def to_frame(self):
+        """pandas DataFrame, one row per size: size, n_kept, faithfulness[, ci_low, ci_high]."""
+        import pandas as pd
+
+        df = pd.DataFrame(dict(size=list(self.sizes), n_kept=list(self.n_kept),
+                               faithfulness=self.faithfulness.float().numpy()))
+        band = (self.intervals or {}).get("faithfulness")
+        if band:
+            df["ci_low"] = [b[0] for b in band]
+            df["ci_high"] = [b[1] for b in band]
+        return df
+
+    def to_dict(self, index: int | None = None) -> dict[str, Any]:
+        """The kept set as JSON-ready data: ``nodes`` (name, layer, head), ``edges`` (sender,
+        receiver, input, score; for heads: the kept heads' scores), its faithfulness, the
+        curve (``to_frame`` rows) and its CPR and CMD."""
+        k = self.chosen if index is None else index
+        kept = self.kept(k)
+        nodes: dict[str, dict[str, Any]] = {}
+
+        def node(layer_head: list[int]) -> str:
+            name = node_name(layer_head, self.n_layers)
+            nodes.setdefault(name, dict(name=name, layer=int(layer_head[0]),
+                                        head=int(layer_head[1])))
+            return name
+
+        if self.kind == "edges":
+            edges = [dict(sender=node(e["sender"]), receiver=node(e["receiver"]),
+                          input=e["input"], score=e["score"]) for e in kept]
+        else:
+            edges = []
+            for h in kept:
+                node([h["layer"], h["head"]])
+                nodes[node_name([h["layer"], h["head"]], self.n_layers)]["score"] = h["score"]
+        band = (self.intervals or {}).get("faithfulness")
+        curve = self.to_frame().to_dict(orient="records")
+        return dict(format=CIRCUIT_FORMAT, version=1, kind=self.kind, size=self.sizes[k],
+                    n_kept=self.n_kept[k], n_items=len(self.items),
+                    faithfulness=float(self.faithfulness[k]),
+                    faithfulness_ci=band[k] if band else None, target=self.target,
+                    ablation=self.ablation, rank=self.rank, cpr=self.cpr, cmd=self.cmd,
+                    cpr_ci=(self.intervals or {}).get("cpr"),
+                    cmd_ci=(self.intervals or {}).get("cmd"),
+                    n_layers=self.n_layers, curve=curve,
+                    nodes=sorted(nodes.values(), key=lambda d: (d["layer"], d["head"])),
+                    edges=edges, meta=self.meta)
+
+    def save_json(self, path: str | Path, index: int | None = None) -> Path:
+        """``to_dict(index)`` written atomically as JSON."""
+        from circuitkit import files
+
+        return files.write_text(path, json.dumps(self.to_dict(index), indent=1, default=str))
+
+    def __repr__(self) -> str:
+        k = self.chosen
+        return (f"CircuitResult({self.kind}, ablation={self.ablation!r}, CPR={self.cpr:.3f}, "
+                f"CMD={self.cmd:.3f}, kept {self.n_kept[k]} of {len(self.items)} "
+                f"(faithfulness {float(self.faithfulness[k]):.3f}))")

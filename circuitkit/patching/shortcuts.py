@@ -86,6 +86,33 @@ def attn_result_off(model: Any):
             model.set_use_attn_result(True)
 
 
+@contextlib.contextmanager
+def split_qkv_inputs(model: Any):
+    """Each head's q/k/v input as its own copy of the residual for the run (``hooks.q_input``
+    ...: TransformerLens's ``use_split_qkv_input``; ``use_attn_in``, exclusive with it, off
+    meanwhile); the caller's flags are restored on exit. Every copy goes through the block's
+    norm and its head's projection alone, so an edit of one copy reaches one head only."""
+    split = bool(getattr(model.cfg, "use_split_qkv_input", False))
+    attn_in = bool(getattr(model.cfg, "use_attn_in", False))
+    try:
+        if attn_in:
+            model.set_use_attn_in(False)
+        if not split:
+            try:
+                model.set_use_split_qkv_input(True)
+            except NotImplementedError:
+                raise ValueError(
+                    f"this model's attention ({type(model.blocks[0].attn).__name__}, e.g. a "
+                    "native TransformerLens config) has no per-head q/k/v input "
+                    "(use_split_qkv_input), which edge attribution differentiates at; use "
+                    "method='exact' for its edges.") from None
+        yield
+    finally:
+        model.set_use_split_qkv_input(split)
+        if attn_in:
+            model.set_use_attn_in(True)
+
+
 def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, Any]]:
     """Blocks ``0..layer-1`` as identities (``block_arity``: see ``output_arity``)."""
     def identity(*args: Any, **kwargs: Any) -> Any:
@@ -93,6 +120,39 @@ def skipped_blocks(model: Any, layer: int, block_arity: int) -> list[tuple[Any, 
         return (x,) if block_arity else x
 
     return [(b, identity) for b in list(model.blocks)[:layer]]
+
+
+class _Stop(Exception):
+    """Raised by a hook once a partial run has what it came for (``run_until``)."""
+
+
+def run_until(model: Any, layer: int, x: Tensor, names: Sequence[str], block_arity: int,
+              fwd_hooks: Sequence[tuple[str, Any]] = ()) -> dict[str, Tensor]:
+    """The activations at hooks ``names`` of a run re-entering ``model`` at block ``layer``
+    with residual ``x`` (blocks below it skipped), stopped as soon as all of them fired:
+    nothing after the last one runs. ``fwd_hooks`` are attached too (before the grabs: an edit
+    there is seen by what is grabbed). ``block_arity``: ``output_arity``'s."""
+    got: dict[str, Tensor] = {}
+
+    def grab(name: str):
+        def hook(t: Tensor, hook: Any) -> Tensor:
+            got[name] = t
+            if len(got) == len(names):
+                raise _Stop
+            return t
+        return hook
+
+    try:
+        with overridden(skipped_blocks(model, layer, block_arity)), \
+                hooked(model, [*fwd_hooks, *((n, grab(n)) for n in names)]), \
+                attn_result_off(model):
+            model(x, start_at_layer=layer)
+    except _Stop:
+        pass
+    missing = [n for n in names if n not in got]
+    if missing:
+        raise RuntimeError(f"a run from block {layer} did not fire {missing}.")
+    return got
 
 
 def native_norms(model: Any, layer: int, keep: Sequence[str] = ()) -> list[tuple[Any, Any]]:
@@ -193,9 +253,9 @@ def reads_only(model: Any, idx: Int[Tensor, "rows k"]):
     and no per-head results. The MLP keeps every position where its input hook is the block's
     ``hook_resid_mid`` (a block without a pre-MLP norm, OLMo 2): that stays whole."""
     layer = len(model.blocks) - 1
-    last = model.blocks[layer]
-    mlp = [] if hooks.owner(model, hooks.resid_mid_of(model, layer)) is last.mlp \
-        else [(last.mlp, mlp_at_rows(last.mlp, idx))]
+    mlp = last_mlp_at_rows(model, idx)
+    if mlp and hooks.owner(model, hooks.resid_mid_of(model, layer)) is mlp[0][0]:
+        mlp = []
     with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, gather_rows(idx))]), overridden(mlp), \
             attn_result_off(model):
         yield
@@ -216,6 +276,16 @@ def put_rows(y: Tensor, idx: Int[Tensor, "rows k"], seq: int) -> Tensor:
 def gather_rows(idx: Int[Tensor, "rows k"]):
     """A hook applying ``take_rows``."""
     return lambda x, hook: take_rows(x, idx)
+
+
+def last_mlp_at_rows(model: Any, idx: Int[Tensor, "rows k"]) -> list[tuple[Any, Any]]:
+    """The last block's MLP computed only at ``idx`` (``mlp_at_rows``), as ``overridden``
+    takes it; nothing for a block without an MLP (attention-only)."""
+    layer = len(model.blocks) - 1
+    if not hooks.has_mlp(model, layer):
+        return []
+    mlp = model.blocks[layer].mlp
+    return [(mlp, mlp_at_rows(mlp, idx))]
 
 
 def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):

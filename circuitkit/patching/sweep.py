@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from circuitkit import hooks
@@ -42,7 +43,7 @@ class Chunk(NamedTuple):
 class Sweep:
     """What to patch; ``chunks`` and ``lengths`` are set by ``plan``."""
 
-    kind: str  # "heads" | "layers"
+    kind: str  # "heads" | "layers" | "edges"
     site: str
     direction: str  # "denoise" | "noise"
     positions: str  # "all" | "each"
@@ -54,10 +55,17 @@ class Sweep:
     split_prompts: bool  # the metric has per-prompt values, so prompts may go to different chunks
     chunks: tuple[Chunk, ...] = ()
     lengths: tuple[int, ...] | None = None  # positions each prompt (sweep order) needs
+    # variants per layer when layers differ (an edge sweep: a receiver layer has as many
+    # senders as there are nodes before it); None: every layer has n_variants
+    layer_variants: tuple[int, ...] | None = None
 
     @property
     def n_variants(self) -> int:
         return self.n_units * self.n_pos
+
+    def variants_at(self, layer: int) -> int:
+        """Variants of ``layer``: ``layer_variants[layer]``, or ``n_variants``."""
+        return self.n_variants if self.layer_variants is None else self.layer_variants[layer]
 
     def variant(self, v: int) -> tuple[int, int | None]:
         """Variant index -> (unit, pos or None)."""
@@ -117,11 +125,12 @@ def plan(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
         for layer in range(sweep.n_layers):
             for p0, p1 in buckets:
                 per = max(1, rows // (p1 - p0))
-                for v0 in range(0, sweep.n_variants, per):
-                    chunks.append(Chunk(layer, v0, min(v0 + per, sweep.n_variants), p0, p1))
+                n_var = sweep.variants_at(layer)
+                for v0 in range(0, n_var, per):
+                    chunks.append(Chunk(layer, v0, min(v0 + per, n_var), p0, p1))
     else:  # prompts split: one variant per forward
         for layer in range(sweep.n_layers):
-            for v in range(sweep.n_variants):
+            for v in range(sweep.variants_at(layer)):
                 for p0 in range(0, n, rows):
                     chunks.append(Chunk(layer, v, v + 1, p0, min(p0 + rows, n)))
     return replace(sweep, chunks=tuple(chunks),
@@ -158,7 +167,7 @@ def bytes_per_row(model: Any, seq: int) -> int:
     f = hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
     elem = next(model.parameters()).element_size()
-    return row_bytes(f.d_model, d_mlp, f.n_heads, f.d_vocab, seq, elem)
+    return row_bytes(f.d_model, d_mlp, f.n_heads, f.d_vocab_out, seq, elem)
 
 
 def model_devices(model: Any) -> list[torch.device]:
@@ -202,3 +211,88 @@ def release_cached_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# --- edge sweeps ----------------------------------------------------------------------------------
+
+EMBED_NODE = (-1, -1)  # the sender "embed": the embeddings' write (resid_pre of block 0)
+
+
+def logits_node(n_layers: int) -> tuple[int, int]:
+    """The receiver "logits": the final residual the unembedding reads (after every block)."""
+    return (n_layers, -1)
+
+
+@dataclass(frozen=True)
+class EdgeLayout:
+    """Which edges an edge sweep patches, and how they become a sweep's variants.
+
+    ``senders``: ``(layer, head)`` nodes whose write is patched, ``EMBED_NODE`` first when
+    present; ``receivers``: ``(layer, head)`` nodes whose input is patched, ``logits_node``
+    last when present; ``inputs``: the receiving heads' inputs ("q", "k", "v"). An edge is a
+    (sender, receiver, input) with the receiver's layer after the sender's. Under GQA the
+    receiver of a k/v edge is a KV head: ``(layer, g)`` for ``g < n_kv_heads``.
+
+    The sweep's "layers" are the receiver layers ``0..n_layers`` (``n_layers``: the logits); a
+    variant of layer ``l`` is one edge into it, laid out sender-major, then input, then head
+    (``cells``), so a chunk's variants share few senders.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    inputs: tuple[str, ...]
+
+    def units(self, layer: int, input_name: str) -> list[int]:
+        """Heads of receiver layer ``layer`` that receive at ``input_name`` (KV heads for k/v
+        under GQA)."""
+        top = self.n_kv_heads if input_name in hooks.KV_SITES else self.n_heads
+        return sorted(h for la, h in self.receivers if la == layer and 0 <= h < top)
+
+    def cells(self, layer: int) -> Int[Tensor, "n 3"]:
+        """Edges into receiver layer ``layer``: rows ``(sender index, input index, head)``;
+        for the logits (``layer == n_layers``) one per sender, input index 0 and head -1."""
+        rows: list[tuple[int, int, int]] = []
+        if layer == self.n_layers:
+            if logits_node(self.n_layers) in self.receivers:
+                rows = [(s, 0, -1) for s in range(len(self.senders))]
+        else:
+            units = [(i, self.units(layer, name)) for i, name in enumerate(self.inputs)]
+            for s, (sl, _) in enumerate(self.senders):
+                if sl < layer:
+                    rows += [(s, i, u) for i, us in units for u in us]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    def count(self, layer: int) -> int:
+        """``len(cells(layer))``, counted without listing them (a 70B plan has millions)."""
+        if layer == self.n_layers:
+            return len(self.senders) if logits_node(self.n_layers) in self.receivers else 0
+        before = sum(1 for sl, _ in self.senders if sl < layer)
+        return before * sum(len(self.units(layer, name)) for name in self.inputs)
+
+    @property
+    def layer_variants(self) -> tuple[int, ...]:
+        return tuple(self.count(layer) for layer in range(self.n_layers + 1))
+
+    @property
+    def n_edges(self) -> int:
+        return sum(self.layer_variants)
+
+    def receiver_index(self) -> dict[tuple[int, int], int]:
+        return {r: i for i, r in enumerate(self.receivers)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(senders=[list(s) for s in self.senders],
+                    receivers=[list(r) for r in self.receivers], inputs=list(self.inputs))
+
+
+def make_edge_sweep(model: Any, layout: EdgeLayout, direction: str, tokens: Tensor,
+                    metric: PromptMetric) -> Sweep:
+    """The unplanned ``Sweep`` of an edge layout (kind "edges", site the inputs joined by ",",
+    one "layer" per receiver layer and the logits)."""
+    n, seq = tokens.shape
+    per_layer = layout.layer_variants
+    return Sweep("edges", ",".join(layout.inputs), direction, "all", layout.n_layers + 1,
+                 max(per_layer), 1, n, seq, metric.per_prompt_values, layer_variants=per_layer)

@@ -1,7 +1,8 @@
 """Head scores (Phase-1 CoarseScore, Phase-2 RefineScore) and their causal validation.
 
 ``score_heads(model, task)`` (``heads.py``; components in ``coarse.py`` and ``refine.py``),
-``validate_heads(model, task, scores)`` (``validate.py``), ``text_task(task, tokenizer)``
+``validate_heads(model, task, scores)`` and ``ablate_heads(model, task, scores)``
+(``validate.py``), ``text_task(task, tokenizer)``
 (``text.py``: a task rendered as text for pretrained LLMs, positions mapped). Formulas with
 shapes: docs/scores.md. Names resolve lazily so ``import circuitkit.scoring`` stays free of torch.
 """
@@ -15,6 +16,8 @@ _EXPORTS = {
     "top_heads": "circuitkit.scoring.heads:top_heads",
     "COLUMNS": "circuitkit.scoring.heads:COLUMNS",
     "validate_heads": "circuitkit.scoring.validate:validate_heads",
+    "ablate_heads": "circuitkit.scoring.validate:ablate_heads",
+    "refine_part_influence": "circuitkit.scoring.heads:refine_part_influence",
     "text_task": "circuitkit.scoring.text:text_task",
 }
 

@@ -18,10 +18,12 @@ position whose logits predict the anchor (task layout: ``tokens[p]`` is read at 
   high only when attention is sharp *and* the write is anchor-aligned; a sharp head writing an
   unaligned direction scores ~0, a well-aligned diffuse head is damped.
 
-Anchor directions (``anchor_directions``): ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]`` (its
-unembedding column, centred on the mean over the task's anchors). For a task whose CoT does not
-emit anchor tokens, ``mode="labels"``: ``u_a = m_a - mean_b m_b`` with ``m_a`` the mean unembedding
-column of anchor a's labels (``W_U[:, label_token_ids[label_anchor == a]].mean(1)``).
+Anchor directions (``anchor_directions``), one centred column per anchor. Default ``"labels"``
+(the paper's semantic anchor centroids): ``u_a = m_a - mean_b m_b`` with ``m_a`` the mean
+unembedding column of anchor a's labels (``W_U[:, label_token_ids[label_anchor == a]].mean(1)``).
+Option ``"tokens"``: ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]``, the anchor token's own
+column; at ``anchor_pos - 1`` that token is the next one, so this reading measures largely the
+head's contribution to predicting the next token.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def excess_kurtosis(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"]
 
 
 def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, " A"],
-                      mode: str = "tokens", label_token_ids: Int[Tensor, " L"] | None = None,
+                      mode: str = "labels", label_token_ids: Int[Tensor, " L"] | None = None,
                       label_anchor: Int[Tensor, " L"] | None = None) -> Float[Tensor, "D A"]:
     """Centred anchor directions ``u`` [D, A] (module docstring); ``mode`` "tokens" or "labels"."""
     if mode == "tokens":

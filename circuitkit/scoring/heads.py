@@ -1,42 +1,79 @@
-"""``score_heads``: Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head.
+"""``score_heads``: Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, with
+their stability under resampling of the examples.
 
 One row per (layer, head); columns (formulas in ``coarse.py``, ``refine.py`` and docs/scores.md):
 
-=================  =========================================================================
-sharpness          mean Fisher excess kurtosis of the head's attention row (keys ``0..q``) at
-                   the Phase-1 query positions ``q = anchor_pos - 1``
-anchor_alignment   mean ``cos(w, u_correct) - mean_other cos(w, u_a)`` of the head's write ``w``
-                   at those positions with the centred anchor directions ``u``
-coarse_score       ``tanh(max(sharpness, 0) / 3) * anchor_alignment``
-loopback           mean attention mass on target shortlist positions minus near-miss ones at the
-                   Phase-2 query positions ``q = answer_pos - 1``
-margin_widening    mean direct effect of the head's write (through the run's final-norm scale) on
-                   ``logit[target] - mean logit[near_misses]`` at those positions
-refine_score       ``(1 + loopback) / 2 * margin_widening``
-phase1_rank        rank of ``coarse_score`` (1 = highest; ties by (layer, head) order; empty
-                   when the task has no steps of that phase, e.g. induction has no anchors)
-phase2_rank        rank of ``refine_score``
-=================  =========================================================================
+=======================  ===================================================================
+sharpness                mean Fisher excess kurtosis of the head's attention row (keys
+                         ``0..q``) at the Phase-1 query positions ``q = anchor_pos - 1``
+anchor_alignment         mean ``cos(w, u_correct) - mean_other cos(w, u_a)`` of the head's
+                         write ``w`` there with the centred anchor directions ``u`` (default:
+                         label centroids; ``attrs["anchor_directions"]`` says which)
+coarse_score             ``tanh(max(sharpness, 0) / 3) * anchor_alignment``
+shortlist_share          mean attention mass on the shortlist entries at the Phase-2 query
+                         positions ``q = answer_pos - 1``
+key_preference           mean ``(a_T - a_M) / (a_T + a_M)``, ``a_T``/``a_M`` the mean attention
+                         per target / near-miss entry (count-balanced, in [-1, 1])
+ov_copy                  attention-weighted mean own-label effect of the shortlist entries read
+                         (+ copies what it reads, - suppresses)
+mechanism                "copy" / "suppress" / "retrieve" / "-" (``refine.mechanism``)
+loopback                 ``shortlist_share * key_preference`` (attention only, signed)
+margin_widening          mean direct effect of the head's write (through the run's final-norm
+                         scale) on ``logit[target] - mean logit[near_misses]``
+refine_score             the part of margin_widening the head writes from the shortlist entries
+                         it reads: ``sum_{s in shortlist} A[s] m[s]``, ``m[s]`` the margin
+                         effect of key ``s``'s value through ``W_O``
+phase1_rank              rank of ``coarse_score`` (1 = highest; ties by (layer, head) order;
+                         empty when the task has no steps of that phase)
+phase2_rank              rank of ``refine_score``
+phase1_inclusion         share of bootstrap resamples of the examples in which the head is in
+                         the top ``k`` of Phase 1 (``attrs["k"]``, ``attrs["n_boot"]``)
+phase2_inclusion         the same for Phase 2
+phase1_rank_low/high     2.5 / 97.5 percentile of its Phase-1 rank over the resamples
+phase2_rank_low/high     the same for Phase 2
+anchor_alignment_tokens  ``anchor_alignment`` with the anchor tokens' own unembedding columns
+coarse_score_tokens      ``coarse_score`` with those
+phase1_rank_tokens       rank of ``coarse_score_tokens``
+ov_copy_targets          ``ov_copy`` over the target entries only
+ov_copy_near_misses      ``ov_copy`` over the near-miss entries only
+margin_from_targets      ``refine_score``'s sum over the target entries only
+margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
+refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
+refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
+refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
+=======================  ===================================================================
 
-Means are over an example's query positions, then over examples (as Reasoning Focus is).
+Means are over an example's query positions, then over examples (as Reasoning Focus is); a
+row where a component is undefined (``key_preference`` without a target or a near-miss entry)
+is left out of that component's mean. ``loopback``, ``coarse_score`` and the ranks are
+computed from the head's means. Bootstrap: ``n_boot`` resamples (with replacement) of the
+examples with steps of that phase, every component re-averaged and the scores and ranks
+recomputed.
+``attrs`` also hold ``unstable`` (top-``k`` heads included in fewer than ``STABLE_MIN`` of the
+resamples), ``anchor_agreement`` (Spearman of ``coarse_score`` against ``coarse_score_tokens``
+and the overlap of the two top-``k`` sets) and ``refine_parts`` (``refine_part_influence``).
+
 A head's write at position ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head]
 and ``W_O`` [head, d_head, d_model]), the per-head output without the attention's output bias;
 where the block normalises the attention output before the residual add (Gemma 2), that write
 through the norm as the run scaled it (``refine.final_norm_linear``: the heads' shares of the
 norm's output, exact for RMSNorm without bias);
-``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special.
-Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``);
-without either, ``score_heads`` refuses.
+``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special;
+``hook_v`` is per KV head: query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``.
+Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``); their
+per-key parts are NaN and ``refine_score`` is ``shortlist_share * margin_widening``; without
+either, ``score_heads`` refuses.
 
-Streaming: one ``run_with_cache`` per batch of examples, filtered to ``hook_pattern`` and
-``hook_z`` of every layer and ``ln_final.hook_in``; only the rows at query positions are kept, so
-memory is flat in the number of examples. The unembedding runs at one position only (its output
-is not used).
+Streaming: one ``run_with_cache`` per batch of examples, filtered to ``hook_pattern``,
+``hook_z`` and ``hook_v`` of every layer and ``ln_final.hook_in``; only the rows at query
+positions are kept, plus per-example means ([n_examples, n_layers, n_heads] per component, for
+the bootstrap). The unembedding runs at one position only (its output is not used).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -49,17 +86,34 @@ from circuitkit import hooks
 from circuitkit.scoring import coarse, refine
 from circuitkit.tasks.base import Task, check_task
 
-COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "loopback",
-           "margin_widening", "refine_score", "phase1_rank", "phase2_rank"]
+COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "shortlist_share",
+           "key_preference", "ov_copy", "mechanism", "loopback", "margin_widening",
+           "refine_score", "phase1_rank", "phase2_rank", "phase1_inclusion", "phase2_inclusion",
+           "phase1_rank_low", "phase1_rank_high", "phase2_rank_low", "phase2_rank_high",
+           "anchor_alignment_tokens", "coarse_score_tokens", "phase1_rank_tokens",
+           "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
+           "margin_from_near_misses", "refine_target_up", "refine_near_down",
+           "refine_if_uniform"]
 BATCH_BYTES = 256 * 2**20  # cached activations per batch (patterns dominate: L*H*S^2 floats)
+N_BOOT = 50  # bootstrap resamples of the examples (rank intervals, top-k inclusion)
+STABLE_MIN = 0.8  # a top-k head included in fewer resamples than this is flagged unstable
+# per-example means kept for the bootstrap: Phase 1 / Phase 2 components
+PHASE1_PARTS = ("sharpness", "anchor_alignment", "anchor_alignment_tokens")
+# (the first of each is the one every example with steps of that phase has)
+PHASE2_PARTS = ("shortlist_share", "key_preference", "margin_widening", "refine_score",
+                "ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "refine_if_uniform")
+KEY_PARTS = PHASE2_PARTS[3:]  # need each key's write: NaN without W_O
 
 
 @dataclass
 class QueryPlan:
     """Query rows of one batch. Phase 1: ``b1, q1`` (example in batch, position), ``anchor1``
     (correct anchor id), ``w1`` (1 / steps of that example). Phase 2: ``b2, q2, w2``,
-    ``target_keys``/``near_keys`` [N2, S] (shortlist positions holding a target / near-miss
-    token), ``target_tok`` [N2] and ``near_tok`` [N2, M] (padded -1)."""
+    ``target_keys``/``near_keys``/``shortlist_keys`` [N2, S] (shortlist positions <= q holding
+    a target / a near-miss / any entry), ``key_pos``/``key_tok`` [N2, K] (those shortlist
+    positions and their tokens, padded -1), ``target_tok`` [N2] and ``near_tok`` [N2, M]
+    (padded -1)."""
 
     b1: Int[Tensor, " N1"]
     q1: Int[Tensor, " N1"]
@@ -72,6 +126,9 @@ class QueryPlan:
     near_keys: Float[Tensor, "N2 S"]
     target_tok: Int[Tensor, " N2"]
     near_tok: Int[Tensor, "N2 M"]
+    shortlist_keys: Float[Tensor, "N2 S"]
+    key_pos: Int[Tensor, "N2 K"]
+    key_tok: Int[Tensor, "N2 K"]
 
 
 def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> int:
@@ -85,14 +142,20 @@ def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> i
     return tok2anchor[tok]
 
 
+def _padded(rows: list[list[int]]) -> Int[Tensor, "n k"]:
+    out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1,
+                     dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out
+
+
 def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
     """Query rows of ``examples`` (a batch) under the task layout (module docstring)."""
     tok2anchor = {int(t): i for i, t in enumerate(task.anchor_token_ids.tolist())}
     lt = task.label_token_ids
     b1, q1, a1, w1, b2, q2, w2, tt, nt = [], [], [], [], [], [], [], [], []
-    tk = torch.zeros(0, seq)
-    nk = torch.zeros(0, seq)
-    tkeys, nkeys = [], []
+    tkeys, nkeys, skeys, kpos, ktok = [], [], [], [], []
     for b, e in enumerate(examples):
         steps = [(j, p - 1) for j, p in enumerate(e.anchor_pos) if p >= 1]
         for j, q in steps:
@@ -105,9 +168,10 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
             continue
         t_tok = set(lt[e.targets].tolist())
         n_tok = lt[e.near_misses].tolist()
-        t_row, n_row = torch.zeros(seq), torch.zeros(seq)
+        t_row, n_row, s_row = torch.zeros(seq), torch.zeros(seq), torch.zeros(seq)
         for s in e.shortlist_pos:
             tok = int(e.tokens[s])
+            s_row[s] = 1.0
             if tok in t_tok:
                 t_row[s] = 1.0
             elif tok in n_tok:
@@ -119,19 +183,23 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
             tt.append(int(e.tokens[q + 1]))
             nt.append(n_tok)
             # a key after the query is masked by causality; keep only keys <= q
-            tkeys.append(t_row * (torch.arange(seq) <= q))
-            nkeys.append(n_row * (torch.arange(seq) <= q))
-    if tkeys:
-        tk, nk = torch.stack(tkeys), torch.stack(nkeys)
-    width = max([len(r) for r in nt], default=0)
-    near = torch.full((len(nt), max(width, 1)), -1, dtype=torch.long)
-    for i, r in enumerate(nt):
-        near[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+            seen = torch.arange(seq) <= q
+            tkeys.append(t_row * seen)
+            nkeys.append(n_row * seen)
+            skeys.append(s_row * seen)
+            keys = sorted(s for s in set(e.shortlist_pos) if s <= q)
+            kpos.append(keys)
+            ktok.append([int(e.tokens[s]) for s in keys])
+
     def ids(x: list[int]) -> Tensor:
         return torch.tensor(x, dtype=torch.long)
 
+    def rows(x: list[Tensor]) -> Tensor:
+        return torch.stack(x) if x else torch.zeros(0, seq)
+
     return QueryPlan(ids(b1), ids(q1), ids(a1), torch.tensor(w1), ids(b2), ids(q2),
-                     torch.tensor(w2), tk, nk, ids(tt), near)
+                     torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt),
+                     rows(skeys), _padded(kpos), _padded(ktok))
 
 
 def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
@@ -147,15 +215,27 @@ def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
     return tgt - torch.where(n > 0, mean_near, fallback)
 
 
+def label_directions(W_U: Float[Tensor, "D V"], key_tok: Int[Tensor, "N K"]
+                     ) -> Float[Tensor, "N K D"]:
+    """``W_U[:, tok_k] - mean_v W_U[:, v]`` for each row's keys (0 where ``key_tok < 0``): the
+    own-label directions ``ov_copy`` reads the entries' effects along (logit minus mean logit)."""
+    W = W_U.float()
+    valid = (key_tok >= 0).to(W.device)
+    cols = W[:, key_tok.clamp(min=0).to(W.device)].permute(1, 2, 0)  # [N, K, D]
+    return (cols - W.mean(1)[None, None, :]) * valid[..., None]
+
+
 def anchor_mode(task: Task, mode: str) -> str:
-    """"auto" -> "tokens" if every anchor position holds an anchor token, else "labels"."""
+    """"auto" -> "labels" when the task's label hierarchy gives every anchor a label (its
+    centroid exists), else "tokens" (a text-rendered task: anchors and labels are single
+    distinguishing tokens, without a hierarchy)."""
     if mode != "auto":
         if mode not in ("tokens", "labels"):
-            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'tokens' or 'labels'.")
+            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'labels' or "
+                             "'tokens'.")
         return mode
-    anchors = set(task.anchor_token_ids.tolist())
-    ok = all(int(e.tokens[p]) in anchors for e in task.examples for p in e.anchor_pos)
-    return "tokens" if ok else "labels"
+    have = set(task.label_anchor.tolist())
+    return "labels" if all(a in have for a in range(len(task.anchor_token_ids))) else "tokens"
 
 
 def write_source(model: Any) -> str:
@@ -178,22 +258,47 @@ def write_source(model: Any) -> str:
 
 def auto_batch(model: Any, seq: int) -> int:
     f = hooks.facts(model)
-    per_example = 4 * f.n_layers * (f.n_heads * seq * seq + seq * f.n_heads * f.d_head) \
-        + 4 * seq * f.d_model * 4
+    per_example = 4 * f.n_layers * (f.n_heads * seq * seq + seq * (f.n_heads + f.n_kv_heads)
+                                     * f.d_head) + 4 * seq * f.d_model * 4
     return max(1, min(256, BATCH_BYTES // max(1, per_example)))
+
+
+class _PerExample:
+    """Per-example sums of one component: ``num`` [E, L, H] and ``den`` [E] (the weights of the
+    rows where it is defined); ``means()`` gives the example means and which examples have
+    any."""
+
+    def __init__(self, n_examples: int, L: int, H: int):
+        self.num = torch.zeros(n_examples, L, H, dtype=torch.float64)
+        self.den = torch.zeros(n_examples, L, dtype=torch.float64)
+
+    def add(self, layer: int, rows_ex: Tensor, values: Tensor, weights: Tensor) -> None:
+        """``values`` [N, H] of rows of examples ``rows_ex`` [N] with ``weights`` [N]."""
+        w = weights.double().cpu()
+        self.num[:, layer].index_add_(0, rows_ex, values.double().cpu() * w[:, None])
+        self.den[:, layer].index_add_(0, rows_ex, w)
+
+    def means(self) -> tuple[Tensor, Tensor]:
+        den = self.den[:, :1]  # every layer saw the same rows
+        ok = den[:, 0] > 0
+        return torch.where(ok[:, None, None], self.num / den[..., None].clamp(min=1e-300),
+                           torch.zeros_like(self.num)), ok
 
 
 @torch.no_grad()
 def score_heads(model: Any, task: Task, batch_size: int | None = None, progress: bool = True,
-                anchor_directions: str = "auto"):
+                anchor_directions: str = "auto", k: int = 5, n_boot: int = N_BOOT,
+                seed: int = 0):
     """Phase-1 and Phase-2 scores of every head (module docstring): a pandas DataFrame with
     columns ``COLUMNS``, one row per (layer, head), sorted by (layer, head).
 
     ``task``: a ``Task`` whose tokens the model reads (for a pretrained LLM, a text-rendered task:
-    ``circuitkit.scoring.text.text_task``). ``anchor_directions``: "tokens" (anchor unembedding
-    columns), "labels" (mean of the anchor's labels' columns) or "auto" (tokens when the CoT emits
-    anchor tokens at ``anchor_pos``). ``batch_size``: examples per forward (default: from a
-    256 MiB activation budget). ``df.attrs`` records the positions used and the write source.
+    ``circuitkit.scoring.text.text_task``). ``anchor_directions``: "labels" (centroid of the
+    anchor's labels' unembedding columns), "tokens" (the anchor tokens' own columns) or "auto"
+    (default: labels wherever every anchor has labels, ``anchor_mode``). ``k``: the top set
+    whose bootstrap inclusion is reported; ``n_boot`` resamples (>= 20, 0 for none), seeded by
+    ``seed``. ``batch_size``: examples per forward (default: from a 256 MiB activation budget).
+    ``df.attrs`` records the positions used, the write source and the stability summaries.
     """
     import pandas as pd
 
@@ -202,6 +307,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     check_task(task, "score_heads")
     if batch_size is not None and int(batch_size) < 1:
         raise ValueError(f"batch_size must be a positive integer or None; got {batch_size!r}.")
+    if not (int(n_boot) == 0 or int(n_boot) >= 20):
+        raise ValueError(f"n_boot must be 0 (no bootstrap) or >= 20 resamples; got {n_boot!r}.")
     task.check_model(model)
     n1 = sum(1 for e in task.examples for p in e.anchor_pos if p >= 1)
     n2 = sum(1 for e in task.examples for p in e.answer_pos if p >= 1)
@@ -210,29 +317,34 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                          "Phase-1 or Phase-2 query positions to score heads at.")
     f = hooks.facts(model)
     L, H = f.n_layers, f.n_heads
+    if not 1 <= int(k) <= L * H:
+        raise ValueError(f"k must be in 1..{L * H} (heads of the model); got {k!r}.")
     device = next(model.parameters()).device
     source = write_source(model)
     W_O = [b.attn.W_O.detach() for b in model.blocks] if source == "W_O" else None
+    kv_of = torch.arange(H, device=device) // max(1, H // f.n_kv_heads)
     W_U = model.W_U.detach()
     mode = anchor_mode(task, anchor_directions)
-    U = coarse.anchor_directions(W_U, task.anchor_token_ids, mode, task.label_token_ids,
-                                 task.label_anchor) if n1 else None
+    U = {m: coarse.anchor_directions(W_U, task.anchor_token_ids, m, task.label_token_ids,
+                                     task.label_anchor) for m in {mode, "tokens"}} if n1 else {}
     norm = refine.final_norm(model) if n2 else None
     post = {lay: refine.norm_params(model, n, f"block {lay}'s post-attention norm")
             for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
     need = max(max(e.anchor_pos + e.answer_pos + e.shortlist_pos, default=0)
                for e in task.examples)
-    seq = min(need + 1, task.clean_tokens.shape[1])  # causal: later positions cannot matter
+    seq = task.clean_tokens.shape[1]
+    if f.causal:  # later positions cannot matter (a bidirectional model reads them all)
+        seq = min(need + 1, seq)
     bs = int(batch_size) if batch_size else auto_batch(model, seq)
     names = {hooks.pattern(lay) for lay in range(L)}
     names |= {hooks.z(lay) if source == "W_O" else hooks.result(lay) for lay in range(L)}
     names |= {hooks.attn_module_out(lay) for lay in post}
     if n2:
         names.add(hooks.FINAL_NORM_IN)
-    sums = {k: torch.zeros(L, H, dtype=torch.float64)
-            for k in ("sharpness", "anchor_alignment", "loopback", "margin_widening")}
-    ex1 = ex2 = 0
-    starts = range(0, len(task), bs)
+        if source == "W_O":
+            names |= {hooks.v(lay) for lay in range(L)}
+    E = len(task)
+    acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS}
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -240,12 +352,10 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
                    dynamic_ncols=True)
     checked_norm = False
-    for s in starts:
+    for s in range(0, len(task), bs):
         sub = task.subset(range(s, min(s + bs, len(task))))
         tokens = sub.clean_tokens[:, :seq].to(device)
         plan = plan_queries(task, sub.examples, tokens.shape[1])
-        ex1 += len(set(plan.b1.tolist()))
-        ex2 += len(set(plan.b2.tolist()))
         first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
         result_ctx = shortcuts.attn_result_off(model) if source == "W_O" else _attn_result_on(model)
         with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
@@ -255,61 +365,110 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             _check_norm(model, cache[hooks.FINAL_NORM_IN][plan.b2[:4].to(device),
                                                            plan.q2[:4].to(device)], norm)
             checked_norm = True
-        x2 = cache[hooks.FINAL_NORM_IN][plan.b2.to(device), plan.q2.to(device)] \
-            if plan.b2.numel() else None
-        margin_dir = margin_directions(W_U, plan.target_tok, plan.near_tok) \
-            if plan.b2.numel() else None
+        ex1, ex2 = plan.b1 + s, plan.b2 + s  # rows' examples in the whole task
+        if plan.b2.numel():
+            b2, q2 = plan.b2.to(device), plan.q2.to(device)
+            x2 = cache[hooks.FINAL_NORM_IN][b2, q2]
+            margin_dir = margin_directions(W_U, plan.target_tok, plan.near_tok)
+            vocab_mean = W_U.float().mean(1)[None, :]
+            key_ok = (plan.key_pos >= 0).to(device)
+            key_pos = plan.key_pos.clamp(min=0).to(device)
+            label_dir = label_directions(W_U, plan.key_tok)  # own label vs the vocab mean
+            target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
+            # rows with a target and a near-miss entry (the others have no key_preference)
+            pref_ok = (plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0)
+            key_t = (plan.target_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
+                & key_ok
+            key_m = (plan.near_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) & key_ok
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
             if pat.shape[1] != H:
                 raise ValueError(f"hook_pattern of layer {lay} has {pat.shape[1]} heads; the cfg "
                                  f"says n_heads={H}.")
-            for phase, b, q, w in ((1, plan.b1, plan.q1, plan.w1), (2, plan.b2, plan.q2, plan.w2)):
-                if b.numel() == 0:
-                    continue
-                bd, qd = b.to(device), q.to(device)
+            if plan.b1.numel():
+                bd, qd = plan.b1.to(device), plan.q1.to(device)
                 rows = pat[bd, :, qd, :].float()  # [N, H, S]
-                writes = _writes(cache, lay, bd, qd, W_O)  # [N, H, D]
-                if lay in post:  # the residual receives n(sum of heads): each head's share
-                    writes = refine.final_norm_linear(
-                        writes, cache[hooks.attn_module_out(lay)][bd, qd], *post[lay])
-                wd = w.to(torch.float64)[:, None]
-                if phase == 1:
-                    valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]
-                    sharp = coarse.excess_kurtosis(rows, valid)
-                    align = coarse.anchor_alignment(writes, U, plan.anchor1)
-                    sums["sharpness"][lay] += (sharp.double().cpu() * wd).sum(0)
-                    sums["anchor_alignment"][lay] += (align.double().cpu() * wd).sum(0)
-                else:
-                    lb = refine.loopback(rows, plan.target_keys.to(device),
-                                         plan.near_keys.to(device))
-                    scaled = refine.final_norm_linear(writes, x2, *norm)
-                    mw = refine.margin_widening(scaled, margin_dir)
-                    sums["loopback"][lay] += (lb.double().cpu() * wd).sum(0)
-                    sums["margin_widening"][lay] += (mw.double().cpu() * wd).sum(0)
+                writes = _head_writes(cache, lay, bd, qd, W_O, post)  # [N, H, D]
+                valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]
+                acc["sharpness"].add(lay, ex1, coarse.excess_kurtosis(rows, valid), plan.w1)
+                acc["anchor_alignment"].add(lay, ex1, coarse.anchor_alignment(
+                    writes, U[mode], plan.anchor1), plan.w1)
+                acc["anchor_alignment_tokens"].add(lay, ex1, coarse.anchor_alignment(
+                    writes, U["tokens"], plan.anchor1), plan.w1)
+            if plan.b2.numel():
+                rows = pat[b2, :, q2, :].float()  # [N, H, S]
+                writes = _head_writes(cache, lay, b2, q2, W_O, post)
+                scaled = refine.final_norm_linear(writes, x2, *norm)
+                acc["margin_widening"].add(lay, ex2, refine.margin_widening(scaled, margin_dir),
+                                           plan.w2)
+                acc["shortlist_share"].add(lay, ex2, refine.shortlist_share(
+                    rows, plan.shortlist_keys.to(device)), plan.w2)
+                pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
+                                                plan.near_keys.to(device))
+                acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
+                if W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
+                    nan = torch.full((len(b2), H), float("nan"))
+                    for c in KEY_PARTS:
+                        acc[c].add(lay, ex2, nan, plan.w2)
+                    continue
+                at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
+                key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
+                n, kk = key_pos.shape
+                key_scaled = refine.final_norm_linear(
+                    key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
+                own = refine.key_effects(key_scaled, label_dir.to(device))  # [N, K, H]
+                gain = refine.key_effects(key_scaled, margin_dir[:, None, :].expand(-1, kk, -1)
+                                          .to(device))
+                up = refine.key_effects(key_scaled, target_dir[:, None, :].expand(-1, kk, -1)
+                                        .to(device))
+                acc["refine_target_up"].add(lay, ex2, refine.attended_sum(at_keys, up, key_ok)[0],
+                                            plan.w2)
+                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m)):
+                    e_sum, mass = refine.attended_sum(at_keys, own, keys)
+                    has = keys.any(-1).cpu()
+                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30), plan.w2 * has)
+                    m_sum, _ = refine.attended_sum(at_keys, gain, keys)
+                    name = "refine_score" if not c else "margin_from" + c
+                    acc[name].add(lay, ex2, m_sum, plan.w2)
+                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
+                                             plan.w2)
         del cache
         if bar is not None:
             bar.update(len(sub))
     if bar is not None:
         bar.close()
+    per_ex = {c: a.means() for c, a in acc.items()}
     nan = float("nan")
-    mean = {k: (v / ex1 if ex1 else torch.full_like(v, nan)) if k in ("sharpness",
-                                                                       "anchor_alignment")
-            else (v / ex2 if ex2 else torch.full_like(v, nan)) for k, v in sums.items()}
-    cs = coarse.coarse_score(mean["sharpness"], mean["anchor_alignment"])
-    rs = refine.refine_score(mean["loopback"], mean["margin_widening"])
+    mean = {}
+    for c, (m, ok) in per_ex.items():
+        mean[c] = m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
+    shortlist = any(e.shortlist_pos for e in task.examples)
+    if n2 and not shortlist:
+        import warnings
+
+        warnings.warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
+                      "scored on re-reading a shortlist, so refine_score is margin_widening "
+                      "alone and loopback is NaN (docs/scores.md).", stacklevel=2)
+    if n2 and shortlist and source != "W_O":
+        import warnings
+
+        warnings.warn("the model's attention exposes no W_O, so what a head writes per key "
+                      "is unknown: ov_copy and the margin parts are NaN and refine_score is "
+                      "shortlist_share * margin_widening (docs/scores.md).", stacklevel=2)
+    scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
-    df = pd.DataFrame(dict(
-        layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
-        sharpness=mean["sharpness"].reshape(-1).numpy(),
-        anchor_alignment=mean["anchor_alignment"].reshape(-1).numpy(),
-        coarse_score=cs.reshape(-1).numpy(),
-        loopback=mean["loopback"].reshape(-1).numpy(),
-        margin_widening=mean["margin_widening"].reshape(-1).numpy(),
-        refine_score=rs.reshape(-1).numpy()))
-    for phase, col in ((1, "coarse_score"), (2, "refine_score")):
+    flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
+    df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
+                           **flat))
+    df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
+    df["mechanism"] = refine.mechanism(df["refine_score"], df["margin_from_targets"],
+                                       df["margin_from_near_misses"], df["refine_target_up"],
+                                       df["refine_near_down"])
+    boot_seed = int(seed)
+    for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
-        if len(values) > 1 and values.max() == values.min():
+        if col != "coarse_score_tokens" and len(values) > 1 and values.max() == values.min():
             import warnings
 
             warnings.warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
@@ -317,15 +476,175 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                           "rows long enough for kurtosis to exceed 0; docs/scores.md).",
                           stacklevel=2)
         # a phase the task has no steps for (induction: no anchors) gets no ranks, not row order
-        rank = df[col].rank(ascending=False, method="first", na_option="bottom")
-        df[f"phase{phase}_rank"] = rank.astype(int) if df[col].notna().any() \
-            else pd.array([pd.NA] * len(df), dtype="Int64")
+        name = f"phase{phase}_rank" + ("_tokens" if col.endswith("_tokens") else "")
+        df[name] = _int_or_na(ranks(torch.tensor(df[col].to_numpy()))) \
+            if df[col].notna().any() else pd.array([pd.NA] * len(df), dtype="Int64")
+    for phase, parts in ((1, PHASE1_PARTS), (2, PHASE2_PARTS)):
+        col = "coarse_score" if phase == 1 else "refine_score"
+        ok = per_ex[parts[0]][1]
+        if n_boot and df[col].notna().any() and int(ok.sum()) > 1:
+            boot = bootstrap_ranks({c: per_ex[c] for c in parts}, col, int(n_boot),
+                                   boot_seed + phase, shortlist)  # [n_boot, L*H]
+            df[f"phase{phase}_inclusion"] = (boot <= int(k)).double().mean(0).numpy()
+            lo, hi = _rank_interval(boot)
+            df[f"phase{phase}_rank_low"], df[f"phase{phase}_rank_high"] = lo, hi
+        else:
+            df[f"phase{phase}_inclusion"] = nan
+            for end in ("low", "high"):
+                df[f"phase{phase}_rank_{end}"] = pd.array([pd.NA] * len(df), dtype="Int64")
+    ex1 = int(per_ex["sharpness"][1].sum())
+    ex2 = int(per_ex["shortlist_share"][1].sum())
+    df = df[COLUMNS]
     df.attrs.update(task=task.name, task_fingerprint=task.fingerprint(), n_examples=len(task),
                     n_phase1_examples=ex1, n_phase2_examples=ex2, n_phase1_positions=n1,
                     n_phase2_positions=n2, anchor_directions=mode, write_source=source,
-                    final_norm=norm[0] if norm else None,
-                    model=str(getattr(model.cfg, "model_name", "")))
-    return df[COLUMNS]
+                    final_norm=norm[0] if norm else None, k=int(k), n_boot=int(n_boot),
+                    boot_seed=boot_seed, model=str(getattr(model.cfg, "model_name", "")))
+    df.attrs.update(stability_summary(df, int(k)))
+    return df
+
+
+def _scores(mean: dict[str, Tensor], shortlist: bool = True) -> dict[str, Tensor]:
+    """coarse_score (both anchor readings), loopback and refine_score from the components'
+    means (any leading shape: one per bootstrap resample). Without a shortlist in the task
+    (``shortlist`` False), loopback is NaN and refine_score is margin_widening; without per-key
+    writes (no ``W_O``: refine_score NaN), refine_score is ``shortlist_share *
+    margin_widening``."""
+    out: dict[str, Tensor] = {}
+    if "sharpness" in mean:
+        out["coarse_score"] = coarse.coarse_score(mean["sharpness"], mean["anchor_alignment"])
+        out["coarse_score_tokens"] = coarse.coarse_score(mean["sharpness"],
+                                                         mean["anchor_alignment_tokens"])
+    if "shortlist_share" in mean:
+        lb = refine.loopback(mean["shortlist_share"], mean["key_preference"])
+        rs = mean["refine_score"]
+        rs = torch.where(rs.isnan(), mean["shortlist_share"] * mean["margin_widening"], rs)
+        if not shortlist:
+            lb, rs = torch.full_like(lb, float("nan")), mean["margin_widening"]
+        out["loopback"], out["refine_score"] = lb, rs
+    return out
+
+
+def ranks(values: Tensor) -> Int[Tensor, "... n"]:
+    """Rank of each entry along the last axis, 1 = highest, ties (and NaN, last) by index."""
+    v = torch.nan_to_num(values.double(), nan=-math.inf)
+    order = torch.argsort(-v, dim=-1, stable=True)
+    out = torch.empty_like(order)
+    out.scatter_(-1, order, torch.arange(1, v.shape[-1] + 1).expand_as(order).contiguous())
+    return out
+
+
+def _int_or_na(r: Tensor) -> Any:
+    import pandas as pd
+
+    return pd.array(r.tolist(), dtype="Int64")
+
+
+def bootstrap_ranks(per_example: dict[str, tuple[Tensor, Tensor]], score: str, n_boot: int,
+                    seed: int, shortlist: bool = True) -> Int[Tensor, "n_boot LH"]:
+    """Ranks of ``score`` ("coarse_score" or "refine_score") in ``n_boot`` resamples of the
+    examples: ``per_example[c] = (means [E, L, H], ok [E])`` of each component; a resample
+    draws the examples that have the phase's first component, with replacement, and each
+    component is re-averaged over the drawn examples where it is defined."""
+    first = next(iter(per_example.values()))
+    pool = torch.nonzero(first[1])[:, 0]
+    g = torch.Generator().manual_seed(seed)
+    draws = pool[torch.randint(0, len(pool), (n_boot, len(pool)), generator=g)]
+    counts = torch.zeros(n_boot, len(first[1]), dtype=torch.float64)
+    counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    means = {}
+    for c, (m, ok) in per_example.items():
+        w = counts * ok.double()  # [B, E]
+        E, L, H = m.shape
+        means[c] = ((w @ m.reshape(E, L * H)) / w.sum(1, keepdim=True).clamp(min=1e-300))
+    return ranks(_scores(means, shortlist)[score])
+
+
+def _rank_interval(boot: Tensor) -> tuple[Any, Any]:
+    """2.5 / 97.5 percentiles of each head's bootstrap ranks (integers: lower / higher)."""
+    b = boot.double()
+    lo = torch.quantile(b, 0.025, dim=0, interpolation="lower").long()
+    hi = torch.quantile(b, 0.975, dim=0, interpolation="higher").long()
+    return _int_or_na(lo), _int_or_na(hi)
+
+
+def stability_summary(scores: Any, k: int) -> dict[str, Any]:
+    """What ``score_heads`` records in ``attrs`` (JSON-ready): ``unstable`` (per phase, the
+    top-``k`` heads with inclusion below ``STABLE_MIN``), ``anchor_agreement`` (Spearman of
+    ``coarse_score`` against ``coarse_score_tokens``, overlap of their top-``k`` sets; None
+    when the ranking already reads the tokens or there is no Phase 1) and ``refine_parts``
+    (``refine_part_influence`` as records; None without Phase 2)."""
+    unstable = {}
+    for phase in (1, 2):
+        inc = f"phase{phase}_inclusion"
+        if inc in scores.columns and scores[inc].notna().any():
+            top = top_heads(scores, phase, k)
+            idx = scores.set_index(["layer", "head"])[inc]
+            unstable[f"phase{phase}"] = [[la, h] for la, h in top if idx[(la, h)] < STABLE_MIN]
+    agreement = None
+    if scores.attrs.get("anchor_directions") != "tokens" and scores["coarse_score"].notna().any():
+        top_a = set(top_heads(scores, 1, k))
+        top_b = {(int(r.layer), int(r.head)) for r in
+                 scores.sort_values(["phase1_rank_tokens"]).head(k).itertuples()}
+        agreement = dict(spearman=spearman(scores["coarse_score"], scores["coarse_score_tokens"]),
+                         top_k_overlap=len(top_a & top_b), k=k)
+    parts = None
+    if scores["refine_score"].notna().any() and scores["loopback"].notna().any() \
+            and scores["refine_if_uniform"].notna().any():
+        parts = refine_part_influence(scores, k).to_dict(orient="records")
+    return dict(unstable=unstable, anchor_agreement=agreement, refine_parts=parts)
+
+
+def spearman(a: Any, b: Any) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
+    import numpy as np
+    import pandas as pd
+
+    ra = pd.Series(np.asarray(a, dtype=float)).rank().to_numpy()
+    rb = pd.Series(np.asarray(b, dtype=float)).rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def refine_part_influence(scores: Any, k: int = 5):
+    """How much each part of RefineScore moves the Phase-2 ranking: a DataFrame, one row per
+    part, with ``spearman_alone`` (refine_score against the part by itself), ``spearman_without``
+    (against refine_score with the part taken out) and ``top_k_kept`` (heads of refine_score's
+    top ``k`` still in the top ``k`` without it):
+
+    * margin_widening: alone; without = ``margin_widening - refine_score``, what the head writes
+      from keys off the shortlist (refine_score is the shortlist's part of margin_widening);
+    * shortlist_share: alone; without = ``refine_score / shortlist_share``, the margin per unit
+      of shortlist attention (as if every head gave the shortlist all its attention);
+    * key_preference (its size, the selection): alone ``|key_preference|``; without =
+      ``refine_if_uniform``, the head's shortlist attention spread evenly over the entries;
+    * ov (what the head writes from what it reads): alone ``ov_copy``; without =
+      ``shortlist_share * |key_preference|``, attention statistics only;
+    * loopback (attention only, signed): alone.
+    """
+    import numpy as np
+    import pandas as pd
+
+    col = lambda c: scores[c].to_numpy(float)  # noqa: E731
+    rs, share = col("refine_score"), col("shortlist_share")
+    nan = np.full_like(rs, np.nan)
+    full_top = set(np.argsort(-np.nan_to_num(rs, nan=-np.inf), kind="stable")[:k])
+    per_unit = np.divide(rs, share, out=np.zeros_like(rs), where=share > 0)
+    rows = []
+    for part, alone, without in (
+            ("margin_widening", col("margin_widening"), col("margin_widening") - rs),
+            ("shortlist_share", share, per_unit),
+            ("key_preference", np.abs(col("key_preference")), col("refine_if_uniform")),
+            ("ov_copy", col("ov_copy"), share * np.abs(col("key_preference"))),
+            ("loopback", col("loopback"), nan)):
+        kept = np.nan
+        if not np.isnan(without).all():
+            kept = len(full_top & set(np.argsort(-np.nan_to_num(without, nan=-np.inf),
+                                                 kind="stable")[:k]))
+        rows.append(dict(part=part, spearman_alone=spearman(rs, alone),
+                         spearman_without=spearman(rs, without), top_k_kept=kept, k=k))
+    return pd.DataFrame(rows)
 
 
 def top_heads(scores: Any, phase: int, k: int) -> list[tuple[int, int]]:
@@ -367,6 +686,32 @@ def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | No
         return cache[hooks.result(layer)][b, q].float()
     z = cache[hooks.z(layer)][b, q].float()  # [N, H, d_head]
     return torch.einsum("nhd,hdm->nhm", z, W_O[layer].float())
+
+
+def _head_writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None,
+                 post: dict[int, tuple[str, Tensor, float]]) -> Float[Tensor, "N H D"]:
+    """Each head's write at rows ``(b, q)``; through the post-attention norm as the run scaled
+    it where the block has one (the residual receives n(sum of heads): each head's share)."""
+    writes = _writes(cache, layer, b, q, W_O)
+    if layer in post:
+        writes = refine.final_norm_linear(writes, cache[hooks.attn_module_out(layer)][b, q],
+                                          *post[layer])
+    return writes
+
+
+def _key_writes(cache: Any, layer: int, b: Tensor, q: Tensor, key_pos: Int[Tensor, "N K"],
+                kv_of: Int[Tensor, " H"], W_O: Float[Tensor, "H d D"],
+                post: dict[int, tuple[str, Tensor, float]]) -> Float[Tensor, "N K H D"]:
+    """``v[key, kv(h)] @ W_O[h]``: what head ``h`` writes per unit of attention to each key
+    (``z = sum_s A[s] v[s]``), through the post-attention norm at ``q`` where there is one."""
+    v = cache[hooks.v(layer)][b[:, None], key_pos].float()  # [N, K, KV, d_head]
+    out = torch.einsum("nkhd,hdm->nkhm", v[:, :, kv_of], W_O.float())
+    if layer in post:
+        n, kk, H, D = out.shape
+        out = refine.final_norm_linear(out.reshape(n, kk * H, D),
+                                       cache[hooks.attn_module_out(layer)][b, q],
+                                       *post[layer]).reshape(n, kk, H, D)
+    return out
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from circuitkit.tasks.base import Example, Task
-from circuitkit.tasks.text import DEFAULT_TEMPLATE, render_text
+from circuitkit.tasks.text import DEFAULT_TEMPLATE, render_text, text_problem
 
 TEXT_OVERSAMPLE = 25  # source examples drawn per wanted text example (~5% render for SmolLM2)
 
@@ -66,6 +66,11 @@ def text_task(task: Task, tokenizer: Any, n_examples: int | None = None,
         raise ValueError(f"text_task needs examples with meta {sorted(need)} (built-in icd10 and "
                          f"synthetic tasks have them); task {task.name!r} lacks "
                          f"{sorted(need - set(task.examples[0].meta if task.examples else {}))}.")
+    for phase in (1, 2):  # the phases rendered below
+        problem = text_problem(task.with_phase(phase), tokenizer, template)
+        if problem:
+            raise ValueError(f"task {task.name!r} cannot be rendered as text for this model: "
+                             f"{problem}.")
     names = task.label_names
     bos = getattr(tokenizer, "bos_token_id", None) if add_bos else None
     pre = [bos] if bos is not None else []

@@ -1,21 +1,36 @@
-"""``validate_heads``: do the top-scored heads carry the behaviour? Patch them together and
-compare with random head sets from the same layers.
+"""``validate_heads`` and ``ablate_heads``: do the top-scored heads carry the behaviour? Patch or
+ablate them together and compare with random head sets drawn from two pools.
 
-For each phase ``P`` (1: Phase-1 task ``task.with_phase(1)``, heads ranked by ``phase1_rank``;
-2: ``task.with_phase(2)``, ``phase2_rank``) and each direction (``noise``: the heads' corrupt
-``z`` into the clean run; ``denoise``: their clean ``z`` into the corrupt run), the exact
-engine (``ExactEngine.run_head_sets``) runs, in the same batched suffix forwards:
+Random sets (``random_head_sets``), ``n_random`` distinct ``k``-sets per pool, none equal to the
+top set:
 
-* the unpatched base run (the empty set), the top-``k`` set, and ``n_random`` distinct random
-  ``k``-sets drawn from the same layers (for each layer holding ``c`` of the top heads, ``c``
-  distinct heads of that layer uniformly; a draw equal to the top set or to an earlier draw is
-  redrawn; all of them when fewer exist, and ``n_random`` in the frame says how many were used;
-  from every layer when the top heads fill their layers: ``random_head_sets``);
-* two per-prompt quantities on each: the phase's task metric (``task.prompt_metric()``:
-  anchor margin / target-vs-near-miss margin) and its behaviour measure, Reasoning Focus
-  (phase 1) or Near-Miss Confusion (phase 2), as defined in ``circuitkit.evaluation``
-  (``focus_metric``/``confusion_metric`` below equal ``focus_from_logits``/
-  ``confusion_from_logits``, read at the same positions).
+* ``same-layers``: for each layer holding ``c`` of the top heads, ``c`` heads of that layer that
+  are not top heads; where a layer has fewer than ``c`` such heads, all of them plus the
+  missing number drawn from that layer's top heads (the ``overlap`` column says how many top
+  heads every set shares);
+* ``all-layers``: ``k`` heads drawn uniformly from every head that is not a top head (disjoint
+  whenever the model has ``k`` such heads).
+
+When fewer distinct sets exist than asked, all of them are used (a warning says so) and
+``n_random`` in the frame is the number used.
+
+``validate_heads``: for each phase ``P`` (1: Phase-1 task ``task.with_phase(1)``, heads ranked by
+``phase1_rank``; 2: ``task.with_phase(2)``, ``phase2_rank``) and each direction (``noise``: the
+heads' corrupt ``z`` into the clean run; ``denoise``: their clean ``z`` into the corrupt run),
+the exact engine (``ExactEngine.run_head_sets``) runs, in the same batched suffix forwards, the
+unpatched base run (the empty set), the top-``k`` set and the random sets of both pools, and
+reads two per-prompt quantities: the phase's task metric (``task.prompt_metric()``: anchor
+margin / target-vs-near-miss margin) and its behaviour measure, Reasoning Focus (phase 1) or
+Near-Miss Confusion (phase 2), as defined in ``circuitkit.evaluation`` (``focus_metric``/
+``confusion_metric`` below equal ``focus_from_logits``/``confusion_from_logits``, read at the
+same positions).
+
+``ablate_heads``: on the clean run of the examples with steps of every phase the task has, the
+top-``k`` set of each phase and the random sets are ablated (``ExactEngine.run_head_sets`` with
+``source`` "zero", "mean" or "resample": the heads' ``z`` set to 0, to its mean over the prompts'
+positions, or to another prompt's) and the task metrics are read: ``exact_match``
+(teacher-forced: every answer step's arg-max over the vocabulary is one of the example's
+targets; ``exact_match_metric``), ``confusion`` and ``focus``.
 
 Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
 
@@ -24,13 +39,16 @@ Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
 * ``random_mean``: mean over random sets and prompts; ``random_low``/``random_high``: the 2.5 and
   97.5 percentiles of a random set's mean effect, pooled over the random sets and the same
   bootstrap resamples of prompts (where a random ``k``-set's effect falls);
-* ``p_value = (1 + #{random sets r: |effect_r| >= |top_effect|}) / (1 + n_random)``: the Monte
-  Carlo permutation p-value of the top set against the random sets;
-* ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the behaviour
-  fully broken; denoise: 1 = fully restored).
+* ``p_value = (1 + #{random sets r: |effect_r| >= |top_effect| - tol}) / (1 + n_random)``: the
+  Monte Carlo permutation p-value of the top set against the random sets of that pool (``tol =
+  TIE_RTOL * max(1, |top_effect|)``: a set equal to the top one up to float rounding counts as
+  as strong);
+* validation: ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the
+  behaviour fully broken; denoise: 1 = fully restored); ablation: ``base`` (unablated mean),
+  ``top_value`` and ``random_value`` (means after ablation).
 
-With ``checkpoint`` (a folder), each finished (phase, direction) run is saved there, named by
-the hash of everything it depends on (model weights, tokens, metrics, head sets), and a rerun
+With ``checkpoint`` (a folder), each finished run is saved there, named by the hash of
+everything it depends on (model weights, tokens, metrics, head sets, ablation), and a rerun
 reuses it: an interrupted validation loses at most the run in progress.
 """
 
@@ -51,13 +69,20 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.scoring.heads import top_heads
+from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
-VALIDATION_COLUMNS = ["phase", "direction", "quantity", "heads", "k", "n_random", "n_prompts",
-                      "clean", "corrupt", "top_effect", "top_low", "top_high", "random_mean",
-                      "random_low", "random_high", "p_value", "normalized"]
+POOLS = ("same-layers", "all-layers")
+ABLATIONS = ("zero", "mean", "resample")
+TIE_RTOL = 1e-6  # a random set's effect this close to the top set's counts as as strong
+VALIDATION_COLUMNS = ["phase", "pool", "direction", "quantity", "heads", "k", "n_random",
+                      "overlap", "n_prompts", "clean", "corrupt", "top_effect", "top_low",
+                      "top_high", "random_mean", "random_low", "random_high", "p_value",
+                      "normalized"]
+ABLATION_COLUMNS = ["phase", "pool", "ablation", "quantity", "heads", "k", "n_random", "overlap",
+                    "n_prompts", "base", "top_value", "top_effect", "top_low", "top_high",
+                    "random_value", "random_mean", "random_low", "random_high", "p_value"]
 
 
 def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
@@ -66,6 +91,12 @@ def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
+
+
+def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
+    """Logit rows ``p - 1`` of the steps ``pos`` (padding repeats the first step)."""
+    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
+    return torch.where(pos >= 1, pos - 1, first)
 
 
 def restricted_mass_metric(positions: Sequence[Sequence[int]],
@@ -78,8 +109,6 @@ def restricted_mass_metric(positions: Sequence[Sequence[int]],
     pos, cand = _pad(positions), _pad(candidates)
     is_good = torch.stack([torch.isin(c, torch.as_tensor(list(g), dtype=torch.long))
                            for c, g in zip(cand, good, strict=True)]) & (cand >= 0)
-    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
-    reads = torch.where(pos >= 1, pos - 1, first)
 
     def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         dev = logits.device
@@ -92,7 +121,7 @@ def restricted_mass_metric(positions: Sequence[Sequence[int]],
         mass = (cl.softmax(-1) * g[:, None, :]).sum(-1) * valid
         return mass.sum(-1) / valid.sum(-1).clamp(min=1)
 
-    return PromptMetric(fn, name, reads=reads)
+    return PromptMetric(fn, name, reads=_reads(pos))
 
 
 def focus_metric(task: Task) -> PromptMetric:
@@ -113,41 +142,96 @@ def confusion_metric(task: Task) -> PromptMetric:
                                   [lt[e.near_misses].tolist() for e in ex], "confusion")
 
 
+def exact_match_metric(task: Task) -> PromptMetric:
+    """Teacher-forced exact match per prompt: 1 when at every answer step ``p`` the arg-max of
+    ``logits[p - 1]`` over the whole vocabulary is a token of one of the example's targets, else
+    0 (0 for a prompt without answer steps). Not differentiable: the engine reads it at its
+    declared positions."""
+    ex = task.examples
+    pos = _pad([e.answer_pos for e in ex])
+    targets = _pad([task.label_token_ids[e.targets].tolist() for e in ex])
+
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
+        dev = logits.device
+        p, t = pos[idx].to(dev), targets[idx].to(dev)
+        valid = p >= 1
+        b = torch.arange(logits.shape[0], device=dev)[:, None]
+        best = logits[b, rows[b, (p - 1).clamp(min=0)]].argmax(-1)  # [n, steps]
+        hit = ((best[..., None] == t[:, None, :]) & (t >= 0)[:, None, :]).any(-1)
+        ok = (hit | ~valid).all(-1) & valid.any(-1)
+        return ok.float()
+
+    return PromptMetric(fn, "exact_match", reads=_reads(pos))
+
+
+def _reads_metric(task: Task, phases: Sequence[int]) -> PromptMetric:
+    """A metric that reads the logits before every step of ``phases`` (anchor and answer
+    steps): the engine's metric for ``ablate_heads``, whose quantities read subsets of them.
+    Its value (the mass of one candidate among itself) is 1."""
+    ex = task.examples
+    steps = [[p for p in (e.anchor_pos if 1 in phases else []) + (e.answer_pos if 2 in phases
+                                                                    else []) if p >= 1]
+             for e in ex]
+    first = [[int(e.tokens[s[0]])] if s else [0] for e, s in zip(ex, steps, strict=True)]
+    return restricted_mass_metric(steps, first, first, "reads")
+
+
 def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int,
-                     seed: int, n_layers: int | None = None) -> list[list[tuple[int, int]]]:
-    """Up to ``n_random`` distinct head sets with the layer counts of ``top`` (module
-    docstring), none equal to ``top``. Fewer distinct sets than ``n_random`` exist: all of them
-    (the p-value is then exact over them; a warning says how many). ``top`` fills whole layers
-    (no other set from them): the sets are drawn from all ``n_layers`` layers instead, with a
-    warning, so the comparison keeps its size if not its depth."""
-    counts: dict[int, int] = {}
-    for layer, _ in top:
-        counts[layer] = counts.get(layer, 0) + 1
+                     seed: int, n_layers: int | None = None,
+                     pool: str = "same-layers") -> list[list[tuple[int, int]]]:
+    """Up to ``n_random`` distinct head sets of ``len(top)`` heads from ``pool`` (module
+    docstring), none equal to ``top``, each sorted. Fewer distinct sets than ``n_random``
+    exist: all of them (the p-value is then exact over them; a warning says how many); none
+    (the top heads fill their layers, or the model): an empty list, with a warning.
+    ``n_layers``: needed for the "all-layers" pool."""
     want = sorted(top)
-    if all(c == n_heads for c in counts.values()):
-        if n_layers is None or n_layers * n_heads == len(top):
-            raise ValueError(f"the top heads fill whole layers {sorted(counts)}: no random set "
-                             "from the same layers can differ from them; use a smaller k.")
-        warnings.warn(f"the top heads fill whole layers {sorted(counts)}, so no random set from "
-                      "the same layers differs from them: random sets are drawn from every "
-                      "layer instead (same size, not the same depth).", stacklevel=3)
-        pool = [(layer, h) for layer in range(n_layers) for h in range(n_heads)]
-        return _distinct(lambda rng: sorted(rng.sample(pool, len(top))),
-                         math.comb(len(pool), len(top)) - 1, want, n_random, seed)
-    possible = math.prod(math.comb(n_heads, c) for c in counts.values()) - 1
-    return _distinct(lambda rng: sorted((layer, h) for layer, c in sorted(counts.items())
-                                        for h in rng.sample(range(n_heads), c)),
-                     possible, want, n_random, seed)
+    top_set = set(want)
+    k = len(want)
+    if pool == "same-layers":
+        counts: dict[int, int] = {}
+        for layer, _ in want:
+            counts[layer] = counts.get(layer, 0) + 1
+        groups = []  # (others of the layer, top heads of the layer, how many) per layer
+        for layer, c in sorted(counts.items()):
+            others = [(layer, h) for h in range(n_heads) if (layer, h) not in top_set]
+            groups.append((others, [x for x in want if x[0] == layer], c))
+    elif pool == "all-layers":
+        if n_layers is None:
+            raise ValueError("random_head_sets(pool='all-layers') needs n_layers.")
+        others = [(la, h) for la in range(n_layers) for h in range(n_heads)
+                  if (la, h) not in top_set]
+        groups = [(others, want, k)]
+    else:
+        raise ValueError(f"pool={pool!r}; expected one of {list(POOLS)}.")
+    if not any(others for others, _, _ in groups):
+        warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
+                      "heads fill every head there; that pool is left out.", stacklevel=3)
+        return []
+    possible = 1
+    for others, mine, c in groups:
+        possible *= math.comb(len(others), c) if len(others) >= c \
+            else math.comb(len(mine), c - len(others))
+
+    def draw(rng: random.Random) -> list[tuple[int, int]]:
+        out = []
+        for others, mine, c in groups:
+            if len(others) >= c:
+                out += rng.sample(others, c)
+            else:  # too few others: all of them, and the rest from the layer's top heads
+                out += others + rng.sample(mine, c - len(others))
+        return sorted(out)
+
+    return _distinct(draw, possible, want, n_random, seed, pool)
 
 
 def _distinct(draw: Any, possible: int, top: list[tuple[int, int]], n_random: int,
-              seed: int) -> list[list[tuple[int, int]]]:
+              seed: int, pool: str) -> list[list[tuple[int, int]]]:
     """``min(n_random, possible)`` distinct draws, none equal to ``top`` (a repeated set would
     count twice in the p-value as if it were independent evidence)."""
     if possible < n_random:
-        warnings.warn(f"only {possible} random head sets differ from the top set (n_random="
-                      f"{n_random} asked): all {possible} are used, and the p-value's floor is "
-                      f"1/{possible + 1}.", stacklevel=4)
+        warnings.warn(f"only {possible} {pool} random head sets differ from the top set "
+                      f"(n_random={n_random} asked): all {possible} are used, and the "
+                      f"p-value's floor is 1/{possible + 1}.", stacklevel=4)
     rng, seen, out = random.Random(seed), {tuple(top)}, []
     while len(out) < min(n_random, possible):
         s = draw(rng)
@@ -155,6 +239,11 @@ def _distinct(draw: Any, possible: int, top: list[tuple[int, int]], n_random: in
             seen.add(tuple(s))
             out.append(s)
     return out
+
+
+def overlap(top: Sequence[tuple[int, int]], sets: Sequence[Sequence[tuple[int, int]]]) -> int:
+    """The most top heads any of ``sets`` shares with ``top`` (0 for no sets)."""
+    return max((len(set(map(tuple, s)) & set(map(tuple, top))) for s in sets), default=0)
 
 
 def _bootstrap_weights(n: int, n_boot: int, seed: int) -> Float[Tensor, "n_boot n"]:
@@ -165,32 +254,93 @@ def _bootstrap_weights(n: int, n_boot: int, seed: int) -> Float[Tensor, "n_boot 
     return counts / n
 
 
+def effect_stats(base: Float[Tensor, " n"], top: Float[Tensor, " n"],
+                 random_sets: Float[Tensor, "r n"], n_boot: int, seed: int) -> dict[str, float]:
+    """``top_effect`` with its interval, ``random_mean`` and interval, ``p_value`` (module
+    docstring) of the per-prompt values ``top`` and ``random_sets`` against ``base``."""
+    nan = float("nan")
+    d = (torch.cat([top[None], random_sets]) - base[None]).double()  # [1 + r, n]
+    w = _bootstrap_weights(d.shape[1], n_boot, seed)
+    boot = w @ d.T  # [n_boot, 1 + r]
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    top_lo, top_hi = torch.quantile(boot[:, 0], q).tolist()
+    effects = d.mean(1)
+    t = float(effects[0])
+    out = dict(top_effect=t, top_low=top_lo, top_high=top_hi, random_mean=nan, random_low=nan,
+               random_high=nan, p_value=nan)
+    if len(random_sets):
+        r_lo, r_hi = torch.quantile(boot[:, 1:].reshape(-1), q).tolist()
+        tol = TIE_RTOL * max(1.0, abs(t))
+        p = (1 + int((effects[1:].abs() >= abs(t) - tol).sum())) / len(effects)
+        out.update(random_mean=float(d[1:].mean()), random_low=r_lo, random_high=r_hi,
+                   p_value=p)
+    return out
+
+
 def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
               n_boot: int, seed: int) -> dict[str, float]:
     """Effect statistics of one quantity (module docstring). ``values[0]``: base run,
     ``values[1]``: top set, ``values[2:]``: random sets; ``clean``/``corrupt``: [n]."""
-    d = (values[1:] - values[:1]).double()  # [1 + n_random, n]
-    w = _bootstrap_weights(d.shape[1], n_boot, seed)
-    boot = w @ d.T  # [n_boot, 1 + n_random]
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
-    top_lo, top_hi = torch.quantile(boot[:, 0], q).tolist()
-    r_lo, r_hi = torch.quantile(boot[:, 1:].reshape(-1), q).tolist()
-    effects = d.mean(1)
-    top = float(effects[0])
-    p = (1 + int((effects[1:].abs() >= abs(top)).sum())) / len(effects)
+    stats = effect_stats(values[0], values[1], values[2:], n_boot, seed)
     gap = float(clean.double().mean() - corrupt.double().mean())
-    return dict(clean=float(clean.mean()), corrupt=float(corrupt.mean()), top_effect=top,
-                top_low=top_lo, top_high=top_hi, random_mean=float(d[1:].mean()),
-                random_low=r_lo, random_high=r_hi, p_value=p,
-                normalized=top / gap if gap != 0 else float("nan"))
+    return dict(clean=float(clean.mean()), corrupt=float(corrupt.mean()), **stats,
+                normalized=stats["top_effect"] / gap if gap != 0 else float("nan"))
+
+
+def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, caller: str
+                ) -> Any:
+    f = hooks.facts(model)
+    check_task(task, caller)
+    if not 1 <= int(k) < f.n_layers * f.n_heads:
+        raise ValueError(f"k must be in 1..{f.n_layers * f.n_heads - 1} (heads of the model, "
+                         f"leaving some for random sets); got {k!r}.")
+    if int(n_random) < 1:
+        raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
+    if len(scores) != f.n_layers * f.n_heads:
+        raise ValueError(f"scores has {len(scores)} rows; the model has "
+                         f"{f.n_layers * f.n_heads} heads (score_heads of this model?).")
+    task.check_model(model)
+    return f
+
+
+def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int
+                 ) -> dict[str, list[list[tuple[int, int]]]]:
+    """Random sets of each pool (``POOLS``) for ``top``."""
+    return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * i, f.n_layers, pool)
+            for i, pool in enumerate(POOLS)}
+
+
+def _sorted_by_length(tp: Task) -> Task:
+    """Prompts sorted by the last position their metric reads: run in length buckets, each
+    bucket's forwards stop after its own last read (the statistics ignore prompt order)."""
+    need = tp.metric.reads.max(1).values
+    return tp.subset(torch.argsort(need, stable=True).tolist())
+
+
+def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int | None,
+                 source: str = "source", seed: int = 0, bar: Any = None) -> Tensor:
+    """``engine.run_head_sets`` over ``N_BUCKETS`` length buckets of the ``n`` prompts, joined:
+    ``[n_metrics, n_sets, n]``. ``bar``: a progress bar counting patched prompts."""
+    bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
+    if source == "resample":  # a bucket of one prompt has no other prompt to take z from
+        kept = [0]
+        for b in bounds[1:]:
+            if b - kept[-1] >= 2:
+                kept.append(b)
+        if kept[-1] != n:  # a short tail joins the bucket before it
+            kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
+        bounds = kept
+    return torch.cat([_counted(bar, len(sets) * (p1 - p0), engine.run_head_sets(
+        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0))
+        for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
 
 
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
                    progress: bool = True, checkpoint: str | Path | None = None):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
-    with ``VALIDATION_COLUMNS``, one row per (phase, direction, quantity); see the module
-    docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase.
+    with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
+    docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
     ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
     for finished runs (module docstring)."""
     import pandas as pd
@@ -198,71 +348,201 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
-    f = hooks.facts(model)
-    check_task(task, "validate_heads")
-    if not 1 <= int(k) <= f.n_layers * f.n_heads:
-        raise ValueError(f"k must be in 1..{f.n_layers * f.n_heads} (heads of the model); "
-                         f"got {k!r}.")
-    if int(n_random) < 1:
-        raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
-    if len(scores) != f.n_layers * f.n_heads:
-        raise ValueError(f"scores has {len(scores)} rows; the model has "
-                         f"{f.n_layers * f.n_heads} heads (score_heads of this model?).")
-    task.check_model(model)
+    f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
         raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
+    bar = _validation_bar(task, phases, int(n_random), progress)
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        tp = phase_task(task, phase)  # the examples with steps of this phase
-        # prompts sorted by the positions their metric needs, run in length buckets: each
-        # bucket's forwards stop after its own last read (the statistics ignore prompt order)
-        need = tp.metric.reads.max(1).values
-        tp = tp.subset(torch.argsort(need, stable=True).tolist())
+        tp = _sorted_by_length(phase_task(task, phase))  # the examples with steps of this phase
         metric = tp.metric
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         top = top_heads(scores, phase, k)
-        rand = random_head_sets(top, f.n_heads, n_random, seed + phase, f.n_layers)
-        sets = [[], top, *rand]
-        sets_used[phase] = dict(top=top, random=rand)
+        pools = _pooled_sets(top, f, n_random, seed + phase)
+        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        sets_used[phase] = dict(top=top, random=pools)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
+        if bar is not None:  # fewer distinct random sets than asked: the bar's total shrinks
+            bar.total -= 2 * (2 + len(POOLS) * int(n_random) - len(sets)) * n
+            bar.refresh()
         runs = {}
         for direction in ("noise", "denoise"):
-            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour), f.d_vocab)
+            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
+                                      f.d_vocab_out)
             if saved and (got := saved.load(key)) is not None:
                 runs[direction] = got
-                if progress:
-                    print(f"validate: phase {phase} {direction}: reused", file=sys.stderr)
+                _say(bar, progress, f"validate: phase {phase} {direction}: reused")
+                _counted(bar, len(sets) * n, got)
                 continue
-            if progress:
-                print(f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs {n_random} "
-                      f"random sets, {n} prompts", file=sys.stderr)
+            _say(bar, progress, f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs "
+                                + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
+                                + f" random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
             # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
             engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
                                  rows=batch_size)
-            bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
-            runs[direction] = torch.cat([  # [2, n_sets, n]
-                engine.run_head_sets(sets, p0, p1, metrics=[metric, behaviour], rows=batch_size)
-                for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+            runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
+                                           bar=bar)
             if saved:
                 saved.save(key, runs[direction])
         # base of noise = clean run; base of denoise = corrupt run
-        for direction in ("noise", "denoise"):
-            for qi, q in enumerate((metric, behaviour)):
-                stats = summarize(runs[direction][qi], runs["noise"][qi, 0],
-                                  runs["denoise"][qi, 0], n_boot, seed)
-                rows.append(dict(phase=phase, direction=direction, quantity=q.name,
-                                 heads=_fmt(top), k=int(k), n_random=len(rand),
-                                 n_prompts=n, **stats))
+        for pool, rand in pools.items():
+            pick = [0, 1] + _pool_rows(pools, pool)
+            for direction in ("noise", "denoise"):
+                for qi, q in enumerate((metric, behaviour)):
+                    stats = summarize(runs[direction][qi][pick], runs["noise"][qi, 0],
+                                      runs["denoise"][qi, 0], n_boot, seed)
+                    rows.append(dict(phase=phase, pool=pool, direction=direction,
+                                     quantity=q.name, heads=_fmt(top), k=int(k),
+                                     n_random=len(rand), overlap=overlap(top, rand),
+                                     n_prompts=n, **stats))
+    if bar is not None:
+        bar.close()
     df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
-    df.attrs.update(seed=seed, n_boot=n_boot, sets={
-        p: dict(top=[list(h) for h in d["top"]], random=[[list(h) for h in s] for s in d["random"]])
-        for p, d in sets_used.items()})
+    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
     return df
+
+
+def _validation_bar(task: Task, phases: list[int], n_random: int, progress: bool):
+    """A bar over patched prompts: per phase and direction, (base + top + ``n_random`` per
+    pool) sets x the phase's prompts (an upper bound when fewer distinct random sets exist; a
+    reused run counts at once)."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    total = sum(2 * (2 + len(POOLS) * n_random) * len(phase_task(task, p)) for p in phases)
+    return tqdm(total=total, desc="validate", unit="patched-prompt", dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _say(bar: Any, progress: bool, line: str) -> None:
+    """A progress line on stderr, above the bar when there is one."""
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    elif progress:
+        print(line, file=sys.stderr)
+
+
+def _counted(bar: Any, n: int, runs: Tensor) -> Tensor:
+    if bar is not None:
+        bar.update(n)
+    return runs
+
+
+def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
+    """Rows of ``pool``'s random sets in ``[[], top, *same-layers, *all-layers]``."""
+    start = 2
+    for p in POOLS:
+        if p == pool:
+            return list(range(start, start + len(pools[p])))
+        start += len(pools[p])
+    raise ValueError(pool)
+
+
+def _sets_json(sets_used: dict[int, dict]) -> dict[int, dict]:
+    return {p: dict(top=[list(h) for h in d["top"]],
+                    random={pool: [[list(h) for h in s] for s in rs]
+                            for pool, rs in d["random"].items()},
+                    overlap={pool: overlap(d["top"], rs) for pool, rs in d["random"].items()})
+            for p, d in sets_used.items()}
+
+
+def ablation_task(task: Task) -> Task:
+    """The examples ``ablate_heads`` runs on: those with steps of every phase ``task`` has,
+    sorted by the last position they read."""
+    phases = task_phases(task)
+    keep = [i for i, e in enumerate(task.examples)
+            if all(any(p >= 1 for p in (e.anchor_pos if ph == 1 else e.answer_pos))
+                   for ph in phases)]
+    if not keep:
+        raise ValueError(f"ablate_heads: no example of task {task.name!r} has steps of every "
+                         f"phase it holds ({phases}); the metrics need them on the same prompts.")
+    sub = task.subset(keep)
+    need = _reads_metric(sub, phases).reads.max(1).values
+    return sub.subset(torch.argsort(need, stable=True).tolist())
+
+
+def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
+                 ablations: Sequence[str] = ABLATIONS, seed: int = 0,
+                 batch_size: int | None = None, n_boot: int = 2000, progress: bool = True,
+                 checkpoint: str | Path | None = None):
+    """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets
+    (module docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool,
+    ablation, quantity). ``ablations``: any of "zero", "mean", "resample". Quantities:
+    ``exact_match`` and ``confusion`` where the task has answer steps, ``focus`` where it has
+    anchor steps, all on the same prompts (``ablation_task``)."""
+    import pandas as pd
+
+    from circuitkit.patching.engine import HEAD_SET_SOURCES, ExactEngine
+    from circuitkit.patching.sweep import Sweep
+
+    f = _check_call(model, task, scores, k, n_random, "ablate_heads")
+    bad = [a for a in ablations if a not in HEAD_SET_SOURCES or a == "source"]
+    if bad or not ablations:
+        raise ValueError(f"ablations={list(ablations)!r}; expected a non-empty subset of "
+                         f"{list(ABLATIONS)}.")
+    phases = task_phases(task)
+    if not phases:
+        raise ValueError(f"ablate_heads: task {task.name!r} has no anchor or answer steps.")
+    tp = ablation_task(task)
+    clean = tp.clean_tokens
+    n, seq = clean.shape
+    if "resample" in ablations and n < 2:
+        raise ValueError("ablate_heads: 'resample' takes z from another prompt; the task has "
+                         f"{n} prompt with steps of every phase. Use more examples.")
+    quantities = ([exact_match_metric(tp), confusion_metric(tp)] if 2 in phases else []) \
+        + ([focus_metric(tp)] if 1 in phases else [])
+    carrier = _reads_metric(tp, phases)
+    saved = _Saved(model, checkpoint) if checkpoint is not None else None
+    engine = None
+    rows, sets_used = [], {}
+    for phase in [p for p in phases if p in _scored(scores)]:
+        top = top_heads(scores, phase, k)
+        pools = _pooled_sets(top, f, n_random, seed + phase)
+        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        sets_used[phase] = dict(top=top, random=pools)
+        for ablation in ablations:
+            key = saved and saved.key(tp, phase, f"ablate-{ablation}", sets, quantities,
+                                      f.d_vocab_out)
+            run = saved.load(key) if saved else None
+            if run is None:
+                if progress:
+                    print(f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} ablation, "
+                          f"{len(sets) - 1} sets, {n} prompts", file=sys.stderr)
+                if engine is None:  # base = source = clean: "source" would change nothing
+                    sweep = Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n,
+                                  seq, True)
+                    engine = ExactEngine(model, clean, clean, carrier, sweep, fast=False,
+                                         rows=batch_size)
+                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed)
+                if saved:
+                    saved.save(key, run)
+            elif progress:
+                print(f"ablate: phase {phase} {ablation}: reused", file=sys.stderr)
+            for pool, rand in pools.items():
+                pick = [1] + _pool_rows(pools, pool)
+                for qi, q in enumerate(quantities):
+                    v = run[qi]
+                    stats = effect_stats(v[0], v[1], v[pick[1:]], n_boot, seed)
+                    rows.append(dict(
+                        phase=phase, pool=pool, ablation=ablation, quantity=q.name,
+                        heads=_fmt(top), k=int(k), n_random=len(rand),
+                        overlap=overlap(top, rand), n_prompts=n, base=float(v[0].mean()),
+                        top_value=float(v[1].mean()),
+                        random_value=float(v[pick[1:]].mean()) if len(rand) else float("nan"),
+                        **stats))
+    df = pd.DataFrame(rows, columns=ABLATION_COLUMNS)
+    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
+    return df
+
+
+def _scored(scores: Any) -> list[int]:
+    return scored_phases(scores)
 
 
 class _Saved:
@@ -281,7 +561,7 @@ class _Saved:
 
         n, seq = task.clean_tokens.shape
         return identity_key(dict(
-            format=1, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
+            format=2, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
             phase=phase, direction=direction, sets=[[list(h) for h in s] for s in sets],
             metrics=[m.fingerprint(n, seq, d_vocab) for m in metrics], buckets=N_BUCKETS))
 

@@ -26,8 +26,13 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, token_logprob_metric, token_margin_metric
 from circuitkit.tasks import jsonl
+
+# The CoT tasks that can be rendered as plain text for a pretrained LLM (``tasks.text``); a JSONL
+# task is read as the token ids it stores.
+TEXT_TASKS = ("icd10", "synthetic")
 
 
 @dataclass
@@ -253,11 +258,20 @@ class Task:
             return None
         shown = ", ".join(f"id {i} is {t!r} to the model but {w!r} to the task"
                           for i, t, w in bad[:3])
-        return (f"the model's tokenizer reads {len(bad)} of the {len(used)} token ids the task "
-                f"uses as other words ({shown}): it was not trained on this task's vocabulary. "
-                f"Use a model trained on it (e.g. icd-teacher for icd10, or "
-                f"circuitkit.training.train on your JSONL), or render the task as text for a "
-                f"pretrained LLM (text=True / --text yes; icd10 and synthetic).")
+        said = (f"the model's tokenizer reads {len(bad)} of the {len(used)} token ids the task "
+                f"uses as other words ({shown}): it was not trained on this task's vocabulary. ")
+        if self.name in TEXT_TASKS:
+            return said + (
+                f"Use a model trained on it (e.g. icd-teacher for {self.name}), or have the task "
+                "rendered as text for a pretrained LLM: circuitkit patch does so by itself, "
+                "score and characterize with --text auto (their default) or --text yes, "
+                "Python with text=True (characterize, circuitkit.scoring.text.load_for); "
+                "evaluate reads the task's own ids.")
+        return said + (
+            "A task read from a file is given to the model as the token ids it stores (it is "
+            "not rendered as text): use a model trained on its vocabulary, e.g. "
+            "circuitkit.training.train(TrainConfig(task='your.jsonl', preset='teacher'), "
+            "'runs/my-model'), then --model runs/my-model (docs/jsonl.md).")
 
     def check_model(self, model: Any) -> None:
         """Refuse a model whose vocabulary cannot hold this task's token ids, or whose
@@ -275,9 +289,39 @@ class Task:
                 f"{d_vocab} tokens: use a model trained on this task's vocabulary (e.g. "
                 f"icd-teacher for icd10), or render the task as text for a pretrained LLM "
                 f"(circuitkit.tasks.text.render_text).")
+        out = hooks.vocab_out(model)
+        phases = task_phases(self)
+        read = [int(t) for p, ids in ((1, self.anchor_token_ids), (2, self.label_token_ids))
+                if p in phases for t in ids.tolist()]
+        read += [int(e.tokens[p]) for e in self.examples for p in e.anchor_pos + e.answer_pos]
+        if read and max(read) >= out:
+            raise ValueError(
+                f"task {self.name!r}: its metrics read the logits of token ids up to {max(read)} "
+                f"(its label and anchor tokens) but the model's unembedding has {out} outputs "
+                f"(its own output vocabulary, d_vocab_out < d_vocab, as a Tracr model's); give "
+                f"the labels and anchors token ids below {out}.")
         problem = self.vocabulary_problem(getattr(model, "tokenizer", None))
         if problem:
             raise ValueError(f"task {self.name!r}: {problem}")
+
+    def padding_problem(self) -> str | None:
+        """Why a step position of some example lies in its own right padding (a trailing run
+        of ``pad_id`` in its tokens, e.g. rows of ``model.to_tokens`` of prompts of different
+        lengths), or None. Stacked views pad every example to one length and each metric reads
+        its own example's positions, so padding is only wrong where a position points into it."""
+        for i, e in enumerate(self.examples):
+            for name, toks in (("tokens", e.tokens), ("corrupt_tokens", e.corrupt_tokens)):
+                real = len(toks) - int((toks.flip(0) == self.pad_id).long().cumprod(0).sum())
+                if real == len(toks):
+                    continue
+                for field_ in ("evidence_pos", "anchor_pos", "shortlist_pos", "answer_pos"):
+                    bad = [p for p in getattr(e, field_) if p >= real]
+                    if bad:
+                        return (f"example {i}'s {field_} {bad} point(s) into its right padding "
+                                f"(its {name} end in {len(toks) - real} pad tokens, id "
+                                f"{self.pad_id}, after {real} tokens): give each example its "
+                                "own unpadded tokens, with positions inside them.")
+        return None
 
     def decode(self, ids: Tensor | list[int]) -> str:
         return " ".join(self.vocab[int(i)] for i in ids)
@@ -291,6 +335,9 @@ def check_task(task: Any, caller: str) -> None:
                          f"or ck.Task.from_jsonl(path)); got {got}.")
     if len(task) == 0:
         raise ValueError(f"{caller}: task has no examples; it needs at least one.")
+    padding = task.padding_problem()
+    if padding:
+        raise ValueError(f"{caller}: task {task.name!r}: {padding}")
 
 
 def task_phases(task: Task) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from circuitkit.tasks.base import Task
+from circuitkit.tasks.base import TEXT_TASKS, Task
 
 DEFAULT_TEMPLATE = "Clinical note: {note}\nCandidate codes: {candidates}\nAnswer:"
 # Estimate of characters per token when the model's tokenizer is absent (``token_counts``):
@@ -154,8 +154,35 @@ def render_text(task: Task, tokenizer, phase: int | None = None,
 
 # --- a CoT task as a pretrained LLM's sweep input -----------------------------------------------
 
-# Built-in tasks whose examples read as text (a note, candidate codes, an answer).
-TEXT_TASKS = ("icd10", "synthetic")
+# Built-in tasks whose examples read as text (a note, candidate codes, an answer): TEXT_TASKS,
+# defined beside Task (its vocabulary check names them) and imported above.
+
+
+def text_problem(task: Task, tokenizer: Any, template: str = DEFAULT_TEMPLATE) -> str | None:
+    """Why rendering ``task`` (at its phase) as text does not give a model with ``tokenizer``
+    its words, or None when it does: the tokenizer reads some of the rendered text (clean and
+    corrupt) as its unknown token (a word-level tokenizer of another vocabulary). Rendering
+    happens only where this is None (``text_prompts``, ``scoring.text.text_task``)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(unk, int) or not hasattr(tokenizer, "encode"):
+        return None  # (a byte-level BPE never needs one)
+    texts = [t for e in task.examples for _, t in _texts(task, e, template)]
+    total, unknown, words = 0, 0, []
+    for text in texts:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        total += len(ids)
+        hits = [i for i, t in enumerate(ids) if t == unk]
+        unknown += len(hits)
+        if hits and len(words) < 3:
+            words += [w for w in text.split() if w not in words and list(
+                tokenizer.encode(w, add_special_tokens=False)) == [unk]][:3 - len(words)]
+    if not unknown:
+        return None
+    shown = f" (e.g. {', '.join(repr(w) for w in words)})" if words else ""
+    name = getattr(tokenizer, "unk_token", None) or f"id {unk}"
+    return (f"the model's tokenizer reads {unknown} of the {total} tokens of the task written "
+            f"as text as its unknown token {name!r}{shown}, so the model would not see the "
+            "task's words")
 
 
 def needs_text(tokenizer: Any, task: Task) -> bool:
@@ -181,6 +208,10 @@ def text_prompts(task: Task, tokenizer: Any, template: str = DEFAULT_TEMPLATE
     renders."""
     from circuitkit.metrics import token_logprob_metric
 
+    problem = text_problem(task, tokenizer, template)
+    if problem:
+        raise ValueError(f"task {task.name!r} cannot be rendered as text for this model: "
+                         f"{problem}.")
     kept = []
     for i in range(len(task)):
         try:

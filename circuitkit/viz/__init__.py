@@ -13,6 +13,9 @@ from circuitkit._lazy import lazy_exports
 _EXPORTS = {
     "patch_heatmap": "circuitkit.viz.heatmaps:patch_heatmap",
     "patch_heatmaps": "circuitkit.viz.heatmaps:patch_heatmaps",
+    "edge_heatmap": "circuitkit.viz.heatmaps:edge_heatmap",
+    "circuit_graph": "circuitkit.viz.edges:circuit_graph",
+    "faithfulness_curve": "circuitkit.viz.edges:faithfulness_curve",
     "score_scatter": "circuitkit.viz.charts:score_scatter",
     "phase_profile": "circuitkit.viz.charts:phase_profile",
     "validation_chart": "circuitkit.viz.charts:validation_chart",
@@ -20,6 +23,7 @@ _EXPORTS = {
     "attention": "circuitkit.viz.attention:attention",
     "AttentionView": "circuitkit.viz.attention:AttentionView",
     "write_report": "circuitkit.viz.report:write_report",
+    "findings": "circuitkit.viz.findings:findings",
     "top_heads": "circuitkit.scoring.heads:top_heads",
 }
 

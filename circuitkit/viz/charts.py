@@ -66,9 +66,76 @@ def _error_bars(frame: Any, value: str, interval: tuple[str, str] | None) -> dic
 # --- head scores ----------------------------------------------------------------------------
 
 
+# The scatter's geometry in pixels (fixed, so labels can be placed where they do not overlap):
+# the plot area is SCATTER_W x SCATTER_H inside fixed margins (no automatic margin growth).
+SCATTER_MARGIN = dict(l=80, r=130, t=90, b=70)
+SCATTER_W, SCATTER_H = 560, 360
+LABEL_FONT = 10  # px; a label's box is estimated at LABEL_CHAR_W px per character
+LABEL_CHAR_W, LABEL_H, MARKER_R = 7.0, 15.0, 6.0
+
+
+def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> float:
+    """Overlap area of two boxes ``(x0, y0, x1, y1)``."""
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    return max(w, 0.0) * max(h, 0.0)
+
+
+def place_labels(points: np.ndarray, labelled: Sequence[int], texts: Sequence[str],
+                 width: float, height: float) -> list[tuple[float, float]]:
+    """Pixel offsets ``(dx, dy)`` (y down) of a label's centre from its point, one per index in
+    ``labelled`` (``points``: ``[n, 2]`` pixel positions of every point, y down).
+
+    Greedy, in the order given: the first candidate (the box beside the point in 8 directions,
+    straight up first, at growing gaps) that stays inside ``width x height`` and overlaps
+    neither a label placed before nor any point's marker; when none is free, the candidate of
+    least overlap."""
+    placed: list[tuple[float, float, float, float]] = []
+    points = np.asarray(points, float).reshape(-1, 2)
+    lo, hi = points - MARKER_R, points + MARKER_R  # every marker's box, [n, 2] corners
+    angles = [-90, -45, -135, 0, 180, 45, 135, 90]  # degrees, y down: -90 is straight up
+    out = []
+    for i, text in zip(labelled, texts, strict=True):
+        w, h = LABEL_CHAR_W * len(text) + 6, LABEL_H
+        x, y = points[i]
+        best, best_cost = (0.0, -(h / 2 + MARKER_R + 3)), math.inf
+        for gap in (3, 8, 15, 24, 35, 48, 64, 84):
+            for a in angles:  # the box beside the point, ``gap`` px away, in direction a
+                dx = round(math.cos(math.radians(a)), 6) * (w / 2 + MARKER_R + gap)
+                dy = round(math.sin(math.radians(a)), 6) * (h / 2 + MARKER_R + gap)
+                box = (x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2)
+                outside = max(0, -box[0]) + max(0, box[2] - width) + max(0, -box[1]) + \
+                    max(0, box[3] - height)
+                on_markers = (np.clip(np.minimum(hi[:, 0], box[2]) - np.maximum(lo[:, 0], box[0]),
+                                      0, None)
+                              * np.clip(np.minimum(hi[:, 1], box[3]) - np.maximum(lo[:, 1], box[1]),
+                                        0, None)).sum()
+                cost = (sum(_overlap(box, b) for b in placed) * 4 + float(on_markers)
+                        + outside * h * 10)
+                if cost < best_cost:
+                    best, best_cost = (dx, dy), cost
+                if cost == 0:
+                    break
+            if best_cost == 0:
+                break
+        dx, dy = best
+        placed.append((x + dx - w / 2, y + dy - h / 2, x + dx + w / 2, y + dy + h / 2))
+        out.append((dx, dy))
+    return out
+
+
+def _padded_range(values: np.ndarray, pad: float = 0.08) -> list[float]:
+    finite = values[np.isfinite(values)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    span = hi - lo or max(abs(hi), 1.0) * 0.1
+    return [lo - pad * span, hi + pad * span]
+
+
 def score_scatter(scores: Any, label_top: int = 5):
     """``coarse_score`` (x, Phase 1) vs ``refine_score`` (y, Phase 2), one point per head,
-    coloured by layer; the ``label_top`` best heads of each score are labelled ``L{layer}H{head}``.
+    coloured by layer; the ``label_top`` best heads of each score are labelled ``L{layer}H{head}``
+    (annotations placed by ``place_labels`` so that no two overlap; a label moved away from its
+    point keeps a thin line to it).
 
     ``scores``: ``ck.score_heads`` DataFrame (columns ``layer, head, coarse_score,
     refine_score``; ``phase1_rank``/``phase2_rank`` and the component scores go in the hover).
@@ -84,31 +151,45 @@ def score_scatter(scores: Any, label_top: int = 5):
                              "the other phase alone.")
     df = scores.reset_index(drop=True)
     names = [f"L{int(r.layer)}H{int(r.head)}" for r in df.itertuples()]
-    top = set(df["coarse_score"].nlargest(label_top).index) | \
-        set(df["refine_score"].nlargest(label_top).index)
-    extra = [c for c in ("sharpness", "anchor_alignment", "loopback", "margin_widening",
-                         "phase1_rank", "phase2_rank") if c in df.columns]
+    # best first, each score's top in turn: the strongest heads get the nearest places
+    firsts = [list(df["coarse_score"].nlargest(label_top).index),
+              list(df["refine_score"].nlargest(label_top).index)]
+    top = list(dict.fromkeys(i for pair in zip(*firsts, strict=False) for i in pair))
+    top += [i for f in firsts for i in f if i not in top]
+    extra = [c for c in ("sharpness", "anchor_alignment", "shortlist_share", "key_preference",
+                         "ov_copy", "loopback", "margin_widening", "phase1_rank", "phase2_rank",
+                         "phase1_inclusion", "phase2_inclusion") if c in df.columns]
     hover = "<b>%{hovertext}</b><br>coarse_score %{x:.4g}<br>refine_score %{y:.4g}" + "".join(
         f"<br>{c} %{{customdata[{i}]:.4g}}" for i, c in enumerate(extra))
     n_layers = int(df["layer"].max()) + 1 if len(df) else 1
+    x, y = df["coarse_score"].to_numpy(float), df["refine_score"].to_numpy(float)
+    xr, yr = _padded_range(x), _padded_range(y)
+    px = np.stack([(np.nan_to_num(x, nan=xr[0]) - xr[0]) / (xr[1] - xr[0]) * SCATTER_W,
+                   (yr[1] - np.nan_to_num(y, nan=yr[0])) / (yr[1] - yr[0]) * SCATTER_H], axis=-1)
+    offsets = place_labels(px, top, [names[i] for i in top], SCATTER_W, SCATTER_H)
     fig = go.Figure(go.Scatter(
-        x=df["coarse_score"], y=df["refine_score"], mode="markers+text",
-        text=[n if i in top else "" for i, n in enumerate(names)], hovertext=names,
+        x=x, y=y, mode="markers", hovertext=names,
         customdata=df[extra].to_numpy(float) if extra else None,
-        textposition="top center", textfont=dict(size=10),
         marker=dict(color=df["layer"], colorscale="Viridis", cmin=0, cmax=max(n_layers - 1, 1),
                     size=9, line=dict(width=0.5, color="black"),
                     colorbar=dict(title=dict(text="layer"), **int_ticks(n_layers, 10))),
         hovertemplate=hover + "<extra></extra>",
     ))
+    for i, (dx, dy) in zip(top, offsets, strict=True):
+        fig.add_annotation(x=x[i], y=y[i], text=names[i], ax=dx, ay=dy, showarrow=True,
+                           arrowhead=0, arrowwidth=0.7, arrowcolor="#888", standoff=4,
+                           font=dict(size=LABEL_FONT), bgcolor="rgba(255,255,255,0.7)",
+                           borderpad=0)
     fig.update_layout(
         title="Head scores: Phase 1 (coarse) vs Phase 2 (refine)<br><sup>one point per head, "
         "colour = layer; top heads of each score labelled</sup>",
         xaxis_title="coarse_score (Phase 1: sharp attention x anchor-aligned write)",
-        yaxis_title="refine_score (Phase 2: loop-back x margin widening)",
-        height=520, width=760, plot_bgcolor="white",
-        xaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),
-        yaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb"),
+        yaxis_title="refine_score (Phase 2: margin written from the shortlist)",
+        height=SCATTER_H + SCATTER_MARGIN["t"] + SCATTER_MARGIN["b"],
+        width=SCATTER_W + SCATTER_MARGIN["l"] + SCATTER_MARGIN["r"], plot_bgcolor="white",
+        margin=dict(**SCATTER_MARGIN, autoexpand=False),
+        xaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb", range=xr),
+        yaxis=dict(showgrid=True, gridcolor="#eee", zerolinecolor="#bbb", range=yr),
     )
     return fig
 
@@ -123,8 +204,9 @@ def layer_means(scores: Any, column: str) -> Any:
 
 def phase_profile(scores: Any, n_layers: int):
     """Mean Phase-1 (``coarse_score``) and Phase-2 (``refine_score``) score per layer against
-    relative depth ``layer / (n_layers - 1)`` (0 = first layer, 1 = last), error bars = standard
-    error over the layer's heads. The two-phase picture: Phase 1 peaks earlier than Phase 2.
+    the layer (x ticks at layer numbers, ``0 .. n_layers - 1``, the whole depth shown), error
+    bars = standard error over the layer's heads. The two-phase picture: Phase 1 peaks earlier
+    than Phase 2.
 
     The two scores have different units, so each has its own y axis (Phase 1 left, Phase 2 right).
     """
@@ -143,20 +225,20 @@ def phase_profile(scores: Any, n_layers: int):
     if not isinstance(n_layers, int | np.integer) or n_layers < 1 or n_layers <= top:
         raise ValueError(f"n_layers={n_layers!r}: expected an int > the largest layer in "
                          f"scores ({top}).")
-    depth = lambda layers: np.asarray(layers, float) / max(n_layers - 1, 1)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for phase, column, second in present:
         m = layer_means(scores, column)
         fig.add_trace(go.Scatter(
-            x=depth(m["layer"]), y=m["mean"], mode="lines+markers",
+            x=m["layer"].to_numpy(), y=m["mean"], mode="lines+markers",
             name=f"Phase {phase}: mean {column}", line=dict(color=PHASE_COLORS[phase], width=2),
             error_y=dict(type="data", array=m["sem"], thickness=1, width=3),
             customdata=np.stack([m["layer"], m["count"]], axis=-1),
-            hovertemplate=f"Phase {phase}<br>layer %{{customdata[0]}} (depth %{{x:.2f}})<br>"
+            hovertemplate=f"Phase {phase}<br>layer %{{customdata[0]}} of {n_layers}<br>"
             f"mean {column} %{{y:.4g}} over %{{customdata[1]}} heads<extra></extra>",
         ), secondary_y=second)
-    fig.update_xaxes(title_text=f"relative depth (layer / {max(n_layers - 1, 1)})",
-                     range=[-0.05, 1.05], showgrid=True, gridcolor="#eee")
+    fig.update_xaxes(title_text=f"layer (0 = first, {n_layers - 1} = last)",
+                     range=[-0.3, n_layers - 0.7], showgrid=True, gridcolor="#eee",
+                     **int_ticks(n_layers))
     fig.update_yaxes(title_text="Phase 1: mean coarse_score", color=PHASE_COLORS[1],
                      secondary_y=False, zerolinecolor="#bbb", gridcolor="#eee")
     fig.update_yaxes(title_text="Phase 2: mean refine_score", color=PHASE_COLORS[2],
@@ -190,13 +272,20 @@ def _long_validation(validation: Any) -> Any:
     if not all(c in validation.columns for c in wide):
         return validation
     keep = [c for c in ("phase", "direction", "quantity", "p_value") if c in validation.columns]
+    pooled = "pool" in validation.columns  # random sets of several pools: one series each
     parts = []
     for label, (e, lo, hi) in (("top-k", wide[:3]), ("random", wide[3:])):
         part = validation[keep].copy()
         part["set"], part["effect"] = label, validation[e]
         part["ci_low"], part["ci_high"] = validation[lo], validation[hi]
-        if label == "random" and "p_value" in part:
-            part["p_value"] = float("nan")  # the p-value belongs to the top-k set
+        if label == "random":
+            if pooled:
+                part["set"] = "random (" + validation["pool"].astype(str) + ")"
+            if "p_value" in part:  # the p-value belongs to the top-k set
+                part["p_value"] = float("nan")
+        elif pooled:  # the top set's effect is the same in every pool: once, p of the first
+            part = part.loc[~validation[[c for c in ("phase", "direction", "quantity")
+                                         if c in validation.columns]].duplicated()]
         parts.append(part)
     return pd.concat(parts, ignore_index=True)
 

@@ -2,7 +2,11 @@
 
 Colour is ``result.normalized()`` on a diverging scale centred at zero with a symmetric range
 ``[-m, m]``, ``m = max |normalized|`` over every panel of the figure (so denoise and noise side by
-side share one scale). Rows are layers (layer 0 at the top), columns heads (or positions, for layer
+side share one scale). Where a result is ``degenerate`` (the corruption does not lower the
+metric by its margin, ``PatchResult.degenerate``), colour is the raw effect ``value - baseline``
+instead, for every panel of the figure, and the title, colour bar and hover say so.
+
+Rows are layers (layer 0 at the top), columns heads (or positions, for layer
 sites; "kv head" for a k/v sweep of a grouped-query model); ticks are integers, or the prompt's
 tokens across a layer x position map when ``tokens`` is given. Hover shows layer, head
 (position), the raw metric value, the normalized value and its 95% bootstrap interval over
@@ -32,6 +36,9 @@ DIRECTION_NOTE = {
 }
 PANEL_TITLE = {"denoise": "denoise (1 = restored)", "noise": "noise (-1 = broken)"}
 SAME_SWEEP = ("tokens_hash", "task_hash", "metric", "phase", "task", "head_axis")
+RAW_NOTE = ("colour = raw effect (value - baseline): the corruption does not lower the metric "
+            "by its margin, so normalized values mean nothing")
+RAW_PANEL = {"denoise": "denoise (raw effect)", "noise": "noise (raw effect)"}
 
 
 def int_ticks(n: int, max_ticks: int = 25) -> dict[str, Any]:
@@ -53,9 +60,11 @@ def model_label(meta: dict[str, Any]) -> str | None:
     return name
 
 
-def describe(result: Any) -> str:
+def describe(result: Any, raw: bool | None = None) -> str:
     """Title naming the model, the task (and phase), the metric and the direction, from ``meta``;
-    a second, smaller line with method, site, positions and the number of prompts."""
+    a second, smaller line with method, site, positions, the number of prompts and what colour
+    shows (``raw``: the raw effect; default for a ``degenerate`` result)."""
+    raw = bool(getattr(result, "degenerate", False)) if raw is None else raw
     meta = result.meta or {}
     task = meta.get("task")
     if task and meta.get("phase") is not None:
@@ -64,22 +73,31 @@ def describe(result: Any) -> str:
     head = [model_label(meta), task, f"metric {metric}" if metric else None, result.direction]
     n = meta.get("n_prompts") or meta.get("n_examples")
     sub = [result.method, f"site {result.site}", f"positions {result.positions}",
-           f"{n} prompts" if n else None, "colour = normalized effect"]
+           f"{n} prompts" if n else None,
+           RAW_NOTE if raw else "colour = normalized effect"]
     return (" · ".join(str(p) for p in head if p)
             + "<br><sup>" + ", ".join(str(p) for p in sub if p) + "</sup>")
 
 
-def _cells(result: Any, interval: bool) -> dict[str, np.ndarray | None]:
-    """numpy views of a result: value, normalized, the 95% interval (or None), and which cells
-    are exact (``attribution+exact``; else None)."""
+def _raw(*results: Any) -> bool:
+    """Whether a figure of ``results`` shows raw effects: one of them is ``degenerate`` (each
+    warns once)."""
+    return any([r.warn_if_degenerate() if hasattr(r, "warn_if_degenerate") else False
+                for r in results])
+
+
+def _cells(result: Any, interval: bool, raw: bool = False) -> dict[str, np.ndarray | None]:
+    """numpy views of a result: value, the colour (``normalized``: normalized values, or the
+    raw effect when ``raw``), the 95% interval of that (or None), and which cells are exact
+    (``attribution+exact``; else None)."""
     if not all(hasattr(result, a) for a in ("values", "normalized", "confidence_interval")):
         raise TypeError(f"expected a PatchResult (ck.patch_heads / ck.patch_layers / "
                         f"ck.PatchResult.load); got {type(result).__name__}.")
-    ci = result.confidence_interval() if interval else None
+    ci = result.confidence_interval(raw=raw) if interval else None
     verified = getattr(result, "verified", None)
     return dict(
         value=result.values.float().numpy(),
-        normalized=result.normalized().float().numpy(),
+        normalized=(result.effect() if raw else result.normalized()).float().numpy(),
         low=None if ci is None else ci[0].float().numpy(),
         high=None if ci is None else ci[1].float().numpy(),
         exact=None if verified is None else verified.float().numpy(),
@@ -92,14 +110,15 @@ def _abs_max(*arrays: np.ndarray) -> float:
     return max(m, 1e-9)
 
 
-def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", name: str = ""):
+def _trace(c: dict, index: tuple, x_name: str, y_name: str, extra: str = "", name: str = "",
+           raw: bool = False):
     """One heatmap of the cells ``c[...][index]`` (2-D: rows = layers), on the shared coloraxis."""
     import plotly.graph_objects as go
 
     z = c["normalized"][index]
     parts = [c["value"][index]]
     hover = (f"{y_name} %{{y}}<br>{x_name} %{{x}}{extra}<br>value %{{customdata[0]:.4g}}"
-             "<br>normalized %{z:.3f}")
+             + ("<br>raw effect %{z:.4g}" if raw else "<br>normalized %{z:.3f}"))
     if c["low"] is not None:
         parts += [c["low"][index], c["high"][index]]
         hover += "<br>95% interval [%{customdata[1]:.3f}, %{customdata[2]:.3f}]"
@@ -182,11 +201,51 @@ def _grid(n_panels: int, n_cols: int, titles: list[str], shape: tuple[int, int],
     return fig
 
 
-def _finish(fig, m: float, title: str):
+# Title fonts (px: plotly's default title size, and a <sup> line's) and the width of one
+# character in em, generous, so that an estimated line is never narrower than the drawn one.
+TITLE_PX, SUP_PX, CHAR_EM = 17.0, 12.0, 0.6
+SUBPLOT_TITLE_ROOM = 70  # px between the title's last line and the panels (panel titles)
+
+
+def _wrap_words(text: str, max_chars: int) -> list[str]:
+    """Greedy word wrap; a " · " separator stays at the end of the line it follows."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and (len(lines[-1]) + 1 + len(word) <= max_chars or word == "\u00b7"):
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def wrap_title(title: str, width: float) -> tuple[str, float]:
+    """``title`` (plotly text: lines split by ``<br>``, small lines in ``<sup>``) with line
+    breaks so that no line is wider than ``width`` px, and the wrapped title's height in px."""
+    out, height = [], 0.0
+    for line in title.split("<br>"):
+        sup = line.startswith("<sup>") and line.endswith("</sup>")
+        text = line[5:-6] if sup else line
+        px = SUP_PX if sup else TITLE_PX
+        for part in _wrap_words(text, max(12, int(width / (CHAR_EM * px)))):
+            out.append(f"<sup>{part}</sup>" if sup else part)
+            height += px * 1.3
+    return "<br>".join(out), height
+
+
+def _finish(fig, m: float, title: str, raw: bool = False):
+    # a title is wrapped to the figure's width (a long one used to be cut at its edge), and the
+    # top margin grows to hold it
+    width = (fig.layout.width or 700) - 30
+    title, height = wrap_title(title, width)
+    top = fig.layout.margin.t or 0
+    need = int(height + SUBPLOT_TITLE_ROOM)
+    if need > top:
+        fig.update_layout(margin=dict(t=need), height=(fig.layout.height or 0) + need - top)
     fig.update_layout(
-        title=dict(text=title, x=0.01, xanchor="left"),
+        title=dict(text=title, x=0.01, xanchor="left", y=1 - 12 / fig.layout.height,
+                   yanchor="top"),
         coloraxis=dict(colorscale=COLORSCALE, cmid=0.0, cmin=-m, cmax=m,
-                       colorbar=dict(title=dict(text="normalized"))),
+                       colorbar=dict(title=dict(text="raw effect" if raw else "normalized"))),
         plot_bgcolor="white",
     )
     return fig
@@ -207,20 +266,21 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
     ``plotly.graph_objects.Figure``.
     """
     check_counts(max_facets=max_facets, facet_cols=facet_cols)
-    c = _cells(result, interval)
+    raw = _raw(result)
+    c = _cells(result, interval, raw)
     m = _abs_max(c["normalized"])
     x_name, y_name = _axis_names(result)
-    title = title or describe(result)
+    title = title or describe(result, raw)
     if c["value"].ndim == 2:
         if positions is not None:
             raise ValueError("positions= picks facets of a positions='each' result; this result "
                              f"has axes {tuple(result.axes)} (no per-position facets).")
         fig = _grid(1, 1, [""], c["value"].shape, x_name, y_name)
         fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
-                             name=result.direction), row=1, col=1)
+                             name=result.direction, raw=raw), row=1, col=1)
         if x_name == "pos":
             _token_ticks(fig, tokens, c["value"].shape[1])
-        return _finish(fig, m, title)
+        return _finish(fig, m, title, raw)
     picked = _pick_positions([c["normalized"]], positions, max_facets)
     seq = c["value"].shape[-1]
     if len(picked) < seq:
@@ -231,9 +291,9 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
                 c["value"].shape[:2], x_name, "layer")
     for i, p in enumerate(picked):
         fig.add_trace(_trace(c, (slice(None), slice(None), p), x_name, "layer",
-                             extra=f"<br>pos {p}", name=f"pos {p}"),
+                             extra=f"<br>pos {p}", name=f"pos {p}", raw=raw),
                       row=i // cols + 1, col=i % cols + 1)
-    return _finish(fig, m, title)
+    return _finish(fig, m, title, raw)
 
 
 def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interval: bool = True,
@@ -265,21 +325,24 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
         raise ValueError(f"denoise and noise must be the same sweep; they differ in "
                          f"{', '.join(f'{k} ({a!r} vs {b!r})' for k, (a, b) in differ.items())}. "
                          "Draw them apart with patch_heatmap.")
-    cs = [_cells(r, interval) for r in (denoise, noise)]
+    raw = _raw(denoise, noise)  # one scale: both raw where either is degenerate
+    cs = [_cells(r, interval, raw) for r in (denoise, noise)]
     m = _abs_max(*(c["normalized"] for c in cs))
     x_name, y_name = _axis_names(denoise)
-    title = title or describe(denoise).replace(" · denoise", " · denoise and noise")
-    title += "<br><sup>" + "; ".join(DIRECTION_NOTE[r.direction] for r in (denoise, noise)) \
-        + "</sup>"
+    title = title or describe(denoise, raw).replace(" · denoise", " · denoise and noise")
+    if not raw:
+        title += "<br><sup>" + "; ".join(DIRECTION_NOTE[r.direction]
+                                         for r in (denoise, noise)) + "</sup>"
+    panel = RAW_PANEL if raw else PANEL_TITLE
     if cs[0]["value"].ndim == 2:
-        fig = _grid(2, 2, [PANEL_TITLE[r.direction] for r in (denoise, noise)],
+        fig = _grid(2, 2, [panel[r.direction] for r in (denoise, noise)],
                     cs[0]["value"].shape, x_name, y_name)
         for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
             fig.add_trace(_trace(c, (slice(None), slice(None)), x_name, y_name,
-                                 name=r.direction), row=1, col=j + 1)
+                                 name=r.direction, raw=raw), row=1, col=j + 1)
         if x_name == "pos":
             _token_ticks(fig, tokens, cs[0]["value"].shape[1])
-        return _finish(fig, m, title)
+        return _finish(fig, m, title, raw)
     picked = _pick_positions([c["normalized"] for c in cs], positions, max_facets)
     titles = [f"{_facet_title(p, tokens)}, {r.direction}" for p in picked
               for r in (denoise, noise)]
@@ -287,6 +350,60 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
     for i, p in enumerate(picked):
         for j, (c, r) in enumerate(zip(cs, (denoise, noise), strict=True)):
             fig.add_trace(_trace(c, (slice(None), slice(None), p), x_name, "layer",
-                                 extra=f"<br>pos {p}", name=f"{r.direction} pos {p}"),
+                                 extra=f"<br>pos {p}", name=f"{r.direction} pos {p}", raw=raw),
                           row=i + 1, col=j + 1)
-    return _finish(fig, m, title)
+    return _finish(fig, m, title, raw)
+
+
+def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str] | None = None,
+                 interval: bool = True, n_cols: int = 3):
+    """Sender x receiver heatmap of an ``EdgeResult``'s ``normalized()``, one panel per input
+    (q, k, v; the logits column, which has one input, shows in the first panel). Rows: senders
+    (the embeddings first), columns: receivers (the logits last); blank where (sender,
+    receiver, input) is no edge. Hover: the names, raw value, normalized value and its 95%
+    bootstrap interval over prompts (when the result holds per-prompt values)."""
+    import plotly.graph_objects as go
+
+    if not all(hasattr(result, a) for a in ("values", "senders", "receivers", "inputs")):
+        raise TypeError(f"expected an EdgeResult (ck.patch_edges / ck.EdgeResult.load); got "
+                        f"{type(result).__name__}.")
+    check_counts(n_cols=n_cols)
+    names = list(result.inputs if inputs is None else inputs)
+    bad = [i for i in names if i not in result.inputs]
+    if bad or not names:
+        raise ValueError(f"inputs={names!r}: expected some of the result's inputs "
+                         f"{list(result.inputs)}.")
+    raw = _raw(result)
+    c = _cells(result, interval, raw)
+    senders, receivers = result.sender_names(), result.receiver_names()
+    n_cols = min(n_cols, len(names))
+    fig = _grid(len(names), n_cols, [f"into {n}" for n in names],
+                (len(senders), len(receivers)), "receiver", "sender")
+    for k, name in enumerate(names):
+        i = list(result.inputs).index(name)
+        index = (slice(None), slice(None), i)
+        trace = _trace(c, index, "receiver", "sender", extra=f"<br>input {name}", name=name,
+                       raw=raw)
+        trace.update(x=receivers, y=senders)
+        fig.add_trace(trace, row=k // n_cols + 1, col=k % n_cols + 1)
+    fig.update_xaxes(tickmode="auto", tickangle=-60)
+    fig.update_yaxes(tickmode="auto")
+    m = _abs_max(c["normalized"])
+    if title is None:
+        meta = result.meta or {}
+        task = meta.get("task")
+        if task and meta.get("phase") is not None:
+            task = f"{task} phase {meta['phase']}"
+        head = [model_label(meta), task, f"metric {meta['metric']}" if meta.get("metric")
+                else None, result.direction]
+        n = meta.get("n_prompts")
+        sub = [result.method, "edges: a sender's write into one receiver's input",
+               f"{n} prompts" if n else None,
+               RAW_NOTE if raw else "colour = normalized effect"]
+        title = (" · ".join(str(p) for p in head if p) + "<br><sup>"
+                 + ", ".join(str(p) for p in sub if p) + "</sup>")
+    fig = _finish(fig, m, title, raw)
+    fig.add_annotation(text=DIRECTION_NOTE.get(result.direction, ""), xref="paper",
+                       yref="paper", x=0, y=-0.12, showarrow=False, font=dict(size=11),
+                       xanchor="left")
+    return go.Figure(fig)

@@ -1,10 +1,15 @@
 """``report.html``: one self-contained page of a results folder (opens offline, can be mailed).
 
 ``write_report(run_dir)`` reads what it finds in ``run_dir`` (the folder ``circuitkit characterize``
-writes; every part is optional, a missing part is skipped with a note):
+writes; every part is optional, a missing part is skipped with a note). The page leads with the
+findings in words (``viz.findings``: per phase which heads, which layers, whether they beat
+random head sets with the p-value's floor, the key effect, the strongest patching cell), then
+the sweeps, scores, validation, attention and ablation; the glossary lists only the quantities
+the page shows; model fingerprints, versions and timings come last.
 
 ==============================================  ===============================================
-``summary.json``                                model, task, sizes, versions, timings (a table);
+``summary.json``                                model, task, sizes, versions, timings (a table,
+                                                last);
                                                 ``model`` (a name ``ck.load_model`` takes) and
                                                 ``task`` (``ck.load_task``) enable attention views
 ``patch-p1-denoise`` / ``patch-p1-noise`` ...   ``PatchResult`` files (``.safetensors`` +
@@ -14,7 +19,12 @@ writes; every part is optional, a missing part is skipped with a note):
 ``scores.csv``                                  ``ck.score_heads``: top-head tables, score scatter,
                                                 phase profile
 ``validation.csv``                              ``ck.validate_heads``: chart and table
+``head-ablation.csv``                           ``ck.ablate_heads``: top-k vs random heads under
+                                                zero / mean / resample ablation (a table)
 ``ablation.csv`` (or ``distill/ablation.csv``)  distillation ablation (``charts.ablation_chart``)
+``edges/edges.*``, ``edges/circuit.json``       ``characterize --edges``: sender x receiver
+                                                heatmap per input, top edges by input, the
+                                                circuit graph and its faithfulness
 ==============================================  ===============================================
 
 JavaScript: plotly.js (~4.8 MB) is inlined once in ``<head>`` and every figure is a
@@ -30,6 +40,8 @@ import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from circuitkit.viz.findings import phase_of
 
 # One line per quantity the report shows (what it means, in the report's own words).
 METRIC_LINES: dict[str, str] = {
@@ -48,20 +60,42 @@ METRIC_LINES: dict[str, str] = {
     "sharpness": "excess kurtosis of the head's attention row at Phase-1 query positions "
                  "(one sharp peak high, a flat row low), mean over positions and examples.",
     "anchor_alignment": "cosine of the head's write with the correct anchor's (centred) "
-                        "unembedding direction minus its mean cosine with the other anchors'.",
+                        "direction minus its mean cosine with the other anchors': by default "
+                        "the centroid of the anchor's labels' unembeddings (the _tokens "
+                        "columns use the anchor token's own unembedding).",
     "coarse_score": "Phase-1 score: high only when attention is sharp and the write is "
                     "anchor-aligned.",
-    "loopback": "attention mass at Phase-2 query positions on the shortlist entries of target "
-                "labels minus that on near-miss labels.",
+    "shortlist_share": "attention mass at Phase-2 query positions on the shortlist entries.",
+    "key_preference": "mean attention per target entry against per near-miss entry, "
+                      "(a_T - a_M) / (a_T + a_M): count-balanced, 0 for a head uniform over "
+                      "the shortlist, +1 targets only, -1 near-misses only.",
+    "ov_copy": "what the head writes from the entries it reads, on their own label's logit "
+               "(minus the mean logit), attention-weighted: + copies, - suppresses.",
+    "mechanism": "for heads with a refine_score of at least a tenth of the largest: copy "
+                 "(margin mostly from target entries, mostly raising the target), suppress "
+                 "(from near-miss entries, lowering them) or retrieve (the two disagree, e.g. "
+                 "reading near-miss entries and raising the target); - otherwise.",
+    "loopback": "shortlist_share x key_preference: re-attending to the shortlist and to which "
+                "side of it (+1 targets only, -1 near-misses only, 0 uniform or none).",
     "margin_widening": "the head's direct effect on the target-vs-near-miss logit margin "
                        "(its write through the final norm, dotted with W_U[target] - "
                        "W_U[near_miss]).",
-    "refine_score": "Phase-2 score: combines loop-back and margin widening.",
+    "refine_score": "Phase-2 score: the part of margin_widening the head writes from the "
+                    "shortlist entries it reads (sum over entries of attention x that entry's "
+                    "value through W_O on the margin).",
     "phase1_rank / phase2_rank": "rank of the head by coarse_score / refine_score (1 = best).",
+    "inclusion / rank interval": "share of bootstrap resamples of the examples in which the "
+                                 "head is in the top k, and the 2.5-97.5 percentile of its "
+                                 "rank there; a top head below 0.8 is flagged unstable.",
     "effect (validation)": "change of the measure when the head set is patched together (noise "
                            "or denoise), with its bootstrap 95% interval over prompts; p = "
-                           "permutation p-value against sets of random heads from the same "
-                           "layers.",
+                           "permutation p-value against random head sets of one pool: "
+                           "same-layers (the top heads' layers, overlap = top heads every set "
+                           "shares where a layer has too few others) or all-layers (disjoint).",
+    "ablation": "the top-k set, or a random set, zero-, mean- or resample-ablated (z set to 0, "
+                "to its mean over the prompts, or to another prompt's) on the clean run: "
+                "exact_match (teacher-forced: every answer step's arg-max is a target), "
+                "confusion and focus; effect = ablated - unablated, 95% intervals.",
     "focus": "Reasoning Focus: softmax mass on the correct anchors among all anchors at anchor "
              "steps (teacher-forced), mean over examples.",
     "confusion": "Near-Miss Confusion: softmax mass on near-misses among targets + near-misses "
@@ -73,8 +107,18 @@ METRIC_LINES: dict[str, str] = {
            "predict the model's answer, averaged over leaking and non-leaking examples.",
 }
 
+# Which glossary entries a page needs: the sweeps' and the score table's by what it shows; the
+# validation's and the ablation's also by the measures their frames name.
+SWEEP_TERMS = ("value", "normalized", "95% interval")
+SCORE_TERMS = {1: ("sharpness", "anchor_alignment", "coarse_score"),
+               2: ("shortlist_share", "key_preference", "ov_copy", "mechanism", "loopback",
+                   "margin_widening", "refine_score")}
+MEASURE_TERMS = {"focus": "focus", "confusion": "confusion", "confusion_rate": "confusion_rate",
+                 "macro_f1": "macro_f1 / micro_f1 / exact_match",
+                 "micro_f1": "macro_f1 / micro_f1 / exact_match",
+                 "exact_match": "macro_f1 / micro_f1 / exact_match", "las": "las"}
+
 PAIR = re.compile(r"^(?P<base>.+)-(?P<direction>denoise|noise)$")
-PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
 
 CSS = """
 body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0 auto;
@@ -87,6 +131,8 @@ table.tbl th,table.tbl td{border:1px solid #ddd;padding:3px 8px;text-align:right
 table.tbl th{background:#f4f4f4} table.metrics td{padding:2px 10px;vertical-align:top}
 table.metrics td:first-child{font-weight:600;white-space:nowrap}
 .tables,.views{display:flex;gap:36px;flex-wrap:wrap} .views>div{flex:1 1 640px;max-width:720px}
+.finding{max-width:1100px;margin:10px 0 18px;line-height:1.45}
+.finding p{margin:4px 0} .finding ul{margin:4px 0;padding-left:22px;color:#333}
 """
 
 
@@ -129,16 +175,14 @@ def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     return found, skipped
 
 
-def _phase_of(name: str, result: Any) -> int | None:
-    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
-    phase = (result.meta or {}).get("phase")
-    if phase is not None:
-        return int(phase)
-    m = PHASE_NAME.search(name)
-    return int(m.group("phase")) if m else None
-
-
 def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
+    from circuitkit.patching.results import quiet_baseline
+
+    with quiet_baseline():  # the page says it (_gap_warning): no console warning per figure
+        return _sweep_figures(results, fig_html)
+
+
+def _sweep_figures(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.viz.heatmaps import patch_heatmap, patch_heatmaps
 
     out, done = [], set()
@@ -146,7 +190,7 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
         m = PAIR.match(name)
         if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
             other = f"{m.group('base')}-noise"
-            phase = _phase_of(m.group("base"), res)
+            phase = phase_of(m.group("base"), res)
             head = f"Phase {phase} sweep" if phase else m.group("base")
             out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
                        f"</span></h3>" + _gap_warning(res)
@@ -154,18 +198,94 @@ def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
             done |= {name, other}
     for name, res in results.items():
         if name not in done:
-            out.append(f"<h3>{_esc(name)}</h3>" + _gap_warning(res) + fig_html(patch_heatmap(res)))
+            out.append(f"<h3>{_esc(sweep_heading(name, res))}</h3>" + _gap_warning(res)
+                       + fig_html(patch_heatmap(res)))
     return out
 
 
+def sweep_heading(name: str, result: Any) -> str:
+    """A single sweep's heading: ``"Phase 2 sweep, noise: target_vs_near_miss_margin
+    (result)"``; what it patched (heads, layers, per position) when it is not a head sweep."""
+    phase = phase_of(name, result)
+    what = {("layer", "head"): "", ("layer", "head", "pos"): " per position",
+            ("layer", "pos"): f" of layer site {result.site}"}.get(tuple(result.axes), "")
+    head = (f"Phase {phase} sweep" if phase else "Sweep") + what + f", {result.direction}"
+    metric = (result.meta or {}).get("metric")
+    return head + (f": {metric}" if metric else "") + f" ({name})"
+
+
 def _gap_warning(res: Any) -> str:
-    """A line when the corruption did not lower the metric: normalized values then do not
-    read as shares of the behaviour restored or broken."""
-    if res.clean > res.corrupt:
+    """A line when the corruption did not lower the metric by its margin
+    (``PatchResult.degenerate``, the one rule): the figure then shows raw effects."""
+    if not res.degenerate:
         return ""
-    return (f"<p class='warn'>The corruption did not lower the metric here (clean "
-            f"{res.clean:.4g}, corrupt {res.corrupt:.4g}): the model does not show the behaviour "
-            "this sweep measures, so the normalized values are not shares of it.</p>")
+    return (f"<p class='warn'>The corruption did not lower the metric here by its margin "
+            f"(clean {res.clean:.4g}, corrupt {res.corrupt:.4g}, margin "
+            f"{res.gap_margin:.3g}): the model does not show the behaviour this sweep measures, "
+            "so the figure shows raw effects (value - baseline), not shares of it.</p>")
+
+
+def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
+                   ablation: Any, head_ablation: Any = None) -> list[str]:
+    """The ``METRIC_LINES`` entries a page shows something of, in their order."""
+    from circuitkit.scoring.heads import scored_phases
+
+    want: set[str] = set()
+    if results:
+        want |= set(SWEEP_TERMS)
+    if scores is not None:
+        phases = scored_phases(scores) if "layer" in scores.columns else []
+        for phase in phases:
+            want |= {t for t in SCORE_TERMS[phase] if t in scores.columns}
+        if phases:
+            want.add("phase1_rank / phase2_rank")
+        if any(f"phase{p}_inclusion" in scores.columns for p in phases):
+            want.add("inclusion / rank interval")
+    for frame, extra in ((validation, "effect (validation)"), (head_ablation, "ablation"),
+                         (ablation, None)):
+        if frame is None:
+            continue
+        if extra:
+            want.add(extra)
+        for col in ("quantity", "measure", "metric"):
+            if col in frame.columns:
+                want |= {MEASURE_TERMS[m] for m in frame[col].astype(str) if m in MEASURE_TERMS}
+    return [k for k in METRIC_LINES if k in want]
+
+
+def findings_in(run_dir: str | Path) -> tuple[str, list]:
+    """``(run line, viz.findings)`` of a results folder: what ``findings_section`` shows, for
+    the console (``circuitkit characterize`` prints it)."""
+    import pandas as pd
+
+    from circuitkit.viz.findings import findings, run_line
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
+    results, _ = _patch_results(run_dir)
+    return run_line(summary), findings(summary, read("validation.csv"), read("scores.csv"),
+                                       results)
+
+
+def findings_section(summary: dict, validation: Any, scores: Any,
+                     results: dict[str, Any]) -> str:
+    """The report's first section: ``viz.findings`` rendered (one block per phase)."""
+    from circuitkit.viz.findings import findings, run_line
+
+    found = findings(summary, validation, scores, results)
+    line = run_line(summary)
+    out = f"<p class='note'>{_esc(line)}</p>" if line else ""
+    for f in found:
+        notes = "".join(f"<li>{_esc(n)}</li>" for n in f.notes)
+        out += (f"<div class='finding' data-phase='{f.phase}'><p><b>{_esc(f.title)}.</b> "
+                f"{_esc(f.headline)}</p>"
+                + (f"<ul>{notes}</ul>" if notes else "") + "</div>")
+    if not found:
+        out += "<p class='skip'>Nothing to summarise: the folder holds no sweeps, scores or " \
+               "validation.</p>"
+    return out
 
 
 def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
@@ -184,8 +304,13 @@ def _score_tables(scores: Any, k: int) -> str:
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     parts = []
-    cols = {1: ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank"],
-            2: ["loopback", "margin_widening", "refine_score", "phase2_rank"]}
+    cols = {1: ["sharpness", "anchor_alignment", "coarse_score", "phase1_rank",
+                "phase1_rank_low", "phase1_rank_high", "phase1_inclusion",
+                "phase1_rank_tokens"],
+            2: ["shortlist_share", "key_preference", "ov_copy", "mechanism", "loopback",
+                "margin_widening", "refine_score", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "phase2_rank",
+                "phase2_rank_low", "phase2_rank_high", "phase2_inclusion"]}
     for phase in scored_phases(scores):  # a phase the task has no steps for has no table
         heads = top_heads(scores, phase, k)
         idx = scores.set_index(["layer", "head"])
@@ -194,6 +319,59 @@ def _score_tables(scores: Any, k: int) -> str:
         parts.append(f"<div><h4>Top {len(heads)} Phase-{phase} heads</h4>"
                      f"{_table(rows[show])}</div>")
     return "<div class='tables'>" + "".join(parts) + "</div>"
+
+
+def _stability_lines(summary: dict, scores: Any) -> str:
+    """Lines under the score tables: top-k heads whose bootstrap inclusion is below 0.8, the
+    agreement of the two anchor-direction rankings, and how much each RefineScore part moves
+    the Phase-2 ranking (``summary.json``'s ``stability`` / ``scores_attrs``)."""
+    out = []
+    for phase, st in (summary.get("stability") or {}).items():
+        n = phase.removeprefix("phase")
+        if st.get("unstable"):
+            heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
+            out.append(f"<p class='warn'>Phase-{n} top-{st['k']}: {_esc(heads)} in the top "
+                       f"{st['k']} in fewer than 80% of the bootstrap resamples of the "
+                       "examples: the ranking there is not stable.</p>")
+        elif st.get("top"):
+            out.append(f"<p class='note'>Phase-{n} top-{st['k']}: every head in the top "
+                       f"{st['k']} in at least 80% of the bootstrap resamples.</p>")
+    attrs = summary.get("scores_attrs") or {}
+    agree = attrs.get("anchor_agreement")
+    if agree:
+        sp = agree.get("spearman")
+        out.append(f"<p class='note'>Phase-1 ranking with label-centroid anchor directions "
+                   f"against anchor-token columns: Spearman "
+                   f"{'n/a' if sp is None else f'{sp:.3f}'}, top-{agree['k']} overlap "
+                   f"{agree['top_k_overlap']} of {agree['k']}.</p>")
+    parts = attrs.get("refine_parts")
+    if parts:
+        import pandas as pd
+
+        out.append("<h4>How much each RefineScore part moves the Phase-2 ranking</h4>"
+                   "<p class='note'>spearman_alone: refine_score against the part by itself; "
+                   "spearman_without: against refine_score without the part (docs/scores.md); "
+                   "top_k_kept: top-k heads still in the top k without it.</p>"
+                   + _table(pd.DataFrame(parts)))
+    return "".join(out)
+
+
+def _head_ablation_table(frame: Any) -> Any:
+    """``head-ablation.csv`` as one row per (phase, pool, ablation, quantity) with
+    ``"value [low, high]"`` cells for the top set's and the random sets' effects."""
+    need = {"top_effect", "top_low", "top_high", "random_mean", "random_low", "random_high"}
+    if not need <= set(frame.columns):
+        return frame
+    show = frame.copy()
+    show["top effect [95%]"] = [f"{r.top_effect:+.3f} [{r.top_low:+.3f}, {r.top_high:+.3f}]"
+                                for r in frame.itertuples()]
+    show["random effect [95%]"] = [
+        f"{r.random_mean:+.3f} [{r.random_low:+.3f}, {r.random_high:+.3f}]"
+        for r in frame.itertuples()]
+    keep = [c for c in ("phase", "pool", "ablation", "quantity", "heads", "n_random", "overlap",
+                        "n_prompts", "base", "top_value") if c in show.columns]
+    return show[keep + ["top effect [95%]", "random effect [95%]"]
+                + [c for c in ("p_value",) if c in show.columns]]
 
 
 def ablation_table(frame: Any) -> Any:
@@ -279,6 +457,7 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
     scores, validation = read("scores.csv"), read("validation.csv")
     ablation = read("ablation.csv")
+    head_ablation = read("head-ablation.csv")
     if ablation is None and (run_dir / "distill" / "ablation.csv").exists():
         ablation = pd.read_csv(run_dir / "distill" / "ablation.csv")
     if not (summary or results or scores is not None or validation is not None
@@ -321,6 +500,10 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
+    if results or scores is not None or validation is not None:
+        sections.append(("findings", "Findings", findings_section(summary, validation, scores,
+                                                                  results)))
+    details = None
     if summary:
         flat = _flatten(summary)
         # the headline first (what ran, on what, how long); everything else folded away
@@ -334,10 +517,8 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             body += ("<details><summary>full summary.json</summary>"
                      + _table(pd.DataFrame(list(rest.items()), columns=["key", "value"]))
                      + "</details>")
-        sections.append(("summary", "Model and task", body))
-    lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
-                    for k, v in METRIC_LINES.items())
-    sections.append(("metrics", "What the numbers mean", f"<table class='metrics'>{lines}</table>"))
+        # fingerprints, versions and timings: the last section (findings lead the page)
+        details = ("summary", "Model, task and versions", body)
     if results or skipped:
         sections.append(("sweeps", "Activation-patching sweeps",
                          "<p class='note'>Layer x head, colour = normalized effect on one scale "
@@ -348,22 +529,41 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     views: list = []
     if scores is not None:
         body = _score_tables(scores, top_k)
+        body += _stability_lines(summary, scores)
         body += chart(charts.score_scatter, scores)
         body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
         sections.append(("scores", "Head scores", body))
     if validation is not None:
         sections.append(("validation", "Causal validation",
                          chart(charts.validation_chart, validation) + _table(validation)))
+    if head_ablation is not None:
+        sections.append(("head-ablation", "Ablation of the top heads",
+                         "<p class='note'>Each phase's top-k set and random sets ablated on "
+                         "the clean run; effect = ablated - unablated, mean over prompts "
+                         "[bootstrap 95% interval]; the random interval is where one random "
+                         "set's effect falls; p against that pool's random sets.</p>"
+                         + _table(_head_ablation_table(head_ablation))))
     if attention and scores is not None:
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
                                             views)))
+    edges = _edges_section(run_dir, fig_html)
+    if edges:
+        sections.append(("edges", "Edges: which heads feed which", edges))
     if ablation is not None:
         sections.append(("distillation", "Distillation ablation",
                          chart(charts.ablation_chart, ablation)
                          + "<p class='note'>mean over seeds [95% interval]</p>"
                          + _table(_or_raw(ablation_table, ablation))))
 
+    terms = glossary_terms(results, scores, validation, ablation, head_ablation)
+    if terms:
+        lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(METRIC_LINES[k])}</td></tr>"
+                        for k in terms)
+        sections.append(("metrics", "What the numbers mean",
+                         f"<table class='metrics'>{lines}</table>"))
+    if details:
+        sections.append(details)
     title = "circuitkit report" + (f": {model_name}" if model_name else "") + \
         (f" on {task_name}" if task_name else "")
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -379,6 +579,49 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"<h1>{_esc(title)}</h1><p class='note'>{_esc(run_dir.resolve())} · generated "
             f"{stamp} · self-contained (no network needed)</p><nav>{nav}</nav>{body}"
             f"</body></html>")
+
+
+def _edges_section(run_dir: Path, fig_html) -> str | None:
+    """``characterize --edges``'s results (``run_dir/edges``): the sender x receiver heatmap
+    per input, the strongest edges into each input with their intervals, and the circuit
+    (graph, faithfulness curve as a table, CPR and CMD); None when there are none."""
+    import pandas as pd
+
+    from circuitkit.patching.results import EdgeResult
+    from circuitkit.viz.edges import circuit_graph
+
+    folder = run_dir / "edges"
+    if not (folder / "edges.json").exists():
+        return None
+    try:
+        res = EdgeResult.load(folder / "edges")
+    except ValueError as e:
+        return f"<p class='skip'>Edges skipped: {_esc(e)}</p>"
+    meta = res.meta or {}
+    body = (f"<p class='note'>Senders: the top {_esc(meta.get('senders_from', ''))} heads; "
+            f"receivers: the top {_esc(meta.get('receivers_from', ''))} heads after them. An "
+            "edge adds the sender's clean-minus-corrupt write to one receiver's q, k or v input "
+            "only (every other reader keeps the corrupt run); value: the metric after that "
+            "patch, normalized as the sweeps above.</p>")
+    body += fig_html(res.heatmap())
+    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+        ["ci_low", "ci_high"] if res.per_prompt is not None else [])
+    tops = [res.top(5, input=name)[cols] for name in res.inputs]
+    body += _table(pd.concat(tops, ignore_index=True), "{:.3f}")
+    if (folder / "circuit.json").exists():
+        circ = json.loads((folder / "circuit.json").read_text())
+        ci = lambda key: (f" [{circ[key][0]:.3f}, {circ[key][1]:.3f}]"  # noqa: E731
+                          if circ.get(key) else "")
+        body += (f"<p>Circuit ({circ['ablation']} ablation of the edges left out): the top "
+                 f"{circ['n_kept']} of {circ['n_items']} edges reach faithfulness "
+                 f"{circ['faithfulness']:.3f}{ci('faithfulness_ci')}; over the curve CPR "
+                 f"{circ['cpr']:.3f}{ci('cpr_ci')} (area under it; 1 is best) and CMD "
+                 f"{circ['cmd']:.3f}{ci('cmd_ci')} (area between it and 1; 0 is best).</p>")
+        if circ.get("curve"):
+            body += _table(pd.DataFrame(circ["curve"]), "{:.3f}")
+        if circ.get("edges"):
+            body += fig_html(circuit_graph(circ))
+    return body
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:

@@ -1,0 +1,475 @@
+"""Circuit faithfulness (``ck.circuit``): keep the top edges (or heads), ablate the rest.
+
+``circuit(model, task, scores)`` ranks the items of an ``EdgeResult`` (edges) or a head
+``PatchResult`` (heads) by their effect, keeps the top ``size`` share of them for each size of
+the curve (MIB's 0.1% .. 100% by default), runs the clean prompts with every other scored item
+ablated, and reports the normalized metric of each circuit and MIB's areas:
+
+    f(C)  = (m(C) - m(empty)) / (m(full) - m(empty))        (faithfulness, MIB)
+    CPR   = sum_k (x_{k+1} - x_k) (f_k + f_{k+1}) / 2      (area under f over the kept share x)
+    CMD   = sum_k (x_{k+1} - x_k) (|1 - f_k| + |1 - f_{k+1}|) / 2   (area between f and 1)
+
+``m(full)``: every scored item kept (the clean run, when the items cover the model);
+``m(empty)``: every scored item ablated (the ablation run: the corrupt run for
+``ablation="corrupt"`` when the items cover the model). Intervals: percentile bootstrap over
+prompts of f, CPR and CMD (each resample recomputes the means, as ``PatchResult`` does).
+
+The run (``_Ablated``), block by block: each head's q/k/v input is its own copy of the residual
+(its activation computed by the module itself on that copy, ``shortcuts.run_until``). With
+``live_s`` a sender's write in this run and ``abl_s`` its ablated write (``ablation``: the
+corrupt run's, zero, the mean over the task's clean prompts per position, or another prompt's
+clean write), a receiver ``r`` reads at input ``i``
+
+    x_r,i = x - sum_{s alive, (s, r, i) not kept} (live_s - abl_s)
+
+where ``x`` is the residual stream, in which every sender that is not *alive* writes
+``abl_s`` (its attention output is edited at ``hook_attn_out``). A sender is alive when one of
+its outgoing edges is kept (an edge outside the scored set counts as kept). MLPs are no nodes:
+they read the stream, so they see alive senders' writes and compute on them, as in path patching
+(Wang et al. 2023). The logits read the final residual, corrected the same way. For heads,
+a kept head's edges are all kept and an ablated head's none. Docs: docs/edges.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import einops
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.metrics import as_metric
+from circuitkit.patching import shortcuts
+from circuitkit.patching.engine import evaluate_metric
+from circuitkit.patching.inputs import (
+    check_edge_model,
+    check_metric_prompts,
+    check_tokens,
+    choice,
+)
+from circuitkit.patching.results import CircuitResult, EdgeResult, PatchResult
+from circuitkit.patching.sweep import auto_rows
+
+ABLATIONS = ("corrupt", "zero", "mean", "resample")
+RANKS = ("abs", "signed")
+# MIB's circuit sizes: shares of the scored items kept
+MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
+            sizes: Any = MIB_SIZES, *, ablation: str = "corrupt", rank: str = "abs",
+            target: float = 0.8, n_boot: int = 1000, seed: int = 0,
+            batch_size: int | None = None, progress: bool = True) -> CircuitResult:
+    """Faithfulness curve, CPR/CMD and the kept set of the circuits made of the top-scored
+    edges or heads (module docstring).
+
+    ``task``: a ``Task`` (its clean and corrupt tokens and metric) or a ``(clean_tokens,
+    corrupt_tokens, metric)`` tuple. ``edges_or_heads``: an ``EdgeResult`` (items: its edges)
+    or a ``PatchResult`` of heads at all positions (items: heads); items are ranked by
+    ``|effect|`` (``rank="abs"``) or by effect, largest first (``"signed"``: helpful items
+    first, as MIB's CPR ranks). ``sizes``: shares of the items kept, in (0, 1], ascending
+    (``int(share x n_items)`` items, as MIB counts). ``ablation``: "corrupt" (the corrupt run's
+    writes), "zero", "mean" (over the task's clean prompts, per position) or "resample"
+    (another prompt's clean writes, a seeded derangement). ``target``: the kept set
+    (``CircuitResult.kept``) is the smallest circuit of the curve with faithfulness >= target
+    (else every item). ``n_boot``: bootstrap resamples of the intervals (0: none).
+    """
+    t0 = time.perf_counter()
+    choice("ablation", ablation, ABLATIONS)
+    choice("rank", rank, RANKS)
+    sizes = _check_sizes(sizes)
+    if not (isinstance(target, int | float) and 0 < target <= 1):
+        raise ValueError(f"target={target!r}: expected a faithfulness in (0, 1] the kept set "
+                         "must reach.")
+    clean, corrupt, metric = _task_inputs(task)
+    clean, corrupt = check_tokens(clean, corrupt, model)
+    n, seq = clean.shape
+    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
+    check_metric_prompts(pm, n)
+    check_edge_model(model)
+    graph = _Graph.of(model, edges_or_heads)
+    order = graph.order(rank)
+    counts = [int(share * graph.n_items) for share in sizes]
+    kept = [_first(order, k, graph.n_items) for k in counts]
+    # m(full): the clean run (nothing ablated); m(empty): every scored item ablated
+    runner = _Ablated(model, clean, corrupt, pm, graph, ablation, seed, batch_size)
+    full = runner.clean_metric
+    masks = [torch.zeros(graph.n_items, dtype=torch.bool), *kept]
+    per = runner.metrics(masks, progress)
+    empty, curve = per[0], per[1:]
+    f = _faithfulness(curve.mean(1), full.mean(), empty.mean())
+    cpr, cmd = _areas(torch.tensor(sizes), f[None])
+    intervals = None
+    if pm.per_prompt_values and n_boot > 0 and n > 1:
+        intervals = _bootstrap(torch.tensor(sizes), curve, full, empty, n_boot, seed)
+    reached = [i for i, v in enumerate(f.tolist()) if v >= target]
+    chosen = reached[0] if reached else len(sizes) - 1
+    return CircuitResult(
+        kind=graph.kind, sizes=tuple(sizes), n_kept=tuple(counts), faithfulness=f,
+        per_prompt=curve if pm.per_prompt_values else None, full=float(full.mean()),
+        empty=float(empty.mean()), full_per_prompt=full if pm.per_prompt_values else None,
+        empty_per_prompt=empty if pm.per_prompt_values else None, cpr=float(cpr[0]),
+        cmd=float(cmd[0]), items=graph.ranked(order), n_layers=graph.n_layers,
+        ablation=ablation, rank=rank, target=float(target), chosen=chosen,
+        intervals=intervals,
+        meta=dict(n_prompts=n, n_items=graph.n_items, metric=pm.name, **dict(pm.labels),
+                  model=str(getattr(model.cfg, "model_name", "")),
+                  scores_method=edges_or_heads.method, direction=edges_or_heads.direction,
+                  seconds=time.perf_counter() - t0, forwards=runner.forwards))
+
+
+def _check_sizes(sizes: Any) -> list[float]:
+    try:
+        out = [float(s) for s in sizes]
+    except (TypeError, ValueError):
+        raise ValueError(f"sizes={sizes!r}: expected shares of the items kept, e.g. "
+                         f"{list(MIB_SIZES)}.") from None
+    if not out or any(not (0 < s <= 1) or math.isnan(s) for s in out) or out != sorted(out) \
+            or len(set(out)) != len(out):
+        raise ValueError(f"sizes={list(sizes)!r}: expected distinct shares in (0, 1], "
+                         f"ascending, e.g. {list(MIB_SIZES)}.")
+    return out
+
+
+def _task_inputs(task: Any) -> tuple[Tensor, Tensor, Any]:
+    if isinstance(task, tuple) and len(task) == 3:
+        return task
+    if all(hasattr(task, a) for a in ("clean_tokens", "corrupt_tokens", "metric")):
+        return task.clean_tokens, task.corrupt_tokens, task.metric
+    raise ValueError(f"task: expected a ck.Task or a (clean_tokens, corrupt_tokens, metric) "
+                     f"tuple; got {type(task).__name__}.")
+
+
+def _first(order: Tensor, k: int, n: int) -> Bool[Tensor, " n"]:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[order[:k]] = True
+    return mask
+
+
+def _faithfulness(m: Tensor, full: Tensor, empty: Tensor) -> Tensor:
+    return (m - empty) / (full - empty)
+
+
+def _areas(x: Float[Tensor, " k"], f: Float[Tensor, "b k"]) -> tuple[Tensor, Tensor]:
+    """(CPR, CMD) of each row of ``f`` over ``x`` (trapezoids, as MIB)."""
+    dx = x[1:] - x[:-1]
+    cpr = (dx * (f[:, 1:] + f[:, :-1]) / 2).sum(1)
+    gap = (1 - f).abs()
+    cmd = (dx * (gap[:, 1:] + gap[:, :-1]) / 2).sum(1)
+    return cpr, cmd
+
+
+def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tensor,
+               n_boot: int, seed: int, level: float = 0.95) -> dict[str, Any]:
+    """Percentile intervals over prompt resamples of f (per size), CPR and CMD."""
+    n = curve.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(n_boot, n, dtype=torch.float64)
+    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
+                        torch.ones(n_boot, n, dtype=torch.float64))
+    w = counts / n
+    f = _faithfulness(w @ curve.double().T, (w @ full.double())[:, None],
+                      (w @ empty.double())[:, None])  # [n_boot, k]
+    cpr, cmd = _areas(x.double(), f)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+
+    def band(t: Tensor) -> list:
+        t = t[torch.isfinite(t).all(-1) if t.ndim > 1 else torch.isfinite(t)]
+        return torch.quantile(t, q, dim=0).movedim(0, -1).tolist() if t.numel() else None
+
+    return dict(level=level, n_boot=n_boot, faithfulness=band(f), cpr=band(cpr),
+                cmd=band(cmd))
+
+
+class _Graph:
+    """The scored items over the model's full edge set: dense ``[senders, receivers, inputs]``
+    indices of the model (every head, the embeddings first as sender, the logits last as
+    receiver; k/v receivers of GQA models on KV heads)."""
+
+    def __init__(self, model: Any, kind: str, item_cells: list[Tensor], scores: Tensor,
+                 names: list[Any]):
+        f = hooks.facts(model)
+        self.kind, self.n_layers, self.n_heads, self.n_kv = kind, f.n_layers, f.n_heads, \
+            f.n_kv_heads
+        self.n_items = len(item_cells)
+        self.cells = item_cells  # per item: [k, 3] dense (sender, receiver, input) rows
+        self.scores = scores
+        self.names = names
+
+    @property
+    def n_senders(self) -> int:
+        return 1 + self.n_layers * self.n_heads
+
+    @property
+    def n_receivers(self) -> int:
+        return self.n_layers * self.n_heads + 1
+
+    def sender(self, layer: int, head: int) -> int:
+        return 0 if layer < 0 else 1 + layer * self.n_heads + head
+
+    def receiver(self, layer: int, head: int) -> int:
+        return self.n_layers * self.n_heads if layer >= self.n_layers else \
+            layer * self.n_heads + head
+
+    @classmethod
+    def of(cls, model: Any, result: Any) -> _Graph:
+        f = hooks.facts(model)
+        if isinstance(result, EdgeResult):
+            if (result.n_layers, ) != (f.n_layers, ):
+                raise ValueError(f"edges_or_heads: an EdgeResult of a {result.n_layers}-layer "
+                                 f"model; this one has {f.n_layers} layers.")
+            g = cls(model, "edges", [], torch.zeros(0), [])
+            idx = result.edge_mask().nonzero()
+            eff = result.effect()
+            cells, scores, names = [], [], []
+            for s, r, i in idx.tolist():
+                sl, sh = result.senders[s]
+                rl, rh = result.receivers[r]
+                cells.append(torch.tensor([[g.sender(sl, sh), g.receiver(rl, rh), i if rl <
+                                            f.n_layers else 0]]))
+                scores.append(float(eff[s, r, i]))
+                names.append(((sl, sh), (rl, rh), "resid" if rl >= f.n_layers
+                              else result.inputs[i]))
+            input_index = [hooks.EDGE_INPUTS.index(x) for x in result.inputs]
+            for c in cells:  # the result's input index -> the model's (q, k, v)
+                if int(c[0, 1]) != g.receiver(f.n_layers, -1):
+                    c[0, 2] = input_index[int(c[0, 2])]
+            return cls(model, "edges", cells, torch.tensor(scores), names)
+        if isinstance(result, PatchResult):
+            if result.axes != ("layer", "head") or result.site != "z":
+                raise ValueError("edges_or_heads: a PatchResult of heads at site 'z', all "
+                                 f"positions (axes ('layer', 'head')); got site "
+                                 f"{result.site!r}, axes {result.axes}.")
+            if tuple(result.values.shape) != (f.n_layers, f.n_heads):
+                raise ValueError(f"edges_or_heads: values of shape {tuple(result.values.shape)}"
+                                 f" do not match this model's {f.n_layers} x {f.n_heads} heads.")
+            g = cls(model, "heads", [], torch.zeros(0), [])
+            eff = result.effect()
+            cells = [torch.tensor([[g.sender(la, h), -1, -1]]) for la in range(f.n_layers)
+                     for h in range(f.n_heads)]
+            names = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
+            return cls(model, "heads", cells, eff.flatten().float(), names)
+        raise ValueError(f"edges_or_heads: expected an EdgeResult (patch_edges) or a head "
+                         f"PatchResult (patch_heads); got {type(result).__name__}.")
+
+    def order(self, rank: str) -> Tensor:
+        key = self.scores.abs() if rank == "abs" else self.scores
+        return torch.argsort(-key.nan_to_num(float("-inf")), stable=True)
+
+    def ranked(self, order: Tensor) -> list[dict[str, Any]]:
+        out = []
+        for j in order.tolist():
+            name = self.names[j]
+            score = float(self.scores[j])
+            if self.kind == "heads":
+                out.append(dict(layer=name[0], head=name[1], score=score))
+            else:
+                (sl, sh), (rl, rh), inp = name
+                out.append(dict(sender=[sl, sh], receiver=[rl, rh], input=inp, score=score))
+        return out
+
+    def masks(self, kept_items: Bool[Tensor, "c n_items"]
+              ) -> tuple[Bool[Tensor, "c s r i"], Bool[Tensor, "c s"]]:
+        """Dense (kept edge, alive sender) masks of each circuit (module docstring)."""
+        c = kept_items.shape[0]
+        kept = torch.ones(c, self.n_senders, self.n_receivers, 3, dtype=torch.bool)
+        if self.kind == "heads":
+            alive = torch.ones(c, self.n_senders, dtype=torch.bool)
+            for j, cell in enumerate(self.cells):
+                s = int(cell[0, 0])
+                alive[:, s] = kept_items[:, j]
+                kept[:, s] = kept_items[:, j, None, None]
+            return kept, alive
+        scored = torch.zeros(self.n_senders, self.n_receivers, 3, dtype=torch.bool)
+        for j, cell in enumerate(self.cells):
+            s, r, i = (int(x) for x in cell[0])
+            scored[s, r, i] = True
+            kept[:, s, r, i] = kept_items[:, j]
+        # alive: a kept edge out of it; an unscored (hence kept) edge of the model counts
+        unscored = self.real() & ~scored
+        alive = (kept & scored).flatten(2).any(-1) | unscored.flatten(1).any(-1)[None]
+        return kept, alive
+
+    def real(self) -> Bool[Tensor, "s r i"]:
+        """The model's edges among the dense cells: receiver after sender; the logits read one
+        input (index 0); k/v receivers are KV heads."""
+        L, H = self.n_layers, self.n_heads
+        s_layer = torch.tensor([-1] + [la for la in range(L) for _ in range(H)])
+        r_layer = torch.tensor([la for la in range(L) for _ in range(H)] + [L])
+        r_unit = torch.tensor([h for _ in range(L) for h in range(H)] + [0])
+        out = (s_layer[:, None, None] < r_layer[None, :, None]).expand(-1, -1, 3).clone()
+        for i, name in enumerate(hooks.EDGE_INPUTS):
+            top = self.n_kv if name in hooks.KV_SITES else H
+            out[:, :, i] &= (r_unit < top)[None]
+        out[:, -1, 1:] = False
+        return out
+
+
+class _Ablated:
+    """Runs the clean prompts with circuits' edges kept and the rest ablated (module
+    docstring): each circuit's rows stacked in the batch, one forward per group."""
+
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, graph: _Graph,
+                 ablation: str, seed: int, batch_size: int | None):
+        self.model, self.metric, self.graph = model, metric, graph
+        self.device = next(model.parameters()).device
+        self.reads = metric.read_positions()
+        # causal: nothing after the last read matters; a bidirectional model reads everything
+        whole = self.reads is None or not hooks.facts(model).causal
+        self.length = clean.shape[1] if whole else int(self.reads.max()) + 1
+        self.clean = clean[:, :self.length].to(self.device)
+        self.forwards = 0
+        L = graph.n_layers
+        names = [hooks.resid_pre(0), *(hooks.z(la) for la in range(L))]
+        with torch.no_grad():
+            self.block_arity, _ = shortcuts.output_arity(model, self.clean)
+            logits, cache = self._run(self.clean, names)
+            self.clean_metric = evaluate_metric(metric, logits, "clean run", at=self.reads)
+            self.resid0 = cache[hooks.resid_pre(0)]
+            self.abl = self._ablated_writes(ablation, corrupt, cache, seed)
+        f = hooks.facts(model)
+        d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
+        # the split inputs hold a residual copy per head and input: (n_heads + 2 n_kv) times
+        # a block's residual, and the circuit masks' corrections as much again
+        per_row = max(1, (2 * (f.n_heads + 2 * f.n_kv_heads) * f.d_model) // (8 * f.d_model
+                                                                            + 3 * d_mlp) + 1)
+        self.rows = batch_size or max(1, auto_rows(model, self.length) // per_row)
+
+    def _run(self, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        want = set(names)
+        idx = None if self.reads is None else self.reads.to(self.device)
+        ctx = shortcuts.reads_only(self.model, idx) if idx is not None else \
+            shortcuts.attn_result_off(self.model)
+        with ctx:
+            logits, cache = self.model.run_with_cache(tokens, names_filter=lambda n: n in want)
+        self.forwards += 1
+        return logits, {n: cache[n] for n in names}
+
+    def _writes(self, cache: dict[str, Tensor]) -> list[Tensor]:
+        """Per sender layer: the embeddings' ``[n, pos, 1, d]`` then each layer's heads'
+        ``[n, pos, H, d]`` writes."""
+        out = [cache[hooks.resid_pre(0)][:, :, None]]
+        for la in range(self.graph.n_layers):
+            W_O = self.model.blocks[la].attn.W_O.detach()
+            out.append(einops.einsum(cache[hooks.z(la)], W_O, "b p h d, h d m -> b p h m"))
+        return out
+
+    def _ablated_writes(self, ablation: str, corrupt: Tensor, clean_cache: dict[str, Tensor],
+                        seed: int) -> list[Tensor]:
+        names = list(clean_cache)
+        if ablation == "corrupt":
+            _, cache = self._run(corrupt[:, :self.length].to(self.device), names)
+            return self._writes(cache)
+        clean = self._writes(clean_cache)
+        if ablation == "zero":
+            return [torch.zeros_like(w[:1]) for w in clean]
+        if ablation == "mean":
+            return [w.mean(0, keepdim=True) for w in clean]
+        n = clean[0].shape[0]
+        if n < 2:
+            raise ValueError("ablation='resample' takes another prompt's writes: it needs at "
+                             "least 2 prompts.")
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(n, generator=g)
+        perm = torch.roll(perm, 1)[torch.argsort(perm)]  # a derangement: no prompt keeps its own
+        return [w[perm] for w in clean]
+
+    @torch.no_grad()
+    def metrics(self, kept_items: list[Tensor], progress: bool) -> Float[Tensor, "c n"]:
+        """Per-prompt metric of each circuit (``[n_circuits, n_prompts]``)."""
+        n = self.clean.shape[0]
+        per = max(1, self.rows // n)  # circuits per forward (all prompts in each)
+        out = []
+        groups = range(0, len(kept_items), per)
+        if progress:
+            from tqdm.auto import tqdm
+
+            groups = tqdm(groups, desc="circuit", leave=False)
+        for g0 in groups:
+            batch = torch.stack(kept_items[g0:g0 + per])
+            kept, alive = self.graph.masks(batch)
+            logits = self._forward(kept, alive)
+            c = batch.shape[0]
+            tiled = self.metric.select(list(range(n)) * c)
+            at = None if self.reads is None else self.reads.repeat(c, 1)
+            out.append(evaluate_metric(tiled, logits, "circuit", at=at).view(c, n))
+        return torch.cat(out)
+
+    def _forward(self, kept: Bool[Tensor, "c s r i"], alive: Bool[Tensor, "c s"]) -> Tensor:
+        """Logits of the clean prompts under each circuit (rows circuit-major), block by block:
+        each head's q/k/v is the module's own computation on its corrected residual
+        (``shortcuts.run_until`` on one copy per head), then the block runs on the stream
+        with those slices written in and dead senders' writes swapped at ``hook_attn_out``."""
+        g, model = self.graph, self.model
+        c, n, L, H = kept.shape[0], self.clean.shape[0], g.n_layers, g.n_heads
+        dev, arity = self.device, self.block_arity
+        kept, alive = kept.to(dev), alive.to(dev)
+
+        def tile(t: Tensor) -> Tensor:  # [n or 1, ...] -> [c * n, ...]
+            return t.expand(n, *t.shape[1:]).repeat(c, *([1] * (t.ndim - 1)))
+
+        def rows(mask: Tensor) -> Tensor:  # [c, ...] -> [c * n, ...] (circuit-major)
+            return mask.repeat_interleave(n, 0)
+
+        def correction(layer: int, drop: Tensor) -> Tensor:
+            """sum_s drop[row, s, unit] (live_s - abl_s): [rows, pos, units, d]."""
+            diffs = torch.cat(live[:layer + 1], dim=2)  # [rows, pos, senders, d]
+            return einops.einsum(rows(drop).to(diffs.dtype), diffs, "b s u, b p s m -> b p u m")
+
+        x = tile(self.resid0)
+        diff = x - tile(self.abl[0][:, :, 0])
+        live = [diff[:, :, None]]  # per sender layer: live - ablated writes [rows, pos, k, d]
+        x = x - rows(~alive[:, :1]).to(x.dtype)[:, :, None] * diff  # the stream
+        for layer in range(L):
+            s = slice(0, 1 + layer * H)  # senders before this layer
+            copies, spans = [], []
+            for i, name in enumerate(hooks.EDGE_INPUTS):
+                units = g.n_kv if name in hooks.KV_SITES else H
+                drop = alive[:, s, None] & ~kept[:, s, layer * H:layer * H + units, i]
+                if bool(drop.any()):
+                    fixed = x[:, :, None] - correction(layer, drop)  # [rows, pos, units, d]
+                    copies.append(einops.rearrange(fixed, "b p u m -> (u b) p m"))
+                    spans.append((hooks.head_site(name, layer), units))
+            given: dict[str, Tensor] = {}
+            if copies:
+                got = shortcuts.run_until(model, layer, torch.cat(copies),
+                                          [site for site, _ in spans], arity)
+                start = 0
+                for site, units in spans:
+                    act = got[site][start:start + units * x.shape[0]]
+                    act = act.view(units, x.shape[0], *act.shape[1:])  # [copy, rows, pos, u, d]
+                    given[site] = torch.stack([act[u, :, :, u] for u in range(units)], dim=2)
+                    start += units * x.shape[0]
+
+            def put(value: Tensor):
+                return lambda t, hook: value.to(t.dtype)
+
+            def z_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
+                W_O = model.blocks[layer].attn.W_O.detach()
+                w = einops.einsum(t, W_O, "b p h d, h d m -> b p h m")
+                live.append(w - tile(self.abl[layer + 1][:, :t.shape[1]]))
+                return t
+
+            def attn_out_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
+                dead = (~rows(alive[:, 1 + layer * H:1 + (layer + 1) * H])).to(t.dtype)
+                return t - einops.einsum(dead, live[layer + 1], "b h, b p h m -> b p m")
+
+            fwd = [(site, put(value)) for site, value in given.items()]
+            fwd += [(hooks.z(layer), z_hook), (hooks.attn_out(layer), attn_out_hook)]
+            x = shortcuts.run_until(model, layer, x, [hooks.resid_post(layer)], arity,
+                                    fwd)[hooks.resid_post(layer)]
+            self.forwards += 1 + bool(copies)
+        drop = alive[:, :, None] & ~kept[:, :, L * H:L * H + 1, 0]
+        final = x - correction(L, drop)[:, :, 0]
+        # the logits of the corrected final residual: the last block returns it
+        forwards = shortcuts.skipped_blocks(model, L - 1, arity) + [
+            (model.blocks[L - 1], shortcuts.returning(final, arity))]
+        fwd_hooks = [] if self.reads is None else [(hooks.UNEMBED_IN, shortcuts.gather_rows(
+            self.reads.repeat(c, 1).to(dev)))]
+        with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
+                shortcuts.attn_result_off(model):
+            return model(x, start_at_layer=L - 1)

@@ -1,0 +1,399 @@
+"""What a run found, in words: the sentences ``report.html`` leads with and ``circuitkit
+characterize`` prints at its end.
+
+``findings(summary, validation, scores, results)`` is a function of the run's data only (no HTML
+here; ``report.py`` renders it, the CLI prints it). Each argument may be missing (None, empty);
+a sentence needing it is then left out. Fields read:
+
+===================  ==============================================================================
+argument             fields
+===================  ==============================================================================
+``summary``          ``model``; ``task``; ``identity.n_examples``, ``identity.split``,
+                     ``identity.seed`` (or the same keys at the top level); ``phases``
+``validation``       ``ck.validate_heads``' frame, one row per (phase, direction, quantity):
+                     ``phase, direction, quantity, heads, k, n_random, n_prompts, clean, corrupt,
+                     top_effect, top_low, top_high, random_mean, p_value, normalized``
+                     and ``pool``/``overlap``: the headline reads the "all-layers" sets
+                     (disjoint from the top set), a note the "same-layers" ones (a frame
+                     without them, e.g. a hand-made long table, gives no validation sentence;
+                     several rows per key: the first is read)
+``scores``           ``ck.score_heads``' frame: ``layer, head`` and ``phase{1,2}_rank`` (else
+                     ``coarse_score``/``refine_score``; ``scoring.heads.top_heads`` ranks)
+``results``          ``{name: PatchResult}``; head sweeps (axes ``layer, head``) with
+                     ``meta["phase"]`` (else a ``p1``/``p2`` in the name) and ``direction``:
+                     ``normalized()``, ``confidence_interval()``, ``meta["metric"]``
+===================  ==============================================================================
+
+Per phase one ``Finding``: ``headline`` (which heads, which layers, whether they beat random head
+sets with the p-value's floor ``1 / (n_random + 1)`` stated, the key measured effect) and
+``notes`` (the strongest patching cell; why a strong cell is missing from the score ranking).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+ALPHA = 0.05  # the level "beats random heads" is read at
+PHASE_NAMES = {1: "Phase 1 (coarse: anchors)",
+               2: "Phase 2 (refinement: target vs near-miss codes)"}
+RANKED_BY = {
+    1: ("coarse_score", "sharp attention \u00d7 a write aligned with the correct anchor"),
+    2: ("refine_score", "the part of the head's direct write widening the target-vs-near-miss "
+                        "margin that it writes from the shortlist entries it attends to"),
+}
+BEHAVIOUR = {"focus": "Reasoning Focus", "confusion": "Near-Miss Confusion"}
+VALIDATION_FIELDS = ("phase", "direction", "quantity", "k", "n_random", "clean", "corrupt",
+                     "top_effect", "top_low", "top_high", "random_mean", "p_value",
+                     "normalized")
+
+
+@dataclass
+class Finding:
+    """One phase's findings: ``headline`` (one or two sentences) and ``notes``."""
+
+    phase: int
+    title: str  # "Phase 1 (coarse: anchors)"
+    headline: str  # which heads, which layers, whether they beat random head sets (the floor)
+    notes: list[str] = field(default_factory=list)  # key effect, strongest cell, why it is out
+    heads: list[tuple[int, int]] = field(default_factory=list)
+
+    def text(self) -> str:
+        return " ".join([f"{self.title}:", self.headline, *self.notes])
+
+
+def _g(x: float, digits: int = 3) -> str:
+    """A number for a sentence: ``digits`` significant figures, a real minus sign."""
+    if x is None or not math.isfinite(float(x)):
+        return "n/a"
+    return f"{float(x):.{digits}g}".replace("-", "\u2212")
+
+
+def _signed(x: float) -> str:
+    return ("+" if float(x) > 0 else "") + _g(x)
+
+
+def _pct(x: float) -> str:
+    return f"{abs(float(x)):.0%}"
+
+
+def head_name(head: tuple[int, int]) -> str:
+    return f"L{head[0]}H{head[1]}"
+
+
+def _heads_phrase(heads: list[tuple[int, int]]) -> str:
+    """"L0H2, L0H3 and L2H1, in layers 0 (2 heads) and 2 (1)" style."""
+    names = [head_name(h) for h in heads]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    by_layer: dict[int, int] = {}
+    for layer, _ in heads:
+        by_layer[layer] = by_layer.get(layer, 0) + 1
+    if len(by_layer) == 1:
+        (layer,) = by_layer
+        where = f"all in layer {layer}" if len(heads) > 1 else f"in layer {layer}"
+    else:
+        parts = [f"{layer} ({n} head{'s' if n > 1 else ''})" if i == 0 else f"{layer} ({n})"
+                 for i, (layer, n) in enumerate(sorted(by_layer.items()))]
+        where = "in layers " + ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{listed}, {where}"
+
+
+def _parse_heads(text: Any) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(r"L(\d+)H(\d+)", str(text))]
+
+
+def _rows(validation: Any, phase: int, pool: str = "all-layers") -> dict[tuple[str, str], Any]:
+    """``{(quantity, direction): row}`` of ``phase`` in a ``validate_heads`` frame, for the
+    random sets of ``pool`` (a frame from before the pools has one set of rows)."""
+    if validation is None or not all(c in getattr(validation, "columns", ())
+                                     for c in VALIDATION_FIELDS):
+        return {}
+    rows = validation[validation["phase"] == phase]
+    if "pool" in rows.columns:
+        rows = rows[rows["pool"] == pool]
+    out = {}
+    for _, r in rows.iterrows():
+        out.setdefault((str(r["quantity"]), str(r["direction"])), r)
+    return out
+
+
+def same_layers_sentence(rows: dict[tuple[str, str], Any]) -> str:
+    """The test against random sets drawn from the top heads' own layers (``pool``
+    "same-layers"): how many heads each shares with the top set, and the outcome."""
+    if not rows:
+        return ""
+    first = next(iter(rows.values()))
+    shared = int(first["overlap"]) if "overlap" in first and first["overlap"] == first[
+        "overlap"] else 0
+    said, _ = validation_sentence(rows)
+    said = said.replace("Patched together they", "Against sets drawn from the same layers"
+                        + (f" (each sharing {shared} heads with the top set, as those layers "
+                           "hold few others)" if shared else "") + ", they", 1)
+    return said
+
+
+def floor_note(n_random: int) -> str:
+    """The smallest p-value ``n_random`` random sets allow, said in words."""
+    floor = 1 / (n_random + 1)
+    text = f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}"
+    if floor > ALPHA:
+        return text + (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
+                       f"{math.ceil(1 / ALPHA)} or more.")
+    return text + ", the floor: the strongest result this test can give."
+
+
+def _p_phrase(ps: dict[str, float], n_random: int) -> str:
+    floor = 1 / (n_random + 1)
+    mark = lambda p: ", the floor" if abs(p - floor) < 1e-9 else ""  # noqa: E731
+    vals = list(ps.values())
+    if len(vals) == 2 and abs(vals[0] - vals[1]) < 1e-12:
+        return f"p = {vals[0]:.2g} in both directions{mark(vals[0])}"
+    return "; ".join(f"p = {p:.2g} {d}{mark(p)}" for d, p in ps.items())
+
+
+def validation_sentence(rows: dict[tuple[str, str], Any]) -> tuple[str, bool | None]:
+    """Whether the top set beats the random head sets, per quantity, with its p-values and
+    their floor; and a verdict: True (beats on every quantity), False (on none), None (mixed,
+    or at a floor above ``ALPHA``: larger than every random set, yet not significant)."""
+    quantities = list(dict.fromkeys(q for q, _ in rows))
+    if not quantities:
+        return "", None
+    first = next(iter(rows.values()))
+    n_random, k = int(first["n_random"]), int(first["k"])
+    floor = 1 / (n_random + 1)
+    beats, tops, misses = [], [], []
+    for q in quantities:
+        ps = {d: float(rows[q, d]["p_value"]) for d in ("noise", "denoise") if (q, d) in rows}
+        said = f"{q} ({_p_phrase(ps, n_random)})"
+        won = [d for d, p in ps.items() if p <= ALPHA]
+        if len(won) == len(ps):
+            beats.append(said)
+        elif won:
+            lost = [d for d in ps if d not in won]
+            beats.append(f"{q} when {' and '.join(won)}d, not {' and '.join(lost)}d "
+                         f"({_p_phrase(ps, n_random)})")
+        elif floor > ALPHA and all(abs(p - floor) < 1e-9 for p in ps.values()):
+            tops.append(said)  # larger than every random set: as far as this test can go
+        else:
+            misses.append(said)
+    sets = f"{n_random} random {k}-head sets"
+    out = []
+    if beats:
+        out.append(f"beat {sets} on {' and '.join(beats)}")
+    if tops:
+        out.append(f"{'' if not beats else 'and '}have a larger effect than all {sets} on "
+                   f"{' and '.join(tops)}, which is not significant")
+    if misses:
+        out.append(("not on " if beats or tops else f"do not beat {sets}: ")
+                   + f"{' and '.join(misses)}, above {ALPHA:g}")
+    verdict = True if beats and not (tops or misses) else False if misses and not (
+        beats or tops) else None
+    return f"Patched together they {', '.join(out)}. {floor_note(n_random)}", verdict
+
+
+def effect_sentence(rows: dict[tuple[str, str], Any]) -> str:
+    """The key measured effect: the behaviour measure (Reasoning Focus / Near-Miss Confusion,
+    else the first quantity) when the top heads are noised, and when denoised, against the
+    random sets' mean effect."""
+    quantities = list(dict.fromkeys(q for q, _ in rows))
+    if not quantities:
+        return ""
+    q = next((q for q in quantities if q in BEHAVIOUR), quantities[0])
+    parts = []
+    for d in ("noise", "denoise"):
+        if (q, d) not in rows:
+            continue
+        r = rows[q, d]
+        share = float(r["normalized"])
+        effect = f"{_signed(r['top_effect'])} [{_g(r['top_low'])}, {_g(r['top_high'])}]"
+        if d == "noise":
+            text = (f"noising them (corrupt activations into clean runs) moves {q} from "
+                    f"{_g(r['clean'])} by {effect}")
+            if math.isfinite(share) and share < 0:
+                text += f", {_pct(share)} of the way to the corrupt run's {_g(r['corrupt'])}"
+        else:
+            text = f"denoising them (clean into corrupt runs) moves it by {effect}"
+            if math.isfinite(share) and share > 0:
+                text += f", restoring {_pct(share)} of the clean-corrupt gap"
+        parts.append(text + f" (random sets: {_signed(r['random_mean'])} on average)")
+    if not parts:
+        return ""
+    name = f" on {BEHAVIOUR[q]}" if q in BEHAVIOUR else ""
+    return f"Key effect{name}: " + "; ".join(parts) + "."
+
+
+PHASE_NAME = re.compile(r"(?:^|[-_])p(?:hase)?-?(?P<phase>[12])(?:$|[-_])")
+
+
+def phase_of(name: str, result: Any) -> int | None:
+    """The phase a result records (``meta["phase"]``), else one its name says (``p1-...``)."""
+    phase = (result.meta or {}).get("phase")
+    if phase is not None:
+        return int(phase)
+    m = PHASE_NAME.search(name)
+    return int(m.group("phase")) if m else None
+
+
+def _head_sweeps(results: dict[str, Any] | None, phase: int) -> dict[str, Any]:
+    """``{direction: PatchResult}`` of this phase's head sweeps (layer x head)."""
+    out = {}
+    for name, res in (results or {}).items():
+        if tuple(getattr(res, "axes", ())) == ("layer", "head") and phase_of(name, res) == phase:
+            out.setdefault(res.direction, res)
+    return out
+
+
+def _normalized(res: Any):
+    """``res.normalized()`` and its interval as numpy (NaN where undefined), quietly: the
+    report and the sweep itself say why when they are undefined."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        norm = res.normalized().float().numpy()
+        ci = res.confidence_interval()
+    return norm, (None if ci is None else (ci[0].numpy(), ci[1].numpy()))
+
+
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x >= 0 else f"\u2212{-x:.0%}"
+
+
+def strongest_cell(sweeps: dict[str, Any]) -> tuple[tuple[int, int], dict[str, str]] | None:
+    """The head with the largest ``|normalized|`` summed over the directions given, and per
+    direction a phrase of its share of the clean-corrupt gap (restored by denoise, removed by
+    noise) with its 95% interval. Where the corruption did not lower the metric (normalized
+    values are then no shares of it), the largest ``|effect|`` and its raw change instead."""
+    import numpy as np
+
+    if not sweeps:
+        return None
+    shares = all(r.clean > r.corrupt and not getattr(r, "degenerate", False)
+                 for r in sweeps.values())
+    if shares:
+        cells = {d: _normalized(r) for d, r in sweeps.items()}
+    else:
+        cells = {d: (r.effect().float().numpy(), None) for d, r in sweeps.items()}
+    total = sum(np.nan_to_num(np.abs(n)) for n, _ in cells.values())
+    if not np.isfinite(total).all() or float(np.max(total)) == 0.0:
+        return None
+    layer, head = np.unravel_index(int(np.argmax(total)), total.shape)
+    said = {}
+    for d, (n, ci) in cells.items():
+        v = float(n[layer, head])
+        if not math.isfinite(v):
+            continue
+        if not shares:
+            said[d] = f"{d} changes the metric by {_signed(v)}"
+            continue
+        sign = 1.0 if d == "denoise" else -1.0  # a share restored, or removed
+        text = f"{d} {'restores' if d == 'denoise' else 'removes'} {_share(sign * v)}"
+        if ci is not None:
+            lo, hi = sorted((sign * float(ci[0][layer, head]), sign * float(ci[1][layer, head])))
+            text += f" [{_share(lo)}, {_share(hi)}]"
+        said[d] = text
+    return (int(layer), int(head)), said
+
+
+def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int]],
+                    scores: Any, k: int) -> list[str]:
+    """The strongest patching cell of the phase; when it is not among the ``top`` heads of the
+    score ranking, why (the ranking is by a score, not by patching)."""
+    found = strongest_cell(sweeps)
+    if found is None:
+        return []
+    cell, said = found
+    any_res = next(iter(sweeps.values()))
+    metric = (any_res.meta or {}).get("metric") or "the metric"
+    said = list(said.values())
+    if "%" in said[0]:
+        said[0] += f" of the clean-corrupt difference in {metric}"
+    else:
+        said.append(f"the corruption did not lower {metric}, so no share of it is given")
+    out = [f"Strongest single head in the Phase-{phase} patching sweeps: {head_name(cell)} "
+           f"({'; '.join(said)})."]
+    if top and cell not in top and scores is not None:
+        col, what = RANKED_BY[phase]
+        rank_col = f"phase{phase}_rank"
+        row = scores[(scores["layer"] == cell[0]) & (scores["head"] == cell[1])]
+        rank = ""
+        if len(row) and rank_col in scores.columns and row[rank_col].notna().all():
+            rank = f"; {head_name(cell)} ranks {int(row[rank_col].iloc[0])} of {len(scores)}"
+            if col in scores.columns:
+                rank += f" ({col} {_g(row[col].iloc[0])})"
+        early = "an early head" if cell[0] < min(layer for layer, _ in top) else "a head"
+        out.append(
+            f"Why {head_name(cell)}, the strongest Phase-{phase} patching cell, is not among the "
+            f"top {k} Phase-{phase} heads: they are ranked by {col} ({what}), not by patching"
+            f"{rank}. Patching measures a head's total effect, including what later heads "
+            f"read from it, so {early} can move {metric} without scoring high on {col}.")
+    return out
+
+
+def findings(summary: dict | None = None, validation: Any = None, scores: Any = None,
+             results: dict[str, Any] | None = None) -> list[Finding]:
+    """One ``Finding`` per phase the data speaks of (module docstring)."""
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
+    summary = summary or {}
+    phases = [int(p) for p in summary.get("phases") or []]
+    if validation is not None and "phase" in getattr(validation, "columns", ()):
+        phases += [int(p) for p in validation["phase"].dropna().unique()]
+    if scores is not None:
+        phases += scored_phases(scores)
+    phases += [p for p in (1, 2) if _head_sweeps(results, p)]
+    out = []
+    for phase in sorted(set(phases)):
+        rows = _rows(validation, phase)
+        first = next(iter(rows.values()), None)
+        k = int(first["k"]) if first is not None else int(
+            (summary.get("validation_options") or {}).get("k", 5))
+        top = _parse_heads(first["heads"]) if first is not None and "heads" in first else []
+        if not top and scores is not None and phase in scored_phases(scores):
+            top = top_heads(scores, phase, k)
+        col = RANKED_BY[phase][0]
+        parts = [f"The top {len(top)} heads by {col} are {_heads_phrase(top)}."] if top else []
+        said, _ = validation_sentence(rows)
+        if said:
+            parts.append(said)
+        effect = effect_sentence(rows)
+        same = same_layers_sentence(_rows(validation, phase, "same-layers"))
+        notes = ([effect] if effect else []) + ([same] if same else []) + sweep_sentences(
+            phase, _head_sweeps(results, phase), top, scores, len(top) or k)
+        if not parts and not notes:
+            continue
+        if not parts:  # sweeps only (a patch folder): the strongest cell leads
+            parts.append(notes.pop(0))
+        out.append(Finding(phase, PHASE_NAMES[phase], " ".join(parts), notes, top))
+    return out
+
+
+def run_line(summary: dict | None) -> str:
+    """"icd-teacher on icd10: 128 test examples, seed 0" from ``summary.json`` (or "")."""
+    summary = summary or {}
+    ident = {**summary, **(summary.get("identity") or {})}
+    model, task = summary.get("model") or ident.get("model_name"), ident.get("task")
+    if not model and not task:
+        return ""
+    n, split, seed = ident.get("n_examples"), ident.get("split"), ident.get("seed")
+    bits = [f"{n} {split + ' ' if split else ''}examples" if n else None,
+            f"seed {seed}" if seed is not None else None,
+            f"{ident['patch_method']} patching" if ident.get("patch_method") else None]
+    said = ", ".join(b for b in bits if b)
+    return f"{model or 'a model'} on {task or 'a task'}" + (f": {said}" if said else "")
+
+
+def format_findings(found: list[Finding], line: str = "", width: int = 88) -> str:
+    """The findings as console text, wrapped at ``width`` columns: one paragraph per phase,
+    its notes indented under it."""
+    import textwrap
+
+    out = [f"findings ({line}):" if line else "findings:"]
+    for f in found:
+        out.append(textwrap.fill(f"{f.title}. {f.headline}", width))
+        out += [textwrap.fill(n, width, initial_indent="  - ", subsequent_indent="    ")
+                for n in f.notes]
+    if not found:
+        out.append("nothing to summarise (no sweeps, scores or validation)")
+    return "\n".join(out)
