@@ -274,6 +274,7 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     from circuitkit import hooks
+    from circuitkit.files import WriteError
     from circuitkit.patching import api, distributed
     from circuitkit.patching.inputs import (
         BACKENDS,
@@ -345,6 +346,13 @@ def patch(
         typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return
+    if not plan and distributed.rank_world()[0] == 0:  # rank 0 writes OUT (every method)
+        from circuitkit.files import lock_folder
+
+        try:
+            ctx.call_on_close(lock_folder(out, "--out folder").close)
+        except ValueError as e:
+            _fail(str(e))
     if backend == "nnsight":
         from circuitkit.patching import nnsight_backend
 
@@ -399,7 +407,7 @@ def patch(
         with _baseline_warnings_as_lines():
             res = run(the_model, clean, corrupt, metric, progress=True,
                       task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
-    except ValueError as e:
+    except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
         _fail(str(e))
     except KeyboardInterrupt:
         if plan:
@@ -419,7 +427,10 @@ def patch(
         return
     res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=the_task.phase,
                     split=split, seed=seed)
-    written = res.save(out / "result")
+    try:
+        written = res.save(out / "result")
+    except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
+        _fail(str(e))
     top = res.top(5)
     auto = res.meta.get("auto")
     if auto:
@@ -510,9 +521,10 @@ def edges(
 
             choice("--gpu", gpu.upper(), sorted(GPU_CLASSES))
         else:
-            from circuitkit.files import check_writable_dir
+            from circuitkit.files import check_writable_dir, lock_folder
 
             check_writable_dir(out)
+            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
     except ValueError as e:
         _fail(str(e))
     nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
@@ -543,7 +555,7 @@ def edges(
         written = res.save(out / "edges")
         circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=ablation,
                           batch_size=batch_size, progress=True) if circuit else None
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
         _fail(str(e))
     except KeyboardInterrupt:
         where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
@@ -558,14 +570,16 @@ def edges(
     typer.echo(res.top(10)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if circ is not None:
         from circuitkit import files
+        from circuitkit.patching.results import PLOTLY_BUNDLE, plotly_bundle
         from circuitkit.viz.edges import circuit_graph, faithfulness_curve
 
         written.append(circ.save_json(out / "circuit.json"))
         for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
                           ("faithfulness.html", faithfulness_curve(circ))):
             if fig is not None:
+                plotly_bundle(out)  # atomic, unlike plotly's "directory"
                 written.append(files.atomic_write(out / name, lambda p, fig=fig: fig.write_html(
-                    p, include_plotlyjs="directory")))
+                    p, include_plotlyjs=PLOTLY_BUNDLE)))
         typer.echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
@@ -790,7 +804,10 @@ def evaluate(
     if batch_size < 1:
         _fail(f"--batch-size must be a positive integer; got {batch_size}.")
     the_model, the_task = _load(model, task, n_examples, seed, split, 2)
-    scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    try:
+        scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
+        _fail(f"{model}: {e}")
     if as_json:
         typer.echo(json.dumps(dict(model=model, task=task, n_examples=len(the_task), split=split,
                                    seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
@@ -863,9 +880,9 @@ def score(
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=True, k=k,
                          seed=seed)  # as characterize scores: the same table for the same flags
+        files.write_text(out, df.to_csv(index=False))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
-    files.write_text(out, df.to_csv(index=False))
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
@@ -986,6 +1003,8 @@ def distill(
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
+                                   "training state) of another configuration in --out."),
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
     rerun the same command), or run the ablation table (--ablation)."""
@@ -1019,7 +1038,7 @@ def distill(
         cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
                             lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
                             seed=seed, store=str(store) if store else None, **kw)
-        folder = train_student(cfg, out)
+        folder = train_student(cfg, out, overwrite=overwrite)
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
