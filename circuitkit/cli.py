@@ -989,7 +989,7 @@ def distill(
     lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
                                     "all-heads attention loss (baseline).", metavar="WEIGHT"),
     steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
-                              "ablation's size sets its own).", metavar="N"),
+                              "ablation: its size's, 300).", metavar="N"),
     batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step.", metavar="N"),
     pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store.",
                                   metavar="N"),
@@ -997,9 +997,14 @@ def distill(
     store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals).",
                                metavar="DIR"),
     ablation: bool = typer.Option(False, "--ablation", help="Train and measure CoT-only, +P1, "
-                                  "+P2, +P1+P2 and non-selective students; write "
-                                  "OUT/ablation.csv."),
+                                  "+P2, +P1+P2 and non-selective students, for both student "
+                                  "presets and two data sizes; write OUT/ablation.csv."),
     seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant.", metavar="N"),
+    max_seeds: int = typer.Option(None, "--max-seeds", help="Ablation: seeds for headline "
+                                  "comparisons whose intervals overlap (default --seeds).",
+                                  metavar="N"),
+    workers: int = typer.Option(1, "--workers", help="Ablation: runs trained side by side (one "
+                                "thread each).", metavar="N"),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
@@ -1016,15 +1021,22 @@ def distill(
         if given("seeds") and not ablation:
             raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or "
                              "use --seed for one student.")
+        for opt in ("max_seeds", "workers"):
+            if given(opt) and not ablation:
+                raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
+                                 "--ablation.")
         check_writable_dir(out)
         if ablation:
-            from circuitkit.distill.ablation import format_table, run_ablation
+            from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
 
-            frame = run_ablation(out, teacher=teacher, seeds=seeds,
-                                 size="quick" if quick else "default", student=student_config,
-                                 lambda_p1=lambda_p1, lambda_p2=lambda_p2, task=task)
+            frame = run_ablation(out, teacher=teacher, seeds=seeds, max_seeds=max_seeds,
+                                 size="quick" if quick else "default",
+                                 students=(student_config,) if given("student_config")
+                                 else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
+                                 task=task, workers=workers, steps=steps)
             typer.echo(format_table(frame))
-            typer.echo(f"wrote {out / 'ablation.csv'} and {out / 'runs.csv'}")
+            typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and "
+                       f"{out / 'runs.csv'}")
             return
         from circuitkit.distill.train import DistillConfig, train_student
 
