@@ -16,7 +16,11 @@ nonselective   CoT + L_NS: every teacher layer's mean attention over all its hea
 Cells: students ``STUDENTS`` (``student``: 2 layers, its Phase-2 layer is its output layer;
 ``student4``: 4 layers at half the teacher's width, Phase 2 below the output layer) x data
 ``DATA`` (``full``: the whole pool of train notes; ``small``: a pool 10x smaller). Seed ``k``
-fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike.
+fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike:
+with ``pretrain`` steps (the default size's), every variant of seed ``k`` in a cell starts from
+one CoT-only student trained that many steps from seed ``k``'s initialisation on the cell's
+store (``out/runs/<cell>/pretrain-seed<k>/``), as the issue's own 300 + 300-step experiment
+did: a student that already writes the format, whose mechanism the variants then steer.
 
 Seeds: ``seeds`` per variant first; then, per cell, every headline comparison (``HEADLINE``:
 each mechanistic variant against ``cot`` and against ``nonselective``, on focus and confusion)
@@ -83,10 +87,10 @@ HEADLINE = (("focus", "confusion"), ("p1", "p2", "p1+p2"), ("cot", "nonselective
 SIZES: dict[str, dict[str, Any]] = {
     # measured budget in docs/distill.md: the whole grid (2 students x 2 data sizes x 5 variants
     # x 3-5 seeds) on 2 CPU cores
-    "default": dict(pool_size=16384, shard_size=1024, steps=300, batch_size=64, warmup=30,
-                    save_every=100, score_examples=256, eval_examples=512, sim_examples=4096,
-                    gold_examples=8192, fidelity_examples=128),
-    "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2,
+    "default": dict(pool_size=2048, shard_size=1024, steps=60, batch_size=32, warmup=6,
+                    pretrain=80, save_every=50, score_examples=256, eval_examples=256,
+                    sim_examples=256, gold_examples=4096, fidelity_examples=48),
+    "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2, pretrain=2,
                   save_every=2, score_examples=16, eval_examples=12, sim_examples=16,
                   gold_examples=64, fidelity_examples=6),
 }
@@ -266,6 +270,18 @@ class Run:
     def folder(self, out: Path) -> Path:
         return out / "runs" / self.cell / f"{self.variant}-seed{self.seed}"
 
+    def pretrain_folder(self, out: Path) -> Path:
+        return out / "runs" / self.cell / f"pretrain-seed{self.seed}"
+
+
+def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str:
+    """The CoT-only start of ``run``'s cell and seed (module docstring); in a worker."""
+    folder = run.pretrain_folder(Path(out))
+    if progress:
+        print(f"[ablation] {run.cell} pretrain seed {run.seed}", file=sys.stderr, flush=True)
+    train_student(DistillConfig(**cfg), folder, progress=progress)
+    return str(folder)
+
 
 _CTX: dict[str, Context] = {}  # one evaluation context per (worker) process
 
@@ -295,6 +311,11 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
 
 
 def _init_worker() -> None:
+    import os
+
+    # one thread per worker: train_student's configure_threads keeps an explicit
+    # OMP_NUM_THREADS (two workers with two threads each on two shared cores ran 10-20x slower)
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
@@ -304,10 +325,14 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                  lambda_p2: float = 1.0, lambda_ns: float = 1.0, task: str = "icd10",
                  variants: tuple[str, ...] | None = None, progress: bool = True,
                  max_seeds: int | None = None, workers: int = 1,
-                 steps: int | None = None) -> Any:
+                 steps: int | None = None, balance: str = "cap",
+                 grad_ratio: float = 0.5, pretrain: int | None = None) -> Any:
     """Train and measure the grid (module docstring); returns the ``ablation.csv`` frame. The
     lambdas scale the variants' mechanistic terms; ``max_seeds`` (default ``seeds``): seeds
-    for headline comparisons whose intervals overlap; ``steps`` overrides the size's."""
+    for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
+    ``balance``, ``grad_ratio``: how every run combines its terms' gradients
+    (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
+    (0: every run starts from its seed's fresh initialisation)."""
     from circuitkit.files import check_writable_dir, lock_folder
 
     if size not in SIZES:
@@ -319,6 +344,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
         raise ValueError(f"max_seeds ({max_seeds}) must be >= seeds ({seeds}).")
     if workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers}.")
+    if pretrain is not None and (not isinstance(pretrain, int) or pretrain < 0):
+        raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got {pretrain!r}.")
     variants = tuple(variants or VARIANTS)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -333,7 +360,7 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
         return _run_ablation(out, teacher, seeds, max_seeds, size, tuple(students), tuple(data),
                              dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                   lambda_ns=lambda_ns), task, variants, progress, workers,
-                             steps)
+                             steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain)
 
 
 def _student_name(student: Any) -> str:
@@ -348,7 +375,7 @@ def _student_name(student: Any) -> str:
 def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str,
                   students: tuple[Any, ...], data: tuple[str, ...], scale: dict[str, float],
                   task: str, variants: tuple[str, ...], progress: bool, workers: int,
-                  steps: int | None) -> Any:
+                  steps: int | None, balancing: dict[str, Any], pretrain: int | None) -> Any:
     import shutil
 
     from circuitkit.distill.train import prepare_store
@@ -358,9 +385,11 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     sz = dict(SIZES[size])
     if steps is not None:
         sz["steps"] = int(steps)
+    if pretrain is not None:
+        sz["pretrain"] = pretrain
     t_start = time.time()
     names = {_student_name(s): s for s in students}
-    base = dict(teacher=teacher, task=task, **{k: sz[k] for k in (
+    base = dict(teacher=teacher, task=task, **balancing, **{k: sz[k] for k in (
         "shard_size", "steps", "batch_size", "warmup", "save_every", "score_examples")})
     timings: dict[str, float] = {}
     # stores: one per data size (scored once, the table shared), then the held-out notes'
@@ -386,7 +415,12 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
 
     def cfg_of(r: Run) -> dict[str, Any]:
         lam = {k: VARIANTS[r.variant][k] * scale[k] for k in scale}
-        return dict(stores[r.data], student=names[r.student], seed=r.seed, **lam)
+        init = str(r.pretrain_folder(out)) if sz["pretrain"] else None
+        return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam)
+
+    def pretrain_of(r: Run) -> dict[str, Any]:
+        return dict(stores[r.data], student=names[r.student], seed=r.seed, steps=sz["pretrain"],
+                    lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
 
     cells = [(s, d) for s in names for d in data]
     planned = [Run(s, d, v, k) for s, d in cells for k in range(seeds) for v in variants]
@@ -395,9 +429,10 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         students={n: (asdict(_preset(s))) for n, s in names.items()}, data=list(data),
         lambdas=scale, base=base, workers=workers))
     t0 = time.perf_counter()
-    _execute(out, planned, cfg_of, ctx_args, progress, workers)
+    pre = pretrain_of if sz["pretrain"] else None
+    _execute(out, planned, cfg_of, pre, ctx_args, progress, workers)
     extra = _extra_runs(out, cells, variants, seeds, max_seeds) if max_seeds > seeds else []
-    _execute(out, extra, cfg_of, ctx_args, progress, workers)
+    _execute(out, extra, cfg_of, pre, ctx_args, progress, workers)
     timings["runs"] = round(time.perf_counter() - t0, 1)
     runs = planned + extra
     frame = _write_tables(out, runs)
@@ -415,12 +450,21 @@ def _preset(student: Any):
     return preset(student)
 
 
-def _execute(out: Path, runs: list[Run], cfg_of: Any, ctx_args: tuple, progress: bool,
-             workers: int) -> None:
+def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args: tuple,
+             progress: bool, workers: int) -> None:
+    """The unfinished ``runs``, after the CoT-only starts they need (``pretrain_of``: their
+    configs; None: no pre-training); a finished start (its ``distill.json``) is reused."""
+    from circuitkit.distill.train import RECORD
+
     todo = [r for r in runs if not (r.folder(out) / "metrics.json").exists()]
+    starts = list({(r.cell, r.seed): r for r in todo
+                   if pretrain_of is not None
+                   and not (r.pretrain_folder(out) / RECORD).exists()}.values())
     if not todo:
         return
     if workers == 1:
+        for r in starts:
+            _do_pretrain(str(out), r, pretrain_of(r), progress)
         for r in todo:
             _do_run(str(out), r, cfg_of(r), ctx_args, progress)
         return
@@ -429,10 +473,12 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, ctx_args: tuple, progress:
 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker) as pool:
-        futures = [pool.submit(_do_run, str(out), r, cfg_of(r), ctx_args, progress)
-                   for r in todo]
-        for f in futures:
+        for f in [pool.submit(_do_pretrain, str(out), r, pretrain_of(r), progress)
+                  for r in starts]:
             f.result()  # a worker's error surfaces here, with its message
+        for f in [pool.submit(_do_run, str(out), r, cfg_of(r), ctx_args, progress)
+                  for r in todo]:
+            f.result()
 
 
 def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
@@ -454,11 +500,12 @@ def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
     test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
     fid = test.subset(range(min(sz["fidelity_examples"], len(test))))
     scores = pd.read_csv(Path(train_store) / "scores.csv")
-    with hf_progress(progress):
-        model = ck.load_model(teacher)
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=False,
                         shard_size=len(fid), phase1_reading=lc.phase1_reading)
-    return build_store(model, fid, scores, folder, opts, teacher_name=teacher, progress=False)
+    with hf_progress(progress):  # the teacher's CoT decoding loads a plain HF copy of it
+        model = ck.load_model(teacher)
+        return build_store(model, fid, scores, folder, opts, teacher_name=teacher,
+                           progress=False)
 
 
 def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,

@@ -688,8 +688,11 @@ def teacher_folder(teacher: Any) -> Path | None:
     path = Path(name)
     if not (path / "config.json").exists():
         return None
+    from circuitkit.models import hf_progress
+
     try:
-        fresh = AutoModelForCausalLM.from_pretrained(path)
+        with hf_progress(False):  # a probe, not a load the user asked for: no bar
+            fresh = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError):
         return None
     return path if model_fingerprint(fresh) == model_fingerprint(teacher) else None
