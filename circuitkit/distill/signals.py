@@ -735,6 +735,11 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     options = options or StoreOptions()
     options.check()
     out = check_writable_dir(out, "signal store folder")
+    if (out / MANIFEST).exists():  # finished: read it without the builders' lock, so runs
+        # sharing a store (the ablation's workers) never refuse each other; the manifest is
+        # written last and atomically, and open() verifies every shard's SHA-256
+        return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
+                            batch_size)
     with lock_folder(out, "signal store folder"):  # one builder at a time
         return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
                             batch_size)
