@@ -53,6 +53,15 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     assert [r[0] for r in hist["history"]] == list(range(1, A.SIZES["quick"]["steps"] + 1))
     assert all(r[cols.index("gn_p1")] > 0 and r[cols.index("gn_p2")] > 0
                and r[cols.index("gn_cot")] > 0 for r in hist["history"])
+    # every variant of a seed starts from that seed's CoT-only pre-training in its cell
+    for cell in ("student-full", "student-small"):
+        start = out / "runs" / cell / "pretrain-seed0"
+        pre = json.loads((start / "distill.json").read_text())["config"]
+        assert pre["steps"] == A.SIZES["quick"]["pretrain"]
+        assert pre["lambda_p1"] == pre["lambda_p2"] == pre["lambda_ns"] == 0
+        for v in VARIANTS:
+            cfg = json.loads((out / "runs" / cell / f"{v}-seed0" / "distill.json").read_text())
+            assert cfg["config"]["init"] == str(start), (cell, v)
     # rerunning finds every run finished: nothing is trained again, the table is the same
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/*/metrics.json")}
     assert len(stamps) == 2 * len(VARIANTS)
