@@ -32,8 +32,9 @@ N_HELP = (f"Notes (prompts) of a built-in task (default {DEFAULT_N}, the same fo
 
 
 @app.callback()
-def _root() -> None:
+def _root(ctx: typer.Context) -> None:
     """circuitkit: characterize, then distill."""
+    ctx.with_resource(_warnings_as_lines())  # for the whole command
 
 
 def _fail(msg: str) -> None:
@@ -43,21 +44,36 @@ def _fail(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def _baseline_warnings_as_lines():
-    """Inside: a ``DegenerateBaselineWarning`` prints as one ``warning:`` line (Python's own
-    format adds the file, line and source of the call); other warnings as Python prints them."""
+def _warnings_as_lines():
+    """Inside: a warning circuitkit raises (a ``DegenerateBaselineWarning``, or any warning
+    from circuitkit's own code) prints as one ``warning:`` line, each distinct message once
+    (Python's own format adds the file, line and source of the call); other warnings as Python
+    prints them."""
     import warnings
 
     from circuitkit.patching.results import DegenerateBaselineWarning
 
-    shown = warnings.showwarning
+    shown, said = warnings.showwarning, set()
+    here = str(Path(__file__).resolve().parent)
+
+    def raised_here() -> bool:
+        """Whether the code that called ``warnings.warn`` is circuitkit's (the file a warning
+        names is its ``stacklevel``'s, often the caller's)."""
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename == warnings.__file__:
+            frame = frame.f_back
+        return frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
+            here)
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, DegenerateBaselineWarning):
-            typer.secho(f"warning: {str(message).removeprefix('circuitkit: ')}",
-                        fg=typer.colors.YELLOW, err=True)
-        else:
+        ours = issubclass(category, DegenerateBaselineWarning) or raised_here()
+        if not ours:
             shown(message, category, filename, lineno, file, line)
+            return
+        text = " ".join(str(message).removeprefix("circuitkit: ").split())
+        if text not in said:
+            said.add(text)
+            typer.secho(f"warning: {text}", fg=typer.colors.YELLOW, err=True)
 
     warnings.showwarning = show
     try:
@@ -404,9 +420,8 @@ def patch(
             top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
         ckpt = _checkpoint_dir(out) if checkpoint and stores else None
-        with _baseline_warnings_as_lines():
-            res = run(the_model, clean, corrupt, metric, progress=True,
-                      task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+        res = run(the_model, clean, corrupt, metric, progress=True,
+                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
         _fail(str(e))
     except KeyboardInterrupt:
@@ -544,12 +559,11 @@ def edges(
         typer.echo(note, err=True)
     ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
     try:
-        with _baseline_warnings_as_lines():
-            res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
-                                 nodes["receivers"], inputs, direction=direction, method=method,
-                                 estimator=estimator, ig_steps=ig_steps, top_k=top_k,
-                                 batch_size=batch_size, checkpoint=ckpt, progress=True,
-                                 task_hash=the_task.fingerprint())
+        res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
+                             nodes["receivers"], inputs, direction=direction, method=method,
+                             estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                             batch_size=batch_size, checkpoint=ckpt, progress=True,
+                             task_hash=the_task.fingerprint())
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
         written = res.save(out / "edges")
@@ -936,10 +950,9 @@ def characterize(
     try:
         choice("patch_method", patch_method, METHODS)
         n_examples = _n_for(task, n_examples)
-        with _baseline_warnings_as_lines():
-            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                          n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                          text=flag, progress=True, edges=edges)
+        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                      text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

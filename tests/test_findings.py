@@ -25,6 +25,16 @@ def test_the_floor_is_said_and_a_test_that_cannot_reach_it_says_what_to_do():
     assert "1/5 = 0.2" in low and "cannot reach p < 0.05" in low and "--n-random 20" in low
 
 
+def test_a_pool_with_fewer_distinct_sets_than_asked_is_not_told_to_ask_for_more():
+    # the teacher's Phase-2 top set fills half of layer 2: its same-layer pool holds 7 sets
+    said = floor_note(7, asked=20)
+    assert "1/8 = 0.12" in said and "20 were asked" in said and "cannot help" in said
+    assert "rerun with --n-random" not in said
+    assert "20 were asked" not in floor_note(20, asked=20)  # the pool held every set asked
+    text, _ = validation_sentence(rows({("focus", "noise"): 1 / 8}, n_random=7), asked=20)
+    assert "cannot help" in text and "rerun with" not in text
+
+
 def test_beats_mixed_and_not_are_said_per_quantity_and_direction():
     text, verdict = validation_sentence(rows({("focus", "noise"): 1 / 21,
                                               ("focus", "denoise"): 1 / 21}))

@@ -37,6 +37,7 @@ text at ``CHARS_PER_TOKEN`` characters per token (``tasks.text.token_counts``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,13 +146,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     activation_bytes, rows, n_chunks, seconds, ...}}`` for "exact", "attribution" and
     "attribution+exact". Formulas: module docstring.
     """
-    if gpu not in GPU_CLASSES:
-        raise ValueError(f"gpu={gpu!r} is not a known GPU class; expected one of "
-                         f"{sorted(GPU_CLASSES)}.")
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
-                         f"{lengths[:8]}.")
-    check_top_k(top_k)
+    _check_inputs(gpu, lengths, top_k)
     if not 0 < utilisation <= 1:
         raise ValueError(f"utilisation={utilisation!r}: expected a share of peak in (0, 1].")
     g = GPU_CLASSES[gpu]
@@ -318,13 +313,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
     Time, GPUs and memory as ``sweep_plan``; ``results_bytes``: the per-prompt result tensor
     (float32, every sender x receiver x input cell)."""
-    if gpu not in GPU_CLASSES:
-        raise ValueError(f"gpu={gpu!r} is not a known GPU class; expected one of "
-                         f"{sorted(GPU_CLASSES)}.")
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
-                         f"{lengths[:8]}.")
-    check_top_k(top_k)
+    _check_inputs(gpu, lengths, top_k)
     g = GPU_CLASSES[gpu]
     lengths = sorted(int(x) for x in lengths)
     n, seq, L = len(lengths), lengths[-1], arch.n_layers
@@ -422,3 +411,14 @@ def format_edge_plan(p: dict[str, Any], tokens_from: str = "") -> str:
               f"TL's loop: one forward per head -> head edge it supports ({p['head_edges']:,}; "
               "q only under GQA) and prompt"]
     return "\n".join(lines)
+
+
+def _check_inputs(gpu: str, lengths: Sequence[int], top_k: Any) -> None:
+    """One line for a plan's bad arguments (an unknown GPU class, no or empty prompts, top_k)."""
+    if gpu not in GPU_CLASSES:
+        raise ValueError(f"gpu={gpu!r} is not a known GPU class; expected one of "
+                         f"{sorted(GPU_CLASSES)}.")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths must be a non-empty list of positive token counts; got "
+                         f"{list(lengths)[:8]}.")
+    check_top_k(top_k)

@@ -120,25 +120,34 @@ def _rows(validation: Any, phase: int, pool: str = "all-layers") -> dict[tuple[s
     return out
 
 
-def same_layers_sentence(rows: dict[tuple[str, str], Any]) -> str:
+def same_layers_sentence(rows: dict[tuple[str, str], Any], asked: int | None = None) -> str:
     """The test against random sets drawn from the top heads' own layers (``pool``
-    "same-layers"): how many heads each shares with the top set, and the outcome."""
+    "same-layers"): how many heads each shares with the top set, and the outcome (``asked``:
+    the ``n_random`` the run asked for, as ``floor_note``)."""
     if not rows:
         return ""
     first = next(iter(rows.values()))
     shared = int(first["overlap"]) if "overlap" in first and first["overlap"] == first[
         "overlap"] else 0
-    said, _ = validation_sentence(rows)
+    said, _ = validation_sentence(rows, asked)
     said = said.replace("Patched together they", "Against sets drawn from the same layers"
                         + (f" (each sharing {shared} heads with the top set, as those layers "
                            "hold few others)" if shared else "") + ", they", 1)
     return said
 
 
-def floor_note(n_random: int) -> str:
-    """The smallest p-value ``n_random`` random sets allow, said in words."""
+def floor_note(n_random: int, asked: int | None = None) -> str:
+    """The smallest p-value ``n_random`` random sets allow, said in words; ``asked``: the
+    ``n_random`` the run asked for, when the pool held fewer distinct sets (rerunning with a
+    larger ``--n-random`` cannot help then)."""
     floor = 1 / (n_random + 1)
     text = f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}"
+    if asked is not None and asked > n_random:
+        text = (f"With {n_random} random sets (every distinct set this pool holds; {asked} were "
+                f"asked) no p can be below 1/{n_random + 1} = {floor:.2g}")
+        if floor > ALPHA:
+            return text + (f", so this test cannot reach p < {ALPHA:g} on this model: a larger "
+                           "--n-random cannot help; the test against sets from all layers can.")
     if floor > ALPHA:
         return text + (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
                        f"{math.ceil(1 / ALPHA)} or more.")
@@ -154,7 +163,8 @@ def _p_phrase(ps: dict[str, float], n_random: int) -> str:
     return "; ".join(f"p = {p:.2g} {d}{mark(p)}" for d, p in ps.items())
 
 
-def validation_sentence(rows: dict[tuple[str, str], Any]) -> tuple[str, bool | None]:
+def validation_sentence(rows: dict[tuple[str, str], Any], asked: int | None = None
+                        ) -> tuple[str, bool | None]:
     """Whether the top set beats the random head sets, per quantity, with its p-values and
     their floor; and a verdict: True (beats on every quantity), False (on none), None (mixed,
     or at a floor above ``ALPHA``: larger than every random set, yet not significant)."""
@@ -191,7 +201,7 @@ def validation_sentence(rows: dict[tuple[str, str], Any]) -> tuple[str, bool | N
                    + f"{' and '.join(misses)}, above {ALPHA:g}")
     verdict = True if beats and not (tops or misses) else False if misses and not (
         beats or tops) else None
-    return f"Patched together they {', '.join(out)}. {floor_note(n_random)}", verdict
+    return f"Patched together they {', '.join(out)}. {floor_note(n_random, asked)}", verdict
 
 
 def effect_sentence(rows: dict[tuple[str, str], Any]) -> str:
@@ -358,7 +368,9 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         if said:
             parts.append(said)
         effect = effect_sentence(rows)
-        same = same_layers_sentence(_rows(validation, phase, "same-layers"))
+        asked = (summary.get("validation_options") or {}).get("n_random")
+        same = same_layers_sentence(_rows(validation, phase, "same-layers"),
+                                    int(asked) if asked is not None else None)
         notes = ([effect] if effect else []) + ([same] if same else []) + sweep_sentences(
             phase, _head_sweeps(results, phase), top, scores, len(top) or k)
         if not parts and not notes:
