@@ -87,9 +87,9 @@ HEADLINE = (("focus", "confusion"), ("p1", "p2", "p1+p2"), ("cot", "nonselective
 SIZES: dict[str, dict[str, Any]] = {
     # measured budget in docs/distill.md: the whole grid (2 students x 2 data sizes x 5 variants
     # x 3-5 seeds) on 2 CPU cores
-    "default": dict(pool_size=2048, shard_size=1024, steps=60, batch_size=32, warmup=6,
-                    pretrain=80, save_every=50, score_examples=256, eval_examples=256,
-                    sim_examples=256, gold_examples=4096, fidelity_examples=48),
+    "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
+                    pretrain=150, save_every=60, score_examples=256, eval_examples=256,
+                    sim_examples=1024, gold_examples=4096, fidelity_examples=48),
     "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2, pretrain=2,
                   save_every=2, score_examples=16, eval_examples=12, sim_examples=16,
                   gold_examples=64, fidelity_examples=6),
