@@ -1004,7 +1004,7 @@ def distill(
     lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
                                     "all-heads attention loss (baseline).", metavar="WEIGHT"),
     steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
-                              "ablation: each variant's, after --pretrain; its size's, 60).",
+                              "ablation: each variant's, after --pretrain; its size's, 120).",
                               metavar="N"),
     batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step.", metavar="N"),
     pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store.",
@@ -1032,9 +1032,9 @@ def distill(
                                   metavar="N"),
     workers: int = typer.Option(1, "--workers", help="Ablation: runs trained side by side (one "
                                 "thread each).", metavar="N"),
-    pretrain: int = typer.Option(None, "--pretrain", help="Ablation: CoT-only steps every "
-                                 "variant of a seed starts from (default its size's: 80; 0: "
-                                 "from the seed's fresh initialisation).", metavar="N"),
+    pretrain: int = typer.Option(None, "--pretrain", help="Ablation: CoT-only steps of the one "
+                                 "start every run of a cell begins from (default its size's: "
+                                 "800; 0: each seed's fresh initialisation).", metavar="N"),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),

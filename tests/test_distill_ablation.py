@@ -53,9 +53,9 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     assert [r[0] for r in hist["history"]] == list(range(1, A.SIZES["quick"]["steps"] + 1))
     assert all(r[cols.index("gn_p1")] > 0 and r[cols.index("gn_p2")] > 0
                and r[cols.index("gn_cot")] > 0 for r in hist["history"])
-    # every variant of a seed starts from that seed's CoT-only pre-training in its cell
+    # every run of a cell starts from the cell's CoT-only pre-training
     for cell in ("student-full", "student-small"):
-        start = out / "runs" / cell / "pretrain-seed0"
+        start = out / "runs" / cell / "pretrain"
         pre = json.loads((start / "distill.json").read_text())["config"]
         assert pre["steps"] == A.SIZES["quick"]["pretrain"]
         assert pre["lambda_p1"] == pre["lambda_p2"] == pre["lambda_ns"] == 0

@@ -16,11 +16,11 @@ nonselective   CoT + L_NS: every teacher layer's mean attention over all its hea
 Cells: students ``STUDENTS`` (``student``: 2 layers, its Phase-2 layer is its output layer;
 ``student4``: 4 layers at half the teacher's width, Phase 2 below the output layer) x data
 ``DATA`` (``full``: the whole pool of train notes; ``small``: a pool 10x smaller). Seed ``k``
-fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike:
-with ``pretrain`` steps (the default size's), every variant of seed ``k`` in a cell starts from
-one CoT-only student trained that many steps from seed ``k``'s initialisation on the cell's
-store (``out/runs/<cell>/pretrain-seed<k>/``), as the issue's own 300 + 300-step experiment
-did: a student that already writes the format, whose mechanism the variants then steer.
+fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike.
+With ``pretrain`` steps (the default size's), every run of a cell starts from one CoT-only
+student trained that many steps (seed 0) on the cell's store (``out/runs/<cell>/pretrain/``), as
+the issue's own 300 + 300-step experiment did: a student that already writes the format, whose
+mechanism the variants then steer; seed ``k`` then fixes the variant's batch order.
 
 Seeds: ``seeds`` per variant first; then, per cell, every headline comparison (``HEADLINE``:
 each mechanistic variant against ``cot`` and against ``nonselective``, on focus and confusion)
@@ -88,7 +88,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # measured budget in docs/distill.md: the whole grid (2 students x 2 data sizes x 5 variants
     # x 3-5 seeds) on 2 CPU cores
     "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
-                    pretrain=150, save_every=60, score_examples=256, eval_examples=256,
+                    pretrain=800, save_every=60, score_examples=256, eval_examples=256,
                     sim_examples=1024, gold_examples=4096, fidelity_examples=48),
     "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2, pretrain=2,
                   save_every=2, score_examples=16, eval_examples=12, sim_examples=16,
@@ -271,14 +271,14 @@ class Run:
         return out / "runs" / self.cell / f"{self.variant}-seed{self.seed}"
 
     def pretrain_folder(self, out: Path) -> Path:
-        return out / "runs" / self.cell / f"pretrain-seed{self.seed}"
+        return out / "runs" / self.cell / "pretrain"
 
 
 def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str:
-    """The CoT-only start of ``run``'s cell and seed (module docstring); in a worker."""
+    """The CoT-only start of ``run``'s cell (module docstring); in a worker."""
     folder = run.pretrain_folder(Path(out))
     if progress:
-        print(f"[ablation] {run.cell} pretrain seed {run.seed}", file=sys.stderr, flush=True)
+        print(f"[ablation] {run.cell} pretrain", file=sys.stderr, flush=True)
     train_student(DistillConfig(**cfg), folder, progress=progress)
     return str(folder)
 
@@ -419,7 +419,7 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam)
 
     def pretrain_of(r: Run) -> dict[str, Any]:
-        return dict(stores[r.data], student=names[r.student], seed=r.seed, steps=sz["pretrain"],
+        return dict(stores[r.data], student=names[r.student], seed=0, steps=sz["pretrain"],
                     lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
 
     cells = [(s, d) for s in names for d in data]
@@ -457,7 +457,7 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
     from circuitkit.distill.train import RECORD
 
     todo = [r for r in runs if not (r.folder(out) / "metrics.json").exists()]
-    starts = list({(r.cell, r.seed): r for r in todo
+    starts = list({r.cell: r for r in todo
                    if pretrain_of is not None
                    and not (r.pretrain_folder(out) / RECORD).exists()}.values())
     if not todo:
