@@ -104,14 +104,41 @@ def report(folder: Path) -> str:
     return "\n".join(out)
 
 
+def fidelity_summary(folder: Path) -> str:
+    """Per cell and variant: which fidelity sub-metrics move the teacher's way beyond seed noise
+    (paired 95% interval), against ``cot`` and against ``nonselective``."""
+    runs = pd.read_csv(folder / "runs.csv")
+    cells = list(dict.fromkeys(zip(runs.student, runs.data, strict=True)))
+    out = ["| cell | variant | holds vs cot | reversed vs cot | holds vs nonselective | "
+           "reversed vs nonselective |", "|---|---|---|---|---|---|"]
+    for cell in cells:
+        for v, fid in (("p1", P1_FID), ("p2", P2_FID), ("p1+p2", P1_FID + P2_FID),
+                       ("nonselective", P1_FID + P2_FID)):
+            row = [f"{cell[0]} x {cell[1]}", v]
+            for b in ("cot", "nonselective"):
+                if b == v:
+                    row += ["", ""]
+                    continue
+                got = {"holds": [], "reversed": []}
+                for metric, sign in fid:
+                    verd = verdict(paired(runs, cell, metric, v, b)[0], sign)
+                    if verd in got:
+                        got[verd].append(metric)
+                row += [", ".join(got["holds"]) or "-", ", ".join(got["reversed"]) or "-"]
+            out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--copy-to", type=Path, default=None,
                     help="also copy ablation.csv, runs.csv, comparisons.csv, ablation.json and "
                          "teacher.json there")
+    ap.add_argument("--fidelity-summary", action="store_true",
+                    help="print only the per-variant summary of the fidelity claims")
     a = ap.parse_args()
-    print(report(a.folder))
+    print(fidelity_summary(a.folder) if a.fidelity_summary else report(a.folder))
     if a.copy_to is not None:
         a.copy_to.mkdir(parents=True, exist_ok=True)
         for f in ("ablation.csv", "runs.csv", "comparisons.csv", "ablation.json",
