@@ -71,7 +71,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import shortcuts
+from circuitkit.patching import fused, shortcuts
 from circuitkit.patching.inputs import ReadsDoNotHold, check_edge_model
 from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
 
@@ -365,6 +365,9 @@ class ExactEngine:
         when the metric's reads are unknown."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
+        if fast and self.fused is not None and (
+                self.attn_cached or (sw.kind, sw.site) == ("layers", "resid_pre")):
+            return self._fused_logits(layer, variants, p0, p1)
         n_v, length = len(variants), self._run_length(p0, p1)
         x = self._span(self.resid[layer], p0, p1, length,
                        layer=layer).repeat(n_v, 1, 1)  # variant-major rows
@@ -396,6 +399,60 @@ class ExactEngine:
             p0, p1, n_v, fast, last_mlp=not (sw.site == "mlp_out" and block is last),
             last_attn=block is not last)
         return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    @property
+    def fused(self) -> fused.FusedLlama | None:
+        """The model read as Llama-form blocks (``patching/fused.py``) when the fast path may
+        run its suffix as plain tensor code: a causal model whose metric declares its reads,
+        with no hook attached (fused code fires none)."""
+        if self.reads is None or not self.causal or not fused.unhooked(self.model):
+            return None
+        return fused.fused_form(self.model)
+
+    def _packing(self, variants: Sequence[int], p0: int, p1: int,
+                 positions: Sequence[int | None] | None = None) -> fused.Packing:
+        """Which positions each variant-major row of prompts ``p0:p1`` computes: from the
+        first position where the prompt's base and source tokens differ (or a per-position
+        variant's position, when later; never after the row's first read) to its last read.
+        ``positions``: each variant's patched position (None: every position)."""
+        n_v, length = len(variants), self._run_length(p0, p1)
+        reads = self.reads[p0:p1].cpu()
+        differ = (self.base[p0:p1, :length] != self.source[p0:p1, :length]).cpu()
+        first = torch.where(differ.any(1), differ.int().argmax(1), length)  # [n_p]
+        start = first.repeat(n_v)
+        if positions is not None:
+            at = torch.tensor([-1 if pos is None else pos for pos in positions])
+            start = torch.maximum(start, at.repeat_interleave(p1 - p0))
+        rows = reads.repeat(n_v, 1)
+        start = torch.minimum(start, rows.min(1).values)
+        return fused.Packing(start, rows.max(1).values + 1, torch.arange(p1 - p0).repeat(n_v),
+                             rows, length)
+
+    def _fused_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int
+                      ) -> Float[Tensor, "n_var_x_n_p k vocab"]:
+        """``_patched_logits`` on the fast path of a Llama-form model: the patch as the
+        engine's fast path computes it (block ``layer``'s attention output, or for mlp_out also
+        its MLP output; for resid_pre the restart residual), the suffix as
+        ``fused.suffix_logits`` on the rows' packed positions."""
+        sw, n_v, length = self.sweep, len(variants), self._run_length(p0, p1)
+        pack = self._packing(variants, p0, p1, [sw.variant(v)[1] for v in variants])
+        resid = [self._span(self.resid[j], p0, p1, length, layer=j)
+                 for j in range(layer, sw.n_layers)]
+        attn = mlp = None
+        if not self.attn_cached:  # resid_pre: the patch is the restart point
+            src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
+            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants,
+                                              length))
+        else:
+            x = pack.gather_prompts(resid[0])
+            attn = pack.gather(self._attn_output(layer, variants, p0, p1, length))
+            if sw.site == "mlp_out":
+                src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
+                mlp = pack.gather(self._write_patch(self._span(
+                    self.site_base[layer], p0, p1, length, layer=layer).repeat(n_v, 1, 1),
+                    src, variants, length))
+        return fused.suffix_logits(self.fused, pack, layer, resid, x, attn, mlp,
+                                   devices=self.layer_device)
 
     def _read_rows_only(self, p0: int, p1: int, n_v: int, fast: bool, last_mlp: bool = True,
                         last_attn: bool = True) -> tuple[list, list]:
