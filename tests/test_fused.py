@@ -19,6 +19,9 @@ from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching import engine as engine_module
 from circuitkit.patching import fused
 
+# random tiny models barely separate clean from corrupt: that warning is not what these check
+pytestmark = pytest.mark.filterwarnings("ignore::circuitkit.patching.results."
+                                        "DegenerateBaselineWarning")
 ATOL = 1e-4
 FUSED_ARCHS = {
     "llama": dict(model_type="llama", intermediate_size=64, num_key_value_heads=2),
@@ -98,6 +101,31 @@ def test_fused_suffix_equals_transformer_lens(arch, kind, site, positions, direc
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_fused_edges_equal_the_hand_loop(arch, direction, monkeypatch):
+    """Exact edges on the fused path (the receiving head alone re-attends, or a KV head's query
+    heads; the suffix packed): every edge of the default sweep (the embeddings and every head
+    into every later head's q, k and v, GQA k/v on KV heads, and the logits) equals
+    ``test_edges.hand_edges``, two full hooked forwards per edge; the fused path ran."""
+    from test_edges import hand_edges
+
+    _, model = arch
+    clean, corrupt, metric = shared_prefix_case(model)
+    seen: list[str] = []
+    real = fused.FusedLlama.edge_attention
+
+    def spy(self, b, resid, writes, z_base, sender, inputs, unit):
+        seen.extend(inputs)
+        return real(self, b, resid, writes, z_base, sender, inputs, unit)
+    monkeypatch.setattr(fused.FusedLlama, "edge_attention", spy)
+    res = ck.patch_edges(model, clean, corrupt, metric, direction=direction, progress=False,
+                         batch_size=9)  # several chunks per receiver layer
+    base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
+    want = hand_edges(model, base, source, metric, res)
+    assert set(seen) == {"q", "k", "v"}
+    torch.testing.assert_close(res.values, want, atol=1e-5, rtol=0, equal_nan=True)
+
+
 def test_fused_blocks_equal_the_bridge_blocks(arch):
     """Unpacked (every row from position 0), each fused block maps the bridge's cached
     ``resid_pre(j)`` to its ``resid_pre(j + 1)``, and the last block and unembedding at chosen
@@ -108,7 +136,7 @@ def test_fused_blocks_equal_the_bridge_blocks(arch):
     n, L = clean.shape[0], model.cfg.n_layers
     with torch.no_grad():
         logits, cache = model.run_with_cache(clean)
-        reads = torch.tensor([[0, 4], [9, 9], [2, 7], [5, 1]])
+        reads = torch.tensor([[0, 4, 0], [9, 9, 9], [7, 2, 7], [5, 1, 3]])  # repeats too
         pack = fused.Packing(torch.zeros(n, dtype=torch.long), torch.full((n,), SEQ),
                              torch.arange(n), reads, SEQ)
         for j in range(L - 1):
@@ -117,10 +145,54 @@ def test_fused_blocks_equal_the_bridge_blocks(arch):
             torch.testing.assert_close(out, pack.gather(cache[hooks.resid_pre(j + 1)]),
                                        atol=1e-5, rtol=0)
         resid = cache[hooks.resid_pre(L - 1)]
-        got = form.logits(form.last_block_at_reads(pack, pack.gather(resid), form.blocks[-1],
-                                                   resid))
+        got = pack.spread(form.logits(form.last_block_at_reads(
+            pack, pack.gather(resid), form.blocks[-1], resid)))
     want = logits[torch.arange(n)[:, None], reads]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("with_reads", [True, False])
+def test_fused_cached_run_equals_the_bridge_cache(arch, with_reads):
+    """The engine's cached runs as plain tensor code: every activation kind at every layer and
+    the logits equal the bridge's ``run_with_cache``, at every position up to each row's last
+    read (with reads; activations after it are zero) or at every position (without)."""
+    _, model = arch
+    form = fused.fused_form(model)
+    clean, corrupt, _ = shared_prefix_case(model)
+    tokens = torch.cat([clean, corrupt])
+    kinds = fused.cache_kinds(model.cfg.n_layers)
+    reads = torch.tensor([[0, 4], [9, 9], [2, 7], [5, 1]]).repeat(2, 1) if with_reads else None
+    with torch.no_grad():
+        logits, got = form.cached_run(tokens, kinds, reads)
+        ref_logits, ref = model.run_with_cache(tokens)
+    rows = torch.arange(tokens.shape[0])[:, None]
+    last = reads.max(1).values if with_reads else torch.full((tokens.shape[0],), SEQ - 1)
+    upto = torch.arange(SEQ)[None, :] <= last[:, None]
+    torch.testing.assert_close(logits, ref_logits if reads is None else ref_logits[rows, reads],
+                               atol=1e-5, rtol=0)
+    for name in kinds:
+        torch.testing.assert_close(got[name][upto], ref[name][upto], atol=1e-5, rtol=0)
+        assert (got[name][~upto] == 0).all()
+
+
+def test_a_wrong_fused_cached_run_is_caught(arch, monkeypatch):
+    """Were the fused cached run wrong for some model, its one-time check against the bridge's
+    run_with_cache would keep the bridge's, with a warning, and the sweep would stay exact."""
+    _, model = arch
+    clean, corrupt, metric = shared_prefix_case(model)
+    real = fused.FusedLlama.cached_run
+
+    def wrong(self, tokens, names, reads, devices=None):
+        logits, cache = real(self, tokens, names, reads, devices)
+        return logits, {name: t * 1.01 if name == hooks.z(0) else t for name, t in cache.items()}
+    monkeypatch.setattr(fused.FusedLlama, "cached_run", wrong)
+    monkeypatch.setitem(engine_module._FAST_PATH_VERDICTS, model, {})  # forget verdicts
+    with pytest.warns(UserWarning, match="fused cached run differs"):
+        res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+    with torch.no_grad():
+        cache = model.run_with_cache(clean)[1]
+        ref = tlp.get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
 
 
 def test_a_user_hook_keeps_the_bridge_path(arch, monkeypatch):

@@ -183,7 +183,18 @@ class ExactEngine:
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
         gather = None if check else reads  # (checked: every position unembedded)
         logits, acts = [], {name: [] for name in want}
+        kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
+        if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, kinds)):
+            kinds = {}
         for r0 in range(0, tokens.shape[0], rows):
+            if kinds:  # a Llama-form model: the same run as plain tensor code
+                out, cache = self.fused.cached_run(
+                    tokens[r0:r0 + rows], {name: kinds[name] for name in want},
+                    None if gather is None else gather[r0:r0 + rows], self.layer_device)
+                logits.append(out)
+                for name in want:
+                    acts[name].append(cache[name].to("cpu"))
+                continue
             fwd_hooks = []
             if gather is not None:
                 idx = gather[r0:r0 + rows].to(self.device)
@@ -212,6 +223,34 @@ class ExactEngine:
         values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
                                   at=self.reads) for i in range(len(token_sets))]
         return values, {name: list(torch.cat(a).split(n)) for name, a in acts.items()}
+
+    def _fused_cache_agrees(self, tokens: Tensor, kinds: dict[str, tuple[str, int]]) -> bool:
+        """Whether ``FusedLlama.cached_run`` equals the bridge's ``run_with_cache`` on this
+        model: every activation it computes (at the positions it computes) and the logits at
+        the reads, on the first two prompts; once per model. A difference beyond
+        ``FAST_PATH_TOL`` (relative to the largest value) keeps the bridge, with a warning."""
+        verdicts = _FAST_PATH_VERDICTS.setdefault(self.model, {})
+        if "cached_run" not in verdicts:
+            some = tokens[:2]
+            reads = self.reads[:some.shape[0]].to(self.device)
+            logits, got = self.fused.cached_run(some, kinds, reads, self.layer_device)
+            ref_logits, ref = self.model.run_with_cache(some, names_filter=lambda n: n in kinds)
+            tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
+            rows = torch.arange(some.shape[0], device=self.device)[:, None]
+            pairs = [(logits, ref_logits[rows, reads])]
+            for name in kinds:
+                upto = torch.arange(some.shape[1]) <= reads.max(1).values.cpu()[:, None]
+                pairs.append((got[name].cpu()[upto], ref[name].cpu()[upto]))
+            err = max(float((a.cpu() - b.cpu()).abs().max() / max(1.0, float(b.abs().max())))
+                      for a, b in pairs)
+            verdicts["cached_run"] = err <= tol
+            if err > tol:
+                warnings.warn(
+                    f"circuitkit: the fused cached run differs from the bridge's run_with_cache "
+                    f"by {err:.2e} (relative) on this model ({type(self.model.blocks[0]).__name__}"
+                    " blocks); using the bridge's (slower, still exact). Please report the "
+                    "architecture.", stacklevel=4)
+        return verdicts["cached_run"]
 
     def _check_head_axis(self) -> None:
         sw = self.sweep
@@ -706,6 +745,7 @@ class EdgeEngine(ExactEngine):
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.embed_delta = cache[hooks.resid_pre(0)][1] - self.resid[0]
             self.dz = [cache[hooks.z(layer)][1] - cache[hooks.z(layer)][0] for layer in range(L)]
+            self.z_base = [cache[hooks.z(layer)][0] for layer in range(L)]
             self.final = cache[hooks.resid_post(L - 1)][0]  # what the final norm reads
             del cache
             self.W_O = [b.attn.W_O.detach() for b in model.blocks]
@@ -739,6 +779,8 @@ class EdgeEngine(ExactEngine):
         at = min(layer, L - 1)
         dev = self.layer_device[at]
         writes = self._writes(senders, p0, p1, length, at)  # [n_s, n_p, pos, d_model]
+        if fast and self.fused is not None:
+            return self._fused_edge_logits(layer, variants, p0, p1, cells, srow, writes)
         forwards = shortcuts.skipped_blocks(model, at, self.block_arity)
         if fast:
             forwards += shortcuts.native_norms(model, at)
@@ -772,6 +814,28 @@ class EdgeEngine(ExactEngine):
                                                      last_attn=layer != L - 1)
         x = resid.repeat(n_v, 1, 1)
         return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _fused_edge_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                           cells: Tensor, srow: Tensor, writes: Tensor
+                           ) -> Float[Tensor, "n_var_x_n_p k vocab"]:
+        """``_patched_logits`` of a Llama-form model: the receiving layer's attention output
+        under each edge (``FusedLlama.edge_attention``: only the receiving head, or a KV head's
+        query heads, re-attend), then ``fused.suffix_logits`` on the rows' packed positions;
+        the logits receiver unembeds the final residual plus the write at the reads."""
+        form, L = self.fused, self.layout.n_layers
+        length = self._run_length(p0, p1)
+        pack = self._packing(variants, p0, p1)
+        if layer == L:
+            final = self._span(self.final, p0, p1, length, layer=L - 1)
+            y = (final[None] + writes[srow.to(final.device)]).flatten(0, 2)
+            return pack.spread(form.logits(y.index_select(0, pack.read_dense_of(y.device))))
+        resid = [self._span(self.resid[j], p0, p1, length, layer=j) for j in range(layer, L)]
+        z_base = self._span(self.z_base[layer], p0, p1, length, layer=layer)
+        inputs = [self.layout.inputs[i] for i in cells[:, 1].tolist()]
+        attn = form.edge_attention(form.blocks[layer], resid[0], writes, z_base, srow, inputs,
+                                   cells[:, 2])
+        return fused.suffix_logits(form, pack, layer, resid, pack.gather_prompts(resid[0]),
+                                   pack.gather(attn), devices=self.layer_device)
 
     def _probe_fast_path(self) -> bool:
         """The fast path against the plain one on the first and last edge of the earliest

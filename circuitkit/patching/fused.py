@@ -70,13 +70,14 @@ class Block(NamedTuple):
 
 
 class FusedLlama:
-    """A Llama-form bridge's weights, read in place: ``blocks``, the final norm, the unembedding
-    and the rotary table. ``n_heads``, ``n_kv`` (KV heads), ``d_head``, ``scale``."""
+    """A Llama-form bridge's weights, read in place: the token embedding, ``blocks``, the final
+    norm, the unembedding and the rotary table. ``n_heads``, ``n_kv`` (KV heads), ``d_head``,
+    ``scale``."""
 
-    def __init__(self, blocks: list[Block], final_norm: Any, lm_head: Any, rotary: Any,
-                 n_heads: int, n_kv: int, d_head: int, scale: float):
-        self.blocks, self.final_norm, self.lm_head, self.rotary = blocks, final_norm, lm_head, \
-            rotary
+    def __init__(self, embed: Any, blocks: list[Block], final_norm: Any, lm_head: Any,
+                 rotary: Any, n_heads: int, n_kv: int, d_head: int, scale: float):
+        self.embed, self.blocks, self.final_norm, self.lm_head, self.rotary = \
+            embed, blocks, final_norm, lm_head, rotary
         self.n_heads, self.n_kv, self.d_head, self.scale = n_heads, n_kv, d_head, scale
         self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
 
@@ -151,60 +152,166 @@ class FusedLlama:
         cos, sin = self.table(resid.shape[1], resid)
         return self.rope(self.heads(h, b.k), cos[:, None], sin[:, None]), self.heads(h, b.v)
 
-    def packed_kv(self, pack: Packing, base: tuple[Tensor, Tensor], k: Tensor, v: Tensor
-                  ) -> tuple[Tensor, Tensor]:
-        """Each row's keys/values at every position ``[R, seq, g, d]``: its prompt's base ones,
-        with the packed tokens' own written over them."""
+    def packed_kv(self, pack: Packing, base: tuple[Tensor, Tensor] | None, k: Tensor,
+                  v: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's keys/values at every position ``[R, seq, g, d]``: its prompt's base ones
+        (``base``; None: zeros, for rows that start at 0), with the packed tokens' own written
+        over them."""
         out = []
-        for b, t in zip(base, (k, v), strict=True):
-            full = b.index_select(0, pack.prompt_of(b.device))  # [R, seq, g, d] (a copy)
+        for i, t in enumerate((k, v)):
+            full = (t.new_zeros(pack.n_rows, pack.seq, *t.shape[1:]) if base is None else
+                    base[i].index_select(0, pack.prompt_of(t.device)))  # [R, seq, g, d]
             full.view(-1, *t.shape[1:]).index_copy_(0, pack.dense_of(t.device), t)
             out.append(full)
         return out[0], out[1]
 
     def block(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
-              resid: Float[Tensor, "n_p seq d"], attn: Tensor | None = None,
-              mlp: Tensor | None = None) -> Float[Tensor, "T d"]:
+              resid: Float[Tensor, "n_p seq d"] | None, attn: Tensor | None = None,
+              mlp: Tensor | None = None, keep: dict[str, Tensor] | None = None
+              ) -> Float[Tensor, "T d"]:
         """Block ``b`` on the packed tokens ``x`` (``resid``: its base input per prompt, for the
-        keys and values before each row's start). ``attn``/``mlp``: the block's attention/MLP
-        output at the packed tokens when already known (not recomputed)."""
+        keys and values before each row's start; None: rows start at 0). ``attn``/``mlp``: the
+        block's attention/MLP output at the packed tokens when already known (not recomputed).
+        ``keep``: filled with the packed ``z``, ``attn_out`` and ``mlp_out``."""
         if attn is None:
             h = self.norm(x, b.ln1)
             cos, sin = self.token_table(pack, x)
             q = self.rope(self.heads(h, b.q), cos, sin)
-            k, v = self.packed_kv(pack, self.base_kv(resid, b),
+            k, v = self.packed_kv(pack, None if resid is None else self.base_kv(resid, b),
                                   self.rope(self.heads(h, b.k), cos, sin), self.heads(h, b.v))
             qp = q.new_zeros(pack.n_rows * pack.width, *q.shape[1:])
             qp.index_copy_(0, pack.slot_of(q.device), q)
             z = self.attend(qp.view(pack.n_rows, pack.width, *q.shape[1:]), k, v,
                             pack.mask_of(q.device, b.window))
-            attn = self.linear(z.flatten(0, 1).index_select(0, pack.slot_of(q.device)), b.o)
+            z = z.flatten(0, 1).index_select(0, pack.slot_of(q.device))
+            attn = self.linear(z, b.o)
+            if keep is not None:
+                keep.update(z=z.unflatten(-1, (-1, self.d_head)), attn_out=attn.clone())
         x = attn.add_(x)
-        return x.add_(self.mlp(self.norm(x, b.ln2), b) if mlp is None else mlp)
+        mlp = self.mlp(self.norm(x, b.ln2), b) if mlp is None else mlp
+        if keep is not None:
+            keep["mlp_out"] = mlp.clone()
+        return x.add_(mlp)
+
+    def edge_attention(self, b: Block, resid: Float[Tensor, "n_p seq d"],
+                       writes: Float[Tensor, "n_s n_p seq d"],
+                       z_base: Float[Tensor, "n_p seq h dh"], sender: Int[Tensor, " n_v"],
+                       inputs: list[str], unit: Int[Tensor, " n_v"]
+                       ) -> Float[Tensor, "n_v_x_n_p seq d"]:
+        """Block ``b``'s attention output for each edge (variant ``i``: sender row
+        ``sender[i]`` of ``writes``, into input ``inputs[i]`` of head ``unit[i]``; a KV head
+        for k/v), rows variant-major. The edge gives one input of one head the block's own
+        projection of ``norm(resid + write)``; every other input is the base run's. So only
+        that head (a q edge) or the query heads sharing that KV head (k/v) attend anew, and
+
+            attn = o(z_base) + sum_h (z'_h - z_base_h) @ W_O[h]       (h: the heads that moved)
+        """
+        seq, d = resid.shape[1], resid.shape[-1]
+        cos, sin = (t[:, None] for t in self.table(seq, resid))  # [seq, 1, dh]
+        base = self.norm(resid, b.ln1)
+        patched = self.norm(resid[None] + writes, b.ln1)  # [n_s, n_p, seq, d]
+        proj = {"q": (b.q, True), "k": (b.k, True), "v": (b.v, False)}
+
+        def project(h: Tensor, name: str) -> Tensor:
+            t = self.heads(h, proj[name][0])
+            return self.rope(t, cos, sin) if proj[name][1] else t
+
+        own = {name: project(base, name) for name in proj}  # [n_p, seq, heads, dh]
+        given = {name: project(patched, name) for name in set(inputs)}  # [n_s, n_p, seq, ...]
+        W_O = b.o.weight.T.unflatten(0, (self.n_heads, self.d_head))  # [h, dh, d]
+        group = self.n_heads // self.n_kv
+        visible = torch.arange(seq, device=resid.device)
+        visible = visible[None, :] <= visible[:, None]
+        if b.window is not None:
+            visible &= visible.new_ones(seq, seq).tril(-b.window).logical_not()
+        out = self.linear(z_base.flatten(-2), b.o).repeat(len(inputs), 1, 1)
+        view = out.view(len(inputs), *resid.shape)
+        for name in sorted(set(inputs)):
+            rows = torch.tensor([i for i, n in enumerate(inputs) if n == name],
+                                device=resid.device)
+            s, u = sender.to(rows.device)[rows], unit.to(rows.device)[rows]  # [m]
+            if name == "q":  # head u alone, with its KV head's base keys and values
+                heads = u[:, None]  # [m, 1]
+                q = given["q"][s, :, :, u][:, :, :, None]  # [m, n_p, seq, 1, dh]
+                kv = (u // group)[:, None]
+            else:  # KV head u and every query head reading it
+                heads = u[:, None] * group + torch.arange(group, device=u.device)  # [m, g]
+                q = own["q"][:, :, heads].permute(2, 0, 1, 3, 4)  # [m, n_p, seq, g, dh]
+                kv = u[:, None]
+            k, v = ((given[n][s, :, :, u] if n == name else
+                     own[n][:, :, kv[:, 0]].permute(2, 0, 1, 3))[:, :, :, None]
+                    for n in ("k", "v"))  # [m, n_p, seq, 1, dh]
+            m, n_h = heads.shape
+            z = torch.nn.functional.scaled_dot_product_attention(
+                q.flatten(0, 1).transpose(1, 2), *(t.flatten(0, 1).transpose(1, 2)
+                                                   .expand(-1, n_h, -1, -1) for t in (k, v)),
+                attn_mask=visible, scale=self.scale).transpose(1, 2)  # [m*n_p, seq, n_h, dh]
+            dz = z.unflatten(0, (m, -1)) - z_base[:, :, heads].permute(2, 0, 1, 3, 4)
+            view[rows] += torch.einsum("mpshe,mhed->mpsd", dz, W_O[heads])
+        return out.view(-1, seq, d)
+
+    def cached_run(self, tokens: Int[Tensor, "R seq"], names: dict[str, tuple[str, int]],
+                   reads: Int[Tensor, "R k"] | None, devices: list[torch.device] | None = None
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+        """An unpatched run of ``tokens`` with its activations at ``names`` (``{hook name:
+        (kind, layer)}``, kinds ``resid_pre``, ``z``, ``attn_out``, ``mlp_out``,
+        ``resid_post``; dense ``[R, seq, ...]``) and its logits at ``reads`` ``[R, k, vocab]``
+        (None: every position, ``[R, seq, vocab]``). With reads, each row runs up to its last
+        read only: activations after it are zero (nothing the engine computes reads them)."""
+        n, seq = tokens.shape
+        every = torch.arange(seq, device=tokens.device).expand(n, -1)
+        at = every if reads is None else reads.to(tokens.device)
+        pack = Packing(torch.zeros(n, dtype=torch.long), at.max(1).values.cpu() + 1,
+                       torch.arange(n), at.cpu(), seq)
+        x = F.embedding(tokens.flatten().index_select(0, pack.dense_of(tokens.device)),
+                        self.embed.weight)
+        wanted: dict[tuple, list[str]] = {}
+        for name, key in names.items():
+            wanted.setdefault(key, []).append(name)
+        out: dict[str, Tensor] = {}
+
+        def store(kind: str, layer: int, packed: Tensor) -> None:
+            for name in wanted.get((kind, layer), ()):
+                dense = packed.new_zeros(n * seq, *packed.shape[1:])
+                out[name] = dense.index_copy_(0, pack.dense_of(packed.device), packed).view(
+                    n, seq, *packed.shape[1:])
+
+        for j, b in enumerate(self.blocks):
+            x = x.to(devices[j] if devices is not None else x.device)
+            store("resid_pre", j, x)
+            keep: dict[str, Tensor] = {}
+            x = self.block(pack, x, b, None, keep=keep)
+            for kind, t in keep.items():
+                store(kind, j, t)
+            store("resid_post", j, x)
+        return pack.spread(self.logits(x[pack.read_tok_of(x.device)])), out
 
     def last_block_at_reads(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
-                            resid: Float[Tensor, "n_p seq d"]) -> Float[Tensor, "R k d"]:
-        """The last block's output at each row's read positions only: keys/values everywhere,
-        queries, output projection and MLP at the reads."""
+                            resid: Float[Tensor, "n_p seq d"]) -> Float[Tensor, "N d"]:
+        """The last block's output at each row's distinct reads only (``Packing``: ``N`` in
+        all): keys/values everywhere, queries, output projection and MLP at the reads."""
         h = self.norm(x, b.ln1)
         cos, sin = self.token_table(pack, x)
         k, v = self.packed_kv(pack, self.base_kv(resid, b), self.rope(self.heads(h, b.k), cos, sin),
                               self.heads(h, b.v))
-        at = pack.read_tok_of(x.device)  # [R, k_reads]
+        at, slot = pack.read_tok_of(x.device), pack.read_slot_of(x.device)  # [N] each
         q = self.rope(self.heads(h[at], b.q), cos[at], sin[at])
-        y = self.linear(self.attend(q, k, v, pack.read_mask_of(x.device, b.window)),
-                        b.o).add_(x[at])
+        qp = q.new_zeros(pack.n_rows * pack.read_width, *q.shape[1:])
+        qp.index_copy_(0, slot, q)
+        z = self.attend(qp.view(pack.n_rows, pack.read_width, *q.shape[1:]), k, v,
+                        pack.read_mask_of(x.device, b.window))
+        y = self.linear(z.flatten(0, 1).index_select(0, slot), b.o).add_(x[at])
         return y.add_(self.mlp(self.norm(y, b.ln2), b))
 
     def known_block_at_reads(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
-                             attn: Tensor, mlp: Tensor | None = None) -> Float[Tensor, "R k d"]:
+                             attn: Tensor, mlp: Tensor | None = None) -> Float[Tensor, "N d"]:
         """The last block's output at the reads when its attention output (and maybe its MLP
         output) at the packed tokens is known: the MLP at the reads only."""
         at = pack.read_tok_of(x.device)
         y = x[at].add_(attn.to(x.device)[at])
         return y.add_(self.mlp(self.norm(y, b.ln2), b) if mlp is None else mlp.to(x.device)[at])
 
-    def logits(self, y: Float[Tensor, "R k d"]) -> Float[Tensor, "R k vocab"]:
+    def logits(self, y: Float[Tensor, "N d"]) -> Float[Tensor, "N vocab"]:
         w = self.lm_head.weight
         return self.linear(self.norm(y.to(w.device), self.final_norm), self.lm_head)
 
@@ -260,16 +367,28 @@ def _read(model: Any) -> FusedLlama | None:
         blocks.append(Block(ln1, *lin[:4], ln2, *lin[4:], _hf(mlp.act_fn),
                             attention_window(blk.attn)))
     final, head = _hf(getattr(model, "ln_final", None)), _hf(getattr(model, "unembed", None))
-    rotary = _hf(getattr(inner, "rotary_emb", None))
+    rotary, embed = _hf(getattr(inner, "rotary_emb", None)), getattr(model, "embed", None)
     if type(final).__name__ not in NORMS or not isinstance(head, torch.nn.Linear) \
-            or rotary is None:
+            or rotary is None or not isinstance(_hf(embed), torch.nn.Embedding) \
+            or getattr(embed, "_use_processed_weights", False):
         return None
     attn = _hf(model.blocks[0].attn)
     d_head = int(attn.head_dim)
     n_heads = blocks[0].q.out_features // d_head
     n_kv = blocks[0].k.out_features // d_head
-    return FusedLlama(blocks, final, head, rotary, n_heads, n_kv, d_head,
+    return FusedLlama(_hf(embed), blocks, final, head, rotary, n_heads, n_kv, d_head,
                       float(getattr(attn, "scaling", d_head ** -0.5)))
+
+
+def cache_kinds(n_layers: int) -> dict[str, tuple[str, int]]:
+    """The hook names ``FusedLlama.cached_run`` computes: ``{name: (kind, layer)}``."""
+    out = {}
+    for layer in range(n_layers):
+        out.update({hooks.resid_pre(layer): ("resid_pre", layer), hooks.z(layer): ("z", layer),
+                    hooks.attn_out(layer): ("attn_out", layer),
+                    hooks.mlp_out(layer): ("mlp_out", layer),
+                    hooks.resid_post(layer): ("resid_post", layer)})
+    return out
 
 
 # --- packing -------------------------------------------------------------------------------------
@@ -282,8 +401,9 @@ class Packing:
 
     ``start``, ``end``: ``[R]``, row ``r`` computes positions ``start[r] <= pos < end[r]``;
     ``prompt``: ``[R]``, the prompt (index into per-prompt tensors) of each row; ``reads``:
-    ``[R, k]`` positions whose logits are wanted, each in ``start[r]..end[r]-1``; ``seq``: the
-    positions of the dense tensors.
+    ``[R, k]`` positions whose logits are wanted, each in ``start[r]..end[r]-1`` (a row's
+    repeated reads are computed once: ``N`` distinct (row, read) pairs, ``spread`` puts them
+    back); ``seq``: the positions of the dense tensors.
     """
 
     def __init__(self, start: Int[Tensor, " R"], end: Int[Tensor, " R"],
@@ -303,9 +423,31 @@ class Packing:
                "slot": row * self.width + within, "prompt": prompt,
                # the position of query slot i of row r: start[r] + i
                "slot_pos": start[:, None] + torch.arange(self.width)[None, :],
-               "reads": reads, "read_tok": offset[:, None] + reads - start[:, None]}
+               **self._distinct_reads(reads, start, offset)}
         self._on: dict[Any, dict[str, Tensor]] = {torch.device("cpu"): cpu}
         self.cache: dict[Any, Any] = {}  # per-run values the blocks share (FusedLlama)
+
+    def _distinct_reads(self, reads: Tensor, start: Tensor, offset: Tensor) -> dict[str, Tensor]:
+        """Index tensors of each row's distinct reads, row-major (``N``): their packed token,
+        their query slot in ``[R * read_width]``, the slot positions ``[R, read_width]``
+        (padding: 0), and where each of the ``[R, k]`` reads finds its own (``inverse``)."""
+        ordered, order = reads.sort(1)
+        new = torch.ones_like(ordered, dtype=torch.bool)
+        new[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        count = new.sum(1)  # [R] distinct reads per row
+        self.read_width = int(count.max()) if self.n_rows else 0
+        self.n_reads = int(count.sum())
+        row = torch.repeat_interleave(torch.arange(self.n_rows), count)  # [N]
+        pos = ordered[new]  # [N]
+        first = torch.cumsum(count, 0) - count  # [R]
+        within = torch.arange(self.n_reads) - first[row]
+        rank = torch.cumsum(new.long(), 1) - 1 + first[:, None]  # [R, k] in sorted order
+        inverse = torch.empty_like(rank).scatter_(1, order, rank)
+        slot_pos = torch.zeros(self.n_rows, self.read_width, dtype=torch.long)
+        slot_pos[row, within] = pos
+        return {"read_tok": offset[row] + pos - start[row], "read_dense": row * self.seq + pos,
+                "read_slot": row * self.read_width + within, "read_slot_pos": slot_pos,
+                "read_inverse": inverse}
 
     def _get(self, name: str, device: torch.device) -> Tensor:
         if device not in self._on:
@@ -346,16 +488,27 @@ class Packing:
         """``[R, 1, width, seq]`` which keys each query slot sees."""
         return self._visible("slot_pos", device, window)
 
-    def reads_of(self, device: torch.device) -> Tensor:
-        return self._get("reads", device)
-
     def read_tok_of(self, device: torch.device) -> Tensor:
-        """``[R, k]`` the packed token of each read."""
+        """``[N]`` the packed token of each distinct read."""
         return self._get("read_tok", device)
 
+    def read_dense_of(self, device: torch.device) -> Tensor:
+        """``[N]`` each distinct read's index in dense rows ``[R * seq]``."""
+        return self._get("read_dense", device)
+
+    def read_slot_of(self, device: torch.device) -> Tensor:
+        """``[N]`` each distinct read's query slot in ``[R * read_width]``."""
+        return self._get("read_slot", device)
+
     def read_mask_of(self, device: torch.device, window: int | None = None) -> Tensor:
-        """``[R, 1, k, seq]`` which keys each read's query sees."""
-        return self._visible("reads", device, window)
+        """``[R, 1, read_width, seq]`` which keys each read slot's query sees."""
+        return self._visible("read_slot_pos", device, window)
+
+    def spread(self, per_read: Tensor) -> Tensor:
+        """Values at the distinct reads ``[N, ...]`` -> at every read ``[R, k, ...]``."""
+        inverse = self._get("read_inverse", per_read.device)
+        return per_read.index_select(0, inverse.flatten()).view(*inverse.shape,
+                                                                *per_read.shape[1:])
 
     def gather(self, dense: Tensor) -> Tensor:
         """Dense rows ``[R, seq, ...]`` -> packed tokens ``[T, ...]``."""
@@ -382,5 +535,5 @@ def suffix_logits(form: FusedLlama, pack: Packing, layer: int, resid: list[Tenso
         if j < L - 1:
             x = form.block(pack, x, b, base, *((attn, mlp) if j == layer else (None, None)))
         elif j > layer or attn is None:
-            return form.logits(form.last_block_at_reads(pack, x, b, base))
-    return form.logits(form.known_block_at_reads(pack, x, b, attn, mlp))
+            return pack.spread(form.logits(form.last_block_at_reads(pack, x, b, base)))
+    return pack.spread(form.logits(form.known_block_at_reads(pack, x, b, attn, mlp)))
