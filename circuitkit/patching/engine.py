@@ -32,6 +32,15 @@ they hold for any block layout (sequential, parallel, post-norm). Before use, th
 the fast path against the plain hooked path on a probe chunk of the model at hand and falls back
 (with a warning) if they differ by more than ``FAST_PATH_TOL``.
 
+On a Llama-form model (``fused.fused_form``: Llama, Mistral, Qwen2 blocks) with no hook
+attached, the fast path goes further (``patching/fused.py``, docs/speed.md): the cached runs and
+every patched suffix run as plain tensor code on the modules' own weights, and each row of a
+suffix computes only the positions where it can differ from the base run (from the first
+position where the prompt's base and source tokens differ, or a per-position patch's position,
+to its last read), packed across rows; the last block and the unembedding run at each row's
+distinct reads. The fused cached run is checked once per model against the bridge's
+``run_with_cache``; the fused suffix is part of the fast path the probe checks.
+
 Causal models: nothing after a prompt's last read position can change its metric, so runs stop
 there (``Sweep.run_length``; prompts are swept in order of that length, ``sweep.length_order``).
 A bidirectional model (``hooks.facts(model).causal`` False, e.g. a Tracr program) runs whole.
@@ -54,7 +63,10 @@ head slice) is the module's own computation on ``resid_pre(l) + delta_s``: one p
 sender, stopped once block ``l``'s q/k/v hooks fired (``shortcuts.run_until``), whose head
 slices a hook then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads
 the final residual plus ``delta_s``: the last block returns that value and only the final norm
-and the unembedding run.
+and the unembedding run. On the fused path (Llama-form models) only the receiving head (a q
+edge) or the query heads of the receiving KV head (k/v) attend anew: block ``l``'s attention
+output is ``o(z_base) + sum_h (z'_h - z_base_h) @ W_O[h]`` over those heads
+(``FusedLlama.edge_attention``), and the packed suffix runs from there.
 """
 
 from __future__ import annotations
@@ -367,7 +379,8 @@ class ExactEngine:
         scalar metric, which cannot be split across chunks, still stops each bucket early.
         """
         n_v, n_p = len(variants), p1 - p0
-        split = self.length_split(p0, p1)
+        # (packed rows each stop at their own last read: no length buckets needed)
+        split = None if self._packed(fast) else self.length_split(p0, p1)
         parts = [(p0, p1)] if split is None else [(p0, split), (split, p1)]
         logits = [self._patched_logits(layer, variants, a, b, fast) for a, b in parts]
         if len(logits) > 1:  # variant-major rows of each bucket -> variant-major rows of all
@@ -404,8 +417,7 @@ class ExactEngine:
         when the metric's reads are unknown."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
-        if fast and self.fused is not None and (
-                self.attn_cached or (sw.kind, sw.site) == ("layers", "resid_pre")):
+        if self._packed(fast):
             return self._fused_logits(layer, variants, p0, p1)
         n_v, length = len(variants), self._run_length(p0, p1)
         x = self._span(self.resid[layer], p0, p1, length,
@@ -447,6 +459,13 @@ class ExactEngine:
         if self.reads is None or not self.causal or not fused.unhooked(self.model):
             return None
         return fused.fused_form(self.model)
+
+    def _packed(self, fast: bool | None) -> bool:
+        """Whether a run on the fast path (``fast``: override ``self.fast``) is a fused, packed
+        suffix: a Llama-form model (``fused``) and a site whose patch is known before block
+        ``l`` runs (the attention-output sites, or resid_pre: the restart point)."""
+        return bool(self.fast if fast is None else fast) and self.fused is not None and (
+            self.attn_cached or (self.sweep.kind, self.sweep.site) == ("layers", "resid_pre"))
 
     def _packing(self, variants: Sequence[int], p0: int, p1: int,
                  positions: Sequence[int | None] | None = None) -> fused.Packing:
@@ -779,7 +798,7 @@ class EdgeEngine(ExactEngine):
         at = min(layer, L - 1)
         dev = self.layer_device[at]
         writes = self._writes(senders, p0, p1, length, at)  # [n_s, n_p, pos, d_model]
-        if fast and self.fused is not None:
+        if self._packed(fast):
             return self._fused_edge_logits(layer, variants, p0, p1, cells, srow, writes)
         forwards = shortcuts.skipped_blocks(model, at, self.block_arity)
         if fast:
@@ -814,6 +833,10 @@ class EdgeEngine(ExactEngine):
                                                      last_attn=layer != L - 1)
         x = resid.repeat(n_v, 1, 1)
         return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _packed(self, fast: bool | None) -> bool:
+        """Whether a run on the fast path is fused and packed: on a Llama-form model, always."""
+        return bool(self.fast if fast is None else fast) and self.fused is not None
 
     def _fused_edge_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                            cells: Tensor, srow: Tensor, writes: Tensor
