@@ -26,17 +26,22 @@ in that phase: its sweeps, scores and validation rows are that phase's.
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
 Resumable: every finished step is recorded in ``summary.json`` (written atomically after the
-step's files), and rerunning the same call reuses those steps (within validation, its finished
-runs); a folder holding a run with a different identity is refused. A pretrained LLM whose
+step's files, with their SHA-256), and rerunning the same call reuses those steps (within
+validation, its finished runs) whose files are all there and unchanged (a missing or modified
+file is named and its step recomputed); a folder holding a run with a different identity is
+refused. One run per folder: ``out_dir`` is locked (``files.lock_folder``) for the whole run, so
+a second run on it is refused with the first one's pid. A pretrained LLM whose
 vocabulary cannot hold the task's word tokens gets the task rendered as text
 (``circuitkit.scoring.text.text_task``; ``text=None`` decides automatically).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +86,39 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
     edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``).
     """
+    with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
+        return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
+                             k, n_random, batch_size, patch_method, text, progress, task_kwargs,
+                             report, edges, held)
+
+
+def step_problem(out: Path, record: dict[str, Any]) -> str:
+    """Why a step recorded in ``summary.json`` cannot be reused ("" when it can): one of its
+    files is missing, or differs from the SHA-256 recorded with it (a folder from before
+    checksums were recorded: its patch results must load, ``PatchResult.load``)."""
+    from circuitkit import files
+    from circuitkit.patching.results import PatchResult
+
+    sums = record.get("sha256") or {}
+    for name in record.get("files", []):
+        path = out / name
+        if not path.is_file():
+            return f"its file {path} is missing"
+        if name in sums and files.sha256_file(path) != sums[name]:
+            return f"its file {path} was modified (its SHA-256 differs from the one recorded)"
+        if not sums and name.endswith(".json") and (out / (name[:-5] + ".safetensors")).exists():
+            try:
+                PatchResult.load(out / name)
+            except ValueError as e:
+                return str(e)
+    return ""
+
+
+def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
+                  n_examples: int, seed: int, split: str, k: int, n_random: int,
+                  batch_size: int | None, patch_method: str, text: bool | None,
+                  progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
+                  edges: bool, held: contextlib.ExitStack) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
@@ -98,6 +136,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     if int(n_random) < 1:
         raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
     out = files.check_writable_dir(out_dir, "out_dir")
+    held.enter_context(files.lock_folder(out, "out_dir"))  # one run per folder
     t_all = time.perf_counter()
     model = ck.load_model(model_name_or_model) if isinstance(model_name_or_model, str | Path) \
         else model_name_or_model
@@ -129,7 +168,12 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     summary_path = out / "summary.json"
     summary: dict[str, Any] = {}
     if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{summary_path}: not valid JSON (truncated?) at line {e.lineno} "
+                             f"column {e.colno}; delete it to start the run over (finished "
+                             "sweep chunks in checkpoints/ are reused).") from None
         old = dict(summary.get("identity", {}))
         old.pop("model", None)  # older folders named the model in the identity
         stored_options = summary.get("validation_options") or {
@@ -153,10 +197,24 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     summary["steps_run_this_call"] = ran
 
     def record(step: str, seconds: float, files_: list[str]) -> None:
-        steps[step] = dict(seconds=round(seconds, 3), files=files_)
+        steps[step] = dict(seconds=round(seconds, 3), files=files_,
+                           sha256={f: files.sha256_file(out / f) for f in files_})
         ran.append(step)
         summary["steps_run_this_call"] = ran
         files.write_json(summary_path, summary)
+
+    def reusable(step: str, i: int) -> bool:
+        """Whether ``step`` is recorded and its files verify; says why not otherwise."""
+        if step not in steps:
+            return False
+        problem = step_problem(out, steps[step])
+        if problem:
+            warnings.warn(f"circuitkit: characterize step {step} is recorded as done in "
+                          f"{summary_path}, but {problem}; recomputing it.", stacklevel=3)
+            steps.pop(step)
+            return False
+        _log(progress, f"[{i}/{total}] {step}: reused")
+        return True
 
     sweeps = patch_steps(phases)
     total = len(sweeps) + 3 + int(bool(edges))
@@ -165,8 +223,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
     for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
-        if step in steps:
-            _log(progress, f"[{i}/{total}] {step}: reused")
+        if reusable(step, i):
             sweep_results[phase, direction] = _stored(out / step)
             continue
         tp = per_phase[phase]
@@ -188,8 +245,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     import pandas as pd
 
     i = len(sweeps) + 1
-    if "scores" in steps and (out / "scores.csv").exists():
-        _log(progress, f"[{i}/{total}] scores: reused")
+    if reusable("scores", i):
         scores = pd.read_csv(out / "scores.csv")
     else:
         _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
@@ -204,9 +260,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                             for p in phases}  # (this call's k)
     summary["stability"] = _json_safe(stability(scores, phases, k))
     i += 1
-    if "validation" in steps and (out / "validation.csv").exists():
-        _log(progress, f"[{i}/{total}] validation: reused")
-    else:
+    if not reusable("validation", i):
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
                        f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
@@ -217,9 +271,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         summary["validation_sets"] = val.attrs.get("sets")
         record("validation", time.perf_counter() - t0, ["validation.csv"])
     i += 1
-    if "ablation" in steps and (out / "head-ablation.csv").exists():
-        _log(progress, f"[{i}/{total}] ablation: reused")
-    else:
+    if not reusable("ablation", i):
         _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase zero-, mean- "
                        f"and resample-ablated, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
@@ -230,9 +282,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
         i += 1
-        if "edges" in steps:
-            _log(progress, f"[{i}/{total}] edges: reused")
-        else:
+        if not reusable("edges", i):
             _log(progress, f"[{i}/{total}] edges")
             t0 = time.perf_counter()
             written = _edges_step(model, per_phase, scores, k, out, batch_size, progress,

@@ -32,8 +32,9 @@ N_HELP = (f"Notes (prompts) of a built-in task (default {DEFAULT_N}, the same fo
 
 
 @app.callback()
-def _root() -> None:
+def _root(ctx: typer.Context) -> None:
     """circuitkit: characterize, then distill."""
+    ctx.with_resource(_warnings_as_lines())  # for the whole command
 
 
 def _fail(msg: str) -> None:
@@ -43,21 +44,36 @@ def _fail(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def _baseline_warnings_as_lines():
-    """Inside: a ``DegenerateBaselineWarning`` prints as one ``warning:`` line (Python's own
-    format adds the file, line and source of the call); other warnings as Python prints them."""
+def _warnings_as_lines():
+    """Inside: a warning circuitkit raises (a ``DegenerateBaselineWarning``, or any warning
+    from circuitkit's own code) prints as one ``warning:`` line, each distinct message once
+    (Python's own format adds the file, line and source of the call); other warnings as Python
+    prints them."""
     import warnings
 
     from circuitkit.patching.results import DegenerateBaselineWarning
 
-    shown = warnings.showwarning
+    shown, said = warnings.showwarning, set()
+    here = str(Path(__file__).resolve().parent)
+
+    def raised_here() -> bool:
+        """Whether the code that called ``warnings.warn`` is circuitkit's (the file a warning
+        names is its ``stacklevel``'s, often the caller's)."""
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename == warnings.__file__:
+            frame = frame.f_back
+        return frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
+            here)
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, DegenerateBaselineWarning):
-            typer.secho(f"warning: {str(message).removeprefix('circuitkit: ')}",
-                        fg=typer.colors.YELLOW, err=True)
-        else:
+        ours = issubclass(category, DegenerateBaselineWarning) or raised_here()
+        if not ours:
             shown(message, category, filename, lineno, file, line)
+            return
+        text = " ".join(str(message).removeprefix("circuitkit: ").split())
+        if text not in said:
+            said.add(text)
+            typer.secho(f"warning: {text}", fg=typer.colors.YELLOW, err=True)
 
     warnings.showwarning = show
     try:
@@ -274,6 +290,7 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     from circuitkit import hooks
+    from circuitkit.files import WriteError
     from circuitkit.patching import api, distributed
     from circuitkit.patching.inputs import (
         BACKENDS,
@@ -345,6 +362,13 @@ def patch(
         typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return
+    if not plan and distributed.rank_world()[0] == 0:  # rank 0 writes OUT (every method)
+        from circuitkit.files import lock_folder
+
+        try:
+            ctx.call_on_close(lock_folder(out, "--out folder").close)
+        except ValueError as e:
+            _fail(str(e))
     if backend == "nnsight":
         from circuitkit.patching import nnsight_backend
 
@@ -396,10 +420,9 @@ def patch(
             top_k=top_k, backend=backend, remote=remote, max_passes=max_passes,
             **({} if estimator is None else dict(estimator=estimator)))
         ckpt = _checkpoint_dir(out) if checkpoint and stores else None
-        with _baseline_warnings_as_lines():
-            res = run(the_model, clean, corrupt, metric, progress=True,
-                      task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
-    except ValueError as e:
+        res = run(the_model, clean, corrupt, metric, progress=True,
+                  task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+    except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
         _fail(str(e))
     except KeyboardInterrupt:
         if plan:
@@ -419,7 +442,10 @@ def patch(
         return
     res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=the_task.phase,
                     split=split, seed=seed)
-    written = res.save(out / "result")
+    try:
+        written = res.save(out / "result")
+    except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
+        _fail(str(e))
     top = res.top(5)
     auto = res.meta.get("auto")
     if auto:
@@ -510,9 +536,10 @@ def edges(
 
             choice("--gpu", gpu.upper(), sorted(GPU_CLASSES))
         else:
-            from circuitkit.files import check_writable_dir
+            from circuitkit.files import check_writable_dir, lock_folder
 
             check_writable_dir(out)
+            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
     except ValueError as e:
         _fail(str(e))
     nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
@@ -532,18 +559,17 @@ def edges(
         typer.echo(note, err=True)
     ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
     try:
-        with _baseline_warnings_as_lines():
-            res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
-                                 nodes["receivers"], inputs, direction=direction, method=method,
-                                 estimator=estimator, ig_steps=ig_steps, top_k=top_k,
-                                 batch_size=batch_size, checkpoint=ckpt, progress=True,
-                                 task_hash=the_task.fingerprint())
+        res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
+                             nodes["receivers"], inputs, direction=direction, method=method,
+                             estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                             batch_size=batch_size, checkpoint=ckpt, progress=True,
+                             task_hash=the_task.fingerprint())
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
         written = res.save(out / "edges")
         circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=ablation,
                           batch_size=batch_size, progress=True) if circuit else None
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
         _fail(str(e))
     except KeyboardInterrupt:
         where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
@@ -558,14 +584,16 @@ def edges(
     typer.echo(res.top(10)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if circ is not None:
         from circuitkit import files
+        from circuitkit.patching.results import PLOTLY_BUNDLE, plotly_bundle
         from circuitkit.viz.edges import circuit_graph, faithfulness_curve
 
         written.append(circ.save_json(out / "circuit.json"))
         for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
                           ("faithfulness.html", faithfulness_curve(circ))):
             if fig is not None:
+                plotly_bundle(out)  # atomic, unlike plotly's "directory"
                 written.append(files.atomic_write(out / name, lambda p, fig=fig: fig.write_html(
-                    p, include_plotlyjs="directory")))
+                    p, include_plotlyjs=PLOTLY_BUNDLE)))
         typer.echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
@@ -790,7 +818,10 @@ def evaluate(
     if batch_size < 1:
         _fail(f"--batch-size must be a positive integer; got {batch_size}.")
     the_model, the_task = _load(model, task, n_examples, seed, split, 2)
-    scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    try:
+        scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=True)
+    except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
+        _fail(f"{model}: {e}")
     if as_json:
         typer.echo(json.dumps(dict(model=model, task=task, n_examples=len(the_task), split=split,
                                    seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
@@ -863,9 +894,9 @@ def score(
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=True, k=k,
                          seed=seed)  # as characterize scores: the same table for the same flags
+        files.write_text(out, df.to_csv(index=False))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
-    files.write_text(out, df.to_csv(index=False))
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
@@ -919,10 +950,9 @@ def characterize(
     try:
         choice("patch_method", patch_method, METHODS)
         n_examples = _n_for(task, n_examples)
-        with _baseline_warnings_as_lines():
-            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                          n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                          text=flag, progress=True, edges=edges)
+        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                      text=flag, progress=True, edges=edges)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
@@ -986,6 +1016,8 @@ def distill(
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
+                                   "training state) of another configuration in --out."),
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
     rerun the same command), or run the ablation table (--ablation)."""
@@ -1019,7 +1051,7 @@ def distill(
         cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
                             lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
                             seed=seed, store=str(store) if store else None, **kw)
-        folder = train_student(cfg, out)
+        folder = train_student(cfg, out, overwrite=overwrite)
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -172,6 +172,18 @@ def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_
     return out
 
 
+def check_finite_model(model) -> None:
+    """Refuse (``ValueError``) a model whose parameters hold NaN or inf, naming a few."""
+    params = getattr(model, "named_parameters", None)
+    if params is None:
+        return
+    bad = [n for n, p in params() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"the model's weights hold NaN/inf in {len(bad)} parameter(s) (e.g. "
+                         f"{', '.join(bad[:3])}): nothing meaningful to evaluate. Is it a "
+                         "diverged training run?")
+
+
 def prompt_end(e, think_id: int | None) -> int:
     """Length of the prompt a model continues: the note up to and including ``<think>``."""
     toks = e.tokens.tolist()
@@ -199,6 +211,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         raise ValueError(f"evaluate: batch_size must be a positive integer; got {batch_size!r}.")
     if hasattr(model, "cfg"):
         task.check_model(model)
+    check_finite_model(model)
     dev = _device(model)
     bar = None
     if progress:
@@ -210,6 +223,10 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = _logits(model, sub.clean_tokens.to(dev))
+        if not bool(torch.isfinite(logits).all()):  # every metric below would be NaN or noise
+            raise ValueError(f"evaluate: the model's logits are not finite (NaN/inf) on notes "
+                             f"{s}..{s + len(sub) - 1}; its metrics would be meaningless. Is it "
+                             "a diverged training run?")
         focus.append(focus_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
         if bar is not None:

@@ -5,19 +5,63 @@
 complete new file, never a partial one under the final name. The file gets the mode a plain
 ``open(path, "w")`` would give (``0o666 & ~umask``): some writers (``safetensors.save_file``)
 create files ``0600``, which would leave result files unreadable to a group that can read the
-JSON beside them.
+JSON beside them. A write that fails for want of space or permission (``OSError``, or
+safetensors' ``SafetensorError`` wrapping one) is raised as ``WriteError`` (an ``OSError``): one
+line naming the file and what to do; the temporary file is removed.
+
+``lock_folder(path)``: the one lock of a folder that a run writes (``characterize``, ``distill``,
+``patch --out``, ``report``, each checkpoint rank): ``fcntl.flock`` on a file in it, so a lock
+whose process died is free again (taken over, its pid replaced); taking it removes the
+temporary files dead writers left there (``clean_temporaries``).
 
 This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errno_
+import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+LOCK_NAME = ".circuitkit.lock"
+
+
+class WriteError(OSError):
+    """A durable write that failed (disk full, no permission): its message is one line naming
+    the file and what to do. ``errno`` is the underlying error's."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _write_failure(e: BaseException, path: Path) -> WriteError | None:
+    """``e`` as a ``WriteError`` naming ``path`` when it is an I/O failure (an ``OSError``, or a
+    ``SafetensorError`` wrapping one: safetensors reports ``No space left on device`` that way);
+    None for anything else (a bug is not a disk problem)."""
+    if isinstance(e, WriteError):
+        return e
+    if isinstance(e, OSError):
+        code, reason = e.errno, e.strerror or str(e)
+    elif type(e).__name__ == "SafetensorError" and ("I/O error" in str(e) or "os error" in str(e)
+                                                     or "IoError" in str(e)):
+        m = re.search(r"os error (\d+)|code: (\d+)", str(e))
+        code = int(next(g for g in m.groups() if g)) if m else None
+        reason = os.strerror(code) if code else str(e)
+    else:
+        return None
+    what = {errno_.ENOSPC: "free some space", errno_.EDQUOT: "free some space",
+            errno_.EACCES: "make the folder writable", errno_.EROFS: "choose a writable folder",
+            errno_.EPERM: "make the folder writable"}.get(code, "fix that")
+    return WriteError(code or errno_.EIO, f"could not write {path}: {reason}; {what} and rerun "
+                      "the same command (files written completely are kept; nothing is left "
+                      "half-written under its name).")
 
 
 def _umask() -> int:
@@ -48,11 +92,23 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
             os.close(fd)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        failure = _write_failure(e, path)
+        if failure is None:
+            raise
+        raise failure from None
     fsync_dir(path.parent)
     return path
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -78,6 +134,11 @@ def check_writable_dir(path: str | Path, what: str = "--out") -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path} is an existing file, not a folder; choose a folder path.")
+    for p in (path, *path.parents):  # mkdir would say "File exists"
+        if p.is_symlink() and not p.exists():
+            raise ValueError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which "
+                             "does not exist; create that folder, remove the link, or choose "
+                             "another path.")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test.{os.getpid()}"
@@ -114,7 +175,7 @@ def write_folder(out: Path, write: Callable[[Path], Any]) -> Path:
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
-        write(stage)
+        _staged(write, stage, out)
         for f in sorted(stage.rglob("*")):
             if f.is_file():
                 _move_file(f, f)
@@ -137,7 +198,7 @@ def write_files_into(out: Path, write: Callable[[Path], Any]) -> Path:
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
-        write(stage)
+        _staged(write, stage, out)
         for f in sorted(stage.iterdir()):
             if not f.is_file():
                 raise ValueError(f"write_files_into: {f} is not a file; only flat folders.")
@@ -145,3 +206,112 @@ def write_files_into(out: Path, write: Callable[[Path], Any]) -> Path:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _staged(write: Callable[[Path], Any], stage: Path, out: Path) -> None:
+    """``write(stage)``, its I/O failures raised as a ``WriteError`` naming ``out``."""
+    try:
+        write(stage)
+    except Exception as e:
+        failure = _write_failure(e, out)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+# --- one lock per folder, and what dead writers left there ---------------------------------------
+
+_HELD: dict[str, int] = {}  # lock file (real path) -> fd, for the locks this process holds
+_TEMPORARY = re.compile(r"^\.(?:.+\.(\d+)\.(?:tmp|partial)|staging\.(\d+)|write-test\.(\d+))$")
+
+
+class FolderLock:
+    """A held ``lock_folder`` lock; ``close()`` (or leaving its ``with``) releases it."""
+
+    def __init__(self, key: str | None):
+        self.key = key
+
+    def close(self) -> None:
+        key, self.key = self.key, None
+        fd = _HELD.pop(key, None) if key is not None else None
+        if fd is not None:
+            os.close(fd)  # closing releases the flock
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def lock_folder(path: str | Path, what: str = "folder", name: str = LOCK_NAME,
+                clean: bool = True) -> FolderLock:
+    """Hold ``path``'s lock (the file ``path/name``) until ``close()``. Another process holding
+    it (or this one, through another ``lock_folder`` call: ``holds_lock`` tells): ``ValueError``
+    naming the folder and the holder's pid. A lock left by a process that died is free
+    (``flock`` ends with its process) and taken over. Taking it removes the temporary files of
+    dead writers in ``path`` (``clean_temporaries``) unless ``clean=False``: a folder that
+    processes on other hosts write too (torchrun ranks sharing a checkpoint), whose pids this
+    host cannot see."""
+    path = Path(path)
+    lock_file = path / name
+    key = os.path.realpath(lock_file)
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: no protection
+        return FolderLock(None)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = ""
+        with contextlib.suppress(OSError):
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ValueError(
+            f"{what} {path} is in use by another process (pid {holder or '?'}); wait for it to "
+            f"finish, or use another {what}.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[key] = fd
+    if clean:
+        clean_temporaries(path)
+    return FolderLock(key)
+
+
+def holds_lock(path: str | Path, name: str = LOCK_NAME) -> bool:
+    """Whether this process holds ``lock_folder(path)`` (``characterize`` writing its report
+    under its own lock)."""
+    return os.path.realpath(Path(path) / name) in _HELD
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # under our own lock, nothing of ours is being written now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_temporaries(folder: str | Path) -> list[str]:
+    """Remove what writers that died left in ``folder`` (not below it): ``atomic_write``'s
+    ``.NAME.PID.tmp``, ``write_folder``'s ``.NAME.PID.partial``, ``write_files_into``'s
+    ``.staging.PID``, ``check_writable_dir``'s ``.write-test.PID``, when no process PID runs.
+    Returns the names removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            m = _TEMPORARY.match(entry.name)
+            if not m or _alive(int(next(g for g in m.groups() if g))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed

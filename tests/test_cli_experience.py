@@ -415,3 +415,26 @@ def test_patch_names_its_metric_and_phase(tmp_path):
     res = PatchResult.load(tmp_path / "o")
     assert f"Phase 2, metric {res.meta['metric']}" in r.output
     assert sum(line.startswith("wrote ") for line in r.output.splitlines()) == 4  # one a file
+
+
+def test_the_cli_says_a_circuitkit_warning_once_in_one_line(capsys):
+    """A warning from circuitkit's own code prints as one ``warning:`` line, each message once
+    (Python's format added the file path and source line, twice for validation and ablation);
+    other libraries' warnings keep Python's format."""
+    import warnings
+
+    from circuitkit.cli import _warnings_as_lines
+    from circuitkit.scoring.validate import random_head_sets
+
+    with warnings.catch_warnings(record=True) as passed_on:  # what Python would print
+        warnings.simplefilter("always")
+        with _warnings_as_lines():
+            for _ in range(2):  # 2 top heads of a 3-head layer: 2 other sets exist
+                assert len(random_head_sets([(0, 0), (0, 1)], 3, 20, 0)) == 2
+            warnings.warn_explicit("from another library", UserWarning, "/elsewhere/lib.py", 7)
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if "same-layers random head sets" in line]
+    assert len(ours) == 1 and ours[0].startswith("warning: only 2 same-layers"), err
+    assert "validate.py" not in err and "another library" not in err
+    assert [(str(w.message), w.filename) for w in passed_on] == [
+        ("from another library", "/elsewhere/lib.py")]

@@ -306,7 +306,9 @@ def test_report_says_when_the_corruption_did_not_lower_the_metric(tmp_path):
     run = tmp_path / "run"
     for direction in ("denoise", "noise"):
         res = patch_result(direction, 1, 0)
-        res.clean, res.corrupt = 0.0185, 0.0532
+        res.clean, res.corrupt = 0.0185, 0.0532  # per-prompt baselines agree (load checks)
+        res.clean_per_prompt, res.corrupt_per_prompt = (torch.full((8,), 0.0185),
+                                                        torch.full((8,), 0.0532))
         res.save(run / f"patch-p1-{direction}")
     html = report_mod.write_report(run, attention=False).read_text()
     assert html.count("The corruption did not lower the metric here") == 1

@@ -154,12 +154,7 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                  variants: tuple[str, ...] | None = None, progress: bool = True) -> Any:
     """Train and measure every variant for ``seeds`` seeds (module docstring); returns the
     ``ablation.csv`` frame. The lambdas scale the variants' mechanistic terms."""
-    import pandas as pd
-
-    from circuitkit.evaluation import pretrained_simulator
-    from circuitkit.files import check_writable_dir, write_json, write_text
-    from circuitkit.models import hf_progress
-    from circuitkit.tasks import load_task
+    from circuitkit.files import check_writable_dir, lock_folder
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}.")
@@ -170,6 +165,21 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}.")
     out = check_writable_dir(out, "--out")
+    with lock_folder(out, "--out folder"):  # one ablation per folder
+        return _run_ablation(out, teacher, seeds, size, student, lambda_p1, lambda_p2,
+                             lambda_ns, task, variants, progress)
+
+
+def _run_ablation(out: Path, teacher: str, seeds: int, size: str, student: Any,
+                  lambda_p1: float, lambda_p2: float, lambda_ns: float, task: str,
+                  variants: tuple[str, ...], progress: bool) -> Any:
+    import pandas as pd
+
+    from circuitkit.evaluation import pretrained_simulator
+    from circuitkit.files import write_json, write_text
+    from circuitkit.models import hf_progress
+    from circuitkit.tasks import load_task
+
     sz = SIZES[size]
     scale = dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns)
     base = DistillConfig(

@@ -54,9 +54,12 @@ Store (``build_store``/``SignalStore``): a folder of safetensors shards (``shard
 ``shard_size`` examples each, with the teacher's CoT rows, loss mask, query rows and signals (fp32)
 and, optionally, the teacher's top-k logits at every position; ``manifest.json`` names the
 teacher fingerprint (hash of its weights), the score-table hash, the task fingerprint, the options,
-and each shard. Building is resumable shard by shard; ``SignalStore.open`` refuses a store whose
-manifest does not match the run. Training reads one shard at a time (``BatchStream``), so the
-teacher never sits in memory beside the student.
+and each shard with its SHA-256. Building is resumable shard by shard (``manifest.partial.json``
+lists the shards written so far, with their SHA-256: a resumed build keeps those that still
+match, recomputes the rest); ``SignalStore.open`` refuses a store whose manifest is malformed
+(each field's type and range checked, the field named), does not match the run, or whose shard
+files do not match their SHA-256 (swapped, edited, truncated: the shard named). Training reads
+one shard at a time (``BatchStream``), so the teacher never sits in memory beside the student.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -79,12 +83,17 @@ from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-ex
 from circuitkit.scoring.heads import top_heads
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
-FORMAT = "circuitkit.distill.signals/1"
+FORMAT = "circuitkit.distill.signals/2"  # /2: a SHA-256 per shard
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score", "loopback",
                  "margin_widening", "refine_score", "phase1_rank", "phase2_rank")
 _EPS = 1e-12
+
+
+class StoreProblem(ValueError):
+    """A store that cannot be used as it is: built for another run, or damaged (its manifest or
+    a shard). The message names the file and says what to do."""
 
 
 # --- query rows -------------------------------------------------------------------------------
@@ -577,11 +586,20 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     """Write the teacher-signal store of ``pool_task`` to ``out`` (or resume one, or return the
     finished one); see the module docstring. ``teacher``: a ``TransformerBridge``
     (``ck.load_model``); its CoT: ``teacher_rows``."""
-    from circuitkit.files import check_writable_dir, write_json, write_tensors
+    from circuitkit.files import check_writable_dir, lock_folder
 
     options = options or StoreOptions()
     options.check()
     out = check_writable_dir(out, "signal store folder")
+    with lock_folder(out, "signal store folder"):  # one builder at a time
+        return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
+                            batch_size)
+
+
+def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: StoreOptions,
+                 teacher_name: str | None, progress: bool, batch_size: int) -> SignalStore:
+    from circuitkit.files import sha256_file, write_json, write_tensors
+
     f = hooks.facts(teacher)
     pool = Pooling.teacher(scores, f.n_layers, f.n_heads, options.top_k1, options.top_k2,
                            options.nonselective)
@@ -598,11 +616,15 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
                 anchor_token_ids=list(lay.anchor_token_ids),
                 weights=dict(p1=_nonzero(pool.w1), p2=_nonzero(pool.w2)))
     partial = out / PARTIAL
+    known: dict[str, dict] = {}  # shards a killed build finished: kept if they still match
     if partial.exists():
-        old = json.loads(partial.read_text())
-        if {k: old.get(k) for k in head} != head:
-            raise ValueError(f"{out} holds a partly built signal store for another teacher, score "
-                             "table, task or options; delete the folder or choose another.")
+        old = _read_json(partial, out)
+        if not isinstance(old, dict) or {k: old.get(k) for k in head} != head:
+            raise StoreProblem(f"{out} holds a partly built signal store for another teacher, "
+                               "score table, task or options; delete the folder or choose "
+                               "another.")
+        known = {e["file"]: e for e in old.get("shards", []) if isinstance(e, dict)
+                 and isinstance(e.get("file"), str)}
     else:
         write_json(partial, head)
     n = len(pool_task)
@@ -617,13 +639,17 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     for i, s in enumerate(starts):
         path = out / f"shard-{i:05d}.safetensors"
         sub = pool_task.subset(range(s, min(s + options.shard_size, n)))
-        if not path.exists():
+        entry = known.get(path.name)
+        if not (entry is not None and entry.get("n_examples") == len(sub) and path.is_file()
+                and sha256_file(path) == entry.get("sha256")):
             tokens, mask = teacher_rows(teacher, sub, folder)
             t = teacher_signals(teacher, tokens, pool, lay, options.topk_logits, batch_size)
             t.update(tokens=tokens.int(), mask=mask.to(torch.uint8))
             write_tensors(path, t)
-        shards.append(dict(file=path.name, n_examples=len(sub), width=_width(path),
-                           bytes=path.stat().st_size))
+            entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
+                         bytes=path.stat().st_size, sha256=sha256_file(path))
+        shards.append(entry)
+        write_json(partial, dict(head, shards=shards))  # a kill from here on keeps this shard
         if bar is not None:
             bar.update(len(sub))
     if bar is not None:
@@ -642,6 +668,107 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
                       f"{' and '.join(t for _, t in gone)} will be 0 in training: is the teacher "
                       "trained on this task?", stacklevel=2)
     return SignalStore.open(out, spec)
+
+
+def _read_json(file: Path, store: Path) -> Any:
+    """``file`` parsed; a damaged one is one line naming it (and the folder to delete)."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreProblem(f"{file}: not valid JSON (truncated?) at line {e.lineno} column "
+                           f"{e.colno}; delete the folder {store} to rebuild the store.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise StoreProblem(f"{file} is unreadable ({e}); delete the folder {store} to rebuild the "
+                           "store.") from None
+
+
+_SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_manifest(man: dict, store: Path) -> None:
+    """Every field a store's ``manifest.json`` needs, of the right type and range; a bad one is
+    a ``ValueError`` naming the file and the field."""
+    file = store / MANIFEST
+
+    def bad(field_: str, want: str, got: Any) -> StoreProblem:
+        return StoreProblem(f"{file}: field {field_!r} must be {want}; got {got!r:.80}. The "
+                            f"manifest is damaged: delete the folder {store} to rebuild the store.")
+
+    def integer(v: Any, lo: int, hi: float = math.inf) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+    def need(key: str, ok: Any, want: str) -> Any:
+        v = man.get(key)
+        if not ok(v):
+            raise bad(key, want, v)
+        return v
+
+    for key in ("teacher_fingerprint", "scores_hash", "task_fingerprint"):
+        need(key, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    opts = need("options", lambda v: isinstance(v, dict), "an object")
+    for key, lo in (("top_k1", 1), ("top_k2", 1), ("topk_logits", 0), ("shard_size", 1)):
+        if not integer(opts.get(key), lo):
+            raise bad(f"options.{key}", f"an integer >= {lo}", opts.get(key))
+    if not isinstance(opts.get("nonselective"), bool):
+        raise bad("options.nonselective", "true or false", opts.get("nonselective"))
+    n_vocab = need("n_vocab", lambda v: integer(v, 1), "a positive integer")
+    need("pad_id", lambda v: integer(v, 0, n_vocab), f"a token id in [0, {n_vocab})")
+    shape = need("teacher_shape", lambda v: isinstance(v, dict), "an object")
+    for key in ("n_layers", "n_heads", "d_model"):
+        if not integer(shape.get(key), 1):
+            raise bad(f"teacher_shape.{key}", "a positive integer", shape.get(key))
+    need("anchor_token_ids", lambda v: isinstance(v, list) and v != [] and all(
+        integer(t, 0, n_vocab) for t in v), f"a non-empty list of token ids in [0, {n_vocab})")
+    weights = need("weights", lambda v: isinstance(v, dict), "an object")
+    for k in ("p1", "p2"):
+        rows = weights.get(k)
+        if not isinstance(rows, list) or not all(
+                isinstance(r, list) and len(r) == 3 and integer(r[0], 0, shape["n_layers"])
+                and integer(r[1], 0, shape["n_heads"]) and _number(r[2])
+                and math.isfinite(r[2]) and r[2] >= 0 for r in rows):
+            raise bad(f"weights.{k}", f"a list of [layer < {shape['n_layers']}, head < "
+                      f"{shape['n_heads']}, finite weight >= 0]", rows)
+    shards = need("shards", lambda v: isinstance(v, list) and v != [], "a non-empty list")
+    for i, e in enumerate(shards):
+        if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not \
+                _SHARD_NAME.match(e["file"]):
+            raise bad(f"shards[{i}].file", "a name shard-NNNNN.safetensors", e)
+        for key in ("n_examples", "width", "bytes"):
+            if not integer(e.get(key), 1):
+                raise bad(f"shards[{i}].{key}", "a positive integer", e.get(key))
+        if not isinstance(e.get("sha256"), str) or not _SHA256.match(e["sha256"]):
+            raise bad(f"shards[{i}].sha256", "64 hex digits", e.get("sha256"))
+    if len({e["file"] for e in shards}) != len(shards):
+        raise bad("shards", "distinct files", [e["file"] for e in shards])
+    total = sum(e["n_examples"] for e in shards)
+    need("n_examples", lambda v: v == total, f"the sum of the shards' n_examples ({total})")
+    need("bytes", lambda v: v == sum(e["bytes"] for e in shards), "the sum of the shards' bytes")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def check_shards(man: dict, store: Path) -> None:
+    """Each shard file exists, has the manifest's size and SHA-256; otherwise a ``ValueError``
+    naming the shard (swapped, edited, truncated or missing)."""
+    from circuitkit.files import sha256_file
+
+    for e in man["shards"]:
+        file = store / e["file"]
+        if not file.is_file():
+            problem = "is missing"
+        elif file.stat().st_size != e["bytes"]:
+            problem = (f"has {file.stat().st_size} bytes, the manifest says {e['bytes']} "
+                       "(truncated, swapped or replaced)")
+        elif sha256_file(file) != e["sha256"]:
+            problem = ("does not match its SHA-256 in the manifest (edited, or swapped with "
+                       "another shard)")
+        else:
+            continue
+        raise StoreProblem(f"signal store shard {file} {problem}; delete the folder {store} to "
+                           "rebuild the store.")
 
 
 def _shape(path: Path, key: str) -> list[int]:
@@ -681,16 +808,20 @@ class SignalStore:
                 if (path / PARTIAL).exists() else ""
             raise ValueError(f"{path} is not a finished teacher-signal store: no {MANIFEST}"
                              f"{hint}.")
-        man = json.loads((path / MANIFEST).read_text())
-        if man.get("format") != FORMAT:
-            raise ValueError(f"{path / MANIFEST} is format {man.get('format')!r}, expected "
-                             f"{FORMAT!r}; rebuild the store.")
+        man = _read_json(path / MANIFEST, path)
+        if not isinstance(man, dict) or man.get("format") != FORMAT:
+            got = man.get("format") if isinstance(man, dict) else type(man).__name__
+            raise StoreProblem(f"{path / MANIFEST} is format {got!r}, expected {FORMAT!r} (a "
+                               f"SHA-256 per shard); delete the folder {path} to rebuild the "
+                               "store.")
+        check_manifest(man, path)
         if spec is not None:
             bad = _manifest_mismatch(man, spec)
             if bad:
-                raise ValueError(f"teacher-signal store {path} does not match this run ("
-                                 + "; ".join(bad) + "): it was built for another teacher, "
-                                 "score table or task. Delete it or use another folder.")
+                raise StoreProblem(f"teacher-signal store {path} does not match this run ("
+                                   + "; ".join(bad) + "): it was built for another teacher, "
+                                   "score table or task. Delete it or use another folder.")
+        check_shards(man, path)
         return cls(path, man)
 
     @property
@@ -718,7 +849,13 @@ class SignalStore:
             return self._cache[1]
         from safetensors.torch import load_file
 
-        data = load_file(str(self.path / self.manifest["shards"][i]["file"]))
+        file = self.path / self.manifest["shards"][i]["file"]
+        try:
+            data = load_file(str(file))
+        except Exception as e:  # noqa: BLE001 - safetensors has its own error types
+            raise StoreProblem(f"signal store shard {file} is unreadable ({type(e).__name__}: "
+                               f"{e}); delete the folder {self.path} to rebuild the "
+                               "store.") from None
         self._cache = (i, data)  # one shard in memory at a time
         return data
 

@@ -15,16 +15,28 @@
 4. resumable: every ``save_every`` steps (and on Ctrl-C) ``out_dir/train_state.safetensors``
    (``training.save_train_state``: safetensors + JSON, no pickle) holds model, optimiser,
    scheduler, step and history; the next call with the same config continues from it, and the
-   final weights equal an uninterrupted run's bit for bit;
+   final weights equal an uninterrupted run's bit for bit. A step whose loss or gradient is not
+   finite stops the run with one error naming the step and the terms; nothing of that step is
+   applied and no non-finite weights are ever saved (the last good state stays);
 5. the student is saved as a plain HF folder (``save_pretrained`` + the task's tokenizer), loadable
-   with ``ck.load_model(out_dir)``, with ``distill.json`` (config, history, time).
+   with ``ck.load_model(out_dir)``, with ``distill.json`` (config, history, time, the SHA-256 of
+   every student file) written last: it marks the folder finished. The final training state is
+   kept: rerunning the same config on a finished folder whose files verify does nothing; one
+   whose student files are missing or modified is rewritten from that state (no training). A
+   finished folder of another config is refused unless ``overwrite=True`` (``--overwrite``),
+   which deletes its student, state and (the default ``OUT/signals``) store first.
+
+One run per ``out_dir`` at a time (``files.lock_folder``); taking the lock removes the temporary
+files a killed save left there.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +46,7 @@ import torch
 from circuitkit.distill.loss import LossConfig, student_terms
 
 STATE_FILE = "train_state.safetensors"
+RECORD = "distill.json"  # written last: the folder holds a finished student
 COT_TASKS = ("icd10", "synthetic")  # built-in tasks whose rows hold a <think> ... CoT
 
 
@@ -69,14 +82,15 @@ class DistillConfig:
                   "save_every"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"{k} must be a positive integer, got {getattr(self, k)}.")
-        for k in ("lambda_p1", "lambda_p2", "lambda_ns"):
-            if not getattr(self, k) >= 0:  # NaN too
-                raise ValueError(f"{k} must be a number >= 0, got {getattr(self, k)}.")
+        for k in ("lambda_p1", "lambda_p2", "lambda_ns", "weight_decay"):
+            v = getattr(self, k)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):  # NaN, inf
+                raise ValueError(f"{k} must be a number >= 0 (finite), got {v}.")
         if self.task not in COT_TASKS:
             raise ValueError(f"task {self.task!r}: distillation trains on a task's chain of "
                              f"thought; the built-in CoT tasks are {list(COT_TASKS)}.")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}.")
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a number > 0 (finite), got {self.lr}.")
         bad = set(self.loss) - set(LossConfig.__dataclass_fields__)
         if bad:
             raise ValueError(f"loss options {sorted(bad)} are unknown; LossConfig has "
@@ -129,11 +143,14 @@ def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
     return pd.read_csv(path)  # as a later run reads it: one hash for both
 
 
-def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progress: bool = True):
+def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progress: bool = True,
+                  overwrite: bool = False):
     """``(store, pool_task)``: the finished signal store of this config (built if needed);
-    the teacher is loaded here and released on return."""
+    the teacher is loaded here and released on return. ``overwrite``: a default store
+    (``out_dir/signals``) built for another config is deleted and rebuilt (a ``cfg.store`` is
+    the caller's: never deleted)."""
     import circuitkit as ck
-    from circuitkit.distill.signals import StoreOptions, build_store
+    from circuitkit.distill.signals import StoreOptions, StoreProblem, build_store
     from circuitkit.files import check_writable_dir
     from circuitkit.tasks import load_task
 
@@ -147,13 +164,22 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
                          "train one with circuitkit.training).")
     folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
                                 "signal store folder (--store)")
-    if scores is None:
-        scores = teacher_scores(teacher, cfg, folder)
     lc = cfg.loss_config()
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
                         topk_logits=lc.topk_logits, shard_size=cfg.shard_size)
-    store = build_store(teacher, pool, scores, folder, opts, teacher_name=cfg.teacher,
-                        progress=progress)
+    for attempt in (0, 1):
+        try:
+            table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
+            store = build_store(teacher, pool, table, folder, opts, teacher_name=cfg.teacher,
+                                progress=progress)
+            break
+        except StoreProblem:
+            if attempt or not (overwrite and cfg.store is None):
+                raise
+            import shutil
+
+            shutil.rmtree(folder)  # another config's (or a damaged) default store: --overwrite
+            check_writable_dir(folder, "signal store folder")
     del teacher
     return store, pool
 
@@ -171,24 +197,14 @@ def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
 
 def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "distill-out",
                   progress: bool = True, resume: bool = True, scores: Any = None,
-                  **overrides: Any) -> Path:
+                  overwrite: bool = False, **overrides: Any) -> Path:
     """Train a student (module docstring); returns ``out_dir`` (an HF folder). ``overrides``:
     ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``). ``progress``:
-    this function's bars, and transformers' own (loading the teacher, saving the student)."""
+    this function's bars, and transformers' own (loading the teacher, saving the student).
+    ``overwrite``: a finished student or training state of another config in ``out_dir`` is
+    deleted first (otherwise refused)."""
+    from circuitkit.files import check_writable_dir, lock_folder
     from circuitkit.models import hf_progress
-
-    with hf_progress(progress):
-        return _train_student(cfg, out_dir, progress, resume, scores, **overrides)
-
-
-def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: bool,
-                   resume: bool, scores: Any, **overrides: Any) -> Path:
-    from tqdm.auto import tqdm
-
-    from circuitkit.distill.signals import BatchStream
-    from circuitkit.files import check_writable_dir, write_text
-    from circuitkit.models import configure_threads
-    from circuitkit.training import load_train_state, save_train_state
 
     cfg = cfg or DistillConfig()
     if overrides:
@@ -198,9 +214,106 @@ def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: boo
                              f"has {sorted(DistillConfig.__dataclass_fields__)}.")
         cfg = DistillConfig(**{**asdict(cfg), **overrides})
     cfg.check()
-    configure_threads()
     out = check_writable_dir(out_dir, "out_dir")
-    store, pool = prepare_store(cfg, out, scores, progress)
+    # one run per folder (dead writers' temporaries removed); transformers' bars follow progress
+    with lock_folder(out, "out_dir"), hf_progress(progress):
+        return _train_student(cfg, out, progress, resume, scores, overwrite)
+
+
+def finished_problem(out: Path, record: dict) -> str:
+    """Why a finished folder's student is not intact ("" when it is): a file listed in
+    ``distill.json`` is missing or differs from its recorded SHA-256."""
+    from circuitkit.files import sha256_file
+
+    sums = record.get("files")
+    if not isinstance(sums, dict) or not sums:
+        return f"{out / RECORD} lists no student files (an older circuitkit wrote it)"
+    for name, digest in sums.items():
+        if not (out / name).is_file():
+            return f"{out / name} is missing"
+        if sha256_file(out / name) != digest:
+            return f"{out / name} was modified (its SHA-256 differs from {RECORD}'s)"
+    return ""
+
+
+def _clear(out: Path, record: dict | None) -> None:
+    """Delete a finished student (the files ``distill.json`` lists, then it) and the training
+    state: ``overwrite``."""
+    (out / RECORD).unlink(missing_ok=True)  # first: the folder no longer claims a student
+    listed = (record or {}).get("files")
+    for name in listed if isinstance(listed, dict) else {}:
+        if isinstance(name, str) and Path(name).name == name and name not in (
+                ".", "..", STATE_FILE) and (out / name).is_file():
+            (out / name).unlink()
+    (out / STATE_FILE).unlink(missing_ok=True)
+
+
+def _read_record(out: Path) -> dict | None:
+    path = out / RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); delete it (and the student files beside "
+                         "it) or pass --overwrite to train this folder's student again.") from None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ValueError(f"{path} holds no distillation config; delete it or pass --overwrite.")
+    return record
+
+
+def _config_diff(stored: dict, now: dict) -> str:
+    return ", ".join(f"{k}: {stored.get(k)!r} -> {now.get(k)!r}" for k in sorted(
+        set(stored) | set(now)) if stored.get(k) != now.get(k))
+
+
+def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
+                   overwrite: bool) -> Path:
+    from tqdm.auto import tqdm
+
+    from circuitkit.distill.signals import BatchStream
+    from circuitkit.files import write_text
+    from circuitkit.models import configure_threads
+    from circuitkit.training import load_train_state, save_train_state
+
+    configure_threads()
+    state_path = out / STATE_FILE
+    config = json.loads(json.dumps(asdict(cfg), default=str))
+    try:
+        record = _read_record(out)
+    except ValueError:
+        if not overwrite:
+            raise
+        _clear(out, None)  # an unreadable distill.json: --overwrite starts over
+        record = None
+    if record is not None and record["config"] != config:
+        if not overwrite:
+            raise ValueError(f"{out} holds a finished student of another distillation config "
+                             f"({_config_diff(record['config'], config)}); pass --overwrite "
+                             "(overwrite=True) to replace it, or choose another --out.")
+        _clear(out, record)
+        record = None
+    if record is not None and resume:
+        problem = finished_problem(out, record)
+        if not problem:
+            if progress:
+                print(f"{out} already holds this student (distill.json and its files verify); "
+                      "nothing to do.", file=sys.stderr)
+            return out
+        how = ("rewriting it from the kept training state" if state_path.exists() else
+               "training it again (no training state kept)")
+        warnings.warn(f"circuitkit: finished student in {out} is damaged ({problem}); {how}.",
+                      stacklevel=3)
+    if state_path.exists() and resume:
+        stored = load_train_state(state_path)
+        if stored["config"] != config:
+            if not overwrite:
+                raise ValueError(
+                    f"{state_path} belongs to a different distillation config "
+                    f"({_config_diff(stored['config'], config)}); pass --overwrite "
+                    "(overwrite=True) to start over, or use another out_dir.")
+            _clear(out, record)
+    store, pool = prepare_store(cfg, out, scores, progress, overwrite)
     width = max(s["width"] for s in store.manifest["shards"])
     n_ctx = max(64, 2 ** math.ceil(math.log2(width + 1)))
     hf, student = build_student(cfg, pool.vocab, n_ctx)
@@ -213,23 +326,25 @@ def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: boo
     teacher_pool = store.pooling()
     anchors = store.anchor_token_ids
     lc = cfg.loss_config()
-    state_path = out / STATE_FILE
-    config = json.loads(json.dumps(asdict(cfg), default=str))
     step, elapsed, history = 0, 0.0, []
     if resume and state_path.exists():
         st = load_train_state(state_path)
-        if st["config"] != config:
-            raise ValueError(f"{state_path} belongs to a different distillation config; use "
-                             "another out_dir or delete it to start over.")
         hf.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
         step, elapsed, history = st["step"], st["elapsed"], st["history"]
+    saved = step  # the step of the training state on disk (0: none)
 
     def checkpoint() -> None:
+        nonlocal saved
+        bad = non_finite_parameters(hf)
+        if bad:  # never replace a good state with a broken one
+            raise ValueError(_diverged(step, cfg, f"weights {bad[:3]} hold NaN/inf", saved,
+                                       state_path))
         save_train_state(state_path, dict(config=config, model=hf.state_dict(),
                                           opt=opt.state_dict(), sched=sched.state_dict(),
                                           step=step, elapsed=elapsed, history=history))
+        saved = step
 
     student.train()
     name = "cot" if not (cfg.lambda_p1 or cfg.lambda_p2 or cfg.lambda_ns) else \
@@ -241,9 +356,16 @@ def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: boo
         while step < cfg.steps:
             terms = student_terms(student, stream[step], teacher_pool, anchors, lc,
                                   cfg.lambda_p1, cfg.lambda_p2, cfg.lambda_ns)
+            if not bool(torch.isfinite(terms["total"].detach())):
+                raise ValueError(_diverged(step + 1, cfg, "the loss is not finite ("
+                                           + _terms(terms) + ")", saved, state_path))
             opt.zero_grad(set_to_none=True)
             terms["total"].backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if not bool(torch.isfinite(norm)):  # before opt.step: nothing of it is applied
+                raise ValueError(_diverged(step + 1, cfg, f"the gradient is not finite (norm "
+                                           f"{float(norm)}; {_terms(terms)})", saved,
+                                           state_path))
             opt.step()
             sched.step()
             step += 1
@@ -264,21 +386,46 @@ def _train_student(cfg: DistillConfig | None, out_dir: str | Path, progress: boo
         raise
     bar.close()
     student.eval()
-    save_student(hf, cfg, pool.vocab, n_ctx, out)
-    write_text(out / "distill.json", json.dumps(dict(
+    if saved != step:
+        checkpoint()  # the final state is kept: a rerun of this config is a no-op
+    files_ = save_student(hf, cfg, pool.vocab, n_ctx, out)
+    write_text(out / RECORD, json.dumps(dict(
         config=config, train_seconds=round(elapsed, 1), history=history,
         history_columns=["step", "total", "cot", "p1", "p2", "ns", "seconds"],
         store=str(store.path), teacher_fingerprint=store.manifest["teacher_fingerprint"],
-        scores_hash=store.manifest["scores_hash"], torch=torch.__version__), indent=1))
-    state_path.unlink(missing_ok=True)  # finished: the HF folder is the artefact
+        scores_hash=store.manifest["scores_hash"], torch=torch.__version__, files=files_),
+        indent=1))
     return out
 
 
-def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int, out: Path) -> None:
+def non_finite_parameters(model: Any) -> list[str]:
+    """Names of ``model``'s parameters holding NaN or inf."""
+    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def _terms(terms: dict) -> str:
+    return ", ".join(f"{k} {float(terms[k].detach()):.4g}" for k in ("total", "cot", "p1", "p2",
+                                                                      "ns") if k in terms)
+
+
+def _diverged(step: int, cfg: DistillConfig, what: str, saved: int, state: Path) -> str:
+    kept = (f"the last good training state (step {saved}) is kept in {state}" if saved else
+            "no training state was saved before it")
+    return (f"distillation stopped at step {step} of {cfg.steps}: {what}; nothing of this step "
+            f"was applied and no student was saved ({kept}). Lower the learning rate (lr "
+            f"{cfg.lr:g}) or the lambdas (p1 {cfg.lambda_p1:g}, p2 {cfg.lambda_p2:g}, ns "
+            f"{cfg.lambda_ns:g}), check the signal store, and rerun with --overwrite (or "
+            "another --out).")
+
+
+def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int,
+                 out: Path) -> dict[str, str]:
     """The trained weights as a plain HF folder (a fresh model of the same preset holding them:
-    the bridge-wrapped model's own ``save_pretrained`` would write wrapper names)."""
+    the bridge-wrapped model's own ``save_pretrained`` would write wrapper names). Returns
+    ``{file name: SHA-256}`` of the files written. Refuses (``ValueError``) weights holding
+    NaN or inf: a broken student is never saved."""
     from circuitkit.distill.signals import plain_parameters
-    from circuitkit.files import write_files_into
+    from circuitkit.files import sha256_file, write_files_into
     from circuitkit.tasks.base import word_tokenizer
     from circuitkit.training import build_model
 
@@ -288,9 +435,15 @@ def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int, out:
     if missing.missing_keys or missing.unexpected_keys:
         raise AssertionError(f"student weights do not map onto a fresh model: {missing}")
     fresh.eval()
+    bad = non_finite_parameters(fresh)
+    if bad:
+        raise ValueError(f"student weights {bad[:3]} hold NaN/inf: not saved to {out}.")
+    names: list[str] = []
 
     def final(folder: Path) -> None:
         fresh.save_pretrained(folder)
         word_tokenizer(vocab, str(folder))
+        names.extend(sorted(f.name for f in folder.iterdir()))
 
     write_files_into(out, final)
+    return {name: sha256_file(out / name) for name in names}

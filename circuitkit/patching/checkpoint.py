@@ -11,8 +11,8 @@ Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) a
   id and plan entry, and a SHA-256 of its values. A file that is unreadable, of another sweep,
   of another chunk (two files swapped), of the wrong shape, or whose values changed, is reported
   by name (a warning), deleted and recomputed.
-* **Lock**: one process per rank works in a folder at a time (``fcntl.flock`` on
-  ``lock.rank<r>``); a second one is told the folder is in use.
+* **Lock**: one process per rank works in a folder at a time (``files.lock_folder`` on
+  ``lock.rank<r>``); a second one is told the folder is in use, and by which pid.
 
 Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
 
@@ -25,10 +25,8 @@ and a checksum).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -180,7 +178,7 @@ class SweepCheckpoint:
             files.write_json(header, dict(identity=identity, chunks=[list(c) for c in chunks]))
         if world > 1:
             dist.barrier()
-        lock = _take_lock(path, rank)
+        lock = _take_lock(path, rank, world)
         try:
             stored = _read_header(header)
             if stored["identity"] != identity:
@@ -267,36 +265,11 @@ def _read_header(header: Path, *keys: str) -> dict:
                          f"{header.parent} to start the sweep over.") from None
 
 
-class _Lock:
-    def __init__(self, fd: int | None):
-        self.fd = fd
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
-
-
-def _take_lock(path: Path, rank: int) -> _Lock:
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform: no protection, as before
-        return _Lock(None)
-    lock_file = path / f"lock.rank{rank}"
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = ""
-        with contextlib.suppress(OSError):
-            holder = os.pread(fd, 32, 0).decode().strip()
-        os.close(fd)
-        raise ValueError(
-            f"checkpoint folder {path} is in use by another process (pid {holder or '?'}); wait "
-            "for it to finish, or use another checkpoint folder.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return _Lock(fd)
+def _take_lock(path: Path, rank: int, world: int = 1) -> files.FolderLock:
+    """Rank ``rank``'s lock of a checkpoint folder (``files.lock_folder`` on ``lock.rank<r>``);
+    a lone process also removes the temporaries dead writers left (ranks may run on other
+    hosts, whose pids cannot be checked from here)."""
+    return files.lock_folder(path, "checkpoint folder", f"lock.rank{rank}", clean=world == 1)
 
 
 class HybridCheckpoint:

@@ -405,29 +405,19 @@ class PatchResult:
                                  "the files PatchResult.save writes).")
         try:
             info = json.loads(js.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{js} is not a readable result file ({e}).") from None
-        if not isinstance(info, dict) or info.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{js} is not a circuitkit patching result (format "
-                             f"{info.get('format') if isinstance(info, dict) else None!r}).")
-        if info.get("version", 1) > FORMAT_VERSION:
-            raise ValueError(f"{js}: format version {info['version']} is newer than this "
-                             f"circuitkit reads ({FORMAT_VERSION}); upgrade circuitkit.")
-        missing = [k for k in ("clean", "corrupt", "direction", "method", "site", "positions",
-                               "axes") if k not in info]
-        if missing:
-            raise ValueError(f"{js}: missing field(s) {missing}.")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{js} is not a readable result file: not valid JSON (truncated?) "
+                             f"at line {e.lineno} column {e.colno}.") from None
+        kw = _checked_info(info, js)
         try:
             tensors = load_file(str(st))
         except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
             raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
-        if "values" not in tensors:
-            raise ValueError(f"{st}: no 'values' tensor.")
-        kw = {k: info[k] for k in ("clean", "corrupt", "direction", "method", "site",
-                                   "positions")}
+        _check_tensors(tensors, kw, st, js)
         try:
-            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, axes=tuple(info["axes"]),
-                       meta=info.get("meta", {}), **kw)
+            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{js}: {e}") from None
 
@@ -436,6 +426,110 @@ class PatchResult:
                 f"site={self.site!r}, positions={self.positions!r}, "
                 f"values={tuple(self.values.shape)} over {self.axes}, clean={self.clean:.4f}, "
                 f"corrupt={self.corrupt:.4f})")
+
+
+PLOTLY_BUNDLE = "plotly.min.js"
+AXES = ("layer", "head", "pos")
+# values recomputed from per_prompt (float64 mean) agree with the stored float32 means to
+# ~1e-7 x scale (measured); this bound refuses an edited file, never a float32 rounding
+MEAN_RTOL = 1e-4
+
+
+def plotly_bundle(folder: Path) -> Path:
+    """``folder/plotly.min.js`` for pages written with ``include_plotlyjs=PLOTLY_BUNDLE``,
+    written atomically unless a complete copy is there (plotly's own
+    ``include_plotlyjs="directory"`` writes it in place and keeps whatever it finds, so a write
+    cut short by a full disk left every later page blank). Returns its path."""
+    from plotly.offline import get_plotlyjs
+
+    from circuitkit import files
+
+    js, dest = get_plotlyjs(), folder / PLOTLY_BUNDLE
+    try:
+        if dest.stat().st_size == len(js.encode()) and dest.read_text(encoding="utf-8") == js:
+            return dest
+    except (OSError, UnicodeDecodeError):
+        pass
+    return files.atomic_write(dest, lambda p: p.write_text(js, encoding="utf-8"))
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _checked_info(info: Any, js: Path) -> dict[str, Any]:
+    """The constructor fields of a result's JSON, each checked for type and range; a bad one is
+    a ``ValueError`` naming ``js`` and the field."""
+    if not isinstance(info, dict) or info.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"{js} is not a circuitkit patching result (format "
+                         f"{info.get('format') if isinstance(info, dict) else None!r}).")
+    version = info.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"{js}: field 'version' must be a positive integer; got {version!r}.")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{js}: format version {version} is newer than this circuitkit reads "
+                         f"({FORMAT_VERSION}); upgrade circuitkit.")
+    missing = [k for k in ("clean", "corrupt", "direction", "method", "site", "positions",
+                           "axes") if k not in info]
+    if missing:
+        raise ValueError(f"{js}: missing field(s) {missing}.")
+    for k in ("clean", "corrupt"):
+        if not _number(info[k]) or not math.isfinite(info[k]):
+            raise ValueError(f"{js}: field {k!r} must be a finite number; got {info[k]!r}.")
+    for k in ("direction", "method", "site", "positions"):
+        if not isinstance(info[k], str):
+            raise ValueError(f"{js}: field {k!r} must be a string; got {info[k]!r}.")
+    axes = info["axes"]
+    if not isinstance(axes, list) or not all(a in AXES for a in axes) or len(set(axes)) != len(
+            axes):
+        raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
+                         f"got {axes!r}.")
+    meta = info.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"{js}: field 'meta' must be a JSON object; got {type(meta).__name__} "
+                         f"{meta!r:.60}.")
+    return dict(clean=float(info["clean"]), corrupt=float(info["corrupt"]),
+                direction=info["direction"], method=info["method"], site=info["site"],
+                positions=info["positions"], axes=tuple(axes), meta=meta)
+
+
+def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js: Path) -> None:
+    """A result's tensors: ``values`` present; every tensor floating and finite; the per-prompt
+    baselines come as a pair; ``values``, ``clean`` and ``corrupt`` are the means of their
+    per-prompt tensors (``MEAN_RTOL`` x scale). A ``ValueError`` names the file and field."""
+    if "values" not in tensors:
+        raise ValueError(f"{st}: no 'values' tensor.")
+    for k in TENSOR_FIELDS:
+        t = tensors.get(k)
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise ValueError(f"{st}: tensor {k!r} must be floating point; got {t.dtype}.")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"{st}: tensor {k!r} holds {bad} non-finite value(s) (NaN/inf) of "
+                             f"{t.numel()}; the file is damaged or the sweep's metric was not "
+                             "finite. Recompute it.")
+    pair = [k for k in ("clean_per_prompt", "corrupt_per_prompt") if k in tensors]
+    if len(pair) == 1:
+        raise ValueError(f"{st}: {pair[0]!r} without its pair; the file is damaged.")
+    checks = []
+    pp = tensors.get("per_prompt")
+    if pp is not None and pp.ndim >= 1 and tuple(pp.shape[1:]) == tuple(tensors["values"].shape):
+        checks.append(("values", tensors["values"].double(), pp.double().mean(0)))
+    for k, name in (("clean", "clean_per_prompt"), ("corrupt", "corrupt_per_prompt")):
+        if name in tensors and tensors[name].ndim == 1 and tensors[name].numel():
+            checks.append((k, torch.tensor(kw[k], dtype=torch.float64),
+                           tensors[name].double().mean()))
+    scale = max([1.0, abs(kw["clean"]), abs(kw["corrupt"])]
+                + [float(t.abs().max()) for t in tensors.values() if t.numel()])
+    for k, stored, mean in checks:
+        diff = float((stored - mean).abs().max()) if stored.numel() else 0.0
+        if diff > MEAN_RTOL * scale:
+            where = st if k == "values" else f"{js} field {k!r} and {st}"
+            raise ValueError(f"{where}: {k!r} is not the mean over prompts of its per-prompt "
+                             f"values (differs by {diff:.3g}; scale {scale:.3g}): one of them "
+                             "was changed. Recompute the result.")
 
 
 def verified_mask(result: PatchResult) -> Tensor:
@@ -649,8 +743,10 @@ class EdgeResult:
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
+        # plotly.js once per folder, beside the page (written atomically: plotly_bundle)
+        plotly_bundle(paths["html"].parent)
         files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
-            p, include_plotlyjs="directory"))
+            p, include_plotlyjs=PLOTLY_BUNDLE))
         return list(paths.values())
 
     @classmethod

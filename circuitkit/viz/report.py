@@ -483,7 +483,17 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         (r.meta.get("model_name") or r.meta.get("model") for r in results.values()), None)
     task_name = summary.get("task") or summary.get("identity", {}).get("task") or next(
         (r.meta.get("task") for r in results.values() if r.meta.get("task")), None)
-    missing = [s for s in summary.get("steps_expected", []) if s not in summary.get("steps", {})]
+    recorded = summary.get("steps", {})
+    missing = [s for s in summary.get("steps_expected", []) if s not in recorded]
+    lost = {s: [f for f in r.get("files", []) if not (run_dir / f).is_file()]
+            for s, r in recorded.items() if isinstance(r, dict)}
+    lost = {s: f for s, f in lost.items() if f}
+    if lost:  # recorded as done, files gone: not silently left out of the page
+        sections.append(("lost", "Missing files", (
+            "<p class='warn'>summary.json records these steps as done, but their files are "
+            "missing: " + _esc("; ".join(f"{s} ({', '.join(f)})" for s, f in lost.items()))
+            + ". Rerun the same <code>circuitkit characterize</code> command to recompute "
+            "them.</p>")))
     if summary.get("complete") is False and missing:
         sections.append(("unfinished", "Unfinished run", (
             f"<p class='warn'>This characterize run stopped before {len(missing)} of its "
@@ -620,14 +630,21 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) 
     ``kw``: ``model=``/``task=`` (already loaded: skips reloading for the attention views),
     ``attention=False`` (no views), ``top_k`` (rows of the score tables), ``attention_heads``.
     """
-    from circuitkit.files import atomic_write, check_writable_file
+    from circuitkit.files import atomic_write, check_writable_file, holds_lock, lock_folder
 
     path = Path(out) if out is not None else Path(run_dir) / "report.html"
     if path.is_dir():  # before the (slow) report is built
         check_writable_file(path, "out", "report.html")
-    text = build_report(run_dir, **kw)
-    check_writable_file(path, "out", "report.html")  # (makes its folder)
-    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+    # the folder read is locked (not by a characterize run of this process: it holds it)
+    lock = lock_folder(run_dir, "run_dir") if Path(run_dir).is_dir() and not holds_lock(
+        run_dir) else None
+    try:
+        text = build_report(run_dir, **kw)
+        check_writable_file(path, "out", "report.html")  # (makes its folder)
+        return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def describe_written(path: Path, seconds: float) -> str:
