@@ -242,3 +242,20 @@ def test_layouts_outside_the_llama_form_are_not_fused():
     windowed = ck.load_model(dict(SMALL, **FUSED_ARCHS["mistral-window"]))
     assert not supports_attention_at_rows(windowed.blocks[-1].attn)
     assert fused.fused_form(windowed).blocks[0].window == 3
+
+
+def test_silu_runs_in_place_only_where_it_is_plain_silu():
+    """``fused._is_silu`` decides whether the MLP's activation runs as an in-place SiLU: true for
+    torch's ``SiLU`` and transformers' ``SiLUActivation`` (what HF Llama-form MLPs hold), false
+    for another activation or a ``SiLUActivation`` whose forward was replaced (a hub kernel);
+    the in-place result equals the module's own."""
+    from transformers.activations import ACT2FN
+
+    silu = ACT2FN["silu"]
+    assert fused._is_silu(silu) and fused._is_silu(torch.nn.SiLU())
+    assert not fused._is_silu(ACT2FN["gelu"]) and not fused._is_silu(torch.nn.GELU())
+    replaced = type(silu)()
+    replaced.forward = lambda x: x  # an instance-level replacement, as a hub kernel would do
+    assert not fused._is_silu(replaced)
+    x = torch.randn(5, 7)
+    assert torch.equal(torch.nn.functional.silu(x.clone(), inplace=True), silu(x))
