@@ -159,6 +159,7 @@ class ExactEngine:
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
         self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
+        self._whole_site_base: list[Tensor] | None = None  # (_site_base_to_length)
 
     def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
               sweep: Sweep) -> None:
@@ -198,6 +199,10 @@ class ExactEngine:
         kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
         if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, kinds)):
             kinds = {}
+        # The fused run stops each prompt at its own last read (later positions hold zeros):
+        # enough for every patch of a prompt by itself, not for a z taken from another prompt
+        # (run_head_sets' resample, _site_base_to_length).
+        self.rows_cut_at_reads = bool(kinds) and gather is not None
         for r0 in range(0, tokens.shape[0], rows):
             if kinds:  # a Llama-form model: the same run as plain tensor code
                 out, cache = self.fused.cached_run(
@@ -709,7 +714,29 @@ class ExactEngine:
             return torch.zeros_like(base)
         if source == "mean":
             return self.mean_z(layer).to(base)[None, None].expand_as(base)
+        if self.rows_cut_at_reads:  # another prompt's z, at positions after its own last read
+            base = self._span(self._site_base_to_length()[layer], p0, p1, length, site=True)
         return base[perm.to(base.device)]
+
+    def _site_base_to_length(self) -> list[Tensor]:
+        """The base run's site activation of every layer ``[n, length, ...]`` with every
+        prompt run to ``length`` (the fused cached run stops each at its own last read), on the
+        CPU like the cache; computed on first use (``run_head_sets``' resample)."""
+        if self._whole_site_base is None:
+            kinds = fused.cache_kinds(len(self.fused.blocks))
+            want = {name: kinds[name] for name in self.site_names}
+            n, length = self.base.shape
+            rows = max(1, auto_rows(self.model, length))
+            parts: dict[str, list[Tensor]] = {name: [] for name in want}
+            with torch.no_grad():
+                for r0 in range(0, n, rows):
+                    tokens = self.base[r0:r0 + rows]
+                    last = torch.full((tokens.shape[0], 1), length - 1, device=tokens.device)
+                    _, cache = self.fused.cached_run(tokens, want, last, self.layer_device)
+                    for name in want:
+                        parts[name].append(cache[name].to("cpu"))
+            self._whole_site_base = [torch.cat(parts[name]) for name in self.site_names]
+        return self._whole_site_base
 
     def mean_z(self, layer: int) -> Float[Tensor, "head d_head"]:
         """Mean base ``z`` of each head of ``layer`` over every prompt and position up to that
