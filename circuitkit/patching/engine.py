@@ -32,6 +32,15 @@ they hold for any block layout (sequential, parallel, post-norm). Before use, th
 the fast path against the plain hooked path on a probe chunk of the model at hand and falls back
 (with a warning) if they differ by more than ``FAST_PATH_TOL``.
 
+On a Llama-form model (``fused.fused_form``: Llama, Mistral, Qwen2 blocks) with no hook
+attached, the fast path goes further (``patching/fused.py``, docs/speed.md): the cached runs and
+every patched suffix run as plain tensor code on the modules' own weights, and each row of a
+suffix computes only the positions where it can differ from the base run (from the first
+position where the prompt's base and source tokens differ, or a per-position patch's position,
+to its last read), packed across rows; the last block and the unembedding run at each row's
+distinct reads. The fused cached run is checked once per model against the bridge's
+``run_with_cache``; the fused suffix is part of the fast path the probe checks.
+
 Causal models: nothing after a prompt's last read position can change its metric, so runs stop
 there (``Sweep.run_length``; prompts are swept in order of that length, ``sweep.length_order``).
 A bidirectional model (``hooks.facts(model).causal`` False, e.g. a Tracr program) runs whole.
@@ -54,7 +63,10 @@ head slice) is the module's own computation on ``resid_pre(l) + delta_s``: one p
 sender, stopped once block ``l``'s q/k/v hooks fired (``shortcuts.run_until``), whose head
 slices a hook then writes into each edge's rows. The logits receiver (layer ``n_layers``) reads
 the final residual plus ``delta_s``: the last block returns that value and only the final norm
-and the unembedding run.
+and the unembedding run. On the fused path (Llama-form models) only the receiving head (a q
+edge) or the query heads of the receiving KV head (k/v) attend anew: block ``l``'s attention
+output is ``o(z_base) + sum_h (z'_h - z_base_h) @ W_O[h]`` over those heads
+(``FusedLlama.edge_attention``), and the packed suffix runs from there.
 """
 
 from __future__ import annotations
@@ -71,7 +83,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import shortcuts
+from circuitkit.patching import fused, shortcuts
 from circuitkit.patching.inputs import ReadsDoNotHold, check_edge_model
 from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
 
@@ -147,6 +159,7 @@ class ExactEngine:
                 model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
         self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
+        self._whole_site_base: list[Tensor] | None = None  # (_site_base_to_length)
 
     def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
               sweep: Sweep) -> None:
@@ -183,7 +196,22 @@ class ExactEngine:
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
         gather = None if check else reads  # (checked: every position unembedded)
         logits, acts = [], {name: [] for name in want}
+        kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
+        if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, kinds)):
+            kinds = {}
+        # The fused run stops each prompt at its own last read (later positions hold zeros):
+        # enough for every patch of a prompt by itself, not for a z taken from another prompt
+        # (run_head_sets' resample, _site_base_to_length).
+        self.rows_cut_at_reads = bool(kinds) and gather is not None
         for r0 in range(0, tokens.shape[0], rows):
+            if kinds:  # a Llama-form model: the same run as plain tensor code
+                out, cache = self.fused.cached_run(
+                    tokens[r0:r0 + rows], {name: kinds[name] for name in want},
+                    None if gather is None else gather[r0:r0 + rows], self.layer_device)
+                logits.append(out)
+                for name in want:
+                    acts[name].append(cache[name].to("cpu"))
+                continue
             fwd_hooks = []
             if gather is not None:
                 idx = gather[r0:r0 + rows].to(self.device)
@@ -212,6 +240,34 @@ class ExactEngine:
         values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
                                   at=self.reads) for i in range(len(token_sets))]
         return values, {name: list(torch.cat(a).split(n)) for name, a in acts.items()}
+
+    def _fused_cache_agrees(self, tokens: Tensor, kinds: dict[str, tuple[str, int]]) -> bool:
+        """Whether ``FusedLlama.cached_run`` equals the bridge's ``run_with_cache`` on this
+        model: every activation it computes (at the positions it computes) and the logits at
+        the reads, on the first two prompts; once per model. A difference beyond
+        ``FAST_PATH_TOL`` (relative to the largest value) keeps the bridge, with a warning."""
+        verdicts = _FAST_PATH_VERDICTS.setdefault(self.model, {})
+        if "cached_run" not in verdicts:
+            some = tokens[:2]
+            reads = self.reads[:some.shape[0]].to(self.device)
+            logits, got = self.fused.cached_run(some, kinds, reads, self.layer_device)
+            ref_logits, ref = self.model.run_with_cache(some, names_filter=lambda n: n in kinds)
+            tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
+            rows = torch.arange(some.shape[0], device=self.device)[:, None]
+            pairs = [(logits, ref_logits[rows, reads])]
+            for name in kinds:
+                upto = torch.arange(some.shape[1]) <= reads.max(1).values.cpu()[:, None]
+                pairs.append((got[name].cpu()[upto], ref[name].cpu()[upto]))
+            err = max(float((a.cpu() - b.cpu()).abs().max() / max(1.0, float(b.abs().max())))
+                      for a, b in pairs)
+            verdicts["cached_run"] = err <= tol
+            if err > tol:
+                warnings.warn(
+                    f"circuitkit: the fused cached run differs from the bridge's run_with_cache "
+                    f"by {err:.2e} (relative) on this model ({type(self.model.blocks[0]).__name__}"
+                    " blocks); using the bridge's (slower, still exact). Please report the "
+                    "architecture.", stacklevel=4)
+        return verdicts["cached_run"]
 
     def _check_head_axis(self) -> None:
         sw = self.sweep
@@ -328,7 +384,8 @@ class ExactEngine:
         scalar metric, which cannot be split across chunks, still stops each bucket early.
         """
         n_v, n_p = len(variants), p1 - p0
-        split = self.length_split(p0, p1)
+        # (packed rows each stop at their own last read: no length buckets needed)
+        split = None if self._packed(fast) else self.length_split(p0, p1)
         parts = [(p0, p1)] if split is None else [(p0, split), (split, p1)]
         logits = [self._patched_logits(layer, variants, a, b, fast) for a, b in parts]
         if len(logits) > 1:  # variant-major rows of each bucket -> variant-major rows of all
@@ -365,6 +422,8 @@ class ExactEngine:
         when the metric's reads are unknown."""
         sw, model = self.sweep, self.model
         fast = self.fast if fast is None else fast
+        if self._packed(fast):
+            return self._fused_logits(layer, variants, p0, p1)
         n_v, length = len(variants), self._run_length(p0, p1)
         x = self._span(self.resid[layer], p0, p1, length,
                        layer=layer).repeat(n_v, 1, 1)  # variant-major rows
@@ -396,6 +455,67 @@ class ExactEngine:
             p0, p1, n_v, fast, last_mlp=not (sw.site == "mlp_out" and block is last),
             last_attn=block is not last)
         return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    @property
+    def fused(self) -> fused.FusedLlama | None:
+        """The model read as Llama-form blocks (``patching/fused.py``) when the fast path may
+        run its suffix as plain tensor code: a causal model whose metric declares its reads,
+        with no hook attached (fused code fires none)."""
+        if self.reads is None or not self.causal or not fused.unhooked(self.model):
+            return None
+        return fused.fused_form(self.model)
+
+    def _packed(self, fast: bool | None) -> bool:
+        """Whether a run on the fast path (``fast``: override ``self.fast``) is a fused, packed
+        suffix: a Llama-form model (``fused``) and a site whose patch is known before block
+        ``l`` runs (the attention-output sites, or resid_pre: the restart point)."""
+        return bool(self.fast if fast is None else fast) and self.fused is not None and (
+            self.attn_cached or (self.sweep.kind, self.sweep.site) == ("layers", "resid_pre"))
+
+    def _packing(self, variants: Sequence[int], p0: int, p1: int,
+                 positions: Sequence[int | None] | None = None) -> fused.Packing:
+        """Which positions each variant-major row of prompts ``p0:p1`` computes: from the
+        first position where the prompt's base and source tokens differ (or a per-position
+        variant's position, when later; never after the row's first read) to its last read.
+        ``positions``: each variant's patched position (None: every position)."""
+        n_v, length = len(variants), self._run_length(p0, p1)
+        reads = self.reads[p0:p1].cpu()
+        differ = (self.base[p0:p1, :length] != self.source[p0:p1, :length]).cpu()
+        first = torch.where(differ.any(1), differ.int().argmax(1), length)  # [n_p]
+        start = first.repeat(n_v)
+        if positions is not None:
+            at = torch.tensor([-1 if pos is None else pos for pos in positions])
+            start = torch.maximum(start, at.repeat_interleave(p1 - p0))
+        rows = reads.repeat(n_v, 1)
+        start = torch.minimum(start, rows.min(1).values)
+        return fused.Packing(start, rows.max(1).values + 1, torch.arange(p1 - p0).repeat(n_v),
+                             rows, length)
+
+    def _fused_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int
+                      ) -> Float[Tensor, "n_var_x_n_p k vocab"]:
+        """``_patched_logits`` on the fast path of a Llama-form model: the patch as the
+        engine's fast path computes it (block ``layer``'s attention output, or for mlp_out also
+        its MLP output; for resid_pre the restart residual), the suffix as
+        ``fused.suffix_logits`` on the rows' packed positions."""
+        sw, n_v, length = self.sweep, len(variants), self._run_length(p0, p1)
+        pack = self._packing(variants, p0, p1, [sw.variant(v)[1] for v in variants])
+        resid = [self._span(self.resid[j], p0, p1, length, layer=j)
+                 for j in range(layer, sw.n_layers)]
+        attn = mlp = None
+        if not self.attn_cached:  # resid_pre: the patch is the restart point
+            src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
+            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants,
+                                              length))
+        else:
+            x = pack.gather_prompts(resid[0])
+            attn = pack.gather(self._attn_output(layer, variants, p0, p1, length))
+            if sw.site == "mlp_out":
+                src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
+                mlp = pack.gather(self._write_patch(self._span(
+                    self.site_base[layer], p0, p1, length, layer=layer).repeat(n_v, 1, 1),
+                    src, variants, length))
+        return fused.suffix_logits(self.fused, pack, layer, resid, x, attn, mlp,
+                                   devices=self.layer_device)
 
     def _read_rows_only(self, p0: int, p1: int, n_v: int, fast: bool, last_mlp: bool = True,
                         last_attn: bool = True) -> tuple[list, list]:
@@ -594,7 +714,29 @@ class ExactEngine:
             return torch.zeros_like(base)
         if source == "mean":
             return self.mean_z(layer).to(base)[None, None].expand_as(base)
+        if self.rows_cut_at_reads:  # another prompt's z, at positions after its own last read
+            base = self._span(self._site_base_to_length()[layer], p0, p1, length, site=True)
         return base[perm.to(base.device)]
+
+    def _site_base_to_length(self) -> list[Tensor]:
+        """The base run's site activation of every layer ``[n, length, ...]`` with every
+        prompt run to ``length`` (the fused cached run stops each at its own last read), on the
+        CPU like the cache; computed on first use (``run_head_sets``' resample)."""
+        if self._whole_site_base is None:
+            kinds = fused.cache_kinds(len(self.fused.blocks))
+            want = {name: kinds[name] for name in self.site_names}
+            n, length = self.base.shape
+            rows = max(1, auto_rows(self.model, length))
+            parts: dict[str, list[Tensor]] = {name: [] for name in want}
+            with torch.no_grad():
+                for r0 in range(0, n, rows):
+                    tokens = self.base[r0:r0 + rows]
+                    last = torch.full((tokens.shape[0], 1), length - 1, device=tokens.device)
+                    _, cache = self.fused.cached_run(tokens, want, last, self.layer_device)
+                    for name in want:
+                        parts[name].append(cache[name].to("cpu"))
+            self._whole_site_base = [torch.cat(parts[name]) for name in self.site_names]
+        return self._whole_site_base
 
     def mean_z(self, layer: int) -> Float[Tensor, "head d_head"]:
         """Mean base ``z`` of each head of ``layer`` over every prompt and position up to that
@@ -649,6 +791,7 @@ class EdgeEngine(ExactEngine):
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.embed_delta = cache[hooks.resid_pre(0)][1] - self.resid[0]
             self.dz = [cache[hooks.z(layer)][1] - cache[hooks.z(layer)][0] for layer in range(L)]
+            self.z_base = [cache[hooks.z(layer)][0] for layer in range(L)]
             self.final = cache[hooks.resid_post(L - 1)][0]  # what the final norm reads
             del cache
             self.W_O = [b.attn.W_O.detach() for b in model.blocks]
@@ -682,6 +825,8 @@ class EdgeEngine(ExactEngine):
         at = min(layer, L - 1)
         dev = self.layer_device[at]
         writes = self._writes(senders, p0, p1, length, at)  # [n_s, n_p, pos, d_model]
+        if self._packed(fast):
+            return self._fused_edge_logits(layer, variants, p0, p1, cells, srow, writes)
         forwards = shortcuts.skipped_blocks(model, at, self.block_arity)
         if fast:
             forwards += shortcuts.native_norms(model, at)
@@ -715,6 +860,32 @@ class EdgeEngine(ExactEngine):
                                                      last_attn=layer != L - 1)
         x = resid.repeat(n_v, 1, 1)
         return self._suffix(x, layer, forwards + forwards_at, fwd_hooks + hooks_at)
+
+    def _packed(self, fast: bool | None) -> bool:
+        """Whether a run on the fast path is fused and packed: on a Llama-form model, always."""
+        return bool(self.fast if fast is None else fast) and self.fused is not None
+
+    def _fused_edge_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
+                           cells: Tensor, srow: Tensor, writes: Tensor
+                           ) -> Float[Tensor, "n_var_x_n_p k vocab"]:
+        """``_patched_logits`` of a Llama-form model: the receiving layer's attention output
+        under each edge (``FusedLlama.edge_attention``: only the receiving head, or a KV head's
+        query heads, re-attend), then ``fused.suffix_logits`` on the rows' packed positions;
+        the logits receiver unembeds the final residual plus the write at the reads."""
+        form, L = self.fused, self.layout.n_layers
+        length = self._run_length(p0, p1)
+        pack = self._packing(variants, p0, p1)
+        if layer == L:
+            final = self._span(self.final, p0, p1, length, layer=L - 1)
+            y = (final[None] + writes[srow.to(final.device)]).flatten(0, 2)
+            return pack.spread(form.logits(y.index_select(0, pack.read_dense_of(y.device))))
+        resid = [self._span(self.resid[j], p0, p1, length, layer=j) for j in range(layer, L)]
+        z_base = self._span(self.z_base[layer], p0, p1, length, layer=layer)
+        inputs = [self.layout.inputs[i] for i in cells[:, 1].tolist()]
+        attn = form.edge_attention(form.blocks[layer], resid[0], writes, z_base, srow, inputs,
+                                   cells[:, 2])
+        return fused.suffix_logits(form, pack, layer, resid, pack.gather_prompts(resid[0]),
+                                   pack.gather(attn), devices=self.layer_device)
 
     def _probe_fast_path(self) -> bool:
         """The fast path against the plain one on the first and last edge of the earliest

@@ -304,15 +304,30 @@ def mlp_at_rows(module: Any, idx: Int[Tensor, "rows k"]):
 def supports_attention_at_rows(attn: Any) -> bool:
     """Whether ``attention_at_rows`` reproduces this bridge attention module (see
     ``ROTARY_ATTENTION``; no Q/K norms, gates, softcapping, sinks or sliding windows)."""
+    return rotary_softmax(attn) and attention_window(attn) is None
+
+
+def rotary_softmax(attn: Any) -> bool:
+    """Whether a bridge attention module is plain rotary softmax attention (``ROTARY_ATTENTION``;
+    no Q/K norms, gates, softcapping, sinks, bridge flags), up to a sliding window."""
     hf = getattr(attn, "original_component", None)
     cfg = getattr(attn, "config", None)
     return (type(attn).__name__ == "PositionEmbeddingsAttentionBridge"
             and type(hf).__name__ in ROTARY_ATTENTION
             and not any(m in attn.submodules for m in ("q_norm", "k_norm", "gate"))
             and all(getattr(hf, a, None) is None for a in (
-                "sliding_window", "attn_logit_softcapping", "sinks", "key_multiplier"))
+                "attn_logit_softcapping", "sinks", "key_multiplier"))
             and getattr(getattr(hf, "config", None), "clip_qkv", None) is None
             and not any(bool(getattr(cfg, f, False)) for f in _BRIDGE_FLAGS))
+
+
+def attention_window(attn: Any) -> int | None:
+    """The sliding window of a bridge attention module (None: none). Qwen2 keeps it per layer
+    on the module (None on full-attention layers); Mistral reads its config's at run time."""
+    hf = getattr(attn, "original_component", None)
+    if hasattr(hf, "sliding_window"):
+        return hf.sliding_window
+    return getattr(getattr(hf, "config", None), "sliding_window", None)
 
 
 def attention_at_rows(attn: Any, idx: Int[Tensor, "rows k"], n_outputs: int):
