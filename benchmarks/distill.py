@@ -6,7 +6,8 @@ the bytes of stored teacher signal per example.
 One process, one student (a fresh ``training.PRESETS`` student run through its bridge), the same
 batches from one signal store of the shipped ``icd-teacher`` on ``icd10`` train notes, for every
 mode: ``cot`` (all lambdas 0: a plain forward, no hooks read), ``p1+p2`` (the full mechanistic
-loss), and the non-selective baseline ``ns``. A step is forward + backward + clip + AdamW step.
+loss), and the non-selective baseline ``ns``. A step is forward + one backward per term
+(``loss.balanced_gradients``, as ``train_student``) + AdamW step.
 Modes are interleaved step by step (so drift of a shared machine hits all alike) after one
 warm-up step each; the median step time of each mode is reported with its ratio to ``cot``.
 Target: ``p1+p2`` <= 1.3x ``cot``.
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import circuitkit as ck
-    from circuitkit.distill.loss import LossConfig, student_terms
+    from circuitkit.distill.loss import LossConfig, balanced_gradients, student_terms
     from circuitkit.distill.signals import BatchStream, StoreOptions, build_store
     from circuitkit.distill.train import DistillConfig, build_student, teacher_scores
     from circuitkit.models import configure_threads
@@ -58,7 +59,7 @@ def main() -> None:
     params = [p for p in hf.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     stream = BatchStream(store, args.batch, 0)
-    pool_w, anchors, lc = store.pooling(), store.anchor_token_ids, LossConfig()
+    pool_w, anchors, lc = store.pooling(), store.anchors, LossConfig()
     modes = {"cot": (0.0, 0.0, 0.0), "p1+p2": (1.0, 1.0, 0.0), "ns": (0.0, 0.0, 1.0)}
     times: dict[str, list[float]] = {m: [] for m in modes}
     student.train()
@@ -68,8 +69,7 @@ def main() -> None:
             t = time.perf_counter()
             terms = student_terms(student, batch, pool_w, anchors, lc, l1, l2, ln)
             opt.zero_grad(set_to_none=True)
-            terms["total"].backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            balanced_gradients(terms, dict(p1=l1, p2=l2, ns=ln), params)  # as train_student
             opt.step()
             if i:  # step 0 warms up
                 times[m].append(time.perf_counter() - t)

@@ -992,8 +992,10 @@ def distill(
     teacher: str = typer.Option("icd-teacher", "--teacher", help="Teacher: shipped toy, folder or "
                                 "hub id over the task's vocabulary.", metavar="NAME"),
     student_config: str = typer.Option("student", "--student-config", help="Student preset "
-                                       "(training.PRESETS) or a JSON file of Preset fields.",
-                                       metavar="NAME"),
+                                       "(training.PRESETS: 'student', 2 layers x 4 heads, d 128; "
+                                       "'student4', 4 layers x 4 heads, d 96, Phase 2 below its "
+                                       "output layer) or a JSON file of Preset fields; "
+                                       "--ablation: default both presets.", metavar="NAME"),
     task: str = typer.Option("icd10", "--task", "-t", help="Built-in CoT task.", metavar="TASK"),
     lambda_p1: float = typer.Option(1.0, "--lambda-p1", help="Weight of L_P1 (Phase-1 heads).",
                                     metavar="WEIGHT"),
@@ -1002,17 +1004,37 @@ def distill(
     lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
                                     "all-heads attention loss (baseline).", metavar="WEIGHT"),
     steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
-                              "ablation's size sets its own).", metavar="N"),
+                              "ablation: each variant's, after --pretrain; its size's, 120).",
+                              metavar="N"),
     batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step.", metavar="N"),
     pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store.",
                                   metavar="N"),
     seed: int = typer.Option(0, help="Student seed (init and batch order).", metavar="SEED"),
     store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals).",
                                metavar="DIR"),
+    balance: str = typer.Option("cap", "--balance", help="How the terms' gradients combine: "
+                                "'cap' (the CoT part clipped at 1 on its own, each mechanistic "
+                                "term's gradient capped at --grad-ratio x it, then times its "
+                                "lambda) or 'global_clip' (the total's gradient clipped at 1; "
+                                "before issue 25).", metavar="cap|global_clip"),
+    grad_ratio: float = typer.Option(0.5, "--grad-ratio", help="--balance cap: the most a "
+                                     "mechanistic term's gradient counts for, as a multiple of "
+                                     "the CoT part's norm.", metavar="R"),
+    init: str = typer.Option(None, "--init", help="Start the student from this HF folder's "
+                             "weights (or a shipped model, e.g. icd-student-cot) of the same "
+                             "preset, instead of a fresh initialisation.", metavar="MODEL"),
     ablation: bool = typer.Option(False, "--ablation", help="Train and measure CoT-only, +P1, "
-                                  "+P2, +P1+P2 and non-selective students; write "
-                                  "OUT/ablation.csv."),
+                                  "+P2, +P1+P2 and non-selective students, for both student "
+                                  "presets and two data sizes; write OUT/ablation.csv."),
     seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant.", metavar="N"),
+    max_seeds: int = typer.Option(None, "--max-seeds", help="Ablation: seeds for headline "
+                                  "comparisons whose intervals overlap (default --seeds).",
+                                  metavar="N"),
+    workers: int = typer.Option(1, "--workers", help="Ablation: runs trained side by side (one "
+                                "thread each).", metavar="N"),
+    pretrain: int = typer.Option(None, "--pretrain", help="Ablation: CoT-only steps of the one "
+                                 "start every run of a cell begins from (default its size's: "
+                                 "800; 0: each seed's fresh initialisation).", metavar="N"),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
@@ -1029,15 +1051,26 @@ def distill(
         if given("seeds") and not ablation:
             raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or "
                              "use --seed for one student.")
+        for opt in ("max_seeds", "workers", "pretrain"):
+            if given(opt) and not ablation:
+                raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
+                                 "--ablation.")
+        if ablation and given("init"):
+            raise ValueError("--init starts one student from given weights; the ablation "
+                             "trains every student from its seed's initialisation: drop --init.")
         check_writable_dir(out)
         if ablation:
-            from circuitkit.distill.ablation import format_table, run_ablation
+            from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
 
-            frame = run_ablation(out, teacher=teacher, seeds=seeds,
-                                 size="quick" if quick else "default", student=student_config,
-                                 lambda_p1=lambda_p1, lambda_p2=lambda_p2, task=task)
+            frame = run_ablation(out, teacher=teacher, seeds=seeds, max_seeds=max_seeds,
+                                 size="quick" if quick else "default",
+                                 students=(student_config,) if given("student_config")
+                                 else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
+                                 task=task, workers=workers, steps=steps, balance=balance,
+                                 grad_ratio=grad_ratio, pretrain=pretrain)
             typer.echo(format_table(frame))
-            typer.echo(f"wrote {out / 'ablation.csv'} and {out / 'runs.csv'}")
+            typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and "
+                       f"{out / 'runs.csv'}")
             return
         from circuitkit.distill.train import DistillConfig, train_student
 
@@ -1050,7 +1083,8 @@ def distill(
             kw["steps"] = steps
         cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
                             lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
-                            seed=seed, store=str(store) if store else None, **kw)
+                            seed=seed, store=str(store) if store else None,
+                            balance=balance, grad_ratio=grad_ratio, init=init, **kw)
         folder = train_student(cfg, out, overwrite=overwrite)
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)

@@ -266,6 +266,12 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
 # the 2.5/97.5 percentiles of LAS over ``n_boot`` bootstrap resamples of the evaluation notes. The
 # simulator is trained on notes disjoint from the evaluation notes (``las(train_task=...)``, or
 # two-fold cross-fitting when none is given).
+#
+# As Hase et al., by default the simulator learns only from the model's own outputs (notes,
+# rationales, answers of the training notes). ``las_gold_prefit`` is the other reading: the
+# simulator first learns the task from gold CoT and answers of a third note set
+# (``gold_prefit_simulator``), then the model's outputs; it then largely re-measures accuracy
+# (docs/distill.md).
 
 
 def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: Sequence[bool],
@@ -321,9 +327,9 @@ class SignatureSimulator:
     (on ``icd10`` gold notes, 8192 to fit and 256 held out: exact set accuracy 0.79 from the
     note alone, 0.84 with the CoT).
 
-    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones: ``las`` pre-fits the
-    simulator on a task's own CoT and answers (``pretrained_simulator``, as Hase et al.'s
-    simulator starts from a pre-trained language model) and then adds the model's own outputs.
+    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones: ``las_gold_prefit`` pre-fits
+    the simulator on a task's own CoT and answers (``gold_prefit_simulator``) and then adds the
+    model's own outputs; ``las`` (Hase et al.) fits a fresh one on the model's outputs only.
     """
 
     def __init__(self, vocab_size: int, label_token_ids: Tensor, support: float = 0.9,
@@ -425,18 +431,35 @@ def gold_simulation_data(task: Task) -> tuple[list[list[int]], list[list[int]], 
     return xs, es, [set(e.targets) for e in task.examples]
 
 
-def pretrained_simulator(task: Task, **kw) -> SignatureSimulator:
-    """A ``SignatureSimulator`` fitted to ``task``'s own CoT and answers (pass it to ``las``, which
-    then adds a copy's counts of the model's outputs)."""
+def gold_prefit_simulator(task: Task, **kw) -> SignatureSimulator:
+    """A ``SignatureSimulator`` fitted to ``task``'s own gold CoT and answers (``las_gold_prefit``;
+    passed to ``las`` as ``simulator``, a copy then adds the model's outputs)."""
     return SignatureSimulator(len(task.vocab), task.label_token_ids, **kw).fit(
         *gold_simulation_data(task))
+
+
+pretrained_simulator = gold_prefit_simulator  # the name before issue 25
+
+
+def las_gold_prefit(model, task: Task, train_task: Task | None, gold_task: Task, *,
+                    simulator: SignatureSimulator | None = None, **kw) -> dict[str, float]:
+    """``las`` with a simulator pre-fitted on ``gold_task``'s gold CoT and answers (disjoint from
+    ``task``), then on the model's outputs for ``train_task``: *not* Hase et al.'s LAS (their
+    simulator learns from the model's outputs only), kept under its own name. ``simulator``: an
+    already pre-fitted one (``gold_prefit_simulator(gold_task)``) to skip refitting."""
+    sim = simulator if simulator is not None else gold_prefit_simulator(gold_task)
+    if getattr(sim, "counts", None) is None:
+        raise ValueError("las_gold_prefit: simulator is not fitted; pass "
+                         "gold_prefit_simulator(gold_task) or none.")
+    return las(model, task, train_task, simulator=sim, **kw)
 
 
 def las(model, task: Task, train_task: Task | None = None, *,
         generations: Sequence[Sequence[int]] | None = None,
         train_generations: Sequence[Sequence[int]] | None = None, simulator=None,
         n_boot: int = 1000, seed: int = 0, batch_size: int = 64) -> dict[str, float]:
-    """LAS of ``model`` on ``task`` (see above; ``las_score`` for the keys).
+    """LAS of ``model`` on ``task`` as Hase et al. (see above; ``las_score`` for the keys): the
+    simulator learns only from the model's own outputs.
 
     ``train_task``: notes for training the simulator, disjoint from ``task``'s (e.g. the other
     split of a built-in task); None: two-fold cross-fitting on ``task`` (each half scored by a
@@ -444,7 +467,8 @@ def las(model, task: Task, train_task: Task | None = None, *,
     decoded continuations of those notes if already at hand (``decode_task``). ``simulator``:
     an object with ``fit(xs, es, ys)`` and ``predict(xs, es) -> list[set]`` (``es[i] = None``:
     no rationale; ``xs[i] = None``: no note); default a fresh ``SignatureSimulator``. A fitted
-    ``SignatureSimulator`` (``pretrained_simulator``) is copied and fitted further (``warm=True``).
+    ``SignatureSimulator`` (``gold_prefit_simulator``) is copied and fitted further
+    (``warm=True``): that is ``las_gold_prefit``, not Hase et al.'s LAS.
     """
     import copy
 

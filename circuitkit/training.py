@@ -42,6 +42,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "teacher": Preset(n_layers=4, n_heads=8, d_model=192, d_mlp=768),
     "student": Preset(n_layers=2, n_heads=4, d_model=128, d_mlp=512),
+    # room for both phases: the teacher's depth at half its width; its layers map one to one, so
+    # the Phase-2 heads (teacher layer 2) land below the output layer (docs/distill.md)
+    "student4": Preset(n_layers=4, n_heads=4, d_model=96, d_mlp=384),
     "induction": Preset(n_layers=2, n_heads=4, d_model=64, d_mlp=1, attn_only=True),
 }
 

@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
-SCORE_COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "loopback",
-                 "margin_widening", "refine_score", "phase1_rank", "phase2_rank"]
+SCORE_COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score",
+                 "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
+                 "key_preference", "loopback", "margin_widening", "refine_score", "phase1_rank",
+                 "phase1_rank_tokens", "phase2_rank"]
 
 
 def hand_scores(n_layers: int, n_heads: int, p1: dict[tuple[int, int], float],
                 p2: dict[tuple[int, int], float]):
-    """A ``ck.score_heads``-shaped frame: ``coarse_score`` / ``refine_score`` are the given
-    values on the named heads (0 elsewhere); ranks follow the scores (ties by (layer, head));
-    the other columns are filler."""
+    """A ``ck.score_heads``-shaped frame: ``coarse_score`` and ``coarse_score_tokens`` (both
+    Phase-1 readings) / ``refine_score`` are the given values on the named heads (0
+    elsewhere); ranks follow the scores (ties by (layer, head)); the other columns are
+    filler."""
     import pandas as pd
 
     rows = [dict(layer=lay, head=h, sharpness=1.0, anchor_alignment=0.1,
-                 coarse_score=p1.get((lay, h), 0.0), loopback=0.0, margin_widening=0.1,
+                 coarse_score=p1.get((lay, h), 0.0), anchor_alignment_tokens=0.1,
+                 coarse_score_tokens=p1.get((lay, h), 0.0), shortlist_share=0.5,
+                 key_preference=0.0, loopback=0.0, margin_widening=0.1,
                  refine_score=p2.get((lay, h), 0.0))
             for lay in range(n_layers) for h in range(n_heads)]
     frame = pd.DataFrame(rows)
-    for phase, col in ((1, "coarse_score"), (2, "refine_score")):
+    for rank_col, col in (("phase1_rank", "coarse_score"),
+                          ("phase1_rank_tokens", "coarse_score_tokens"),
+                          ("phase2_rank", "refine_score")):
         order = sorted(range(len(frame)), key=lambda i: (-frame[col][i], i))
         rank = [0] * len(frame)
         for r, i in enumerate(order):
             rank[i] = r + 1
-        frame[f"phase{phase}_rank"] = rank
+        frame[rank_col] = rank
     return frame[SCORE_COLUMNS]
 
 

@@ -71,8 +71,9 @@ def test_cli_refuses_an_infinite_lambda(tmp_path):
 
 def _poisoned(monkeypatch, at_call: int, how: str):
     """``student_terms`` as it is, except its ``at_call``-th call (1-based): the P2 term becomes
-    infinite (``how="loss"``), or a term of value 0 whose gradient is NaN is added
-    (``how="grad"``: d sqrt(x)/dx at 0 is inf, times 0)."""
+    infinite (``how="loss"``), or a term of value 0 whose gradient is NaN is added to the CoT
+    term and the total (``how="grad"``: d sqrt(x)/dx at 0 is inf, times 0; the trainer takes
+    each term's gradient on its own)."""
     real, calls = T.student_terms, [0]
 
     def terms(student, *a, **k):
@@ -84,7 +85,8 @@ def _poisoned(monkeypatch, at_call: int, how: str):
                 out["total"] = out["cot"] + out["p1"] + out["p2"]
             else:
                 w = next(student.parameters())
-                out = dict(out, total=out["total"] + (w.sum() * 0).clamp(min=0).sqrt())
+                poison = (w.sum() * 0).clamp(min=0).sqrt()
+                out = dict(out, cot=out["cot"] + poison, total=out["total"] + poison)
         return out
 
     monkeypatch.setattr(T, "student_terms", terms)

@@ -131,3 +131,67 @@ def test_cached_decode_equals_greedy_decode():
     ref = ev.greedy_decode(ck.load_model("icd-student-cot"), prompts, test.eos_id, 30)
     assert ev.greedy_decode_cached(hf, prompts, test.eos_id, 30) == ref
     assert torch.tensor([len(g) for g in ref]).min() > 3
+
+
+# --- LAS as Hase et al.: the simulator learns only from the model's own outputs -----------------
+
+
+def _planted_generations(task, answer_of, leaks, filler):
+    """A planted model's continuation of each note: rationale (the answer's label token when
+    ``leaks(answer)``, then ``filler``) + ``</think>`` + answer + ``<eos>``."""
+    lt, end = task.label_token_ids, task.vocab.index("</think>")
+    gens = []
+    for i, e in enumerate(task.examples):
+        a = answer_of(i, e)
+        rationale = ([int(lt[a])] if leaks(a) else []) + [filler]
+        gens.append(rationale + [end, int(lt[a]), task.eos_id])
+    return gens
+
+
+def test_hase_las_of_a_planted_leaking_model_is_the_textbook_value():
+    """A planted model answers one of 10 labels by the note's index (nothing in the note tells
+    which) and its rationale names the answer for labels 0-4 (they leak) and carries a constant
+    filler for labels 5-9. A simulator trained only on the model's own outputs (200 train notes,
+    disjoint from the 100 test notes) learns the rationale's label token as the signature of a
+    leaking label and nothing else: on a leaking note x + e is right and x alone is not (+1), on
+    a non-leaking note both are wrong (0). Hase et al.: LAS = 1/2 (1 + 0) = 0.5, with the
+    leaking notes exactly those of labels 0-4 (a plain mean of acc(x+e) - acc(x) would say
+    0.5 x the leaking share)."""
+    train = ck.load_task("icd10", n_examples=200, seed=7, split="train")
+    test = ck.load_task("icd10", n_examples=100, seed=7, split="test")
+    labels = list(range(10))
+    filler = int(train.anchor_token_ids[0])
+    answer = lambda i, e: labels[i % 10]  # noqa: E731
+    leaks = lambda a: a < 5  # noqa: E731
+    tg = _planted_generations(train, answer, leaks, filler)
+    gens = _planted_generations(test, answer, leaks, filler)
+    r = ev.las(None, test, train, generations=gens, train_generations=tg, n_boot=300)
+    n_leak = sum(leaks(answer(i, e)) for i, e in enumerate(test.examples))
+    assert (r["n_leaking"], r["n_nonleaking"]) == (n_leak, len(test) - n_leak) == (50, 50)
+    assert r["las"] == pytest.approx(0.5, abs=1e-12)
+    assert r["acc_xe"] == pytest.approx(0.5) and r["acc_x"] == 0.0 and r["acc_e"] == 0.5
+    assert r["las_ci_low"] <= 0.5 <= r["las_ci_high"]
+
+
+def test_hase_las_of_a_rationale_without_information_is_zero_within_its_interval():
+    """A model that answers the note's gold targets (the note tells them) and writes a rationale
+    of random label tokens, drawn independently of everything: a simulator trained on its own
+    outputs (2000 train notes) predicts from the note, and the rationale changes nothing. LAS
+    is 0 and its bootstrap interval contains 0."""
+    train = ck.load_task("icd10", n_examples=2000, seed=9, split="train")
+    test = ck.load_task("icd10", n_examples=150, seed=9, split="test")
+    g = torch.Generator().manual_seed(0)
+    end = train.vocab.index("</think>")
+
+    def gens_of(task):
+        lt = task.label_token_ids
+        out = []
+        for e in task.examples:
+            noise = lt[torch.randint(0, len(lt), (6,), generator=g)].tolist()
+            out.append(noise + [end] + [int(lt[t]) for t in e.targets] + [task.eos_id])
+        return out
+
+    r = ev.las(None, test, train, generations=gens_of(test), train_generations=gens_of(train),
+               n_boot=500)
+    assert r["acc_x"] > 0.15  # the simulator did learn the note -> answer rule
+    assert r["las_ci_low"] <= 0.0 <= r["las_ci_high"] and abs(r["las"]) < 0.05, r

@@ -73,7 +73,7 @@ def test_mismatched_store_is_refused(store, teacher, pool, scores):
             ("task_fingerprint", S.StoreSpec(good.teacher, good.scores,
                                              pool.subset(range(10)).fingerprint(), opts)),
             ("options", S.StoreSpec(good.teacher, good.scores, good.task,
-                                    {**opts, "top_k1": 2}))):
+                                    {**opts, "top_k1": 3}))):
         with pytest.raises(ValueError, match=f"does not match this run.*{field}"):
             S.SignalStore.open(store.path, spec)
     with pytest.raises(ValueError, match="does not match this run.*scores_hash"):
@@ -110,8 +110,7 @@ def test_store_backed_losses_equal_on_the_fly_losses(store, teacher, pool, score
     idx = [5, 1, 6]
     batch = store.batch(0, idx)
     cfg = L.LossConfig(topk_logits=3, kd_weight=0.5)
-    got = L.student_terms(tiny, batch, store.pooling(), store.anchor_token_ids, cfg, 1.0, 1.0,
-                          1.0)
+    got = L.student_terms(tiny, batch, store.pooling(), store.anchors, cfg, 1.0, 1.0, 1.0)
     sub = pool.subset(idx)
     rows, mask = S.teacher_rows(teacher, sub)
     ref = L.losses(teacher, tiny, sub, scores, cot=(rows, mask), lambda_ns=1.0, config=cfg)

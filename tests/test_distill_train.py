@@ -115,3 +115,29 @@ def test_bad_configs_are_named(tmp_path):
     with pytest.raises(ValueError, match="teacher 'icd-teacher' has a 3516-token vocabulary"):
         train_student(DistillConfig(task="synthetic", pool_size=8), tmp_path / "syn")
     assert not (tmp_path / "syn" / "signals").exists()
+
+
+def test_balancing_and_init_options_are_checked(tmp_path):
+    """--balance, --grad-ratio and --init are refused in one line naming what is expected; a
+    student started from weights of another preset is refused naming the weights."""
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    with pytest.raises(ValueError, match="balance must be one of"):
+        train_student(DistillConfig(balance="pcgrad"), tmp_path)
+    with pytest.raises(ValueError, match="grad_ratio must be a number > 0"):
+        train_student(DistillConfig(grad_ratio=float("inf")), tmp_path)
+    with pytest.raises(ValueError, match="init='nowhere': expected an HF model folder"):
+        train_student(DistillConfig(init="nowhere"), tmp_path)
+    from circuitkit.distill.train import build_student
+
+    with pytest.raises(ValueError, match="do not fit the student preset"):
+        build_student(DistillConfig(student="student4", init="icd-student-cot"),
+                      [str(i) for i in range(3516)], 64)
+    for args, msg in ((["--balance", "pcgrad"], "balance must be one of"),
+                      (["--ablation", "--init", "icd-student-cot"], "drop --init"),
+                      (["--pretrain", "10"], "--pretrain is an ablation option")):
+        res = CliRunner().invoke(app, ["distill", *args, "--out", str(tmp_path / "cli")])
+        assert res.exit_code != 0 and msg in res.output, res.output
+        assert "Traceback" not in res.output

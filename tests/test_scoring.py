@@ -606,17 +606,17 @@ def test_post_norm_head_writes_add_up_to_the_normalised_attention_output(synth):
     got = torch.tensor(df["margin_widening"].to_numpy()).reshape(L, H).sum(1).float()
     torch.testing.assert_close(got, want / len(synth), atol=1e-4, rtol=1e-4)
     assert got.abs().min() > 1e-3  # the layers write something
-    # distillation: all heads of layer 1 pooled with weight 1 write the norm's whole output
+    # distillation: the per-head writes of all heads of layer 1 add up to the norm's whole output
     from circuitkit.distill import signals
 
     tokens = synth.clean_tokens
     _, acts = signals.run_and_capture(model, tokens, [1])
-    w = torch.zeros(L, H)
-    w[1] = 1.0
     b, q = torch.tensor([0, 1, 2]), torch.tensor([3, 5, 7])
     post = {1: refine.norm_params(model, model.blocks[1].ln1_post, "post-attention norm")}
-    _, write = signals._pooled(acts, w, b, q, {1: model.blocks[1].attn.W_O.detach()}, post)
-    torch.testing.assert_close(write, cache[hooks.attn_out(1)][b, q], atol=1e-5, rtol=1e-4)
+    _, write = signals._head_reads(acts, [(1, h) for h in range(H)], b, q,
+                                   {1: model.blocks[1].attn.W_O.detach()}, post)  # [N, H, D]
+    torch.testing.assert_close(write.sum(1), cache[hooks.attn_out(1)][b, q], atol=1e-5,
+                               rtol=1e-4)
 
 
 def test_scores_all_tied_say_their_ranks_mean_nothing(monkeypatch):

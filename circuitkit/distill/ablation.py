@@ -1,40 +1,53 @@
-"""The ablation table: which supervision transfers the teacher's reasoning to the student.
+"""The ablation grid: which supervision transfers the teacher's reasoning to the student.
 
-``run_ablation(out, seeds=3, size="default")`` trains, per seed, five students from one teacher
-signal store (``out/signals``, with the teacher's score table ``out/signals/scores.csv``):
+``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset x data size)
+and seed, five students from the teacher's signal store of that data size:
 
 =============  ==========================================================================
 cot            CoT only (``lambda_p1 = lambda_p2 = 0``)
-p1             + L_P1
-p2             + L_P2
+p1             + L_P1 (the teacher's Phase-1 heads, each matched by its own student head)
+p2             + L_P2 (the Phase-2 heads, likewise)
 p1+p2          + L_P1 + L_P2
-nonselective   CoT + L_NS: every teacher layer's mean attention over all its heads, matched
-               uniformly (MiniLM-style), at the same query rows; no head selection, no writes
+nonselective   CoT + L_NS: every teacher layer's mean attention over all its heads, matched by
+               the mapped student layer's mean (MiniLM-style), at the same query rows; no head
+               selection, no writes
 =============  ==========================================================================
 
-Each run lives in ``out/runs/<variant>-seed<k>/`` (a resumable ``train_student`` folder, then
-``metrics.json``, which also records ``eval_seconds``; ``distill.json`` has ``train_seconds``);
-a finished run is skipped, so the command resumes where it stopped. Per
-run, on held-out ``icd10`` test notes: ``focus``, ``confusion``, ``confusion_rate``,
-``macro_f1``, ``exact_match`` (as ``ck.evaluate``; decoding through the HF model's KV cache),
-``las`` (``evaluation.las``; the simulator is pre-fitted on gold notes of a third train draw
-and fitted further on the student's outputs on train notes disjoint from the test notes), and
-the student's own mechanism (``ck.score_heads`` of the student on test notes): ``sharpness``
-and ``anchor_alignment`` of its rank-1 Phase-1 head, ``loopback`` and ``margin_widening`` of
-its rank-1 Phase-2 head (rank 1 by ``coarse_score`` / ``refine_score``; a tie, as when no head
-of a barely trained student is sharp enough to score, goes to the higher ``sharpness`` /
-``loopback``).
+Cells: students ``STUDENTS`` (``student``: 2 layers, its Phase-2 layer is its output layer;
+``student4``: 4 layers at half the teacher's width, Phase 2 below the output layer) x data
+``DATA`` (``full``: the whole pool of train notes; ``small``: a pool 10x smaller). Seed ``k``
+fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike.
+With ``pretrain`` steps (the default size's), every run of a cell starts from one CoT-only
+student trained that many steps (seed 0) on the cell's store (``out/runs/<cell>/pretrain/``), as
+the issue's own 300 + 300-step experiment did: a student that already writes the format, whose
+mechanism the variants then steer; seed ``k`` then fixes the variant's batch order.
+
+Seeds: ``seeds`` per variant first; then, per cell, every headline comparison (``HEADLINE``:
+each mechanistic variant against ``cot`` and against ``nonselective``, on focus and confusion)
+whose 95% intervals overlap gets both its variants run up to ``max_seeds``.
+
+Each run lives in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable
+``train_student`` folder, then ``metrics.json``, written last); a finished run is skipped, so the
+command resumes where it stopped. ``workers`` runs train side by side (one thread each).
+Per run, on held-out ``icd10`` test notes (``student_metrics``): the task metrics
+(``TASK_METRICS``, as ``ck.evaluate``; decoding through the HF model's KV cache), LAS both ways
+(``las``: Hase et al., the simulator trained only on the student's own outputs for train notes
+disjoint from the test notes; ``las_gold_prefit``: pre-fitted on gold notes first), and its
+mechanistic fidelity (``FIDELITY_METRICS``): ``p1_gap``/``p2_gap``, L_P1 / L_P2 of its mapped
+heads against the teacher's on held-out notes (lower: closer), and ``ck.score_heads`` of the
+student: the mean over its own top-``k`` heads of each phase (``k`` the heads distilled per
+phase; Phase 1 by the distillation's reading, Phase 2 by ``refine_score``) of each component.
 
 Outputs:
 
-* ``out/runs.csv``: ``variant, seed, metric, value`` (one row per run and metric);
-* ``out/ablation.csv``: ``variant, metric, mean, ci_low, ci_high, n_seeds``: the mean over seeds
-  and its 95% t-interval ``mean +- t_{0.975, n-1} s / sqrt(n)`` (``s`` the sample standard
-  deviation; with one seed ``ci_low = ci_high = mean``). ``ck.viz.ablation_chart(frame)``
-  reads this frame (``pandas.read_csv``).
-
-Sizes (``SIZES``): ``default`` (the table of the issue; 53 min end to end on 2 shared CPU cores,
-see docs/distill.md) and ``quick`` (CI: tiny pool, a dozen steps, a few dozen notes).
+* ``out/runs.csv``: ``student, data, variant, seed, metric, value``;
+* ``out/ablation.csv``: ``student, data, variant, metric, mean, ci_low, ci_high, n_seeds``: the
+  mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s / sqrt(n)``;
+  ``ck.viz.ablation_chart`` reads it;
+* ``out/comparisons.csv``: per cell, metric and pair (variant vs baseline): the mean paired
+  difference over shared seeds and its 95% t-interval;
+* ``out/teacher.json``: the teacher's own metrics on the same notes (the reference);
+* ``out/ablation.json``: sizes, configs and the measured wall-clock time of each part.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +72,27 @@ VARIANTS: dict[str, dict[str, float]] = {
     "p1+p2": dict(lambda_p1=1.0, lambda_p2=1.0, lambda_ns=0.0),
     "nonselective": dict(lambda_p1=0.0, lambda_p2=0.0, lambda_ns=1.0),
 }
-METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match", "las",
-           "sharpness", "anchor_alignment", "loopback", "margin_widening")
+STUDENTS = ("student", "student4")
+DATA = {"full": 1, "small": 10}  # pool divisor
+TASK_METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match")
+LAS_METRICS = ("las", "las_gold_prefit")
+FIDELITY_METRICS = ("p1_gap", "p2_gap", "sharpness", "anchor_alignment",
+                    "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
+                    "key_preference", "loopback", "refine_score", "margin_widening")
+METRICS = TASK_METRICS + LAS_METRICS + FIDELITY_METRICS
+P1_PARTS = ("sharpness", "anchor_alignment", "anchor_alignment_tokens", "coarse_score_tokens",
+            "coarse_score")
+P2_PARTS = ("shortlist_share", "key_preference", "loopback", "refine_score", "margin_widening")
+HEADLINE = (("focus", "confusion"), ("p1", "p2", "p1+p2"), ("cot", "nonselective"))
 SIZES: dict[str, dict[str, Any]] = {
-    # 1000 steps x 64 rows = 64k CoT rows seen (4 passes over the 16384-note pool); ~0.15 s per
-    # step on 2 cores: the whole table took 53 min end to end under load, ~40 min quiet
-    # (docs/distill.md)
-    "default": dict(pool_size=16384, shard_size=1024, steps=1000, batch_size=64, warmup=50,
-                    save_every=100, score_examples=256, eval_examples=512, sim_examples=512,
-                    sim_pretrain_examples=8192, fidelity_examples=256),
-    "quick": dict(pool_size=64, shard_size=32, steps=8, batch_size=16, warmup=2,
-                  save_every=4, score_examples=16, eval_examples=16, sim_examples=16,
-                  sim_pretrain_examples=128, fidelity_examples=8),
+    # measured budget in docs/distill.md: the whole grid (2 students x 2 data sizes x 5 variants
+    # x 3-5 seeds) on 2 CPU cores
+    "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
+                    pretrain=800, save_every=60, score_examples=256, eval_examples=256,
+                    sim_examples=1024, gold_examples=4096, fidelity_examples=48),
+    "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2, pretrain=2,
+                  save_every=2, score_examples=16, eval_examples=12, sim_examples=16,
+                  gold_examples=64, fidelity_examples=6),
 }
 # t_{0.975, df} for df = 1..30 (a 95% two-sided interval); 1.96 beyond
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -91,16 +113,109 @@ def interval(values: list[float]) -> tuple[float, float, float]:
     return (m, m - h, m + h)
 
 
-def student_metrics(folder: Path, test: Any, sim_task: Any, simulator: Any,
-                    fidelity_task: Any, batch_size: int = 64) -> dict[str, float]:
-    """The ablation's metrics of the student saved in ``folder`` (module docstring)."""
+def overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    """Whether two ``interval``s overlap (a NaN interval overlaps everything)."""
+    if any(x != x for x in a + b):
+        return True
+    return not (a[2] < b[1] or b[2] < a[1])
+
+
+# --- the evaluation context and one run's metrics -------------------------------------------
+
+
+@dataclass
+class Context:
+    """What every run is measured on: test notes, the simulator's train notes, the gold
+    pre-fitted simulator, the fidelity notes and the teacher's signals on them."""
+
+    test: Any
+    sim_task: Any
+    gold_sim: Any
+    fidelity: Any
+    gap_store: Any
+    top_k1: int
+    top_k2: int
+    reading: str
+
+
+def context(out: Path, sz: dict[str, Any], task: str, reading: str, top_k: tuple[int, int]
+            ) -> Context:
+    """The evaluation context (the gap store must exist: ``_gap_store``)."""
+    from circuitkit.distill.signals import SignalStore
+    from circuitkit.evaluation import gold_prefit_simulator
+    from circuitkit.tasks import load_task
+
+    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
+    sim_task = load_task(task, n_examples=sz["sim_examples"], seed=1, split="train")
+    gold = gold_prefit_simulator(load_task(task, n_examples=sz["gold_examples"], seed=2,
+                                           split="train"))
+    fidelity = test.subset(range(min(sz["fidelity_examples"], len(test))))
+    return Context(test, sim_task, gold, fidelity, SignalStore.open(out / "signals-fidelity"),
+                   top_k[0], top_k[1], reading)
+
+
+def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[str, float]:
+    """Mean of each component over a model's own top ``k`` heads of ``phase`` (Phase 1 by the
+    reading's CoarseScore, Phase 2 by ``refine_score``); ties, as when no head of a barely
+    trained student is sharp enough to score, go to the higher first component, then (layer,
+    head)."""
+    if phase == 1:
+        col = "coarse_score_tokens" if reading == "tokens" else "coarse_score"
+        order, parts = [col, "sharpness"], P1_PARTS
+    else:
+        order, parts = ["refine_score", "shortlist_share"], P2_PARTS
+    best = scores.sort_values(order + ["layer", "head"],
+                              ascending=[False, False, True, True]).head(k)
+    out = {p: float(best[p].astype(float).mean()) for p in parts}
+    out[f"phase{phase}_heads"] = " ".join(f"L{int(r.layer)}H{int(r.head)}"
+                                          for r in best.itertuples())
+    return out
+
+
+def fidelity_metrics(model: Any, ctx: Context) -> dict[str, Any]:
+    """A model's (``TransformerBridge``) own scores of its top heads (``top_parts``)."""
+    from circuitkit.scoring.heads import score_heads
+
+    with warnings.catch_warnings():
+        # A barely trained student can score the same on every head (coarse_score is 0 while
+        # no head's attention is sharp): ``top_parts`` breaks the tie as stated, so
+        # score_heads' warning about tied ranks does not apply.
+        warnings.filterwarnings("ignore", message="every head has the same")
+        scores = score_heads(model, ctx.fidelity, progress=False, n_boot=0)
+    out = top_parts(scores, 1, ctx.top_k1, ctx.reading)
+    out.update(top_parts(scores, 2, ctx.top_k2))
+    return out
+
+
+@torch.no_grad()
+def mechanism_gaps(model: Any, store: Any, batch_size: int = 64) -> dict[str, float]:
+    """``p1_gap``, ``p2_gap``: L_P1 and L_P2 of ``model``'s mapped heads against the teacher's
+    signals in ``store`` (held-out notes), example-weighted over batches."""
+    from circuitkit.distill.loss import LossConfig, student_terms
+
+    pool, anchors = store.pooling(), store.anchors
+    lc = LossConfig(top_k1=len(pool.heads1), top_k2=len(pool.heads2),
+                    phase1_reading=anchors.reading)
+    sums, n = {"p1": 0.0, "p2": 0.0}, 0
+    for i, shard in enumerate(store.manifest["shards"]):
+        for s in range(0, shard["n_examples"], batch_size):
+            idx = list(range(s, min(s + batch_size, shard["n_examples"])))
+            t = student_terms(model, store.batch(i, idx), pool, anchors, lc, 1.0, 1.0)
+            for k in sums:
+                sums[k] += float(t[k]) * len(idx)
+            n += len(idx)
+    return {f"{k}_gap": v / max(n, 1) for k, v in sums.items()}
+
+
+def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> dict[str, Any]:
+    """The grid's metrics of the model saved in ``folder`` (module docstring)."""
     from transformers import AutoModelForCausalLM
 
     import circuitkit as ck
     from circuitkit import evaluation as ev
-    from circuitkit.scoring.heads import score_heads
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    test = ctx.test
     focus, conf = [], []
     with torch.no_grad():
         for s in range(0, len(test), batch_size):
@@ -109,35 +224,25 @@ def student_metrics(folder: Path, test: Any, sim_task: Any, simulator: Any,
             focus.append(ev.focus_from_logits(logits, sub))
             conf.append(ev.confusion_from_logits(logits, sub))
     f, c = torch.cat(focus), torch.cat(conf)
-    out = dict(focus=float(f.nanmean()), confusion=float(c.nanmean()))
+    out: dict[str, Any] = dict(focus=float(f.nanmean()), confusion=float(c.nanmean()))
     gens = decode(hf, test)
     out.update(ev.set_metrics([ev.parse_answer(g, test) for g in gens],
                               [set(e.targets) for e in test.examples],
                               [set(e.near_misses) for e in test.examples]))
-    res = ev.las(None, test, sim_task, generations=gens, train_generations=decode(hf, sim_task),
-                 simulator=simulator)
-    out.update({k: float(v) for k, v in res.items()})
-    with warnings.catch_warnings():
-        # A barely trained student can score the same on every head (coarse_score is 0 while
-        # no head's attention is sharp): its rank-1 head is then picked by the tie-break below,
-        # not by (layer, head) order, so score_heads' warning about tied ranks does not apply.
-        warnings.filterwarnings("ignore", message="every head has the same")
-        scores = score_heads(ck.load_model(str(folder)), fidelity_task, progress=False)
-    # rank-1 heads: by the phase's score, ties by its first component (the sharpest head when
-    # none is sharp enough to score), then by (layer, head)
-    p1 = scores.sort_values(["coarse_score", "sharpness", "layer", "head"],
-                            ascending=[False, False, True, True]).iloc[0]
-    p2 = scores.sort_values(["refine_score", "loopback", "layer", "head"],
-                            ascending=[False, False, True, True]).iloc[0]
-    out.update(sharpness=float(p1["sharpness"]), anchor_alignment=float(p1["anchor_alignment"]),
-               loopback=float(p2["loopback"]), margin_widening=float(p2["margin_widening"]),
-               phase1_head=f"{int(p1['layer'])}.{int(p1['head'])}",
-               phase2_head=f"{int(p2['layer'])}.{int(p2['head'])}")
+    sim_gens = decode(hf, ctx.sim_task)
+    for name, sim in (("las", None), ("las_gold_prefit", ctx.gold_sim)):
+        res = ev.las(None, test, ctx.sim_task, generations=gens, train_generations=sim_gens,
+                     simulator=sim)
+        out.update({k.replace("las", name, 1) if k.startswith("las") else f"{name}_{k}": v
+                    for k, v in res.items()})
+    bridge = ck.load_model(str(folder))
+    out.update(mechanism_gaps(bridge, ctx.gap_store))
+    out.update(fidelity_metrics(bridge, ctx))
     return out
 
 
 def decode(hf: Any, task: Any) -> list[list[int]]:
-    """The student's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
+    """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
     from circuitkit.evaluation import greedy_decode_cached, prompt_end
 
     think = task.vocab.index("<think>")
@@ -148,95 +253,354 @@ def decode(hf: Any, task: Any) -> list[list[int]]:
                                 task.eos_id, new, task.pad_id)
 
 
+# --- running the grid -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    student: str
+    data: str
+    variant: str
+    seed: int
+
+    @property
+    def cell(self) -> str:
+        return f"{self.student}-{self.data}"
+
+    def folder(self, out: Path) -> Path:
+        return out / "runs" / self.cell / f"{self.variant}-seed{self.seed}"
+
+    def pretrain_folder(self, out: Path) -> Path:
+        return out / "runs" / self.cell / "pretrain"
+
+
+def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str:
+    """The CoT-only start of ``run``'s cell (module docstring); in a worker."""
+    folder = run.pretrain_folder(Path(out))
+    if progress:
+        print(f"[ablation] {run.cell} pretrain", file=sys.stderr, flush=True)
+    train_student(DistillConfig(**cfg), folder, progress=progress)
+    return str(folder)
+
+
+_CTX: dict[str, Context] = {}  # one evaluation context per (worker) process
+
+
+def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: bool) -> str:
+    """Train and measure one run (skipped when its ``metrics.json`` exists); in a worker."""
+    from circuitkit.files import write_json
+    from circuitkit.models import hf_progress
+
+    folder = run.folder(Path(out))
+    done = folder / "metrics.json"
+    if done.exists():
+        return str(done)
+    config = DistillConfig(**cfg)
+    if progress:
+        print(f"[ablation] {run.cell} {run.variant} seed {run.seed}", file=sys.stderr,
+              flush=True)
+    train_student(config, folder, progress=progress)
+    t0 = time.perf_counter()
+    if "ctx" not in _CTX:  # deterministic: built once per process
+        _CTX["ctx"] = context(Path(out), *ctx_args)
+    with hf_progress(progress):
+        m = student_metrics(folder, _CTX["ctx"])
+    write_json(done, dict(run=asdict(run), metrics=m, config=asdict(config),
+                          eval_seconds=round(time.perf_counter() - t0, 1)))
+    return str(done)
+
+
+def _init_worker() -> None:
+    import os
+
+    # one thread per worker: train_student's configure_threads keeps an explicit
+    # OMP_NUM_THREADS (two workers with two threads each on two shared cores ran 10-20x slower)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
-                 size: str = "default", student: Any = "student", lambda_p1: float = 1.0,
+                 size: str = "default", students: tuple[Any, ...] = STUDENTS,
+                 data: tuple[str, ...] = tuple(DATA), lambda_p1: float = 1.0,
                  lambda_p2: float = 1.0, lambda_ns: float = 1.0, task: str = "icd10",
-                 variants: tuple[str, ...] | None = None, progress: bool = True) -> Any:
-    """Train and measure every variant for ``seeds`` seeds (module docstring); returns the
-    ``ablation.csv`` frame. The lambdas scale the variants' mechanistic terms."""
+                 variants: tuple[str, ...] | None = None, progress: bool = True,
+                 max_seeds: int | None = None, workers: int = 1,
+                 steps: int | None = None, balance: str = "cap",
+                 grad_ratio: float = 0.5, pretrain: int | None = None) -> Any:
+    """Train and measure the grid (module docstring); returns the ``ablation.csv`` frame. The
+    lambdas scale the variants' mechanistic terms; ``max_seeds`` (default ``seeds``): seeds
+    for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
+    ``balance``, ``grad_ratio``: how every run combines its terms' gradients
+    (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
+    (0: every run starts from its seed's fresh initialisation)."""
     from circuitkit.files import check_writable_dir, lock_folder
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}.")
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}.")
+    max_seeds = seeds if max_seeds is None else max_seeds
+    if max_seeds < seeds:
+        raise ValueError(f"max_seeds ({max_seeds}) must be >= seeds ({seeds}).")
+    if workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers}.")
+    if pretrain is not None and (not isinstance(pretrain, int) or pretrain < 0):
+        raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got {pretrain!r}.")
     variants = tuple(variants or VARIANTS)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}.")
+    bad = [d for d in data if d not in DATA]
+    if bad or not data:
+        raise ValueError(f"unknown data size(s) {bad or data}; choose from {list(DATA)}.")
+    if not students:
+        raise ValueError("students: name at least one student preset.")
     out = check_writable_dir(out, "--out")
     with lock_folder(out, "--out folder"):  # one ablation per folder
-        return _run_ablation(out, teacher, seeds, size, student, lambda_p1, lambda_p2,
-                             lambda_ns, task, variants, progress)
+        return _run_ablation(out, teacher, seeds, max_seeds, size, tuple(students), tuple(data),
+                             dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2,
+                                  lambda_ns=lambda_ns), task, variants, progress, workers,
+                             steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain)
 
 
-def _run_ablation(out: Path, teacher: str, seeds: int, size: str, student: Any,
-                  lambda_p1: float, lambda_p2: float, lambda_ns: float, task: str,
-                  variants: tuple[str, ...], progress: bool) -> Any:
+def _student_name(student: Any) -> str:
+    if isinstance(student, str) and "/" not in student and not student.endswith(".json"):
+        return student
+    from circuitkit.distill.train import preset
+
+    p = preset(student)
+    return f"L{p.n_layers}H{p.n_heads}D{p.d_model}"
+
+
+def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str,
+                  students: tuple[Any, ...], data: tuple[str, ...], scale: dict[str, float],
+                  task: str, variants: tuple[str, ...], progress: bool, workers: int,
+                  steps: int | None, balancing: dict[str, Any], pretrain: int | None) -> Any:
+    import shutil
+
+    from circuitkit.distill.train import prepare_store
+    from circuitkit.files import write_json
+    from circuitkit.models import hf_progress
+
+    sz = dict(SIZES[size])
+    if steps is not None:
+        sz["steps"] = int(steps)
+    if pretrain is not None:
+        sz["pretrain"] = pretrain
+    t_start = time.time()
+    names = {_student_name(s): s for s in students}
+    base = dict(teacher=teacher, task=task, **balancing, **{k: sz[k] for k in (
+        "shard_size", "steps", "batch_size", "warmup", "save_every", "score_examples")})
+    timings: dict[str, float] = {}
+    # stores: one per data size (scored once, the table shared), then the held-out notes'
+    stores = {}
+    for d in data:
+        folder = out / f"signals-{d}"
+        full = out / f"signals-{data[0]}" / "scores.csv"
+        if d != data[0] and full.exists() and not (folder / "scores.csv").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(full, folder / "scores.csv")
+        stores[d] = dict(base, pool_size=max(sz["batch_size"], sz["pool_size"] // DATA[d]),
+                         store=str(folder))
+        t0 = time.perf_counter()
+        with hf_progress(progress):
+            prepare_store(DistillConfig(**stores[d]), out, progress=progress)
+        timings[f"store_{d}"] = round(time.perf_counter() - t0, 1)
+    lc = DistillConfig().loss_config()
+    t0 = time.perf_counter()
+    _gap_store(out, teacher, task, sz, lc, stores[data[0]]["store"], progress)
+    teacher_m = _teacher_metrics(out, teacher, task, sz, lc, progress)
+    timings["teacher_and_fidelity_store"] = round(time.perf_counter() - t0, 1)
+    ctx_args = (sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
+
+    def cfg_of(r: Run) -> dict[str, Any]:
+        lam = {k: VARIANTS[r.variant][k] * scale[k] for k in scale}
+        init = str(r.pretrain_folder(out)) if sz["pretrain"] else None
+        return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam)
+
+    def pretrain_of(r: Run) -> dict[str, Any]:
+        return dict(stores[r.data], student=names[r.student], seed=0, steps=sz["pretrain"],
+                    lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+
+    cells = [(s, d) for s in names for d in data]
+    planned = [Run(s, d, v, k) for s, d in cells for k in range(seeds) for v in variants]
+    write_json(out / "ablation.json", dict(
+        size=size, sizes=sz, seeds=seeds, max_seeds=max_seeds, variants=variants,
+        students={n: (asdict(_preset(s))) for n, s in names.items()}, data=list(data),
+        lambdas=scale, base=base, workers=workers))
+    t0 = time.perf_counter()
+    pre = pretrain_of if sz["pretrain"] else None
+    _execute(out, planned, cfg_of, pre, ctx_args, progress, workers)
+    extra = _extra_runs(out, cells, variants, seeds, max_seeds) if max_seeds > seeds else []
+    _execute(out, extra, cfg_of, pre, ctx_args, progress, workers)
+    timings["runs"] = round(time.perf_counter() - t0, 1)
+    runs = planned + extra
+    frame = _write_tables(out, runs)
+    record = json.loads((out / "ablation.json").read_text())
+    timings["total_this_call"] = round(time.time() - t_start, 1)
+    record.update(timings=timings, n_runs=len(runs), teacher_metrics=teacher_m,
+                  extra_runs=[asdict(r) for r in extra])
+    write_json(out / "ablation.json", record)
+    return frame
+
+
+def _preset(student: Any):
+    from circuitkit.distill.train import preset
+
+    return preset(student)
+
+
+def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args: tuple,
+             progress: bool, workers: int) -> None:
+    """The unfinished ``runs``, after the CoT-only starts they need (``pretrain_of``: their
+    configs; None: no pre-training); a finished start (its ``distill.json``) is reused."""
+    from circuitkit.distill.train import RECORD
+
+    todo = [r for r in runs if not (r.folder(out) / "metrics.json").exists()]
+    starts = list({r.cell: r for r in todo
+                   if pretrain_of is not None
+                   and not (r.pretrain_folder(out) / RECORD).exists()}.values())
+    if not todo:
+        return
+    if workers == 1:
+        for r in starts:
+            _do_pretrain(str(out), r, pretrain_of(r), progress)
+        for r in todo:
+            _do_run(str(out), r, cfg_of(r), ctx_args, progress)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker) as pool:
+        for f in [pool.submit(_do_pretrain, str(out), r, pretrain_of(r), progress)
+                  for r in starts]:
+            f.result()  # a worker's error surfaces here, with its message
+        for f in [pool.submit(_do_run, str(out), r, cfg_of(r), ctx_args, progress)
+                  for r in todo]:
+            f.result()
+
+
+def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
+               train_store: str, progress: bool) -> Any:
+    """The teacher's signals on the fidelity notes (held out), with the training stores'
+    score table and options."""
     import pandas as pd
 
-    from circuitkit.evaluation import pretrained_simulator
-    from circuitkit.files import write_json, write_text
+    import circuitkit as ck
+    from circuitkit.distill.signals import StoreOptions, build_store
     from circuitkit.models import hf_progress
     from circuitkit.tasks import load_task
 
-    sz = SIZES[size]
-    scale = dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns)
-    base = DistillConfig(
-        teacher=teacher, task=task, student=student, store=str(out / "signals"),
-        **{k: sz[k] for k in ("pool_size", "shard_size", "steps", "batch_size", "warmup",
-                              "save_every", "score_examples")})
-    write_json(out / "ablation.json", dict(size=size, sizes=sz, seeds=seeds, variants=variants,
-                                           lambdas=scale, base=asdict(base)))
+    folder = out / "signals-fidelity"
+    if (folder / "manifest.json").exists():
+        from circuitkit.distill.signals import SignalStore
+
+        return SignalStore.open(folder)
     test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
-    sim_task = load_task(task, n_examples=sz["sim_examples"], seed=1, split="train")
-    fidelity = test.subset(range(min(sz["fidelity_examples"], len(test))))
-    simulator = None
-    rows = []
-    for seed in range(seeds):
+    fid = test.subset(range(min(sz["fidelity_examples"], len(test))))
+    scores = pd.read_csv(Path(train_store) / "scores.csv")
+    opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=False,
+                        shard_size=len(fid), phase1_reading=lc.phase1_reading)
+    with hf_progress(progress):  # the teacher's CoT decoding loads a plain HF copy of it
+        model = ck.load_model(teacher)
+        return build_store(model, fid, scores, folder, opts, teacher_name=teacher,
+                           progress=False)
+
+
+def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
+                     progress: bool) -> dict[str, Any]:
+    """The teacher's own metrics on the grid's notes (``teacher.json``; computed once)."""
+    from circuitkit.files import write_json
+    from circuitkit.models import hf_progress, shipped_path
+
+    path = out / "teacher.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    ctx = context(out, sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
+    folder = shipped_path(teacher) if not Path(teacher).is_dir() else Path(teacher)
+    with hf_progress(progress):
+        m = student_metrics(folder, ctx)
+    write_json(path, m)
+    return m
+
+
+def _extra_runs(out: Path, cells: list[tuple[str, str]], variants: tuple[str, ...],
+                seeds: int, max_seeds: int) -> list[Run]:
+    """Seeds ``seeds .. max_seeds - 1`` of both variants of every headline comparison whose
+    intervals overlap after ``seeds`` seeds (module docstring)."""
+    metrics, mech, bases = HEADLINE
+    extra: set[Run] = set()
+    for s, d in cells:
+        vals = {}
         for v in variants:
-            run = out / "runs" / f"{v}-seed{seed}"
-            done = run / "metrics.json"
-            if not done.exists():
-                lam = {k: VARIANTS[v][k] * scale[k] for k in scale}
-                cfg = DistillConfig(**{**asdict(base), **lam, "seed": seed})
-                if progress:
-                    print(f"[ablation] {v} seed {seed}", file=sys.stderr)
-                train_student(cfg, run, progress=progress)
-                t0 = time.perf_counter()
-                if simulator is None:  # deterministic: pre-fitted once per process
-                    simulator = pretrained_simulator(load_task(
-                        task, n_examples=sz["sim_pretrain_examples"], seed=2, split="train"))
-                with hf_progress(progress):  # its model loads show no bar unless asked
-                    m = student_metrics(run, test, sim_task, simulator, fidelity)
-                write_json(done, dict(variant=v, seed=seed, metrics=m, config=asdict(cfg),
-                                      eval_seconds=round(time.perf_counter() - t0, 1)))
-            m = json.loads(done.read_text())["metrics"]
-            rows += [dict(variant=v, seed=seed, metric=k, value=float(m[k])) for k in METRICS]
-    runs = pd.DataFrame(rows)
-    write_text(out / "runs.csv", runs.to_csv(index=False))
-    table = []
-    for v in variants:
-        for k in METRICS:
-            vals = runs[(runs.variant == v) & (runs.metric == k)]["value"].tolist()
-            mean, lo, hi = interval(vals)
-            table.append(dict(variant=v, metric=k, mean=mean, ci_low=lo, ci_high=hi,
-                              n_seeds=len(vals)))
-    frame = pd.DataFrame(table, columns=["variant", "metric", "mean", "ci_low", "ci_high",
-                                         "n_seeds"])
+            for k in range(seeds):
+                m = json.loads((Run(s, d, v, k).folder(out) / "metrics.json").read_text())
+                for name in metrics:
+                    vals.setdefault((v, name), []).append(float(m["metrics"][name]))
+        for v in (x for x in mech if x in variants):
+            for b in (x for x in bases if x in variants):
+                if any(overlap(interval(vals[(v, n)]), interval(vals[(b, n)]))
+                       for n in metrics):
+                    extra |= {Run(s, d, x, k) for x in (v, b) for k in range(seeds, max_seeds)}
+    order = {v: i for i, v in enumerate(variants)}
+    return sorted(extra, key=lambda r: (r.student, r.data, r.seed, order[r.variant]))
+
+
+def _write_tables(out: Path, runs: list[Run]) -> Any:
+    import pandas as pd
+
+    from circuitkit.files import write_text
+
+    rows = []
+    for r in runs:
+        m = json.loads((r.folder(out) / "metrics.json").read_text())["metrics"]
+        rows += [dict(student=r.student, data=r.data, variant=r.variant, seed=r.seed, metric=k,
+                      value=float(m[k])) for k in METRICS]
+    runs_f = pd.DataFrame(rows, columns=["student", "data", "variant", "seed", "metric",
+                                         "value"])
+    write_text(out / "runs.csv", runs_f.to_csv(index=False))
+    table, comp = [], []
+    keys = ["student", "data", "variant", "metric"]
+    for (s, d, v, k), g in runs_f.groupby(keys, sort=False):
+        mean, lo, hi = interval(g["value"].tolist())
+        table.append(dict(student=s, data=d, variant=v, metric=k, mean=mean, ci_low=lo,
+                          ci_high=hi, n_seeds=len(g)))
+    frame = pd.DataFrame(table, columns=keys + ["mean", "ci_low", "ci_high", "n_seeds"])
     write_text(out / "ablation.csv", frame.to_csv(index=False))
+    by = {key: dict(zip(g["seed"], g["value"], strict=True))
+          for key, g in runs_f.groupby(keys, sort=False)}
+    for (s, d, v, k), vals in by.items():
+        for b in ("cot", "nonselective"):
+            if v == b or (s, d, b, k) not in by:
+                continue
+            base = by[(s, d, b, k)]
+            shared = sorted(set(vals) & set(base))
+            mean, lo, hi = interval([vals[i] - base[i] for i in shared])
+            comp.append(dict(student=s, data=d, metric=k, variant=v, baseline=b, diff=mean,
+                             ci_low=lo, ci_high=hi, n_seeds=len(shared)))
+    write_text(out / "comparisons.csv", pd.DataFrame(comp).to_csv(index=False))
     return frame
 
 
 def format_table(frame: Any) -> str:
-    """``ablation.csv`` as text: one row per metric, one column per variant, each cell
-    ``mean [ci_low, ci_high]``."""
-    variants = list(dict.fromkeys(frame.variant))
-    lines = [f"{'metric':<17}" + "".join(f"{v:>23}" for v in variants)]
-    for m in dict.fromkeys(frame.metric):
-        cells = []
-        for v in variants:
-            r = frame[(frame.variant == v) & (frame.metric == m)].iloc[0]
-            cells.append(f"{r['mean']:.3f} [{r['ci_low']:.3f},{r['ci_high']:.3f}]")
-        lines.append(f"{m:<17}" + "".join(f"{c:>23}" for c in cells))
-    return "\n".join(lines)
+    """``ablation.csv`` as text: per cell, one row per metric, one column per variant, each
+    cell ``mean [ci_low, ci_high]``."""
+    lines = []
+    cells = list(dict.fromkeys(zip(frame.student, frame.data, strict=True))) \
+        if "student" in frame.columns else [(None, None)]
+    for s, d in cells:
+        sub = frame if s is None else frame[(frame.student == s) & (frame.data == d)]
+        variants = list(dict.fromkeys(sub.variant))
+        if s is not None:
+            lines.append(f"{s} x {d} data ({int(sub.n_seeds.min())}-{int(sub.n_seeds.max())} "
+                         "seeds)")
+        lines.append(f"{'metric':<24}" + "".join(f"{v:>23}" for v in variants))
+        for m in dict.fromkeys(sub.metric):
+            cells_ = []
+            for v in variants:
+                r = sub[(sub.variant == v) & (sub.metric == m)].iloc[0]
+                cells_.append(f"{r['mean']:.3f} [{r['ci_low']:.3f},{r['ci_high']:.3f}]")
+            lines.append(f"{m:<24}" + "".join(f"{c:>23}" for c in cells_))
+        lines.append("")
+    return "\n".join(lines).rstrip()

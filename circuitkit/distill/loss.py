@@ -1,23 +1,24 @@
 """Distillation losses: ``L_total = L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (+ lambda_NS L_NS)``.
 
 Signals (``T``: teacher, ``S``: student) are ``signals.readout``'s, read at the same hook names
-(``hooks.pattern``, ``hooks.z``, ``hooks.FINAL_NORM_IN``) of both models; the student's pooling
-maps the teacher's top heads by relative depth (``signals.Pooling.for_student``). Row weights
-``w_n = 1 / steps`` of row ``n``'s example; ``mean_w(x) = sum_n w_n x_n / sum_n w_n`` is a mean
-over an example's steps, then over examples. ``KL(p || q) = sum_i p_i (log p_i - log q_i)``
+of both models, one slot per teacher head ``j`` of a phase, the student's from that head's own
+student head (``signals.head_map``). Row weights ``w_n = 1 / steps`` of row ``n``'s example;
+``mean_w(x) = sum_n w_n x_n / sum_n w_n`` is a mean over an example's steps, then over examples;
+``alpha_j`` the teacher heads' weights (sum 1). ``KL(p || q) = sum_i p_i (log p_i - log q_i)``
 over ``p_i > 0`` (``q`` clamped at 1e-12 inside the log only), so ``KL(p || p) = 0`` exactly.
 
 * ``L_CoT = CE(student logits[:, p - 1], tokens[:, p])`` over the teacher's CoT and answer
   positions (``training.lm_loss``), plus, with ``kd_weight > 0`` and the teacher's top-k logits
   ``(v, i)`` [b, s, k]: ``kd_weight * tau^2 * mean_p KL(softmax(v_p / tau) || softmax(z^S_p /
   tau)[i_p])`` (student normalised over the whole vocabulary, teacher over its top k).
-* ``L_P1 = mean_w[ KL(p1_attn^T || p1_attn^S) + c1 * mean_a (p1_profile^T - p1_profile^S)^2 ]``:
-  where the Phase-1 heads read ([N1, S] over keys) and what they write, compared in
-  anchor-alignment space ([N1, A]: the cosine of the pooled write with each anchor's centred
-  unembedding direction, each model against its own unembedding).
-* ``L_P2 = mean_w[ KL(p2_loop^T || p2_loop^S) + c2 * mean_k (p2_effect^T - p2_effect^S)^2 ]``:
-  the loop-back distribution over the shortlist keys plus "elsewhere" ([N2, K+1]) and the
-  margin-widening write as centred direct logit effects on the shortlist tokens ([N2, K], logits).
+* ``L_P1 = mean_w sum_j alpha1_j [ KL(p1_attn^T_j || p1_attn^S_j) + c1 * mean_a (p1_profile^T_j
+  - p1_profile^S_j)^2 ]``: where each Phase-1 head reads ([N1, k1, S] over keys) and what it
+  writes, compared in anchor-alignment space ([N1, k1, A]: the cosine of the write with each
+  anchor's centred direction, each model against its own unembedding).
+* ``L_P2 = mean_w sum_j alpha2_j [ KL(p2_loop^T_j || p2_loop^S_j) + c2 * mean_k (p2_effect^T_j
+  - p2_effect^S_j)^2 ]``: each Phase-2 head's attention over the shortlist entries plus
+  "elsewhere" ([N2, k2, K+1]) and what it writes from those entries as centred logits of the
+  shortlist labels ([N2, k2, K]).
 * ``L_NS`` (non-selective baseline, MiniLM-style): ``mean_w mean_l KL(ns^T[:, l] || ns^S[:, l])``
   over Phase-1 and Phase-2 rows, ``ns[:, l]`` the mean attention of *all* heads of teacher layer
   ``l`` (student: of the mapped layer), no head selection and no write terms.
@@ -29,9 +30,12 @@ Phase-2 write is compared as logits, which two models over one vocabulary share.
 
 Gradients: the teacher side is computed without autograd; on the student side ``W_U`` and the
 final norm (weight and the run's scale) are detached (the reading frame), as is a post-attention
-norm (Gemma 2), so ``p1``/``p2`` reach only the embeddings and the blocks up to the mapped phase
-layer's attention (not its MLP, not later layers, not the unembedding); ``cot`` reaches every
-parameter.
+norm (Gemma 2), so ``p1``/``p2`` reach only the mapped heads' own weights in their layer (query,
+key, value rows and output columns; not the layer's other heads, its MLP, later layers or the
+unembedding) and what those heads read (the embeddings and the blocks below); ``cot`` reaches
+every parameter.
+
+Combining the terms' gradients in training: ``balanced_gradients`` (docs/distill.md).
 """
 
 from __future__ import annotations
@@ -52,15 +56,18 @@ _LOG_FLOOR = 1e-12
 
 @dataclass
 class LossConfig:
-    """Loss options (module docstring): heads pooled per phase, write-term weights ``c1``
-    (anchor-alignment MSE) and ``c2`` (logit-effect MSE), top-k logit KD.
+    """Loss options (module docstring): teacher heads per phase (``top_k1``, ``top_k2``), the
+    Phase-1 reading (``signals.READINGS``), the share of a student layer's heads that may be
+    supervised (``head_share``), write-term weights ``c1`` (anchor-alignment MSE) and ``c2``
+    (logit-effect MSE), top-k logit KD.
 
-    ``c1 = 10``, ``c2 = 5``: with them each write term is of the order of its attention term
-    for the shipped CoT-only student against the shipped teacher (measured on 32 notes:
-    attention KL 0.18 vs profile MSE 0.018; loop-back KL 1.17 vs effect MSE 0.14 logit^2)."""
+    ``c1``, ``c2``: docs/distill.md gives the measurement they come from (each write term of
+    the order of its attention term)."""
 
-    top_k1: int = 4
-    top_k2: int = 4
+    top_k1: int = 2
+    top_k2: int = 2
+    phase1_reading: str = "tokens"
+    head_share: float = signals.HEAD_SHARE
     c1: float = 10.0
     c2: float = 5.0
     kd_weight: float = 0.0
@@ -71,6 +78,9 @@ class LossConfig:
         for k in ("c1", "c2", "kd_weight"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}.")
+        signals.check_reading(self.phase1_reading)
+        if not 0 < self.head_share <= 1:
+            raise ValueError(f"head_share must be in (0, 1], got {self.head_share}.")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.kd_weight > 0 and self.topk_logits < 1:
@@ -92,19 +102,20 @@ def wmean(x: Tensor, w: Tensor) -> Tensor:
     return (x * w).sum() / w.sum()
 
 
-def loss_p1(t: Signals, s: Signals, w: Tensor, c1: float) -> Tensor:
-    att = kl(t.p1_attn.to(s.p1_attn), s.p1_attn)
+def loss_p1(t: Signals, s: Signals, alpha: Tensor, w: Tensor, c1: float) -> Tensor:
+    att = kl(t.p1_attn.to(s.p1_attn), s.p1_attn)  # [N1, k1]
     prof = (t.p1_profile.to(s.p1_profile) - s.p1_profile).pow(2).mean(-1) \
         if t.p1_profile.shape[-1] else torch.zeros_like(att)
-    return wmean(att + c1 * prof, w)
+    return wmean(((att + c1 * prof) * alpha.to(att)).sum(-1), w)
 
 
-def loss_p2(t: Signals, s: Signals, w: Tensor, valid: Tensor, c2: float) -> Tensor:
-    loop = kl(t.p2_loop.to(s.p2_loop), s.p2_loop)
-    v = valid.to(s.p2_effect)
+def loss_p2(t: Signals, s: Signals, alpha: Tensor, w: Tensor, valid: Tensor,
+            c2: float) -> Tensor:
+    loop = kl(t.p2_loop.to(s.p2_loop), s.p2_loop)  # [N2, k2]
+    v = valid.to(s.p2_effect)[:, None]
     sq = ((t.p2_effect.to(s.p2_effect) - s.p2_effect).pow(2) * v).sum(-1) \
         / v.sum(-1).clamp(min=1)
-    return wmean(loop + c2 * sq, w)
+    return wmean(((loop + c2 * sq) * alpha.to(loop)).sum(-1), w)
 
 
 def loss_ns(t: Signals, s: Signals, w1: Tensor, w2: Tensor) -> Tensor:
@@ -132,7 +143,7 @@ def loss_cot(logits: Tensor, tokens: Tensor, mask: Tensor, topk: tuple[Tensor, T
     return ce + cfg.kd_weight * tau * tau * kl(pt, ls.exp()).mean()
 
 
-def student_terms(student: Any, batch: Batch, teacher_pool: Pooling, anchor_token_ids: Tensor,
+def student_terms(student: Any, batch: Batch, teacher_pool: Pooling, anchors: signals.Anchors,
                   cfg: LossConfig, lambda_p1: float, lambda_p2: float,
                   lambda_ns: float = 0.0) -> dict[str, Tensor]:
     """``cot, p1, p2, ns, total`` of ``student`` (a ``TransformerBridge``) on one batch whose
@@ -147,19 +158,94 @@ def student_terms(student: Any, batch: Batch, teacher_pool: Pooling, anchor_toke
         logits = student(tokens)
         cot = loss_cot(logits, tokens, batch.mask, batch.topk, cfg)
         return dict(cot=cot, p1=zero, p2=zero, ns=zero, total=cot)
-    pool = Pooling(teacher_pool.w1 if lambda_p1 > 0 else torch.zeros_like(teacher_pool.w1),
-                   teacher_pool.w2 if lambda_p2 > 0 else torch.zeros_like(teacher_pool.w2),
-                   teacher_pool.ns_layers if lambda_ns > 0 else ()
-                   ).for_student(f.n_layers, f.n_heads)
-    logits, acts = signals.run_and_capture(student, tokens, pool.layers())
-    s = signals.readout(student, acts, batch.queries, pool, anchor_token_ids)
+    # the head map first, then the phases asked for: a head's student head never depends on
+    # which terms are on
+    pool = teacher_pool.for_student(f.n_layers, f.n_heads, cfg.head_share).only(
+        lambda_p1 > 0, lambda_p2 > 0, lambda_ns > 0)
+    logits, acts = signals.run_and_capture(student, tokens, pool.layers(),
+                                           v_layers=pool.p2_layers())
+    s = signals.readout(student, acts, batch.queries, pool, anchors)
     t, qs = batch.teacher, batch.queries
     cot = loss_cot(logits, tokens, batch.mask, batch.topk, cfg)
-    p1 = loss_p1(t, s, qs.w1, cfg.c1) if lambda_p1 > 0 else zero
-    p2 = loss_p2(t, s, qs.w2, qs.valid2, cfg.c2) if lambda_p2 > 0 else zero
+    p1 = loss_p1(t, s, pool.alpha1, qs.w1, cfg.c1) if lambda_p1 > 0 else zero
+    p2 = loss_p2(t, s, pool.alpha2, qs.w2, qs.valid2, cfg.c2) if lambda_p2 > 0 else zero
     ns = loss_ns(t, s, qs.w1, qs.w2) if lambda_ns > 0 else zero
     total = cot + lambda_p1 * p1 + lambda_p2 * p2 + lambda_ns * ns
     return dict(cot=cot, p1=p1, p2=p2, ns=ns, total=total)
+
+
+BALANCES = ("cap", "global_clip")
+MECH = ("p1", "p2", "ns")
+
+
+def _norm(grads: list[Tensor | None]) -> Tensor:
+    sq = [g.detach().float().pow(2).sum() for g in grads if g is not None]
+    return torch.stack(sq).sum().sqrt() if sq else torch.zeros(())
+
+
+def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
+                       params: list[Tensor], balance: str = "cap", ratio: float = 0.5,
+                       clip: float = 1.0) -> dict[str, float]:
+    """Set ``p.grad`` of every parameter in ``params`` to one step's gradient from the terms
+    ``student_terms`` returned; returns what the run's history logs: ``gn_<term>`` the norm of
+    each term's own gradient ``|grad L_term|`` (unweighted; 0 for a term that is off),
+    ``s_<term>`` the factor its ``lambda * grad`` entered with, ``cos`` the cosine between
+    the CoT part and the mechanistic part of the step, ``norm`` the step gradient's norm (NaN
+    when any gradient is not finite: then no ``.grad`` is set).
+
+    ``balance="cap"`` (the default; docs/distill.md): ``g = c g_CoT + sum_k lambda_k s_k g_k``
+    with ``c = min(1, clip / |g_CoT|)`` (CoT-only's own clip, so the CoT part of the step is
+    exactly CoT-only's) and ``s_k = min(1, ratio c |g_CoT| / |g_k|)``: no mechanistic term's
+    own gradient counts for more than ``ratio`` times the CoT part, and the lambdas keep their
+    meaning as the terms' weights (below the cap the step is the gradient of ``L_CoT + sum_k
+    lambda_k L_k``; at the cap, term ``k`` adds ``lambda_k ratio`` times the CoT part's norm).
+    ``balance="global_clip"`` (before issue 25): the gradient of the total, clipped to ``clip``
+    as a whole (a large mechanistic gradient shrinks the CoT part of the step)."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}.")
+    on = [k for k in MECH if lambdas.get(k, 0.0) > 0]
+    names = ["cot"] + on
+    grads = {}
+    for i, k in enumerate(names):
+        grads[k] = list(torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1,
+                                            allow_unused=True))
+    norms = {k: _norm(g) for k, g in grads.items()}
+    out = {f"gn_{k}": float(norms.get(k, 0.0)) for k in ("cot",) + MECH}
+    if not all(bool(torch.isfinite(n)) for n in norms.values()):
+        return dict(out, **{f"s_{k}": float("nan") for k in MECH}, cos=float("nan"),
+                    norm=float("nan"))
+    c_cot = min(1.0, clip / max(float(norms["cot"]), 1e-30))
+    scale = {}
+    for k in on:
+        if balance == "cap":
+            size = float(norms[k])
+            scale[k] = lambdas[k] * (min(1.0, ratio * c_cot * float(norms["cot"]) / size)
+                                     if size > 0 else 1.0)
+        else:
+            scale[k] = lambdas[k]
+    mech: list[Tensor | None] = [None] * len(params)
+    for k in on:
+        for i, g in enumerate(grads[k]):
+            if g is not None:
+                mech[i] = scale[k] * g if mech[i] is None else mech[i] + scale[k] * g
+    cot = list(grads["cot"])
+    if balance == "global_clip":
+        total = [None if a is None and m is None else (a if a is not None else 0) +
+                 (m if m is not None else 0) for a, m in zip(cot, mech, strict=True)]
+        c = min(1.0, clip / max(float(_norm(total)), 1e-30))
+        c_cot, scale = c, {k: v * c for k, v in scale.items()}
+        mech = [None if m is None else m * c for m in mech]
+    cot = [None if g is None else g * c_cot for g in cot]
+    dot = sum(float((a.float() * m.float()).sum()) for a, m in zip(cot, mech, strict=True)
+              if a is not None and m is not None)
+    n_cot, n_mech = float(_norm(cot)), float(_norm(mech))
+    for p, a, m in zip(params, cot, mech, strict=True):
+        g = a if m is None else (m if a is None else a + m)
+        p.grad = None if g is None else g.detach().to(p.dtype)
+    out.update({f"s_{k}": (scale[k] / lambdas[k] if k in scale else 0.0) for k in MECH})
+    out["cos"] = dot / (n_cot * n_mech) if n_cot > 0 and n_mech > 0 else 0.0
+    out["norm"] = float(_norm([p.grad for p in params]))
+    return out
 
 
 def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float = 1.0,
@@ -206,13 +292,14 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     else:
         tokens, mask = _cot_pair(cot)
     pool = Pooling.teacher(scores, ft.n_layers, ft.n_heads, cfg.top_k1, cfg.top_k2,
-                           nonselective=lambda_ns > 0)
+                           nonselective=lambda_ns > 0, reading=cfg.phase1_reading)
     qs = signals.queries(tokens, lay)
     _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
-    anchors = task.anchor_token_ids
+    anchors = signals.Anchors.of(task, cfg.phase1_reading)
     dev = next(teacher.parameters()).device
     with torch.no_grad():
-        t_logits, acts = signals.run_and_capture(teacher, tokens.to(dev), pool.layers())
+        t_logits, acts = signals.run_and_capture(teacher, tokens.to(dev), pool.layers(),
+                                                 v_layers=pool.p2_layers())
         t_sig = signals.readout(teacher, acts, qs, pool, anchors).detach()
         topk = None
         if cfg.topk_logits:

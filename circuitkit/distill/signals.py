@@ -1,9 +1,10 @@
 """Teacher signals for mechanistic distillation, and the store that streams them to training.
 
-A *signal* is what the teacher's top Phase-1 / Phase-2 heads do at the query positions of its own
-chain of thought, pooled over those heads with weights from their scores (``ck.score_heads``).
-The student's counterpart is read by the same code (``readout``) at the same hook names
-(``hooks.pattern``, ``hooks.z``, ``hooks.FINAL_NORM_IN``), so a loss compares like with like.
+A *signal* is what one of the teacher's top Phase-1 / Phase-2 heads does at the query positions of
+its own chain of thought (``ck.score_heads`` picks the heads). Each teacher head is matched by its
+own student head (``head_map``), read by the same code (``readout``) at the same hook names
+(``hooks.pattern``, ``hooks.z``, ``hooks.v``, ``hooks.FINAL_NORM_IN``), so a loss compares like
+with like, head by head.
 
 Rows and positions (task layout: the token at ``p`` is predicted from the logits at ``p - 1``):
 
@@ -16,50 +17,63 @@ Rows and positions (task layout: the token at ``p`` is predicted from the logits
 * row weights ``w = 1 / (steps of that example)``: losses average over steps, then examples
   (as Reasoning Focus does).
 
-Head weights (``head_weights``): phase ``k``'s top ``top_k`` heads by ``phase{k}_rank``, weight
-``alpha = max(score, 0) / sum`` (``coarse_score`` / ``refine_score``; uniform over the top heads
-when none is positive), an ``[L, H]`` matrix summing to 1. The student's matrix
-(``student_weights``): the teacher's itself when the shapes agree; otherwise teacher layer ``l``
-maps to student layer ``floor((l + 1/2) L_S / L_T)`` (same relative depth) and its mass spreads
-uniformly over that layer's heads, since student heads have no identity to match.
+Heads (``phase_heads``): phase ``k``'s top ``top_k`` heads, best first, with weights
+``alpha = max(score, 0) / sum`` (uniform when none is positive). Phase 2 ranks by
+``refine_score`` (the margin a head writes from the shortlist entries it reads). Phase 1 ranks by
+the CoarseScore of one *reading* of the anchor directions (``READINGS``): ``"tokens"`` (default:
+``coarse_score_tokens``, the anchor tokens' own unembedding columns) or ``"labels"``
+(``coarse_score``, the label centroids); the Phase-1 write profile is read in the same
+directions. docs/distill.md says why tokens is the default (on icd-teacher the centroid
+reading's top set is unstable and half of it is the Phase-2 retrieval heads).
 
-Signals (``readout``; ``N1``/``N2`` query rows, ``S`` keys, ``A`` anchors, ``K`` shortlist keys,
-``D`` d_model of the model read, ``alpha`` its ``[L, H]`` weights):
+Student heads (``head_map``, a fixed assignment): a student of the teacher's shape uses the same
+heads; otherwise teacher layer ``l`` maps to student layer ``floor((l + 1/2) L_S / L_T)`` (same
+relative depth) and the teacher's top heads (Phase 1's, then Phase 2's, each best first) take
+that layer's heads ``0, 1, ...`` in turn, at most ``max(1, floor(share * H_S))`` of them (default
+half: the rest stay free); a teacher head past that shares a student head (round robin), and a
+head in both phases' top sets keeps one student head.
 
-=============  ==========  =====================================================================
-p1_attn        [N1, S]     ``sum_lh alpha1[l,h] pattern_l[b, h, q, :]``: where the Phase-1 heads
-                           read (a distribution over keys ``0..q``)
-p1_profile     [N1, A]     ``cos(w1, u_a)`` for every anchor ``a``, ``w1 = sum_lh alpha1[l,h]
-                           z_l[b, q, h] @ W_O[l, h]`` the pooled write and ``u_a = W_U[:, tok(a)]
-                           - mean_b W_U[:, tok(b)]`` the model's own centred anchor directions:
-                           the write in anchor-alignment space (width-free)
-p1_alignment   [N1]        ``cos(w1, u_c) - mean_{a != c} cos(w1, u_a)``, ``c`` the anchor
-                           predicted at that step (the CoarseScore's alignment, pooled)
-p2_loop        [N2, K+1]   ``(sum_lh alpha2 pattern_l[b, h, q, keys], 1 - that sum)``: loop-back
-                           attention over the shortlist keys plus the mass elsewhere
-p2_effect      [N2, K]     direct logit effect of the pooled write ``w2`` through the final norm
-                           as the run scaled it (``rms(x)`` of ``hooks.FINAL_NORM_IN`` at ``q``,
-                           frozen) on the shortlist tokens, centred over the shortlist:
-                           ``e_k = n(w2) . W_U[:, tok_k] - mean_j n(w2) . W_U[:, tok_j]`` (logits:
-                           comparable across models sharing a vocabulary)
-ns_attn1/2     [N, L_T, S] non-selective baseline: per teacher layer the mean over *all* its heads
-                           (student: over all heads of the mapped layer)
-=============  ==========  =====================================================================
+Signals (``readout``; ``N1``/``N2`` query rows, ``k1``/``k2`` heads, ``S`` keys, ``A`` anchors,
+``K`` shortlist keys, ``D`` d_model of the model read; ``w = z[b, q, h] @ W_O[l, h]`` a head's
+write):
 
-The unembedding ``W_U`` and final-norm weight are detached in signals (the reading frame is the
-model's own and fixed within a step: a mechanistic loss moves writes, not the frame); ``W_O``,
-patterns and ``z`` keep their gradients.
+=============  ===========  ====================================================================
+p1_attn        [N1, k1, S]  ``pattern_l[b, h, q, :]``: where the head reads (keys ``0..q``)
+p1_profile     [N1, k1, A]  ``cos(w, u_a)`` for every anchor ``a``, ``u`` the model's own centred
+                            anchor directions of the reading (``scoring.coarse.
+                            anchor_directions``): the write in anchor-alignment space
+p1_alignment   [N1, k1]     ``cos(w, u_c) - mean_{a != c} cos(w, u_a)``, ``c`` the anchor
+                            predicted at that step (the head's anchor_alignment at that row)
+p2_loop        [N2, k2,     ``(pattern_l[b, h, q, keys], 1 - their sum)``: attention over the
+               K+1]         shortlist entries plus the mass elsewhere (shortlist_share and
+                            key_preference are functions of it)
+p2_effect      [N2, k2, K]  ``e_k = n(w_SL) . W_U[:, tok_k] - mean_j n(w_SL) . W_U[:, tok_j]``:
+                            what the head writes *from the shortlist entries it reads*,
+                            ``w_SL = sum_{s in keys} A[s] v[b, s, h] @ W_O[l, h]``, as logits of
+                            the shortlist labels through the final norm as the run scaled it
+                            (``n``, frozen), centred over the shortlist; ``refine_score`` at that
+                            row is ``e_target - mean e_near-misses``
+ns_attn1/2     [N, L_T, S]  non-selective baseline: per teacher layer the mean over *all* its
+                            heads (student: over all heads of the mapped layer)
+=============  ===========  ====================================================================
+
+The unembedding ``W_U``, the final-norm weight and the run's norm scales are detached in signals
+(the reading frame is the model's own and fixed within a step: a mechanistic loss moves the
+heads, not the frame); ``W_O``, patterns, ``z`` and ``v`` keep their gradients, so a signal's
+gradient reaches its own head's query, key, value and output weights and what they read (the
+residual below), never another head of that layer.
 
 Store (``build_store``/``SignalStore``): a folder of safetensors shards (``shard-00000``...) of
 ``shard_size`` examples each, with the teacher's CoT rows, loss mask, query rows and signals (fp32)
 and, optionally, the teacher's top-k logits at every position; ``manifest.json`` names the
 teacher fingerprint (hash of its weights), the score-table hash, the task fingerprint, the options,
-and each shard with its SHA-256. Building is resumable shard by shard (``manifest.partial.json``
-lists the shards written so far, with their SHA-256: a resumed build keeps those that still
-match, recomputes the rest); ``SignalStore.open`` refuses a store whose manifest is malformed
-(each field's type and range checked, the field named), does not match the run, or whose shard
-files do not match their SHA-256 (swapped, edited, truncated: the shard named). Training reads
-one shard at a time (``BatchStream``), so the teacher never sits in memory beside the student.
+the teacher's heads per phase (best first, with weights), and each shard with its SHA-256.
+Building is resumable shard by shard (``manifest.partial.json`` lists the shards written so far,
+with their SHA-256: a resumed build keeps those that still match, recomputes the rest);
+``SignalStore.open`` refuses a store whose manifest is malformed (each field's type and range
+checked, the field named), does not match the run, or whose shard files do not match their
+SHA-256 (swapped, edited, truncated: the shard named). Training reads one shard at a time
+(``BatchStream``), so the teacher never sits in memory beside the student.
 """
 
 from __future__ import annotations
@@ -80,14 +94,15 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
-from circuitkit.scoring.heads import top_heads
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
-FORMAT = "circuitkit.distill.signals/2"  # /2: a SHA-256 per shard
+FORMAT = "circuitkit.distill.signals/3"  # /2: a SHA-256 per shard; /3: per-head signals
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
-SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score", "loopback",
-                 "margin_widening", "refine_score", "phase1_rank", "phase2_rank")
+SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score",
+                 "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
+                 "key_preference", "loopback", "margin_widening", "refine_score", "phase1_rank",
+                 "phase1_rank_tokens", "phase2_rank")
 _EPS = 1e-12
 
 
@@ -195,7 +210,11 @@ def queries(tokens: Int[Tensor, "b s"], lay: Layout) -> Queries:
                    pad(keys), pad(toks))
 
 
-# --- head weights -----------------------------------------------------------------------------
+# --- heads ------------------------------------------------------------------------------------
+
+READINGS = ("tokens", "labels")  # Phase-1 anchor directions: the anchor tokens' columns, or the
+# label centroids (scoring.coarse.anchor_directions)
+HEAD_SHARE = 0.5  # at most this share of a student layer's heads is supervised (the rest free)
 
 
 def check_scores(scores: Any, n_layers: int, n_heads: int) -> None:
@@ -212,30 +231,54 @@ def check_scores(scores: Any, n_layers: int, n_heads: int) -> None:
                          f"{n_heads} heads; pass ck.score_heads(teacher, task) of this teacher.")
 
 
-def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int,
-                 top_k: int) -> Float[Tensor, "L H"]:
-    """``alpha``: the top ``top_k`` heads of ``phase`` weighted by their positive score
-    (module docstring). Sums to 1."""
+def check_reading(reading: str) -> str:
+    if reading not in READINGS:
+        raise ValueError(f"phase1_reading must be one of {list(READINGS)}, got {reading!r}.")
+    return reading
+
+
+def phase_column(phase: int, reading: str = "tokens") -> tuple[str, str]:
+    """``(score, rank)`` columns ``phase``'s heads are chosen by (module docstring)."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2, got {phase!r}.")
+    if phase == 2:
+        return "refine_score", "phase2_rank"
+    return (("coarse_score_tokens", "phase1_rank_tokens") if check_reading(reading) == "tokens"
+            else ("coarse_score", "phase1_rank"))
+
+
+def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
+                reading: str = "tokens") -> tuple[list[tuple[int, int]], Float[Tensor, " k"]]:
+    """``(heads, alpha)``: ``phase``'s top ``top_k`` heads ``(layer, head)``, best first (by the
+    phase's rank; ties by (layer, head)), and their weights ``max(score, 0) / sum`` (uniform
+    when none is positive; sums to 1)."""
     if top_k < 1:
         raise ValueError(f"top_k must be a positive number of heads, got {top_k}.")
     check_scores(scores, n_layers, n_heads)
-    col = "coarse_score" if phase == 1 else "refine_score"
-    heads = top_heads(scores, phase, top_k)  # refuses a phase the scores have no ranks for
-    value = dict(zip(zip(scores["layer"].astype(int), scores["head"].astype(int), strict=True),
-                     scores[col].astype("float64"), strict=True))
-    s = torch.tensor([value[h] for h in heads], dtype=torch.float64)
+    col, rank = phase_column(phase, reading)
+    if scores[col].isna().all():
+        raise ValueError(f"scores have no {col}: the task they were computed on has no "
+                         f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
+    best = scores.sort_values([rank, "layer", "head"], na_position="last").head(int(top_k))
+    heads = [(int(r.layer), int(r.head)) for r in best.itertuples()]
+    s = torch.tensor(best[col].astype("float64").tolist(), dtype=torch.float64)
     if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen
         bad = [h for h, v in zip(heads, s.tolist(), strict=True) if v != v]
         raise ValueError(f"scores[{col!r}] is NaN for head(s) (layer, head) {bad}: NaN weights or "
                          "activations in the teacher? Recompute ck.score_heads on a finite model.")
     s = s.clamp(min=0)
     s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / len(s))
-    w = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-    for (lay, hd), v in zip(heads, s.tolist(), strict=True):
-        w[lay, hd] = v
-    return w.float()
+    return heads, s.float()
+
+
+def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
+                 reading: str = "tokens") -> Float[Tensor, "L H"]:
+    """``phase_heads``' weights as an ``[L, H]`` matrix (0 off the top heads; sums to 1)."""
+    heads, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading)
+    w = torch.zeros(n_layers, n_heads)
+    for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
+        w[lay, hd] = a
+    return w
 
 
 def layer_map(n_teacher: int, n_student: int) -> list[int]:
@@ -245,43 +288,87 @@ def layer_map(n_teacher: int, n_student: int) -> list[int]:
             for lay in range(n_teacher)]
 
 
-def student_weights(alpha: Float[Tensor, "LT HT"], n_layers: int,
-                    n_heads: int) -> Float[Tensor, "LS HS"]:
-    """The student's pooling weights for the teacher's ``alpha`` (module docstring)."""
-    if tuple(alpha.shape) == (n_layers, n_heads):
-        return alpha.clone()
-    out = torch.zeros(n_layers, n_heads, dtype=alpha.dtype)
-    for lt, ls in enumerate(layer_map(alpha.shape[0], n_layers)):
-        out[ls] += alpha[lt].sum() / n_heads
+def head_map(heads: Sequence[tuple[int, int]], teacher_shape: tuple[int, int], n_layers: int,
+             n_heads: int, share: float = HEAD_SHARE) -> dict[tuple[int, int], tuple[int, int]]:
+    """The student head ``(layer, head)`` of each teacher head in ``heads`` (module docstring):
+    the identity for a student of the teacher's shape; otherwise the mapped layer's heads
+    ``0, 1, ...`` in the order ``heads`` lists them, at most ``max(1, floor(share * n_heads))``
+    per layer (round robin past that)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"head share must be in (0, 1], got {share}.")
+    if tuple(teacher_shape) == (n_layers, n_heads):
+        return {tuple(h): tuple(h) for h in heads}
+    cap = max(1, math.floor(share * n_heads))
+    depth = layer_map(teacher_shape[0], n_layers)
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    used: dict[int, int] = {}
+    for lay, hd in heads:
+        if (lay, hd) in out:
+            continue
+        ls = depth[lay]
+        out[(lay, hd)] = (ls, used.get(ls, 0) % cap)
+        used[ls] = used.get(ls, 0) + 1
     return out
 
 
 @dataclass
 class Pooling:
-    """How one model's heads are pooled: ``w1``/``w2`` ``[L, H]`` and, for the non-selective
-    baseline, ``ns_layers`` (the model's layer read for each teacher layer; empty: off)."""
+    """Which heads a model's signals are read from: ``heads1``/``heads2`` ``((layer, head),
+    ...)``, one per teacher head of that phase in the teacher's order (best first), with the
+    teacher's weights ``alpha1``/``alpha2`` [k]; ``ns_layers`` (the model's layer read for each
+    teacher layer by the non-selective baseline; empty: off); ``shape`` ``(n_layers, n_heads)``
+    of the model."""
 
-    w1: Tensor
-    w2: Tensor
+    heads1: tuple[tuple[int, int], ...]
+    alpha1: Tensor
+    heads2: tuple[tuple[int, int], ...]
+    alpha2: Tensor
+    shape: tuple[int, int]
     ns_layers: tuple[int, ...] = ()
 
     @classmethod
-    def teacher(cls, scores: Any, n_layers: int, n_heads: int, top_k1: int = 4,
-                top_k2: int = 4, nonselective: bool = False) -> Pooling:
-        return cls(head_weights(scores, n_layers, n_heads, 1, top_k1),
-                   head_weights(scores, n_layers, n_heads, 2, top_k2),
+    def teacher(cls, scores: Any, n_layers: int, n_heads: int, top_k1: int = 2,
+                top_k2: int = 2, nonselective: bool = False, reading: str = "tokens") -> Pooling:
+        h1, a1 = phase_heads(scores, n_layers, n_heads, 1, top_k1, reading)
+        h2, a2 = phase_heads(scores, n_layers, n_heads, 2, top_k2)
+        return cls(tuple(h1), a1, tuple(h2), a2, (n_layers, n_heads),
                    tuple(range(n_layers)) if nonselective else ())
 
-    def for_student(self, n_layers: int, n_heads: int) -> Pooling:
-        lt = self.w1.shape[0]
-        ns = tuple(layer_map(lt, n_layers)[i] for i in self.ns_layers) if self.ns_layers else ()
-        return Pooling(student_weights(self.w1, n_layers, n_heads),
-                       student_weights(self.w2, n_layers, n_heads), ns)
+    def for_student(self, n_layers: int, n_heads: int, share: float = HEAD_SHARE) -> Pooling:
+        """The student's pooling: each teacher head replaced by its ``head_map`` head."""
+        m = head_map(self.heads1 + self.heads2, self.shape, n_layers, n_heads, share)
+        ns = tuple(layer_map(self.shape[0], n_layers)[i] for i in self.ns_layers)
+        return Pooling(tuple(m[h] for h in self.heads1), self.alpha1,
+                       tuple(m[h] for h in self.heads2), self.alpha2, (n_layers, n_heads), ns)
+
+    def only(self, p1: bool, p2: bool, ns: bool) -> Pooling:
+        """This pooling with the phases not asked for removed (nothing of them is read)."""
+        e = self.alpha1.new_zeros(0)
+        return Pooling(self.heads1 if p1 else (), self.alpha1 if p1 else e,
+                       self.heads2 if p2 else (), self.alpha2 if p2 else e, self.shape,
+                       self.ns_layers if ns else ())
+
+    @property
+    def w1(self) -> Tensor:
+        """Phase 1 as an ``[L, H]`` weight matrix (a head standing for several teacher heads
+        holds their sum)."""
+        return self._matrix(self.heads1, self.alpha1)
+
+    @property
+    def w2(self) -> Tensor:
+        return self._matrix(self.heads2, self.alpha2)
+
+    def _matrix(self, heads: tuple[tuple[int, int], ...], alpha: Tensor) -> Tensor:
+        w = torch.zeros(self.shape)
+        for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
+            w[lay, hd] += a
+        return w
 
     def layers(self) -> list[int]:
-        used = set((self.w1.abs().sum(1) > 0).nonzero()[:, 0].tolist())
-        used |= set((self.w2.abs().sum(1) > 0).nonzero()[:, 0].tolist())
-        return sorted(used | set(self.ns_layers))
+        return sorted({lay for lay, _ in self.heads1 + self.heads2} | set(self.ns_layers))
+
+    def p2_layers(self) -> list[int]:
+        return sorted({lay for lay, _ in self.heads2})
 
 
 # --- reading a model --------------------------------------------------------------------------
@@ -304,11 +391,13 @@ class attn_result_off:
 
 
 def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
-                    final_norm: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+                    final_norm: bool = True, v_layers: Sequence[int] = ()
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, acts)``: one forward of a ``TransformerBridge`` keeping, for ``layers``,
-    ``hooks.pattern(l)`` [b, H, S, S] and ``hooks.z(l)`` [b, S, H, d_head] (and
-    ``hooks.FINAL_NORM_IN`` [b, S, D]; ``hooks.attn_module_out(l)`` [b, S, D] where a
-    post-attention norm follows) as the run produced them: differentiable when the run is."""
+    ``hooks.pattern(l)`` [b, H, S, S] and ``hooks.z(l)`` [b, S, H, d_head], for ``v_layers``
+    ``hooks.v(l)`` [b, S, H_kv, d_head] (and ``hooks.FINAL_NORM_IN`` [b, S, D];
+    ``hooks.attn_module_out(l)`` [b, S, D] where a post-attention norm follows) as the run
+    produced them: differentiable when the run is."""
     acts: dict[str, Tensor] = {}
 
     def keep(t: Tensor, hook: Any, name: str = "") -> Tensor:
@@ -316,6 +405,7 @@ def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
         return t
 
     names = [f(lay) for lay in layers for f in (hooks.pattern, hooks.z)]
+    names += [hooks.v(lay) for lay in v_layers]
     names += [hooks.attn_module_out(lay) for lay in layers
               if hooks.post_norm(model, lay, "attn") is not None]
     if final_norm:
@@ -327,13 +417,36 @@ def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
     return logits, acts
 
 
-def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Tensor) -> Float[Tensor, "D A"]:
-    """``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]`` (detached)."""
-    cols = W_U.detach()[:, anchor_token_ids.to(W_U.device)].float()
-    return cols - cols.mean(1, keepdim=True)
+@dataclass(frozen=True)
+class Anchors:
+    """The anchor directions a Phase-1 write profile is read in: ``reading`` (``READINGS``),
+    the anchor tokens and, for ``"labels"``, every label's token and anchor."""
+
+    reading: str
+    anchor_token_ids: tuple[int, ...]
+    label_token_ids: tuple[int, ...] = ()
+    label_anchor: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, task: Any, reading: str = "tokens") -> Anchors:
+        labels = check_reading(reading) == "labels"
+        return cls(reading, tuple(int(t) for t in task.anchor_token_ids.tolist()),
+                   tuple(int(t) for t in task.label_token_ids.tolist()) if labels else (),
+                   tuple(int(t) for t in task.label_anchor.tolist()) if labels else ())
+
+    def directions(self, W_U: Float[Tensor, "D V"]) -> Float[Tensor, "D A"]:
+        """Centred anchor directions of this reading (detached), ``[D, A]``."""
+        from circuitkit.scoring.coarse import anchor_directions
+
+        lab = torch.tensor(self.label_token_ids, dtype=torch.long) if self.label_token_ids \
+            else None
+        anc = torch.tensor(self.label_anchor, dtype=torch.long) if self.label_anchor else None
+        return anchor_directions(W_U.detach(), torch.tensor(self.anchor_token_ids,
+                                                            dtype=torch.long),
+                                 self.reading, lab, anc)
 
 
-def _cos(w: Float[Tensor, "N D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N A"]:
+def _cos(w: Float[Tensor, "N k D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N k A"]:
     wn = w / w.norm(dim=-1, keepdim=True).clamp(min=1e-30)
     un = u / u.norm(dim=0, keepdim=True).clamp(min=1e-30)
     return wn @ un
@@ -341,7 +454,8 @@ def _cos(w: Float[Tensor, "N D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N A
 
 @dataclass
 class Signals:
-    """Pooled signals of one model on one batch (module docstring; ``None``: not read)."""
+    """Signals of one model on one batch, one slot per teacher head (module docstring;
+    ``None``: not read)."""
 
     p1_attn: Tensor
     p1_profile: Tensor
@@ -356,60 +470,83 @@ class Signals:
                           else getattr(self, f.name).detach() for f in fields(self)})
 
 
-def _pooled(acts: dict[str, Tensor], w: Tensor, b: Tensor, q: Tensor, W_O: dict[int, Tensor],
-            post: dict[int, tuple[str, Tensor, float]]) -> tuple[Tensor | None, Tensor | None]:
-    """(attention rows [N, S], write [N, D]) pooled with ``w`` [L, H] at rows ``(b, q)``; a
-    layer in ``post`` (Gemma 2's post-attention norm) writes through that norm as the run
-    scaled it (its scale detached, as the final norm's)."""
-    attn = write = None
-    for lay in (w.abs().sum(1) > 0).nonzero()[:, 0].tolist():
-        wl = w[lay].to(acts[hooks.z(lay)].dtype).to(acts[hooks.z(lay)].device)
-        a = torch.einsum("nhs,h->ns", acts[hooks.pattern(lay)][b, :, q], wl)
-        o = torch.einsum("nhd,h,hdm->nm", acts[hooks.z(lay)][b, q], wl, W_O[lay])
-        if lay in post:
-            x = acts[hooks.attn_module_out(lay)][b, q].detach()
-            o = final_norm_linear(o[:, None], x, *post[lay])[:, 0].to(o.dtype)
-        attn = a if attn is None else attn + a
-        write = o if write is None else write + o
-    return attn, write
+def _through_post(o: Tensor, acts: dict[str, Tensor], lay: int, b: Tensor, q: Tensor,
+                  post: dict[int, tuple[str, Tensor, float]]) -> Tensor:
+    """A head's write ``o`` [N, D] through layer ``lay``'s post-attention norm (Gemma 2) as the
+    run scaled it (scale detached, as the final norm's); unchanged without one."""
+    if lay not in post:
+        return o
+    x = acts[hooks.attn_module_out(lay)][b, q].detach()
+    return final_norm_linear(o[:, None], x, *post[lay])[:, 0].to(o.dtype)
+
+
+def _head_reads(acts: dict[str, Tensor], heads: Sequence[tuple[int, int]], b: Tensor, q: Tensor,
+                W_O: dict[int, Tensor], post: dict[int, tuple[str, Tensor, float]]
+                ) -> tuple[Float[Tensor, "N k S"], Float[Tensor, "N k D"]]:
+    """Each head's attention row and write at rows ``(b, q)``."""
+    attn, write = [], []
+    for lay, hd in heads:
+        attn.append(acts[hooks.pattern(lay)][b, hd, q])
+        o = acts[hooks.z(lay)][b, q, hd] @ W_O[lay][hd]
+        write.append(_through_post(o, acts, lay, b, q, post))
+    return torch.stack(attn, 1), torch.stack(write, 1)
+
+
+def _shortlist_writes(acts: dict[str, Tensor], heads: Sequence[tuple[int, int]], b: Tensor,
+                      q: Tensor, on: Float[Tensor, "N k K"], keys: Int[Tensor, "N K"],
+                      W_O: dict[int, Tensor], post: dict[int, tuple[str, Tensor, float]],
+                      n_heads: int) -> Float[Tensor, "N k D"]:
+    """``w_SL = sum_k on[n, j, k] v[b, keys[n, k], kv(h)] @ W_O[l, h]`` per head ``j = (l, h)``:
+    the part of its write taken from the shortlist entries (``on``: its attention there, 0 at
+    padding). GQA: query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``."""
+    out = []
+    for j, (lay, hd) in enumerate(heads):
+        v = acts[hooks.v(lay)]  # [B, S, H_kv, d_head]
+        kv = hd // max(1, n_heads // v.shape[2])
+        vk = v[b[:, None], keys, kv]  # [N, K, d_head]
+        z = torch.einsum("nk,nkd->nd", on[:, j].to(vk.dtype), vk)
+        out.append(_through_post(z @ W_O[lay][hd], acts, lay, b, q, post))
+    return torch.stack(out, 1)
 
 
 def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
-            anchor_token_ids: Tensor) -> Signals:
-    """The model's signals at ``qs`` pooled with ``pool`` (module docstring), from the
-    activations of ``run_and_capture``."""
+            anchors: Anchors) -> Signals:
+    """The model's signals at ``qs`` for the heads of ``pool`` (module docstring), from the
+    activations of ``run_and_capture`` (with ``v_layers=pool.p2_layers()``)."""
     S = acts[hooks.FINAL_NORM_IN].shape[1]
     dev = acts[hooks.FINAL_NORM_IN].device
+    H = hooks.facts(model).n_heads
     W_O = {lay: model.blocks[lay].attn.W_O for lay in pool.layers()}
     post = {lay: norm_params(model, n, f"block {lay}'s post-attention norm")
             for lay in pool.layers() if (n := hooks.post_norm(model, lay, "attn")) is not None}
     W_U = model.W_U.detach()
-    U = anchor_directions(W_U, anchor_token_ids)
-    n1, n2 = len(qs.b1), len(qs.b2)
+    n1, n2, k1, k2 = len(qs.b1), len(qs.b2), len(pool.heads1), len(pool.heads2)
     b1, q1, b2, q2 = (t.to(dev) for t in (qs.b1, qs.q1, qs.b2, qs.q2))
-    attn1, write1 = _pooled(acts, pool.w1, b1, q1, W_O, post) if n1 else (None, None)
-    if attn1 is None:
-        attn1, profile, align = torch.zeros(n1, S), torch.zeros(n1, U.shape[1]), torch.zeros(n1)
+    A = len(anchors.anchor_token_ids)
+    if n1 and k1:
+        attn1, write1 = _head_reads(acts, pool.heads1, b1, q1, W_O, post)
+        profile = _cos(write1.float(), anchors.directions(W_U))  # [N1, k1, A]
+        own = profile.gather(2, qs.anchor1.to(dev)[:, None, None].expand(-1, k1, 1))[..., 0]
+        align = own - (profile.sum(2) - own) / max(A - 1, 1)
     else:
-        profile = _cos(write1.float(), U)  # [N1, A]
-        A = profile.shape[1]
-        own = profile.gather(1, qs.anchor1.to(dev)[:, None])[:, 0]
-        align = own - (profile.sum(1) - own) / max(A - 1, 1)
+        attn1, profile, align = torch.zeros(n1, k1, S), torch.zeros(n1, k1, A), \
+            torch.zeros(n1, k1)
     K = qs.keys2.shape[1]
-    attn2, write2 = _pooled(acts, pool.w2, b2, q2, W_O, post) if n2 else (None, None)
-    if attn2 is None:
-        loop, effect = torch.zeros(n2, K + 1), torch.zeros(n2, K)
-    else:
+    if n2 and k2:
+        attn2, _ = _head_reads(acts, pool.heads2, b2, q2, W_O, post)
         valid = qs.valid2.to(dev)
         keys = qs.keys2.clamp(min=0).to(dev)
-        on = attn2.gather(1, keys) * valid  # [N2, K]
-        loop = torch.cat([on, (1 - on.sum(1, keepdim=True)).clamp(min=0)], 1)
+        on = attn2.gather(2, keys[:, None].expand(-1, k2, -1)) * valid[:, None]  # [N2, k2, K]
+        loop = torch.cat([on, (1 - on.sum(2, keepdim=True)).clamp(min=0)], 2)
+        w_sl = _shortlist_writes(acts, pool.heads2, b2, q2, on, keys, W_O, post, H)
         x = acts[hooks.FINAL_NORM_IN][b2, q2].detach()
-        scaled = final_norm_linear(write2[:, None], x, *final_norm(model))[:, 0]  # [N2, D]
+        scaled = final_norm_linear(w_sl, x, *final_norm(model))  # [N2, k2, D]
         cols = W_U.float()[:, qs.tok2.clamp(min=0).to(dev)]  # [D, N2, K]
-        eff = torch.einsum("nd,dnk->nk", scaled, cols) * valid
-        mean = eff.sum(1, keepdim=True) / valid.sum(1, keepdim=True).clamp(min=1)
-        effect = (eff - mean) * valid
+        eff = torch.einsum("njd,dnk->njk", scaled.float(), cols) * valid[:, None]
+        mean = eff.sum(2, keepdim=True) / valid.sum(1)[:, None, None].clamp(min=1)
+        effect = (eff - mean) * valid[:, None]
+    else:
+        loop, effect = torch.zeros(n2, k2, K + 1), torch.zeros(n2, k2, K)
     ns1 = ns2 = None
     if pool.ns_layers:
         def ns(b: Tensor, q: Tensor) -> Tensor:
@@ -444,14 +581,16 @@ def scores_hash(scores: Any) -> str:
 
 @dataclass
 class StoreOptions:
-    """What a store holds: head counts pooled per phase, non-selective per-layer attention,
-    the teacher's top-k logits (0: none), examples per shard."""
+    """What a store holds: teacher heads per phase, the Phase-1 reading (``READINGS``),
+    non-selective per-layer attention, the teacher's top-k logits (0: none), examples per
+    shard."""
 
-    top_k1: int = 4
-    top_k2: int = 4
+    top_k1: int = 2
+    top_k2: int = 2
     nonselective: bool = True
     topk_logits: int = 0
     shard_size: int = 1024
+    phase1_reading: str = "tokens"
 
     def check(self) -> None:
         for k in ("top_k1", "top_k2", "shard_size"):
@@ -459,6 +598,7 @@ class StoreOptions:
                 raise ValueError(f"{k} must be a positive integer, got {getattr(self, k)}.")
         if self.topk_logits < 0:
             raise ValueError(f"topk_logits must be >= 0, got {self.topk_logits}.")
+        check_reading(self.phase1_reading)
 
 
 def _signal_tensors(sig: Signals, qs: Queries) -> dict[str, Tensor]:
@@ -473,17 +613,17 @@ def _signal_tensors(sig: Signals, qs: Queries) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def teacher_signals(teacher: Any, tokens: Tensor, pool: Pooling, lay: Layout,
+def teacher_signals(teacher: Any, tokens: Tensor, pool: Pooling, lay: Layout, anchors: Anchors,
                     topk_logits: int = 0, batch_size: int = 64) -> dict[str, Tensor]:
     """Signals of ``teacher`` on CoT rows ``tokens`` as the tensors a shard holds (query rows
     indexed into ``tokens``)."""
     dev = next(teacher.parameters()).device
     parts: list[dict[str, Tensor]] = []
-    anchors = torch.tensor(lay.anchor_token_ids)
     for s in range(0, len(tokens), batch_size):
         chunk = tokens[s: s + batch_size]
         qs = queries(chunk, lay)
-        logits, acts = run_and_capture(teacher, chunk.to(dev), pool.layers())
+        logits, acts = run_and_capture(teacher, chunk.to(dev), pool.layers(),
+                                       v_layers=pool.p2_layers())
         t = _signal_tensors(readout(teacher, acts, qs, pool, anchors), qs)
         t["p1_b"] += s
         t["p2_b"] += s
@@ -500,20 +640,21 @@ def teacher_signals(teacher: Any, tokens: Tensor, pool: Pooling, lay: Layout,
         elif k in ("p2_loop", "p2_effect"):
             K = max(p["p2_keys"].shape[1] for p in parts)
             extra = 1 if k == "p2_loop" else 0
-            out[k] = torch.cat([_pad_loop(p[k], K + extra, k == "p2_loop") for p in parts])
+            out[k] = torch.cat([_pad_keys(p[k], K + extra, k == "p2_loop") for p in parts])
         else:
             out[k] = torch.cat([p[k] for p in parts])
     return out
 
 
-def _pad_loop(t: Tensor, width: int, loop: bool) -> Tensor:
-    """Widen shortlist columns to ``width`` keeping the last column (the "elsewhere" mass) of a
-    loop distribution last."""
-    if t.shape[1] == width:
+def _pad_keys(t: Float[Tensor, "N k K"], width: int, loop: bool) -> Tensor:
+    """Widen the shortlist axis (the last) to ``width``, keeping the last column (the
+    "elsewhere" mass) of a loop distribution last."""
+    if t.shape[-1] == width:
         return t
     if not loop:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-    return torch.cat([t[:, :-1], t.new_zeros(len(t), width - t.shape[1]), t[:, -1:]], 1)
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    pad = t.new_zeros(*t.shape[:-1], width - t.shape[-1])
+    return torch.cat([t[..., :-1], pad, t[..., -1:]], -1)
 
 
 @dataclass
@@ -547,8 +688,11 @@ def teacher_folder(teacher: Any) -> Path | None:
     path = Path(name)
     if not (path / "config.json").exists():
         return None
+    from circuitkit.models import hf_progress
+
     try:
-        fresh = AutoModelForCausalLM.from_pretrained(path)
+        with hf_progress(False):  # a probe, not a load the user asked for: no bar
+            fresh = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError):
         return None
     return path if model_fingerprint(fresh) == model_fingerprint(teacher) else None
@@ -591,6 +735,11 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     options = options or StoreOptions()
     options.check()
     out = check_writable_dir(out, "signal store folder")
+    if (out / MANIFEST).exists():  # finished: read it without the builders' lock, so runs
+        # sharing a store (the ablation's workers) never refuse each other; the manifest is
+        # written last and atomically, and open() verifies every shard's SHA-256
+        return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
+                            batch_size)
     with lock_folder(out, "signal store folder"):  # one builder at a time
         return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
                             batch_size)
@@ -602,8 +751,9 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
 
     f = hooks.facts(teacher)
     pool = Pooling.teacher(scores, f.n_layers, f.n_heads, options.top_k1, options.top_k2,
-                           options.nonselective)
+                           options.nonselective, options.phase1_reading)
     lay = Layout.of(pool_task)
+    anchors = Anchors.of(pool_task, options.phase1_reading)
     spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores), pool_task.fingerprint(),
                      _options_dict(options))
     if (out / MANIFEST).exists():
@@ -614,7 +764,10 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
                 pad_id=int(pool_task.pad_id),
                 teacher_shape=dict(n_layers=f.n_layers, n_heads=f.n_heads, d_model=f.d_model),
                 anchor_token_ids=list(lay.anchor_token_ids),
-                weights=dict(p1=_nonzero(pool.w1), p2=_nonzero(pool.w2)))
+                label_token_ids=list(anchors.label_token_ids),
+                label_anchor=list(anchors.label_anchor),
+                weights=dict(p1=_ranked(pool.heads1, pool.alpha1),
+                             p2=_ranked(pool.heads2, pool.alpha2)))
     partial = out / PARTIAL
     known: dict[str, dict] = {}  # shards a killed build finished: kept if they still match
     if partial.exists():
@@ -643,7 +796,8 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
         if not (entry is not None and entry.get("n_examples") == len(sub) and path.is_file()
                 and sha256_file(path) == entry.get("sha256")):
             tokens, mask = teacher_rows(teacher, sub, folder)
-            t = teacher_signals(teacher, tokens, pool, lay, options.topk_logits, batch_size)
+            t = teacher_signals(teacher, tokens, pool, lay, anchors, options.topk_logits,
+                                batch_size)
             t.update(tokens=tokens.int(), mask=mask.to(torch.uint8))
             write_tensors(path, t)
             entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
@@ -710,6 +864,9 @@ def check_manifest(man: dict, store: Path) -> None:
     for key, lo in (("top_k1", 1), ("top_k2", 1), ("topk_logits", 0), ("shard_size", 1)):
         if not integer(opts.get(key), lo):
             raise bad(f"options.{key}", f"an integer >= {lo}", opts.get(key))
+    if opts.get("phase1_reading") not in READINGS:
+        raise bad("options.phase1_reading", f"one of {list(READINGS)}",
+                  opts.get("phase1_reading"))
     if not isinstance(opts.get("nonselective"), bool):
         raise bad("options.nonselective", "true or false", opts.get("nonselective"))
     n_vocab = need("n_vocab", lambda v: integer(v, 1), "a positive integer")
@@ -718,17 +875,26 @@ def check_manifest(man: dict, store: Path) -> None:
     for key in ("n_layers", "n_heads", "d_model"):
         if not integer(shape.get(key), 1):
             raise bad(f"teacher_shape.{key}", "a positive integer", shape.get(key))
-    need("anchor_token_ids", lambda v: isinstance(v, list) and v != [] and all(
-        integer(t, 0, n_vocab) for t in v), f"a non-empty list of token ids in [0, {n_vocab})")
+    n_anchors = len(need("anchor_token_ids", lambda v: isinstance(v, list) and v != [] and all(
+        integer(t, 0, n_vocab) for t in v), f"a non-empty list of token ids in [0, {n_vocab})"))
+    labels = opts["phase1_reading"] == "labels"
+    n_labels = len(need("label_token_ids", lambda v: isinstance(v, list) and (v != []) == labels
+                        and all(integer(t, 0, n_vocab) for t in v),
+                        f"a list of token ids in [0, {n_vocab}), non-empty exactly for the "
+                        "'labels' reading"))
+    need("label_anchor", lambda v: isinstance(v, list) and len(v) == n_labels and all(
+        integer(t, 0, n_anchors) for t in v), f"a list of {n_labels} anchor ids < {n_anchors}")
     weights = need("weights", lambda v: isinstance(v, dict), "an object")
     for k in ("p1", "p2"):
         rows = weights.get(k)
-        if not isinstance(rows, list) or not all(
+        if not isinstance(rows, list) or rows == [] or not all(
                 isinstance(r, list) and len(r) == 3 and integer(r[0], 0, shape["n_layers"])
                 and integer(r[1], 0, shape["n_heads"]) and _number(r[2])
-                and math.isfinite(r[2]) and r[2] >= 0 for r in rows):
-            raise bad(f"weights.{k}", f"a list of [layer < {shape['n_layers']}, head < "
-                      f"{shape['n_heads']}, finite weight >= 0]", rows)
+                and math.isfinite(r[2]) and r[2] >= 0 for r in rows) or len(
+                    {(r[0], r[1]) for r in rows}) != len(rows):
+            raise bad(f"weights.{k}", f"a non-empty list of distinct [layer < "
+                      f"{shape['n_layers']}, head < {shape['n_heads']}, finite weight >= 0]",
+                      rows)
     shards = need("shards", lambda v: isinstance(v, list) and v != [], "a non-empty list")
     for i, e in enumerate(shards):
         if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not \
@@ -784,11 +950,13 @@ def _width(path: Path) -> int:
 
 def _options_dict(o: StoreOptions) -> dict[str, Any]:
     return dict(top_k1=o.top_k1, top_k2=o.top_k2, nonselective=o.nonselective,
-                topk_logits=o.topk_logits, shard_size=o.shard_size)
+                topk_logits=o.topk_logits, shard_size=o.shard_size,
+                phase1_reading=o.phase1_reading)
 
 
-def _nonzero(w: Tensor) -> list[list[float]]:
-    return [[int(a), int(b), float(w[a, b])] for a, b in (w != 0).nonzero().tolist()]
+def _ranked(heads: Sequence[tuple[int, int]], alpha: Tensor) -> list[list[float]]:
+    """``[[layer, head, weight], ...]`` best first (the order the student's heads follow)."""
+    return [[int(a), int(b), float(w)] for (a, b), w in zip(heads, alpha.tolist(), strict=True)]
 
 
 class SignalStore:
@@ -832,17 +1000,23 @@ class SignalStore:
     def anchor_token_ids(self) -> Tensor:
         return torch.tensor(self.manifest["anchor_token_ids"], dtype=torch.long)
 
+    @property
+    def anchors(self) -> Anchors:
+        """The anchor directions the store's Phase-1 profiles were read in."""
+        m = self.manifest
+        return Anchors(m["options"]["phase1_reading"], tuple(m["anchor_token_ids"]),
+                       tuple(m["label_token_ids"]), tuple(m["label_anchor"]))
+
     def pooling(self) -> Pooling:
-        """The teacher's pooling weights as built."""
+        """The teacher's heads and weights as built."""
         sh = self.manifest["teacher_shape"]
-        w = []
-        for k in ("p1", "p2"):
-            m = torch.zeros(sh["n_layers"], sh["n_heads"])
-            for a, b, v in self.manifest["weights"][k]:
-                m[a, b] = v
-            w.append(m)
+        w = self.manifest["weights"]
         ns = tuple(range(sh["n_layers"])) if self.manifest["options"]["nonselective"] else ()
-        return Pooling(w[0], w[1], ns)
+        return Pooling(tuple((a, b) for a, b, _ in w["p1"]),
+                       torch.tensor([v for *_, v in w["p1"]], dtype=torch.float32),
+                       tuple((a, b) for a, b, _ in w["p2"]),
+                       torch.tensor([v for *_, v in w["p2"]], dtype=torch.float32),
+                       (sh["n_layers"], sh["n_heads"]), ns)
 
     def shard(self, i: int) -> dict[str, Tensor]:
         if self._cache is not None and self._cache[0] == i:
@@ -878,9 +1052,9 @@ class SignalStore:
                      d["p1_anchor"][r1].long(), inv[d["p2_b"][r2].long()],
                      d["p2_q"][r2].long(), d["p2_w"][r2], keys[:, :K], tok[:, :K])
         loop = d["p2_loop"][r2]
-        loop = torch.cat([loop[:, :K], loop[:, -1:]], 1)
-        sig = Signals(d["p1_attn"][r1][:, :width], d["p1_profile"][r1], d["p1_alignment"][r1],
-                      loop, d["p2_effect"][r2][:, :K],
+        loop = torch.cat([loop[..., :K], loop[..., -1:]], -1)
+        sig = Signals(d["p1_attn"][r1][..., :width], d["p1_profile"][r1], d["p1_alignment"][r1],
+                      loop, d["p2_effect"][r2][..., :K],
                       d["ns_attn1"][r1][..., :width] if "ns_attn1" in d else None,
                       d["ns_attn2"][r2][..., :width] if "ns_attn2" in d else None)
         topk = None

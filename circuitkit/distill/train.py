@@ -10,8 +10,13 @@
    fields) run through a ``TransformerBridge`` that wraps it (``ck.load_model(hf_model)``: the
    parameters are the HF model's), so its signals come from the same hook names as the
    teacher's; a CoT-only step (all lambdas 0) reads no hooks;
-3. AdamW with linear warm-up and cosine decay, gradient clipping at 1 (as ``training.train``),
-   batches from ``signals.BatchStream`` (batch ``i`` depends only on ``(seed, i)``);
+3. AdamW with linear warm-up and cosine decay, batches from ``signals.BatchStream`` (batch ``i``
+   depends only on ``(seed, i)``); each term's gradient is taken on its own and combined by
+   ``loss.balanced_gradients`` (``balance``, ``grad_ratio``): the CoT part is clipped at 1 as
+   in ``training.train``, and no mechanistic term's own gradient counts for more than
+   ``grad_ratio`` times it (then weighted by its lambda), so the mechanistic losses cannot
+   throttle L_CoT. Every step's term values and gradient norms
+   go into the history (``HISTORY_COLUMNS``);
 4. resumable: every ``save_every`` steps (and on Ctrl-C) ``out_dir/train_state.safetensors``
    (``training.save_train_state``: safetensors + JSON, no pickle) holds model, optimiser,
    scheduler, step and history; the next call with the same config continues from it, and the
@@ -43,10 +48,15 @@ from typing import Any
 
 import torch
 
-from circuitkit.distill.loss import LossConfig, student_terms
+from circuitkit.distill.loss import BALANCES, LossConfig, balanced_gradients, student_terms
 
 STATE_FILE = "train_state.safetensors"
 RECORD = "distill.json"  # written last: the folder holds a finished student
+# one history row per step: the terms, each term's own gradient norm, the factor its
+# lambda * gradient entered the step with, the cosine of the CoT and mechanistic parts, the
+# step gradient's norm, the learning rate, seconds since the start
+HISTORY_COLUMNS = ["step", "total", "cot", "p1", "p2", "ns", "gn_cot", "gn_p1", "gn_p2", "gn_ns",
+                   "s_p1", "s_p2", "s_ns", "cos", "norm", "lr", "seconds"]
 COT_TASKS = ("icd10", "synthetic")  # built-in tasks whose rows hold a <think> ... CoT
 
 
@@ -76,6 +86,9 @@ class DistillConfig:
     save_every: int = 100
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig fields
     store: str | None = None
+    balance: str = "cap"  # loss.BALANCES
+    init: str | None = None  # start from this HF folder's weights (same preset) instead of fresh
+    grad_ratio: float = 0.5  # cap: a term's own gradient counts as <= grad_ratio x the CoT part
 
     def check(self) -> None:
         for k in ("steps", "batch_size", "pool_size", "score_examples", "shard_size",
@@ -91,12 +104,20 @@ class DistillConfig:
                              f"thought; the built-in CoT tasks are {list(COT_TASKS)}.")
         if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a number > 0 (finite), got {self.lr}.")
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance must be one of {list(BALANCES)}, got {self.balance!r}.")
+        if not (isinstance(self.grad_ratio, int | float) and math.isfinite(self.grad_ratio)
+                and self.grad_ratio > 0):
+            raise ValueError(f"grad_ratio must be a number > 0 (finite), got "
+                             f"{self.grad_ratio}.")
         bad = set(self.loss) - set(LossConfig.__dataclass_fields__)
         if bad:
             raise ValueError(f"loss options {sorted(bad)} are unknown; LossConfig has "
                              f"{sorted(LossConfig.__dataclass_fields__)}.")
         LossConfig(**self.loss).check()
         preset(self.student)
+        if self.init is not None:
+            init_folder(self.init)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(**self.loss)
@@ -166,7 +187,8 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
                                 "signal store folder (--store)")
     lc = cfg.loss_config()
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
-                        topk_logits=lc.topk_logits, shard_size=cfg.shard_size)
+                        topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
+                        phase1_reading=lc.phase1_reading)
     for attempt in (0, 1):
         try:
             table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
@@ -191,8 +213,37 @@ def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
     from circuitkit.training import build_model
 
     hf = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
+    if cfg.init is not None:
+        load_init(hf, cfg.init)
     bridge = ck.load_model(hf, tokenizer=word_tokenizer(vocab), attn_result=False)
     return hf, bridge
+
+
+def init_folder(init: str) -> Path:
+    """The HF folder ``init`` names: a folder with ``config.json`` and ``model.safetensors``, or
+    a shipped model (``icd-student-cot``)."""
+    from circuitkit.models import shipped_path
+
+    folder = Path(init) if (Path(init) / "config.json").is_file() else shipped_path(str(init))
+    if folder is None or not (folder / "model.safetensors").is_file():
+        raise ValueError(f"init={init!r}: expected an HF model folder (config.json and "
+                         "model.safetensors) or a shipped model name such as icd-student-cot.")
+    return folder
+
+
+def load_init(hf: Any, init: str) -> None:
+    """Copy the weights of the HF folder (or shipped model) ``init`` into the fresh student
+    ``hf``; refused unless every weight has the student's name and shape."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(init_folder(init) / "model.safetensors"))
+    own = hf.state_dict()
+    bad = sorted(k for k in set(own) | set(weights)
+                 if k not in own or k not in weights or own[k].shape != weights[k].shape)
+    if bad:
+        raise ValueError(f"init={init!r}: its weights do not fit the student preset (e.g. "
+                         f"{bad[:3]}); give a folder of a student of that preset.")
+    hf.load_state_dict(weights)
 
 
 def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "distill-out",
@@ -324,7 +375,8 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                                                                           / cfg.steps)))
     stream = BatchStream(store, cfg.batch_size, cfg.seed)
     teacher_pool = store.pooling()
-    anchors = store.anchor_token_ids
+    anchors = store.anchors
+    lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
     lc = cfg.loss_config()
     step, elapsed, history = 0, 0.0, []
     if resume and state_path.exists():
@@ -360,20 +412,21 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                 raise ValueError(_diverged(step + 1, cfg, "the loss is not finite ("
                                            + _terms(terms) + ")", saved, state_path))
             opt.zero_grad(set_to_none=True)
-            terms["total"].backward()
-            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-            if not bool(torch.isfinite(norm)):  # before opt.step: nothing of it is applied
+            g = balanced_gradients(terms, lambdas, params, cfg.balance, cfg.grad_ratio)
+            if not math.isfinite(g["norm"]):  # before opt.step: nothing of it is applied
                 raise ValueError(_diverged(step + 1, cfg, f"the gradient is not finite (norm "
-                                           f"{float(norm)}; {_terms(terms)})", saved,
+                                           f"{g['norm']}; {_terms(terms)})", saved,
                                            state_path))
+            lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
             step += 1
             elapsed = time.perf_counter() - t0
+            history.append([step] + [round(float(terms[k].detach()), 5)
+                                     for k in ("total", "cot", "p1", "p2", "ns")]
+                           + [round(g[k], 5) for k in HISTORY_COLUMNS[6:15]]
+                           + [float(f"{lr:.6g}"), round(elapsed, 1)])
             if step % 25 == 0 or step == cfg.steps:
-                history.append([step] + [round(float(terms[k].detach()), 5)
-                                         for k in ("total", "cot", "p1", "p2", "ns")]
-                               + [round(elapsed, 1)])
                 bar.set_postfix({k: f"{float(terms[k].detach()):.3f}"
                                  for k in ("cot", "p1", "p2", "ns")})
             bar.update(1)
@@ -391,7 +444,7 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
     files_ = save_student(hf, cfg, pool.vocab, n_ctx, out)
     write_text(out / RECORD, json.dumps(dict(
         config=config, train_seconds=round(elapsed, 1), history=history,
-        history_columns=["step", "total", "cot", "p1", "p2", "ns", "seconds"],
+        history_columns=HISTORY_COLUMNS,
         store=str(store.path), teacher_fingerprint=store.manifest["teacher_fingerprint"],
         scores_hash=store.manifest["scores_hash"], torch=torch.__version__, files=files_),
         indent=1))

@@ -372,15 +372,31 @@ def validation_chart(validation: Any):
 # --- distillation ablation ------------------------------------------------------------------
 
 
+ABLATION_CELLS = ("student", "data")  # the grid's cell columns (distill.ablation)
+
+
+def ablation_labels(frame: Any) -> Any:
+    """The frame with each variant labelled by its grid cell (``"cot (student, full)"``) when
+    it has the grid's cell columns (``ABLATION_CELLS``); unchanged otherwise."""
+    cells = [c for c in ABLATION_CELLS if c in frame.columns]
+    if not cells:
+        return frame
+    label = frame["variant"].astype(str) + " (" + frame[cells].astype(str).agg(
+        ", ".join, axis=1) + ")"
+    return frame.drop(columns=cells).assign(variant=label)
+
+
 def check_ablation_frame(frame: Any) -> str:
-    """Refuse a frame that is not one row per variant x metric (one row per seed would be drawn
-    as overlapping bars, or read as the mean); returns the value column's name."""
+    """Refuse a frame that is not one row per variant x metric (per grid cell, when it has the
+    cell columns; one row per seed would be drawn as overlapping bars, or read as the mean);
+    returns the value column's name."""
     _require(frame, ["variant", "metric"], "frame")
     value = _pick(frame, ("value", "mean"), "frame")
     if len(frame) == 0:
         raise ValueError("frame: expected at least one variant x metric row.")
     _numeric(frame, [value], "frame")
-    dup = frame[frame.duplicated(["variant", "metric"], keep=False)]
+    keys = [c for c in ABLATION_CELLS if c in frame.columns] + ["variant", "metric"]
+    dup = frame[frame.duplicated(keys, keep=False)]
     if len(dup):
         pairs = list(dict.fromkeys(zip(dup["variant"].astype(str), dup["metric"].astype(str),
                                        strict=True)))
@@ -405,14 +421,16 @@ def ablation_chart(frame: Any, n_cols: int = 3):
     ``n_seeds``            (optional, shown in the hover)
     =====================  =============================================================
 
-    Variants and metrics keep their order of first appearance. One row per seed (``runs.csv``)
-    is refused: aggregate first (``ablation.csv`` is).
+    The grid's ``student`` and ``data`` columns, when present, label each bar
+    ``"variant (student, data)"``. Variants and metrics keep their order of first appearance.
+    One row per seed (``runs.csv``) is refused: aggregate first (``ablation.csv`` is).
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     check_counts(n_cols=n_cols)
     value = check_ablation_frame(frame)
+    frame = ablation_labels(frame)
     interval = _interval_columns(frame)
     metrics = list(dict.fromkeys(frame["metric"].astype(str)))
     variants = list(dict.fromkeys(frame["variant"].astype(str)))

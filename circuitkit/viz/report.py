@@ -377,9 +377,10 @@ def _head_ablation_table(frame: Any) -> Any:
 def ablation_table(frame: Any) -> Any:
     """The ablation frame (long format, see ``charts.ablation_chart``) as variants x metrics,
     each cell ``"value [ci_low, ci_high]"``."""
-    from circuitkit.viz.charts import _interval_columns, check_ablation_frame
+    from circuitkit.viz.charts import _interval_columns, ablation_labels, check_ablation_frame
 
     value = check_ablation_frame(frame)
+    frame = ablation_labels(frame)
     iv = _interval_columns(frame)
     cells = [f"{r[value]:.3g}" + (f" [{r[iv[0]]:.3g}, {r[iv[1]]:.3g}]" if iv else "")
              for _, r in frame.iterrows()]
