@@ -120,10 +120,11 @@ def teacher_cot(pool: Task, teacher: str, batch_size: int = 512) -> tuple[Tensor
     from transformers import AutoModelForCausalLM
 
     from circuitkit.evaluation import prompt_end
-    from circuitkit.models import shipped_path
+    from circuitkit.models import hf_progress, shipped_path
 
     path = shipped_path(teacher) or Path(teacher)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with hf_progress(False):  # a small copy for decoding: its bar would cut into the caller's
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
     think = pool.vocab.index("<think>")
     prompts = [e.tokens[: prompt_end(e, think)] for e in pool.examples]
     width = pool.clean_tokens.shape[1] + 4
