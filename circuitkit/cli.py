@@ -1015,8 +1015,9 @@ def distill(
     balance: str = typer.Option("cap", "--balance", help="How the terms' gradients combine: "
                                 "'cap' (the CoT part clipped at 1 on its own, each mechanistic "
                                 "term's gradient capped at --grad-ratio x it, then times its "
-                                "lambda) or 'global_clip' (the total's gradient clipped at 1; "
-                                "before issue 25).", metavar="cap|global_clip"),
+                                "lambda) or 'global_clip' (the total's gradient clipped at 1, "
+                                "which lets the mechanistic terms shrink the CoT step).",
+                                metavar="cap|global_clip"),
     grad_ratio: float = typer.Option(0.5, "--grad-ratio", help="--balance cap: the most a "
                                      "mechanistic term's gradient counts for, as a multiple of "
                                      "the CoT part's norm.", metavar="R"),
