@@ -98,6 +98,24 @@ ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers"
 _FAST_PATH_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _within_fast_path_tol(model: Any, err: float, scale: float, what: str, fallback: str,
+                     detail: str = "") -> bool:
+    """Whether a fast path's difference ``err`` from its reference is within ``FAST_PATH_TOL``
+    (for the model's weight dtype) of ``scale``; if not, one warning: ``what`` differs on this
+    model (its block type, ``detail``), ``fallback`` is used instead."""
+    if err <= FAST_PATH_TOL.get(next(model.parameters()).dtype, 5e-2) * scale:
+        return True
+    _warn_fast_path_off(model, f"{what} by {err:.2e}", fallback, detail)
+    return False
+
+
+def _warn_fast_path_off(model: Any, why: str, fallback: str, detail: str = "") -> None:
+    """One warning: a fast path (``why``: what went wrong) is off for this model's blocks."""
+    warnings.warn(f"circuitkit: {why} on this model ({type(model.blocks[0]).__name__} blocks"
+                  f"{detail}); using {fallback} (slower, still exact). Please report the "
+                  "architecture.", stacklevel=4)
+
+
 def evaluate_metric(metric: PromptMetric, logits: Tensor, what: str,
                     at: Tensor | None = None) -> Float[Tensor, " batch"]:
     """Per-prompt metric of a batch of logits, validated (shape, finite), on the CPU.
@@ -252,7 +270,6 @@ class ExactEngine:
             reads = self.reads[:some.shape[0]].to(self.device)
             logits, got = self.fused.cached_run(some, kinds, reads, self.layer_device)
             ref_logits, ref = self.model.run_with_cache(some, names_filter=lambda n: n in kinds)
-            tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
             rows = torch.arange(some.shape[0], device=self.device)[:, None]
             pairs = [(logits, ref_logits[rows, reads])]
             for name in kinds:
@@ -260,13 +277,9 @@ class ExactEngine:
                 pairs.append((got[name].cpu()[upto], ref[name].cpu()[upto]))
             err = max(float((a.cpu() - b.cpu()).abs().max() / max(1.0, float(b.abs().max())))
                       for a, b in pairs)
-            verdicts["cached_run"] = err <= tol
-            if err > tol:
-                warnings.warn(
-                    f"circuitkit: the fused cached run differs from the bridge's run_with_cache "
-                    f"by {err:.2e} (relative) on this model ({type(self.model.blocks[0]).__name__}"
-                    " blocks); using the bridge's (slower, still exact). Please report the "
-                    "architecture.", stacklevel=4)
+            verdicts["cached_run"] = _within_fast_path_tol(
+                self.model, err, 1.0, "the fused cached run differs from the bridge's "
+                "run_with_cache (relative)", "the bridge's")
         return verdicts["cached_run"]
 
     def _check_head_axis(self) -> None:
@@ -574,18 +587,13 @@ class ExactEngine:
             if is_out_of_memory(e):
                 raise
             # (OPT's MLP is no module of its own: a cached MLP output does not fit its place)
-            why = f"fails on this model ({type(e).__name__})"
-        else:
-            err = float((fast - plain).abs().max())
-            tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
-            if err <= tol * max(1.0, float(plain.abs().max())):
-                return True
-            why = f"differs from the plain hooked path by {err:.2e} on this model"
-        warnings.warn(
-            f"circuitkit: the fast exact-patching path {why} ({type(self.model.blocks[0]).__name__}"
-            f" blocks, site {sw.site!r}); using the plain path (slower, still exact). Please "
-            "report the architecture.", stacklevel=3)
-        return False
+            why = f"the fast exact-patching path fails ({type(e).__name__})"
+            _warn_fast_path_off(self.model, why, "the plain path", f", site {sw.site!r}")
+            return False
+        err, scale = float((fast - plain).abs().max()), max(1.0, float(plain.abs().max()))
+        return _within_fast_path_tol(self.model, err, scale, "the fast exact-patching path "
+                                     "differs from the plain hooked path", "the plain path",
+                                     f", site {sw.site!r}")
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Chunk results -> (values [value_shape], per_prompt [n_prompts, *value_shape] | None;
@@ -901,14 +909,8 @@ class EdgeEngine(ExactEngine):
             plain = self.run_variants(layer, variants, 0, p1, fast=False)
             err = max(err, float((fast - plain).abs().max()))
             scale = max(scale, float(plain.abs().max()))
-        tol = FAST_PATH_TOL.get(next(self.model.parameters()).dtype, 5e-2)
-        if err <= tol * scale:
-            return True
-        warnings.warn(
-            f"circuitkit: the fast edge-patching path differs from the plain hooked path by "
-            f"{err:.2e} on this model ({type(self.model.blocks[0]).__name__} blocks); using the "
-            "plain path (slower, still exact). Please report the architecture.", stacklevel=3)
-        return False
+        return _within_fast_path_tol(self.model, err, scale, "the fast edge-patching path "
+                                     "differs from the plain hooked path", "the plain path")
 
     def assemble(self, done: dict[int, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Chunk results -> (values ``[n_senders, n_receivers, n_inputs]``, per_prompt
