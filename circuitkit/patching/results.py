@@ -395,26 +395,12 @@ class PatchResult:
         """Read a result written by ``save`` or the CLI's ``--out``: ``path`` is the folder, the
         base path, or any of its files. Every field is validated; a bad file is named with the
         field that is wrong (``ValueError``)."""
-        from safetensors.torch import load_file
 
         paths = cls._paths(path)
         js, st = paths["json"], paths["safetensors"]
-        for p in (js, st):
-            if not p.exists():
-                raise ValueError(f"no patching result at {path}: {p} does not exist (expected "
-                                 "the files PatchResult.save writes).")
-        try:
-            info = json.loads(js.read_text())
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{js} is not a readable result file ({e}).") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{js} is not a readable result file: not valid JSON (truncated?) "
-                             f"at line {e.lineno} column {e.colno}.") from None
+        info = _read_saved_json(path, js, st, "patching result", "result", "PatchResult")
         kw = _checked_info(info, js)
-        try:
-            tensors = load_file(str(st))
-        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-            raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+        tensors = _read_saved_tensors(st)
         _check_tensors(tensors, kw, st, js)
         try:
             return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
@@ -455,6 +441,34 @@ def plotly_bundle(folder: Path) -> Path:
 
 def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
+                     ) -> Any:
+    """The JSON half of a saved result (``js``), once both files exist; a missing, unreadable or
+    truncated file is one ``ValueError`` naming it (``noun``: "no {noun} at ...", ``file_noun``:
+    "not a readable {file_noun} file")."""
+    for p in (js, st):
+        if not p.exists():
+            raise ValueError(f"no {noun} at {path}: {p} does not exist (expected the files "
+                             f"{cls}.save writes).")
+    try:
+        return json.loads(js.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{js} is not a readable {file_noun} file ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{js} is not a readable {file_noun} file: not valid JSON (truncated?) "
+                         f"at line {e.lineno} column {e.colno}.") from None
+
+
+def _read_saved_tensors(st: Path) -> dict[str, Tensor]:
+    """The safetensors half of a saved result; a corrupt file of any kind is one ``ValueError``."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(st))
+    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
 
 
 def _checked_info(info: Any, js: Path) -> dict[str, Any]:
@@ -753,18 +767,10 @@ class EdgeResult:
     def load(cls, path: str | Path) -> EdgeResult:
         """Read what ``save`` wrote (the folder, the base path or any of its files). Strict:
         every field is validated; a bad file is named with what is wrong (``ValueError``)."""
-        from safetensors.torch import load_file
 
         paths = _edge_paths(path)
         js, st = paths["json"], paths["safetensors"]
-        for p in (js, st):
-            if not p.exists():
-                raise ValueError(f"no edge result at {path}: {p} does not exist (expected the "
-                                 "files EdgeResult.save writes).")
-        try:
-            info = json.loads(js.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{js} is not a readable edge result file ({e}).") from None
+        info = _read_saved_json(path, js, st, "edge result", "edge result", "EdgeResult")
         if not isinstance(info, dict) or info.get("format") != EDGE_FORMAT:
             raise ValueError(f"{js} is not a circuitkit edge result (format "
                              f"{info.get('format') if isinstance(info, dict) else None!r}).")
@@ -776,10 +782,7 @@ class EdgeResult:
         missing = [k for k in keys if k not in info]
         if missing:
             raise ValueError(f"{js}: missing field(s) {missing}.")
-        try:
-            tensors = load_file(str(st))
-        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-            raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+        tensors = _read_saved_tensors(st)
         unknown = sorted(set(tensors) - set(EDGE_TENSORS))
         if "values" not in tensors or unknown:
             raise ValueError(f"{st}: expected tensors {list(EDGE_TENSORS)} with 'values'; got "
