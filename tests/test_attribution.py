@@ -108,6 +108,34 @@ def test_denoise_matches_transformerlens_sign_and_scale(model, data):
     assert rho >= 0.8
 
 
+def test_atp_on_uneven_reads_is_the_full_logits_gradient(model):
+    """Prompts reading different numbers of positions (reads padded by repeating one, where
+    the last MLP and the unembedding run): AtP equals the hand first-order estimate, the
+    autograd gradient of the metric on full logits at each head's ``z`` dotted with its
+    source-minus-base ``z``, mean over prompts (1e-6 absolute)."""
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(0, 64, (3, 10), generator=g)
+    corrupt = torch.randint(0, 64, (3, 10), generator=g)
+    pos = [[9], [4, 9], [3, 6, 9]]
+    metric = token_logprob_metric(pos, [clean[i, p].tolist() for i, p in enumerate(pos)])
+    res = attribution_patch_heads(model, clean, corrupt, metric, progress=False)
+    names = [hooks.z(la) for la in range(3)]
+    kept = {}
+
+    def keep(name):
+        def hook(t, hook):
+            t.retain_grad()
+            kept[name] = t
+            return t
+        return hook
+
+    metric(model.run_with_hooks(corrupt, fwd_hooks=[(n, keep(n)) for n in names])).backward()
+    with torch.no_grad():
+        _, src = model.run_with_cache(clean)
+        want = torch.stack([((src[n] - kept[n]) * kept[n].grad).sum((0, 1, 3)) for n in names])
+    torch.testing.assert_close(res.values - res.corrupt, want, atol=1e-6, rtol=1e-4)
+
+
 def test_each_position_sums_to_all_and_batching(model, data):
     """Plain attribution is linear in the patch: per-position estimates sum to the all-position
     one; chunking prompts (batch_size=3 of 4) changes nothing (tolerance 1e-5)."""

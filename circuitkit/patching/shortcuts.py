@@ -104,8 +104,8 @@ def split_qkv_inputs(model: Any):
                 raise ValueError(
                     f"this model's attention ({type(model.blocks[0].attn).__name__}, e.g. a "
                     "native TransformerLens config) has no per-head q/k/v input "
-                    "(use_split_qkv_input), which edge attribution differentiates at; use "
-                    "method='exact' for its edges.") from None
+                    "(use_split_qkv_input), which eap and EAP-IG differentiate at; use "
+                    "estimator='eap*' (it needs none) or method='exact' for its edges.") from None
         yield
     finally:
         model.set_use_split_qkv_input(split)
@@ -268,9 +268,15 @@ def take_rows(x: Tensor, idx: Int[Tensor, "rows k"]) -> Tensor:
 
 
 def put_rows(y: Tensor, idx: Int[Tensor, "rows k"], seq: int) -> Tensor:
-    """Inverse of ``take_rows``: ``[rows, k, d] -> [rows, seq, d]``, zeros elsewhere."""
-    return y.new_zeros(y.shape[0], seq, y.shape[-1]).scatter_(
-        1, _index(idx.to(y.device), y.shape[-1]), y)
+    """Inverse of ``take_rows``: ``[rows, k, d] -> [rows, seq, d]``, zeros elsewhere. A
+    position repeated in ``idx[b]`` (reads are padded by repetition) takes its first copy
+    only, so a gradient through it counts that position once, not once per copy."""
+    idx = idx.to(y.device)
+    k = idx.shape[1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=y.device).tril(-1)
+    repeat = ((idx[:, :, None] == idx[:, None, :]) & earlier).any(-1)  # [rows, k]
+    y = torch.where(repeat[..., None], torch.zeros((), dtype=y.dtype, device=y.device), y)
+    return y.new_zeros(y.shape[0], seq, y.shape[-1]).scatter_add_(1, _index(idx, y.shape[-1]), y)
 
 
 def gather_rows(idx: Int[Tensor, "rows k"]):
