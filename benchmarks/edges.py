@@ -47,7 +47,7 @@ from circuitkit import hooks
 LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 512,
          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
          "max_position_embeddings": 128, "seed": 0}
-ESTIMATORS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+ESTIMATORS = ("eap", "eap-ig-inputs", "eap-ig-activations", "eap*")
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, Any]]:
@@ -174,7 +174,7 @@ def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, d
     for est in ESTIMATORS:
         runs[est] = (lambda est=est: ck.patch_edges(
             model, clean, corrupt, metric, method="attribution", estimator=est,
-            ig_steps=None if est == "eap" else ig_steps, progress=False))
+            ig_steps=ig_steps if est.startswith("eap-ig") else None, progress=False))
     got = interleaved(runs, repeats)
     t_ex, exact = got["exact"]
     print(f"  full sweep: {int(exact.edge_mask().sum())} edges (embeddings and logits "
@@ -187,7 +187,7 @@ def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, d
         q = quality(res, exact)
         cells = "".join(f"{q[k][0]:>7.3f} {q[k][1]:>2d}/{q[k][2]:<3d}" if k in q else
                         f"{'-':>14s}" for k in ("all", "q", "k", "v"))
-        label = est + (f" (m={ig_steps})" if est != "eap" else "")
+        label = est + (f" (m={ig_steps})" if est.startswith("eap-ig") else "")
         print(f"  {label:<20s} {t:7.2f} {t_ex / t:8.1f}x   {'':>25s}{cells}")
     return exact, {est: got[est][1] for est in ESTIMATORS}
 
@@ -267,12 +267,13 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
         t = time.perf_counter()
         res = ck.patch_edges(model, clean, corrupt, metric, senders=top, receivers=receivers,
                              method="attribution", estimator=est,
-                             ig_steps=None if est == "eap" else ig_steps, progress=False)
+                             ig_steps=ig_steps if est.startswith("eap-ig") else None,
+                             progress=False)
         dt = time.perf_counter() - t
         q = quality(res, exact)
         cells = "".join(f"{q[k][0]:>7.3f} {q[k][1]:>2d}/{q[k][2]:<3d}" if k in q else
                         f"{'-':>14s}" for k in ("all", "q", "k", "v"))
-        label = est + (f" (m={ig_steps})" if est != "eap" else "")
+        label = est + (f" (m={ig_steps})" if est.startswith("eap-ig") else "")
         print(f"  {label:<24s} {dt:7.1f}   {'':>25s}{cells}")
     for name in exact.inputs:
         print(f"  top edges into {name}:")

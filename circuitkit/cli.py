@@ -491,8 +491,9 @@ def edges(
     method: str = typer.Option("exact", help="exact, attribution (EAP / EAP-IG) or "
                                "attribution+exact (screen, then verify).", metavar="METHOD"),
     estimator: str = typer.Option(None, "--estimator", help="attribution: eap (default), "
-                                  "eap-ig-inputs, eap-ig-activations; attribution+exact screens "
-                                  "with eap unless given.", metavar="NAME"),
+                                  "eap-ig-inputs, eap-ig-activations, eap* (the receiving head "
+                                  "run exactly); attribution+exact screens with eap* unless "
+                                  "given.", metavar="NAME"),
     ig_steps: int = typer.Option(None, "--ig-steps", help="EAP-IG interpolation steps "
                                  "(default 5).", metavar="M"),
     top_k: int = typer.Option(None, "--top-k", help="attribution+exact: verify exactly this "

@@ -220,8 +220,9 @@ def patch_edges(
     any of "q", "k", "v" (under GQA, k/v receivers are KV heads). ``method``: "exact" (the
     edge engine: receivers of one layer per forward, re-entering at their layer), "attribution"
     (``estimator``: "eap", the default, "eap-ig-inputs" or "eap-ig-activations", ``ig_steps``
-    steps; ``attribution.attribution_patch_edges``) or "attribution+exact" (an estimator
-    screens every edge, default "eap", and the exact engine verifies the ``top_k``,
+    steps, or "eap*", the receiving head run exactly; ``attribution.attribution_patch_edges``)
+    or "attribution+exact" (an estimator screens every edge, default "eap*", and the exact
+    engine verifies the ``top_k``,
     or as many as the error bound of ``attribution_plus_exact`` requires; ``max_passes`` caps
     the cost). ``checkpoint``: folder; finished chunks of an exact sweep are stored and a rerun
     resumes (the other methods are not checkpointed: a warning says so).

@@ -115,8 +115,14 @@ from circuitkit.patching.inputs import (
     choice,
     no_gradient_message,
 )
-from circuitkit.patching.plan import block_flop_shares, block_screen_passes, head_mlp_pays
+from circuitkit.patching.plan import (
+    block_flop_shares,
+    block_screen_passes,
+    head_mlp_pays,
+    receiver_attn_passes,
+)
 from circuitkit.patching.results import PatchResult
+from circuitkit.patching.sweep import auto_rows
 
 ATP_STAR_SITES = ("z", "q", "k")
 ATTRIBUTION_COST = "4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2)"
@@ -1155,26 +1161,35 @@ def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
 #     eap-ig-activations:  for the senders of layer a, the gradient averaged over m runs with
 #                          layer a's attention output (the embeddings for "embed") interpolated
 #                          base -> source, everything else the base run (Marks et al. 2024)
+#     eap*:                the receiving head run exactly (AtP*'s QK fix at edge level, Kramar
+#                          et al. 2024): delta(s, r, i) = sum_{pos, d} (z'_r - z_r) * dm/dz_r,
+#                          z'_r the head's output with delta_s in its input i alone; the logits
+#                          receiver as eap
 #
 # ``delta_s`` = source minus base write (a head's ``dz[:, :, h] @ W_O[h]``, the embeddings'
 # ``resid_pre(0)`` difference); the logits' gradient is taken at the final residual. Gradients
 # are those of the base run (denoise: corrupt), as for heads. Docs: docs/edges.md.
 
-EDGE_ESTIMATORS = ("eap", "eap-ig-inputs", "eap-ig-activations")
+EDGE_ESTIMATORS = ("eap", "eap-ig-inputs", "eap-ig-activations", "eap*")
 EDGE_IG_STEPS = 5
-# What attribution+exact screens edges with by default: plain EAP ranks single edges closest to
-# exact (benchmarks/edges.py: Spearman 0.94 teacher, 0.95 random Llama, 0.997 SmolLM2, against
-# 0.84-0.91, 0.88-0.91, 0.65-0.90 for EAP-IG; docs/edges.md)
-EDGE_SCREENING_ESTIMATOR = "eap"
+# What attribution+exact screens edges with by default: eap* ranks single edges closest to exact
+# (benchmarks/edges.py): the nonlinearity of a q/k edge is the receiving head's softmax, which
+# eap* computes and eap / EAP-IG linearise (docs/edges.md, "Which screen")
+EDGE_SCREENING_ESTIMATOR = "eap*"
 
 
-def edge_estimator_passes(estimator: str, ig_steps: int, n_sender_groups: int) -> float:
+def edge_estimator_passes(estimator: str, ig_steps: int, n_sender_groups: int,
+                          receiver_attn: float = 0.0) -> float:
     """Pass-equivalents per prompt of an edge estimator (a backward counts 2): eap 4 (the base
     run with gradients, the source run); eap-ig-inputs 2 + 3 m; eap-ig-activations 2 + 3 m per
-    sender layer (the embeddings count as one). The split-input forward, each head's norm on
-    its own residual copy, costs more than a plain one and is not counted."""
+    sender layer (the embeddings count as one); eap* 4 + ``receiver_attn``, the receiving
+    layers' attention re-run per (sender, receiver layer) and input (``plan.receiver_attn_passes``).
+    The split-input forward, each head's norm on its own residual copy, costs more than a plain
+    one and is not counted."""
     if estimator == "eap":
         return 4.0
+    if estimator == "eap*":
+        return 4.0 + receiver_attn
     if estimator == "eap-ig-inputs":
         return 2.0 + 3.0 * ig_steps
     return 2.0 + 3.0 * ig_steps * n_sender_groups
@@ -1191,6 +1206,33 @@ def _sender_writes(model: Any, senders: Sequence[tuple[int, int]], base: dict[st
             dz = (src[hooks.z(sl)] - base[hooks.z(sl)])[:, :, h]
             out.append(dz @ model.blocks[sl].attn.W_O[h].detach())
     return torch.stack(out)
+
+
+def _receiver_z_changes(model: Any, layer: int, inputs: Sequence[str],
+                        resid: Float[Tensor, "b pos d_model"],
+                        writes: Float[Tensor, "s b pos d_model"], block_arity: int,
+                        max_rows: int) -> dict[str, Float[Tensor, "s b pos n_heads d_head"]]:
+    """``z'_h - z_h`` of every head of ``layer`` when ``writes[s]`` reaches its input ``i``
+    alone: the layer's q/k/v computed by the model on ``resid + writes[s]``
+    (``shortcuts.run_until``), one input's written into an otherwise base run of the layer.
+    Heads of a layer do not read each other, so all of them take the write at once and each
+    gets its single-edge output. The base row runs in the same batch (``z`` bit-comparable)."""
+    b = resid.shape[0]
+    per = max(1, max_rows // b - 1)
+    sites = {i: hooks.head_site(i, layer) for i in inputs}
+    out: dict[str, list[Tensor]] = {i: [] for i in inputs}
+    for c0 in range(0, writes.shape[0], per):
+        w = writes[c0:c0 + per]
+        n = w.shape[0]
+        x = torch.cat([resid[None] + w, resid[None]]).flatten(0, 1)
+        given = shortcuts.run_until(model, layer, x, list(sites.values()), block_arity)
+        for i, site in sites.items():
+            put = (lambda t, hook, v=given[site]: v.to(t.dtype))
+            z = shortcuts.run_until(model, layer, resid.repeat(n + 1, 1, 1), [hooks.z(layer)],
+                                    block_arity, fwd_hooks=[(site, put)])[hooks.z(layer)]
+            z = z.view(n + 1, b, *z.shape[1:])
+            out[i].append(z[:n] - z[n:])
+    return {i: torch.cat(v) for i, v in out.items()}
 
 
 def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
@@ -1216,7 +1258,9 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
     r_index = layout.receiver_index()
     logits = (L, -1) in r_index
     recv_layers = sorted({la for la, _ in layout.receivers if la < L})
-    grad_names = [hooks.edge_input(i, la) for la in recv_layers for i in layout.inputs]
+    exact_receiver = est == "eap*"
+    grad_names = ([hooks.z(la) for la in recv_layers] if exact_receiver else
+                  [hooks.edge_input(i, la) for la in recv_layers for i in layout.inputs])
     grad_names += [hooks.resid_post(L - 1)] if logits else []
     groups = sorted({max(sl, -1) for sl, _ in layout.senders}) if est == "eap-ig-activations" \
         else [None]
@@ -1229,6 +1273,11 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
     base_all, src_all = ((corrupt_tokens, clean_tokens) if direction == "denoise"
                          else (clean_tokens, corrupt_tokens))
     reads = metric.read_positions()
+    if exact_receiver:
+        f = hooks.facts(model)
+        q_per_kv = f.n_heads // f.n_kv_heads
+        block_arity = shortcuts.output_arity(model, base_all[:1].to(device))[0]
+        max_rows = auto_rows(model, clean_tokens.shape[1])
     scores, scales, base_vals, src_vals = [], [], [], []
     # cells: for each receiver layer, the senders before it
     before = {la: [s for s, (sl, _) in enumerate(layout.senders) if sl < la]
@@ -1248,7 +1297,7 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
             scale = torch.full((n_s, n_r, n_i), float("nan"))
             for group in groups:
                 grads = _edge_grads(model, base, stash_base, idx, at, grad_names, est, m, group,
-                                    b_acts, s_acts)
+                                    b_acts, s_acts, split=not exact_receiver)
                 mine = [s for s, (sl, _) in enumerate(layout.senders)
                         if group is None or max(sl, -1) == group]
                 for la in [*recv_layers, *([L] if logits else [])]:
@@ -1265,13 +1314,23 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
                             d, g, "s b p m, b p m -> b s").float().cpu()
                         scale[st, r_index[(L, -1)], 0] = rel.float().cpu()
                         continue
+                    if exact_receiver:
+                        dz = _receiver_z_changes(model, la, layout.inputs, x, d, block_arity,
+                                                 max_rows)
                     for i, name in enumerate(layout.inputs):
                         units = layout.units(la, name)
                         if not units:
                             continue
-                        g = grads[hooks.edge_input(name, la)][:, :, units]
                         rt = torch.tensor([r_index[(la, u)] for u in units])
-                        e = einsum(d, g, "s b p m, b p h m -> b s h").float().cpu()
+                        if exact_receiver:
+                            e = einsum(dz[name], grads[hooks.z(la)],
+                                       "s b p h e, b p h e -> b s h").float().cpu()
+                            if name in hooks.KV_SITES:  # a KV head: its query heads' sum
+                                e = einops.reduce(e, "b s (g r) -> b s g", "sum", r=q_per_kv)
+                            e = e[:, :, units]
+                        else:
+                            g = grads[hooks.edge_input(name, la)][:, :, units]
+                            e = einsum(d, g, "s b p m, b p h m -> b s h").float().cpu()
                         score[:, st[:, None], rt[None, :], i] = e
                         scale[st[:, None], rt[None, :], i] = rel.float().cpu()[:, None]
             scores.append(score)
@@ -1291,13 +1350,16 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
     clean_pp, corrupt_pp = (src_pp, base_pp) if direction == "denoise" else (base_pp, src_pp)
     scale = torch.stack(scales).mean(0)
     n_groups = len(groups) if est == "eap-ig-activations" else 1
+    receiver_attn = receiver_attn_passes(
+        block_shares(model, clean_tokens.shape[1])[0], L, n_i,
+        sum(len(before[la]) for la in recv_layers)) if exact_receiver else 0.0
     meta = dict(**dict(metric.labels), model=str(getattr(model.cfg, "model_name", "")),
                 metric=metric.name, estimator=est, n_prompts=n, batch_size=bs,
-                pass_equivalents=n * edge_estimator_passes(est, m, n_groups),
+                pass_equivalents=n * edge_estimator_passes(est, m, n_groups, receiver_attn),
                 seconds=time.perf_counter() - t_start,
                 write_scale=[[[None if v != v else v for v in row] for row in mat]
                              for mat in scale.tolist()])
-    if est != "eap":
+    if est.startswith("eap-ig"):
         meta["ig_steps"] = m
     return EdgeResult(
         values=base_pp.mean() + delta.mean(0), clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
@@ -1309,12 +1371,14 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
 
 def _edge_grads(model: Any, base: Tensor, stash: _MetricStash, idx: Tensor, at: Tensor | None,
                 names: Sequence[str], estimator: str, steps: int, group: int | None,
-                b_acts: dict[str, Tensor], s_acts: dict[str, Tensor]) -> dict[str, Tensor]:
+                b_acts: dict[str, Tensor], s_acts: dict[str, Tensor], split: bool = True
+                ) -> dict[str, Tensor]:
     """Gradients of the metric (sum over prompts) at the receivers' inputs ``names``: of the
     base run ("eap"), or averaged over ``steps`` interpolated runs: the embeddings
     ("eap-ig-inputs"; "eap-ig-activations" with ``group`` -1) or layer ``group``'s attention
     output ("eap-ig-activations") from base to source at ``alpha_k = (k + 1/2) / steps``."""
-    runs = [None] if estimator == "eap" else [(k + 0.5) / steps for k in range(steps)]
+    runs = [None] if estimator in ("eap", "eap*") else [(k + 0.5) / steps
+                                                         for k in range(steps)]
     out = {name: 0.0 for name in names}
     e_b, e_s = b_acts[hooks.EMBED], s_acts[hooks.EMBED]
     for alpha in runs:
@@ -1329,7 +1393,8 @@ def _edge_grads(model: Any, base: Tensor, stash: _MetricStash, idx: Tensor, at: 
 
             extra = [(hooks.attn_out(group), interpolate)]
         fresh = _MetricStash(stash.metric, torch.arange(base.shape[0]), stash.at)
-        with shortcuts.split_qkv_inputs(model), _lean(model, at):
+        forked = shortcuts.split_qkv_inputs(model) if split else contextlib.nullcontext()
+        with forked, _lean(model, at):
             obj, kept = _grad_run(model, base, fresh, names, embed=embed, extra=extra)
             grads = _grads(obj, kept, names, retain=False)
         for name, g in zip(names, grads, strict=True):

@@ -72,6 +72,13 @@ AUTO_EXPECTED_FRACTION = 0.2
 AUTO_MAX_FRACTION = 0.5
 
 
+def receiver_attn_passes(attn_share: float, n_layers: int, n_inputs: int, pairs: int) -> float:
+    """Pass-equivalents per prompt of the eap* edge estimator's receiver runs: per (sender,
+    receiver layer) pair, that layer's q/k/v projections once (a third of its attention) and
+    its attention once per input, each ``attn_share / n_layers`` of a pass."""
+    return pairs * (1 / 3 + n_inputs) * attn_share / n_layers
+
+
 def block_flop_shares(d_model: int, d_mlp: int, d_head: int, n_heads: int, n_kv_heads: int,
                       seq: int, gated: bool = True) -> tuple[float, float]:
     """FLOP shares (attention, MLP) of one block per token: what one attention or one MLP call
@@ -309,7 +316,8 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
     one full pass per head -> later head edge and prompt (it has no embeddings or logits).
     Attribution: eap 4 per prompt, eap-ig-inputs ``2 + 3 m``, eap-ig-activations
-    ``2 + 3 m x`` sender layers; attribution+exact: the eap screen + the verified edges
+    ``2 + 3 m x`` sender layers, eap* ``4 + receiver_attn_passes``; attribution+exact: the
+    eap* screen + the verified edges
     (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
     Time, GPUs and memory as ``sweep_plan``; ``results_bytes``: the per-prompt result tensor
     (float32, every sender x receiver x input cell)."""
@@ -358,15 +366,20 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     att_rows = int(max(1, min(n, budget // (saved / n_gpus + one_row))))
     methods = {"exact": exact,
                "TL loop": cost(float(head_edges * n), forwards=head_edges)}
+    attn_share = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
+                                   arch.n_kv_heads, seq)[0]
+    pairs = sum(senders_before[la] for la in {rl for rl, _ in layout.receivers if rl < L})
     for est, per_prompt in (("eap", 4.0), ("eap-ig-inputs", 2.0 + 3.0 * ig_steps),
-                            ("eap-ig-activations", 2.0 + 3.0 * ig_steps * groups)):
+                            ("eap-ig-activations", 2.0 + 3.0 * ig_steps * groups),
+                            ("eap*", 4.0 + receiver_attn_passes(attn_share, L,
+                                                                len(layout.inputs), pairs))):
         methods[est] = cost(per_prompt * n, rows=att_rows,
                             activation_bytes=att_rows * (saved / n_gpus + one_row))
     cells = min(top_k, n_edges) if top_k is not None else math.ceil(
         AUTO_EXPECTED_FRACTION * n_edges)
     mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
     methods["attribution+exact"] = cost(
-        methods["eap"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
+        methods["eap*"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
         verified_edges=cells, budget="top_k" if top_k is not None else "auto")
     host = dtype_bytes * L * sum(lengths) * (arch.d_model + arch.n_heads * arch.d_head)
     results = 4 * n * len(layout.senders) * len(layout.receivers) * len(layout.inputs)
