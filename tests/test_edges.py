@@ -201,6 +201,85 @@ def test_exact_edges_on_every_layout(name):
     torch.testing.assert_close(res.values, want, atol=1e-5, rtol=0, equal_nan=True)
 
 
+def hand_eap_star(model, base, source, metric, result):
+    """eap*'s definition by hand: for a head receiver (l, u) at input i, the activation at
+    ``hook_i(l)`` of a full forward of ``base`` with the sender's write added at
+    ``resid_pre(l)``, its head-``u`` slice put into a second full forward of ``base``, whose
+    ``hook_z(l)`` minus the base run's, dotted with the autograd gradient of the metric (full
+    logits) at ``hook_z(l)`` (a KV head's: summed over its query heads); the logits receiver as
+    EAP. Mean over prompts."""
+    wb, ws = _writes(model, base), _writes(model, source)
+    f = hooks.facts(model)
+    names = [hooks.z(la) for la in range(f.n_layers)] + [hooks.resid_post(f.n_layers - 1)]
+    kept = {}
+
+    def keep(name):
+        def hook(t, hook):
+            t.retain_grad()
+            kept[name] = t
+            return t
+        return hook
+
+    metric(model.run_with_hooks(base, fwd_hooks=[(n, keep(n)) for n in names])).mean().backward()
+    out = torch.full_like(result.values, float("nan"))
+    for (s, r, i) in result.edge_mask().nonzero().tolist():
+        snd, (rl, u) = result.senders[s], result.receivers[r]
+        delta = ws[snd] - wb[snd]
+        if rl == f.n_layers:
+            out[s, r, i] = (delta * kept[names[-1]].grad).sum()
+            continue
+        site, got = hooks.head_site(result.inputs[i], rl), {}
+
+        def add(t, hook, delta=delta):
+            return t + delta
+
+        def grab(t, hook, got=got):
+            got["a"] = t.clone()
+            return t
+
+        def put(t, hook, got=got, u=u):
+            t = t.clone()
+            t[:, :, u] = got["a"][:, :, u]
+            return t
+
+        def grab_z(t, hook, got=got):
+            got["z"] = t.clone()
+            return t
+
+        with torch.no_grad():
+            model.run_with_hooks(base, fwd_hooks=[(hooks.resid_pre(rl), add), (site, grab)])
+            model.run_with_hooks(base, fwd_hooks=[(site, put), (hooks.z(rl), grab_z)])
+        z = kept[hooks.z(rl)]
+        heads = [u] if result.inputs[i] == "q" else [
+            h for h in range(f.n_heads) if h // (f.n_heads // f.n_kv_heads) == u]
+        out[s, r, i] = ((got["z"] - z.detach())[:, :, heads] * z.grad[:, :, heads]).sum()
+    return out  # the gradient of the mean already averages over prompts
+
+
+@pytest.mark.parametrize("name", list(ARCHS) + [f"native-{k}" for k in NATIVE])
+def test_eap_star_equals_its_definition_on_every_layout(name):
+    """eap* on every block layout equals its definition computed by hand with plain hooks and
+    autograd (``hand_eap_star``), or is refused with the exact engine's one line (post-norm).
+    It needs no per-head input fork, so native configs, GPT-J and OPT run it too."""
+    model = native_model(**NATIVE[name[7:]]) if name.startswith("native-") else _model(name)
+    clean, corrupt, metric = _data(vocab=hooks.facts(model).d_vocab_out)
+    senders = ["embed", (0, 0), (0, 3)]
+    receivers = [(0, 1), (1, 0), (1, 1), (1, 3), "logits"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if hooks.post_norm(model, 0, "attn") is not None:
+            with pytest.raises(ValueError, match=r"^blocks\.0 normalises [^\n]*$"):
+                ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
+                               method="attribution", estimator="eap*", progress=False)
+            return
+        res = ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
+                             method="attribution", estimator="eap*", progress=False)
+    want = hand_eap_star(model, corrupt, clean, metric, res)
+    mask = res.edge_mask()
+    assert int(mask.sum()) >= 19  # MQA: one KV head per layer receives k and v
+    torch.testing.assert_close(res.effect()[mask], want[mask], atol=1e-5, rtol=1e-4)
+
+
 def test_planted_induction_k_edge_is_the_top_edge():
     """Attention-only (no MLP module), no norms: the previous-token head feeds the induction
     head through K only; Q and V edges from it are exactly zero."""
