@@ -497,6 +497,7 @@ def test_eap_star_is_exact_where_the_downstream_is_linear(kv):
     star = ck.patch_edges(model, clean, corrupt, margin, method="attribution",
                           estimator="eap*", progress=False)
     assert star.meta["estimator"] == "eap*" and star.meta["pass_equivalents"] > 4 * 3
+    assert not star.values.requires_grad and len(star.to_frame()) == int(star.edge_mask().sum())
     last = [r for r, (rl, _) in enumerate(exact.receivers) if rl == 1]
     got, want = star.effect()[:, last], exact.effect()[:, last]
     edge = exact.edge_mask()[:, last]

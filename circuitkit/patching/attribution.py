@@ -1221,17 +1221,19 @@ def _receiver_z_changes(model: Any, layer: int, inputs: Sequence[str],
     per = max(1, max_rows // b - 1)
     sites = {i: hooks.head_site(i, layer) for i in inputs}
     out: dict[str, list[Tensor]] = {i: [] for i in inputs}
-    for c0 in range(0, writes.shape[0], per):
-        w = writes[c0:c0 + per]
-        n = w.shape[0]
-        x = torch.cat([resid[None] + w, resid[None]]).flatten(0, 1)
-        given = shortcuts.run_until(model, layer, x, list(sites.values()), block_arity)
-        for i, site in sites.items():
-            put = (lambda t, hook, v=given[site]: v.to(t.dtype))
-            z = shortcuts.run_until(model, layer, resid.repeat(n + 1, 1, 1), [hooks.z(layer)],
-                                    block_arity, fwd_hooks=[(site, put)])[hooks.z(layer)]
-            z = z.view(n + 1, b, *z.shape[1:])
-            out[i].append(z[:n] - z[n:])
+    with torch.no_grad():
+        for c0 in range(0, writes.shape[0], per):
+            w = writes[c0:c0 + per].detach()
+            n = w.shape[0]
+            x = torch.cat([resid[None] + w, resid[None]]).flatten(0, 1)
+            given = shortcuts.run_until(model, layer, x, list(sites.values()), block_arity)
+            for i, site in sites.items():
+                put = (lambda t, hook, v=given[site]: v.to(t.dtype))
+                z = shortcuts.run_until(model, layer, resid.repeat(n + 1, 1, 1),
+                                        [hooks.z(layer)], block_arity,
+                                        fwd_hooks=[(site, put)])[hooks.z(layer)]
+                z = z.view(n + 1, b, *z.shape[1:])
+                out[i].append(z[:n] - z[n:])
     return {i: torch.cat(v) for i, v in out.items()}
 
 
