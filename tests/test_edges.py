@@ -722,8 +722,12 @@ def test_cli_plans_70b_edges_offline_and_counts_them(monkeypatch, tmp_path):
     n = sum(s * (H + 2 * KV) for s in senders_before) + (1 + L * H)
     assert f"{n:,} edges" in r.output and "no weights needed" in r.output
     for row in ("exact ", "TL direct-path loop", "eap ", "eap-ig-inputs (m=5)",
-                "eap-ig-activations (m=5)", "attribution+exact@"):
+                "eap-ig-activations (m=5)", "eap* ", "attribution+exact@"):
         assert any(line.startswith(row) for line in r.output.splitlines()), row
+    passes = {line.split()[0]: float(line.split()[1].replace(",", ""))
+              for line in r.output.splitlines() if line.startswith(("eap ", "eap* ", "exact "))}
+    # eap*: EAP's 4 per prompt plus one attention per (sender, receiver layer) and input
+    assert passes["eap"] == 4 * 8 and passes["eap"] < passes["eap*"] < passes["exact"] / 100
     bad = CliRunner().invoke(app, ["edges", "--model", "llama3-70b", "--task", "icd10", "--plan",
                                    "--senders", "L90H0"])
     assert bad.exit_code == 2 and "outside the model's 80 layers" in bad.output
