@@ -1302,7 +1302,10 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
                                     b_acts, s_acts, split=not exact_receiver)
                 mine = [s for s, (sl, _) in enumerate(layout.senders)
                         if group is None or max(sl, -1) == group]
-                for la in [*recv_layers, *([L] if logits else [])]:
+                layers = [*recv_layers, *([L] if logits else [])]
+                # eap* re-runs each receiving layer's attention per sender: the long part
+                for la in _progress(layers, progress and exact_receiver,
+                                    f"eap* receiver layers, prompts {start}-{start + b - 1}"):
                     ss = [s for s in before[la] if s in mine]
                     if not ss:
                         continue
