@@ -1208,15 +1208,18 @@ def _sender_writes(model: Any, senders: Sequence[tuple[int, int]], base: dict[st
     return torch.stack(out)
 
 
-def _receiver_z_changes(model: Any, layer: int, inputs: Sequence[str],
-                        resid: Float[Tensor, "b pos d_model"],
-                        writes: Float[Tensor, "s b pos d_model"], block_arity: int,
-                        max_rows: int) -> dict[str, Float[Tensor, "s b pos n_heads d_head"]]:
-    """``z'_h - z_h`` of every head of ``layer`` when ``writes[s]`` reaches its input ``i``
-    alone: the layer's q/k/v computed by the model on ``resid + writes[s]``
-    (``shortcuts.run_until``), one input's written into an otherwise base run of the layer.
-    Heads of a layer do not read each other, so all of them take the write at once and each
-    gets its single-edge output. The base row runs in the same batch (``z`` bit-comparable)."""
+def _receiver_effects(model: Any, layer: int, inputs: Sequence[str],
+                      resid: Float[Tensor, "b pos d_model"],
+                      writes: Float[Tensor, "s b pos d_model"],
+                      grad_z: Float[Tensor, "b pos n_heads d_head"], block_arity: int,
+                      max_rows: int) -> dict[str, Float[Tensor, "b s n_heads"]]:
+    """eap*'s first-order effect of each write on each head of ``layer`` through input ``i``:
+    ``sum_{pos, e} (z'_h - z_h) * dm/dz_h``, ``z'_h`` the head's output when ``writes[s]``
+    reaches its input ``i`` alone: the layer's q/k/v computed by the model on ``resid +
+    writes[s]`` (``shortcuts.run_until``), one input's written into an otherwise base run of
+    the layer. Heads of a layer do not read each other, so all of them take the write at once
+    and each gets its single-edge output. The base row runs in the same batch (``z``
+    bit-comparable); senders go in chunks of at most ``max_rows`` rows."""
     b = resid.shape[0]
     per = max(1, max_rows // b - 1)
     sites = {i: hooks.head_site(i, layer) for i in inputs}
@@ -1233,8 +1236,9 @@ def _receiver_z_changes(model: Any, layer: int, inputs: Sequence[str],
                                         [hooks.z(layer)], block_arity,
                                         fwd_hooks=[(site, put)])[hooks.z(layer)]
                 z = z.view(n + 1, b, *z.shape[1:])
-                out[i].append(z[:n] - z[n:])
-    return {i: torch.cat(v) for i, v in out.items()}
+                out[i].append(einsum(z[:n] - z[n:], grad_z.to(z.dtype),
+                                     "s b p h e, b p h e -> b s h").float().cpu())
+    return {i: torch.cat(v, dim=1) for i, v in out.items()}
 
 
 def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
@@ -1320,16 +1324,15 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
                         scale[st, r_index[(L, -1)], 0] = rel.float().cpu()
                         continue
                     if exact_receiver:
-                        dz = _receiver_z_changes(model, la, layout.inputs, x, d, block_arity,
-                                                 max_rows)
+                        effects = _receiver_effects(model, la, layout.inputs, x, d,
+                                                    grads[hooks.z(la)], block_arity, max_rows)
                     for i, name in enumerate(layout.inputs):
                         units = layout.units(la, name)
                         if not units:
                             continue
                         rt = torch.tensor([r_index[(la, u)] for u in units])
                         if exact_receiver:
-                            e = einsum(dz[name], grads[hooks.z(la)],
-                                       "s b p h e, b p h e -> b s h").float().cpu()
+                            e = effects[name]
                             if name in hooks.KV_SITES:  # a KV head: its query heads' sum
                                 e = einops.reduce(e, "b s (g r) -> b s g", "sum", r=q_per_kv)
                             e = e[:, :, units]
