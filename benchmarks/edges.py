@@ -1,5 +1,5 @@
 """Benchmark edges: circuitkit's exact edge sweep vs TransformerLens's direct path patching, edge
-attribution (EAP, EAP-IG) vs exact, and the faithfulness curve's cost.
+attribution (EAP, EAP-IG, eap*) vs exact, and the faithfulness curve's cost.
 
     OMP_NUM_THREADS=1 python benchmarks/edges.py [--part teacher,llama,smollm2] [--n 8]
         [--repeats 2] [--ig-steps 5] [--reference DIR] [--speed-only]
@@ -15,17 +15,17 @@ interleaved runs (before/after from one machine phase); ``--speed-only`` stops a
     (one forward per (source head, later head) pair; its two caches count in its time) against
     ``ck.patch_edges`` over the same edges (every head into every later head; no embeddings,
     no logits: TL has neither). Max |ours - TL| over every edge of q, k, v; the speed ratio.
-  - the full default sweep (embeddings and logits too), EAP, EAP-IG (inputs, activations;
+  - the full default sweep (embeddings and logits too), EAP, eap*, EAP-IG (inputs, activations;
     ``--ig-steps``): seconds, and against exact over every edge: Spearman of the effects and
     top-20 recall (exact top 20 by |effect| found in the estimate's top 20), per input.
   - ``ck.circuit`` on the exact edges (MIB's 10 sizes, corrupt ablation, 200 bootstrap
     resamples): seconds against the exact sweep's; then CPR and CMD of the circuits each
-    ranking (exact, EAP, EAP-IG) keeps. The quality and faithfulness rows run on
+    ranking (exact, EAP, EAP-IG, eap*) keeps. The quality and faithfulness rows run on
     ``--n-quality`` prompts (default 32), the TL comparison on ``--n`` (default 8).
 * ``smollm2``: SmolLM2-135M (offline copy), repeated random tokens (``<bos> A A``, |A| = 8,
   first copy resampled in the corrupt run, metric: log-prob of the second copy); exact head
   patching (site z) picks the top 20 heads by |effect|; exact edges among them (senders and
-  receivers: those heads) against EAP / EAP-IG: Spearman and top-20 recall per input; the top
+  receivers: those heads) against EAP / EAP-IG / eap*: Spearman and top-20 recall per input; the top
   edges by input with 95% bootstrap intervals.
 
 Targets (issue 26): exact = TL to 1e-4; >= 10x TL's loop on the teacher; EAP-IG top-20 recall
