@@ -1382,7 +1382,7 @@ def _edge_grads(model: Any, base: Tensor, stash: _MetricStash, idx: Tensor, at: 
                 b_acts: dict[str, Tensor], s_acts: dict[str, Tensor], split: bool = True
                 ) -> dict[str, Tensor]:
     """Gradients of the metric (sum over prompts) at the receivers' inputs ``names``: of the
-    base run ("eap"), or averaged over ``steps`` interpolated runs: the embeddings
+    base run ("eap", "eap*"), or averaged over ``steps`` interpolated runs: the embeddings
     ("eap-ig-inputs"; "eap-ig-activations" with ``group`` -1) or layer ``group``'s attention
     output ("eap-ig-activations") from base to source at ``alpha_k = (k + 1/2) / steps``."""
     runs = [None] if estimator in ("eap", "eap*") else [(k + 0.5) / steps
