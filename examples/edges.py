@@ -1,7 +1,7 @@
 """Which Phase-1 heads feed which Phase-2 heads, on the shipped teacher: every edge (exact), the
 Phase-1 -> Phase-2 edges by input with 95% intervals, the circuits' faithfulness, and how well
-EAP / EAP-IG recover the exact ranking (what ``circuitkit edges`` and ``characterize --edges``
-do, with the numbers printed).
+EAP / EAP-IG / eap* recover the exact ranking (what ``circuitkit edges`` and ``characterize
+--edges`` do, with the numbers printed).
 
     OMP_NUM_THREADS=1 python examples/edges.py [OUT] [--n 64] [--k 5]
 
@@ -93,10 +93,11 @@ def quality(est, exact, k=20):
 
 
 print(f"\nattribution against exact over all {int(edges.edge_mask().sum())} edges:")
-for est in ("eap", "eap-ig-inputs", "eap-ig-activations"):
+for est in ("eap", "eap*", "eap-ig-inputs", "eap-ig-activations"):
     t = time.perf_counter()
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          method="attribution", estimator=est,
-                         ig_steps=None if est == "eap" else args.ig_steps, progress=False)
+                         ig_steps=args.ig_steps if est.startswith("eap-ig") else None,
+                         progress=False)
     print(f"  {est:<20s} {time.perf_counter() - t:6.1f} s  {quality(res, edges)}")
 torch.save(dict(p1=p1, p2=p2), out / "phase_heads.pt")
