@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodels import hand_patch_heads, with_random_post_norms
+from tinymodels import autograd_at, hand_patch_heads, with_random_post_norms
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -120,16 +120,7 @@ def test_atp_on_uneven_reads_is_the_full_logits_gradient(model):
     metric = token_logprob_metric(pos, [clean[i, p].tolist() for i, p in enumerate(pos)])
     res = attribution_patch_heads(model, clean, corrupt, metric, progress=False)
     names = [hooks.z(la) for la in range(3)]
-    kept = {}
-
-    def keep(name):
-        def hook(t, hook):
-            t.retain_grad()
-            kept[name] = t
-            return t
-        return hook
-
-    metric(model.run_with_hooks(corrupt, fwd_hooks=[(n, keep(n)) for n in names])).backward()
+    kept = autograd_at(model, corrupt, metric, names)
     with torch.no_grad():
         _, src = model.run_with_cache(clean)
         want = torch.stack([((src[n] - kept[n]) * kept[n].grad).sum((0, 1, 3)) for n in names])

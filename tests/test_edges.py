@@ -29,6 +29,7 @@ from tinymodels import (
     SMALL,
     TINY_GPT2,
     TINY_LLAMA,
+    autograd_at,
     make_model,
     native_model,
     with_random_post_norms,
@@ -211,16 +212,7 @@ def hand_eap_star(model, base, source, metric, result):
     wb, ws = _writes(model, base), _writes(model, source)
     f = hooks.facts(model)
     names = [hooks.z(la) for la in range(f.n_layers)] + [hooks.resid_post(f.n_layers - 1)]
-    kept = {}
-
-    def keep(name):
-        def hook(t, hook):
-            t.retain_grad()
-            kept[name] = t
-            return t
-        return hook
-
-    metric(model.run_with_hooks(base, fwd_hooks=[(n, keep(n)) for n in names])).mean().backward()
+    kept = autograd_at(model, base, metric, names)
     out = torch.full_like(result.values, float("nan"))
     for (s, r, i) in result.edge_mask().nonzero().tolist():
         snd, (rl, u) = result.senders[s], result.receivers[r]
@@ -459,18 +451,8 @@ def test_eap_on_uneven_reads_is_the_full_logits_gradient(cfg):
     f = hooks.facts(model)
     names = [hooks.edge_input(i, la) for la in range(f.n_layers) for i in "qkv"]
     names.append(hooks.resid_post(f.n_layers - 1))
-    kept = {}
-
-    def keep(name):
-        def hook(t, hook):
-            t.retain_grad()
-            kept[name] = t
-            return t
-        return hook
-
     with shortcuts.split_qkv_inputs(model):
-        metric(model.run_with_hooks(corrupt, fwd_hooks=[(n, keep(n)) for n in names])).backward()
-    grad = {n: t.grad for n, t in kept.items()}
+        grad = {n: t.grad for n, t in autograd_at(model, corrupt, metric, names).items()}
     wb, ws = _writes(model, corrupt), _writes(model, clean)
     want = torch.full_like(res.values, float("nan"))
     for s, r, i in res.edge_mask().nonzero().tolist():

@@ -48,6 +48,25 @@ def with_random_post_norms(cfg: dict, seed: int = 1):
     return model
 
 
+def autograd_at(model, tokens, metric, names):
+    """A plain ``run_with_hooks`` forward of ``tokens`` on full logits, differentiated by hand:
+    ``{name: activation}`` at hooks ``names``, each with ``.grad`` the gradient of
+    ``metric(logits).mean()`` there (the reference for attribution estimates). Stored under
+    the name registered: a bridge hook's ``hook.name`` need not be it."""
+    kept = {}
+
+    def keep(name):
+        def hook(t, hook):
+            t.retain_grad()
+            kept[name] = t
+            return t
+        return hook
+
+    metric(model.run_with_hooks(tokens, fwd_hooks=[(n, keep(n)) for n in names])).mean() \
+        .backward()
+    return kept
+
+
 def hand_patch_heads(model, base, source, metric, site="z"):
     """Metric after patching each head of ``base``'s run at every position with ``source``'s
     activation at ``site``: a plain ``run_with_hooks`` loop, the reference for head sweeps."""
