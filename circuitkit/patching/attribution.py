@@ -1230,10 +1230,10 @@ def _receiver_effects(model: Any, layer: int, inputs: Sequence[str],
             n = w.shape[0]
             x = torch.cat([resid[None] + w, resid[None]]).flatten(0, 1)
             given = shortcuts.run_until(model, layer, x, list(sites.values()), block_arity)
+            base = resid.repeat(n + 1, 1, 1)  # every input's run: the base, one input replaced
             for i, site in sites.items():
                 put = (lambda t, hook, v=given[site]: v.to(t.dtype))
-                z = shortcuts.run_until(model, layer, resid.repeat(n + 1, 1, 1),
-                                        [hooks.z(layer)], block_arity,
+                z = shortcuts.run_until(model, layer, base, [hooks.z(layer)], block_arity,
                                         fwd_hooks=[(site, put)])[hooks.z(layer)]
                 z = z.view(n + 1, b, *z.shape[1:])
                 out[i].append(einsum(z[:n] - z[n:], grad_z.to(z.dtype),
