@@ -259,3 +259,73 @@ def test_silu_runs_in_place_only_where_it_is_plain_silu():
     assert not fused._is_silu(replaced)
     x = torch.randn(5, 7)
     assert torch.equal(torch.nn.functional.silu(x.clone(), inplace=True), silu(x))
+
+
+# --- one prompt (issue 33 item 12) ---------------------------------------------------------------
+
+
+def one_prompt_case(model, seq: int = 7):
+    """One prompt of ``seq`` random tokens (ids from 1) and a metric reading its last two
+    positions."""
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(1, 64, (1, seq), generator=g)
+    corrupt = torch.randint(1, 64, (1, seq), generator=g)
+    metric = token_logprob_metric([[seq - 2, seq - 1]], [clean[0, -2:].tolist()])
+    return clean, corrupt, metric
+
+
+@pytest.mark.parametrize("kind,site,positions", [m for m in MODES if m[2] == "all"
+                                                 or m[0] == "layers"])
+def test_one_prompt_equals_transformer_lens(kind, site, positions):
+    """One prompt on a fresh Llama-form model (the fused cached run is checked against the
+    bridge on the model's first call, whose two rows are then the prompt's base and source
+    runs): heads and layers equal TransformerLens's patching functions (1e-4)."""
+    model = ck.load_model(dict(SMALL, **FUSED_ARCHS["llama"]))
+    clean, corrupt, metric = one_prompt_case(model)
+    fn = ck.patch_heads if kind == "heads" else ck.patch_layers
+    res = fn(model, clean, corrupt, metric, site=site, positions=positions, progress=False)
+    with torch.no_grad():
+        ref = TL_FN[(site, positions)](model, corrupt, model.run_with_cache(clean)[1], metric)
+    torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
+
+
+def test_one_prompt_exact_edges_equal_transformer_lens():
+    """Exact edges of one prompt on a fresh (MHA) Llama-form model equal TransformerLens's
+    ``get_act_patch_direct_path_all_sources`` for q, k and v (1e-5)."""
+    model = ck.load_model(dict(SMALL, **dict(FUSED_ARCHS["llama"], num_key_value_heads=4)))
+    assert fused.fused_form(model) is not None
+    clean, corrupt, metric = one_prompt_case(model)
+    res = ck.patch_edges(model, clean, corrupt, metric, progress=False)
+    f = hooks.facts(model)
+    heads = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
+    s_ix = [res.senders.index(n) for n in heads]
+    r_ix = [res.receivers.index(n) for n in heads]
+    later = torch.tensor([[r[0] > s[0] for r in heads] for s in heads])
+    with torch.no_grad():
+        _, cc = model.run_with_cache(clean)
+        _, xc = model.run_with_cache(corrupt)
+        for i, name in enumerate(res.inputs):
+            ref = tlp.get_act_patch_direct_path_all_sources(
+                model, corrupt, cc, xc, lambda lg: metric(lg), component=name,
+                verbose=False).reshape(len(heads), len(heads))
+            ours = res.values[s_ix][:, r_ix, i]
+            torch.testing.assert_close(ours[later], ref[later], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("command", ["patch", "edges"])
+def test_cli_one_prompt(command, tmp_path):
+    """``circuitkit patch -n 1`` and ``edges -n 1`` on the shipped Llama-form teacher: exit 0,
+    and the saved result loads with one prompt."""
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    args = [command, "--model", "icd-teacher", "--task", "icd10", "-n", "1", "--out",
+            str(tmp_path / "o")]
+    if command == "edges":
+        args += ["--senders", "embed,L0H2", "--receivers", "L2H6,logits"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    load = ck.PatchResult.load if command == "patch" else ck.EdgeResult.load
+    back = load(tmp_path / "o")
+    assert back.per_prompt.shape[0] == 1

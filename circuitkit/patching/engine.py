@@ -215,7 +215,7 @@ class ExactEngine:
         gather = None if check else reads  # (checked: every position unembedded)
         logits, acts = [], {name: [] for name in want}
         kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
-        if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, kinds)):
+        if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, reads, kinds)):
             kinds = {}
         # The fused run stops each prompt at its own last read (later positions hold zeros):
         # enough for every patch of a prompt by itself, not for a z taken from another prompt
@@ -259,21 +259,24 @@ class ExactEngine:
                                   at=self.reads) for i in range(len(token_sets))]
         return values, {name: list(torch.cat(a).split(n)) for name, a in acts.items()}
 
-    def _fused_cache_agrees(self, tokens: Tensor, kinds: dict[str, tuple[str, int]]) -> bool:
+    def _fused_cache_agrees(self, tokens: Tensor, reads: Tensor,
+                            kinds: dict[str, tuple[str, int]]) -> bool:
         """Whether ``FusedLlama.cached_run`` equals the bridge's ``run_with_cache`` on this
         model: every activation it computes (at the positions it computes) and the logits at
-        the reads, on the first two prompts; once per model. A difference beyond
-        ``FAST_PATH_TOL`` (relative to the largest value) keeps the bridge, with a warning."""
+        the reads, on the first two rows of ``tokens`` ``[R, seq]`` (``reads``: ``[R, k]``, the
+        reads of each row); once per model. A difference beyond ``FAST_PATH_TOL`` (relative to
+        the largest value) keeps the bridge, with a warning."""
         verdicts = _FAST_PATH_VERDICTS.setdefault(self.model, {})
         if "cached_run" not in verdicts:
-            some = tokens[:2]
-            reads = self.reads[:some.shape[0]].to(self.device)
-            logits, got = self.fused.cached_run(some, kinds, reads, self.layer_device)
+            # rows and their reads taken together: with one prompt the first two rows are its
+            # base and source runs, not two prompts (the reads of prompts 0 and 1)
+            some, at = tokens[:2], reads[:2].to(self.device)
+            logits, got = self.fused.cached_run(some, kinds, at, self.layer_device)
             ref_logits, ref = self.model.run_with_cache(some, names_filter=lambda n: n in kinds)
             rows = torch.arange(some.shape[0], device=self.device)[:, None]
-            pairs = [(logits, ref_logits[rows, reads])]
+            pairs = [(logits, ref_logits[rows, at])]
+            upto = torch.arange(some.shape[1]) <= at.max(1).values.cpu()[:, None]
             for name in kinds:
-                upto = torch.arange(some.shape[1]) <= reads.max(1).values.cpu()[:, None]
                 pairs.append((got[name].cpu()[upto], ref[name].cpu()[upto]))
             err = max(float((a.cpu() - b.cpu()).abs().max() / max(1.0, float(b.abs().max())))
                       for a, b in pairs)

@@ -419,6 +419,10 @@ class Packing:
 
     def __init__(self, start: Int[Tensor, " R"], end: Int[Tensor, " R"],
                  prompt: Int[Tensor, " R"], reads: Int[Tensor, "R k"], seq: int):
+        if not start.shape == end.shape == prompt.shape == reads.shape[:1]:
+            raise ValueError(f"Packing: start, end, prompt and reads must give one row each; got "
+                             f"{start.shape[0]}, {end.shape[0]}, {prompt.shape[0]} and "
+                             f"{reads.shape[0]} rows.")
         if bool((reads < start[:, None]).any() or (reads >= end[:, None]).any()):
             raise ValueError("Packing: every read must lie in its row's [start, end).")
         self.seq, self.n_rows = seq, int(start.shape[0])
