@@ -609,6 +609,11 @@ def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypa
     (dict(senders=["logits"]), r"senders: 'logits' is not a node"),
     (dict(method="auto"), r"method='auto' is not supported"),
     (dict(direction="up"), r"direction='up' is not supported"),
+    # GQA: k/v receivers are KV heads (2 per layer): L2H3 receives only q
+    (dict(receivers=["L2H3"], inputs=("k",)), r"receivers=\['L2H3'\] with inputs=\['k'\] give "
+                                              r"no edge: .* 2 KV heads .*Add 'q' to inputs"),
+    (dict(receivers=["L2H3"], inputs=("k", "v"), method="attribution"), r"give no edge"),
+    (dict(receivers=["L1H2", "L2H3"], inputs="v", method="attribution+exact"), r"give no edge"),
 ])
 def test_bad_input_gives_one_line(tiny_llama, kw, match):
     clean, corrupt = _pair()

@@ -154,6 +154,20 @@ def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
                          f"{'the embeddings' if first < 0 else f'layer {first}'}): an edge "
                          "runs from a sender to a receiver in a later layer; drop it or add "
                          "an earlier sender.")
+    # Every receiver follows a sender (above); under GQA a k/v receiver must also be a KV head
+    # (h < n_kv_heads), so a request can still hold no edge at all: refuse it here, not as an
+    # empty sweep deep in the engine.
+    def receives(node: tuple[int, int]) -> bool:
+        return node[0] == f.n_layers or any(
+            node[1] < (f.n_kv_heads if name in hooks.KV_SITES else f.n_heads) for name in inputs)
+
+    if not any(receives(r) for r in out[1]):
+        names = [_node_name(r, f.n_layers) for r in out[1]]
+        raise ValueError(
+            f"receivers={names} with inputs={list(inputs)} give no edge: this model's k/v "
+            f"inputs are its {f.n_kv_heads} KV heads per layer (GQA: heads 0..{f.n_kv_heads - 1}"
+            f" of each layer receive k and v), and these receivers are none of them. Add 'q' to "
+            f"inputs, or name KV heads (e.g. L{out[1][0][0]}H0) as receivers.")
     return out[0], out[1], inputs
 
 
