@@ -292,8 +292,10 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
     TransformerLens fires some hooks after the fact, on attention it leaves to the HF module
     (GPT-J's ``hook_pattern``): it discards an edit there, so a sweep would report no effect for
     every head. Probed once per model and site: noise added to the site in every layer at once
-    (a layer may legitimately write nothing, e.g. a planted circuit's) on ``tokens[:1, :8]``,
-    the logits compared bit for bit."""
+    (a layer may legitimately write nothing, e.g. a planted circuit's) on seeded random ids of
+    ``min(8, n_ctx)`` positions (on ``tokens``' device), the logits compared bit for bit. The
+    probe never reads the caller's prompts: the verdict is the architecture's, so it may be
+    cached (a 1-token prompt, whose only key makes every query alike, does not decide it)."""
     global _PATCHABLE
     if site in LAYER_SITES and hasattr(model, "hook_dict") \
             and layer_site(site, 0) not in model.hook_dict:
@@ -314,7 +316,11 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
         _PATCHABLE = weakref.WeakKeyDictionary()
     known = _PATCHABLE.setdefault(model, {})
     if site not in known:
-        probe = tokens[:1, :8]
+        cfg = model.cfg
+        seq = min(8, int(getattr(cfg, "n_ctx", None) or 8))
+        d_vocab = int(cfg.d_vocab)
+        probe = torch.randint(min(1, d_vocab - 1), d_vocab, (1, seq),
+                              generator=torch.Generator().manual_seed(0)).to(tokens.device)
 
         def edit(t: Any, hook: Any) -> Any:
             # seeded noise at the activation's own scale: no site is invariant to it (a shift
