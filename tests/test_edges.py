@@ -571,7 +571,8 @@ def test_edge_result_round_trip_and_strict_load(tiny_gpt2, tmp_path):
         ck.EdgeResult.load(tmp_path / "e")
     info["inputs"] = ["q", "k"]
     (tmp_path / "e.json").write_text(json.dumps(info))
-    with pytest.raises(ValueError, match="values must be"):
+    with pytest.raises(ValueError, match=r"e.safetensors: tensor 'values' has shape \[9, 9, 3\]; "
+                                         r"the fields of e.json .* give \[9, 9, 2\]"):
         ck.EdgeResult.load(tmp_path / "e")
 
 

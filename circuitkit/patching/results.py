@@ -29,7 +29,7 @@ import contextlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -381,7 +381,7 @@ class PatchResult:
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     site=self.site, positions=self.positions, axes=list(self.axes),
                     meta=self.meta)
-        files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
@@ -393,15 +393,14 @@ class PatchResult:
     @classmethod
     def load(cls, path: str | Path) -> PatchResult:
         """Read a result written by ``save`` or the CLI's ``--out``: ``path`` is the folder, the
-        base path, or any of its files. Every field is validated; a bad file is named with the
-        field that is wrong (``ValueError``)."""
-
+        base path, or any of its files. Every field is validated (``_checked_info``,
+        ``_check_tensors``: the checks ``EdgeResult.load`` applies too); a bad file is named
+        with the field that is wrong (``ValueError``)."""
         paths = cls._paths(path)
         js, st = paths["json"], paths["safetensors"]
-        info = _read_saved_json(path, js, st, "patching result", "result", "PatchResult")
-        kw = _checked_info(info, js)
-        tensors = _read_saved_tensors(st)
-        _check_tensors(tensors, kw, st, js)
+        kw, tensors = _load_parts(path, paths, _PATCH_FILE)
+        kw = _checked_patch_info(kw, js)
+        _check_tensors(tensors, kw, st, js, shape=_patch_shape(kw))
         try:
             return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
         except (TypeError, ValueError) as e:
@@ -443,6 +442,30 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def json_ready(obj: Any) -> Any:
+    """``obj`` as plain JSON data: tensors and numpy values as numbers or nested lists (a 0-d
+    tensor as its number: ``float(clean)``, never ``"tensor(-0.0440)"``), tuples as lists,
+    mapping keys as strings; anything else JSON cannot hold as ``str(obj)``. Every result file
+    goes through it (``save``), so what ``load`` reads back is what was meant."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu().tolist()
+    if isinstance(obj, dict):
+        return {str(k): json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_ready(v) for v in obj]
+    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy arrays and scalars
+        return json_ready(obj.tolist())
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
 def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
                      ) -> Any:
     """The JSON half of a saved result (``js``), once both files exist; a missing, unreadable or
@@ -471,72 +494,180 @@ def _read_saved_tensors(st: Path) -> dict[str, Tensor]:
         raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
 
 
-def _checked_info(info: Any, js: Path) -> dict[str, Any]:
-    """The constructor fields of a result's JSON, each checked for type and range; a bad one is
-    a ``ValueError`` naming ``js`` and the field."""
-    if not isinstance(info, dict) or info.get("format", FORMAT) != FORMAT:
-        raise ValueError(f"{js} is not a circuitkit patching result (format "
-                         f"{info.get('format') if isinstance(info, dict) else None!r}).")
+@dataclass(frozen=True)
+class _FileKind:
+    """What one kind of result file holds: its ``format`` and newest ``version``, the JSON
+    ``fields`` its constructor needs, the words its errors use, and whether old files may lack
+    the ``format`` field (patch results written before it existed)."""
+
+    format: str
+    version: int
+    fields: tuple[str, ...]
+    noun: str  # "patching result"
+    file_noun: str  # "result" (as in "not a readable result file")
+    cls: str
+    format_optional: bool = False
+
+
+_PATCH_FILE = _FileKind(FORMAT, FORMAT_VERSION, ("clean", "corrupt", "direction", "method", "site",
+                                                 "positions", "axes"),
+                        "patching result", "result", "PatchResult", format_optional=True)
+
+
+def _load_parts(path: str | Path, paths: dict[str, Path], kind: _FileKind
+                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A saved result's JSON fields (``_checked_info``) and tensors (read, not yet checked)."""
+    js, st = paths["json"], paths["safetensors"]
+    info = _read_saved_json(path, js, st, kind.noun, kind.file_noun, kind.cls)
+    return _checked_info(info, js, kind), _read_saved_tensors(st)
+
+
+def _checked_info(info: Any, js: Path, kind: _FileKind = _PATCH_FILE) -> dict[str, Any]:
+    """The fields every result's JSON shares, each checked for type and range: ``format``,
+    ``version``, ``kind.fields`` present, ``clean``/``corrupt`` finite numbers, ``direction``/
+    ``method`` strings (their values: the constructor), ``meta`` an object whose ``facts`` (the
+    model's shape, when recorded) are positive integers. A bad one is a ``ValueError`` naming
+    ``js`` and the field. Returns those fields, raw (each kind checks its own others)."""
+    fmt = info.get("format", kind.format if kind.format_optional else None) \
+        if isinstance(info, dict) else None
+    if fmt != kind.format:
+        raise ValueError(f"{js} is not a circuitkit {kind.noun} (format {fmt!r}; expected "
+                         f"{kind.format!r}).")
     version = info.get("version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    if not _integer(version) or version < 1:
         raise ValueError(f"{js}: field 'version' must be a positive integer; got {version!r}.")
-    if version > FORMAT_VERSION:
+    if version > kind.version:
         raise ValueError(f"{js}: format version {version} is newer than this circuitkit reads "
-                         f"({FORMAT_VERSION}); upgrade circuitkit.")
-    missing = [k for k in ("clean", "corrupt", "direction", "method", "site", "positions",
-                           "axes") if k not in info]
+                         f"({kind.version}); upgrade circuitkit.")
+    missing = [k for k in kind.fields if k not in info]
     if missing:
         raise ValueError(f"{js}: missing field(s) {missing}.")
     for k in ("clean", "corrupt"):
         if not _number(info[k]) or not math.isfinite(info[k]):
-            raise ValueError(f"{js}: field {k!r} must be a finite number; got {info[k]!r}.")
+            raise ValueError(f"{js}: field {k!r} must be a finite number; got {info[k]!r:.60}.")
     for k in ("direction", "method", "site", "positions"):
-        if not isinstance(info[k], str):
-            raise ValueError(f"{js}: field {k!r} must be a string; got {info[k]!r}.")
-    axes = info["axes"]
-    if not isinstance(axes, list) or not all(a in AXES for a in axes) or len(set(axes)) != len(
-            axes):
-        raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
-                         f"got {axes!r}.")
+        if k in kind.fields and not isinstance(info[k], str):
+            raise ValueError(f"{js}: field {k!r} must be a string; got {info[k]!r:.60}.")
     meta = info.get("meta", {})
     if not isinstance(meta, dict):
         raise ValueError(f"{js}: field 'meta' must be a JSON object; got {type(meta).__name__} "
                          f"{meta!r:.60}.")
-    return dict(clean=float(info["clean"]), corrupt=float(info["corrupt"]),
-                direction=info["direction"], method=info["method"], site=info["site"],
-                positions=info["positions"], axes=tuple(axes), meta=meta)
+    facts = meta.get("facts")
+    if facts is not None:
+        bad = [k for k in ("n_layers", "n_heads", "n_kv_heads") if k in facts and not (
+            _integer(facts[k]) and facts[k] >= 1)] if isinstance(facts, dict) else ["facts"]
+        if bad or isinstance(facts, dict) and facts.get("n_kv_heads", 1) > facts.get(
+                "n_heads", math.inf):
+            raise ValueError(f"{js}: field 'meta.facts' (the model's shape) must hold positive "
+                             f"integers n_layers, n_heads and n_kv_heads <= n_heads; got "
+                             f"{facts!r:.80}.")
+    out = {k: info[k] for k in kind.fields}
+    out.update(clean=float(info["clean"]), corrupt=float(info["corrupt"]), meta=meta)
+    return out
 
 
-def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js: Path) -> None:
-    """A result's tensors: ``values`` present; every tensor floating and finite; the per-prompt
-    baselines come as a pair; ``values``, ``clean`` and ``corrupt`` are the means of their
-    per-prompt tensors (``MEAN_RTOL`` x scale). A ``ValueError`` names the file and field."""
-    if "values" not in tensors:
-        raise ValueError(f"{st}: no 'values' tensor.")
+def _checked_patch_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
+    """``PatchResult``'s own JSON fields: ``axes``, distinct names from ``AXES``, the ones its
+    site and positions give (``_default_axes``)."""
+    axes = kw["axes"]
+    if not isinstance(axes, list) or not all(isinstance(a, str) and a in AXES for a in axes) \
+            or len(set(axes)) != len(axes):
+        raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
+                         f"got {axes!r:.60}.")
+    want = _default_axes(kw["site"], kw["positions"], len(axes))
+    if kw["site"] in SITES and kw["positions"] in POSITIONS and tuple(axes) != want:
+        raise ValueError(f"{js}: field 'axes' is {axes} but a site={kw['site']!r}, "
+                         f"positions={kw['positions']!r} result has axes {list(want)}; the file "
+                         "was edited. Recompute the result.")
+    return dict(kw, axes=tuple(axes))
+
+
+def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """The shape a ``PatchResult``'s values must have by its fields and the model's shape
+    (``meta["facts"]``, when recorded): ``[n_layers, heads at the site(, pos)]`` or
+    ``[n_layers, pos]``; None entries: any size. None without facts."""
+    facts = kw["meta"].get("facts")
+    if not isinstance(facts, dict) or "n_layers" not in facts:
+        return None
+    if kw["site"] in hooks.PATCH_LAYER_SITES:
+        return (facts["n_layers"], None)
+    heads = facts.get("n_kv_heads" if kw["site"] in hooks.KV_SITES else "n_heads")
+    return (facts["n_layers"], heads, *([None] * (len(kw["axes"]) - 2)))
+
+
+def _default_axes(site: str, positions: str, ndim: int) -> tuple[str, ...]:
+    """The axes of a result's values: ``(layer, pos)`` for layer sites, else ``(layer, head)``
+    or ``(layer, head, pos)`` (per position: ``positions == "each"``, or 3-D values)."""
+    if site in hooks.PATCH_LAYER_SITES:
+        return ("layer", "pos")
+    return ("layer", "head", "pos") if positions == "each" or ndim == 3 else ("layer", "head")
+
+
+def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js: Path,
+                   shape: tuple[int, ...] | None = None, empty: Tensor | None = None) -> None:
+    """A result's tensors (``TENSOR_FIELDS`` only): ``values`` present (of ``shape``, when
+    given); ``per_prompt`` ``[n, *values.shape]``, the per-prompt baselines ``[n]`` and as a
+    pair; every tensor floating; every cell finite, except the ``empty`` cells (a bool mask
+    like ``values``: no edge there), which must be NaN in ``values`` and in each prompt's
+    ``per_prompt``; ``values``, ``clean`` and ``corrupt`` the means of their per-prompt tensors
+    (``MEAN_RTOL`` x scale); ``meta["verified"]`` a bool mask shaped like ``values``. A
+    ``ValueError`` names the file and the field."""
+    unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
+    if "values" not in tensors or unknown:
+        raise ValueError(f"{st}: expected tensors {list(TENSOR_FIELDS)} (with 'values'); got "
+                         f"{sorted(tensors)}.")
+    for k in TENSOR_FIELDS:
+        t = tensors.get(k)
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{st}: tensor {k!r} must be floating point; got {t.dtype}.")
+    values = tensors["values"]
+    if shape is not None and (values.ndim != len(shape) or any(
+            want is not None and got != want for got, want in zip(values.shape, shape,
+                                                                   strict=True))):
+        given = ", ".join("any" if d is None else str(d) for d in shape)
+        raise ValueError(f"{st}: tensor 'values' has shape {list(values.shape)}; the fields of "
+                         f"{js.name} (and the model's shape in its meta.facts) give [{given}].")
+    pp = tensors.get("per_prompt")
+    if pp is not None and (pp.ndim < 1 or tuple(pp.shape[1:]) != tuple(values.shape)):
+        raise ValueError(f"{st}: per_prompt has shape {list(pp.shape)}; expected "
+                         f"[n_prompts, {', '.join(map(str, values.shape))}].")
+    pair = [k for k in ("clean_per_prompt", "corrupt_per_prompt") if k in tensors]
+    if len(pair) == 1:
+        raise ValueError(f"{st}: {pair[0]!r} without its pair; the file is damaged.")
+    n = None if pp is None else pp.shape[0]
+    for k in pair:
+        t = tensors[k]
+        if t.ndim != 1 or t.numel() == 0 or (n is not None and t.shape[0] != n):
+            raise ValueError(f"{st}: tensor {k!r} has shape {list(t.shape)}; expected "
+                             f"[{'n_prompts' if n is None else n}] (one value per prompt).")
+    hole = torch.zeros(values.shape, dtype=torch.bool) if empty is None else empty
     for k in TENSOR_FIELDS:
         t = tensors.get(k)
         if t is None:
             continue
-        if not t.is_floating_point():
-            raise ValueError(f"{st}: tensor {k!r} must be floating point; got {t.dtype}.")
-        bad = int((~torch.isfinite(t)).sum())
+        cell = hole if k == "values" else hole.expand_as(t) if k == "per_prompt" else \
+            torch.zeros(t.shape, dtype=torch.bool)
+        filled = int((cell & ~torch.isnan(t)).sum())
+        if filled:
+            raise ValueError(f"{st}: tensor {k!r} holds {filled} value(s) where there is no "
+                             "edge (those slots are NaN: the receiver's layer is not after the "
+                             "sender's, the logits' other inputs, a k/v input of a head that is "
+                             "no KV head); the file was edited. Recompute the result.")
+        bad = int((~cell & ~torch.isfinite(t)).sum())
         if bad:
             raise ValueError(f"{st}: tensor {k!r} holds {bad} non-finite value(s) (NaN/inf) of "
                              f"{t.numel()}; the file is damaged or the sweep's metric was not "
                              "finite. Recompute it.")
-    pair = [k for k in ("clean_per_prompt", "corrupt_per_prompt") if k in tensors]
-    if len(pair) == 1:
-        raise ValueError(f"{st}: {pair[0]!r} without its pair; the file is damaged.")
     checks = []
-    pp = tensors.get("per_prompt")
-    if pp is not None and pp.ndim >= 1 and tuple(pp.shape[1:]) == tuple(tensors["values"].shape):
-        checks.append(("values", tensors["values"].double(), pp.double().mean(0)))
+    if pp is not None:
+        keep = ~hole
+        checks.append(("values", values.double()[keep], pp.double().mean(0)[keep]))
     for k, name in (("clean", "clean_per_prompt"), ("corrupt", "corrupt_per_prompt")):
-        if name in tensors and tensors[name].ndim == 1 and tensors[name].numel():
+        if name in tensors:
             checks.append((k, torch.tensor(kw[k], dtype=torch.float64),
                            tensors[name].double().mean()))
     scale = max([1.0, abs(kw["clean"]), abs(kw["corrupt"])]
-                + [float(t.abs().max()) for t in tensors.values() if t.numel()])
+                + [float(t.nan_to_num(0.0).abs().max()) for t in tensors.values() if t.numel()])
     for k, stored, mean in checks:
         diff = float((stored - mean).abs().max()) if stored.numel() else 0.0
         if diff > MEAN_RTOL * scale:
@@ -544,6 +675,31 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
             raise ValueError(f"{where}: {k!r} is not the mean over prompts of its per-prompt "
                              f"values (differs by {diff:.3g}; scale {scale:.3g}): one of them "
                              "was changed. Recompute the result.")
+    _check_verified(kw["meta"], values.shape, js)
+
+
+def _check_verified(meta: dict[str, Any], shape: torch.Size, js: Path) -> None:
+    """``meta["verified"]`` (attribution+exact: which values are exact), when present: a nested
+    list of booleans shaped like ``values``."""
+    mask = meta.get("verified")
+    if mask is None:
+        return
+    try:
+        flat = _flatten_bools(mask, len(shape))
+        ok = torch.tensor(mask, dtype=torch.bool).shape == shape and flat
+    except (TypeError, ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{js}: field 'meta.verified' must be a nested list of true/false "
+                         f"shaped like values {list(shape)} (which values are exact); the file "
+                         "was edited. Recompute the result.")
+
+
+def _flatten_bools(x: Any, depth: int) -> bool:
+    """Whether ``x`` is nested lists ``depth`` deep holding booleans only."""
+    if depth == 0:
+        return isinstance(x, bool)
+    return isinstance(x, list) and all(_flatten_bools(v, depth - 1) for v in x)
 
 
 def verified_mask(result: PatchResult) -> Tensor:
@@ -559,7 +715,7 @@ def verified_mask(result: PatchResult) -> Tensor:
 
 EDGE_FORMAT = "circuitkit.edge_result"
 EDGE_FORMAT_VERSION = 1
-EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values
+EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values (kept: a public name)
 
 
 def node_name(node: tuple[int, int] | list[int], n_layers: int) -> str:
@@ -604,23 +760,21 @@ class EdgeResult:
         self.receivers = tuple((int(a), int(b)) for a, b in self.receivers)
         self.inputs = tuple(self.inputs)
         self.n_layers = int(self.n_layers)
-        bad = [i for i in self.inputs if i not in hooks.EDGE_INPUTS]
-        if bad or not self.inputs:
-            raise ValueError(f"inputs={list(self.inputs)} must be a non-empty subset of "
-                             f"{list(hooks.EDGE_INPUTS)}.")
+        self.clean, self.corrupt = float(self.clean), float(self.corrupt)  # (a 0-d tensor too)
+        self.meta = dict(self.meta or {})
+        canonical = tuple(i for i in hooks.EDGE_INPUTS if i in self.inputs)
+        if not self.inputs or self.inputs != canonical:
+            raise ValueError(f"inputs={list(self.inputs)} must be distinct names from "
+                             f"{list(hooks.EDGE_INPUTS)}, in that order (as patch_edges gives "
+                             "them).")
         shape = (len(self.senders), len(self.receivers), len(self.inputs))
         if not isinstance(self.values, Tensor) or tuple(self.values.shape) != shape:
             raise ValueError(f"values must be a [senders, receivers, inputs] = {list(shape)} "
                              f"tensor; got shape {tuple(getattr(self.values, 'shape', ()))}.")
-        for a, b in self.senders:
-            if not (a == -1 and b == -1 or 0 <= a < self.n_layers and b >= 0):
-                raise ValueError(f"sender ({a}, {b}) is not a node of a {self.n_layers}-layer "
-                                 "model ((layer, head), or (-1, -1) for the embeddings).")
-        for a, b in self.receivers:
-            if not (a == self.n_layers and b == -1 or 0 <= a < self.n_layers and b >= 0):
-                raise ValueError(f"receiver ({a}, {b}) is not a node of a {self.n_layers}-layer "
-                                 f"model ((layer, head), or ({self.n_layers}, -1) for the "
-                                 "logits).")
+        facts = self.meta.get("facts")
+        n_heads = facts.get("n_heads") if isinstance(facts, dict) else None
+        _check_nodes(self.senders, self.receivers, self.n_layers,
+                     n_heads if isinstance(n_heads, int) else None)
         pp = self.per_prompt
         if pp is not None and (not isinstance(pp, Tensor) or tuple(pp.shape[1:]) != shape):
             raise ValueError(f"per_prompt must be a [n_prompts, {', '.join(map(str, shape))}] "
@@ -739,21 +893,21 @@ class EdgeResult:
 
     # --- persistence ----------------------------------------------------------------------------
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
-        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), and with ``views``
-        ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``), each written
-        atomically; ``path`` may be a folder (then ``<folder>/edges.*``)."""
+        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata, ``json_ready``), and
+        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``), each
+        written atomically; ``path`` may be a folder (then ``<folder>/edges.*``)."""
         from circuitkit import files
 
         paths = _edge_paths(path)
         paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k) for k in EDGE_TENSORS if getattr(self, k) is not None}
+        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
         files.write_tensors(paths["safetensors"], tensors)
         info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     senders=[list(s) for s in self.senders],
                     receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
                     n_layers=self.n_layers, meta=self.meta)
-        files.write_text(paths["json"], json.dumps(info, indent=2, default=str))
+        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
@@ -765,34 +919,21 @@ class EdgeResult:
 
     @classmethod
     def load(cls, path: str | Path) -> EdgeResult:
-        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict:
-        every field is validated; a bad file is named with what is wrong (``ValueError``)."""
-
+        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict,
+        with ``PatchResult.load``'s checks (``_checked_info``, ``_check_tensors``: types,
+        finite cells, values and baselines the means of their per-prompt values, the verified
+        mask) and the edges' own: ``n_layers`` a positive integer, ``inputs`` distinct in
+        q, k, v order, senders and receivers distinct, sorted and inside the model
+        (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
+        (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
         paths = _edge_paths(path)
         js, st = paths["json"], paths["safetensors"]
-        info = _read_saved_json(path, js, st, "edge result", "edge result", "EdgeResult")
-        if not isinstance(info, dict) or info.get("format") != EDGE_FORMAT:
-            raise ValueError(f"{js} is not a circuitkit edge result (format "
-                             f"{info.get('format') if isinstance(info, dict) else None!r}).")
-        if not isinstance(info.get("version"), int) or info["version"] > EDGE_FORMAT_VERSION:
-            raise ValueError(f"{js}: format version {info.get('version')!r} is not one this "
-                             f"circuitkit reads (<= {EDGE_FORMAT_VERSION}); upgrade circuitkit.")
-        keys = ("clean", "corrupt", "direction", "method", "senders", "receivers", "inputs",
-                "n_layers")
-        missing = [k for k in keys if k not in info]
-        if missing:
-            raise ValueError(f"{js}: missing field(s) {missing}.")
-        tensors = _read_saved_tensors(st)
-        unknown = sorted(set(tensors) - set(EDGE_TENSORS))
-        if "values" not in tensors or unknown:
-            raise ValueError(f"{st}: expected tensors {list(EDGE_TENSORS)} with 'values'; got "
-                             f"{sorted(tensors)}.")
-        meta = info.get("meta", {})
-        if not isinstance(meta, dict):
-            raise ValueError(f"{js}: meta must be a JSON object.")
+        kw, tensors = _load_parts(path, paths, _EDGE_FILE)
+        kw = _checked_edge_info(kw, js)
+        shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
+        _check_tensors(tensors, kw, st, js, shape=shape, empty=_no_edge(kw, tensors, shape))
         try:
-            return cls(**{k: tensors.get(k) for k in EDGE_TENSORS},
-                       **{k: info[k] for k in keys}, meta=meta)
+            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{js}: {e}") from None
 
@@ -801,6 +942,101 @@ class EdgeResult:
                 f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
                 f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
                 f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
+
+
+_EDGE_FILE = _FileKind(EDGE_FORMAT, EDGE_FORMAT_VERSION, ("clean", "corrupt", "direction",
+                                                          "method", "senders", "receivers",
+                                                          "inputs", "n_layers"),
+                       "edge result", "edge result", "EdgeResult")
+
+
+def _check_nodes(senders: Sequence[tuple[int, int]], receivers: Sequence[tuple[int, int]],
+                 n_layers: int, n_heads: int | None) -> None:
+    """Senders ``(layer, head)`` or the embeddings ``(-1, -1)``, receivers ``(layer, head)`` or
+    the logits ``(n_layers, -1)``, inside a model of ``n_layers`` layers (and ``n_heads``
+    heads, when known); each list distinct and sorted, as ``patch_edges`` gives them (a swap
+    of two nodes would otherwise move values onto other edges). ``ValueError`` naming the
+    field."""
+    top = math.inf if n_heads is None else n_heads
+    heads = "" if n_heads is None else f" x {n_heads}-head"
+    for role, nodes, special, what in (("senders", senders, (-1, -1), "embeddings"),
+                                       ("receivers", receivers, (n_layers, -1), "logits")):
+        for a, b in nodes:
+            if not ((a, b) == special or 0 <= a < n_layers and 0 <= b < top):
+                raise ValueError(f"{role}: ({a}, {b}) is not a node of a {n_layers}-layer{heads} "
+                                 f"model ((layer, head), or {special} for the {what}).")
+        if list(nodes) != sorted(set(nodes)):
+            raise ValueError(f"{role} must be distinct and sorted (as patch_edges gives them); "
+                             f"got {[list(n) for n in nodes][:8]}.")
+
+
+def _checked_edge_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
+    """``EdgeResult``'s own JSON fields, each checked for type and range (``ValueError`` naming
+    ``js`` and the field): ``n_layers`` a positive integer (the model's, when ``meta.facts``
+    records it), ``inputs`` distinct names in ``hooks.EDGE_INPUTS`` order, ``senders`` and
+    ``receivers`` lists of ``[layer, head]`` integer pairs (``_check_nodes``)."""
+    n_layers = kw["n_layers"]
+    facts = kw["meta"].get("facts") or {}
+    if not _integer(n_layers) or n_layers < 1 or n_layers != facts.get("n_layers", n_layers):
+        raise ValueError(f"{js}: field 'n_layers' must be a positive integer (the model's "
+                         f"layers{', ' + str(facts['n_layers']) if 'n_layers' in facts else ''});"
+                         f" got {n_layers!r:.40}.")
+    inputs = kw["inputs"]
+    canonical = [i for i in hooks.EDGE_INPUTS if isinstance(inputs, list) and i in inputs]
+    if not isinstance(inputs, list) or not inputs or inputs != canonical:
+        raise ValueError(f"{js}: field 'inputs' must be a non-empty list of distinct names from "
+                         f"{list(hooks.EDGE_INPUTS)}, in that order; got {inputs!r:.60}.")
+    nodes = {}
+    for role in ("senders", "receivers"):
+        given = kw[role]
+        if not isinstance(given, list) or not given or not all(
+                isinstance(n, list) and len(n) == 2 and all(_integer(x) for x in n)
+                for n in given):
+            raise ValueError(f"{js}: field {role!r} must be a non-empty list of [layer, head] "
+                             f"integer pairs; got {given!r:.60}.")
+        nodes[role] = tuple((a, b) for a, b in given)
+    try:
+        _check_nodes(nodes["senders"], nodes["receivers"], n_layers, facts.get("n_heads"))
+    except ValueError as e:
+        raise ValueError(f"{js}: field {e}") from None
+    return dict(kw, inputs=tuple(inputs), **nodes)
+
+
+def _no_edge(kw: dict[str, Any], tensors: dict[str, Tensor], shape: tuple[int, int, int]
+             ) -> Tensor | None:
+    """Bool ``[senders, receivers, inputs]``: True where ``(s, r, i)`` is no edge, by the
+    ``EdgeLayout`` a sweep of these nodes has (``EdgeLayout.cells``, the one definition):
+    the receiver's layer not after the sender's, the logits' other input slots, and under GQA
+    a k/v input of a head ``>= n_kv_heads``. ``n_kv_heads``: ``meta.facts``'s; without facts
+    (a result made by hand), the first head whose k/v slots are all NaN where ``meta.kv_heads``
+    does not rule GQA out. None when ``values`` cannot be read that way (``_check_tensors``
+    then refuses the file)."""
+    from circuitkit.patching.sweep import EdgeLayout
+
+    values, L = tensors.get("values"), kw["n_layers"]
+    if values is None or tuple(values.shape) != shape or not values.is_floating_point():
+        return None
+    facts = kw["meta"].get("facts") or {}
+    senders, receivers, inputs = kw["senders"], kw["receivers"], kw["inputs"]
+    n_heads = facts.get("n_heads", 1 + max(h for _, h in (*senders, *receivers)))
+    n_kv = facts.get("n_kv_heads")
+    if n_kv is None:
+        n_kv = n_heads
+        if kw["meta"].get("kv_heads") is not False:
+            kv = [i for i, name in enumerate(inputs) if name in hooks.KV_SITES]
+            nan = torch.isnan(values)
+            for r, (rl, h) in enumerate(receivers):
+                before = [s for s, (sl, _) in enumerate(senders) if sl < rl]
+                if rl < L and kv and before and bool(nan[before][:, r][:, kv].all()):
+                    n_kv = min(n_kv, h)
+    layout = EdgeLayout(L, n_heads, max(1, n_kv), senders, receivers, inputs)
+    index = layout.receiver_index()
+    empty = torch.ones(shape, dtype=torch.bool)
+    for layer in range(L + 1):
+        cells = layout.cells(layer)
+        r = [index[(layer, int(u)) if layer < L else (L, -1)] for u in cells[:, 2]]
+        empty[cells[:, 0], torch.tensor(r, dtype=torch.long), cells[:, 1]] = False
+    return empty
 
 
 def _edge_paths(path: str | Path) -> dict[str, Path]:
