@@ -606,12 +606,12 @@ def _default_axes(site: str, positions: str, ndim: int) -> tuple[str, ...]:
 def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js: Path,
                    shape: tuple[int, ...] | None = None, empty: Tensor | None = None) -> None:
     """A result's tensors (``TENSOR_FIELDS`` only): ``values`` present (of ``shape``, when
-    given); ``per_prompt`` ``[n, *values.shape]``, the per-prompt baselines ``[n]`` and as a
-    pair; every tensor floating; every cell finite, except the ``empty`` cells (a bool mask
-    like ``values``: no edge there), which must be NaN in ``values`` and in each prompt's
-    ``per_prompt``; ``values``, ``clean`` and ``corrupt`` the means of their per-prompt tensors
-    (``MEAN_RTOL`` x scale); ``meta["verified"]`` a bool mask shaped like ``values``. A
-    ``ValueError`` names the file and the field."""
+    given; None entries: any size); ``per_prompt`` ``[n, *values.shape]`` and the per-prompt
+    baselines ``[n]``, all three or none; every tensor floating, of one dtype; every cell
+    finite, except the ``empty`` cells (a bool mask like ``values``: no edge there), which must
+    be NaN in ``values`` and in each prompt's ``per_prompt``; ``values``, ``clean`` and
+    ``corrupt`` the means of their per-prompt tensors (``MEAN_RTOL`` x scale); the verified
+    mask (``_check_verified``). A ``ValueError`` names the file and the field."""
     unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
     if "values" not in tensors or unknown:
         raise ValueError(f"{st}: expected tensors {list(TENSOR_FIELDS)} (with 'values'); got "
@@ -620,6 +620,10 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
         t = tensors.get(k)
         if t is not None and not t.is_floating_point():
             raise ValueError(f"{st}: tensor {k!r} must be floating point; got {t.dtype}.")
+    dtypes = {k: t.dtype for k, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:  # one computation wrote them all: one dtype
+        raise ValueError(f"{st}: tensors of mixed dtypes {dtypes} (a result's tensors share "
+                         "one); the file was edited. Recompute the result.")
     values = tensors["values"]
     if shape is not None and (values.ndim != len(shape) or any(
             want is not None and got != want for got, want in zip(values.shape, shape,
@@ -634,6 +638,10 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
     pair = [k for k in ("clean_per_prompt", "corrupt_per_prompt") if k in tensors]
     if len(pair) == 1:
         raise ValueError(f"{st}: {pair[0]!r} without its pair; the file is damaged.")
+    if bool(pair) != (pp is not None):  # a metric with per-prompt values gives all three
+        have, lack = (pair[0], "per_prompt") if pair else ("per_prompt", "clean_per_prompt")
+        raise ValueError(f"{st}: tensor {have!r} without {lack!r} (a result has all three "
+                         "per-prompt tensors or none); the file is damaged.")
     n = None if pp is None else pp.shape[0]
     for k in pair:
         t = tensors[k]
@@ -675,24 +683,57 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
             raise ValueError(f"{where}: {k!r} is not the mean over prompts of its per-prompt "
                              f"values (differs by {diff:.3g}; scale {scale:.3g}): one of them "
                              "was changed. Recompute the result.")
-    _check_verified(kw["meta"], values.shape, js)
+    _check_verified(kw["meta"], kw["method"], values, js, MEAN_RTOL * scale)
 
 
-def _check_verified(meta: dict[str, Any], shape: torch.Size, js: Path) -> None:
-    """``meta["verified"]`` (attribution+exact: which values are exact), when present: a nested
-    list of booleans shaped like ``values``."""
+def _check_verified(meta: dict[str, Any], method: Any, values: Tensor, js: Path, tol: float
+                    ) -> None:
+    """``meta["verified"]`` (attribution+exact: which values are exact; required there): a nested
+    list of booleans shaped like ``values``; with the screen's estimates
+    (``meta["attribution_values"]``, values-shaped, null for NaN) every value not marked
+    verified is its estimate (within ``tol``), so a mask moved onto other cells is refused."""
     mask = meta.get("verified")
     if mask is None:
+        if method == "attribution+exact":
+            raise ValueError(f"{js}: field 'meta.verified' is missing: an attribution+exact "
+                             "result says which of its values are exact; the file was edited. "
+                             "Recompute the result.")
         return
+    shape = values.shape
     try:
-        flat = _flatten_bools(mask, len(shape))
-        ok = torch.tensor(mask, dtype=torch.bool).shape == shape and flat
+        ok = _flatten_bools(mask, len(shape)) and torch.tensor(mask).shape == shape
     except (TypeError, ValueError, RuntimeError):
         ok = False
     if not ok:
         raise ValueError(f"{js}: field 'meta.verified' must be a nested list of true/false "
                          f"shaped like values {list(shape)} (which values are exact); the file "
                          "was edited. Recompute the result.")
+    est = meta.get("attribution_values")
+    if est is None:
+        return
+    try:
+        est = torch.tensor(_nulls_as_nan(est), dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        est = None
+    if est is None or est.shape != shape:
+        raise ValueError(f"{js}: field 'meta.attribution_values' must be numbers (null for no "
+                         f"cell) shaped like values {list(shape)}; the file was edited. "
+                         "Recompute the result.")
+    off = ~torch.tensor(mask, dtype=torch.bool)
+    v = values.double()
+    differ = off & ~(torch.isnan(v) & torch.isnan(est)) & ~((v - est).abs() <= tol)
+    if bool(differ.any()):
+        raise ValueError(f"{js}: field 'meta.verified' marks {int(differ.sum())} value(s) as "
+                         "estimates that are not the screen's estimates (meta.attribution_values)"
+                         "; the mask or the values were edited. Recompute the result.")
+
+
+def _nulls_as_nan(x: Any) -> Any:
+    if x is None:
+        return math.nan
+    if isinstance(x, bool) or isinstance(x, str):
+        raise TypeError("not a number")
+    return [_nulls_as_nan(v) for v in x] if isinstance(x, list) else x
 
 
 def _flatten_bools(x: Any, depth: int) -> bool:
