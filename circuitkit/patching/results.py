@@ -29,7 +29,7 @@ import contextlib
 import json
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,14 +39,34 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.patching.result_files import (  # noqa: F401 (the file format's names, re-exported)
+    _EDGE_FILE,
+    _PATCH_FILE,
+    AXES,
+    EDGE_FORMAT,
+    EDGE_FORMAT_VERSION,
+    FORMAT,
+    FORMAT_VERSION,
+    MEAN_RTOL,
+    POSITIONS,
+    SITES,
+    TENSOR_FIELDS,
+    _check_nodes,
+    _check_tensors,
+    _checked_edge_info,
+    _checked_info,
+    _checked_patch_info,
+    _load_parts,
+    _no_edge,
+    _number,
+    _patch_shape,
+    _read_saved_json,
+    _read_saved_tensors,
+    json_ready,
+)
 
-TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
-FORMAT = "circuitkit.patch_result"
-FORMAT_VERSION = 1
 DIRECTIONS = ("denoise", "noise")
 METHODS = ("exact", "attribution", "attribution+exact")
-POSITIONS = ("all", "each")
-SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
 DEGENERATE = 1e-6
 # The corruption must lower the metric by more than this many standard errors of the
@@ -414,10 +434,6 @@ class PatchResult:
 
 
 PLOTLY_BUNDLE = "plotly.min.js"
-AXES = ("layer", "head", "pos")
-# values recomputed from per_prompt (float64 mean) agree with the stored float32 means to
-# ~1e-7 x scale (measured); this bound refuses an edited file, never a float32 rounding
-MEAN_RTOL = 1e-4
 
 
 def plotly_bundle(folder: Path) -> Path:
@@ -438,311 +454,6 @@ def plotly_bundle(folder: Path) -> Path:
     return files.atomic_write(dest, lambda p: p.write_text(js, encoding="utf-8"))
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _integer(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def json_ready(obj: Any) -> Any:
-    """``obj`` as plain JSON data: tensors and numpy values as numbers or nested lists (a 0-d
-    tensor as its number: ``float(clean)``, never ``"tensor(-0.0440)"``), tuples as lists,
-    mapping keys as strings; anything else JSON cannot hold as ``str(obj)``. Every result file
-    goes through it (``save``), so what ``load`` reads back is what was meant."""
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu().tolist()
-    if isinstance(obj, dict):
-        return {str(k): json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_ready(v) for v in obj]
-    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy arrays and scalars
-        return json_ready(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
-
-
-def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
-                     ) -> Any:
-    """The JSON half of a saved result (``js``), once both files exist; a missing, unreadable or
-    truncated file is one ``ValueError`` naming it (``noun``: "no {noun} at ...", ``file_noun``:
-    "not a readable {file_noun} file")."""
-    for p in (js, st):
-        if not p.exists():
-            raise ValueError(f"no {noun} at {path}: {p} does not exist (expected the files "
-                             f"{cls}.save writes).")
-    try:
-        return json.loads(js.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{js} is not a readable {file_noun} file ({e}).") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{js} is not a readable {file_noun} file: not valid JSON (truncated?) "
-                         f"at line {e.lineno} column {e.colno}.") from None
-
-
-def _read_saved_tensors(st: Path) -> dict[str, Tensor]:
-    """The safetensors half of a saved result; a corrupt file of any kind is one ``ValueError``."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(st))
-    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
-
-
-@dataclass(frozen=True)
-class _FileKind:
-    """What one kind of result file holds: its ``format`` and newest ``version``, the JSON
-    ``fields`` its constructor needs, the words its errors use, and whether old files may lack
-    the ``format`` field (patch results written before it existed)."""
-
-    format: str
-    version: int
-    fields: tuple[str, ...]
-    noun: str  # "patching result"
-    file_noun: str  # "result" (as in "not a readable result file")
-    cls: str
-    format_optional: bool = False
-
-
-_PATCH_FILE = _FileKind(FORMAT, FORMAT_VERSION, ("clean", "corrupt", "direction", "method", "site",
-                                                 "positions", "axes"),
-                        "patching result", "result", "PatchResult", format_optional=True)
-
-
-def _load_parts(path: str | Path, paths: dict[str, Path], kind: _FileKind
-                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """A saved result's JSON fields (``_checked_info``) and tensors (read, not yet checked)."""
-    js, st = paths["json"], paths["safetensors"]
-    info = _read_saved_json(path, js, st, kind.noun, kind.file_noun, kind.cls)
-    return _checked_info(info, js, kind), _read_saved_tensors(st)
-
-
-def _checked_info(info: Any, js: Path, kind: _FileKind = _PATCH_FILE) -> dict[str, Any]:
-    """The fields every result's JSON shares, each checked for type and range: ``format``,
-    ``version``, ``kind.fields`` present, ``clean``/``corrupt`` finite numbers, ``direction``/
-    ``method`` strings (their values: the constructor), ``meta`` an object whose ``facts`` (the
-    model's shape, when recorded) are positive integers. A bad one is a ``ValueError`` naming
-    ``js`` and the field. Returns those fields, raw (each kind checks its own others)."""
-    fmt = info.get("format", kind.format if kind.format_optional else None) \
-        if isinstance(info, dict) else None
-    if fmt != kind.format:
-        raise ValueError(f"{js} is not a circuitkit {kind.noun} (format {fmt!r}; expected "
-                         f"{kind.format!r}).")
-    version = info.get("version", 1)
-    if not _integer(version) or version < 1:
-        raise ValueError(f"{js}: field 'version' must be a positive integer; got {version!r}.")
-    if version > kind.version:
-        raise ValueError(f"{js}: format version {version} is newer than this circuitkit reads "
-                         f"({kind.version}); upgrade circuitkit.")
-    missing = [k for k in kind.fields if k not in info]
-    if missing:
-        raise ValueError(f"{js}: missing field(s) {missing}.")
-    for k in ("clean", "corrupt"):
-        if not _number(info[k]) or not math.isfinite(info[k]):
-            raise ValueError(f"{js}: field {k!r} must be a finite number; got {info[k]!r:.60}.")
-    for k in ("direction", "method", "site", "positions"):
-        if k in kind.fields and not isinstance(info[k], str):
-            raise ValueError(f"{js}: field {k!r} must be a string; got {info[k]!r:.60}.")
-    meta = info.get("meta", {})
-    if not isinstance(meta, dict):
-        raise ValueError(f"{js}: field 'meta' must be a JSON object; got {type(meta).__name__} "
-                         f"{meta!r:.60}.")
-    facts = meta.get("facts")
-    if facts is not None:
-        bad = [k for k in ("n_layers", "n_heads", "n_kv_heads") if k in facts and not (
-            _integer(facts[k]) and facts[k] >= 1)] if isinstance(facts, dict) else ["facts"]
-        if bad or isinstance(facts, dict) and facts.get("n_kv_heads", 1) > facts.get(
-                "n_heads", math.inf):
-            raise ValueError(f"{js}: field 'meta.facts' (the model's shape) must hold positive "
-                             f"integers n_layers, n_heads and n_kv_heads <= n_heads; got "
-                             f"{facts!r:.80}.")
-    out = {k: info[k] for k in kind.fields}
-    out.update(clean=float(info["clean"]), corrupt=float(info["corrupt"]), meta=meta)
-    return out
-
-
-def _checked_patch_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
-    """``PatchResult``'s own JSON fields: ``axes``, distinct names from ``AXES``, the ones its
-    site and positions give (``_default_axes``)."""
-    axes = kw["axes"]
-    if not isinstance(axes, list) or not all(isinstance(a, str) and a in AXES for a in axes) \
-            or len(set(axes)) != len(axes):
-        raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
-                         f"got {axes!r:.60}.")
-    want = _default_axes(kw["site"], kw["positions"], len(axes))
-    if kw["site"] in SITES and kw["positions"] in POSITIONS and tuple(axes) != want:
-        raise ValueError(f"{js}: field 'axes' is {axes} but a site={kw['site']!r}, "
-                         f"positions={kw['positions']!r} result has axes {list(want)}; the file "
-                         "was edited. Recompute the result.")
-    return dict(kw, axes=tuple(axes))
-
-
-def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
-    """The shape a ``PatchResult``'s values must have by its fields and the model's shape
-    (``meta["facts"]``, when recorded): ``[n_layers, heads at the site(, pos)]`` or
-    ``[n_layers, pos]``; None entries: any size. None without facts."""
-    facts = kw["meta"].get("facts")
-    if not isinstance(facts, dict) or "n_layers" not in facts:
-        return None
-    if kw["site"] in hooks.PATCH_LAYER_SITES:
-        return (facts["n_layers"], None)
-    heads = facts.get("n_kv_heads" if kw["site"] in hooks.KV_SITES else "n_heads")
-    return (facts["n_layers"], heads, *([None] * (len(kw["axes"]) - 2)))
-
-
-def _default_axes(site: str, positions: str, ndim: int) -> tuple[str, ...]:
-    """The axes of a result's values: ``(layer, pos)`` for layer sites, else ``(layer, head)``
-    or ``(layer, head, pos)`` (per position: ``positions == "each"``, or 3-D values)."""
-    if site in hooks.PATCH_LAYER_SITES:
-        return ("layer", "pos")
-    return ("layer", "head", "pos") if positions == "each" or ndim == 3 else ("layer", "head")
-
-
-def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js: Path,
-                   shape: tuple[int, ...] | None = None, empty: Tensor | None = None) -> None:
-    """A result's tensors (``TENSOR_FIELDS`` only): ``values`` present (of ``shape``, when
-    given; None entries: any size); ``per_prompt`` ``[n, *values.shape]`` and the per-prompt
-    baselines ``[n]``, all three or none; every tensor floating, of one dtype; every cell
-    finite, except the ``empty`` cells (a bool mask like ``values``: no edge there), which must
-    be NaN in ``values`` and in each prompt's ``per_prompt``; ``values``, ``clean`` and
-    ``corrupt`` the means of their per-prompt tensors (``MEAN_RTOL`` x scale); the verified
-    mask (``_check_verified``). A ``ValueError`` names the file and the field."""
-    unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
-    if "values" not in tensors or unknown:
-        raise ValueError(f"{st}: expected tensors {list(TENSOR_FIELDS)} (with 'values'); got "
-                         f"{sorted(tensors)}.")
-    for k in TENSOR_FIELDS:
-        t = tensors.get(k)
-        if t is not None and not t.is_floating_point():
-            raise ValueError(f"{st}: tensor {k!r} must be floating point; got {t.dtype}.")
-    dtypes = {k: t.dtype for k, t in tensors.items()}
-    if len(set(dtypes.values())) > 1:  # one computation wrote them all: one dtype
-        raise ValueError(f"{st}: tensors of mixed dtypes {dtypes} (a result's tensors share "
-                         "one); the file was edited. Recompute the result.")
-    values = tensors["values"]
-    if shape is not None and (values.ndim != len(shape) or any(
-            want is not None and got != want for got, want in zip(values.shape, shape,
-                                                                   strict=True))):
-        given = ", ".join("any" if d is None else str(d) for d in shape)
-        raise ValueError(f"{st}: tensor 'values' has shape {list(values.shape)}; the fields of "
-                         f"{js.name} (and the model's shape in its meta.facts) give [{given}].")
-    pp = tensors.get("per_prompt")
-    if pp is not None and (pp.ndim < 1 or tuple(pp.shape[1:]) != tuple(values.shape)):
-        raise ValueError(f"{st}: per_prompt has shape {list(pp.shape)}; expected "
-                         f"[n_prompts, {', '.join(map(str, values.shape))}].")
-    pair = [k for k in ("clean_per_prompt", "corrupt_per_prompt") if k in tensors]
-    if len(pair) == 1:
-        raise ValueError(f"{st}: {pair[0]!r} without its pair; the file is damaged.")
-    if bool(pair) != (pp is not None):  # a metric with per-prompt values gives all three
-        have, lack = (pair[0], "per_prompt") if pair else ("per_prompt", "clean_per_prompt")
-        raise ValueError(f"{st}: tensor {have!r} without {lack!r} (a result has all three "
-                         "per-prompt tensors or none); the file is damaged.")
-    n = None if pp is None else pp.shape[0]
-    for k in pair:
-        t = tensors[k]
-        if t.ndim != 1 or t.numel() == 0 or (n is not None and t.shape[0] != n):
-            raise ValueError(f"{st}: tensor {k!r} has shape {list(t.shape)}; expected "
-                             f"[{'n_prompts' if n is None else n}] (one value per prompt).")
-    hole = torch.zeros(values.shape, dtype=torch.bool) if empty is None else empty
-    for k in TENSOR_FIELDS:
-        t = tensors.get(k)
-        if t is None:
-            continue
-        cell = hole if k == "values" else hole.expand_as(t) if k == "per_prompt" else \
-            torch.zeros(t.shape, dtype=torch.bool)
-        filled = int((cell & ~torch.isnan(t)).sum())
-        if filled:
-            raise ValueError(f"{st}: tensor {k!r} holds {filled} value(s) where there is no "
-                             "edge (those slots are NaN: the receiver's layer is not after the "
-                             "sender's, the logits' other inputs, a k/v input of a head that is "
-                             "no KV head); the file was edited. Recompute the result.")
-        bad = int((~cell & ~torch.isfinite(t)).sum())
-        if bad:
-            raise ValueError(f"{st}: tensor {k!r} holds {bad} non-finite value(s) (NaN/inf) of "
-                             f"{t.numel()}; the file is damaged or the sweep's metric was not "
-                             "finite. Recompute it.")
-    checks = []
-    if pp is not None:
-        keep = ~hole
-        checks.append(("values", values.double()[keep], pp.double().mean(0)[keep]))
-    for k, name in (("clean", "clean_per_prompt"), ("corrupt", "corrupt_per_prompt")):
-        if name in tensors:
-            checks.append((k, torch.tensor(kw[k], dtype=torch.float64),
-                           tensors[name].double().mean()))
-    scale = max([1.0, abs(kw["clean"]), abs(kw["corrupt"])]
-                + [float(t.nan_to_num(0.0).abs().max()) for t in tensors.values() if t.numel()])
-    for k, stored, mean in checks:
-        diff = float((stored - mean).abs().max()) if stored.numel() else 0.0
-        if diff > MEAN_RTOL * scale:
-            where = st if k == "values" else f"{js} field {k!r} and {st}"
-            raise ValueError(f"{where}: {k!r} is not the mean over prompts of its per-prompt "
-                             f"values (differs by {diff:.3g}; scale {scale:.3g}): one of them "
-                             "was changed. Recompute the result.")
-    _check_verified(kw["meta"], kw["method"], values, js, MEAN_RTOL * scale)
-
-
-def _check_verified(meta: dict[str, Any], method: Any, values: Tensor, js: Path, tol: float
-                    ) -> None:
-    """``meta["verified"]`` (attribution+exact: which values are exact; required there): a nested
-    list of booleans shaped like ``values``; with the screen's estimates
-    (``meta["attribution_values"]``, values-shaped, null for NaN) every value not marked
-    verified is its estimate (within ``tol``), so a mask moved onto other cells is refused."""
-    mask = meta.get("verified")
-    if mask is None:
-        if method == "attribution+exact":
-            raise ValueError(f"{js}: field 'meta.verified' is missing: an attribution+exact "
-                             "result says which of its values are exact; the file was edited. "
-                             "Recompute the result.")
-        return
-    shape = values.shape
-    try:
-        ok = _flatten_bools(mask, len(shape)) and torch.tensor(mask).shape == shape
-    except (TypeError, ValueError, RuntimeError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{js}: field 'meta.verified' must be a nested list of true/false "
-                         f"shaped like values {list(shape)} (which values are exact); the file "
-                         "was edited. Recompute the result.")
-    est = meta.get("attribution_values")
-    if est is None:
-        return
-    try:
-        est = torch.tensor(_nulls_as_nan(est), dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        est = None
-    if est is None or est.shape != shape:
-        raise ValueError(f"{js}: field 'meta.attribution_values' must be numbers (null for no "
-                         f"cell) shaped like values {list(shape)}; the file was edited. "
-                         "Recompute the result.")
-    off = ~torch.tensor(mask, dtype=torch.bool)
-    v = values.double()
-    differ = off & ~(torch.isnan(v) & torch.isnan(est)) & ~((v - est).abs() <= tol)
-    if bool(differ.any()):
-        raise ValueError(f"{js}: field 'meta.verified' marks {int(differ.sum())} value(s) as "
-                         "estimates that are not the screen's estimates (meta.attribution_values)"
-                         "; the mask or the values were edited. Recompute the result.")
-
-
-def _nulls_as_nan(x: Any) -> Any:
-    if x is None:
-        return math.nan
-    if isinstance(x, bool) or isinstance(x, str):
-        raise TypeError("not a number")
-    return [_nulls_as_nan(v) for v in x] if isinstance(x, list) else x
-
-
-def _flatten_bools(x: Any, depth: int) -> bool:
-    """Whether ``x`` is nested lists ``depth`` deep holding booleans only."""
-    if depth == 0:
-        return isinstance(x, bool)
-    return isinstance(x, list) and all(_flatten_bools(v, depth - 1) for v in x)
-
-
 def verified_mask(result: PatchResult) -> Tensor:
     """``result.verified`` of an ``attribution+exact`` result (a bool tensor)."""
     mask = result.verified
@@ -754,8 +465,6 @@ def verified_mask(result: PatchResult) -> Tensor:
 
 # --- edges ---------------------------------------------------------------------------------------
 
-EDGE_FORMAT = "circuitkit.edge_result"
-EDGE_FORMAT_VERSION = 1
 EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values (kept: a public name)
 
 
@@ -983,101 +692,6 @@ class EdgeResult:
                 f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
                 f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
                 f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
-
-
-_EDGE_FILE = _FileKind(EDGE_FORMAT, EDGE_FORMAT_VERSION, ("clean", "corrupt", "direction",
-                                                          "method", "senders", "receivers",
-                                                          "inputs", "n_layers"),
-                       "edge result", "edge result", "EdgeResult")
-
-
-def _check_nodes(senders: Sequence[tuple[int, int]], receivers: Sequence[tuple[int, int]],
-                 n_layers: int, n_heads: int | None) -> None:
-    """Senders ``(layer, head)`` or the embeddings ``(-1, -1)``, receivers ``(layer, head)`` or
-    the logits ``(n_layers, -1)``, inside a model of ``n_layers`` layers (and ``n_heads``
-    heads, when known); each list distinct and sorted, as ``patch_edges`` gives them (a swap
-    of two nodes would otherwise move values onto other edges). ``ValueError`` naming the
-    field."""
-    top = math.inf if n_heads is None else n_heads
-    heads = "" if n_heads is None else f" x {n_heads}-head"
-    for role, nodes, special, what in (("senders", senders, (-1, -1), "embeddings"),
-                                       ("receivers", receivers, (n_layers, -1), "logits")):
-        for a, b in nodes:
-            if not ((a, b) == special or 0 <= a < n_layers and 0 <= b < top):
-                raise ValueError(f"{role}: ({a}, {b}) is not a node of a {n_layers}-layer{heads} "
-                                 f"model ((layer, head), or {special} for the {what}).")
-        if list(nodes) != sorted(set(nodes)):
-            raise ValueError(f"{role} must be distinct and sorted (as patch_edges gives them); "
-                             f"got {[list(n) for n in nodes][:8]}.")
-
-
-def _checked_edge_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
-    """``EdgeResult``'s own JSON fields, each checked for type and range (``ValueError`` naming
-    ``js`` and the field): ``n_layers`` a positive integer (the model's, when ``meta.facts``
-    records it), ``inputs`` distinct names in ``hooks.EDGE_INPUTS`` order, ``senders`` and
-    ``receivers`` lists of ``[layer, head]`` integer pairs (``_check_nodes``)."""
-    n_layers = kw["n_layers"]
-    facts = kw["meta"].get("facts") or {}
-    if not _integer(n_layers) or n_layers < 1 or n_layers != facts.get("n_layers", n_layers):
-        raise ValueError(f"{js}: field 'n_layers' must be a positive integer (the model's "
-                         f"layers{', ' + str(facts['n_layers']) if 'n_layers' in facts else ''});"
-                         f" got {n_layers!r:.40}.")
-    inputs = kw["inputs"]
-    canonical = [i for i in hooks.EDGE_INPUTS if isinstance(inputs, list) and i in inputs]
-    if not isinstance(inputs, list) or not inputs or inputs != canonical:
-        raise ValueError(f"{js}: field 'inputs' must be a non-empty list of distinct names from "
-                         f"{list(hooks.EDGE_INPUTS)}, in that order; got {inputs!r:.60}.")
-    nodes = {}
-    for role in ("senders", "receivers"):
-        given = kw[role]
-        if not isinstance(given, list) or not given or not all(
-                isinstance(n, list) and len(n) == 2 and all(_integer(x) for x in n)
-                for n in given):
-            raise ValueError(f"{js}: field {role!r} must be a non-empty list of [layer, head] "
-                             f"integer pairs; got {given!r:.60}.")
-        nodes[role] = tuple((a, b) for a, b in given)
-    try:
-        _check_nodes(nodes["senders"], nodes["receivers"], n_layers, facts.get("n_heads"))
-    except ValueError as e:
-        raise ValueError(f"{js}: field {e}") from None
-    return dict(kw, inputs=tuple(inputs), **nodes)
-
-
-def _no_edge(kw: dict[str, Any], tensors: dict[str, Tensor], shape: tuple[int, int, int]
-             ) -> Tensor | None:
-    """Bool ``[senders, receivers, inputs]``: True where ``(s, r, i)`` is no edge, by the
-    ``EdgeLayout`` a sweep of these nodes has (``EdgeLayout.cells``, the one definition):
-    the receiver's layer not after the sender's, the logits' other input slots, and under GQA
-    a k/v input of a head ``>= n_kv_heads``. ``n_kv_heads``: ``meta.facts``'s; without facts
-    (a result made by hand), the first head whose k/v slots are all NaN where ``meta.kv_heads``
-    does not rule GQA out. None when ``values`` cannot be read that way (``_check_tensors``
-    then refuses the file)."""
-    from circuitkit.patching.sweep import EdgeLayout
-
-    values, L = tensors.get("values"), kw["n_layers"]
-    if values is None or tuple(values.shape) != shape or not values.is_floating_point():
-        return None
-    facts = kw["meta"].get("facts") or {}
-    senders, receivers, inputs = kw["senders"], kw["receivers"], kw["inputs"]
-    n_heads = facts.get("n_heads", 1 + max(h for _, h in (*senders, *receivers)))
-    n_kv = facts.get("n_kv_heads")
-    if n_kv is None:
-        n_kv = n_heads
-        if kw["meta"].get("kv_heads") is not False:
-            kv = [i for i, name in enumerate(inputs) if name in hooks.KV_SITES]
-            nan = torch.isnan(values)
-            for r, (rl, h) in enumerate(receivers):
-                before = [s for s, (sl, _) in enumerate(senders) if sl < rl]
-                if rl < L and kv and before and bool(nan[before][:, r][:, kv].all()):
-                    n_kv = min(n_kv, h)
-    layout = EdgeLayout(L, n_heads, max(1, n_kv), senders, receivers, inputs)
-    index = layout.receiver_index()
-    empty = torch.ones(shape, dtype=torch.bool)
-    for layer in range(L + 1):
-        cells = layout.cells(layer)
-        r = [index[(layer, int(u)) if layer < L else (L, -1)] for u in cells[:, 2]]
-        empty[cells[:, 0], torch.tensor(r, dtype=torch.long), cells[:, 1]] = False
-    return empty
 
 
 def _edge_paths(path: str | Path) -> dict[str, Path]:
