@@ -282,6 +282,21 @@ def post_norm(model: Any, layer: int, part: str) -> Any:
 
 # --- which sites an edit reaches -------------------------------------------------------------
 
+
+def probe_tokens(model: Any, device: Any = None) -> Any:
+    """``[1, min(8, n_ctx)]`` seeded random token ids (from 1 where the vocabulary allows) for
+    the per-model probes whose verdict is cached (``check_patchable``, attribution's
+    ``layer_reruns``): never the caller's prompts, so a verdict is the architecture's, not a
+    prompt length's (a 1-token prompt's only key makes every query alike)."""
+    import torch
+
+    seq = min(8, int(getattr(model.cfg, "n_ctx", None) or 8))
+    d_vocab = int(model.cfg.d_vocab)
+    ids = torch.randint(min(1, d_vocab - 1), d_vocab, (1, seq),
+                        generator=torch.Generator().manual_seed(0))
+    return ids if device is None else ids.to(device)
+
+
 _PATCHABLE: Any = None  # WeakKeyDictionary model -> {site: bool}, made on first use
 
 
@@ -292,10 +307,9 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
     TransformerLens fires some hooks after the fact, on attention it leaves to the HF module
     (GPT-J's ``hook_pattern``): it discards an edit there, so a sweep would report no effect for
     every head. Probed once per model and site: noise added to the site in every layer at once
-    (a layer may legitimately write nothing, e.g. a planted circuit's) on seeded random ids of
-    ``min(8, n_ctx)`` positions (on ``tokens``' device), the logits compared bit for bit. The
-    probe never reads the caller's prompts: the verdict is the architecture's, so it may be
-    cached (a 1-token prompt, whose only key makes every query alike, does not decide it)."""
+    (a layer may legitimately write nothing, e.g. a planted circuit's) on ``probe_tokens``
+    (on ``tokens``' device; never the caller's prompts: a 1-token prompt does not decide it),
+    the logits compared bit for bit."""
     global _PATCHABLE
     if site in LAYER_SITES and hasattr(model, "hook_dict") \
             and layer_site(site, 0) not in model.hook_dict:
@@ -316,11 +330,7 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
         _PATCHABLE = weakref.WeakKeyDictionary()
     known = _PATCHABLE.setdefault(model, {})
     if site not in known:
-        cfg = model.cfg
-        seq = min(8, int(getattr(cfg, "n_ctx", None) or 8))
-        d_vocab = int(cfg.d_vocab)
-        probe = torch.randint(min(1, d_vocab - 1), d_vocab, (1, seq),
-                              generator=torch.Generator().manual_seed(0)).to(tokens.device)
+        probe = probe_tokens(model, tokens.device)
 
         def edit(t: Any, hook: Any) -> Any:
             # seeded noise at the activation's own scale: no site is invariant to it (a shift

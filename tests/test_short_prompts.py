@@ -142,3 +142,23 @@ def test_a_one_token_first_call_decides_nothing_for_longer_prompts():
     edges = ck.patch_edges(model, clean, corrupt, metric, progress=False)
     for name, ours, want in tl_edges(model, edges, clean, corrupt, metric):
         torch.testing.assert_close(ours, want, atol=1e-5, rtol=0, msg=name)
+
+
+def test_cached_per_model_probes_never_read_the_callers_prompts(monkeypatch):
+    """The verdicts cached once per model (``hooks.check_patchable``, attribution's
+    ``layer_reruns``) are computed on ``hooks.probe_tokens`` (8 seeded ids), whatever prompt the
+    first call brings: a 1-token first call runs them on 8 positions."""
+    from circuitkit.patching import attribution
+
+    model = fresh(LLAMA)
+    seen: list[int] = []
+    handle = model.blocks[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(args[0].shape[1] if args else
+                                              next(iter(kwargs.values())).shape[1]),
+        with_kwargs=True)
+    one = torch.ones(1, 1, dtype=torch.long)
+    hooks.check_patchable(model, "q", one)
+    attribution.layer_reruns(model, one)
+    handle.remove()
+    assert seen and set(seen) == {8}, seen
+    assert torch.equal(hooks.probe_tokens(model), hooks.probe_tokens(model))  # seeded

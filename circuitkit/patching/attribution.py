@@ -740,13 +740,14 @@ _RERUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {pa
 def layer_reruns(model: Any, tokens: Tensor) -> dict[str, bool]:
     """Whether one layer's attention (``"attn"``) and MLP (``"mlp"``) re-run alone with the
     model's own modules reproduce the full run, as ``block``, ``qk`` and ``atp*`` need: the
-    attention of layer 0 on two copies of ``tokens[:1, :8]`` (its call arguments tiled) against
+    attention of layer 0 on two copies of ``hooks.probe_tokens`` (never ``tokens``: a verdict
+    from a 1-token prompt would hold for no longer one; its call arguments tiled) against
     the run's ``hook_z``, its MLP (with its norms) against the block's MLP write. Some bridges
     cannot: OPT's MLP is no module of its own, Bloom's adds a residual it is handed and tiles
     ALiBi per head. Probed once per model."""
     if model in _RERUNS:
         return _RERUNS[model]
-    probe = tokens[:1, :8].to(next(model.parameters()).device)
+    probe = hooks.probe_tokens(model, next(model.parameters()).device)  # (not the prompts)
     names = [hooks.z(0), hooks.resid_pre(0), hooks.resid_mid_of(model, 0), hooks.resid_post(0)]
     capture = _Inputs({0: model.blocks[0].attn})
     ok = {"attn": False, "mlp": False}
