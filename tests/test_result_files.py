@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from tinymodels import TINY_GPT2, make_model
 
 import circuitkit as ck
+from circuitkit.patching.result_files import _nulls_as_nan, json_ready
 from circuitkit.patching.results import MEAN_RTOL, EdgeResult, PatchResult
 
 pytestmark = pytest.mark.filterwarnings("ignore::circuitkit.patching.results."
@@ -257,7 +258,8 @@ def test_a_moved_verified_mask_is_refused(hybrid_edges, tiny_llama, tmp_path):
         load = EdgeResult.load if isinstance(res, EdgeResult) else PatchResult.load
         js, _ = saved(res, tmp_path / type(res).__name__)
         mask = torch.tensor(res.meta["verified"])
-        est = torch.tensor(fuzzing_nan(res.meta["attribution_values"]), dtype=torch.float32)
+        est = torch.tensor(_nulls_as_nan(res.meta["attribution_values"]),
+                           dtype=torch.float32)
         gap = (res.values - est).abs().nan_to_num(0) * mask
         on = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
         assert float(gap[on]) > 1e-2
@@ -273,11 +275,6 @@ def test_a_moved_verified_mask_is_refused(hybrid_edges, tiny_llama, tmp_path):
         with pytest.raises(ValueError, match=r"r.json: field 'meta.verified' is missing: an "
                                              r"attribution\+exact result"):
             load(js)
-
-
-def fuzzing_nan(x):
-    return float("nan") if x is None else [fuzzing_nan(v) for v in x] if isinstance(x, list) \
-        else x
 
 
 # --- item 11: every method's file reloads -------------------------------------------------------
@@ -314,15 +311,9 @@ def test_every_edge_method_round_trips(gpt2, tmp_path, method, estimator):
     assert_same_numbers(back, res)
     assert (back.clean, back.corrupt, back.method, back.senders, back.receivers, back.inputs) \
         == (res.clean, res.corrupt, res.method, res.senders, res.receivers, res.inputs)
-    assert back.meta == json.loads(json.dumps(fuzzing_ready(res.meta)))
+    assert back.meta == json.loads(json.dumps(json_ready(res.meta)))
     torch.testing.assert_close(back.normalized(), res.normalized(), equal_nan=True, atol=0,
                                rtol=0)
-
-
-def fuzzing_ready(meta):
-    from circuitkit.patching.results import json_ready
-
-    return json_ready(meta)
 
 
 @pytest.mark.parametrize("method", ["exact", "attribution", "attribution+exact"])
