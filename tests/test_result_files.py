@@ -66,6 +66,12 @@ def hybrid_edges(tiny_llama):
 
 
 @pytest.fixture(scope="module")
+def layers(tiny_llama):
+    clean, corrupt = _pair()
+    return ck.patch_layers(tiny_llama, clean, corrupt, margin, progress=False)
+
+
+@pytest.fixture(scope="module")
 def heads(tiny_llama):
     clean, corrupt = _pair()
     return ck.patch_heads(tiny_llama, clean, corrupt, margin, positions="each", progress=False)
@@ -386,10 +392,10 @@ def same_behaviour(original):
     return check
 
 
-@pytest.mark.parametrize("which", ["edges", "hybrid_edges", "heads"])
+@pytest.mark.parametrize("which", ["edges", "hybrid_edges", "heads", "layers"])
 def test_fuzz_refused_naming_the_file_or_the_same_behaviour(which, request, tmp_path):
     """300 seeded mutations of a saved result (exact GQA edges; attribution+exact edges with
-    their verified mask; exact heads per position): each is refused in one line naming the
+    their verified mask; exact heads per position; exact layers): each is refused in one line naming the
     file and a field, or loads and behaves the same (``same_behaviour``). Both outcomes occur,
     and every kind of mutation is tried."""
     res = request.getfixturevalue(which)
@@ -401,3 +407,23 @@ def test_fuzz_refused_naming_the_file_or_the_same_behaviour(which, request, tmp_
     assert counts["refused"] > 100 and counts["same"] > 10, counts
     kinds = {k.split(":")[1] for k in counts if ":" in k}
     assert {"type", "range", "shape", "swap", "truncate", "cell", "dtype"} <= kinds, counts
+
+
+SAVED_BY_MAIN = __import__("pathlib").Path(__file__).parent / "data" / "saved-by-main"
+
+
+def test_files_saved_before_the_strict_load_still_load(tiny_llama):
+    """Files written by main before this change (commit 83ec843: an exact GQA edge result, an
+    attribution+exact head result, tests/data/saved-by-main/) load, and their values are the
+    sweep's on the same model, prompts and metric today (1e-6)."""
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(1, 64, (3, 7), generator=g)
+    corrupt = torch.randint(1, 64, (3, 7), generator=g)
+    edges = EdgeResult.load(SAVED_BY_MAIN / "edges")
+    now = ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False)
+    torch.testing.assert_close(edges.values, now.values, atol=1e-6, rtol=0, equal_nan=True)
+    heads = PatchResult.load(SAVED_BY_MAIN / "heads-hybrid.json")
+    assert heads.method == "attribution+exact" and heads.verified is not None
+    exact = ck.patch_heads(tiny_llama, clean, corrupt, margin, progress=False)
+    torch.testing.assert_close(heads.values[heads.verified], exact.values[heads.verified],
+                               atol=1e-6, rtol=0)
