@@ -395,9 +395,9 @@ def same_behaviour(original):
 @pytest.mark.parametrize("which", ["edges", "hybrid_edges", "heads", "layers"])
 def test_fuzz_refused_naming_the_file_or_the_same_behaviour(which, request, tmp_path):
     """300 seeded mutations of a saved result (exact GQA edges; attribution+exact edges with
-    their verified mask; exact heads per position; exact layers): each is refused in one line naming the
-    file and a field, or loads and behaves the same (``same_behaviour``). Both outcomes occur,
-    and every kind of mutation is tried."""
+    their verified mask; exact heads per position; exact layers): each is refused in one line
+    naming the file and a field, or loads and behaves the same (``same_behaviour``). Both
+    outcomes occur, and every kind of mutation is tried."""
     res = request.getfixturevalue(which)
     js, st = saved(res, tmp_path)
     load = EdgeResult.load if isinstance(res, EdgeResult) else PatchResult.load
