@@ -218,7 +218,8 @@ def facts(model_or_cfg: Any) -> ModelFacts:
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
     try:
         n_heads = int(cfg.n_heads)
-        kv = getattr(cfg, "n_key_value_heads", None)
+        # (a TransformerLens cfg says n_key_value_heads; models.Architecture, n_kv_heads)
+        kv = getattr(cfg, "n_key_value_heads", None) or getattr(cfg, "n_kv_heads", None)
         return ModelFacts(
             n_layers=int(cfg.n_layers),
             n_heads=n_heads,

@@ -719,6 +719,9 @@ def test_cli_plans_70b_edges_offline_and_counts_them(monkeypatch, tmp_path):
     bad = CliRunner().invoke(app, ["edges", "--model", "llama3-70b", "--task", "icd10", "--plan",
                                    "--senders", "L90H0"])
     assert bad.exit_code == 2 and "outside the model's 80 layers" in bad.output
+    none = CliRunner().invoke(app, ["edges", "--model", "llama3-70b", "--task", "icd10", "-n",
+                                    "8", "--plan", "--receivers", "L2H20", "--inputs", "k"])
+    assert none.exit_code == 2 and "give no edge" in none.output and "8 KV heads" in none.output
 
 
 def test_cli_edges_writes_results_and_the_circuit(tmp_path):
