@@ -427,3 +427,16 @@ def test_files_saved_before_the_strict_load_still_load(tiny_llama):
     exact = ck.patch_heads(tiny_llama, clean, corrupt, margin, progress=False)
     torch.testing.assert_close(heads.values[heads.verified], exact.values[heads.verified],
                                atol=1e-6, rtol=0)
+
+
+def test_the_mutator_is_seeded_and_generic(edges, tmp_path):
+    """``fuzzing.mutations``: the same seed draws the same mutations; a JSON-only file (no
+    tensors, as circuit.json or a manifest) gets JSON mutations of every kind."""
+    js, st = saved(edges, tmp_path)
+    info, tensors = json.loads(js.read_text()), load_file(str(st))
+    first = [m.label for m in fuzzing.mutations(info, tensors, seed=3, n=60)]
+    assert first == [m.label for m in fuzzing.mutations(info, tensors, seed=3, n=60)]
+    assert first != [m.label for m in fuzzing.mutations(info, tensors, seed=4, n=60)]
+    only_json = fuzzing.mutations(info, None, seed=0, n=200, json_text=js.read_text())
+    assert all(m.tensors is None and m.st_bytes is None for m in only_json)
+    assert {m.kind for m in only_json} >= {"type", "range", "shape", "swap", "drop", "truncate"}
