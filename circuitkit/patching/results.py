@@ -1090,7 +1090,7 @@ def read_circuit_json(path: str | Path) -> dict[str, Any]:
         if not isinstance(e, dict):
             raise bad(f"edges[{j}]", "an object", e)
         for k in ("sender", "receiver"):
-            if e.get(k) not in names:
+            if not isinstance(e.get(k), str) or e[k] not in names:
                 raise bad(f"edges[{j}].{k}", "the name of one of 'nodes'", e.get(k))
         choice(f"edges[{j}].input", e.get("input"), CIRCUIT_INPUTS)
         number(f"edges[{j}].score", e.get("score"))
