@@ -454,6 +454,11 @@ def test_report_runs_no_script_from_any_file_it_reads(edges_run, tmp_path):
     steps = summary.pop("steps")
     summary = _strings(summary, payload)
     summary["steps"] = steps
+    for st in (summary.get("stability") or {}).values():  # numbers the page prints, too
+        st["k"] = f"{st['k']}{payload}"
+    agree = (summary.get("scores_attrs") or {}).get("anchor_agreement")
+    if agree:
+        agree.update(k=payload, top_k_overlap=payload, spearman=payload)
     (run / "summary.json").write_text(json.dumps(summary))
     for js in [*run.glob("*.json"), run / "edges" / "edges.json"]:
         if js.name == "summary.json":

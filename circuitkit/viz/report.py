@@ -363,23 +363,24 @@ def _stability_lines(summary: dict, scores: Any) -> str:
     the Phase-2 ranking (``summary.json``'s ``stability`` / ``scores_attrs``)."""
     out = []
     for phase, st in (summary.get("stability") or {}).items():
-        n = phase.removeprefix("phase")
+        # (summary.json's fields: every one escaped, numbers too, as a file may hold anything)
+        n, k = _esc(str(phase).removeprefix("phase")), _esc(st.get("k"))
         if st.get("unstable"):
             heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
-            out.append(f"<p class='warn'>Phase-{n} top-{st['k']}: {_esc(heads)} in the top "
-                       f"{st['k']} in fewer than 80% of the bootstrap resamples of the "
+            out.append(f"<p class='warn'>Phase-{n} top-{k}: {_esc(heads)} in the top "
+                       f"{k} in fewer than 80% of the bootstrap resamples of the "
                        "examples: the ranking there is not stable.</p>")
         elif st.get("top"):
-            out.append(f"<p class='note'>Phase-{n} top-{st['k']}: every head in the top "
-                       f"{st['k']} in at least 80% of the bootstrap resamples.</p>")
+            out.append(f"<p class='note'>Phase-{n} top-{k}: every head in the top "
+                       f"{k} in at least 80% of the bootstrap resamples.</p>")
     attrs = summary.get("scores_attrs") or {}
     agree = attrs.get("anchor_agreement")
     if agree:
         sp = agree.get("spearman")
+        sp = "n/a" if not isinstance(sp, int | float) else f"{sp:.3f}"
         out.append(f"<p class='note'>Phase-1 ranking with label-centroid anchor directions "
-                   f"against anchor-token columns: Spearman "
-                   f"{'n/a' if sp is None else f'{sp:.3f}'}, top-{agree['k']} overlap "
-                   f"{agree['top_k_overlap']} of {agree['k']}.</p>")
+                   f"against anchor-token columns: Spearman {sp}, top-{_esc(agree.get('k'))} "
+                   f"overlap {_esc(agree.get('top_k_overlap'))} of {_esc(agree.get('k'))}.</p>")
     parts = attrs.get("refine_parts")
     if parts:
         import pandas as pd
