@@ -538,7 +538,8 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
-    if results or scores is not None or validation is not None:
+    if results or scores is not None or validation is not None or edge_result is not None \
+            or circ is not None:
         sections.append(("findings", "Findings", findings_section(
             summary, validation, scores, results, edges=edge_result, circuit=circ)))
     details = None
@@ -655,8 +656,11 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
     except ValueError as e:
         return f"<p class='skip'>Edges skipped: {_esc(e)}</p>"
     meta = res.meta or {}
-    body = (f"<p class='note'>Senders: the top {_esc(meta.get('senders_from', ''))} heads; "
-            f"receivers: the top {_esc(meta.get('receivers_from', ''))} heads after them. An "
+    def phase(key: str) -> str:  # "phase1" -> "Phase-1"
+        return _esc(re.sub(r"^phase(\d)$", r"Phase-\1", str(meta.get(key, ""))))
+
+    body = (f"<p class='note'>Senders: the top {phase('senders_from')} heads; "
+            f"receivers: the top {phase('receivers_from')} heads after them. An "
             "edge adds the sender's clean-minus-corrupt write to one receiver's q, k or v input "
             "only (every other reader keeps the corrupt run); value: the metric after that "
             "patch, normalized as the sweeps above (a share of the whole clean-corrupt gap; "
@@ -665,17 +669,17 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
     cols = ["sender", "receiver", "input", "value", "normalized"] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else [])
     tops = [res.top(5, input=name)[cols] for name in res.inputs]
-    body += _table(pd.concat(tops, ignore_index=True), "{:.3f}")
+    body += _table(pd.concat(tops, ignore_index=True), "{:.4g}")  # (0.0017 of the gap: not 0.000)
     if circ is not None:  # (read_circuit_json: checked)
         ci = lambda key: (f" [{circ[key][0]:.3f}, {circ[key][1]:.3f}]"  # noqa: E731
                           if circ.get(key) else "")
         pct = lambda key: (f" [{circ[key][0]:.2%}, {circ[key][1]:.2%}]"  # noqa: E731
                            if circ.get(key) else "")
         share = circ.get("share")
-        said = (f"All {circ['n_items']} scored edges together: {_esc(share_phrase(share))}"
-                f"{pct('share_ci')} ((all kept - all ablated) / (clean - corrupt)), so the "
-                "faithfulness and CPR below are shares of that part only, not of the model's "
-                "behaviour.")
+        said = (f"All {_esc(circ['n_items'])} scored edges together: "
+                f"{_esc(share_phrase(share))}{pct('share_ci')} (share = (all kept - all "
+                "ablated) / (clean - corrupt)), so the faithfulness and CPR below are shares of "
+                "that part only, not of the model's behaviour.")
         if circ.get("degenerate"):
             body += (f"<p class='warn'>Circuit ({_esc(circ['ablation'])} ablation): no "
                      f"faithfulness, CPR or CMD: {_esc(circ['degenerate'])}</p>")
