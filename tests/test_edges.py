@@ -737,3 +737,8 @@ def test_cli_edges_writes_results_and_the_circuit(tmp_path):
     assert {"edges.csv", "edges.html", "circuit.html", "faithfulness.html"} <= {
         p.name for p in out.iterdir()}
     assert "strongest edges" in r.output and "CPR" in r.output
+    # beside CPR, the edges' share of the whole gap (issue 33.3)
+    # (4 prompts: these 8 edges move the metric by less than its margin, and it says so)
+    share = json.loads((out / "circuit.json").read_text())["share"]
+    assert (f"they carry {share:.1%} of the clean-corrupt gap" if share is not None else
+            "degenerate: no faithfulness, CPR or CMD") in r.output
