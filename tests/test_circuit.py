@@ -478,6 +478,7 @@ def test_report_runs_no_script_from_any_file_it_reads(edges_run, tmp_path):
     assert r.exit_code == 0, r.output
     page = (run / "report.html").read_text()
     assert "&lt;script&gt;document.body" in page  # the payload is on the page, as text
+    assert "Edges skipped" not in page and "data-phase='edges'" in page  # every part read
     exe = browser()
     probe = tmp_path / "probe.html"  # the detector works: an unescaped payload runs
     probe.write_text(f"<html><body>{MARK}{MARK_IMG}</body></html>")
