@@ -392,7 +392,7 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     found = edge_finding(part, circ)
     text = format_findings([found], width=10_000)
     assert found.title == "Edges (Phase-1 heads into Phase-2 heads)"
-    assert f"removes {circ['share']:.0%}" in text and "clean\u2212corrupt gap" in text
+    assert f"removes {circ['share']:.1%}" in text and "clean\u2212corrupt gap" in text
     assert "small share" not in text and "Strongest single edge: L0H1 \u2192 L1H0" in text
     small = edge_finding(part, dict(circ, share=0.004, share_ci=[0.003, 0.005]))
     assert "removes 0.40% [0.30%, 0.50%] of the clean\u2212corrupt gap" in small.headline

@@ -843,14 +843,19 @@ def node_of(name: str, n_layers: int) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2)))
 
 
+def gap_percent(share: float) -> str:
+    """A share of the clean-corrupt gap in percent, small ones with two decimals so that they
+    read as small, not as 0: ``0.40%``, ``12.5%``, ``143.0%``."""
+    return f"{share:.{2 if abs(share) < 0.1 else 1}%}"
+
+
 def share_phrase(share: float | None) -> str:
-    """The candidate set's share of the clean-corrupt gap in words: ``"these items carry 0.40%
-    of the clean-corrupt gap"`` (one wording for the CLI, ``circuit.json`` readers and the
+    """The candidate set's share of the clean-corrupt gap in words: ``"they carry 0.40% of the
+    clean-corrupt gap"`` (one wording for the repr the CLI prints, the figures and the
     report)."""
     if share is None or not math.isfinite(share):
         return "their share of the clean-corrupt gap is undefined (degenerate baseline)"
-    digits = 2 if abs(share) < 0.1 else 1
-    return f"they carry {share:.{digits}%} of the clean-corrupt gap"
+    return f"they carry {gap_percent(share)} of the clean-corrupt gap"
 
 
 @dataclass

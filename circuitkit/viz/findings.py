@@ -350,9 +350,10 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
 
 
 def _pct2(x: float) -> str:
-    """A share of the gap in percent, small ones with two decimals: ``0.40%``, ``-12%``."""
-    digits = 2 if abs(x) < 0.1 else 0
-    return f"{x:.{digits}%}".replace("-", "\u2212")
+    """``patching.results.gap_percent`` with a real minus sign: ``0.40%``, ``\u221212.5%``."""
+    from circuitkit.patching.results import gap_percent
+
+    return gap_percent(float(x)).replace("-", "\u2212")
 
 
 def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Finding | None:

@@ -645,7 +645,7 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
     whole clean-corrupt gap); None when there are none."""
     import pandas as pd
 
-    from circuitkit.patching.results import EdgeResult, share_phrase
+    from circuitkit.patching.results import EdgeResult, gap_percent, share_phrase
     from circuitkit.viz.edges import circuit_graph
 
     folder = run_dir / "edges"
@@ -673,8 +673,8 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
     if circ is not None:  # (read_circuit_json: checked)
         ci = lambda key: (f" [{circ[key][0]:.3f}, {circ[key][1]:.3f}]"  # noqa: E731
                           if circ.get(key) else "")
-        pct = lambda key: (f" [{circ[key][0]:.2%}, {circ[key][1]:.2%}]"  # noqa: E731
-                           if circ.get(key) else "")
+        pct = lambda key: (f" [{gap_percent(circ[key][0])}, "  # noqa: E731
+                           f"{gap_percent(circ[key][1])}]" if circ.get(key) else "")
         share = circ.get("share")
         said = (f"All {_esc(circ['n_items'])} scored edges together: "
                 f"{_esc(share_phrase(share))}{pct('share_ci')} (share = (all kept - all "
