@@ -85,6 +85,9 @@ def test_run_head_sets_equals_hooked_reference(which, direction, synth, request)
     engine = ExactEngine(model, clean, corrupt, metric,
                          Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq,
                                True), fast=None if which == "tiny_llama" else False)
+    # tiny_llama is Llama-form: the fused, packed head-set path (checked against the hooked
+    # one by its own probe, and here against TransformerLens's hooked forward)
+    assert engine._head_sets_fused(None, "source") == (which == "tiny_llama")
     got = engine.run_head_sets(sets, rows=7)  # rows=7: sets split over several forwards
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
     want = reference(model, base, source, sets, metric)
@@ -214,10 +217,12 @@ def test_a_top_set_no_better_than_random_gets_a_large_p_value():
     assert all(not {tuple(h) for h in s} & set(top) for s in sets["all-layers"])
 
 
-def test_ablation_sources_equal_hand_hooked_runs(tiny_llama, synth):
-    """zero / mean / resample ablation through run_head_sets against a plain run_with_hooks
-    that writes the same z by hand (mean: over every prompt's positions up to its last read;
-    resample: the engine's derangement of the prompts)."""
+@pytest.mark.parametrize("fast", [False, None])
+def test_ablation_sources_equal_hand_hooked_runs(tiny_llama, synth, fast):
+    """zero / mean / resample ablation through run_head_sets (hooked: fast=False; fused and
+    packed: fast=None on this Llama-form model) against a plain run_with_hooks that writes the
+    same z by hand (mean: over every prompt's positions up to its last read; resample: the
+    engine's derangement of the prompts). atol 1e-5 (float order differs)."""
     from circuitkit.patching.engine import derangement
 
     model, metric = tiny_llama, synth.metric
@@ -226,7 +231,9 @@ def test_ablation_sources_equal_hand_hooked_runs(tiny_llama, synth):
     f = hooks.facts(model)
     engine = ExactEngine(model, clean, clean, metric,
                          Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n, seq,
-                               True), fast=False)
+                               True), fast=fast)
+    for source in ("zero", "mean", "resample"):
+        assert engine._head_sets_fused(None, source) == (fast is None)
     sets = [[], [(0, 1)], [(0, 0), (2, 3)], [(1, 2), (2, 0), (2, 1)]]
     names = [hooks.z(la) for la in range(f.n_layers)]
     with torch.no_grad():

@@ -330,9 +330,10 @@ def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int
         if kept[-1] != n:  # a short tail joins the bucket before it
             kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
         bounds = kept
-    return torch.cat([_counted(bar, len(sets) * (p1 - p0), engine.run_head_sets(
-        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0))
-        for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+    on_done = None if bar is None else bar.update
+    return torch.cat([engine.run_head_sets(
+        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0,
+        on_done=on_done) for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
 
 
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
@@ -355,25 +356,25 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
-    bar = _validation_bar(task, phases, int(n_random), progress)
+    plan = {}  # the sets of every phase first: the bar's total is known before it starts
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        tp = _sorted_by_length(phase_task(task, phase))  # the examples with steps of this phase
-        metric = tp.metric
-        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         top = top_heads(scores, phase, k)
         pools = _pooled_sets(top, f, n_random, seed + phase)
-        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
+                       [[], top, *pools["same-layers"], *pools["all-layers"]])
+    bar = _variant_bar("validate", sum(2 * len(sets) * len(tp)
+                                       for tp, _, _, sets in plan.values()), progress)
+    for phase, (tp, top, pools, sets) in plan.items():
+        metric = tp.metric  # (tp: the examples with steps of this phase, sorted by length)
+        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         sets_used[phase] = dict(top=top, random=pools)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
-        if bar is not None:  # fewer distinct random sets than asked: the bar's total shrinks
-            bar.total -= 2 * (2 + len(POOLS) * int(n_random) - len(sets)) * n
-            bar.refresh()
         runs = {}
         for direction in ("noise", "denoise"):
             key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
                                       f.d_vocab_out)
-            if saved and (got := saved.load(key)) is not None:
+            if saved and (got := saved.load(key, (2, len(sets), n))) is not None:
                 runs[direction] = got
                 _say(bar, progress, f"validate: phase {phase} {direction}: reused")
                 _counted(bar, len(sets) * n, got)
@@ -382,8 +383,8 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                 + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
                                 + f" random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
-            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
+            # fast=None: the fused, packed head sets where the model allows (run_head_sets)
+            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=None,
                                  rows=batch_size)
             runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
                                            bar=bar)
@@ -407,17 +408,14 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     return df
 
 
-def _validation_bar(task: Task, phases: list[int], n_random: int, progress: bool):
-    """A bar over patched prompts: per phase and direction, (base + top + ``n_random`` per
-    pool) sets x the phase's prompts (an upper bound when fewer distinct random sets exist; a
-    reused run counts at once)."""
+def _variant_bar(desc: str, total: int, progress: bool):
+    """A bar over (head set, prompt) rows, its ``total`` known before it starts (every set of
+    every run; a reused run counts at once)."""
     if not progress:
         return None
     from tqdm.auto import tqdm
 
-    total = sum(2 * (2 + len(POOLS) * n_random) * len(phase_task(task, p)) for p in phases)
-    return tqdm(total=total, desc="validate", unit="patched-prompt", dynamic_ncols=True,
-                file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit="set-prompt", dynamic_ncols=True, file=sys.stderr)
 
 
 def _say(bar: Any, progress: bool, line: str) -> None:
@@ -500,30 +498,34 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     carrier = _reads_metric(tp, phases)
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     engine = None
-    rows, sets_used = [], {}
+    rows, sets_used, plan = [], {}, {}
     for phase in [p for p in phases if p in _scored(scores)]:
         top = top_heads(scores, phase, k)
         pools = _pooled_sets(top, f, n_random, seed + phase)
-        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        plan[phase] = (top, pools, [[], top, *pools["same-layers"], *pools["all-layers"]])
+    bar = _variant_bar("ablate", sum(len(sets) * n * len(ablations)
+                                     for _, _, sets in plan.values()), progress)
+    for phase, (top, pools, sets) in plan.items():
         sets_used[phase] = dict(top=top, random=pools)
         for ablation in ablations:
             key = saved and saved.key(tp, phase, f"ablate-{ablation}", sets, quantities,
                                       f.d_vocab_out)
-            run = saved.load(key) if saved else None
+            run = saved.load(key, (len(quantities), len(sets), n)) if saved else None
             if run is None:
-                if progress:
-                    print(f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} ablation, "
-                          f"{len(sets) - 1} sets, {n} prompts", file=sys.stderr)
+                _say(bar, progress, f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} "
+                                    f"ablation, {len(sets) - 1} sets, {n} prompts")
                 if engine is None:  # base = source = clean: "source" would change nothing
                     sweep = Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n,
                                   seq, True)
-                    engine = ExactEngine(model, clean, clean, carrier, sweep, fast=False,
+                    engine = ExactEngine(model, clean, clean, carrier, sweep, fast=None,
                                          rows=batch_size)
-                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed)
+                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed,
+                                   bar=bar)
                 if saved:
                     saved.save(key, run)
-            elif progress:
-                print(f"ablate: phase {phase} {ablation}: reused", file=sys.stderr)
+            else:
+                _say(bar, progress, f"ablate: phase {phase} {ablation}: reused")
+                _counted(bar, len(sets) * n, run)
             for pool, rand in pools.items():
                 pick = [1] + _pool_rows(pools, pool)
                 for qi, q in enumerate(quantities):
@@ -536,6 +538,8 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
                         top_value=float(v[1].mean()),
                         random_value=float(v[pick[1:]].mean()) if len(rand) else float("nan"),
                         **stats))
+    if bar is not None:
+        bar.close()
     df = pd.DataFrame(rows, columns=ABLATION_COLUMNS)
     df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
     return df
@@ -561,28 +565,63 @@ class _Saved:
 
         n, seq = task.clean_tokens.shape
         return identity_key(dict(
-            format=2, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
+            format=3, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
             phase=phase, direction=direction, sets=[[list(h) for h in s] for s in sets],
             metrics=[m.fingerprint(n, seq, d_vocab) for m in metrics], buckets=N_BUCKETS))
 
     def path(self, key: str) -> Path:
         return self.folder / f"validation-{key}.safetensors"
 
-    def load(self, key: str) -> Tensor | None:
-        from safetensors.torch import load_file
+    def load(self, key: str, shape: tuple[int, ...]) -> Tensor | None:
+        """The stored run of ``key``, verified: its metadata's ``key`` and ``sha256`` (of the
+        values), one tensor ``runs`` of ``shape`` (``[n_metrics, n_sets, n_prompts]``), float32,
+        finite. None when there is none; a file failing any check is named with the field in a
+        warning, deleted and recomputed (as a sweep's chunk files are)."""
+        from safetensors import safe_open
 
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            return load_file(str(path))["runs"]
-        except Exception:  # a torn or foreign file: run again (it is rewritten atomically)
+            with safe_open(str(path), "pt") as f:
+                meta, names = f.metadata() or {}, list(f.keys())
+                runs = f.get_tensor("runs") if names == ["runs"] else None
+            problem = _run_problem(meta, names, runs, key, shape)
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: run again
+            problem = f"unreadable ({type(e).__name__}: {e})"
+        if problem:
+            warnings.warn(f"circuitkit: validation checkpoint {path} is {problem}; "
+                          "recomputing it.", stacklevel=3)
+            path.unlink(missing_ok=True)
             return None
+        return runs
 
     def save(self, key: str, runs: Tensor) -> None:
         from circuitkit.files import write_tensors
+        from circuitkit.patching.checkpoint import _values_digest
 
-        write_tensors(self.path(key), {"runs": runs}, metadata={"key": json.dumps(key)})
+        runs = runs.detach().float().cpu().contiguous()
+        write_tensors(self.path(key), {"runs": runs},
+                      metadata={"key": json.dumps(key), "sha256": _values_digest(runs)})
+
+
+def _run_problem(meta: dict, names: list[str], runs: Tensor | None, key: str,
+                 shape: tuple[int, ...]) -> str:
+    """What is wrong with a stored validation run ("" if nothing): the field and how."""
+    from circuitkit.patching.checkpoint import _values_digest
+
+    if meta.get("key") != json.dumps(key):
+        return f"from another run (field 'key': {str(meta.get('key'))[:80]!r})"
+    if runs is None:
+        return f"not one tensor 'runs' (field 'runs': tensors {names[:4]})"
+    if tuple(runs.shape) != tuple(shape) or runs.dtype != torch.float32:
+        return (f"of the wrong form (field 'runs': shape {tuple(runs.shape)} {runs.dtype}, "
+                f"expected {tuple(shape)} torch.float32)")
+    if not bool(torch.isfinite(runs).all()):
+        return "not finite (field 'runs' holds NaN/inf)"
+    if meta.get("sha256") != _values_digest(runs):
+        return "modified (field 'runs' does not match its checksum 'sha256')"
+    return ""
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:
