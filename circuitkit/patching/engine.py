@@ -776,8 +776,9 @@ class ExactEngine:
         ablations. Blocks ``start..L-1`` run as ``FusedLlama.block``; at a layer the group
         touches, the attention's merged ``z`` ``[T, head, d_head]`` takes the set's heads from
         the source ``z`` before the output projection: ``z'[t, h] = src[t, h]`` where ``h`` is
-        in row ``t``'s set, else ``z[t, h]``; the last block runs at the reads only (its ``z``
-        elsewhere reaches no read)."""
+        in row ``t``'s set, else ``z[t, h]``. At block ``start`` (its input is the base run's)
+        ``z`` is the cached base ``z``: no attention runs there. The last block runs at the
+        reads only (its ``z`` elsewhere reaches no read)."""
         form, L = self.fused, self.sweep.n_layers
         n_g, n_p, length = len(group), p1 - p0, self._run_length(p0, p1)
         if source == "source":
@@ -802,6 +803,15 @@ class ExactEngine:
                 src = pack.gather_prompts(self._head_set_source(j, source, p0, p1, length, perm)
                                           .to(dev))  # [T, head, d_head]
                 edit = (heads.repeat_interleave(n_p, 0)[token_row].to(dev), src)
+            if j == start and edit is not None:  # block start's input is the base run's: its
+                # z is the cached base z, the set's heads written over it
+                z = pack.gather_prompts(self._span(self.site_base[j], p0, p1, length, site=True,
+                                                   layer=j))  # [T, head, d_head]
+                attn = form.linear(_written(z.flatten(-2), *edit, form.d_head), b.o)
+                if j == L - 1:
+                    return pack.spread(form.logits(form.known_block_at_reads(pack, x, b, attn)))
+                x = form.block(pack, x, b, resid, attn=attn)
+                continue
             if j == L - 1:
                 return pack.spread(form.logits(self._fused_last_block(pack, x, b, resid, edit)))
             x = form.block(pack, x, b, resid, attn=None if edit is None else
