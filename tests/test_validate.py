@@ -410,3 +410,98 @@ def test_interrupted_validation_resumes_its_finished_runs(planted, tmp_path, mon
         with torch.no_grad():
             model.blocks[0].attn.W_O.div_(1.5)  # type: ignore[union-attr]
     assert len(calls) == 4 * per_run  # other weights: nothing reused
+
+
+def _mutate(path, rng):
+    """One seeded mutation of a validation checkpoint file: (what, the field it touches)."""
+    import json as _json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta, runs = dict(f.metadata()), f.get_tensor("runs")
+    kind = rng.choice(["scalar", "shape", "transpose", "dtype", "int", "nan", "inf", "edit",
+                       "key", "no-key", "no-sha", "extra", "rename", "truncate", "empty"])
+    tensors, field = {"runs": runs}, "runs"
+    if kind == "scalar":  # the issue's `runs := 0.5`
+        tensors = {"runs": torch.tensor(0.5)}
+    elif kind == "shape":
+        tensors = {"runs": runs[:, :, :rng.randrange(1, runs.shape[2])].contiguous()}
+    elif kind == "transpose":
+        tensors = {"runs": runs.transpose(1, 2).contiguous()}
+    elif kind == "dtype":
+        tensors = {"runs": runs.double()}
+    elif kind == "int":
+        tensors = {"runs": runs.round().int()}
+    elif kind in ("nan", "inf"):
+        bad = runs.clone()
+        bad.view(-1)[rng.randrange(bad.numel())] = float(kind)
+        tensors = {"runs": bad}
+    elif kind == "edit":  # a plausible value, the checksum kept
+        bad = runs.clone()
+        bad.view(-1)[rng.randrange(bad.numel())] += rng.choice([0.5, -0.25, 1e-3])
+        tensors = {"runs": bad}
+    elif kind == "key":
+        meta["key"], field = _json.dumps("0" * 64), "key"
+    elif kind == "no-key":
+        meta.pop("key")
+        field = "key"
+    elif kind == "no-sha":
+        meta.pop("sha256")
+        field = "sha256"
+    elif kind == "extra":
+        tensors = {"runs": runs, "other": runs[:1].clone()}
+    elif kind == "rename":
+        tensors = {"values": runs}
+    if kind in ("truncate", "empty"):
+        data = path.read_bytes()
+        path.write_bytes(data[:rng.randrange(1, len(data))] if kind == "truncate" else b"")
+        return kind, "unreadable"
+    save_file(tensors, str(path), metadata=meta)
+    return kind, field
+
+
+def test_validation_checkpoints_are_verified_fuzzed(planted, tmp_path):
+    """Issue 33 item 9: each validation/ablation checkpoint file is checked (its key, one
+    float32 tensor ``runs`` of the run's shape, finite, SHA-256) before reuse. A seeded mutator
+    (types, ranges, shapes, swaps, truncation) damages one stored file at a time; the rerun
+    names the file and the field in a warning and recomputes it, giving the undamaged
+    frames exactly."""
+    import random as _random
+    import warnings as _warnings
+
+    model, task, scores = planted
+
+    def both():
+        v = validate_heads(model, task, scores, k=1, n_random=3, progress=False,
+                           checkpoint=tmp_path)
+        a = ablate_heads(model, task, scores, k=1, n_random=3, ablations=("zero",),
+                         progress=False, checkpoint=tmp_path)
+        return v, a
+
+    want = both()
+    stored = sorted(tmp_path.glob("validation-*.safetensors"))
+    assert len(stored) == 4 + 2  # 2 phases x 2 directions, 2 phases x 1 ablation
+    originals = {p: p.read_bytes() for p in stored}
+    rng = _random.Random(0)
+    seen = set()
+    for _ in range(24):
+        path = rng.choice(stored)
+        kind, field = _mutate(path, rng)
+        seen.add(kind)
+        with _warnings.catch_warnings(record=True) as caught:
+            _warnings.simplefilter("always")
+            got = both()
+        said = [str(w.message) for w in caught if "validation checkpoint" in str(w.message)]
+        assert len(said) == 1 and str(path) in said[0] and field in said[0], (kind, said)
+        pd.testing.assert_frame_equal(got[0], want[0])
+        pd.testing.assert_frame_equal(got[1], want[1])
+        assert path.read_bytes() != b""  # rewritten by the recomputation
+        for p, data in originals.items():
+            p.write_bytes(data)
+    assert len(seen) >= 10, seen
+    with _warnings.catch_warnings(record=True) as caught:  # undamaged files: reused silently
+        _warnings.simplefilter("always")
+        got = both()
+    assert not [w for w in caught if "validation checkpoint" in str(w.message)]
