@@ -505,3 +505,30 @@ def test_validation_checkpoints_are_verified_fuzzed(planted, tmp_path):
         _warnings.simplefilter("always")
         got = both()
     assert not [w for w in caught if "validation checkpoint" in str(w.message)]
+
+
+def test_teacher_forced_exact_match_equals_greedy_where_greedy_follows_the_note():
+    """The ablation's exact match is decided from one teacher-forced pass (every answer step's
+    arg-max a target of the note). On the teacher (64 seeded test notes), wherever the greedy
+    decode (``evaluation.greedy_decode``, the hooked model) reproduces the note up to its first
+    answer step, it equals greedy exact match (``evaluate``'s: predicted set == targets) note
+    for note; elsewhere greedy wrote its own shortlist and the two measure different things
+    (docs/scores.md)."""
+    from circuitkit import evaluation as ev
+    from circuitkit.tasks.base import phase_task
+
+    model = ck.load_model("icd-teacher")
+    task = phase_task(ck.load_task("icd10", n_examples=64, seed=0, split="test"), 2)
+    think = task.vocab.index("<think>")
+    ends = [ev.prompt_end(e, think) for e in task.examples]
+    with torch.no_grad():
+        tf = exact_match_metric(task).per_prompt(model(task.clean_tokens))
+    gens = ev.greedy_decode(model, [e.tokens[:n] for e, n in zip(task.examples, ends,
+                                                                  strict=True)],
+                            task.eos_id, 40)
+    greedy = torch.tensor([float(ev.parse_answer(g, task) == set(e.targets))
+                           for g, e in zip(gens, task.examples, strict=True)])
+    follows = torch.tensor([g[:min(e.answer_pos) - n] == e.tokens[n:min(e.answer_pos)].tolist()
+                            for g, e, n in zip(gens, task.examples, ends, strict=True)])
+    assert 8 <= int(follows.sum()) < len(task)  # both kinds of note occur
+    assert torch.equal(tf[follows], greedy[follows])
