@@ -215,6 +215,38 @@ def test_a_top_set_no_better_than_random_gets_a_large_p_value():
     assert (df.p_value >= 0.2).all(), df[["pool", "direction", "quantity", "p_value"]]
     sets = df.attrs["sets"][2]["random"]
     assert all(not {tuple(h) for h in s} & set(top) for s in sets["all-layers"])
+    # issue 34: the layer-stratified null (the top set's per-layer counts from all of each
+    # layer's heads), 200 sets, cannot call it specific either; p comes with its interval
+    strat = validate_heads(model, task, scores, k=5, n_random=200, seed=0, progress=False,
+                           pools=("layer-stratified",))
+    assert set(strat.pool) == {"layer-stratified"} and set(strat.n_random) == {55}  # C(8,5)-1
+    assert (strat.p_value >= 0.2).all(), strat[["direction", "quantity", "p_value"]]
+    assert ((strat.p_low <= strat.p_value) & (strat.p_value <= strat.p_high)).all()
+
+
+def test_layer_stratified_pool_and_monte_carlo_interval():
+    """layer-stratified sets keep the top set's per-layer counts, are drawn from every head of
+    those layers (top heads included), distinct, seeded, never the top set; pools are checked.
+    mc_interval is the Clopper-Pearson interval (values from scipy.stats.beta, 1e-9)."""
+    from circuitkit.scoring.validate import mc_interval
+
+    top = [(0, 1), (2, 3), (2, 0)]
+    sets = random_head_sets(top, n_heads=4, n_random=500, seed=2, n_layers=3,
+                            pool="layer-stratified")
+    assert len(sets) == 4 * 6 - 1  # C(4,1) C(4,2) minus the top set
+    assert len({tuple(s) for s in sets}) == len(sets) and sorted(top) not in sets
+    assert all(sorted(la for la, _ in s) == [0, 2, 2] for s in sets)
+    assert any(set(s) & set(top) for s in sets)
+    assert sets == random_head_sets(top, n_heads=4, n_random=500, seed=2, n_layers=3,
+                                    pool="layer-stratified")
+    with pytest.raises(ValueError, match="pools="):
+        validate_heads(None, None, None, pools=("nearby",))
+    for (hits, r), (lo, hi) in {(0, 20): (0.0, 0.16843347098308), (1, 20): (0.00126508949795,
+                                0.24873276277203), (10, 20): (0.27195784956079, 0.72804215043921),
+                                (50, 1000): (0.03733539760466, 0.06539048791549),
+                                (20, 20): (0.83156652901691, 1.0)}.items():
+        got = mc_interval(hits, r)
+        assert got == pytest.approx((lo, hi), abs=1e-9), (hits, r, got)
 
 
 @pytest.mark.parametrize("fast", [False, None])

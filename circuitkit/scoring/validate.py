@@ -73,16 +73,18 @@ from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
-POOLS = ("same-layers", "all-layers")
+POOLS = ("same-layers", "all-layers")  # the default pools
+ALL_POOLS = (*POOLS, "layer-stratified")  # any of these may be asked for (``pools=``)
 ABLATIONS = ("zero", "mean", "resample")
 TIE_RTOL = 1e-6  # a random set's effect this close to the top set's counts as as strong
 VALIDATION_COLUMNS = ["phase", "pool", "direction", "quantity", "heads", "k", "n_random",
                       "overlap", "n_prompts", "clean", "corrupt", "top_effect", "top_low",
                       "top_high", "random_mean", "random_low", "random_high", "p_value",
-                      "normalized"]
+                      "p_low", "p_high", "normalized"]
 ABLATION_COLUMNS = ["phase", "pool", "ablation", "quantity", "heads", "k", "n_random", "overlap",
                     "n_prompts", "base", "top_value", "top_effect", "top_low", "top_high",
-                    "random_value", "random_mean", "random_low", "random_high", "p_value"]
+                    "random_value", "random_mean", "random_low", "random_high", "p_value",
+                    "p_low", "p_high"]
 
 
 def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
@@ -201,8 +203,14 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
         others = [(la, h) for la in range(n_layers) for h in range(n_heads)
                   if (la, h) not in top_set]
         groups = [(others, want, k)]
+    elif pool == "layer-stratified":  # the top set's per-layer counts, from all of each layer
+        counts = {}
+        for layer, _ in want:
+            counts[layer] = counts.get(layer, 0) + 1
+        groups = [([(layer, h) for h in range(n_heads)], [], c)
+                  for layer, c in sorted(counts.items())]
     else:
-        raise ValueError(f"pool={pool!r}; expected one of {list(POOLS)}.")
+        raise ValueError(f"pool={pool!r}; expected one of {list(ALL_POOLS)}.")
     if not any(others for others, _, _ in groups):
         warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
                       "heads fill every head there; that pool is left out.", stacklevel=3)
@@ -211,6 +219,12 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     for others, mine, c in groups:
         possible *= math.comb(len(others), c) if len(others) >= c \
             else math.comb(len(mine), c - len(others))
+    if pool == "layer-stratified":
+        possible -= 1  # (the top set itself is one of them)
+        if possible < 1:
+            warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
+                          "heads fill every head there; that pool is left out.", stacklevel=3)
+            return []
 
     def draw(rng: random.Random) -> list[tuple[int, int]]:
         out = []
@@ -267,14 +281,47 @@ def effect_stats(base: Float[Tensor, " n"], top: Float[Tensor, " n"],
     effects = d.mean(1)
     t = float(effects[0])
     out = dict(top_effect=t, top_low=top_lo, top_high=top_hi, random_mean=nan, random_low=nan,
-               random_high=nan, p_value=nan)
+               random_high=nan, p_value=nan, p_low=nan, p_high=nan)
     if len(random_sets):
         r_lo, r_hi = torch.quantile(boot[:, 1:].reshape(-1), q).tolist()
         tol = TIE_RTOL * max(1.0, abs(t))
-        p = (1 + int((effects[1:].abs() >= abs(t) - tol).sum())) / len(effects)
+        hits = int((effects[1:].abs() >= abs(t) - tol).sum())
+        p_lo, p_hi = mc_interval(hits, len(random_sets))
         out.update(random_mean=float(d[1:].mean()), random_low=r_lo, random_high=r_hi,
-                   p_value=p)
+                   p_value=(1 + hits) / len(effects), p_low=p_lo, p_high=p_hi)
     return out
+
+
+def _binom_cdf(b: int, r: int, p: float) -> float:
+    """``P(X <= b)`` for ``X ~ Binomial(r, p)`` (float64 log-space terms)."""
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0 if b >= r else 0.0
+    i = torch.arange(b + 1, dtype=torch.float64)
+    log = (torch.lgamma(torch.tensor(r + 1.0, dtype=torch.float64)) - torch.lgamma(i + 1)
+           - torch.lgamma(r - i + 1) + i * math.log(p) + (r - i) * math.log1p(-p))
+    return float(torch.logsumexp(log, 0).exp().clamp(max=1.0))
+
+
+def mc_interval(hits: int, r: int, level: float = 0.95) -> tuple[float, float]:
+    """Clopper-Pearson ``level`` interval of the probability ``q`` that a random set is as
+    strong as the top one, from ``hits`` of ``r`` random sets: ``q_low`` solves ``P(X >= hits;
+    q_low) = a/2`` (0 when ``hits = 0``), ``q_high`` solves ``P(X <= hits; q_high) = a/2`` (1
+    when ``hits = r``), ``a = 1 - level``, by bisection (1e-12). The Monte Carlo interval of
+    ``p_value``: the p-value an infinite random pool would give lies in it (at ``level``)."""
+    a = (1.0 - level) / 2
+
+    def solve(b: int, target: float) -> float:  # the q with P(X <= b; q) = target (decreasing)
+        lo, hi = 0.0, 1.0
+        while hi - lo > 1e-12:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _binom_cdf(b, r, mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    low = 0.0 if hits == 0 else solve(hits - 1, 1 - a)  # P(X >= hits; q_low) = a
+    high = 1.0 if hits >= r else solve(hits, a)
+    return low, high
 
 
 def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
@@ -303,11 +350,20 @@ def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, call
     return f
 
 
-def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int
-                 ) -> dict[str, list[list[tuple[int, int]]]]:
-    """Random sets of each pool (``POOLS``) for ``top``."""
-    return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * i, f.n_layers, pool)
-            for i, pool in enumerate(POOLS)}
+def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int,
+                 pools: Sequence[str] = POOLS) -> dict[str, list[list[tuple[int, int]]]]:
+    """Random sets of each of ``pools`` for ``top`` (pool ``i`` of ``ALL_POOLS`` seeded
+    ``seed + 10 i``)."""
+    return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * ALL_POOLS.index(pool),
+                                   f.n_layers, pool) for pool in pools}
+
+
+def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
+    pools = tuple(pools)
+    if not pools or any(p not in ALL_POOLS for p in pools) or len(set(pools)) != len(pools):
+        raise ValueError(f"pools={list(pools)!r}; expected distinct names among "
+                         f"{list(ALL_POOLS)}.")
+    return pools
 
 
 def _sorted_by_length(tp: Task) -> Task:
@@ -338,7 +394,8 @@ def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int
 
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
-                   progress: bool = True, checkpoint: str | Path | None = None):
+                   progress: bool = True, checkpoint: str | Path | None = None,
+                   pools: Sequence[str] = POOLS):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
     with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
     docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
@@ -349,6 +406,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
+    pools_asked = _check_pools(pools)
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
@@ -359,9 +417,9 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     plan = {}  # the sets of every phase first: the bar's total is known before it starts
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
         top = top_heads(scores, phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase)
+        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
         plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
-                       [[], top, *pools["same-layers"], *pools["all-layers"]])
+                       [[], top, *(s for p in pools_asked for s in pools[p])])
     bar = _variant_bar("validate", sum(2 * len(sets) * len(tp)
                                        for tp, _, _, sets in plan.values()), progress)
     for phase, (tp, top, pools, sets) in plan.items():
@@ -433,9 +491,9 @@ def _counted(bar: Any, n: int, runs: Tensor) -> Tensor:
 
 
 def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
-    """Rows of ``pool``'s random sets in ``[[], top, *same-layers, *all-layers]``."""
+    """Rows of ``pool``'s random sets in ``[[], top, *(each pool's sets, in order)]``."""
     start = 2
-    for p in POOLS:
+    for p in pools:
         if p == pool:
             return list(range(start, start + len(pools[p])))
         start += len(pools[p])
@@ -468,7 +526,7 @@ def ablation_task(task: Task) -> Task:
 def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                  ablations: Sequence[str] = ABLATIONS, seed: int = 0,
                  batch_size: int | None = None, n_boot: int = 2000, progress: bool = True,
-                 checkpoint: str | Path | None = None):
+                 checkpoint: str | Path | None = None, pools: Sequence[str] = POOLS):
     """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets
     (module docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool,
     ablation, quantity). ``ablations``: any of "zero", "mean", "resample". Quantities:
@@ -479,6 +537,7 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     from circuitkit.patching.engine import HEAD_SET_SOURCES, ExactEngine
     from circuitkit.patching.sweep import Sweep
 
+    pools_asked = _check_pools(pools)
     f = _check_call(model, task, scores, k, n_random, "ablate_heads")
     bad = [a for a in ablations if a not in HEAD_SET_SOURCES or a == "source"]
     if bad or not ablations:
@@ -501,8 +560,8 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     rows, sets_used, plan = [], {}, {}
     for phase in [p for p in phases if p in _scored(scores)]:
         top = top_heads(scores, phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase)
-        plan[phase] = (top, pools, [[], top, *pools["same-layers"], *pools["all-layers"]])
+        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
+        plan[phase] = (top, pools, [[], top, *(s for p in pools_asked for s in pools[p])])
     bar = _variant_bar("ablate", sum(len(sets) * n * len(ablations)
                                      for _, _, sets in plan.values()), progress)
     for phase, (top, pools, sets) in plan.items():
