@@ -2,14 +2,15 @@
 a reference checkout in the same process.
 
     OMP_NUM_THREADS=1 python benchmarks/characterize.py [--model icd-teacher] [--n 128]
-        [--repeats 1] [--reference /work/main] [--report]
+        [--repeats 1] [--reference /work/main] [--report] [--evaluate]
 
 Each repeat runs ``characterize`` (this checkout, then the reference: interleaved) into a fresh
 folder on the same model object, 1 torch thread, no report unless ``--report``. Printed per step:
 the minimum over repeats for each checkout and the ratio reference / this; then the targets
 (issue 36): the whole call <= 45 s, and validation + ablation <= 2x the four patch sweeps.
 Values are compared too: ``validation.csv`` and ``head-ablation.csv`` of the two checkouts must
-agree to 1e-6 (max |difference| printed).
+agree to 1e-6 (max |difference| printed). ``--evaluate``: instead, ``ck.evaluate`` on the same
+notes, seconds and notes/s per checkout, and whether the two give identical metrics.
 """
 
 from __future__ import annotations
@@ -58,15 +59,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--reference", default=None, help="a circuitkit checkout to compare with")
     ap.add_argument("--report", action="store_true", help="also write report.html")
+    ap.add_argument("--evaluate", action="store_true",
+                    help="time ck.evaluate (notes/s, both checkouts) instead of characterize")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = ck.load_model(args.model)
     fns = {"this": characterize}
+    ref = None
     if args.reference:
         from _reference import import_checkout
 
         ref = import_checkout(args.reference)
         fns["reference"] = importlib_char(ref)
+    if args.evaluate:
+        return evaluate_rows(model, ref, args)
     mins: dict[str, dict[str, float]] = {name: {} for name in fns}
     frames: dict[str, Path] = {}
     for r in range(args.repeats):
@@ -97,11 +103,34 @@ def main() -> None:
 
         for csv in ("validation.csv", "head-ablation.csv"):
             a, b = (pd.read_csv(frames[n] / csv) for n in ("this", "reference"))
+            a = a[[c for c in a.columns if c in b.columns]]  # (columns this checkout added)
+            b = b[a.columns]
             num = a.select_dtypes("number").columns
             diff = float((a[num] - b[num]).abs().max().max())
             same = a.drop(columns=num).equals(b.drop(columns=num))
             print(f"{csv}: max |this - reference| = {diff:.2e}, other columns "
                   f"{'equal' if same else 'DIFFER'}")
+
+
+def evaluate_rows(model, ref, args) -> None:
+    """``evaluate`` on ``--n`` icd10 test notes: seconds and notes/s of each checkout
+    (interleaved, min of ``--repeats``), and whether the metrics are identical."""
+    fns = {"this": ck} | ({"reference": ref} if ref is not None else {})
+    tasks = {name: pkg.load_task("icd10", n_examples=args.n, seed=0, split="test")
+             for name, pkg in fns.items()}  # (each checkout's own Task class)
+    best, got = {}, {}
+    for _ in range(args.repeats):
+        for name, pkg in fns.items():
+            t0 = time.perf_counter()
+            got[name] = pkg.evaluate(model, tasks[name])
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    print(f"evaluate --model {args.model} -n {args.n}, 1 thread, min of {args.repeats}:")
+    print("| checkout | s | notes/s |\n|---|---:|---:|")
+    for name, sec in best.items():
+        print(f"| {name} | {sec:.2f} | {args.n / sec:.1f} |")
+    if ref is not None:
+        print(f"speed-up {best['reference'] / best['this']:.2f}x; metrics identical: "
+              f"{got['this'] == got['reference']}")
 
 
 def importlib_char(ref):

@@ -227,11 +227,11 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
 def padded_greedy(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
                   steps: Sequence[int], batch_size: int = 64, on_batch=None) -> list[list[int]]:
     """``greedy_decode`` with prompts of any lengths in one batch (causal model): the rows are
-    right-padded in a ``[B, max(len_i + steps_i)]`` buffer, and each step runs the buffer up to
-    the longest row, takes row ``i``'s arg-max at its own last position ``len_i - 1`` and writes
-    it at ``len_i`` (a causal model's logits at ``p`` never read positions after ``p``, so the
-    padding changes nothing a row reads). Row ``i`` stops after ``eos_id`` or ``steps[i]``
-    tokens; new tokens only, cut after the first ``eos_id``."""
+    right-padded in a ``[B, max(len_i + steps_i)]`` buffer, and each step runs the rows still
+    decoding up to the longest of them, takes row ``i``'s arg-max at its own last position
+    ``len_i - 1`` and writes it at ``len_i`` (a causal model's logits at ``p`` never read
+    positions after ``p``, so the padding changes nothing a row reads). Row ``i`` stops after
+    ``eos_id`` or ``steps[i]`` tokens; new tokens only, cut after the first ``eos_id``."""
     dev = _device(model)
     out: list[list[int]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths
@@ -243,15 +243,16 @@ def padded_greedy(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
                          device=dev)
         for r, i in enumerate(idx):
             buf[r, :len(prompts[i])] = prompts[i].to(dev)
-        start, rows = length.clone(), torch.arange(len(idx), device=dev)
-        live = left > 0
-        while bool(live.any()):
-            width = int(length[live].max())  # (a finished row's value is not used)
-            nxt = _logits(model, buf[:, :width])[rows, (length - 1).clamp(max=width - 1)]
-            nxt = nxt.argmax(-1)
-            buf[rows[live], length[live]] = nxt[live]
-            length, left = length + live, left - live.long()
-            live &= (nxt != eos_id) & (left > 0)
+        start = length.clone()
+        live = (left > 0).nonzero()[:, 0]  # the rows still decoding: only they run
+        while len(live):
+            width = int(length[live].max())
+            at = torch.arange(len(live), device=dev)
+            nxt = _logits(model, buf[live, :width])[at, length[live] - 1].argmax(-1)
+            buf[live, length[live]] = nxt
+            length[live] += 1
+            left[live] -= 1
+            live = live[(nxt != eos_id) & (left[live] > 0)]
         for r, i in enumerate(idx):
             out[i] = buf[r, int(start[r]):int(length[r])].tolist()
         if on_batch is not None:
