@@ -564,3 +564,27 @@ def test_teacher_forced_exact_match_equals_greedy_where_greedy_follows_the_note(
                             for g, e, n in zip(gens, task.examples, ends, strict=True)])
     assert 8 <= int(follows.sum()) < len(task)  # both kinds of note occur
     assert torch.equal(tf[follows], greedy[follows])
+
+
+def test_a_wrong_fused_head_set_path_is_caught_by_its_probe(synth, monkeypatch):
+    """The fused head-set path is compared with the hooked one once per model and source: a
+    deliberately wrong one (the set's heads never written) is found, warned about, and the
+    hooked path gives the right values."""
+    from tinymodels import TINY_LLAMA, make_model
+
+    from circuitkit.patching import engine as eng
+
+    model = make_model(TINY_LLAMA)  # a fresh object: its own fast-path verdicts
+    clean, corrupt, metric = synth.clean_tokens, synth.corrupt_tokens, synth.metric
+    n, seq = clean.shape
+    f = hooks.facts(model)
+    monkeypatch.setattr(eng, "_written", lambda z, which, src, d_head: z)
+    engine = ExactEngine(model, clean, corrupt, metric,
+                         Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n, seq,
+                               True))
+    sets = [[], [(0, 1)], [(0, 0), (f.n_layers - 1, 3)]]
+    with pytest.warns(UserWarning, match="fused head-set path differs"):
+        got = engine.run_head_sets(sets)
+    assert not engine._head_sets_fused(None, "source")
+    torch.testing.assert_close(got[0], reference(model, clean, corrupt, sets, metric),
+                               atol=1e-5, rtol=0)
