@@ -2,14 +2,16 @@
 ablate them together and compare with random head sets drawn from two pools.
 
 Random sets (``random_head_sets``), ``n_random`` distinct ``k``-sets per pool, none equal to the
-top set:
+top set (``pools``: any of ``ALL_POOLS``; default the first two):
 
 * ``same-layers``: for each layer holding ``c`` of the top heads, ``c`` heads of that layer that
   are not top heads; where a layer has fewer than ``c`` such heads, all of them plus the
   missing number drawn from that layer's top heads (the ``overlap`` column says how many top
   heads every set shares);
 * ``all-layers``: ``k`` heads drawn uniformly from every head that is not a top head (disjoint
-  whenever the model has ``k`` such heads).
+  whenever the model has ``k`` such heads);
+* ``layer-stratified``: for each layer holding ``c`` of the top heads, ``c`` heads drawn from all
+  of that layer's heads (top heads included).
 
 When fewer distinct sets exist than asked, all of them are used (a warning says so) and
 ``n_random`` in the frame is the number used.
@@ -43,13 +45,17 @@ Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
   Monte Carlo permutation p-value of the top set against the random sets of that pool (``tol =
   TIE_RTOL * max(1, |top_effect|)``: a set equal to the top one up to float rounding counts as
   as strong);
+* ``p_low``/``p_high``: its Monte Carlo 95% interval (``mc_interval``: Clopper-Pearson for the
+  count of random sets as strong, out of ``n_random``);
 * validation: ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the
   behaviour fully broken; denoise: 1 = fully restored); ablation: ``base`` (unablated mean),
   ``top_value`` and ``random_value`` (means after ablation).
 
 With ``checkpoint`` (a folder), each finished run is saved there, named by the hash of
 everything it depends on (model weights, tokens, metrics, head sets, ablation), and a rerun
-reuses it: an interrupted validation loses at most the run in progress.
+reuses it once verified (its key, one float32 tensor ``runs`` of the run's shape, finite, its
+SHA-256; a file failing a check is named with the field in a warning and recomputed): an
+interrupted validation loses at most the run in progress.
 """
 
 from __future__ import annotations
@@ -400,7 +406,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
     docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
     ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
-    for finished runs (module docstring)."""
+    for finished runs (module docstring); ``pools``: random-set pools among ``ALL_POOLS``
+    (default ``POOLS``; "layer-stratified": the top set's per-layer counts from all of each
+    layer's heads). Held-out validation: pass ``scores`` from ``score_heads`` on another
+    sample of notes than ``task``'s."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
