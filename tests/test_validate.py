@@ -588,3 +588,37 @@ def test_a_wrong_fused_head_set_path_is_caught_by_its_probe(synth, monkeypatch):
     assert not engine._head_sets_fused(None, "source")
     torch.testing.assert_close(got[0], reference(model, clean, corrupt, sets, metric),
                                atol=1e-5, rtol=0)
+
+
+def test_progress_bars_count_set_prompts_to_a_total_fixed_up_front(planted, monkeypatch):
+    """Issue 36 item 12: the validate bar's total jumped mid-run (21504 -> 18176) when fewer
+    distinct random sets existed than asked. Both bars now count (set, prompt) rows to a total
+    fixed before the first run: it never changes and is reached exactly."""
+    import tqdm.auto
+
+    model, task, scores = planted
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, desc, **kw):
+            self.total, self.desc, self.n, self.totals = total, desc, 0, [total]
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+            self.totals.append(self.total)
+
+        def write(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    with pytest.warns(UserWarning, match="random head sets differ"):
+        validate_heads(model, task, scores, k=1, n_random=50, progress=True)
+        ablate_heads(model, task, scores, k=1, n_random=50, ablations=("zero", "mean"),
+                     progress=True)
+    assert [b.desc for b in bars] == ["validate", "ablate"]
+    for b in bars:
+        assert len(set(b.totals)) == 1 and b.n == b.total > 0, (b.desc, b.totals[:3], b.n)
