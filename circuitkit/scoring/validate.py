@@ -450,8 +450,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                 + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
                                 + f" random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            # fast=None: the fused, packed head sets where the model allows (run_head_sets)
-            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=None,
+            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=_fast(model),
                                  rows=batch_size)
             runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
                                            bar=bar)
@@ -585,8 +584,8 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
                 if engine is None:  # base = source = clean: "source" would change nothing
                     sweep = Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n,
                                   seq, True)
-                    engine = ExactEngine(model, clean, clean, carrier, sweep, fast=None,
-                                         rows=batch_size)
+                    engine = ExactEngine(model, clean, clean, carrier, sweep,
+                                         fast=_fast(model), rows=batch_size)
                 run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed,
                                    bar=bar)
                 if saved:
@@ -611,6 +610,15 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     df = pd.DataFrame(rows, columns=ABLATION_COLUMNS)
     df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
     return df
+
+
+def _fast(model: Any) -> bool | None:
+    """The engine's ``fast`` for head sets: None (probe it; then the fused, packed sets of
+    ``run_head_sets``) on a Llama-form model, else False (the hooked path, as before: the sets
+    gain nothing else from the fast path, so no probe runs)."""
+    from circuitkit.patching import fused
+
+    return None if fused.unhooked(model) and fused.fused_form(model) is not None else False
 
 
 def _scored(scores: Any) -> list[int]:
