@@ -33,7 +33,8 @@ from torch import Tensor
 from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "confusion_from_logits",
-           "f1_scores", "set_metrics", "parse_answer", "greedy_decode"]
+           "f1_scores", "set_metrics", "parse_answer", "greedy_decode",
+           "teacher_forced_greedy"]
 
 
 # --- pure functions on tensors/sets ---------------------------------------------------------------
@@ -134,6 +135,13 @@ def _logits(model, tokens: Tensor) -> Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+def _causal(model) -> bool:
+    """Whether ``model`` is known to be causal: a TransformerLens model whose config says so
+    (any other callable may read the whole row, e.g. a test oracle)."""
+    cfg = getattr(model, "cfg", None)
+    return cfg is not None and getattr(cfg, "attention_dir", "causal") != "bidirectional"
+
+
 def _device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -169,6 +177,86 @@ def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_
                 out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
             if on_batch is not None:
                 on_batch(len(idx))
+    return out
+
+
+def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
+                          argmax: Sequence[Int[Tensor, " seq"]], max_new_tokens: int,
+                          batch_size: int = 64, on_batch=None) -> list[list[int]]:
+    """``greedy_decode`` of each example's prompt ``tokens[:ends[i]]``, decided from its
+    teacher-forced pass where it can be. ``argmax[i][p]``: the arg-max of the clean run's
+    ``logits[p]``. Greedy step ``t`` emits ``argmax(logits[ends[i] - 1 + t])`` of the prefix
+    ``tokens[:ends[i] + t]``; while its tokens equal the example's own continuation ``c =
+    tokens[ends[i]:]`` the prefix *is* the clean one, so step ``t`` is ``argmax[i][ends[i] - 1 +
+    t]``. An example whose first ``T`` steps match (``T``: up to and including ``c``'s first
+    ``<eos>``, at most ``max_new_tokens``) is ``c[:T]`` with no decoding; any other is decoded
+    greedily from its last matching prefix ``tokens[:ends[i] + t*]`` (``t*``: the first step
+    that differs, or the end of ``c``) for the ``max_new_tokens - t*`` steps left, after
+    ``c[:t*]``."""
+    eos = task.eos_id
+    out: list[list[int] | None] = []
+    rest: list[tuple[int, int]] = []  # (example, steps already matched)
+    for i, (e, n) in enumerate(zip(task.examples, ends, strict=True)):
+        c = e.tokens[n:].tolist()
+        pred = argmax[i][n - 1:len(e.tokens) - 1].tolist()  # step t's token, teacher-forced
+        stop = c.index(eos) + 1 if eos in c else len(c)
+        want = min(stop, max_new_tokens)
+        t = next((t for t in range(want) if pred[t] != c[t]), want)
+        if t == want and (want == max_new_tokens or (eos in c and want == stop)):
+            out.append(c[:want])
+            if on_batch is not None:
+                on_batch(1)
+        else:
+            out.append(None)
+            rest.append((i, t))
+    if rest and not _causal(model):  # padding is safe for a causal model only
+        gens = greedy_decode(model, [task.examples[i].tokens[:ends[i]] for i, _ in rest], eos,
+                             max_new_tokens, batch_size, on_batch=on_batch)
+        for (i, _), g in zip(rest, gens, strict=True):
+            out[i] = g
+    elif rest:
+        gens = padded_greedy(model, [task.examples[i].tokens[:ends[i] + t] for i, t in rest],
+                             eos, [max_new_tokens - t for _, t in rest], batch_size,
+                             on_batch=on_batch)
+        for (i, t), g in zip(rest, gens, strict=True):
+            out[i] = task.examples[i].tokens[ends[i]:ends[i] + t].tolist() + g
+    return [g for g in out if g is not None]
+
+
+@torch.no_grad()
+def padded_greedy(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
+                  steps: Sequence[int], batch_size: int = 64, on_batch=None) -> list[list[int]]:
+    """``greedy_decode`` with prompts of any lengths in one batch (causal model): the rows are
+    right-padded in a ``[B, max(len_i + steps_i)]`` buffer, and each step runs the rows still
+    decoding up to the longest of them, takes row ``i``'s arg-max at its own last position
+    ``len_i - 1`` and writes it at ``len_i`` (a causal model's logits at ``p`` never read
+    positions after ``p``, so the padding changes nothing a row reads). Row ``i`` stops after
+    ``eos_id`` or ``steps[i]`` tokens; new tokens only, cut after the first ``eos_id``."""
+    dev = _device(model)
+    out: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        length = torch.tensor([len(prompts[i]) for i in idx], device=dev)
+        left = torch.tensor([int(steps[i]) for i in idx], device=dev)
+        buf = torch.full((len(idx), int((length + left).max())), eos_id, dtype=torch.long,
+                         device=dev)
+        for r, i in enumerate(idx):
+            buf[r, :len(prompts[i])] = prompts[i].to(dev)
+        start = length.clone()
+        live = (left > 0).nonzero()[:, 0]  # the rows still decoding: only they run
+        while len(live):
+            width = int(length[live].max())
+            at = torch.arange(len(live), device=dev)
+            nxt = _logits(model, buf[live, :width])[at, length[live] - 1].argmax(-1)
+            buf[live, length[live]] = nxt
+            length[live] += 1
+            left[live] -= 1
+            live = live[(nxt != eos_id) & (left[live] > 0)]
+        for r, i in enumerate(idx):
+            out[i] = buf[r, int(start[r]):int(length[r])].tolist()
+        if on_batch is not None:
+            on_batch(len(idx))
     return out
 
 
@@ -219,7 +307,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
 
         bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
                    unit="note-pass", file=sys.stderr)
-    focus, conf = [], []
+    focus, conf, argmax = [], [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = _logits(model, sub.clean_tokens.to(dev))
@@ -229,6 +317,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
                              "a diverged training run?")
         focus.append(focus_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
+        argmax += list(logits.argmax(-1).cpu())
         if bar is not None:
             bar.update(len(sub))
     f, c = torch.cat(focus), torch.cat(conf)
@@ -237,9 +326,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     if max_new_tokens is None:
         rest = [len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)]
         max_new_tokens = max(rest) + 4
-    gens = greedy_decode(model, [e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)],
-                         task.eos_id, max_new_tokens, batch_size,
-                         on_batch=None if bar is None else bar.update)
+    gens = teacher_forced_greedy(model, task, ends, argmax, max_new_tokens, batch_size,
+                                 on_batch=None if bar is None else bar.update)
     if bar is not None:
         bar.close()
     preds = [parse_answer(g, task) for g in gens]

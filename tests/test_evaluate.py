@@ -167,3 +167,42 @@ def test_bad_task_and_batch_size_are_named():
         e, tokens=torch.cat([e.tokens[:-1], torch.tensor([-1])]))] + task.examples[1:])
     with pytest.raises(ValueError, match="negative token id"):  # not an IndexError in embed
         ck.evaluate(model, bad)
+
+
+
+@pytest.mark.parametrize("name", ["icd-teacher", "icd-student-cot"])
+def test_teacher_forced_greedy_equals_greedy_decoding(name, monkeypatch):
+    """evaluate's generations, decided from the teacher-forced pass where the model follows the
+    note's own continuation and decoded greedily (right-padded batches, padded_greedy) only
+    from where it departs, are token for token the plain greedy decode of every prompt (the old
+    path: unpadded batches of one length), and so are its metrics (exactly); a short
+    max_new_tokens cuts both the same way."""
+    from circuitkit import evaluation
+
+    model = ck.load_model(name)
+    task = load_task("icd10", n_examples=48, seed=3, split="test", phase=2)
+    think = task.vocab.index("<think>")
+    ends = [evaluation.prompt_end(e, think) for e in task.examples]
+    with torch.no_grad():
+        argmax = list(model(task.clean_tokens).argmax(-1))
+    prompts = [e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)]
+    real, padded, decoded = evaluation.greedy_decode, evaluation.padded_greedy, []
+
+    def counted(*a, **k):
+        decoded.append(len(a[1]))
+        return padded(*a, **k)
+
+    monkeypatch.setattr(evaluation, "padded_greedy", counted)
+    longest = max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True))
+    for max_new in (longest + 4, 5):
+        want = real(model, prompts, task.eos_id, max_new)
+        assert evaluation.teacher_forced_greedy(model, task, ends, argmax, max_new) == want
+    # some notes are decided by the teacher-forced pass alone, the others (a shortlist the
+    # model orders otherwise) are decoded from where they depart: both branches ran
+    assert 0 < sum(decoded) < 2 * len(task), decoded
+    fast = evaluate(model, task)
+    monkeypatch.setattr(evaluation, "teacher_forced_greedy",
+                        lambda m, t, e, a, n, b, on_batch: real(
+                            m, [x.tokens[:k] for x, k in zip(t.examples, e, strict=True)],
+                            t.eos_id, n, b))
+    assert evaluate(model, task) == fast

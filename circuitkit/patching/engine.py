@@ -78,7 +78,7 @@ from typing import Any
 
 import einops
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from circuitkit import hooks
@@ -614,7 +614,8 @@ class ExactEngine:
     @torch.no_grad()
     def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
                       p1: int | None = None, metrics: Sequence[Any] | None = None,
-                      rows: int | None = None, source: str = "source", seed: int = 0
+                      rows: int | None = None, source: str = "source", seed: int = 0,
+                      fast: bool | None = None, on_done: Any = None
                       ) -> Float[Tensor, "n_metrics n_sets n_p"]:
         """Metrics after patching each head set *together*: every ``(layer, head)`` of a set gets
         its source ``z`` at all positions, at every layer the set spans, in one run.
@@ -630,14 +631,19 @@ class ExactEngine:
         batch (set-major rows ``[n_sets * n_p, seq, d_model]``) and re-enter the model at
         ``l0`` from the cached base ``resid_pre(l0)``; a hook at ``z(l)`` of every layer ``l``
         the group touches writes the source ``z`` of each set's heads at ``l`` into that set's
-        rows. The empty set is the unpatched base run. Plain hooked path (no cached attention
-        outputs); with ``reads`` only the read positions are unembedded.
+        rows. The empty set is the unpatched base run. On a Llama-form model on the fast path
+        (``fast``: override ``self.fast``) the same runs are fused and packed
+        (``_fused_head_set_logits``: each row from its first differing position, or 0 for
+        ablations, to its last read), once checked against the hooked path on this model
+        (``_head_sets_agree``, ``FAST_PATH_TOL``; a difference keeps the hooked path, with a
+        warning); otherwise the hooked path, with ``reads`` unembedded at the reads only.
 
         ``metrics``: ``PromptMetric``s evaluated on the same patched logits (default: the
         engine's metric); each must declare ``reads`` within the engine metric's, or the
         engine's metric must read every position. Prompts ``p0:p1`` (default all; a metric
         without per-prompt values needs all). ``rows``: sequences per forward (default from free
-        memory). Returns ``[len(metrics), len(head_sets), p1 - p0]``.
+        memory). ``on_done(n)``: called after each forward with its ``n`` (set, prompt) rows (a
+        progress bar). Returns ``[len(metrics), len(head_sets), p1 - p0]``.
         """
         sw, model = self.sweep, self.model
         if (sw.kind, sw.site, sw.positions) != ("heads", "z", "all"):
@@ -676,6 +682,8 @@ class ExactEngine:
         perm = derangement(n_p, seed) if source == "resample" else None
         out = torch.empty(len(metrics), len(sets), n_p)
         at = None if self.reads is None else self.reads[p0:p1]
+        fused_sets = self._head_sets_fused(fast, source)
+        # (packed rows hold only their own positions: more sets fit one forward)
         per = max(1, (rows or auto_rows(model, length)) // n_p)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(sets):
@@ -684,35 +692,174 @@ class ExactEngine:
             for g0 in range(0, len(members), per):
                 idx = members[g0:g0 + per]
                 n_g = len(idx)
-                x = self._span(self.resid[start], p0, p1, length).repeat(n_g, 1, 1)
-                fwd_hooks = []
-                for layer in sorted({la for i in idx for la, _ in sets[i]}):
-                    heads = [[h for la, h in sets[i] if la == layer] for i in idx]
-                    src = self._head_set_source(layer, source, p0, p1, length, perm)
-
-                    def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
-                        view = act.view(n_g, n_p, *act.shape[1:])
-                        for j, hs in enumerate(heads):
-                            if hs:
-                                view[j][:, :, hs] = src[:, :, hs]
-                        return act
-
-                    fwd_hooks.append((self.site_names[layer], hook))
-                forwards = shortcuts.skipped_blocks(model, start, self.block_arity)
-                if at is not None:
-                    read_rows = at.to(self.device).repeat(n_g, 1)
-                    fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
-                    if self.fast:
-                        forwards += shortcuts.last_mlp_at_rows(model, read_rows)
-                with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
-                        shortcuts.attn_result_off(model):
-                    logits = model(x, start_at_layer=start)
+                group = [sets[i] for i in idx]
+                logits = (self._fused_head_set_logits if fused_sets else
+                          self._hooked_head_set_logits)(group, start, p0, p1, source, perm)
                 what = f"head sets {idx[0]}..{idx[-1]}"
                 rows_at = None if at is None else at.repeat(n_g, 1)
                 for k, m in enumerate(metrics):
                     tiled = m.select(list(range(p0, p1)) * n_g)
                     out[k, idx] = evaluate_metric(tiled, logits, what, at=rows_at).view(n_g, n_p)
+                if on_done is not None:
+                    on_done(n_g * n_p)
         return out
+
+    def _head_sets_fused(self, fast: bool | None, source: str) -> bool:
+        """Whether ``run_head_sets`` runs its sets fused and packed (``_fused_head_set_logits``):
+        a Llama-form model on the fast path, once ``_head_sets_agree`` found the fused sets
+        equal to the hooked ones on this model (per ``source``)."""
+        if not self._packed(fast):
+            return False
+        if fast:  # forced (the probe itself, tests)
+            return True
+        verdicts = _FAST_PATH_VERDICTS.setdefault(self.model, {})
+        key = ("head_sets", source)
+        if key not in verdicts:
+            verdicts[key] = self._head_sets_agree(source)
+        return verdicts[key]
+
+    def _head_sets_agree(self, source: str) -> bool:
+        """The fused head-set path against the hooked one on the first two prompts (all for a
+        scalar metric): a set at layer 0, one spanning every layer (each layer's first and last
+        head), one in the last layer alone."""
+        sw = self.sweep
+        p1 = min(2, sw.n_prompts) if self.metric.per_prompt_values else sw.n_prompts
+        if source == "resample" and p1 < 2:
+            return True  # (run_head_sets refuses it anyway)
+        L, H = sw.n_layers, sw.n_units
+        sets = [[(0, 0)], sorted({(la, h) for la in range(L) for h in (0, H - 1)}),
+                [(L - 1, H - 1)]]
+        fast = self.run_head_sets(sets, 0, p1, source=source, fast=True)
+        plain = self.run_head_sets(sets, 0, p1, source=source, fast=False)
+        err, scale = float((fast - plain).abs().max()), max(1.0, float(plain.abs().max()))
+        return _within_fast_path_tol(self.model, err, scale, "the fused head-set path differs "
+                                     "from the hooked one", "the hooked path",
+                                     f", source {source!r}")
+
+    def _hooked_head_set_logits(self, group: list[list[tuple[int, int]]], start: int, p0: int,
+                                p1: int, source: str, perm: Tensor | None) -> Tensor:
+        """Logits of the sets ``group`` (lowest layer ``start``) on prompts ``p0:p1``, set-major
+        rows: the bridge re-entered at ``start`` from the cached ``resid_pre``, a hook at
+        ``z(l)`` writing each set's heads. ``[n_g * n_p, k, vocab]`` at the reads (or every
+        position when reads are unknown)."""
+        model = self.model
+        n_g, n_p, length = len(group), p1 - p0, self._run_length(p0, p1)
+        at = None if self.reads is None else self.reads[p0:p1]
+        x = self._span(self.resid[start], p0, p1, length).repeat(n_g, 1, 1)
+        fwd_hooks = []
+        for layer in sorted({la for s in group for la, _ in s}):
+            heads = [[h for la, h in s if la == layer] for s in group]
+            src = self._head_set_source(layer, source, p0, p1, length, perm)
+
+            def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
+                view = act.view(n_g, n_p, *act.shape[1:])
+                for j, hs in enumerate(heads):
+                    if hs:
+                        view[j][:, :, hs] = src[:, :, hs]
+                return act
+
+            fwd_hooks.append((self.site_names[layer], hook))
+        forwards = shortcuts.skipped_blocks(model, start, self.block_arity)
+        if at is not None:
+            read_rows = at.to(self.device).repeat(n_g, 1)
+            fwd_hooks.append((hooks.UNEMBED_IN, shortcuts.gather_rows(read_rows)))
+            if self.fast:
+                forwards += shortcuts.last_mlp_at_rows(model, read_rows)
+        with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
+                shortcuts.attn_result_off(model):
+            return model(x, start_at_layer=start)
+
+    def _fused_head_set_logits(self, group: list[list[tuple[int, int]]], start: int, p0: int,
+                               p1: int, source: str, perm: Tensor | None
+                               ) -> Float[Tensor, "n_g_x_n_p k vocab"]:
+        """``_hooked_head_set_logits`` of a Llama-form model as plain tensor code, packed
+        (``fused.Packing``): row ``r`` (set ``r // n_p``, prompt ``r % n_p``) computes positions
+        ``s_r <= pos <= last read``, where ``s_r`` is the first position where base and source
+        tokens differ for ``source="source"`` (before it ``z_source == z_base``) and 0 for
+        ablations. Blocks ``start..L-1`` run as ``FusedLlama.block``; at a layer the group
+        touches, the attention's merged ``z`` ``[T, head, d_head]`` takes the set's heads from
+        the source ``z`` before the output projection: ``z'[t, h] = src[t, h]`` where ``h`` is
+        in row ``t``'s set, else ``z[t, h]``. At block ``start`` (its input is the base run's)
+        ``z`` is the cached base ``z``: no attention runs there. The last block runs at the
+        reads only (its ``z`` elsewhere reaches no read)."""
+        form, L = self.fused, self.sweep.n_layers
+        n_g, n_p, length = len(group), p1 - p0, self._run_length(p0, p1)
+        if source == "source":
+            pack = self._packing(range(n_g), p0, p1)
+        else:
+            reads = self.reads[p0:p1].cpu().repeat(n_g, 1)
+            pack = fused.Packing(torch.zeros(n_g * n_p, dtype=torch.long),
+                                 reads.max(1).values + 1, torch.arange(n_p).repeat(n_g), reads,
+                                 length)
+        token_row = pack.dense_of(torch.device("cpu")) // pack.seq  # [T]
+        x = None
+        for j in range(start, L):
+            b = form.blocks[j]
+            dev = self.layer_device[j]
+            resid = self._span(self.resid[j], p0, p1, length, layer=j)
+            x = pack.gather_prompts(resid) if x is None else x.to(dev)
+            heads = torch.zeros(n_g, form.n_heads, dtype=torch.bool)
+            for g, s in enumerate(group):
+                heads[g, [h for la, h in s if la == j]] = True
+            edit = None
+            if bool(heads.any()):  # (the group's rows, set-major: row r has set r // n_p)
+                src = pack.gather_prompts(self._head_set_source(j, source, p0, p1, length, perm)
+                                          .to(dev))  # [T, head, d_head]
+                edit = (heads.repeat_interleave(n_p, 0)[token_row].to(dev), src)
+            if j == start and edit is not None:  # block start's input is the base run's: its
+                # z is the cached base z, the set's heads written over it
+                z = pack.gather_prompts(self._span(self.site_base[j], p0, p1, length, site=True,
+                                                   layer=j))  # [T, head, d_head]
+                attn = form.linear(_written(z.flatten(-2), *edit, form.d_head), b.o)
+                if j == L - 1:
+                    return pack.spread(form.logits(form.known_block_at_reads(pack, x, b, attn)))
+                x = form.block(pack, x, b, resid, attn=attn)
+                continue
+            if j == L - 1:
+                return pack.spread(form.logits(self._fused_last_block(pack, x, b, resid, edit)))
+            x = form.block(pack, x, b, resid, attn=None if edit is None else
+                           self._fused_attention(pack, x, b, resid, edit))
+        raise AssertionError("unreachable")
+
+    def _fused_attention(self, pack: fused.Packing, x: Tensor, b: Any, resid: Tensor,
+                         edit: tuple[Tensor, Tensor]) -> Float[Tensor, "T d"]:
+        """Block ``b``'s attention output at the packed tokens with ``edit = (which [T, head],
+        src [T, head, d_head])`` written into its merged ``z`` before the output projection
+        (``FusedLlama.block``'s attention, step for step)."""
+        form = self.fused
+        h = form.norm(x, b.ln1)
+        cos, sin = form.token_table(pack, x)
+        q = form.rope(form.heads(h, b.q), cos, sin)
+        k, v = form.packed_kv(pack, form.base_kv(resid, b),
+                              form.rope(form.heads(h, b.k), cos, sin), form.heads(h, b.v))
+        qp = q.new_zeros(pack.n_rows * pack.width, *q.shape[1:])
+        qp.index_copy_(0, pack.slot_of(q.device), q)
+        z = form.attend(qp.view(pack.n_rows, pack.width, *q.shape[1:]), k, v,
+                        pack.mask_of(q.device, b.window))
+        z = z.flatten(0, 1).index_select(0, pack.slot_of(q.device))
+        return form.linear(_written(z, *edit, form.d_head), b.o)
+
+    def _fused_last_block(self, pack: fused.Packing, x: Tensor, b: Any, resid: Tensor,
+                          edit: tuple[Tensor, Tensor] | None) -> Float[Tensor, "N d"]:
+        """The last block at each row's distinct reads (``FusedLlama.last_block_at_reads``)
+        with ``edit`` (``_fused_attention``) written into ``z`` at the reads."""
+        form = self.fused
+        if edit is None:
+            return form.last_block_at_reads(pack, x, b, resid)
+        h = form.norm(x, b.ln1)
+        cos, sin = form.token_table(pack, x)
+        k, v = form.packed_kv(pack, form.base_kv(resid, b),
+                              form.rope(form.heads(h, b.k), cos, sin), form.heads(h, b.v))
+        at, slot = pack.read_tok_of(x.device), pack.read_slot_of(x.device)  # [N] each
+        q = form.rope(form.heads(h[at], b.q), cos[at], sin[at])
+        qp = q.new_zeros(pack.n_rows * pack.read_width, *q.shape[1:])
+        qp.index_copy_(0, slot, q)
+        z = form.attend(qp.view(pack.n_rows, pack.read_width, *q.shape[1:]), k, v,
+                        pack.read_mask_of(x.device, b.window))
+        z = _written(z.flatten(0, 1).index_select(0, slot), edit[0][at], edit[1][at],
+                     form.d_head)
+        y = form.linear(z, b.o).add_(x[at])
+        return y.add_(form.mlp(form.norm(y, b.ln2), b))
 
     def _head_set_source(self, layer: int, source: str, p0: int, p1: int, length: int,
                          perm: Tensor | None) -> Float[Tensor, "n_p pos head d_head"]:
@@ -763,6 +910,14 @@ class ExactEngine:
 
 
 HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
+
+
+def _written(z: Float[Tensor, "T h_d"], which: Bool[Tensor, "T head"],
+             src: Float[Tensor, "T head d_head"], d_head: int) -> Float[Tensor, "T h_d"]:
+    """Merged ``z`` with ``src`` written where ``which``: ``z'[t, h] = src[t, h] if which[t, h]
+    else z[t, h]``."""
+    z = z.unflatten(-1, (-1, d_head))
+    return torch.where(which[..., None], src.to(z.dtype), z).flatten(-2)
 
 
 def derangement(n: int, seed: int) -> Tensor:

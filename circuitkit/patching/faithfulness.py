@@ -9,10 +9,17 @@ ablated, and reports the normalized metric of each circuit and MIB's areas:
     CPR   = sum_k (x_{k+1} - x_k) (f_k + f_{k+1}) / 2      (area under f over the kept share x)
     CMD   = sum_k (x_{k+1} - x_k) (|1 - f_k| + |1 - f_{k+1}|) / 2   (area between f and 1)
 
-``m(full)``: every scored item kept (the clean run, when the items cover the model);
+``m(full)``: every scored item kept (the clean run: unscored edges count as kept);
 ``m(empty)``: every scored item ablated (the ablation run: the corrupt run for
-``ablation="corrupt"`` when the items cover the model). Intervals: percentile bootstrap over
-prompts of f, CPR and CMD (each resample recomputes the means, as ``PatchResult`` does).
+``ablation="corrupt"`` when the items cover the model). f is a share of what the scored items
+carry, which may be a sliver of the behaviour, so beside it stands their share of the whole
+clean-corrupt gap:
+
+    share = (m(full) - m(empty)) / (m(clean) - m(corrupt))
+
+Intervals: percentile bootstrap over prompts of f, CPR, CMD and share (each resample
+recomputes the means, as ``PatchResult`` does). The degenerate-baseline rule is
+``PatchResult``'s (docs/metrics.md), applied to clean vs corrupt and to full vs empty.
 
 The run (``_Ablated``), block by block: each head's q/k/v input is its own copy of the residual
 (its activation computed by the module itself on that copy, ``shortcuts.run_until``). With
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import einops
@@ -51,7 +59,16 @@ from circuitkit.patching.inputs import (
     check_tokens,
     choice,
 )
-from circuitkit.patching.results import CircuitResult, EdgeResult, PatchResult
+from circuitkit.patching.results import (
+    CircuitResult,
+    CircuitTargetWarning,
+    DegenerateBaselineWarning,
+    EdgeResult,
+    PatchResult,
+    _outside_circuitkit,
+    node_name,
+    quiet_baseline,
+)
 from circuitkit.patching.sweep import auto_rows
 
 ABLATIONS = ("corrupt", "zero", "mean", "resample")
@@ -69,14 +86,23 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
 
     ``task``: a ``Task`` (its clean and corrupt tokens and metric) or a ``(clean_tokens,
     corrupt_tokens, metric)`` tuple. ``edges_or_heads``: an ``EdgeResult`` (items: its edges)
-    or a ``PatchResult`` of heads at all positions (items: heads); items are ranked by
-    ``|effect|`` (``rank="abs"``) or by effect, largest first (``"signed"``: helpful items
-    first, as MIB's CPR ranks). ``sizes``: shares of the items kept, in (0, 1], ascending
-    (``int(share x n_items)`` items, as MIB counts). ``ablation``: "corrupt" (the corrupt run's
-    writes), "zero", "mean" (over the task's clean prompts, per position) or "resample"
-    (another prompt's clean writes, a seeded derangement). ``target``: the kept set
-    (``CircuitResult.kept``) is the smallest circuit of the curve with faithfulness >= target
-    (else every item). ``n_boot``: bootstrap resamples of the intervals (0: none).
+    or a ``PatchResult`` of heads at all positions (items: heads), patched on this model (its
+    ``meta["model_fingerprint"]``, and every node, must be this model's); items are ranked by
+    ``|effect|`` (``rank="abs"``) or helpful first (``"signed"``, as MIB's CPR ranks: by
+    effect for denoise, by ``-effect`` for noise, where breaking the metric is the help).
+    ``sizes``: shares of the items kept, in (0, 1], ascending (``int(share x n_items)`` items,
+    as MIB counts). ``ablation``: "corrupt" (the corrupt run's writes), "zero", "mean" (over
+    the task's clean prompts, per position) or "resample" (another prompt's clean writes, a
+    seeded derangement). ``target``: the kept set (``CircuitResult.kept``) is the smallest
+    circuit of the curve with faithfulness >= target; when none reaches it,
+    ``target_reached`` is False, a ``CircuitTargetWarning`` says so and the kept set is the
+    largest circuit. ``n_boot``: bootstrap resamples of the intervals (0: none).
+
+    Also ``share = (full - empty) / (clean - corrupt)``: the scored items' share of the whole
+    behaviour (f and CPR are shares of that part only). A degenerate baseline (the
+    corruption does not lower the metric by ``PatchResult``'s margin) or a candidate set whose
+    ablation does not move the metric by that margin gives ``degenerate`` (the reason), raw
+    effects in ``faithfulness``, None for cpr/cmd/share, and one ``DegenerateBaselineWarning``.
     """
     t0 = time.perf_counter()
     choice("ablation", ablation, ABLATIONS)
@@ -91,35 +117,105 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
     check_metric_prompts(pm, n)
     check_edge_model(model)
+    _check_same_model(model, edges_or_heads)
     graph = _Graph.of(model, edges_or_heads)
-    order = graph.order(rank)
+    order = graph.order(rank, edges_or_heads.direction)
     counts = [int(share * graph.n_items) for share in sizes]
     kept = [_first(order, k, graph.n_items) for k in counts]
     # m(full): the clean run (nothing ablated); m(empty): every scored item ablated
     runner = _Ablated(model, clean, corrupt, pm, graph, ablation, seed, batch_size)
-    full = runner.clean_metric
+    full, corrupt_m = runner.clean_metric, runner.corrupt_metric
     masks = [torch.zeros(graph.n_items, dtype=torch.bool), *kept]
     per = runner.metrics(masks, progress)
     empty, curve = per[0], per[1:]
-    f = _faithfulness(curve.mean(1), full.mean(), empty.mean())
-    cpr, cmd = _areas(torch.tensor(sizes), f[None])
-    intervals = None
-    if pm.per_prompt_values and n_boot > 0 and n > 1:
-        intervals = _bootstrap(torch.tensor(sizes), curve, full, empty, n_boot, seed)
-    reached = [i for i, v in enumerate(f.tolist()) if v >= target]
+    real = pm.per_prompt_values
+    degenerate = _degenerate(full, corrupt_m, empty, real, pm.name, ablation)
+    x = torch.tensor(sizes)
+    intervals, cpr, cmd, share = None, None, None, None
+    if degenerate is None:
+        f = _faithfulness(curve.mean(1), full.mean(), empty.mean())
+        cpr, cmd = (float(a[0]) for a in _areas(x, f[None]))
+        share = float(_share(full.mean(), empty.mean(), corrupt_m.mean()))
+        if real and n_boot > 0 and n > 1:
+            intervals = _bootstrap(x, curve, full, empty, corrupt_m, n_boot, seed)
+    else:  # no share to give: raw effects m(C) - m(empty), said once
+        f = curve.mean(1) - empty.mean()
+        warnings.warn(DegenerateBaselineWarning(f"circuitkit: ck.circuit: {degenerate}"),
+                      stacklevel=_outside_circuitkit())
+    reached = [i for i, v in enumerate(f.tolist()) if v >= target] if degenerate is None else []
     chosen = reached[0] if reached else len(sizes) - 1
+    if degenerate is None and not reached:
+        warnings.warn(CircuitTargetWarning(_missed(f, sizes, counts, target, graph.n_items)),
+                      stacklevel=_outside_circuitkit())
     return CircuitResult(
         kind=graph.kind, sizes=tuple(sizes), n_kept=tuple(counts), faithfulness=f,
-        per_prompt=curve if pm.per_prompt_values else None, full=float(full.mean()),
-        empty=float(empty.mean()), full_per_prompt=full if pm.per_prompt_values else None,
-        empty_per_prompt=empty if pm.per_prompt_values else None, cpr=float(cpr[0]),
-        cmd=float(cmd[0]), items=graph.ranked(order), n_layers=graph.n_layers,
-        ablation=ablation, rank=rank, target=float(target), chosen=chosen,
-        intervals=intervals,
+        per_prompt=curve if real else None, full=float(full.mean()),
+        empty=float(empty.mean()), full_per_prompt=full if real else None,
+        empty_per_prompt=empty if real else None, cpr=cpr, cmd=cmd,
+        items=graph.ranked(order), n_layers=graph.n_layers, ablation=ablation, rank=rank,
+        target=float(target), chosen=chosen, intervals=intervals,
+        corrupt=float(corrupt_m.mean()), share=share, target_reached=bool(reached),
+        degenerate=degenerate,
         meta=dict(n_prompts=n, n_items=graph.n_items, metric=pm.name, **dict(pm.labels),
                   model=str(getattr(model.cfg, "model_name", "")),
                   scores_method=edges_or_heads.method, direction=edges_or_heads.direction,
                   seconds=time.perf_counter() - t0, forwards=runner.forwards))
+
+
+def _check_same_model(model: Any, result: Any) -> None:
+    """Refuse a result patched on another model: its ``meta["model_fingerprint"]`` (written by
+    every exact sweep) must be this model's (``checkpoint.model_fingerprint``)."""
+    if not isinstance(result, EdgeResult | PatchResult):
+        return  # (_Graph.of names the type)
+    stored = (result.meta or {}).get("model_fingerprint")
+    if stored is None:
+        return
+    from circuitkit.patching.checkpoint import model_fingerprint
+
+    if stored != model_fingerprint(model):
+        what = "EdgeResult" if isinstance(result, EdgeResult) else "PatchResult"
+        raise ValueError(f"edges_or_heads: this {what} was patched on another model (its "
+                         f"meta['model_fingerprint'] {str(stored)[:12]}... is not this model's "
+                         "weights); score the items on the model you measure the circuit on.")
+
+
+def _degenerate(full: Tensor, corrupt: Tensor, empty: Tensor, per_prompt: bool, metric: str,
+                ablation: str) -> str | None:
+    """Why faithfulness is no share (``PatchResult.degenerate``'s rule, the one rule), or None:
+    the corruption does not lower the metric by its margin (clean vs corrupt run), or ablating
+    every scored item does not move it by its margin (``full`` vs ``empty``: f would divide
+    noise by noise)."""
+    def view(a: Tensor, b: Tensor) -> PatchResult:
+        return PatchResult(values=torch.zeros(1, 1), clean=float(a.mean()),
+                           corrupt=float(b.mean()), direction="denoise", method="exact",
+                           site="z", positions="all",
+                           clean_per_prompt=a if per_prompt else None,
+                           corrupt_per_prompt=b if per_prompt else None,
+                           meta=dict(metric=metric))
+
+    baseline = view(full, corrupt)
+    if baseline.degenerate:
+        return (baseline.degenerate_reason().removeprefix("circuitkit: ").split(", so ")[0]
+                + ", so faithfulness, CPR and CMD are not shares of the behaviour: "
+                "CircuitResult.faithfulness holds raw effects m(C) - m(empty) and cpr/cmd are "
+                "None. Use a corruption that removes the behaviour, or more prompts.")
+    ends = view(full, empty)
+    if ends.degenerate:
+        return (f"ablating every scored item ({ablation} ablation) moves metric {metric!r} by "
+                f"{ends.gap:.3g} only (all kept {ends.clean:.4g}, all ablated {ends.corrupt:.4g}"
+                f", margin {ends.gap_margin:.3g}): these items carry none of the behaviour "
+                "measurably, so faithfulness would be noise over noise: raw effects m(C) - "
+                "m(empty) are given and cpr/cmd are None. Score a larger candidate set.")
+    return None
+
+
+def _missed(f: Tensor, sizes: list[float], counts: list[int], target: float,
+            n_items: int) -> str:
+    best = int(torch.argmax(f.nan_to_num(float("-inf"))))
+    return (f"circuitkit: ck.circuit: no circuit of the curve reaches faithfulness {target:g} "
+            f"(best {float(f[best]):.3f} at size {sizes[best]:g}, {counts[best]} of {n_items} "
+            f"items): target_reached is False and kept() is the largest circuit of the curve, "
+            f"{counts[-1]} of {n_items} items. Add larger sizes (up to 1.0) or lower target.")
 
 
 def _check_sizes(sizes: Any) -> list[float]:
@@ -154,6 +250,12 @@ def _faithfulness(m: Tensor, full: Tensor, empty: Tensor) -> Tensor:
     return (m - empty) / (full - empty)
 
 
+def _share(full: Tensor, empty: Tensor, corrupt: Tensor) -> Tensor:
+    """The scored items' share of the whole behaviour: ``(full - empty) / (clean - corrupt)``
+    (``full`` is the clean run)."""
+    return (full - empty) / (full - corrupt)
+
+
 def _areas(x: Float[Tensor, " k"], f: Float[Tensor, "b k"]) -> tuple[Tensor, Tensor]:
     """(CPR, CMD) of each row of ``f`` over ``x`` (trapezoids, as MIB)."""
     dx = x[1:] - x[:-1]
@@ -164,16 +266,18 @@ def _areas(x: Float[Tensor, " k"], f: Float[Tensor, "b k"]) -> tuple[Tensor, Ten
 
 
 def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tensor,
-               n_boot: int, seed: int, level: float = 0.95) -> dict[str, Any]:
-    """Percentile intervals over prompt resamples of f (per size), CPR and CMD."""
+               corrupt: Tensor, n_boot: int, seed: int, level: float = 0.95) -> dict[str, Any]:
+    """Percentile intervals over prompt resamples of f (per size), CPR, CMD and the share of
+    the gap (each resample recomputes every mean)."""
     n = curve.shape[1]
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(n_boot, n, dtype=torch.float64)
     counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
                         torch.ones(n_boot, n, dtype=torch.float64))
     w = counts / n
-    f = _faithfulness(w @ curve.double().T, (w @ full.double())[:, None],
-                      (w @ empty.double())[:, None])  # [n_boot, k]
+    full_b, empty_b = w @ full.double(), w @ empty.double()
+    f = _faithfulness(w @ curve.double().T, full_b[:, None], empty_b[:, None])  # [n_boot, k]
+    share = _share(full_b, empty_b, w @ corrupt.double())
     cpr, cmd = _areas(x.double(), f)
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
 
@@ -182,7 +286,7 @@ def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tens
         return torch.quantile(t, q, dim=0).movedim(0, -1).tolist() if t.numel() else None
 
     return dict(level=level, n_boot=n_boot, faithfulness=band(f), cpr=band(cpr),
-                cmd=band(cmd))
+                cmd=band(cmd), share=band(share))
 
 
 class _Graph:
@@ -191,13 +295,14 @@ class _Graph:
     receiver; k/v receivers of GQA models on KV heads)."""
 
     def __init__(self, model: Any, kind: str, item_cells: list[Tensor], scores: Tensor,
-                 names: list[Any]):
+                 names: list[Any], shares: Tensor | None = None):
         f = hooks.facts(model)
         self.kind, self.n_layers, self.n_heads, self.n_kv = kind, f.n_layers, f.n_heads, \
             f.n_kv_heads
         self.n_items = len(item_cells)
         self.cells = item_cells  # per item: [k, 3] dense (sender, receiver, input) rows
-        self.scores = scores
+        self.scores = scores  # raw effects (value - baseline): what items are ranked by
+        self.shares = scores if shares is None else shares  # normalized (PatchResult's)
         self.names = names
 
     @property
@@ -225,20 +330,30 @@ class _Graph:
             g = cls(model, "edges", [], torch.zeros(0), [])
             idx = result.edge_mask().nonzero()
             eff = result.effect()
-            cells, scores, names = [], [], []
+            with quiet_baseline():  # the circuit says its own baseline
+                norm = result.normalized()
+            cells, scores, shares, names = [], [], [], []
             for s, r, i in idx.tolist():
                 sl, sh = result.senders[s]
                 rl, rh = result.receivers[r]
+                inp = "resid" if rl >= f.n_layers else result.inputs[i]
+                top = f.n_kv_heads if inp in hooks.KV_SITES else f.n_heads
+                if sh >= f.n_heads or rl < f.n_layers and rh >= top:
+                    raise ValueError(
+                        f"edges_or_heads: edge {node_name((sl, sh), f.n_layers)} -> "
+                        f"{node_name((rl, rh), f.n_layers)} ({inp}) is no edge of this model "
+                        f"({f.n_layers} layers x {f.n_heads} heads, {f.n_kv_heads} KV heads): "
+                        "the EdgeResult was patched on another model.")
                 cells.append(torch.tensor([[g.sender(sl, sh), g.receiver(rl, rh), i if rl <
                                             f.n_layers else 0]]))
                 scores.append(float(eff[s, r, i]))
-                names.append(((sl, sh), (rl, rh), "resid" if rl >= f.n_layers
-                              else result.inputs[i]))
+                shares.append(float(norm[s, r, i]))
+                names.append(((sl, sh), (rl, rh), inp))
             input_index = [hooks.EDGE_INPUTS.index(x) for x in result.inputs]
             for c in cells:  # the result's input index -> the model's (q, k, v)
                 if int(c[0, 1]) != g.receiver(f.n_layers, -1):
                     c[0, 2] = input_index[int(c[0, 2])]
-            return cls(model, "edges", cells, torch.tensor(scores), names)
+            return cls(model, "edges", cells, torch.tensor(scores), names, torch.tensor(shares))
         if isinstance(result, PatchResult):
             if result.axes != ("layer", "head") or result.site != "z":
                 raise ValueError("edges_or_heads: a PatchResult of heads at site 'z', all "
@@ -249,27 +364,37 @@ class _Graph:
                                  f" do not match this model's {f.n_layers} x {f.n_heads} heads.")
             g = cls(model, "heads", [], torch.zeros(0), [])
             eff = result.effect()
+            with quiet_baseline():
+                norm = result.normalized()
             cells = [torch.tensor([[g.sender(la, h), -1, -1]]) for la in range(f.n_layers)
                      for h in range(f.n_heads)]
             names = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
-            return cls(model, "heads", cells, eff.flatten().float(), names)
+            return cls(model, "heads", cells, eff.flatten().float(), names,
+                       norm.flatten().float())
         raise ValueError(f"edges_or_heads: expected an EdgeResult (patch_edges) or a head "
                          f"PatchResult (patch_heads); got {type(result).__name__}.")
 
-    def order(self, rank: str) -> Tensor:
-        key = self.scores.abs() if rank == "abs" else self.scores
+    def order(self, rank: str, direction: str) -> Tensor:
+        """Items, first kept first: ``"abs"`` by ``|effect|``; ``"signed"`` helpful first,
+        i.e. by effect for denoise (restoring the metric) and by ``-effect`` for noise
+        (breaking it: the most negative effect is the most helpful item)."""
+        sign = 1.0 if direction == "denoise" else -1.0
+        key = self.scores.abs() if rank == "abs" else sign * self.scores
         return torch.argsort(-key.nan_to_num(float("-inf")), stable=True)
 
     def ranked(self, order: Tensor) -> list[dict[str, Any]]:
+        """``CircuitResult.items``: names, normalized score and raw effect of each item."""
         out = []
         for j in order.tolist():
             name = self.names[j]
-            score = float(self.scores[j])
+            said = dict(score=float(self.shares[j]), effect=float(self.scores[j]))
             if self.kind == "heads":
-                out.append(dict(layer=name[0], head=name[1], score=score))
+                out.append(dict(name=node_name(name, self.n_layers), layer=name[0],
+                                head=name[1], **said))
             else:
-                (sl, sh), (rl, rh), inp = name
-                out.append(dict(sender=[sl, sh], receiver=[rl, rh], input=inp, score=score))
+                s, r, inp = name
+                out.append(dict(sender=node_name(s, self.n_layers),
+                                receiver=node_name(r, self.n_layers), input=inp, **said))
         return out
 
     def masks(self, kept_items: Bool[Tensor, "c n_items"]
@@ -361,8 +486,10 @@ class _Ablated:
     def _ablated_writes(self, ablation: str, corrupt: Tensor, clean_cache: dict[str, Tensor],
                         seed: int) -> list[Tensor]:
         names = list(clean_cache)
+        # the corrupt run's metric: the gap the scored items' share is of
+        logits, cache = self._run(corrupt[:, :self.length].to(self.device), names)
+        self.corrupt_metric = evaluate_metric(self.metric, logits, "corrupt run", at=self.reads)
         if ablation == "corrupt":
-            _, cache = self._run(corrupt[:, :self.length].to(self.device), names)
             return self._writes(cache)
         clean = self._writes(clean_cache)
         if ablation == "zero":

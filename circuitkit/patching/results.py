@@ -706,6 +706,47 @@ def _edge_paths(path: str | Path) -> dict[str, Path]:
 # --- circuits ------------------------------------------------------------------------------------
 
 CIRCUIT_FORMAT = "circuitkit.circuit"
+CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap
+CIRCUIT_KINDS = ("edges", "heads")
+CIRCUIT_ABLATIONS = ("corrupt", "zero", "mean", "resample")
+CIRCUIT_RANKS = ("abs", "signed")
+CIRCUIT_INPUTS = (*hooks.EDGE_INPUTS, "resid")
+
+
+class CircuitTargetWarning(UserWarning):
+    """No circuit of the curve reaches the faithfulness target (``CircuitResult.target_reached``
+    is False): the kept set is the largest circuit of the curve, not one that reaches it."""
+
+
+def node_of(name: str, n_layers: int) -> tuple[int, int]:
+    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1),
+    ``"L2H5"`` -> (2, 5); a ``ValueError`` for anything else."""
+    if name == "embed":
+        return (-1, -1)
+    if name == "logits":
+        return (n_layers, -1)
+    import re
+
+    m = re.fullmatch(r"L(\d+)H(\d+)", str(name))
+    if not m or int(m.group(1)) >= n_layers:
+        raise ValueError(f"{name!r} is not a node of a {n_layers}-layer model (embed, logits or "
+                         "L<layer>H<head>).")
+    return (int(m.group(1)), int(m.group(2)))
+
+
+def gap_percent(share: float) -> str:
+    """A share of the clean-corrupt gap in percent, small ones with two decimals so that they
+    read as small, not as 0: ``0.40%``, ``12.5%``, ``143.0%``."""
+    return f"{share:.{2 if abs(share) < 0.1 else 1}%}"
+
+
+def share_phrase(share: float | None) -> str:
+    """The candidate set's share of the clean-corrupt gap in words: ``"they carry 0.40% of the
+    clean-corrupt gap"`` (one wording for the repr the CLI prints, the figures and the
+    report)."""
+    if share is None or not math.isfinite(share):
+        return "their share of the clean-corrupt gap is undefined (degenerate baseline)"
+    return f"they carry {gap_percent(share)} of the clean-corrupt gap"
 
 
 @dataclass
@@ -716,12 +757,20 @@ class CircuitResult:
     ``n_kept``: how many items that is; ``faithfulness[k] = (m(C_k) - empty) / (full -
     empty)`` with ``full``/``empty`` the metric with every scored item kept / ablated;
     ``per_prompt``: ``[n_sizes, n_prompts]`` metric of each circuit. ``cpr``/``cmd``: MIB's
-    areas (under f; between f and 1) over the kept share. ``items``: every scored item,
-    ranked (edges: ``sender``/``receiver`` as ``[layer, head]``, the embeddings ``[-1, -1]``,
-    the logits ``[n_layers, -1]``, ``input``, ``score``; heads: ``layer``, ``head``,
-    ``score``). ``chosen``: index of the kept set, the smallest circuit with faithfulness >=
-    ``target`` (the largest when none reaches it). ``intervals``: bootstrap percentile
-    intervals over prompts of faithfulness (per size), CPR and CMD, or None.
+    areas (under f; between f and 1) over the kept share. ``share``: the scored items' share
+    of the whole behaviour, ``(full - empty) / (clean - corrupt)`` (``clean`` = ``full``, the
+    clean run; ``corrupt``: the corrupt run): f and CPR are shares of *that* part only.
+    ``items``: every scored item, ranked, the same dicts ``kept()`` and ``circuit.json`` give
+    (edges: ``sender``/``receiver`` node names as ``node_name``, ``input``; heads: ``name``,
+    ``layer``, ``head``; both: ``score``, the item's own normalized effect as
+    ``PatchResult.normalized``, and ``effect``, its raw effect ``value - baseline``).
+    ``chosen``: index of the kept set, the smallest circuit with faithfulness >= ``target``
+    (``target_reached``; else the largest circuit, with a ``CircuitTargetWarning``).
+    ``degenerate``: why f is no share (the corruption does not lower the metric by its margin,
+    or ablating every scored item does not move it: ``PatchResult.degenerate``'s rule), else
+    None; then ``faithfulness`` holds raw effects ``m(C_k) - empty`` and ``cpr``/``cmd``/``share``
+    are None. ``intervals``: bootstrap percentile intervals over prompts of faithfulness (per
+    size), CPR, CMD and share, or None.
     """
 
     kind: str
@@ -730,8 +779,8 @@ class CircuitResult:
     faithfulness: Float[Tensor, " n_sizes"]
     full: float
     empty: float
-    cpr: float
-    cmd: float
+    cpr: float | None
+    cmd: float | None
     items: list[dict[str, Any]]
     n_layers: int
     ablation: str
@@ -743,11 +792,16 @@ class CircuitResult:
     empty_per_prompt: Float[Tensor, " n_prompts"] | None = None
     intervals: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    corrupt: float | None = None
+    share: float | None = None
+    target_reached: bool = True
+    degenerate: str | None = None
 
     def kept(self, index: int | None = None) -> list[dict[str, Any]]:
-        """The items of circuit ``index`` of the curve (default ``chosen``), strongest first."""
+        """The items of circuit ``index`` of the curve (default ``chosen``), strongest first:
+        the dicts ``circuit.json``'s ``edges`` (heads: ``nodes``) hold."""
         k = self.chosen if index is None else index
-        return self.items[:self.n_kept[k]]
+        return [dict(it) for it in self.items[:self.n_kept[k]]]
 
     def to_frame(self):
         """pandas DataFrame, one row per size: size, n_kept, faithfulness[, ci_low, ci_high]."""
@@ -762,37 +816,39 @@ class CircuitResult:
         return df
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
-        """The kept set as JSON-ready data: ``nodes`` (name, layer, head), ``edges`` (sender,
-        receiver, input, score; for heads: the kept heads' scores), its faithfulness, the
-        curve (``to_frame`` rows) and its CPR and CMD."""
+        """The kept set as JSON-ready data: ``nodes`` (name, layer, head; for heads also the
+        item's score and effect), ``edges`` (the kept items as ``kept()`` gives them; none for
+        heads), its faithfulness, the curve (``to_frame`` rows), CPR, CMD and the share of the
+        gap (``read_circuit_json`` checks what it reads back)."""
         k = self.chosen if index is None else index
         kept = self.kept(k)
         nodes: dict[str, dict[str, Any]] = {}
 
-        def node(layer_head: list[int]) -> str:
-            name = node_name(layer_head, self.n_layers)
-            nodes.setdefault(name, dict(name=name, layer=int(layer_head[0]),
-                                        head=int(layer_head[1])))
-            return name
+        def node(name: str) -> None:
+            layer, head = node_of(name, self.n_layers)
+            nodes.setdefault(name, dict(name=name, layer=layer, head=head))
 
         if self.kind == "edges":
-            edges = [dict(sender=node(e["sender"]), receiver=node(e["receiver"]),
-                          input=e["input"], score=e["score"]) for e in kept]
+            for e in kept:
+                node(e["sender"])
+                node(e["receiver"])
+            edges = kept
         else:
             edges = []
             for h in kept:
-                node([h["layer"], h["head"]])
-                nodes[node_name([h["layer"], h["head"]], self.n_layers)]["score"] = h["score"]
-        band = (self.intervals or {}).get("faithfulness")
+                nodes[h["name"]] = dict(h)
+        iv = self.intervals or {}
+        band = iv.get("faithfulness")
         curve = self.to_frame().to_dict(orient="records")
-        return dict(format=CIRCUIT_FORMAT, version=1, kind=self.kind, size=self.sizes[k],
-                    n_kept=self.n_kept[k], n_items=len(self.items),
+        return dict(format=CIRCUIT_FORMAT, version=CIRCUIT_VERSION, kind=self.kind,
+                    size=self.sizes[k], n_kept=self.n_kept[k], n_items=len(self.items),
                     faithfulness=float(self.faithfulness[k]),
                     faithfulness_ci=band[k] if band else None, target=self.target,
-                    ablation=self.ablation, rank=self.rank, cpr=self.cpr, cmd=self.cmd,
-                    cpr_ci=(self.intervals or {}).get("cpr"),
-                    cmd_ci=(self.intervals or {}).get("cmd"),
-                    n_layers=self.n_layers, curve=curve,
+                    target_reached=self.target_reached, ablation=self.ablation,
+                    rank=self.rank, cpr=self.cpr, cmd=self.cmd, cpr_ci=iv.get("cpr"),
+                    cmd_ci=iv.get("cmd"), full=self.full, empty=self.empty,
+                    corrupt=self.corrupt, share=self.share, share_ci=iv.get("share"),
+                    degenerate=self.degenerate, n_layers=self.n_layers, curve=curve,
                     nodes=sorted(nodes.values(), key=lambda d: (d["layer"], d["head"])),
                     edges=edges, meta=self.meta)
 
@@ -804,6 +860,135 @@ class CircuitResult:
 
     def __repr__(self) -> str:
         k = self.chosen
-        return (f"CircuitResult({self.kind}, ablation={self.ablation!r}, CPR={self.cpr:.3f}, "
-                f"CMD={self.cmd:.3f}, kept {self.n_kept[k]} of {len(self.items)} "
-                f"(faithfulness {float(self.faithfulness[k]):.3f}))")
+        head = f"CircuitResult({self.kind}, ablation={self.ablation!r}, "
+        if self.degenerate:
+            return head + (f"degenerate: no faithfulness, CPR or CMD ({self.degenerate}); "
+                           f"{len(self.items)} items)")
+        miss = "" if self.target_reached else f", target {self.target:g} not reached"
+        return head + (f"CPR={self.cpr:.3f}, CMD={self.cmd:.3f}, kept {self.n_kept[k]} of "
+                       f"{len(self.items)} (faithfulness {float(self.faithfulness[k]):.3f}"
+                       f"{miss}); {share_phrase(self.share)}, so CPR and faithfulness are "
+                       "shares of that part)")
+
+
+def read_circuit_json(path: str | Path) -> dict[str, Any]:
+    """``circuit.json`` (``CircuitResult.save_json``) read strictly: every field the readers
+    use is checked for type, range and shape, nodes and edges against each other; a bad file
+    is one ``ValueError`` naming the file and the field. Returns the parsed dict."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not a readable circuit file ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not a readable circuit file: not valid JSON (truncated?) at "
+                         f"line {e.lineno} column {e.colno}.") from None
+
+    def bad(name: str, want: str, got: Any) -> ValueError:
+        return ValueError(f"{p}: field {name!r} must be {want}; got {got!r:.80}.")
+
+    def number(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf,
+               none: bool = False) -> None:
+        if value is None and none:
+            return
+        if not _number(value) or not math.isfinite(value) or not lo <= value <= hi:
+            raise bad(name, f"a finite number in [{lo:g}, {hi:g}]" + (" or null" if none
+                                                                       else ""), value)
+
+    def integer(name: str, value: Any, lo: int, hi: float = math.inf) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise bad(name, f"an integer in [{lo}, {hi:g}]", value)
+
+    def band(name: str, value: Any) -> None:
+        if value is None:
+            return
+        if not (isinstance(value, list) and len(value) == 2 and all(
+                _number(v) and math.isfinite(v) for v in value) and value[0] <= value[1]):
+            raise bad(name, "null or a [low, high] pair of finite numbers, low <= high", value)
+
+    def choice(name: str, value: Any, allowed: tuple) -> None:
+        if not isinstance(value, str) or value not in allowed:
+            raise bad(name, f"one of {list(allowed)}", value)
+
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a JSON object (a circuit); got {type(data).__name__}.")
+    if data.get("format") != CIRCUIT_FORMAT:
+        raise bad("format", repr(CIRCUIT_FORMAT), data.get("format"))
+    integer("version", data.get("version"), 1, CIRCUIT_VERSION)
+    need = ("kind", "size", "n_kept", "n_items", "faithfulness", "target", "ablation", "rank",
+            "cpr", "cmd", "n_layers", "curve", "nodes", "edges")
+    missing = [k for k in need if k not in data]
+    if missing:
+        raise ValueError(f"{p}: missing field(s) {missing}.")
+    degenerate = data.get("degenerate")
+    if degenerate is not None and not isinstance(degenerate, str):
+        raise bad("degenerate", "null or a string (why f is no share)", degenerate)
+    choice("kind", data["kind"], CIRCUIT_KINDS)
+    choice("ablation", data["ablation"], CIRCUIT_ABLATIONS)
+    choice("rank", data["rank"], CIRCUIT_RANKS)
+    integer("n_layers", data["n_layers"], 1)
+    integer("n_items", data["n_items"], 1)
+    integer("n_kept", data["n_kept"], 0, data["n_items"])
+    number("size", data["size"], 0, 1)
+    number("target", data["target"], 0, 1)
+    number("faithfulness", data["faithfulness"])
+    for k in ("cpr", "cmd", "share"):  # null: a degenerate curve (no share to give)
+        number(k, data.get(k), none=degenerate is not None or k == "share")
+    for k in ("full", "empty", "corrupt"):
+        number(k, data.get(k), none=True)
+    for k in ("faithfulness_ci", "cpr_ci", "cmd_ci", "share_ci"):
+        band(k, data.get(k))
+    if not isinstance(data.get("target_reached", True), bool):
+        raise bad("target_reached", "true or false", data["target_reached"])
+    if not isinstance(data.get("meta", {}), dict):
+        raise bad("meta", "a JSON object", data["meta"])
+    curve = data["curve"]
+    if not isinstance(curve, list) or not curve:
+        raise bad("curve", "a non-empty list of {size, n_kept, faithfulness} rows", curve)
+    last = 0.0
+    for j, row in enumerate(curve):
+        where = f"curve[{j}]"
+        if not isinstance(row, dict) or not {"size", "n_kept", "faithfulness"} <= set(row):
+            raise bad(where, "an object with size, n_kept and faithfulness", row)
+        number(f"{where}.size", row["size"], 0, 1)
+        if row["size"] <= last and j:
+            raise bad(f"{where}.size", "larger than the row before's (sizes ascend)",
+                      row["size"])
+        last = row["size"]
+        integer(f"{where}.n_kept", row["n_kept"], 0, data["n_items"])
+        number(f"{where}.faithfulness", row["faithfulness"])
+        for k in ("ci_low", "ci_high"):
+            number(f"{where}.{k}", row.get(k), none=True)
+    nodes = data["nodes"]
+    if not isinstance(nodes, list):
+        raise bad("nodes", "a list of {name, layer, head}", nodes)
+    names: set[str] = set()
+    for j, n in enumerate(nodes):
+        if not isinstance(n, dict) or not isinstance(n.get("name"), str):
+            raise bad(f"nodes[{j}]", "an object with a string name", n)
+        try:
+            where = node_of(n["name"], data["n_layers"])
+        except ValueError as e:
+            raise ValueError(f"{p}: field 'nodes[{j}].name': {e}") from None
+        if [n.get("layer"), n.get("head")] != list(where):
+            raise bad(f"nodes[{j}]", f"layer {where[0]} and head {where[1]} (its name "
+                      f"{n['name']})", n)
+        if data["kind"] == "heads":
+            number(f"nodes[{j}].score", n.get("score"))
+        names.add(n["name"])
+    edges = data["edges"]
+    if not isinstance(edges, list):
+        raise bad("edges", "a list of {sender, receiver, input, score}", edges)
+    if data["kind"] == "edges" and len(edges) != data["n_kept"] or data["kind"] == "heads" \
+            and (edges or len(nodes) != data["n_kept"]):
+        raise bad("n_kept", f"the number of kept {data['kind']}", data["n_kept"])
+    for j, e in enumerate(edges):
+        if not isinstance(e, dict):
+            raise bad(f"edges[{j}]", "an object", e)
+        for k in ("sender", "receiver"):
+            if not isinstance(e.get(k), str) or e[k] not in names:
+                raise bad(f"edges[{j}].{k}", "the name of one of 'nodes'", e.get(k))
+        choice(f"edges[{j}].input", e.get("input"), CIRCUIT_INPUTS)
+        number(f"edges[{j}].score", e.get("score"))
+        number(f"edges[{j}].effect", e.get("effect"), none=True)
+    return data

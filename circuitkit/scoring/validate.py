@@ -2,14 +2,16 @@
 ablate them together and compare with random head sets drawn from two pools.
 
 Random sets (``random_head_sets``), ``n_random`` distinct ``k``-sets per pool, none equal to the
-top set:
+top set (``pools``: any of ``ALL_POOLS``; default the first two):
 
 * ``same-layers``: for each layer holding ``c`` of the top heads, ``c`` heads of that layer that
   are not top heads; where a layer has fewer than ``c`` such heads, all of them plus the
   missing number drawn from that layer's top heads (the ``overlap`` column says how many top
   heads every set shares);
 * ``all-layers``: ``k`` heads drawn uniformly from every head that is not a top head (disjoint
-  whenever the model has ``k`` such heads).
+  whenever the model has ``k`` such heads);
+* ``layer-stratified``: for each layer holding ``c`` of the top heads, ``c`` heads drawn from all
+  of that layer's heads (top heads included).
 
 When fewer distinct sets exist than asked, all of them are used (a warning says so) and
 ``n_random`` in the frame is the number used.
@@ -43,13 +45,17 @@ Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
   Monte Carlo permutation p-value of the top set against the random sets of that pool (``tol =
   TIE_RTOL * max(1, |top_effect|)``: a set equal to the top one up to float rounding counts as
   as strong);
+* ``p_low``/``p_high``: its Monte Carlo 95% interval (``mc_interval``: Clopper-Pearson for the
+  count of random sets as strong, out of ``n_random``);
 * validation: ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the
   behaviour fully broken; denoise: 1 = fully restored); ablation: ``base`` (unablated mean),
   ``top_value`` and ``random_value`` (means after ablation).
 
 With ``checkpoint`` (a folder), each finished run is saved there, named by the hash of
 everything it depends on (model weights, tokens, metrics, head sets, ablation), and a rerun
-reuses it: an interrupted validation loses at most the run in progress.
+reuses it once verified (its key, one float32 tensor ``runs`` of the run's shape, finite, its
+SHA-256; a file failing a check is named with the field in a warning and recomputed): an
+interrupted validation loses at most the run in progress.
 """
 
 from __future__ import annotations
@@ -73,16 +79,18 @@ from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
-POOLS = ("same-layers", "all-layers")
+POOLS = ("same-layers", "all-layers")  # the default pools
+ALL_POOLS = (*POOLS, "layer-stratified")  # any of these may be asked for (``pools=``)
 ABLATIONS = ("zero", "mean", "resample")
 TIE_RTOL = 1e-6  # a random set's effect this close to the top set's counts as as strong
 VALIDATION_COLUMNS = ["phase", "pool", "direction", "quantity", "heads", "k", "n_random",
                       "overlap", "n_prompts", "clean", "corrupt", "top_effect", "top_low",
                       "top_high", "random_mean", "random_low", "random_high", "p_value",
-                      "normalized"]
+                      "p_low", "p_high", "normalized"]
 ABLATION_COLUMNS = ["phase", "pool", "ablation", "quantity", "heads", "k", "n_random", "overlap",
                     "n_prompts", "base", "top_value", "top_effect", "top_low", "top_high",
-                    "random_value", "random_mean", "random_low", "random_high", "p_value"]
+                    "random_value", "random_mean", "random_low", "random_high", "p_value",
+                    "p_low", "p_high"]
 
 
 def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
@@ -201,8 +209,14 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
         others = [(la, h) for la in range(n_layers) for h in range(n_heads)
                   if (la, h) not in top_set]
         groups = [(others, want, k)]
+    elif pool == "layer-stratified":  # the top set's per-layer counts, from all of each layer
+        counts = {}
+        for layer, _ in want:
+            counts[layer] = counts.get(layer, 0) + 1
+        groups = [([(layer, h) for h in range(n_heads)], [], c)
+                  for layer, c in sorted(counts.items())]
     else:
-        raise ValueError(f"pool={pool!r}; expected one of {list(POOLS)}.")
+        raise ValueError(f"pool={pool!r}; expected one of {list(ALL_POOLS)}.")
     if not any(others for others, _, _ in groups):
         warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
                       "heads fill every head there; that pool is left out.", stacklevel=3)
@@ -211,6 +225,12 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     for others, mine, c in groups:
         possible *= math.comb(len(others), c) if len(others) >= c \
             else math.comb(len(mine), c - len(others))
+    if pool == "layer-stratified":
+        possible -= 1  # (the top set itself is one of them)
+        if possible < 1:
+            warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
+                          "heads fill every head there; that pool is left out.", stacklevel=3)
+            return []
 
     def draw(rng: random.Random) -> list[tuple[int, int]]:
         out = []
@@ -267,14 +287,47 @@ def effect_stats(base: Float[Tensor, " n"], top: Float[Tensor, " n"],
     effects = d.mean(1)
     t = float(effects[0])
     out = dict(top_effect=t, top_low=top_lo, top_high=top_hi, random_mean=nan, random_low=nan,
-               random_high=nan, p_value=nan)
+               random_high=nan, p_value=nan, p_low=nan, p_high=nan)
     if len(random_sets):
         r_lo, r_hi = torch.quantile(boot[:, 1:].reshape(-1), q).tolist()
         tol = TIE_RTOL * max(1.0, abs(t))
-        p = (1 + int((effects[1:].abs() >= abs(t) - tol).sum())) / len(effects)
+        hits = int((effects[1:].abs() >= abs(t) - tol).sum())
+        p_lo, p_hi = mc_interval(hits, len(random_sets))
         out.update(random_mean=float(d[1:].mean()), random_low=r_lo, random_high=r_hi,
-                   p_value=p)
+                   p_value=(1 + hits) / len(effects), p_low=p_lo, p_high=p_hi)
     return out
+
+
+def _binom_cdf(b: int, r: int, p: float) -> float:
+    """``P(X <= b)`` for ``X ~ Binomial(r, p)`` (float64 log-space terms)."""
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0 if b >= r else 0.0
+    i = torch.arange(b + 1, dtype=torch.float64)
+    log = (torch.lgamma(torch.tensor(r + 1.0, dtype=torch.float64)) - torch.lgamma(i + 1)
+           - torch.lgamma(r - i + 1) + i * math.log(p) + (r - i) * math.log1p(-p))
+    return float(torch.logsumexp(log, 0).exp().clamp(max=1.0))
+
+
+def mc_interval(hits: int, r: int, level: float = 0.95) -> tuple[float, float]:
+    """Clopper-Pearson ``level`` interval of the probability ``q`` that a random set is as
+    strong as the top one, from ``hits`` of ``r`` random sets: ``q_low`` solves ``P(X >= hits;
+    q_low) = a/2`` (0 when ``hits = 0``), ``q_high`` solves ``P(X <= hits; q_high) = a/2`` (1
+    when ``hits = r``), ``a = 1 - level``, by bisection (1e-12). The Monte Carlo interval of
+    ``p_value``: the p-value an infinite random pool would give lies in it (at ``level``)."""
+    a = (1.0 - level) / 2
+
+    def solve(b: int, target: float) -> float:  # the q with P(X <= b; q) = target (decreasing)
+        lo, hi = 0.0, 1.0
+        while hi - lo > 1e-12:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _binom_cdf(b, r, mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    low = 0.0 if hits == 0 else solve(hits - 1, 1 - a)  # P(X >= hits; q_low) = a
+    high = 1.0 if hits >= r else solve(hits, a)
+    return low, high
 
 
 def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
@@ -303,11 +356,20 @@ def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, call
     return f
 
 
-def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int
-                 ) -> dict[str, list[list[tuple[int, int]]]]:
-    """Random sets of each pool (``POOLS``) for ``top``."""
-    return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * i, f.n_layers, pool)
-            for i, pool in enumerate(POOLS)}
+def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int,
+                 pools: Sequence[str] = POOLS) -> dict[str, list[list[tuple[int, int]]]]:
+    """Random sets of each of ``pools`` for ``top`` (pool ``i`` of ``ALL_POOLS`` seeded
+    ``seed + 10 i``)."""
+    return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * ALL_POOLS.index(pool),
+                                   f.n_layers, pool) for pool in pools}
+
+
+def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
+    pools = tuple(pools)
+    if not pools or any(p not in ALL_POOLS for p in pools) or len(set(pools)) != len(pools):
+        raise ValueError(f"pools={list(pools)!r}; expected distinct names among "
+                         f"{list(ALL_POOLS)}.")
+    return pools
 
 
 def _sorted_by_length(tp: Task) -> Task:
@@ -330,24 +392,30 @@ def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int
         if kept[-1] != n:  # a short tail joins the bucket before it
             kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
         bounds = kept
-    return torch.cat([_counted(bar, len(sets) * (p1 - p0), engine.run_head_sets(
-        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0))
-        for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+    on_done = None if bar is None else bar.update
+    return torch.cat([engine.run_head_sets(
+        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0,
+        on_done=on_done) for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
 
 
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
-                   progress: bool = True, checkpoint: str | Path | None = None):
+                   progress: bool = True, checkpoint: str | Path | None = None,
+                   pools: Sequence[str] = POOLS):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
     with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
     docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
     ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
-    for finished runs (module docstring)."""
+    for finished runs (module docstring); ``pools``: random-set pools among ``ALL_POOLS``
+    (default ``POOLS``; "layer-stratified": the top set's per-layer counts from all of each
+    layer's heads). Held-out validation: pass ``scores`` from ``score_heads`` on another
+    sample of notes than ``task``'s."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
+    pools_asked = _check_pools(pools)
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
@@ -355,25 +423,25 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
-    bar = _validation_bar(task, phases, int(n_random), progress)
+    plan = {}  # the sets of every phase first: the bar's total is known before it starts
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        tp = _sorted_by_length(phase_task(task, phase))  # the examples with steps of this phase
-        metric = tp.metric
-        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         top = top_heads(scores, phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase)
-        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
+        plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
+                       [[], top, *(s for p in pools_asked for s in pools[p])])
+    bar = _variant_bar("validate", sum(2 * len(sets) * len(tp)
+                                       for tp, _, _, sets in plan.values()), progress)
+    for phase, (tp, top, pools, sets) in plan.items():
+        metric = tp.metric  # (tp: the examples with steps of this phase, sorted by length)
+        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         sets_used[phase] = dict(top=top, random=pools)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
-        if bar is not None:  # fewer distinct random sets than asked: the bar's total shrinks
-            bar.total -= 2 * (2 + len(POOLS) * int(n_random) - len(sets)) * n
-            bar.refresh()
         runs = {}
         for direction in ("noise", "denoise"):
             key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
                                       f.d_vocab_out)
-            if saved and (got := saved.load(key)) is not None:
+            if saved and (got := saved.load(key, (2, len(sets), n))) is not None:
                 runs[direction] = got
                 _say(bar, progress, f"validate: phase {phase} {direction}: reused")
                 _counted(bar, len(sets) * n, got)
@@ -382,8 +450,7 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                 + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
                                 + f" random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            # fast=False: run_head_sets takes the hooked path; no fast-path probe needed
-            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=False,
+            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=_fast(model),
                                  rows=batch_size)
             runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
                                            bar=bar)
@@ -407,17 +474,14 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     return df
 
 
-def _validation_bar(task: Task, phases: list[int], n_random: int, progress: bool):
-    """A bar over patched prompts: per phase and direction, (base + top + ``n_random`` per
-    pool) sets x the phase's prompts (an upper bound when fewer distinct random sets exist; a
-    reused run counts at once)."""
+def _variant_bar(desc: str, total: int, progress: bool):
+    """A bar over (head set, prompt) rows, its ``total`` known before it starts (every set of
+    every run; a reused run counts at once)."""
     if not progress:
         return None
     from tqdm.auto import tqdm
 
-    total = sum(2 * (2 + len(POOLS) * n_random) * len(phase_task(task, p)) for p in phases)
-    return tqdm(total=total, desc="validate", unit="patched-prompt", dynamic_ncols=True,
-                file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit="set-prompt", dynamic_ncols=True, file=sys.stderr)
 
 
 def _say(bar: Any, progress: bool, line: str) -> None:
@@ -435,9 +499,9 @@ def _counted(bar: Any, n: int, runs: Tensor) -> Tensor:
 
 
 def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
-    """Rows of ``pool``'s random sets in ``[[], top, *same-layers, *all-layers]``."""
+    """Rows of ``pool``'s random sets in ``[[], top, *(each pool's sets, in order)]``."""
     start = 2
-    for p in POOLS:
+    for p in pools:
         if p == pool:
             return list(range(start, start + len(pools[p])))
         start += len(pools[p])
@@ -470,7 +534,7 @@ def ablation_task(task: Task) -> Task:
 def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
                  ablations: Sequence[str] = ABLATIONS, seed: int = 0,
                  batch_size: int | None = None, n_boot: int = 2000, progress: bool = True,
-                 checkpoint: str | Path | None = None):
+                 checkpoint: str | Path | None = None, pools: Sequence[str] = POOLS):
     """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets
     (module docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool,
     ablation, quantity). ``ablations``: any of "zero", "mean", "resample". Quantities:
@@ -481,6 +545,7 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     from circuitkit.patching.engine import HEAD_SET_SOURCES, ExactEngine
     from circuitkit.patching.sweep import Sweep
 
+    pools_asked = _check_pools(pools)
     f = _check_call(model, task, scores, k, n_random, "ablate_heads")
     bad = [a for a in ablations if a not in HEAD_SET_SOURCES or a == "source"]
     if bad or not ablations:
@@ -500,30 +565,34 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     carrier = _reads_metric(tp, phases)
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     engine = None
-    rows, sets_used = [], {}
+    rows, sets_used, plan = [], {}, {}
     for phase in [p for p in phases if p in _scored(scores)]:
         top = top_heads(scores, phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase)
-        sets = [[], top, *pools["same-layers"], *pools["all-layers"]]
+        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
+        plan[phase] = (top, pools, [[], top, *(s for p in pools_asked for s in pools[p])])
+    bar = _variant_bar("ablate", sum(len(sets) * n * len(ablations)
+                                     for _, _, sets in plan.values()), progress)
+    for phase, (top, pools, sets) in plan.items():
         sets_used[phase] = dict(top=top, random=pools)
         for ablation in ablations:
             key = saved and saved.key(tp, phase, f"ablate-{ablation}", sets, quantities,
                                       f.d_vocab_out)
-            run = saved.load(key) if saved else None
+            run = saved.load(key, (len(quantities), len(sets), n)) if saved else None
             if run is None:
-                if progress:
-                    print(f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} ablation, "
-                          f"{len(sets) - 1} sets, {n} prompts", file=sys.stderr)
+                _say(bar, progress, f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} "
+                                    f"ablation, {len(sets) - 1} sets, {n} prompts")
                 if engine is None:  # base = source = clean: "source" would change nothing
                     sweep = Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n,
                                   seq, True)
-                    engine = ExactEngine(model, clean, clean, carrier, sweep, fast=False,
-                                         rows=batch_size)
-                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed)
+                    engine = ExactEngine(model, clean, clean, carrier, sweep,
+                                         fast=_fast(model), rows=batch_size)
+                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed,
+                                   bar=bar)
                 if saved:
                     saved.save(key, run)
-            elif progress:
-                print(f"ablate: phase {phase} {ablation}: reused", file=sys.stderr)
+            else:
+                _say(bar, progress, f"ablate: phase {phase} {ablation}: reused")
+                _counted(bar, len(sets) * n, run)
             for pool, rand in pools.items():
                 pick = [1] + _pool_rows(pools, pool)
                 for qi, q in enumerate(quantities):
@@ -536,9 +605,20 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
                         top_value=float(v[1].mean()),
                         random_value=float(v[pick[1:]].mean()) if len(rand) else float("nan"),
                         **stats))
+    if bar is not None:
+        bar.close()
     df = pd.DataFrame(rows, columns=ABLATION_COLUMNS)
     df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
     return df
+
+
+def _fast(model: Any) -> bool | None:
+    """The engine's ``fast`` for head sets: None (probe it; then the fused, packed sets of
+    ``run_head_sets``) on a Llama-form model, else False (the hooked path, as before: the sets
+    gain nothing else from the fast path, so no probe runs)."""
+    from circuitkit.patching import fused
+
+    return None if fused.unhooked(model) and fused.fused_form(model) is not None else False
 
 
 def _scored(scores: Any) -> list[int]:
@@ -561,28 +641,63 @@ class _Saved:
 
         n, seq = task.clean_tokens.shape
         return identity_key(dict(
-            format=2, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
+            format=3, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
             phase=phase, direction=direction, sets=[[list(h) for h in s] for s in sets],
             metrics=[m.fingerprint(n, seq, d_vocab) for m in metrics], buckets=N_BUCKETS))
 
     def path(self, key: str) -> Path:
         return self.folder / f"validation-{key}.safetensors"
 
-    def load(self, key: str) -> Tensor | None:
-        from safetensors.torch import load_file
+    def load(self, key: str, shape: tuple[int, ...]) -> Tensor | None:
+        """The stored run of ``key``, verified: its metadata's ``key`` and ``sha256`` (of the
+        values), one tensor ``runs`` of ``shape`` (``[n_metrics, n_sets, n_prompts]``), float32,
+        finite. None when there is none; a file failing any check is named with the field in a
+        warning, deleted and recomputed (as a sweep's chunk files are)."""
+        from safetensors import safe_open
 
         path = self.path(key)
         if not path.exists():
             return None
         try:
-            return load_file(str(path))["runs"]
-        except Exception:  # a torn or foreign file: run again (it is rewritten atomically)
+            with safe_open(str(path), "pt") as f:
+                meta, names = f.metadata() or {}, list(f.keys())
+                runs = f.get_tensor("runs") if names == ["runs"] else None
+            problem = _run_problem(meta, names, runs, key, shape)
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: run again
+            problem = f"unreadable ({type(e).__name__}: {e})"
+        if problem:
+            warnings.warn(f"circuitkit: validation checkpoint {path} is {problem}; "
+                          "recomputing it.", stacklevel=3)
+            path.unlink(missing_ok=True)
             return None
+        return runs
 
     def save(self, key: str, runs: Tensor) -> None:
         from circuitkit.files import write_tensors
+        from circuitkit.patching.checkpoint import _values_digest
 
-        write_tensors(self.path(key), {"runs": runs}, metadata={"key": json.dumps(key)})
+        runs = runs.detach().float().cpu().contiguous()
+        write_tensors(self.path(key), {"runs": runs},
+                      metadata={"key": json.dumps(key), "sha256": _values_digest(runs)})
+
+
+def _run_problem(meta: dict, names: list[str], runs: Tensor | None, key: str,
+                 shape: tuple[int, ...]) -> str:
+    """What is wrong with a stored validation run ("" if nothing): the field and how."""
+    from circuitkit.patching.checkpoint import _values_digest
+
+    if meta.get("key") != json.dumps(key):
+        return f"from another run (field 'key': {str(meta.get('key'))[:80]!r})"
+    if runs is None:
+        return f"not one tensor 'runs' (field 'runs': tensors {names[:4]})"
+    if tuple(runs.shape) != tuple(shape) or runs.dtype != torch.float32:
+        return (f"of the wrong form (field 'runs': shape {tuple(runs.shape)} {runs.dtype}, "
+                f"expected {tuple(shape)} torch.float32)")
+    if not bool(torch.isfinite(runs).all()):
+        return "not finite (field 'runs' holds NaN/inf)"
+    if meta.get("sha256") != _values_digest(runs):
+        return "modified (field 'runs' does not match its checksum 'sha256')"
+    return ""
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:

@@ -11,6 +11,7 @@ takes an ``EdgeResult`` (its ``top`` edges). The sender x receiver heatmap is
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 INPUT_COLORS = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c", "resid": "#7f7f7f"}
@@ -22,18 +23,21 @@ def _edges_of(source: Any, top: int, index: int | None) -> tuple[list[dict], int
         if source.kind != "edges":
             raise ValueError("circuit_graph: this CircuitResult keeps heads, not edges; draw "
                              "the heads with a head heatmap (PatchResult.heatmap()).")
-        k = source.chosen if index is None else index
-        f = float(source.faithfulness[k])
-        return (source.kept(k), source.n_layers,
-                f"circuit: {source.n_kept[k]} of {len(source.items)} edges, faithfulness "
-                f"{f:.3f} ({source.ablation} ablation)")
+        source = source.to_dict(index)  # one road: what circuit.json holds
     if isinstance(source, dict) and "edges" in source and "nodes" in source:  # circuit.json
+        from circuitkit.patching.results import share_phrase
+
         where = {n["name"]: [n["layer"], n["head"]] for n in source["nodes"]}
         edges = [dict(e, sender=where[e["sender"]], receiver=where[e["receiver"]])
                  for e in source["edges"]]
+        if source.get("degenerate"):
+            said = "no faithfulness (degenerate)"
+        else:
+            said = (f"faithfulness {source['faithfulness']:.3f}; "
+                    f"{share_phrase(source.get('share'))}")
         return (edges, int(source["n_layers"]),
-                f"circuit: {source['n_kept']} of {source['n_items']} edges, faithfulness "
-                f"{source['faithfulness']:.3f} ({source['ablation']} ablation)")
+                f"circuit: {source['n_kept']} of {source['n_items']} edges, {said} "
+                f"({html.escape(str(source['ablation']))} ablation)")
     if hasattr(source, "edge_mask") and hasattr(source, "top"):  # an EdgeResult
         df = source.top(top)
         base = source.corrupt if source.direction == "denoise" else source.clean
@@ -126,13 +130,20 @@ def faithfulness_curve(circ: Any, title: str | None = None):
     def fmt(v: float, band: Any) -> str:
         return f"{v:.3f}" + (f" [{band[0]:.3f}, {band[1]:.3f}]" if band else "")
 
+    from circuitkit.patching.results import share_phrase
+
     fig.update_xaxes(type="log", title_text=f"share of {circ.kind} kept")
-    fig.update_yaxes(title_text="faithfulness (0 = all ablated, 1 = all kept)")
+    if circ.degenerate:  # raw effects: no share, no CPR/CMD (CircuitResult.degenerate)
+        fig.update_yaxes(title_text="raw effect m(C) - m(all ablated)")
+        what = "<br><sup>degenerate: raw effects, no faithfulness, CPR or CMD</sup>"
+    else:
+        fig.update_yaxes(title_text="faithfulness (0 = all ablated, 1 = all kept)")
+        what = (f"<br><sup>CPR {fmt(circ.cpr, ci.get('cpr'))} (higher is better), CMD "
+                f"{fmt(circ.cmd, ci.get('cmd'))} (lower is better); the scored {circ.kind}: "
+                f"{share_phrase(circ.share)}</sup>")
     fig.update_layout(
         title=dict(text=title or (f"circuit faithfulness ({circ.kind}, {circ.ablation} "
-                                  f"ablation, ranked by {circ.rank} score)<br><sup>CPR "
-                                  f"{fmt(circ.cpr, ci.get('cpr'))} (higher is better), CMD "
-                                  f"{fmt(circ.cmd, ci.get('cmd'))} (lower is better)</sup>"),
+                                  f"ablation, ranked by {circ.rank} score){what}"),
                    x=0.01, xanchor="left"),
         plot_bgcolor="white", height=460, width=760)
     return fig

@@ -22,6 +22,11 @@ argument             fields
 ``results``          ``{name: PatchResult}``; head sweeps (axes ``layer, head``) with
                      ``meta["phase"]`` (else a ``p1``/``p2`` in the name) and ``direction``:
                      ``normalized()``, ``confidence_interval()``, ``meta["metric"]``
+``edges``            ``EdgeResult`` (``characterize --edges``): ``senders``, ``receivers``,
+                     ``inputs``, ``top(1)``, ``meta`` ``metric``/``senders_from``/``receivers_from``
+``circuit``          its ``circuit.json`` (``read_circuit_json``): ``share``, ``share_ci``,
+                     ``n_items``, ``n_kept``, ``ablation``, ``faithfulness``, ``cpr``, ``cmd``,
+                     ``target``, ``target_reached``, ``degenerate``
 ===================  ==============================================================================
 
 Per phase one ``Finding``: ``headline`` (which heads, which layers, whether they beat random head
@@ -38,6 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ALPHA = 0.05  # the level "beats random heads" is read at
+# a candidate edge set carrying less than this share of the clean-corrupt gap is called small
+# (its faithfulness is a share of that small part, and the report says so in a warning colour)
+SMALL_SHARE = 0.05
 PHASE_NAMES = {1: "Phase 1 (coarse: anchors)",
                2: "Phase 2 (refinement: target vs near-miss codes)"}
 RANKED_BY = {
@@ -55,7 +63,7 @@ VALIDATION_FIELDS = ("phase", "direction", "quantity", "k", "n_random", "clean",
 class Finding:
     """One phase's findings: ``headline`` (one or two sentences) and ``notes``."""
 
-    phase: int
+    phase: int | str  # 1, 2, or "edges"
     title: str  # "Phase 1 (coarse: anchors)"
     headline: str  # which heads, which layers, whether they beat random head sets (the floor)
     notes: list[str] = field(default_factory=list)  # key effect, strongest cell, why it is out
@@ -341,9 +349,71 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
     return out
 
 
+def _pct2(x: float) -> str:
+    """``patching.results.gap_percent`` with a real minus sign: ``0.40%``, ``\u221212.5%``."""
+    from circuitkit.patching.results import gap_percent
+
+    return gap_percent(float(x)).replace("-", "\u2212")
+
+
+def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Finding | None:
+    """What ``characterize --edges`` found, in words: how many edges between which heads,
+    their share of the whole clean-corrupt gap (``circuit["share"]``, ``(all kept - all
+    ablated) / (clean - corrupt)``) read as small when it is below ``SMALL_SHARE``, the
+    strongest single edge (``edges``: an ``EdgeResult``) and the circuit within them."""
+    if edges is None and circuit is None:
+        return None
+    meta = (getattr(edges, "meta", None) or {}) if edges is not None else {}
+    frm, to = meta.get("senders_from"), meta.get("receivers_from")
+    title = "Edges" + (f" ({frm} heads into {to} heads)".replace("phase", "Phase-")
+                       if frm and to else "")
+    parts, notes = [], []
+    if edges is not None:
+        n = int(edges.edge_mask().sum())
+        metric = meta.get("metric") or "the metric"
+        parts.append(f"{n} edges from {len(edges.senders)} sender heads into "
+                     f"{len(edges.receivers)} receiver heads' {'/'.join(edges.inputs)} inputs, "
+                     f"on {metric}.")
+    share = (circuit or {}).get("share")
+    if circuit is not None and circuit.get("degenerate"):
+        parts.append(f"No share of the behaviour can be given: {circuit['degenerate']}")
+    elif share is not None:
+        band = circuit.get("share_ci")
+        iv = f" [{_pct2(band[0])}, {_pct2(band[1])}]" if band else ""
+        parts.append(f"Ablating all {circuit['n_items']} together ({circuit['ablation']} "
+                     f"ablation) removes {_pct2(share)}{iv} of the clean\u2212corrupt gap.")
+        if abs(share) < SMALL_SHARE:
+            parts.append("That is a small share: these direct head-to-head edges carry little "
+                         "of the behaviour by themselves. It does not say that the phases do "
+                         "not communicate: paths through MLPs, other heads and the residual "
+                         "stream into the logits are not among these edges.")
+    if edges is not None and int(edges.edge_mask().sum()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            top = edges.top(1).iloc[0]
+        what = ("changes the metric by " + _signed(top.normalized)) if edges.degenerate \
+            else f"alone restores {_pct2(float(top.normalized))} of the gap"
+        notes.append(f"Strongest single edge: {top.sender} \u2192 {top.receiver} "
+                     f"({top.input}), which {what}.")
+    if circuit is not None and not circuit.get("degenerate"):
+        of = f" of these edges' {_pct2(share)}" if share is not None else ""
+        text = (f"Within them, the top {circuit['n_kept']} of {circuit['n_items']} edges reach "
+                f"faithfulness {_g(circuit['faithfulness'])}{of} (CPR {_g(circuit['cpr'])}, "
+                f"CMD {_g(circuit['cmd'])})")
+        if not circuit.get("target_reached", True):
+            text += f"; no circuit of the curve reaches the target {_g(circuit['target'])}"
+        notes.append(text + ".")
+    if not parts:
+        parts, notes = notes[:1], notes[1:]
+    return Finding("edges", title, " ".join(parts), notes)
+
+
 def findings(summary: dict | None = None, validation: Any = None, scores: Any = None,
-             results: dict[str, Any] | None = None) -> list[Finding]:
-    """One ``Finding`` per phase the data speaks of (module docstring)."""
+             results: dict[str, Any] | None = None, edges: Any = None,
+             circuit: dict[str, Any] | None = None) -> list[Finding]:
+    """One ``Finding`` per phase the data speaks of, and one for the edges (``edges``: an
+    ``EdgeResult``; ``circuit``: its ``circuit.json``, ``edge_finding``) (module
+    docstring)."""
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     summary = summary or {}
@@ -378,7 +448,8 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         if not parts:  # sweeps only (a patch folder): the strongest cell leads
             parts.append(notes.pop(0))
         out.append(Finding(phase, PHASE_NAMES[phase], " ".join(parts), notes, top))
-    return out
+    said = edge_finding(edges, circuit)
+    return out + ([said] if said is not None else [])
 
 
 def run_line(summary: dict | None) -> str:

@@ -21,6 +21,7 @@ position: all positions up to ``max_facets``, else the ``max_facets`` positions 
 
 from __future__ import annotations
 
+import html
 import math
 import os
 from collections.abc import Sequence
@@ -389,6 +390,9 @@ def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str]
     fig.update_xaxes(tickmode="auto", tickangle=-60)
     fig.update_yaxes(tickmode="auto")
     m = _abs_max(c["normalized"])
+    # auto-scaled colour makes a 0.2%-of-the-gap edge look saturated: say the range in % of
+    # the gap wherever it is drawn (subtitle and colour bar)
+    scale = None if raw else f"full colour = \u00b1{m:.2%} of the clean\u2212corrupt gap"
     if title is None:
         meta = result.meta or {}
         task = meta.get("task")
@@ -399,11 +403,13 @@ def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str]
         n = meta.get("n_prompts")
         sub = [result.method, "edges: a sender's write into one receiver's input",
                f"{n} prompts" if n else None,
-               RAW_NOTE if raw else "colour = normalized effect"]
-        title = (" · ".join(str(p) for p in head if p) + "<br><sup>"
+               RAW_NOTE if raw else f"colour = normalized effect, {scale}",
+               DIRECTION_NOTE.get(result.direction)]
+        # (the direction note sits in the subtitle: below the plot it overlapped the tilted
+        # receiver labels)
+        title = (" · ".join(html.escape(str(p)) for p in head if p) + "<br><sup>"
                  + ", ".join(str(p) for p in sub if p) + "</sup>")
     fig = _finish(fig, m, title, raw)
-    fig.add_annotation(text=DIRECTION_NOTE.get(result.direction, ""), xref="paper",
-                       yref="paper", x=0, y=-0.12, showarrow=False, font=dict(size=11),
-                       xanchor="left")
+    if scale is not None:
+        fig.update_layout(coloraxis_colorbar_title_text=f"normalized<br>(\u00b1{m:.2%}<br>of gap)")
     return go.Figure(fig)

@@ -41,7 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from circuitkit.viz.findings import phase_of
+from circuitkit.viz.findings import SMALL_SHARE, phase_of
 
 # One line per quantity the report shows (what it means, in the report's own words).
 METRIC_LINES: dict[str, str] = {
@@ -138,6 +138,41 @@ table.metrics td:first-child{font-weight:600;white-space:nowrap}
 
 def _esc(x: Any) -> str:
     return html.escape(str(x))
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """``run_dir/summary.json`` ({} when absent), after checking every file it records a
+    SHA-256 for (``characterize``'s steps) against that digest: a file changed since the run
+    wrote it is refused in one ``ValueError`` naming it, before anything of it reaches the page
+    (a missing file is the page's "Missing files" note)."""
+    from circuitkit import files
+
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return {}
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not readable ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (truncated?) at line {e.lineno} column "
+                         f"{e.colno}.") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: expected a JSON object; got {type(summary).__name__}.")
+    steps = summary.get("steps", {})
+    if not isinstance(steps, dict) or not all(isinstance(r, dict) for r in steps.values()):
+        raise ValueError(f"{path}: field 'steps' must map step names to records.")
+    for step, record in steps.items():
+        sums = record.get("sha256") or {}
+        if not isinstance(sums, dict):
+            raise ValueError(f"{path}: field 'steps.{step}.sha256' must map files to digests.")
+        for name, digest in sums.items():
+            file = run_dir / str(name)
+            if file.is_file() and files.sha256_file(file) != digest:
+                raise ValueError(f"{file} was modified after characterize wrote it (its SHA-256 "
+                                 f"differs from the one {path} records for step {step!r}); "
+                                 "rerun the same characterize command to recompute it.")
+    return summary
 
 
 def _table(frame: Any, floats: str = "{:.4g}") -> str:
@@ -261,25 +296,26 @@ def findings_in(run_dir: str | Path) -> tuple[str, list]:
     from circuitkit.viz.findings import findings, run_line
 
     run_dir = Path(run_dir)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = read_summary(run_dir)
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
     results, _ = _patch_results(run_dir)
+    edges, circ = _edge_files(run_dir)
     return run_line(summary), findings(summary, read("validation.csv"), read("scores.csv"),
-                                       results)
+                                       results, edges=edges, circuit=circ)
 
 
 def findings_section(summary: dict, validation: Any, scores: Any,
-                     results: dict[str, Any]) -> str:
-    """The report's first section: ``viz.findings`` rendered (one block per phase)."""
+                     results: dict[str, Any], edges: Any = None, circuit: Any = None) -> str:
+    """The report's first section: ``viz.findings`` rendered (one block per phase, one for
+    the edges)."""
     from circuitkit.viz.findings import findings, run_line
 
-    found = findings(summary, validation, scores, results)
+    found = findings(summary, validation, scores, results, edges=edges, circuit=circuit)
     line = run_line(summary)
     out = f"<p class='note'>{_esc(line)}</p>" if line else ""
     for f in found:
         notes = "".join(f"<li>{_esc(n)}</li>" for n in f.notes)
-        out += (f"<div class='finding' data-phase='{f.phase}'><p><b>{_esc(f.title)}.</b> "
+        out += (f"<div class='finding' data-phase='{_esc(f.phase)}'><p><b>{_esc(f.title)}.</b> "
                 f"{_esc(f.headline)}</p>"
                 + (f"<ul>{notes}</ul>" if notes else "") + "</div>")
     if not found:
@@ -327,23 +363,24 @@ def _stability_lines(summary: dict, scores: Any) -> str:
     the Phase-2 ranking (``summary.json``'s ``stability`` / ``scores_attrs``)."""
     out = []
     for phase, st in (summary.get("stability") or {}).items():
-        n = phase.removeprefix("phase")
+        # (summary.json's fields: every one escaped, numbers too, as a file may hold anything)
+        n, k = _esc(str(phase).removeprefix("phase")), _esc(st.get("k"))
         if st.get("unstable"):
             heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
-            out.append(f"<p class='warn'>Phase-{n} top-{st['k']}: {_esc(heads)} in the top "
-                       f"{st['k']} in fewer than 80% of the bootstrap resamples of the "
+            out.append(f"<p class='warn'>Phase-{n} top-{k}: {_esc(heads)} in the top "
+                       f"{k} in fewer than 80% of the bootstrap resamples of the "
                        "examples: the ranking there is not stable.</p>")
         elif st.get("top"):
-            out.append(f"<p class='note'>Phase-{n} top-{st['k']}: every head in the top "
-                       f"{st['k']} in at least 80% of the bootstrap resamples.</p>")
+            out.append(f"<p class='note'>Phase-{n} top-{k}: every head in the top "
+                       f"{k} in at least 80% of the bootstrap resamples.</p>")
     attrs = summary.get("scores_attrs") or {}
     agree = attrs.get("anchor_agreement")
     if agree:
         sp = agree.get("spearman")
+        sp = "n/a" if not isinstance(sp, int | float) else f"{sp:.3f}"
         out.append(f"<p class='note'>Phase-1 ranking with label-centroid anchor directions "
-                   f"against anchor-token columns: Spearman "
-                   f"{'n/a' if sp is None else f'{sp:.3f}'}, top-{agree['k']} overlap "
-                   f"{agree['top_k_overlap']} of {agree['k']}.</p>")
+                   f"against anchor-token columns: Spearman {sp}, top-{_esc(agree.get('k'))} "
+                   f"overlap {_esc(agree.get('top_k_overlap'))} of {_esc(agree.get('k'))}.</p>")
     parts = attrs.get("refine_parts")
     if parts:
         import pandas as pd
@@ -452,9 +489,9 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     if not run_dir.is_dir():
         raise ValueError(f"run_dir={str(run_dir)!r}: expected a results folder (as written by "
                          f"circuitkit characterize or patch --out).")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = read_summary(run_dir)  # every recorded file verified first
     results, skipped = _patch_results(run_dir)
+    edge_result, circ = _edge_files(run_dir)
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
     scores, validation = read("scores.csv"), read("validation.csv")
     ablation = read("ablation.csv")
@@ -501,9 +538,10 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
-    if results or scores is not None or validation is not None:
-        sections.append(("findings", "Findings", findings_section(summary, validation, scores,
-                                                                  results)))
+    if results or scores is not None or validation is not None or edge_result is not None \
+            or circ is not None:
+        sections.append(("findings", "Findings", findings_section(
+            summary, validation, scores, results, edges=edge_result, circuit=circ)))
     details = None
     if summary:
         flat = _flatten(summary)
@@ -548,7 +586,7 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
                                             views)))
-    edges = _edges_section(run_dir, fig_html)
+    edges = _edges_section(run_dir, fig_html, circ)
     if edges:
         sections.append(("edges", "Edges: which heads feed which", edges))
     if ablation is not None:
@@ -582,13 +620,32 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"</body></html>")
 
 
-def _edges_section(run_dir: Path, fig_html) -> str | None:
+def _edge_files(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
+    """``(EdgeResult or None, circuit.json checked by read_circuit_json or None)`` of
+    ``run_dir/edges``; an edge result that does not load is None here (its section says why);
+    a malformed ``circuit.json`` is refused (``ValueError`` naming the file and field)."""
+    from circuitkit.patching.results import EdgeResult, read_circuit_json
+
+    folder = run_dir / "edges"
+    res = None
+    if (folder / "edges.json").exists():
+        try:
+            res = EdgeResult.load(folder / "edges")
+        except ValueError:
+            res = None
+    circ = read_circuit_json(folder / "circuit.json") if (folder / "circuit.json").exists() \
+        else None
+    return res, circ
+
+
+def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str | None:
     """``characterize --edges``'s results (``run_dir/edges``): the sender x receiver heatmap
     per input, the strongest edges into each input with their intervals, and the circuit
-    (graph, faithfulness curve as a table, CPR and CMD); None when there are none."""
+    (graph, faithfulness curve as a table, CPR and CMD, beside the scored edges' share of the
+    whole clean-corrupt gap); None when there are none."""
     import pandas as pd
 
-    from circuitkit.patching.results import EdgeResult
+    from circuitkit.patching.results import EdgeResult, gap_percent, share_phrase
     from circuitkit.viz.edges import circuit_graph
 
     folder = run_dir / "edges"
@@ -599,30 +656,54 @@ def _edges_section(run_dir: Path, fig_html) -> str | None:
     except ValueError as e:
         return f"<p class='skip'>Edges skipped: {_esc(e)}</p>"
     meta = res.meta or {}
-    body = (f"<p class='note'>Senders: the top {_esc(meta.get('senders_from', ''))} heads; "
-            f"receivers: the top {_esc(meta.get('receivers_from', ''))} heads after them. An "
+    def phase(key: str) -> str:  # "phase1" -> "Phase-1"
+        return _esc(re.sub(r"^phase(\d)$", r"Phase-\1", str(meta.get(key, ""))))
+
+    body = (f"<p class='note'>Senders: the top {phase('senders_from')} heads; "
+            f"receivers: the top {phase('receivers_from')} heads after them. An "
             "edge adds the sender's clean-minus-corrupt write to one receiver's q, k or v input "
             "only (every other reader keeps the corrupt run); value: the metric after that "
-            "patch, normalized as the sweeps above.</p>")
+            "patch, normalized as the sweeps above (a share of the whole clean-corrupt gap; "
+            "the heatmap's caption states its colour range in % of that gap).</p>")
     body += fig_html(res.heatmap())
     cols = ["sender", "receiver", "input", "value", "normalized"] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else [])
     tops = [res.top(5, input=name)[cols] for name in res.inputs]
-    body += _table(pd.concat(tops, ignore_index=True), "{:.3f}")
-    if (folder / "circuit.json").exists():
-        circ = json.loads((folder / "circuit.json").read_text())
+    body += _table(pd.concat(tops, ignore_index=True), "{:.4g}")  # (0.0017 of the gap: not 0.000)
+    if circ is not None:  # (read_circuit_json: checked)
         ci = lambda key: (f" [{circ[key][0]:.3f}, {circ[key][1]:.3f}]"  # noqa: E731
                           if circ.get(key) else "")
-        body += (f"<p>Circuit ({circ['ablation']} ablation of the edges left out): the top "
-                 f"{circ['n_kept']} of {circ['n_items']} edges reach faithfulness "
-                 f"{circ['faithfulness']:.3f}{ci('faithfulness_ci')}; over the curve CPR "
-                 f"{circ['cpr']:.3f}{ci('cpr_ci')} (area under it; 1 is best) and CMD "
-                 f"{circ['cmd']:.3f}{ci('cmd_ci')} (area between it and 1; 0 is best).</p>")
+        pct = lambda key: (f" [{gap_percent(circ[key][0])}, "  # noqa: E731
+                           f"{gap_percent(circ[key][1])}]" if circ.get(key) else "")
+        share = circ.get("share")
+        said = (f"All {_esc(circ['n_items'])} scored edges together: "
+                f"{_esc(share_phrase(share))}{pct('share_ci')} (share = (all kept - all "
+                "ablated) / (clean - corrupt)), so the faithfulness and CPR below are shares of "
+                "that part only, not of the model's behaviour.")
+        if circ.get("degenerate"):
+            body += (f"<p class='warn'>Circuit ({_esc(circ['ablation'])} ablation): no "
+                     f"faithfulness, CPR or CMD: {_esc(circ['degenerate'])}</p>")
+        else:
+            cls = "warn" if share is not None and abs(share) < SMALL_SHARE else "note"
+            reached = "" if circ.get("target_reached", True) else (
+                f" (none of the curve reaches the target {_g3(circ['target'])}: this is the "
+                "largest circuit)")
+            body += (f"<p class='{cls}'>{said}</p><p>Circuit ({_esc(circ['ablation'])} ablation "
+                     f"of the edges left out): the top {_esc(circ['n_kept'])} of "
+                     f"{_esc(circ['n_items'])} edges reach faithfulness "
+                     f"{circ['faithfulness']:.3f}{ci('faithfulness_ci')}{reached}; over the "
+                     f"curve CPR {circ['cpr']:.3f}{ci('cpr_ci')} (area under it; 1 is best) and "
+                     f"CMD {circ['cmd']:.3f}{ci('cmd_ci')} (area between it and 1; 0 is "
+                     "best).</p>")
         if circ.get("curve"):
             body += _table(pd.DataFrame(circ["curve"]), "{:.3f}")
         if circ.get("edges"):
             body += fig_html(circuit_graph(circ))
     return body
+
+
+def _g3(x: Any) -> str:
+    return f"{float(x):.3g}"
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:
