@@ -251,7 +251,7 @@ def patch_edges(
         res = attribution.attribution_patch_edges(
             model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
             estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
-        res.meta.update(_described(meta, pm), facts=asdict(hooks.facts(model)))  # (load checks)
+        res.meta.update(_described(meta, pm))
         res.warn_if_degenerate()
         return res
     if method == "attribution+exact":
@@ -259,7 +259,7 @@ def patch_edges(
             model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
             estimator=estimator, ig_steps=ig_steps, top_k=top_k, max_passes=max_passes,
             batch_size=batch_size, progress=progress)
-        res.meta.update(_described(meta, pm), facts=asdict(hooks.facts(model)))  # (load checks)
+        res.meta.update(_described(meta, pm))
         res.warn_if_degenerate()
         return res
     sweep = make_edge_sweep(model, layout, direction, clean_tokens, pm)
