@@ -270,9 +270,10 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
 
-    if n_examples is not None and n_examples < 1:
-        _fail(f"--n-examples {n_examples}: expected a positive integer (notes in the run); give "
-              "--n-examples 1 or more.")
+    try:
+        _positive("--n-examples", n_examples, "notes in the run")
+    except ValueError as e:
+        _fail(str(e))
     try:
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
@@ -351,9 +352,11 @@ def info(
         return
     if not (math.isfinite(gpu_gb) and gpu_gb > 0):
         _fail(f"--gpu-gb must be a positive number of GB (memory of one GPU); got {gpu_gb}.")
-    for flag, v in (("--seq-len", seq_len), ("--n-examples", prompts)):
-        if v is not None and v < 1:
-            _fail(f"{flag} must be a positive integer; got {v}.")
+    try:
+        _positive("--seq-len", seq_len, "tokens per prompt")
+        _positive("--n-examples", prompts, "prompts per sweep")
+    except ValueError as e:
+        _fail(str(e))
     try:
         arch = models.architecture(model)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
@@ -989,9 +992,7 @@ def _n_for(task: str, n_examples: int | None) -> int:
     """The number of notes a command runs on: ``-n``, else ``DEFAULT_N`` for a built-in task and
     every row of a .jsonl (the same rule for every command)."""
     if n_examples is not None:
-        if n_examples < 1:
-            raise ValueError(f"--n-examples must be a positive integer (notes in the run); got "
-                             f"{n_examples}.")
+        _positive("--n-examples", n_examples, "notes in the run")
         return n_examples
     if not task.endswith(".jsonl"):
         return DEFAULT_N

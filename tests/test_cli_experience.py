@@ -438,3 +438,97 @@ def test_the_cli_says_a_circuitkit_warning_once_in_one_line(capsys):
     assert "validate.py" not in err and "another library" not in err
     assert [(str(w.message), w.filename) for w in passed_on] == [
         ("from another library", "/elsewhere/lib.py")]
+
+
+def test_attribution_is_labelled_an_estimate_in_console_csv_and_title(tmp_path):
+    """issue 36.1: attribution printed the exact sweep's header and a ``value`` column."""
+    import pandas as pd
+
+    out = tmp_path / "a"
+    r = run([*PATCH, "--method", "attribution", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ESTIMATES (attribution, estimator" in r.output and "not patched" in r.output
+    header = next(line for line in r.output.splitlines() if "normalized" in line
+                  and "layer" in line)
+    assert "estimate" in header.split() and "value" not in header.split()
+    frame = pd.read_csv(out / "result.csv")
+    assert frame["estimate"].all()
+    assert "ESTIMATES" in PatchResult.load(out).heatmap().layout.title.text
+    exact = run([*PATCH, "--method", "exact", "--out", str(tmp_path / "e")])
+    assert exact.exit_code == 0 and "ESTIMATE" not in exact.output
+    assert "estimate" not in pd.read_csv(tmp_path / "e" / "result.csv")
+
+
+def test_a_folder_holds_one_commands_results(tmp_path):
+    """issue 36.4: patch then characterize into one runs/x mixed their results in one report."""
+    out = tmp_path / "runs" / "x"
+    assert run([*PATCH, "--out", str(out)]).exit_code == 0
+    again = run([*PATCH, "--out", str(out)])  # the same command: a rerun (resumes)
+    assert again.exit_code == 0, again.output
+    for cmd in (["characterize", "-n", "2"], ["edges", "-n", "2"]):
+        r = run([*cmd, "--out", str(out)])
+        assert r.exit_code == 2, r.output
+        assert "holds the results of `circuitkit patch`" in r.output, r.output
+        assert "another --out" in r.output and len(r.output.strip().splitlines()) == 1
+    (out / ".circuitkit-run").unlink()  # a folder an older circuitkit wrote: known by its files
+    r = run(["characterize", "-n", "2", "--out", str(out)])
+    assert r.exit_code == 2 and "`circuitkit patch`" in r.output
+
+
+def test_subcommand_help_imports_no_torch():
+    """issue 36.13: ``circuitkit patch --help`` imported torch (1.7 s against 0.08 s)."""
+    import subprocess
+    import sys
+
+    for cmd in ("patch", "edges", "characterize", "distill", "score", "evaluate"):
+        code = ("import sys; from circuitkit.cli import app\n"
+                f"try: app(['{cmd}', '--help'])\nexcept SystemExit: pass\n"
+                "print('TORCH', 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60).stdout
+        assert "TORCH False" in out, (cmd, out[-300:])
+
+
+def test_shared_options_are_declared_once_and_commands_are_thin():
+    """issue 32.6: each shared option has one definition (same flags and help in every command),
+    and no command function is longer than about 60 lines."""
+    import inspect
+
+    import typer.main
+
+    import circuitkit.cli as cli
+
+    group = typer.main.get_command(app)
+    for name in ("model", "task", "n_examples", "seed", "split", "batch_size", "direction",
+                 "top_k", "progress"):
+        seen = {(tuple(p.opts), p.help) for n, c in group.commands.items() for p in c.params
+                if p.name == name and n not in ("info", "distill")}  # their own --model, --task
+        assert len(seen) == 1, (name, seen)
+    for name in ("patch", "edges", "characterize", "score", "evaluate", "info", "report"):
+        lines = len(inspect.getsource(getattr(cli, name)).splitlines())
+        assert lines <= 65, (name, lines)
+    for cmd in ("patch", "edges", "characterize", "score", "evaluate", "distill"):
+        assert "progress" in {p.name for p in group.commands[cmd].params}, cmd
+
+
+def test_edges_plan_reads_the_runs_prompts_and_names_what_it_prices():
+    """issue 36.6: "0.00 B parameters", config-only although the weights are here, prompt
+    lengths of re-tokenized text (31 / 21.0 where the run reads 35 / 22.9), "0.0 s" with no
+    word that it is GPU time, --method ignored, no --top-k hint for a costly hybrid."""
+    import circuitkit as ck
+    from circuitkit.patching.inputs import padded_lengths
+    from circuitkit.tasks.base import phase_task
+
+    r = run(["edges", "--plan", "-n", "16"])
+    assert r.exit_code == 0, r.output
+    task = phase_task(ck.load_task("icd10", n_examples=16, split="test", seed=0), 2)
+    real = padded_lengths(task.clean_tokens, task.corrupt_tokens, task.pad_id)
+    seq = int(real.max())  # the run's lengths (the engine's rule), not re-tokenized text
+    assert f"of up to {seq} tokens" in r.output
+    assert "3.7 M parameters; the weights are here" in r.output and "0.00 B" not in r.output
+    assert "0.0 s" not in r.output and "there is no CPU class" in r.output
+    assert re.search(r"^exact .*<- --method$", r.output, re.M), r.output
+    r = run(["edges", "--plan", "-m", "llama3-70b", "-n", "8", "--method", "attribution+exact"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^attribution\+exact@.*<- --method$", r.output, re.M)
+    assert "--top-k 50 verifies 50" in r.output

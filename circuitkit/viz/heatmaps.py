@@ -72,7 +72,10 @@ def describe(result: Any, raw: bool | None = None) -> str:
     metric = meta.get("metric")
     head = [model_label(meta), task, f"metric {metric}" if metric else None, result.direction]
     n = meta.get("n_prompts") or meta.get("n_examples")
-    sub = [result.method, f"site {result.site}", f"positions {result.positions}",
+    method = {"attribution": "attribution ESTIMATES (not patched)",  # labelled as estimates
+              "attribution+exact": "attribution+exact (unverified cells are estimates)"}.get(
+        result.method, result.method)
+    sub = [method, f"site {result.site}", f"positions {result.positions}",
            f"{n} prompts" if n else None,
            RAW_NOTE if raw else "colour = normalized effect"]
     return (" · ".join(str(p) for p in head if p)
