@@ -95,6 +95,50 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (what 
                                     "found, the files written) instead of text.")]
 
 
+# --- options of one sweep command (declared here, so each command is its list of options) -------
+Positions = Annotated[str | None, typer.Option(
+    "--positions", help="all (per head; the default for head sites) or each (per head and "
+    "position; the only one for layer sites).", metavar="POSITIONS")]
+Site = Annotated[str, typer.Option("--site", help="z, pattern, q, k, v (heads) or resid_pre, "
+                                   "attn_out, mlp_out (layers x positions).", metavar="SITE")]
+MaxPasses = Annotated[float | None, typer.Option(
+    "--max-passes", help="attribution+exact (and auto's hybrid): stop verifying before the run "
+    "passes this many pass-equivalents in all (screen included).", metavar="PASSES")]
+HeadEstimator = Annotated[str | None, typer.Option(
+    "--estimator", help="attribution: atp (default), block, qk, graddrop, atp*, ig; "
+    "attribution+exact/auto screen with block (docs/attribution.md).", metavar="NAME")]
+SeqLen = Annotated[int | None, typer.Option(
+    "--seq-len", help="--plan without weights: price N prompts of this many tokens each instead "
+    "of the task's own (as circuitkit info does).", metavar="TOKENS")]
+GpusPerReplica = Annotated[int, typer.Option(
+    "--gpus-per-replica", help="GPUs per model copy. Under torchrun (one process per GPU) the "
+    "processes form WORLD/P replicas that share the chunks.", metavar="N")]
+Backend = Annotated[str, typer.Option("--backend", help="transformer_lens or nnsight (exact "
+                                      "head sweeps through nnsight's tracing).", metavar="NAME")]
+Remote = Annotated[bool, typer.Option("--remote", help="With --backend nnsight: run on NDIF "
+                                      "(needs a hub id and NDIF_API_KEY in the environment).")]
+Inputs = Annotated[str, typer.Option("--inputs", help="Receiving heads' inputs, comma "
+                                     "separated: q, k, v.", metavar="INPUTS")]
+Senders = Annotated[str, typer.Option("--senders", help="all (every head and the embeddings) "
+                                      "or nodes, comma separated: embed, L0H3, ...",
+                                      metavar="NODES")]
+Receivers = Annotated[str, typer.Option("--receivers", help="all (every head and the logits) "
+                                        "or nodes, comma separated: L3H1, ..., logits.",
+                                        metavar="NODES")]
+EdgeEstimator = Annotated[str | None, typer.Option(
+    "--estimator", help="attribution: eap (default), eap-ig-inputs, eap-ig-activations, eap* "
+    "(the receiving head run exactly); attribution+exact screens with eap* unless given.",
+    metavar="NAME")]
+IgSteps = Annotated[int | None, typer.Option("--ig-steps", help="EAP-IG interpolation steps "
+                                             "(default 5).", metavar="M")]
+Circuit = Annotated[bool, typer.Option("--circuit/--no-circuit", help="Also measure the "
+                                       "faithfulness curve of the top edges (CPR, CMD, kept "
+                                       "set).")]
+Ablation = Annotated[str, typer.Option("--ablation", help="--circuit: what an ablated edge "
+                                       "carries: corrupt, zero, mean or resample.",
+                                       metavar="KIND")]
+
+
 @app.callback()
 def _root(ctx: typer.Context) -> None:
     """circuitkit: characterize, then distill."""
@@ -445,39 +489,24 @@ def patch(
     n_examples: N = None,
     direction: Direction = "denoise",
     method: Method = "auto",
-    positions: str = typer.Option(None, help="all (per head; the default for head sites) or "
-                                  "each (per head and position; the only one for layer sites).",
-                                  metavar="POSITIONS"),
-    site: str = typer.Option("z", help="z, pattern, q, k, v (heads) or resid_pre, attn_out, "
-                             "mlp_out (layers x positions).", metavar="SITE"),
+    positions: Positions = None,
+    site: Site = "z",
     phase: Phase = None,
     split: Split = "test",
     seed: Seed = 0,
     batch_size: BatchSize = None,
     top_k: TopK = None,
-    max_passes: float = typer.Option(None, "--max-passes", help="attribution+exact (and auto's "
-                                     "hybrid): stop verifying before the run passes this many "
-                                     "pass-equivalents in all (screen included).",
-                                     metavar="PASSES"),
-    estimator: str = typer.Option(None, "--estimator", help="attribution: atp (default), block, "
-                                  "qk, graddrop, atp*, ig; attribution+exact/auto screen with "
-                                  "block (docs/attribution.md).", metavar="NAME"),
+    max_passes: MaxPasses = None,
+    estimator: HeadEstimator = None,
     out: Out = Path("patch-out"),
     checkpoint: Checkpoint = True,
     plan: Plan = False,
-    seq_len: int = typer.Option(None, "--seq-len", help="--plan without weights: price N "
-                                "prompts of this many tokens each instead of the task's own "
-                                "(as circuitkit info does).", metavar="TOKENS"),
+    seq_len: SeqLen = None,
     gpu: Gpu = "H100",
     utilisation: Utilisation = 0.4,
-    gpus_per_replica: int = typer.Option(1, "--gpus-per-replica", help="GPUs per model copy. "
-                                         "Under torchrun (one process per GPU) the processes "
-                                         "form WORLD/P replicas that share the chunks.",
-                                         metavar="N"),
-    backend: str = typer.Option("transformer_lens", help="transformer_lens or nnsight (exact "
-                                "head sweeps through nnsight's tracing).", metavar="NAME"),
-    remote: bool = typer.Option(False, "--remote", help="With --backend nnsight: run on NDIF "
-                                "(needs a hub id and NDIF_API_KEY in the environment)."),
+    gpus_per_replica: GpusPerReplica = 1,
+    backend: Backend = "transformer_lens",
+    remote: Remote = False,
     progress: Progress = True,
     as_json: Json = False,
 ) -> None:
@@ -491,21 +520,9 @@ def patch(
     if plan and (seq_len is not None or not _weights_here(model)):
         _plan_offline(a, n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
         return
-    layout = _replicas(a)
-    if layout is not None and not layout.leader:
-        typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
-                   f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
+    layout, leader = _replicas(ctx, a)
+    if not leader:
         return
-    from circuitkit.patching import distributed
-
-    if not plan and distributed.rank_world()[0] == 0:  # rank 0 writes OUT (every method)
-        from circuitkit.files import lock_folder
-
-        try:
-            ctx.call_on_close(lock_folder(out, "--out folder").close)
-            _claim_folder(out, "patch")
-        except ValueError as e:
-            _fail(str(e))
     the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
     from circuitkit import hooks
 
@@ -517,16 +534,17 @@ def patch(
     how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
     typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
     res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
-    if distributed.rank_world()[0] != 0:  # every replica holds the merged result; 0 writes
-        return
-    res.meta.update(model_name=model, task=task, n_examples=len(clean), phase=the_task.phase,
-                    split=split, seed=seed)
-    try:
-        written = res.save(out / "result")
-        estimate = _mark_estimates(res, written)
-    except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
-        _fail(str(e))
-    _print_patch(a, res, what, metric, len(clean), estimate, written)
+    from circuitkit.patching import distributed
+
+    if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
+        res.meta.update(model_name=model, task=task, n_examples=len(clean),
+                        phase=the_task.phase, split=split, seed=seed)
+        try:
+            written = res.save(out / "result")
+            estimate = _mark_estimates(res, written)
+        except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
+            _fail(str(e))
+        _print_patch(a, res, what, metric, len(clean), estimate, written)
 
 
 def _check_patch_flags(a) -> None:
@@ -572,14 +590,28 @@ def _weights_here(model: str) -> bool:
     return models.weights_available(model)
 
 
-def _replicas(a):
-    """The torchrun replica layout of a sweep (None for --plan)."""
+def _replicas(ctx, a):
+    """(torchrun replica layout or None for --plan, whether this process leads a replica).
+    Rank 0 holds OUT's lock and claims it for patch (every method)."""
     from circuitkit.patching import distributed
 
     try:
-        return distributed.init_replicas(a.gpus_per_replica) if not a.plan else None
+        layout = distributed.init_replicas(a.gpus_per_replica) if not a.plan else None
     except ValueError as e:
         _fail(str(e))
+    if layout is not None and not layout.leader:
+        typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
+                   f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
+        return layout, False
+    if not a.plan and distributed.rank_world()[0] == 0:
+        from circuitkit.files import lock_folder
+
+        try:
+            ctx.call_on_close(lock_folder(a.out, "--out folder").close)
+            _claim_folder(a.out, "patch")
+        except ValueError as e:
+            _fail(str(e))
+    return layout, True
 
 
 def _patch_inputs(a, layout):
@@ -718,20 +750,12 @@ def edges(
     ctx: typer.Context,
     model: Model = DEFAULT_MODEL,
     task: Task = DEFAULT_TASK,
-    inputs: str = typer.Option("q,k,v", "--inputs", help="Receiving heads' inputs, comma "
-                               "separated: q, k, v.", metavar="INPUTS"),
-    senders: str = typer.Option("all", "--senders", help="all (every head and the embeddings) "
-                                "or nodes, comma separated: embed, L0H3, ...", metavar="NODES"),
-    receivers: str = typer.Option("all", "--receivers", help="all (every head and the logits) "
-                                  "or nodes, comma separated: L3H1, ..., logits.",
-                                  metavar="NODES"),
+    inputs: Inputs = "q,k,v",
+    senders: Senders = "all",
+    receivers: Receivers = "all",
     method: Method = "exact",
-    estimator: str = typer.Option(None, "--estimator", help="attribution: eap (default), "
-                                  "eap-ig-inputs, eap-ig-activations, eap* (the receiving head "
-                                  "run exactly); attribution+exact screens with eap* unless "
-                                  "given.", metavar="NAME"),
-    ig_steps: int = typer.Option(None, "--ig-steps", help="EAP-IG interpolation steps "
-                                 "(default 5).", metavar="M"),
+    estimator: EdgeEstimator = None,
+    ig_steps: IgSteps = None,
     top_k: TopK = None,
     direction: Direction = "denoise",
     n_examples: N = None,
@@ -739,10 +763,8 @@ def edges(
     split: Split = "test",
     seed: Seed = 0,
     batch_size: BatchSize = None,
-    circuit: bool = typer.Option(True, "--circuit/--no-circuit", help="Also measure the "
-                                 "faithfulness curve of the top edges (CPR, CMD, kept set)."),
-    ablation: str = typer.Option("corrupt", help="--circuit: what an ablated edge carries: "
-                                 "corrupt, zero, mean or resample.", metavar="KIND"),
+    circuit: Circuit = True,
+    ablation: Ablation = "corrupt",
     out: Out = Path("edges-out"),
     checkpoint: Checkpoint = True,
     plan: Plan = False,

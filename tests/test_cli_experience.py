@@ -145,11 +145,11 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
     cases = [
         (["info", "--model", "llama3-70b", "--gpu-gb", "0"], "--gpu-gb must be a positive"),
         (["info", "--model", "llama3-70b", "--gpu-gb", "nan"], "--gpu-gb must be a positive"),
-        (["info", "--model", "llama3-70b", "--seq-len", "-5"], "--seq-len must be a positive"),
+        (["info", "--model", "llama3-70b", "--seq-len", "-5"], "--seq-len -5: expected a positive"),
         (["info", "--model", str(tmp_path / "nothing")], "no such folder"),
         (["info", "--model", str(tmp_path / "afile")], "is a file"),
         (["score", "--model", "icd-teacher", "-n", "0", "--out", str(tmp_path / "s.csv")],
-         "--n-examples must be a positive"),
+         "--n-examples 0: expected a positive"),
         (["score", "--model", "icd-teacher", "-n", "2", "--out", str(tmp_path)], "is a folder"),
         (["report", str(tmp_path), "--out", str(tmp_path)], "is a folder"),
         (["characterize", "-n", "2", "-k", "0", "--out", str(tmp_path / "c")],
