@@ -532,3 +532,30 @@ def test_edges_plan_reads_the_runs_prompts_and_names_what_it_prices():
     assert r.exit_code == 0, r.output
     assert re.search(r"^attribution\+exact@.*<- --method$", r.output, re.M)
     assert "--top-k 50 verifies 50" in r.output
+
+
+def test_a_bar_prints_its_100_percent_line_once_and_warnings_go_above_it(monkeypatch):
+    """issue 36.12: every bar ended with two 100% lines in a log, and a warning was glued to
+    the bar's line."""
+    import io
+    import warnings
+
+    import tqdm as tqdm_module
+
+    from circuitkit._progress import tqdm
+    from circuitkit.cli import _warnings_as_lines
+    from circuitkit.scoring.validate import random_head_sets
+
+    log = io.StringIO()
+    bar = tqdm(total=3, desc="x", file=log, mininterval=0)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    assert log.getvalue().count("100%") == 1, log.getvalue()
+    written = []
+    monkeypatch.setattr(tqdm_module.tqdm, "write",
+                        classmethod(lambda cls, s, file=None, **k: written.append(s)))
+    with warnings.catch_warnings(), _warnings_as_lines():
+        warnings.simplefilter("always")
+        random_head_sets([(0, 0), (0, 1)], 3, 20, 0)  # warns: only 2 other sets
+    assert [w.startswith("warning: only 2 same-layers") for w in written] == [True]

@@ -413,7 +413,7 @@ def _validation_bar(task: Task, phases: list[int], n_random: int, progress: bool
     reused run counts at once)."""
     if not progress:
         return None
-    from tqdm.auto import tqdm
+    from circuitkit._progress import tqdm
 
     total = sum(2 * (2 + len(POOLS) * n_random) * len(phase_task(task, p)) for p in phases)
     return tqdm(total=total, desc="validate", unit="patched-prompt", dynamic_ncols=True,
