@@ -577,3 +577,21 @@ def test_a_float64_model_rounds_within_the_fast_paths_tolerance(tiny_llama):
                        method="exact", progress=False)
     assert not [w for w in seen if "Please report" in str(w.message)], [
         str(w.message) for w in seen]
+
+
+def test_distill_ends_with_a_summary_of_what_it_trained(tmp_path, monkeypatch):
+    """issue 36.13: ``distill --quick`` ended with no summary, only the folder's name."""
+    import circuitkit.distill.train as train
+
+    def trained(cfg, out, overwrite=False, progress=True):
+        row = dict(step=12, total=3.5, cot=3.25, p1=0.125, p2=0.5, ns=0.0, seconds=1.0)
+        (out / train.RECORD).write_text(json.dumps(dict(
+            train_seconds=4.2, history_columns=train.HISTORY_COLUMNS,
+            history=[[row.get(c, 0.0) for c in train.HISTORY_COLUMNS]])))
+        return out
+
+    monkeypatch.setattr(train, "train_student", trained)
+    r = run(["distill", "--quick", "--no-progress", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    assert "trained 12 steps in 4.2 s; last step's loss: total 3.5, cot 3.25, p1 0.125" in r.output
+    assert "evaluate it with" in r.output
