@@ -595,3 +595,24 @@ def test_distill_ends_with_a_summary_of_what_it_trained(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "trained 12 steps in 4.2 s; last step's loss: total 3.5, cot 3.25, p1 0.125" in r.output
     assert "evaluate it with" in r.output
+
+
+def test_one_rule_for_defaults_progress_and_json(tmp_path):
+    """issue 36.10: output folders patch-out/, edges-out/, ..., scores.csv; --json on evaluate
+    only; no --no-progress."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name in ("patch", "edges", "characterize", "distill", "score"):
+        out = {p.name: p for p in group.commands[name].params}["out"].default
+        assert str(out).split("/")[0] == f"{name}-out", (name, out)
+    methods = {n: {p.name: p for p in group.commands[n].params}
+               for n in ("patch", "edges", "characterize")}
+    assert methods["patch"]["method"].default == "auto"
+    assert "exact for characterize and edges" in methods["edges"]["method"].help  # says why
+    r = run([*PATCH, "--no-progress", "--json", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    assert "patched-prompt" not in r.output  # no bar
+    said = json.loads(r.output[r.output.index("{"):])
+    assert said["command"] == "patch" and said["estimate"] is False and len(said["top"]) == 5
+    assert str(tmp_path / "p" / "result.csv") in said["files"]
