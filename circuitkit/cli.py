@@ -368,9 +368,22 @@ def _table(frame, estimate: str) -> str:
 
 
 def _echo_json(obj) -> None:
+    """``--json``: one strict JSON object (NaN and inf as null; tensors and paths as text)."""
     import json
+    import math
 
-    typer.echo(json.dumps(obj, indent=1, default=str))
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+
+    typer.echo(json.dumps(plain(obj), indent=1, allow_nan=False))
 
 
 @app.command(short_help="Architecture and sweep costs of a model (offline).")
@@ -384,6 +397,7 @@ def info(
     prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
                                 help="Prompts per sweep assumed for the pass counts.", metavar="N"),
     gpu_gb: float = typer.Option(80.0, "--gpu-gb", help="Memory of one GPU, GB.", metavar="GB"),
+    as_json: Json = False,
 ) -> None:
     """Architecture and sweep cost plan, from the config alone (no weights needed); without
     --model, the list of models known by name."""
@@ -411,6 +425,11 @@ def info(
         _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
               f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
     plan = models.cost_plan(arch, seq_len=seq_len, n_prompts=prompts, gpu_gb=gpu_gb)
+    if as_json:
+        import dataclasses
+
+        return _echo_json(dict(architecture=dataclasses.asdict(arch) if dataclasses.is_dataclass(
+            arch) else vars(arch), seq_len=seq_len, n_prompts=prompts, plan=plan))
     typer.echo(_info_text(arch, plan, seq_len, prompts, gpu_gb))
 
 
@@ -1161,6 +1180,7 @@ def score(
     out: Path = typer.Option(Path("score-out/scores.csv"), "--out", "-o", help="CSV file to "
                              "write (default ./score-out/scores.csv).", metavar="FILE"),
     progress: Progress = True,
+    as_json: Json = False,
 ) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
@@ -1182,6 +1202,9 @@ def score(
         files.write_text(out, df.to_csv(index=False))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
+    if as_json:
+        return _echo_json(dict(command="score", n_examples=len(the_task), split=split, seed=seed,
+                               heads=df.to_dict("records"), files=[str(out)]))
     _print_scores(df, k, the_task, split, seed)
     typer.echo(f"wrote {out}")
 
@@ -1221,6 +1244,7 @@ def characterize(
                                "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
                                "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
     progress: Progress = True,
+    as_json: Json = False,
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
@@ -1246,6 +1270,8 @@ def characterize(
         typer.secho("interrupted; finished steps (and finished chunks of the current sweep) are "
                     f"in {out}. Resume with the same command:\n  {_same_command(ctx)}", err=True)
         raise typer.Exit(130) from None
+    if as_json:
+        return _echo_json(dict(command="characterize", out=str(out), summary=summary))
     _print_characterize(out, summary)
 
 
