@@ -303,7 +303,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     dev = _device(model)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from circuitkit._progress import tqdm
 
         bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
                    unit="note-pass", file=sys.stderr)

@@ -223,8 +223,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     Killed or interrupted runs continue from ``out_dir/train_state.safetensors`` on the next
     call. A pickled ``train_state.pt`` (older versions) is refused, not loaded.
     """
-    from tqdm.auto import tqdm
-
+    from circuitkit._progress import tqdm
     from circuitkit.files import write_files_into, write_text
     from circuitkit.models import configure_threads
 

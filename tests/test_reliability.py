@@ -282,23 +282,40 @@ def test_cli_shows_every_line_of_a_multi_line_error(tmp_path):
 
 
 BAD_CLI = [  # (arguments after the command, text the one-line error must contain)
-    (["patch", "-n", "0"], "--n-examples must be a positive integer"),
-    (["patch", "-n", "-3"], "--n-examples must be a positive integer"),
-    (["patch", "--batch-size", "0"], "batch_size=0"),
-    (["patch", "--batch-size", "-1"], "batch_size=-1"),
-    (["patch", "--site", "nope"], "site='nope'"),
-    (["patch", "--method", "magic"], "method='magic'"),
-    (["evaluate", "-n", "0"], "--n-examples must be a positive integer"),
-    (["evaluate", "--batch-size", "0"], "--batch-size must be a positive integer"),
+    # (each names the flag as typed, not the Python parameter: "--batch-size 0", not
+    # "batch_size=0"; one wording for every positive-integer flag)
+    (["patch", "-n", "0"], "--n-examples 0: expected a positive integer"),
+    (["patch", "-n", "-3"], "--n-examples -3: expected a positive integer"),
+    (["patch", "--batch-size", "0"], "--batch-size 0: expected a positive integer"),
+    (["patch", "--batch-size", "-1"], "--batch-size -1: expected a positive integer"),
+    (["patch", "--site", "nope"], "--site nope: not one of z, pattern"),
+    (["patch", "--method", "magic"], "--method magic: not one of exact"),
+    (["patch", "--direction", "denoising"], "--direction denoising: not one of denoise, noise"),
+    (["patch", "--method", "attribution+exact", "--top-k", "-5"],
+     "--top-k -5: expected a positive integer"),
+    (["edges", "--top-k", "-5"], "--top-k -5: expected a positive integer"),
+    (["edges", "--direction", "denoising"], "--direction denoising: not one of denoise, noise"),
+    (["evaluate", "-n", "0"], "--n-examples 0: expected a positive integer"),
+    (["evaluate", "--batch-size", "0"], "--batch-size 0: expected a positive integer"),
+    (["score", "-k", "0"], "-k 0: expected a positive integer"),
+    (["score", "-k", "99"], "-k 99: expected 1..8 (heads of induction-2l)"),
+    (["characterize", "-k", "99"], "-k 99: expected 1..8 (heads of induction-2l)"),
 ]
 
 
 @pytest.mark.parametrize("args,message", BAD_CLI)
-def test_bad_cli_arguments_are_one_clear_line(tmp_path, args, message):
+def test_bad_cli_arguments_are_one_clear_line(tmp_path, monkeypatch, args, message):
+    import circuitkit as ck
+
+    def no_load(*a, **k):
+        raise AssertionError("refused too late: the model loaded")
+
+    monkeypatch.setattr(ck, "load_model", no_load)  # every flag is checked before it loads
     r = _cli([*args, "--model", "induction-2l", "--task", "induction", *(
-        ["--out", str(tmp_path / "o")] if args[0] == "patch" else [])])
+        ["--out", str(tmp_path / "o")] if args[0] != "evaluate" else [])])
     assert r.exit_code == 2, r.output
     assert message in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_n_with_a_jsonl_task_takes_its_first_rows(tmp_path):

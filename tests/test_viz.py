@@ -411,3 +411,14 @@ def test_a_task_metric_names_its_task_and_phase_in_the_title(teacher_and_task):
     plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens,  # (right-padded prompts:
                            lambda lg: t1.metric(lg), progress=False)  # each reads its own)
     assert "task" not in plain.meta and "phase" not in plain.meta
+
+
+def test_validation_chart_writes_p_as_the_findings_text_does():
+    """issue 36.13: the chart said p=0.125 where the text said 0.12 (one rule: format_p)."""
+    from circuitkit.viz.findings import _p_phrase
+
+    val = pd.DataFrame([dict(set="top-3", effect=-0.4, p_value=0.125),
+                        dict(set="random", effect=-0.02, p_value=np.nan)])
+    fig = charts.validation_chart(val)
+    assert list(fig.data[0].text) == ["p=0.12"]
+    assert "p = 0.12" in _p_phrase({"noise": 0.125}, 20)

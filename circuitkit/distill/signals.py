@@ -784,7 +784,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     starts = list(range(0, n, options.shard_size))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from circuitkit._progress import tqdm
 
         bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr)
     shards = []

@@ -320,8 +320,7 @@ def _config_diff(stored: dict, now: dict) -> str:
 
 def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
                    overwrite: bool) -> Path:
-    from tqdm.auto import tqdm
-
+    from circuitkit._progress import tqdm
     from circuitkit.distill.signals import BatchStream
     from circuitkit.files import write_text
     from circuitkit.models import configure_threads

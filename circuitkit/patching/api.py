@@ -1240,7 +1240,7 @@ class _Progress:
         if not self.show:
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
+            from circuitkit._progress import tqdm
 
             self.bar = tqdm(total=total, desc=self.desc, unit="patched-prompt",
                             dynamic_ncols=True, file=sys.stderr)

@@ -147,7 +147,7 @@ CHECK_ROWS = 8
 def _progress(it: Sequence[Any], on: bool, desc: str):
     if not on:
         return it
-    from tqdm.auto import tqdm
+    from circuitkit._progress import tqdm
 
     return tqdm(it, desc=desc, leave=False)
 

@@ -513,7 +513,7 @@ class _Ablated:
         out = []
         groups = range(0, len(kept_items), per)
         if progress:
-            from tqdm.auto import tqdm
+            from circuitkit._progress import tqdm
 
             groups = tqdm(groups, desc="circuit", leave=False)
         for g0 in groups:

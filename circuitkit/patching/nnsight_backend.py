@@ -189,7 +189,7 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
                  for s in range(0, len(variants), per_trace)]
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from circuitkit._progress import tqdm
 
             bar = tqdm(total=len(steps), desc=f"nnsight patch {site} {direction}",
                        unit="trace")

@@ -292,6 +292,8 @@ def format_sweep_plan(p: dict[str, Any], tokens_from: str = "",
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 0.05:  # not "0.0 s": a time too small to print at this resolution
+        return "<0.1 s"
     if seconds < 120:
         return f"{seconds:,.1f} s"
     if seconds < 7200:
@@ -395,11 +397,17 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
 
 
 def format_edge_plan(p: dict[str, Any], tokens_from: str = "") -> str:
-    """The ``circuitkit edges --plan`` text of an ``edge_plan`` dict."""
-    gb = 1e9
+    """The ``circuitkit edges --plan`` text of an ``edge_plan`` dict. Optional keys the CLI
+    adds: ``measured`` (the parameters were counted on the loaded weights), ``chosen`` (the
+    row of ``--method`` / ``--estimator``, marked), ``top_k_hint`` ((k, the hybrid's row at
+    ``top_k=k``): what a smaller verification budget costs)."""
+    gb, n = 1e9, p["n_params"]
+    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else \
+        f"{n / 1e3:.0f} k"
+    source = ("the weights are here: parameters and prompts measured" if p.get("measured")
+              else "planned from its config, no weights needed")
     lines = [
-        f"model        {p['model']} ({p['n_params'] / 1e9:.2f} B parameters; planned from its "
-        "config, no weights needed)",
+        f"model        {p['model']} ({size} parameters; {source})",
         f"edges        {p['n_senders']:,} senders x {p['n_receivers']:,} receivers, inputs "
         f"{','.join(p['inputs'])}: {p['n_edges']:,} edges",
         f"prompts      {p['n_prompts']} of up to {p['seq']} tokens (mean {p['mean_tokens']:.1f})"
@@ -407,22 +415,30 @@ def format_edge_plan(p: dict[str, Any], tokens_from: str = "") -> str:
         f"weights      {p['weights_bytes'] / gb:,.1f} GB on {p['n_gpus']} x {p['gpu']}",
         f"host RAM     {p['host_cache_bytes'] / gb:,.1f} GB for the exact engine's cached "
         f"activations; results {p['results_bytes'] / gb:,.2f} GB (per-prompt values)",
-        f"time basis   bf16 dense peak {p['peak_flops'] / 1e12:,.0f} TFLOP/s x "
-        f"{p['utilisation']:.0%} utilisation",
+        f"time basis   {p['gpu']} (--gpu): bf16 dense peak {p['peak_flops'] / 1e12:,.0f} "
+        f"TFLOP/s x {p['utilisation']:.0%} utilisation",
+        "             (GPU time only, there is no CPU class: on a CPU, time a run with a small -n)",
         "",
-        f"{'method':<26} {'pass-equiv.':>14} {'PFLOP':>11} {'time':>10}",
+        f"{'method':<26} {'pass-equiv.':>14} {'PFLOP':>11} {'GPU time':>10}",
     ]
+    chosen = p.get("chosen")
     for name, m in p["methods"].items():
         label = "TL direct-path loop" if name == "TL loop" else (
             f"attribution+exact@{m['verified_edges']:,}" if name == "attribution+exact"
             else name)
         if name.startswith("eap-ig"):
             label += f" (m={p['ig_steps']})"
+        mark = "  <- --method" if name == chosen else ""
         lines.append(f"{label:<26} {m['pass_equivalents']:>14,.0f} {m['flops'] / 1e15:>11,.1f} "
-                     f"{_duration(m['seconds']):>10}")
+                     f"{_duration(m['seconds']):>10}{mark}")
     lines += ["", "pass-equivalent: one prompt through the whole model (a backward counts 2)",
               f"TL's loop: one forward per head -> head edge it supports ({p['head_edges']:,}; "
               "q only under GQA) and prompt"]
+    if p.get("top_k_hint"):
+        (k, m), full = p["top_k_hint"], p["methods"]["attribution+exact"]["verified_edges"]
+        lines.append(f"attribution+exact verifies {full:,} edges by default (the screen's error "
+                     f"bound); --top-k {k} verifies {k}: {m['pass_equivalents']:,.0f} "
+                     f"pass-equivalents, {_duration(m['seconds'])}")
     return "\n".join(lines)
 
 

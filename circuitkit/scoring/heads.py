@@ -347,7 +347,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS}
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from circuitkit._progress import tqdm
 
         bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
                    dynamic_ncols=True)

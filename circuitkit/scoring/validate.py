@@ -479,7 +479,7 @@ def _variant_bar(desc: str, total: int, progress: bool):
     every run; a reused run counts at once)."""
     if not progress:
         return None
-    from tqdm.auto import tqdm
+    from circuitkit._progress import tqdm
 
     return tqdm(total=total, desc=desc, unit="set-prompt", dynamic_ncols=True, file=sys.stderr)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from circuitkit.viz.findings import format_p
 from circuitkit.viz.heatmaps import check_counts, int_ticks
 
 PHASE_COLORS = {1: "#1f77b4", 2: "#d62728"}  # Phase 1 (coarse, anchors) blue, Phase 2 red
@@ -346,7 +347,7 @@ def validation_chart(validation: Any):
             if rows.empty:
                 continue
             x = rows[direction].astype(str) if direction else [eff] * len(rows)
-            ptxt = [f"p={p:.3g}" if p_col and np.isfinite(p) else ""
+            ptxt = [f"p={format_p(p)}" if p_col and np.isfinite(p) else ""  # as the text says
                     for p in (rows[p_col] if p_col else [np.nan] * len(rows))]
             fig.add_trace(go.Scatter(
                 x=x, y=rows[eff], mode="markers+text", name=s, legendgroup=s,

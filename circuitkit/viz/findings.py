@@ -162,13 +162,18 @@ def floor_note(n_random: int, asked: int | None = None) -> str:
     return text + ", the floor: the strongest result this test can give."
 
 
+def format_p(p: float) -> str:
+    """A p-value as every text and chart writes it (two significant figures: 0.12, 0.048)."""
+    return f"{p:.2g}"
+
+
 def _p_phrase(ps: dict[str, float], n_random: int) -> str:
     floor = 1 / (n_random + 1)
     mark = lambda p: ", the floor" if abs(p - floor) < 1e-9 else ""  # noqa: E731
     vals = list(ps.values())
     if len(vals) == 2 and abs(vals[0] - vals[1]) < 1e-12:
-        return f"p = {vals[0]:.2g} in both directions{mark(vals[0])}"
-    return "; ".join(f"p = {p:.2g} {d}{mark(p)}" for d, p in ps.items())
+        return f"p = {format_p(vals[0])} in both directions{mark(vals[0])}"
+    return "; ".join(f"p = {format_p(p)} {d}{mark(p)}" for d, p in ps.items())
 
 
 def validation_sentence(rows: dict[tuple[str, str], Any], asked: int | None = None

@@ -61,6 +61,13 @@ def model_label(meta: dict[str, Any]) -> str | None:
     return name
 
 
+def method_label(method: str) -> str:
+    """A result's method as a figure's title says it: estimates labelled as estimates."""
+    return {"attribution": "attribution ESTIMATES (not patched)",
+            "attribution+exact": "attribution+exact (unverified cells are estimates)"}.get(
+        method, method)
+
+
 def describe(result: Any, raw: bool | None = None) -> str:
     """Title naming the model, the task (and phase), the metric and the direction, from ``meta``;
     a second, smaller line with method, site, positions, the number of prompts and what colour
@@ -73,7 +80,7 @@ def describe(result: Any, raw: bool | None = None) -> str:
     metric = meta.get("metric")
     head = [model_label(meta), task, f"metric {metric}" if metric else None, result.direction]
     n = meta.get("n_prompts") or meta.get("n_examples")
-    sub = [result.method, f"site {result.site}", f"positions {result.positions}",
+    sub = [method_label(result.method), f"site {result.site}", f"positions {result.positions}",
            f"{n} prompts" if n else None,
            RAW_NOTE if raw else "colour = normalized effect"]
     return (" · ".join(str(p) for p in head if p)
@@ -401,7 +408,7 @@ def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str]
         head = [model_label(meta), task, f"metric {meta['metric']}" if meta.get("metric")
                 else None, result.direction]
         n = meta.get("n_prompts")
-        sub = [result.method, "edges: a sender's write into one receiver's input",
+        sub = [method_label(result.method), "edges: a sender's write into one receiver's input",
                f"{n} prompts" if n else None,
                RAW_NOTE if raw else f"colour = normalized effect, {scale}",
                DIRECTION_NOTE.get(result.direction)]
