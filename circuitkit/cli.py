@@ -515,7 +515,8 @@ def edges(
     out: Path = typer.Option(Path("edges-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
     checkpoint: bool = typer.Option(True, "--checkpoint/--no-checkpoint", help="Store finished "
-                                    "chunks (exact) in OUT/checkpoints/edges; rerunning "
+                                    "chunks (exact; attribution+exact: the screen and the "
+                                    "verified edges) in OUT/checkpoints/edges; rerunning "
                                     "resumes."),
     plan: bool = typer.Option(False, "--plan", help="Print the cost from the model's config "
                               "(no weights needed) and stop."),
@@ -558,7 +559,7 @@ def edges(
     clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
     if note:
         typer.echo(note, err=True)
-    ckpt = out / "checkpoints" / "edges" if checkpoint and method == "exact" else None
+    ckpt = out / "checkpoints" / "edges" if checkpoint and method != "attribution" else None
     try:
         res = ck.patch_edges(the_model, clean, corrupt, metric, nodes["senders"],
                              nodes["receivers"], inputs, direction=direction, method=method,

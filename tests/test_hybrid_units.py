@@ -219,3 +219,33 @@ def test_the_plan_is_within_a_quarter_of_the_run_on_the_teacher(teacher, top_k):
         assert res.method == "attribution+exact" and plan["verified_cells"] == 6
         ran = res.meta["cost"]["total_passes"]
     assert abs(plan["pass_equivalents"] - ran) <= 0.25 * ran, (plan["pass_equivalents"], ran)
+
+
+def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model, task, tmp_path,
+                                                                     monkeypatch):
+    """``tests/fixtures/hybrid-checkpoint-83ec843``: ``attribution_plus_exact(top_k=5)`` on
+    this model and task, checkpointed by main at 83ec843 (the head-only hybrid in api.py). The
+    same identity and cell numbering: it resumes with no screen and no verification forward."""
+    import shutil
+    from pathlib import Path
+
+    from circuitkit.patching import api
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hybrid-checkpoint-83ec843", folder)
+    args = (heads_model, task.clean_tokens, task.corrupt_tokens, task.metric)
+    want = quiet(api.attribution_plus_exact, model=heads_model, clean_tokens=task.clean_tokens,
+                 corrupt_tokens=task.corrupt_tokens, metric=task.metric, top_k=5,
+                 progress=False)
+    calls = counting(monkeypatch, ExactEngine)
+
+    def no_screen(*a, **k):
+        raise AssertionError("the stored screen was recomputed")
+    monkeypatch.setattr("circuitkit.patching.attribution.attribution_patch_heads", no_screen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "not usable; screening again" would fail
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)
+        got = api.attribution_plus_exact(*args, top_k=5, progress=False, checkpoint=folder)
+    assert not calls and got.meta["cost"]["reused_cells"] == 5
+    assert got.meta["verified_cells"] == [(0, 7), (0, 1), (1, 6), (0, 14), (0, 8)]
+    torch.testing.assert_close(got.values, want.values, atol=1e-6, rtol=0)
