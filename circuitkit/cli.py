@@ -780,6 +780,11 @@ def format_plan(p: dict) -> str:
                      f"verified     ~{p['verified_cells']} cells expected, as many as the "
                      f"screen's error bound asks (at most {p['verified_cells_max']}: "
                      f"~{p['est_seconds_max']:,.1f} s)")
+    hy = p.get("hybrid")
+    if hy and hy["runs"] == "exact":  # what attribution+exact will do: the exact sweep
+        lines.insert(1, f"hybrid       attribution+exact would cost ~{hy['passes']:,.0f} "
+                        f"pass-equivalents (~{hy['cells']} cells verified), at least the exact "
+                        f"sweep's {hy['exact_passes']:,.0f}: it runs the exact sweep")
     if p.get("auto"):
         lines.insert(1, f"auto         chose {p['auto']['chose']} (exact sweep "
                         f"{p['auto']['exact_flops_per_token']:.2g} FLOPs per prompt token; "

@@ -379,8 +379,7 @@ def plan_patch(
                    hybrid=dict(guess, runs=guess["runs"]))
         if guess["runs"] == "exact":  # what the run will do: the exact sweep (and say so)
             out.update(method="exact", pass_equivalents=exact_passes,
-                       est_seconds=per_cost * total, verified_cells=n_cells,
-                       verified_cells_max=n_cells, est_seconds_max=per_cost * total)
+                       est_seconds=per_cost * total)
         else:
             out.update(pass_equivalents=guess["passes"], est_seconds=seconds(guess["cells"]),
                        verified_cells=guess["cells"], verified_cells_max=guess["cells_max"],
