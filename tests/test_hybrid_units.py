@@ -249,3 +249,32 @@ def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model
     assert not calls and got.meta["cost"]["reused_cells"] == 5
     assert got.meta["verified_cells"] == [(0, 7), (0, 1), (1, 6), (0, 14), (0, 8)]
     torch.testing.assert_close(got.values, want.values, atol=1e-6, rtol=0)
+
+
+def _conformance():
+    import test_conformance
+
+    return test_conformance
+
+
+@pytest.mark.parametrize("name", _conformance().LAYOUTS)
+def test_the_hybrid_itself_on_every_layout(name):
+    """The conformance matrix's ``test_hybrid`` calls ``patch_heads``, which on its tiny models
+    now runs the exact sweep (the hybrid would cost more): here the hybrid itself
+    (``attribution_plus_exact``, which never swaps) on the same 24 layouts, its verified cells
+    against the hooked reference, so the screen-then-verify road keeps its matrix."""
+    from circuitkit.patching import api
+
+    tc = _conformance()
+    c = tc.case(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = api.attribution_plus_exact(c.model, c.clean, c.corrupt, c.metric, progress=False)
+        routed = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric,
+                                method="attribution+exact", progress=False)
+    assert res.method == "attribution+exact"
+    want = tc.hooked_sweep(c.model, c.corrupt, c.clean, c.metric)
+    done = res.verified
+    assert done.any() and torch.isfinite(res.values).all()
+    torch.testing.assert_close(res.values[done], want[done], atol=tc.ATOL, rtol=0)
+    assert routed.verified.all() or routed.method == "attribution+exact"  # exact: all True

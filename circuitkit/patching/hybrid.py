@@ -157,7 +157,9 @@ def screen_then_verify(units: Units, checkpoint: Any = None, *, top_k: int | Non
             f"attribution+exact was predicted to cost {guess['passes']:,.0f} pass-equivalents "
             f"(~{guess['cells']} cells verified), at least the exact sweep's "
             f"{guess['exact_passes']:,.0f}: every cell was patched exactly instead")),
-            timing=dict(screen=0.0, verify=0.0, exact=seconds, total=seconds))
+            timing=dict(screen=0.0, verify=0.0, exact=seconds, total=seconds),
+            # every cell is exact: the mask a hybrid result carries, all True (edges: every edge)
+            verified=(~res.values.isnan()).tolist(), n_verified=units.index.shape[0])
         _say(progress, f"attribution+exact: ran the exact sweep ({res.meta['hybrid']['why']}).")
         return res
     warned = guess["passes"] >= guess["exact_passes"]
