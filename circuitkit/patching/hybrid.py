@@ -210,7 +210,7 @@ def _verified(units: Units, store: HybridCheckpoint | None, top_k: int | None,
               max_passes: float | None, batch_size: int | None, progress: bool,
               rule: dict) -> Any:
     """The screen (stored or run), then the verification (``top_k`` or ``budget_rule``), each
-    verified cell stored as its forward finishes."""
+    verified cell stored as its forward finishes; cost and budget in ``meta``."""
     est = store.load_screen(units.result_type) if store is not None else None
     if est is None:
         est = units.screen()
@@ -219,73 +219,28 @@ def _verified(units: Units, store: HybridCheckpoint | None, top_k: int | None,
     elif progress:
         print(f"attribution+exact: screen ({est.meta['estimator']}) reused from {store.path}",
               file=sys.stderr)
-    metric, n, index = units.metric, units.n_prompts, units.index
+    n, at = units.n_prompts, tuple(units.index.T)
     base = est.corrupt if est.direction == "denoise" else est.clean
-    at = tuple(index.T)
     effect = (est.values - base)[at]
     scale = (_nan_tensor(est.meta["write_scale"])[at].nan_to_num(0.0)
              * units.downstream).clamp_min(1e-12)
-    n_cells = effect.numel()
-    t0 = time.perf_counter()
-    rows = [units.rows]  # sequences per forward, halved on out-of-memory
-    if not metric.per_prompt_values and batch_size is not None and batch_size < n:
+    if not units.metric.per_prompt_values and batch_size is not None and batch_size < n:
         warnings.warn(f"batch_size={batch_size} is below the {n} prompts, but a metric without "
                       "per-prompt values needs every prompt in each forward: verification "
                       f"runs {n} sequences per forward.", stacklevel=4)
-    backoffs = [0]
-    exact_pp = torch.zeros(n_cells, n)  # per-prompt exact metric of verified cells
-    done = torch.zeros(n_cells, dtype=torch.bool)
-    order: list[int] = []
-    finished: dict[int, Tensor] = dict(store.load_cells(n_cells, n)) if store else {}
-    if finished and progress:
-        print(f"attribution+exact: {len(finished)} verified cells reused from {store.path}",
-              file=sys.stderr)
-    reused: set[int] = set()
-
-    def prompts_per_forward() -> int:  # a metric without per-prompt values needs them all
-        return min(n, rows[0]) if metric.per_prompt_values else n
-
-    def verify(flat: list[int]) -> None:
-        by_layer: dict[int, list[int]] = {}
-        for j in flat:
-            if j in finished:  # a resumed run: the rule replays on the stored values
-                exact_pp[j] = finished[j]
-                reused.add(j)
-            else:
-                by_layer.setdefault(int(units.layer[j]), []).append(j)
-        for layer, js in by_layer.items():
-            i = 0
-            while i < len(js):
-                group = js[i:i + max(1, rows[0] // prompts_per_forward())]
-                step = prompts_per_forward()
-                try:
-                    exact_pp[group] = torch.cat([units.run(layer, group, p0, min(p0 + step, n))
-                                                 for p0 in range(0, n, step)], dim=1)
-                except Exception as e:
-                    smallest = len(group) == 1 and (rows[0] == 1 or not metric.per_prompt_values)
-                    if not is_out_of_memory(e) or smallest:  # nothing left to shrink
-                        raise
-                    release_cached_memory()
-                    rows[0], backoffs[0] = max(1, rows[0] // 2), backoffs[0] + 1
-                    continue
-                finished.update({j: exact_pp[j].clone() for j in group})
-                i += len(group)
-                if store is not None:  # a killed run loses at most the forward in progress
-                    store.save_cells(finished)
-        done[flat] = True
-        order.extend(flat)
-
+    t0 = time.perf_counter()
+    v = _Verifier(units, store, progress)
     k_err, tau, stopped, rounds = 0.0, None, "top_k", 0
     try:
         if top_k is not None:
-            verify(torch.topk(effect.abs(), min(top_k, n_cells)).indices.tolist())
+            v(torch.topk(effect.abs(), min(top_k, effect.numel())).indices.tolist())
         else:
             k_err, tau, stopped, rounds = budget_rule(
-                effect, scale, units.downstream, exact_pp, done, base, verify, n,
+                effect, scale, units.downstream, v.exact_pp, v.done, base, v, n,
                 units.per_round, max_passes=max_passes,
                 screen_passes=est.meta["pass_equivalents"], **rule)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: {len(finished)} verified cells" + (
+        print(f"\ninterrupted: {len(v.finished)} verified cells" + (
             f" and the screen saved in {store.path}; rerun the same call to resume." if store
             is not None else " lost (no checkpoint folder: pass checkpoint= to keep them)."),
             file=sys.stderr)
@@ -296,20 +251,82 @@ def _verified(units: Units, store: HybridCheckpoint | None, top_k: int | None,
                       f"engine's two cached runs would cost {2 * n}; every cell is the "
                       "estimate.", stacklevel=4)
     d = units.downstream.double()
-    verify_passes = n * (float(d[order].sum()) + 2 * bool(order))  # as a fresh run
+    verify_passes = n * (float(d[v.order].sum()) + 2 * bool(v.order))  # as a fresh run
     cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
                 verify_passes=verify_passes,
                 total_passes=est.meta["pass_equivalents"] + verify_passes,
                 exact_sweep_passes=n * (float(d.sum()) * units.read_share + 2),
                 estimator_seconds=est.meta["seconds"],
-                verify_seconds=time.perf_counter() - t0, reused_cells=len(reused),
-                rows_per_forward=rows[0] if metric.per_prompt_values else max(rows[0], n),
-                oom_backoffs=backoffs[0])
+                verify_seconds=time.perf_counter() - t0, reused_cells=len(v.reused),
+                rows_per_forward=v.rows if units.metric.per_prompt_values else max(v.rows, n),
+                oom_backoffs=v.backoffs)
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
                   rounds=rounds, **rule)
-    return place(est, index, order, exact_pp[order], dict(
+    return place(est, units.index, v.order, v.exact_pp[v.order], dict(
         budget=budget, cost=cost, error_unit=_nested(_filled(est.values, at, scale))))
+
+
+class _Verifier:
+    """``verifier(cells)``: the exact values of flat ``cells`` into ``exact_pp`` ``[C, n]``
+    (``done``, ``order``), by layer, as many cells per forward as ``rows`` sequences hold; on
+    out-of-memory ``rows`` is halved and the forward retried. Cells stored in ``store`` (a
+    resumed run) are reused, not run; each finished forward is stored at once (a killed run
+    loses at most the forward in progress)."""
+
+    def __init__(self, units: Units, store: HybridCheckpoint | None, progress: bool):
+        n_cells, n = units.index.shape[0], units.n_prompts
+        self.units, self.store, self.rows, self.backoffs = units, store, units.rows, 0
+        self.exact_pp = torch.zeros(n_cells, n)
+        self.done = torch.zeros(n_cells, dtype=torch.bool)
+        self.order: list[int] = []
+        self.reused: set[int] = set()
+        self.finished: dict[int, Tensor] = dict(store.load_cells(n_cells, n)) if store else {}
+        if self.finished and progress:
+            print(f"attribution+exact: {len(self.finished)} verified cells reused from "
+                  f"{store.path}", file=sys.stderr)
+
+    def prompts_per_forward(self) -> int:  # a metric without per-prompt values needs them all
+        n = self.units.n_prompts
+        return min(n, self.rows) if self.units.metric.per_prompt_values else n
+
+    def __call__(self, flat: list[int]) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for j in flat:
+            if j in self.finished:  # a resumed run: the rule replays on the stored values
+                self.exact_pp[j] = self.finished[j]
+                self.reused.add(j)
+            else:
+                by_layer.setdefault(int(self.units.layer[j]), []).append(j)
+        for layer, js in by_layer.items():
+            i = 0
+            while i < len(js):
+                group = js[i:i + max(1, self.rows // self.prompts_per_forward())]
+                if not self._run(layer, group):
+                    continue  # out of memory: rows halved, the same cells again
+                self.finished.update({j: self.exact_pp[j].clone() for j in group})
+                i += len(group)
+                if self.store is not None:
+                    self.store.save_cells(self.finished)
+        self.done[flat] = True
+        self.order.extend(flat)
+
+    def _run(self, layer: int, group: list[int]) -> bool:
+        """One forward's cells (prompts split to fit ``rows``); False after an out-of-memory
+        back-off."""
+        n, step = self.units.n_prompts, self.prompts_per_forward()
+        try:
+            self.exact_pp[group] = torch.cat([self.units.run(layer, group, p0, min(p0 + step, n))
+                                              for p0 in range(0, n, step)], dim=1)
+            return True
+        except Exception as e:
+            smallest = len(group) == 1 and (self.rows == 1
+                                            or not self.units.metric.per_prompt_values)
+            if not is_out_of_memory(e) or smallest:  # nothing left to shrink
+                raise
+        release_cached_memory()  # (out of the except block: its frames hold activations)
+        self.rows, self.backoffs = max(1, self.rows // 2), self.backoffs + 1
+        return False
 
 
 def place(est: Any, index: Tensor, order: list[int], exact: Tensor, meta: dict) -> Any:
