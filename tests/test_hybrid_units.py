@@ -278,3 +278,62 @@ def test_the_hybrid_itself_on_every_layout(name):
     assert done.any() and torch.isfinite(res.values).all()
     torch.testing.assert_close(res.values[done], want[done], atol=tc.ATOL, rtol=0)
     assert routed.verified.all() or routed.method == "attribution+exact"  # exact: all True
+
+
+_KILLED = """
+import sys, time, warnings
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+import torch
+import circuitkit as ck
+from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from _scale import TINY_GQA8, induction
+from tinymodels import TINY_LLAMA, make_model
+engine = ExactEngine if {kind!r} == "heads" else EdgeEngine
+real = engine.run_variants
+def slow(self, *a, **k):
+    time.sleep(0.5)  # a forward long enough to be killed in the middle of the verification
+    return real(self, *a, **k)
+engine.run_variants = slow
+if {kind!r} == "heads":
+    task = induction(n=4, seed=5)
+    ck.patch_heads(ck.load_model(dict(TINY_GQA8, seed=1)), task.clean_tokens,
+                   task.corrupt_tokens, task.metric, method="attribution+exact",
+                   max_passes=1e9, batch_size=4, checkpoint={ckpt!r}, progress=False)
+else:
+    g = torch.Generator().manual_seed(3)
+    clean, corrupt = (torch.randint(1, 64, (3, 7), generator=g) for _ in range(2))
+    def edge_margin(logits):  # the parent's metric, by name and behaviour
+        return logits[:, -1, 5] - logits[:, -1, 7]
+    ck.patch_edges(make_model(TINY_LLAMA), clean, corrupt, edge_margin,
+                   method="attribution+exact",
+                   max_passes=1e9, batch_size=4, checkpoint={ckpt!r}, progress=False)
+"""
+
+
+def test_sigkill_mid_verification_then_resume_gives_the_uninterrupted_result(units, tmp_path,
+                                                                            monkeypatch):
+    """SIGKILL (no cleanup runs) once the first verified cells are on disk; the rerun resumes
+    them and ends identical to a run never killed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from killing import kill_at_first_checkpoint
+
+    run, engine = units
+    kind = "heads" if engine is ExactEngine else "edges"
+    ckpt = tmp_path / "ckpt"
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(tests).parent), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED.format(tests=tests, kind=kind,
+                                                                  ckpt=str(ckpt))], env=env)
+    kill_at_first_checkpoint(proc, ckpt / "hybrid-cells.safetensors", timeout=120)
+    want = quiet(run, batch_size=4)
+    calls = counting(monkeypatch, engine)
+    got = quiet(run, batch_size=4, checkpoint=ckpt)
+    assert got.meta["cost"]["reused_cells"] > 0 and len(calls) > 0  # resumed, then finished
+    assert torch.equal(got.values.nan_to_num(7.0), want.values.nan_to_num(7.0))
+    assert got.meta["verified_cells"] == want.meta["verified_cells"]
