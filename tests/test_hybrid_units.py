@@ -337,3 +337,18 @@ def test_sigkill_mid_verification_then_resume_gives_the_uninterrupted_result(uni
     assert got.meta["cost"]["reused_cells"] > 0 and len(calls) > 0  # resumed, then finished
     assert torch.equal(got.values.nan_to_num(7.0), want.values.nan_to_num(7.0))
     assert got.meta["verified_cells"] == want.meta["verified_cells"]
+
+
+def test_auto_above_the_threshold_that_runs_exact_says_so(edges_model, monkeypatch):
+    """``auto`` choosing the hybrid (as for 70B) on a model where the hybrid would cost as much
+    as exact: the exact sweep, ``meta["auto"]["verified"] == "all"``, the reason recorded."""
+    from circuitkit.patching import plan as P
+
+    monkeypatch.setattr(P, "AUTO_EXACT_MAX_FLOPS_PER_TOKEN", 0.0)
+    clean, corrupt = edge_pair()
+    res = quiet(ck.patch_heads, model=edges_model, clean_tokens=clean, corrupt_tokens=corrupt,
+                metric=edge_margin, method="auto", progress=False)
+    auto = res.meta["auto"]
+    assert auto["chose"] == "attribution+exact" and res.method == "exact"
+    assert auto["verified"] == "all" and auto["screening"]["k"] == res.values.numel()
+    assert res.meta["hybrid"]["ran"] == "exact"
