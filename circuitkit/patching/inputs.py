@@ -221,7 +221,7 @@ def check_edge_model(model: Any) -> None:
 
 
 # Methods whose estimate is a gradient of the metric (``auto`` screens only when it does not
-# run the exact sweep: ``api._auto`` skips its informational screen for such a metric).
+# run the exact sweep: ``auto.run`` skips its informational screen for such a metric).
 GRADIENT_METHODS = ("attribution", "attribution+exact")
 
 
