@@ -162,6 +162,7 @@ def patch_heads(
         res.warn_if_degenerate()
         return res
     res.meta.update(exact.described(meta, pm))
+    exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
     res.warn_if_degenerate()
     return res
 
@@ -232,6 +233,7 @@ def patch_edges(
             model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
             estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
         res.meta.update(exact.described(meta, pm))
+        exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
         res.warn_if_degenerate()
         return res
     if method == "attribution+exact":
@@ -243,6 +245,7 @@ def patch_edges(
         res = hybrid.screen_then_verify(units, checkpoint, top_k=top_k, max_passes=max_passes,
                                         batch_size=batch_size, progress=progress)
         res.meta.update(exact.described(meta, pm))
+        exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
     else:
         res = exact.run_edges(model, clean_tokens, corrupt_tokens, pm, layout, direction,
                               batch_size, checkpoint, progress, meta)

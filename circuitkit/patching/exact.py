@@ -66,6 +66,21 @@ def described(meta: dict, metric: PromptMetric) -> dict:
     return out
 
 
+def recorded(model: Any, clean: Tensor, corrupt: Tensor) -> dict[str, Any]:
+    """What every result records of its model and prompts (an exact sweep's provenance; also
+    attribution's and the hybrid's, so ``ck.circuit`` and strict loads can check them):
+    ``model_fingerprint``, ``tokens_hash``, ``facts``, ``versions``."""
+    return dict(model_fingerprint=model_fingerprint(model), tokens_hash=tokens_hash(clean, corrupt),
+                facts=asdict(hooks.facts(model)), versions=versions())
+
+
+def with_recorded(res: Any, model: Any, clean: Tensor, corrupt: Tensor) -> Any:
+    """``res`` with ``recorded`` entries it lacks added to its meta."""
+    for k, v in recorded(model, clean, corrupt).items():
+        res.meta.setdefault(k, v)
+    return res
+
+
 class Lazy:
     """``fn(*args)``, computed on the first call and kept."""
 
