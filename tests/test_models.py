@@ -543,3 +543,77 @@ def test_save_model_says_what_to_do_for_a_split_architecture(tmp_path):
     with pytest.raises(ValueError, match="splits this architecture's fused layers"):
         ck.save_model(gpt2, tmp_path / "g")
     assert not (tmp_path / "g").exists()
+
+
+class _Trap:
+    """Unpickling this runs code: it writes a file (what a hostile pytorch_model.bin could do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _pickle_folder(root, marker):
+    """A Llama folder whose weights are a pickle only: real tensors plus a code-running object."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=27, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      max_position_embeddings=16))
+    hf.save_pretrained(root)
+    (root / "model.safetensors").unlink()
+    torch.save({**hf.state_dict(), "trap": _Trap(str(marker))}, root / "pytorch_model.bin")
+    return root
+
+
+def test_pickle_weights_are_refused_in_one_line_never_loaded(tmp_path, monkeypatch):
+    """Issue 33 item 20: a folder holding only pytorch_model.bin failed inside torch.load with a
+    traceback advising weights_only=False. Now: one line saying to convert to safetensors, from
+    load_model (a folder, a cached hub id, a hub id whose repository has only a pickle) and from
+    the CLI (exit 2); the pickle is never read (its trap never fires)."""
+    from circuitkit import models
+
+    marker = tmp_path / "unpickled"
+    folder = _pickle_folder(tmp_path / "m", marker)
+    with pytest.raises(models.PickleWeightsError) as e:
+        ck.load_model(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg and "pytorch_model.bin" in msg and "safetensors" in msg
+    assert "weights_only=False" not in msg
+    assert f"M.from_pretrained('{folder}').save_pretrained('{folder}')" in msg
+    # a hub id: the cached weights (hub unreachable), then the repository's file list
+    monkeypatch.setattr(models, "_hf_cached_files", lambda hub_id: {
+        "config": str(folder / "config.json"), "weights": "pytorch_model.bin"})
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(models.PickleWeightsError, match="'org/tiny'|org/tiny holds"):
+        ck.load_model("org/tiny")
+    import huggingface_hub
+
+    monkeypatch.setattr(models, "_hf_cached_files", lambda hub_id: {"config": None,
+                                                                     "weights": None})
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files",
+                        lambda hub_id, revision=None: ["config.json", "pytorch_model.bin"])
+    with pytest.raises(models.PickleWeightsError, match="org/tiny holds its weights only"):
+        ck.load_model("org/tiny")
+    out = subprocess.run([sys.executable, "-m", "circuitkit.cli", "patch", "--model",
+                          str(folder), "--task", "induction", "-n", "2", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "holds its weights only as a pickle" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and "weights_only=False" not in out.stderr
+    assert not marker.exists()
+    # the command it gives converts the folder (tensors only), which then loads
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.save(LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).state_dict(),
+               folder / "pytorch_model.bin")  # (no trap: transformers' reader refuses one)
+    cmd = msg.split('python -c "', 1)[1].split('"', 1)[0]
+    subprocess.run([sys.executable, "-c", cmd], check=True, capture_output=True, timeout=300)
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        assert ck.load_model(str(folder)).cfg.n_layers == 1
+    assert not marker.exists()
