@@ -384,7 +384,8 @@ def _hf_from_tl(tl: dict) -> dict:
         raise ValueError(f"TransformerLens-style config: act_fn={act!r} is not an activation "
                          f"transformers has; use one of {sorted(ACT2FN)}.")
     common = dict(vocab_size=_positive_int(tl, "d_vocab"), tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=0, pad_token_id=0)  # t0 of the numbered tokenizer
+                  bos_token_id=0, eos_token_id=0,  # t0 of the numbered tokenizer
+                  pad_token_id=0)  # (HF's embedding padding_idx; the tokenizer pads with d_vocab)
     eps = float(tl.get("eps", 1e-5))
     if family == "llama":
         hf = dict(model_type="llama", hidden_size=d_model, num_hidden_layers=_positive_int(
@@ -498,8 +499,10 @@ def load_model(
     "LN") choose the family; give one and the other follows; give neither and it is Llama
     (unlike ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only
     ``d_head`` derives the other from ``d_model``. Both families untie the unembedding (as
-    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos/pad (the numbered
-    tokenizer ``t0 .. t{d_vocab-1}`` given to random models). Unknown keys are refused.
+    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos (the numbered
+    tokenizer ``t0 .. t{d_vocab-1}`` given to random models, whose pad ``<pad>`` is id
+    ``d_vocab``, no token of the model: prompts ending in id 0 are not padding). Unknown keys are
+    refused.
     """
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
@@ -765,15 +768,26 @@ def _boot_from_config_dict(cfg: dict, device, dtype, tokenizer):
     return bridge
 
 
+NUMBERED_PAD = "<pad>"
+
+
 def _numbered_tokenizer(vocab_size: int):
-    """A word-level tokenizer over ``t0 .. t{n-1}`` (t0 = bos/eos/pad) for random test models."""
+    """A word-level tokenizer over ``t0 .. t{n-1}`` (t0 = bos/eos/unk) for random models (a
+    config dict, a folder without tokenizer files).
+
+    Its pad token ``<pad>`` has id ``n``, outside the model's vocabulary: every id a prompt can
+    hold is an ordinary token, so prompts that end in id 0 are not taken for right padding
+    (``patching.inputs.padded_lengths``); real padding (``model.to_tokens`` of prompts of
+    different lengths) holds id ``n`` and is refused in one line (``inputs.check_tokens``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0",
-                                   pad_token="t0", unk_token="t0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0",
+                                   unk_token="t0")
+    fast.add_special_tokens({"pad_token": NUMBERED_PAD})  # id vocab_size
+    return fast
 
 
 # --- folders written whole (model conversion, trained models, tokenizer cache) -----------------

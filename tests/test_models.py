@@ -617,3 +617,39 @@ def test_pickle_weights_are_refused_in_one_line_never_loaded(tmp_path, monkeypat
     with pytest.warns(UserWarning, match="no tokenizer files"):
         assert ck.load_model(str(folder)).cfg.n_layers == 1
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=16, seed=1),
+    dict(model_type="gpt2", vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+         seed=1),
+], ids=["tl-llama", "hf-gpt2"])
+def test_prompts_ending_in_id_0_are_not_padding_on_a_config_dict_model(cfg):
+    """Issue 33 item 21: the tokenizer built for a config-dict model used id 0 ('t0') as its
+    pad, an ordinary token of random prompts: prompts whose trailing runs of 0 differed were
+    refused as right-padded. Its pad is now id d_vocab, no token of the model: such prompts
+    patch like any others, and real padding (model.to_tokens of prompts of different lengths)
+    is still refused, in one line."""
+    model = ck.load_model(cfg)
+    V = int(model.cfg.d_vocab)
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(1, V, (4, 8), generator=g)
+    corrupt = torch.randint(1, V, (4, 8), generator=g)
+    clean[:2, -2:] = 0  # prompts 0 and 1 end in two 0s, prompt 2 in one, prompt 3 in none
+    corrupt[:2, -2:] = 0
+    clean[2, -1] = corrupt[2, -1] = 0
+    metric = lambda logits: logits[:, -1, 5].mean()  # noqa: E731 (reads position -1)
+    res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+    with torch.no_grad():  # the clean value is the model's own, every prompt read at -1
+        want = float(model(clean)[:, -1, 5].mean())
+    assert res.clean == pytest.approx(want, abs=1e-5)  # fp32, one forward vs the engine's
+    assert ck.patch_layers(model, clean, corrupt, metric, progress=False).values.shape[0] == 2
+    assert model.tokenizer.pad_token_id == V and model.tokenizer.convert_ids_to_tokens([0]) == [
+        "t0"]
+    padded = model.to_tokens(["t3 t4 t5 t6", "t3 t4"])
+    assert padded[1, -1] == V  # real right padding: the pad id
+    for fn in (ck.patch_heads, ck.patch_layers):
+        with pytest.raises(ValueError) as e:
+            fn(model, padded, padded.clone(), metric, progress=False)
+        msg = str(e.value)
+        assert "padded with pad token id" in msg and "prompts [1]" in msg and "\n" not in msg

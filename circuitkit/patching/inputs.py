@@ -75,6 +75,16 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
                              "prompts (or keep their last n_ctx tokens).")
         d_vocab = int(model.cfg.d_vocab)
         top = int(max(clean.max(), corrupt.max()))
+        pad = pad_token_id(model)
+        if top >= d_vocab and pad is not None and pad >= d_vocab and all(
+                bool(((t < d_vocab) | (t == pad)).all()) for t in (clean, corrupt)):
+            rows = ((clean == pad) | (corrupt == pad)).any(1).nonzero()[:, 0].tolist()
+            raise ValueError(
+                f"clean_tokens: {len(rows)} of {clean.shape[0]} prompts are padded with pad "
+                f"token id {pad} (prompts {rows[:4]}{' ...' if len(rows) > 4 else ''}), which "
+                f"is no token of this model's vocabulary (ids 0..{d_vocab - 1}: the tokenizer "
+                "circuitkit builds for a model made from a config pads outside it, so that no "
+                "prompt token reads as padding). Give prompts of one length.")
         if top >= d_vocab:
             raise ValueError(
                 f"token ids must lie in [0, {d_vocab}) for this model's vocabulary; got ids up "
