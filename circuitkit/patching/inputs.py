@@ -319,7 +319,10 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
             f"{pad_id} (prompts {shown})")
     fix = ("Left-pad them (tokenizer.padding_side = 'left'), give prompts of one length, or "
            "pass a PromptMetric whose reads are each prompt's own positions (as a task's "
-           "metric is).")
+           "metric is): for a task's tokens, ck.metrics.at_answers(reading, "
+           "task.answer_positions, task.answer_tokens) reads each prompt's answer steps, and "
+           "logits[torch.arange(n), task.last_positions] each prompt's own last position in "
+           "place of logits[:, -1] (docs/metrics.md).")
     reads = pm.read_positions()
     if reads is not None:
         reads = reads.expand(n, -1).cpu()
