@@ -77,7 +77,8 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
         top = int(max(clean.max(), corrupt.max()))
         pad = pad_token_id(model)
         if top >= d_vocab and pad is not None and pad >= d_vocab and all(
-                bool(((t < d_vocab) | (t == pad)).all()) for t in (clean, corrupt)):
+                bool(((t < d_vocab) | (t == pad)).all()) and _pad_at_ends(t, pad)
+                for t in (clean, corrupt)):
             rows = ((clean == pad) | (corrupt == pad)).any(1).nonzero()[:, 0].tolist()
             raise ValueError(
                 f"clean_tokens: {len(rows)} of {clean.shape[0]} prompts are padded with pad "
@@ -90,6 +91,15 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
                 f"token ids must lie in [0, {d_vocab}) for this model's vocabulary; got ids up "
                 f"to {top}. Were the tokens made for another model or task vocabulary?")
     return clean.long(), corrupt.long()
+
+
+def _pad_at_ends(t: Tensor, pad: int) -> bool:
+    """Whether every ``pad`` id of each row of ``t`` lies in a run at its end or its start
+    (right or left padding), not among its tokens."""
+    is_pad = (t == pad).long().cpu()
+    count = is_pad.sum(1)
+    trail, lead = is_pad.flip(1).cumprod(1).sum(1), is_pad.cumprod(1).sum(1)
+    return bool(((count == trail) | (count == lead)).all())
 
 
 def check_metric_prompts(pm: Any, n: int) -> None:
