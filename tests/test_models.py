@@ -584,6 +584,13 @@ def test_pickle_weights_are_refused_in_one_line_never_loaded(tmp_path, monkeypat
     assert "\n" not in msg and "pytorch_model.bin" in msg and "safetensors" in msg
     assert "weights_only=False" not in msg
     assert f"M.from_pretrained('{folder}').save_pretrained('{folder}')" in msg
+    import importlib.util
+
+    if importlib.util.find_spec("nnsight") is not None:  # backend="nnsight" loads on its own
+        from circuitkit.patching import nnsight_backend
+
+        with pytest.raises(models.PickleWeightsError, match="only as a pickle"):
+            nnsight_backend.load(str(folder))
     # a hub id: the cached weights (hub unreachable), then the repository's file list
     monkeypatch.setattr(models, "_hf_cached_files", lambda hub_id: {
         "config": str(folder / "config.json"), "weights": "pytorch_model.bin"})
