@@ -1041,7 +1041,8 @@ def distill(
     out: Path = typer.Option(Path("distill-out"), "--out", "-o", help="Output folder.",
                              metavar="DIR"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
-                                   "training state) of another configuration in --out."),
+                                   "training state) of another configuration in --out; "
+                                   "--ablation: start a grid of another configuration over."),
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
     rerun the same command), or run the ablation table (--ablation)."""
@@ -1057,6 +1058,11 @@ def distill(
             if given(opt) and not ablation:
                 raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
                                  "--ablation.")
+        for opt in ("batch_size", "pool_size", "seed", "store"):
+            if ablation and given(opt):
+                raise ValueError(f"--{opt.replace('_', '-')} is a single student's option; the "
+                                 "ablation's sizes, seeds and stores are its own (--quick, "
+                                 "--seeds, --steps, --pretrain): drop it.")
         if ablation and given("init"):
             raise ValueError("--init starts one student from given weights; the ablation "
                              "trains every student from its seed's initialisation: drop --init.")
@@ -1069,7 +1075,9 @@ def distill(
                                  students=(student_config,) if given("student_config")
                                  else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                  task=task, workers=workers, steps=steps, balance=balance,
-                                 grad_ratio=grad_ratio, pretrain=pretrain)
+                                 grad_ratio=grad_ratio, pretrain=pretrain,
+                                 overwrite=overwrite,
+                                 **({"lambda_ns": lambda_ns} if given("lambda_ns") else {}))
             typer.echo(format_table(frame))
             typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and "
                        f"{out / 'runs.csv'}")
