@@ -28,7 +28,11 @@ whose 95% intervals overlap gets both its variants run up to ``max_seeds``.
 
 Each run lives in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable
 ``train_student`` folder, then ``metrics.json``, written last); a finished run is skipped, so the
-command resumes where it stopped. ``workers`` runs train side by side (one thread each).
+command resumes where it stopped. ``ablation.json`` (written first) records the grid's
+configuration (``grid_config``): a rerun of another one is refused naming what differs,
+``overwrite`` starts it over. ``workers`` runs train side by side (one thread each), in
+spawned processes that die with the grid (``_init_worker``); Ctrl-C or a dead worker stops
+the grid at once, running runs saving their training state (``_dispatch``).
 Per run, on held-out ``icd10`` test notes (``student_metrics``): the task metrics
 (``TASK_METRICS``, as ``ck.evaluate``; decoding through the HF model's KV cache), LAS both ways
 (``las``: Hase et al., the simulator trained only on the student's own outputs for train notes

@@ -67,11 +67,13 @@ Store (``build_store``/``SignalStore``): a folder of safetensors shards (``shard
 ``shard_size`` examples each, with the teacher's CoT rows, loss mask, query rows and signals (fp32)
 and, optionally, the teacher's top-k logits at every position; ``manifest.json`` names the
 teacher fingerprint (hash of its weights), the score-table hash, the task fingerprint, the options,
-the teacher's heads per phase (best first, with weights), and each shard with its SHA-256.
+the teacher's heads per phase (best first, with weights), each shard with its SHA-256, and a
+SHA-256 of each of its own fields (``checksums``: ``manifest_checksums``).
 Building is resumable shard by shard (``manifest.partial.json`` lists the shards written so far,
 with their SHA-256: a resumed build keeps those that still match, recomputes the rest);
-``SignalStore.open`` refuses a store whose manifest is malformed (each field's type and range
-checked, the field named), does not match the run, or whose shard files do not match their
+``SignalStore.open`` refuses a store whose manifest is malformed (each field's type, range and
+checksum checked, the field named), does not match the run (``build_store`` also compares the
+fields it derives from the teacher, score table and task), or whose shard files do not match their
 SHA-256 (swapped, edited, truncated: the shard named). Training reads one shard at a time
 (``BatchStream``), so the teacher never sits in memory beside the student.
 """
