@@ -387,6 +387,8 @@ def _init_worker(parent: int | None = None) -> None:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
+        # (it fires when the thread that spawned the worker ends: ``_dispatch``'s caller, which
+        # waits for the pool before it returns)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
