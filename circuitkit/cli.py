@@ -1363,7 +1363,8 @@ def distill(
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
     out: Out = Path("distill-out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
-                                   "training state) of another configuration in --out."),
+                                   "training state) of another configuration in --out; "
+                                   "--ablation: start a grid of another configuration over."),
     progress: Progress = True,
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
@@ -1380,6 +1381,11 @@ def distill(
             if given(opt) and not ablation:
                 raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
                                  "--ablation.")
+        for opt in ("batch_size", "pool_size", "seed", "store"):
+            if ablation and given(opt):
+                raise ValueError(f"--{opt.replace('_', '-')} is a single student's option; the "
+                                 "ablation's sizes, seeds and stores are its own (--quick, "
+                                 "--seeds, --steps, --pretrain): drop it.")
         if ablation and given("init"):
             raise ValueError("--init starts one student from given weights; the ablation "
                              "trains every student from its seed's initialisation: drop --init.")
@@ -1393,7 +1399,9 @@ def distill(
                                  students=(student_config,) if given("student_config")
                                  else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                  task=task, workers=workers, steps=steps, balance=balance,
-                                 grad_ratio=grad_ratio, pretrain=pretrain, progress=progress)
+                                 grad_ratio=grad_ratio, pretrain=pretrain,
+                                 overwrite=overwrite, progress=progress,
+                                 **({"lambda_ns": lambda_ns} if given("lambda_ns") else {}))
             typer.echo(format_table(frame))
             typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and "
                        f"{out / 'runs.csv'}")

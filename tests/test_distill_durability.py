@@ -269,8 +269,19 @@ def _damaged(store_dir, tmp_path, fault):
     (lambda m: m["options"].__setitem__("nonselective", "yes"), "options.nonselective"),
     (lambda m: m.__setitem__("pad_id", 10 ** 6), "field 'pad_id' must be a token id"),
     (lambda m: m.__setitem__("anchor_token_ids", True), "field 'anchor_token_ids'"),
-    (lambda m: m.__setitem__("format", "circuitkit.distill.signals/1"), "is format "
-                                                                      "'circuitkit.distill.signals/1'"),
+    (lambda m: m.__setitem__("format", "circuitkit.distill.signals/1"),
+     "field 'format' is 'circuitkit.distill.signals/1'"),
+    # issue 33 item 8: edits that keep every type and range trained another student, exit 0
+    (lambda m: m["weights"]["p1"].reverse(), "field 'weights.p1' must be the value it was "
+                                             "built with"),
+    (lambda m: [r.__setitem__(2, r[2] * 100) for r in m["weights"]["p2"]],
+     "field 'weights.p2' must be .* whose weights sum to 1"),
+    (lambda m: m.__setitem__("anchor_token_ids", m["anchor_token_ids"][1:]
+                             + m["anchor_token_ids"][:1]), "field 'anchor_token_ids' must be "
+                                                           "the value it was built with"),
+    (lambda m: m["shards"][0].__setitem__("width", m["shards"][0]["width"] + 1),
+     "field 'shards\\[0\\]' must be the value it was built with"),
+    (lambda m: m.__setitem__("extra", 1), "field 'extra' must be a field the store was built"),
 ])
 def test_a_damaged_store_is_refused_naming_the_file(store_dir, tmp_path, fault, message):
     """Before: swapped shards, a rescaled p2_effect, changed tokens and random bytes each
@@ -281,6 +292,113 @@ def test_a_damaged_store_is_refused_naming_the_file(store_dir, tmp_path, fault, 
     assert str(store) in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(S.StoreProblem, match=message):  # and training on it refuses too
         train_student(_cfg(store), tmp_path / "out", progress=False)
+
+
+def _leaves(v, path=()):
+    """Every path into a JSON value (objects by key, lists by index), the value's own first."""
+    yield path
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _leaves(x, path + (k,))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _leaves(x, path + (i,))
+
+
+def _mutate(man, rng):
+    """One seeded edit of a manifest: a field's type, range or shape changed, two values
+    swapped, a field removed or added, a list reversed or rotated (``(what, manifest)``)."""
+    import copy
+
+    m = copy.deepcopy(man)
+    paths = [p for p in _leaves(m) if p]
+    path = paths[rng.randrange(len(paths))]
+    parent = m
+    for k in path[:-1]:
+        parent = parent[k]
+    key, v = path[-1], parent[path[-1]]
+    kinds = ["type", "range", "swap", "drop"]
+    if isinstance(v, list):
+        kinds += ["shape", "reverse", "rotate", "empty"]
+    if isinstance(v, dict):
+        kinds += ["add"]
+    kind = rng.choice(kinds)
+    if kind == "type":
+        parent[key] = rng.choice([None, True, "0.5", 1.5, 7, [], {}, [v]])
+    elif kind == "range":
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            parent[key] = rng.choice([-1, 10 ** 9, float("nan"), float("inf")])
+        else:
+            parent[key] = rng.choice([-v - 1, v * 100, v + 1, float(v) + 1e-9])
+    elif kind == "swap":
+        sibs = list(range(len(parent))) if isinstance(parent, list) else list(parent)
+        other = sibs[rng.randrange(len(sibs))]
+        parent[key], parent[other] = parent[other], parent[key]
+    elif kind == "drop":
+        del parent[key]
+    elif kind == "shape":
+        if v and rng.random() < 0.5:
+            v.pop()
+        else:
+            v.append(copy.deepcopy(v[-1]) if v else 0)
+    elif kind == "reverse":
+        v.reverse()
+    elif kind == "rotate" and v:
+        parent[key] = v[1:] + v[:1]
+    elif kind == "empty":
+        parent[key] = []
+    elif kind == "add":
+        v["extra"] = 1
+    return f"{kind} at {list(path)}", m
+
+
+def test_manifest_fuzz_is_refused_naming_the_field_or_changes_nothing(store_dir, tmp_path):
+    """Seeded mutations of manifest.json's fields (types, ranges, shapes, swaps, removals,
+    additions, reversals, rotations) and truncations of its text: each is refused in one line
+    naming the file and the field (the position, for broken JSON), or, when it changed nothing,
+    opens to the identical manifest. Before (format /3): a reversed weights.p1, weights x100 or
+    rotated anchor_token_ids opened without a word."""
+    import random
+
+    rng = random.Random(33)
+    man_path = store_dir / S.MANIFEST
+    original = json.loads(man_path.read_text())
+    dest = tmp_path / "store"
+    shutil.copytree(store_dir, dest)
+    refused = 0
+    for trial in range(160):
+        if trial % 8 == 7:  # truncated text
+            text = man_path.read_text()
+            what, body, m = "truncated", text[: rng.randrange(1, len(text) - 1)], None
+        else:
+            what, m = _mutate(original, rng)
+            body = json.dumps(m)
+        (dest / S.MANIFEST).write_text(body)
+        try:
+            opened = S.SignalStore.open(dest)
+        except S.StoreProblem as e:
+            msg = str(e)
+            assert "\n" not in msg and str(dest / S.MANIFEST) in msg, (what, msg)
+            assert "field '" in msg or (m is None and "not valid JSON" in msg), (what, msg)
+            refused += 1
+            continue
+        assert m == original and opened.manifest == original, (what, m)
+    assert refused >= 140  # a mutation that changes nothing is rare
+
+
+def test_a_rewritten_manifest_is_refused_against_what_the_run_derives(store_dir, tmp_path):
+    """A manifest rewritten whole, checksums recomputed (reversed Phase-1 heads), passes its own
+    checks; training refuses it: the heads and weights are derived again from the score table
+    and compared field by field."""
+    dest = tmp_path / "store"
+    shutil.copytree(store_dir, dest)
+    m = json.loads((dest / S.MANIFEST).read_text())
+    m["weights"]["p1"].reverse()
+    m["checksums"] = S.manifest_checksums(m)
+    (dest / S.MANIFEST).write_text(json.dumps(m))
+    S.SignalStore.open(dest)  # consistent with itself
+    with pytest.raises(S.StoreProblem, match="field 'weights' is not what this run derives"):
+        train_student(_cfg(dest), tmp_path / "out", progress=False)
 
 
 def test_cli_names_a_damaged_manifest_in_one_line(store_dir, tmp_path):

@@ -28,7 +28,11 @@ whose 95% intervals overlap gets both its variants run up to ``max_seeds``.
 
 Each run lives in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable
 ``train_student`` folder, then ``metrics.json``, written last); a finished run is skipped, so the
-command resumes where it stopped. ``workers`` runs train side by side (one thread each).
+command resumes where it stopped. ``ablation.json`` (written first) records the grid's
+configuration (``grid_config``): a rerun of another one is refused naming what differs,
+``overwrite`` starts it over. ``workers`` runs train side by side (one thread each), in
+spawned processes that die with the grid (``_init_worker``); Ctrl-C or a dead worker stops
+the grid at once, running runs saving their training state (``_dispatch``).
 Per run, on held-out ``icd10`` test notes (``student_metrics``): the task metrics
 (``TASK_METRICS``, as ``ck.evaluate``; decoding through the HF model's KV cache), LAS both ways
 (``las``: Hase et al., the simulator trained only on the student's own outputs for train notes
@@ -284,6 +288,9 @@ def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str
 
 
 _CTX: dict[str, Context] = {}  # one evaluation context per (worker) process
+# a worker's state (``_init_worker``): the grid's pid, whether a task is running, and whether the
+# worker was told to stop (SIGINT: finish the current step's checkpoint; SIGTERM: then exit)
+_WORKER: dict[str, Any] = dict(parent=None, in_task=False, stop=False, term=False)
 
 
 def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: bool) -> str:
@@ -305,18 +312,94 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
         _CTX["ctx"] = context(Path(out), *ctx_args)
     with hf_progress(progress):
         m = student_metrics(folder, _CTX["ctx"])
+    _parent_check()  # never write into a grid whose process is gone (its lock is free)
     write_json(done, dict(run=asdict(run), metrics=m, config=asdict(config),
                           eval_seconds=round(time.perf_counter() - t0, 1)))
     return str(done)
 
 
-def _init_worker() -> None:
+def _task(fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` in a worker as one grid task: nothing when the worker was told to stop;
+    a SIGTERM (the pool ending after another worker died) exits once ``train_student`` has
+    saved its training state."""
     import os
+
+    if _WORKER["stop"]:
+        return None  # told to stop: nothing more runs here
+    _WORKER["in_task"] = True
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        if _WORKER["term"]:
+            os._exit(143)
+        raise
+    finally:
+        _WORKER["in_task"] = False
+
+
+def _parent_check() -> None:
+    """In a worker: exit at once (no cleanup, no write) when the grid's process is gone."""
+    import os
+
+    if _WORKER["parent"] is not None and os.getppid() != _WORKER["parent"]:
+        os._exit(1)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """A worker's SIGINT / SIGTERM. While ``train_student`` trains: stop before the next step,
+    saving the training state (``train.STOP``). In another part of a task (loading, measuring:
+    nothing there to save): exit now. An idle worker: SIGINT is noted (nothing more will run),
+    SIGTERM exits."""
+    import os
+    import signal
+
+    from circuitkit.distill.train import STOP
+
+    _WORKER["stop"] = True
+    term = signum == signal.SIGTERM
+    _WORKER["term"] = _WORKER["term"] or term
+    if STOP["training"]:
+        STOP["requested"] = True
+    elif _WORKER["in_task"] or term:
+        os._exit(143 if term else 130)
+
+
+def _init_worker(parent: int | None = None) -> None:
+    import os
+    import signal
+    import threading
 
     # one thread per worker: train_student's configure_threads keeps an explicit
     # OMP_NUM_THREADS (two workers with two threads each on two shared cores ran 10-20x slower)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    _WORKER["parent"] = parent
+    from tqdm import tqdm
+
+    # tqdm's default lock is a named multiprocessing semaphore: a worker that is killed leaves
+    # it behind (the resource tracker's "leaked semaphore" warning); a thread lock is enough here
+    tqdm.set_lock(threading.RLock())
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    # die with the grid's process: the kernel's parent-death signal (Linux), and a thread that
+    # polls the parent for other systems (a SIGKILLed grid left its workers training for good)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        # (it fires when the thread that spawned the worker ends: ``_dispatch``'s caller, which
+        # waits for the pool before it returns)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    _parent_check()  # the parent may have died before prctl
+
+    def watch() -> None:
+        while True:
+            _parent_check()
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True, name="circuitkit-parent-watch").start()
 
 
 def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
@@ -326,13 +409,17 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                  variants: tuple[str, ...] | None = None, progress: bool = True,
                  max_seeds: int | None = None, workers: int = 1,
                  steps: int | None = None, balance: str = "cap",
-                 grad_ratio: float = 0.5, pretrain: int | None = None) -> Any:
+                 grad_ratio: float = 0.5, pretrain: int | None = None,
+                 overwrite: bool = False) -> Any:
     """Train and measure the grid (module docstring); returns the ``ablation.csv`` frame. The
     lambdas scale the variants' mechanistic terms; ``max_seeds`` (default ``seeds``): seeds
     for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
     ``balance``, ``grad_ratio``: how every run combines its terms' gradients
     (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
-    (0: every run starts from its seed's fresh initialisation)."""
+    (0: every run starts from its seed's fresh initialisation). A folder holding a grid of
+    another configuration (``ablation.json``: sizes, steps, lambdas, balancing, teacher, task,
+    student presets) is refused naming what differs; ``overwrite`` starts it over instead
+    (``_start_over``)."""
     from circuitkit.files import check_writable_dir, lock_folder
 
     if size not in SIZES:
@@ -360,7 +447,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
         return _run_ablation(out, teacher, seeds, max_seeds, size, tuple(students), tuple(data),
                              dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                   lambda_ns=lambda_ns), task, variants, progress, workers,
-                             steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain)
+                             steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain,
+                             overwrite)
 
 
 def _student_name(student: Any) -> str:
@@ -375,7 +463,8 @@ def _student_name(student: Any) -> str:
 def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str,
                   students: tuple[Any, ...], data: tuple[str, ...], scale: dict[str, float],
                   task: str, variants: tuple[str, ...], progress: bool, workers: int,
-                  steps: int | None, balancing: dict[str, Any], pretrain: int | None) -> Any:
+                  steps: int | None, balancing: dict[str, Any], pretrain: int | None,
+                  overwrite: bool = False) -> Any:
     import shutil
 
     from circuitkit.distill.train import prepare_store
@@ -392,6 +481,16 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     base = dict(teacher=teacher, task=task, **balancing, **{k: sz[k] for k in (
         "shard_size", "steps", "batch_size", "warmup", "save_every", "score_examples")})
     timings: dict[str, float] = {}
+    record = json.loads(json.dumps(dict(
+        size=size, sizes=sz, seeds=seeds, max_seeds=max_seeds, variants=variants,
+        students={n: (asdict(_preset(s))) for n, s in names.items()}, data=list(data),
+        lambdas=scale, base=base, workers=workers)))
+    # the grid's identity first, before anything is built or trained: a changed configuration
+    # is refused (or, with overwrite, started over), never mixed into the runs already there
+    stored = _check_grid(out, record, overwrite)
+    if stored is not None:  # the presets of cells this call does not run stay on record
+        record["students"] = {**stored.get("students", {}), **record["students"]}
+    write_json(out / "ablation.json", record)
     # stores: one per data size (scored once, the table shared), then the held-out notes'
     stores = {}
     for d in data:
@@ -424,10 +523,6 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
 
     cells = [(s, d) for s in names for d in data]
     planned = [Run(s, d, v, k) for s, d in cells for k in range(seeds) for v in variants]
-    write_json(out / "ablation.json", dict(
-        size=size, sizes=sz, seeds=seeds, max_seeds=max_seeds, variants=variants,
-        students={n: (asdict(_preset(s))) for n, s in names.items()}, data=list(data),
-        lambdas=scale, base=base, workers=workers))
     t0 = time.perf_counter()
     pre = pretrain_of if sz["pretrain"] else None
     _execute(out, planned, cfg_of, pre, ctx_args, progress, workers)
@@ -436,7 +531,6 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     timings["runs"] = round(time.perf_counter() - t0, 1)
     runs = planned + extra
     frame = _write_tables(out, runs)
-    record = json.loads((out / "ablation.json").read_text())
     timings["total_this_call"] = round(time.time() - t_start, 1)
     record.update(timings=timings, n_runs=len(runs), teacher_metrics=teacher_m,
                   extra_runs=[asdict(r) for r in extra])
@@ -444,10 +538,89 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     return frame
 
 
+GRID_FILES = ("ablation.json", "runs.csv", "ablation.csv", "comparisons.csv")
+# what a training store depends on; and, with these, the held-out notes' store and teacher.json
+STORE_KEYS = ("teacher", "task", "pool_size", "shard_size", "score_examples", "batch_size")
+EVAL_KEYS = STORE_KEYS + ("eval_examples", "sim_examples", "gold_examples",
+                          "fidelity_examples")
+
+
+def grid_config(record: dict) -> dict[str, Any]:
+    """A grid's identity, flat, from its ``ablation.json`` record: the size and its fields
+    (steps, pretrain, ...), the lambdas, the teacher, task and balancing, and each student
+    preset by name. Not in it: seeds, max_seeds, variants, data and workers (more seeds or
+    cells extend a grid; each run's own config does not change)."""
+    base = record.get("base") or {}
+    out = dict(size=record.get("size"), **(record.get("sizes") or {}),
+               **(record.get("lambdas") or {}),
+               **{k: base.get(k) for k in ("teacher", "task", "balance", "grad_ratio")})
+    out.update({f"student {n}": p for n, p in (record.get("students") or {}).items()})
+    return out
+
+
+def _check_grid(out: Path, record: dict, overwrite: bool) -> dict | None:
+    """The stored ``ablation.json`` of ``out`` (None: none), refused when it records another
+    configuration than ``record`` (a single student's ``distill`` refuses so too:
+    ``train._config_diff``); with ``overwrite`` that grid is started over instead."""
+    from circuitkit.distill.train import _config_diff
+
+    path = out / "ablation.json"
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        if not overwrite:
+            raise ValueError(f"{path} is unreadable ({e}); pass --overwrite to start the grid "
+                             "over, or choose another --out.") from None
+        _start_over(out, None)
+        return None
+    old, now = grid_config(stored), grid_config(record)
+    for key in [k for k in set(old) ^ set(now) if k.startswith("student ")]:
+        old.pop(key, None)  # a cell only one side runs: nothing to mix
+        now.pop(key, None)
+    diff = _config_diff(old, now)
+    if not diff:
+        return stored
+    if not overwrite:
+        raise ValueError(f"{out} holds an ablation grid of another configuration ({diff}); "
+                         "pass --overwrite to start it over, or choose another --out.")
+    _start_over(out, {k for k in set(old) | set(now) if old.get(k) != now.get(k)})
+    return None
+
+
+def _start_over(out: Path, changed: set[str] | None) -> None:
+    """``overwrite``: delete the grid's runs and tables; its held-out notes' store and
+    ``teacher.json`` too when an evaluation size (``EVAL_KEYS``) changed, and the training
+    stores when what they hold (``STORE_KEYS``) changed (``changed`` None: everything)."""
+    import shutil
+
+    def gone(keys: tuple[str, ...]) -> bool:
+        return changed is None or bool(changed & set(keys))
+
+    (out / "ablation.json").unlink(missing_ok=True)  # first: the folder claims no grid
+    for name in GRID_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    if gone(EVAL_KEYS):
+        (out / "teacher.json").unlink(missing_ok=True)
+        shutil.rmtree(out / "signals-fidelity", ignore_errors=True)
+    if gone(STORE_KEYS):
+        for d in DATA:
+            shutil.rmtree(out / f"signals-{d}", ignore_errors=True)
+
+
 def _preset(student: Any):
     from circuitkit.distill.train import preset
 
     return preset(student)
+
+
+class GridStopped(ValueError):
+    """The grid stopped before its runs finished (a worker died); the message says what is kept
+    and how to resume."""
 
 
 def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args: tuple,
@@ -468,17 +641,93 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
         for r in todo:
             _do_run(str(out), r, cfg_of(r), ctx_args, progress)
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    tasks = [(_do_pretrain, (str(out), r, pretrain_of(r), progress), r, "pretrain")
+             for r in starts]
+    _dispatch(out, tasks, workers, progress)
+    tasks = [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run") for r in todo]
+    _dispatch(out, tasks, workers, progress)
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
-        for f in [pool.submit(_do_pretrain, str(out), r, pretrain_of(r), progress)
-                  for r in starts]:
-            f.result()  # a worker's error surfaces here, with its message
-        for f in [pool.submit(_do_run, str(out), r, cfg_of(r), ctx_args, progress)
-                  for r in todo]:
-            f.result()
+
+STOP_GRACE = 30.0  # seconds a stopped worker has to save its training state before it is killed
+
+
+def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> None:
+    """Run ``tasks`` (``(fn, args, run, what)``) on ``workers`` spawned processes, at most one
+    task per worker at a time (so a stop leaves nothing queued). On Ctrl-C, a worker's error or
+    a worker's death: nothing more is dispatched, the running tasks are stopped at their last
+    training state (``train_student`` saves it on SIGINT), and the grid says what is kept."""
+    import multiprocessing
+    import os
+    import signal
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(os.getpid(),))
+    running: dict[Any, tuple] = {}
+    queue = list(tasks)
+    procs: list[Any] = []
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                fn, args, run, what = queue.pop(0)
+                running[pool.submit(_task, fn, *args)] = (run, what)
+                procs = list(getattr(pool, "_processes", {}).values()) or procs
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                f.result()  # a worker's error surfaces here, with its message
+                running.pop(f)
+    except BaseException as e:
+        in_flight = [f"{r.cell} {r.variant if what == 'run' else 'pretrain'} seed {r.seed}"
+                     for r, what in running.values()]
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:  # stop the running tasks: each saves its training state
+            if p.is_alive():
+                with _suppress():
+                    os.kill(p.pid, signal.SIGINT)
+        deadline = time.time() + STOP_GRACE
+        for p in procs:
+            p.join(max(0.0, deadline - time.time()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        finished = len(list(out.glob("runs/*/*/metrics.json")))
+        kept = (f"{finished} finished run(s) are kept in {out}; "
+                + (f"the run(s) in flight ({', '.join(in_flight)}) were stopped at their last "
+                   "training state; " if in_flight else "")
+                + "rerun the same command to resume.")
+        dead = [f"pid {p.pid} ({_how(p.exitcode)})" for p in procs
+                if p.exitcode is not None and p.exitcode not in (0, 130, 143, -2, -15)]
+        if isinstance(e, BrokenProcessPool) and not dead:
+            e = KeyboardInterrupt()  # a worker that ended on Ctrl-C before the grid saw it
+        if isinstance(e, BrokenProcessPool):
+            if progress:
+                print(file=sys.stderr, flush=True)  # the error's line starts after a worker's bar
+            raise GridStopped(f"an ablation worker died ({', '.join(dead) or 'killed'}; out of "
+                              f"memory, or killed), so the grid stopped: {kept}") from None
+        if isinstance(e, KeyboardInterrupt):
+            print(f"\n[ablation] interrupted: stopped dispatching; {kept}", file=sys.stderr,
+                  flush=True)
+            raise KeyboardInterrupt from None
+        raise
+    pool.shutdown(wait=True)
+
+
+def _how(code: int | None) -> str:
+    import signal
+
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(ProcessLookupError, OSError)
 
 
 def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,

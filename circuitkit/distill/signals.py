@@ -67,11 +67,13 @@ Store (``build_store``/``SignalStore``): a folder of safetensors shards (``shard
 ``shard_size`` examples each, with the teacher's CoT rows, loss mask, query rows and signals (fp32)
 and, optionally, the teacher's top-k logits at every position; ``manifest.json`` names the
 teacher fingerprint (hash of its weights), the score-table hash, the task fingerprint, the options,
-the teacher's heads per phase (best first, with weights), and each shard with its SHA-256.
+the teacher's heads per phase (best first, with weights), each shard with its SHA-256, and a
+SHA-256 of each of its own fields (``checksums``: ``manifest_checksums``).
 Building is resumable shard by shard (``manifest.partial.json`` lists the shards written so far,
 with their SHA-256: a resumed build keeps those that still match, recomputes the rest);
-``SignalStore.open`` refuses a store whose manifest is malformed (each field's type and range
-checked, the field named), does not match the run, or whose shard files do not match their
+``SignalStore.open`` refuses a store whose manifest is malformed (each field's type, range and
+checksum checked, the field named), does not match the run (``build_store`` also compares the
+fields it derives from the teacher, score table and task), or whose shard files do not match their
 SHA-256 (swapped, edited, truncated: the shard named). Training reads one shard at a time
 (``BatchStream``), so the teacher never sits in memory beside the student.
 """
@@ -96,7 +98,8 @@ from circuitkit import hooks
 from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
-FORMAT = "circuitkit.distill.signals/3"  # /2: a SHA-256 per shard; /3: per-head signals
+FORMAT = "circuitkit.distill.signals/4"  # /2: a SHA-256 per shard; /3: per-head signals;
+# /4: a SHA-256 per manifest field (``manifest_checksums``)
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score",
@@ -756,8 +759,6 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     anchors = Anchors.of(pool_task, options.phase1_reading)
     spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores), pool_task.fingerprint(),
                      _options_dict(options))
-    if (out / MANIFEST).exists():
-        return SignalStore.open(out, spec)
     head = dict(format=FORMAT, teacher=teacher_name, teacher_fingerprint=spec.teacher,
                 scores_hash=spec.scores, task_fingerprint=spec.task, options=spec.options,
                 task_config=pool_task.config, n_vocab=len(pool_task.vocab),
@@ -768,6 +769,8 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
                 label_anchor=list(anchors.label_anchor),
                 weights=dict(p1=_ranked(pool.heads1, pool.alpha1),
                              p2=_ranked(pool.heads2, pool.alpha2)))
+    if (out / MANIFEST).exists():
+        return _derived_match(SignalStore.open(out, spec), head)
     partial = out / PARTIAL
     known: dict[str, dict] = {}  # shards a killed build finished: kept if they still match
     if partial.exists():
@@ -793,8 +796,12 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
         path = out / f"shard-{i:05d}.safetensors"
         sub = pool_task.subset(range(s, min(s + options.shard_size, n)))
         entry = known.get(path.name)
-        if not (entry is not None and entry.get("n_examples") == len(sub) and path.is_file()
-                and sha256_file(path) == entry.get("sha256")):
+        if entry is not None and entry.get("n_examples") == len(sub) and path.is_file() \
+                and sha256_file(path) == entry.get("sha256"):
+            # a shard a killed build finished: its width and size come from the file itself
+            entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
+                         bytes=path.stat().st_size, sha256=entry["sha256"])
+        else:
             tokens, mask = teacher_rows(teacher, sub, folder)
             t = teacher_signals(teacher, tokens, pool, lay, anchors, options.topk_logits,
                                 batch_size)
@@ -809,6 +816,8 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     if bar is not None:
         bar.close()
     man = dict(head, shards=shards, n_examples=n, bytes=sum(s["bytes"] for s in shards))
+    man = json.loads(json.dumps(man))  # as it reads back: the checksums are of that
+    man["checksums"] = manifest_checksums(man)
     write_json(out / MANIFEST, man)
     partial.unlink(missing_ok=True)
     steps = {k: sum(_shape(out / s["file"], k)[0] for s in shards) for k in ("p1_b", "p2_b")}
@@ -821,7 +830,43 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
                       f"{' and no '.join(p for p, _ in gone)}, so "
                       f"{' and '.join(t for _, t in gone)} will be 0 in training: is the teacher "
                       "trained on this task?", stacklevel=2)
-    return SignalStore.open(out, spec)
+    return _derived_match(SignalStore.open(out, spec), head)
+
+
+def _derived_match(store: SignalStore, head: dict) -> SignalStore:
+    """``store``, refused unless each manifest field this run derives itself (the teacher's
+    heads and weights from the score table, the anchor and label ids from the task, the task
+    config, the teacher's shape) equals this run's: a checksummed manifest can still have been
+    rewritten whole."""
+    want = json.loads(json.dumps(head))
+    for key, value in want.items():
+        if key != "teacher" and store.manifest.get(key) != value:  # (the name is a label)
+            raise StoreProblem(f"{store.path / MANIFEST}: field {key!r} is not what this run "
+                               f"derives from its teacher, score table and task "
+                               f"({store.manifest.get(key)!r:.60} != {value!r:.60}); delete the "
+                               f"folder {store.path} to rebuild the store.")
+    return store
+
+
+def manifest_checksums(man: dict) -> dict[str, str]:
+    """SHA-256 (16 hex) of each field of a manifest, as canonical JSON: ``key`` for a top-level
+    field, ``key.sub`` for each entry of an object, ``shards[i]`` for each shard; the
+    ``checksums`` field itself excluded."""
+    def digest(v: Any) -> str:
+        text = json.dumps(v, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    out = {}
+    for key, value in man.items():
+        if key == "checksums":
+            continue
+        if isinstance(value, dict) and value:
+            out.update({f"{key}.{k}": digest(v) for k, v in value.items()})
+        elif key == "shards" and isinstance(value, list) and value:
+            out.update({f"shards[{i}]": digest(v) for i, v in enumerate(value)})
+        else:
+            out[key] = digest(value)
+    return out
 
 
 def _read_json(file: Path, store: Path) -> Any:
@@ -876,7 +921,8 @@ def check_manifest(man: dict, store: Path) -> None:
         if not integer(shape.get(key), 1):
             raise bad(f"teacher_shape.{key}", "a positive integer", shape.get(key))
     n_anchors = len(need("anchor_token_ids", lambda v: isinstance(v, list) and v != [] and all(
-        integer(t, 0, n_vocab) for t in v), f"a non-empty list of token ids in [0, {n_vocab})"))
+        integer(t, 0, n_vocab) for t in v) and len(set(v)) == len(v),
+        f"a non-empty list of distinct token ids in [0, {n_vocab})"))
     labels = opts["phase1_reading"] == "labels"
     n_labels = len(need("label_token_ids", lambda v: isinstance(v, list) and (v != []) == labels
                         and all(integer(t, 0, n_vocab) for t in v),
@@ -891,10 +937,14 @@ def check_manifest(man: dict, store: Path) -> None:
                 isinstance(r, list) and len(r) == 3 and integer(r[0], 0, shape["n_layers"])
                 and integer(r[1], 0, shape["n_heads"]) and _number(r[2])
                 and math.isfinite(r[2]) and r[2] >= 0 for r in rows) or len(
-                    {(r[0], r[1]) for r in rows}) != len(rows):
+                    {(r[0], r[1]) for r in rows}) != len(rows) or abs(
+                    sum(r[2] for r in rows) - 1) > 1e-5:
             raise bad(f"weights.{k}", f"a non-empty list of distinct [layer < "
-                      f"{shape['n_layers']}, head < {shape['n_heads']}, finite weight >= 0]",
-                      rows)
+                      f"{shape['n_layers']}, head < {shape['n_heads']}, finite weight >= 0] "
+                      "whose weights sum to 1", rows)
+        if len(rows) > opts[f"top_k{k[1]}"]:
+            raise bad(f"weights.{k}", f"at most options.top_k{k[1]} "
+                      f"({opts[f'top_k{k[1]}']}) heads", rows)
     shards = need("shards", lambda v: isinstance(v, list) and v != [], "a non-empty list")
     for i, e in enumerate(shards):
         if not isinstance(e, dict) or not isinstance(e.get("file"), str) or not \
@@ -909,7 +959,35 @@ def check_manifest(man: dict, store: Path) -> None:
         raise bad("shards", "distinct files", [e["file"] for e in shards])
     total = sum(e["n_examples"] for e in shards)
     need("n_examples", lambda v: v == total, f"the sum of the shards' n_examples ({total})")
-    need("bytes", lambda v: v == sum(e["bytes"] for e in shards), "the sum of the shards' bytes")
+    need("bytes", lambda v: integer(v, 1) and v == sum(e["bytes"] for e in shards),
+         "the sum of the shards' bytes")
+    need("task_config", lambda v: isinstance(v, dict), "an object")
+    need("teacher", lambda v: v is None or isinstance(v, str), "a name or null")
+    # every field as built: a SHA-256 per field, so an edit that keeps the types and ranges
+    # (reversed heads, rescaled weights, rotated anchor ids) is refused too, by name
+    sums = need("checksums", lambda v: isinstance(v, dict) and all(
+        isinstance(x, str) and re.fullmatch(r"[0-9a-f]{16}", x) for x in v.values()),
+        "an object of 16-hex SHA-256 prefixes, one per field")
+    want = manifest_checksums(man)
+    for key in sorted(set(want) | set(sums), key=lambda k: (k not in want, k)):
+        if key not in sums:
+            raise bad(key, "a field the store was built with (it has no checksum: added or "
+                      "renamed since)", _at(man, key))
+        if key not in want:
+            raise bad(key, "present (its checksum is recorded: removed since)", None)
+        if sums[key] != want[key]:
+            raise bad(key, f"the value it was built with (its SHA-256 differs from "
+                      f"checksums[{key!r}]: edited since)", _at(man, key))
+
+
+def _at(man: dict, key: str) -> Any:
+    """The value of field ``key`` (``manifest_checksums``' names) in ``man``."""
+    m = re.fullmatch(r"shards\[(\d+)\]", key)
+    if m:
+        return man["shards"][int(m.group(1))]
+    top, _, sub = key.partition(".")
+    v = man.get(top)
+    return v.get(sub) if sub and isinstance(v, dict) else v
 
 
 def _number(x: Any) -> bool:
@@ -931,6 +1009,9 @@ def check_shards(man: dict, store: Path) -> None:
         elif sha256_file(file) != e["sha256"]:
             problem = ("does not match its SHA-256 in the manifest (edited, or swapped with "
                        "another shard)")
+        elif _shape_or_none(file) != [e["n_examples"], e["width"]]:
+            problem = (f"holds tokens of shape {_shape_or_none(file)}, the manifest says "
+                       f"[{e['n_examples']}, {e['width']}] (n_examples, width)")
         else:
             continue
         raise StoreProblem(f"signal store shard {file} {problem}; delete the folder {store} to "
@@ -942,6 +1023,13 @@ def _shape(path: Path, key: str) -> list[int]:
 
     with safe_open(str(path), framework="pt") as f:
         return list(f.get_slice(key).get_shape())
+
+
+def _shape_or_none(path: Path) -> list[int] | None:
+    try:
+        return _shape(path, "tokens")
+    except Exception:  # noqa: BLE001 - safetensors has its own error types
+        return None
 
 
 def _width(path: Path) -> int:
@@ -979,9 +1067,9 @@ class SignalStore:
         man = _read_json(path / MANIFEST, path)
         if not isinstance(man, dict) or man.get("format") != FORMAT:
             got = man.get("format") if isinstance(man, dict) else type(man).__name__
-            raise StoreProblem(f"{path / MANIFEST} is format {got!r}, expected {FORMAT!r} (a "
-                               f"SHA-256 per shard); delete the folder {path} to rebuild the "
-                               "store.")
+            raise StoreProblem(f"{path / MANIFEST}: field 'format' is {got!r:.60}, expected "
+                               f"{FORMAT!r} (a SHA-256 per shard and per manifest field); "
+                               f"delete the folder {path} to rebuild the store.")
         check_manifest(man, path)
         if spec is not None:
             bad = _manifest_mismatch(man, spec)

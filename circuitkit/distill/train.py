@@ -58,6 +58,10 @@ RECORD = "distill.json"  # written last: the folder holds a finished student
 HISTORY_COLUMNS = ["step", "total", "cot", "p1", "p2", "ns", "gn_cot", "gn_p1", "gn_p2", "gn_ns",
                    "s_p1", "s_p2", "s_ns", "cos", "norm", "lr", "seconds"]
 COT_TASKS = ("icd10", "synthetic")  # built-in tasks whose rows hold a <think> ... CoT
+# a cooperative stop, for the ablation's workers: a signal handler sets "requested" while
+# "training" (the step loop, its Ctrl-C checkpoint included) runs, and the loop stops before its
+# next step as on Ctrl-C (an exception raised by a handler can land in a destructor and be lost)
+STOP = {"requested": False, "training": False}
 
 
 @dataclass
@@ -403,8 +407,11 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                                                         if cfg.lambda_ns else "")
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"distill {name}")
     t0 = time.perf_counter() - elapsed
+    STOP["training"] = True
     try:
         while step < cfg.steps:
+            if STOP["requested"]:
+                raise KeyboardInterrupt
             terms = student_terms(student, stream[step], teacher_pool, anchors, lc,
                                   cfg.lambda_p1, cfg.lambda_p2, cfg.lambda_ns)
             if not bool(torch.isfinite(terms["total"].detach())):
@@ -436,6 +443,8 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
         print(f"\ninterrupted at step {step}; run the same command again to resume from "
               f"{state_path}")
         raise
+    finally:
+        STOP["training"] = False
     bar.close()
     student.eval()
     if saved != step:
