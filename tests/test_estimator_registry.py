@@ -93,3 +93,22 @@ def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
                              estimator=est, progress=False)
         assert ep["methods"][est]["pass_equivalents"] == pytest.approx(
             res.meta["pass_equivalents"], rel=1e-12), est
+
+
+def test_edges_check_the_metric_gradient_before_any_batch(tiny_gpt2, monkeypatch):
+    """Both drivers' entry points check their arguments: a metric without a gradient is refused
+    before the first batch for edges too (it was found inside the first backward)."""
+    import dataclasses
+
+    def boom(job, b):
+        raise AssertionError("a batch ran")
+
+    monkeypatch.setitem(registry.REGISTRY, "eap",
+                        dataclasses.replace(registry.REGISTRY["eap"], batch=boom))
+    clean, corrupt, _ = prompts(tiny_gpt2)
+    with pytest.raises(ValueError, match="carries no gradient"):
+        ck.patch_edges(tiny_gpt2, clean, corrupt, lambda logits: logits[:, -1].argmax(-1).float(),
+                       method="attribution", estimator="eap", progress=False)
+    with pytest.raises(ValueError, match="direction"):
+        attribution.attribution_patch_edges(tiny_gpt2, clean, corrupt, None,
+                                            api.edge_layout(tiny_gpt2), direction="sideways")

@@ -263,13 +263,17 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
     ``estimators/eap.py``, docs/edges.md); an ``EdgeResult`` with ``method="attribution"``:
     ``values = metric(base) + delta`` (mean over prompts), ``meta``: estimator, ig_steps,
     pass_equivalents, seconds, write_scale (``|delta_s| / |x_r|``, mean over prompts and
-    positions, per edge; None where no edge). The model, nodes and metric are checked by
-    ``api.patch_edges``; the estimator and its steps here."""
+    positions, per edge; None where no edge). The model, nodes and tokens are checked by
+    ``api.patch_edges``; the direction, the estimator, its steps and the metric's prompts and
+    gradient here, before any work (as ``attribution_patch_heads`` checks them)."""
     t_start = time.perf_counter()
+    choice("direction", direction, DIRECTIONS)
     est = get(estimator or EDGE_ESTIMATORS[0], "edges")
     m = EDGE_IG_STEPS if ig_steps is None else ig_steps
     _check_steps(m, "the eap-ig estimators")
     n = clean_tokens.shape[0]
+    check_metric_prompts(metric, n)
+    check_gradient(metric, "attribution")
     bs = batch_size if (batch_size and metric.per_prompt_values) else n
     base_all, src_all = driver.base_and_source(clean_tokens, corrupt_tokens, direction)
     job = eap.edge_job(model, layout, est.name, m, base_all, progress)
