@@ -125,6 +125,7 @@ from circuitkit.patching.estimators.registry import (  # noqa: F401
     REGISTRY,
     SCREENING_ESTIMATOR,
     block_shares,
+    check_edge_needs,
     check_model,
     edge_estimator_passes,
     estimator_passes,
@@ -274,6 +275,7 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
     n = clean_tokens.shape[0]
     check_metric_prompts(metric, n)
     check_gradient(metric, "attribution")
+    check_edge_needs(model, est)
     bs = batch_size if (batch_size and metric.per_prompt_values) else n
     base_all, src_all = driver.base_and_source(clean_tokens, corrupt_tokens, direction)
     job = eap.edge_job(model, layout, est.name, m, base_all, progress)

@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching import head_mlp
+from circuitkit.patching import head_mlp, shortcuts
 from circuitkit.patching.estimators import atp, block, costs, eap, graddrop, ig
 from circuitkit.patching.estimators.qk import ATP_STAR_SITES
 from circuitkit.patching.estimators.rerun import layer_reruns
@@ -42,8 +42,9 @@ NEEDS = {
                     "pattern, and this model's bridge fires hook_pattern after the attention "
                     "ran (e.g. GPT-J), so that gradient is zero and the fix would do nothing: "
                     "use estimator 'block' or 'atp'.",
-    "split_qkv": "each head's q/k/v input as its own residual copy (use_split_qkv_input); "
-                 "refused in one line by shortcuts.split_qkv_inputs, naming eap* and exact.",
+    # its one line is shortcuts.split_qkv_inputs' own (it names eap* and exact), raised by
+    # ``check_edge_needs`` before any batch
+    "split_qkv": "each head's q/k/v input as its own residual copy (use_split_qkv_input)",
 }
 
 
@@ -200,6 +201,14 @@ def check_model(model: Any, est: Estimator, site: str, tokens: Tensor) -> None:
                       f"nothing after a head's write is run exactly: the estimate is "
                       f"{'plain AtP' if site == 'z' else 'the head attention exact, then linear'}"
                       ".", RuntimeWarning, stacklevel=3)
+
+
+def check_edge_needs(model: Any, est: Estimator) -> None:
+    """Refuse, in one line and before any batch, a model without what edge estimator ``est``
+    needs: the per-head input fork of eap and EAP-IG (switched on and back off here)."""
+    if "split_qkv" in est.needs:
+        with shortcuts.split_qkv_inputs(model):
+            pass
 
 
 def screening_estimator(model: Any, site: str, tokens: Tensor) -> str:
