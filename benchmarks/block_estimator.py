@@ -27,8 +27,9 @@ import torch
 
 import circuitkit as ck
 from circuitkit.models import configure_threads
-from circuitkit.patching import attribution, head_mlp
+from circuitkit.patching import head_mlp
 from circuitkit.patching.attribution import attribution_patch_heads, estimator_passes
+from circuitkit.patching.estimators import block
 
 
 def setting(model, n: int, seq: int):
@@ -78,7 +79,7 @@ def main() -> None:
               + (f" ({torch.cuda.get_device_name()})" if args.random_8b else ""))
     else:
         model = ck.load_model("smollm2-135m")
-    real = attribution.head_mlp_pays
+    real = block.head_mlp_pays
     used = []
     readout = head_mlp.HeadMLP.readout
 
@@ -101,15 +102,15 @@ def main() -> None:
 
         t_atp, _ = best(lambda: run("atp"), args.repeats)
         try:
-            attribution.head_mlp_pays = lambda *a: False
+            block.head_mlp_pays = lambda *a: False
             t_slow, slow = best(lambda: run("block"), args.repeats)
-            attribution.head_mlp_pays = lambda *a: True
+            block.head_mlp_pays = lambda *a: True
             used.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 t_fast, fast = best(lambda: run("block"), args.repeats)
         finally:
-            attribution.head_mlp_pays = real
+            block.head_mlp_pays = real
         formula = sum(u == n * seq for u in used)  # whole-batch readouts: layers x repeats
         ours = [w for w in caught if str(w.message).startswith("block estimator")]
         if ours or formula < model.cfg.n_layers * args.repeats:

@@ -15,6 +15,7 @@ from tinymodels import TINY_LLAMA
 import circuitkit as ck
 from circuitkit.patching import attribution, head_mlp
 from circuitkit.patching.attribution import _head_writes, _mlp_change, attribution_patch_heads
+from circuitkit.patching.estimators import block as block_estimator
 
 
 def module_readout(model, layer, dz, r, g, dr=None):
@@ -63,7 +64,7 @@ def test_a_block_the_formula_does_not_describe_falls_back_to_the_module(tiny_lla
         return dataclasses.replace(h, gamma=h.gamma + 1.0)
 
     monkeypatch.setattr(head_mlp, "head_mlp", gemma_like)
-    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: True)
+    monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: True)
     dz, r, g = random_inputs(tiny_llama, seed=1)
     dr = _head_writes(tiny_llama, 0, dz)
     wrong = gemma_like(tiny_llama, 0).readout(dz, r, g, dr)
@@ -94,11 +95,11 @@ def test_block_estimates_with_and_without_the_formula(arch, direction, request, 
         return readout(self, dz, *rest)
 
     monkeypatch.setattr(head_mlp.HeadMLP, "readout", spy)
-    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: True)
+    monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: True)
     on = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
                                  estimator="block", progress=False)
     assert (4, 12) in calls  # the whole batch went through the formula
-    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: False)
+    monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: False)
     calls.clear()
     off = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
                                   estimator="block", progress=False)
@@ -140,7 +141,7 @@ def test_bf16_model_gets_float32_estimates_and_keeps_its_weights(monkeypatch):
     model = ck.load_model(dict(TINY_LLAMA), dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: True)
+    monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: True)
     dz, r, g = (t.to(torch.bfloat16) for t in random_inputs(model, seed=2, b=2, p=9))
     layer = 1
     dr = _head_writes(model, layer, dz)
@@ -154,7 +155,7 @@ def test_bf16_model_gets_float32_estimates_and_keeps_its_weights(monkeypatch):
         truth = module_readout(model, layer, None, r.double(), g.double(), dr=dr64)
     scale = float(truth.abs().max())
     err_formula = float((got.double() - truth).abs().max()) / scale
-    monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a: False)
+    monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: False)
     per_head = attribution._head_mlp_z(model, layer, dz, dr, r, g)
     err_bf16 = float((per_head.double() - truth).abs().max()) / scale
     assert err_formula < 1e-2 and err_formula < err_bf16 / 10  # measured: 0.004 and 0.12
@@ -223,7 +224,7 @@ def test_parallel_block_has_no_mlp_after_the_head(monkeypatch):
                                   progress=False)
     assert (atp.values - atp.clean).abs().max() > 1e-4
     for pays in (False, True):
-        monkeypatch.setattr(attribution, "head_mlp_pays", lambda *a, pays=pays: pays)
+        monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a, pays=pays: pays)
         block = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
                                         estimator="block", progress=False)
         torch.testing.assert_close(block.values, atp.values, rtol=0, atol=1e-6)

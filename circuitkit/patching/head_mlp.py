@@ -21,7 +21,7 @@ d_model``) and one output projection, instead of ``H`` whole MLPs; the virtual w
 positions on (in FLOPs; on a GPU the float32 elementwise work over ``[H, positions, d_mlp]`` is
 memory-bound, and runs fused through ``torch.compile``; docs/attribution.md). The products
 run in the weights' dtype, everything after them in float32 at least, since in bf16
-``MLP(r + dr_h) - MLP(r)`` loses most of its digits. ``attribution._head_mlp_z`` compares the
+``MLP(r + dr_h) - MLP(r)`` loses most of its digits. ``estimators.block._head_mlp_z`` compares
 result with the module, run in the same precision, on a few positions of every layer and call,
 and keeps the per-head call where they disagree (a norm or MLP this formula does not describe,
 e.g. a norm scaled by ``1 + gamma``) or where the block does not expose its weights.

@@ -8,7 +8,8 @@ counts, stated here so the numbers can be checked by hand:
 * **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
   Exact: the engine's chunk plan (``sweep.plan``, same rows and length buckets as a real run),
   each chunk costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``, plus
-  2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt. Attribution then
+  2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt (every estimator's
+  cost is its registry entry's, ``estimators.costs``). Attribution then
   exact: the screening estimator ("block": ``4 + H s_mlp`` per prompt at site z, ``s_mlp`` the
   MLP's FLOP share of a gated block; ``4 + H (s_attn + s_mlp)`` per position-copy elsewhere) +
   the verified cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2 per prompt (the
@@ -42,6 +43,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from circuitkit.patching.estimators.costs import (  # noqa: F401  (their home before)
+    CostShape,
+    block_flop_shares,
+    block_screen_passes,
+    head_mlp_pays,
+    receiver_attn_passes,
+)
+from circuitkit.patching.estimators.registry import REGISTRY
 from circuitkit.patching.inputs import check_top_k
 from circuitkit.patching.sweep import MAX_ROWS, Sweep, plan, row_bytes
 
@@ -88,47 +97,6 @@ def hybrid_cells(n_cells: int, per_round: int, top_k: int | None,
     if floor < recall_top:
         floor += math.ceil((min(recall_top, n_cells) - floor) / per_round) * per_round
     return min(cap, max(floor, math.ceil(AUTO_EXPECTED_FRACTION * n_cells))), cap
-
-
-def receiver_attn_passes(attn_share: float, n_layers: int, n_inputs: int, pairs: int) -> float:
-    """Pass-equivalents per prompt of the eap* edge estimator's receiver runs: per (sender,
-    receiver layer) pair, that layer's q/k/v projections once (a third of its attention) and
-    its attention once per input, each ``attn_share / n_layers`` of a pass."""
-    return pairs * (1 / 3 + n_inputs) * attn_share / n_layers
-
-
-def block_flop_shares(d_model: int, d_mlp: int, d_head: int, n_heads: int, n_kv_heads: int,
-                      seq: int, gated: bool = True) -> tuple[float, float]:
-    """FLOP shares (attention, MLP) of one block per token: what one attention or one MLP call
-    costs, in blocks. Attention: q/o and k/v projections plus scores over ``seq / 2`` keys on
-    average; MLP: 3 matrices gated, 2 plain."""
-    mlp = 2 * d_model * d_mlp * (3 if gated else 2)
-    attn = 4 * d_model * d_head * (n_heads + n_kv_heads) + 2 * n_heads * d_head * seq
-    return attn / (attn + mlp), mlp / (attn + mlp)
-
-
-def head_mlp_pays(positions: int, heads: int, d_model: int) -> bool:
-    """Whether the block estimator's all-heads MLP formula (``patching/head_mlp.py``; its virtual
-    weights cost ``d_model`` positions' worth of input projections per layer and call) beats one
-    MLP call per head, at ``positions`` positions per call."""
-    return positions * heads > 2 * d_model
-
-
-def block_screen_passes(n_heads: int, copies: int, site: str, s_attn: float, s_mlp: float,
-                        positions_per_call: int | None = None, d_model: int | None = None,
-                        gated: bool = True) -> float:
-    """Pass-equivalents per prompt of the "block" estimator (``attribution``): AtP's 4, plus
-    one attention and MLP call per head copy at sites q/k/v/pattern, and at site z either one
-    MLP call per head or, where ``head_mlp_pays`` (``positions_per_call`` and ``d_model`` given),
-    the all-heads formula: per position k input projections shared, k for all heads' virtual
-    products, one output projection, and the virtual weights spread over the call's positions,
-    ``s_mlp ((2k + 1) + k d_model / positions) / (k + 1)`` (k = 2 gated, 1 plain)."""
-    if site != "z":
-        return 4.0 + copies * (s_attn + s_mlp)
-    if positions_per_call and d_model and head_mlp_pays(positions_per_call, n_heads, d_model):
-        k = 2 if gated else 1
-        return 4.0 + s_mlp * ((2 * k + 1) + k * d_model / positions_per_call) / (k + 1)
-    return 4.0 + n_heads * s_mlp
 
 
 def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int) -> float:
@@ -211,7 +179,8 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     att_rows = int(max(1, min(n, budget // (saved + one_row))))
     if rows != fit:  # --batch-size: the attribution passes take it too
         att_rows = min(rows, n)
-    att = cost(4.0 * n, rows=att_rows, n_chunks=math.ceil(n / att_rows),
+    att = cost(REGISTRY["atp"].passes(CostShape(L)) * n, rows=att_rows,
+               n_chunks=math.ceil(n / att_rows),
                activation_bytes=att_rows * (saved + one_row))
     n_cells = L * n_units * n_pos
     cells, most = hybrid_cells(n_cells, n_units * n_pos, top_k)
@@ -221,7 +190,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     # pass-equivalents for a Llama-3-8B shape at 16 x 256 tokens) but its elementwise passes are
     # memory-bound; measured on an H200 it took 3.0x AtP's time (12 pass-equivalents), the
     # per-head call 6.5x: conservative rather than optimistic (docs/attribution.md).
-    screen = block_screen_passes(arch.n_heads, n_units * n_pos, site, *shares)
+    screen = REGISTRY["block"].passes(CostShape(L, arch.n_heads, n_units * n_pos, site, *shares))
 
     def hybrid_passes(k: int) -> float:
         return screen * n + k * n * (L + 1) / (2 * L) + 2 * n
@@ -385,11 +354,10 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     attn_share = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
                                    arch.n_kv_heads, seq)[0]
     pairs = sum(senders_before[la] for la in {rl for rl, _ in layout.receivers if rl < L})
-    for est, per_prompt in (("eap", 4.0), ("eap-ig-inputs", 2.0 + 3.0 * ig_steps),
-                            ("eap-ig-activations", 2.0 + 3.0 * ig_steps * groups),
-                            ("eap*", 4.0 + receiver_attn_passes(attn_share, L,
-                                                                len(layout.inputs), pairs))):
-        methods[est] = cost(per_prompt * n, rows=att_rows,
+    shape = CostShape(L, ig_steps=ig_steps, n_sender_groups=groups,
+                      receiver_attn=receiver_attn_passes(attn_share, L, len(layout.inputs), pairs))
+    for est in (e for e in REGISTRY.values() if e.units == "edges"):
+        methods[est.name] = cost(est.passes(shape) * n, rows=att_rows,
                             activation_bytes=att_rows * (saved / n_gpus + one_row))
     cells = hybrid_cells(n_edges, len(layout.inputs) * arch.n_heads, top_k)[0]
     mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
