@@ -210,7 +210,7 @@ def test_a_killed_worker_is_one_line_and_the_resume_hint(base, tmp_path):
         assert "Traceback" not in text and "BrokenProcessPool" not in text
         time.sleep(1)  # the resource tracker reports at its own exit
         assert "leaked semaphore" not in log.read_text()
-        assert not _alive(workers + others)
+        assert not _alive_after(workers + others, 10.0)
     finally:
         _stop(proc, workers + others)
 
