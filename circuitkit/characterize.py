@@ -106,7 +106,7 @@ def step_problem(out: Path, record: dict[str, Any]) -> str:
         path = out / name
         if not path.is_file():
             return f"its file {path} is missing"
-        if name in sums and files.sha256_file(path) != sums[name]:
+        if name in sums and files.modified(path, sums[name]):
             return f"its file {path} was modified (its SHA-256 differs from the one recorded)"
         if not sums and name.endswith(".json") and (out / (name[:-5] + ".safetensors")).exists():
             try:

@@ -111,6 +111,15 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def modified(path: str | Path, digest: Any) -> bool:
+    """Whether ``path`` is a file whose bytes no longer have the SHA-256 ``digest`` recorded for
+    it (a missing file is not "modified": each caller says in its own words that it is
+    missing). The one check of a file against its recorded digest (``characterize``'s
+    reusable steps, the report's ``read_summary``)."""
+    path = Path(path)
+    return path.is_file() and sha256_file(path) != digest
+
+
 def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 

@@ -279,6 +279,37 @@ def test_a_step_whose_file_was_deleted_or_changed_is_recomputed(tiny_llama, tmp_
         _characterize(tiny_llama, out)
 
 
+def test_one_check_of_a_file_against_its_recorded_digest(tmp_path, monkeypatch):
+    """characterize's reusable-step check (``step_problem``) and the report's ``read_summary``
+    compare a file with its recorded SHA-256 through the one helper, ``files.modified`` (they
+    had each their own copy): same verdicts, each in its own words."""
+    from circuitkit.characterize import step_problem
+    from circuitkit.viz.report import read_summary
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "scores.csv").write_text("layer,head\n0,0\n")
+    record = dict(files=["scores.csv"], sha256={"scores.csv": files.sha256_file(
+        out / "scores.csv")})
+    (out / "summary.json").write_text(json.dumps(dict(steps=dict(scores=record))))
+    assert not files.modified(out / "scores.csv", record["sha256"]["scores.csv"])
+    assert not files.modified(out / "gone.csv", "0" * 64)  # missing: each caller names it
+    asked = []
+    real = files.modified
+    monkeypatch.setattr(files, "modified", lambda path, digest: asked.append(
+        pathlib.Path(path).name) or real(path, digest))
+    assert step_problem(out, record) == "" and read_summary(out)["steps"]["scores"] == record
+    assert asked == ["scores.csv", "scores.csv"]
+    (out / "scores.csv").write_text("layer,head\n0,1\n")
+    assert files.modified(out / "scores.csv", record["sha256"]["scores.csv"])
+    assert "scores.csv was modified (its SHA-256 differs" in step_problem(out, record)
+    with pytest.raises(ValueError, match="scores.csv was modified after characterize wrote it"):
+        read_summary(out)
+    (out / "scores.csv").unlink()
+    assert "is missing" in step_problem(out, record)
+    assert read_summary(out)["steps"]["scores"] == record  # the page's "Missing files" note
+
+
 def warnings_as_errors():
     import warnings
 
