@@ -348,6 +348,29 @@ def _saved(tmp_path):
     return tmp_path / "r.json", tmp_path / "r.safetensors"
 
 
+def test_one_strict_json_read_names_the_file(tmp_path, monkeypatch):
+    """``files.read_json``: a truncated or unreadable JSON file is one line naming it; the
+    result files' load reads through it (the "not a readable ... file" wording had its own
+    copy in each reader)."""
+    bad = tmp_path / "c.json"
+    bad.write_text('{"ablation": ')
+    with pytest.raises(ValueError, match="c.json is not a readable circuit file: not valid "
+                                         "JSON \\(truncated\\?\\) at line 1 column 14\\.$"):
+        files.read_json(bad, "circuit file")
+    bad.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="c.json is not a readable circuit file \\(.*utf-8"):
+        files.read_json(bad, "circuit file")
+    bad.write_text('{"a": [1, 2.5]}')
+    assert files.read_json(bad, "circuit file") == {"a": [1, 2.5]}
+    js, _ = _saved(tmp_path)
+    read = []
+    real = files.read_json
+    monkeypatch.setattr(files, "read_json", lambda path, noun: read.append(
+        (pathlib.Path(path).name, noun)) or real(path, noun))
+    PatchResult.load(js)
+    assert read == [("r.json", "result file")]
+
+
 def _set(key, value):
     return lambda info: info.__setitem__(key, value)
 
