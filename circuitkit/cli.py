@@ -824,7 +824,8 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
     in ``OUT/checkpoints/edges``), then ``ck.circuit``; Ctrl-C says what was kept."""
     import circuitkit as ck
 
-    ckpt = a.out / "checkpoints" / "edges" if a.checkpoint and a.method == "exact" else None
+    ckpt = (a.out / "checkpoints" / "edges" if a.checkpoint and a.method != "attribution"
+            else None)  # exact chunks; attribution+exact: the screen and verified cells
     try:
         res = ck.patch_edges(the_model, clean, corrupt, metric, a.nodes["senders"],
                              a.nodes["receivers"], a.inputs, direction=a.direction,
@@ -1087,6 +1088,11 @@ def format_plan(p: dict) -> str:
                      f"verified     ~{p['verified_cells']} cells expected, as many as the "
                      f"screen's error bound asks (at most {p['verified_cells_max']}: "
                      f"~{p['est_seconds_max']:,.1f} s)")
+    hy = p.get("hybrid")
+    if hy and hy["runs"] == "exact":  # what attribution+exact will do: the exact sweep
+        lines.insert(1, f"hybrid       attribution+exact would cost ~{hy['passes']:,.0f} "
+                        f"pass-equivalents (~{hy['cells']} cells verified), at least the exact "
+                        f"sweep's {hy['exact_passes']:,.0f}: it runs the exact sweep")
     if p.get("auto"):
         lines.insert(1, f"auto         chose {p['auto']['chose']} (exact sweep "
                         f"{p['auto']['exact_flops_per_token']:.2g} FLOPs per prompt token; "

@@ -445,7 +445,8 @@ def _rebuild_buffer(copies: int, n: int, seq: int, d_vocab: int, like: Tensor, c
 # --- metrics built here -------------------------------------------------------------------------
 
 
-def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
+def pad_rows(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
+    """One row per prompt, ``[n, k]`` long, each row filled up with ``fill`` (-1: padding)."""
     width = max(1, max((len(r) for r in rows), default=1))
     out = torch.full((len(rows), width), fill, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -453,12 +454,89 @@ def _pad(rows: Sequence[Sequence[int]], fill: int = -1) -> Int[Tensor, "n k"]:
     return out
 
 
-def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
-    """Per-prompt logit positions read for answer positions ``pos`` (``p - 1``; padding -1 is
-    replaced by the row's first read, or 0 for a prompt without answers)."""
-    read = pos - 1
-    first = torch.where(pos[:, :1] >= 1, read[:, :1], torch.zeros_like(read[:, :1]))
-    return torch.where(pos >= 1, read, first)
+def logit_positions(answer_pos: Sequence[Sequence[int]] | Tensor) -> Int[Tensor, "n k"]:
+    """The logit positions that predict tokens at ``answer_pos`` (per prompt, ragged or
+    ``[n, k]`` with -1 padding): ``p - 1`` (a token's prediction is read one position before
+    it; ``p = 0`` reads position 0), -1 where padded. What ``at_answers`` takes."""
+    pos = answer_pos if isinstance(answer_pos, Tensor) else pad_rows(answer_pos)
+    return torch.where(pos >= 0, (pos - 1).clamp(min=0), torch.full_like(pos, -1))
+
+
+def _reads(at: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
+    """``reads`` for logit positions ``at`` (-1 padding replaced by the row's first position,
+    or 0 for a prompt without any)."""
+    first = torch.where(at[:, :1] >= 0, at[:, :1], torch.zeros_like(at[:, :1]))
+    return torch.where(at >= 0, at, first)
+
+
+def at_answers(reading: Callable[..., Tensor], positions: Sequence[Sequence[int]] | Tensor,
+               *per_prompt: Tensor | Sequence[Any], name: str = "at_answers") -> PromptMetric:
+    """A ``PromptMetric`` from a reading of the logits at each prompt's own positions.
+
+    ``positions``: the logit positions each prompt is read at, ``[n]`` (one each, e.g.
+    ``task.last_positions``) or ``[n, k]`` / ragged lists, -1 padding (``task.answer_positions``:
+    the positions predicting each answer step). ``reading(step_logits, *rows)`` gets
+    ``step_logits [b, k, vocab]`` (the logits at those positions, for the ``b`` prompts of a
+    call) and the rows of each ``per_prompt`` tensor (``[n, ...]``, e.g.
+    ``task.answer_tokens``, passed as given) for the same prompts, and returns
+    ``[b, k]`` (a value per position: the prompt's value is its mean over its own positions) or
+    ``[b]`` (the prompt's value). The metric declares its reads, so right-padded prompts (a
+    task's ``clean_tokens``) are read at their own positions and never at their padding::
+
+        # the TransformerLens idiom l[:, -1, tgt].mean(), at each prompt's answer steps
+        m = ck.metrics.at_answers(lambda step, tok: step.gather(-1, tok[..., None])[..., 0],
+                                  task.answer_positions, task.answer_tokens)
+    """
+    if not callable(reading):
+        raise ValueError(f"at_answers: reading must be callable (step logits [b, k, vocab] "
+                         f"-> [b, k] or [b]); got {type(reading).__name__}.")
+    at = _positions_tensor(positions)
+    n = at.shape[0]
+    rows_of = []
+    for j, t in enumerate(per_prompt):
+        t = torch.as_tensor(t)
+        if t.ndim == 0 or t.shape[0] != n:
+            raise ValueError(f"at_answers: per-prompt argument {j} has shape {tuple(t.shape)}; "
+                             f"it needs one row per prompt ({n}, as positions).")
+        rows_of.append(t)
+
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
+        a = at[idx.cpu()].to(logits.device)
+        valid = a >= 0
+        b = torch.arange(logits.shape[0], device=logits.device)[:, None]
+        step = logits[b, rows[b, a.clamp(min=0)]]  # [batch, k, vocab]
+        got = reading(step, *(t[idx.cpu()].to(logits.device) for t in rows_of))
+        if not isinstance(got, Tensor) or tuple(got.shape) not in ((len(a),), tuple(a.shape)):
+            shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+            raise ValueError(f"at_answers {name!r}: reading returned {shape}; expected "
+                             f"{tuple(a.shape)} (a value per position) or ({len(a)},) (a value "
+                             "per prompt).")
+        if got.ndim == 1:
+            return got
+        return (got * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+
+    return PromptMetric(fn, name, reads=_reads(at))
+
+
+def _positions_tensor(positions: Any) -> Int[Tensor, "n k"]:
+    """``positions`` of ``at_answers`` as ``[n, k]`` long, -1 padding; bad input: one line."""
+    if isinstance(positions, Tensor):
+        at = positions
+    else:
+        try:
+            rows = [[int(p) for p in r] if isinstance(r, Sequence) else [int(r)]
+                    for r in positions]
+        except (TypeError, ValueError):
+            raise ValueError("at_answers: positions must be a LongTensor [n] or [n, k], or one "
+                             "list of ints per prompt (task.answer_positions, "
+                             "task.last_positions).") from None
+        at = pad_rows(rows)
+    if at.is_floating_point() or at.dtype == torch.bool or at.ndim not in (1, 2) \
+            or at.shape[0] == 0:
+        raise ValueError(f"at_answers: positions must be integer, [n] or [n, k] with n >= 1; "
+                         f"got {at.dtype} of shape {tuple(at.shape)}.")
+    at = at.long().cpu()
+    return at[:, None] if at.ndim == 1 else at
 
 
 def token_margin_metric(
@@ -473,24 +551,16 @@ def token_margin_metric(
     each (read from logits at ``pos - 1``); ``rival_tok[i]``: prompt i's rival tokens (near-misses).
     A prompt with no rivals scores ``logit[answer]`` minus the mean logit over the vocabulary.
     """
-    pos, tok, rivals = _pad(answer_pos), _pad(answer_tok), _pad(rival_tok)
+    rivals = pad_rows(rival_tok)
 
-    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
-        p, t, r = pos[idx].to(logits.device), tok[idx].to(logits.device), rivals[idx].to(
-            logits.device)
-        valid = p >= 0
-        b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        step = logits[b, rows[b, (p - 1).clamp(min=0)]]  # [batch, n_answers, vocab]
-        tgt = step.gather(-1, t.clamp(min=0)[..., None])[..., 0]
+    def margin(step: Tensor, tok: Tensor, r: Tensor) -> Tensor:
+        tgt = step.gather(-1, tok.clamp(min=0)[..., None])[..., 0]
         rmask = (r >= 0)[:, None, :]
         rv = step.gather(-1, r.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
         n_r = rmask.sum(-1).clamp(min=1)
-        rival_mean = torch.where(
-            rmask.any(-1), (rv * rmask).sum(-1) / n_r, step.mean(-1))
-        margin = (tgt - rival_mean) * valid
-        return margin.sum(-1) / valid.sum(-1).clamp(min=1)
+        return tgt - torch.where(rmask.any(-1), (rv * rmask).sum(-1) / n_r, step.mean(-1))
 
-    return PromptMetric(fn, name, reads=_reads(pos))
+    return at_answers(margin, logit_positions(answer_pos), pad_rows(answer_tok), rivals, name=name)
 
 
 def token_logprob_metric(
@@ -503,14 +573,7 @@ def token_logprob_metric(
     Unlike a logit difference, it rises only when the right answer is restored, not when a rival
     is merely suppressed (the logit-difference trap of previous-token heads).
     """
-    pos, tok = _pad(answer_pos), _pad(answer_tok)
+    def logprob(step: Tensor, tok: Tensor) -> Tensor:
+        return step.log_softmax(-1).gather(-1, tok.clamp(min=0)[..., None])[..., 0]
 
-    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
-        p, t = pos[idx].to(logits.device), tok[idx].to(logits.device)
-        valid = p >= 0
-        b = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        logp = logits[b, rows[b, (p - 1).clamp(min=0)]].log_softmax(-1)
-        lp = logp.gather(-1, t.clamp(min=0)[..., None])[..., 0] * valid
-        return lp.sum(-1) / valid.sum(-1).clamp(min=1)
-
-    return PromptMetric(fn, name, reads=_reads(pos))
+    return at_answers(logprob, logit_positions(answer_pos), pad_rows(answer_tok), name=name)

@@ -100,6 +100,39 @@ def _hf_cached_files(hub_id: str) -> dict[str, str | None]:
     return {"config": cached("config.json"), "weights": weights}
 
 
+# HF weight files by format: safetensors holds tensors only; a pickle (``torch.save``) can run any
+# code when it is read, so circuitkit never loads one (``refuse_pickle_weights``).
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class PickleWeightsError(ValueError):
+    """A model's weights exist only as a pickle (``pytorch_model.bin``): never loaded."""
+
+
+def refuse_pickle_weights(where: str, files: Any) -> None:
+    """Raise ``PickleWeightsError`` (one line, with the conversion command) when ``files`` (the
+    file names of a folder, an HF cache entry or a hub repository) hold pickled weights and no
+    safetensors weights. Folders, cached hub ids and, when the hub is reachable, hub ids are
+    checked before anything loads, so no pickle is ever read."""
+    names = {Path(f).name for f in files}
+    if any(n in SAFE_WEIGHTS or n.endswith(".safetensors") for n in names):
+        return  # transformers takes the safetensors weights when both are there
+    pickles = sorted(n for n in names if n in PICKLE_WEIGHTS
+                     or (n.startswith("pytorch_model-") and n.endswith(".bin")))
+    if not pickles:
+        return
+    folder = str(where)
+    raise PickleWeightsError(
+        f"{folder} holds its weights only as a pickle ({', '.join(pickles)}), which circuitkit "
+        "never loads (unpickling a file can run any code in it). Convert it to safetensors "
+        "once: python -c \"from transformers import AutoModelForCausalLM as M; "
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\" (transformers reads "
+        "tensors only and writes model.safetensors beside it; a file it refuses holds more "
+        "than weights: get safetensors weights from the model's source), then load the "
+        "folder again.")
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
@@ -351,7 +384,8 @@ def _hf_from_tl(tl: dict) -> dict:
         raise ValueError(f"TransformerLens-style config: act_fn={act!r} is not an activation "
                          f"transformers has; use one of {sorted(ACT2FN)}.")
     common = dict(vocab_size=_positive_int(tl, "d_vocab"), tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=0, pad_token_id=0)  # t0 of the numbered tokenizer
+                  bos_token_id=0, eos_token_id=0,  # t0 of the numbered tokenizer
+                  pad_token_id=0)  # (HF's embedding padding_idx; the tokenizer pads with d_vocab)
     eps = float(tl.get("eps", 1e-5))
     if family == "llama":
         hf = dict(model_type="llama", hidden_size=d_model, num_hidden_layers=_positive_int(
@@ -465,8 +499,10 @@ def load_model(
     "LN") choose the family; give one and the other follows; give neither and it is Llama
     (unlike ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only
     ``d_head`` derives the other from ``d_model``. Both families untie the unembedding (as
-    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos/pad (the numbered
-    tokenizer ``t0 .. t{d_vocab-1}`` given to random models). Unknown keys are refused.
+    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos (the numbered
+    tokenizer ``t0 .. t{d_vocab-1}`` given to random models, whose pad ``<pad>`` is id
+    ``d_vocab``, no token of the model: prompts ending in id 0 are not padding). Unknown keys are
+    refused.
     """
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
@@ -617,8 +653,9 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"{path} is a folder but has no config.json; a HF checkpoint folder needs "
-                f"config.json, model.safetensors (or pytorch_model.bin) and tokenizer files."
+                f"config.json, model.safetensors and tokenizer files."
             )
+        refuse_pickle_weights(str(path), os.listdir(path))
         if dtype is None:
             dtype = default_dtype(json.loads((path / "config.json").read_text()), **placement)
         if tokenizer is None and not any((path / f).exists() for f in TOKENIZER_FILES):
@@ -646,13 +683,39 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
                 f"id. Known names: {known}. Or pass a hub id ('org/name') or a folder path."
             )
     cached = _hf_cached_files(hub_id)
-    if not (cached["config"] and cached["weights"]) and not _hub_reachable():
+    reachable = None
+    if not (cached["config"] and cached["weights"]) and not (reachable := _hub_reachable()):
         raise _missing_weights_error(name, hub_id)
+    _refuse_pickle_hub_weights(name, hub_id, cached["weights"], kw.get("revision"), reachable)
     if dtype is None:
         dtype = default_dtype(_hub_config_dict(hub_id, kw.get("revision")), **placement)
     return TransformerBridge.boot_transformers(
         hub_id, dtype=dtype, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
         **placement, **kw)
+
+
+def _refuse_pickle_hub_weights(name: str, hub_id: str, cached: str | None,
+                               revision: str | None, reachable: bool | None) -> None:
+    """``refuse_pickle_weights`` for a hub id. ``cached``: the weights file in the HF cache
+    (safetensors first). Cached safetensors are what transformers loads: no look-up. Otherwise
+    (a cached pickle, or nothing cached) the repository's files on the hub when it is reachable
+    (transformers would take its safetensors, else download its pickle), else the cached ones."""
+    if cached in SAFE_WEIGHTS:
+        return
+    if reachable is None:
+        reachable = _hub_reachable()
+    if reachable:
+        try:
+            from huggingface_hub import list_repo_files
+
+            files = list_repo_files(hub_id, revision=revision)
+        except Exception:  # noqa: BLE001 (gated, private, rate-limited: transformers says why)
+            files = None
+        if files is not None:
+            refuse_pickle_weights(name, files)
+            return
+    if cached is not None:
+        refuse_pickle_weights(name, [cached])
 
 
 def _hub_config_dict(hub_id: str, revision: str | None = None) -> dict:
@@ -705,15 +768,26 @@ def _boot_from_config_dict(cfg: dict, device, dtype, tokenizer):
     return bridge
 
 
+NUMBERED_PAD = "<pad>"
+
+
 def _numbered_tokenizer(vocab_size: int):
-    """A word-level tokenizer over ``t0 .. t{n-1}`` (t0 = bos/eos/pad) for random test models."""
+    """A word-level tokenizer over ``t0 .. t{n-1}`` (t0 = bos/eos/unk) for random models (a
+    config dict, a folder without tokenizer files).
+
+    Its pad token ``<pad>`` has id ``n``, outside the model's vocabulary: every id a prompt can
+    hold is an ordinary token, so prompts that end in id 0 are not taken for right padding
+    (``patching.inputs.padded_lengths``); real padding (``model.to_tokens`` of prompts of
+    different lengths) holds id ``n`` and is refused in one line (``inputs.check_tokens``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0",
-                                   pad_token="t0", unk_token="t0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t0",
+                                   unk_token="t0")
+    fast.add_special_tokens({"pad_token": NUMBERED_PAD})  # id vocab_size
+    return fast
 
 
 # --- folders written whole (model conversion, trained models, tokenizer cache) -----------------

@@ -429,6 +429,6 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     # method="auto" screens the same way: its exact sweep is not lost to the screen's refusal
     with pytest.warns(RuntimeWarning, match="screen is plain AtP"):
         auto = ck.patch_heads(m, clean, corrupt, metric, direction="noise", method="auto",
-                              progress=False)
+                              progress=False, screening_recall=True)
     assert auto.meta["auto"]["screening"]["estimator"] == "atp"
     torch.testing.assert_close(auto.values, ex, rtol=0, atol=1e-5)

@@ -161,7 +161,14 @@ def test_another_models_results_are_refused_in_one_line():
         res = ck.patch_edges(a, clean, corrupt, margin, inputs="v", progress=False)
         heads = ck.patch_heads(a, clean, corrupt, margin, progress=False)
         big = ck.patch_edges(wide, clean, corrupt, margin, inputs="v", progress=False)
-        for result in (res, heads, big):
+        # estimates record their model too (before: only exact sweeps did, so another model's
+        # attribution result of the same shape was used without a word)
+        eap = ck.patch_edges(a, clean, corrupt, margin, inputs="v", method="attribution",
+                             progress=False)
+        atp = ck.patch_heads(a, clean, corrupt, margin, method="attribution", progress=False)
+        hyb = ck.patch_edges(a, clean, corrupt, margin, inputs="v", top_k=2,
+                             method="attribution+exact", progress=False)
+        for result in (res, heads, big, eap, atp, hyb):
             target = b if result is not big else a
             with pytest.raises(ValueError, match="another model") as err:
                 ck.circuit(target, (clean, corrupt, margin), result, progress=False)

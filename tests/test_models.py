@@ -543,3 +543,120 @@ def test_save_model_says_what_to_do_for_a_split_architecture(tmp_path):
     with pytest.raises(ValueError, match="splits this architecture's fused layers"):
         ck.save_model(gpt2, tmp_path / "g")
     assert not (tmp_path / "g").exists()
+
+
+class _Trap:
+    """Unpickling this runs code: it writes a file (what a hostile pytorch_model.bin could do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _pickle_folder(root, marker):
+    """A Llama folder whose weights are a pickle only: real tensors plus a code-running object."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=27, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      max_position_embeddings=16))
+    hf.save_pretrained(root)
+    (root / "model.safetensors").unlink()
+    torch.save({**hf.state_dict(), "trap": _Trap(str(marker))}, root / "pytorch_model.bin")
+    return root
+
+
+def test_pickle_weights_are_refused_in_one_line_never_loaded(tmp_path, monkeypatch):
+    """Issue 33 item 20: a folder holding only pytorch_model.bin failed inside torch.load with a
+    traceback advising weights_only=False. Now: one line saying to convert to safetensors, from
+    load_model (a folder, a cached hub id, a hub id whose repository has only a pickle) and from
+    the CLI (exit 2); the pickle is never read (its trap never fires)."""
+    from circuitkit import models
+
+    marker = tmp_path / "unpickled"
+    folder = _pickle_folder(tmp_path / "m", marker)
+    with pytest.raises(models.PickleWeightsError) as e:
+        ck.load_model(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg and "pytorch_model.bin" in msg and "safetensors" in msg
+    assert "weights_only=False" not in msg
+    assert f"M.from_pretrained('{folder}').save_pretrained('{folder}')" in msg
+    import importlib.util
+
+    if importlib.util.find_spec("nnsight") is not None:  # backend="nnsight" loads on its own
+        from circuitkit.patching import nnsight_backend
+
+        with pytest.raises(models.PickleWeightsError, match="only as a pickle"):
+            nnsight_backend.load(str(folder))
+    # a hub id: the cached weights (hub unreachable), then the repository's file list
+    monkeypatch.setattr(models, "_hf_cached_files", lambda hub_id: {
+        "config": str(folder / "config.json"), "weights": "pytorch_model.bin"})
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(models.PickleWeightsError, match="'org/tiny'|org/tiny holds"):
+        ck.load_model("org/tiny")
+    import huggingface_hub
+
+    monkeypatch.setattr(models, "_hf_cached_files", lambda hub_id: {"config": None,
+                                                                     "weights": None})
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files",
+                        lambda hub_id, revision=None: ["config.json", "pytorch_model.bin"])
+    with pytest.raises(models.PickleWeightsError, match="org/tiny holds its weights only"):
+        ck.load_model("org/tiny")
+    out = subprocess.run([sys.executable, "-m", "circuitkit.cli", "patch", "--model",
+                          str(folder), "--task", "induction", "-n", "2", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "holds its weights only as a pickle" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and "weights_only=False" not in out.stderr
+    assert not marker.exists()
+    # the command it gives converts the folder (tensors only), which then loads
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.save(LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).state_dict(),
+               folder / "pytorch_model.bin")  # (no trap: transformers' reader refuses one)
+    cmd = msg.split('python -c "', 1)[1].split('"', 1)[0]
+    subprocess.run([sys.executable, "-c", cmd], check=True, capture_output=True, timeout=300)
+    with pytest.warns(UserWarning, match="no tokenizer files"):
+        assert ck.load_model(str(folder)).cfg.n_layers == 1
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=16, seed=1),
+    dict(model_type="gpt2", vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+         seed=1),
+], ids=["tl-llama", "hf-gpt2"])
+def test_prompts_ending_in_id_0_are_not_padding_on_a_config_dict_model(cfg):
+    """Issue 33 item 21: the tokenizer built for a config-dict model used id 0 ('t0') as its
+    pad, an ordinary token of random prompts: prompts whose trailing runs of 0 differed were
+    refused as right-padded. Its pad is now id d_vocab, no token of the model: such prompts
+    patch like any others, and real padding (model.to_tokens of prompts of different lengths)
+    is still refused, in one line."""
+    model = ck.load_model(cfg)
+    V = int(model.cfg.d_vocab)
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(1, V, (4, 8), generator=g)
+    corrupt = torch.randint(1, V, (4, 8), generator=g)
+    clean[:2, -2:] = 0  # prompts 0 and 1 end in two 0s, prompt 2 in one, prompt 3 in none
+    corrupt[:2, -2:] = 0
+    clean[2, -1] = corrupt[2, -1] = 0
+    metric = lambda logits: logits[:, -1, 5].mean()  # noqa: E731 (reads position -1)
+    res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+    with torch.no_grad():  # the clean value is the model's own, every prompt read at -1
+        want = float(model(clean)[:, -1, 5].mean())
+    assert res.clean == pytest.approx(want, abs=1e-5)  # fp32, one forward vs the engine's
+    assert ck.patch_layers(model, clean, corrupt, metric, progress=False).values.shape[0] == 2
+    assert model.tokenizer.pad_token_id == V and model.tokenizer.convert_ids_to_tokens([0]) == [
+        "t0"]
+    padded = model.to_tokens(["t3 t4 t5 t6", "t3 t4"])
+    assert padded[1, -1] == V  # real right padding: the pad id
+    for fn in (ck.patch_heads, ck.patch_layers):
+        with pytest.raises(ValueError) as e:
+            fn(model, padded, padded.clone(), metric, progress=False)
+        msg = str(e.value)
+        assert "padded with pad token id" in msg and "prompts [1]" in msg and "\n" not in msg

@@ -1,5 +1,6 @@
-"""Activation patching: public functions (api), exact sweeps (engine), gradient estimates
-(attribution), the sweep description (sweep), checkpoints, results.
+"""Activation patching: public functions (api), exact sweeps (engine; their orchestration:
+exact), gradient estimates (attribution), screen then verify for any units (hybrid), the
+``method="auto"`` choice (auto), the sweep description (sweep), checkpoints, results.
 
 Names resolve lazily so ``import circuitkit.patching`` stays free of torch.
 """

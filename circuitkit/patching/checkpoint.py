@@ -16,9 +16,10 @@ Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) a
 
 Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
 
-``attribution+exact`` keeps its own files in the same kind of folder (``HybridCheckpoint``):
-``hybrid.json`` (identity: the sweep's, plus the estimator), ``hybrid-screen.*`` (the screening
-estimate, a ``PatchResult``) and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
+``attribution+exact`` (heads and edges: ``hybrid.screen_then_verify``) keeps its own files in
+the same kind of folder (``HybridCheckpoint``): ``hybrid.json`` (identity: the sweep's, plus the
+estimator), ``hybrid-screen.*`` (the screening estimate, a ``PatchResult`` or ``EdgeResult``)
+and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
 exact values, rewritten atomically after each verification forward, with the identity key
 and a checksum).
 """
@@ -309,14 +310,15 @@ class HybridCheckpoint:
     def close(self) -> None:
         self._lock.close()
 
-    def load_screen(self) -> Any:
-        """The stored screening estimate, or None (none yet, or unreadable: warned)."""
+    def load_screen(self, result_type: Any = None) -> Any:
+        """The stored screening estimate (a ``result_type``: ``PatchResult`` unless given, or
+        ``EdgeResult``), or None (none yet, or unreadable: warned)."""
         from circuitkit.patching.results import PatchResult
 
         if not (self.path / f"{self.SCREEN}.json").exists():
             return None
         try:
-            res = PatchResult.load(self.path / self.SCREEN)
+            res = (result_type or PatchResult).load(self.path / self.SCREEN)
             if res.meta.get("checkpoint_key") != self.key:
                 raise ValueError("from another run")
             missing = [k for k in ("write_scale", "pass_equivalents", "estimator", "seconds")

@@ -75,11 +75,31 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
                              "prompts (or keep their last n_ctx tokens).")
         d_vocab = int(model.cfg.d_vocab)
         top = int(max(clean.max(), corrupt.max()))
+        pad = pad_token_id(model)
+        if top >= d_vocab and pad is not None and pad >= d_vocab and all(
+                bool(((t < d_vocab) | (t == pad)).all()) and _pad_at_ends(t, pad)
+                for t in (clean, corrupt)):
+            rows = ((clean == pad) | (corrupt == pad)).any(1).nonzero()[:, 0].tolist()
+            raise ValueError(
+                f"clean_tokens: {len(rows)} of {clean.shape[0]} prompts are padded with pad "
+                f"token id {pad} (prompts {rows[:4]}{' ...' if len(rows) > 4 else ''}), which "
+                f"is no token of this model's vocabulary (ids 0..{d_vocab - 1}: the tokenizer "
+                "circuitkit builds for a model made from a config pads outside it, so that no "
+                "prompt token reads as padding). Give prompts of one length.")
         if top >= d_vocab:
             raise ValueError(
                 f"token ids must lie in [0, {d_vocab}) for this model's vocabulary; got ids up "
                 f"to {top}. Were the tokens made for another model or task vocabulary?")
     return clean.long(), corrupt.long()
+
+
+def _pad_at_ends(t: Tensor, pad: int) -> bool:
+    """Whether every ``pad`` id of each row of ``t`` lies in a run at its end or its start
+    (right or left padding), not among its tokens."""
+    is_pad = (t == pad).long().cpu()
+    count = is_pad.sum(1)
+    trail, lead = is_pad.flip(1).cumprod(1).sum(1), is_pad.cumprod(1).sum(1)
+    return bool(((count == trail) | (count == lead)).all())
 
 
 def check_metric_prompts(pm: Any, n: int) -> None:
@@ -221,7 +241,7 @@ def check_edge_model(model: Any) -> None:
 
 
 # Methods whose estimate is a gradient of the metric (``auto`` screens only when it does not
-# run the exact sweep: ``api._auto`` skips its informational screen for such a metric).
+# run the exact sweep: ``auto.run`` skips its informational screen for such a metric).
 GRADIENT_METHODS = ("attribution", "attribution+exact")
 
 
@@ -323,7 +343,10 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
             f"{pad_id} (prompts {shown})")
     fix = ("Left-pad them (tokenizer.padding_side = 'left'), give prompts of one length, or "
            "pass a PromptMetric whose reads are each prompt's own positions (as a task's "
-           "metric is).")
+           "metric is): for a task's tokens, ck.metrics.at_answers(reading, "
+           "task.answer_positions, task.answer_tokens) reads each prompt's answer steps, and "
+           "logits[torch.arange(n), task.last_positions] each prompt's own last position in "
+           "place of logits[:, -1] (docs/metrics.md).")
     reads = pm.read_positions()
     if reads is not None:
         reads = reads.expand(n, -1).cpu()

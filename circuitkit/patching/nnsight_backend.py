@@ -101,6 +101,8 @@ def load(model: Any, remote: bool = False, dtype: Any = None) -> Any:
                                          if Path(name).expanduser().is_dir() else None)
     if path is None and name.lower() == "smollm2-135m":
         path = models.smollm2_local_folder()
+    if path is not None:  # (a hub id's pickle: nnsight's own loader, not checked here)
+        models.refuse_pickle_weights(str(path), [f.name for f in path.iterdir()])
     target = str(path) if path is not None else models.resolve_name(name)
     if path is None and not models.weights_available(name):
         raise models.ModelNotAvailableError(

@@ -13,8 +13,9 @@ counts, stated here so the numbers can be checked by hand:
   MLP's FLOP share of a gated block; ``4 + H (s_attn + s_mlp)`` per position-copy elsewhere) +
   the verified cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2 per prompt (the
   exact engine's cached runs). Verified cells: ``top_k`` when given; with the automatic budget
-  (``top_k=None``) ``AUTO_EXPECTED_FRACTION`` of the cells (what it verified on SmolLM2,
-  docs/attribution.md), and at most ``AUTO_MAX_FRACTION`` (its cap: ``seconds_max``).
+  (``top_k=None``) ``hybrid_cells``: ``AUTO_EXPECTED_FRACTION`` of the cells (what it verified
+  on SmolLM2, docs/attribution.md) or the rule's floor if more, and at most
+  ``AUTO_MAX_FRACTION`` (its cap: ``seconds_max``).
 * **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
   (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
   AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
@@ -70,6 +71,23 @@ AUTO_EXACT_MAX_FLOPS_PER_TOKEN = 5e13
 # its cap (``api.attribution_plus_exact``'s max_fraction)
 AUTO_EXPECTED_FRACTION = 0.2
 AUTO_MAX_FRACTION = 0.5
+
+
+def hybrid_cells(n_cells: int, per_round: int, top_k: int | None,
+                 max_fraction: float = AUTO_MAX_FRACTION, recall_top: int = 10
+                 ) -> tuple[int, int]:
+    """(expected, at most) cells attribution+exact verifies: ``top_k`` when given; else its
+    rule's floor, the first round (``2 x per_round``: the calibration cells) and rounds until
+    ``recall_top`` are verified, or ``AUTO_EXPECTED_FRACTION`` of the cells if more, capped at
+    ``max_fraction`` of them (``hybrid.budget_rule``). On a small model the floor dominates:
+    the teacher's 32 heads verify 16 (its cap) whatever the fraction says."""
+    if top_k is not None:
+        return (min(top_k, n_cells),) * 2
+    cap = min(n_cells, max(1, int(max_fraction * n_cells)))
+    floor = min(2 * per_round, n_cells)
+    if floor < recall_top:
+        floor += math.ceil((min(recall_top, n_cells) - floor) / per_round) * per_round
+    return min(cap, max(floor, math.ceil(AUTO_EXPECTED_FRACTION * n_cells))), cap
 
 
 def receiver_attn_passes(attn_share: float, n_layers: int, n_inputs: int, pairs: int) -> float:
@@ -196,11 +214,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     att = cost(4.0 * n, rows=att_rows, n_chunks=math.ceil(n / att_rows),
                activation_bytes=att_rows * (saved + one_row))
     n_cells = L * n_units * n_pos
-    if top_k is None:
-        cells = math.ceil(AUTO_EXPECTED_FRACTION * n_cells)
-        most = max(1, int(AUTO_MAX_FRACTION * n_cells))
-    else:
-        cells = most = min(top_k, n_cells)
+    cells, most = hybrid_cells(n_cells, n_units * n_pos, top_k)
     shares = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
                                arch.n_kv_heads, seq)  # the shipped configs' MLPs are gated
     # Priced as one MLP call per head: the all-heads formula has fewer FLOPs (5.9 against 29.7
@@ -377,8 +391,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
                                                                 len(layout.inputs), pairs))):
         methods[est] = cost(per_prompt * n, rows=att_rows,
                             activation_bytes=att_rows * (saved / n_gpus + one_row))
-    cells = min(top_k, n_edges) if top_k is not None else math.ceil(
-        AUTO_EXPECTED_FRACTION * n_edges)
+    cells = hybrid_cells(n_edges, len(layout.inputs) * arch.n_heads, top_k)[0]
     mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
     methods["attribution+exact"] = cost(
         methods["eap*"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,

@@ -27,7 +27,13 @@ from jaxtyping import Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.metrics import PromptMetric, token_logprob_metric, token_margin_metric
+from circuitkit.metrics import (
+    PromptMetric,
+    logit_positions,
+    pad_rows,
+    token_logprob_metric,
+    token_margin_metric,
+)
 from circuitkit.tasks import jsonl
 
 # The CoT tasks that can be rendered as plain text for a pretrained LLM (``tasks.text``); a JSONL
@@ -193,11 +199,41 @@ class Task:
         return dataclasses.replace(self._metric(), labels=(("task", self.name),
                                                            ("phase", self.phase)))
 
+    @property
+    def answer_positions(self) -> Int[Tensor, "batch k"]:
+        """The logit positions ``task.metric`` reads, one row per example: those predicting
+        this phase's steps (phase 2: ``answer_pos - 1``; phase 1: ``anchor_pos - 1``), -1
+        padding. Each example's own positions, so they never fall in the right padding of
+        ``clean_tokens``: the per-prompt ``-1`` of the TransformerLens idiom
+        ``l[:, -1, tgt]``, for ``ck.metrics.at_answers`` (docs/metrics.md)."""
+        return logit_positions(self._step_pos())
+
+    @property
+    def answer_tokens(self) -> Int[Tensor, "batch k"]:
+        """The token at each of ``answer_positions``' steps (what it predicts: the target),
+        ``[batch, k]``, 0 where a row is padded (its position is -1 there)."""
+        return pad_rows([e.tokens[p].tolist() for e, p in zip(self.examples, self._step_pos(),
+                                                          strict=True)], fill=0)
+
+    @property
+    def last_positions(self) -> Int[Tensor, " batch"]:
+        """Each example's last token position (``len(tokens) - 1``), ``[batch]``: where
+        ``logits[:, -1]`` reads in a prompt of its own length. ``clean_tokens`` pads shorter
+        examples on the right, so ``-1`` reads padding there; ``logits[torch.arange(n),
+        task.last_positions]`` reads each prompt's own last position."""
+        return torch.tensor([len(e.tokens) - 1 for e in self.examples], dtype=torch.long)
+
+    def _step_pos(self) -> list[list[int]]:
+        """The token positions of the steps ``task.metric`` scores, per example."""
+        one = self.phase == 1 and self.config.get("metric") != "logprob"
+        return [e.anchor_pos if one else e.answer_pos for e in self.examples]
+
     def _metric(self) -> PromptMetric:
         ex = self.examples
+        steps = self._step_pos()
         if self.config.get("metric") == "logprob":
             return token_logprob_metric(
-                [e.answer_pos for e in ex], [e.tokens[e.answer_pos].tolist() for e in ex],
+                steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
                 name="answer_logprob")
         if self.phase == 1:
             anchors = self.anchor_token_ids.tolist()
@@ -211,11 +247,10 @@ class Task:
                 own = set(e.tokens[e.anchor_pos].tolist())
                 return [t for t in anchors if t not in own]
             return token_margin_metric(
-                [e.anchor_pos for e in ex], [e.tokens[e.anchor_pos].tolist() for e in ex],
+                steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
                 [rivals(e) for e in ex], name="anchor_margin")
         return token_margin_metric(
-            [e.answer_pos for e in ex],
-            [e.tokens[e.answer_pos].tolist() for e in ex],
+            steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
             [self.label_token_ids[e.near_misses].tolist() for e in ex],
             name="target_vs_near_miss_margin",
         )

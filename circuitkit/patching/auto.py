@@ -1,0 +1,108 @@
+"""``method="auto"``: the exact sweep where it is affordable, else screen then verify (``run``).
+
+The rule (``choice``): exact at or below ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt
+token for the exact sweep, else ``attribution+exact`` (``hybrid``) with the screening estimator
+and its automatic budget. With ``screening_recall=True`` an exact run also screens, to report how
+many of the exact top-k cells the screen would have found (it roughly doubles the time on a
+small model, so it is asked for, never the default).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.metrics import PromptMetric
+from circuitkit.patching import attribution, exact, hybrid
+from circuitkit.patching import plan as costs
+from circuitkit.patching.inputs import NoGradientError, check_gradient
+from circuitkit.patching.results import PatchResult, quiet_baseline
+from circuitkit.patching.sweep import make_sweep
+
+
+def choice(model: Any, seq: int, site: str, positions: str) -> dict[str, Any]:
+    """What ``method="auto"`` runs for this model and sweep shape, and why."""
+    f = hooks.facts(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    cost = costs.exact_flops_per_token(n_params, f.n_layers, f.n_heads_at(site),
+                                       seq if positions == "each" else 1)
+    return dict(chose=costs.auto_method(cost), exact_flops_per_token=cost,
+                threshold=costs.AUTO_EXACT_MAX_FLOPS_PER_TOKEN, n_params=n_params)
+
+
+def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
+    """The ``k`` cells of largest ``|effect|`` (a ``values``-shaped tensor), largest first."""
+    flat = torch.topk(effect.abs().flatten(), min(k, effect.numel())).indices
+    return [tuple(int(i) for i in torch.unravel_index(j, effect.shape)) for j in flat]
+
+
+def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direction: str,
+        positions: str, site: str, batch_size: int | None, checkpoint: str | Path | None,
+        progress: bool, top_k: int | None, meta: dict, max_passes: float | None = None,
+        screening_recall: bool = False) -> PatchResult:
+    """``method="auto"``. Below the threshold (``choice``): the exact sweep; with
+    ``screening_recall`` also the screening estimator's pass (``attribution.screening_estimator``:
+    plain AtP where the model cannot re-run a layer alone), and
+    ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells (by ``|value -
+    baseline|``) among the screen's top k, ``k = min(top_k or 20, cells / 2)``. Above it:
+    attribution+exact with the same estimator and, unless ``top_k`` is given, its automatic
+    budget; the verified cells are listed in ``meta["auto"]["verified"]``."""
+    info = choice(model, clean.shape[1], site, positions)
+    if max_passes is not None and info["chose"] == "exact":
+        warnings.warn(f"max_passes={max_passes!r} does nothing here: method='auto' chose the "
+                      "exact sweep (every cell).", stacklevel=3)
+    n_cells = hooks.facts(model).n_layers * hooks.facts(model).n_heads_at(site) * (
+        clean.shape[1] if positions == "each" else 1)
+    k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
+    if info["chose"] == "exact":
+        sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
+        res, pm = exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                            meta)
+        info["verified"] = "all"
+        info["screening"] = _screening_recall(
+            model, clean, corrupt, pm, res, k, direction, site, positions, batch_size) \
+            if screening_recall else dict(k=k, estimator=None, recall=None,
+                                          skipped="not asked (screening_recall=True)")
+    else:
+        check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
+        exact.whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
+        estimator = attribution.screening_estimator(model, site, clean)
+        units = hybrid.heads(model, clean, corrupt, pm, direction=direction, site=site,
+                             positions=positions, estimator=estimator, atp_star=False,
+                             batch_size=batch_size, progress=progress, checkpoint=checkpoint)
+        res = hybrid.screen_then_verify(units, checkpoint, top_k=top_k, max_passes=max_passes,
+                                        batch_size=batch_size, progress=progress)
+        # (the hybrid predicted as dear as exact runs exact: res.meta["hybrid"] says why)
+        ran_exact = res.method == "exact"
+        info["verified"] = "all" if ran_exact else [list(c) for c in res.meta["verified_cells"]]
+        info["screening"] = dict(k=n_cells if ran_exact else len(info["verified"]), recall=None,
+                                 estimator=None if ran_exact else estimator)
+    res.meta.update(exact.described(meta, pm))
+    res.meta["auto"] = info
+    return res
+
+
+def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric,
+                      res: PatchResult, k: int, direction: str, site: str, positions: str,
+                      batch_size: int | None) -> dict[str, Any]:
+    """``meta["auto"]["screening"]`` of an exact ``auto`` run: how many of the exact top ``k``
+    cells the screen finds (none for a metric without a gradient: it cannot screen)."""
+    estimator = attribution.screening_estimator(model, site, clean)
+    try:
+        check_gradient(pm, "attribution")
+        with quiet_baseline():  # the exact result says it, once
+            screen = attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
+                estimator=estimator, batch_size=batch_size, progress=False)
+    except NoGradientError:
+        return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
+    base = res.corrupt if direction == "denoise" else res.clean
+    exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
+    return dict(k=k, estimator=estimator,
+                recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+                exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])
