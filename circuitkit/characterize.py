@@ -12,12 +12,14 @@ in that phase: its sweeps, scores and validation rows are that phase's.
     validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
                       direction)
     head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
-                      random sets: exact match, confusion, focus)
+                      random sets: exact match, confusion, focus; resample needs two prompts
+                      with steps of every phase: on one it is skipped, ``summary["skipped"]``)
     summary.json      identity (model, task fingerprints, options), versions, ``phases``,
                       per-step timings and files, ``steps_run_this_call`` (the others were
                       reused), top heads per phase, ``complete``, and the score summaries
                       (``scores_attrs``, ``stability``, ``validation_sets``; keys in
-                      docs/scores.md)
+                      docs/scores.md), ``ablations`` (those run) and ``skipped`` (one line
+                      per thing left out and why; printed and in the report's findings)
     edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
                       writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
                       ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
@@ -104,7 +106,7 @@ def step_problem(out: Path, record: dict[str, Any]) -> str:
         path = out / name
         if not path.is_file():
             return f"its file {path} is missing"
-        if name in sums and files.sha256_file(path) != sums[name]:
+        if name in sums and files.modified(path, sums[name]):
             return f"its file {path} was modified (its SHA-256 differs from the one recorded)"
         if not sums and name.endswith(".json") and (out / (name[:-5] + ".safetensors")).exists():
             try:
@@ -112,6 +114,22 @@ def step_problem(out: Path, record: dict[str, Any]) -> str:
             except ValueError as e:
                 return str(e)
     return ""
+
+
+def head_ablations(task: Any) -> tuple[tuple[str, ...], list[str]]:
+    """The ablations ``characterize``'s ablation step runs on ``task``, and one line per one it
+    skips: "resample" takes each head's ``z`` from another prompt, so it needs two or more
+    prompts with steps of every phase (``scoring.validate.ablation_task``; a task with none is
+    refused here, before any step runs)."""
+    from circuitkit.scoring.validate import ABLATIONS, ablation_task
+
+    n = len(ablation_task(task))
+    if n >= 2:
+        return ABLATIONS, []
+    return tuple(a for a in ABLATIONS if a != "resample"), [
+        f"resample ablation skipped: it takes each head's z from another prompt, and the task "
+        f"has {n} prompt with steps of every phase (zero and mean ablation run; -n / n_examples "
+        "of 2 or more runs resample too)."]
 
 
 def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
@@ -155,6 +173,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             f"(anchor_pos / answer_pos >= 1: icd10, synthetic, or a JSONL with them); "
             f"{task_name!r} has neither: no position for a metric to read.")
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
+    ablations, skipped = head_ablations(task)  # decided before any step runs
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
     # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
     # validation and ablation only (the sweeps are reused)
@@ -190,7 +209,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
                    phases=phases, steps_expected=expected, complete=False,
-                   validation_options=validation_options)
+                   validation_options=validation_options, ablations=list(ablations),
+                   skipped=skipped)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     ran: list[str] = []  # the steps computed by this call (the others were reused)
@@ -221,6 +241,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     sweep_results: dict[tuple[int, str], Any] = {}
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
+    for said in skipped:
+        _log(progress, f"note: {said}")
     for i, (phase, direction) in enumerate(sweeps, 1):
         step = f"patch-p{phase}-{direction}"
         if reusable(step, i):
@@ -272,10 +294,13 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         record("validation", time.perf_counter() - t0, ["validation.csv"])
     i += 1
     if not reusable("ablation", i):
-        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase zero-, mean- "
-                       f"and resample-ablated, against {n_random} random {k}-head sets")
+        how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
+            "zero- and mean-ablated (resample skipped: one prompt)")
+        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
+                       f"against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        abl = ablate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
+        abl = ablate_heads(model, task, scores, k=k, n_random=n_random, ablations=ablations,
+                           seed=seed,
                            batch_size=batch_size, progress=progress,
                            checkpoint=out / "checkpoints" / "validation")
         files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))

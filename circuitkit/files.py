@@ -111,6 +111,30 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def modified(path: str | Path, digest: Any) -> bool:
+    """Whether ``path`` is a file whose bytes no longer have the SHA-256 ``digest`` recorded for
+    it (a missing file is not "modified": each caller says in its own words that it is
+    missing). The one check of a file against its recorded digest (``characterize``'s
+    reusable steps, the report's ``read_summary``)."""
+    path = Path(path)
+    return path.is_file() and sha256_file(path) != digest
+
+
+def read_json(path: str | Path, noun: str) -> Any:
+    """The parsed JSON of ``path``; a file that cannot be read, or is not JSON (a truncated
+    one), is one ``ValueError`` naming it: "PATH is not a readable NOUN (why)" or "PATH is not
+    a readable NOUN: not valid JSON (truncated?) at line L column C" (``noun``: "result file",
+    "circuit file", ...)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable {noun} ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a readable {noun}: not valid JSON (truncated?) at line "
+                         f"{e.lineno} column {e.colno}.") from None
+
+
 def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 

@@ -108,6 +108,29 @@ def test_cli_score_and_characterize(tmp_path):
     assert res.exit_code == 2 and "--text" in res.output
 
 
+def test_cli_characterize_on_one_prompt_skips_resample_and_says_so(tmp_path):
+    """``characterize -n 1``: resample ablation (z from another prompt) cannot run on one
+    prompt; it is skipped, said before the first step, in summary.json and in the findings
+    (console and report), and the run completes (it used to stop at step 7/7)."""
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    out = tmp_path / "c"
+    res = CliRunner().invoke(app, ["characterize", "--model", "icd-teacher", "-n", "1", "-k",
+                                   "2", "--n-random", "3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    note = "resample ablation skipped: it takes each head's z from another prompt"
+    assert said.index("note: " + note) < said.index("[1/7] patch-p1-denoise")
+    assert "Not run. Resample ablation skipped" in said and "-n / n_examples" in said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["ablations"] == ["zero", "mean"]
+    assert len(summary["skipped"]) == 1 and summary["skipped"][0].startswith(note)
+    assert set(pd.read_csv(out / "head-ablation.csv")["ablation"]) == {"zero", "mean"}
+    assert "Resample ablation skipped" in (out / "report.html").read_text()
+
+
 @pytest.mark.parametrize("drop, phase", [("anchor_pos", 2), ("answer_pos", 1)])
 def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop, phase):
     """A JSONL task without anchor steps (or without answer steps) is characterized in the phase

@@ -279,6 +279,37 @@ def test_a_step_whose_file_was_deleted_or_changed_is_recomputed(tiny_llama, tmp_
         _characterize(tiny_llama, out)
 
 
+def test_one_check_of_a_file_against_its_recorded_digest(tmp_path, monkeypatch):
+    """characterize's reusable-step check (``step_problem``) and the report's ``read_summary``
+    compare a file with its recorded SHA-256 through the one helper, ``files.modified`` (they
+    had each their own copy): same verdicts, each in its own words."""
+    from circuitkit.characterize import step_problem
+    from circuitkit.viz.report import read_summary
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "scores.csv").write_text("layer,head\n0,0\n")
+    record = dict(files=["scores.csv"], sha256={"scores.csv": files.sha256_file(
+        out / "scores.csv")})
+    (out / "summary.json").write_text(json.dumps(dict(steps=dict(scores=record))))
+    assert not files.modified(out / "scores.csv", record["sha256"]["scores.csv"])
+    assert not files.modified(out / "gone.csv", "0" * 64)  # missing: each caller names it
+    asked = []
+    real = files.modified
+    monkeypatch.setattr(files, "modified", lambda path, digest: asked.append(
+        pathlib.Path(path).name) or real(path, digest))
+    assert step_problem(out, record) == "" and read_summary(out)["steps"]["scores"] == record
+    assert asked == ["scores.csv", "scores.csv"]
+    (out / "scores.csv").write_text("layer,head\n0,1\n")
+    assert files.modified(out / "scores.csv", record["sha256"]["scores.csv"])
+    assert "scores.csv was modified (its SHA-256 differs" in step_problem(out, record)
+    with pytest.raises(ValueError, match="scores.csv was modified after characterize wrote it"):
+        read_summary(out)
+    (out / "scores.csv").unlink()
+    assert "is missing" in step_problem(out, record)
+    assert read_summary(out)["steps"]["scores"] == record  # the page's "Missing files" note
+
+
 def warnings_as_errors():
     import warnings
 
@@ -315,6 +346,29 @@ def _saved(tmp_path):
                       corrupt_per_prompt=torch.zeros(4))
     res.save(tmp_path / "r", views=False)
     return tmp_path / "r.json", tmp_path / "r.safetensors"
+
+
+def test_one_strict_json_read_names_the_file(tmp_path, monkeypatch):
+    """``files.read_json``: a truncated or unreadable JSON file is one line naming it; the
+    result files' load reads through it (the "not a readable ... file" wording had its own
+    copy in each reader)."""
+    bad = tmp_path / "c.json"
+    bad.write_text('{"ablation": ')
+    with pytest.raises(ValueError, match="c.json is not a readable circuit file: not valid "
+                                         "JSON \\(truncated\\?\\) at line 1 column 14\\.$"):
+        files.read_json(bad, "circuit file")
+    bad.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="c.json is not a readable circuit file \\(.*utf-8"):
+        files.read_json(bad, "circuit file")
+    bad.write_text('{"a": [1, 2.5]}')
+    assert files.read_json(bad, "circuit file") == {"a": [1, 2.5]}
+    js, _ = _saved(tmp_path)
+    read = []
+    real = files.read_json
+    monkeypatch.setattr(files, "read_json", lambda path, noun: read.append(
+        (pathlib.Path(path).name, noun)) or real(path, noun))
+    PatchResult.load(js)
+    assert read == [("r.json", "result file")]
 
 
 def _set(key, value):

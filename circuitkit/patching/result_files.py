@@ -12,7 +12,6 @@ file and the field (docs/durability.md).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuitkit import hooks
+from circuitkit import files, hooks
 
 TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
 FORMAT = "circuitkit.patch_result"
@@ -74,13 +73,7 @@ def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun:
         if not p.exists():
             raise ValueError(f"no {noun} at {path}: {p} does not exist (expected the files "
                              f"{cls}.save writes).")
-    try:
-        return json.loads(js.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{js} is not a readable {file_noun} file ({e}).") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{js} is not a readable {file_noun} file: not valid JSON (truncated?) "
-                         f"at line {e.lineno} column {e.colno}.") from None
+    return files.read_json(js, f"{file_noun} file")
 
 
 def _read_saved_tensors(st: Path) -> dict[str, Tensor]:

@@ -9,7 +9,9 @@ a sentence needing it is then left out. Fields read:
 argument             fields
 ===================  ==============================================================================
 ``summary``          ``model``; ``task``; ``identity.n_examples``, ``identity.split``,
-                     ``identity.seed`` (or the same keys at the top level); ``phases``
+                     ``identity.seed`` (or the same keys at the top level); ``phases``;
+                     ``skipped`` (lines: steps or ablations left out, e.g. resample on one
+                     prompt)
 ``validation``       ``ck.validate_heads``' frame, one row per (phase, direction, quantity):
                      ``phase, direction, quantity, heads, k, n_random, n_prompts, clean, corrupt,
                      top_effect, top_low, top_high, random_mean, p_value, normalized``
@@ -454,7 +456,17 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
             parts.append(notes.pop(0))
         out.append(Finding(phase, PHASE_NAMES[phase], " ".join(parts), notes, top))
     said = edge_finding(edges, circuit)
-    return out + ([said] if said is not None else [])
+    return out + ([said] if said is not None else []) + skipped_finding(summary)
+
+
+def skipped_finding(summary: dict) -> list[Finding]:
+    """``summary["skipped"]`` (what ``characterize`` left out and why, one line each, e.g. the
+    resample ablation of a one-prompt run) as one ``Finding`` titled "Not run"; [] if none."""
+    lines = summary.get("skipped")
+    lines = [str(x) for x in lines if x] if isinstance(lines, list) else []
+    if not lines:
+        return []
+    return [Finding("skipped", "Not run", " ".join(x[:1].upper() + x[1:] for x in lines))]
 
 
 def run_line(summary: dict | None) -> str:

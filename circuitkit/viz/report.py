@@ -168,7 +168,7 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
             raise ValueError(f"{path}: field 'steps.{step}.sha256' must map files to digests.")
         for name, digest in sums.items():
             file = run_dir / str(name)
-            if file.is_file() and files.sha256_file(file) != digest:
+            if files.modified(file, digest):
                 raise ValueError(f"{file} was modified after characterize wrote it (its SHA-256 "
                                  f"differs from the one {path} records for step {step!r}); "
                                  "rerun the same characterize command to recompute it.")
