@@ -401,6 +401,14 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     assert found.title == "Edges (Phase-1 heads into Phase-2 heads)"
     assert f"removes {circ['share']:.1%}" in text and "clean\u2212corrupt gap" in text
     assert "small share" not in text and "Strongest single edge: L0H1 \u2192 L1H0" in text
+    # the single edge's value is named with its own direction (a denoise value beside the
+    # share an ablation of the clean run removes read as one quantity: the recomputation)
+    assert "patched alone into the corrupt run (denoise) restores" in text
+    noise = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                           senders=[COPY_HEAD], receivers=[INDUCTION], direction="noise",
+                           progress=False)
+    assert "patched alone into the clean run (noise) removes" in format_findings(
+        [edge_finding(noise, circ)], width=10_000)
     small = edge_finding(part, dict(circ, share=0.004, share_ci=[0.003, 0.005]))
     assert "removes 0.40% [0.30%, 0.50%] of the clean\u2212corrupt gap" in small.headline
     assert "small share" in small.headline and "does not say that the phases do not " \

@@ -387,8 +387,9 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
     elif share is not None:
         band = circuit.get("share_ci")
         iv = f" [{_pct2(band[0])}, {_pct2(band[1])}]" if band else ""
-        parts.append(f"Ablating all {circuit['n_items']} together ({circuit['ablation']} "
-                     f"ablation) removes {_pct2(share)}{iv} of the clean\u2212corrupt gap.")
+        parts.append(f"Ablating all {circuit['n_items']} together in the clean run "
+                     f"({circuit['ablation']} ablation) removes {_pct2(share)}{iv} of the "
+                     "clean\u2212corrupt gap.")
         if abs(share) < SMALL_SHARE:
             parts.append("That is a small share: these direct head-to-head edges carry little "
                          "of the behaviour by themselves. It does not say that the phases do "
@@ -398,10 +399,16 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             top = edges.top(1).iloc[0]
+        # say the direction: the edges' own values are one patch alone (denoise: into the
+        # corrupt run; noise: into the clean run), not the ablation the share above measures
+        into = "the clean run (noise)" if edges.direction == "noise" else \
+            "the corrupt run (denoise)"
         what = ("changes the metric by " + _signed(top.normalized)) if edges.degenerate \
-            else f"alone restores {_pct2(float(top.normalized))} of the gap"
+            else (f"{'removes' if edges.direction == 'noise' else 'restores'} "
+                  f"{_pct2(abs(float(top.normalized)))} of the gap")
         notes.append(f"Strongest single edge: {top.sender} \u2192 {top.receiver} "
-                     f"({top.input}), which {what}.")
+                     f"({top.input}), which patched alone into {into} {what}; the edges are "
+                     f"ranked by these {edges.direction} values.")
     if circuit is not None and not circuit.get("degenerate"):
         of = f" of these edges' {_pct2(share)}" if share is not None else ""
         text = (f"Within them, the top {circuit['n_kept']} of {circuit['n_items']} edges reach "
