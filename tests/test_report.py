@@ -444,23 +444,58 @@ def test_report_leads_with_findings_and_its_labels_do_not_overlap(tmp_path):
             assert t["x1"] <= plot["svg"]["x1"] + 1, (plot["title"], t, plot["svg"])
 
 
-def test_a_sweep_page_copied_alone_draws_its_plot_with_its_whole_title(tmp_path):
-    """result.html used to load plotly.min.js from beside it: copied alone it was blank
-    ("Plotly is not defined"), and its title was cut at the figure's 540 px."""
+def test_a_run_folder_holds_one_plotly_copy_and_every_page_finds_it(tmp_path):
+    """Issue 36.11: every sweep page inlined plotly.js (4.8 MB each: the teacher's run folder
+    was 26 MB) while edges.html needed a sibling plotly.min.js. One rule now
+    (``results.write_page``): pages share the folder's one ``plotly.min.js``; ``report.html``
+    alone inlines it. Each page opens offline in Chromium with no console error and draws its
+    plot (a plotly svg in the DOM), its whole title inside the figure."""
+    from plotly.offline import get_plotlyjs
+
+    from circuitkit.patching.results import write_page
+    from circuitkit.viz.heatmaps import patch_heatmap
+
+    exe = browser()
+    run = make_run(tmp_path / "run")
+    report_mod.write_report(run)
+    other = tmp_path / "edges-out"  # circuitkit edges' pages (edges.html, circuit.html, ...)
+    write_page(patch_heatmap(patch_result("noise", 1, 3)), other / "circuit.html")
+    write_page(patch_heatmap(patch_result("noise", 2, 4)), other / "faithfulness.html")
+    js = get_plotlyjs()
+    for folder in (run, other):
+        copies = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                        if p.is_file() and js[:400] in p.read_text(errors="replace"))
+        assert copies == (["plotly.min.js", "report.html"] if folder == run
+                          else ["plotly.min.js"]), copies
+        assert (folder / "plotly.min.js").read_text(encoding="utf-8") == js
+        pages = sorted(p for p in folder.rglob("*.html") if p.name != "report.html")
+        assert len(pages) == (4 if folder == run else 2), pages
+        for page in pages:
+            text = page.read_text(encoding="utf-8")
+            assert 'src="plotly.min.js"' in text and (page.parent / "plotly.min.js").is_file()
+            assert len(text) < 50_000, (page, len(text))  # no inlined copy
+            got = probe(exe, page, page.parent)  # offline, no console error
+            (plot,) = got["plots"]  # drawn: an svg laid out by Plotly from the bundle
+            for t in plot["titles"]:
+                assert t["x1"] <= plot["svg"]["x1"] + 1, (t, plot["svg"])
+    (plot,) = probe(exe, run / "patch-p2-denoise.html", run)["plots"]
+    assert "margin" in plot["title"] and "phase 2" in plot["title"]
+    report = (run / "report.html").read_text(encoding="utf-8")
+    assert report.count(js[:400]) == 1 and "plotly.min.js" not in report  # opens alone
+
+
+def test_a_sweep_page_copied_alone_says_what_it_needs(tmp_path):
+    """A page copied out of its folder (without plotly.min.js) was blank ("Plotly is not
+    defined"); now it says, in place of its figure, what to copy or that report.html opens
+    alone, with no console error."""
     exe = browser()
     res = patch_result("denoise", 2, 0)
-    res.meta.update(metric="target_vs_near_miss_margin", task="icd10", phase=2)
     res.save(tmp_path / "made" / "result")
     alone = tmp_path / "elsewhere"
     alone.mkdir()
     shutil.copy(tmp_path / "made" / "result.html", alone / "result.html")
-    assert sorted(p.name for p in alone.iterdir()) == ["result.html"]
-    got = probe(exe, alone / "result.html", tmp_path)
-    (plot,) = got["plots"]  # drawn: Plotly ran from the page itself
-    assert "target_vs_near_miss_margin" in plot["title"]
-    for t in plot["titles"]:
-        assert t["x1"] <= plot["svg"]["x1"] + 1, (t, plot["svg"])
-    fig_html = (alone / "result.html").read_text()
-    from plotly.offline import get_plotlyjs
-
-    assert fig_html.count(get_plotlyjs()[:400]) == 1 and "plotly.min.js" not in fig_html
+    run = run_chromium(exe, tmp_path, (alone / "result.html").as_uri(), "--dump-dom")
+    assert run.returncode == 0 and console_lines(run.stderr) == [], run.stderr[-2000:]
+    assert "main-svg" not in run.stdout
+    assert "plotly.min.js, which is not in this page's folder" in run.stdout
+    assert "report.html" in run.stdout
