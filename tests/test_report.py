@@ -499,3 +499,78 @@ def test_a_sweep_page_copied_alone_says_what_it_needs(tmp_path):
     assert "main-svg" not in run.stdout
     assert "plotly.min.js, which is not in this page's folder" in run.stdout
     assert "report.html" in run.stdout
+
+
+FIT_PROBE = """<script>window.addEventListener('load', () => setTimeout(() => {
+  const text = Array.from(document.querySelectorAll(
+      'section:not(#metrics) :is(th, td, p, li, h2, h3, h4, summary)')).map(e => e.textContent);
+  const boxes = Array.from(document.querySelectorAll('table.tbl')).map(t => {
+    const box = t.closest('.tbl-box').getBoundingClientRect();
+    return {right: box.right, table: t.getBoundingClientRect().width, box: box.width,
+            section: t.closest('section').id};
+  });
+  const pre = document.createElement('pre');
+  pre.id = 'probe';
+  pre.textContent = JSON.stringify({scrollWidth: document.documentElement.scrollWidth, boxes,
+                                    text});
+  document.body.appendChild(pre);
+}, 1000));
+</script>"""
+
+
+def test_report_fits_1280_px_and_writes_phases_in_words(tmp_path):
+    """Issue 36.13: the Phase-2 score table and the validation table overflowed a 1280 px
+    window, and the report wrote "phase1". Now every table fits or scrolls inside its own box
+    (the page is never wider than the window; the validation table, intervals in one cell,
+    fits), and the page's text says "Phase 1" (scores.csv's column names are named in the
+    glossary only)."""
+    exe = browser()
+    run = teacher_like_run(tmp_path / "run")
+    scores = pd.read_csv(run / "scores.csv")
+    rng = np.random.default_rng(2)
+    for col in ("shortlist_share", "key_preference", "ov_copy", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "phase1_inclusion",
+                "phase2_inclusion", "phase1_rank_tokens"):  # the teacher's real columns
+        scores[col] = rng.random(len(scores)) * (10 if "tokens" in col else 1)
+    scores["mechanism"] = "retrieve"
+    for p in (1, 2):
+        scores[f"phase{p}_rank_low"] = (scores[f"phase{p}_rank"] - 2).clip(lower=1)
+        scores[f"phase{p}_rank_high"] = scores[f"phase{p}_rank"] + 3
+    scores.to_csv(run / "scores.csv", index=False)
+    val = pd.read_csv(run / "validation.csv")
+    val = pd.concat([val.assign(pool="same-layers", overlap=0),
+                     val.assign(pool="all-layers", overlap=0)], ignore_index=True)
+    val["p_low"], val["p_high"] = val["p_value"] / 3, val["p_value"] * 3
+    val["quantity"] = val["quantity"].replace("confusion", "target_vs_near_miss_margin")
+    val.to_csv(run / "validation.csv", index=False)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["top_heads"] = {"phase1": [[0, 0]], "phase2": [[2, 0]]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    page = report_mod.write_report(run)
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.read_text(encoding="utf-8").replace("</body>", FIT_PROBE + "</body>"),
+                      encoding="utf-8")
+    got = run_chromium(exe, tmp_path, probed.as_uri(), "--dump-dom", "--window-size=1280,1000")
+    assert got.returncode == 0 and console_lines(got.stderr) == [], got.stderr[-2000:]
+    import html as html_mod
+
+    found = json.loads(html_mod.unescape(re.search(r'<pre id="probe">(.*?)</pre>', got.stdout,
+                                                   re.S).group(1)))
+    assert found["scrollWidth"] <= 1280, found["scrollWidth"]
+    assert len(found["boxes"]) >= 4 and all(b["right"] <= 1280 for b in found["boxes"]), \
+        found["boxes"]
+    html = page.read_text(encoding="utf-8")
+    validation = html.split("<section id='validation'>")[1].split("</section>")[0]
+    assert "top effect [95%]" in validation and "p [95%]" in validation
+    (vbox,) = [b for b in found["boxes"] if b["section"] == "validation"]
+    assert vbox["table"] <= vbox["box"] + 1, vbox  # fits its box: no sideways scroll
+    words = " ".join(found["text"])
+    assert not re.search(r"phase\s?[12]", words), re.findall(r".{30}phase\s?[12].{30}", words)
+    assert "Phase 1 rank [95%]" in words and "top_heads.Phase 1" in words
+    assert "Phase 1, anchor_margin" in html  # the validation chart's panels
+    screenshot = tmp_path / "shot.png"
+    run_chromium(exe, tmp_path, page.as_uri(), f"--screenshot={screenshot}",
+                 "--window-size=1280,6000")
+    from _png import read_png
+
+    assert read_png(screenshot).shape[1] == 1280

@@ -204,7 +204,7 @@ def test_validation_chart():
                                  p_value=0.01 if s == "top-3" else np.nan))
     val = pd.DataFrame(rows)
     fig = charts.validation_chart(val)
-    assert [a.text for a in fig.layout.annotations] == ["phase 1, focus", "phase 2, confusion"]
+    assert [a.text for a in fig.layout.annotations] == ["Phase 1, focus", "Phase 2, confusion"]
     assert len(fig.data) == 4  # 2 panels x 2 sets
     top = fig.data[0]
     assert top.name == "top-3" and list(top.x) == ["noise", "denoise"]

@@ -332,7 +332,7 @@ def validation_chart(validation: Any):
 
     def panel_name(key: Any) -> str:
         key = key if isinstance(key, tuple) else (key,)
-        return ", ".join(f"phase {k}" if c == "phase" else str(k)
+        return ", ".join(f"Phase {k}" if c == "phase" else str(k)
                          for c, k in zip(panel_keys, key, strict=True)) or eff
 
     fig = make_subplots(rows=n_rows, cols=n_cols, subplot_titles=[panel_name(k) for k, _ in panels],
