@@ -173,7 +173,7 @@ def test_score_scatter(scores):
         assert (a.x, a.y) == (row.coarse_score, row.refine_score)
     assert "coarse_score" in fig.layout.xaxis.title.text
     assert "refine_score" in fig.layout.yaxis.title.text
-    assert "phase1_rank" in tr.hovertemplate
+    assert "Phase 1 rank" in tr.hovertemplate and "phase1" not in tr.hovertemplate
     with pytest.raises(ValueError, match=r"missing \['refine_score'\]"):
         charts.score_scatter(scores.drop(columns="refine_score"))
 
