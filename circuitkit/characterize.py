@@ -141,7 +141,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     from circuitkit import files
     from circuitkit.patching.api import versions
     from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
-    from circuitkit.patching.results import quiet_baseline
+    from circuitkit.patching.results import plotly_bundle, quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
     from circuitkit.scoring.validate import ablate_heads, validate_heads
@@ -263,6 +263,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         written = res.save(out / step)
         sweep_results[phase, direction] = res
         record(step, time.perf_counter() - t0, [p.name for p in written])
+    # the sweep pages' one plotly.min.js (not a step's file: rewritten whenever incomplete)
+    plotly_bundle(out)
     _say_degenerate(sweep_results)
     import pandas as pd
 

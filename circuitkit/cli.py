@@ -852,17 +852,14 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
 
 def _save_circuit(circ, out: Path) -> list[Path]:
     """``OUT/circuit.json`` and its pictures (the graph, the faithfulness curve)."""
-    from circuitkit import files
-    from circuitkit.patching.results import PLOTLY_BUNDLE, plotly_bundle
+    from circuitkit.patching.results import write_page
     from circuitkit.viz.edges import circuit_graph, faithfulness_curve
 
     written = [circ.save_json(out / "circuit.json")]
     for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
                       ("faithfulness.html", faithfulness_curve(circ))):
-        if fig is not None:
-            plotly_bundle(out)  # atomic, unlike plotly's "directory"
-            written.append(files.atomic_write(out / name, lambda p, fig=fig: fig.write_html(
-                p, include_plotlyjs=PLOTLY_BUNDLE)))
+        if fig is not None:  # the folder's one plotly.min.js, like edges.html beside them
+            written.append(write_page(fig, out / name))
     return written
 
 

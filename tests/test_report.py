@@ -444,23 +444,133 @@ def test_report_leads_with_findings_and_its_labels_do_not_overlap(tmp_path):
             assert t["x1"] <= plot["svg"]["x1"] + 1, (plot["title"], t, plot["svg"])
 
 
-def test_a_sweep_page_copied_alone_draws_its_plot_with_its_whole_title(tmp_path):
-    """result.html used to load plotly.min.js from beside it: copied alone it was blank
-    ("Plotly is not defined"), and its title was cut at the figure's 540 px."""
+def test_a_run_folder_holds_one_plotly_copy_and_every_page_finds_it(tmp_path):
+    """Issue 36.11: every sweep page inlined plotly.js (4.8 MB each: the teacher's run folder
+    was 26 MB) while edges.html needed a sibling plotly.min.js. One rule now
+    (``results.write_page``): pages share the folder's one ``plotly.min.js``; ``report.html``
+    alone inlines it. Each page opens offline in Chromium with no console error and draws its
+    plot (a plotly svg in the DOM), its whole title inside the figure."""
+    from plotly.offline import get_plotlyjs
+
+    from circuitkit.patching.results import write_page
+    from circuitkit.viz.heatmaps import patch_heatmap
+
+    exe = browser()
+    run = make_run(tmp_path / "run")
+    report_mod.write_report(run)
+    other = tmp_path / "edges-out"  # circuitkit edges' pages (edges.html, circuit.html, ...)
+    write_page(patch_heatmap(patch_result("noise", 1, 3)), other / "circuit.html")
+    write_page(patch_heatmap(patch_result("noise", 2, 4)), other / "faithfulness.html")
+    js = get_plotlyjs()
+    for folder in (run, other):
+        copies = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                        if p.is_file() and js[:400] in p.read_text(errors="replace"))
+        assert copies == (["plotly.min.js", "report.html"] if folder == run
+                          else ["plotly.min.js"]), copies
+        assert (folder / "plotly.min.js").read_text(encoding="utf-8") == js
+        pages = sorted(p for p in folder.rglob("*.html") if p.name != "report.html")
+        assert len(pages) == (4 if folder == run else 2), pages
+        for page in pages:
+            text = page.read_text(encoding="utf-8")
+            assert 'src="plotly.min.js"' in text and (page.parent / "plotly.min.js").is_file()
+            assert len(text) < 50_000, (page, len(text))  # no inlined copy
+            got = probe(exe, page, page.parent)  # offline, no console error
+            (plot,) = got["plots"]  # drawn: an svg laid out by Plotly from the bundle
+            for t in plot["titles"]:
+                assert t["x1"] <= plot["svg"]["x1"] + 1, (t, plot["svg"])
+    (plot,) = probe(exe, run / "patch-p2-denoise.html", run)["plots"]
+    assert "margin" in plot["title"] and "phase 2" in plot["title"]
+    report = (run / "report.html").read_text(encoding="utf-8")
+    assert report.count(js[:400]) == 1 and "plotly.min.js" not in report  # opens alone
+
+
+def test_a_sweep_page_copied_alone_says_what_it_needs(tmp_path):
+    """A page copied out of its folder (without plotly.min.js) was blank ("Plotly is not
+    defined"); now it says, in place of its figure, what to copy or that report.html opens
+    alone, with no console error."""
     exe = browser()
     res = patch_result("denoise", 2, 0)
-    res.meta.update(metric="target_vs_near_miss_margin", task="icd10", phase=2)
     res.save(tmp_path / "made" / "result")
     alone = tmp_path / "elsewhere"
     alone.mkdir()
     shutil.copy(tmp_path / "made" / "result.html", alone / "result.html")
-    assert sorted(p.name for p in alone.iterdir()) == ["result.html"]
-    got = probe(exe, alone / "result.html", tmp_path)
-    (plot,) = got["plots"]  # drawn: Plotly ran from the page itself
-    assert "target_vs_near_miss_margin" in plot["title"]
-    for t in plot["titles"]:
-        assert t["x1"] <= plot["svg"]["x1"] + 1, (t, plot["svg"])
-    fig_html = (alone / "result.html").read_text()
-    from plotly.offline import get_plotlyjs
+    run = run_chromium(exe, tmp_path, (alone / "result.html").as_uri(), "--dump-dom")
+    assert run.returncode == 0 and console_lines(run.stderr) == [], run.stderr[-2000:]
+    assert "main-svg" not in run.stdout
+    assert "plotly.min.js, which is not in this page's folder" in run.stdout
+    assert "report.html" in run.stdout
 
-    assert fig_html.count(get_plotlyjs()[:400]) == 1 and "plotly.min.js" not in fig_html
+
+FIT_PROBE = """<script>window.addEventListener('load', () => setTimeout(() => {
+  const text = Array.from(document.querySelectorAll(
+      'section:not(#metrics) :is(th, td, p, li, h2, h3, h4, summary)')).map(e => e.textContent);
+  const boxes = Array.from(document.querySelectorAll('table.tbl')).map(t => {
+    const box = t.closest('.tbl-box').getBoundingClientRect();
+    return {right: box.right, table: t.getBoundingClientRect().width, box: box.width,
+            section: t.closest('section').id};
+  });
+  const pre = document.createElement('pre');
+  pre.id = 'probe';
+  pre.textContent = JSON.stringify({scrollWidth: document.documentElement.scrollWidth, boxes,
+                                    text});
+  document.body.appendChild(pre);
+}, 1000));
+</script>"""
+
+
+def test_report_fits_1280_px_and_writes_phases_in_words(tmp_path):
+    """Issue 36.13: the Phase-2 score table and the validation table overflowed a 1280 px
+    window, and the report wrote "phase1". Now every table fits or scrolls inside its own box
+    (the page is never wider than the window; the validation table, intervals in one cell,
+    fits), and the page's text says "Phase 1" (scores.csv's column names are named in the
+    glossary only)."""
+    exe = browser()
+    run = teacher_like_run(tmp_path / "run")
+    scores = pd.read_csv(run / "scores.csv")
+    rng = np.random.default_rng(2)
+    for col in ("shortlist_share", "key_preference", "ov_copy", "margin_from_targets",
+                "margin_from_near_misses", "refine_target_up", "phase1_inclusion",
+                "phase2_inclusion", "phase1_rank_tokens"):  # the teacher's real columns
+        scores[col] = rng.random(len(scores)) * (10 if "tokens" in col else 1)
+    scores["mechanism"] = "retrieve"
+    for p in (1, 2):
+        scores[f"phase{p}_rank_low"] = (scores[f"phase{p}_rank"] - 2).clip(lower=1)
+        scores[f"phase{p}_rank_high"] = scores[f"phase{p}_rank"] + 3
+    scores.to_csv(run / "scores.csv", index=False)
+    val = pd.read_csv(run / "validation.csv")
+    val = pd.concat([val.assign(pool="same-layers", overlap=0),
+                     val.assign(pool="all-layers", overlap=0)], ignore_index=True)
+    val["p_low"], val["p_high"] = val["p_value"] / 3, val["p_value"] * 3
+    val["quantity"] = val["quantity"].replace("confusion", "target_vs_near_miss_margin")
+    val.to_csv(run / "validation.csv", index=False)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["top_heads"] = {"phase1": [[0, 0]], "phase2": [[2, 0]]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    page = report_mod.write_report(run)
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.read_text(encoding="utf-8").replace("</body>", FIT_PROBE + "</body>"),
+                      encoding="utf-8")
+    got = run_chromium(exe, tmp_path, probed.as_uri(), "--dump-dom", "--window-size=1280,1000")
+    assert got.returncode == 0 and console_lines(got.stderr) == [], got.stderr[-2000:]
+    import html as html_mod
+
+    found = json.loads(html_mod.unescape(re.search(r'<pre id="probe">(.*?)</pre>', got.stdout,
+                                                   re.S).group(1)))
+    assert found["scrollWidth"] <= 1280, found["scrollWidth"]
+    assert len(found["boxes"]) >= 4 and all(b["right"] <= 1280 for b in found["boxes"]), \
+        found["boxes"]
+    html = page.read_text(encoding="utf-8")
+    validation = html.split("<section id='validation'>")[1].split("</section>")[0]
+    assert "top effect [95%]" in validation and "p [95%]" in validation
+    (vbox,) = [b for b in found["boxes"] if b["section"] == "validation"]
+    assert vbox["table"] <= vbox["box"] + 1, vbox  # fits its box: no sideways scroll
+    words = " ".join(found["text"])
+    assert not re.search(r"phase\s?[12]", words), re.findall(r".{30}phase\s?[12].{30}", words)
+    assert "Phase 1 rank [95%]" in words and "top_heads.Phase 1" in words
+    assert "Phase 1, anchor_margin" in html  # the validation chart's panels
+    screenshot = tmp_path / "shot.png"
+    run_chromium(exe, tmp_path, page.as_uri(), f"--screenshot={screenshot}",
+                 "--window-size=1280,6000")
+    from _png import read_png
+
+    assert read_png(screenshot).shape[1] == 1280

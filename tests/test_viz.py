@@ -173,7 +173,7 @@ def test_score_scatter(scores):
         assert (a.x, a.y) == (row.coarse_score, row.refine_score)
     assert "coarse_score" in fig.layout.xaxis.title.text
     assert "refine_score" in fig.layout.yaxis.title.text
-    assert "phase1_rank" in tr.hovertemplate
+    assert "Phase 1 rank" in tr.hovertemplate and "phase1" not in tr.hovertemplate
     with pytest.raises(ValueError, match=r"missing \['refine_score'\]"):
         charts.score_scatter(scores.drop(columns="refine_score"))
 
@@ -204,7 +204,7 @@ def test_validation_chart():
                                  p_value=0.01 if s == "top-3" else np.nan))
     val = pd.DataFrame(rows)
     fig = charts.validation_chart(val)
-    assert [a.text for a in fig.layout.annotations] == ["phase 1, focus", "phase 2, confusion"]
+    assert [a.text for a in fig.layout.annotations] == ["Phase 1, focus", "Phase 2, confusion"]
     assert len(fig.data) == 4  # 2 panels x 2 sets
     top = fig.data[0]
     assert top.name == "top-3" and list(top.x) == ["noise", "denoise"]

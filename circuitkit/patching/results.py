@@ -386,9 +386,9 @@ class PatchResult:
 
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
-        (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page with plotly.js inlined: it
-        opens alone, offline), each atomically; ``path`` may be a
-        folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
+        (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page that loads the folder's one
+        ``plotly.min.js``, written beside it once: ``write_page``), each atomically; ``path``
+        may be a folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
         writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
         from circuitkit import files
 
@@ -405,9 +405,7 @@ class PatchResult:
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        # plotly.js inlined once (~4.8 MB): the page opens alone, copied to any folder, offline
-        files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
-            p, include_plotlyjs=True, full_html=True))
+        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
         return list(paths.values())
 
     @classmethod
@@ -452,6 +450,39 @@ def plotly_bundle(folder: Path) -> Path:
     except (OSError, UnicodeDecodeError):
         pass
     return files.atomic_write(dest, lambda p: p.write_text(js, encoding="utf-8"))
+
+
+# What a page shows in place of its figure when plotly.min.js is not beside it (a page copied
+# out of its folder): a plain sentence, not a blank page or a console error.
+_NO_BUNDLE = (
+    "<script>if(!window.Plotly){window.Plotly={newPlot:function(id){"
+    "var d=document.getElementById(id);if(d){d.style.height='auto';d.innerHTML="
+    "'<p style=\"font-family:sans-serif;color:#b00020;padding:12px\">This figure is drawn by "
+    "plotly.min.js, which is not in this page\\'s folder: copy the results folder\\'s "
+    "plotly.min.js beside the page, or open the folder\\'s report.html (self-contained).</p>';}"
+    "return Promise.resolve();}};}</script>")
+
+
+def write_page(fig: Any, path: str | Path) -> Path:
+    """Write plotly figure ``fig`` as the page ``path`` (atomically) that loads plotly.js
+    from ``plotly.min.js`` in the same folder, written there once (``plotly_bundle``).
+
+    The one rule for every page circuitkit writes beside results (``PatchResult.save``'s
+    ``result.html``, ``EdgeResult.save``'s ``edges.html``, the CLI's ``circuit.html`` and
+    ``faithfulness.html``, ``characterize``'s sweep pages): a folder holds one copy of plotly.js
+    (~4.6 MB) however many pages it has. ``report.html`` is the one self-contained page (plotly.js
+    inlined once: it opens alone, offline, and can be mailed). A page copied out of its folder
+    says so in place of its figure; ``fig.write_html(path)`` writes a page that inlines
+    plotly.js instead."""
+    from circuitkit import files
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plotly_bundle(path.parent)
+    tag = f'<script charset="utf-8" src="{PLOTLY_BUNDLE}"></script>'
+    page = fig.to_html(include_plotlyjs=PLOTLY_BUNDLE, full_html=True)
+    page = page.replace(tag, tag + _NO_BUNDLE, 1)
+    return files.atomic_write(path, lambda p: p.write_text(page, encoding="utf-8"))
 
 
 def verified_mask(result: PatchResult) -> Tensor:
@@ -644,8 +675,9 @@ class EdgeResult:
     # --- persistence ----------------------------------------------------------------------------
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata, ``json_ready``), and
-        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``), each
-        written atomically; ``path`` may be a folder (then ``<folder>/edges.*``)."""
+        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``, with
+        the folder's one ``plotly.min.js``: ``write_page``), each written atomically; ``path``
+        may be a folder (then ``<folder>/edges.*``)."""
         from circuitkit import files
 
         paths = _edge_paths(path)
@@ -661,10 +693,7 @@ class EdgeResult:
         if not views:
             return [paths["safetensors"], paths["json"]]
         files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        # plotly.js once per folder, beside the page (written atomically: plotly_bundle)
-        plotly_bundle(paths["html"].parent)
-        files.atomic_write(paths["html"], lambda p: self.heatmap().write_html(
-            p, include_plotlyjs=PLOTLY_BUNDLE))
+        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
         return list(paths.values())
 
     @classmethod

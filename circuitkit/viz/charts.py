@@ -160,8 +160,9 @@ def score_scatter(scores: Any, label_top: int = 5):
     extra = [c for c in ("sharpness", "anchor_alignment", "shortlist_share", "key_preference",
                          "ov_copy", "loopback", "margin_widening", "phase1_rank", "phase2_rank",
                          "phase1_inclusion", "phase2_inclusion") if c in df.columns]
+    words = {c: c.replace("phase1_", "Phase 1 ").replace("phase2_", "Phase 2 ") for c in extra}
     hover = "<b>%{hovertext}</b><br>coarse_score %{x:.4g}<br>refine_score %{y:.4g}" + "".join(
-        f"<br>{c} %{{customdata[{i}]:.4g}}" for i, c in enumerate(extra))
+        f"<br>{words[c]} %{{customdata[{i}]:.4g}}" for i, c in enumerate(extra))
     n_layers = int(df["layer"].max()) + 1 if len(df) else 1
     x, y = df["coarse_score"].to_numpy(float), df["refine_score"].to_numpy(float)
     xr, yr = _padded_range(x), _padded_range(y)
@@ -332,7 +333,7 @@ def validation_chart(validation: Any):
 
     def panel_name(key: Any) -> str:
         key = key if isinstance(key, tuple) else (key,)
-        return ", ".join(f"phase {k}" if c == "phase" else str(k)
+        return ", ".join(f"Phase {k}" if c == "phase" else str(k)
                          for c, k in zip(panel_keys, key, strict=True)) or eff
 
     fig = make_subplots(rows=n_rows, cols=n_cols, subplot_titles=[panel_name(k) for k, _ in panels],

@@ -83,7 +83,10 @@ METRIC_LINES: dict[str, str] = {
     "refine_score": "Phase-2 score: the part of margin_widening the head writes from the "
                     "shortlist entries it reads (sum over entries of attention x that entry's "
                     "value through W_O on the margin).",
-    "phase1_rank / phase2_rank": "rank of the head by coarse_score / refine_score (1 = best).",
+    "Phase 1 rank / Phase 2 rank": "rank of the head by coarse_score / refine_score (1 = best; "
+                                   "scores.csv: phase1_rank / phase2_rank); [95%]: the "
+                                   "bootstrap interval of that rank; (tokens): the Phase 1 rank "
+                                   "with anchor-token directions.",
     "inclusion / rank interval": "share of bootstrap resamples of the examples in which the "
                                  "head is in the top k, and the 2.5-97.5 percentile of its "
                                  "rank there; a top head below 0.8 is flagged unstable.",
@@ -126,11 +129,13 @@ max-width:1500px;padding:16px 28px;color:#222}
 h1{margin-bottom:4px} h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:36px}
 nav a{margin-right:14px} .note{color:#666;font-size:13px} .skip{color:#a15c00}
 .warn{color:#b00020;font-weight:600}
-table.tbl{border-collapse:collapse;font-size:13px;margin:8px 0}
+.tbl-box{max-width:100%;overflow-x:auto;margin:8px 0}
+table.tbl{border-collapse:collapse;font-size:13px}
 table.tbl th,table.tbl td{border:1px solid #ddd;padding:3px 8px;text-align:right}
 table.tbl th{background:#f4f4f4} table.metrics td{padding:2px 10px;vertical-align:top}
 table.metrics td:first-child{font-weight:600;white-space:nowrap}
 .tables,.views{display:flex;gap:36px;flex-wrap:wrap} .views>div{flex:1 1 640px;max-width:720px}
+.tables>div{min-width:0;max-width:100%}
 .finding{max-width:1100px;margin:10px 0 18px;line-height:1.45}
 .finding p{margin:4px 0} .finding ul{margin:4px 0;padding-left:22px;color:#333}
 """
@@ -175,9 +180,21 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
+_TH = re.compile(r"<th>([^<]*)</th>")
+
+
 def _table(frame: Any, floats: str = "{:.4g}") -> str:
-    return frame.to_html(index=False, border=0, classes="tbl", na_rep="",
+    """``frame`` as a table in a box that scrolls sideways when the table is wider than the
+    page (it never widens the page); column names may break after ``_``."""
+    page = frame.to_html(index=False, border=0, classes="tbl", na_rep="",
                          float_format=lambda v: floats.format(v))
+    page = _TH.sub(lambda m: "<th>" + m.group(1).replace("_", "_<wbr>") + "</th>", page)
+    return f"<div class='tbl-box'>{page}</div>"
+
+
+def _words(key: str) -> str:
+    """A summary.json key for the page: ``phase1`` written ``Phase 1``."""
+    return re.sub(r"phase(\d)", r"Phase \1", key)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -273,7 +290,7 @@ def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
         for phase in phases:
             want |= {t for t in SCORE_TERMS[phase] if t in scores.columns}
         if phases:
-            want.add("phase1_rank / phase2_rank")
+            want.add("Phase 1 rank / Phase 2 rank")
         if any(f"phase{p}_inclusion" in scores.columns for p in phases):
             want.add("inclusion / rank interval")
     for frame, extra in ((validation, "effect (validation)"), (head_ablation, "ablation"),
@@ -352,9 +369,28 @@ def _score_tables(scores: Any, k: int) -> str:
         idx = scores.set_index(["layer", "head"])
         rows = idx.loc[heads].reset_index()
         show = ["layer", "head"] + [c for c in cols[phase] if c in rows.columns]
+        rows, show = _phase_columns(rows[show], phase)
         parts.append(f"<div><h4>Top {len(heads)} Phase-{phase} heads</h4>"
                      f"{_table(rows[show])}</div>")
     return "<div class='tables'>" + "".join(parts) + "</div>"
+
+
+def _phase_columns(rows: Any, phase: int) -> tuple[Any, list[str]]:
+    """The score table's ``phase{N}_*`` columns in words: ``Phase N rank [95%]`` (the rank
+    with its bootstrap interval in one cell), ``Phase N inclusion``, ``Phase N rank (tokens)``."""
+    rows = rows.copy()
+    rank, low, high = (f"phase{phase}_rank{s}" for s in ("", "_low", "_high"))
+    names = {f"phase{phase}_inclusion": f"Phase {phase} inclusion",
+             f"phase{phase}_rank_tokens": f"Phase {phase} rank (tokens)",
+             rank: f"Phase {phase} rank"}
+    if {rank, low, high} <= set(rows.columns):
+        rows[rank] = [f"{r:.0f} [{lo:.0f}, {hi:.0f}]" if lo == lo and hi == hi
+                      else f"{r:.0f}" for r, lo, hi in zip(rows[rank], rows[low], rows[high],
+                                                           strict=True)]
+        names[rank] = f"Phase {phase} rank [95%]"
+        rows = rows.drop(columns=[low, high])
+    rows = rows.rename(columns=names)
+    return rows, list(rows.columns)
 
 
 def _stability_lines(summary: dict, scores: Any) -> str:
@@ -393,6 +429,38 @@ def _stability_lines(summary: dict, scores: Any) -> str:
     return "".join(out)
 
 
+def _validation_table(frame: Any) -> Any:
+    """``validation.csv`` for the page: each estimate with its interval in one cell
+    (``"value [low, high]"``), so the table fits the page; validation.csv keeps every column."""
+    trios = (("top effect [95%]", "top_effect", "top_low", "top_high", "{:.3g}"),
+             ("random effect [95%]", "random_mean", "random_low", "random_high", "{:.3g}"),
+             ("p [95%]", "p_value", "p_low", "p_high", "{:.2g}"))
+    show = frame.copy()
+    done = []
+    for name, mid, low, high, f in trios:
+        if {mid, low, high} <= set(frame.columns):
+            show[name] = [f"{f.format(m)}\u00a0[{f.format(lo)},\u00a0{f.format(hi)}]"
+                          if m == m else ""  # (no-break spaces: one line per cell)
+                          for m, lo, hi in zip(frame[mid], frame[low], frame[high],
+                                               strict=True)]
+            done += [mid, low, high]
+    cols = [c for c in frame.columns if c not in done]
+    at = cols.index("normalized") if "normalized" in cols else len(cols)
+    return show[cols[:at] + [n for n, *parts in trios if parts[0] in done] + cols[at:]]
+
+
+def _same_in_every_row(frame: Any, cols: tuple[str, ...] = ("k", "n_prompts", "overlap")) -> \
+        tuple[Any, str]:
+    """``frame`` without those of ``cols`` that hold one value in every row, and a note
+    naming them (``"every row: k 5, n_prompts 128"``), so a wide table fits the page."""
+    same = [c for c in cols if c in frame.columns and len(frame) and
+            frame[c].nunique(dropna=False) == 1]
+    if not same:
+        return frame, ""
+    said = ", ".join(f"{c} {frame[c].iloc[0]}" for c in same)
+    return frame.drop(columns=same), f"<p class='note'>In every row: {_esc(said)}.</p>"
+
+
 def _head_ablation_table(frame: Any) -> Any:
     """``head-ablation.csv`` as one row per (phase, pool, ablation, quantity) with
     ``"value [low, high]"`` cells for the top set's and the random sets' effects."""
@@ -400,10 +468,11 @@ def _head_ablation_table(frame: Any) -> Any:
     if not need <= set(frame.columns):
         return frame
     show = frame.copy()
-    show["top effect [95%]"] = [f"{r.top_effect:+.3f} [{r.top_low:+.3f}, {r.top_high:+.3f}]"
-                                for r in frame.itertuples()]
+    show["top effect [95%]"] = [  # (no-break spaces: one line per cell)
+        f"{r.top_effect:+.3f}\u00a0[{r.top_low:+.3f},\u00a0{r.top_high:+.3f}]"
+        for r in frame.itertuples()]
     show["random effect [95%]"] = [
-        f"{r.random_mean:+.3f} [{r.random_low:+.3f}, {r.random_high:+.3f}]"
+        f"{r.random_mean:+.3f}\u00a0[{r.random_low:+.3f},\u00a0{r.random_high:+.3f}]"
         for r in frame.itertuples()]
     keep = [c for c in ("phase", "pool", "ablation", "quantity", "heads", "n_random", "overlap",
                         "n_prompts", "base", "top_value") if c in show.columns]
@@ -549,12 +618,13 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         head_keys = [k for k in flat if k.startswith(("identity.", "versions.")) or
                      k.endswith(".seconds") or k in ("seconds_all_steps", "seconds_this_call")]
         rest = {k: v for k, v in flat.items() if k not in head_keys}
-        head = pd.DataFrame([(k.removeprefix("identity.").removeprefix("steps."), flat[k])
-                             for k in head_keys], columns=["key", "value"])
+        head = pd.DataFrame([(_words(k.removeprefix("identity.").removeprefix("steps.")),
+                              flat[k]) for k in head_keys], columns=["key", "value"])
         body = _table(head)
         if rest:
             body += ("<details><summary>full summary.json</summary>"
-                     + _table(pd.DataFrame(list(rest.items()), columns=["key", "value"]))
+                     + _table(pd.DataFrame([(_words(k), v) for k, v in rest.items()],
+                                           columns=["key", "value"]))
                      + "</details>")
         # fingerprints, versions and timings: the last section (findings lead the page)
         details = ("summary", "Model, task and versions", body)
@@ -573,15 +643,17 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
         sections.append(("scores", "Head scores", body))
     if validation is not None:
+        table, note = _same_in_every_row(_validation_table(validation))
         sections.append(("validation", "Causal validation",
-                         chart(charts.validation_chart, validation) + _table(validation)))
+                         chart(charts.validation_chart, validation) + note + _table(table)))
     if head_ablation is not None:
+        table, note = _same_in_every_row(_head_ablation_table(head_ablation))
         sections.append(("head-ablation", "Ablation of the top heads",
                          "<p class='note'>Each phase's top-k set and random sets ablated on "
                          "the clean run; effect = ablated - unablated, mean over prompts "
                          "[bootstrap 95% interval]; the random interval is where one random "
                          "set's effect falls; p against that pool's random sets.</p>"
-                         + _table(_head_ablation_table(head_ablation))))
+                         + note + _table(table)))
     if attention and scores is not None:
         sections.append(("attention", "Attention of the top heads",
                          _attention_section(summary, scores, model, task, attention_heads,
