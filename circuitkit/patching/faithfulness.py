@@ -52,7 +52,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.engine import evaluate_metric
+from circuitkit.patching.engine import derangement, evaluate_metric
 from circuitkit.patching.inputs import (
     check_edge_model,
     check_metric_prompts,
@@ -500,9 +500,7 @@ class _Ablated:
         if n < 2:
             raise ValueError("ablation='resample' takes another prompt's writes: it needs at "
                              "least 2 prompts.")
-        g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(n, generator=g)
-        perm = torch.roll(perm, 1)[torch.argsort(perm)]  # a derangement: no prompt keeps its own
+        perm = derangement(n, seed)  # the engine's: no prompt keeps its own (ablate_heads' too)
         return [w[perm] for w in clean]
 
     @torch.no_grad()
