@@ -30,3 +30,14 @@ def test_one_derangement():
     from circuitkit.patching import faithfulness
 
     assert "derangement(n, seed)" in Path(faithfulness.__file__).read_text()
+
+
+def test_one_attn_result_switch():
+    """``shortcuts.attn_result`` (and ``attn_result_off``, made of it) is the one place the
+    per-head ``hook_result`` flag is switched for a run; ``models`` sets it once at load."""
+    assert hits(r"^[^`]*\.set_use_attn_result\(", skip=("patching/shortcuts.py", "models.py")) == []
+    assert len(hits(r"(def|class) attn_result_off\b")) == 1
+    from circuitkit.distill import signals
+    from circuitkit.patching import shortcuts
+
+    assert signals.attn_result_off is shortcuts.attn_result_off
