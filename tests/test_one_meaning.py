@@ -41,3 +41,12 @@ def test_one_attn_result_switch():
     from circuitkit.patching import shortcuts
 
     assert signals.attn_result_off is shortcuts.attn_result_off
+
+
+def test_plan_is_the_cost_module_only():
+    """"plan" names the module that prices work (``patching/plan.py``); the chunker is
+    ``sweep.chunked``."""
+    from circuitkit.patching import sweep
+
+    assert not hasattr(sweep, "plan") and callable(sweep.chunked)
+    assert hits(r"def plan\(") == []

@@ -104,7 +104,7 @@ def make_sweep(model: Any, kind: str, site: str, direction: str, positions: str,
                  metric.per_prompt_values)
 
 
-def plan(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
+def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
     """``sweep`` cut into chunks of at most ``rows`` sequences per forward pass.
 
     ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
