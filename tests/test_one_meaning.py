@@ -50,3 +50,39 @@ def test_plan_is_the_cost_module_only():
 
     assert not hasattr(sweep, "plan") and callable(sweep.chunked)
     assert hits(r"def plan\(") == []
+
+
+# a model's shape label ("L2H4D64": layers, heads, width), not a node
+SHAPE_LABEL = 'return f"L{p.n_layers}H{p.n_heads}D{p.d_model}"'
+
+
+def test_one_node_naming():
+    """Node names ("L2H0", "embed", "logits") are spelled and parsed in ``hooks`` only
+    (``head_name``, ``node_name``, ``parse_head``, ``parse_node``, ``heads_in``); the old names
+    other code imports are the same functions."""
+    spelled = [h for h in hits(r"""f["'][^"']*L\{[^{}]*\}H\{""", skip=("hooks.py",))
+               if not h.endswith(SHAPE_LABEL)]
+    assert spelled == []
+    assert hits(r"L\(\\d\+\)H", skip=("hooks.py",)) == []
+    assert hits(r"def (_?node_name|node_of|_node_name|logits_node)\(", skip=("hooks.py",)) == []
+    assert hits(r"^EMBED_NODE = \(", skip=("hooks.py",)) == []
+    from circuitkit import hooks
+    from circuitkit.patching import results, sweep
+
+    assert results.node_name is hooks.node_name and results.node_of is hooks.parse_node
+    assert sweep.EMBED_NODE == hooks.EMBED_NODE and sweep.logits_node is hooks.logits_node
+
+
+def test_node_names_round_trip():
+    import pytest
+
+    from circuitkit import hooks
+
+    for node, name in (((-1, -1), "embed"), ((3, -1), "logits"), ((2, 0), "L2H0"),
+                       ((0, 11), "L0H11")):
+        assert hooks.node_name(node, 3) == name and hooks.parse_node(name, 3) == node
+    assert hooks.parse_head("L2H5") == (2, 5) and hooks.parse_head("embed") is None
+    assert hooks.heads_in("top: L0H1 and L12H3.") == [(0, 1), (12, 3)]
+    for bad in ("L3H0", "l0h1", "L0H", "embeds", ""):
+        with pytest.raises(ValueError, match="is not a node of a 3-layer model"):
+            hooks.parse_node(bad, 3)

@@ -50,6 +50,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.hooks import node_name
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
 from circuitkit.patching.engine import derangement, evaluate_metric
@@ -66,7 +67,6 @@ from circuitkit.patching.results import (
     EdgeResult,
     PatchResult,
     _outside_circuitkit,
-    node_name,
     quiet_baseline,
 )
 from circuitkit.patching.sweep import auto_rows

@@ -215,12 +215,7 @@ def release_cached_memory() -> None:
 
 # --- edge sweeps ----------------------------------------------------------------------------------
 
-EMBED_NODE = (-1, -1)  # the sender "embed": the embeddings' write (resid_pre of block 0)
-
-
-def logits_node(n_layers: int) -> tuple[int, int]:
-    """The receiver "logits": the final residual the unembedding reads (after every block)."""
-    return (n_layers, -1)
+EMBED_NODE, logits_node = hooks.EMBED_NODE, hooks.logits_node  # (their home: hooks)
 
 
 @dataclass(frozen=True)
