@@ -86,3 +86,15 @@ def test_node_names_round_trip():
     for bad in ("L3H0", "l0h1", "L0H", "embeds", ""):
         with pytest.raises(ValueError, match="is not a node of a 3-layer model"):
             hooks.parse_node(bad, 3)
+
+
+def test_mean_has_one_meaning():
+    """"mean" (ablate_heads, run_head_sets: a head's z over prompts and positions) is not
+    ck.circuit's per-position mean, which is "position-mean"."""
+    from circuitkit.patching import engine, faithfulness, results
+    from circuitkit.scoring import validate
+
+    assert "mean" in validate.ABLATIONS and "mean" in engine.HEAD_SET_SOURCES
+    assert "mean" not in faithfulness.ABLATIONS and "position-mean" in faithfulness.ABLATIONS
+    assert faithfulness.ABLATIONS is results.CIRCUIT_ABLATIONS
+    assert "position-mean" not in validate.ABLATIONS

@@ -705,7 +705,11 @@ def _edge_paths(path: str | Path) -> dict[str, Path]:
 CIRCUIT_FORMAT = "circuitkit.circuit"
 CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap
 CIRCUIT_KINDS = ("edges", "heads")
-CIRCUIT_ABLATIONS = ("corrupt", "zero", "mean", "resample")
+# "position-mean": the clean prompts' mean write at each position (ablate_heads' "mean", over
+# prompts and positions together, is another quantity: docs/edges.md). "mean" is its old name,
+# read from files written before and taken by ck.circuit with a DeprecationWarning.
+CIRCUIT_ABLATIONS = ("corrupt", "zero", "position-mean", "resample")
+CIRCUIT_OLD_ABLATIONS = {"mean": "position-mean"}
 CIRCUIT_RANKS = ("abs", "signed")
 CIRCUIT_INPUTS = (*hooks.EDGE_INPUTS, "resid")
 
@@ -908,6 +912,8 @@ def read_circuit_json(path: str | Path) -> dict[str, Any]:
     if degenerate is not None and not isinstance(degenerate, str):
         raise bad("degenerate", "null or a string (why f is no share)", degenerate)
     choice("kind", data["kind"], CIRCUIT_KINDS)
+    if isinstance(data["ablation"], str) and data["ablation"] in CIRCUIT_OLD_ABLATIONS:
+        data["ablation"] = CIRCUIT_OLD_ABLATIONS[data["ablation"]]  # a file of an older version
     choice("ablation", data["ablation"], CIRCUIT_ABLATIONS)
     choice("rank", data["rank"], CIRCUIT_RANKS)
     integer("n_layers", data["n_layers"], 1)
