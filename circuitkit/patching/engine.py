@@ -911,6 +911,7 @@ class ExactEngine:
         return self._mean_z[layer]
 
 
+# "mean": mean_z, over prompts and positions (ck.circuit's per-position one is "position-mean")
 HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
 
 
