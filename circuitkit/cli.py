@@ -135,7 +135,8 @@ Circuit = Annotated[bool, typer.Option("--circuit/--no-circuit", help="Also meas
                                        "faithfulness curve of the top edges (CPR, CMD, kept "
                                        "set).")]
 Ablation = Annotated[str, typer.Option("--ablation", help="--circuit: what an ablated edge "
-                                       "carries: corrupt, zero, mean or resample.",
+                                       "carries: corrupt, zero, position-mean (the clean "
+                                       "prompts' mean per position) or resample.",
                                        metavar="KIND")]
 
 

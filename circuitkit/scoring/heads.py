@@ -72,7 +72,6 @@ the bootstrap). The unembedding runs at one position only (its output is not use
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -357,7 +356,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         tokens = sub.clean_tokens[:, :seq].to(device)
         plan = plan_queries(task, sub.examples, tokens.shape[1])
         first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
-        result_ctx = shortcuts.attn_result_off(model) if source == "W_O" else _attn_result_on(model)
+        result_ctx = shortcuts.attn_result(model, source != "W_O")  # read by hook_result only
         with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
                 result_ctx:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
@@ -714,15 +713,6 @@ def _key_writes(cache: Any, layer: int, b: Tensor, q: Tensor, key_pos: Int[Tenso
     return out
 
 
-@contextlib.contextmanager
-def _attn_result_on(model: Any):
-    """``hook_result`` on for the run (models scored through it), restored after."""
-    was = bool(getattr(model.cfg, "use_attn_result", False))
-    model.set_use_attn_result(True)
-    try:
-        yield
-    finally:
-        model.set_use_attn_result(was)
 
 
 def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from circuitkit import hooks
 from circuitkit.viz.findings import SMALL_SHARE, phase_of
 
 # One line per quantity the report shows (what it means, in the report's own words).
@@ -402,7 +403,7 @@ def _stability_lines(summary: dict, scores: Any) -> str:
         # (summary.json's fields: every one escaped, numbers too, as a file may hold anything)
         n, k = _esc(str(phase).removeprefix("phase")), _esc(st.get("k"))
         if st.get("unstable"):
-            heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
+            heads = ", ".join(hooks.head_name(la, h) for la, h in st["unstable"])
             out.append(f"<p class='warn'>Phase-{n} top-{k}: {_esc(heads)} in the top "
                        f"{k} in fewer than 80% of the bootstrap resamples of the "
                        "examples: the ranking there is not stable.</p>")
