@@ -41,6 +41,16 @@ margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
 refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
 refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
 refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
+sharpness_concentration  mean ``exp(-entropy)`` of the Phase-1 row (keys ``0..q``): 1 / the
+                         effective number of keys attended; length-invariant (``coarse.py``)
+evidence_mass            mean attention mass on the note's evidence positions at Phase-1 rows
+key_preference_nonadjacent  ``key_preference`` without the near-miss entries that stand just
+                         before a target entry in the shortlist (``refine.py``)
+margin_widening_siblings ``margin_widening`` against the target's own siblings only
+                         (near-misses with the target's anchor); rows without one left out
+refine_score_siblings    ``refine_score`` along that sibling margin
+margin_from_siblings     ``refine_score_siblings``' sum over the sibling near-miss entries
+ov_copy_siblings         ``ov_copy`` over the sibling near-miss entries only
 =======================  ===================================================================
 
 Means are over an example's query positions, then over examples (as Reasoning Focus is); a
