@@ -426,7 +426,8 @@ def test_hook_result_path_equals_W_O_path(tiny_llama, synth, monkeypatch):
     key_parts = ["ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
                  "margin_from_near_misses", "refine_target_up", "refine_near_down",
                  "refine_if_uniform", "refine_score_siblings", "margin_from_siblings",
-                 "ov_copy_siblings"]
+                 "ov_copy_siblings", "margin_from_targets_siblings", "refine_near_down_siblings",
+                 "refine_if_uniform_siblings"]
     assert b[key_parts].isna().all().all() and (b["mechanism"] == "-").all()
     assert b["refine_score"].to_numpy() == pytest.approx(
         (a["shortlist_share"] * a["margin_widening"]).to_numpy(), abs=1e-5)
@@ -760,7 +761,8 @@ def test_new_columns_equal_a_hook_level_recomputation_on_the_teacher(teacher_and
     vocab_mean = W_U.mean(1)
     cols = ["sharpness_concentration", "evidence_mass", "key_preference_nonadjacent",
             "margin_widening_siblings", "refine_score_siblings", "margin_from_siblings",
-            "ov_copy_siblings"]
+            "ov_copy_siblings", "margin_from_targets_siblings", "refine_near_down_siblings",
+            "refine_if_uniform_siblings"]
     per_note = {k: [[] for _ in range(L * H)] for k in cols}
 
     def note_mean(k, lh, vals):
@@ -783,7 +785,7 @@ def test_new_columns_equal_a_hook_level_recomputation_on_the_teacher(teacher_and
             W_O = model.blocks[lay].attn.W_O.detach().double()  # [H, d_head, D]
             for h in range(H):
                 lh = lay * H + h
-                conc, ev, pref, mw, rs, mf, ov = [], [], [], [], [], [], []
+                conc, ev, pref, mw, rs, mf, ov, mt, nd, un = ([] for _ in range(10))
                 for p in e.anchor_pos:
                     a = pat[h, p - 1, :p].numpy()
                     pa = a / a.sum()
@@ -807,11 +809,19 @@ def test_new_columns_equal_a_hook_level_recomputation_on_the_teacher(teacher_and
                     rs.append(sum(float(a[s]) * float(wk @ d) for s, wk in per_key.items()))
                     sib_pos = [s for s in per_key if tok[s] in sibs]
                     mf.append(sum(float(a[s]) * float(per_key[s] @ d) for s in sib_pos))
+                    mt.append(sum(float(a[s]) * float(per_key[s] @ d) for s in per_key
+                                  if tok[s] in tgt))
+                    up = W_U[:, t] - vocab_mean
+                    nd.append(rs[-1] - sum(float(a[s]) * float(wk @ up)
+                                           for s, wk in per_key.items()))
+                    un.append(sum(float(a[s]) for s in per_key)
+                              * float(np.mean([float(wk @ d) for wk in per_key.values()])))
                     if sib_pos:
                         own = sum(float(a[s]) * float(per_key[s] @ (W_U[:, tok[s]] - vocab_mean))
                                   for s in sib_pos)
                         ov.append(own / sum(float(a[s]) for s in sib_pos))
-                for k, vals in zip(cols, (conc, ev, pref, mw, rs, mf, ov), strict=True):
+                for k, vals in zip(cols, (conc, ev, pref, mw, rs, mf, ov, mt, nd, un),
+                                strict=True):
                     note_mean(k, lh, vals)
     for k in cols:
         want = np.array([np.mean(x) for x in per_note[k]])

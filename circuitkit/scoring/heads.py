@@ -51,6 +51,9 @@ margin_widening_siblings ``margin_widening`` against the target's own siblings o
 refine_score_siblings    ``refine_score`` along that sibling margin
 margin_from_siblings     ``refine_score_siblings``' sum over the sibling near-miss entries
 ov_copy_siblings         ``ov_copy`` over the sibling near-miss entries only
+margin_from_targets_siblings  ``refine_score_siblings``' sum over the target entries
+refine_near_down_siblings  ``refine_score_siblings - refine_target_up`` (on the same rows)
+refine_if_uniform_siblings  ``refine_if_uniform`` along the sibling margin
 =======================  ===================================================================
 
 Means are over an example's query positions, then over examples (as Reasoning Focus is); a
@@ -105,7 +108,8 @@ COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "sh
            "margin_from_near_misses", "refine_target_up", "refine_near_down",
            "refine_if_uniform", "sharpness_concentration", "evidence_mass",
            "key_preference_nonadjacent", "margin_widening_siblings", "refine_score_siblings",
-           "margin_from_siblings", "ov_copy_siblings"]
+           "margin_from_siblings", "ov_copy_siblings", "margin_from_targets_siblings",
+           "refine_near_down_siblings", "refine_if_uniform_siblings"]
 BATCH_BYTES = 256 * 2**20  # cached activations per batch (patterns dominate: L*H*S^2 floats)
 N_BOOT = 50  # bootstrap resamples of the examples (rank intervals, top-k inclusion)
 STABLE_MIN = 0.8  # a top-k head included in fewer resamples than this is flagged unstable
@@ -118,7 +122,9 @@ PHASE2_PARTS = ("shortlist_share", "key_preference", "margin_widening", "refine_
 # issue 34's instruments, each its own column beside the ones above (not in the bootstrap)
 PHASE1_EXTRA = ("sharpness_concentration", "evidence_mass")
 PHASE2_EXTRA = ("key_preference_nonadjacent", "margin_widening_siblings",
-                "refine_score_siblings", "margin_from_siblings", "ov_copy_siblings")
+                "refine_score_siblings", "margin_from_siblings", "ov_copy_siblings",
+                "margin_from_targets_siblings", "refine_near_down_siblings",
+                "refine_if_uniform_siblings")
 KEY_PARTS = PHASE2_PARTS[3:] + PHASE2_EXTRA[2:]  # need each key's write: NaN without W_O
 
 
@@ -497,8 +503,15 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                                              plan.w2)
                 gain_sib = refine.key_effects(key_scaled, sib_dir[:, None, :].expand(-1, kk, -1)
                                               .to(device))
-                acc["refine_score_siblings"].add(lay, ex2, refine.attended_sum(
-                    at_keys, gain_sib, key_ok)[0], plan.w2 * sib_ok)
+                rs_sib = refine.attended_sum(at_keys, gain_sib, key_ok)[0]
+                acc["refine_score_siblings"].add(lay, ex2, rs_sib, plan.w2 * sib_ok)
+                acc["refine_near_down_siblings"].add(
+                    lay, ex2, rs_sib - refine.attended_sum(at_keys, up, key_ok)[0],
+                    plan.w2 * sib_ok)
+                acc["margin_from_targets_siblings"].add(lay, ex2, refine.attended_sum(
+                    at_keys, gain_sib, key_t)[0], plan.w2 * sib_ok)
+                acc["refine_if_uniform_siblings"].add(lay, ex2, refine.uniform_sum(
+                    share, gain_sib, key_ok), plan.w2 * sib_ok)
                 acc["margin_from_siblings"].add(lay, ex2, refine.attended_sum(
                     at_keys, gain_sib, key_sib)[0], plan.w2 * sib_ok)
                 e_sum, mass = refine.attended_sum(at_keys, own, key_sib)

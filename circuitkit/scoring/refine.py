@@ -72,7 +72,9 @@ Beside these, each its own column (issue 34; the columns above keep their formul
   label_anchor[t]``); today's near-miss margin averages over every near-miss of the note, other
   categories' included. ``margin_widening_siblings`` (the direct effect), ``refine_score_siblings``
   (``sum_{s in SL} A[s] m_sib[s]``) and ``margin_from_siblings`` (that sum over the shortlist
-  entries holding ``sib(t)``); ``ov_copy_siblings``: ``ov_copy`` over those entries. Undefined
+  entries holding ``sib(t)``), ``margin_from_targets_siblings`` (over ``T``),
+  ``refine_near_down_siblings`` (``refine_score_siblings - refine_target_up``, row by row) and
+  ``refine_if_uniform_siblings``; ``ov_copy_siblings``: ``ov_copy`` over those entries. Undefined
   (left out of the means) for a row whose target has no sibling among the near-misses: no
   vocabulary-mean fallback.
 
