@@ -243,3 +243,28 @@ def test_focus_per_step_sees_the_order_that_focus_does_not():
     assert focus_per_step_from_logits(logits, sub)[0].item() == pytest.approx(
         sum(a == b for a, b in zip(e.anchors, reversed(e.anchors), strict=True))
         / len(e.anchors), abs=1e-6)
+
+
+def test_focus_per_step_equals_a_recomputation_on_the_teacher():
+    """``focus_per_step`` on the teacher from its raw logits (``run_with_cache``), written here:
+    at anchor step j, softmax over the anchor tokens at ``anchor_pos[j] - 1``, mass on the token
+    the note has at ``anchor_pos[j]`` (that step's own anchor); mean over steps, then notes."""
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=32, split="test")
+    with torch.no_grad():
+        logits, _ = model.run_with_cache(task.clean_tokens, names_filter=lambda n: False)
+    anchors = task.anchor_token_ids.tolist()
+    per_note, any_note = [], []
+    for b, e in enumerate(task.examples):
+        steps, any_steps = [], []
+        for p in e.anchor_pos:
+            probs = logits[b, p - 1, anchors].double().softmax(-1)
+            steps.append(float(probs[anchors.index(int(e.tokens[p]))]))
+            own = {int(task.anchor_token_ids[a]) for a in e.anchors}
+            any_steps.append(float(sum(probs[i] for i, t in enumerate(anchors) if t in own)))
+        per_note.append(sum(steps) / len(steps))
+        any_note.append(sum(any_steps) / len(any_steps))
+    got = evaluate(model, task, batch_size=16)
+    assert got["focus_per_step"] == pytest.approx(sum(per_note) / len(per_note), abs=1e-5)
+    assert got["focus"] == pytest.approx(sum(any_note) / len(any_note), abs=1e-5)
+    assert got["focus_per_step"] <= got["focus"] + 1e-9
