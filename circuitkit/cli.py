@@ -1101,6 +1101,8 @@ def format_plan(p: dict) -> str:
 METRIC_MEANINGS = {
     "focus": "Reasoning Focus: probability of the correct anchor among the anchors at "
              "Phase-1 steps",
+    "focus_per_step": "per-step Reasoning Focus: probability of that step's own anchor (in "
+                      "order) among the anchors",
     "confusion": "Near-Miss Confusion: mass on near-miss siblings among target+near-miss "
                  "labels at answer steps",
     "confusion_rate": "share of notes whose decoded answer contains a near-miss",
