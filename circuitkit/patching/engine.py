@@ -829,16 +829,7 @@ class ExactEngine:
         src [T, head, d_head])`` written into its merged ``z`` before the output projection
         (``FusedLlama.block``'s attention, step for step)."""
         form = self.fused
-        h = form.norm(x, b.ln1)
-        cos, sin = form.token_table(pack, x)
-        q = form.rope(form.heads(h, b.q), cos, sin)
-        k, v = form.packed_kv(pack, form.base_kv(resid, b),
-                              form.rope(form.heads(h, b.k), cos, sin), form.heads(h, b.v))
-        qp = q.new_zeros(pack.n_rows * pack.width, *q.shape[1:])
-        qp.index_copy_(0, pack.slot_of(q.device), q)
-        z = form.attend(qp.view(pack.n_rows, pack.width, *q.shape[1:]), k, v,
-                        pack.mask_of(q.device, b.window))
-        z = z.flatten(0, 1).index_select(0, pack.slot_of(q.device))
+        z = form.packed_z(pack, x, b, resid)
         return form.linear(_written(z, *edit, form.d_head), b.o)
 
     def _fused_last_block(self, pack: fused.Packing, x: Tensor, b: Any, resid: Tensor,

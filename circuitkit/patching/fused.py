@@ -176,6 +176,23 @@ class FusedLlama:
             out.append(full)
         return out[0], out[1]
 
+    def packed_z(self, pack: Packing, x: Float[Tensor, "T d"], b: Any,
+                 resid: Float[Tensor, "n_p seq d"] | None) -> Float[Tensor, "T merged"]:
+        """Block ``b``'s merged head outputs ``z`` (before the output projection) at the packed
+        tokens ``x``: norm, q/k/v, rotary, each row's keys and values (``resid``: the base
+        input per prompt, for the positions before the row's start; None: rows start at 0),
+        attention under the row's mask (sliding window included)."""
+        h = self.norm(x, b.ln1)
+        cos, sin = self.token_table(pack, x)
+        q = self.rope(self.heads(h, b.q), cos, sin)
+        k, v = self.packed_kv(pack, None if resid is None else self.base_kv(resid, b),
+                              self.rope(self.heads(h, b.k), cos, sin), self.heads(h, b.v))
+        qp = q.new_zeros(pack.n_rows * pack.width, *q.shape[1:])
+        qp.index_copy_(0, pack.slot_of(q.device), q)
+        z = self.attend(qp.view(pack.n_rows, pack.width, *q.shape[1:]), k, v,
+                        pack.mask_of(q.device, b.window))
+        return z.flatten(0, 1).index_select(0, pack.slot_of(q.device))
+
     def block(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
               resid: Float[Tensor, "n_p seq d"] | None, attn: Tensor | None = None,
               mlp: Tensor | None = None, keep: dict[str, Tensor] | None = None
@@ -185,16 +202,7 @@ class FusedLlama:
         block's attention/MLP output at the packed tokens when already known (not recomputed).
         ``keep``: filled with the packed ``z``, ``attn_out`` and ``mlp_out``."""
         if attn is None:
-            h = self.norm(x, b.ln1)
-            cos, sin = self.token_table(pack, x)
-            q = self.rope(self.heads(h, b.q), cos, sin)
-            k, v = self.packed_kv(pack, None if resid is None else self.base_kv(resid, b),
-                                  self.rope(self.heads(h, b.k), cos, sin), self.heads(h, b.v))
-            qp = q.new_zeros(pack.n_rows * pack.width, *q.shape[1:])
-            qp.index_copy_(0, pack.slot_of(q.device), q)
-            z = self.attend(qp.view(pack.n_rows, pack.width, *q.shape[1:]), k, v,
-                            pack.mask_of(q.device, b.window))
-            z = z.flatten(0, 1).index_select(0, pack.slot_of(q.device))
+            z = self.packed_z(pack, x, b, resid)
             attn = self.linear(z, b.o)
             if keep is not None:
                 keep.update(z=z.unflatten(-1, (-1, self.d_head)), attn_out=attn.clone())

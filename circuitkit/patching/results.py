@@ -892,14 +892,10 @@ def read_circuit_json(path: str | Path) -> dict[str, Any]:
     """``circuit.json`` (``CircuitResult.save_json``) read strictly: every field the readers
     use is checked for type, range and shape, nodes and edges against each other; a bad file
     is one ``ValueError`` naming the file and the field. Returns the parsed dict."""
+    from circuitkit import files
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p} is not a readable circuit file ({e}).") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not a readable circuit file: not valid JSON (truncated?) at "
-                         f"line {e.lineno} column {e.colno}.") from None
+    data = files.read_json(p, "circuit file")
 
     def bad(name: str, want: str, got: Any) -> ValueError:
         return ValueError(f"{p}: field {name!r} must be {want}; got {got!r:.80}.")
