@@ -293,3 +293,20 @@ def test_save_load_round_trip_and_damaged_group_fields(tiny_llama, task, tmp_pat
     js.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="axes"):
         ck.PatchResult.load(tmp_path / "r")
+
+
+def test_checkpoint_resumes_and_refuses_other_masks(tiny_llama, task, tmp_path):
+    n, seq = task.clean_tokens.shape
+    mask = torch.zeros(n, seq, dtype=torch.bool)
+    mask[:, :3] = True
+    args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
+    first = ck.patch_heads(*args, positions={"a": mask}, checkpoint=tmp_path / "ck",
+                           progress=False)
+    again = ck.patch_heads(*args, positions={"a": mask}, checkpoint=tmp_path / "ck",
+                           progress=False)
+    torch.testing.assert_close(again.values, first.values, atol=0, rtol=0)
+    other = mask.clone()
+    other[0, 5] = True
+    with pytest.raises(ValueError, match="groups"):
+        ck.patch_heads(*args, positions={"a": other}, checkpoint=tmp_path / "ck",
+                       progress=False)
