@@ -82,7 +82,8 @@ def patch_heads(
     max_passes: float | None = None,
     screening_recall: bool = False,
 ) -> PatchResult:
-    """Patch every attention head (per layer; per position with ``positions="each"``).
+    """Patch every attention head (per layer; per position with ``positions="each"``; per
+    position group with ``positions`` a bool mask ``[batch, seq]`` or ``{name: mask}``).
 
     ``denoise``: each head's clean activation at ``site`` patched into the corrupt run;
     ``noise``: its corrupt activation patched into the clean run. ``values``: ``[n_layers,
@@ -111,6 +112,11 @@ def patch_heads(
     whole (a warning says so).
     ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
     ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
+    Position groups (``patching/groups.py``; ``task.position_groups()`` gives a task's
+    evidence, anchor, shortlist and answer positions): each head is patched at the group's
+    positions of each prompt at once; ``values [n_layers, n_heads, n_groups]``, axes ``(layer,
+    head, group)``, ``meta["group_names"]`` / ``["groups_hash"]``. Methods "exact" and plain
+    "attribution" (the per-position estimate summed over the group) only.
     """
     _check_method_options(method, estimator, atp_star, top_k, max_passes)
     if groups.is_groups(positions):
