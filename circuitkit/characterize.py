@@ -50,7 +50,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
+# icd-teacher on icd10: ~2.5 min on 2 busy CPU cores (measured; see the report; the stages
+# step's 4 sweeps x 5 position groups ~37 s of it)
+DEFAULT_N = 128
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
