@@ -523,11 +523,13 @@ class ExactEngine:
             self.attn_cached or (self.sweep.kind, self.sweep.site) == ("layers", "resid_pre"))
 
     def _packing(self, variants: Sequence[int], p0: int, p1: int,
-                 positions: Sequence[int | None] | None = None) -> fused.Packing:
+                 positions: Sequence[int | None] | None = None,
+                 row_start: Tensor | None = None) -> fused.Packing:
         """Which positions each variant-major row of prompts ``p0:p1`` computes: from the
         first position where the prompt's base and source tokens differ (or a per-position
         variant's position, when later; never after the row's first read) to its last read.
-        ``positions``: each variant's patched position (None: every position)."""
+        ``positions``: each variant's patched position (None: every position); ``row_start``:
+        ``[n_var * n_p]``, each row's first patched position (position groups)."""
         n_v, length = len(variants), self._run_length(p0, p1)
         reads = self.reads[p0:p1].cpu()
         differ = (self.base[p0:p1, :length] != self.source[p0:p1, :length]).cpu()
@@ -536,6 +538,8 @@ class ExactEngine:
         if positions is not None:
             at = torch.tensor([-1 if pos is None else pos for pos in positions])
             start = torch.maximum(start, at.repeat_interleave(p1 - p0))
+        if row_start is not None:
+            start = torch.maximum(start, row_start)
         rows = reads.repeat(n_v, 1)
         start = torch.minimum(start, rows.min(1).values)
         return fused.Packing(start, rows.max(1).values + 1, torch.arange(p1 - p0).repeat(n_v),
@@ -548,8 +552,12 @@ class ExactEngine:
         its MLP output; for resid_pre the restart residual), the suffix as
         ``fused.suffix_logits`` on the rows' packed positions."""
         sw, n_v, length = self.sweep, len(variants), self._run_length(p0, p1)
-        pack = self._packing(variants, p0, p1, None if sw.positions == "groups" else
-                             [sw.variant(v)[1] for v in variants])
+        if sw.positions == "groups":  # a row differs from its group's first position on
+            masks = self._group_masks(variants, p0, p1, length, "cpu")  # [n_v, n_p, length]
+            first = torch.where(masks.any(-1), masks.int().argmax(-1), length)
+            pack = self._packing(variants, p0, p1, row_start=first.flatten())
+        else:
+            pack = self._packing(variants, p0, p1, [sw.variant(v)[1] for v in variants])
         resid = [self._span(self.resid[j], p0, p1, length, layer=j)
                  for j in range(layer, sw.n_layers)]
         attn = mlp = None
