@@ -147,7 +147,7 @@ def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> floa
     at ``k``, its MLP and the unembedding at ``k`` (layer ``L-1``: MLP and unembedding at ``k``
     only). Causal attention counts half the score matrix.
     """
-    from circuitkit.patching.sweep import Sweep, auto_rows, length_order, plan
+    from circuitkit.patching.sweep import Sweep, auto_rows, chunked, length_order
 
     f = hooks.facts(model)
     L, H, d = f.n_layers, f.n_heads, f.d_model
@@ -158,7 +158,7 @@ def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> floa
     cuts = cuts or [seq] * n_prompts
     k = metric.reads.shape[1] if getattr(metric, "reads", None) is not None else seq
     sweep = Sweep("heads", "z", "denoise", "all", L, H, 1, n_prompts, seq, True)
-    sweep = plan(sweep, auto_rows(model, seq), cuts)
+    sweep = chunked(sweep, auto_rows(model, seq), cuts)
 
     def block(c: int) -> float:
         return q_o + k_v + 2 * 2 * H * f.d_head * c / 2 + mlp

@@ -135,7 +135,8 @@ Circuit = Annotated[bool, typer.Option("--circuit/--no-circuit", help="Also meas
                                        "faithfulness curve of the top edges (CPR, CMD, kept "
                                        "set).")]
 Ablation = Annotated[str, typer.Option("--ablation", help="--circuit: what an ablated edge "
-                                       "carries: corrupt, zero, mean or resample.",
+                                       "carries: corrupt, zero, position-mean (the clean "
+                                       "prompts' mean per position) or resample.",
                                        metavar="KIND")]
 
 
@@ -1100,6 +1101,8 @@ def format_plan(p: dict) -> str:
 METRIC_MEANINGS = {
     "focus": "Reasoning Focus: probability of the correct anchor among the anchors at "
              "Phase-1 steps",
+    "focus_per_step": "per-step Reasoning Focus: probability of that step's own anchor (in "
+                      "order) among the anchors",
     "confusion": "Near-Miss Confusion: mass on near-miss siblings among target+near-miss "
                  "labels at answer steps",
     "confusion_rate": "share of notes whose decoded answer contains a near-miss",

@@ -5,6 +5,11 @@ Definitions (positions follow the task layout: the token at p is predicted from 
 * **focus** (Reasoning Focus), teacher-forced: at each Phase-1 step p in ``anchor_pos``, softmax of
   ``logits[p - 1]`` restricted to the task's anchor tokens; focus_step = mass on the example's
   correct anchors (``anchor_token_ids[example.anchors]``). Mean over steps, then over examples.
+  Any of the note's anchors counts at any step: blind to order (kept under its name, issue 34).
+* **focus_per_step** (per-step Reasoning Focus), teacher-forced: the same softmax at step j
+  (``p = anchor_pos[j]``), mass on *that step's own* anchor only: ``anchor_token_ids[anchors[j]]``
+  (the token at ``p`` when ``anchors`` is not one per step). Mean over steps, then over examples.
+  A model naming the note's anchors in the wrong order keeps ``focus`` and loses here.
 * **confusion** (Near-Miss Confusion), teacher-forced: at each answer step p in ``answer_pos``,
   softmax of ``logits[p - 1]`` restricted to the tokens of targets + near-misses; confusion_step =
   mass on the near-misses. Mean over steps, then over examples (0 for an example without
@@ -32,7 +37,8 @@ from torch import Tensor
 
 from circuitkit.tasks.base import Task, check_task
 
-__all__ = ["evaluate", "restricted_mass", "focus_from_logits", "confusion_from_logits",
+__all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
+           "confusion_from_logits",
            "f1_scores", "set_metrics", "parse_answer", "greedy_decode",
            "teacher_forced_greedy"]
 
@@ -69,6 +75,22 @@ def focus_from_logits(logits: Float[Tensor, "batch seq vocab"],
     ex = task.examples
     return restricted_mass(logits, [e.anchor_pos for e in ex], [all_anchors] * len(ex),
                            [task.anchor_token_ids[e.anchors].tolist() for e in ex])
+
+
+def focus_per_step_from_logits(logits: Float[Tensor, "batch seq vocab"],
+                               task: Task) -> Float[Tensor, " batch"]:
+    """Per-step Reasoning Focus per example (module docstring): at each anchor step, the mass on
+    that step's own anchor among all anchors; NaN for an example without anchor steps."""
+    all_anchors = task.anchor_token_ids.tolist()
+    out = torch.full((logits.shape[0],), float("nan"))
+    for i, e in enumerate(task.examples):
+        own = (task.anchor_token_ids[e.anchors].tolist() if len(e.anchors) == len(e.anchor_pos)
+               else [int(e.tokens[p]) for p in e.anchor_pos])
+        steps = [restricted_mass(logits[i:i + 1], [[p]], [all_anchors], [[a]])[0]
+                 for p, a in zip(e.anchor_pos, own, strict=True) if a in all_anchors]
+        if steps:
+            out[i] = torch.stack(steps).mean()
+    return out
 
 
 def confusion_from_logits(logits: Float[Tensor, "batch seq vocab"],
@@ -286,7 +308,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
              progress: bool = False, las: bool = False,
              las_train: Task | None = None) -> dict[str, float]:
     """Run ``model`` (``model(tokens) -> logits [batch, seq, vocab]``) on ``task``; see the module
-    docstring for ``focus, confusion, confusion_rate, macro_f1, micro_f1, exact_match``.
+    docstring for ``focus, focus_per_step, confusion, confusion_rate, macro_f1, micro_f1,
+    exact_match``.
 
     ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4.
     Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
@@ -307,7 +330,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
 
         bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
                    unit="note-pass", file=sys.stderr)
-    focus, conf, argmax = [], [], []
+    focus, focus_step, conf, argmax = [], [], [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = _logits(model, sub.clean_tokens.to(dev))
@@ -316,11 +339,12 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
                              f"{s}..{s + len(sub) - 1}; its metrics would be meaningless. Is it "
                              "a diverged training run?")
         focus.append(focus_from_logits(logits, sub))
+        focus_step.append(focus_per_step_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
         argmax += list(logits.argmax(-1).cpu())
         if bar is not None:
             bar.update(len(sub))
-    f, c = torch.cat(focus), torch.cat(conf)
+    f, c, fs = torch.cat(focus), torch.cat(conf), torch.cat(focus_step)
     think = task.vocab.index("<think>") if "<think>" in task.vocab else None
     ends = [prompt_end(e, think) for e in task.examples]
     if max_new_tokens is None:
@@ -332,6 +356,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         bar.close()
     preds = [parse_answer(g, task) for g in gens]
     out = dict(focus=float(f.nanmean()) if f.numel() and not f.isnan().all() else float("nan"),
+               focus_per_step=float(fs.nanmean()) if fs.numel() and not fs.isnan().all()
+               else float("nan"),
                confusion=float(c.nanmean()) if c.numel() and not c.isnan().all() else float("nan"))
     out.update(set_metrics(preds, [set(e.targets) for e in task.examples],
                            [set(e.near_misses) for e in task.examples]))

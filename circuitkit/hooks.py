@@ -1,4 +1,4 @@
-"""The one place hook names are spelled.
+"""The one place hook names, site names and node names ("L2H0", "embed", "logits") are spelled.
 
 Every module that touches a TransformerLens ``TransformerBridge`` asks this module for hook names
 and for the model facts a sweep needs; no other file writes a hook-name string. The names are those
@@ -24,6 +24,7 @@ This module imports nothing heavy: it is safe to use from ``circuitkit --help``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -166,6 +167,57 @@ def layer_site(site: str, layer: int) -> str:
 def head_axis(site: str) -> int:
     """Axis of the head dimension in the activation at ``site`` (see the table above)."""
     return 1 if site in ("pattern", "scores") else 2
+
+
+# --- node names: heads and the ends of edges -------------------------------------------------
+# A node is ``(layer, head)``; an edge's senders add the embeddings, its receivers the logits
+# (the final residual the unembedding reads). The one spelling of their names: "L2H0", "embed",
+# "logits" (results, circuit.json, figures, the CLI's --senders/--receivers all use these).
+
+EMBED_NODE = (-1, -1)  # the sender "embed": the embeddings' write (resid_pre of block 0)
+HEAD_NAME = re.compile(r"L(\d+)H(\d+)")  # "L2H0"; found in text by ``heads_in``
+
+
+def logits_node(n_layers: int) -> tuple[int, int]:
+    """The receiver "logits": the final residual the unembedding reads (after every block)."""
+    return (n_layers, -1)
+
+
+def head_name(layer: Any, head: Any) -> str:
+    """``"L{layer}H{head}"``: a head's name (the values as given: a caller casts)."""
+    return f"L{layer}H{head}"
+
+
+def node_name(node: Any, n_layers: int) -> str:
+    """``"embed"`` (layer -1), ``"logits"`` (layer ``n_layers``) or ``"L{layer}H{head}"``."""
+    layer, head = int(node[0]), int(node[1])
+    return "embed" if layer < 0 else "logits" if layer >= n_layers else head_name(layer, head)
+
+
+def parse_head(name: Any) -> tuple[int, int] | None:
+    """``"L2H5"`` -> (2, 5); None for anything else (no range check: the caller's)."""
+    m = HEAD_NAME.fullmatch(name) if isinstance(name, str) else None
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def parse_node(name: Any, n_layers: int) -> tuple[int, int]:
+    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1),
+    ``"L2H5"`` -> (2, 5); a ``ValueError`` for anything else (a layer outside the model
+    included)."""
+    if name == "embed":
+        return EMBED_NODE
+    if name == "logits":
+        return logits_node(n_layers)
+    node = parse_head(str(name))
+    if node is None or node[0] >= n_layers:
+        raise ValueError(f"{name!r} is not a node of a {n_layers}-layer model (embed, logits or "
+                         "L<layer>H<head>).")
+    return node
+
+
+def heads_in(text: Any) -> list[tuple[int, int]]:
+    """Every head named in ``text`` (``"L0H1 L2H3"`` -> [(0, 1), (2, 3)]), in order."""
+    return [(int(a), int(b)) for a, b in HEAD_NAME.findall(str(text))]
 
 
 def layer_of(hook_name: str) -> int:

@@ -183,7 +183,7 @@ def test_another_models_results_are_refused_in_one_line():
 # --- item 7: degenerate baseline ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ablation", ["corrupt", "zero", "mean", "resample"])
+@pytest.mark.parametrize("ablation", ["corrupt", "zero", "position-mean", "resample"])
 def test_degenerate_baseline_warns_and_gives_no_cpr(planted, ablation, tmp_path):
     """clean == corrupt: one DegenerateBaselineWarning, no CPR/CMD/share, finite raw effects
     (before: CPR from float noise, NaN under corrupt ablation)."""
@@ -196,6 +196,30 @@ def test_degenerate_baseline_warns_and_gives_no_cpr(planted, ablation, tmp_path)
     assert bool(torch.isfinite(circ.faithfulness).all())
     assert "degenerate" in repr(circ)
     assert read_circuit_json(circ.save_json(tmp_path / "d.json"))["degenerate"]
+
+
+# --- issue 32 item 7: one meaning of "mean" ---------------------------------------------------
+
+
+def test_position_mean_is_the_old_mean_and_the_old_name_still_works(planted, tmp_path):
+    """ck.circuit's per-position mean ablation is "position-mean" ("mean" is ablate_heads'
+    pooled one): the old name gives the same numbers with a DeprecationWarning, is recorded
+    under the new name, and a circuit.json written with the old name loads as the new."""
+    model, task, edges = planted
+    kw = dict(progress=False, n_boot=0, sizes=[0.1, 0.5, 1.0])
+    new = ck.circuit(model, task, edges["denoise"], ablation="position-mean", **kw)
+    with pytest.warns(DeprecationWarning, match="'mean' is now 'position-mean'"):
+        old = ck.circuit(model, task, edges["denoise"], ablation="mean", **kw)
+    assert old.ablation == new.ablation == "position-mean"
+    assert torch.equal(old.faithfulness, new.faithfulness)
+    path = new.save_json(tmp_path / "c.json")
+    data = json.loads(path.read_text())
+    assert data["ablation"] == "position-mean"
+    data["ablation"] = "mean"  # as a file of the version before wrote it
+    path.write_text(json.dumps(data))
+    assert read_circuit_json(path)["ablation"] == "position-mean"
+    with pytest.raises(ValueError, match="ablation"):
+        ck.circuit(model, task, edges["denoise"], ablation="means", **kw)
 
 
 # --- item 10: sizes that never reach the target -----------------------------------------------

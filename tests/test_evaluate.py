@@ -14,6 +14,7 @@ from circuitkit.evaluation import (
     evaluate,
     f1_scores,
     focus_from_logits,
+    focus_per_step_from_logits,
     parse_answer,
     restricted_mass,
     set_metrics,
@@ -130,8 +131,8 @@ def test_evaluate_tiny_random_model(task):
          "num_key_value_heads": 2, "max_position_embeddings": 128},
         tokenizer=task.tokenizer(), device="cpu")
     m = evaluate(model, task.subset(range(8)), batch_size=4)
-    assert set(m) == {"focus", "confusion", "confusion_rate", "macro_f1", "micro_f1",
-                      "exact_match"}
+    assert set(m) == {"focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
+                      "micro_f1", "exact_match"}
     for k, v in m.items():
         assert 0.0 <= v <= 1.0, (k, v)
     sub = task.subset(range(8))  # batched evaluate == the pure functions on one full batch
@@ -206,3 +207,64 @@ def test_teacher_forced_greedy_equals_greedy_decoding(name, monkeypatch):
                             m, [x.tokens[:k] for x, k in zip(t.examples, e, strict=True)],
                             t.eos_id, n, b))
     assert evaluate(model, task) == fast
+
+
+class WrongOrder(Oracle):
+    """The oracle, but naming each note's anchors in reverse order (a constructed chain of
+    thought whose steps are right as a set, wrong in order)."""
+
+    def __init__(self, task):
+        super().__init__(task)
+        for i, e in enumerate(task.examples):
+            toks = [int(e.tokens[p]) for p in e.anchor_pos]
+            self.swap[i] = dict(zip(e.anchor_pos, reversed(toks), strict=True))
+
+
+def test_focus_per_step_sees_the_order_that_focus_does_not():
+    """issue 34: anchors in the wrong order keep today's focus at 1; the per-step focus (each
+    step's own anchor) falls to the share of steps whose anchor the reversal leaves in place."""
+    task = load_task("icd10", n_examples=16, split="test")
+    e_multi = [e for e in task.examples if len(set(e.anchors)) > 1]
+    assert e_multi  # the constructed order is wrong somewhere
+    m = evaluate(WrongOrder(task), task, batch_size=8)
+    assert m["focus"] == pytest.approx(1.0, abs=1e-6)
+    want = sum(sum(a == b for a, b in zip(e.anchors, reversed(e.anchors), strict=True))
+               / len(e.anchors) for e in task.examples) / len(task)
+    assert m["focus_per_step"] == pytest.approx(want, abs=1e-6) and want < 0.9
+    right = evaluate(Oracle(task), task, batch_size=8)
+    assert right["focus"] == pytest.approx(1.0) and right["focus_per_step"] == pytest.approx(1.0)
+    # hand logits: step 1 names step 2's anchor and vice versa
+    e = e_multi[0]
+    sub = task.subset([task.examples.index(e)])
+    logits = torch.zeros(1, e.tokens.shape[0], len(task.vocab))
+    for p, a in zip(e.anchor_pos, reversed(e.anchors), strict=True):
+        logits[0, p - 1, int(task.anchor_token_ids[a])] = 50.0
+    assert focus_from_logits(logits, sub)[0].item() == pytest.approx(1.0)
+    assert focus_per_step_from_logits(logits, sub)[0].item() == pytest.approx(
+        sum(a == b for a, b in zip(e.anchors, reversed(e.anchors), strict=True))
+        / len(e.anchors), abs=1e-6)
+
+
+def test_focus_per_step_equals_a_recomputation_on_the_teacher():
+    """``focus_per_step`` on the teacher from its raw logits (``run_with_cache``), written here:
+    at anchor step j, softmax over the anchor tokens at ``anchor_pos[j] - 1``, mass on the token
+    the note has at ``anchor_pos[j]`` (that step's own anchor); mean over steps, then notes."""
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=32, split="test")
+    with torch.no_grad():
+        logits, _ = model.run_with_cache(task.clean_tokens, names_filter=lambda n: False)
+    anchors = task.anchor_token_ids.tolist()
+    per_note, any_note = [], []
+    for b, e in enumerate(task.examples):
+        steps, any_steps = [], []
+        for p in e.anchor_pos:
+            probs = logits[b, p - 1, anchors].double().softmax(-1)
+            steps.append(float(probs[anchors.index(int(e.tokens[p]))]))
+            own = {int(task.anchor_token_ids[a]) for a in e.anchors}
+            any_steps.append(float(sum(probs[i] for i, t in enumerate(anchors) if t in own)))
+        per_note.append(sum(steps) / len(steps))
+        any_note.append(sum(any_steps) / len(any_steps))
+    got = evaluate(model, task, batch_size=16)
+    assert got["focus_per_step"] == pytest.approx(sum(per_note) / len(per_note), abs=1e-5)
+    assert got["focus"] == pytest.approx(sum(any_note) / len(any_note), abs=1e-5)
+    assert got["focus_per_step"] <= got["focus"] + 1e-9

@@ -15,7 +15,7 @@ import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.patching import engine as engine_module
 from circuitkit.patching.engine import ExactEngine
-from circuitkit.patching.sweep import Sweep, plan
+from circuitkit.patching.sweep import Sweep, chunked
 
 ATOL = 1e-4
 
@@ -157,8 +157,8 @@ def test_suffix_runs_skip_earlier_blocks(tiny_llama, task, fast, monkeypatch):
             return real(self, pack, x, b, *a, **k)
         monkeypatch.setattr(fused.FusedLlama, name, record)
     try:
-        sweep = plan(Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3, task.clean_tokens.shape[1],
-                           True), 100)
+        sweep = chunked(Sweep("heads", "z", "denoise", "all", 3, 4, 1, 3,
+                              task.clean_tokens.shape[1], True), 100)
         engine = ExactEngine(tiny_llama, task.clean_tokens, task.corrupt_tokens,
                              task.prompt_metric(), sweep, fast=fast)
         assert (engine.fused is not None) and engine.fast == fast

@@ -107,7 +107,7 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     after their last read, and returns per-prompt values in the caller's order, equal (1e-4) to
     a sweep that knows no read positions (no sorting, no early stop, full logits)."""
     from circuitkit.metrics import PromptMetric
-    from circuitkit.patching.sweep import Sweep, length_order, plan
+    from circuitkit.patching.sweep import Sweep, chunked, length_order
 
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=12, split="test", seed=3)  # lengths 12..34
@@ -115,7 +115,7 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     order, cuts = length_order(pm)
     assert not torch.equal(order, torch.arange(12)) and cuts[0] < cuts[-1]
     sweep = Sweep("heads", "z", "denoise", "all", 4, 8, 1, 12, task.clean_tokens.shape[1], True)
-    sweep = plan(sweep, 1024, cuts)
+    sweep = chunked(sweep, 1024, cuts)
     assert len({c[3:] for c in sweep.chunks}) == 2  # two prompt buckets
     args = (model, task.clean_tokens, task.corrupt_tokens)
     for direction in ("denoise", "noise"):

@@ -122,15 +122,15 @@ def test_fused_and_plain_paths_agree(tiny_llama, task):
     """The fused fast path (Llama form) and the plain hooked path give the same group values."""
     from circuitkit.patching import engine as engine_module
     from circuitkit.patching import groups
-    from circuitkit.patching.sweep import make_sweep, plan
+    from circuitkit.patching.sweep import chunked, make_sweep
 
     n, seq = task.clean_tokens.shape
     mask = torch.rand(n, seq, generator=torch.Generator().manual_seed(5)) < 0.5
     mask[:, 1] = True
     pg = groups.position_groups({"a": mask, "b": ~mask}, task.clean_tokens)
     metric = task.prompt_metric()
-    sweep = plan(make_sweep(tiny_llama, "heads", "z", "denoise", pg, task.clean_tokens, metric),
-                 64)
+    sweep = chunked(make_sweep(tiny_llama, "heads", "z", "denoise", pg, task.clean_tokens,
+                               metric), 64)
     eng = engine_module.ExactEngine(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
                                     sweep)
     assert eng.fused is not None

@@ -13,7 +13,7 @@ import circuitkit as ck
 from circuitkit import models
 from circuitkit.patching import api
 from circuitkit.patching.engine import ExactEngine
-from circuitkit.patching.sweep import Chunk, is_out_of_memory
+from circuitkit.patching.sweep import Chunk, chunked, is_out_of_memory
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_a_chunk_that_does_not_fit_is_split(fp32, monkeypatch):
     task = induction(n=4)
     pm = task.metric
     sweep = api.make_sweep(fp32, "heads", "z", "denoise", "all", task.clean_tokens, pm)
-    sweep = api.plan(sweep, 64)
+    sweep = chunked(sweep, 64)
     engine = ExactEngine(fp32, task.clean_tokens, task.corrupt_tokens, pm, sweep, rows=64)
     chunk = Chunk(0, 0, 16, 0, 4)
     whole = engine.run_chunk(chunk)

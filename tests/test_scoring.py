@@ -4,6 +4,7 @@ planted circuit ranked first, streaming invariance, the text adapter's positions
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -424,7 +425,9 @@ def test_hook_result_path_equals_W_O_path(tiny_llama, synth, monkeypatch):
     # refine_score is shortlist_share * margin_widening; everything else is the same
     key_parts = ["ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
                  "margin_from_near_misses", "refine_target_up", "refine_near_down",
-                 "refine_if_uniform"]
+                 "refine_if_uniform", "refine_score_siblings", "margin_from_siblings",
+                 "ov_copy_siblings", "margin_from_targets_siblings", "refine_near_down_siblings",
+                 "refine_if_uniform_siblings"]
     assert b[key_parts].isna().all().all() and (b["mechanism"] == "-").all()
     assert b["refine_score"].to_numpy() == pytest.approx(
         (a["shortlist_share"] * a["margin_widening"]).to_numpy(), abs=1e-5)
@@ -629,3 +632,199 @@ def test_scores_all_tied_say_their_ranks_mean_nothing(monkeypatch):
     with pytest.warns(UserWarning, match="every head has the same coarse_score"):
         df = score_heads(model, task, progress=False)
     assert (df["coarse_score"] == 0).all()
+
+
+# --- issue 34: instruments that measure their names ---------------------------------------------
+def test_length_invariant_sharpness_on_a_planted_head_at_8_and_30_keys():
+    """A head equally sharp at two row lengths (the same spread over the same 3 evidence keys)
+    gets equal ``sharpness_concentration`` and ``evidence_mass`` (to 1e-9), while excess
+    kurtosis (``sharpness``) differs (-1.73 vs 5.11, FIELD-NOTES)."""
+    for spread in ([1 / 3, 1 / 3, 1 / 3], [0.5, 0.3, 0.2]):
+        got = {}
+        for n in (8, 30):
+            rows = torch.zeros(1, 1, n, dtype=torch.float64)
+            rows[0, 0, 1:4] = torch.tensor(spread, dtype=torch.float64)
+            valid = torch.ones(1, n, dtype=torch.bool)
+            evidence = torch.zeros(1, n)
+            evidence[0, 1:4] = 1.0
+            got[n] = (coarse.excess_kurtosis(rows, valid).item(),
+                      coarse.concentration(rows, valid).item(),
+                      coarse.salient_mass(rows, evidence).item())
+        assert got[8][1] == pytest.approx(got[30][1], abs=1e-9)
+        assert got[8][2] == pytest.approx(got[30][2], abs=1e-9) and got[8][2] == pytest.approx(1)
+        assert got[30][0] - got[8][0] > 5  # today's kurtosis grows with the row's length
+    assert got[8][1] == pytest.approx(1 / math.exp(-sum(p * math.log(p) for p in spread)))
+    flat = torch.full((1, 1, 3), 1 / 3, dtype=torch.float64)
+    assert coarse.concentration(flat, torch.ones(1, 3, dtype=torch.bool)).item() == \
+        pytest.approx(1 / 3)
+
+
+def _icd_example_with_siblings():
+    """An icd10 test note whose shortlist holds, for a target, a sibling near-miss and another
+    category's near-miss, with a near-miss entry just before a target entry."""
+    from circuitkit.scoring.heads import plan_queries
+
+    task = ck.load_task("icd10", n_examples=64, split="test")
+    la = task.label_anchor
+    for i, e in enumerate(task.examples):
+        if len(e.targets) < 2:
+            continue
+        plan = plan_queries(task, [e], len(e.tokens))
+        if bool((plan.sibling_tok >= 0).any(-1).all()) and \
+                bool((plan.near_keys - plan.nonadjacent_keys).sum() > 0) and \
+                bool((plan.nonadjacent_keys.sum(-1) > 0).all()) and \
+                len({int(la[m]) for m in e.near_misses}) > 1:
+            return task, i, e, plan
+    raise AssertionError("no icd10 note with siblings and another category's near-misses")
+
+
+def test_key_preference_without_the_adjacent_entry_on_a_planted_copy_head():
+    """A copy head with an adjacent-entry habit (most attention on the near-miss entry just
+    before the target, some on the target, little elsewhere): today's key_preference < 0, the
+    one without the adjacent entry > 0."""
+    task, _, e, plan = _icd_example_with_siblings()
+    lt = task.label_token_ids.tolist()
+    sl = sorted(e.shortlist_pos)
+    targets = [s for s in sl if int(e.tokens[s]) in {lt[t] for t in e.targets}]
+    before = [sl[i] for i in range(len(sl) - 1) if sl[i + 1] in targets]
+    rows = torch.zeros(plan.target_keys.shape[0], 1, plan.target_keys.shape[1])
+    for s in sl:
+        rows[:, 0, s] = 0.02
+    for s in targets:
+        rows[:, 0, s] = 0.2
+    for s in before:
+        rows[:, 0, s] = 0.7
+    rows = rows / rows.sum(-1, keepdim=True)
+    today, ok = refine.key_preference(rows, plan.target_keys, plan.near_keys)
+    new, ok2 = refine.key_preference(rows, plan.target_keys, plan.nonadjacent_keys)
+    assert ok.all() and ok2.all()
+    assert (today < 0).all() and (new > 0).all()
+    # the entries left out are exactly the near-misses right before a target
+    left_out = torch.nonzero((plan.near_keys - plan.nonadjacent_keys)[0])[:, 0].tolist()
+    assert left_out == [s for s in before if s not in targets]
+
+
+def test_sibling_margin_of_a_head_widening_only_against_another_category():
+    """A head whose write lowers only another category's near-miss: today's near-miss margin
+    > 0, the sibling margin 0 (direct effect and the per-key refine part)."""
+    from circuitkit.scoring.heads import margin_directions
+
+    task, _, e, plan = _icd_example_with_siblings()
+    la, lt = task.label_anchor, task.label_token_ids
+    V = int(max(lt.max(), task.anchor_token_ids.max())) + 1
+    W_U = torch.eye(V)  # orthonormal unembedding: a write moves exactly the logits it names
+    sib = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
+    near = margin_directions(W_U, plan.target_tok, plan.near_tok)
+    tok2lab = {int(t): i for i, t in enumerate(lt.tolist())}
+    for n in range(len(plan.target_tok)):
+        t_anchor = int(la[tok2lab[int(plan.target_tok[n])]])
+        others = [int(lt[m]) for m in e.near_misses if int(la[m]) != t_anchor]
+        w = torch.zeros(1, 1, V)
+        w[0, 0, others] = -1.0  # lowers the other categories' near-misses only
+        assert refine.margin_widening(w, near[n:n + 1]).item() > 0.1
+        assert refine.margin_widening(w, sib[n:n + 1]).item() == pytest.approx(0, abs=1e-7)
+        # the same write taken from every shortlist key (per-key refine part)
+        keys = torch.ones(1, 1, 3, dtype=torch.bool)
+        gain = refine.key_effects(w.expand(1, 3, 1, V).reshape(1, 3, 1, V),
+                                  sib[n:n + 1, None, :].expand(1, 3, V))
+        a = torch.full((1, 1, 3), 0.3)
+        assert refine.attended_sum(a, gain, keys[:, 0])[0].item() == pytest.approx(0, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def teacher_and_scores():
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=32, split="test")
+    return model, task, score_heads(model, task, progress=False, n_boot=0)
+
+
+def test_new_columns_equal_a_hook_level_recomputation_on_the_teacher(teacher_and_scores):
+    """Issue 34's columns from raw ``run_with_cache`` activations (hook_pattern, hook_result,
+    hook_v, W_O, ln_final's input / scale / weight), written here from their definitions: per
+    step, mean over the note's steps where defined, then over notes."""
+    import numpy as np
+
+    model, task, df = teacher_and_scores
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    was = bool(model.cfg.use_attn_result)
+    model.set_use_attn_result(True)
+    try:
+        with torch.no_grad():
+            _, c = model.run_with_cache(task.clean_tokens)
+    finally:
+        model.set_use_attn_result(was)
+    W_U = model.W_U.detach().double()
+    g = model.ln_final._original_component.weight.detach().double()
+    lt = task.label_token_ids.tolist()
+    la = task.label_anchor.tolist()
+    lab_of = {t: i for i, t in enumerate(lt)}
+    vocab_mean = W_U.mean(1)
+    cols = ["sharpness_concentration", "evidence_mass", "key_preference_nonadjacent",
+            "margin_widening_siblings", "refine_score_siblings", "margin_from_siblings",
+            "ov_copy_siblings", "margin_from_targets_siblings", "refine_near_down_siblings",
+            "refine_if_uniform_siblings"]
+    per_note = {k: [[] for _ in range(L * H)] for k in cols}
+
+    def note_mean(k, lh, vals):
+        if vals:
+            per_note[k][lh].append(sum(vals) / len(vals))
+
+    for b, e in enumerate(task.examples):
+        tok = e.tokens.tolist()
+        sl = sorted(e.shortlist_pos)
+        tgt = {lt[t] for t in e.targets}
+        nm = {lt[m] for m in e.near_misses}
+        tpos = [s for s in sl if tok[s] in tgt]
+        mpos = [s for i, s in enumerate(sl) if tok[s] in nm
+                and not (i + 1 < len(sl) and tok[sl[i + 1]] in tgt)]
+        scale = c["ln_final.hook_scale"][b].double()  # [seq, 1]: the run's RMS
+        for lay in range(L):
+            pat = c[f"blocks.{lay}.attn.hook_pattern"][b].double()  # [H, q, k]
+            res = c[f"blocks.{lay}.attn.hook_result"][b].double()  # [seq, H, D]
+            v = c[f"blocks.{lay}.attn.hook_v"][b].double()  # [seq, H, d_head]
+            W_O = model.blocks[lay].attn.W_O.detach().double()  # [H, d_head, D]
+            for h in range(H):
+                lh = lay * H + h
+                conc, ev, pref, mw, rs, mf, ov, mt, nd, un = ([] for _ in range(10))
+                for p in e.anchor_pos:
+                    a = pat[h, p - 1, :p].numpy()
+                    pa = a / a.sum()
+                    nz = pa[pa > 0]
+                    conc.append(float(np.exp((nz * np.log(nz)).sum())))
+                    ev.append(float(a[e.evidence_pos].sum()))
+                for p in e.answer_pos:
+                    q = p - 1
+                    a = pat[h, q]
+                    if tpos and mpos:
+                        at, am = float(a[tpos].mean()), float(a[mpos].mean())
+                        pref.append((at - am) / (at + am))
+                    t = tok[p]
+                    sibs = [lt[m] for m in e.near_misses if la[m] == la[lab_of[t]]]
+                    if not sibs:
+                        continue
+                    d = W_U[:, t] - W_U[:, sibs].mean(1)
+                    norm = g / scale[q]
+                    mw.append(float((res[q, h] * norm) @ d))
+                    per_key = {s: (v[s, h] @ W_O[h]) * norm for s in sl if s <= q}
+                    rs.append(sum(float(a[s]) * float(wk @ d) for s, wk in per_key.items()))
+                    sib_pos = [s for s in per_key if tok[s] in sibs]
+                    mf.append(sum(float(a[s]) * float(per_key[s] @ d) for s in sib_pos))
+                    mt.append(sum(float(a[s]) * float(per_key[s] @ d) for s in per_key
+                                  if tok[s] in tgt))
+                    up = W_U[:, t] - vocab_mean
+                    nd.append(rs[-1] - sum(float(a[s]) * float(wk @ up)
+                                           for s, wk in per_key.items()))
+                    un.append(sum(float(a[s]) for s in per_key)
+                              * float(np.mean([float(wk @ d) for wk in per_key.values()])))
+                    if sib_pos:
+                        own = sum(float(a[s]) * float(per_key[s] @ (W_U[:, tok[s]] - vocab_mean))
+                                  for s in sib_pos)
+                        ov.append(own / sum(float(a[s]) for s in sib_pos))
+                for k, vals in zip(cols, (conc, ev, pref, mw, rs, mf, ov, mt, nd, un),
+                                strict=True):
+                    note_mean(k, lh, vals)
+    for k in cols:
+        want = np.array([np.mean(x) for x in per_note[k]])
+        got = df[k].to_numpy(float)
+        assert not np.isnan(want).any() and np.abs(want).max() > 1e-3, k
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=k)

@@ -594,7 +594,7 @@ def test_progress_bars_count_set_prompts_to_a_total_fixed_up_front(planted, monk
     """Issue 36 item 12: the validate bar's total jumped mid-run (21504 -> 18176) when fewer
     distinct random sets existed than asked. Both bars now count (set, prompt) rows to a total
     fixed before the first run: it never changes and is reached exactly."""
-    import tqdm.auto
+    import circuitkit._progress  # every circuitkit bar is made from its class
 
     model, task, scores = planted
     bars = []
@@ -614,7 +614,7 @@ def test_progress_bars_count_set_prompts_to_a_total_fixed_up_front(planted, monk
         def close(self):
             pass
 
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    monkeypatch.setattr(circuitkit._progress, "tqdm", Recorder)
     with pytest.warns(UserWarning, match="random head sets differ"):
         validate_heads(model, task, scores, k=1, n_random=50, progress=True)
         ablate_heads(model, task, scores, k=1, n_random=50, ablations=("zero", "mean"),

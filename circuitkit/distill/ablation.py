@@ -171,7 +171,9 @@ def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[
     best = scores.sort_values(order + ["layer", "head"],
                               ascending=[False, False, True, True]).head(k)
     out = {p: float(best[p].astype(float).mean()) for p in parts}
-    out[f"phase{phase}_heads"] = " ".join(f"L{int(r.layer)}H{int(r.head)}"
+    from circuitkit import hooks
+
+    out[f"phase{phase}_heads"] = " ".join(hooks.head_name(int(r.layer), int(r.head))
                                           for r in best.itertuples())
     return out
 

@@ -96,6 +96,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
+from circuitkit.patching.shortcuts import attn_result_off  # nothing here reads hook_result
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 
 FORMAT = "circuitkit.distill.signals/4"  # /2: a SHA-256 per shard; /3: per-head signals;
@@ -375,22 +376,6 @@ class Pooling:
 
 
 # --- reading a model --------------------------------------------------------------------------
-
-
-class attn_result_off:
-    """Per-head ``hook_result`` off for a run (nothing here reads it; it costs an einsum)."""
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.on = bool(getattr(getattr(model, "cfg", None), "use_attn_result", False))
-
-    def __enter__(self) -> None:
-        if self.on:
-            self.model.set_use_attn_result(False)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.on:
-            self.model.set_use_attn_result(True)
 
 
 def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],

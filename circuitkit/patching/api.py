@@ -47,13 +47,12 @@ from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     quiet_baseline,
     verified_mask,
 )
-from circuitkit.patching.sweep import (  # noqa: F401 (plan: re-exported)
+from circuitkit.patching.sweep import (
     EdgeLayout,
     Sweep,
     auto_rows,
     length_order,
     make_sweep,
-    plan,
 )
 
 # One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;

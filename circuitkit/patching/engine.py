@@ -452,11 +452,11 @@ class ExactEngine:
     def length_split(self, p0: int, p1: int) -> int | None:
         """For a metric without per-prompt values (its chunks hold every prompt): a prompt
         index splitting ``p0:p1`` (sorted by length) into two forwards when that saves >= 10% of
-        token-rows and each keeps >= 1/4 of the prompts (as ``sweep.plan`` does across chunks
+        token-rows and each keeps >= 1/4 of the prompts (as ``sweep.chunked`` does across chunks
         for per-prompt metrics); None otherwise, or when the logits are not read at known
         positions (full-length logits of two buckets would not join)."""
         if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
-            return None  # (a per-prompt metric's chunks are already length buckets: sweep.plan)
+            return None  # (a per-prompt metric's chunks are already length buckets: sweep.chunked)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()
         if any(a > b for a, b in zip(need, need[1:], strict=False)):
             return None  # not sorted by length: nothing to gain
@@ -954,6 +954,7 @@ class ExactEngine:
         return self._mean_z[layer]
 
 
+# "mean": mean_z, over prompts and positions (ck.circuit's per-position one is "position-mean")
 HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
 
 

@@ -1,6 +1,6 @@
 """Orchestration of an exact sweep (heads, layers or edges): ``run_sweep``.
 
-Flow: prompts sorted by the length their metric needs -> ``sweep.plan`` (chunks) -> memory
+Flow: prompts sorted by the length their metric needs -> ``sweep.chunked`` (chunks) -> memory
 fitted (``fit_rows``: cached runs and the heaviest chunk as a probe, rows halved on
 out-of-memory) -> checkpoint opened and verified (``checkpoint.SweepCheckpoint``) -> this rank's
 missing chunks computed (``compute``: each saved as it finishes, split on out-of-memory by
@@ -38,11 +38,11 @@ from circuitkit.patching.sweep import (
     Chunk,
     Sweep,
     auto_rows,
+    chunked,
     is_out_of_memory,
     length_order,
     make_edge_sweep,
     make_sweep,
-    plan,
     release_cached_memory,
 )
 
@@ -258,7 +258,7 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         agreed = distributed.agreed_min(rows)
         if agreed < rows:
             rows, first = agreed, {}
-            sweep = engine.sweep = plan(sweep, rows, lengths)
+            sweep = engine.sweep = chunked(sweep, rows, lengths)
             bar.reset()  # a new plan: the bar restarts over its chunks
     ckpt = None
     if checkpoint is not None:
@@ -312,7 +312,7 @@ def fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, s
     backoffs = 0
     timing = {} if timing is None else timing
     while True:
-        planned = plan(sweep, rows, lengths)
+        planned = chunked(sweep, rows, lengths)
         if stored is not None:
             planned = replace(planned, chunks=stored)
         oom = None

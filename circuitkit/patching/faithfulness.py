@@ -24,7 +24,8 @@ recomputes the means, as ``PatchResult`` does). The degenerate-baseline rule is
 The run (``_Ablated``), block by block: each head's q/k/v input is its own copy of the residual
 (its activation computed by the module itself on that copy, ``shortcuts.run_until``). With
 ``live_s`` a sender's write in this run and ``abl_s`` its ablated write (``ablation``: the
-corrupt run's, zero, the mean over the task's clean prompts per position, or another prompt's
+corrupt run's, zero, the mean over the task's clean prompts per position ("position-mean"), or
+another prompt's
 clean write), a receiver ``r`` reads at input ``i``
 
     x_r,i = x - sum_{s alive, (s, r, i) not kept} (live_s - abl_s)
@@ -50,9 +51,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.hooks import node_name
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.engine import evaluate_metric
+from circuitkit.patching.engine import derangement, evaluate_metric
 from circuitkit.patching.inputs import (
     check_edge_model,
     check_metric_prompts,
@@ -60,18 +62,19 @@ from circuitkit.patching.inputs import (
     choice,
 )
 from circuitkit.patching.results import (
+    CIRCUIT_ABLATIONS,
+    CIRCUIT_OLD_ABLATIONS,
     CircuitResult,
     CircuitTargetWarning,
     DegenerateBaselineWarning,
     EdgeResult,
     PatchResult,
     _outside_circuitkit,
-    node_name,
     quiet_baseline,
 )
 from circuitkit.patching.sweep import auto_rows
 
-ABLATIONS = ("corrupt", "zero", "mean", "resample")
+ABLATIONS = CIRCUIT_ABLATIONS  # "mean": position-mean's old name (CIRCUIT_OLD_ABLATIONS)
 RANKS = ("abs", "signed")
 # MIB's circuit sizes: shares of the scored items kept
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -91,8 +94,10 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     ``|effect|`` (``rank="abs"``) or helpful first (``"signed"``, as MIB's CPR ranks: by
     effect for denoise, by ``-effect`` for noise, where breaking the metric is the help).
     ``sizes``: shares of the items kept, in (0, 1], ascending (``int(share x n_items)`` items,
-    as MIB counts). ``ablation``: "corrupt" (the corrupt run's writes), "zero", "mean" (over
-    the task's clean prompts, per position) or "resample" (another prompt's clean writes, a
+    as MIB counts). ``ablation``: "corrupt" (the corrupt run's writes), "zero", "position-mean"
+    (the mean write over the task's clean prompts, per position; "mean" is its old name, taken
+    with a ``DeprecationWarning``: ``ablate_heads``' "mean" is over prompts and positions
+    together) or "resample" (another prompt's clean writes, a
     seeded derangement). ``target``: the kept set (``CircuitResult.kept``) is the smallest
     circuit of the curve with faithfulness >= target; when none reaches it,
     ``target_reached`` is False, a ``CircuitTargetWarning`` says so and the kept set is the
@@ -105,6 +110,11 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     effects in ``faithfulness``, None for cpr/cmd/share, and one ``DegenerateBaselineWarning``.
     """
     t0 = time.perf_counter()
+    if ablation in CIRCUIT_OLD_ABLATIONS:
+        warnings.warn(f"ablation={ablation!r} is now {CIRCUIT_OLD_ABLATIONS[ablation]!r} (the "
+                      "mean over prompts per position; ablate_heads' 'mean' pools positions "
+                      "too); the old name will go.", DeprecationWarning, stacklevel=2)
+        ablation = CIRCUIT_OLD_ABLATIONS[ablation]
     choice("ablation", ablation, ABLATIONS)
     choice("rank", rank, RANKS)
     sizes = _check_sizes(sizes)
@@ -494,15 +504,13 @@ class _Ablated:
         clean = self._writes(clean_cache)
         if ablation == "zero":
             return [torch.zeros_like(w[:1]) for w in clean]
-        if ablation == "mean":
+        if ablation == "position-mean":
             return [w.mean(0, keepdim=True) for w in clean]
         n = clean[0].shape[0]
         if n < 2:
             raise ValueError("ablation='resample' takes another prompt's writes: it needs at "
                              "least 2 prompts.")
-        g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(n, generator=g)
-        perm = torch.roll(perm, 1)[torch.argsort(perm)]  # a derangement: no prompt keeps its own
+        perm = derangement(n, seed)  # the engine's: no prompt keeps its own (ablate_heads' too)
         return [w[perm] for w in clean]
 
     @torch.no_grad()

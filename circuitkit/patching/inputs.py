@@ -146,7 +146,7 @@ def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
     if len(set(inputs)) != len(inputs):
         raise ValueError(f"inputs={list(inputs)!r} names an input twice; give each once.")
     inputs = tuple(n for n in hooks.EDGE_INPUTS if n in inputs)
-    embed, logits = (-1, -1), (f.n_layers, -1)
+    embed, logits = hooks.EMBED_NODE, hooks.logits_node(f.n_layers)
     out = []
     for role, given, default, special in (("senders", senders, [embed, *heads], "embed"),
                                           ("receivers", receivers, [*heads, logits], "logits")):
@@ -169,7 +169,7 @@ def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
     first = min(la for la, _ in out[0])
     late = [r for r in out[1] if r[0] <= first]
     if late:
-        name = _node_name(late[0], f.n_layers)
+        name = hooks.node_name(late[0], f.n_layers)
         raise ValueError(f"receiver {name} is not after any sender (the earliest sender is in "
                          f"{'the embeddings' if first < 0 else f'layer {first}'}): an edge "
                          "runs from a sender to a receiver in a later layer; drop it or add "
@@ -182,12 +182,12 @@ def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
             node[1] < (f.n_kv_heads if name in hooks.KV_SITES else f.n_heads) for name in inputs)
 
     if not any(receives(r) for r in out[1]):
-        names = [_node_name(r, f.n_layers) for r in out[1]]
+        names = [hooks.node_name(r, f.n_layers) for r in out[1]]
         raise ValueError(
             f"receivers={names} with inputs={list(inputs)} give no edge: this model's k/v "
             f"inputs are its {f.n_kv_heads} KV heads per layer (GQA: heads 0..{f.n_kv_heads - 1}"
             f" of each layer receive k and v), and these receivers are none of them. Add 'q' to "
-            f"inputs, or name KV heads (e.g. L{out[1][0][0]}H0) as receivers.")
+            f"inputs, or name KV heads (e.g. {hooks.head_name(out[1][0][0], 0)}) as receivers.")
     return out[0], out[1], inputs
 
 
@@ -195,16 +195,16 @@ def _node(role: str, node: Any, f: Any, special: str, special_node: tuple[int, i
           ) -> tuple[int, int]:
     """One sender or receiver as ``(layer, head)``; ``special`` ("embed"/"logits") as
     ``special_node``."""
-    import re
+    from circuitkit import hooks
 
     if isinstance(node, str):
         if node == special:
             return special_node
-        m = re.fullmatch(r"L(\d+)H(\d+)", node)
-        if m is None:
+        parsed = hooks.parse_head(node)
+        if parsed is None:
             raise ValueError(f"{role}: {node!r} is not a node; expected (layer, head), 'L3H2' "
                              f"or {special!r}.")
-        node = (int(m.group(1)), int(m.group(2)))
+        node = parsed
     try:
         layer, head = (int(x) for x in node)
         if isinstance(node, str) or any(isinstance(x, bool | float) for x in node):
@@ -217,11 +217,6 @@ def _node(role: str, node: Any, f: Any, special: str, special_node: tuple[int, i
                          f"x {f.n_heads} heads (layers 0..{f.n_layers - 1}, heads "
                          f"0..{f.n_heads - 1}).")
     return layer, head
-
-
-def _node_name(node: tuple[int, int], n_layers: int) -> str:
-    layer, head = node
-    return "embed" if layer < 0 else "logits" if layer >= n_layers else f"L{layer}H{head}"
 
 
 def check_edge_model(model: Any) -> None:

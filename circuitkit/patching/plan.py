@@ -6,7 +6,7 @@ instead (``api.plan_patch``). Every figure is a formula of the config and the pr
 counts, stated here so the numbers can be checked by hand:
 
 * **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
-  Exact: the engine's chunk plan (``sweep.plan``, same rows and length buckets as a real run),
+  Exact: the engine's chunk plan (``sweep.chunked``, same rows and length buckets as a real run),
   each chunk costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``, plus
   2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt (every estimator's
   cost is its registry entry's, ``estimators.costs``). Attribution then
@@ -52,7 +52,7 @@ from circuitkit.patching.estimators.costs import (  # noqa: F401  (their home be
 )
 from circuitkit.patching.estimators.registry import REGISTRY
 from circuitkit.patching.inputs import check_top_k
-from circuitkit.patching.sweep import MAX_ROWS, Sweep, plan, row_bytes
+from circuitkit.patching.sweep import MAX_ROWS, Sweep, chunked, row_bytes
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     if rows is not None and rows < 1:
         raise ValueError(f"rows={rows!r} (--batch-size): expected a positive integer.")
     rows = fit if rows is None else rows
-    sweep = plan(Sweep("heads", site, direction, positions, L, n_units, n_pos, n, seq, True),
+    sweep = chunked(Sweep("heads", site, direction, positions, L, n_units, n_pos, n, seq, True),
                  rows, lengths)
     per_pass = flops_per_pass(arch, seq)
     rate = g.bf16_dense_flops * utilisation * replicas
@@ -294,7 +294,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     """Cost of an edge sweep (``api.patch_edges``) of ``arch`` over prompts of ``lengths``
     tokens, per method, from the config alone (``layout``: the ``sweep.EdgeLayout``).
 
-    Exact: the engine's plan (length buckets as ``sweep.plan`` cuts them, at most ``rows``
+    Exact: the engine's plan (length buckets as ``sweep.chunked`` cuts them, at most ``rows``
     sequences per forward); an edge into layer ``l`` reruns blocks ``l..L-1`` up to its bucket's
     last read (the logits: one block's worth, the final norm and unembedding), plus one partial
     run per (sender, receiver layer) through the receiving layer's norm and q/k/v projections
@@ -318,7 +318,7 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     per_layer = layout.layer_variants
     n_edges = sum(per_layer)
     # the engine's length buckets (one variant per layer: what plan cuts prompts into)
-    buckets = sorted({(c.p0, c.p1) for c in plan(
+    buckets = sorted({(c.p0, c.p1) for c in chunked(
         Sweep("edges", "", direction, "all", 1, 1, 1, n, seq, True), rows, lengths).chunks})
     token_blocks, n_chunks = 0.0, 0
     senders_before = [sum(1 for sl, _ in layout.senders if sl < la) for la in range(L + 1)]

@@ -374,8 +374,9 @@ def _check_nodes(senders: Sequence[tuple[int, int]], receivers: Sequence[tuple[i
     field."""
     top = math.inf if n_heads is None else n_heads
     heads = "" if n_heads is None else f" x {n_heads}-head"
-    for role, nodes, special, what in (("senders", senders, (-1, -1), "embeddings"),
-                                       ("receivers", receivers, (n_layers, -1), "logits")):
+    for role, nodes, special, what in (("senders", senders, hooks.EMBED_NODE, "embeddings"),
+                                       ("receivers", receivers, hooks.logits_node(n_layers),
+                                        "logits")):
         for a, b in nodes:
             if not ((a, b) == special or 0 <= a < n_layers and 0 <= b < top):
                 raise ValueError(f"{role}: ({a}, {b}) is not a node of a {n_layers}-layer{heads} "

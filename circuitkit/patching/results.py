@@ -514,10 +514,7 @@ def verified_mask(result: PatchResult) -> Tensor:
 EDGE_TENSORS = TENSOR_FIELDS  # the same four, with edge-shaped values (kept: a public name)
 
 
-def node_name(node: tuple[int, int] | list[int], n_layers: int) -> str:
-    """``"embed"`` (layer -1), ``"logits"`` (layer ``n_layers``) or ``"L{layer}H{head}"``."""
-    layer, head = int(node[0]), int(node[1])
-    return "embed" if layer < 0 else "logits" if layer >= n_layers else f"L{layer}H{head}"
+node_name = hooks.node_name  # (re-exported: the one spelling of node names is hooks')
 
 
 @dataclass
@@ -752,7 +749,11 @@ def _edge_paths(path: str | Path) -> dict[str, Path]:
 CIRCUIT_FORMAT = "circuitkit.circuit"
 CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap
 CIRCUIT_KINDS = ("edges", "heads")
-CIRCUIT_ABLATIONS = ("corrupt", "zero", "mean", "resample")
+# "position-mean": the clean prompts' mean write at each position (ablate_heads' "mean", over
+# prompts and positions together, is another quantity: docs/edges.md). "mean" is its old name,
+# read from files written before and taken by ck.circuit with a DeprecationWarning.
+CIRCUIT_ABLATIONS = ("corrupt", "zero", "position-mean", "resample")
+CIRCUIT_OLD_ABLATIONS = {"mean": "position-mean"}
 CIRCUIT_RANKS = ("abs", "signed")
 CIRCUIT_INPUTS = (*hooks.EDGE_INPUTS, "resid")
 
@@ -762,20 +763,7 @@ class CircuitTargetWarning(UserWarning):
     is False): the kept set is the largest circuit of the curve, not one that reaches it."""
 
 
-def node_of(name: str, n_layers: int) -> tuple[int, int]:
-    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1),
-    ``"L2H5"`` -> (2, 5); a ``ValueError`` for anything else."""
-    if name == "embed":
-        return (-1, -1)
-    if name == "logits":
-        return (n_layers, -1)
-    import re
-
-    m = re.fullmatch(r"L(\d+)H(\d+)", str(name))
-    if not m or int(m.group(1)) >= n_layers:
-        raise ValueError(f"{name!r} is not a node of a {n_layers}-layer model (embed, logits or "
-                         "L<layer>H<head>).")
-    return (int(m.group(1)), int(m.group(2)))
+node_of = hooks.parse_node  # node_name's inverse (re-exported under its old name)
 
 
 def gap_percent(share: float) -> str:
@@ -968,6 +956,8 @@ def read_circuit_json(path: str | Path) -> dict[str, Any]:
     if degenerate is not None and not isinstance(degenerate, str):
         raise bad("degenerate", "null or a string (why f is no share)", degenerate)
     choice("kind", data["kind"], CIRCUIT_KINDS)
+    if isinstance(data["ablation"], str) and data["ablation"] in CIRCUIT_OLD_ABLATIONS:
+        data["ablation"] = CIRCUIT_OLD_ABLATIONS[data["ablation"]]  # a file of an older version
     choice("ablation", data["ablation"], CIRCUIT_ABLATIONS)
     choice("rank", data["rank"], CIRCUIT_RANKS)
     integer("n_layers", data["n_layers"], 1)

@@ -73,17 +73,24 @@ _POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def attn_result_off(model: Any):
-    """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
-    per-head einsum for it costs as much as the output projection again."""
-    on = bool(getattr(model.cfg, "use_attn_result", False))
-    if on:
-        model.set_use_attn_result(False)
+def attn_result(model: Any, on: bool):
+    """Per-head ``hook_result`` on or off for the run (``set_use_attn_result``), the caller's
+    flag restored after; the one switch of it (``attn_result_off``, scoring's ``hook_result``
+    readers)."""
+    was = bool(getattr(getattr(model, "cfg", None), "use_attn_result", False))
+    if was != on:
+        model.set_use_attn_result(on)
     try:
         yield
     finally:
-        if on:
-            model.set_use_attn_result(True)
+        if was != on:
+            model.set_use_attn_result(was)
+
+
+def attn_result_off(model: Any):
+    """Per-head ``hook_result`` off for the run: no sweep site reads it, and the bridge's
+    per-head einsum for it costs as much as the output projection again."""
+    return attn_result(model, False)
 
 
 @contextlib.contextmanager

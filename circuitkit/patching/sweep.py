@@ -111,7 +111,7 @@ def make_sweep(model: Any, kind: str, site: str, direction: str, positions: Any,
                  metric.per_prompt_values)
 
 
-def plan(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
+def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
     """``sweep`` cut into chunks of at most ``rows`` sequences per forward pass.
 
     ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
@@ -222,12 +222,7 @@ def release_cached_memory() -> None:
 
 # --- edge sweeps ----------------------------------------------------------------------------------
 
-EMBED_NODE = (-1, -1)  # the sender "embed": the embeddings' write (resid_pre of block 0)
-
-
-def logits_node(n_layers: int) -> tuple[int, int]:
-    """The receiver "logits": the final residual the unembedding reads (after every block)."""
-    return (n_layers, -1)
+EMBED_NODE, logits_node = hooks.EMBED_NODE, hooks.logits_node  # (their home: hooks)
 
 
 @dataclass(frozen=True)

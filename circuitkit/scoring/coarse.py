@@ -18,6 +18,18 @@ position whose logits predict the anchor (task layout: ``tokens[p]`` is read at 
   high only when attention is sharp *and* the write is anchor-aligned; a sharp head writing an
   unaligned direction scores ~0, a well-aligned diffuse head is damped.
 
+Length-invariant sharpness (issue 34: excess kurtosis grows with the row's length for the same
+spread over the same keys: uniform over 3 keys scores -1.73 in an 8-key row, 5.11 in a 30-key row).
+Two columns beside ``sharpness``, whose formula is kept:
+
+* ``concentration(rows, valid) = exp(-H)`` with ``H = -sum_s a_s log a_s`` over the valid keys (the
+  row renormalised over them): ``1 / (effective number of keys attended)``, in ``(0, 1]``; 1 for
+  all mass on one key, ``1 / m`` for a row uniform over ``m`` keys whatever the row's length
+  (keys with no attention add nothing to ``H``).
+* ``salient_mass(rows, salient) = sum_{s in salient} a_s``: the attention mass on the note's
+  evidence positions (the words the anchors are read from), in [0, 1]; the same for a head
+  spreading its attention over the same evidence words at any row length.
+
 Anchor directions (``anchor_directions``), one centred column per anchor. Default ``"labels"``
 (the paper's semantic anchor centroids): ``u_a = m_a - mean_b m_b`` with ``m_a`` the mean
 unembedding column of anchor a's labels (``W_U[:, label_token_ids[label_anchor == a]].mean(1)``).
@@ -52,6 +64,21 @@ def excess_kurtosis(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"]
     flat = (m2 <= 1e-12 * mean.pow(2)) | (n < 2)
     k = m4 / torch.where(flat, torch.ones_like(m2), m2).pow(2) - 3.0
     return torch.where(flat, torch.full_like(k, FLAT_KURTOSIS), k).to(rows.dtype)
+
+
+def concentration(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"]
+                  ) -> Float[Tensor, "N H"]:
+    """``exp(-entropy)`` of each row over its ``valid`` keys (module docstring; float64 inside)."""
+    a = rows.double() * valid[:, None, :].double()
+    p = a / a.sum(-1, keepdim=True).clamp(min=1e-300)
+    ent = -(p * torch.log(p.clamp(min=1e-300))).sum(-1)
+    return torch.exp(-ent).to(rows.dtype)
+
+
+def salient_mass(rows: Float[Tensor, "N H S"], salient: Float[Tensor, "N S"]
+                 ) -> Float[Tensor, "N H"]:
+    """Attention mass on the ``salient`` keys (0/1 per key) of each row (module docstring)."""
+    return torch.einsum("nhs,ns->nh", rows.float(), salient.float())
 
 
 def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, " A"],

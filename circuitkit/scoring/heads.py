@@ -41,6 +41,19 @@ margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
 refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
 refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
 refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
+sharpness_concentration  mean ``exp(-entropy)`` of the Phase-1 row (keys ``0..q``): 1 / the
+                         effective number of keys attended; length-invariant (``coarse.py``)
+evidence_mass            mean attention mass on the note's evidence positions at Phase-1 rows
+key_preference_nonadjacent  ``key_preference`` without the near-miss entries that stand just
+                         before a target entry in the shortlist (``refine.py``)
+margin_widening_siblings ``margin_widening`` against the target's own siblings only
+                         (near-misses with the target's anchor); rows without one left out
+refine_score_siblings    ``refine_score`` along that sibling margin
+margin_from_siblings     ``refine_score_siblings``' sum over the sibling near-miss entries
+ov_copy_siblings         ``ov_copy`` over the sibling near-miss entries only
+margin_from_targets_siblings  ``refine_score_siblings``' sum over the target entries
+refine_near_down_siblings  ``refine_score_siblings - refine_target_up`` (on the same rows)
+refine_if_uniform_siblings  ``refine_if_uniform`` along the sibling margin
 =======================  ===================================================================
 
 Means are over an example's query positions, then over examples (as Reasoning Focus is); a
@@ -72,7 +85,6 @@ the bootstrap). The unembedding runs at one position only (its output is not use
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -93,7 +105,10 @@ COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "sh
            "anchor_alignment_tokens", "coarse_score_tokens", "phase1_rank_tokens",
            "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
            "margin_from_near_misses", "refine_target_up", "refine_near_down",
-           "refine_if_uniform"]
+           "refine_if_uniform", "sharpness_concentration", "evidence_mass",
+           "key_preference_nonadjacent", "margin_widening_siblings", "refine_score_siblings",
+           "margin_from_siblings", "ov_copy_siblings", "margin_from_targets_siblings",
+           "refine_near_down_siblings", "refine_if_uniform_siblings"]
 BATCH_BYTES = 256 * 2**20  # cached activations per batch (patterns dominate: L*H*S^2 floats)
 N_BOOT = 50  # bootstrap resamples of the examples (rank intervals, top-k inclusion)
 STABLE_MIN = 0.8  # a top-k head included in fewer resamples than this is flagged unstable
@@ -103,7 +118,13 @@ PHASE1_PARTS = ("sharpness", "anchor_alignment", "anchor_alignment_tokens")
 PHASE2_PARTS = ("shortlist_share", "key_preference", "margin_widening", "refine_score",
                 "ov_copy", "ov_copy_targets", "ov_copy_near_misses", "margin_from_targets",
                 "margin_from_near_misses", "refine_target_up", "refine_if_uniform")
-KEY_PARTS = PHASE2_PARTS[3:]  # need each key's write: NaN without W_O
+# issue 34's instruments, each its own column beside the ones above (not in the bootstrap)
+PHASE1_EXTRA = ("sharpness_concentration", "evidence_mass")
+PHASE2_EXTRA = ("key_preference_nonadjacent", "margin_widening_siblings",
+                "refine_score_siblings", "margin_from_siblings", "ov_copy_siblings",
+                "margin_from_targets_siblings", "refine_near_down_siblings",
+                "refine_if_uniform_siblings")
+KEY_PARTS = PHASE2_PARTS[3:] + PHASE2_EXTRA[2:]  # need each key's write: NaN without W_O
 
 
 @dataclass
@@ -113,7 +134,10 @@ class QueryPlan:
     ``target_keys``/``near_keys``/``shortlist_keys`` [N2, S] (shortlist positions <= q holding
     a target / a near-miss / any entry), ``key_pos``/``key_tok`` [N2, K] (those shortlist
     positions and their tokens, padded -1), ``target_tok`` [N2] and ``near_tok`` [N2, M]
-    (padded -1)."""
+    (padded -1). Issue 34's instruments: ``evidence_keys`` [N1, S] (the note's evidence
+    positions <= q), ``nonadjacent_keys`` [N2, S] (near-miss entries not immediately before a
+    target entry in the shortlist), ``sibling_tok`` [N2, M'] (the near-misses in the step's
+    target's own category, padded -1) and ``sibling_keys`` [N2, S] (the entries holding them)."""
 
     b1: Int[Tensor, " N1"]
     q1: Int[Tensor, " N1"]
@@ -129,6 +153,10 @@ class QueryPlan:
     shortlist_keys: Float[Tensor, "N2 S"]
     key_pos: Int[Tensor, "N2 K"]
     key_tok: Int[Tensor, "N2 K"]
+    evidence_keys: Float[Tensor, "N1 S"] | None = None
+    nonadjacent_keys: Float[Tensor, "N2 S"] | None = None
+    sibling_tok: Int[Tensor, "N2 M"] | None = None
+    sibling_keys: Float[Tensor, "N2 S"] | None = None
 
 
 def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> int:
@@ -154,11 +182,17 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
     """Query rows of ``examples`` (a batch) under the task layout (module docstring)."""
     tok2anchor = {int(t): i for i, t in enumerate(task.anchor_token_ids.tolist())}
     lt = task.label_token_ids
+    tok2label = {int(t): i for i, t in enumerate(lt.tolist())}
+    label_anchor = task.label_anchor.tolist()
     b1, q1, a1, w1, b2, q2, w2, tt, nt = [], [], [], [], [], [], [], [], []
     tkeys, nkeys, skeys, kpos, ktok = [], [], [], [], []
+    ekeys, akeys, sibtok, sibkeys = [], [], [], []
     for b, e in enumerate(examples):
         steps = [(j, p - 1) for j, p in enumerate(e.anchor_pos) if p >= 1]
+        ev_row = torch.zeros(seq)
+        ev_row[[p for p in e.evidence_pos if p < seq]] = 1.0
         for j, q in steps:
+            ekeys.append(ev_row * (torch.arange(seq) <= q))
             b1.append(b)
             q1.append(q)
             a1.append(_correct_anchor(task, e, j, tok2anchor))
@@ -176,6 +210,12 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
                 t_row[s] = 1.0
             elif tok in n_tok:
                 n_row[s] = 1.0
+        # near-miss entries not immediately before a target entry (shortlist order)
+        order = sorted(set(e.shortlist_pos))
+        a_row = n_row.clone()
+        for i, s in enumerate(order[:-1]):
+            if t_row[order[i + 1]] > 0:
+                a_row[s] = 0.0
         for q in steps2:
             b2.append(b)
             q2.append(q)
@@ -186,6 +226,16 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
             seen = torch.arange(seq) <= q
             tkeys.append(t_row * seen)
             nkeys.append(n_row * seen)
+            akeys.append(a_row * seen)
+            t_lab = tok2label.get(int(e.tokens[q + 1]))
+            sib = [int(lt[m]) for m in e.near_misses if t_lab is not None
+                   and label_anchor[int(m)] == label_anchor[t_lab]]
+            sibtok.append(sib)
+            sib_row = torch.zeros(seq)
+            for s in e.shortlist_pos:
+                if int(e.tokens[s]) in sib and s <= q:
+                    sib_row[s] = 1.0
+            sibkeys.append(sib_row)
             skeys.append(s_row * seen)
             keys = sorted(s for s in set(e.shortlist_pos) if s <= q)
             kpos.append(keys)
@@ -199,7 +249,8 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
 
     return QueryPlan(ids(b1), ids(q1), ids(a1), torch.tensor(w1), ids(b2), ids(q2),
                      torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt),
-                     rows(skeys), _padded(kpos), _padded(ktok))
+                     rows(skeys), _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys),
+                     _padded(sibtok), rows(sibkeys))
 
 
 def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
@@ -344,7 +395,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         if source == "W_O":
             names |= {hooks.v(lay) for lay in range(L)}
     E = len(task)
-    acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS}
+    acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS + PHASE1_EXTRA
+           + PHASE2_EXTRA}
     bar = None
     if progress:
         from circuitkit._progress import tqdm
@@ -357,7 +409,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         tokens = sub.clean_tokens[:, :seq].to(device)
         plan = plan_queries(task, sub.examples, tokens.shape[1])
         first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
-        result_ctx = shortcuts.attn_result_off(model) if source == "W_O" else _attn_result_on(model)
+        result_ctx = shortcuts.attn_result(model, source != "W_O")  # read by hook_result only
         with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
                 result_ctx:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
@@ -380,6 +432,12 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             key_t = (plan.target_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
                 & key_ok
             key_m = (plan.near_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) & key_ok
+            # issue 34: the target's own siblings; near-misses not just before a target
+            sib_ok = (plan.sibling_tok >= 0).any(-1)  # [N2] rows with a sibling near-miss
+            sib_dir = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
+            key_sib = (plan.sibling_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
+                & key_ok
+            adj_ok = (plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0)
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
             if pat.shape[1] != H:
@@ -391,6 +449,10 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 writes = _head_writes(cache, lay, bd, qd, W_O, post)  # [N, H, D]
                 valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]
                 acc["sharpness"].add(lay, ex1, coarse.excess_kurtosis(rows, valid), plan.w1)
+                acc["sharpness_concentration"].add(lay, ex1, coarse.concentration(rows, valid),
+                                                   plan.w1)
+                acc["evidence_mass"].add(lay, ex1, coarse.salient_mass(
+                    rows, plan.evidence_keys.to(device)), plan.w1)
                 acc["anchor_alignment"].add(lay, ex1, coarse.anchor_alignment(
                     writes, U[mode], plan.anchor1), plan.w1)
                 acc["anchor_alignment_tokens"].add(lay, ex1, coarse.anchor_alignment(
@@ -406,6 +468,11 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
                                                 plan.near_keys.to(device))
                 acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
+                pref_na, _ = refine.key_preference(rows, plan.target_keys.to(device),
+                                                   plan.nonadjacent_keys.to(device))
+                acc["key_preference_nonadjacent"].add(lay, ex2, pref_na, plan.w2 * adj_ok)
+                acc["margin_widening_siblings"].add(lay, ex2, refine.margin_widening(
+                    scaled, sib_dir), plan.w2 * sib_ok)
                 if W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
                     nan = torch.full((len(b2), H), float("nan"))
                     for c in KEY_PARTS:
@@ -433,6 +500,22 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
                 acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
                                              plan.w2)
+                gain_sib = refine.key_effects(key_scaled, sib_dir[:, None, :].expand(-1, kk, -1)
+                                              .to(device))
+                rs_sib = refine.attended_sum(at_keys, gain_sib, key_ok)[0]
+                acc["refine_score_siblings"].add(lay, ex2, rs_sib, plan.w2 * sib_ok)
+                acc["refine_near_down_siblings"].add(
+                    lay, ex2, rs_sib - refine.attended_sum(at_keys, up, key_ok)[0],
+                    plan.w2 * sib_ok)
+                acc["margin_from_targets_siblings"].add(lay, ex2, refine.attended_sum(
+                    at_keys, gain_sib, key_t)[0], plan.w2 * sib_ok)
+                acc["refine_if_uniform_siblings"].add(lay, ex2, refine.uniform_sum(
+                    share, gain_sib, key_ok), plan.w2 * sib_ok)
+                acc["margin_from_siblings"].add(lay, ex2, refine.attended_sum(
+                    at_keys, gain_sib, key_sib)[0], plan.w2 * sib_ok)
+                e_sum, mass = refine.attended_sum(at_keys, own, key_sib)
+                acc["ov_copy_siblings"].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
+                                            plan.w2 * key_sib.any(-1).cpu())
         del cache
         if bar is not None:
             bar.update(len(sub))
@@ -714,15 +797,6 @@ def _key_writes(cache: Any, layer: int, b: Tensor, q: Tensor, key_pos: Int[Tenso
     return out
 
 
-@contextlib.contextmanager
-def _attn_result_on(model: Any):
-    """``hook_result`` on for the run (models scored through it), restored after."""
-    was = bool(getattr(model.cfg, "use_attn_result", False))
-    model.set_use_attn_result(True)
-    try:
-        yield
-    finally:
-        model.set_use_attn_result(was)
 
 
 def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:

@@ -60,6 +60,24 @@ value vector), read through the final norm as the run scaled it (``n``, ``final_
   writes the target from a near-miss entry lowers that entry's logit relative to any mean that
   includes the target.)
 
+Beside these, each its own column (issue 34; the columns above keep their formulas):
+
+* ``key_preference_nonadjacent``: ``key_preference`` with ``M`` replaced by ``M'``, the near-miss
+  entries that do not stand immediately before a target entry in the shortlist (the entry at the
+  previous shortlist position of a target). A head with an off-by-one habit (attention on the
+  entry before the one it copies) makes today's ``key_preference`` negative while it prefers the
+  target over the other near-misses. Undefined for a row without a target or an ``M'`` entry.
+* Sibling margins: the same quantities along ``W_U[:, t] - mean_{m in sib(t)} W_U[:, m]``, with
+  ``sib(t)`` the example's near-misses in the target's *own* category (``label_anchor[m] ==
+  label_anchor[t]``); today's near-miss margin averages over every near-miss of the note, other
+  categories' included. ``margin_widening_siblings`` (the direct effect), ``refine_score_siblings``
+  (``sum_{s in SL} A[s] m_sib[s]``) and ``margin_from_siblings`` (that sum over the shortlist
+  entries holding ``sib(t)``), ``margin_from_targets_siblings`` (over ``T``),
+  ``refine_near_down_siblings`` (``refine_score_siblings - refine_target_up``, row by row) and
+  ``refine_if_uniform_siblings``; ``ov_copy_siblings``: ``ov_copy`` over those entries. Undefined
+  (left out of the means) for a row whose target has no sibling among the near-misses: no
+  vocabulary-mean fallback.
+
 Rejected (issue 23): ``loopback = mass_T - mass_M`` (negative for a uniform look-back, as a
 shortlist holds more near-misses than targets) and ``refine_score = (1 + loopback) / 2 *
 margin_widening`` (a gate >= 0.3 for every head of the shipped teacher: the ranking was

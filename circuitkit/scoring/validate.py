@@ -701,4 +701,4 @@ def _run_problem(meta: dict, names: list[str], runs: Tensor | None, key: str,
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:
-    return " ".join(f"L{layer}H{h}" for layer, h in heads)
+    return " ".join(hooks.head_name(layer, h) for layer, h in heads)

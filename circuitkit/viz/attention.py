@@ -91,7 +91,9 @@ class AttentionView:
 
     @property
     def head_names(self) -> list[str]:
-        return [f"L{layer}H{head}" for layer, head in self.heads]
+        from circuitkit import hooks
+
+        return [hooks.head_name(layer, head) for layer, head in self.heads]
 
     def props(self) -> dict[str, Any]:
         """Props of circuitsvis's ``AttentionHeads`` (as ``circuitsvis.attention.attention_heads``

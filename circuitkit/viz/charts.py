@@ -151,7 +151,9 @@ def score_scatter(scores: Any, label_top: int = 5):
                              "the scatter of the two scores needs both. phase_profile shows "
                              "the other phase alone.")
     df = scores.reset_index(drop=True)
-    names = [f"L{int(r.layer)}H{int(r.head)}" for r in df.itertuples()]
+    from circuitkit import hooks
+
+    names = [hooks.head_name(int(r.layer), int(r.head)) for r in df.itertuples()]
     # best first, each score's top in turn: the strongest heads get the nearest places
     firsts = [list(df["coarse_score"].nlargest(label_top).index),
               list(df["refine_score"].nlargest(label_top).index)]

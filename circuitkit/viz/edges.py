@@ -59,7 +59,7 @@ def circuit_graph(source: Any, title: str | None = None, *, top: int = 30,
     ``max_width``), colour by input, dashed when the score is negative."""
     import plotly.graph_objects as go
 
-    from circuitkit.patching.results import node_name
+    from circuitkit.hooks import node_name
 
     edges, n_layers, what = _edges_of(source, top, index)
     if not edges:

@@ -44,6 +44,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from circuitkit import hooks
+
 ALPHA = 0.05  # the level "beats random heads" is read at
 # a candidate edge set carrying less than this share of the clean-corrupt gap is called small
 # (its faithfulness is a share of that small part, and the report says so in a warning colour)
@@ -91,7 +93,7 @@ def _pct(x: float) -> str:
 
 
 def head_name(head: tuple[int, int]) -> str:
-    return f"L{head[0]}H{head[1]}"
+    return hooks.head_name(*head)
 
 
 def _heads_phrase(heads: list[tuple[int, int]]) -> str:
@@ -112,7 +114,7 @@ def _heads_phrase(heads: list[tuple[int, int]]) -> str:
 
 
 def _parse_heads(text: Any) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in re.findall(r"L(\d+)H(\d+)", str(text))]
+    return hooks.heads_in(text)
 
 
 def _rows(validation: Any, phase: int, pool: str = "all-layers") -> dict[tuple[str, str], Any]:

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from circuitkit import hooks
 from circuitkit.viz.findings import SMALL_SHARE, phase_of
 
 # One line per quantity the report shows (what it means, in the report's own words).
@@ -402,7 +403,7 @@ def _stability_lines(summary: dict, scores: Any) -> str:
         # (summary.json's fields: every one escaped, numbers too, as a file may hold anything)
         n, k = _esc(str(phase).removeprefix("phase")), _esc(st.get("k"))
         if st.get("unstable"):
-            heads = ", ".join(f"L{la}H{h}" for la, h in st["unstable"])
+            heads = ", ".join(hooks.head_name(la, h) for la, h in st["unstable"])
             out.append(f"<p class='warn'>Phase-{n} top-{k}: {_esc(heads)} in the top "
                        f"{k} in fewer than 80% of the bootstrap resamples of the "
                        "examples: the ranking there is not stable.</p>")
@@ -702,6 +703,7 @@ def _stages_section(run_dir: Path, top: int = 10) -> str | None:
     them."""
     import pandas as pd
 
+    from circuitkit.hooks import head_name
     from circuitkit.patching.results import PatchResult, quiet_baseline
 
     folder = run_dir / "groups"
@@ -725,12 +727,12 @@ def _stages_section(run_dir: Path, top: int = 10) -> str | None:
                 norm, names = res.normalized(), res.meta["group_names"]
                 c = int(norm.abs().nan_to_num(0).flatten().argmax())
                 L, H, G = norm.shape
-                lines.append(f"{d}: strongest L{c // (H * G)}H{(c // G) % H} at the "
-                             f"{names[c % G]} positions ({float(norm.flatten()[c]):+.3f})")
+                lines.append(f"{d}: strongest {head_name(c // (H * G), (c // G) % H)} at "
+                             f"the {names[c % G]} positions ({float(norm.flatten()[c]):+.3f})")
                 for g, name in enumerate(names):
                     cols[f"{d}: {name}"] = norm[..., g].flatten().numpy()
         frame = pd.DataFrame(cols)
-        frame.insert(0, "head", [f"L{la}H{h}" for la in range(L) for h in range(H)])
+        frame.insert(0, "head", [head_name(la, h) for la in range(L) for h in range(H)])
         order = frame.drop(columns="head").abs().max(axis=1).sort_values(
             ascending=False).index[:top]
         out += (f"<h3>Phase {phase}</h3><p>{_esc('; '.join(lines))}.</p>"
