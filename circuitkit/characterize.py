@@ -11,6 +11,9 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       inclusion)
     validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
                       direction)
+    groups/           patch-p{phase}-{direction}.*: PatchResults [layer, head, group] over the
+                      task's position groups (``stage_groups``: evidence, anchor, shortlist,
+                      answer, read); ``summary["stages"]`` their strongest cells (exact only)
     head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
                       random sets: exact match, confusion, focus; resample needs two prompts
                       with steps of every phase: on one it is skipped, ``summary["skipped"]``)
@@ -47,7 +50,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-DEFAULT_N = 128  # icd-teacher on icd10: ~2 min on 2 busy CPU cores (measured; see the report)
+# icd-teacher on icd10: ~2.5 min on 2 busy CPU cores (measured; see the report; the stages
+# step's 4 sweeps x 5 position groups ~37 s of it)
+DEFAULT_N = 128
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
@@ -55,10 +60,11 @@ def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int,
     return [(phase, direction) for phase in phases for direction in ("denoise", "noise")]
 
 
-def step_names(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[str]:
-    """The step names ``characterize`` records in ``summary.json``, in order."""
-    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + ["scores", "validation",
-                                                                   "ablation"]
+def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = True) -> list[str]:
+    """The step names ``characterize`` records in ``summary.json``, in order (``stages``: the
+    position-group sweeps, run with exact patching)."""
+    return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + (
+        ["stages"] if stages else []) + ["scores", "validation", "ablation"]
 
 
 PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
@@ -204,7 +210,11 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         if stored_options != validation_options:  # same sweeps: score, validate, ablate and
             for step in ("scores", "validation", "ablation", "edges"):  # patch edges again
                 summary.get("steps", {}).pop(step, None)
-    expected = step_names(phases) + (["edges"] if edges else [])  # what a partial run misses
+    stages = patch_method == "exact"  # position groups: exact sweeps (or plain attribution)
+    if not stages:
+        skipped = [*skipped, f"stages (the [layer, head, group] sweeps over the task's position "
+                   f"groups) skipped: they run with patch_method='exact'; got {patch_method!r}."]
+    expected = step_names(phases, stages) + (["edges"] if edges else [])  # (a partial run misses)
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
     summary.update(identity=identity, versions=versions(), task_config=task.config,
@@ -237,7 +247,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         return True
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 3 + int(bool(edges))
+    total = len(sweeps) + 3 + int(stages) + int(bool(edges))
     sweep_results: dict[tuple[int, str], Any] = {}
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
@@ -269,6 +279,17 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     import pandas as pd
 
     i = len(sweeps) + 1
+    if stages:
+        if not reusable("stages", i):
+            _log(progress, f"[{i}/{total}] stages: every head patched at each position group "
+                           f"(evidence, anchor, shortlist, answer, read) per phase, both "
+                           "directions")
+            t0 = time.perf_counter()
+            written, summary["stages"] = _stages_step(
+                model, per_phase, out, batch_size, progress,
+                dict(model_name=name, task=task_name))
+            record("stages", time.perf_counter() - t0, written)
+        i += 1
     if reusable("scores", i):
         scores = pd.read_csv(out / "scores.csv")
     else:
@@ -420,6 +441,59 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
     circ.save_json(folder / "circuit.json")
     return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]
+
+
+STAGE_TOP = 5  # cells per (phase, direction) in summary["stages"]
+
+
+def stage_groups(task: Any) -> dict[str, Any]:
+    """The position groups ``characterize``'s stages step patches: ``task.position_groups()``
+    (each stage at its tokens' own positions) and "read": the positions the phase's metric
+    reads (the step before each scored token: where the answer is produced)."""
+    import torch
+
+    groups = task.position_groups()
+    reads = task.answer_positions
+    read = torch.zeros(task.clean_tokens.shape, dtype=torch.bool)
+    rows = torch.arange(len(task))[:, None].expand_as(reads)
+    read[rows[reads >= 0], reads[reads >= 0]] = True
+    groups["read"] = read
+    return groups
+
+
+def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, batch_size: int | None,
+                 progress: bool, meta: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Exact ``[layer, head, group]`` sweeps over each phase's ``stage_groups``, denoise and
+    noise: ``out/groups/patch-p{phase}-{direction}.*`` (PatchResult), and the summary's
+    ``stages``: per phase and direction the group names and the ``STAGE_TOP`` cells with the
+    largest ``|normalized|`` (head, group, normalized)."""
+    import circuitkit as ck
+    from circuitkit.patching.results import quiet_baseline
+
+    written, said = [], {}
+    for phase, tp in per_phase.items():
+        groups = stage_groups(tp)
+        for direction in ("denoise", "noise"):
+            step = f"patch-p{phase}-{direction}"
+            with quiet_baseline():  # (said once per phase by the whole-head sweeps)
+                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                     direction=direction, positions=groups,
+                                     batch_size=batch_size, progress=progress,
+                                     checkpoint=out / "checkpoints" / f"groups-{step}",
+                                     task_hash=tp.fingerprint())
+                norm = res.normalized()
+            res.meta.update(meta, phase=phase, n_examples=len(tp))
+            res.save(out / "groups" / step, views=False)
+            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
+            flat = norm.abs().nan_to_num(0).flatten()
+            top = flat.argsort(descending=True)[:STAGE_TOP].tolist()
+            L, H, G = norm.shape
+            said.setdefault(f"phase{phase}", {})[direction] = dict(
+                groups=list(res.meta["group_names"]), top=[
+                    dict(head=[c // (H * G), (c // G) % H],
+                         group=res.meta["group_names"][c % G],
+                         normalized=round(float(norm.flatten()[c]), 4)) for c in top])
+    return written, said
 
 
 def _stored(path: Path) -> Any:

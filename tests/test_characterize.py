@@ -36,7 +36,16 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert list(pd.read_csv(out / "scores.csv").columns) == COLUMNS
     assert list(pd.read_csv(out / "validation.csv").columns) == VALIDATION_COLUMNS
     stored = json.loads((out / "summary.json").read_text())
-    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 7
+    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8
+    # the stages step: [layer, head, group] sweeps over the task's position groups
+    for phase in (1, 2):
+        for d in ("denoise", "noise"):
+            res = ck.PatchResult.load(out / "groups" / f"patch-p{phase}-{d}")
+            assert res.axes == ("layer", "head", "group") and res.direction == d
+            assert res.meta["group_names"][-1] == "read" and res.values.shape[:2] == (3, 4)
+            top = stored["stages"][f"phase{phase}"][d]["top"]
+            assert len(top) == 5 and top[0]["group"] in res.meta["group_names"]
+    assert "Heads by stage" in (out / "report.html").read_text()
     assert stored["identity"]["task_fingerprint_p2"] and stored["versions"]["torch"]
     assert all(s["seconds"] >= 0 for s in stored["steps"].values())
 
@@ -98,11 +107,11 @@ def test_cli_score_and_characterize(tmp_path):
     # one line per file written; report.html once
     assert said.count("report.html") == 1 and "wrote " + str(tmp_path / "c" / "scores.csv") \
         in said
-    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 7 steps, [\d.]+ s loading", said)
+    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 8 steps, [\d.]+ s loading", said)
     again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
                                 "--n-random", "3", "--out", str(tmp_path / "c")])
     said = " ".join(again.output.split())
-    assert "7 steps reused from the folder (they had taken" in said
+    assert "8 steps reused from the folder (they had taken" in said
     assert "kept (finished by an earlier run): patch-p1-denoise" in said
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
@@ -122,7 +131,7 @@ def test_cli_characterize_on_one_prompt_skips_resample_and_says_so(tmp_path):
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     note = "resample ablation skipped: it takes each head's z from another prompt"
-    assert said.index("note: " + note) < said.index("[1/7] patch-p1-denoise")
+    assert said.index("note: " + note) < said.index("[1/8] patch-p1-denoise")
     assert "Not run. Resample ablation skipped" in said and "-n / n_examples" in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["ablations"] == ["zero", "mean"]
@@ -146,7 +155,7 @@ def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop,
     other = 3 - phase
     assert summary["phases"] == [phase] and summary["complete"]
     assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
-                                         "scores", "validation", "ablation"]
+                                         "stages", "scores", "validation", "ablation"]
     assert list(summary["top_heads"]) == [f"phase{phase}"]
     assert summary["identity"][f"task_fingerprint_p{other}"] is None
     names = {p.name for p in out.iterdir()}

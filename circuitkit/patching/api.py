@@ -19,7 +19,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching import attribution, auto, exact, hybrid
+from circuitkit.patching import attribution, auto, exact, groups, hybrid
 from circuitkit.patching.exact import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
 from circuitkit.patching.exact import versions  # noqa: F401 (re-exported)
 from circuitkit.patching.hybrid import check_max_passes  # noqa: F401 (re-exported)
@@ -38,6 +38,8 @@ from circuitkit.patching.inputs import (
     check_top_k,
     checked_metric,
     choice,
+    pad_token_id,
+    padded_lengths,
 )
 from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     EdgeResult,
@@ -79,7 +81,8 @@ def patch_heads(
     max_passes: float | None = None,
     screening_recall: bool = False,
 ) -> PatchResult:
-    """Patch every attention head (per layer; per position with ``positions="each"``).
+    """Patch every attention head (per layer; per position with ``positions="each"``; per
+    position group with ``positions`` a bool mask ``[batch, seq]`` or ``{name: mask}``).
 
     ``denoise``: each head's clean activation at ``site`` patched into the corrupt run;
     ``noise``: its corrupt activation patched into the clean run. ``values``: ``[n_layers,
@@ -108,8 +111,17 @@ def patch_heads(
     whole (a warning says so).
     ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
     ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
+    Position groups (``patching/groups.py``; ``task.position_groups()`` gives a task's
+    evidence, anchor, shortlist and answer positions): each head is patched at the group's
+    positions of each prompt at once; ``values [n_layers, n_heads, n_groups]``, axes ``(layer,
+    head, group)``, ``meta["group_names"]`` / ``["groups_hash"]``. Methods "exact" and plain
+    "attribution" (the per-position estimate summed over the group) only.
     """
     _check_method_options(method, estimator, atp_star, top_k, max_passes)
+    if groups.is_groups(positions):
+        return _patch_head_groups(model, clean_tokens, corrupt_tokens, metric, direction,
+                                  method, positions, site, batch_size, checkpoint, progress,
+                                  atp_star, estimator, backend, remote, task_hash)
     if method == "attribution":
         _unused_checkpoint(checkpoint, "method='attribution'")
     elif backend == "nnsight":
@@ -161,6 +173,44 @@ def patch_heads(
         res.warn_if_degenerate()
         return res
     res.meta.update(exact.described(meta, pm))
+    exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
+    res.warn_if_degenerate()
+    return res
+
+
+def _patch_head_groups(model, clean_tokens, corrupt_tokens, metric, direction, method,
+                       positions, site, batch_size, checkpoint, progress, atp_star, estimator,
+                       backend, remote, task_hash) -> PatchResult:
+    """``patch_heads`` with ``positions`` a position group (``groups``): the exact sweep with
+    one variant per (head, group), or plain attribution summed over each group's positions."""
+    if backend != "transformer_lens" or remote or method not in ("exact", "attribution") or (
+            method == "attribution" and (atp_star or estimator not in (None, "atp"))):
+        raise NotImplementedError(
+            f"position groups run with method='exact' or plain method='attribution' (estimator "
+            f"'atp') on the TransformerLens backend; got method={method!r}, "
+            f"estimator={estimator!r}, atp_star={atp_star}, backend={backend!r}.")
+    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
+                                              direction, method, "all", site, batch_size,
+                                              hooks.PATCH_HEAD_SITES,
+                                              engine_checks=method == "exact")
+    real = padded_lengths(clean_tokens, corrupt_tokens, pad_token_id(model))
+    pg = groups.position_groups(positions, clean_tokens, real)
+    f = hooks.facts(model)
+    meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
+                task_hash=task_hash)
+    if method == "exact":
+        sweep = make_sweep(model, "heads", site, direction, pg, clean_tokens, pm)
+        res, _ = exact.run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size,
+                           checkpoint, progress, meta)
+        res.warn_if_degenerate()
+        return res
+    _unused_checkpoint(checkpoint, "method='attribution'")
+    exact.whole_on_every_replica("method='attribution'")
+    each = attribution.attribution_patch_heads(
+        model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
+        positions="each", batch_size=batch_size, progress=progress, estimator="atp")
+    res = groups.summed_over(each, pg)
+    res.meta.update(exact.described(meta, pm), **exact.group_meta(pg))
     exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
     res.warn_if_degenerate()
     return res

@@ -113,12 +113,15 @@ def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
                    metric: PromptMetric) -> dict[str, Any]:
     """Everything a resumed sweep must share with the one that wrote the checkpoint."""
     f = hooks.facts(model)
-    return dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
-                direction=sweep.direction, positions=sweep.positions,
-                tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
-                metric=metric.name,
-                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
-                split_prompts=sweep.split_prompts, prompt_order="by_length")
+    out = dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
+               direction=sweep.direction, positions=sweep.positions,
+               tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
+               metric=metric.name,
+               metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
+               split_prompts=sweep.split_prompts, prompt_order="by_length")
+    if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)
+        out["groups"] = sweep.groups.hash()
+    return out
 
 
 def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -329,15 +329,18 @@ class ExactEngine:
         return t.to(self.device if layer is None else self.layer_device[layer])
 
     def _write_patch(self, act: Tensor, src: Tensor, variants: Sequence[int],
-                     length: int) -> Tensor:
+                     length: int, p0: int = 0) -> Tensor:
         """Write ``src``'s slice of each variant into ``act`` ([n_var * n_p, ...], in place).
 
         Head sites: head axis from ``hooks.head_axis`` (2 for q/k/v/z, 1 for pattern); the
         position axis is the one after batch for vectors, ``query_pos`` for patterns.
         Layer sites: ``[batch, pos, d_model]``, patched at one position. Positions ``>= length``
         come after every read position: patching them changes nothing, so they are skipped.
+        Position groups (``p0``: the first prompt of ``src``): ``_write_group_patch``.
         """
         sw = self.sweep
+        if sw.positions == "groups":
+            return self._write_group_patch(act, src, variants, length, p0)
         n_p = src.shape[0]
         view = act.view(len(variants), n_p, *act.shape[1:])
         for i, v in enumerate(variants):
@@ -352,6 +355,30 @@ class ExactEngine:
             if pos is not None:
                 idx[2 if sw.site == "pattern" else 1] = pos
             view[i][tuple(idx)] = src[tuple(idx)]
+        return act
+
+    def _group_masks(self, variants: Sequence[int], p0: int, p1: int, length: int,
+                     device: Any) -> Tensor:
+        """Bool ``[n_var, p1 - p0, length]``: each variant's group positions of prompts
+        ``p0:p1`` (sweep order; positions ``>= length`` come after every read: dropped)."""
+        g = torch.tensor([self.sweep.variant(v)[1] for v in variants])
+        return self.sweep.groups.masks[g][:, p0:p1, :length].to(device)
+
+    def _write_group_patch(self, act: Tensor, src: Tensor, variants: Sequence[int],
+                           length: int, p0: int) -> Tensor:
+        """``_write_patch`` of position groups: each variant's head slice takes ``src`` at its
+        group's positions of each prompt (query positions of a pattern)."""
+        sw, n_p = self.sweep, src.shape[0]
+        view = act.view(len(variants), n_p, *act.shape[1:])
+        masks = self._group_masks(variants, p0, p0 + n_p, length, act.device)
+        for i, v in enumerate(variants):
+            unit = sw.variant(v)[0]
+            if sw.site == "pattern":  # [n_p, head, q, k]: whole query rows
+                m = masks[i][:, :, None]
+                view[i][:, unit] = torch.where(m, src[:, unit], view[i][:, unit])
+            else:  # [n_p, pos, head, d]
+                m = masks[i][:, :, None]
+                view[i][:, :, unit] = torch.where(m, src[:, :, unit], view[i][:, :, unit])
         return act
 
     def _attn_output(self, layer: int, variants: Sequence[int], p0: int, p1: int, length: int
@@ -378,6 +405,11 @@ class ExactEngine:
             heads = torch.tensor([h for h, _ in cells], device=W_O.device)
             view += einops.einsum(dz[:, :, heads], W_O[heads],
                                   "b pos v dh, v dh dm -> v b pos dm")
+        elif sw.positions == "groups":  # each head's write at its group's positions only
+            heads = torch.tensor([h for h, _ in cells], device=W_O.device)
+            masks = self._group_masks(variants, p0, p1, length, dz.device)  # [v, b, pos]
+            view += einops.einsum(dz[:, :, heads] * masks.permute(1, 2, 0)[..., None]
+                                  .to(dz.dtype), W_O[heads], "b pos v dh, v dh dm -> v b pos dm")
         else:
             for i, (h, pos) in enumerate(cells):
                 if pos < length:
@@ -466,7 +498,7 @@ class ExactEngine:
             self._write_patch(x, src, variants, length)  # the patch *is* the restart point
         else:
             def hook(act: Tensor, hook: Any) -> Tensor:
-                return self._write_patch(act, src, variants, length)
+                return self._write_patch(act, src, variants, length, p0)
 
             fwd_hooks = [(self.site_names[layer], hook)]
         hooks_at, forwards_at = self._read_rows_only(
@@ -491,11 +523,13 @@ class ExactEngine:
             self.attn_cached or (self.sweep.kind, self.sweep.site) == ("layers", "resid_pre"))
 
     def _packing(self, variants: Sequence[int], p0: int, p1: int,
-                 positions: Sequence[int | None] | None = None) -> fused.Packing:
+                 positions: Sequence[int | None] | None = None,
+                 row_start: Tensor | None = None) -> fused.Packing:
         """Which positions each variant-major row of prompts ``p0:p1`` computes: from the
         first position where the prompt's base and source tokens differ (or a per-position
         variant's position, when later; never after the row's first read) to its last read.
-        ``positions``: each variant's patched position (None: every position)."""
+        ``positions``: each variant's patched position (None: every position); ``row_start``:
+        ``[n_var * n_p]``, each row's first patched position (position groups)."""
         n_v, length = len(variants), self._run_length(p0, p1)
         reads = self.reads[p0:p1].cpu()
         differ = (self.base[p0:p1, :length] != self.source[p0:p1, :length]).cpu()
@@ -504,6 +538,8 @@ class ExactEngine:
         if positions is not None:
             at = torch.tensor([-1 if pos is None else pos for pos in positions])
             start = torch.maximum(start, at.repeat_interleave(p1 - p0))
+        if row_start is not None:
+            start = torch.maximum(start, row_start)
         rows = reads.repeat(n_v, 1)
         start = torch.minimum(start, rows.min(1).values)
         return fused.Packing(start, rows.max(1).values + 1, torch.arange(p1 - p0).repeat(n_v),
@@ -516,7 +552,12 @@ class ExactEngine:
         its MLP output; for resid_pre the restart residual), the suffix as
         ``fused.suffix_logits`` on the rows' packed positions."""
         sw, n_v, length = self.sweep, len(variants), self._run_length(p0, p1)
-        pack = self._packing(variants, p0, p1, [sw.variant(v)[1] for v in variants])
+        if sw.positions == "groups":  # a row differs from its group's first position on
+            masks = self._group_masks(variants, p0, p1, length, "cpu")  # [n_v, n_p, length]
+            first = torch.where(masks.any(-1), masks.int().argmax(-1), length)
+            pack = self._packing(variants, p0, p1, row_start=first.flatten())
+        else:
+            pack = self._packing(variants, p0, p1, [sw.variant(v)[1] for v in variants])
         resid = [self._span(self.resid[j], p0, p1, length, layer=j)
                  for j in range(layer, sw.n_layers)]
         attn = mlp = None
@@ -582,7 +623,9 @@ class ExactEngine:
         sw = self.sweep
         p1 = min(2, sw.n_prompts) if sw.split_prompts else sw.n_prompts
         pos = 0
-        if sw.n_pos > 1:
+        if sw.positions == "groups":
+            pos = sw.n_pos - 1
+        elif sw.n_pos > 1:
             pos = int(self.reads[0].max()) if self.reads is not None else sw.seq - 1
         variants = sorted({0, pos, (sw.n_units - 1) * sw.n_pos + pos})
         plain = self.run_variants(0, variants, 0, p1, fast=False)

@@ -137,7 +137,8 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep:
     except ReadsDoNotHold as e:
         metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
                                 batch_size)
-        sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction, sweep.positions,
+        sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction,
+                           sweep.groups if sweep.positions == "groups" else sweep.positions,
                            clean, metric)
         swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
     return patch_result(model, swept, sweep, metric, meta), metric
@@ -150,7 +151,10 @@ def patch_result(model: Any, swept: Swept, sweep: Sweep, metric: PromptMetric,
     pp = metric.per_prompt_values
     extra = described(meta, metric)
     axes = ("layer", "pos") if sweep.kind == "layers" else (
-        ("layer", "head", "pos") if sweep.positions == "each" else ("layer", "head"))
+        ("layer", "head", "pos") if sweep.positions == "each" else
+        ("layer", "head", "group") if sweep.positions == "groups" else ("layer", "head"))
+    if sweep.positions == "groups":
+        extra.update(group_meta(sweep.groups))
     return PatchResult(
         values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
         direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
@@ -158,6 +162,13 @@ def patch_result(model: Any, swept: Swept, sweep: Sweep, metric: PromptMetric,
         corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
         meta=dict(model=str(getattr(model.cfg, "model_name", "")), **swept.provenance(model),
                   **extra))
+
+
+def group_meta(groups: Any) -> dict[str, Any]:
+    """What a position-group result records: the group names, the masks' hash and each
+    group's mean positions per prompt."""
+    return dict(group_names=list(groups.names), groups_hash=groups.hash(),
+                group_sizes=groups.sizes())
 
 
 def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
@@ -235,6 +246,8 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     order, lengths = length_order(metric)
     if order is not None:
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
+        if sweep.groups is not None:  # each prompt keeps its own positions
+            sweep = replace(sweep, groups=sweep.groups.reordered(order))
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
     bar = Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
                     f"{sweep.site} {sweep.direction}")

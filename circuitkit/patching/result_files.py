@@ -28,9 +28,9 @@ FORMAT = "circuitkit.patch_result"
 FORMAT_VERSION = 1
 EDGE_FORMAT = "circuitkit.edge_result"
 EDGE_FORMAT_VERSION = 1
-POSITIONS = ("all", "each")
+POSITIONS = ("all", "each", "groups")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
-AXES = ("layer", "head", "pos")
+AXES = ("layer", "head", "pos", "group")
 # values recomputed from per_prompt (float64 mean) agree with the stored float32 means to
 # ~1e-7 x scale (measured); this bound refuses an edited file, never a float32 rounding
 MEAN_RTOL = 1e-4
@@ -171,7 +171,29 @@ def _checked_patch_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
         raise ValueError(f"{js}: field 'axes' is {axes} but a site={kw['site']!r}, "
                          f"positions={kw['positions']!r} result has axes {list(want)}; the file "
                          "was edited. Recompute the result.")
+    if kw["positions"] == "groups":
+        _check_group_meta(kw["meta"], js)
     return dict(kw, axes=tuple(axes))
+
+
+def _check_group_meta(meta: dict[str, Any], js: Path) -> None:
+    """A position-group result's own meta fields: ``group_names`` (distinct non-empty strings),
+    ``groups_hash`` (16 hex digits of the masks) and ``group_sizes`` (a non-negative number
+    per group); their count against the values' group axis: ``PatchResult`` itself."""
+    names = meta.get("group_names")
+    if not isinstance(names, list) or not names or not all(
+            isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{js}: field 'meta.group_names' must be a list of distinct non-empty "
+                         f"strings (one per position group); got {names!r:.60}.")
+    h = meta.get("groups_hash")
+    if not isinstance(h, str) or len(h) != 16 or any(c not in "0123456789abcdef" for c in h):
+        raise ValueError(f"{js}: field 'meta.groups_hash' must be the 16 hex digits of the "
+                         f"position groups' masks; got {h!r:.60}.")
+    sizes = meta.get("group_sizes")
+    if not isinstance(sizes, list) or not all(
+            _number(x) and math.isfinite(x) and x >= 0 for x in sizes):
+        raise ValueError(f"{js}: field 'meta.group_sizes' must be a list of numbers >= 0 (mean "
+                         f"positions per prompt of each group); got {sizes!r:.60}.")
 
 
 def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
@@ -192,6 +214,8 @@ def _default_axes(site: str, positions: str, ndim: int) -> tuple[str, ...]:
     or ``(layer, head, pos)`` (per position: ``positions == "each"``, or 3-D values)."""
     if site in hooks.PATCH_LAYER_SITES:
         return ("layer", "pos")
+    if positions == "groups":
+        return ("layer", "head", "group")
     return ("layer", "head", "pos") if positions == "each" or ndim == 3 else ("layer", "head")
 
 

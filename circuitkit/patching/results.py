@@ -115,7 +115,7 @@ class PatchResult:
     direction: str  # "denoise" | "noise"
     method: str  # "exact" | "attribution" | "attribution+exact"
     site: str  # "z" | "pattern" | "q" | "k" | "v" | "resid_pre" | "attn_out" | "mlp_out"
-    positions: str  # "all" | "each"
+    positions: str  # "all" | "each" | "groups" (meta["group_names"]: the group axis)
     per_prompt: Float[Tensor, "n_prompts ..."] | None = None
     clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
     corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
@@ -137,7 +137,9 @@ class PatchResult:
                              f"layer x pos); got {type(self.values).__name__} of shape "
                              f"{tuple(getattr(self.values, 'shape', ()))}.")
         if self.axes is None:
-            if self.values.ndim == 3:
+            if self.positions == "groups":
+                self.axes = ("layer", "head", "group")
+            elif self.values.ndim == 3:
                 self.axes = ("layer", "head", "pos")
             elif self.site in hooks.PATCH_LAYER_SITES:
                 self.axes = ("layer", "pos")
@@ -162,6 +164,15 @@ class PatchResult:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [{n}] (one "
                                      "value per prompt of per_prompt).")
         self.meta = dict(self.meta or {})
+        if self.positions == "groups":
+            n_groups = self.values.shape[-1] if self.values.ndim == 3 else -1
+            for key in ("group_names", "group_sizes"):
+                got = self.meta.get(key)
+                if (got is not None or key == "group_names") and (
+                        not isinstance(got, list) or len(got) != n_groups):
+                    raise ValueError(f"field 'meta.{key}' ({got!r:.60}) must hold one entry "
+                                     f"per group of values (shape "
+                                     f"{tuple(self.values.shape)}).")
         self._record_baseline()
 
     # --- the degenerate-baseline rule (module docstring) ------------------------------------
@@ -335,6 +346,10 @@ class PatchResult:
         idx = torch.cartesian_prod(*[torch.arange(s) for s in self.values.shape])
         idx = idx.reshape(-1, len(self.axes))
         cols = {a: idx[:, i].numpy() for i, a in enumerate(self.axes)}
+        names = (self.meta or {}).get("group_names")
+        if "group" in cols and isinstance(names, list) and len(names) == self.values.shape[
+                self.axes.index("group")]:
+            cols["group"] = [names[g] for g in cols["group"]]  # the groups by name
         cols["value"] = self.values.reshape(-1).float().numpy()
         cols["normalized"] = self.normalized().reshape(-1).float().numpy()  # (warns once)
         interval = self.confidence_interval() if ci else None

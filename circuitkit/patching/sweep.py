@@ -16,7 +16,7 @@ Causal models: nothing after a prompt's last read position can change its metric
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +46,7 @@ class Sweep:
     kind: str  # "heads" | "layers" | "edges"
     site: str
     direction: str  # "denoise" | "noise"
-    positions: str  # "all" | "each"
+    positions: str  # "all" | "each" | "groups"
     n_layers: int
     n_units: int
     n_pos: int
@@ -58,6 +58,9 @@ class Sweep:
     # variants per layer when layers differ (an edge sweep: a receiver layer has as many
     # senders as there are nodes before it); None: every layer has n_variants
     layer_variants: tuple[int, ...] | None = None
+    # positions "groups": the position groups (``groups.PositionGroups``), in the sweep's prompt
+    # order once ``run_sweep`` sorted the prompts; a variant's "pos" is then its group index
+    groups: Any = field(default=None, compare=False)
 
     @property
     def n_variants(self) -> int:
@@ -68,14 +71,14 @@ class Sweep:
         return self.n_variants if self.layer_variants is None else self.layer_variants[layer]
 
     def variant(self, v: int) -> tuple[int, int | None]:
-        """Variant index -> (unit, pos or None)."""
+        """Variant index -> (unit, pos or None); positions "groups": (unit, group index)."""
         unit, pos = divmod(v, self.n_pos)
-        return unit, (pos if self.positions == "each" else None)
+        return unit, (pos if self.positions in ("each", "groups") else None)
 
     def value_shape(self) -> tuple[int, ...]:
         if self.kind == "layers":
             return (self.n_layers, self.n_pos)
-        if self.positions == "each":
+        if self.positions in ("each", "groups"):
             return (self.n_layers, self.n_units, self.n_pos)
         return (self.n_layers, self.n_units)
 
@@ -93,12 +96,16 @@ class Sweep:
         return (chunk.v1 - chunk.v0) * (chunk.p1 - chunk.p0)
 
 
-def make_sweep(model: Any, kind: str, site: str, direction: str, positions: str,
+def make_sweep(model: Any, kind: str, site: str, direction: str, positions: Any,
                tokens: Tensor, metric: PromptMetric) -> Sweep:
-    """The one constructor of a ``Sweep`` (unplanned) for ``tokens`` ``[n_prompts, seq]``."""
+    """The one constructor of a ``Sweep`` (unplanned) for ``tokens`` ``[n_prompts, seq]``;
+    ``positions``: "all", "each" or checked position groups (``groups.PositionGroups``)."""
     f = hooks.facts(model)
     n, seq = tokens.shape
     n_units = f.n_heads_at(site) if kind == "heads" else 1
+    if not isinstance(positions, str):  # position groups: one variant per (unit, group)
+        return Sweep(kind, site, direction, "groups", f.n_layers, n_units, len(positions), n,
+                     seq, metric.per_prompt_values, groups=positions)
     n_pos = seq if positions == "each" else 1
     return Sweep(kind, site, direction, positions, f.n_layers, n_units, n_pos, n, seq,
                  metric.per_prompt_values)

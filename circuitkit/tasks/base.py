@@ -215,6 +215,33 @@ class Task:
         return pad_rows([e.tokens[p].tolist() for e, p in zip(self.examples, self._step_pos(),
                                                           strict=True)], fill=0)
 
+    def position_groups(self, at: str = "tokens") -> dict[str, Tensor]:
+        """The task's stages as position groups for ``ck.patch_heads(..., positions=...)``:
+        ``{"evidence", "anchor", "shortlist", "answer"}``, each a bool mask ``[batch, seq]``
+        aligned to ``clean_tokens`` (each example's own positions; never its right padding).
+
+        ``at="tokens"`` (default): each group at its tokens' own positions (``evidence_pos``,
+        ``anchor_pos``, ``shortlist_pos``, ``answer_pos``): where a head processes those tokens
+        (and where later heads read them as keys/values). ``at="steps"``: anchor, shortlist
+        and answer at the positions that *predict* those tokens (``pos - 1``: where the chain
+        of thought writes them; "answer" is then where ``task.metric`` reads). In a causal
+        model an answer token's own position comes after its step's read: patching there
+        changes only later steps (nothing for a one-answer note). A group no example has is
+        left out."""
+        if at not in ("steps", "tokens"):
+            raise ValueError(f"at={at!r}: expected 'steps' or 'tokens'.")
+        n, seq = len(self.examples), max(len(e.tokens) for e in self.examples)
+        out = {}
+        for name in ("evidence", "anchor", "shortlist", "answer"):
+            shift = 1 if at == "steps" and name != "evidence" else 0
+            mask = torch.zeros(n, seq, dtype=torch.bool)
+            for i, e in enumerate(self.examples):
+                pos = [p - shift for p in getattr(e, f"{name}_pos") if p - shift >= 0]
+                mask[i, pos] = True
+            if bool(mask.any()):
+                out[name] = mask
+        return out
+
     @property
     def last_positions(self) -> Int[Tensor, " batch"]:
         """Each example's last token position (``len(tokens) - 1``), ``[batch]``: where

@@ -295,11 +295,14 @@ def patch_heatmap(result: Any, title: str | None = None, *, interval: bool = Tru
         title += f"<br><sup>{len(picked)} of {seq} positions (largest |normalized| first " \
                  "picked, shown in position order)</sup>"
     cols = min(facet_cols, len(picked))
-    fig = _grid(len(picked), cols, [_facet_title(p, tokens) for p in picked],
+    groups = (result.meta or {}).get("group_names") if "group" in tuple(result.axes) else None
+    label = (lambda p: f"group {groups[p]}") if groups else (lambda p: f"pos {p}")
+    fig = _grid(len(picked), cols, [label(p) if groups else _facet_title(p, tokens)
+                                    for p in picked],
                 c["value"].shape[:2], x_name, "layer")
     for i, p in enumerate(picked):
         fig.add_trace(_trace(c, (slice(None), slice(None), p), x_name, "layer",
-                             extra=f"<br>pos {p}", name=f"pos {p}", raw=raw),
+                             extra=f"<br>{label(p)}", name=label(p), raw=raw),
                       row=i // cols + 1, col=i % cols + 1)
     return _finish(fig, m, title, raw)
 

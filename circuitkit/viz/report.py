@@ -636,6 +636,9 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
                          + "".join(f"<p class='skip'>Skipped {_esc(line)}.</p>"
                                    for line in skipped)
                          + "".join(_sweep_sections(results, fig_html))))
+    stages = _stages_section(run_dir)
+    if stages:
+        sections.append(("stages", "Heads by stage (position groups)", stages))
     views: list = []
     if scores is not None:
         body = _score_tables(scores, top_k)
@@ -691,6 +694,54 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"<h1>{_esc(title)}</h1><p class='note'>{_esc(run_dir.resolve())} · generated "
             f"{stamp} · self-contained (no network needed)</p><nav>{nav}</nav>{body}"
             f"</body></html>")
+
+
+def _stages_section(run_dir: Path, top: int = 10) -> str | None:
+    """The position-group sweeps of ``run_dir/groups`` (``characterize``'s stages step): per
+    phase, the strongest cell of each direction in words, then the ``top`` heads by their
+    largest ``|normalized|`` over groups, one column per (direction, group). None without
+    them."""
+    import pandas as pd
+
+    from circuitkit.hooks import head_name
+    from circuitkit.patching.results import PatchResult, quiet_baseline
+
+    folder = run_dir / "groups"
+    if not folder.is_dir():
+        return None
+    out = ""
+    for phase in (1, 2):
+        got = {}
+        for d in ("noise", "denoise"):
+            path = folder / f"patch-p{phase}-{d}"
+            if path.with_suffix(".json").exists():
+                try:
+                    got[d] = PatchResult.load(path)
+                except ValueError as e:
+                    out += f"<p class='skip'>Skipped {_esc(path.name)}: {_esc(e)}</p>"
+        if not got:
+            continue
+        cols, lines = {}, []
+        with quiet_baseline():
+            for d, res in got.items():
+                norm, names = res.normalized(), res.meta["group_names"]
+                c = int(norm.abs().nan_to_num(0).flatten().argmax())
+                L, H, G = norm.shape
+                lines.append(f"{d}: strongest {head_name(c // (H * G), (c // G) % H)} at "
+                             f"the {names[c % G]} positions ({float(norm.flatten()[c]):+.3f})")
+                for g, name in enumerate(names):
+                    cols[f"{d}: {name}"] = norm[..., g].flatten().numpy()
+        frame = pd.DataFrame(cols)
+        frame.insert(0, "head", [head_name(la, h) for la in range(L) for h in range(H)])
+        order = frame.drop(columns="head").abs().max(axis=1).sort_values(
+            ascending=False).index[:top]
+        out += (f"<h3>Phase {phase}</h3><p>{_esc('; '.join(lines))}.</p>"
+                + _table(frame.loc[order].reset_index(drop=True), "{:+.3f}"))
+    if not out:
+        return None
+    return ("<p class='note'>Each head patched at one stage's positions of every note at once "
+            "(normalized effect; evidence, anchor, shortlist and answer at those tokens' own "
+            "positions, read at the positions the phase's metric reads).</p>" + out)
 
 
 def _edge_files(run_dir: Path) -> tuple[Any, dict[str, Any] | None]:
