@@ -11,7 +11,7 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       inclusion)
     validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
                       direction)
-    groups/           patch-p{phase}-{direction}.*: PatchResults [layer, head, group] over the
+    groups/           (``stages=True``) patch-p{phase}-{direction}.*: [layer, head, group] over the
                       task's position groups (``stage_groups``: evidence, anchor, shortlist,
                       answer, read); ``summary["stages"]`` their strongest cells (exact only)
     head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
@@ -50,8 +50,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# icd-teacher on icd10: ~2.5 min on 2 busy CPU cores (measured; see the report; the stages
-# step's 4 sweeps x 5 position groups ~37 s of it)
+# icd-teacher on icd10: ~42 s on 1 quiet CPU thread (benchmarks/characterize.py); --stages adds
+# 4 sweeps x 5 position groups (~37 s on 2 busy cores)
 DEFAULT_N = 128
 
 
@@ -60,9 +60,9 @@ def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int,
     return [(phase, direction) for phase in phases for direction in ("denoise", "noise")]
 
 
-def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = True) -> list[str]:
+def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = False) -> list[str]:
     """The step names ``characterize`` records in ``summary.json``, in order (``stages``: the
-    position-group sweeps, run with exact patching)."""
+    position-group sweeps, ``--stages``: run with exact patching)."""
     return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + (
         ["stages"] if stages else []) + ["scores", "validation", "ablation"]
 
@@ -82,7 +82,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
-                 edges: bool = False) -> dict[str, Any]:
+                 edges: bool = False, stages: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
@@ -92,12 +92,14 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
-    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``).
+    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``);
+    ``stages``: also patch every head at each of the task's position groups (``groups/``,
+    ``_stages_step``; exact patching only).
     """
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
         return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
                              k, n_random, batch_size, patch_method, text, progress, task_kwargs,
-                             report, edges, held)
+                             report, edges, stages, held)
 
 
 def step_problem(out: Path, record: dict[str, Any]) -> str:
@@ -142,7 +144,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                   n_examples: int, seed: int, split: str, k: int, n_random: int,
                   batch_size: int | None, patch_method: str, text: bool | None,
                   progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
-                  edges: bool, held: contextlib.ExitStack) -> dict[str, Any]:
+                  edges: bool, stages: bool, held: contextlib.ExitStack) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
@@ -210,8 +212,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         if stored_options != validation_options:  # same sweeps: score, validate, ablate and
             for step in ("scores", "validation", "ablation", "edges"):  # patch edges again
                 summary.get("steps", {}).pop(step, None)
-    stages = patch_method == "exact"  # position groups: exact sweeps (or plain attribution)
-    if not stages:
+    # position groups: opt-in (5 groups x 4 sweeps, ~5 sweeps' time), exact sweeps only
+    if stages and patch_method != "exact":
+        stages = False
         skipped = [*skipped, f"stages (the [layer, head, group] sweeps over the task's position "
                    f"groups) skipped: they run with patch_method='exact'; got {patch_method!r}."]
     expected = step_names(phases, stages) + (["edges"] if edges else [])  # (a partial run misses)

@@ -1249,6 +1249,11 @@ def characterize(
     edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
                                "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
                                "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
+    stages: bool = typer.Option(False, "--stages", help="Also patch every head at each of the "
+                                "task's position groups (evidence, anchor, shortlist, answer, "
+                                "and the positions the metric reads), both directions: where "
+                                "each phase's decision is made; OUT/groups/ (exact patching; "
+                                "about 5 sweeps' time)."),
     progress: Progress = True,
     as_json: Json = False,
 ) -> None:
@@ -1269,7 +1274,8 @@ def characterize(
         _claim_folder(out, "characterize")
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=progress, edges=edges)
+                      text=flag, progress=progress, edges=edges,
+                      stages=stages)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -26,7 +26,7 @@ def run(model, out, **kw):
 
 def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    summary = run(tiny_llama, out)
+    summary = run(tiny_llama, out, stages=True)
     names = {p.name for p in out.iterdir()}
     for phase in (1, 2):
         for d in ("denoise", "noise"):
@@ -55,12 +55,12 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(ck, "patch_heads", boom)
     monkeypatch.setattr("circuitkit.scoring.heads.score_heads", boom)
     before = (out / "validation.csv").read_text()
-    run(tiny_llama, out)
+    run(tiny_llama, out, stages=True)
     # an interrupted run (validation not recorded) redoes that step only, identically
     stored["steps"].pop("validation")
     (out / "summary.json").write_text(json.dumps(stored))
     (out / "validation.csv").unlink()
-    run(tiny_llama, out)
+    run(tiny_llama, out, stages=True)
     assert (out / "validation.csv").read_text() == before
     # a different run into the same folder is refused
     with pytest.raises(ValueError, match="different identity"):
@@ -107,11 +107,11 @@ def test_cli_score_and_characterize(tmp_path):
     # one line per file written; report.html once
     assert said.count("report.html") == 1 and "wrote " + str(tmp_path / "c" / "scores.csv") \
         in said
-    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 8 steps, [\d.]+ s loading", said)
+    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 7 steps, [\d.]+ s loading", said)
     again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
                                 "--n-random", "3", "--out", str(tmp_path / "c")])
     said = " ".join(again.output.split())
-    assert "8 steps reused from the folder (they had taken" in said
+    assert "7 steps reused from the folder (they had taken" in said
     assert "kept (finished by an earlier run): patch-p1-denoise" in said
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
@@ -131,7 +131,7 @@ def test_cli_characterize_on_one_prompt_skips_resample_and_says_so(tmp_path):
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     note = "resample ablation skipped: it takes each head's z from another prompt"
-    assert said.index("note: " + note) < said.index("[1/8] patch-p1-denoise")
+    assert said.index("note: " + note) < said.index("[1/7] patch-p1-denoise")
     assert "Not run. Resample ablation skipped" in said and "-n / n_examples" in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["ablations"] == ["zero", "mean"]
@@ -155,7 +155,7 @@ def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop,
     other = 3 - phase
     assert summary["phases"] == [phase] and summary["complete"]
     assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
-                                         "stages", "scores", "validation", "ablation"]
+                                         "scores", "validation", "ablation"]
     assert list(summary["top_heads"]) == [f"phase{phase}"]
     assert summary["identity"][f"task_fingerprint_p{other}"] is None
     names = {p.name for p in out.iterdir()}
