@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -195,3 +196,22 @@ def test_characterize_and_score_render_icd10_as_text_for_a_pretrained_llm():
     with pytest.raises(ValueError, match="other words"):  # another task's vocabulary
         ck.load_task("synthetic", n_examples=2).check_model(teacher)
     task.check_model(teacher)  # its own
+
+
+def test_plans_equal_those_captured_before_the_pricing_was_shared():
+    """``sweep_plan`` and ``edge_plan`` of the teacher, llama3-8b and llama3-70b configs (heads
+    and edges, every method, several options) equal the dicts captured before they were made
+    wrappers of one ``plan.price`` (tests/fixtures/make_plan_fixture.py wrote them)."""
+    import importlib.util
+    import json
+
+    here = Path(__file__).parent / "fixtures"
+    spec = importlib.util.spec_from_file_location("make_plan_fixture",
+                                                  here / "make_plan_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = json.loads((here / "plans-before.json").read_text())
+    now = mod.plans()
+    assert now.keys() == before.keys()
+    for key in before:
+        assert now[key] == before[key], key
