@@ -105,6 +105,12 @@ def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int
     return 2.0 * n_params * n_units * n_pos * (n_layers + 1) / 2
 
 
+def tl_loop_passes(n_cells: int, n_prompts: int) -> int:
+    """Full passes of TransformerLens's patching loop: one per patched cell and prompt, plus the
+    clean and corrupt runs of each prompt (``circuitkit info``'s comparison row)."""
+    return (n_cells + 2) * n_prompts
+
+
 def auto_method(flops_per_token: float) -> str:
     """``"exact"`` at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else ``"attribution+exact"``."""
     return "exact" if flops_per_token <= AUTO_EXACT_MAX_FLOPS_PER_TOKEN else "attribution+exact"
