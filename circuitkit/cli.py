@@ -397,21 +397,20 @@ def info(
                                 metavar="TOKENS"),
     prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
                                 help="Prompts per sweep assumed for the pass counts.", metavar="N"),
-    gpu_gb: float = typer.Option(80.0, "--gpu-gb", help="Memory of one GPU, GB.", metavar="GB"),
+    gpu: Gpu = "H100",
     as_json: Json = False,
 ) -> None:
-    """Architecture and sweep cost plan, from the config alone (no weights needed); without
-    --model, the list of models known by name."""
-    import math
-
+    """Architecture and head sweep cost plan, from the config alone (no weights needed): the
+    figures ``patch --plan --seq-len`` prints for the same prompts (``patching.plan.sweep_plan``);
+    without --model, the list of models known by name."""
     from circuitkit import models
+    from circuitkit.patching.plan import GPU_CLASSES, sweep_plan
 
     if model is None:
         typer.echo(_model_list())
         return
-    if not (math.isfinite(gpu_gb) and gpu_gb > 0):
-        _fail(f"--gpu-gb must be a positive number of GB (memory of one GPU); got {gpu_gb}.")
     try:
+        _one_of("--gpu", gpu.upper(), sorted(GPU_CLASSES))
         _positive("--seq-len", seq_len, "tokens per prompt")
         _positive("--n-examples", prompts, "prompts per sweep")
     except ValueError as e:
@@ -425,18 +424,30 @@ def info(
     elif arch.n_ctx and seq_len > arch.n_ctx:
         _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
               f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
-    plan = models.cost_plan(arch, seq_len=seq_len, n_prompts=prompts, gpu_gb=gpu_gb)
+    plan = sweep_plan(arch, [seq_len] * prompts, gpu=gpu.upper())
     if as_json:
         import dataclasses
 
         return _echo_json(dict(architecture=dataclasses.asdict(arch) if dataclasses.is_dataclass(
             arch) else vars(arch), seq_len=seq_len, n_prompts=prompts, plan=plan))
-    typer.echo(_info_text(arch, plan, seq_len, prompts, gpu_gb))
+    typer.echo(_info_text(arch, plan))
 
 
-def _info_text(arch, plan: dict, seq_len: int, prompts: int, gpu_gb: float) -> str:
+def _info_text(arch, plan: dict) -> str:
+    """``circuitkit info``'s text: the architecture, then the rows of ``sweep_plan`` (heads,
+    all positions) that ``patch --plan --seq-len`` prints for the same prompts."""
+    from circuitkit.patching.plan import _duration, tl_loop_passes
+
     gqa = f" (GQA, {arch.n_heads // arch.n_kv_heads} query heads per KV head)" \
         if arch.n_kv_heads != arch.n_heads else ""
+    gb, gib = 1e9, 1024**3
+    n, seq, m = plan["n_prompts"], plan["seq"], plan["methods"]
+    hy = m["attribution+exact"]
+
+    def row(label: str, cost: dict, note: str) -> str:
+        return (f"  {label:<25}{cost['pass_equivalents']:>12,.0f} pass-equivalents, "
+                f"{_duration(cost['seconds'])} ({note})")
+
     return "\n".join([
         f"model        {arch.name}" + (f"  [{arch.hub_id}]" if arch.hub_id != arch.name else ""),
         f"layers       {arch.n_layers}",
@@ -450,24 +461,28 @@ def _info_text(arch, plan: dict, seq_len: int, prompts: int, gpu_gb: float) -> s
         f"parameters   {arch.n_params:,} ({arch.n_params / 1e9:.2f} B)",
         "",
         # GB (1e9 bytes) as patch --plan says it; GiB beside it
-        f"weights      {arch.n_params * 2 / 1e9:.1f} GB bf16 ({plan['weights_bf16_gib']:.1f} "
-        f"GiB), {arch.n_params * 4 / 1e9:.1f} GB fp32 ({plan['weights_fp32_gib']:.1f} GiB)",
-        f"GPUs         >= {plan['min_gpus_80gb_bf16']} x {gpu_gb:g} GB (bf16)",
+        f"weights      {plan['weights_bytes'] / gb:.1f} GB bf16 "
+        f"({plan['weights_bytes'] / gib:.1f} GiB), {arch.n_params * 4 / gb:.1f} GB fp32 "
+        f"({arch.n_params * 4 / gib:.1f} GiB)",
+        f"GPUs         {plan['n_gpus']} x {plan['gpu']} per replica (bf16: "
+        f"{plan['weights_bytes'] / plan['n_gpus'] / gb:,.1f} GB of weights each, "
+        f"{plan['activation_budget_bytes'] / gb:,.1f} GB each for activations)",
         "",
-        f"sweep cost per direction, {prompts} prompts of {seq_len} tokens each "
-        "(1 pass = 1 prompt through the whole model):",
-        f"  heads                      {plan['n_head_cells']:,}",
-        f"  exact, all positions       {plan['exact_all_pos_naive']:,.0f} passes "
-        f"(TransformerLens loop), {plan['exact_all_pos_suffix']:,.0f} pass-equivalents "
-        "(layer-suffix engine)",
-        f"  exact, per position        {plan['exact_each_pos_naive']:,.0f} passes, "
-        f"{plan['exact_each_pos_suffix']:,.0f} pass-equivalents",
-        f"  attribution (any heads)    {plan['attribution']:,.0f} pass-equivalents "
-        "(4 pass-equivalents per prompt: 2 forwards + 1 backward, a backward counting 2)",
+        f"head sweep cost per direction, {n} prompts of {seq} tokens each, all positions, site "
+        f"{plan['site']} (1 pass-equivalent = 1 prompt through the whole model; time on one "
+        f"{plan['gpu_key']} replica at {plan['utilisation']:.0%} of its bf16 peak):",
+        f"  heads                    {plan['n_cells']:>12,}",
+        f"  TransformerLens loop     {tl_loop_passes(plan['n_cells'], n):>12,.0f} passes "
+        "(one full pass per head and prompt)",
+        row("exact", m["exact"], "layer-suffix engine"),
+        row("attribution (any heads)", m["attribution"], "4 pass-equivalents per prompt: 2 "
+            "forwards + 1 backward, a backward counting 2"),
+        row(f"attribution+exact@~{hy['verified_cells']:,}", hy, "block screen + the cells its "
+            f"error bound asks, at most {hy['verified_cells_max']:,}"),
         "",
-        "patch --plan prices a task's own prompts, whose lengths differ (a pass-equivalent is "
-        "a prompt of the longest length, so shorter prompts count less); with the same "
-        "--seq-len and -n it gives the counts above.",
+        f"patch --plan --seq-len {seq} -n {n} prints these counts (and chunks, FLOPs, memory); "
+        "it also prices --positions each, other sites, --top-k, and a task's own prompts, "
+        "whose lengths differ (a pass-equivalent is a prompt of the longest length).",
     ])
 
 

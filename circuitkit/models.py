@@ -888,7 +888,7 @@ def replica_placement(gpus: list[int], max_memory_share: float = 0.9) -> dict[st
     return dict(device_map="balanced", max_memory=mem)
 
 
-# --- architecture and cost plan (config only, no weights) ----------------------------------------
+# --- architecture (config only, no weights; its costs: patching.plan) ----------------------------
 
 
 @dataclass
@@ -948,36 +948,6 @@ def architecture_from_config(cfg: dict, name: str = "", hub_id: str = "") -> Arc
     V = int(_get(cfg, "vocab_size"))
     ctx = int(_get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0))
     return Architecture(name or hub_id, hub_id, L, H, kv, d, dh, mlp, V, ctx, param_count(cfg))
-
-
-def cost_plan(arch: Architecture, seq_len: int = 512, n_prompts: int = 64,
-              gpu_gb: float = 80.0) -> dict[str, Any]:
-    """Memory and forward-pass counts for head sweeps, from the architecture alone.
-
-    Passes are counted per direction over ``n_prompts`` prompts (one pass = one prompt through
-    the whole model). ``exact_*_naive`` is TransformerLens's loop (one full pass per patched
-    cell); ``exact_*_suffix`` is circuitkit's engine, which restarts each patched run at the
-    patched layer, so a head in layer l costs (L - l) / L of a pass.
-    """
-    L, H = arch.n_layers, arch.n_heads
-    suffix_factor = sum(L - layer for layer in range(L)) / L  # = (L + 1) / 2
-    gib = 1024**3
-    bf16 = arch.n_params * 2
-    return {
-        "weights_bf16_gib": bf16 / gib,
-        "weights_fp32_gib": arch.n_params * 4 / gib,
-        # 10% of each GPU is kept for activations, caches and the CUDA context.
-        "min_gpus_80gb_bf16": max(1, math.ceil(bf16 / (gpu_gb * 1e9 * 0.9))),
-        "n_head_cells": L * H,
-        "exact_all_pos_naive": (L * H + 2) * n_prompts,
-        "exact_all_pos_suffix": (H * suffix_factor + 2) * n_prompts,
-        "exact_each_pos_naive": (L * H * seq_len + 2) * n_prompts,
-        "exact_each_pos_suffix": (H * seq_len * suffix_factor + 2) * n_prompts,
-        # 2 forwards + 1 backward (~2 forwards of compute) for any number of heads.
-        "attribution": 4 * n_prompts,
-        "seq_len": seq_len,
-        "n_prompts": n_prompts,
-    }
 
 
 def _refuse_non_folder(name: str) -> None:

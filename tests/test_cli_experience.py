@@ -145,8 +145,7 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "patch_heads", no_work)
     (tmp_path / "afile").write_text("x")
     cases = [
-        (["info", "--model", "llama3-70b", "--gpu-gb", "0"], "--gpu-gb must be a positive"),
-        (["info", "--model", "llama3-70b", "--gpu-gb", "nan"], "--gpu-gb must be a positive"),
+        (["info", "--model", "llama3-70b", "--gpu", "B200"], "--gpu B200: not one of"),
         (["info", "--model", "llama3-70b", "--seq-len", "-5"], "--seq-len -5: expected a positive"),
         (["info", "--model", str(tmp_path / "nothing")], "no such folder"),
         (["info", "--model", str(tmp_path / "afile")], "is a file"),
@@ -274,22 +273,38 @@ def _numbers(line: str) -> list[float]:
 
 def test_info_and_plan_agree_on_the_70b_pass_count():
     """They disagreed (166,016 against 132,519): info priced 64 prompts of 512 tokens, --plan
-    the task's own shorter prompts. With the same --seq-len and -n they price the same thing."""
-    for seq, n in ((512, 64), (300, 16)):
-        info = run(["info", "--model", "llama3-70b", "--seq-len", str(seq), "-n", str(n)])
-        plan = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan", "--seq-len",
-                    str(seq), "-n", str(n)])
+    the task's own shorter prompts; and info had its own pricing (models.cost_plan: another GPU
+    count, no time). Now info prints sweep_plan's rows: with the same --seq-len and -n (the
+    README's `info --model llama3-70b` against `patch --plan --seq-len 512`) every method's
+    pass-equivalents and time, the GPUs and the weights are the plan's."""
+    from circuitkit.characterize import DEFAULT_N
+
+    for seq, n, gpu in ((512, DEFAULT_N, "H100"), (300, 16, "H200")):
+        size = ["-n", str(n)] if n != DEFAULT_N else []  # the README's: both at their defaults
+        info = run(["info", "--model", "llama3-70b", "--gpu", gpu, *size,
+                    *(["--seq-len", str(seq)] if size else [])])
+        plan = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--plan", "--gpu", gpu,
+                    "--seq-len", str(seq), *size])
         assert info.exit_code == 0 and plan.exit_code == 0, (info.output, plan.output)
-        exact_info = next(ln for ln in info.output.splitlines() if "exact, all positions" in ln)
-        exact_plan = next(ln for ln in plan.output.splitlines() if ln.startswith("exact "))
-        att_info = next(ln for ln in info.output.splitlines() if "attribution (any" in ln)
-        att_plan = next(ln for ln in plan.output.splitlines() if ln.startswith("attribution "))
-        assert _numbers(exact_info)[1] == _numbers(exact_plan)[0]  # pass-equivalents
-        assert _numbers(att_info)[0] == _numbers(att_plan)[0] == 4 * n
-        # the weights in the same unit (GB), GiB beside it in info
+
+        def line(text: str, start: str) -> str:
+            return next(ln for ln in text.splitlines() if ln.startswith(start))
+
+        for method in ("exact ", "attribution ", "attribution+exact@"):
+            i, p = line(info.output, "  " + method), line(plan.output, method)
+            assert _numbers(i)[-3 if "@" in method else 0] == _numbers(p)[1 if "@" in method
+                                                                          else 0], method
+            words = p.split()[:-3] if method == "exact " else p.split()  # (rows per forward)
+            time = " ".join(words[-2:])
+            assert time in i, (method, i, p)
+        att = _numbers(line(info.output, "  attribution "))[0]
+        assert att == 4 * n
+        # the weights in the same unit (GB), GiB beside it in info; the plan's GPU count
         gb = re.search(r"weights\s+([\d.]+) GB", plan.output).group(1)
         assert f"weights      {gb} GB bf16" in info.output
-    assert (seq, n) == (300, 16) and "16 prompts of 300 tokens each" in info.output
+        gpus = re.search(r"GPUs\s+(\d+ x [^(]+) per replica", plan.output).group(1)
+        assert f"GPUs         {gpus} per replica" in info.output
+        assert f"{n} prompts of {seq} tokens each" in info.output
     bad = run(["patch", "--model", "llama3-70b", "--task", "icd10", "--seq-len", "64"])
     assert bad.exit_code == 2 and "--seq-len prices prompts of that length with --plan" in \
         bad.output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -195,3 +196,57 @@ def test_characterize_and_score_render_icd10_as_text_for_a_pretrained_llm():
     with pytest.raises(ValueError, match="other words"):  # another task's vocabulary
         ck.load_task("synthetic", n_examples=2).check_model(teacher)
     task.check_model(teacher)  # its own
+
+
+def test_plans_equal_those_captured_before_the_pricing_was_shared():
+    """``sweep_plan`` and ``edge_plan`` of the teacher, llama3-8b and llama3-70b configs (heads
+    and edges, every method, several options) equal the dicts captured before they were made
+    wrappers of one ``plan.price`` (tests/fixtures/make_plan_fixture.py wrote them)."""
+    import importlib.util
+    import json
+
+    here = Path(__file__).parent / "fixtures"
+    spec = importlib.util.spec_from_file_location("make_plan_fixture",
+                                                  here / "make_plan_fixture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = json.loads((here / "plans-before.json").read_text())
+    now = mod.plans()
+    assert now.keys() == before.keys()
+    for key in before:
+        assert now[key] == before[key], key
+
+
+def test_price_is_the_plans_row_and_edges_share_the_heads_checks(arch):
+    """``price(units, method)`` is that method's row of ``sweep_plan`` / ``edge_plan``; both
+    stand on ``basis``, so an edge plan refuses what a head plan refuses (too few GPUs per
+    replica, a utilisation outside (0, 1], no rows) instead of pricing it."""
+    from circuitkit.patching.inputs import check_edge_nodes
+    from circuitkit.patching.sweep import EdgeLayout
+
+    lengths = [300] * 8 + [512] * 4
+    heads = P.sweep_plan(arch, lengths, top_k=20)
+    for method, row in heads["methods"].items():
+        assert P.price(arch, lengths, "heads", method, top_k=20) == row
+    teacher = models.architecture("icd-teacher")
+    s, r, i = check_edge_nodes(teacher, None, None, ("q",))
+    layout = EdgeLayout(teacher.n_layers, teacher.n_heads, teacher.n_kv_heads, s, r, i)
+    edges = P.edge_plan(teacher, [40, 64], layout, gpu="A100")
+    assert set(edges["methods"]) >= {"exact", "TL loop", "eap", "eap*", "attribution+exact"}
+    for method, row in edges["methods"].items():
+        assert P.price(teacher, [40, 64], "edges", method, layout=layout, gpu="A100") == row
+    b = P.basis(arch, lengths)
+    assert (b.n_gpus, b.weights) == (heads["n_gpus"], heads["weights_bytes"])
+    assert (b.n_gpus, b.weights) == (2, 2 * arch.n_params)
+    with pytest.raises(ValueError, match="'heads' or 'edges'"):
+        P.price(arch, lengths, "neurons", "exact")
+    with pytest.raises(ValueError, match="prices"):
+        P.price(arch, lengths, "heads", "eap")
+    s, r, i = check_edge_nodes(arch, None, None, ("q",))
+    big = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
+    for kw, said in ((dict(n_gpus=1), "needs at least 2"), (dict(utilisation=2.0), "utilisation"),
+                     (dict(rows=0), "rows=0")):
+        for plan in (lambda **k: P.sweep_plan(arch, lengths, **k),
+                     lambda **k: P.edge_plan(arch, lengths, big, **k)):
+            with pytest.raises(ValueError, match=said):
+                plan(**kw)

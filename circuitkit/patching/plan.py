@@ -1,4 +1,7 @@
-"""What a head sweep will cost, from the architecture alone (no weights): ``sweep_plan``.
+"""What a sweep will cost, from the architecture alone (no weights): ``sweep_plan`` (heads),
+``edge_plan`` (edges), ``price`` (one method's row of either). Both stand on ``basis`` (the
+checks, GPU count, memory, rows per forward and time on a GPU class: one road for any units);
+``circuitkit info`` prints ``sweep_plan``'s rows.
 
 ``circuitkit patch --plan`` uses it when the weights are not on this machine (a 70B model is
 planned before 141 GB are downloaded); with weights present the CLI measures a one-chunk probe
@@ -105,6 +108,12 @@ def exact_flops_per_token(n_params: int, n_layers: int, n_units: int, n_pos: int
     return 2.0 * n_params * n_units * n_pos * (n_layers + 1) / 2
 
 
+def tl_loop_passes(n_cells: int, n_prompts: int) -> int:
+    """Full passes of TransformerLens's patching loop: one per patched cell and prompt, plus the
+    clean and corrupt runs of each prompt (``circuitkit info``'s comparison row)."""
+    return (n_cells + 2) * n_prompts
+
+
 def auto_method(flops_per_token: float) -> str:
     """``"exact"`` at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else ``"attribution+exact"``."""
     return "exact" if flops_per_token <= AUTO_EXACT_MAX_FLOPS_PER_TOKEN else "attribution+exact"
@@ -124,6 +133,102 @@ def gpus_needed(weights_bytes: float, gpu: GPUClass, one_row_bytes: float) -> in
     return n
 
 
+@dataclass(frozen=True)
+class Basis:
+    """What every plan prices from, whatever its units (``basis``): the prompts (sorted
+    ``lengths``: ``n`` of up to ``seq`` tokens), the GPU class ``g``, the weights and one row's
+    activations (bytes), the GPUs per replica, each GPU's ``budget`` for activations, the rows
+    per forward (``fit``: what the budget holds; ``rows``: ``--batch-size``, else ``fit``), and
+    one pass-equivalent's FLOPs and the FLOP/s it runs at."""
+
+    g: GPUClass
+    lengths: list[int]
+    n: int
+    seq: int
+    L: int
+    dtype_bytes: int
+    weights: float
+    one_row: float
+    n_gpus: int
+    budget: float
+    fit: int
+    rows: int
+    per_pass: float
+    rate: float
+
+    def cost(self, passes: float, **extra: Any) -> dict[str, Any]:
+        """A method's row: its pass-equivalents, their FLOPs and time, and ``extra``."""
+        return dict(pass_equivalents=passes, flops=passes * self.per_pass,
+                    seconds=passes * self.per_pass / self.rate, **extra)
+
+    def saved_per_gpu(self, arch: Any, extra_elems: int = 0) -> float:
+        """Every layer's saved tensors for one prompt's backward (``12 d + 4 d_mlp + 2 H seq``
+        elements per token and layer, plus ``extra_elems``), spread over the GPUs."""
+        return (self.dtype_bytes * self.seq * self.L
+                * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * self.seq
+                   + extra_elems)) / self.n_gpus
+
+    def host_cache_bytes(self, arch: Any, site_elems: int) -> int:
+        """Host RAM of the exact engine's caches (``engine.ExactEngine``): ``resid_pre`` and
+        ``site_elems`` per token (the site's base and source) of every layer and prompt."""
+        return self.dtype_bytes * self.L * sum(self.lengths) * (arch.d_model + site_elems)
+
+    def attribution_rows(self, saved_per_gpu: float) -> int:
+        """Prompts per backward: how many of one prompt's saved tensors (this GPU's share) plus
+        one row the budget holds, at least 1, at most ``n``."""
+        return int(max(1, min(self.n, self.budget // (saved_per_gpu + self.one_row))))
+
+    def hybrid_passes(self, screen: float, k: int, suffix: float) -> float:
+        """attribution+exact: the screen's passes (all prompts), ``k`` verified cells per prompt
+        at their mean ``suffix`` of the model, and the exact engine's two cached runs."""
+        return screen + k * self.n * suffix + 2 * self.n
+
+
+def basis(arch: Any, lengths: Sequence[int], *, top_k: int | None = None, gpu: str = "H100",
+          utilisation: float = UTILISATION, dtype_bytes: int = 2, replicas: int = 1,
+          n_gpus: int | None = None, rows: int | None = None) -> Basis:
+    """The checks, GPU count, memory and time basis every plan shares (module docstring): one
+    road for heads (``sweep_plan``) and edges (``edge_plan``)."""
+    _check_inputs(gpu, lengths, top_k)
+    if not 0 < utilisation <= 1:
+        raise ValueError(f"utilisation={utilisation!r}: expected a share of peak in (0, 1].")
+    g = GPU_CLASSES[gpu]
+    lengths = sorted(int(x) for x in lengths)
+    n, seq = len(lengths), lengths[-1]
+    weights = arch.n_params * dtype_bytes
+    one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
+    need = gpus_needed(weights, g, one_row)
+    if n_gpus is not None and n_gpus < need:
+        raise ValueError(f"n_gpus={n_gpus} (--gpus-per-replica): {arch.name} needs at least "
+                         f"{need} {g.name} GPUs per copy ({weights / 1e9:.1f} GB of weights "
+                         "plus one sequence of activations).")
+    n_gpus = n_gpus or need
+    budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE  # per GPU
+    fit = int(max(1, min(MAX_ROWS, budget // one_row)))
+    if rows is not None and rows < 1:
+        raise ValueError(f"rows={rows!r} (--batch-size): expected a positive integer.")
+    return Basis(g, lengths, n, seq, arch.n_layers, dtype_bytes, weights, one_row, n_gpus,
+                 budget, fit, fit if rows is None else rows, flops_per_pass(arch, seq),
+                 g.bf16_dense_flops * utilisation * replicas)
+
+
+def price(arch: Any, lengths: Sequence[int], units: str, method: str, **kw: Any
+          ) -> dict[str, Any]:
+    """One method's row (pass-equivalents, FLOPs, seconds, ...) of a sweep of ``units``:
+    ``"heads"`` (``sweep_plan``'s keywords; methods "exact", "attribution",
+    "attribution+exact") or ``"edges"`` (``edge_plan``'s, ``layout`` among them; methods
+    "exact", "TL loop", each edge estimator of the registry, "attribution+exact")."""
+    if units == "heads":
+        p = sweep_plan(arch, list(lengths), **kw)
+    elif units == "edges":
+        p = edge_plan(arch, list(lengths), kw.pop("layout"), **kw)
+    else:
+        raise ValueError(f"units={units!r}: a plan prices 'heads' or 'edges'.")
+    if method not in p["methods"]:
+        raise ValueError(f"method={method!r}: a {units} plan prices {list(p['methods'])}.")
+    return p["methods"][method]
+
+
 def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str = "all",
                direction: str = "denoise", top_k: int | None = None, gpu: str = "H100",
                utilisation: float = UTILISATION, dtype_bytes: int = 2, replicas: int = 1,
@@ -139,49 +244,24 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     activation_bytes, rows, n_chunks, seconds, ...}}`` for "exact", "attribution" and
     "attribution+exact". Formulas: module docstring.
     """
-    _check_inputs(gpu, lengths, top_k)
-    if not 0 < utilisation <= 1:
-        raise ValueError(f"utilisation={utilisation!r}: expected a share of peak in (0, 1].")
-    g = GPU_CLASSES[gpu]
-    lengths = sorted(int(x) for x in lengths)
-    n, seq, L = len(lengths), lengths[-1], arch.n_layers
+    b = basis(arch, lengths, top_k=top_k, gpu=gpu, utilisation=utilisation,
+              dtype_bytes=dtype_bytes, replicas=replicas, n_gpus=n_gpus, rows=rows)
+    g, lengths, n, seq, L, rows, cost = b.g, b.lengths, b.n, b.seq, b.L, b.rows, b.cost
     n_units = arch.n_kv_heads if site in ("k", "v") else arch.n_heads
     n_pos = seq if positions == "each" else 1
-    weights = arch.n_params * dtype_bytes
-    one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
-    need = gpus_needed(weights, g, one_row)
-    if n_gpus is not None and n_gpus < need:
-        raise ValueError(f"n_gpus={n_gpus} (--gpus-per-replica): {arch.name} needs at least "
-                         f"{need} {g.name} GPUs per copy ({weights / 1e9:.1f} GB of weights "
-                         "plus one sequence of activations).")
-    n_gpus = n_gpus or need
-    budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE  # per GPU
-    fit = int(max(1, min(MAX_ROWS, budget // one_row)))
-    if rows is not None and rows < 1:
-        raise ValueError(f"rows={rows!r} (--batch-size): expected a positive integer.")
-    rows = fit if rows is None else rows
     sweep = chunked(Sweep("heads", site, direction, positions, L, n_units, n_pos, n, seq, True),
                  rows, lengths)
-    per_pass = flops_per_pass(arch, seq)
-    rate = g.bf16_dense_flops * utilisation * replicas
-
-    def cost(passes: float, **extra: Any) -> dict[str, Any]:
-        return dict(pass_equivalents=passes, flops=passes * per_pass,
-                    seconds=passes * per_pass / rate, **extra)
-
     token_blocks = sum(sweep.chunk_cost(c) for c in sweep.chunks)
     exact = cost(token_blocks / (L * seq) + 2 * n, rows=min(rows, n_units * n_pos * n),
                  n_chunks=len(sweep.chunks),
-                 activation_bytes=min(rows, n_units * n_pos * n) * one_row)
-    # saved tensors of every layer for the backward, per prompt, spread over the GPUs
-    saved = (dtype_bytes * seq * L
-             * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * seq)) / n_gpus
-    att_rows = int(max(1, min(n, budget // (saved + one_row))))
-    if rows != fit:  # --batch-size: the attribution passes take it too
+                 activation_bytes=min(rows, n_units * n_pos * n) * b.one_row)
+    saved = b.saved_per_gpu(arch)
+    att_rows = b.attribution_rows(saved)
+    if rows != b.fit:  # --batch-size: the attribution passes take it too
         att_rows = min(rows, n)
     att = cost(REGISTRY["atp"].passes(CostShape(L)) * n, rows=att_rows,
                n_chunks=math.ceil(n / att_rows),
-               activation_bytes=att_rows * (saved + one_row))
+               activation_bytes=att_rows * (saved + b.one_row))
     n_cells = L * n_units * n_pos
     cells, most = hybrid_cells(n_cells, n_units * n_pos, top_k)
     shares = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
@@ -193,28 +273,28 @@ def sweep_plan(arch: Any, lengths: list[int], *, site: str = "z", positions: str
     screen = REGISTRY["block"].passes(CostShape(L, arch.n_heads, n_units * n_pos, site, *shares))
 
     def hybrid_passes(k: int) -> float:
-        return screen * n + k * n * (L + 1) / (2 * L) + 2 * n
+        return b.hybrid_passes(screen * n, k, (L + 1) / (2 * L))
 
     hybrid = cost(hybrid_passes(cells), rows=att_rows,
                   n_chunks=att["n_chunks"] + math.ceil(cells * n / rows),
                   activation_bytes=att["activation_bytes"], verified_cells=cells,
                   budget="top_k" if top_k is not None else "auto", verified_cells_max=most,
-                  seconds_max=hybrid_passes(most) * per_pass / rate,
+                  seconds_max=hybrid_passes(most) * b.per_pass / b.rate,
                   screening_passes=screen * n)
     # host RAM of the exact engine's caches: resid_pre + the site's base and source, per layer
     site_elems = {"z": 2 * arch.n_heads * arch.d_head, "q": 2 * arch.n_heads * arch.d_head,
                   "k": 2 * arch.n_kv_heads * arch.d_head, "v": 2 * arch.n_kv_heads * arch.d_head,
                   "pattern": 2 * arch.n_heads * seq}[site]
-    host = dtype_bytes * L * sum(lengths) * (arch.d_model + site_elems)
+    host = b.host_cache_bytes(arch, site_elems)
     flops_tok = exact_flops_per_token(arch.n_params, L, n_units, n_pos)
     return dict(
         model=arch.name, n_params=arch.n_params, n_layers=L, n_units=n_units, n_pos=n_pos,
         n_cells=n_cells, n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n,
         site=site, positions=positions, direction=direction, top_k=top_k,
-        dtype_bytes=dtype_bytes, weights_bytes=weights, gpu=g.name, gpu_key=gpu,
+        dtype_bytes=dtype_bytes, weights_bytes=b.weights, gpu=g.name, gpu_key=gpu,
         gpu_memory_bytes=g.memory_bytes, peak_flops=g.bf16_dense_flops,
-        utilisation=utilisation, n_gpus=n_gpus, replicas=replicas,
-        activation_budget_bytes=budget, host_cache_bytes=host,
+        utilisation=utilisation, n_gpus=b.n_gpus, replicas=replicas,
+        activation_budget_bytes=b.budget, host_cache_bytes=host,
         exact_flops_per_token=flops_tok, auto=auto_method(flops_tok),
         methods={"exact": exact, "attribution": att, "attribution+exact": hybrid})
 
@@ -304,17 +384,11 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     ``2 + 3 m x`` sender layers, eap* ``4 + receiver_attn_passes``; attribution+exact: the
     eap* screen + the verified edges
     (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
-    Time, GPUs and memory as ``sweep_plan``; ``results_bytes``: the per-prompt result tensor
-    (float32, every sender x receiver x input cell)."""
-    _check_inputs(gpu, lengths, top_k)
-    g = GPU_CLASSES[gpu]
-    lengths = sorted(int(x) for x in lengths)
-    n, seq, L = len(lengths), lengths[-1], arch.n_layers
-    weights = arch.n_params * dtype_bytes
-    one_row = row_bytes(arch.d_model, arch.d_mlp, arch.n_heads, arch.d_vocab, seq, dtype_bytes)
-    n_gpus = n_gpus or gpus_needed(weights, g, one_row)
-    budget = (g.memory_bytes - weights / n_gpus) * ACTIVATION_SHARE
-    rows = rows or int(max(1, min(MAX_ROWS, budget // one_row)))
+    Checks, time, GPUs and memory: ``basis``, as ``sweep_plan``'s; ``results_bytes``: the
+    per-prompt result tensor (float32, every sender x receiver x input cell)."""
+    b = basis(arch, lengths, top_k=top_k, gpu=gpu, utilisation=utilisation,
+              dtype_bytes=dtype_bytes, n_gpus=n_gpus, rows=rows)
+    g, lengths, n, seq, L, rows, cost = b.g, b.lengths, b.n, b.seq, b.L, b.rows, b.cost
     per_layer = layout.layer_variants
     n_edges = sum(per_layer)
     # the engine's length buckets (one variant per layer: what plan cuts prompts into)
@@ -330,25 +404,17 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
             token_blocks += v * (p1 - p0) * c * max(1, L - layer)
             token_blocks += senders_before[layer] * (p1 - p0) * c / 3 if layer < L else 0
             n_chunks += math.ceil(v / per)
-    per_pass = flops_per_pass(arch, seq)
-    rate = g.bf16_dense_flops * utilisation
-
-    def cost(passes: float, **extra: Any) -> dict[str, Any]:
-        return dict(pass_equivalents=passes, flops=passes * per_pass,
-                    seconds=passes * per_pass / rate, **extra)
-
     exact = cost(token_blocks / (L * seq) + 2 * n, n_chunks=n_chunks,
                  rows=min(rows, max(per_layer) * n), activation_bytes=min(rows, n_edges * n)
-                 * one_row)
+                 * b.one_row)
     # TL's loop: one forward per (head, later query head) pair and input; k/v only without GQA
     tl_inputs = [i for i in layout.inputs if i == "q" or arch.n_kv_heads == arch.n_heads]
     head_edges = sum(1 for sl, _ in layout.senders if sl >= 0 for rl, _ in layout.receivers
                      if sl < rl < L) * len(tl_inputs)
     groups = len({max(sl, -1) for sl, _ in layout.senders})
     # attribution keeps every layer's saved tensors and one residual copy per head and input
-    saved = dtype_bytes * seq * L * (12 * arch.d_model + 4 * arch.d_mlp + 2 * arch.n_heads * seq
-                                     + (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_model)
-    att_rows = int(max(1, min(n, budget // (saved / n_gpus + one_row))))
+    saved = b.saved_per_gpu(arch, (arch.n_heads + 2 * arch.n_kv_heads) * arch.d_model)
+    att_rows = b.attribution_rows(saved)
     methods = {"exact": exact,
                "TL loop": cost(float(head_edges * n), forwards=head_edges)}
     attn_share = block_flop_shares(arch.d_model, arch.d_mlp, arch.d_head, arch.n_heads,
@@ -358,21 +424,21 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
                       receiver_attn=receiver_attn_passes(attn_share, L, len(layout.inputs), pairs))
     for est in (e for e in REGISTRY.values() if e.units == "edges"):
         methods[est.name] = cost(est.passes(shape) * n, rows=att_rows,
-                            activation_bytes=att_rows * (saved / n_gpus + one_row))
+                            activation_bytes=att_rows * (saved + b.one_row))
     cells = hybrid_cells(n_edges, len(layout.inputs) * arch.n_heads, top_k)[0]
     mean_suffix = sum(v * max(1, L - la) for la, v in enumerate(per_layer)) / max(1, n_edges * L)
     methods["attribution+exact"] = cost(
-        methods["eap*"]["pass_equivalents"] + cells * n * mean_suffix + 2 * n,
+        b.hybrid_passes(methods["eap*"]["pass_equivalents"], cells, mean_suffix),
         verified_edges=cells, budget="top_k" if top_k is not None else "auto")
-    host = dtype_bytes * L * sum(lengths) * (arch.d_model + arch.n_heads * arch.d_head)
+    host = b.host_cache_bytes(arch, arch.n_heads * arch.d_head)
     results = 4 * n * len(layout.senders) * len(layout.receivers) * len(layout.inputs)
     return dict(model=arch.name, n_params=arch.n_params, n_layers=L, n_heads=arch.n_heads,
                 n_kv_heads=arch.n_kv_heads, n_senders=len(layout.senders),
                 n_receivers=len(layout.receivers), inputs=list(layout.inputs),
                 n_edges=n_edges, head_edges=head_edges, n_prompts=n, seq=seq,
                 mean_tokens=sum(lengths) / n, direction=direction, dtype_bytes=dtype_bytes,
-                weights_bytes=weights, gpu=g.name, n_gpus=n_gpus, utilisation=utilisation,
-                peak_flops=g.bf16_dense_flops, activation_budget_bytes=budget,
+                weights_bytes=b.weights, gpu=g.name, n_gpus=b.n_gpus, utilisation=utilisation,
+                peak_flops=g.bf16_dense_flops, activation_budget_bytes=b.budget,
                 host_cache_bytes=host, results_bytes=results, ig_steps=ig_steps,
                 methods=methods)
 
