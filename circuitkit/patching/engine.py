@@ -882,18 +882,8 @@ class ExactEngine:
         form = self.fused
         if edit is None:
             return form.last_block_at_reads(pack, x, b, resid)
-        h = form.norm(x, b.ln1)
-        cos, sin = form.token_table(pack, x)
-        k, v = form.packed_kv(pack, form.base_kv(resid, b),
-                              form.rope(form.heads(h, b.k), cos, sin), form.heads(h, b.v))
-        at, slot = pack.read_tok_of(x.device), pack.read_slot_of(x.device)  # [N] each
-        q = form.rope(form.heads(h[at], b.q), cos[at], sin[at])
-        qp = q.new_zeros(pack.n_rows * pack.read_width, *q.shape[1:])
-        qp.index_copy_(0, slot, q)
-        z = form.attend(qp.view(pack.n_rows, pack.read_width, *q.shape[1:]), k, v,
-                        pack.read_mask_of(x.device, b.window))
-        z = _written(z.flatten(0, 1).index_select(0, slot), edit[0][at], edit[1][at],
-                     form.d_head)
+        z, at = form.reads_z(pack, x, b, resid)
+        z = _written(z, edit[0][at], edit[1][at], form.d_head)
         y = form.linear(z, b.o).add_(x[at])
         return y.add_(form.mlp(form.norm(y, b.ln2), b))
 

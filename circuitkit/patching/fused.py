@@ -309,6 +309,14 @@ class FusedLlama:
                             resid: Float[Tensor, "n_p seq d"]) -> Float[Tensor, "N d"]:
         """The last block's output at each row's distinct reads only (``Packing``: ``N`` in
         all): keys/values everywhere, queries, output projection and MLP at the reads."""
+        z, at = self.reads_z(pack, x, b, resid)
+        y = self.linear(z, b.o).add_(x[at])
+        return y.add_(self.mlp(self.norm(y, b.ln2), b))
+
+    def reads_z(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
+                resid: Float[Tensor, "n_p seq d"]) -> tuple[Float[Tensor, "N merged"], Tensor]:
+        """(block ``b``'s merged ``z`` at each row's distinct reads, the packed token index of
+        each read ``[N]``): keys and values at every packed token, queries at the reads only."""
         h = self.norm(x, b.ln1)
         cos, sin = self.token_table(pack, x)
         k, v = self.packed_kv(pack, self.base_kv(resid, b), self.rope(self.heads(h, b.k), cos, sin),
@@ -319,8 +327,7 @@ class FusedLlama:
         qp.index_copy_(0, slot, q)
         z = self.attend(qp.view(pack.n_rows, pack.read_width, *q.shape[1:]), k, v,
                         pack.read_mask_of(x.device, b.window))
-        y = self.linear(z.flatten(0, 1).index_select(0, slot), b.o).add_(x[at])
-        return y.add_(self.mlp(self.norm(y, b.ln2), b))
+        return z.flatten(0, 1).index_select(0, slot), at
 
     def known_block_at_reads(self, pack: Packing, x: Float[Tensor, "T d"], b: Block,
                              attn: Tensor, mlp: Tensor | None = None) -> Float[Tensor, "N d"]:
