@@ -66,18 +66,18 @@ def described(meta: dict, metric: PromptMetric) -> dict:
     return out
 
 
-def recorded(model: Any, clean: Tensor, corrupt: Tensor) -> dict[str, Any]:
-    """What every result records of its model and prompts (an exact sweep's provenance; also
-    attribution's and the hybrid's, so ``ck.circuit`` and strict loads can check them):
-    ``model_fingerprint``, ``tokens_hash``, ``facts``, ``versions``."""
-    return dict(model_fingerprint=model_fingerprint(model), tokens_hash=tokens_hash(clean, corrupt),
-                facts=asdict(hooks.facts(model)), versions=versions())
-
-
 def with_recorded(res: Any, model: Any, clean: Tensor, corrupt: Tensor) -> Any:
-    """``res`` with ``recorded`` entries it lacks added to its meta."""
-    for k, v in recorded(model, clean, corrupt).items():
-        res.meta.setdefault(k, v)
+    """``res`` with what every result records of its model and prompts (an exact sweep's
+    provenance; also attribution's and the hybrid's, so ``ck.circuit`` and strict loads can
+    check them) added where its meta lacks it: ``model_fingerprint``, ``tokens_hash``,
+    ``facts``, ``versions``. Each is computed only when missing (the fingerprint reads every
+    weight; a hybrid that ran the exact sweep has it already)."""
+    make = dict(model_fingerprint=lambda: model_fingerprint(model),
+                tokens_hash=lambda: tokens_hash(clean, corrupt),
+                facts=lambda: asdict(hooks.facts(model)), versions=versions)
+    for k, f in make.items():
+        if k not in res.meta:
+            res.meta[k] = f()
     return res
 
 
