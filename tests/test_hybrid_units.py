@@ -1,4 +1,5 @@
-"""One screen-then-verify for every unit: heads and edges go through ``hybrid.screen_then_verify``
+"""One screen-then-verify for every unit: heads (``ck.patch`` over ``HeadUnits``) and edges
+(``ck.patch_edges``, its wrapper) go through ``hybrid.screen_then_verify``
 with the same checkpoint and resume, out-of-memory halving, Ctrl-C report, top_k check and cost
 accounting; and the hybrid says what it did (issue 36: verified cells, stop, cost vs exact,
 timing), runs exact where it would cost as much, and its plan matches its run on the teacher."""
@@ -47,12 +48,13 @@ def units(request, heads_model, edges_model, task):
     """``(run(**kw), engine class)``: the public entry of one unit kind with the hybrid. The
     automatic budget under ``max_passes=1e9`` (a cap that never binds): the rule itself, never
     swapped for the exact sweep."""
-    if request.param == "heads":
+    if request.param == "heads":  # through the one entry itself (patch_edges: its wrapper)
         def run(**kw):
             kw.setdefault("max_passes", 1e9)
             kw.setdefault("progress", False)
-            return ck.patch_heads(heads_model, task.clean_tokens, task.corrupt_tokens,
-                                  task.metric, method="attribution+exact", **kw)
+            opts = {k: kw.pop(k) for k in ("top_k", "max_passes") if k in kw}
+            return ck.patch(heads_model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                            ck.HeadUnits(), method="attribution+exact", options=opts, **kw)
         return run, ExactEngine
     clean, corrupt = edge_pair()
 

@@ -10,6 +10,11 @@ from __future__ import annotations
 from circuitkit._lazy import lazy_exports
 
 _EXPORTS = {
+    "patch": "circuitkit.patching.api:patch",
+    "HeadUnits": "circuitkit.patching.units:HeadUnits",
+    "LayerUnits": "circuitkit.patching.units:LayerUnits",
+    "EdgeUnits": "circuitkit.patching.units:EdgeUnits",
+    "MethodOptions": "circuitkit.patching.units:MethodOptions",
     "patch_heads": "circuitkit.patching.api:patch_heads",
     "patch_layers": "circuitkit.patching.api:patch_layers",
     "plan_patch": "circuitkit.patching.api:plan_patch",

@@ -1,16 +1,17 @@
-"""The public patching functions: ``patch_heads``, ``patch_layers``, ``patch_edges``,
-``plan_patch`` and ``attribution_plus_exact``.
+"""The public patching functions: ``patch`` (one entry for any units), its thin wrappers
+``patch_heads``, ``patch_layers``, ``patch_edges``, and ``plan_patch``, ``attribution_plus_exact``.
 
-Each takes ``(model, clean_tokens, corrupt_tokens, metric)`` and keyword-only options, checks
-them (``inputs``) and wraps the user's metric once (``circuitkit.metrics.as_metric``), so exact,
-attribution and the hybrid see the same ``PromptMetric``; then hands over to the module named
-for the method: ``exact`` (the exact sweep's orchestration), ``attribution`` (estimates),
-``hybrid`` (screen then verify, heads and edges alike) or ``auto`` (the choice between them).
+``patch(model, clean, corrupt, metric, units, ...)`` checks the arguments (``inputs``; the
+units' own checks: ``units.py``) and wraps the user's metric once
+(``circuitkit.metrics.as_metric``, every metric check here, once), so exact, attribution and
+the hybrid see the same ``PromptMetric``; then hands over to the module named for the method:
+``exact`` (the exact sweep's orchestration), ``attribution`` (estimates), ``hybrid`` (screen then
+verify, any units) or ``auto`` (the choice between them). The wrappers build the units and call
+``patch``, as TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +20,20 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching import attribution, auto, exact, groups, hybrid
+from circuitkit.patching import attribution, auto, exact, hybrid
 from circuitkit.patching.exact import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
 from circuitkit.patching.exact import versions  # noqa: F401 (re-exported)
 from circuitkit.patching.hybrid import check_max_passes  # noqa: F401 (re-exported)
 from circuitkit.patching.inputs import (
-    BACKENDS,
     DIRECTIONS,
-    EDGE_METHODS,
     METHODS,
     POSITIONS,
     check_batch_size,
-    check_edge_model,
-    check_edge_nodes,
     check_gradient,
     check_metric_prompts,
     check_tokens,
-    check_top_k,
     checked_metric,
     choice,
-    pad_token_id,
-    padded_lengths,
 )
 from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     EdgeResult,
@@ -47,16 +41,92 @@ from circuitkit.patching.results import (  # noqa: F401 (re-exported)
     quiet_baseline,
     verified_mask,
 )
-from circuitkit.patching.sweep import (
+from circuitkit.patching.sweep import (  # noqa: F401 (make_sweep re-exported)
     EdgeLayout,
     Sweep,
     auto_rows,
     length_order,
     make_sweep,
 )
+from circuitkit.patching.units import (
+    EdgeUnits,
+    HeadUnits,
+    LayerUnits,
+    MethodOptions,
+    as_options,
+    as_units,
+)
 
 # One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;
 # a backward counts as two forwards.
+
+
+def patch(
+    model: Any,
+    clean_tokens: Int[Tensor, "batch seq"],
+    corrupt_tokens: Int[Tensor, "batch seq"],
+    metric: Any,
+    units: Any,
+    *,
+    direction: str = "denoise",
+    method: str = "exact",
+    batch_size: int | None = None,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    options: MethodOptions | dict | None = None,
+    task_hash: str | None = None,
+    backend: str = "transformer_lens",
+    remote: bool = False,
+) -> PatchResult:
+    """Patch every cell of ``units`` (``HeadUnits``, ``LayerUnits``, ``EdgeUnits``; "heads",
+    "layers", "edges" for their defaults) and return the metric after each patch, mean over
+    prompts: a ``PatchResult`` with ``units.axes`` (edges: an ``EdgeResult``).
+
+    ``direction``: "denoise" (each cell's clean activation into the corrupt run) or "noise" (its
+    corrupt activation into the clean run). ``method``: one of ``units.methods``: "exact",
+    "attribution" (``options.estimator``, one of ``units.estimators``), "attribution+exact"
+    (``hybrid.screen_then_verify``: one road for every unit) or "auto" (heads). ``options``:
+    ``MethodOptions`` (or a dict of its fields), what every method shares. ``batch_size``,
+    ``checkpoint``, ``progress``, ``task_hash``, ``backend``, ``remote``: as ``patch_heads``.
+    The route, module by module: docs/architecture.md, "One metric's route".
+    """
+    units, opts = as_units(units), as_options(options)
+    method = units.check_method(method, opts, checkpoint, backend, remote)
+    if backend != "transformer_lens" or remote:  # heads only (check_method refuses the rest)
+        from circuitkit.patching import nnsight_backend
+
+        res = nnsight_backend.patch_heads(
+            model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
+            positions=units.positions, site=units.site, batch_size=batch_size,
+            progress=progress, remote=remote, task_hash=task_hash)
+        res.warn_if_degenerate()
+        return res
+    clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, direction, method,
+                                batch_size, **units.entry(method))
+    units = units.checked(model, clean, corrupt)
+    meta = units.meta(model, task_hash)
+    if method in ("exact", "auto"):
+        res = units.exact(model, clean, corrupt, pm, direction, batch_size, checkpoint,
+                          progress, meta) if method == "exact" else auto.run(
+            model, clean, corrupt, pm, direction=direction, positions=units.positions,
+            site=units.site, batch_size=batch_size, checkpoint=checkpoint, progress=progress,
+            top_k=opts.top_k, max_passes=opts.max_passes, meta=meta,
+            screening_recall=opts.screening_recall)
+        res.warn_if_degenerate()
+        return res
+    exact.whole_on_every_replica(f"method={method!r}")
+    if method == "attribution":
+        res = units.estimate(model, clean, corrupt, pm, direction, opts, batch_size, progress)
+    else:
+        screenable = units.screenable(model, clean, corrupt, pm, direction, opts, batch_size,
+                                      progress, checkpoint)
+        res = hybrid.screen_then_verify(screenable, checkpoint, top_k=opts.top_k,
+                                        max_passes=opts.max_passes, batch_size=batch_size,
+                                        progress=progress)
+    res.meta.update(exact.described(meta, pm))
+    exact.with_recorded(res, model, clean, corrupt)
+    res.warn_if_degenerate()
+    return res
 
 
 def patch_heads(
@@ -117,103 +187,12 @@ def patch_heads(
     head, group)``, ``meta["group_names"]`` / ``["groups_hash"]``. Methods "exact" and plain
     "attribution" (the per-position estimate summed over the group) only.
     """
-    _check_method_options(method, estimator, atp_star, top_k, max_passes)
-    if groups.is_groups(positions):
-        return _patch_head_groups(model, clean_tokens, corrupt_tokens, metric, direction,
-                                  method, positions, site, batch_size, checkpoint, progress,
-                                  atp_star, estimator, backend, remote, task_hash)
-    if method == "attribution":
-        _unused_checkpoint(checkpoint, "method='attribution'")
-    elif backend == "nnsight":
-        _unused_checkpoint(checkpoint, "backend='nnsight'")
-    if backend != "transformer_lens" or remote:
-        choice("backend", backend, BACKENDS)
-        if backend != "nnsight":
-            raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
-        from circuitkit.patching import nnsight_backend
-
-        res = nnsight_backend.patch_heads(
-            model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
-            positions=positions, site=site, batch_size=batch_size, progress=progress,
-            remote=remote, task_hash=task_hash)
-        res.warn_if_degenerate()
-        return res
-    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
-                                              direction, method, positions, site, batch_size,
-                                              hooks.PATCH_HEAD_SITES,
-                                              engine_checks=method == "exact")
-    f = hooks.facts(model)
-    meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
-                task_hash=task_hash)
-    if method == "auto":
-        res = auto.run(model, clean_tokens, corrupt_tokens, pm, direction=direction,
-                       positions=positions, site=site, batch_size=batch_size,
-                       checkpoint=checkpoint, progress=progress, top_k=top_k,
-                       max_passes=max_passes, meta=meta, screening_recall=screening_recall)
-        res.warn_if_degenerate()
-        return res
-    chosen = {} if estimator is None else dict(estimator=estimator)
-    if method in ("attribution", "attribution+exact"):
-        exact.whole_on_every_replica(f"method={method!r}")
-    if method == "attribution":
-        res = attribution.attribution_patch_heads(
-            model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
-            positions=positions, atp_star=atp_star, batch_size=batch_size, progress=progress,
-            **chosen)
-    elif method == "attribution+exact":
-        res = attribution_plus_exact(
-            model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
-            positions=positions, top_k=top_k, atp_star=atp_star, batch_size=batch_size,
-            progress=progress, max_passes=max_passes, checkpoint=checkpoint,
-            exact_when_cheaper=True, **chosen)
-    else:
-        sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
-        res, _ = exact.run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size,
-                           checkpoint, progress, meta)
-        res.warn_if_degenerate()
-        return res
-    res.meta.update(exact.described(meta, pm))
-    exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
-    res.warn_if_degenerate()
-    return res
-
-
-def _patch_head_groups(model, clean_tokens, corrupt_tokens, metric, direction, method,
-                       positions, site, batch_size, checkpoint, progress, atp_star, estimator,
-                       backend, remote, task_hash) -> PatchResult:
-    """``patch_heads`` with ``positions`` a position group (``groups``): the exact sweep with
-    one variant per (head, group), or plain attribution summed over each group's positions."""
-    if backend != "transformer_lens" or remote or method not in ("exact", "attribution") or (
-            method == "attribution" and (atp_star or estimator not in (None, "atp"))):
-        raise NotImplementedError(
-            f"position groups run with method='exact' or plain method='attribution' (estimator "
-            f"'atp') on the TransformerLens backend; got method={method!r}, "
-            f"estimator={estimator!r}, atp_star={atp_star}, backend={backend!r}.")
-    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
-                                              direction, method, "all", site, batch_size,
-                                              hooks.PATCH_HEAD_SITES,
-                                              engine_checks=method == "exact")
-    real = padded_lengths(clean_tokens, corrupt_tokens, pad_token_id(model))
-    pg = groups.position_groups(positions, clean_tokens, real)
-    f = hooks.facts(model)
-    meta = dict(head_axis="kv_head" if site in hooks.KV_SITES and f.gqa else "head",
-                task_hash=task_hash)
-    if method == "exact":
-        sweep = make_sweep(model, "heads", site, direction, pg, clean_tokens, pm)
-        res, _ = exact.run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size,
-                           checkpoint, progress, meta)
-        res.warn_if_degenerate()
-        return res
-    _unused_checkpoint(checkpoint, "method='attribution'")
-    exact.whole_on_every_replica("method='attribution'")
-    each = attribution.attribution_patch_heads(
-        model, clean_tokens, corrupt_tokens, pm, direction=direction, site=site,
-        positions="each", batch_size=batch_size, progress=progress, estimator="atp")
-    res = groups.summed_over(each, pg)
-    res.meta.update(exact.described(meta, pm), **exact.group_meta(pg))
-    exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
-    res.warn_if_degenerate()
-    return res
+    return patch(model, clean_tokens, corrupt_tokens, metric, HeadUnits(site, positions),
+                 direction=direction, method=method, batch_size=batch_size,
+                 checkpoint=checkpoint, progress=progress, task_hash=task_hash, backend=backend,
+                 remote=remote, options=MethodOptions(
+                     estimator=estimator, top_k=top_k, max_passes=max_passes,
+                     atp_star=atp_star, screening_recall=screening_recall))
 
 
 def patch_edges(
@@ -258,56 +237,18 @@ def patch_edges(
     says so).
     ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
     """
-    choice("method", method, EDGE_METHODS)
-    _check_method_options(method, None, False, top_k, max_passes)
-    est_default = attribution.EDGE_SCREENING_ESTIMATOR if method == "attribution+exact" else \
-        attribution.EDGE_ESTIMATORS[0]
-    if estimator is not None or ig_steps is not None:
-        if method == "exact":
-            warnings.warn("estimator and ig_steps do nothing with method='exact'.", stacklevel=2)
-        else:
-            choice("estimator", estimator or est_default, attribution.EDGE_ESTIMATORS)
-    if method == "attribution":
-        _unused_checkpoint(checkpoint, "method='attribution'")
-    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
-                                              direction, "exact", "all", "z", batch_size,
-                                              hooks.PATCH_HEAD_SITES)
-    layout = edge_layout(model, senders, receivers, inputs)
-    for name in layout.inputs:
-        hooks.check_patchable(model, name, clean_tokens)
-    check_edge_model(model)
-    meta = dict(task_hash=task_hash, kv_heads=hooks.facts(model).gqa)
-    if method == "attribution":
-        res = attribution.attribution_patch_edges(
-            model, clean_tokens, corrupt_tokens, pm, layout, direction=direction,
-            estimator=estimator, ig_steps=ig_steps, batch_size=batch_size, progress=progress)
-        res.meta.update(exact.described(meta, pm))
-        exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
-        res.warn_if_degenerate()
-        return res
-    if method == "attribution+exact":
-        exact.whole_on_every_replica("method='attribution+exact'")
-        units = hybrid.edges(model, clean_tokens, corrupt_tokens, pm, layout,
-                             direction=direction, estimator=estimator or est_default,
-                             ig_steps=ig_steps, batch_size=batch_size, progress=progress,
-                             checkpoint=checkpoint)
-        res = hybrid.screen_then_verify(units, checkpoint, top_k=top_k, max_passes=max_passes,
-                                        batch_size=batch_size, progress=progress)
-        res.meta.update(exact.described(meta, pm))
-        exact.with_recorded(res, model, clean_tokens, corrupt_tokens)
-    else:
-        res = exact.run_edges(model, clean_tokens, corrupt_tokens, pm, layout, direction,
-                              batch_size, checkpoint, progress, meta)
-    res.warn_if_degenerate()
-    return res
+    return patch(model, clean_tokens, corrupt_tokens, metric,
+                 EdgeUnits(senders, receivers, inputs), direction=direction, method=method,
+                 batch_size=batch_size, checkpoint=checkpoint, progress=progress,
+                 task_hash=task_hash, options=MethodOptions(
+                     estimator=estimator, ig_steps=ig_steps, top_k=top_k,
+                     max_passes=max_passes))
 
 
 def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
                 inputs: Any = hooks.EDGE_INPUTS) -> EdgeLayout:
     """The ``EdgeLayout`` of ``patch_edges``'s node arguments (checked: ``check_edge_nodes``)."""
-    s, r, i = check_edge_nodes(model, senders, receivers, inputs)
-    f = hooks.facts(model)
-    return EdgeLayout(f.n_layers, f.n_heads, f.n_kv_heads, s, r, i)
+    return EdgeUnits(senders, receivers, inputs).layout_of(model)
 
 
 def patch_layers(
@@ -330,22 +271,14 @@ def patch_layers(
     ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
     Exact only (``method="exact"``), per position only (``positions="each"``).
     """
-    method = "exact" if method == "auto" else method  # one choice for layer sites
-    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
-                                              direction, method, positions, site, batch_size,
-                                              hooks.PATCH_LAYER_SITES, engine_checks=True)
-    if method != "exact":
-        raise ValueError(f"patch_layers is exact only; got method={method!r}. Use patch_heads "
-                         "for attribution (heads, not layers).")
     if positions != "each":
+        choice("positions", positions, POSITIONS)
         raise ValueError(f"patch_layers patches one position at a time (positions='each', its "
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
-    sweep = make_sweep(model, "layers", site, direction, "each", clean_tokens, pm)
-    res, _ = exact.run(model, clean_tokens, corrupt_tokens, pm, sweep, batch_size, checkpoint,
-                       progress, dict(task_hash=task_hash))
-    res.warn_if_degenerate()
-    return res
+    return patch(model, clean_tokens, corrupt_tokens, metric, LayerUnits(site),
+                 direction=direction, method=method, batch_size=batch_size,
+                 checkpoint=checkpoint, progress=progress, task_hash=task_hash)
 
 
 def plan_patch(
@@ -361,8 +294,10 @@ def plan_patch(
     batch_size: int | None = None,
     top_k: int | None = None,
     estimator: str | None = None,
+    units: HeadUnits | None = None,
 ) -> dict[str, Any]:
     """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
+``units``: a ``HeadUnits`` (positions "all" or "each"), in place of ``site`` / ``positions``.
 
     ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
     chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
@@ -375,68 +310,93 @@ def plan_patch(
     predicted to cost at least the exact sweep, the run patches exactly instead, and so does
     the plan (``method="exact"``, ``hybrid["runs"]``).
     """
-    clean_tokens, corrupt_tokens, pm = _check(model, clean_tokens, corrupt_tokens, metric,
-                                              direction, method, positions, site, batch_size,
-                                              hooks.PATCH_HEAD_SITES)
-    _check_method_options(method, estimator, False, top_k)
-    f = hooks.facts(model)
-    n, seq = clean_tokens.shape
+    units = HeadUnits(site, positions) if units is None else as_units(units)
+    if not isinstance(units, HeadUnits) or units.grouped:
+        raise ValueError(f"plan_patch measures head sweeps over positions 'all' or 'each'; got "
+                         f"units={units!r}. Edges are priced from the config: plan.edge_plan "
+                         "(circuitkit edges --plan).")
+    clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, direction, method,
+                                batch_size, **dict(units.entry(method), engine_checks=False))
+    units.check_method(method, MethodOptions(estimator=estimator, top_k=top_k), None,
+                       "transformer_lens", False)
     auto_info = None
     if method == "auto":
-        auto_info = auto.choice(model, seq, site, positions)
+        auto_info = auto.choice(model, clean.shape[1], units.site, units.positions)
         method = auto_info["chose"]
-    sweep = make_sweep(model, "heads", site, direction, positions, clean_tokens, pm)
+    p = _probed(model, clean, corrupt, pm, units, direction, batch_size)
+    out = dict(method=method, **p["row"])
+    if auto_info is not None:
+        out["auto"] = auto_info
+    exact_row = dict(pass_equivalents=p["exact_passes"], est_seconds=p["per_cost"] * p["total"])
+    if method == "exact":
+        out.update(exact_row)
+    elif method == "attribution":
+        n, seq = clean.shape
+        att = n * attribution.estimator_passes(model, estimator or "atp", units.site,
+                                               units.positions, seq,
+                                               batch=min(batch_size or n, n))
+        out.update(pass_equivalents=att, est_seconds=p["per_pass"] * att, verified_cells=0,
+                   estimator=estimator or "atp")
+    else:
+        out.update(_hybrid_plan(model, p, units, direction, batch_size, top_k, estimator,
+                                exact_row))
+    return out
+
+
+def _probed(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: HeadUnits,
+            direction: str, batch_size: int | None) -> dict[str, Any]:
+    """``plan_patch``'s one-chunk probe (prompts in length order, rows halved on OOM): the
+    seconds per token-block (``per_cost``) and per pass (``per_pass``, the cached runs'), the
+    sweep's token-blocks (``total``), its pass-equivalents, and the plan's shape row."""
+    n, seq = clean.shape
+    sweep = units.sweep(model, direction, clean, pm)
     rows = batch_size or auto_rows(model, seq)
     order, lengths = length_order(pm)
     if order is not None:
-        clean_tokens, corrupt_tokens, pm = clean_tokens[order], corrupt_tokens[order], \
-            pm.select(order)
+        clean, corrupt, pm = clean[order], corrupt[order], pm.select(order)
     timing: dict[str, float] = {}  # the memory probe is the time probe (rows halved on OOM)
-    _, sweep, rows, first, _ = exact.fit_rows(model, clean_tokens, corrupt_tokens, pm, sweep, rows,
-                                         lengths, None, timing)
-    cached_seconds = timing["cached"]  # the two cached runs: ~2 passes per prompt
-    per_cost = timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))])
+    _, sweep, rows, first, _ = exact.fit_rows(model, clean, corrupt, pm, sweep, rows, lengths,
+                                              None, timing)
     total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
-    exact_passes = total / (f.n_layers * seq) + 2 * n
-    per_pass = cached_seconds / (2 * n)
-    out = dict(method=method, n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
+    row = dict(n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
                n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
                naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
                bytes_per_chunk=_bytes_per_chunk(model, seq, rows, sweep),
                available_bytes=_available(model))
-    if auto_info is not None:
-        out["auto"] = auto_info
-    if method == "exact":
-        out.update(pass_equivalents=exact_passes, est_seconds=per_cost * total)
-    elif method == "attribution":
-        att = n * attribution.estimator_passes(model, estimator or "atp", site, positions, seq,
-                                               batch=min(batch_size or n, n))
-        out.update(pass_equivalents=att, est_seconds=per_pass * att, verified_cells=0,
-                   estimator=estimator or "atp")
-    else:
-        screener = estimator or attribution.screening_estimator(model, site, clean_tokens)
-        screen = n * attribution.estimator_passes(model, screener, site, positions, seq,
-                                                  batch=min(batch_size or n, n))
-        units = hybrid.heads(model, clean_tokens, corrupt_tokens, pm, direction=direction,
-                             site=site, positions=positions, estimator=screener,
-                             atp_star=False, batch_size=batch_size, progress=False)
-        guess = hybrid.predicted(screen, units.downstream, n, units.read_share, top_k,
-                                 units.per_round)
-        n_cells = units.index.shape[0]
+    return dict(row=row, clean=clean, corrupt=corrupt, pm=pm, total=total,
+                cached_seconds=timing["cached"],  # the two cached runs: ~2 passes per prompt
+                per_cost=timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))]),
+                per_pass=timing["cached"] / (2 * n),
+                exact_passes=total / (hooks.facts(model).n_layers * seq) + 2 * n)
 
-        def seconds(k: int) -> float:  # the screen at the cached runs' rate, cells at the probe's
-            return per_pass * screen + per_cost * total * k / n_cells + cached_seconds
 
-        out.update(estimator=screener, budget="auto" if top_k is None else "top_k",
-                   hybrid=dict(guess, runs=guess["runs"]))
-        if guess["runs"] == "exact":  # what the run will do: the exact sweep (and say so)
-            out.update(method="exact", pass_equivalents=exact_passes,
-                       est_seconds=per_cost * total)
-        else:
-            out.update(pass_equivalents=guess["passes"], est_seconds=seconds(guess["cells"]),
-                       verified_cells=guess["cells"], verified_cells_max=guess["cells_max"],
-                       est_seconds_max=seconds(guess["cells_max"]))
-    return out
+def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, direction: str,
+                 batch_size: int | None, top_k: int | None, estimator: str | None,
+                 exact_row: dict[str, float]) -> dict[str, Any]:
+    """``plan_patch``'s attribution+exact row: the run's own prediction (``hybrid.predicted``)
+    over the screen's passes, timed at the probe's rates; the exact row where it runs exact."""
+    clean, corrupt, pm = p["clean"], p["corrupt"], p["pm"]
+    n, seq = clean.shape
+    screener = estimator or attribution.screening_estimator(model, units.site, clean)
+    screen = n * attribution.estimator_passes(model, screener, units.site, units.positions,
+                                              seq, batch=min(batch_size or n, n))
+    s = hybrid.heads(model, clean, corrupt, pm, direction=direction, site=units.site,
+                     positions=units.positions, estimator=screener, atp_star=False,
+                     batch_size=batch_size, progress=False)
+    guess = hybrid.predicted(screen, s.downstream, n, s.read_share, top_k, s.per_round)
+    n_cells = s.index.shape[0]
+
+    def seconds(k: int) -> float:  # the screen at the cached runs' rate, cells at the probe's
+        return p["per_pass"] * screen + p["per_cost"] * p["total"] * k / n_cells \
+            + p["cached_seconds"]
+
+    out = dict(estimator=screener, budget="auto" if top_k is None else "top_k",
+               hybrid=dict(guess, runs=guess["runs"]))
+    if guess["runs"] == "exact":  # what the run will do: the exact sweep (and say so)
+        return dict(out, method="exact", **exact_row)
+    return dict(out, pass_equivalents=guess["passes"], est_seconds=seconds(guess["cells"]),
+                verified_cells=guess["cells"], verified_cells_max=guess["cells_max"],
+                est_seconds_max=seconds(guess["cells_max"]))
 
 
 # --- the hybrid --------------------------------------------------------------------------------
@@ -503,17 +463,13 @@ def attribution_plus_exact(
     """
     hybrid.check_rule(top_k, max_passes, recall_top, quantile, max_fraction)
     clean_tokens, corrupt_tokens, metric = _check(
-        model, clean_tokens, corrupt_tokens, metric, direction, "attribution+exact", positions,
-        site, batch_size, hooks.PATCH_HEAD_SITES)
-    if estimator is None:
-        estimator = ("qk" if atp_star and site in attribution.ATP_STAR_SITES
-                     else attribution.screening_estimator(model, site, clean_tokens))
-    units = hybrid.heads(model, clean_tokens, corrupt_tokens, metric, direction=direction,
-                         site=site, positions=positions, estimator=estimator,
-                         atp_star=atp_star, batch_size=batch_size, progress=progress,
-                         checkpoint=checkpoint)
+        model, clean_tokens, corrupt_tokens, metric, direction, "attribution+exact",
+        batch_size, site=site, positions=positions, sites=hooks.PATCH_HEAD_SITES)
+    screenable = HeadUnits(site, positions).screenable(
+        model, clean_tokens, corrupt_tokens, metric, direction,
+        MethodOptions(estimator=estimator, atp_star=atp_star), batch_size, progress, checkpoint)
     res = hybrid.screen_then_verify(
-        units, checkpoint, top_k=top_k, max_passes=max_passes, batch_size=batch_size,
+        screenable, checkpoint, top_k=top_k, max_passes=max_passes, batch_size=batch_size,
         progress=progress, exact_when_cheaper=exact_when_cheaper, recall_top=recall_top,
         quantile=quantile, max_fraction=max_fraction)
     res.meta.update(exact.described({}, metric))
@@ -521,10 +477,10 @@ def attribution_plus_exact(
     return res
 
 
-# --- checks and orchestration --------------------------------------------------------------------
+# --- checks --------------------------------------------------------------------------------------
 
 
-def _check(model, clean, corrupt, metric, direction, method, positions, site, batch_size,
+def _check(model, clean, corrupt, metric, direction, method, batch_size, *, site, positions,
            sites, engine_checks: bool = False) -> tuple[Tensor, Tensor, PromptMetric]:
     """Arguments checked, the metric wrapped and fit for the tokens (``checked_metric``;
     ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs)."""
@@ -541,41 +497,6 @@ def _check(model, clean, corrupt, metric, direction, method, positions, site, ba
     check_gradient(pm, method)
     return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
                                           engine_checks=engine_checks)
-
-
-def _check_method_options(method: str, estimator: str | None, atp_star: bool,
-                          top_k: int | None, max_passes: float | None = None) -> None:
-    """A bad ``estimator`` is refused whatever the method; options only another method uses
-    are said to do nothing (a warning: a notebook loop may pass one set of options to every
-    method), never dropped in silence."""
-    check_top_k(top_k)  # every entry, whatever the method (top_k=0 verified nothing, as hybrid)
-    if estimator is not None:
-        choice("estimator", estimator, attribution.ESTIMATORS)
-    if method in ("attribution+exact", "auto"):
-        hybrid.check_max_passes(max_passes, top_k)
-    given = [name for name, on in (("estimator", estimator is not None), ("atp_star", atp_star),
-                                   ("top_k", top_k is not None),
-                                   ("max_passes", max_passes is not None)) if on]
-    allowed = {"exact": set(), "attribution": {"estimator", "atp_star"},
-               "auto": {"top_k", "max_passes"},
-               "attribution+exact": {"estimator", "atp_star", "top_k", "max_passes"}}.get(method)
-    stray = [g for g in given if allowed is not None and g not in allowed]
-    if stray:
-        warnings.warn(
-            f"{' and '.join(stray)} {'does' if len(stray) == 1 else 'do'} nothing with "
-            f"method={method!r}: estimator and atp_star choose the estimate of method "
-            "'attribution' or 'attribution+exact', top_k and max_passes the cells "
-            "'attribution+exact' (or 'auto') verifies.", stacklevel=3)
-
-
-
-def _unused_checkpoint(checkpoint: Any, what: str) -> None:
-    if checkpoint is not None:
-        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: {what} is not checkpointed "
-                      "(exact sweeps and attribution+exact of the TransformerLens backend "
-                      "are).",
-                      stacklevel=3)
-
 
 
 def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:

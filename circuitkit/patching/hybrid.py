@@ -2,7 +2,7 @@
 
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
-are the same road: each describes itself once (``Units``: how to screen, how to verify a list
+are the same road: each describes itself once (``Screenable``: how to screen, how to verify a list
 of flat cells, the error unit's depth share and cost per cell, the round size), and everything
 else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: the screen and every
 verified cell, stored as they finish; a rerun replays the rule on the stored numbers and picks
@@ -53,7 +53,7 @@ RULE = dict(recall_top=10, quantile=0.9, max_fraction=costs.AUTO_MAX_FRACTION)  
 
 
 @dataclass(frozen=True)
-class Units:
+class Screenable:
     """What ``screen_then_verify`` needs to know of the units it screens (heads or edges).
 
     ``screen()``: the estimate (a ``PatchResult`` or ``EdgeResult`` with ``meta``
@@ -134,7 +134,7 @@ def predicted(screen_passes: float, downstream: Tensor, n: int, read_share: floa
                 exact_passes=exact_passes, screen_passes=screen_passes)
 
 
-def screen_then_verify(units: Units, checkpoint: Any = None, *, top_k: int | None = None,
+def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int | None = None,
                        max_passes: float | None = None, batch_size: int | None = None,
                        progress: bool = True, exact_when_cheaper: bool = True,
                        **rule: Any) -> Any:
@@ -206,7 +206,7 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _verified(units: Units, store: HybridCheckpoint | None, top_k: int | None,
+def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | None,
               max_passes: float | None, batch_size: int | None, progress: bool,
               rule: dict) -> Any:
     """The screen (stored or run), then the verification (``top_k`` or ``budget_rule``), each
@@ -274,7 +274,7 @@ class _Verifier:
     resumed run) are reused, not run; each finished forward is stored at once (a killed run
     loses at most the forward in progress)."""
 
-    def __init__(self, units: Units, store: HybridCheckpoint | None, progress: bool):
+    def __init__(self, units: Screenable, store: HybridCheckpoint | None, progress: bool):
         n_cells, n = units.index.shape[0], units.n_prompts
         self.units, self.store, self.rows, self.backoffs = units, store, units.rows, 0
         self.exact_pp = torch.zeros(n_cells, n)
@@ -437,8 +437,8 @@ def _nested(t: Tensor) -> list:
 
 def heads(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, *, direction: str,
           site: str, positions: str, estimator: str, atp_star: bool, batch_size: int | None,
-          progress: bool, checkpoint: Any = None) -> Units:
-    """The ``Units`` of a head sweep (arguments checked): flat cell ``j`` is ``values``'s
+          progress: bool, checkpoint: Any = None) -> Screenable:
+    """The ``Screenable`` of a head sweep (arguments checked): flat cell ``j`` is ``values``'s
     row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; its exact sweep is
     ``exact.run`` (checkpointed in the same folder)."""
     sweep = make_sweep(model, "heads", site, direction, positions, clean, metric)
@@ -457,7 +457,7 @@ def heads(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, *, d
             engines.append(ExactEngine(model, clean, corrupt, metric, sweep))
         return engines[0].run_variants(la, [j % per_layer for j in cells], p0, p1)
 
-    return Units(
+    return Screenable(
         kind="heads", index=index, layer=layer, downstream=(L - layer) / L, run=run,
         per_round=per_layer, metric=metric, n_prompts=n,
         exact=lambda: exact.run(model, clean, corrupt, metric, sweep, batch_size, checkpoint,
@@ -475,8 +475,8 @@ def heads(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, *, d
 
 def edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
           layout: EdgeLayout, *, direction: str, estimator: str, ig_steps: int | None,
-          batch_size: int | None, progress: bool, checkpoint: Any = None) -> Units:
-    """The ``Units`` of an edge sweep (arguments checked): flat cells are the edges of
+          batch_size: int | None, progress: bool, checkpoint: Any = None) -> Screenable:
+    """The ``Screenable`` of an edge sweep (arguments checked): flat cells are the edges of
     ``layout`` in ``values``'s row-major order (sender, receiver, input), each verified as
     variant ``v`` of its receiver layer (``EdgeLayout.cells``); ``d = (L + 1 - l) / (L + 1)``
     (the logits count as layer ``L``)."""
@@ -504,7 +504,7 @@ def edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
             ig_steps=ig_steps, batch_size=batch_size, progress=progress)
         return replace(est, clean=float(est.clean), corrupt=float(est.corrupt))  # savable
 
-    return Units(
+    return Screenable(
         kind="edges", index=index, layer=layer, downstream=(L + 1 - layer).float() / (L + 1),
         run=run, per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
         metric=metric, n_prompts=n, screen=screen,

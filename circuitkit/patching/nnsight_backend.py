@@ -184,7 +184,39 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
     n_pos = seq if positions == "each" else 1
     variants = [(u, p) for u in range(n_units) for p in (range(n_pos) if n_pos > 1 else [None])]
     per_trace = max(1, (batch_size or max(n, 64)) // n)
-    grid = torch.empty(f.n_layers, len(variants), n)
+    grid, base_m, source_m = _sweep(lm, f, base, source, pm, reads, site, direction,
+                                    variants, per_trace, length, remote, progress)
+    shape = (f.n_layers, n_units, n_pos) if positions == "each" else (f.n_layers, n_units)
+    values = grid.mean(-1).reshape(shape)
+    per_prompt = grid.permute(2, 0, 1).reshape(n, *shape) if pm.per_prompt_values else None
+    clean_m, corrupt_m = (source_m, base_m) if direction == "denoise" else (base_m, source_m)
+    meta = dict(backend="nnsight", remote=remote, model=str(getattr(lm.config, "_name_or_path",
+                                                                     "")),
+                metric=pm.name, n_prompts=n, seq=seq, traces_per_layer=-(-len(variants)
+                                                                        // per_trace),
+                seconds=time.perf_counter() - t0,
+                head_axis="kv_head" if site in ("k", "v") and f.gqa else "head",
+                facts=f.to_dict())
+    if method == "auto":
+        meta["auto"] = dict(chose="exact", note="backend='nnsight' runs exact sweeps only")
+    if task_hash is not None:
+        meta["task_hash"] = task_hash
+    if pm.note:
+        meta["metric_note"] = pm.note
+    return PatchResult(
+        values=values, clean=float(clean_m.mean()), corrupt=float(corrupt_m.mean()),
+        direction=direction, method="exact", site=site, positions=positions,
+        per_prompt=per_prompt, clean_per_prompt=clean_m if pm.per_prompt_values else None,
+        corrupt_per_prompt=corrupt_m if pm.per_prompt_values else None,
+        axes=("layer", "head", "pos") if positions == "each" else ("layer", "head"), meta=meta)
+
+
+def _sweep(lm: Any, f: ModelFacts, base: Tensor, source: Tensor, pm: PromptMetric,
+           reads: Tensor | None, site: str, direction: str, variants: list, per_trace: int,
+           length: int, remote: bool, progress: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Every layer's ``variants`` patched, ``per_trace`` per trace: ``grid [n_layers,
+    n_variants, n_prompts]`` and the base and source runs' metric values ``[n_prompts]``."""
+    grid = torch.empty(f.n_layers, len(variants), base.shape[0])
     with torch.no_grad():
         base_m, source_m = _baselines(lm, base, source, pm, reads, remote)
         steps = [(layer, s) for layer in range(f.n_layers)
@@ -211,29 +243,7 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
                 bar.update(1)
         if bar is not None:
             bar.close()
-    shape = (f.n_layers, n_units, n_pos) if positions == "each" else (f.n_layers, n_units)
-    values = grid.mean(-1).reshape(shape)
-    per_prompt = grid.permute(2, 0, 1).reshape(n, *shape) if pm.per_prompt_values else None
-    clean_m, corrupt_m = (source_m, base_m) if direction == "denoise" else (base_m, source_m)
-    meta = dict(backend="nnsight", remote=remote, model=str(getattr(lm.config, "_name_or_path",
-                                                                     "")),
-                metric=pm.name, n_prompts=n, seq=seq, traces_per_layer=-(-len(variants)
-                                                                        // per_trace),
-                seconds=time.perf_counter() - t0,
-                head_axis="kv_head" if site in ("k", "v") and f.gqa else "head",
-                facts=f.to_dict())
-    if method == "auto":
-        meta["auto"] = dict(chose="exact", note="backend='nnsight' runs exact sweeps only")
-    if task_hash is not None:
-        meta["task_hash"] = task_hash
-    if pm.note:
-        meta["metric_note"] = pm.note
-    return PatchResult(
-        values=values, clean=float(clean_m.mean()), corrupt=float(corrupt_m.mean()),
-        direction=direction, method="exact", site=site, positions=positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_m if pm.per_prompt_values else None,
-        corrupt_per_prompt=corrupt_m if pm.per_prompt_values else None,
-        axes=("layer", "head", "pos") if positions == "each" else ("layer", "head"), meta=meta)
+    return grid, base_m, source_m
 
 
 def _metric_of(logits: Tensor, pm: PromptMetric, reads: Tensor | None, copies: int,

@@ -1,0 +1,379 @@
+"""What is patched: ``HeadUnits``, ``LayerUnits``, ``EdgeUnits``, and ``MethodOptions``.
+
+A unit object says what ``ck.patch`` patches; each stage takes it. Each kind knows, once:
+the entry's checks that are its own (``entry``, ``checked``: position groups resolved, an edge
+layout built and checked), its sweep (``sweep``: ``sweep.make_sweep`` / ``make_edge_sweep``),
+its exact run (``exact``), its estimate (``estimate``, an estimator of the registry), its
+hybrid's ``Screenable`` (``screenable``: ``hybrid.heads`` / ``hybrid.edges``), its result's
+axes (``axes``), its cost plan (``plan``: ``plan.sweep_plan`` / ``plan.edge_plan``) and the
+methods and estimators that apply (``methods``, ``estimators``). Nodes are named one way
+(``hooks.node_name`` / ``parse_node``: "L2H0", "embed", "logits").
+
+``MethodOptions``: what every method shares (the screen's ``estimator``, ``top_k``,
+``max_passes``, ``atp_star``, ``ig_steps``, ``screening_recall``), one frozen object; an
+option the chosen method does not use is said to do nothing (a warning), never dropped silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
+
+from circuitkit import hooks
+from circuitkit.patching import attribution, exact, groups, hybrid
+from circuitkit.patching.inputs import (
+    BACKENDS,
+    EDGE_METHODS,
+    METHODS,
+    POSITIONS,
+    check_edge_model,
+    check_edge_nodes,
+    check_top_k,
+    choice,
+    pad_token_id,
+    padded_lengths,
+)
+from circuitkit.patching.sweep import EdgeLayout, make_edge_sweep, make_sweep
+
+_STACK = 5  # warnings point at the caller of patch_heads / patch_edges (through ck.patch)
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Options every method shares. ``estimator``: the attribution estimate (or the hybrid's
+    screen; ``attribution.ESTIMATORS`` for heads, ``EDGE_ESTIMATORS`` for edges); ``atp_star``:
+    AtP*'s Q/K fix (heads); ``ig_steps``: the eap-ig estimators' steps (edges); ``top_k`` /
+    ``max_passes``: the cells ``attribution+exact`` (or ``auto``) verifies; ``screening_recall``:
+    ``auto``'s extra screen on an exact run."""
+
+    estimator: str | None = None
+    top_k: int | None = None
+    max_passes: float | None = None
+    atp_star: bool = False
+    ig_steps: int | None = None
+    screening_recall: bool = False
+
+    def given(self) -> list[str]:
+        """The options set away from their defaults, in declaration order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
+
+def as_options(options: Any) -> MethodOptions:
+    """``options``: None, a ``MethodOptions`` or a dict of its fields (one line otherwise)."""
+    if options is None:
+        return MethodOptions()
+    if isinstance(options, MethodOptions):
+        return options
+    names = [f.name for f in fields(MethodOptions)]
+    if isinstance(options, dict) and set(options) <= set(names):
+        return MethodOptions(**options)
+    raise ValueError(f"options={options!r}: expected ck.MethodOptions(...) or a dict of "
+                     f"{names}.")
+
+
+def as_units(units: Any) -> Any:
+    """``units``: a ``HeadUnits``, ``LayerUnits`` or ``EdgeUnits`` (or "heads", "layers",
+    "edges" for their defaults); anything else is one line naming what is expected."""
+    if isinstance(units, HeadUnits | LayerUnits | EdgeUnits):
+        return units
+    if isinstance(units, str) and units in KINDS:
+        return KINDS[units]()
+    raise ValueError(f"units={units!r}: expected ck.HeadUnits(site, positions), "
+                     "ck.LayerUnits(site) or ck.EdgeUnits(senders, receivers, inputs) (or "
+                     "'heads', 'layers', 'edges' for their defaults).")
+
+
+def _stray(method: str, opts: MethodOptions, allowed: dict[str, set[str]]) -> None:
+    """Warn for options ``method`` does not use (a notebook loop may pass one set to all)."""
+    stray = [g for g in opts.given() if g not in allowed.get(method, set())
+             and g != "screening_recall"]  # a flag of auto's exact run, harmless elsewhere
+    if stray:
+        warnings.warn(
+            f"{' and '.join(stray)} {'does' if len(stray) == 1 else 'do'} nothing with "
+            f"method={method!r}: estimator and atp_star choose the estimate of method "
+            "'attribution' or 'attribution+exact', top_k and max_passes the cells "
+            "'attribution+exact' (or 'auto') verifies.", stacklevel=_STACK)
+
+
+def unused_checkpoint(checkpoint: Any, what: str) -> None:
+    if checkpoint is not None:
+        warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: {what} is not checkpointed "
+                      "(exact sweeps and attribution+exact of the TransformerLens backend "
+                      "are).", stacklevel=_STACK)
+
+
+def _hybrid_options(method: str, opts: MethodOptions) -> None:
+    check_top_k(opts.top_k)  # every entry, whatever the method (top_k=0 verified nothing)
+    if method in ("attribution+exact", "auto"):
+        hybrid.check_max_passes(opts.max_passes, opts.top_k)
+
+
+# --- heads ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadUnits:
+    """Every attention head at ``site`` ("z", "pattern", "q", "k", "v"), at ``positions``:
+    "all" (values ``[layer, head]``), "each" (``[layer, head, pos]``) or position groups, a
+    bool mask ``[batch, seq]`` or ``{name: mask}`` (``[layer, head, group]``; ``checked``
+    turns them into ``groups.PositionGroups``)."""
+
+    site: str = "z"
+    positions: Any = "all"
+    kind: ClassVar[str] = "heads"
+    methods: ClassVar[tuple[str, ...]] = METHODS
+
+    def __post_init__(self) -> None:
+        choice("site", self.site, hooks.PATCH_HEAD_SITES)
+        if not groups.is_groups(self.positions):
+            choice("positions", self.positions, POSITIONS)
+
+    @property
+    def grouped(self) -> bool:
+        return groups.is_groups(self.positions)
+
+    @property
+    def estimators(self) -> tuple[str, ...]:
+        return ("atp",) if self.grouped else attribution.ESTIMATORS
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return ("layer", "head") + (("pos",) if self.positions == "each" else ("group",)
+                                    if self.grouped else ())
+
+    def check_method(self, method: str, opts: MethodOptions, checkpoint: Any, backend: str,
+                     remote: bool) -> str:
+        """The method and options checked for heads (one line each); returns the method."""
+        _hybrid_options(method, opts)
+        if opts.estimator is not None:
+            choice("estimator", opts.estimator, attribution.ESTIMATORS)
+        _stray(method, opts, {"attribution": {"estimator", "atp_star", "ig_steps"},
+                              "auto": {"top_k", "max_passes", "screening_recall"},
+                              "attribution+exact": {"estimator", "atp_star", "top_k",
+                                                    "max_passes"}})
+        if self.grouped and (backend != "transformer_lens" or remote or method not in (
+                "exact", "attribution") or (method == "attribution" and (
+                opts.atp_star or opts.estimator not in (None, "atp")))):
+            raise NotImplementedError(
+                f"position groups run with method='exact' or plain method='attribution' "
+                f"(estimator 'atp') on the TransformerLens backend; got method={method!r}, "
+                f"estimator={opts.estimator!r}, atp_star={opts.atp_star}, "
+                f"backend={backend!r}.")
+        if method == "attribution":
+            unused_checkpoint(checkpoint, "method='attribution'")
+        elif backend == "nnsight":
+            unused_checkpoint(checkpoint, "backend='nnsight'")
+        if backend != "transformer_lens" or remote:
+            choice("backend", backend, BACKENDS)
+            if backend != "nnsight":
+                raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
+        return method
+
+    def entry(self, method: str) -> dict[str, Any]:
+        """What the entry's checks (``api._check``) take of these units."""
+        return dict(site=self.site, positions="all" if self.grouped else self.positions,
+                    sites=hooks.PATCH_HEAD_SITES, engine_checks=method == "exact")
+
+    def checked(self, model: Any, clean: Any, corrupt: Any) -> HeadUnits:
+        """Position groups checked against the (checked) tokens."""
+        if not self.grouped:
+            return self
+        real = padded_lengths(clean, corrupt, pad_token_id(model))
+        return replace(self, positions=groups.position_groups(self.positions, clean, real))
+
+    def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
+        gqa = self.site in hooks.KV_SITES and hooks.facts(model).gqa
+        return dict(head_axis="kv_head" if gqa else "head", task_hash=task_hash)
+
+    def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
+        return make_sweep(model, "heads", self.site, direction, self.positions, clean, metric)
+
+    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
+              meta) -> Any:
+        sweep = self.sweep(model, direction, clean, pm)
+        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                         meta)[0]
+
+    def estimate(self, model, clean, corrupt, pm, direction, opts, batch_size, progress) -> Any:
+        """Attribution; position groups: the per-position estimate summed over each group."""
+        extra = {} if opts.ig_steps is None else dict(ig_steps=opts.ig_steps)
+        if self.grouped:
+            each = attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=self.site,
+                positions="each", batch_size=batch_size, progress=progress, estimator="atp")
+            res = groups.summed_over(each, self.positions)
+            res.meta.update(exact.group_meta(self.positions))
+            return res
+        chosen = {} if opts.estimator is None else dict(estimator=opts.estimator)
+        return attribution.attribution_patch_heads(
+            model, clean, corrupt, pm, direction=direction, site=self.site,
+            positions=self.positions, atp_star=opts.atp_star, batch_size=batch_size,
+            progress=progress, **chosen, **extra)
+
+    def screen_estimator(self, model: Any, opts: MethodOptions, clean: Any) -> str:
+        """The hybrid's screen: ``estimator``, else "qk" with ``atp_star`` where it applies,
+        else ``attribution.screening_estimator``."""
+        if opts.estimator is not None:
+            return opts.estimator
+        if opts.atp_star and self.site in attribution.ATP_STAR_SITES:
+            return "qk"
+        return attribution.screening_estimator(model, self.site, clean)
+
+    def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
+                   checkpoint) -> hybrid.Screenable:
+        return hybrid.heads(model, clean, corrupt, pm, direction=direction, site=self.site,
+                            positions=self.positions,
+                            estimator=self.screen_estimator(model, opts, clean),
+                            atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
+                            checkpoint=checkpoint)
+
+    def plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
+        """``plan.sweep_plan`` of these heads (config only)."""
+        from circuitkit.patching.plan import sweep_plan
+
+        return sweep_plan(arch, lengths, site=self.site, positions=self.positions, **kw)
+
+
+# --- layers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerUnits:
+    """A whole-layer site ("resid_pre", "attn_out", "mlp_out") at each (layer, position):
+    values ``[layer, pos]``; exact only."""
+
+    site: str = "resid_pre"
+    kind: ClassVar[str] = "layers"
+    methods: ClassVar[tuple[str, ...]] = ("exact",)
+    estimators: ClassVar[tuple[str, ...]] = ()
+    axes: ClassVar[tuple[str, ...]] = ("layer", "pos")
+    positions: ClassVar[str] = "each"
+
+    def __post_init__(self) -> None:
+        choice("site", self.site, hooks.PATCH_LAYER_SITES)
+
+    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
+        method = "exact" if method == "auto" else method  # one choice for layer sites
+        choice("method", method, METHODS)
+        if method != "exact":
+            raise ValueError(f"patch_layers is exact only; got method={method!r}. Use "
+                             "patch_heads for attribution (heads, not layers).")
+        _stray(method, opts, {})
+        if backend != "transformer_lens" or remote:
+            raise ValueError(f"backend={backend!r}: layer sweeps run on the TransformerLens "
+                             "backend only.")
+        return method
+
+    def entry(self, method: str) -> dict[str, Any]:
+        return dict(site=self.site, positions="each", sites=hooks.PATCH_LAYER_SITES,
+                    engine_checks=True)
+
+    def checked(self, model: Any, clean: Any, corrupt: Any) -> LayerUnits:
+        return self
+
+    def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
+        return dict(task_hash=task_hash)
+
+    def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
+        return make_sweep(model, "layers", self.site, direction, "each", clean, metric)
+
+    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
+              meta) -> Any:
+        sweep = self.sweep(model, direction, clean, pm)
+        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                         meta)[0]
+
+
+# --- edges ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EdgeUnits:
+    """Every edge from ``senders`` into ``receivers``' ``inputs`` ("q", "k", "v"): nodes
+    ``(layer, head)`` or their names ("L3H2", "embed" a sender, "logits" a receiver); None:
+    every head and the embeddings / the logits. Values ``[sender, receiver, input]``
+    (``EdgeResult``); ``checked`` builds the ``sweep.EdgeLayout`` (``layout``)."""
+
+    senders: Any = None
+    receivers: Any = None
+    inputs: Any = hooks.EDGE_INPUTS
+    layout: EdgeLayout | None = field(default=None, compare=False, repr=False)
+    kind: ClassVar[str] = "edges"
+    methods: ClassVar[tuple[str, ...]] = EDGE_METHODS
+    estimators: ClassVar[tuple[str, ...]] = attribution.EDGE_ESTIMATORS
+    axes: ClassVar[tuple[str, ...]] = ("sender", "receiver", "input")
+
+    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
+        choice("method", method, EDGE_METHODS)
+        _hybrid_options(method, opts)
+        default = attribution.EDGE_SCREENING_ESTIMATOR if method == "attribution+exact" else \
+            attribution.EDGE_ESTIMATORS[0]
+        if opts.estimator is not None or opts.ig_steps is not None:
+            if method == "exact":
+                warnings.warn("estimator and ig_steps do nothing with method='exact'.",
+                              stacklevel=_STACK)
+            else:
+                choice("estimator", opts.estimator or default, attribution.EDGE_ESTIMATORS)
+        _stray(method, opts, {"exact": {"estimator", "ig_steps"},
+                              "attribution": {"estimator", "ig_steps"},
+                              "attribution+exact": {"estimator", "ig_steps", "top_k",
+                                                    "max_passes"}})
+        if method == "attribution":
+            unused_checkpoint(checkpoint, "method='attribution'")
+        if backend != "transformer_lens" or remote:
+            raise ValueError(f"backend={backend!r}: edge sweeps run on the TransformerLens "
+                             "backend only.")
+        return method
+
+    def entry(self, method: str) -> dict[str, Any]:
+        return dict(site="z", positions="all", sites=hooks.PATCH_HEAD_SITES,
+                    engine_checks=False)
+
+    def checked(self, model: Any, clean: Any, corrupt: Any) -> EdgeUnits:
+        """The layout of these nodes (``check_edge_nodes``), every input patchable, and no
+        post-norm block (``check_edge_model``)."""
+        layout = self.layout_of(model)
+        for name in layout.inputs:
+            hooks.check_patchable(model, name, clean)
+        check_edge_model(model)
+        return replace(self, layout=layout)
+
+    def layout_of(self, model: Any) -> EdgeLayout:
+        """The ``EdgeLayout`` of these nodes on ``model`` (or a ``models.Architecture``)."""
+        s, r, i = check_edge_nodes(model, self.senders, self.receivers, self.inputs)
+        f = model if hasattr(model, "n_kv_heads") else hooks.facts(model)
+        return EdgeLayout(f.n_layers, f.n_heads, f.n_kv_heads, s, r, i)
+
+    def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
+        return dict(task_hash=task_hash, kv_heads=hooks.facts(model).gqa)
+
+    def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
+        return make_edge_sweep(model, self.layout, direction, clean, metric)
+
+    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
+              meta) -> Any:
+        return exact.run_edges(model, clean, corrupt, pm, self.layout, direction, batch_size,
+                               checkpoint, progress, meta)
+
+    def estimate(self, model, clean, corrupt, pm, direction, opts, batch_size, progress) -> Any:
+        return attribution.attribution_patch_edges(
+            model, clean, corrupt, pm, self.layout, direction=direction,
+            estimator=opts.estimator, ig_steps=opts.ig_steps, batch_size=batch_size,
+            progress=progress)
+
+    def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
+                   checkpoint) -> hybrid.Screenable:
+        return hybrid.edges(model, clean, corrupt, pm, self.layout, direction=direction,
+                            estimator=opts.estimator or attribution.EDGE_SCREENING_ESTIMATOR,
+                            ig_steps=opts.ig_steps, batch_size=batch_size, progress=progress,
+                            checkpoint=checkpoint)
+
+    def plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
+        """``plan.edge_plan`` of these edges (config only)."""
+        from circuitkit.patching.plan import edge_plan
+
+        return edge_plan(arch, lengths, self.layout or self.layout_of(arch), **kw)
+
+
+KINDS = {"heads": HeadUnits, "layers": LayerUnits, "edges": EdgeUnits}
