@@ -217,8 +217,9 @@ def test_kv_without_gqa_info_is_refused(tiny_llama, task):
 
 
 def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
-    """patch_heads forwards method="attribution"/"attribution+exact" with its arguments."""
-    from circuitkit.patching import api, attribution
+    """patch_heads forwards method="attribution"/"attribution+exact" with its arguments (the
+    hybrid: the head units' ``Screenable`` to ``hybrid.screen_then_verify``)."""
+    from circuitkit.patching import attribution, hybrid
 
     seen = {}
     args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
@@ -231,14 +232,19 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
             return fake_result[name]
         return fn
 
+    def screen_then_verify(units, checkpoint, **kw):
+        seen["hybrid"] = dict(kw, kind=units.kind, cell_ndim=units.index.shape[1])
+        return patched
+
     monkeypatch.setattr(attribution, "attribution_patch_heads", fake("atp"))
-    monkeypatch.setattr(api, "attribution_plus_exact", fake("hybrid"))
+    monkeypatch.setattr(hybrid, "screen_then_verify", screen_then_verify)
     assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) is patched
     assert seen["atp"] == dict(direction="denoise", site="k", positions="all", atp_star=True,
                                batch_size=None, progress=True)
     assert ck.patch_heads(*args, method="attribution+exact", top_k=5,
                           positions="each") is patched
-    assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["positions"] == "each"
+    assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["kind"] == "heads"
+    assert seen["hybrid"]["cell_ndim"] == 3  # (layer, head, pos): positions="each"
 
 
 def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):

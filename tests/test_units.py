@@ -156,8 +156,8 @@ def test_units_know_their_plan_from_the_config():
     from circuitkit import models
 
     arch = models.architecture("icd-teacher")
-    heads = ck.HeadUnits().plan(arch, [12] * 4)
-    edges = ck.EdgeUnits(inputs=("q",)).plan(arch, [12] * 4)
+    heads = ck.HeadUnits().cost_plan(arch, [12] * 4)
+    edges = ck.EdgeUnits(inputs=("q",)).cost_plan(arch, [12] * 4)
     assert heads["n_cells"] == arch.n_layers * arch.n_heads
     assert edges["inputs"] == ["q"] and edges["n_edges"] > 0
     assert set(heads["methods"]) >= {"exact", "attribution", "attribution+exact"}

@@ -108,10 +108,9 @@ def patch(
     if method in ("exact", "auto"):
         res = units.exact(model, clean, corrupt, pm, direction, batch_size, checkpoint,
                           progress, meta) if method == "exact" else auto.run(
-            model, clean, corrupt, pm, direction=direction, positions=units.positions,
-            site=units.site, batch_size=batch_size, checkpoint=checkpoint, progress=progress,
-            top_k=opts.top_k, max_passes=opts.max_passes, meta=meta,
-            screening_recall=opts.screening_recall)
+            model, clean, corrupt, pm, units, direction=direction, batch_size=batch_size,
+            checkpoint=checkpoint, progress=progress, top_k=opts.top_k,
+            max_passes=opts.max_passes, meta=meta, screening_recall=opts.screening_recall)
         res.warn_if_degenerate()
         return res
     exact.whole_on_every_replica(f"method={method!r}")
@@ -380,9 +379,8 @@ def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, direction: str
     screener = estimator or attribution.screening_estimator(model, units.site, clean)
     screen = n * attribution.estimator_passes(model, screener, units.site, units.positions,
                                               seq, batch=min(batch_size or n, n))
-    s = hybrid.heads(model, clean, corrupt, pm, direction=direction, site=units.site,
-                     positions=units.positions, estimator=screener, atp_star=False,
-                     batch_size=batch_size, progress=False)
+    s = units.screenable(model, clean, corrupt, pm, direction,
+                         MethodOptions(estimator=screener), batch_size, False)
     guess = hybrid.predicted(screen, s.downstream, n, s.read_share, top_k, s.per_round)
     n_cells = s.index.shape[0]
 

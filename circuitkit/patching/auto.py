@@ -22,7 +22,7 @@ from circuitkit.patching import attribution, exact, hybrid
 from circuitkit.patching import plan as costs
 from circuitkit.patching.inputs import NoGradientError, check_gradient
 from circuitkit.patching.results import PatchResult, quiet_baseline
-from circuitkit.patching.sweep import make_sweep
+from circuitkit.patching.units import HeadUnits, MethodOptions
 
 
 def choice(model: Any, seq: int, site: str, positions: str) -> dict[str, Any]:
@@ -41,17 +41,18 @@ def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
     return [tuple(int(i) for i in torch.unravel_index(j, effect.shape)) for j in flat]
 
 
-def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, direction: str,
-        positions: str, site: str, batch_size: int | None, checkpoint: str | Path | None,
+def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: HeadUnits, *,
+        direction: str, batch_size: int | None, checkpoint: str | Path | None,
         progress: bool, top_k: int | None, meta: dict, max_passes: float | None = None,
         screening_recall: bool = False) -> PatchResult:
-    """``method="auto"``. Below the threshold (``choice``): the exact sweep; with
-    ``screening_recall`` also the screening estimator's pass (``attribution.screening_estimator``:
-    plain AtP where the model cannot re-run a layer alone), and
-    ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells (by ``|value -
-    baseline|``) among the screen's top k, ``k = min(top_k or 20, cells / 2)``. Above it:
-    attribution+exact with the same estimator and, unless ``top_k`` is given, its automatic
-    budget; the verified cells are listed in ``meta["auto"]["verified"]``."""
+    """``method="auto"`` over head ``units``. Below the threshold (``choice``): the exact sweep;
+    with ``screening_recall`` also the screening estimator's pass
+    (``attribution.screening_estimator``: plain AtP where the model cannot re-run a layer
+    alone), and ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells (by
+    ``|value - baseline|``) among the screen's top k, ``k = min(top_k or 20, cells / 2)``.
+    Above it: attribution+exact with the same estimator and, unless ``top_k`` is given, its
+    automatic budget; the verified cells are listed in ``meta["auto"]["verified"]``."""
+    site, positions = units.site, units.positions
     info = choice(model, clean.shape[1], site, positions)
     if max_passes is not None and info["chose"] == "exact":
         warnings.warn(f"max_passes={max_passes!r} does nothing here: method='auto' chose the "
@@ -60,9 +61,8 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, directi
         clean.shape[1] if positions == "each" else 1)
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
-        sweep = make_sweep(model, "heads", site, direction, positions, clean, pm)
-        res, pm = exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
-                            meta)
+        res, pm = exact.run(model, clean, corrupt, pm, units.sweep(model, direction, clean, pm),
+                            batch_size, checkpoint, progress, meta)
         info["verified"] = "all"
         info["screening"] = _screening_recall(
             model, clean, corrupt, pm, res, k, direction, site, positions, batch_size) \
@@ -72,10 +72,10 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, *, directi
         check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
         exact.whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         estimator = attribution.screening_estimator(model, site, clean)
-        units = hybrid.heads(model, clean, corrupt, pm, direction=direction, site=site,
-                             positions=positions, estimator=estimator, atp_star=False,
-                             batch_size=batch_size, progress=progress, checkpoint=checkpoint)
-        res = hybrid.screen_then_verify(units, checkpoint, top_k=top_k, max_passes=max_passes,
+        screenable = units.screenable(model, clean, corrupt, pm, direction,
+                                      MethodOptions(estimator=estimator), batch_size, progress,
+                                      checkpoint)
+        res = hybrid.screen_then_verify(screenable, checkpoint, top_k=top_k, max_passes=max_passes,
                                         batch_size=batch_size, progress=progress)
         # (the hybrid predicted as dear as exact runs exact: res.meta["hybrid"] says why)
         ran_exact = res.method == "exact"

@@ -2,7 +2,8 @@
 
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
-are the same road: each describes itself once (``Screenable``: how to screen, how to verify a list
+are the same road: each describes itself once (``Screenable``, built by its units:
+``units.HeadUnits.screenable`` / ``EdgeUnits.screenable``: how to screen, how to verify a list
 of flat cells, the error unit's depth share and cost per cell, the round size), and everything
 else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: the screen and every
 verified cell, stored as they finish; a rerun replays the rule on the stored numbers and picks
@@ -31,23 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import attribution, exact
 from circuitkit.patching import plan as costs
-from circuitkit.patching.checkpoint import HybridCheckpoint, sweep_identity
-from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from circuitkit.patching.checkpoint import HybridCheckpoint
 from circuitkit.patching.inputs import check_top_k
-from circuitkit.patching.results import EdgeResult, PatchResult
-from circuitkit.patching.sweep import (
-    EdgeLayout,
-    auto_rows,
-    is_out_of_memory,
-    length_order,
-    make_edge_sweep,
-    make_sweep,
-    release_cached_memory,
-)
+from circuitkit.patching.sweep import is_out_of_memory, release_cached_memory
 
 RULE = dict(recall_top=10, quantile=0.9, max_fraction=costs.AUTO_MAX_FRACTION)  # defaults
 
@@ -430,110 +419,3 @@ def _nested(t: Tensor) -> list:
         return [_nested(x) for x in t] if t.ndim > 1 else [None if v != v else v
                                                            for v in t.tolist()]
     return t.tolist()
-
-
-# --- the units: heads and edges ---------------------------------------------------------------
-
-
-def heads(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, *, direction: str,
-          site: str, positions: str, estimator: str, atp_star: bool, batch_size: int | None,
-          progress: bool, checkpoint: Any = None) -> Screenable:
-    """The ``Screenable`` of a head sweep (arguments checked): flat cell ``j`` is ``values``'s
-    row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; its exact sweep is
-    ``exact.run`` (checkpointed in the same folder)."""
-    sweep = make_sweep(model, "heads", site, direction, positions, clean, metric)
-    n, seq = clean.shape
-    L = hooks.facts(model).n_layers
-    per_layer = sweep.n_variants
-    shape = (L, *((hooks.facts(model).n_heads_at(site), seq) if positions == "each" else
-                  (hooks.facts(model).n_heads_at(site),)))
-    index = torch.stack(torch.unravel_index(torch.arange(L * per_layer), shape), 1)
-    layer = torch.arange(L).repeat_interleave(per_layer)
-    star = bool(atp_star) and estimator in ("qk", "atp*")  # what atp_star changes
-    engines: list[ExactEngine] = []  # built at the first cell: its two cached runs cost 2n
-
-    def run(la: int, cells: list[int], p0: int, p1: int) -> Tensor:
-        if not engines:
-            engines.append(ExactEngine(model, clean, corrupt, metric, sweep))
-        return engines[0].run_variants(la, [j % per_layer for j in cells], p0, p1)
-
-    return Screenable(
-        kind="heads", index=index, layer=layer, downstream=(L - layer) / L, run=run,
-        per_round=per_layer, metric=metric, n_prompts=n,
-        exact=lambda: exact.run(model, clean, corrupt, metric, sweep, batch_size, checkpoint,
-                                progress, {})[0],
-        screen=lambda: attribution.attribution_patch_heads(
-            model, clean, corrupt, metric, direction=direction, site=site, positions=positions,
-            estimator=estimator, atp_star=star, batch_size=batch_size, progress=progress),
-        screen_passes=n * attribution.estimator_passes(model, estimator, site, positions, seq,
-                                                       batch=min(batch_size or n, n)),
-        identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, metric),
-                              method="attribution+exact", estimator=estimator, atp_star=star),
-        read_share=_read_share(metric, clean), rows=batch_size or auto_rows(model, seq),
-        result_type=PatchResult)
-
-
-def edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
-          layout: EdgeLayout, *, direction: str, estimator: str, ig_steps: int | None,
-          batch_size: int | None, progress: bool, checkpoint: Any = None) -> Screenable:
-    """The ``Screenable`` of an edge sweep (arguments checked): flat cells are the edges of
-    ``layout`` in ``values``'s row-major order (sender, receiver, input), each verified as
-    variant ``v`` of its receiver layer (``EdgeLayout.cells``); ``d = (L + 1 - l) / (L + 1)``
-    (the logits count as layer ``L``)."""
-    n, seq = clean.shape
-    L = layout.n_layers
-    sweep = make_edge_sweep(model, layout, direction, clean, metric)
-    where: dict[tuple[int, int, int], tuple[int, int]] = {}  # (s, r, i) -> (layer, variant)
-    r_index = layout.receiver_index()
-    for la in range(L + 1):
-        for v, (s, i, u) in enumerate(layout.cells(la).tolist()):
-            where[(s, r_index[(la, u) if la < L else (L, -1)], i)] = (la, v)
-    index = torch.tensor(sorted(where), dtype=torch.long).reshape(-1, 3)
-    layer = torch.tensor([where[tuple(c)][0] for c in index.tolist()], dtype=torch.long)
-    variant = [where[tuple(c)][1] for c in index.tolist()]
-    engines: list[EdgeEngine] = []
-
-    def run(la: int, cells: list[int], p0: int, p1: int) -> Tensor:
-        if not engines:
-            engines.append(EdgeEngine(model, clean, corrupt, metric, sweep, layout))
-        return engines[0].run_variants(la, [variant[j] for j in cells], p0, p1)
-
-    def screen() -> EdgeResult:
-        est = attribution.attribution_patch_edges(
-            model, clean, corrupt, metric, layout, direction=direction, estimator=estimator,
-            ig_steps=ig_steps, batch_size=batch_size, progress=progress)
-        return replace(est, clean=float(est.clean), corrupt=float(est.corrupt))  # savable
-
-    return Screenable(
-        kind="edges", index=index, layer=layer, downstream=(L + 1 - layer).float() / (L + 1),
-        run=run, per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
-        metric=metric, n_prompts=n, screen=screen,
-        exact=lambda: exact.run_edges(model, clean, corrupt, metric, layout, direction,
-                                      batch_size, checkpoint, progress, {}),
-        screen_passes=n * _edge_screen_passes(model, layout, estimator, ig_steps, seq),
-        identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, metric),
-                              **layout.to_dict(), method="attribution+exact",
-                              estimator=estimator, ig_steps=ig_steps),
-        read_share=_read_share(metric, clean), rows=batch_size or auto_rows(model, seq),
-        result_type=EdgeResult)
-
-
-def _edge_screen_passes(model: Any, layout: EdgeLayout, estimator: str, ig_steps: int | None,
-                        seq: int) -> float:
-    """Pass-equivalents per prompt of an edge screen, as ``attribution_patch_edges`` will count
-    them (``attribution.edge_estimator_passes``)."""
-    L = layout.n_layers
-    recv = {la for la, _ in layout.receivers if la < L}
-    pairs = sum(1 for la in recv for sl, _ in layout.senders if sl < la)
-    attn = costs.receiver_attn_passes(attribution.block_shares(model, seq)[0], L,
-                                      len(layout.inputs), pairs) if estimator == "eap*" else 0.0
-    groups = len({max(sl, -1) for sl, _ in layout.senders})
-    return attribution.edge_estimator_passes(
-        estimator, attribution.EDGE_IG_STEPS if ig_steps is None else ig_steps,
-        groups if estimator == "eap-ig-activations" else 1, attn)
-
-
-def _read_share(metric: PromptMetric, clean: Tensor) -> float:
-    """The share of prompt tokens up to each prompt's metric's last read (1: it reads all)."""
-    _, lengths = length_order(metric)
-    return 1.0 if lengths is None else sum(lengths) / clean.numel()

@@ -4,8 +4,8 @@ A unit object says what ``ck.patch`` patches; each stage takes it. Each kind kno
 the entry's checks that are its own (``entry``, ``checked``: position groups resolved, an edge
 layout built and checked), its sweep (``sweep``: ``sweep.make_sweep`` / ``make_edge_sweep``),
 its exact run (``exact``), its estimate (``estimate``, an estimator of the registry), its
-hybrid's ``Screenable`` (``screenable``: ``hybrid.heads`` / ``hybrid.edges``), its result's
-axes (``axes``), its cost plan (``plan``: ``plan.sweep_plan`` / ``plan.edge_plan``) and the
+hybrid's ``Screenable`` (``screenable``: what ``hybrid.screen_then_verify`` takes), its result's
+axes (``axes``), its cost plan (``cost_plan``: ``plan.sweep_plan`` / ``plan.edge_plan``) and the
 methods and estimators that apply (``methods``, ``estimators``). Nodes are named one way
 (``hooks.node_name`` / ``parse_node``: "L2H0", "embed", "logits").
 
@@ -20,8 +20,16 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
+import torch
+from torch import Tensor
+
 from circuitkit import hooks
-from circuitkit.patching import attribution, exact, groups, hybrid
+from circuitkit.metrics import PromptMetric
+from circuitkit.patching import attribution, exact, groups
+from circuitkit.patching import plan as costs
+from circuitkit.patching.checkpoint import sweep_identity
+from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from circuitkit.patching.hybrid import Screenable, check_max_passes
 from circuitkit.patching.inputs import (
     BACKENDS,
     EDGE_METHODS,
@@ -34,7 +42,14 @@ from circuitkit.patching.inputs import (
     pad_token_id,
     padded_lengths,
 )
-from circuitkit.patching.sweep import EdgeLayout, make_edge_sweep, make_sweep
+from circuitkit.patching.results import EdgeResult, PatchResult
+from circuitkit.patching.sweep import (
+    EdgeLayout,
+    auto_rows,
+    length_order,
+    make_edge_sweep,
+    make_sweep,
+)
 
 _STACK = 5  # warnings point at the caller of patch_heads / patch_edges (through ck.patch)
 
@@ -106,14 +121,37 @@ def unused_checkpoint(checkpoint: Any, what: str) -> None:
 def _hybrid_options(method: str, opts: MethodOptions) -> None:
     check_top_k(opts.top_k)  # every entry, whatever the method (top_k=0 verified nothing)
     if method in ("attribution+exact", "auto"):
-        hybrid.check_max_passes(opts.max_passes, opts.top_k)
+        check_max_passes(opts.max_passes, opts.top_k)
+
+
+class _Units:
+    """What every kind shares: no entry work of its own, ``meta`` the task's hash, and the
+    exact sweep of ``sweep`` (edges: their own engine)."""
+
+    def checked(self, model: Any, clean: Tensor, corrupt: Tensor) -> Any:
+        return self
+
+    def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
+        return dict(task_hash=task_hash)
+
+    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
+              meta) -> Any:
+        sweep = self.sweep(model, direction, clean, pm)
+        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
+                         meta)[0]
+
+
+def _read_share(metric: PromptMetric, clean: Tensor) -> float:
+    """The share of prompt tokens up to each prompt's metric's last read (1: it reads all)."""
+    _, lengths = length_order(metric)
+    return 1.0 if lengths is None else sum(lengths) / clean.numel()
 
 
 # --- heads ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class HeadUnits:
+class HeadUnits(_Units):
     """Every attention head at ``site`` ("z", "pattern", "q", "k", "v"), at ``positions``:
     "all" (values ``[layer, head]``), "each" (``[layer, head, pos]``) or position groups, a
     bool mask ``[batch, seq]`` or ``{name: mask}`` (``[layer, head, group]``; ``checked``
@@ -189,12 +227,6 @@ class HeadUnits:
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_sweep(model, "heads", self.site, direction, self.positions, clean, metric)
 
-    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
-              meta) -> Any:
-        sweep = self.sweep(model, direction, clean, pm)
-        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
-                         meta)[0]
-
     def estimate(self, model, clean, corrupt, pm, direction, opts, batch_size, progress) -> Any:
         """Attribution; position groups: the per-position estimate summed over each group."""
         extra = {} if opts.ig_steps is None else dict(ig_steps=opts.ig_steps)
@@ -221,14 +253,43 @@ class HeadUnits:
         return attribution.screening_estimator(model, self.site, clean)
 
     def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
-                   checkpoint) -> hybrid.Screenable:
-        return hybrid.heads(model, clean, corrupt, pm, direction=direction, site=self.site,
-                            positions=self.positions,
-                            estimator=self.screen_estimator(model, opts, clean),
-                            atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
-                            checkpoint=checkpoint)
+                   checkpoint=None) -> Screenable:
+        """What ``hybrid.screen_then_verify`` takes of these heads (checked): flat cell ``j``
+        is ``values``'s row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; the
+        exact sweep instead: ``exact`` (checkpointed in the same folder)."""
+        estimator = self.screen_estimator(model, opts, clean)
+        sweep = self.sweep(model, direction, clean, pm)
+        (n, seq), f = clean.shape, hooks.facts(model)
+        L, per_layer, n_units = f.n_layers, sweep.n_variants, f.n_heads_at(self.site)
+        shape = (L, n_units, seq) if self.positions == "each" else (L, n_units)
+        index = torch.stack(torch.unravel_index(torch.arange(L * per_layer), shape), 1)
+        layer = torch.arange(L).repeat_interleave(per_layer)
+        star = bool(opts.atp_star) and estimator in ("qk", "atp*")  # what atp_star changes
+        engines: list[ExactEngine] = []  # built at the first cell: its two cached runs cost 2n
 
-    def plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
+        def run(la: int, cells: list[int], p0: int, p1: int) -> Tensor:
+            if not engines:
+                engines.append(ExactEngine(model, clean, corrupt, pm, sweep))
+            return engines[0].run_variants(la, [j % per_layer for j in cells], p0, p1)
+
+        return Screenable(
+            kind="heads", index=index, layer=layer, downstream=(L - layer) / L, run=run,
+            per_round=per_layer, metric=pm, n_prompts=n,
+            exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
+                                     checkpoint, progress, {}),
+            screen=lambda: attribution.attribution_patch_heads(
+                model, clean, corrupt, pm, direction=direction, site=self.site,
+                positions=self.positions, estimator=estimator, atp_star=star,
+                batch_size=batch_size, progress=progress),
+            screen_passes=n * attribution.estimator_passes(
+                model, estimator, self.site, self.positions, seq, batch=min(batch_size or n, n)),
+            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
+                                  method="attribution+exact", estimator=estimator,
+                                  atp_star=star),
+            read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
+            result_type=PatchResult)
+
+    def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
         """``plan.sweep_plan`` of these heads (config only)."""
         from circuitkit.patching.plan import sweep_plan
 
@@ -239,7 +300,7 @@ class HeadUnits:
 
 
 @dataclass(frozen=True)
-class LayerUnits:
+class LayerUnits(_Units):
     """A whole-layer site ("resid_pre", "attn_out", "mlp_out") at each (layer, position):
     values ``[layer, pos]``; exact only."""
 
@@ -269,27 +330,15 @@ class LayerUnits:
         return dict(site=self.site, positions="each", sites=hooks.PATCH_LAYER_SITES,
                     engine_checks=True)
 
-    def checked(self, model: Any, clean: Any, corrupt: Any) -> LayerUnits:
-        return self
-
-    def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
-        return dict(task_hash=task_hash)
-
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_sweep(model, "layers", self.site, direction, "each", clean, metric)
-
-    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
-              meta) -> Any:
-        sweep = self.sweep(model, direction, clean, pm)
-        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
-                         meta)[0]
 
 
 # --- edges ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class EdgeUnits:
+class EdgeUnits(_Units):
     """Every edge from ``senders`` into ``receivers``' ``inputs`` ("q", "k", "v"): nodes
     ``(layer, head)`` or their names ("L3H2", "embed" a sender, "logits" a receiver); None:
     every head and the embeddings / the logits. Values ``[sender, receiver, input]``
@@ -363,13 +412,64 @@ class EdgeUnits:
             progress=progress)
 
     def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
-                   checkpoint) -> hybrid.Screenable:
-        return hybrid.edges(model, clean, corrupt, pm, self.layout, direction=direction,
-                            estimator=opts.estimator or attribution.EDGE_SCREENING_ESTIMATOR,
-                            ig_steps=opts.ig_steps, batch_size=batch_size, progress=progress,
-                            checkpoint=checkpoint)
+                   checkpoint=None) -> Screenable:
+        """What ``hybrid.screen_then_verify`` takes of these edges (checked): flat cells are
+        the edges in ``values``'s row-major order (sender, receiver, input), each verified as
+        variant ``v`` of its receiver layer (``EdgeLayout.cells``); ``d = (L + 1 - l) / (L +
+        1)`` (the logits count as layer ``L``)."""
+        estimator = opts.estimator or attribution.EDGE_SCREENING_ESTIMATOR
+        layout, (n, seq) = self.layout, clean.shape
+        L = layout.n_layers
+        sweep = self.sweep(model, direction, clean, pm)
+        where: dict[tuple[int, int, int], tuple[int, int]] = {}  # (s, r, i) -> (layer, v)
+        r_index = layout.receiver_index()
+        for la in range(L + 1):
+            for v, (s, i, u) in enumerate(layout.cells(la).tolist()):
+                where[(s, r_index[(la, u) if la < L else (L, -1)], i)] = (la, v)
+        index = torch.tensor(sorted(where), dtype=torch.long).reshape(-1, 3)
+        layer = torch.tensor([where[tuple(c)][0] for c in index.tolist()], dtype=torch.long)
+        variant = [where[tuple(c)][1] for c in index.tolist()]
+        engines: list[EdgeEngine] = []
 
-    def plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
+        def run(la: int, cells: list[int], p0: int, p1: int) -> Tensor:
+            if not engines:
+                engines.append(EdgeEngine(model, clean, corrupt, pm, sweep, layout))
+            return engines[0].run_variants(la, [variant[j] for j in cells], p0, p1)
+
+        def screen() -> EdgeResult:
+            est = self.estimate(model, clean, corrupt, pm, direction,
+                                replace(opts, estimator=estimator), batch_size, progress)
+            return replace(est, clean=float(est.clean), corrupt=float(est.corrupt))  # savable
+
+        return Screenable(
+            kind="edges", index=index, layer=layer, screen=screen, run=run,
+            downstream=(L + 1 - layer).float() / (L + 1), metric=pm, n_prompts=n,
+            per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
+            exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
+                                     checkpoint, progress, {}),
+            screen_passes=n * self._screen_passes(model, estimator, opts.ig_steps, seq),
+            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
+                                  **layout.to_dict(), method="attribution+exact",
+                                  estimator=estimator, ig_steps=opts.ig_steps),
+            read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
+            result_type=EdgeResult)
+
+    def _screen_passes(self, model: Any, estimator: str, ig_steps: int | None,
+                       seq: int) -> float:
+        """Pass-equivalents per prompt of an edge screen, as ``attribution_patch_edges`` will
+        count them (``attribution.edge_estimator_passes``)."""
+        layout, L = self.layout, self.layout.n_layers
+        recv = {la for la, _ in layout.receivers if la < L}
+        pairs = sum(1 for la in recv for sl, _ in layout.senders if sl < la)
+        attn = costs.receiver_attn_passes(attribution.block_shares(model, seq)[0], L,
+                                          len(layout.inputs), pairs) \
+            if estimator == "eap*" else 0.0
+        n_groups = len({max(sl, -1) for sl, _ in layout.senders})
+        return attribution.edge_estimator_passes(
+            estimator, attribution.EDGE_IG_STEPS if ig_steps is None else ig_steps,
+            n_groups if estimator == "eap-ig-activations" else 1, attn)
+
+    def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
         """``plan.edge_plan`` of these edges (config only)."""
         from circuitkit.patching.plan import edge_plan
 
