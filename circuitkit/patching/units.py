@@ -361,7 +361,7 @@ class EdgeUnits(_Units):
         if opts.estimator is not None or opts.ig_steps is not None:
             if method == "exact":
                 warnings.warn("estimator and ig_steps do nothing with method='exact'.",
-                              stacklevel=_STACK)
+                              stacklevel=_STACK - 1)
             else:
                 choice("estimator", opts.estimator or default, attribution.EDGE_ESTIMATORS)
         _stray(method, opts, {"exact": {"estimator", "ig_steps"},
