@@ -161,3 +161,20 @@ def test_units_know_their_plan_from_the_config():
     assert heads["n_cells"] == arch.n_layers * arch.n_heads
     assert edges["inputs"] == ["q"] and edges["n_edges"] > 0
     assert set(heads["methods"]) >= {"exact", "attribution", "attribution+exact"}
+
+
+def test_a_checkpoint_of_patch_heads_resumes_through_patch(tiny_llama, tmp_path, monkeypatch):
+    """The same sweep identity whichever road wrote it: ``ck.patch`` over ``HeadUnits`` reuses
+    every chunk ``patch_heads`` stored (no engine chunk runs) and gives the same values."""
+    from circuitkit.patching.engine import ExactEngine
+
+    clean, corrupt = pair()
+    want = quiet(ck.patch_heads, tiny_llama, clean, corrupt, margin, checkpoint=tmp_path,
+                 batch_size=4, progress=False)
+    calls = []
+    real = ExactEngine.run_chunk
+    monkeypatch.setattr(ExactEngine, "run_chunk",
+                        lambda self, chunk: calls.append(chunk) or real(self, chunk))
+    got = quiet(ck.patch, tiny_llama, clean, corrupt, margin, ck.HeadUnits(),
+                checkpoint=tmp_path, batch_size=4, progress=False)
+    assert calls == [] and torch.equal(got.values, want.values)

@@ -1,6 +1,7 @@
-"""Activation patching: public functions (api), exact sweeps (engine; their orchestration:
-exact), gradient estimates (attribution), screen then verify for any units (hybrid), the
-``method="auto"`` choice (auto), the sweep description (sweep), checkpoints, results.
+"""Activation patching: public functions (api: ``patch``, the one entry, over the unit objects
+of units), exact sweeps (engine; their orchestration: exact), gradient estimates
+(attribution), screen then verify for any units (hybrid), the ``method="auto"`` choice (auto),
+the sweep description (sweep), checkpoints, results.
 
 Names resolve lazily so ``import circuitkit.patching`` stays free of torch.
 """
