@@ -127,7 +127,7 @@ class CircuitGraph:
 
     def masks(self, kept_items: Bool[Tensor, "c n_items"]
               ) -> tuple[Bool[Tensor, "c s r i"], Bool[Tensor, "c s"]]:
-        """Dense (kept edge, alive sender) masks of each circuit (module docstring)."""
+        """Dense (kept edge, alive sender) masks of each circuit (``faithfulness``' docstring)."""
         c = kept_items.shape[0]
         kept = torch.ones(c, self.n_senders, self.n_receivers, 3, dtype=torch.bool)
         if self.kind == "heads":

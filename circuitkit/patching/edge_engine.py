@@ -21,8 +21,8 @@ from circuitkit.patching.sweep import Sweep, auto_rows
 
 
 class EdgeEngine(ExactEngine):
-    """Exact edge patching (module docstring, "Edges"): the cached runs, restart, chunking and
-    metric evaluation of ``ExactEngine``; the patch is an edge's.
+    """Exact edge patching (``patching/engine.py``'s docstring, "Edges"): the cached runs,
+    restart, chunking and metric evaluation of ``ExactEngine``; the patch is an edge's.
 
     ``layout``: the ``sweep.EdgeLayout``; the sweep's layer ``l`` is receiver layer ``l``
     (``n_layers``: the logits) and its variants are ``layout.cells(l)``.

@@ -33,7 +33,8 @@ ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers"
 class ExactEngine(HeadSetRuns):
     """Caches the base/source runs once, then computes any chunk of a ``Sweep``.
 
-    ``fast``: use the fast path (module docstring); ``None`` = after checking it on a probe.
+    ``fast``: use the fast path (``patching/engine.py``'s docstring); ``None`` = after checking
+    it on a probe.
     """
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
