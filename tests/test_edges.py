@@ -39,6 +39,7 @@ import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching import faithfulness, shortcuts
+from circuitkit.patching.circuit_graph import CircuitGraph
 from circuitkit.patching.engine import EdgeEngine
 from circuitkit.patching.results import DegenerateBaselineWarning
 
@@ -327,7 +328,7 @@ def test_faithfulness_all_edges_kept_is_the_clean_run_none_the_corrupt_run(which
         model).d_vocab_out
     res = ck.patch_edges(model, clean, corrupt, margin, progress=False)
     pm = ck.as_metric(margin, *clean.shape, hooks.facts(model).d_vocab_out)
-    graph = faithfulness._Graph.of(model, res)
+    graph = CircuitGraph.of(model, res)
     run = faithfulness._Ablated(model, clean, corrupt, pm, graph, "corrupt", 0, None)
     got = run.metrics([torch.ones(graph.n_items, dtype=torch.bool),
                        torch.zeros(graph.n_items, dtype=torch.bool)], progress=False)

@@ -22,10 +22,13 @@ def hits(pattern: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_one_derangement():
-    """``engine.derangement`` is the one seeded derangement (``circuit``'s resample and
-    ``ablate_heads``' draw the same pairing from one seed)."""
+    """``head_sets.derangement`` (also ``engine.derangement``) is the one seeded derangement
+    (``circuit``'s resample and ``ablate_heads``' draw the same pairing from one seed)."""
     found = hits(r"def derangement\(")
-    assert len(found) == 1 and found[0].startswith("patching/engine.py:"), found
+    assert len(found) == 1 and found[0].startswith("patching/head_sets.py:"), found
+    from circuitkit.patching import engine, head_sets
+
+    assert engine.derangement is head_sets.derangement
     assert hits(r"argsort\(perm\)|roll\(perm") == []
     from circuitkit.patching import faithfulness
 

@@ -572,13 +572,13 @@ def test_a_wrong_fused_head_set_path_is_caught_by_its_probe(synth, monkeypatch):
     hooked path gives the right values."""
     from tinymodels import TINY_LLAMA, make_model
 
-    from circuitkit.patching import engine as eng
+    from circuitkit.patching import head_sets
 
     model = make_model(TINY_LLAMA)  # a fresh object: its own fast-path verdicts
     clean, corrupt, metric = synth.clean_tokens, synth.corrupt_tokens, synth.metric
     n, seq = clean.shape
     f = hooks.facts(model)
-    monkeypatch.setattr(eng, "_written", lambda z, which, src, d_head: z)
+    monkeypatch.setattr(head_sets, "_written", lambda z, which, src, d_head: z)
     engine = ExactEngine(model, clean, corrupt, metric,
                          Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n, seq,
                                True))

@@ -144,7 +144,7 @@ from circuitkit.patching.inputs import (
     checked_metric,
     choice,
 )
-from circuitkit.patching.results import PatchResult
+from circuitkit.patching.patch_result import PatchResult
 
 ATTRIBUTION_COST = "4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2)"
 

@@ -316,7 +316,7 @@ class HybridCheckpoint:
     def load_screen(self, result_type: Any = None) -> Any:
         """The stored screening estimate (a ``result_type``: ``PatchResult`` unless given, or
         ``EdgeResult``), or None (none yet, or unreadable: warned)."""
-        from circuitkit.patching.results import PatchResult
+        from circuitkit.patching.patch_result import PatchResult
 
         if not (self.path / f"{self.SCREEN}.json").exists():
             return None

@@ -51,26 +51,28 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.hooks import node_name
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.engine import derangement, evaluate_metric
+from circuitkit.patching.circuit_graph import CircuitGraph
+from circuitkit.patching.circuit_result import (
+    CIRCUIT_ABLATIONS,
+    CIRCUIT_OLD_ABLATIONS,
+    CircuitResult,
+    CircuitTargetWarning,
+)
+from circuitkit.patching.edge_result import EdgeResult
+from circuitkit.patching.engine_checks import evaluate_metric
+from circuitkit.patching.head_sets import derangement
 from circuitkit.patching.inputs import (
     check_edge_model,
     check_metric_prompts,
     check_tokens,
     choice,
 )
-from circuitkit.patching.results import (
-    CIRCUIT_ABLATIONS,
-    CIRCUIT_OLD_ABLATIONS,
-    CircuitResult,
-    CircuitTargetWarning,
+from circuitkit.patching.patch_result import (
     DegenerateBaselineWarning,
-    EdgeResult,
     PatchResult,
     _outside_circuitkit,
-    quiet_baseline,
 )
 from circuitkit.patching.sweep import auto_rows
 
@@ -110,17 +112,7 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     effects in ``faithfulness``, None for cpr/cmd/share, and one ``DegenerateBaselineWarning``.
     """
     t0 = time.perf_counter()
-    if ablation in CIRCUIT_OLD_ABLATIONS:
-        warnings.warn(f"ablation={ablation!r} is now {CIRCUIT_OLD_ABLATIONS[ablation]!r} (the "
-                      "mean over prompts per position; ablate_heads' 'mean' pools positions "
-                      "too); the old name will go.", DeprecationWarning, stacklevel=2)
-        ablation = CIRCUIT_OLD_ABLATIONS[ablation]
-    choice("ablation", ablation, ABLATIONS)
-    choice("rank", rank, RANKS)
-    sizes = _check_sizes(sizes)
-    if not (isinstance(target, int | float) and 0 < target <= 1):
-        raise ValueError(f"target={target!r}: expected a faithfulness in (0, 1] the kept set "
-                         "must reach.")
+    ablation, sizes = _checked_options(ablation, rank, sizes, target)
     clean, corrupt, metric = _task_inputs(task)
     clean, corrupt = check_tokens(clean, corrupt, model)
     n, seq = clean.shape
@@ -128,7 +120,7 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     check_metric_prompts(pm, n)
     check_edge_model(model)
     _check_same_model(model, edges_or_heads)
-    graph = _Graph.of(model, edges_or_heads)
+    graph = CircuitGraph.of(model, edges_or_heads)
     order = graph.order(rank, edges_or_heads.direction)
     counts = [int(share * graph.n_items) for share in sizes]
     kept = [_first(order, k, graph.n_items) for k in counts]
@@ -140,18 +132,8 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     empty, curve = per[0], per[1:]
     real = pm.per_prompt_values
     degenerate = _degenerate(full, corrupt_m, empty, real, pm.name, ablation)
-    x = torch.tensor(sizes)
-    intervals, cpr, cmd, share = None, None, None, None
-    if degenerate is None:
-        f = _faithfulness(curve.mean(1), full.mean(), empty.mean())
-        cpr, cmd = (float(a[0]) for a in _areas(x, f[None]))
-        share = float(_share(full.mean(), empty.mean(), corrupt_m.mean()))
-        if real and n_boot > 0 and n > 1:
-            intervals = _bootstrap(x, curve, full, empty, corrupt_m, n_boot, seed)
-    else:  # no share to give: raw effects m(C) - m(empty), said once
-        f = curve.mean(1) - empty.mean()
-        warnings.warn(DegenerateBaselineWarning(f"circuitkit: ck.circuit: {degenerate}"),
-                      stacklevel=_outside_circuitkit())
+    f, cpr, cmd, share, intervals = _curve(sizes, curve, full, empty, corrupt_m, degenerate,
+                                           n_boot if real and n > 1 else 0, seed)
     reached = [i for i, v in enumerate(f.tolist()) if v >= target] if degenerate is None else []
     chosen = reached[0] if reached else len(sizes) - 1
     if degenerate is None and not reached:
@@ -172,11 +154,49 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
                   seconds=time.perf_counter() - t0, forwards=runner.forwards))
 
 
+def _checked_options(ablation: str, rank: str, sizes: Any, target: Any
+                     ) -> tuple[str, list[float]]:
+    """``circuit``'s options checked (one clear ``ValueError`` each): (ablation, its old name
+    "mean" read as "position-mean" with a ``DeprecationWarning``; sizes)."""
+    if ablation in CIRCUIT_OLD_ABLATIONS:
+        warnings.warn(f"ablation={ablation!r} is now {CIRCUIT_OLD_ABLATIONS[ablation]!r} (the "
+                      "mean over prompts per position; ablate_heads' 'mean' pools positions "
+                      "too); the old name will go.", DeprecationWarning, stacklevel=3)
+        ablation = CIRCUIT_OLD_ABLATIONS[ablation]
+    choice("ablation", ablation, ABLATIONS)
+    choice("rank", rank, RANKS)
+    sizes = _check_sizes(sizes)
+    if not (isinstance(target, int | float) and 0 < target <= 1):
+        raise ValueError(f"target={target!r}: expected a faithfulness in (0, 1] the kept set "
+                         "must reach.")
+    return ablation, sizes
+
+
+def _curve(sizes: list[float], curve: Tensor, full: Tensor, empty: Tensor, corrupt: Tensor,
+           degenerate: str | None, n_boot: int, seed: int
+           ) -> tuple[Tensor, float | None, float | None, float | None, dict | None]:
+    """(f per size, CPR, CMD, share, intervals) of the circuits' per-prompt metrics ``curve``
+    ``[n_sizes, n_prompts]`` (module docstring; ``n_boot`` 0: no intervals). A ``degenerate``
+    curve has no share to give: f holds the raw effects ``m(C) - m(empty)``, said once, and
+    the rest is None."""
+    if degenerate is not None:
+        warnings.warn(DegenerateBaselineWarning(f"circuitkit: ck.circuit: {degenerate}"),
+                      stacklevel=_outside_circuitkit())
+        return curve.mean(1) - empty.mean(), None, None, None, None
+    x = torch.tensor(sizes)
+    f = _faithfulness(curve.mean(1), full.mean(), empty.mean())
+    cpr, cmd = (float(a[0]) for a in _areas(x, f[None]))
+    share = float(_share(full.mean(), empty.mean(), corrupt.mean()))
+    intervals = _bootstrap(x, curve, full, empty, corrupt, n_boot, seed) if n_boot > 0 \
+        else None
+    return f, cpr, cmd, share, intervals
+
+
 def _check_same_model(model: Any, result: Any) -> None:
     """Refuse a result patched on another model: its ``meta["model_fingerprint"]`` (written by
     every exact sweep) must be this model's (``checkpoint.model_fingerprint``)."""
     if not isinstance(result, EdgeResult | PatchResult):
-        return  # (_Graph.of names the type)
+        return  # (CircuitGraph.of names the type)
     stored = (result.meta or {}).get("model_fingerprint")
     if stored is None:
         return
@@ -299,156 +319,11 @@ def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tens
                 cmd=band(cmd), share=band(share))
 
 
-class _Graph:
-    """The scored items over the model's full edge set: dense ``[senders, receivers, inputs]``
-    indices of the model (every head, the embeddings first as sender, the logits last as
-    receiver; k/v receivers of GQA models on KV heads)."""
-
-    def __init__(self, model: Any, kind: str, item_cells: list[Tensor], scores: Tensor,
-                 names: list[Any], shares: Tensor | None = None):
-        f = hooks.facts(model)
-        self.kind, self.n_layers, self.n_heads, self.n_kv = kind, f.n_layers, f.n_heads, \
-            f.n_kv_heads
-        self.n_items = len(item_cells)
-        self.cells = item_cells  # per item: [k, 3] dense (sender, receiver, input) rows
-        self.scores = scores  # raw effects (value - baseline): what items are ranked by
-        self.shares = scores if shares is None else shares  # normalized (PatchResult's)
-        self.names = names
-
-    @property
-    def n_senders(self) -> int:
-        return 1 + self.n_layers * self.n_heads
-
-    @property
-    def n_receivers(self) -> int:
-        return self.n_layers * self.n_heads + 1
-
-    def sender(self, layer: int, head: int) -> int:
-        return 0 if layer < 0 else 1 + layer * self.n_heads + head
-
-    def receiver(self, layer: int, head: int) -> int:
-        return self.n_layers * self.n_heads if layer >= self.n_layers else \
-            layer * self.n_heads + head
-
-    @classmethod
-    def of(cls, model: Any, result: Any) -> _Graph:
-        f = hooks.facts(model)
-        if isinstance(result, EdgeResult):
-            if (result.n_layers, ) != (f.n_layers, ):
-                raise ValueError(f"edges_or_heads: an EdgeResult of a {result.n_layers}-layer "
-                                 f"model; this one has {f.n_layers} layers.")
-            g = cls(model, "edges", [], torch.zeros(0), [])
-            idx = result.edge_mask().nonzero()
-            eff = result.effect()
-            with quiet_baseline():  # the circuit says its own baseline
-                norm = result.normalized()
-            cells, scores, shares, names = [], [], [], []
-            for s, r, i in idx.tolist():
-                sl, sh = result.senders[s]
-                rl, rh = result.receivers[r]
-                inp = "resid" if rl >= f.n_layers else result.inputs[i]
-                top = f.n_kv_heads if inp in hooks.KV_SITES else f.n_heads
-                if sh >= f.n_heads or rl < f.n_layers and rh >= top:
-                    raise ValueError(
-                        f"edges_or_heads: edge {node_name((sl, sh), f.n_layers)} -> "
-                        f"{node_name((rl, rh), f.n_layers)} ({inp}) is no edge of this model "
-                        f"({f.n_layers} layers x {f.n_heads} heads, {f.n_kv_heads} KV heads): "
-                        "the EdgeResult was patched on another model.")
-                cells.append(torch.tensor([[g.sender(sl, sh), g.receiver(rl, rh), i if rl <
-                                            f.n_layers else 0]]))
-                scores.append(float(eff[s, r, i]))
-                shares.append(float(norm[s, r, i]))
-                names.append(((sl, sh), (rl, rh), inp))
-            input_index = [hooks.EDGE_INPUTS.index(x) for x in result.inputs]
-            for c in cells:  # the result's input index -> the model's (q, k, v)
-                if int(c[0, 1]) != g.receiver(f.n_layers, -1):
-                    c[0, 2] = input_index[int(c[0, 2])]
-            return cls(model, "edges", cells, torch.tensor(scores), names, torch.tensor(shares))
-        if isinstance(result, PatchResult):
-            if result.axes != ("layer", "head") or result.site != "z":
-                raise ValueError("edges_or_heads: a PatchResult of heads at site 'z', all "
-                                 f"positions (axes ('layer', 'head')); got site "
-                                 f"{result.site!r}, axes {result.axes}.")
-            if tuple(result.values.shape) != (f.n_layers, f.n_heads):
-                raise ValueError(f"edges_or_heads: values of shape {tuple(result.values.shape)}"
-                                 f" do not match this model's {f.n_layers} x {f.n_heads} heads.")
-            g = cls(model, "heads", [], torch.zeros(0), [])
-            eff = result.effect()
-            with quiet_baseline():
-                norm = result.normalized()
-            cells = [torch.tensor([[g.sender(la, h), -1, -1]]) for la in range(f.n_layers)
-                     for h in range(f.n_heads)]
-            names = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
-            return cls(model, "heads", cells, eff.flatten().float(), names,
-                       norm.flatten().float())
-        raise ValueError(f"edges_or_heads: expected an EdgeResult (patch_edges) or a head "
-                         f"PatchResult (patch_heads); got {type(result).__name__}.")
-
-    def order(self, rank: str, direction: str) -> Tensor:
-        """Items, first kept first: ``"abs"`` by ``|effect|``; ``"signed"`` helpful first,
-        i.e. by effect for denoise (restoring the metric) and by ``-effect`` for noise
-        (breaking it: the most negative effect is the most helpful item)."""
-        sign = 1.0 if direction == "denoise" else -1.0
-        key = self.scores.abs() if rank == "abs" else sign * self.scores
-        return torch.argsort(-key.nan_to_num(float("-inf")), stable=True)
-
-    def ranked(self, order: Tensor) -> list[dict[str, Any]]:
-        """``CircuitResult.items``: names, normalized score and raw effect of each item."""
-        out = []
-        for j in order.tolist():
-            name = self.names[j]
-            said = dict(score=float(self.shares[j]), effect=float(self.scores[j]))
-            if self.kind == "heads":
-                out.append(dict(name=node_name(name, self.n_layers), layer=name[0],
-                                head=name[1], **said))
-            else:
-                s, r, inp = name
-                out.append(dict(sender=node_name(s, self.n_layers),
-                                receiver=node_name(r, self.n_layers), input=inp, **said))
-        return out
-
-    def masks(self, kept_items: Bool[Tensor, "c n_items"]
-              ) -> tuple[Bool[Tensor, "c s r i"], Bool[Tensor, "c s"]]:
-        """Dense (kept edge, alive sender) masks of each circuit (module docstring)."""
-        c = kept_items.shape[0]
-        kept = torch.ones(c, self.n_senders, self.n_receivers, 3, dtype=torch.bool)
-        if self.kind == "heads":
-            alive = torch.ones(c, self.n_senders, dtype=torch.bool)
-            for j, cell in enumerate(self.cells):
-                s = int(cell[0, 0])
-                alive[:, s] = kept_items[:, j]
-                kept[:, s] = kept_items[:, j, None, None]
-            return kept, alive
-        scored = torch.zeros(self.n_senders, self.n_receivers, 3, dtype=torch.bool)
-        for j, cell in enumerate(self.cells):
-            s, r, i = (int(x) for x in cell[0])
-            scored[s, r, i] = True
-            kept[:, s, r, i] = kept_items[:, j]
-        # alive: a kept edge out of it; an unscored (hence kept) edge of the model counts
-        unscored = self.real() & ~scored
-        alive = (kept & scored).flatten(2).any(-1) | unscored.flatten(1).any(-1)[None]
-        return kept, alive
-
-    def real(self) -> Bool[Tensor, "s r i"]:
-        """The model's edges among the dense cells: receiver after sender; the logits read one
-        input (index 0); k/v receivers are KV heads."""
-        L, H = self.n_layers, self.n_heads
-        s_layer = torch.tensor([-1] + [la for la in range(L) for _ in range(H)])
-        r_layer = torch.tensor([la for la in range(L) for _ in range(H)] + [L])
-        r_unit = torch.tensor([h for _ in range(L) for h in range(H)] + [0])
-        out = (s_layer[:, None, None] < r_layer[None, :, None]).expand(-1, -1, 3).clone()
-        for i, name in enumerate(hooks.EDGE_INPUTS):
-            top = self.n_kv if name in hooks.KV_SITES else H
-            out[:, :, i] &= (r_unit < top)[None]
-        out[:, -1, 1:] = False
-        return out
-
-
 class _Ablated:
     """Runs the clean prompts with circuits' edges kept and the rest ablated (module
     docstring): each circuit's rows stacked in the batch, one forward per group."""
 
-    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, graph: _Graph,
+    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, graph: CircuitGraph,
                  ablation: str, seed: int, batch_size: int | None):
         self.model, self.metric, self.graph = model, metric, graph
         self.device = next(model.parameters()).device

@@ -226,7 +226,7 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
     baselines ``[n]``, all three or none; every tensor floating, of one dtype; every cell
     finite, except the ``empty`` cells (a bool mask like ``values``: no edge there), which must
     be NaN in ``values`` and in each prompt's ``per_prompt``; ``values``, ``clean`` and
-    ``corrupt`` the means of their per-prompt tensors (``MEAN_RTOL`` x scale); the verified
+    ``corrupt`` the means of their per-prompt tensors (``_check_means``); the verified
     mask (``_check_verified``). A ``ValueError`` names the file and the field."""
     unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
     if "values" not in tensors or unknown:
@@ -282,6 +282,16 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
             raise ValueError(f"{st}: tensor {k!r} holds {bad} non-finite value(s) (NaN/inf) of "
                              f"{t.numel()}; the file is damaged or the sweep's metric was not "
                              "finite. Recompute it.")
+    scale = _check_means(tensors, kw, hole, st, js)
+    _check_verified(kw["meta"], kw["method"], values, js, MEAN_RTOL * scale)
+
+
+def _check_means(tensors: dict[str, Tensor], kw: dict[str, Any], hole: Tensor, st: Path,
+                 js: Path) -> float:
+    """``values`` (outside the ``hole`` cells), ``clean`` and ``corrupt`` the means over prompts
+    of their per-prompt tensors, within ``MEAN_RTOL`` x scale (the largest magnitude stored, at
+    least 1); returns the scale."""
+    values, pp = tensors["values"], tensors.get("per_prompt")
     checks = []
     if pp is not None:
         keep = ~hole
@@ -299,7 +309,7 @@ def _check_tensors(tensors: dict[str, Tensor], kw: dict[str, Any], st: Path, js:
             raise ValueError(f"{where}: {k!r} is not the mean over prompts of its per-prompt "
                              f"values (differs by {diff:.3g}; scale {scale:.3g}): one of them "
                              "was changed. Recompute the result.")
-    _check_verified(kw["meta"], kw["method"], values, js, MEAN_RTOL * scale)
+    return scale
 
 
 def _check_verified(meta: dict[str, Any], method: Any, values: Tensor, js: Path, tol: float

@@ -1,0 +1,259 @@
+"""``EdgeResult``: the metric after patching each edge (``patch_edges``), its views and its
+strict load (``patching/result_files.py``). Normalisation, intervals and the degenerate-baseline
+rule are ``PatchResult``'s (``_as_patch_result``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from circuitkit import hooks
+from circuitkit.patching.pages import write_page
+from circuitkit.patching.patch_result import PatchResult
+from circuitkit.patching.result_files import (
+    _EDGE_FILE,
+    EDGE_FORMAT,
+    EDGE_FORMAT_VERSION,
+    TENSOR_FIELDS,
+    _check_nodes,
+    _check_tensors,
+    _checked_edge_info,
+    _load_parts,
+    _no_edge,
+    json_ready,
+)
+
+
+@dataclass
+class EdgeResult:
+    """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
+
+    ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
+    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only. Nodes are ``(layer, head)``:
+    the senders include the embeddings as ``(-1, -1)`` ("embed"), the receivers the logits as
+    ``(n_layers, -1)`` ("logits": the final residual the unembedding reads; it has one input,
+    stored at input index 0 and shown as input "resid"). NaN where ``(s, r, i)`` is no edge:
+    the receiver's layer is not after the sender's, the logits' other input slots, and under
+    GQA a k/v receiver ``(l, g)`` with ``g >= n_kv_heads`` (k/v receivers are KV heads:
+    ``meta["kv_heads"]``). ``per_prompt``: ``[n_prompts, n_senders, n_receivers, n_inputs]``.
+    Normalisation and intervals are ``PatchResult``'s (one definition: ``_as_patch_result``).
+    """
+
+    values: Float[Tensor, "sender receiver input"]
+    clean: float
+    corrupt: float
+    direction: str
+    method: str
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    inputs: tuple[str, ...]
+    n_layers: int
+    per_prompt: Float[Tensor, "n_prompts sender receiver input"] | None = None
+    clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    # whether the degenerate baseline was said (warned) for this result: once per result
+    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.senders = tuple((int(a), int(b)) for a, b in self.senders)
+        self.receivers = tuple((int(a), int(b)) for a, b in self.receivers)
+        self.inputs = tuple(self.inputs)
+        self.n_layers = int(self.n_layers)
+        self.clean, self.corrupt = float(self.clean), float(self.corrupt)  # (a 0-d tensor too)
+        self.meta = dict(self.meta or {})
+        canonical = tuple(i for i in hooks.EDGE_INPUTS if i in self.inputs)
+        if not self.inputs or self.inputs != canonical:
+            raise ValueError(f"inputs={list(self.inputs)} must be distinct names from "
+                             f"{list(hooks.EDGE_INPUTS)}, in that order (as patch_edges gives "
+                             "them).")
+        shape = (len(self.senders), len(self.receivers), len(self.inputs))
+        if not isinstance(self.values, Tensor) or tuple(self.values.shape) != shape:
+            raise ValueError(f"values must be a [senders, receivers, inputs] = {list(shape)} "
+                             f"tensor; got shape {tuple(getattr(self.values, 'shape', ()))}.")
+        facts = self.meta.get("facts")
+        n_heads = facts.get("n_heads") if isinstance(facts, dict) else None
+        _check_nodes(self.senders, self.receivers, self.n_layers,
+                     n_heads if isinstance(n_heads, int) else None)
+        pp = self.per_prompt
+        if pp is not None and (not isinstance(pp, Tensor) or tuple(pp.shape[1:]) != shape):
+            raise ValueError(f"per_prompt must be a [n_prompts, {', '.join(map(str, shape))}] "
+                             f"tensor; got shape {tuple(getattr(pp, 'shape', ()))}.")
+        # the rest (direction, method, baselines, per-prompt shapes) as a PatchResult checks it
+        self._as_patch_result()
+
+    def _as_patch_result(self, values: Tensor | None = None) -> PatchResult:
+        """The same numbers as a ``PatchResult`` over (sender, receiver x input): its
+        normalisation, bootstrap and degenerate rule are the edges' too."""
+        n_s = len(self.senders)
+        pp = self.per_prompt
+        view = PatchResult(
+            values=(self.values if values is None else values).reshape(n_s, -1),
+            clean=self.clean, corrupt=self.corrupt, direction=self.direction,
+            method=self.method, site="z", positions="all",
+            per_prompt=None if pp is None else pp.reshape(pp.shape[0], n_s, -1),
+            clean_per_prompt=self.clean_per_prompt, corrupt_per_prompt=self.corrupt_per_prompt,
+            axes=("sender", "receiver_input"), meta=dict(metric=self.meta.get("metric")))
+        view._baseline_said = self._baseline_said  # one warning per edge result, not per view
+        return view
+
+    @property
+    def degenerate(self) -> bool:
+        return self._as_patch_result().degenerate
+
+    def warn_if_degenerate(self) -> bool:
+        """``PatchResult.warn_if_degenerate``: once per edge result."""
+        view = self._as_patch_result()
+        said = view.warn_if_degenerate()
+        self._baseline_said = view._baseline_said
+        return said
+
+    def normalized(self) -> Float[Tensor, "sender receiver input"]:
+        """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
+        corrupt)``, noise ``(v - clean) / (clean - corrupt)``; the raw effect for a
+        ``degenerate`` result (one warning per result)."""
+        view = self._as_patch_result()
+        out = view.normalized().reshape(self.values.shape)
+        self._baseline_said = view._baseline_said
+        return out
+
+    def effect(self) -> Float[Tensor, "sender receiver input"]:
+        """``values - baseline`` (corrupt for denoise, clean for noise)."""
+        return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
+
+    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
+                            raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
+        """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
+        normalized value, or of the raw effect: ``raw``, default for a ``degenerate`` result)
+        of each edge, values-shaped; None without per-prompt values."""
+        got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
+        return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
+
+    def sender_names(self) -> list[str]:
+        return [hooks.node_name(s, self.n_layers) for s in self.senders]
+
+    def receiver_names(self) -> list[str]:
+        return [hooks.node_name(r, self.n_layers) for r in self.receivers]
+
+    def edge_mask(self) -> Tensor:
+        """Bool ``[senders, receivers, inputs]``: True where the cell is an edge."""
+        return ~torch.isnan(self.values)
+
+    def to_frame(self, ci: bool = True):
+        """pandas DataFrame, one row per edge: sender_layer, sender_head, receiver_layer,
+        receiver_head, input, value, normalized[, ci_low, ci_high][, verified], sender,
+        receiver (names: "embed", "L0H1", "logits"). The embeddings are layer -1, the logits
+        layer ``n_layers`` (head -1) with input "resid"."""
+        import pandas as pd
+
+        idx = self.edge_mask().nonzero()
+        s, r, i = idx[:, 0], idx[:, 1], idx[:, 2]
+        snd = torch.tensor(self.senders).reshape(-1, 2)[s]
+        rcv = torch.tensor(self.receivers).reshape(-1, 2)[r]
+        logits = rcv[:, 0] == self.n_layers
+        with warnings.catch_warnings():  # said once by normalized() itself, not per view
+            if self.degenerate:
+                warnings.simplefilter("ignore")
+            norm = self.normalized()[s, r, i]
+        cols = dict(sender_layer=snd[:, 0].numpy(), sender_head=snd[:, 1].numpy(),
+                    receiver_layer=rcv[:, 0].numpy(), receiver_head=rcv[:, 1].numpy(),
+                    input=["resid" if lg else self.inputs[k]
+                           for lg, k in zip(logits.tolist(), i.tolist(), strict=True)],
+                    value=self.values[s, r, i].float().numpy(), normalized=norm.float().numpy())
+        interval = self.confidence_interval() if ci else None
+        if interval is not None:
+            cols["ci_low"] = interval[0][s, r, i].numpy()
+            cols["ci_high"] = interval[1][s, r, i].numpy()
+        verified = (self.meta or {}).get("verified")
+        if isinstance(verified, list):  # attribution+exact: which values are exact
+            cols["verified"] = torch.tensor(verified, dtype=torch.bool)[s, r, i].numpy()
+        names_s, names_r = self.sender_names(), self.receiver_names()
+        cols["sender"] = [names_s[k] for k in s.tolist()]
+        cols["receiver"] = [names_r[k] for k in r.tolist()]
+        return pd.DataFrame(cols)
+
+    def top(self, k: int = 10, input: str | None = None):
+        """The ``k`` edges with the largest ``|normalized|`` (by ``|effect|`` when normalized
+        values are undefined), strongest first; ``input``: only edges into that input ("q",
+        "k", "v", or "resid" for the logits)."""
+        df = self.to_frame()
+        if input is not None:
+            df = df[df["input"] == input]
+        base = self.corrupt if self.direction == "denoise" else self.clean
+        key = df["value"] - base if self.degenerate else df["normalized"]
+        order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
+        return df.loc[order].reset_index(drop=True)
+
+    def heatmap(self, title: str | None = None, **kw):
+        """plotly Figure: sender x receiver heatmap of ``normalized()``, one panel per input
+        (``circuitkit.viz.heatmaps.edge_heatmap``)."""
+        from circuitkit.viz.heatmaps import edge_heatmap  # patching never imports viz at load
+
+        return edge_heatmap(self, title, **kw)
+
+    # --- persistence ----------------------------------------------------------------------------
+    def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
+        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata, ``json_ready``), and
+        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``, with
+        the folder's one ``plotly.min.js``: ``write_page``), each written atomically; ``path``
+        may be a folder (then ``<folder>/edges.*``)."""
+        from circuitkit import files
+
+        paths = _edge_paths(path)
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
+        files.write_tensors(paths["safetensors"], tensors)
+        info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
+                    corrupt=self.corrupt, direction=self.direction, method=self.method,
+                    senders=[list(s) for s in self.senders],
+                    receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
+                    n_layers=self.n_layers, meta=self.meta)
+        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
+        if not views:
+            return [paths["safetensors"], paths["json"]]
+        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
+        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
+        return list(paths.values())
+
+    @classmethod
+    def load(cls, path: str | Path) -> EdgeResult:
+        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict,
+        with ``PatchResult.load``'s checks (``_checked_info``, ``_check_tensors``: types,
+        finite cells, values and baselines the means of their per-prompt values, the verified
+        mask) and the edges' own: ``n_layers`` a positive integer, ``inputs`` distinct in
+        q, k, v order, senders and receivers distinct, sorted and inside the model
+        (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
+        (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
+        paths = _edge_paths(path)
+        js, st = paths["json"], paths["safetensors"]
+        kw, tensors = _load_parts(path, paths, _EDGE_FILE)
+        kw = _checked_edge_info(kw, js)
+        shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
+        _check_tensors(tensors, kw, st, js, shape=shape, empty=_no_edge(kw, tensors, shape))
+        try:
+            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{js}: {e}") from None
+
+    def __repr__(self) -> str:
+        return (f"EdgeResult(method={self.method!r}, direction={self.direction!r}, "
+                f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
+                f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
+                f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
+
+
+def _edge_paths(path: str | Path) -> dict[str, Path]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "edges"
+    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+        p = p.with_suffix("")
+    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
+
