@@ -35,16 +35,16 @@ def _metric(logits):
     return logits[:, -1, 5] - logits[:, -1, 7]
 
 
-def _hand_path(model, clean, corrupt, sender, receiver, mask=None):
-    """Denoise path sender -> receiver by plain ``run_with_hooks`` on split q/k/v inputs: the
-    sender's clean z in the corrupt run, the receiver's three residual copies recorded; then the
-    corrupt run with those copies (at ``mask``) for the receiver only. Mean metric."""
+def _hand_path(model, src_t, base_t, sender, receiver, mask=None):
+    """Path sender -> receiver by plain ``run_with_hooks`` on split q/k/v inputs: the sender's
+    source z in the base run, the receiver's three residual copies recorded; then the base run
+    with those copies (at ``mask``) for the receiver only. Mean metric."""
     from circuitkit.patching.shortcuts import split_qkv_inputs
 
     (ls, hs), (lr, hr) = sender, receiver
     names = [hooks.q_input(lr), hooks.k_input(lr), hooks.v_input(lr)]
     with torch.no_grad(), split_qkv_inputs(model):
-        _, cache = model.run_with_cache(clean, names_filter=[hooks.z(ls)])
+        _, cache = model.run_with_cache(src_t, names_filter=[hooks.z(ls)])
         src = cache[hooks.z(ls)]
         got = {}
 
@@ -58,7 +58,7 @@ def _hand_path(model, clean, corrupt, sender, receiver, mask=None):
                 got[name] = t.clone()
             return fn
 
-        model.run_with_hooks(corrupt, fwd_hooks=[(hooks.z(ls), put_z)]
+        model.run_with_hooks(base_t, fwd_hooks=[(hooks.z(ls), put_z)]
                              + [(n, keep(n)) for n in names])
 
         def put(name):
@@ -71,11 +71,12 @@ def _hand_path(model, clean, corrupt, sender, receiver, mask=None):
                 return t
             return fn
 
-        logits = model.run_with_hooks(corrupt, fwd_hooks=[(n, put(n)) for n in names])
+        logits = model.run_with_hooks(base_t, fwd_hooks=[(n, put(n)) for n in names])
     return float(_metric(logits).mean())
 
 
-def test_paths_match_hand_written_reference():
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_paths_match_hand_written_reference(direction):
     import circuitkit as ck
 
     model = _random_llama()
@@ -84,7 +85,9 @@ def test_paths_match_hand_written_reference():
     mask[:, 4:7] = True  # a later-position group: the route through those residuals only
     senders, receivers = [(0, 1), (1, 2)], [(1, 0), (2, 3)]
     res = ck.patch_paths(model, clean, corrupt, _metric, senders, receivers,
-                         positions={"all": torch.ones_like(mask), "mid": mask})
+                         positions={"all": torch.ones_like(mask), "mid": mask},
+                         direction=direction, batch_size=4)  # 6 prompts: two forwards each
+    src_t, base_t = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
     assert tuple(res.values.shape) == (2, 2, 2) and res.axes == ("sender", "receiver", "group")
     for si, s in enumerate(senders):
         for ri, r in enumerate(receivers):
@@ -92,7 +95,7 @@ def test_paths_match_hand_written_reference():
                 assert torch.isnan(res.values[si, ri]).all()
                 continue
             for gi, m in enumerate((None, mask)):
-                want = _hand_path(model, clean, corrupt, s, r, m)
+                want = _hand_path(model, src_t, base_t, s, r, m)
                 assert abs(float(res.values[si, ri, gi]) - want) < TOL * max(1, abs(want))
     with torch.no_grad():
         assert abs(res.corrupt - float(_metric(model(corrupt)).mean())) < TOL
