@@ -97,6 +97,12 @@ def test_paths_match_hand_written_reference(direction):
             for gi, m in enumerate((None, mask)):
                 want = _hand_path(model, src_t, base_t, s, r, m)
                 assert abs(float(res.values[si, ri, gi]) - want) < TOL * max(1, abs(want))
+    # the coverage denominator: each sender's node effect is the exact head sweep's
+    heads = ck.patch_heads(model, clean, corrupt, _metric, direction=direction, progress=False)
+    base = heads.corrupt if direction == "denoise" else heads.clean
+    for s in senders:
+        want = float(heads.values[s]) - base
+        assert abs(res.meta["node"][hooks.head_name(*s)] - want) < TOL
     with torch.no_grad():
         assert abs(res.corrupt - float(_metric(model(corrupt)).mean())) < TOL
 
