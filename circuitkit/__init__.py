@@ -31,6 +31,7 @@ _EXPORTS = {
     "plan_patch": "circuitkit.patching.api:plan_patch",
     "PatchResult": "circuitkit.patching.results:PatchResult",
     "patch_edges": "circuitkit.patching.api:patch_edges",
+    "patch_paths": "circuitkit.patching.paths:patch_paths",
     "EdgeResult": "circuitkit.patching.results:EdgeResult",
     "circuit": "circuitkit.patching.faithfulness:circuit",
     "CircuitResult": "circuitkit.patching.results:CircuitResult",

@@ -79,6 +79,10 @@ from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
 N_BUCKETS = 4  # prompt length buckets per engine run
+# random sets per pool: with 20, the same top set's p-value swung 0.048..0.143 over disjoint
+# batches on the teacher (issue 34); 1000 puts the floor at 1/1001 and the MC interval's width
+# near +-0.014 at p = 0.05
+N_RANDOM = 1000
 POOLS = ("same-layers", "all-layers")  # the default pools
 ALL_POOLS = (*POOLS, "layer-stratified")  # any of these may be asked for (``pools=``)
 ABLATIONS = ("zero", "mean", "resample")
@@ -398,7 +402,7 @@ def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int
         on_done=on_done) for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
 
 
-def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
+def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = N_RANDOM,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
                    progress: bool = True, checkpoint: str | Path | None = None,
                    pools: Sequence[str] = POOLS):

@@ -1,0 +1,194 @@
+"""``ck.patch_paths``: path patching through MLPs and later positions (patching/paths.py).
+
+Checked against a hand-written path patch on per-head residual copies (``use_split_qkv_input``:
+a different hook than the q/k/v outputs ``patch_paths`` edits), and on a planted model whose
+only route from sender to receiver is the MLP between them (the direct q/k/v edge is 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from circuitkit import hooks
+
+TOL = 1e-5  # float32 forwards of the same values in another order of hooks
+
+
+def _random_llama():
+    from tinymodels import make_model
+
+    return make_model({"model_type": "llama", "vocab_size": 32, "hidden_size": 32,
+                       "intermediate_size": 48, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "num_key_value_heads": 4,
+                       "max_position_embeddings": 32, "seed": 3})
+
+
+def _tokens(n=6, seq=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(1, 32, (n, seq), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 2] = torch.randint(1, 32, (n,), generator=g)
+    return clean, corrupt
+
+
+def _metric(logits):
+    return logits[:, -1, 5] - logits[:, -1, 7]
+
+
+def _hand_path(model, src_t, base_t, sender, receiver, mask=None):
+    """Path sender -> receiver by plain ``run_with_hooks`` on split q/k/v inputs: the sender's
+    source z in the base run, the receiver's three residual copies recorded; then the base run
+    with those copies (at ``mask``) for the receiver only. Mean metric."""
+    from circuitkit.patching.shortcuts import split_qkv_inputs
+
+    (ls, hs), (lr, hr) = sender, receiver
+    names = [hooks.q_input(lr), hooks.k_input(lr), hooks.v_input(lr)]
+    with torch.no_grad(), split_qkv_inputs(model):
+        _, cache = model.run_with_cache(src_t, names_filter=[hooks.z(ls)])
+        src = cache[hooks.z(ls)]
+        got = {}
+
+        def put_z(t, hook):
+            t = t.clone()
+            t[:, :, hs] = src[:, :, hs]
+            return t
+
+        def keep(name):
+            def fn(t, hook):
+                got[name] = t.clone()
+            return fn
+
+        model.run_with_hooks(base_t, fwd_hooks=[(hooks.z(ls), put_z)]
+                             + [(n, keep(n)) for n in names])
+
+        def put(name):
+            def fn(t, hook):
+                t = t.clone()
+                new = got[name][:, :, hr]
+                if mask is not None:
+                    new = torch.where(mask[..., None], new, t[:, :, hr])
+                t[:, :, hr] = new
+                return t
+            return fn
+
+        logits = model.run_with_hooks(base_t, fwd_hooks=[(n, put(n)) for n in names])
+    return float(_metric(logits).mean())
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_paths_match_hand_written_reference(direction):
+    import circuitkit as ck
+
+    model = _random_llama()
+    clean, corrupt = _tokens()
+    mask = torch.zeros_like(clean, dtype=torch.bool)
+    mask[:, 4:7] = True  # a later-position group: the route through those residuals only
+    senders, receivers = [(0, 1), (1, 2)], [(1, 0), (2, 3)]
+    res = ck.patch_paths(model, clean, corrupt, _metric, senders, receivers,
+                         positions={"all": torch.ones_like(mask), "mid": mask},
+                         direction=direction, batch_size=4)  # 6 prompts: two forwards each
+    src_t, base_t = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
+    assert tuple(res.values.shape) == (2, 2, 2) and res.axes == ("sender", "receiver", "group")
+    for si, s in enumerate(senders):
+        for ri, r in enumerate(receivers):
+            if r[0] <= s[0]:
+                assert torch.isnan(res.values[si, ri]).all()
+                continue
+            for gi, m in enumerate((None, mask)):
+                want = _hand_path(model, src_t, base_t, s, r, m)
+                assert abs(float(res.values[si, ri, gi]) - want) < TOL * max(1, abs(want))
+    # the coverage denominator: each sender's node effect is the exact head sweep's
+    heads = ck.patch_heads(model, clean, corrupt, _metric, direction=direction, progress=False)
+    base = heads.corrupt if direction == "denoise" else heads.clean
+    for s in senders:
+        want = float(heads.values[s]) - base
+        assert abs(res.meta["node"][hooks.head_name(*s)] - want) < TOL
+    with torch.no_grad():
+        assert abs(res.corrupt - float(_metric(model(corrupt)).mean())) < TOL
+
+
+def _route_model():
+    """Sender L0H0 -> MLP 0 -> receiver L1H0, and no direct route.
+
+    Tokens one-hot in dims 0..7, dim 11 a constant 1. Clean prompts hold token X = 3 where
+    corrupt ones hold Y = 4. L0H0 attends uniformly (q = k = 0), reads X into dim 10 and Y into
+    dim 9: the swap keeps the residual's norm, so RMSNorm scales are unchanged. MLP 0 writes
+    ``silu(5 x10) x11`` into dim 12; L1H0 attends uniformly, reads dim 12 only and writes dim 13;
+    the logit of token 5 reads dim 13. The receiver's inputs never read what the sender writes
+    (dims 9, 10): its direct edge is 0; the path through the MLP is not."""
+    from tinymodels import make_model
+
+    model = make_model({"model_type": "llama", "vocab_size": 8, "hidden_size": 16,
+                        "intermediate_size": 4, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
+                        "max_position_embeddings": 32, "rope_theta": 1e12,
+                        "tie_word_embeddings": False, "seed": 0})
+    hf = model.original_model
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.zero_()
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        hf.model.norm.weight.fill_(1.0)
+        emb = hf.model.embed_tokens.weight
+        emb[:, :8] = torch.eye(8)
+        emb[:, 11] = 1.0
+        a0, a1 = hf.model.layers[0].self_attn, hf.model.layers[1].self_attn
+        a0.v_proj.weight[0, 3] = a0.v_proj.weight[1, 4] = 1.0
+        a0.o_proj.weight[10, 0] = a0.o_proj.weight[9, 1] = 1.0
+        mlp = hf.model.layers[0].mlp
+        mlp.gate_proj.weight[0, 10] = 5.0
+        mlp.up_proj.weight[0, 11] = 1.0
+        mlp.down_proj.weight[12, 0] = 1.0
+        a1.v_proj.weight[0, 12] = 1.0
+        a1.o_proj.weight[13, 0] = 1.0
+        hf.lm_head.weight[5, 13] = 10.0
+    return model
+
+
+def test_path_through_mlp_found_where_direct_edge_is_zero():
+    import circuitkit as ck
+
+    model = _route_model()
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(5, 8, (8, 7), generator=g)
+    clean[:, 2] = 3
+    corrupt = clean.clone()
+    corrupt[:, 2] = 4
+
+    def metric(logits):
+        return logits[:, -1, 5]
+
+    res = ck.patch_paths(model, clean, corrupt, metric, [(0, 0)], [(1, 0)], inputs=("v",))
+    gap = res.clean - res.corrupt
+    assert gap > 0.5  # the planted route moves the metric
+    path = float(res.values[0, 0]) - res.corrupt
+    node = res.meta["node"]["L0H0"]
+    # the sender run is the clean run wherever anything reads it: its node effect is the gap
+    assert node == pytest.approx(gap, rel=1e-4)
+    # the route through the MLP carries it (more than the gap: in the path run the MLP's own
+    # write stays corrupt, so the final RMSNorm scale is smaller than in the clean run)
+    assert path > 0.5 * gap
+    assert res.meta["coverage"]["all"]["L0H0"] == pytest.approx(path / node, rel=1e-6)
+    edges = ck.patch_edges(model, clean, corrupt, metric, senders=[(0, 0)],
+                           receivers=[(1, 0)], inputs=("v",), progress=False)
+    direct = float(edges.effect()[0, 0, 0])
+    assert abs(direct) < 1e-4 * gap  # no direct write reaches the receiver's value input
+    from circuitkit.patching.paths import edge_coverage
+
+    cov = edge_coverage(model, clean, corrupt, metric, edges)
+    assert abs(cov["L0H0"]) < 1e-4 and abs(cov["overall"]) < 1e-4
+
+
+def test_bad_input_is_one_line():
+    import circuitkit as ck
+
+    model = _random_llama()
+    clean, corrupt = _tokens()
+    with pytest.raises(ValueError, match="no receiver is in a layer after"):
+        ck.patch_paths(model, clean, corrupt, _metric, [(2, 0)], [(1, 0)])
+    with pytest.raises(ValueError, match="inputs="):
+        ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], [(1, 0)], inputs=("x",))
+    with pytest.raises(ValueError, match="within the model"):
+        ck.patch_paths(model, clean, corrupt, _metric, [(0, 9)], [(1, 0)])
