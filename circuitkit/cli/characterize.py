@@ -1,0 +1,172 @@
+"""``score`` and ``characterize``: head scores and the main job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from circuitkit.cli.app import app
+from circuitkit.cli.checks import _check_k, _claim_folder, _n_for, _one_of, _positive, _text_flag
+from circuitkit.cli.console import _echo_json, _fail, _same_command
+from circuitkit.cli.format import _run_words
+from circuitkit.cli.options import (
+    DEFAULT_MODEL,
+    DEFAULT_TASK,
+    BatchSize,
+    Json,
+    K,
+    Model,
+    N,
+    Out,
+    PatchMethod,
+    Progress,
+    Seed,
+    Split,
+    Task,
+    Text,
+)
+
+
+@app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
+def score(
+    model: Model = DEFAULT_MODEL,
+    task: Task = DEFAULT_TASK,
+    n_examples: N = None,
+    split: Split = "test",
+    seed: Seed = 0,
+    k: K = 5,
+    text: Text = "auto",
+    batch_size: BatchSize = None,
+    out: Path = typer.Option(Path("score-out/scores.csv"), "--out", "-o", help="CSV file to "
+                             "write (default ./score-out/scores.csv).", metavar="FILE"),
+    progress: Progress = True,
+    as_json: Json = False,
+) -> None:
+    """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
+    import circuitkit as ck
+    from circuitkit import files
+    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.scoring.heads import score_heads
+    from circuitkit.scoring.text import load_for
+
+    flag = _text_flag(text)
+    try:
+        _positive("--batch-size", batch_size, "examples per forward pass")
+        _check_k(model, k)
+        n_examples = _n_for(task, n_examples)
+        files.check_writable_file(out, "--out", "scores.csv")
+        the_model = ck.load_model(model)
+        the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
+        df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
+                         seed=seed)  # as characterize scores: the same table for the same flags
+        files.write_text(out, df.to_csv(index=False))
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
+    if as_json:
+        return _echo_json(dict(command="score", n_examples=len(the_task), split=split, seed=seed,
+                               heads=df.to_dict("records"), files=[str(out)]))
+    _print_scores(df, k, the_task, split, seed)
+    typer.echo(f"wrote {out}")
+
+
+def _print_scores(df, k: int, the_task, split: str, seed: int) -> None:
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
+    for phase, cols in ((1, ["layer", "head", "sharpness", "anchor_alignment",
+                             "phase1_inclusion", "coarse_score"]),
+                        (2, ["layer", "head", "shortlist_share", "key_preference", "ov_copy",
+                             "mechanism", "margin_widening", "phase2_inclusion",
+                             "refine_score"])):
+        if phase not in scored_phases(df):  # not five NaN rows under a "top" title
+            typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
+            continue
+        best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, k)].reset_index()
+        typer.echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
+                   "\n" + best[cols].to_string(index=False))
+
+
+@app.command(short_help="The main job: sweeps, scores, validation, report.")
+def characterize(
+    ctx: typer.Context,
+    model: Model = DEFAULT_MODEL,
+    task: Task = DEFAULT_TASK,
+    out: Out = Path("characterize-out"),
+    n_examples: N = None,
+    split: Split = "test",
+    seed: Seed = 0,
+    k: K = 5,
+    n_random: int = typer.Option(20, "--n-random", help="Random head sets to compare with.",
+                                 metavar="N"),
+    patch_method: PatchMethod = "exact",
+    text: Text = "auto",
+    batch_size: BatchSize = None,
+    edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
+                               "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
+                               "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
+    stages: bool = typer.Option(False, "--stages", help="Also patch every head at each of the "
+                                "task's position groups (evidence, anchor, shortlist, answer, "
+                                "and the positions the metric reads), both directions: where "
+                                "each phase's decision is made; OUT/groups/ (exact patching; "
+                                "about 5 sweeps' time)."),
+    progress: Progress = True,
+    as_json: Json = False,
+) -> None:
+    """The main job: head patching (both directions, each phase the task has steps for),
+    scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
+    patch-p{1,2}-{denoise,noise}, report.html)."""
+    from circuitkit.characterize import characterize as run
+    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.patching.inputs import METHODS
+
+    flag = _text_flag(text)
+    try:
+        _one_of("--method", patch_method, METHODS)
+        _positive("--batch-size", batch_size, "sequences per forward pass")
+        _positive("--n-random", n_random, "random head sets")
+        _check_k(model, k)
+        n_examples = _n_for(task, n_examples)
+        _claim_folder(out, "characterize")
+        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
+                      n_random=n_random, batch_size=batch_size, patch_method=patch_method,
+                      text=flag, progress=progress, edges=edges,
+                      stages=stages)
+    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(str(e) or type(e).__name__)
+    except KeyboardInterrupt:
+        typer.secho("interrupted; finished steps (and finished chunks of the current sweep) are "
+                    f"in {out}. Resume with the same command:\n  {_same_command(ctx)}", err=True)
+        raise typer.Exit(130) from None
+    if as_json:
+        return _echo_json(dict(command="characterize", out=str(out), summary=summary))
+    _print_characterize(out, summary)
+
+
+def _print_characterize(out: Path, summary: dict) -> None:
+    """The findings, then one line per step's files (each file named once)."""
+    import shutil
+
+    from circuitkit.viz.findings import format_findings
+    from circuitkit.viz.report import findings_in
+
+    width = min(100, max(60, shutil.get_terminal_size((88, 24)).columns - 1))
+    line, found = findings_in(out)
+    typer.echo(format_findings(found, line, width))
+    steps, ran = summary.get("steps", {}), summary.get("steps_run_this_call", [])
+    for step in ran:
+        names = steps[step]["files"]
+        stems = {Path(n).stem for n in names}
+        if len(stems) == 1 and len(names) > 1:
+            suffixes = ",".join(Path(n).suffix[1:] for n in names)
+            typer.echo(f"wrote {out / stems.pop()}.{{{suffixes}}}")
+        else:
+            typer.echo("wrote " + ", ".join(str(out / n) for n in names))
+    reused = [s for s in steps if s not in ran]
+    if reused:
+        typer.echo(f"kept (finished by an earlier run): {', '.join(reused)}")
+    typer.echo(f"wrote {out / 'summary.json'}")
+    report = out / "report.html"
+    if report.exists():
+        typer.echo(f"wrote {report} ({report.stat().st_size / 1e6:.1f} MB): open it in a "
+                   "browser, offline")

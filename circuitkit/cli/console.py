@@ -1,0 +1,111 @@
+"""What a command says: one-line errors, warnings as lines, ``--json``, and the command line
+that reruns it (for resuming).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import typer
+
+
+def _fail(msg: str) -> None:
+    """End the command with the whole message (every line: which row, which file, what to do)."""
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """Inside: a warning circuitkit raises (a ``DegenerateBaselineWarning``, or any warning
+    from circuitkit's own code) prints as one ``warning:`` line, each distinct message once
+    (Python's own format adds the file, line and source of the call), on a line of its own
+    while progress bars run (``tqdm.write``); other warnings as Python prints them. Imports
+    nothing heavy: ``COMMAND --help`` passes through here."""
+    import warnings
+
+    shown, said = warnings.showwarning, set()
+    here = str(Path(__file__).resolve().parents[1])  # circuitkit/
+
+    def raised_here() -> bool:
+        """Whether the code that called ``warnings.warn`` is circuitkit's (the file a warning
+        names is its ``stacklevel``'s, often the caller's)."""
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename == warnings.__file__:
+            frame = frame.f_back
+        return frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
+            here)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        results = sys.modules.get("circuitkit.patching.results")  # loaded if it can warn
+        ours = raised_here() or (results is not None and issubclass(
+            category, results.DegenerateBaselineWarning))
+        if not ours:
+            shown(message, category, filename, lineno, file, line)
+            return
+        text = " ".join(str(message).removeprefix("circuitkit: ").split())
+        if text not in said:
+            said.add(text)
+            _say(f"warning: {text}", fg=typer.colors.YELLOW)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+def _say(line: str, fg: str | None = None) -> None:
+    """``line`` on stderr, on a line of its own: above any open progress bar (``tqdm.write``),
+    coloured ``fg`` on a terminal."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        typer.secho(line, fg=fg, err=True)
+        return
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+    tqdm.tqdm.write(typer.style(line, fg=fg) if fg and tty else line, file=sys.stderr)
+
+
+def _same_command(ctx: typer.Context) -> str:
+    """The command line that reruns the current command with the same options (for resuming)."""
+    import shlex
+
+    words = ["circuitkit", ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        # (typer may bring its own click: ask the parameter what it is, not its class)
+        if param.param_type_name != "option" or value == param.default or value is None:
+            continue
+        if param.is_flag:
+            names = param.opts if value else param.secondary_opts
+            words.append(names[0])
+        else:
+            words += [max(param.opts, key=len), shlex.quote(str(value))]
+    return " ".join(words)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was typed on the command line (not left at its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _echo_json(obj) -> None:
+    """``--json``: one strict JSON object (NaN and inf as null; tensors and paths as text)."""
+    import json
+    import math
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # numpy / torch scalars
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+
+    typer.echo(json.dumps(plain(obj), indent=1, allow_nan=False))

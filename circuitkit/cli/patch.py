@@ -1,0 +1,461 @@
+"""``info``, ``patch`` and ``edges``: the sweep commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import typer
+
+from circuitkit.characterize import DEFAULT_N
+from circuitkit.cli.app import app
+from circuitkit.cli.checks import _check_sweep_flags, _claim_folder, _one_of, _positive
+from circuitkit.cli.console import _echo_json, _fail, _given, _same_command
+from circuitkit.cli.format import (
+    _describe_auto,
+    _describe_scale,
+    _info_text,
+    _mark_estimates,
+    _model_list,
+    _table,
+)
+from circuitkit.cli.load import _check_vocabulary, _load, _phase_task, _sweep_tokens
+from circuitkit.cli.options import (
+    DEFAULT_MODEL,
+    DEFAULT_TASK,
+    Ablation,
+    Backend,
+    BatchSize,
+    Checkpoint,
+    Circuit,
+    Direction,
+    EdgeEstimator,
+    Gpu,
+    GpusPerReplica,
+    HeadEstimator,
+    IgSteps,
+    Inputs,
+    Json,
+    MaxPasses,
+    Method,
+    Model,
+    N,
+    Out,
+    Phase,
+    Plan,
+    Positions,
+    Progress,
+    Receivers,
+    Remote,
+    Seed,
+    Senders,
+    SeqLen,
+    Site,
+    Split,
+    Task,
+    TopK,
+    Utilisation,
+)
+from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
+
+
+@app.command(short_help="Architecture and sweep costs of a model (offline).")
+def info(
+    model: str = typer.Option(None, "--model", "-m", help="Shipped toy, alias, folder or hub "
+                              "id; without it, the models circuitkit knows by name.",
+                              metavar="NAME"),
+    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per prompt assumed for the "
+                                "costs (default 512, or the model's context if shorter).",
+                                metavar="TOKENS"),
+    prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
+                                help="Prompts per sweep assumed for the pass counts.", metavar="N"),
+    gpu: Gpu = "H100",
+    as_json: Json = False,
+) -> None:
+    """Architecture and head sweep cost plan, from the config alone (no weights needed): the
+    figures ``patch --plan --seq-len`` prints for the same prompts (``patching.plan.sweep_plan``);
+    without --model, the list of models known by name."""
+    from circuitkit import models
+    from circuitkit.patching.plan import GPU_CLASSES, sweep_plan
+
+    if model is None:
+        typer.echo(_model_list())
+        return
+    try:
+        _one_of("--gpu", gpu.upper(), sorted(GPU_CLASSES))
+        _positive("--seq-len", seq_len, "tokens per prompt")
+        _positive("--n-examples", prompts, "prompts per sweep")
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        arch = models.architecture(model)
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if seq_len is None:
+        seq_len = min(512, arch.n_ctx) if arch.n_ctx else 512
+    elif arch.n_ctx and seq_len > arch.n_ctx:
+        _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
+              f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
+    plan = sweep_plan(arch, [seq_len] * prompts, gpu=gpu.upper())
+    if as_json:
+        import dataclasses
+
+        return _echo_json(dict(architecture=dataclasses.asdict(arch) if dataclasses.is_dataclass(
+            arch) else vars(arch), seq_len=seq_len, n_prompts=prompts, plan=plan))
+    typer.echo(_info_text(arch, plan))
+
+
+# --- patch ----------------------------------------------------------------------------------------
+@app.command(short_help="Activation patching of every head (or layer).")
+def patch(
+    ctx: typer.Context,
+    model: Model = DEFAULT_MODEL,
+    task: Task = DEFAULT_TASK,
+    n_examples: N = None,
+    direction: Direction = "denoise",
+    method: Method = "auto",
+    positions: Positions = None,
+    site: Site = "z",
+    phase: Phase = None,
+    split: Split = "test",
+    seed: Seed = 0,
+    batch_size: BatchSize = None,
+    top_k: TopK = None,
+    max_passes: MaxPasses = None,
+    estimator: HeadEstimator = None,
+    out: Out = Path("patch-out"),
+    checkpoint: Checkpoint = True,
+    plan: Plan = False,
+    seq_len: SeqLen = None,
+    gpu: Gpu = "H100",
+    utilisation: Utilisation = 0.4,
+    gpus_per_replica: GpusPerReplica = 1,
+    backend: Backend = "transformer_lens",
+    remote: Remote = False,
+    progress: Progress = True,
+    as_json: Json = False,
+) -> None:
+    """Activation-patching sweep over heads (or layers): writes
+    OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
+    a = SimpleNamespace(**ctx.params)
+    try:
+        _check_patch_flags(a)
+    except ValueError as e:
+        _fail(str(e))
+    if plan and (seq_len is not None or not _weights_here(model)):
+        _plan_offline(a, n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
+        return
+    layout, leader = _replicas(ctx, a)
+    if not leader:
+        return
+    the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
+    from circuitkit import hooks
+
+    unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
+    what = (f"{model} on {the_task.name} Phase {the_task.phase}, metric {metric.name}, "
+            f"{direction}, {unit} at site {a.site}")
+    if plan:
+        return _patch_plan(a, the_model, clean, corrupt, metric)
+    how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
+    typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
+    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
+    from circuitkit.patching import distributed
+
+    if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
+        res.meta.update(model_name=model, task=task, n_examples=len(clean),
+                        phase=the_task.phase, split=split, seed=seed)
+        try:
+            written = res.save(out / "result")
+            estimate = _mark_estimates(res, written)
+        except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
+            _fail(str(e))
+        _print_patch(a, res, what, metric, len(clean), estimate, written)
+
+
+def _check_patch_flags(a) -> None:
+    """``patch``'s flags, before anything loads."""
+    from circuitkit import hooks
+    from circuitkit.patching.inputs import BACKENDS, METHODS, POSITIONS
+
+    _check_sweep_flags(a)
+    _one_of("--method", a.method, METHODS)
+    _one_of("--site", a.site, hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES)
+    layer_site = a.site in hooks.PATCH_LAYER_SITES
+    if a.positions is None:
+        a.positions = "each" if layer_site else "all"
+    _one_of("--positions", a.positions, POSITIONS)
+    _one_of("--backend", a.backend, BACKENDS)
+    if layer_site and (a.method not in ("exact", "auto") or a.plan):
+        raise ValueError(f"--site {a.site} (a layer site) supports --method exact without "
+                         "--plan only.")
+    if layer_site and a.positions != "each":
+        raise ValueError(f"--site {a.site} (a layer site) patches one position at a time: use "
+                         "--positions each (its default), or a head site (z, q, k, v, "
+                         "pattern) for --positions all.")
+    if a.remote and a.backend != "nnsight":
+        raise ValueError("--remote runs through NDIF: add --backend nnsight.")
+    if a.backend == "nnsight" and (layer_site or a.plan):
+        raise ValueError("--backend nnsight runs head sweeps (sites z, q, k, v) without --plan.")
+    if a.seq_len is not None and not a.plan:
+        raise ValueError("--seq-len prices prompts of that length with --plan; a sweep runs the "
+                         "task's own prompts. Add --plan, or drop --seq-len.")
+    if a.remote:
+        from circuitkit.patching.nnsight_backend import check_remote
+
+        check_remote(a.model)
+    if not a.plan:
+        from circuitkit.files import check_writable_dir
+
+        check_writable_dir(a.out)  # before any work: a result is never lost at 100%
+
+
+def _weights_here(model: str) -> bool:
+    from circuitkit import models
+
+    return models.weights_available(model)
+
+
+def _replicas(ctx, a):
+    """(torchrun replica layout or None for --plan, whether this process leads a replica).
+    Rank 0 holds OUT's lock and claims it for patch (every method)."""
+    from circuitkit.patching import distributed
+
+    try:
+        layout = distributed.init_replicas(a.gpus_per_replica) if not a.plan else None
+    except ValueError as e:
+        _fail(str(e))
+    if layout is not None and not layout.leader:
+        typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
+                   f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
+        return layout, False
+    if not a.plan and distributed.rank_world()[0] == 0:
+        from circuitkit.files import lock_folder
+
+        try:
+            ctx.call_on_close(lock_folder(a.out, "--out folder").close)
+            _claim_folder(a.out, "patch")
+        except ValueError as e:
+            _fail(str(e))
+    return layout, True
+
+
+def _patch_inputs(a, layout):
+    """(model, task of its phase, (clean, corrupt, metric)) for ``patch`` (``layout``: its
+    torchrun replicas, or None)."""
+    if a.backend == "nnsight":
+        from circuitkit.patching import nnsight_backend
+
+        the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
+                                    loader=lambda m: nnsight_backend.load(m, remote=a.remote))
+    else:
+        loader = None
+        if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
+            import circuitkit as ck
+            from circuitkit import models
+
+            placement = models.replica_placement(layout.local_gpus)
+            loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
+        the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
+                                    loader=loader, renders=True)
+        if loader is not None:
+            try:
+                _check_vocabulary(the_model, the_task, renders=True)
+            except ValueError as e:
+                _fail(str(e))
+    the_task = _phase_task(the_task, a.task)
+    return the_model, the_task, _sweep_tokens(the_model, the_task)
+
+
+
+
+
+
+def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
+    """The sweep itself (``api.patch_layers`` or ``api.patch_heads``), checkpointed in
+    ``OUT/checkpoints/result``; Ctrl-C says what was kept and how to resume."""
+    from circuitkit import hooks
+    from circuitkit.files import WriteError
+    from circuitkit.patching import api
+
+    layers = a.site in hooks.PATCH_LAYER_SITES
+    kw = dict(direction=a.direction, method=a.method, positions=a.positions, site=a.site,
+              batch_size=a.batch_size)
+    stores = a.method != "attribution" and a.backend != "nnsight"  # what checkpoints
+    ckpt = _checkpoint_dir(a.out) if a.checkpoint and stores else None
+    extra = {} if layers else dict(
+        top_k=a.top_k, backend=a.backend, remote=a.remote, max_passes=a.max_passes,
+        **({} if a.estimator is None else dict(estimator=a.estimator)))
+    try:
+        return (api.patch_layers if layers else api.patch_heads)(
+            the_model, clean, corrupt, metric, progress=a.progress,
+            task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+    except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
+        _fail(str(e))
+    except KeyboardInterrupt:
+        if ckpt is not None:
+            why = (f"finished work is in {ckpt}. Resume with the same command:\n  "
+                   f"{_same_command(ctx)}")
+        elif stores:  # --no-checkpoint: the library's own line above says where chunks went
+            why = ("--no-checkpoint: nothing this command can resume (drop --no-checkpoint to "
+                   "make the rerun resume).")
+        else:
+            what = "--backend nnsight" if a.backend == "nnsight" else "--method attribution"
+            why = f"nothing was saved ({what} runs are not checkpointed)."
+        typer.secho("interrupted; " + why, err=True)
+        raise typer.Exit(130) from None
+
+
+def _print_patch(a, res, what: str, metric, n: int, estimate: str, written) -> None:
+    """``patch``'s report: what auto chose, the strongest cells, the files written."""
+    top = res.top(5)
+    if a.as_json:
+        return _echo_json(dict(
+            command="patch", what=what, method=res.method, estimate=bool(estimate),
+            clean=res.clean, corrupt=res.corrupt, auto=res.meta.get("auto"),
+            top=top.rename(columns={"value": "estimate"} if estimate.startswith("ESTIMATES")
+                           else {}).to_dict("records"), files=[str(p) for p in written]))
+    auto = res.meta.get("auto")
+    if auto:
+        typer.echo(_describe_auto(auto))
+    typer.echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
+               f"over {n} prompts, {a.split} split, seed {a.seed})\n"
+               f"strongest cells ({_describe_scale(res, estimate)}):\n{_table(top, estimate)}")
+    for path in written:  # one line per file
+        typer.echo(f"wrote {path}")
+
+
+def _checkpoint_dir(out: Path) -> Path:
+    """``OUT/checkpoints/result``: one folder name for every command's checkpoints
+    (characterize keeps ``OUT/checkpoints/<step>``). A folder an older circuitkit wrote,
+    ``OUT/checkpoint``, is moved there, so its run resumes and the folder keeps one name."""
+    new, old = out / "checkpoints" / "result", out / "checkpoint"
+    if old.is_dir() and not new.exists():
+        try:
+            new.parent.mkdir(parents=True, exist_ok=True)
+            old.rename(new)
+            typer.echo(f"moved {old} to {new} (checkpoints now live in one folder)", err=True)
+        except OSError:  # another rank moved it first, or it cannot move: use what exists
+            return new if new.exists() else old
+    return new
+
+
+# --- edges ----------------------------------------------------------------------------------------
+@app.command(short_help="Which heads feed which heads' q, k, v: edge patching.")
+def edges(
+    ctx: typer.Context,
+    model: Model = DEFAULT_MODEL,
+    task: Task = DEFAULT_TASK,
+    inputs: Inputs = "q,k,v",
+    senders: Senders = "all",
+    receivers: Receivers = "all",
+    method: Method = "exact",
+    estimator: EdgeEstimator = None,
+    ig_steps: IgSteps = None,
+    top_k: TopK = None,
+    direction: Direction = "denoise",
+    n_examples: N = None,
+    phase: Phase = None,
+    split: Split = "test",
+    seed: Seed = 0,
+    batch_size: BatchSize = None,
+    circuit: Circuit = True,
+    ablation: Ablation = "corrupt",
+    out: Out = Path("edges-out"),
+    checkpoint: Checkpoint = True,
+    plan: Plan = False,
+    gpu: Gpu = "H100",
+    utilisation: Utilisation = 0.4,
+    progress: Progress = True,
+    as_json: Json = False,
+) -> None:
+    """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
+    OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
+    a = SimpleNamespace(**ctx.params)
+    from circuitkit.patching.inputs import EDGE_METHODS
+
+    try:
+        _check_sweep_flags(a)
+        _one_of("--method", method, EDGE_METHODS)
+        _positive("--ig-steps", ig_steps, "interpolation steps")
+        if not plan:
+            from circuitkit.files import lock_folder
+
+            _claim_folder(out, "edges")
+            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
+    except ValueError as e:
+        _fail(str(e))
+    a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
+               for k, v in (("senders", senders), ("receivers", receivers))}
+    if plan:
+        return _edge_plan(a)
+    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True)
+    the_task = _phase_task(the_task, task)
+    clean, corrupt, metric = _sweep_tokens(the_model, the_task)
+    res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)
+    _print_edges(a, res, circ, written)
+
+
+def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
+    """(edge result, circuit or None, files written): ``ck.patch_edges`` (exact: checkpointed
+    in ``OUT/checkpoints/edges``), then ``ck.circuit``; Ctrl-C says what was kept."""
+    import circuitkit as ck
+
+    ckpt = (a.out / "checkpoints" / "edges" if a.checkpoint and a.method != "attribution"
+            else None)  # exact chunks; attribution+exact: the screen and verified cells
+    try:
+        res = ck.patch_edges(the_model, clean, corrupt, metric, a.nodes["senders"],
+                             a.nodes["receivers"], a.inputs, direction=a.direction,
+                             method=a.method, estimator=a.estimator, ig_steps=a.ig_steps,
+                             top_k=a.top_k, batch_size=a.batch_size, checkpoint=ckpt,
+                             progress=a.progress, task_hash=the_task.fingerprint())
+        res.meta.update(model_name=a.model, task=a.task, n_examples=len(clean),
+                        phase=the_task.phase, split=a.split, seed=a.seed)
+        written = res.save(a.out / "edges")
+        res.estimate = _mark_estimates(res, written)
+        circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=a.ablation,
+                          batch_size=a.batch_size, progress=a.progress) if a.circuit else None
+        if circ is not None:
+            written += _save_circuit(circ, a.out)
+    except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
+        _fail(str(e))
+    except KeyboardInterrupt:
+        where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+                 f"{_same_command(ctx)}") if ckpt is not None else "nothing was saved."
+        typer.secho("interrupted; " + where, err=True)
+        raise typer.Exit(130) from None
+    return res, circ, written
+
+
+def _save_circuit(circ, out: Path) -> list[Path]:
+    """``OUT/circuit.json`` and its pictures (the graph, the faithfulness curve)."""
+    from circuitkit.patching.results import write_page
+    from circuitkit.viz.edges import circuit_graph, faithfulness_curve
+
+    written = [circ.save_json(out / "circuit.json")]
+    for name, fig in (("circuit.html", circuit_graph(circ) if circ.kept() else None),
+                      ("faithfulness.html", faithfulness_curve(circ))):
+        if fig is not None:  # the folder's one plotly.min.js, like edges.html beside them
+            written.append(write_page(fig, out / name))
+    return written
+
+
+def _print_edges(a, res, circ, written) -> None:
+    """``edges``' report: the strongest edges (estimates labelled), the circuit, the files."""
+    estimate = res.estimate
+    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+        ["ci_low", "ci_high"] if res.per_prompt is not None else []) + (
+        ["verified"] if "verified" in res.top(1) else [])
+    top = res.top(10)[cols]
+    if a.as_json:
+        return _echo_json(dict(
+            command="edges", what=str(res), method=res.method, estimate=bool(estimate),
+            top=top.to_dict("records"), circuit=None if circ is None else str(circ),
+            files=[str(p) for p in written]))
+    scale = _describe_scale(res, estimate).removesuffix(", -1 = fully broken")
+    typer.echo(f"{res}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
+    if circ is not None:
+        typer.echo(f"{circ}\n" + circ.to_frame().to_string(
+            index=False, float_format=lambda v: f"{v:.3f}"))
+    for path in written:  # one line per file
+        typer.echo(f"wrote {path}")

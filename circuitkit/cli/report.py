@@ -1,0 +1,80 @@
+"""``evaluate`` and ``report``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from circuitkit.cli.app import app
+from circuitkit.cli.checks import _positive
+from circuitkit.cli.console import _echo_json, _fail
+from circuitkit.cli.format import METRIC_MEANINGS
+from circuitkit.cli.load import _load
+from circuitkit.cli.options import (
+    DEFAULT_MODEL,
+    DEFAULT_TASK,
+    BatchSize,
+    Json,
+    Model,
+    N,
+    Progress,
+    Seed,
+    Split,
+    Task,
+)
+
+
+@app.command(short_help="Task metrics: focus, confusion, F1, exact match.")
+def evaluate(
+    model: Model = DEFAULT_MODEL,
+    task: Task = DEFAULT_TASK,
+    n_examples: N = None,
+    split: Split = "test",
+    seed: Seed = 0,
+    batch_size: BatchSize = 64,
+    progress: Progress = True,
+    as_json: Json = False,
+) -> None:
+    """Reasoning Focus, Near-Miss Confusion, confusion rate, Macro/micro-F1 and exact match."""
+    import circuitkit as ck
+
+    try:
+        _positive("--batch-size", batch_size, "notes per forward pass")
+    except ValueError as e:
+        _fail(str(e))
+    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
+    try:
+        scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=progress)
+    except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
+        _fail(f"{model}: {e}")
+    if as_json:
+        return _echo_json(dict(model=model, task=task, n_examples=len(the_task), split=split,
+                               seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
+                               meanings=METRIC_MEANINGS))
+    typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
+    for k, v in scores.items():
+        typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
+
+
+@app.command(short_help="Rewrite a results folder's report.html.")
+def report(
+    run_dir: Path = typer.Argument(..., help="Results folder (characterize --out or patch --out).",
+                                   metavar="RUN_DIR"),
+    out: Path = typer.Option(None, "--out", "-o",
+                             help="Output file (default: RUN_DIR/report.html).", metavar="FILE"),
+    attention: bool = typer.Option(True, "--attention/--no-attention", help="Attention views of "
+                                   "the top heads (loads the model named in summary.json)."),
+) -> None:
+    """One self-contained report.html (all JavaScript inlined: opens offline, can be mailed)."""
+    import time
+
+    from circuitkit.viz.report import describe_written, write_report
+
+    t0 = time.perf_counter()
+    try:
+        path = write_report(run_dir, out, attention=attention)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    typer.echo(describe_written(path, time.perf_counter() - t0))
