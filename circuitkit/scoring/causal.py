@@ -121,3 +121,89 @@ def causal_heads(table: Any, phase: int, k: int, group: str = ALL,
     col = _column(table, phase, group, direction, rank=True)
     best = table.sort_values([col, "layer", "head"]).head(int(k))
     return [(int(r.layer), int(r.head)) for r in best.itertuples()]
+
+
+def phase_table(table: Any, k: int = 5, share: float = GROUP_SHARE,
+                direction: str = "noise") -> dict[str, Any]:
+    """Where each phase's decision is made, from ``causal_table``'s columns (``direction``'s;
+    the other one if the table lacks it). Per phase: ``gap`` (clean - corrupt of its metric);
+    ``groups``: per position group its top ``k`` heads ``[name, share]`` (``carried``) and
+    ``sum`` (the sum of its heads' positive shares: additive, not a joint patch);
+    ``carrying_groups``: the groups (not "all") whose top head carries >= ``share``;
+    ``layers``: per layer the sum of its heads' positive shares at "all", and
+    ``carrying_layers``: those >= ``share``; ``top_heads``: the top ``k`` at "all". With both
+    phases, ``same_heads``: ``overlap`` (heads in both top-``k`` sets), and each phase's gap
+    share carried by the other phase's top ``k`` heads (summed single-head shares)."""
+    have = {c.split("_")[1] for c in table.columns if c[:1] == "p" and c[1:2].isdigit()}
+    if direction not in have:
+        direction = next(iter(sorted(have)), direction)
+    out: dict[str, Any] = dict(direction=direction, k=int(k), share=float(share))
+    tops = {}
+    for p in table.attrs.get("phases", [1, 2]):
+        info = table.attrs.get(f"phase{p}", {})
+        groups = [g for g in info.get("groups", []) if g != ALL] + [ALL]
+        said: dict[str, Any] = {}
+        for g in groups:
+            s = carried(table, p, direction, g)
+            top = s.sort_values(ascending=False, kind="stable").head(int(k))
+            said[g] = dict(top=[[table.loc[i, "name"], round(float(v), 4)]
+                                for i, v in top.items()],
+                           sum=round(float(s.clip(lower=0).sum()), 4))
+        whole = carried(table, p, direction, ALL).clip(lower=0)
+        layers = {int(ly): round(float(v), 4)
+                  for ly, v in whole.groupby(table["layer"]).sum().items()}
+        tops[p] = causal_heads(table, p, k, ALL, direction)
+        out[f"phase{p}"] = dict(
+            metric=info.get("metric"), gap=info.get("gap"), degenerate=info.get("degenerate"),
+            groups=said, carrying_groups=[g for g in groups if g != ALL
+                                          and said[g]["top"] and said[g]["top"][0][1] >= share],
+            layers=layers, carrying_layers=[ly for ly, v in layers.items() if v >= share],
+            top_heads=[n for n, _ in said[ALL]["top"]])
+    if 1 in tops and 2 in tops:
+        from circuitkit.hooks import head_name
+
+        def by(p: int, heads: list[tuple[int, int]]) -> float:
+            s = carried(table, p, direction, ALL)
+            pick = table[["layer", "head"]].apply(tuple, axis=1).isin(heads)
+            return round(float(s[pick].sum()), 4)
+        both = [h for h in tops[1] if h in tops[2]]
+        out["same_heads"] = dict(overlap=[head_name(*h) for h in both], n_overlap=len(both),
+                                 phase1_by_phase2_heads=by(1, tops[2]),
+                                 phase2_by_phase1_heads=by(2, tops[1]),
+                                 phase1_by_own_heads=by(1, tops[1]),
+                                 phase2_by_own_heads=by(2, tops[2]))
+    return out
+
+
+def phase_sentences(table: dict[str, Any]) -> list[str]:
+    """``phase_table``'s findings in words: where each phase's decision is made, and whether
+    the same heads carry both phases."""
+    lines, d = [], table.get("direction", "noise")
+    for p in (1, 2):
+        ph = table.get(f"phase{p}")
+        if not ph:
+            continue
+        groups = ph["carrying_groups"]
+        where = ", ".join(f"{g} ({ph['groups'][g]['top'][0][0]} "
+                          f"{ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
+        layers = ", ".join(f"layer {ly} ({v:.0%})" for ly, v in ph["layers"].items()
+                           if ly in ph["carrying_layers"])
+        lines.append(f"Phase {p}'s decision ({ph['metric']}, {d}) is made in "
+                     f"{layers or 'no single layer'} at the "
+                     f"{where or 'no single position group'} positions (share of the gap "
+                     f"carried by the group's top head; >= {table['share']:.0%} shown).")
+    same = table.get("same_heads")
+    if same:
+        if same["n_overlap"]:
+            lines.append(
+                f"The same heads carry both phases: {', '.join(same['overlap'])} "
+                f"{'is' if same['n_overlap'] == 1 else 'are'} among the top {table['k']} of "
+                f"each; Phase 2's top heads carry {same['phase1_by_phase2_heads']:.0%} of "
+                f"Phase 1's gap and Phase 1's carry {same['phase2_by_phase1_heads']:.0%} of "
+                "Phase 2's (summed single-head shares).")
+        else:
+            lines.append(
+                f"No head is among the top {table['k']} of both phases; Phase 2's top heads "
+                f"carry {same['phase1_by_phase2_heads']:.0%} of Phase 1's gap and Phase 1's "
+                f"{same['phase2_by_phase1_heads']:.0%} of Phase 2's (summed single-head shares).")
+    return lines
