@@ -23,7 +23,7 @@ from typing import Any
 
 DIRECTIONS = ("noise", "denoise")
 ALL = "all"  # the group of every real position: the whole head
-GROUP_SHARE = 0.1  # a position group "carries" a phase when its top head carries >= this share
+GROUP_SHARE = 0.1  # a group (a layer) "carries" a phase when its heads' shares sum to >= this
 
 
 def causal_groups(task: Any, at: str = "steps") -> dict[str, Any]:
@@ -129,7 +129,7 @@ def phase_table(table: Any, k: int = 5, share: float = GROUP_SHARE,
     the other one if the table lacks it). Per phase: ``gap`` (clean - corrupt of its metric);
     ``groups``: per position group its top ``k`` heads ``[name, share]`` (``carried``) and
     ``sum`` (the sum of its heads' positive shares: additive, not a joint patch);
-    ``carrying_groups``: the groups (not "all") whose top head carries >= ``share``;
+    ``carrying_groups``: the groups (not "all") whose ``sum`` is >= ``share``;
     ``layers``: per layer the sum of its heads' positive shares at "all", and
     ``carrying_layers``: those >= ``share``; ``top_heads``: the top ``k`` at "all". With both
     phases, ``same_heads``: ``overlap`` (heads in both top-``k`` sets), and each phase's gap
@@ -156,7 +156,7 @@ def phase_table(table: Any, k: int = 5, share: float = GROUP_SHARE,
         out[f"phase{p}"] = dict(
             metric=info.get("metric"), gap=info.get("gap"), degenerate=info.get("degenerate"),
             groups=said, carrying_groups=[g for g in groups if g != ALL
-                                          and said[g]["top"] and said[g]["top"][0][1] >= share],
+                                          and said[g]["sum"] >= share],
             layers=layers, carrying_layers=[ly for ly, v in layers.items() if v >= share],
             top_heads=[n for n, _ in said[ALL]["top"]])
     if 1 in tops and 2 in tops:
@@ -184,14 +184,14 @@ def phase_sentences(table: dict[str, Any]) -> list[str]:
         if not ph:
             continue
         groups = ph["carrying_groups"]
-        where = ", ".join(f"{g} ({ph['groups'][g]['top'][0][0]} "
-                          f"{ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
+        where = ", ".join(f"{g} ({ph['groups'][g]['sum']:.0%}; top {ph['groups'][g]['top'][0][0]}"
+                          f" {ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
         layers = ", ".join(f"layer {ly} ({v:.0%})" for ly, v in ph["layers"].items()
                            if ly in ph["carrying_layers"])
         lines.append(f"Phase {p}'s decision ({ph['metric']}, {d}) is made in "
                      f"{layers or 'no single layer'} at the "
-                     f"{where or 'no single position group'} positions (share of the gap "
-                     f"carried by the group's top head; >= {table['share']:.0%} shown).")
+                     f"{where or 'no single position group'} positions (summed single-head shares "
+                     f"of the gap, >= {table['share']:.0%} shown; the group's top head).")
     same = table.get("same_heads")
     if same:
         if same["n_overlap"]:
