@@ -82,7 +82,8 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
-                 edges: bool = False, stages: bool = False) -> dict[str, Any]:
+                 edges: bool = False, stages: bool = False,
+                 select_n: int | None = None) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
@@ -94,12 +95,15 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
     edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``);
     ``stages``: also patch every head at each of the task's position groups (``groups/``,
-    ``_stages_step``; exact patching only).
+    ``_stages_step``; exact patching only), and the causal columns (``scoring.causal``:
+    ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``);
+    ``select_n``: held-out selection: scores (and causal columns) on the first ``select_n``
+    examples, validation and ablation on the others (``summary["samples"]``).
     """
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
         return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
                              k, n_random, batch_size, patch_method, text, progress, task_kwargs,
-                             report, edges, stages, held)
+                             report, edges, stages, held, select_n)
 
 
 def step_problem(out: Path, record: dict[str, Any]) -> str:
@@ -144,7 +148,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                   n_examples: int, seed: int, split: str, k: int, n_random: int,
                   batch_size: int | None, patch_method: str, text: bool | None,
                   progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
-                  edges: bool, stages: bool, held: contextlib.ExitStack) -> dict[str, Any]:
+                  edges: bool, stages: bool, held: contextlib.ExitStack,
+                  select_n: int | None = None) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
@@ -174,6 +179,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     n_heads = model.cfg.n_layers * model.cfg.n_heads
     if int(k) > n_heads:
         raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {k!r}.")
+    chosen, held_out, samples = selection_samples(task, select_n, seed)
     phases = task_phases(task)  # a task with one phase's steps is characterized in that phase
     if not phases:
         raise ValueError(
@@ -190,6 +196,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                     task_fingerprint_p1=fingerprint[1],
                     task_fingerprint_p2=fingerprint[2], text=rendered,
                     n_examples=len(task), seed=seed, split=split, patch_method=patch_method,
+                    select_n=None if select_n is None else int(select_n),
                     task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
     validation_options = dict(k=int(k), n_random=int(n_random))
     summary_path = out / "summary.json"
@@ -223,7 +230,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     summary.update(identity=identity, versions=versions(), task_config=task.config,
                    phases=phases, steps_expected=expected, complete=False,
                    validation_options=validation_options, ablations=list(ablations),
-                   skipped=skipped)
+                   skipped=skipped, samples=samples)
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     ran: list[str] = []  # the steps computed by this call (the others were reused)
@@ -291,6 +298,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             written, summary["stages"] = _stages_step(
                 model, per_phase, out, batch_size, progress,
                 dict(model_name=name, task=task_name))
+            written += _causal_step(model, chosen, out, k, batch_size, progress, summary)
             record("stages", time.perf_counter() - t0, written)
         i += 1
     if reusable("scores", i):
@@ -299,8 +307,11 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
                        f"scores on {len(task)} examples")
         t0 = time.perf_counter()
-        scores = score_heads(model, task, batch_size=batch_size, progress=progress, k=k,
+        scores = score_heads(model, chosen, batch_size=batch_size, progress=progress, k=k,
                              seed=seed)
+        if stages and (out / "causal.csv").is_file():  # the causal columns beside the scores
+            causal = pd.read_csv(out / "causal.csv").drop(columns=["name"], errors="ignore")
+            scores = scores.merge(causal, on=["layer", "head"], how="left")
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
         summary["scores_attrs"] = _json_safe(scores.attrs)
         record("scores", time.perf_counter() - t0, ["scores.csv"])
@@ -312,7 +323,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
                        f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, task, scores, k=k, n_random=n_random, seed=seed,
+        val = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
                              batch_size=batch_size, progress=progress,
                              checkpoint=out / "checkpoints" / "validation")
         files.write_text(out / "validation.csv", val.to_csv(index=False))
@@ -325,7 +336,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
                        f"against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        abl = ablate_heads(model, task, scores, k=k, n_random=n_random, ablations=ablations,
+        abl = ablate_heads(model, held_out, scores, k=k, n_random=n_random, ablations=ablations,
                            seed=seed,
                            batch_size=batch_size, progress=progress,
                            checkpoint=out / "checkpoints" / "validation")
@@ -497,6 +508,42 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, batch_size: i
                          group=res.meta["group_names"][c % G],
                          normalized=round(float(norm.flatten()[c]), 4)) for c in top])
     return written, said
+
+
+def selection_samples(task: Any, select_n: int | None, seed: int
+                      ) -> tuple[Any, Any, dict[str, Any]]:
+    """The sample heads are selected on (scores, causal columns) and the one they are validated
+    on (validation, ablation): ``task`` for both when ``select_n`` is None; else its first
+    ``select_n`` examples and the rest (disjoint). Each named by seed, n, examples and the
+    fingerprint (hash) of its examples."""
+    def named(t: Any, first: int) -> dict[str, Any]:
+        return dict(seed=seed, n=len(t), examples=[first, first + len(t)],
+                    hash=t.fingerprint())
+
+    if select_n is None:
+        same = named(task, 0)
+        return task, task, dict(select=same, validate=same, held_out=False)
+    if not 1 <= int(select_n) < len(task):
+        raise ValueError(f"select_n must be in 1..{len(task) - 1} (the task has {len(task)} "
+                         f"examples; the rest validate); got {select_n!r}.")
+    chosen, rest = task.subset(range(int(select_n))), task.subset(range(int(select_n),
+                                                                          len(task)))
+    return chosen, rest, dict(select=named(chosen, 0), validate=named(rest, int(select_n)),
+                              held_out=True)
+
+
+def _causal_step(model: Any, task: Any, out: Path, k: int, batch_size: int | None,
+                 progress: bool, summary: dict[str, Any]) -> list[str]:
+    """``scoring.causal.causal_table`` on ``task`` (steps convention) into ``out/causal.csv``,
+    and ``summary["phase_table"]`` from it (``phase_table``, top ``k``)."""
+    from circuitkit import files
+    from circuitkit.scoring.causal import causal_table, phase_table
+
+    table = causal_table(model, task, batch_size=batch_size, progress=progress)
+    files.write_text(out / "causal.csv", table.to_csv(index=False))
+    summary["causal_attrs"] = _json_safe(table.attrs)
+    summary["phase_table"] = _json_safe(phase_table(table, k=k))
+    return ["causal.csv"]
 
 
 def _stored(path: Path) -> Any:

@@ -33,9 +33,12 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
             assert {f"patch-p{phase}-{d}.safetensors", f"patch-p{phase}-{d}.json"} <= names
             res = ck.PatchResult.load(out / f"patch-p{phase}-{d}")
             assert res.values.shape == (3, 4) and res.direction == d
-    assert list(pd.read_csv(out / "scores.csv").columns) == COLUMNS
+    cols = list(pd.read_csv(out / "scores.csv").columns)  # the causal columns after (stages)
+    assert cols[:len(COLUMNS)] == COLUMNS and "p2_noise_answer" in cols
     assert list(pd.read_csv(out / "validation.csv").columns) == VALIDATION_COLUMNS
     stored = json.loads((out / "summary.json").read_text())
+    assert stored["phase_table"]["phase2"]["groups"]["all"]["top"]
+    assert stored["samples"]["select"] == stored["samples"]["validate"]
     assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8
     # the stages step: [layer, head, group] sweeps over the task's position groups
     for phase in (1, 2):

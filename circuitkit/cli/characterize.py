@@ -110,6 +110,8 @@ def characterize(
                                 "and the positions the metric reads), both directions: where "
                                 "each phase's decision is made; OUT/groups/ (exact patching; "
                                 "about 5 sweeps' time)."),
+    select_n: int = typer.Option(None, "--select-n", help="Held-out selection: score (select) "
+                                 "heads on the first N examples, validate on the rest."),
     progress: Progress = True,
     as_json: Json = False,
 ) -> None:
@@ -131,7 +133,7 @@ def characterize(
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, batch_size=batch_size, patch_method=patch_method,
                       text=flag, progress=progress, edges=edges,
-                      stages=stages)
+                      stages=stages, select_n=select_n)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

@@ -608,6 +608,11 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
+    from circuitkit.viz.phases import causal_section
+
+    causal = causal_section(run_dir, summary, _table)  # the causal picture leads the findings
+    if causal:
+        sections.append(("causal", "Where each phase's decision is made (causal)", causal))
     if results or scores is not None or validation is not None or edge_result is not None \
             or circ is not None:
         sections.append(("findings", "Findings", findings_section(

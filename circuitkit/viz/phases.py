@@ -1,0 +1,75 @@
+"""The report's causal picture: where each phase's decision is made (``scoring.causal``).
+
+``causal_section(run_dir, summary, table_html)``: the phase table's sentences
+(``phase_sentences``), the samples heads were selected and validated on, and per phase a
+[head x position group] table of each head's share of the phase's clean-corrupt gap
+(``carried``: noise, positive = the head helps) for the heads in any group's top k.
+Every string taken from a file is escaped (``html.escape``; ``DataFrame.to_html`` escapes).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+
+def _samples_line(samples: dict[str, Any]) -> str:
+    """Both samples named: seed, n, examples and hash; whether they are disjoint."""
+    def one(s: dict[str, Any]) -> str:
+        ex = s.get("examples") or ["?", "?"]
+        return (f"seed {s.get('seed')}, n {s.get('n')}, examples {ex[0]}..{ex[1]}, "
+                f"hash {s.get('hash')}")
+    sel, val = samples.get("select") or {}, samples.get("validate") or {}
+    how = ("held out: heads selected on one sample, validated on a disjoint one"
+           if samples.get("held_out") else
+           "not held out: heads selected and validated on the same notes (--select-n N "
+           "holds the rest out)")
+    return html.escape(f"Samples ({how}). Selected on: {one(sel)}. Validated on: {one(val)}.")
+
+
+def causal_frames(table: Any, phase_table: dict[str, Any]) -> dict[int, Any]:
+    """Per phase a DataFrame: ``head`` then one column per group (``carried`` noise shares,
+    rounded to 3 digits), rows the heads in any group's top k, ordered by "all"."""
+    import pandas as pd
+
+    from circuitkit.scoring.causal import ALL, carried
+
+    direction = phase_table.get("direction", "noise")
+    out = {}
+    for p in (1, 2):
+        ph = phase_table.get(f"phase{p}")
+        if not ph:
+            continue
+        groups = list(ph["groups"])
+        names = {n for g in groups for n, _ in ph["groups"][g]["top"]}
+        rows = table[table["name"].isin(names)]
+        frame = pd.DataFrame({"head": rows["name"]})
+        for g in groups:
+            frame[g] = carried(rows, p, direction, g).round(3)
+        out[p] = frame.sort_values(ALL, ascending=False, kind="stable")
+    return out
+
+
+def causal_section(run_dir: Path, summary: dict[str, Any], table_html: Any) -> str:
+    """The report's lead section (``""`` when the run has no phase table: stages not run)."""
+    from circuitkit.scoring.causal import phase_sentences
+
+    pt = summary.get("phase_table")
+    if not pt:
+        return ""
+    body = "".join(f"<p><b>{html.escape(line)}</b></p>" for line in phase_sentences(pt))
+    if summary.get("samples"):
+        body += f"<p class='note'>{_samples_line(summary['samples'])}</p>"
+    path = Path(run_dir) / "causal.csv"
+    if path.is_file():
+        import pandas as pd
+
+        frames = causal_frames(pd.read_csv(path), pt)
+        for p, frame in frames.items():
+            body += (f"<h4>Phase {p}: share of the gap by head and position group "
+                     f"({html.escape(str(pt.get('direction')))}, 1 = the whole gap)</h4>"
+                     + table_html(frame))
+    return body + ("<p class='note'>The descriptive scores below keep their formulas; the "
+                   "causal columns above are exact patching at each position group "
+                   "(scores.csv p{phase}_{direction}_{group}).</p>")
