@@ -65,6 +65,12 @@ def distill(
                                  "start every run of a cell begins from (default its size's: "
                                  "800; 0: each seed's fresh initialisation).", metavar="N"),
     quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
+    size: str = typer.Option(None, "--size", help="Ablation: the grid's size (ablation.SIZES: "
+                             "'default'; 'grid', issue 35's arms, early-stopped baseline and "
+                             "curves; 'grid-quick'; --quick is 'quick').", metavar="NAME"),
+    variants: str = typer.Option(None, "--variants", help="Ablation: comma-separated variants "
+                                 "(default all: cot,p1,p2,p1+p2,nonselective).",
+                                 metavar="V,V"),
     out: Out = Path("distill-out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
                                    "training state) of another configuration in --out; "
@@ -81,7 +87,7 @@ def distill(
         if given("seeds") and not ablation:
             raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or "
                              "use --seed for one student.")
-        for opt in ("max_seeds", "workers", "pretrain"):
+        for opt in ("max_seeds", "workers", "pretrain", "size", "variants"):
             if given(opt) and not ablation:
                 raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
                                  "--ablation.")
@@ -99,7 +105,9 @@ def distill(
             from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
 
             frame = run_ablation(out, teacher=teacher, seeds=seeds, max_seeds=max_seeds,
-                                 size="quick" if quick else "default",
+                                 size="quick" if quick else (size or "default"),
+                                 variants=tuple(v.strip() for v in variants.split(","))
+                                 if variants else None,
                                  students=(student_config,) if given("student_config")
                                  else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                  task=task, workers=workers, steps=steps, balance=balance,

@@ -94,6 +94,20 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
                     pretrain=800, save_every=60, score_examples=256, eval_examples=256,
                     sim_examples=1024, gold_examples=4096, fidelity_examples=48),
+    # issue 35: arms of absolute pool sizes, every run from its seed's own initialisation
+    # (pretrain 0), each arm's steps S* chosen by the CoT-only baseline's held-out loss (seed 0,
+    # up to es_max steps, measured every es_every), learning curves at curve_points points on
+    # curve_examples held-out notes; timings in docs/distill.md
+    "grid": dict(arms={"main": 16384, "low": 6144}, pool_size=16384, shard_size=1024,
+                 steps=3000, batch_size=32, warmup=50, pretrain=0, save_every=250,
+                 es_max=3000, es_every=250, heldout_examples=256, curve_examples=128,
+                 curve_points=5, score_examples=256, eval_examples=512, sim_examples=1024,
+                 gold_examples=4096, fidelity_examples=48),
+    "grid-quick": dict(arms={"main": 160, "low": 96}, pool_size=160, shard_size=80, steps=6,
+                       batch_size=8, warmup=2, pretrain=0, save_every=2, es_max=6, es_every=2,
+                       heldout_examples=16, curve_examples=8, curve_points=2,
+                       score_examples=16, eval_examples=12, sim_examples=16,
+                       gold_examples=64, fidelity_examples=6),
     "quick": dict(pool_size=160, shard_size=80, steps=4, batch_size=8, warmup=2, pretrain=2,
                   save_every=2, score_examples=16, eval_examples=12, sim_examples=16,
                   gold_examples=64, fidelity_examples=6),
@@ -308,7 +322,15 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
     if progress:
         print(f"[ablation] {run.cell} {run.variant} seed {run.seed}", file=sys.stderr,
               flush=True)
-    train_student(config, folder, progress=progress)
+    sz, task = ctx_args[0], ctx_args[1]
+    callback = None
+    if sz.get("curve_examples"):  # learning curves on held-out notes (pool seed 99's first)
+        from circuitkit.distill.curves import Curve
+        from circuitkit.tasks import load_task
+
+        callback = Curve(folder, load_task(task, n_examples=sz["curve_examples"], seed=99,
+                                           split="train"))
+    train_student(config, folder, progress=progress, callback=callback)
     t0 = time.perf_counter()
     if "ctx" not in _CTX:  # deterministic: built once per process
         _CTX["ctx"] = context(Path(out), *ctx_args)
@@ -406,7 +428,7 @@ def _init_worker(parent: int | None = None) -> None:
 
 def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                  size: str = "default", students: tuple[Any, ...] = STUDENTS,
-                 data: tuple[str, ...] = tuple(DATA), lambda_p1: float = 1.0,
+                 data: tuple[str, ...] | None = None, lambda_p1: float = 1.0,
                  lambda_p2: float = 1.0, lambda_ns: float = 1.0, task: str = "icd10",
                  variants: tuple[str, ...] | None = None, progress: bool = True,
                  max_seeds: int | None = None, workers: int = 1,
@@ -439,9 +461,12 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}.")
-    bad = [d for d in data if d not in DATA]
+    known = arms(SIZES[size])
+    data = tuple(known) if data is None else tuple(data)
+    bad = [d for d in data if d not in known]
     if bad or not data:
-        raise ValueError(f"unknown data size(s) {bad or data}; choose from {list(DATA)}.")
+        raise ValueError(f"unknown data size(s) {bad or data} for size {size!r}; choose from "
+                         f"{list(known)}.")
     if not students:
         raise ValueError("students: name at least one student preset.")
     out = check_writable_dir(out, "--out")
@@ -451,6 +476,97 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                                   lambda_ns=lambda_ns), task, variants, progress, workers,
                              steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain,
                              overwrite)
+
+
+def arms(sz: dict[str, Any]) -> dict[str, int]:
+    """Each data arm's pool of train notes: a size's ``arms`` (absolute), else ``DATA``'s
+    divisors of its ``pool_size``."""
+    return dict(sz["arms"]) if sz.get("arms") else {
+        d: max(sz["batch_size"], sz["pool_size"] // k) for d, k in DATA.items()}
+
+
+def coverage(task: str, pool_size: int, test: Any) -> dict[str, float]:
+    """Label coverage of an arm: the share of the test notes' targets (each target of each note
+    counted once) seen in at least 1 and at least 3 of the pool's notes' targets."""
+    from collections import Counter
+
+    from circuitkit.tasks import load_task
+
+    pool = load_task(task, n_examples=pool_size, seed=0, split="train")
+    seen = Counter(t for e in pool.examples for t in e.targets)
+    targets = [t for e in test.examples for t in e.targets]
+    return {f"seen_ge{k}": sum(seen[t] >= k for t in targets) / max(len(targets), 1)
+            for k in (1, 3)}
+
+
+def _do_es(out: str, run: Run, cfg: dict[str, Any], heldout: str, progress: bool) -> str:
+    """The CoT-only baseline run of ``run``'s arm whose held-out loss picks S*; in a worker."""
+    from circuitkit.distill.curves import HeldoutLoss
+    from circuitkit.distill.signals import SignalStore
+
+    folder = run.folder(Path(out))
+    if progress:
+        print(f"[ablation] {run.cell} early stopping", file=sys.stderr, flush=True)
+    train_student(DistillConfig(**cfg), folder, progress=progress,
+                  callback=HeldoutLoss(folder, SignalStore.open(heldout)))
+    return str(folder)
+
+
+def _early_stopping(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
+                    names: dict[str, Any], sz: dict[str, Any], task: str, progress: bool,
+                    workers: int, record: dict) -> dict[str, dict[str, Any]]:
+    """The held-out store (``heldout_examples`` train notes of pool seed 99: disjoint from the
+    pools of seed 0 and from the test split), each arm's label coverage, then ``_select_steps``;
+    S*, curves and coverage go into ``ablation.json`` at once."""
+    import shutil
+
+    from circuitkit.distill.train import prepare_store
+    from circuitkit.files import write_json
+    from circuitkit.models import hf_progress
+    from circuitkit.tasks import load_task
+
+    folder = out / "signals-heldout"
+    first = Path(stores[cells[0][1]]["store"]) / "scores.csv"
+    if not (folder / "scores.csv").exists():  # the pools' score table: the same heads
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(first, folder / "scores.csv")
+    cfg = dict(stores[cells[0][1]], pool_size=sz["heldout_examples"], pool_seed=99,
+               store=str(folder))
+    with hf_progress(progress):
+        prepare_store(DistillConfig(**cfg), out, progress=progress)
+    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
+    record["coverage"] = {d: coverage(task, arms(sz)[d], test) for _, d in cells}
+    sel = _select_steps(out, cells, stores, names, sz, progress, workers)
+    record["baseline_selection"] = sel
+    write_json(out / "ablation.json", record)
+    return sel
+
+
+def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
+                  names: dict[str, Any], sz: dict[str, Any], progress: bool, workers: int
+                  ) -> dict[str, dict[str, Any]]:
+    """Per arm: S* and the held-out-loss curve of its early-stopping baseline (seed 0, the cot
+    variant's config with ``es_max`` steps, measured every ``es_every``)."""
+    from circuitkit.distill.curves import _points, best_step
+
+    heldout = str(out / "signals-heldout")
+    tasks = []
+    for s, d in cells:
+        r = Run(s, d, "cot-es", 0)
+        cfg = dict(stores[d], student=names[s], seed=0, steps=sz["es_max"],
+                   save_every=sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+        if not (r.folder(out) / "distill.json").exists():
+            tasks.append((_do_es, (str(out), r, cfg, heldout, progress), r, "early stopping"))
+    if workers == 1:
+        for fn, args, _, _ in tasks:
+            fn(*args)
+    elif tasks:
+        _dispatch(out, tasks, workers, progress)
+    sel = {}
+    for s, d in cells:
+        pts = _points(Run(s, d, "cot-es", 0).folder(out))
+        sel[f"{s}-{d}"] = dict(s_star=best_step(pts), curve=pts)
+    return sel
 
 
 def _student_name(student: Any) -> str:
@@ -501,8 +617,7 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         if d != data[0] and full.exists() and not (folder / "scores.csv").exists():
             folder.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(full, folder / "scores.csv")
-        stores[d] = dict(base, pool_size=max(sz["batch_size"], sz["pool_size"] // DATA[d]),
-                         store=str(folder))
+        stores[d] = dict(base, pool_size=arms(sz)[d], store=str(folder))
         t0 = time.perf_counter()
         with hf_progress(progress):
             prepare_store(DistillConfig(**stores[d]), out, progress=progress)
@@ -513,17 +628,28 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     teacher_m = _teacher_metrics(out, teacher, task, sz, lc, progress)
     timings["teacher_and_fidelity_store"] = round(time.perf_counter() - t0, 1)
     ctx_args = (sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
+    cells = [(s, d) for s in names for d in data]
+    sel: dict[str, dict[str, Any]] = {}
+    if sz.get("es_max"):
+        t0 = time.perf_counter()
+        sel = _early_stopping(out, cells, stores, names, sz, task, progress, workers, record)
+        timings["early_stopping"] = round(time.perf_counter() - t0, 1)
 
     def cfg_of(r: Run) -> dict[str, Any]:
         lam = {k: VARIANTS[r.variant][k] * scale[k] for k in scale}
         init = str(r.pretrain_folder(out)) if sz["pretrain"] else None
-        return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam)
+        own = {}
+        if r.cell in sel:  # S* fixes steps and schedule; curve points at its fifths
+            n = sel[r.cell]["s_star"]
+            own = dict(steps=n, save_every=max(1, n // sz["curve_points"]),
+                       warmup=min(sz["warmup"], max(1, n // 10)))
+        return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam,
+                    **own)
 
     def pretrain_of(r: Run) -> dict[str, Any]:
         return dict(stores[r.data], student=names[r.student], seed=0, steps=sz["pretrain"],
                     lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
 
-    cells = [(s, d) for s in names for d in data]
     planned = [Run(s, d, v, k) for s, d in cells for k in range(seeds) for v in variants]
     t0 = time.perf_counter()
     pre = pretrain_of if sz["pretrain"] else None
@@ -609,9 +735,9 @@ def _start_over(out: Path, changed: set[str] | None) -> None:
     if gone(EVAL_KEYS):
         (out / "teacher.json").unlink(missing_ok=True)
         shutil.rmtree(out / "signals-fidelity", ignore_errors=True)
-    if gone(STORE_KEYS):
-        for d in DATA:
-            shutil.rmtree(out / f"signals-{d}", ignore_errors=True)
+    if gone(STORE_KEYS):  # every arm's store and the held-out one
+        for d in [p for p in out.glob("signals-*") if p.name != "signals-fidelity"]:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _preset(student: Any):

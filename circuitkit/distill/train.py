@@ -252,12 +252,14 @@ def load_init(hf: Any, init: str) -> None:
 
 def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "distill-out",
                   progress: bool = True, resume: bool = True, scores: Any = None,
-                  overwrite: bool = False, **overrides: Any) -> Path:
+                  overwrite: bool = False, callback: Any = None, **overrides: Any) -> Path:
     """Train a student (module docstring); returns ``out_dir`` (an HF folder). ``overrides``:
     ``DistillConfig`` fields (``train_student(out_dir=..., lambda_p1=0.5)``). ``progress``:
     this function's bars, and transformers' own (loading the teacher, saving the student).
     ``overwrite``: a finished student or training state of another config in ``out_dir`` is
-    deleted first (otherwise refused)."""
+    deleted first (otherwise refused). ``callback(step, hf_model)``: called after every
+    ``save_every``-th step and the last (held-out curves, early stopping: ``distill.curves``);
+    not part of the config, so it never changes what is trained."""
     from circuitkit.files import check_writable_dir, lock_folder
     from circuitkit.models import hf_progress
 
@@ -272,7 +274,7 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
     out = check_writable_dir(out_dir, "out_dir")
     # one run per folder (dead writers' temporaries removed); transformers' bars follow progress
     with lock_folder(out, "out_dir"), hf_progress(progress):
-        return _train_student(cfg, out, progress, resume, scores, overwrite)
+        return _train_student(cfg, out, progress, resume, scores, overwrite, callback)
 
 
 def finished_problem(out: Path, record: dict) -> str:
@@ -323,7 +325,7 @@ def _config_diff(stored: dict, now: dict) -> str:
 
 
 def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
-                   overwrite: bool) -> Path:
+                   overwrite: bool, callback: Any = None) -> Path:
     from circuitkit._progress import tqdm
     from circuitkit.distill.signals import BatchStream
     from circuitkit.files import write_text
@@ -438,6 +440,8 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
             bar.update(1)
             if step % cfg.save_every == 0 and step < cfg.steps:
                 checkpoint()
+            if callback is not None and (step % cfg.save_every == 0 or step == cfg.steps):
+                callback(step, hf)  # after the checkpoint: a resumed run re-measures nothing
     except KeyboardInterrupt:
         checkpoint()
         print(f"\ninterrupted at step {step}; run the same command again to resume from "

@@ -1,0 +1,122 @@
+"""Held-out evaluation during training: the baseline's early stopping and learning curves.
+
+``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step (every
+``save_every`` steps and the last). Two callbacks live here:
+
+* ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p] | logits[p-1])`` over the masked positions
+  of the teacher's CoT rows of a held-out signal store (notes disjoint from the pool and the
+  test notes), example-weighted over batches; the points go to ``curve.json``
+  (``[{"step": s, "heldout_loss": x}, ...]``), written after each point, so a resumed run keeps
+  them. ``best_step(points)``: the step of the lowest held-out loss (ties: the earlier), the
+  grid's S*.
+* ``Curve``: exact match (greedy decoding, ``evaluation.set_metrics``), per-step focus and
+  sibling confusion (``evaluation.focus_from_logits`` / ``confusion_from_logits``) of the
+  student on a small fixed held-out task, per point; ``curve.json`` likewise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CURVE = "curve.json"
+
+
+def _points(folder: Path) -> list[dict[str, Any]]:
+    path = folder / CURVE
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _save(folder: Path, points: list[dict[str, Any]]) -> None:
+    from circuitkit.files import write_json
+
+    write_json(folder / CURVE, sorted(points, key=lambda p: p["step"]))
+
+
+def best_step(points: list[dict[str, Any]], key: str = "heldout_loss") -> int:
+    """S*: the step of the lowest ``key`` (the earliest of equal ones); refused when empty."""
+    pts = [p for p in points if p.get(key) == p.get(key)]  # NaN-free
+    if not pts:
+        raise ValueError("no held-out points to choose a step from: the early-stopping run "
+                         "recorded none (its save_every exceeds its steps?).")
+    return int(min(pts, key=lambda p: (p[key], p["step"]))["step"])
+
+
+@torch.no_grad()
+def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
+    """Example-weighted mean of ``training.lm_loss`` over the store's CoT rows (module
+    docstring); ``hf``: a causal LM returning ``.logits`` [b, s, V]."""
+    from circuitkit.training import lm_loss
+
+    total, n = 0.0, 0
+    for i, shard in enumerate(store.manifest["shards"]):
+        for s in range(0, shard["n_examples"], batch_size):
+            idx = list(range(s, min(s + batch_size, shard["n_examples"])))
+            b = store.batch(i, idx)
+            total += float(lm_loss(hf(b.tokens).logits, b.tokens, b.mask)) * len(idx)
+            n += len(idx)
+    return total / max(n, 1)
+
+
+@torch.no_grad()
+def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
+    """``exact_match``, ``focus``, ``confusion`` of ``hf`` on ``task`` (module docstring)."""
+    from circuitkit import evaluation as ev
+    from circuitkit.distill.ablation import decode
+
+    focus, conf = [], []
+    for s in range(0, len(task), batch_size):
+        sub = task.subset(range(s, min(s + batch_size, len(task))))
+        logits = hf(sub.clean_tokens).logits
+        focus.append(ev.focus_from_logits(logits, sub))
+        conf.append(ev.confusion_from_logits(logits, sub))
+    gens = decode(hf, task)
+    sets = ev.set_metrics([ev.parse_answer(g, task) for g in gens],
+                          [set(e.targets) for e in task.examples],
+                          [set(e.near_misses) for e in task.examples])
+    return dict(exact_match=float(sets["exact_match"]), focus=float(torch.cat(focus).nanmean()),
+                confusion=float(torch.cat(conf).nanmean()))
+
+
+class _Callback:
+    """A ``train_student`` callback writing one ``curve.json`` point per call (a step already
+    there, from before a resume, is not measured again); the model is put in eval mode for the
+    measurement and back in train mode after it (dropout-free presets: no effect on training)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    def measure(self, hf: Any) -> dict[str, float]:
+        raise NotImplementedError
+
+    def __call__(self, step: int, hf: Any) -> None:
+        points = _points(self.folder)
+        if any(p["step"] == step for p in points):
+            return
+        hf.eval()
+        try:
+            points.append(dict(step=step, **self.measure(hf)))
+        finally:
+            hf.train()
+        _save(self.folder, points)
+
+
+class HeldoutLoss(_Callback):
+    def __init__(self, folder: str | Path, store: Any):
+        super().__init__(folder)
+        self.store = store
+
+    def measure(self, hf: Any) -> dict[str, float]:
+        return dict(heldout_loss=heldout_loss(hf, self.store))
+
+
+class Curve(_Callback):
+    def __init__(self, folder: str | Path, task: Any):
+        super().__init__(folder)
+        self.task = task
+
+    def measure(self, hf: Any) -> dict[str, float]:
+        return task_point(hf, self.task)
