@@ -111,7 +111,8 @@ def characterize(
                                 "each phase's decision is made; OUT/groups/ (exact patching; "
                                 "about 5 sweeps' time)."),
     select_n: int = typer.Option(None, "--select-n", help="Held-out selection: score (select) "
-                                 "heads on the first N examples, validate on the rest."),
+                                 "heads on the first N examples, validate on the rest.",
+                                 metavar="N"),
     progress: Progress = True,
     as_json: Json = False,
 ) -> None:
@@ -127,6 +128,7 @@ def characterize(
         _one_of("--method", patch_method, METHODS)
         _positive("--batch-size", batch_size, "sequences per forward pass")
         _positive("--n-random", n_random, "random head sets")
+        _positive("--select-n", select_n, "examples to select heads on")
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
         _claim_folder(out, "characterize")

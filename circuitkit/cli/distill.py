@@ -69,7 +69,8 @@ def distill(
                              "'default'; 'grid', issue 35's arms, early-stopped baseline and "
                              "curves; 'grid-quick'; --quick is 'quick').", metavar="NAME"),
     variants: str = typer.Option(None, "--variants", help="Ablation: comma-separated variants "
-                                 "(default all: cot,p1,p2,p1+p2,nonselective).",
+                                 "(default cot,p1,p2,p1+p2,nonselective; also "
+                                 "p1+p2-causal: the causal heads).",
                                  metavar="V,V"),
     out: Out = Path("distill-out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "

@@ -11,6 +11,9 @@ p1+p2          + L_P1 + L_P2
 nonselective   CoT + L_NS: every teacher layer's mean attention over all its heads, matched by
                the mapped student layer's mean (MiniLM-style), at the same query rows; no head
                selection, no writes
+p1+p2-causal   (opt-in) + L_P1 + L_P2 of the heads the teacher's decision runs through:
+               ``LossConfig(heads="causal")``, the causal columns (each head noised at its
+               phase's anchor / shortlist steps), L_P2 at the shortlist steps
 =============  ==========================================================================
 
 Cells: students ``STUDENTS`` (``student``: 2 layers, its Phase-2 layer is its output layer;
@@ -75,7 +78,11 @@ VARIANTS: dict[str, dict[str, float]] = {
     "p2": dict(lambda_p1=0.0, lambda_p2=1.0, lambda_ns=0.0),
     "p1+p2": dict(lambda_p1=1.0, lambda_p2=1.0, lambda_ns=0.0),
     "nonselective": dict(lambda_p1=0.0, lambda_p2=0.0, lambda_ns=1.0),
+    "p1+p2-causal": dict(lambda_p1=1.0, lambda_p2=1.0, lambda_ns=0.0),
 }
+DEFAULT_VARIANTS = ("cot", "p1", "p2", "p1+p2", "nonselective")
+# a variant's LossConfig options beside its lambdas; its own store (``signals-<data>-<heads>``)
+VARIANT_LOSS: dict[str, dict[str, str]] = {"p1+p2-causal": dict(heads="causal")}
 STUDENTS = ("student", "student4")
 DATA = {"full": 1, "small": 10}  # pool divisor
 TASK_METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match")
@@ -98,9 +105,10 @@ SIZES: dict[str, dict[str, Any]] = {
     # (pretrain 0), each arm's steps S* chosen by the CoT-only baseline's held-out loss (seed 0,
     # up to es_max steps, measured every es_every), learning curves at curve_points points on
     # curve_examples held-out notes; timings in docs/distill.md
+    # (es_max 1250: the grid's 2 arms x 3 variants x 5 seeds in about an hour on 2 cores)
     "grid": dict(arms={"main": 16384, "low": 6144}, pool_size=16384, shard_size=1024,
-                 steps=3000, batch_size=32, warmup=50, pretrain=0, save_every=250,
-                 es_max=3000, es_every=250, heldout_examples=256, curve_examples=128,
+                 steps=1250, batch_size=32, warmup=50, pretrain=0, save_every=250,
+                 es_max=1250, es_every=250, heldout_examples=256, curve_examples=128,
                  curve_points=5, score_examples=256, eval_examples=512, sim_examples=1024,
                  gold_examples=4096, fidelity_examples=48),
     "grid-quick": dict(arms={"main": 160, "low": 96}, pool_size=160, shard_size=80, steps=6,
@@ -457,7 +465,7 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
         raise ValueError(f"workers must be a positive integer, got {workers}.")
     if pretrain is not None and (not isinstance(pretrain, int) or pretrain < 0):
         raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got {pretrain!r}.")
-    variants = tuple(variants or VARIANTS)
+    variants = tuple(variants or DEFAULT_VARIANTS)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}.")
@@ -622,6 +630,19 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         with hf_progress(progress):
             prepare_store(DistillConfig(**stores[d]), out, progress=progress)
         timings[f"store_{d}"] = round(time.perf_counter() - t0, 1)
+    for heads in sorted({VARIANT_LOSS[v]["heads"] for v in variants if v in VARIANT_LOSS}):
+        for d in data:  # a variant's own heads: its own store per data size, one score table
+            folder = out / f"signals-{d}-{heads}"
+            first = out / f"signals-{data[0]}-{heads}" / "scores.csv"
+            src = first if first.exists() else out / f"signals-{data[0]}" / "scores.csv"
+            if not (folder / "scores.csv").exists() and src.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, folder / "scores.csv")  # causal columns added once
+            stores[(d, heads)] = dict(stores[d], store=str(folder), loss=dict(heads=heads))
+            t0 = time.perf_counter()
+            with hf_progress(progress):
+                prepare_store(DistillConfig(**stores[(d, heads)]), out, progress=progress)
+            timings[f"store_{d}_{heads}"] = round(time.perf_counter() - t0, 1)
     lc = DistillConfig().loss_config()
     t0 = time.perf_counter()
     _gap_store(out, teacher, task, sz, lc, stores[data[0]]["store"], progress)
@@ -643,7 +664,8 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
             n = sel[r.cell]["s_star"]
             own = dict(steps=n, save_every=max(1, n // sz["curve_points"]),
                        warmup=min(sz["warmup"], max(1, n // 10)))
-        return dict(stores[r.data], student=names[r.student], seed=r.seed, init=init, **lam,
+        key = (r.data, VARIANT_LOSS[r.variant]["heads"]) if r.variant in VARIANT_LOSS else r.data
+        return dict(stores[key], student=names[r.student], seed=r.seed, init=init, **lam,
                     **own)
 
     def pretrain_of(r: Run) -> dict[str, Any]:

@@ -57,7 +57,9 @@ _LOG_FLOOR = 1e-12
 @dataclass
 class LossConfig:
     """Loss options (module docstring): teacher heads per phase (``top_k1``, ``top_k2``), the
-    Phase-1 reading (``signals.READINGS``), the share of a student layer's heads that may be
+    Phase-1 reading (``signals.READINGS``), how the heads are chosen (``heads``: "scores", the
+    descriptive ranks, or "causal", the causal columns with Phase 2 at the shortlist steps:
+    ``signals`` module docstring), the share of a student layer's heads that may be
     supervised (``head_share``), write-term weights ``c1`` (anchor-alignment MSE) and ``c2``
     (logit-effect MSE), top-k logit KD.
 
@@ -67,6 +69,7 @@ class LossConfig:
     top_k1: int = 2
     top_k2: int = 2
     phase1_reading: str = "tokens"
+    heads: str = "scores"  # signals.HEAD_CHOICES: by the scores, or by causal columns
     head_share: float = signals.HEAD_SHARE
     c1: float = 10.0
     c2: float = 5.0
@@ -79,6 +82,7 @@ class LossConfig:
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}.")
         signals.check_reading(self.phase1_reading)
+        signals.check_heads(self.heads)
         if not 0 < self.head_share <= 1:
             raise ValueError(f"head_share must be in (0, 1], got {self.head_share}.")
         if self.temperature <= 0:
@@ -292,8 +296,9 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     else:
         tokens, mask = _cot_pair(cot)
     pool = Pooling.teacher(scores, ft.n_layers, ft.n_heads, cfg.top_k1, cfg.top_k2,
-                           nonselective=lambda_ns > 0, reading=cfg.phase1_reading)
-    qs = signals.queries(tokens, lay)
+                           nonselective=lambda_ns > 0, reading=cfg.phase1_reading,
+                           heads=cfg.heads)
+    qs = signals.queries(tokens, lay, cfg.heads)
     _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
     anchors = signals.Anchors.of(task, cfg.phase1_reading)
     dev = next(teacher.parameters()).device

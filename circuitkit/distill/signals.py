@@ -26,6 +26,16 @@ the CoarseScore of one *reading* of the anchor directions (``READINGS``): ``"tok
 directions. docs/distill.md says why tokens is the default (on icd-teacher the centroid
 reading's top set is unstable and half of it is the Phase-2 retrieval heads).
 
+Heads by causal evidence (``heads="causal"``, ``HEAD_CHOICES``): phase ``k``'s heads are the
+ones whose noising at the positions where the phase's loss reads them costs the most of the
+phase's clean-corrupt gap: the columns ``p{k}_noise_{g}`` of ``scoring.causal.causal_table``
+(merged into the score table; ``g = CAUSAL_GROUPS[k]``: Phase 1 at its anchor steps, Phase 2 at
+its *shortlist* steps, where the teacher makes the sibling decision), ranked by
+``p{k}_noise_rank_{g}``, weights ``alpha = max(-share, 0) / sum``. Phase-2 query rows then sit at
+the shortlist steps: ``q2 = p - 1`` for each shortlist entry ``p`` (weights ``1 / entries``),
+keys the same shortlist positions (entries after ``q2`` are masked: zero attention and write in
+both models).
+
 Student heads (``head_map``, a fixed assignment): a student of the teacher's shape uses the same
 heads; otherwise teacher layer ``l`` maps to student layer ``floor((l + 1/2) L_S / L_T)`` (same
 relative depth) and the teacher's top heads (Phase 1's, then Phase 2's, each best first) take
@@ -188,8 +198,10 @@ def parse_row(row: Sequence[int], lay: Layout) -> tuple[list[int], list[int], li
     return anchors, short, answer
 
 
-def queries(tokens: Int[Tensor, "b s"], lay: Layout) -> Queries:
-    """Phase-1 and Phase-2 query rows of CoT rows ``tokens`` (module docstring)."""
+def queries(tokens: Int[Tensor, "b s"], lay: Layout, heads: str = "scores") -> Queries:
+    """Phase-1 and Phase-2 query rows of CoT rows ``tokens`` (module docstring); Phase 2 at
+    the answer steps, or at the shortlist steps for ``heads="causal"``."""
+    at_shortlist = check_heads(heads) == "causal"
     tok2anchor = {t: i for i, t in enumerate(lay.anchor_token_ids)}
     b1, q1, w1, a1, b2, q2, w2, keys, toks = [], [], [], [], [], [], [], [], []
     for b, row in enumerate(tokens.tolist()):
@@ -200,10 +212,11 @@ def queries(tokens: Int[Tensor, "b s"], lay: Layout) -> Queries:
             w1.append(1.0 / len(anchors))
             a1.append(tok2anchor[row[p]])
         if short:
-            for p in answer:
+            rows = short if at_shortlist else answer
+            for p in rows:
                 b2.append(b)
                 q2.append(p - 1)
-                w2.append(1.0 / len(answer))
+                w2.append(1.0 / len(rows))
                 keys.append(short)
                 toks.append([row[s] for s in short])
     K = max((len(k) for k in keys), default=0)
@@ -219,6 +232,20 @@ def queries(tokens: Int[Tensor, "b s"], lay: Layout) -> Queries:
 READINGS = ("tokens", "labels")  # Phase-1 anchor directions: the anchor tokens' columns, or the
 # label centroids (scoring.coarse.anchor_directions)
 HEAD_SHARE = 0.5  # at most this share of a student layer's heads is supervised (the rest free)
+HEAD_CHOICES = ("scores", "causal")  # heads by the descriptive scores, or by causal columns
+CAUSAL_GROUPS = {1: "anchor", 2: "shortlist"}  # where each phase's causal heads are ranked
+
+
+def check_heads(heads: str) -> str:
+    if heads not in HEAD_CHOICES:
+        raise ValueError(f"heads must be one of {list(HEAD_CHOICES)}, got {heads!r}.")
+    return heads
+
+
+def causal_columns(phase: int) -> tuple[str, str]:
+    """``(share, rank)`` columns of ``causal_table`` that rank ``phase``'s causal heads."""
+    g = CAUSAL_GROUPS[phase]
+    return f"p{phase}_noise_{g}", f"p{phase}_noise_rank_{g}"
 
 
 def check_scores(scores: Any, n_layers: int, n_heads: int) -> None:
@@ -241,10 +268,13 @@ def check_reading(reading: str) -> str:
     return reading
 
 
-def phase_column(phase: int, reading: str = "tokens") -> tuple[str, str]:
+def phase_column(phase: int, reading: str = "tokens", heads: str = "scores"
+                 ) -> tuple[str, str]:
     """``(score, rank)`` columns ``phase``'s heads are chosen by (module docstring)."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2, got {phase!r}.")
+    if check_heads(heads) == "causal":
+        return causal_columns(phase)
     if phase == 2:
         return "refine_score", "phase2_rank"
     return (("coarse_score_tokens", "phase1_rank_tokens") if check_reading(reading) == "tokens"
@@ -252,20 +282,29 @@ def phase_column(phase: int, reading: str = "tokens") -> tuple[str, str]:
 
 
 def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
-                reading: str = "tokens") -> tuple[list[tuple[int, int]], Float[Tensor, " k"]]:
+                reading: str = "tokens", heads: str = "scores"
+                ) -> tuple[list[tuple[int, int]], Float[Tensor, " k"]]:
     """``(heads, alpha)``: ``phase``'s top ``top_k`` heads ``(layer, head)``, best first (by the
     phase's rank; ties by (layer, head)), and their weights ``max(score, 0) / sum`` (uniform
-    when none is positive; sums to 1)."""
+    when none is positive; sums to 1); ``heads="causal"``: by the causal columns, the score
+    ``-share`` (a noised head the phase needs has a negative share)."""
     if top_k < 1:
         raise ValueError(f"top_k must be a positive number of heads, got {top_k}.")
     check_scores(scores, n_layers, n_heads)
-    col, rank = phase_column(phase, reading)
+    col, rank = phase_column(phase, reading, heads)
+    missing = [c for c in (col, rank) if c not in scores.columns]
+    if missing:
+        raise ValueError(f"scores have no causal column(s) {missing}: merge "
+                         "ck.causal_table(teacher, task, directions=('noise',)) into the score "
+                         "table (characterize --stages writes them into scores.csv).")
     if scores[col].isna().all():
         raise ValueError(f"scores have no {col}: the task they were computed on has no "
                          f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
     best = scores.sort_values([rank, "layer", "head"], na_position="last").head(int(top_k))
     heads = [(int(r.layer), int(r.head)) for r in best.itertuples()]
     s = torch.tensor(best[col].astype("float64").tolist(), dtype=torch.float64)
+    if heads == "causal":
+        s = -s
     if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen
         bad = [h for h, v in zip(heads, s.tolist(), strict=True) if v != v]
         raise ValueError(f"scores[{col!r}] is NaN for head(s) (layer, head) {bad}: NaN weights or "
@@ -276,9 +315,9 @@ def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int
 
 
 def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
-                 reading: str = "tokens") -> Float[Tensor, "L H"]:
+                 reading: str = "tokens", heads: str = "scores") -> Float[Tensor, "L H"]:
     """``phase_heads``' weights as an ``[L, H]`` matrix (0 off the top heads; sums to 1)."""
-    heads, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading)
+    heads, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads)
     w = torch.zeros(n_layers, n_heads)
     for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
         w[lay, hd] = a
@@ -332,9 +371,10 @@ class Pooling:
 
     @classmethod
     def teacher(cls, scores: Any, n_layers: int, n_heads: int, top_k1: int = 2,
-                top_k2: int = 2, nonselective: bool = False, reading: str = "tokens") -> Pooling:
-        h1, a1 = phase_heads(scores, n_layers, n_heads, 1, top_k1, reading)
-        h2, a2 = phase_heads(scores, n_layers, n_heads, 2, top_k2)
+                top_k2: int = 2, nonselective: bool = False, reading: str = "tokens",
+                heads: str = "scores") -> Pooling:
+        h1, a1 = phase_heads(scores, n_layers, n_heads, 1, top_k1, reading, heads)
+        h2, a2 = phase_heads(scores, n_layers, n_heads, 2, top_k2, heads=heads)
         return cls(tuple(h1), a1, tuple(h2), a2, (n_layers, n_heads),
                    tuple(range(n_layers)) if nonselective else ())
 
@@ -557,9 +597,13 @@ def model_fingerprint(model: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def scores_hash(scores: Any) -> str:
-    """sha256 (16 hex) of the score table's columns, rows ordered by (layer, head)."""
-    frame = scores[list(SCORE_COLUMNS)].sort_values(["layer", "head"])
+def scores_hash(scores: Any, heads: str = "scores") -> str:
+    """sha256 (16 hex) of the score table's columns (and, for ``heads="causal"``, the causal
+    columns the heads are chosen by), rows ordered by (layer, head)."""
+    cols = list(SCORE_COLUMNS)
+    if heads == "causal":
+        cols += [c for p in (1, 2) for c in causal_columns(p)]
+    frame = scores[cols].sort_values(["layer", "head"])
     return hashlib.sha256(frame.to_csv(index=False, float_format="%.17g").encode()
                           ).hexdigest()[:16]
 
@@ -579,6 +623,7 @@ class StoreOptions:
     topk_logits: int = 0
     shard_size: int = 1024
     phase1_reading: str = "tokens"
+    heads: str = "scores"  # HEAD_CHOICES
 
     def check(self) -> None:
         for k in ("top_k1", "top_k2", "shard_size"):
@@ -587,6 +632,7 @@ class StoreOptions:
         if self.topk_logits < 0:
             raise ValueError(f"topk_logits must be >= 0, got {self.topk_logits}.")
         check_reading(self.phase1_reading)
+        check_heads(self.heads)
 
 
 def _signal_tensors(sig: Signals, qs: Queries) -> dict[str, Tensor]:
@@ -602,14 +648,15 @@ def _signal_tensors(sig: Signals, qs: Queries) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def teacher_signals(teacher: Any, tokens: Tensor, pool: Pooling, lay: Layout, anchors: Anchors,
-                    topk_logits: int = 0, batch_size: int = 64) -> dict[str, Tensor]:
+                    topk_logits: int = 0, batch_size: int = 64, heads: str = "scores"
+                    ) -> dict[str, Tensor]:
     """Signals of ``teacher`` on CoT rows ``tokens`` as the tensors a shard holds (query rows
     indexed into ``tokens``)."""
     dev = next(teacher.parameters()).device
     parts: list[dict[str, Tensor]] = []
     for s in range(0, len(tokens), batch_size):
         chunk = tokens[s: s + batch_size]
-        qs = queries(chunk, lay)
+        qs = queries(chunk, lay, heads)
         logits, acts = run_and_capture(teacher, chunk.to(dev), pool.layers(),
                                        v_layers=pool.p2_layers())
         t = _signal_tensors(readout(teacher, acts, qs, pool, anchors), qs)
@@ -739,10 +786,11 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
 
     f = hooks.facts(teacher)
     pool = Pooling.teacher(scores, f.n_layers, f.n_heads, options.top_k1, options.top_k2,
-                           options.nonselective, options.phase1_reading)
+                           options.nonselective, options.phase1_reading, options.heads)
     lay = Layout.of(pool_task)
     anchors = Anchors.of(pool_task, options.phase1_reading)
-    spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores), pool_task.fingerprint(),
+    spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores, options.heads),
+                     pool_task.fingerprint(),
                      _options_dict(options))
     head = dict(format=FORMAT, teacher=teacher_name, teacher_fingerprint=spec.teacher,
                 scores_hash=spec.scores, task_fingerprint=spec.task, options=spec.options,
@@ -789,7 +837,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
         else:
             tokens, mask = teacher_rows(teacher, sub, folder)
             t = teacher_signals(teacher, tokens, pool, lay, anchors, options.topk_logits,
-                                batch_size)
+                                batch_size, options.heads)
             t.update(tokens=tokens.int(), mask=mask.to(torch.uint8))
             write_tensors(path, t)
             entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
@@ -897,6 +945,8 @@ def check_manifest(man: dict, store: Path) -> None:
     if opts.get("phase1_reading") not in READINGS:
         raise bad("options.phase1_reading", f"one of {list(READINGS)}",
                   opts.get("phase1_reading"))
+    if opts.get("heads", "scores") not in HEAD_CHOICES:  # stores before /4's heads: scores
+        raise bad("options.heads", f"one of {list(HEAD_CHOICES)}", opts.get("heads"))
     if not isinstance(opts.get("nonselective"), bool):
         raise bad("options.nonselective", "true or false", opts.get("nonselective"))
     n_vocab = need("n_vocab", lambda v: integer(v, 1), "a positive integer")
@@ -1022,9 +1072,12 @@ def _width(path: Path) -> int:
 
 
 def _options_dict(o: StoreOptions) -> dict[str, Any]:
-    return dict(top_k1=o.top_k1, top_k2=o.top_k2, nonselective=o.nonselective,
-                topk_logits=o.topk_logits, shard_size=o.shard_size,
-                phase1_reading=o.phase1_reading)
+    out = dict(top_k1=o.top_k1, top_k2=o.top_k2, nonselective=o.nonselective,
+               topk_logits=o.topk_logits, shard_size=o.shard_size,
+               phase1_reading=o.phase1_reading)
+    if o.heads != "scores":  # stores of the default choice keep their manifests
+        out["heads"] = o.heads
+    return out
 
 
 def _ranked(heads: Sequence[tuple[int, int]], alpha: Tensor) -> list[list[float]]:

@@ -150,7 +150,8 @@ def preset(student: Any):
 
 
 def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
-    """The teacher's score table, cached in ``folder/scores.csv`` (exact floats)."""
+    """The teacher's score table, cached in ``folder/scores.csv`` (exact floats); for
+    ``heads="causal"`` with ``causal_table``'s noise columns merged in."""
     import pandas as pd
 
     from circuitkit.files import write_text
@@ -158,11 +159,18 @@ def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
     from circuitkit.tasks import load_task
 
     path = folder / "scores.csv"
-    if path.exists():
-        return pd.read_csv(path)
+    causal = cfg.loss_config().heads == "causal"
+    old = pd.read_csv(path) if path.exists() else None
+    if old is not None and (not causal or "p2_noise_shortlist" in old.columns):
+        return old
     task = load_task(cfg.task, n_examples=cfg.score_examples, seed=cfg.pool_seed + 1,
                      split="train", **cfg.task_kw)
-    frame = score_heads(teacher, task, progress=False)
+    frame = old if old is not None else score_heads(teacher, task, progress=False)
+    if causal:  # the causal columns, on the same notes (scoring.causal)
+        from circuitkit.scoring.causal import causal_table
+
+        table = causal_table(teacher, task, directions=("noise",))
+        frame = frame.merge(table.drop(columns=["name"]), on=["layer", "head"])
     folder.mkdir(parents=True, exist_ok=True)
     write_text(path, frame.to_csv(index=False, float_format="%.17g"))
     return pd.read_csv(path)  # as a later run reads it: one hash for both
@@ -192,7 +200,7 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     lc = cfg.loss_config()
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
                         topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
-                        phase1_reading=lc.phase1_reading)
+                        phase1_reading=lc.phase1_reading, heads=lc.heads)
     for attempt in (0, 1):
         try:
             table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
