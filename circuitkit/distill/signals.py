@@ -291,6 +291,7 @@ def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int
     if top_k < 1:
         raise ValueError(f"top_k must be a positive number of heads, got {top_k}.")
     check_scores(scores, n_layers, n_heads)
+    causal = check_heads(heads) == "causal"
     col, rank = phase_column(phase, reading, heads)
     missing = [c for c in (col, rank) if c not in scores.columns]
     if missing:
@@ -301,25 +302,25 @@ def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int
         raise ValueError(f"scores have no {col}: the task they were computed on has no "
                          f"Phase-{phase} {'anchor' if phase == 1 else 'answer'} steps.")
     best = scores.sort_values([rank, "layer", "head"], na_position="last").head(int(top_k))
-    heads = [(int(r.layer), int(r.head)) for r in best.itertuples()]
+    chosen = [(int(r.layer), int(r.head)) for r in best.itertuples()]
     s = torch.tensor(best[col].astype("float64").tolist(), dtype=torch.float64)
-    if heads == "causal":
+    if causal:
         s = -s
     if bool(s.isnan().any()):  # NaN passes clamp and would turn the weights uniform unseen
-        bad = [h for h, v in zip(heads, s.tolist(), strict=True) if v != v]
+        bad = [h for h, v in zip(chosen, s.tolist(), strict=True) if v != v]
         raise ValueError(f"scores[{col!r}] is NaN for head(s) (layer, head) {bad}: NaN weights or "
                          "activations in the teacher? Recompute ck.score_heads on a finite model.")
     s = s.clamp(min=0)
     s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / len(s))
-    return heads, s.float()
+    return chosen, s.float()
 
 
 def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
                  reading: str = "tokens", heads: str = "scores") -> Float[Tensor, "L H"]:
     """``phase_heads``' weights as an ``[L, H]`` matrix (0 off the top heads; sums to 1)."""
-    heads, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads)
+    chosen, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads)
     w = torch.zeros(n_layers, n_heads)
-    for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
+    for (lay, hd), a in zip(chosen, alpha.tolist(), strict=True):
         w[lay, hd] = a
     return w
 
