@@ -192,3 +192,21 @@ def test_bad_input_is_one_line():
         ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], [(1, 0)], inputs=("x",))
     with pytest.raises(ValueError, match="within the model"):
         ck.patch_paths(model, clean, corrupt, _metric, [(0, 9)], [(1, 0)])
+
+
+@pytest.mark.filterwarnings("ignore::circuitkit.patching.patch_result.DegenerateBaselineWarning")
+def test_a_path_result_saves_and_loads(tmp_path):
+    import circuitkit as ck
+    from circuitkit.patching.results import PatchResult
+
+    model = _random_llama()
+    clean, corrupt = _tokens()
+    res = ck.patch_paths(model, clean, corrupt, _metric, [(1, 1)], [(0, 0), (2, 3)],
+                         batch_size=6)  # L0H0 is not after L1H1: a NaN cell
+    assert torch.isnan(res.values[0, 0]) and not torch.isnan(res.values[0, 1])
+    res.save(tmp_path / "paths")
+    back = PatchResult.load(tmp_path / "paths")
+    assert back.axes == res.axes == ("sender", "receiver")
+    assert back.meta["coverage"] == res.meta["coverage"]
+    assert torch.equal(torch.isnan(back.values), torch.isnan(res.values))
+    assert torch.allclose(torch.nan_to_num(back.values), torch.nan_to_num(res.values))

@@ -51,6 +51,7 @@ from circuitkit.patching.result_files import (
     _check_tensors,
     _checked_patch_info,
     _load_parts,
+    _no_path,
     _patch_shape,
     json_ready,
 )
@@ -415,7 +416,7 @@ class PatchResult:
         js, st = paths["json"], paths["safetensors"]
         kw, tensors = _load_parts(path, paths, _PATCH_FILE)
         kw = _checked_patch_info(kw, js)
-        _check_tensors(tensors, kw, st, js, shape=_patch_shape(kw))
+        _check_tensors(tensors, kw, st, js, shape=_patch_shape(kw), empty=_no_path(kw))
         try:
             return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
         except (TypeError, ValueError) as e:

@@ -30,7 +30,7 @@ EDGE_FORMAT = "circuitkit.edge_result"
 EDGE_FORMAT_VERSION = 1
 POSITIONS = ("all", "each", "groups")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
-AXES = ("layer", "head", "pos", "group")
+AXES = ("layer", "head", "pos", "group", "sender", "receiver")  # the last two: patch_paths
 # values recomputed from per_prompt (float64 mean) agree with the stored float32 means to
 # ~1e-7 x scale (measured); this bound refuses an edited file, never a float32 rounding
 MEAN_RTOL = 1e-4
@@ -166,8 +166,10 @@ def _checked_patch_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
             or len(set(axes)) != len(axes):
         raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
                          f"got {axes!r:.60}.")
-    want = _default_axes(kw["site"], kw["positions"], len(axes))
-    if kw["site"] in SITES and kw["positions"] in POSITIONS and tuple(axes) != want:
+    paths = kw["meta"].get("kind") == "paths"  # ``patch_paths``: [sender, receiver(, group)]
+    want = (("sender", "receiver") + (("group",) if "path_groups" in kw["meta"] else ())
+            if paths else _default_axes(kw["site"], kw["positions"], len(axes)))
+    if (paths or kw["site"] in SITES and kw["positions"] in POSITIONS) and tuple(axes) != want:
         raise ValueError(f"{js}: field 'axes' is {axes} but a site={kw['site']!r}, "
                          f"positions={kw['positions']!r} result has axes {list(want)}; the file "
                          "was edited. Recompute the result.")
@@ -200,7 +202,11 @@ def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
     """The shape a ``PatchResult``'s values must have by its fields and the model's shape
     (``meta["facts"]``, when recorded): ``[n_layers, heads at the site(, pos)]`` or
     ``[n_layers, pos]``; None entries: any size. None without facts."""
-    facts = kw["meta"].get("facts")
+    meta = kw["meta"]
+    if meta.get("kind") == "paths":
+        return (len(meta.get("senders") or []), len(meta.get("receivers") or []),
+                *([None] * (len(kw["axes"]) - 2)))
+    facts = meta.get("facts")
     if not isinstance(facts, dict) or "n_layers" not in facts:
         return None
     if kw["site"] in hooks.PATCH_LAYER_SITES:
@@ -463,3 +469,20 @@ def _no_edge(kw: dict[str, Any], tensors: dict[str, Tensor], shape: tuple[int, i
         r = [index[(layer, int(u)) if layer < L else (L, -1)] for u in cells[:, 2]]
         empty[cells[:, 0], torch.tensor(r, dtype=torch.long), cells[:, 1]] = False
     return empty
+
+
+def _no_path(kw: dict[str, Any]) -> Tensor | None:
+    """A path result's cells with no route (receiver not after its sender: NaN by
+    ``patch_paths``), bool like its values; None for any other result or unreadable names."""
+    meta = kw["meta"]
+    if meta.get("kind") != "paths":
+        return None
+    s = [hooks.parse_head(n) for n in meta.get("senders") or []]
+    r = [hooks.parse_head(n) for n in meta.get("receivers") or []]
+    if None in s or None in r or not s or not r:
+        raise ValueError(f"field 'meta.senders'/'meta.receivers' of a path result must name "
+                         f"heads (L<layer>H<head>); got {meta.get('senders')!r:.40}, "
+                         f"{meta.get('receivers')!r:.40}.")
+    mask = torch.tensor([[b[0] <= a[0] for b in r] for a in s])
+    return mask if len(kw["axes"]) == 2 else mask[..., None].expand(
+        *mask.shape, len(meta.get("path_groups") or [1]))
