@@ -437,6 +437,11 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     assert "removes 0.40% [0.30%, 0.50%] of the clean\u2212corrupt gap" in small.headline
     assert "small share" in small.headline and "does not say that the phases do not " \
         "communicate" in small.headline
+    # the edges' coverage of their sender's own effect (issue 34), stated beside the share
+    from circuitkit.viz.findings import _pct2
+
+    cov = part.meta["coverage"]["overall"]
+    assert 0 < cov and f"explain {_pct2(cov)} of their senders' own effect" in text
 
 
 def test_characterize_edges_findings_reach_console_and_report(edges_run, tmp_path):

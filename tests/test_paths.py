@@ -210,3 +210,22 @@ def test_a_path_result_saves_and_loads(tmp_path):
     assert back.meta["coverage"] == res.meta["coverage"]
     assert torch.equal(torch.isnan(back.values), torch.isnan(res.values))
     assert torch.allclose(torch.nan_to_num(back.values), torch.nan_to_num(res.values))
+
+
+@pytest.mark.parametrize("method", ["exact", "attribution"])
+def test_every_edge_result_states_its_senders_coverage(method):
+    import circuitkit as ck
+
+    model = _random_llama()
+    clean, corrupt = _tokens()
+    edges = ck.patch_edges(model, clean, corrupt, _metric, senders=[(0, 1), (1, 2)],
+                           receivers=[(2, 0), (2, 3)], method=method, progress=False)
+    cov = edges.meta["coverage"]
+    heads = ck.patch_heads(model, clean, corrupt, _metric, progress=False)
+    node = {s: float(heads.values[s]) - heads.corrupt for s in [(0, 1), (1, 2)]}
+    eff = edges.effect()
+    for si, s in enumerate(edges.senders):  # the share, recomputed from both results
+        want = float(eff[si].nansum()) / node[tuple(s)]
+        assert abs(cov[hooks.head_name(*s)] - want) < 1e-4 * max(1, abs(want))
+    overall = float(eff.nansum()) / sum(node.values())
+    assert abs(cov["overall"] - overall) < 1e-4 * max(1, abs(overall))

@@ -112,7 +112,7 @@ def patch(
             checkpoint=checkpoint, progress=progress, top_k=opts.top_k,
             max_passes=opts.max_passes, meta=meta, screening_recall=opts.screening_recall)
         res.warn_if_degenerate()
-        return res
+        return _with_coverage(res, units, model, clean, corrupt, pm, batch_size)
     exact.whole_on_every_replica(f"method={method!r}")
     if method == "attribution":
         res = units.estimate(model, clean, corrupt, pm, direction, opts, batch_size, progress)
@@ -125,6 +125,17 @@ def patch(
     res.meta.update(exact.described(meta, pm))
     exact.with_recorded(res, model, clean, corrupt)
     res.warn_if_degenerate()
+    return _with_coverage(res, units, model, clean, corrupt, pm, batch_size)
+
+
+def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
+                   batch_size: int | None) -> Any:
+    """An edge result with ``meta["coverage"]``: the share of each head sender's node effect
+    its edges explain (``paths.edge_coverage``; one forward per sender and batch)."""
+    if isinstance(units, EdgeUnits) and any(s[0] >= 0 for s in res.senders):
+        from circuitkit.patching.paths import edge_coverage
+
+        res.meta["coverage"] = edge_coverage(model, clean, corrupt, pm, res, batch_size)
     return res
 
 

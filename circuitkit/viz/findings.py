@@ -383,6 +383,10 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         parts.append(f"{n} edges from {len(edges.senders)} sender heads into "
                      f"{len(edges.receivers)} receiver heads' {'/'.join(edges.inputs)} inputs, "
                      f"on {metric}.")
+    cov = meta.get("coverage") or {}
+    if cov.get("overall") is not None and cov["overall"] == cov["overall"]:
+        parts.append(f"Summed, these edges explain {_pct2(cov['overall'])} of their senders' own "
+                     "effect (each sender patched alone, the same direction and metric).")
     share = (circuit or {}).get("share")
     if circuit is not None and circuit.get("degenerate"):
         parts.append(f"No share of the behaviour can be given: {circuit['degenerate']}")
