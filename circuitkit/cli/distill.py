@@ -5,6 +5,7 @@ here, in one place.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -14,125 +15,97 @@ from circuitkit.cli.console import _fail, _given, _same_command
 from circuitkit.cli.options import Out, Progress
 
 
+def _opt(flag: str, help: str, metavar: str | None = None, *alias: str):
+    return typer.Option(flag, *alias, help=help, metavar=metavar)
+
+
+Teacher = Annotated[str, _opt("--teacher", "Teacher: shipped toy, folder or hub id over the "
+                                           "task's vocabulary.", "NAME")]
+StudentConfig = Annotated[str, _opt(
+    "--student-config", "Student preset (training.PRESETS: 'student', 2 layers x 4 heads, d "
+    "128; 'student4', 4 layers x 4 heads, d 96, Phase 2 below its output layer) or a JSON file "
+    "of Preset fields; --ablation: default both presets.", "NAME")]
+CotTask = Annotated[str, _opt("--task", "Built-in CoT task.", "TASK", "-t")]
+LambdaP1 = Annotated[float, _opt("--lambda-p1", "Weight of L_P1 (Phase-1 heads).", "WEIGHT")]
+LambdaP2 = Annotated[float, _opt("--lambda-p2", "Weight of L_P2 (Phase-2 heads).", "WEIGHT")]
+LambdaNS = Annotated[float, _opt("--lambda-ns", "Weight of the non-selective all-heads "
+                                                "attention loss (baseline).", "WEIGHT")]
+Steps = Annotated[int | None, _opt("--steps", "Training steps (default 1000; the ablation: "
+                                              "each variant's, after --pretrain; its size's, "
+                                              "120).", "N")]
+RowsPerStep = Annotated[int, _opt("--batch-size", "CoT rows per step.", "N")]
+PoolSize = Annotated[int, _opt("--pool-size", "Train notes in the signal store.", "N")]
+StudentSeed = Annotated[int, _opt("--seed", "Student seed (init and batch order).", "SEED")]
+Store = Annotated[Path | None, _opt("--store", "Signal-store folder (default OUT/signals).",
+                                    "DIR")]
+Balance = Annotated[str, _opt(
+    "--balance", "How the terms' gradients combine: 'cap' (the CoT part clipped at 1 on its "
+    "own, each mechanistic term's gradient capped at --grad-ratio x it, then times its lambda) "
+    "or 'global_clip' (the total's gradient clipped at 1, which lets the mechanistic terms "
+    "shrink the CoT step).", "cap|global_clip")]
+GradRatio = Annotated[float, _opt("--grad-ratio", "--balance cap: the most a mechanistic "
+                                                  "term's gradient counts for, as a multiple of "
+                                                  "the CoT part's norm.", "R")]
+Init = Annotated[str | None, _opt("--init", "Start the student from this HF folder's weights "
+                                            "(or a shipped model, e.g. icd-student-cot) of the "
+                                            "same preset, instead of a fresh initialisation.",
+                                  "MODEL")]
+Ablation = Annotated[bool, _opt("--ablation", "Train and measure CoT-only, +P1, +P2, +P1+P2 "
+                                              "and non-selective students, for both student "
+                                              "presets and two data sizes; write "
+                                              "OUT/ablation.csv.")]
+Seeds = Annotated[int, _opt("--seeds", "Ablation: seeds per variant.", "N")]
+MaxSeeds = Annotated[int | None, _opt("--max-seeds", "Ablation: seeds for headline comparisons "
+                                                     "whose intervals overlap (default "
+                                                     "--seeds).", "N")]
+Workers = Annotated[int, _opt("--workers", "Ablation: runs trained side by side (one thread "
+                                           "each).", "N")]
+Pretrain = Annotated[int | None, _opt("--pretrain", "Ablation: CoT-only steps of the one start "
+                                                    "every run of a cell begins from (default "
+                                                    "its size's: 800; 0: each seed's fresh "
+                                                    "initialisation).", "N")]
+Quick = Annotated[bool, _opt("--quick", "Tiny sizes (CI).")]
+Size = Annotated[str | None, _opt("--size", "Ablation: the grid's size (ablation.SIZES: "
+                                            "'default'; 'grid', issue 35's arms, early-stopped "
+                                            "baseline and curves; 'grid-quick'; --quick is "
+                                            "'quick').", "NAME")]
+Variants = Annotated[str | None, _opt("--variants", "Ablation: comma-separated variants "
+                                                    "(default cot,p1,p2,p1+p2,nonselective; "
+                                                    "also p1+p2-causal: the causal heads).",
+                                      "V,V")]
+Overwrite = Annotated[bool, _opt("--overwrite", "Replace a finished student (or training "
+                                                "state) of another configuration in --out; "
+                                                "--ablation: start a grid of another "
+                                                "configuration over.")]
+ABLATION_ONLY = ("seeds", "max_seeds", "workers", "pretrain", "size", "variants")
+STUDENT_ONLY = ("batch_size", "pool_size", "seed", "store", "init")
+
+
 @app.command(short_help="Distil a teacher into a student (or the ablation).")
 def distill(
-    ctx: typer.Context,
-    teacher: str = typer.Option("icd-teacher", "--teacher", help="Teacher: shipped toy, folder or "
-                                "hub id over the task's vocabulary.", metavar="NAME"),
-    student_config: str = typer.Option("student", "--student-config", help="Student preset "
-                                       "(training.PRESETS: 'student', 2 layers x 4 heads, d 128; "
-                                       "'student4', 4 layers x 4 heads, d 96, Phase 2 below its "
-                                       "output layer) or a JSON file of Preset fields; "
-                                       "--ablation: default both presets.", metavar="NAME"),
-    task: str = typer.Option("icd10", "--task", "-t", help="Built-in CoT task.", metavar="TASK"),
-    lambda_p1: float = typer.Option(1.0, "--lambda-p1", help="Weight of L_P1 (Phase-1 heads).",
-                                    metavar="WEIGHT"),
-    lambda_p2: float = typer.Option(1.0, "--lambda-p2", help="Weight of L_P2 (Phase-2 heads).",
-                                    metavar="WEIGHT"),
-    lambda_ns: float = typer.Option(0.0, "--lambda-ns", help="Weight of the non-selective "
-                                    "all-heads attention loss (baseline).", metavar="WEIGHT"),
-    steps: int = typer.Option(None, "--steps", help="Training steps (default 1000; the "
-                              "ablation: each variant's, after --pretrain; its size's, 120).",
-                              metavar="N"),
-    batch_size: int = typer.Option(64, "--batch-size", help="CoT rows per step.", metavar="N"),
-    pool_size: int = typer.Option(16384, "--pool-size", help="Train notes in the signal store.",
-                                  metavar="N"),
-    seed: int = typer.Option(0, help="Student seed (init and batch order).", metavar="SEED"),
-    store: Path = typer.Option(None, "--store", help="Signal-store folder (default OUT/signals).",
-                               metavar="DIR"),
-    balance: str = typer.Option("cap", "--balance", help="How the terms' gradients combine: "
-                                "'cap' (the CoT part clipped at 1 on its own, each mechanistic "
-                                "term's gradient capped at --grad-ratio x it, then times its "
-                                "lambda) or 'global_clip' (the total's gradient clipped at 1, "
-                                "which lets the mechanistic terms shrink the CoT step).",
-                                metavar="cap|global_clip"),
-    grad_ratio: float = typer.Option(0.5, "--grad-ratio", help="--balance cap: the most a "
-                                     "mechanistic term's gradient counts for, as a multiple of "
-                                     "the CoT part's norm.", metavar="R"),
-    init: str = typer.Option(None, "--init", help="Start the student from this HF folder's "
-                             "weights (or a shipped model, e.g. icd-student-cot) of the same "
-                             "preset, instead of a fresh initialisation.", metavar="MODEL"),
-    ablation: bool = typer.Option(False, "--ablation", help="Train and measure CoT-only, +P1, "
-                                  "+P2, +P1+P2 and non-selective students, for both student "
-                                  "presets and two data sizes; write OUT/ablation.csv."),
-    seeds: int = typer.Option(3, "--seeds", help="Ablation: seeds per variant.", metavar="N"),
-    max_seeds: int = typer.Option(None, "--max-seeds", help="Ablation: seeds for headline "
-                                  "comparisons whose intervals overlap (default --seeds).",
-                                  metavar="N"),
-    workers: int = typer.Option(1, "--workers", help="Ablation: runs trained side by side (one "
-                                "thread each).", metavar="N"),
-    pretrain: int = typer.Option(None, "--pretrain", help="Ablation: CoT-only steps of the one "
-                                 "start every run of a cell begins from (default its size's: "
-                                 "800; 0: each seed's fresh initialisation).", metavar="N"),
-    quick: bool = typer.Option(False, "--quick", help="Tiny sizes (CI)."),
-    size: str = typer.Option(None, "--size", help="Ablation: the grid's size (ablation.SIZES: "
-                             "'default'; 'grid', issue 35's arms, early-stopped baseline and "
-                             "curves; 'grid-quick'; --quick is 'quick').", metavar="NAME"),
-    variants: str = typer.Option(None, "--variants", help="Ablation: comma-separated variants "
-                                 "(default cot,p1,p2,p1+p2,nonselective; also "
-                                 "p1+p2-causal: the causal heads).",
-                                 metavar="V,V"),
-    out: Out = Path("distill-out"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished student (or "
-                                   "training state) of another configuration in --out; "
-                                   "--ablation: start a grid of another configuration over."),
+    ctx: typer.Context, teacher: Teacher = "icd-teacher", student_config: StudentConfig = "student",
+    task: CotTask = "icd10", lambda_p1: LambdaP1 = 1.0, lambda_p2: LambdaP2 = 1.0,
+    lambda_ns: LambdaNS = 0.0, steps: Steps = None, batch_size: RowsPerStep = 64,
+    pool_size: PoolSize = 16384, seed: StudentSeed = 0, store: Store = None,
+    balance: Balance = "cap", grad_ratio: GradRatio = 0.5, init: Init = None,
+    ablation: Ablation = False, seeds: Seeds = 3, max_seeds: MaxSeeds = None,
+    workers: Workers = 1, pretrain: Pretrain = None, quick: Quick = False, size: Size = None,
+    variants: Variants = None, out: Out = Path("distill-out"), overwrite: Overwrite = False,
     progress: Progress = True,
 ) -> None:
     """Distil a teacher into a student with L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 (resumable:
     rerun the same command), or run the ablation table (--ablation)."""
     from circuitkit.files import check_writable_dir
 
+    a = dict(locals())
     given = lambda name: _given(ctx, name)  # noqa: E731
-
     try:
-        if given("seeds") and not ablation:
-            raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or "
-                             "use --seed for one student.")
-        for opt in ("max_seeds", "workers", "pretrain", "size", "variants"):
-            if given(opt) and not ablation:
-                raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add "
-                                 "--ablation.")
-        for opt in ("batch_size", "pool_size", "seed", "store"):
-            if ablation and given(opt):
-                raise ValueError(f"--{opt.replace('_', '-')} is a single student's option; the "
-                                 "ablation's sizes, seeds and stores are its own (--quick, "
-                                 "--seeds, --steps, --pretrain): drop it.")
-        if ablation and given("init"):
-            raise ValueError("--init starts one student from given weights; the ablation "
-                             "trains every student from its seed's initialisation: drop --init.")
+        _check_distill_flags(given, ablation)
         check_writable_dir(out)
         _claim_folder(out, "distill")
         if ablation:
-            from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
-
-            frame = run_ablation(out, teacher=teacher, seeds=seeds, max_seeds=max_seeds,
-                                 size="quick" if quick else (size or "default"),
-                                 variants=tuple(v.strip() for v in variants.split(","))
-                                 if variants else None,
-                                 students=(student_config,) if given("student_config")
-                                 else STUDENTS, lambda_p1=lambda_p1, lambda_p2=lambda_p2,
-                                 task=task, workers=workers, steps=steps, balance=balance,
-                                 grad_ratio=grad_ratio, pretrain=pretrain,
-                                 overwrite=overwrite, progress=progress,
-                                 **({"lambda_ns": lambda_ns} if given("lambda_ns") else {}))
-            typer.echo(format_table(frame))
-            typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and "
-                       f"{out / 'runs.csv'}")
-            return
-        from circuitkit.distill.train import DistillConfig, train_student
-
-        kw = dict(pool_size=96, shard_size=48, steps=12, batch_size=16, warmup=2,
-                  save_every=6, score_examples=32) if quick else {}
-        # --quick sets sizes the command line leaves out; what it names wins
-        kw.update({k: v for k, v in (("pool_size", pool_size), ("batch_size", batch_size))
-                   if not quick or given(k)})
-        if steps is not None:
-            kw["steps"] = steps
-        cfg = DistillConfig(teacher=teacher, task=task, student=student_config,
-                            lambda_p1=lambda_p1, lambda_p2=lambda_p2, lambda_ns=lambda_ns,
-                            seed=seed, store=str(store) if store else None,
-                            balance=balance, grad_ratio=grad_ratio, init=init, **kw)
-        folder = train_student(cfg, out, overwrite=overwrite, progress=progress)
+            return _grid(a, given)
+        folder = _one_student(a, given)
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
@@ -142,6 +115,59 @@ def distill(
     typer.echo(_distill_summary(folder))
     typer.echo(f"student saved to {folder}; evaluate it with: circuitkit evaluate --model "
                f"{folder}")
+
+
+def _check_distill_flags(given, ablation: bool) -> None:
+    """One line for a flag of the other mode (named as typed)."""
+    if given("seeds") and not ablation:
+        raise ValueError("--seeds is the ablation's seeds per variant: add --ablation, or use "
+                         "--seed for one student.")
+    for opt in ABLATION_ONLY[1:]:
+        if given(opt) and not ablation:
+            raise ValueError(f"--{opt.replace('_', '-')} is an ablation option: add --ablation.")
+    for opt in STUDENT_ONLY[:-1]:
+        if ablation and given(opt):
+            raise ValueError(f"--{opt.replace('_', '-')} is a single student's option; the "
+                             "ablation's sizes, seeds and stores are its own (--quick, "
+                             "--seeds, --steps, --pretrain): drop it.")
+    if ablation and given("init"):
+        raise ValueError("--init starts one student from given weights; the ablation trains "
+                         "every student from its seed's initialisation: drop --init.")
+
+
+def _grid(a: dict, given) -> None:
+    """``--ablation``: ``ablation.run_ablation`` of the flags, its table printed."""
+    from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
+
+    variants = tuple(v.strip() for v in a["variants"].split(",")) if a["variants"] else None
+    frame = run_ablation(
+        a["out"], teacher=a["teacher"], seeds=a["seeds"], max_seeds=a["max_seeds"],
+        size="quick" if a["quick"] else (a["size"] or "default"), variants=variants,
+        students=(a["student_config"],) if given("student_config") else STUDENTS,
+        lambda_p1=a["lambda_p1"], lambda_p2=a["lambda_p2"], task=a["task"],
+        workers=a["workers"], steps=a["steps"], balance=a["balance"],
+        grad_ratio=a["grad_ratio"], pretrain=a["pretrain"], overwrite=a["overwrite"],
+        progress=a["progress"], **({"lambda_ns": a["lambda_ns"]} if given("lambda_ns") else {}))
+    out = a["out"]
+    typer.echo(format_table(frame))
+    typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and {out / 'runs.csv'}")
+
+
+def _one_student(a: dict, given) -> Path:
+    """One student: ``train_student`` of the flags (``--quick`` sets the sizes left out)."""
+    from circuitkit.distill.train import DistillConfig, train_student
+
+    kw = dict(pool_size=96, shard_size=48, steps=12, batch_size=16, warmup=2, save_every=6,
+              score_examples=32) if a["quick"] else {}
+    kw.update({k: a[k] for k in ("pool_size", "batch_size") if not a["quick"] or given(k)})
+    if a["steps"] is not None:
+        kw["steps"] = a["steps"]
+    cfg = DistillConfig(teacher=a["teacher"], task=a["task"], student=a["student_config"],
+                        lambda_p1=a["lambda_p1"], lambda_p2=a["lambda_p2"],
+                        lambda_ns=a["lambda_ns"], seed=a["seed"],
+                        store=str(a["store"]) if a["store"] else None, balance=a["balance"],
+                        grad_ratio=a["grad_ratio"], init=a["init"], **kw)
+    return train_student(cfg, a["out"], overwrite=a["overwrite"], progress=a["progress"])
 
 
 def _distill_summary(folder: Path) -> str:
