@@ -23,11 +23,10 @@ from circuitkit.patching.result_files import (
     EDGE_FORMAT_VERSION,
     TENSOR_FIELDS,
     _check_nodes,
-    _check_tensors,
     _checked_edge_info,
-    _load_parts,
     _no_edge,
     json_ready,
+    load_result,
 )
 
 
@@ -232,15 +231,12 @@ class EdgeResult:
         (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
         (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
         paths = _edge_paths(path)
-        js, st = paths["json"], paths["safetensors"]
-        kw, tensors = _load_parts(path, paths, _EDGE_FILE)
-        kw = _checked_edge_info(kw, js)
-        shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
-        _check_tensors(tensors, kw, st, js, shape=shape, empty=_no_edge(kw, tensors, shape))
-        try:
-            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{js}: {e}") from None
+
+        def layout(kw: dict[str, Any], tensors: dict[str, Any]) -> tuple:
+            shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
+            return shape, _no_edge(kw, tensors, shape)
+
+        return load_result(cls, path, paths, _EDGE_FILE, _checked_edge_info, layout)
 
     def __repr__(self) -> str:
         return (f"EdgeResult(method={self.method!r}, direction={self.direction!r}, "

@@ -48,12 +48,11 @@ from circuitkit.patching.result_files import (
     POSITIONS,
     SITES,
     TENSOR_FIELDS,
-    _check_tensors,
     _checked_patch_info,
-    _load_parts,
     _no_path,
     _patch_shape,
     json_ready,
+    load_result,
 )
 
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
@@ -412,15 +411,8 @@ class PatchResult:
         base path, or any of its files. Every field is validated (``_checked_info``,
         ``_check_tensors``: the checks ``EdgeResult.load`` applies too); a bad file is named
         with the field that is wrong (``ValueError``)."""
-        paths = cls._paths(path)
-        js, st = paths["json"], paths["safetensors"]
-        kw, tensors = _load_parts(path, paths, _PATCH_FILE)
-        kw = _checked_patch_info(kw, js)
-        _check_tensors(tensors, kw, st, js, shape=_patch_shape(kw), empty=_no_path(kw))
-        try:
-            return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{js}: {e}") from None
+        return load_result(cls, path, cls._paths(path), _PATCH_FILE, _checked_patch_info,
+                           lambda kw, _: (_patch_shape(kw), _no_path(kw)))
 
     def __repr__(self) -> str:
         return (f"PatchResult(method={self.method!r}, direction={self.direction!r}, "

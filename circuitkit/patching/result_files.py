@@ -114,6 +114,23 @@ def _load_parts(path: str | Path, paths: dict[str, Path], kind: _FileKind
     return _checked_info(info, js, kind), _read_saved_tensors(st)
 
 
+def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _FileKind,
+                checked: Any, layout: Any) -> Any:
+    """The one strict load of every result kind: the shared fields (``_checked_info``), the
+    kind's own (``checked(kw, js)``), then the tensors against ``layout(kw, tensors)`` =
+    ``(shape, empty cells)`` (``_check_tensors``); a bad file is a ``ValueError`` naming it and
+    the field."""
+    js, st = paths["json"], paths["safetensors"]
+    kw, tensors = _load_parts(path, paths, kind)
+    kw = checked(kw, js)
+    shape, empty = layout(kw, tensors)
+    _check_tensors(tensors, kw, st, js, shape=shape, empty=empty)
+    try:
+        return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{js}: {e}") from None
+
+
 def _checked_info(info: Any, js: Path, kind: _FileKind = _PATCH_FILE) -> dict[str, Any]:
     """The fields every result's JSON shares, each checked for type and range: ``format``,
     ``version``, ``kind.fields`` present, ``clean``/``corrupt`` finite numbers, ``direction``/
