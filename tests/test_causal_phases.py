@@ -143,6 +143,17 @@ def test_phase_table_and_report_say_the_same_head_carries_both(tmp_path):
     assert "Validated on: seed 0, n 12, examples 12..24, hash def" in page
     assert "Phase 2: share of the gap by head and position group" in page
     assert evil not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 2
+    # the console findings lead with the same causal picture, the layer named after the JSON
+    # round trip (its keys strings, carrying_layers integers) and both samples said
+    from circuitkit.viz.findings import findings, format_findings
+
+    found = findings(json.loads((tmp_path / "summary.json").read_text()))
+    assert found[0].phase == "causal"
+    text = format_findings(found, width=10_000)
+    assert "Phase 1's decision (" in text and "is made in layer 0 (" in text
+    assert "validated on the disjoint 12-23 (12, hash def)" in text
+    assert "no single layer" not in text.split("Phase 2")[0]
+    assert page.count("The same heads carry both phases: L0H2") == 1  # not again in findings
 
 
 def test_two_stage_phase_table_says_no_shared_head(two_stage):

@@ -186,8 +186,9 @@ def phase_sentences(table: dict[str, Any]) -> list[str]:
         groups = ph["carrying_groups"]
         where = ", ".join(f"{g} ({ph['groups'][g]['sum']:.0%}; top {ph['groups'][g]['top'][0][0]}"
                           f" {ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
+        carrying = {str(ly) for ly in ph["carrying_layers"]}  # JSON keys are strings
         layers = ", ".join(f"layer {ly} ({v:.0%})" for ly, v in ph["layers"].items()
-                           if ly in ph["carrying_layers"])
+                           if str(ly) in carrying)
         lines.append(f"Phase {p}'s decision ({ph['metric']}, {d}) is made in "
                      f"{layers or 'no single layer'} at the "
                      f"{where or 'no single position group'} positions (summed single-head shares "

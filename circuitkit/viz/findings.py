@@ -443,7 +443,7 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
     if scores is not None:
         phases += scored_phases(scores)
     phases += [p for p in (1, 2) if _head_sweeps(results, p)]
-    out = []
+    out = causal_finding(summary)  # the causal picture leads; the descriptive ranks follow
     for phase in sorted(set(phases)):
         rows = _rows(validation, phase)
         first = next(iter(rows.values()), None)
@@ -470,6 +470,29 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         out.append(Finding(phase, PHASE_NAMES[phase], " ".join(parts), notes, top))
     said = edge_finding(edges, circuit)
     return out + ([said] if said is not None else []) + skipped_finding(summary)
+
+
+def causal_finding(summary: dict) -> list[Finding]:
+    """``summary["phase_table"]`` (``characterize --stages``: each head patched at each position
+    group) as one ``Finding`` titled "Where each decision is made": ``causal.phase_sentences``,
+    the samples selection and validation used (``summary["samples"]``); [] without a table."""
+    table = summary.get("phase_table")
+    if not isinstance(table, dict):
+        return []
+    from circuitkit.scoring.causal import phase_sentences
+
+    lines = phase_sentences(table)
+    if not lines:
+        return []
+    samples = summary.get("samples") or {}
+    if samples.get("held_out"):
+        sel, val = samples["select"], samples["validate"]
+        lines.append(f"Heads were selected on examples {sel['examples'][0]}-"
+                     f"{sel['examples'][1] - 1} ({sel['n']}, hash {sel['hash']}) and validated "
+                     f"on the disjoint {val['examples'][0]}-{val['examples'][1] - 1} ({val['n']}, "
+                     f"hash {val['hash']}).")
+    return [Finding("causal", "Where each decision is made (each head patched at each position "
+                    "group)", lines[0], lines[1:])]
 
 
 def skipped_finding(summary: dict) -> list[Finding]:

@@ -328,7 +328,8 @@ def findings_section(summary: dict, validation: Any, scores: Any,
     the edges)."""
     from circuitkit.viz.findings import findings, run_line
 
-    found = findings(summary, validation, scores, results, edges=edges, circuit=circuit)
+    found = [f for f in findings(summary, validation, scores, results, edges=edges,
+                                 circuit=circuit) if f.phase != "causal"]  # causal_section's
     line = run_line(summary)
     out = f"<p class='note'>{_esc(line)}</p>" if line else ""
     for f in found:
