@@ -141,3 +141,27 @@ def test_balancing_and_init_options_are_checked(tmp_path):
         res = CliRunner().invoke(app, ["distill", *args, "--out", str(tmp_path / "cli")])
         assert res.exit_code != 0 and msg in res.output, res.output
         assert "Traceback" not in res.output
+
+
+def test_a_callback_measures_the_model_training_saves(tmp_path, store_dir):
+    """The callback's model decodes what the saved student decodes (issue 35's curves: the
+    bridge-wrapped training model's ``generate`` decoded other tokens, so every curve point's exact
+    match read 0 while the saved student's was 0.30)."""
+    from transformers import AutoModelForCausalLM
+
+    from circuitkit.distill.ablation import decode
+
+    task = ck.load_task("icd10", n_examples=4, seed=99, split="train")
+    seen = {}
+
+    def callback(step, hf):
+        seen[step] = (decode(hf, task), [p.detach().clone() for p in hf.parameters()])
+
+    cfg = dict(CFG, steps=8, store=str(store_dir))
+    folder = train_student(DistillConfig(**cfg), tmp_path, progress=False, callback=callback)
+    assert sorted(seen) == [4, 8]
+    saved = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    gens, params = seen[8]
+    assert gens == decode(saved, task) and all(len(g) for g in gens)
+    assert all(torch.equal(a, b) for a, b in zip(params, saved.parameters(), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[4][1], params, strict=True))

@@ -1,7 +1,9 @@
 """Held-out evaluation during training: the baseline's early stopping and learning curves.
 
 ``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step (every
-``save_every`` steps and the last). Two callbacks live here:
+``save_every`` steps and the last), ``hf`` a plain copy of the student (``train.plain_model``:
+the training model is wrapped by a bridge, whose ``generate`` does not decode what its weights
+predict). Two callbacks live here:
 
 * ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p] | logits[p-1])`` over the masked positions
   of the teacher's CoT rows of a held-out signal store (notes disjoint from the pool and the

@@ -449,7 +449,9 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
             if step % cfg.save_every == 0 and step < cfg.steps:
                 checkpoint()
             if callback is not None and (step % cfg.save_every == 0 or step == cfg.steps):
-                callback(step, hf)  # after the checkpoint: a resumed run re-measures nothing
+                # after the checkpoint (a resumed run re-measures nothing), on a plain copy: the
+                # bridge-wrapped model does not generate what its weights predict
+                callback(step, plain_model(hf, cfg, pool.vocab, n_ctx))
     except KeyboardInterrupt:
         checkpoint()
         print(f"\ninterrupted at step {step}; run the same command again to resume from "
@@ -491,23 +493,31 @@ def _diverged(step: int, cfg: DistillConfig, what: str, saved: int, state: Path)
             "another --out).")
 
 
+def plain_model(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int) -> Any:
+    """A fresh HF model of the student's preset holding ``hf``'s weights (copies, eval mode):
+    what ``save_student`` writes and what a training callback measures."""
+    from circuitkit.distill.signals import plain_parameters
+    from circuitkit.training import build_model
+
+    fresh = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
+    params = plain_parameters(hf)
+    missing = fresh.load_state_dict({k: v.detach().clone() for k, v in params.items()},
+                                    strict=False)
+    if missing.missing_keys or missing.unexpected_keys:
+        raise AssertionError(f"student weights do not map onto a fresh model: {missing}")
+    return fresh.eval()
+
+
 def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int,
                  out: Path) -> dict[str, str]:
     """The trained weights as a plain HF folder (a fresh model of the same preset holding them:
     the bridge-wrapped model's own ``save_pretrained`` would write wrapper names). Returns
     ``{file name: SHA-256}`` of the files written. Refuses (``ValueError``) weights holding
     NaN or inf: a broken student is never saved."""
-    from circuitkit.distill.signals import plain_parameters
     from circuitkit.files import sha256_file, write_files_into
     from circuitkit.tasks.base import word_tokenizer
-    from circuitkit.training import build_model
 
-    fresh = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
-    params = plain_parameters(hf)
-    missing = fresh.load_state_dict({k: v.detach() for k, v in params.items()}, strict=False)
-    if missing.missing_keys or missing.unexpected_keys:
-        raise AssertionError(f"student weights do not map onto a fresh model: {missing}")
-    fresh.eval()
+    fresh = plain_model(hf, cfg, vocab, n_ctx)
     bad = non_finite_parameters(fresh)
     if bad:
         raise ValueError(f"student weights {bad[:3]} hold NaN/inf: not saved to {out}.")
