@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import circuitkit as ck
 from circuitkit.cli import app
 from circuitkit.distill import ablation as A
-from circuitkit.distill.ablation import METRICS, VARIANTS, interval
+from circuitkit.distill.ablation import DEFAULT_VARIANTS, METRICS, interval
 
 
 def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
@@ -27,10 +27,10 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     frame = pd.read_csv(out / "ablation.csv")
     assert list(frame.columns) == ["student", "data", "variant", "metric", "mean", "ci_low",
                                    "ci_high", "n_seeds"]
-    assert list(dict.fromkeys(frame.variant)) == list(VARIANTS)
+    assert list(dict.fromkeys(frame.variant)) == list(DEFAULT_VARIANTS)
     assert set(zip(frame.student, frame.data, strict=True)) == {("student", "full"),
                                                                 ("student", "small")}
-    assert len(frame) == 2 * len(VARIANTS) * len(METRICS)
+    assert len(frame) == 2 * len(DEFAULT_VARIANTS) * len(METRICS)
     assert set(frame.metric) == set(METRICS) and (frame.n_seeds == 1).all()
     assert frame[["mean", "ci_low", "ci_high"]].notna().all().all()
     runs = pd.read_csv(out / "runs.csv")
@@ -59,12 +59,12 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
         pre = json.loads((start / "distill.json").read_text())["config"]
         assert pre["steps"] == A.SIZES["quick"]["pretrain"]
         assert pre["lambda_p1"] == pre["lambda_p2"] == pre["lambda_ns"] == 0
-        for v in VARIANTS:
+        for v in DEFAULT_VARIANTS:
             cfg = json.loads((out / "runs" / cell / f"{v}-seed0" / "distill.json").read_text())
             assert cfg["config"]["init"] == str(start), (cell, v)
     # rerunning finds every run finished: nothing is trained again, the table is the same
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/*/metrics.json")}
-    assert len(stamps) == 2 * len(VARIANTS)
+    assert len(stamps) == 2 * len(DEFAULT_VARIANTS)
     res2 = CliRunner().invoke(app, args)
     assert res2.exit_code == 0, res2.output
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -73,8 +73,8 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     from circuitkit.viz import charts
     from circuitkit.viz.report import ablation_table
 
-    assert len(ablation_table(frame)) == 2 * len(VARIANTS)
-    assert len(charts.ablation_chart(frame).data[0].x) == 2 * len(VARIANTS)
+    assert len(ablation_table(frame)) == 2 * len(DEFAULT_VARIANTS)
+    assert len(charts.ablation_chart(frame).data[0].x) == 2 * len(DEFAULT_VARIANTS)
 
 
 def test_student_metrics_agree_with_evaluate(tmp_path):

@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from circuitkit.distill.curves import decode  # noqa: F401 (re-exported: tests, callers)
 from circuitkit.distill.train import DistillConfig, train_student
 
 VARIANTS: dict[str, dict[str, float]] = {
@@ -267,18 +268,6 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
     out.update(mechanism_gaps(bridge, ctx.gap_store))
     out.update(fidelity_metrics(bridge, ctx))
     return out
-
-
-def decode(hf: Any, task: Any) -> list[list[int]]:
-    """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
-    from circuitkit.evaluation import greedy_decode_cached, prompt_end
-
-    think = task.vocab.index("<think>")
-    ends = [prompt_end(e, think) for e in task.examples]
-    new = max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)) + 4
-    return greedy_decode_cached(hf, [e.tokens[:n] for e, n in zip(task.examples, ends,
-                                                                   strict=True)],
-                                task.eos_id, new, task.pad_id)
 
 
 # --- running the grid -------------------------------------------------------------------------

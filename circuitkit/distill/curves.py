@@ -63,11 +63,22 @@ def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
     return total / max(n, 1)
 
 
+def decode(hf: Any, task: Any) -> list[list[int]]:
+    """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
+    from circuitkit.evaluation import greedy_decode_cached, prompt_end
+
+    think = task.vocab.index("<think>")
+    ends = [prompt_end(e, think) for e in task.examples]
+    new = max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)) + 4
+    return greedy_decode_cached(hf, [e.tokens[:n] for e, n in zip(task.examples, ends,
+                                                                   strict=True)],
+                                task.eos_id, new, task.pad_id)
+
+
 @torch.no_grad()
 def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
     """``exact_match``, ``focus``, ``confusion`` of ``hf`` on ``task`` (module docstring)."""
     from circuitkit import evaluation as ev
-    from circuitkit.distill.ablation import decode
 
     focus, conf = [], []
     for s in range(0, len(task), batch_size):
