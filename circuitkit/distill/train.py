@@ -161,7 +161,10 @@ def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
     path = folder / "scores.csv"
     causal = cfg.loss_config().heads == "causal"
     old = pd.read_csv(path) if path.exists() else None
-    if old is not None and (not causal or "p2_noise_shortlist" in old.columns):
+    from circuitkit.distill.signals import causal_columns
+
+    needed = [c for p in (1, 2) for c in causal_columns(p)] if causal else []
+    if old is not None and all(c in old.columns for c in needed):
         return old
     task = load_task(cfg.task, n_examples=cfg.score_examples, seed=cfg.pool_seed + 1,
                      split="train", **cfg.task_kw)
