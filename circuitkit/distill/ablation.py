@@ -106,10 +106,11 @@ SIZES: dict[str, dict[str, Any]] = {
     # (pretrain 0), each arm's steps S* chosen by the CoT-only baseline's held-out loss (seed 0,
     # up to es_max steps, measured every es_every), learning curves at curve_points points on
     # curve_examples held-out notes; timings in docs/distill.md
-    # (es_max 1250: the grid's 2 arms x 3 variants x 5 seeds in about an hour on 2 cores)
+    # (es_max 2500: at 1250 both arms' held-out loss was still falling and the baseline at
+    # exact match 0.30; 2 arms x 3 variants x 5 seeds at 0.15 s a step, 2 workers: < 2 hours)
     "grid": dict(arms={"main": 16384, "low": 6144}, pool_size=16384, shard_size=1024,
-                 steps=1250, batch_size=32, warmup=50, pretrain=0, save_every=250,
-                 es_max=1250, es_every=250, heldout_examples=256, curve_examples=128,
+                 steps=2500, batch_size=32, warmup=50, pretrain=0, save_every=250,
+                 es_max=2500, es_every=250, heldout_examples=256, curve_examples=128,
                  curve_points=5, score_examples=256, eval_examples=512, sim_examples=1024,
                  gold_examples=4096, fidelity_examples=48),
     "grid-quick": dict(arms={"main": 160, "low": 96}, pool_size=160, shard_size=80, steps=6,
