@@ -24,7 +24,10 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       docs/scores.md), ``ablations`` (those run) and ``skipped`` (one line
                       per thing left out and why; printed and in the report's findings)
     edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
-                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric) and
+                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric),
+                      ``paths.*`` (``patch_paths``: the same pairs through everything between
+                      them, at every position and at each ``stage_groups`` group; its coverage
+                      of the senders' effect is also the edges' ``meta["path_coverage"]``) and
                       ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
     checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
                       validation's finished (phase, direction) runs
@@ -344,6 +347,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
         i += 1
+        if "edges/paths.json" not in steps.get("edges", {}).get("files", ["edges/paths.json"]):
+            steps.pop("edges")  # written before the edges step also patched paths: redo it
         if not reusable("edges", i):
             _log(progress, f"[{i}/{total}] edges")
             t0 = time.perf_counter()
@@ -433,7 +438,10 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
     returns the files written (relative to ``out``), none when no receiver lies after a
     sender."""
+    import torch
+
     import circuitkit as ck
+    from circuitkit import hooks
     from circuitkit.scoring.heads import top_heads
 
     phases = sorted(per_phase)
@@ -451,10 +459,21 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
                          "edges", progress=progress, task_hash=tp.fingerprint())
     res.meta.update(meta, phase=phases[-1], n_examples=len(tp), senders_from=f"phase{phases[0]}",
                     receivers_from=f"phase{phases[-1]}")
+    # the same senders and receivers through everything between them (MLPs, other heads, other
+    # positions), each route restricted to one stage's positions: what the q/k/v edges miss
+    groups = {"all": torch.ones(tp.clean_tokens.shape, dtype=torch.bool), **stage_groups(tp)}
+    shared_kv = hooks.facts(model).gqa  # a k/v input is several heads' (patch_paths: q only)
+    paths = ck.patch_paths(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
+                           receivers, inputs=("q",) if shared_kv else tuple(res.inputs),
+                           direction=res.direction, positions=groups, batch_size=batch_size)
+    paths.meta.update(meta, phase=phases[-1], n_examples=len(tp))
+    paths.save(folder / "paths", views=False)
+    res.meta["path_coverage"] = {g: row["overall"] for g, row in paths.meta["coverage"].items()}
     res.save(folder / "edges", views=False)
     circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
     circ.save_json(folder / "circuit.json")
-    return ["edges/edges.safetensors", "edges/edges.json", "edges/circuit.json"]
+    return ["edges/edges.safetensors", "edges/edges.json", "edges/paths.safetensors",
+            "edges/paths.json", "edges/circuit.json"]
 
 
 STAGE_TOP = 5  # cells per (phase, direction) in summary["stages"]

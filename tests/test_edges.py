@@ -693,10 +693,26 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     assert res.meta["phase"] == 2 and res.per_prompt is not None
     circ = json.loads((out / "edges" / "circuit.json").read_text())
     assert circ["n_items"] == int(res.edge_mask().sum()) and len(circ["curve"]) == 10
+    # the same pairs as paths through everything, at every position and per stage group
+    paths = ck.PatchResult.load(out / "edges" / "paths")
+    assert paths.axes == ("sender", "receiver", "group")
+    assert paths.meta["path_groups"][0] == "all" and "shortlist" in paths.meta["path_groups"]
+    assert [tuple(ck.hooks.parse_head(s)) for s in paths.meta["senders"]] == list(res.senders)
+    assert res.meta["path_coverage"] == {g: row["overall"]
+                                         for g, row in paths.meta["coverage"].items()}
     html = (out / "report.html").read_text()
     assert "Edges: which heads feed which" in html and "CPR" in html
+    assert "Through everything between them" in html
     again = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
     assert again["steps"]["edges"] == summary["steps"]["edges"]  # reused, not rerun
+    # a folder written before the edges step patched paths: its edges step is redone
+    old = json.loads((out / "summary.json").read_text())
+    old["steps"]["edges"]["files"] = [f for f in old["steps"]["edges"]["files"]
+                                      if not f.startswith("edges/paths")]
+    (out / "summary.json").write_text(json.dumps(old))
+    (out / "edges" / "paths.json").unlink()
+    redone = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    assert "edges" in redone["steps_run_this_call"] and (out / "edges" / "paths.json").exists()
 
 
 def test_cli_plans_70b_edges_offline_and_counts_them(monkeypatch, tmp_path):

@@ -387,6 +387,14 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
     if cov.get("overall") is not None and cov["overall"] == cov["overall"]:
         parts.append(f"Summed, these edges explain {_pct2(cov['overall'])} of their senders' own "
                      "effect (each sender patched alone, the same direction and metric).")
+    routes = {g: v for g, v in (meta.get("path_coverage") or {}).items() if v == v}
+    if routes.get("all") is not None:
+        staged = ", ".join(f"{_pct2(v)} at the {g} positions" for g, v in routes.items()
+                           if g != "all")
+        parts.append(f"Through everything between them (MLPs, other heads, other positions: "
+                     f"paths), the same senders reach the same receivers with "
+                     f"{_pct2(routes['all'])} of their own effect"
+                     + (f"; restricted to one stage, {staged}." if staged else "."))
     share = (circuit or {}).get("share")
     if circuit is not None and circuit.get("degenerate"):
         parts.append(f"No share of the behaviour can be given: {circuit['degenerate']}")
