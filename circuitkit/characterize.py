@@ -331,7 +331,20 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                              checkpoint=out / "checkpoints" / "validation")
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
-        record("validation", time.perf_counter() - t0, ["validation.csv"])
+        written = ["validation.csv"]
+        from circuitkit.scoring.causal import has_causal_columns
+
+        if has_causal_columns(scores):  # --stages: the causal top sets are validated too
+            _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
+                           f"against {n_random} random and layer-stratified {k}-head sets")
+            cval = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
+                                  batch_size=batch_size, progress=progress,
+                                  checkpoint=out / "checkpoints" / "validation",
+                                  pools=("all-layers", "layer-stratified"), selection="causal")
+            files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
+            summary["causal_validation"] = causal_validation(cval)
+            written.append("validation-causal.csv")
+        record("validation", time.perf_counter() - t0, written)
     i += 1
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
@@ -429,6 +442,25 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, float) and math.isnan(x):
         return None
     return x
+
+
+def causal_validation(val: Any) -> dict[str, Any]:
+    """``summary["causal_validation"]``: per phase, the causal top set (``validate_heads(...,
+    selection="causal")``, noise, the phase's metric) on the validation notes: ``heads``,
+    ``normalized`` (its joint effect as a share of the gap), and per pool ``p`` with its Monte
+    Carlo interval and ``n_random``."""
+    out: dict[str, Any] = {}
+    rows = val[(val["direction"] == "noise")]
+    for phase, part in rows.groupby("phase"):
+        part = part[part["quantity"] == part["quantity"].iloc[0]]  # the phase's metric first
+        first = part.iloc[0]
+        out[f"phase{int(phase)}"] = dict(
+            heads=str(first["heads"]), quantity=str(first["quantity"]),
+            normalized=float(first["normalized"]), n_prompts=int(first["n_prompts"]),
+            pools={str(r["pool"]): dict(p=float(r["p_value"]), p_low=float(r["p_low"]),
+                                        p_high=float(r["p_high"]), n_random=int(r["n_random"]))
+                   for _, r in part.iterrows()})
+    return out
 
 
 def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,

@@ -37,6 +37,19 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert cols[:len(COLUMNS)] == COLUMNS and "p2_noise_answer" in cols
     assert list(pd.read_csv(out / "validation.csv").columns) == VALIDATION_COLUMNS
     stored = json.loads((out / "summary.json").read_text())
+    # the causal top sets (selected by the stages' noising shares) are validated as well
+    from circuitkit.scoring.causal import causal_heads
+
+    cval = pd.read_csv(out / "validation-causal.csv")
+    assert list(cval.columns) == VALIDATION_COLUMNS
+    assert set(cval["pool"]) == {"all-layers", "layer-stratified"}
+    scores = pd.read_csv(out / "scores.csv")
+    for phase in (1, 2):
+        got = stored["causal_validation"][f"phase{phase}"]
+        assert ck.hooks.heads_in(got["heads"]) == causal_heads(scores, phase, 2)
+        assert set(got["pools"]) == {"all-layers", "layer-stratified"}
+        assert 0 < got["pools"]["layer-stratified"]["p"] <= 1
+    assert "causal top set" in (out / "report.html").read_text()
     assert stored["phase_table"]["phase2"]["groups"]["all"]["top"]
     assert stored["samples"]["select"] == stored["samples"]["validate"]
     assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8

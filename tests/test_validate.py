@@ -376,6 +376,10 @@ def test_validate_refuses_bad_input(planted):
         validate_heads(model, task, scores, n_random=0, progress=False)
     with pytest.raises(ValueError, match="rows"):
         validate_heads(model, task, scores.head(3), progress=False)
+    with pytest.raises(ValueError, match="selection='bogus'"):
+        validate_heads(model, task, scores, selection="bogus", progress=False)
+    with pytest.raises(ValueError, match="needs the causal columns"):
+        validate_heads(model, task, scores, selection="causal", progress=False)
 
 
 def test_a_task_without_phase1_steps_validates_phase2_only():

@@ -19,6 +19,7 @@ for helpful in both directions; ``phase_table`` summarises where each phase's de
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 DIRECTIONS = ("noise", "denoise")
@@ -110,6 +111,11 @@ def carried(table: Any, phase: int, direction: str = "noise", group: str = ALL):
     ``-p{phase}_noise_{group}`` or ``p{phase}_denoise_{group}`` (a pandas Series by row)."""
     col = table[_column(table, phase, group, direction, rank=False)]
     return -col if direction == "noise" else col
+
+
+def has_causal_columns(table: Any) -> bool:
+    """Whether ``table`` holds ``causal_table``'s rank columns (``p{phase}_{direction}_rank_*``)."""
+    return any(re.fullmatch(r"p[12]_(noise|denoise)_rank_.+", str(c)) for c in table.columns)
 
 
 def causal_heads(table: Any, phase: int, k: int, group: str = ALL,

@@ -405,7 +405,7 @@ def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = N_RANDOM,
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
                    progress: bool = True, checkpoint: str | Path | None = None,
-                   pools: Sequence[str] = POOLS):
+                   pools: Sequence[str] = POOLS, selection: str = "score"):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
     with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
     docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
@@ -413,7 +413,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     for finished runs (module docstring); ``pools``: random-set pools among ``ALL_POOLS``
     (default ``POOLS``; "layer-stratified": the top set's per-layer counts from all of each
     layer's heads). Held-out validation: pass ``scores`` from ``score_heads`` on another
-    sample of notes than ``task``'s."""
+    sample of notes than ``task``'s. ``selection``: which top ``k`` heads are tested, "score"
+    (the descriptive ranks, ``top_heads``) or "causal" (the causal columns ``causal_table``
+    merged into ``scores``: ``causal_heads`` by noising share at every position); kept in
+    ``df.attrs["selection"]``."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
@@ -428,8 +431,9 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     rows, sets_used = [], {}
     plan = {}  # the sets of every phase first: the bar's total is known before it starts
+    pick = _selection(scores, selection)
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        top = top_heads(scores, phase, k)
+        top = pick(phase, k)
         pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
         plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
                        [[], top, *(s for p in pools_asked for s in pools[p])])
@@ -474,8 +478,26 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     if bar is not None:
         bar.close()
     df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
-    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
+    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used), selection=selection)
     return df
+
+
+SELECTIONS = ("score", "causal")
+
+
+def _selection(scores: Any, selection: str):
+    """``(phase, k) -> top heads`` of ``selection`` (``validate_heads``), checked up front."""
+    if selection == "score":
+        return lambda phase, k: top_heads(scores, phase, k)
+    if selection != "causal":
+        raise ValueError(f"selection={selection!r}; expected one of {list(SELECTIONS)}.")
+    from circuitkit.scoring.causal import causal_heads, has_causal_columns
+
+    if not has_causal_columns(scores):
+        raise ValueError("selection='causal' needs the causal columns in scores "
+                         "(scoring.causal.causal_table merged on layer, head; characterize "
+                         "--stages writes them into scores.csv).")
+    return lambda phase, k: causal_heads(scores, phase, k)
 
 
 def _variant_bar(desc: str, total: int, progress: bool):

@@ -492,6 +492,7 @@ def causal_finding(summary: dict) -> list[Finding]:
     lines = phase_sentences(table)
     if not lines:
         return []
+    lines += causal_validation_lines(summary)
     samples = summary.get("samples") or {}
     if samples.get("held_out"):
         sel, val = samples["select"], samples["validate"]
@@ -501,6 +502,20 @@ def causal_finding(summary: dict) -> list[Finding]:
                      f"hash {val['hash']}).")
     return [Finding("causal", "Where each decision is made (each head patched at each position "
                     "group)", lines[0], lines[1:])]
+
+
+def causal_validation_lines(summary: dict) -> list[str]:
+    """One sentence per phase of ``summary["causal_validation"]`` (the causal top set patched
+    together on the validation notes, against random sets, p with its Monte Carlo interval)."""
+    out = []
+    for key, got in sorted((summary.get("causal_validation") or {}).items()):
+        pools = "; ".join(f"against {v['n_random']} {pool} random sets p = {format_p(v['p'])} "
+                          f"[{format_p(v['p_low'])}, {format_p(v['p_high'])}]"
+                          for pool, v in got["pools"].items())
+        out.append(f"{key.replace('phase', 'Phase ')}'s causal top set ({got['heads']}) "
+                   f"noised together on the {got['n_prompts']} validation examples moves "
+                   f"{got['quantity']} by {_pct2(got['normalized'])} of the gap; {pools}.")
+    return out
 
 
 def skipped_finding(summary: dict) -> list[Finding]:

@@ -58,7 +58,10 @@ def causal_section(run_dir: Path, summary: dict[str, Any], table_html: Any) -> s
     pt = summary.get("phase_table")
     if not pt:
         return ""
+    from circuitkit.viz.findings import causal_validation_lines
+
     body = "".join(f"<p><b>{html.escape(line)}</b></p>" for line in phase_sentences(pt))
+    body += "".join(f"<p>{html.escape(line)}</p>" for line in causal_validation_lines(summary))
     if summary.get("samples"):
         body += f"<p class='note'>{_samples_line(summary['samples'])}</p>"
     path = Path(run_dir) / "causal.csv"
