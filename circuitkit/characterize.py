@@ -259,6 +259,12 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] {step}: reused")
         return True
 
+    def outdated(step: str, needed: str) -> None:
+        """Drop ``step``'s record when it lacks ``needed``: written by a version whose step
+        did less (its finished parts still resume from their checkpoints)."""
+        if step in steps and needed not in steps[step].get("files", []):
+            steps.pop(step)
+
     sweeps = patch_steps(phases)
     total = len(sweeps) + 3 + int(stages) + int(bool(edges))
     sweep_results: dict[tuple[int, str], Any] = {}
@@ -322,6 +328,10 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                             for p in phases}  # (this call's k)
     summary["stability"] = _json_safe(stability(scores, phases, k))
     i += 1
+    from circuitkit.scoring.causal import has_causal_columns
+
+    if has_causal_columns(scores):  # (a record from before the causal sets were validated)
+        outdated("validation", "validation-causal.csv")
     if not reusable("validation", i):
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
                        f"together, against {n_random} random {k}-head sets")
@@ -332,8 +342,6 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
-        from circuitkit.scoring.causal import has_causal_columns
-
         if has_causal_columns(scores):  # --stages: the causal top sets are validated too
             _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
                            f"against {n_random} random and layer-stratified {k}-head sets")
@@ -360,8 +368,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
         i += 1
-        if "edges/paths.json" not in steps.get("edges", {}).get("files", ["edges/paths.json"]):
-            steps.pop("edges")  # written before the edges step also patched paths: redo it
+        outdated("edges", "edges/paths.json")  # (before the edges step patched paths)
         if not reusable("edges", i):
             _log(progress, f"[{i}/{total}] edges")
             t0 = time.perf_counter()
