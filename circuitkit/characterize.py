@@ -11,6 +11,9 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       inclusion)
     validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
                       direction)
+    validation-causal.csv  (``stages=True``) the same for the causal top-k (``selection=
+                      "causal"``) against all-layers and layer-stratified random sets;
+                      ``summary["causal_validation"]`` its noise rows, said in the findings
     groups/           (``stages=True``) patch-p{phase}-{direction}.*: [layer, head, group] over the
                       task's position groups (``stage_groups``: evidence, anchor, shortlist,
                       answer, read); ``summary["stages"]`` their strongest cells (exact only)
