@@ -196,7 +196,7 @@ def test_ctrl_c_says_what_was_kept_for_each_method(tmp_path, monkeypatch, method
     def interrupted(*a, **k):
         raise KeyboardInterrupt
     if method == "attribution":
-        monkeypatch.setattr("circuitkit.patching.attribution.attribution_patch_heads",
+        monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads",
                             interrupted)
     else:
         monkeypatch.setattr(ExactEngine, "run_chunk", interrupted)

@@ -243,7 +243,7 @@ def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model
 
     def no_screen(*a, **k):
         raise AssertionError("the stored screen was recomputed")
-    monkeypatch.setattr("circuitkit.patching.attribution.attribution_patch_heads", no_screen)
+    monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads", no_screen)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "not usable; screening again" would fail
         warnings.simplefilter("ignore", DegenerateBaselineWarning)

@@ -227,8 +227,8 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
     fake_result = {"atp": patched, "hybrid": patched}
 
     def fake(name):
-        def fn(model, clean, corrupt, metric, **kw):
-            seen[name] = kw
+        def fn(model, clean, corrupt, metric, estimator, **kw):
+            seen[name] = dict(kw, estimator=estimator)
             return fake_result[name]
         return fn
 
@@ -236,11 +236,11 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
         seen["hybrid"] = dict(kw, kind=units.kind, cell_ndim=units.index.shape[1])
         return patched
 
-    monkeypatch.setattr(attribution, "attribution_patch_heads", fake("atp"))
+    monkeypatch.setattr(attribution, "estimate_heads", fake("atp"))
     monkeypatch.setattr(hybrid, "screen_then_verify", screen_then_verify)
     assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) is patched
-    assert seen["atp"] == dict(direction="denoise", site="k", positions="all", atp_star=True,
-                               batch_size=None, progress=True)
+    assert seen["atp"] == dict(estimator="qk", direction="denoise", site="k", positions="all",
+                               atp_star=True, batch_size=None, progress=True, explicit=False)
     assert ck.patch_heads(*args, method="attribution+exact", top_k=5,
                           positions="each") is patched
     assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["kind"] == "heads"

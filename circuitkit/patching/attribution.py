@@ -199,7 +199,25 @@ def attribution_patch_heads(
     est, clean_tokens, corrupt_tokens, metric = _checked_heads(
         model, clean_tokens, corrupt_tokens, metric, direction, site, positions, atp_star,
         batch_size, exact_tail, estimator, ig_steps)
-    tail = bool(est.qk and site == "z" and (atp_star and estimator is None
+    return estimate_heads(model, clean_tokens, corrupt_tokens, metric, est.name, direction,
+                          site, positions, atp_star, batch_size, progress, exact_tail, ig_steps,
+                          t_start, explicit=estimator is not None)
+
+
+def estimate_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any,
+                   estimator: str, direction: str = "denoise", site: str = "z",
+                   positions: str = "all", atp_star: bool = False,
+                   batch_size: int | None = None, progress: bool = True,
+                   exact_tail: bool | None = None, ig_steps: int = IG_STEPS,
+                   t_start: float | None = None, explicit: bool = True) -> PatchResult:
+    """``attribution_patch_heads`` on arguments already checked (``patch``'s entry checks
+    them once; ``metric`` a ``PromptMetric`` fit for the tokens): the screen of the hybrid and
+    ``auto`` call this, so no check runs twice. ``explicit``: the estimator was asked for by
+    name (the exact tail then follows ``exact_tail`` only, not ``atp_star``)."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    est = REGISTRY[estimator]
+    check_model(model, est, site, clean_tokens)  # (what the estimator needs of the model)
+    tail = bool(est.qk and site == "z" and (atp_star and not explicit
                                             if exact_tail is None else exact_tail))
     n, seq = clean_tokens.shape
     steps = estimator_plan(hooks.facts(model).n_layers, site, est.qk, tail) if est.qk else None
@@ -243,7 +261,6 @@ def _checked_heads(model, clean_tokens, corrupt_tokens, metric, direction, site,
     check_metric_prompts(metric, n)
     check_gradient(metric, "attribution")
     metric = checked_metric(model, clean_tokens, corrupt_tokens, metric, batch_size)
-    check_model(model, est, site, clean_tokens)
     if exact_tail and (site != "z" or not est.qk):
         raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
                                   "or 'atp*' only.")

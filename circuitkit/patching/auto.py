@@ -96,9 +96,9 @@ def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetr
     try:
         check_gradient(pm, "attribution")
         with quiet_baseline():  # the exact result says it, once
-            screen = attribution.attribution_patch_heads(
-                model, clean, corrupt, pm, direction=direction, site=site, positions=positions,
-                estimator=estimator, batch_size=batch_size, progress=False)
+            screen = attribution.estimate_heads(
+                model, clean, corrupt, pm, estimator, direction=direction, site=site,
+                positions=positions, batch_size=batch_size, progress=False)
     except NoGradientError:
         return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
     base = res.corrupt if direction == "denoise" else res.clean

@@ -29,6 +29,7 @@ from circuitkit.patching import attribution, exact, groups
 from circuitkit.patching import plan as costs
 from circuitkit.patching.checkpoint import sweep_identity
 from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from circuitkit.patching.estimators.registry import resolve_estimator
 from circuitkit.patching.hybrid import Screenable, check_max_passes
 from circuitkit.patching.inputs import (
     BACKENDS,
@@ -231,17 +232,17 @@ class HeadUnits(_Units):
         """Attribution; position groups: the per-position estimate summed over each group."""
         extra = {} if opts.ig_steps is None else dict(ig_steps=opts.ig_steps)
         if self.grouped:
-            each = attribution.attribution_patch_heads(
-                model, clean, corrupt, pm, direction=direction, site=self.site,
-                positions="each", batch_size=batch_size, progress=progress, estimator="atp")
+            each = attribution.estimate_heads(
+                model, clean, corrupt, pm, "atp", direction=direction, site=self.site,
+                positions="each", batch_size=batch_size, progress=progress)
             res = groups.summed_over(each, self.positions)
             res.meta.update(exact.group_meta(self.positions))
             return res
-        chosen = {} if opts.estimator is None else dict(estimator=opts.estimator)
-        return attribution.attribution_patch_heads(
-            model, clean, corrupt, pm, direction=direction, site=self.site,
-            positions=self.positions, atp_star=opts.atp_star, batch_size=batch_size,
-            progress=progress, **chosen, **extra)
+        return attribution.estimate_heads(
+            model, clean, corrupt, pm, resolve_estimator(opts.estimator, opts.atp_star),
+            direction=direction, site=self.site, positions=self.positions,
+            atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
+            explicit=opts.estimator is not None, **extra)
 
     def screen_estimator(self, model: Any, opts: MethodOptions, clean: Any) -> str:
         """The hybrid's screen: ``estimator``, else "qk" with ``atp_star`` where it applies,
@@ -277,10 +278,10 @@ class HeadUnits(_Units):
             per_round=per_layer, metric=pm, n_prompts=n,
             exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
                                      checkpoint, progress, {}),
-            screen=lambda: attribution.attribution_patch_heads(
-                model, clean, corrupt, pm, direction=direction, site=self.site,
-                positions=self.positions, estimator=estimator, atp_star=star,
-                batch_size=batch_size, progress=progress),
+            screen=lambda: attribution.estimate_heads(
+                model, clean, corrupt, pm, estimator, direction=direction, site=self.site,
+                positions=self.positions, atp_star=star, batch_size=batch_size,
+                progress=progress),
             screen_passes=n * attribution.estimator_passes(
                 model, estimator, self.site, self.positions, seq, batch=min(batch_size or n, n)),
             identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
