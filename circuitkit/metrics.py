@@ -30,10 +30,13 @@ still gives the same values on the first probe input (``_same``): a lambda readi
 call of ``fn`` decides; measured in ``benchmarks/metric_probe.py``). Random logits cannot show
 every read of a metric whose read position depends on the logits themselves
 (``torch.where(l[:, -1, a] > l[:, -1, b], l[:, -1, c], l[:, -3, c])``), so probed reads are
-marked ``probed``: every entry point checks them on the real clean and corrupt logits
-(``PromptMetric.reads_hold``, ``patching.inputs.checked_metric``) and reads every position
-where they do not hold. ``gradient`` records whether the callable's value carries a gradient to the
-logits (``.item()``, numpy and ``.detach()`` do not): attribution refuses a metric without one.
+marked ``probed``: every entry point checks them on the real clean and corrupt runs and
+reads every position where they do not hold: the exact engine on its cached runs' logits at the
+reads, with random logits everywhere else (``PromptMetric.reads_hold_at``: a read only real
+values trigger then meets random ones), the other entries on the full logits
+(``PromptMetric.reads_hold``, ``patching.inputs.checked_metric``). ``gradient`` records
+whether the callable's value carries a gradient to the logits (``.item()``, numpy and
+``.detach()`` do not): attribution refuses a metric without one.
 
 Positions follow the task layout: the prediction of the token at position ``p`` is read from the
 logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metrics from it.
@@ -122,6 +125,26 @@ class PromptMetric:
             kept = self.per_prompt(logits[torch.arange(n, device=logits.device)[:, None], at],
                                    at=at)
         return _same(kept, full)
+
+    def reads_hold_at(self, kept: Float[Tensor, "batch k vocab"], seq: int) -> bool:
+        """Whether the values from real logits at ``reads`` (``kept``: the logits there, as a
+        sweep's cached runs compute them) stay put when every other position of the ``seq``
+        holds seeded random logits instead of zeros (what sweeps hand the metric there),
+        rtol 1e-5, atol 1e-6. A read a probe on random logits missed (one that only real values
+        at the reads trigger, e.g. a branch on them) then meets random values and shows: the
+        check of ``reads_hold`` without unembedding every position. Always True without
+        ``reads``."""
+        reads = self.read_positions()
+        if reads is None:
+            return True
+        n, k, vocab = kept.shape
+        at = reads.to(kept.device).expand(n, -1)
+        full = torch.empty(n, seq, vocab, dtype=kept.dtype)
+        _probe_input(full, 2)  # (a fill the probe did not see)
+        full = full.to(kept.device)
+        full[torch.arange(n, device=kept.device)[:, None], at] = kept
+        with torch.no_grad():
+            return _same(self.per_prompt(full), self.per_prompt(kept, at=at))
 
     def reading_every_position(self, why: str) -> PromptMetric:
         """This metric with its reads dropped (every position computed), ``why`` in its note."""

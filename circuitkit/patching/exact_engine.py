@@ -76,8 +76,7 @@ class ExactEngine(HeadSetRuns):
     def _bind(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
               sweep: Sweep) -> None:
         """What every engine holds: the model, metric and sweep, devices, the metric's reads
-        and the base and source tokens (up to the last read position; all positions for a
-        probed metric, whose reads the cached runs check)."""
+        and the base and source tokens (up to the last read position)."""
         self.model, self.metric, self.sweep = model, metric, sweep
         self.device = next(model.parameters()).device
         # A model split over GPUs (n_devices / device_map) holds block l on its own device:
@@ -89,24 +88,23 @@ class ExactEngine(HeadSetRuns):
         # bidirectional model (Tracr's) reads every position at every position: runs are whole.
         self.causal = hooks.facts(model).causal
         self.length = self._run_length(0, sweep.n_prompts)
-        # Reads a probe found on random logits (metric.probed) are checked on the cached runs'
-        # full logits (inputs.ReadsDoNotHold where they do not hold): those runs go to the end.
-        cached = sweep.seq if metric.probed else self.length
+        # (reads a probe found on random logits, metric.probed, are checked on the cached runs'
+        # logits at the reads: PromptMetric.reads_hold_at; inputs.ReadsDoNotHold if not)
         base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
-        self.base = base[:, :cached].to(self.device)
-        self.source = source[:, :cached].to(self.device)
+        self.base = base[:, :self.length].to(self.device)
+        self.source = source[:, :self.length].to(self.device)
 
     def _cached_runs(self, token_sets: Sequence[Tensor], names: Sequence[str], rows: int
                      ) -> tuple[list[Tensor], dict[str, list[Tensor]]]:
         """Metric of unpatched runs of each ``[n, seq]`` token set and their activations at
         ``names`` (``cache[name][set]``, stored on the CPU). The sets run stacked in the batch,
         at most ``rows`` sequences per forward. A probed metric's reads are checked on each
-        set's full logits first (``inputs.ReadsDoNotHold``)."""
+        set's logits at the reads (``PromptMetric.reads_hold_at``; ``inputs.ReadsDoNotHold``)."""
         want, n = set(names), self.sweep.n_prompts
         tokens = torch.cat(list(token_sets))
         check = self.metric.probed and self.reads is not None
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
-        gather = None if check else reads  # (checked: every position unembedded)
+        gather = reads
         logits, acts = [], {name: [] for name in want}
         kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
         if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, reads, kinds)):
@@ -144,10 +142,8 @@ class ExactEngine(HeadSetRuns):
             which = ("corrupt", "clean") if self.sweep.direction == "denoise" else ("clean",
                                                                                  "corrupt")
             for i in range(len(token_sets)):
-                if not self.metric.reads_hold(all_logits[i * n:(i + 1) * n]):
+                if not self.metric.reads_hold_at(all_logits[i * n:(i + 1) * n], self.sweep.seq):
                     raise ReadsDoNotHold(self.metric.name, which[i % 2])
-            rows_idx = torch.arange(all_logits.shape[0], device=all_logits.device)[:, None]
-            all_logits = all_logits[rows_idx, reads.to(all_logits.device)]
         whats = ("unpatched base run", "unpatched source run")
         values = [evaluate_metric(self.metric, all_logits[i * n:(i + 1) * n], whats[i % 2],
                                   at=self.reads) for i in range(len(token_sets))]
