@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import circuitkit as ck
 from circuitkit import models
 from circuitkit.cli import app
 from circuitkit.patching import plan as P
@@ -227,21 +228,26 @@ def test_price_is_the_plans_row_and_edges_share_the_heads_checks(arch):
     lengths = [300] * 8 + [512] * 4
     heads = P.sweep_plan(arch, lengths, top_k=20)
     for method, row in heads["methods"].items():
-        assert P.price(arch, lengths, "heads", method, top_k=20) == row
+        assert P.price(arch, lengths, ck.HeadUnits(), method, top_k=20) == row
     teacher = models.architecture("icd-teacher")
     s, r, i = check_edge_nodes(teacher, None, None, ("q",))
     layout = EdgeLayout(teacher.n_layers, teacher.n_heads, teacher.n_kv_heads, s, r, i)
     edges = P.edge_plan(teacher, [40, 64], layout, gpu="A100")
     assert set(edges["methods"]) >= {"exact", "TL loop", "eap", "eap*", "attribution+exact"}
     for method, row in edges["methods"].items():
-        assert P.price(teacher, [40, 64], "edges", method, layout=layout, gpu="A100") == row
+        assert P.price(teacher, [40, 64], ck.EdgeUnits(layout=layout), method,
+                       gpu="A100") == row
     b = P.basis(arch, lengths)
     assert (b.n_gpus, b.weights) == (heads["n_gpus"], heads["weights_bytes"])
     assert (b.n_gpus, b.weights) == (2, 2 * arch.n_params)
-    with pytest.raises(ValueError, match="'heads' or 'edges'"):
-        P.price(arch, lengths, "neurons", "exact")
+    with pytest.raises(ValueError, match="prices heads or edges"):
+        P.price(arch, lengths, "heads", "exact")  # a name is not the units
+    with pytest.raises(ValueError, match="prices heads or edges"):
+        P.price(arch, lengths, ck.LayerUnits(), "exact")
     with pytest.raises(ValueError, match="prices"):
-        P.price(arch, lengths, "heads", "eap")
+        P.price(arch, lengths, ck.HeadUnits(), "eap")
+    assert P.price(arch, lengths, ck.HeadUnits("z", "each"), "exact") == \
+        P.sweep_plan(arch, lengths, positions="each")["methods"]["exact"]
     s, r, i = check_edge_nodes(arch, None, None, ("q",))
     big = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
     for kw, said in ((dict(n_gpus=1), "needs at least 2"), (dict(utilisation=2.0), "utilisation"),

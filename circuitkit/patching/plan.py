@@ -212,20 +212,19 @@ def basis(arch: Any, lengths: Sequence[int], *, top_k: int | None = None, gpu: s
                  g.bf16_dense_flops * utilisation * replicas)
 
 
-def price(arch: Any, lengths: Sequence[int], units: str, method: str, **kw: Any
+def price(arch: Any, lengths: Sequence[int], units: Any, method: str, **kw: Any
           ) -> dict[str, Any]:
-    """One method's row (pass-equivalents, FLOPs, seconds, ...) of a sweep of ``units``:
-    ``"heads"`` (``sweep_plan``'s keywords; methods "exact", "attribution",
-    "attribution+exact") or ``"edges"`` (``edge_plan``'s, ``layout`` among them; methods
-    "exact", "TL loop", each edge estimator of the registry, "attribution+exact")."""
-    if units == "heads":
-        p = sweep_plan(arch, list(lengths), **kw)
-    elif units == "edges":
-        p = edge_plan(arch, list(lengths), kw.pop("layout"), **kw)
-    else:
-        raise ValueError(f"units={units!r}: a plan prices 'heads' or 'edges'.")
+    """One method's row (pass-equivalents, FLOPs, seconds, ...) of a sweep of ``units`` (a
+    ``HeadUnits`` or ``EdgeUnits``: its ``cost_plan``, ``sweep_plan``'s or ``edge_plan``'s
+    keywords in ``kw``); methods "exact", "attribution", "attribution+exact" (heads) or
+    "exact", "TL loop", each edge estimator of the registry, "attribution+exact" (edges)."""
+    if not callable(getattr(units, "cost_plan", None)):
+        raise ValueError(f"units={units!r}: a plan prices heads or edges; pass "
+                         "ck.HeadUnits(site, positions) or ck.EdgeUnits(senders, receivers, "
+                         "inputs).")
+    p = units.cost_plan(arch, list(lengths), **kw)
     if method not in p["methods"]:
-        raise ValueError(f"method={method!r}: a {units} plan prices {list(p['methods'])}.")
+        raise ValueError(f"method={method!r}: a {units.kind} plan prices {list(p['methods'])}.")
     return p["methods"][method]
 
 
