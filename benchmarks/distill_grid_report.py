@@ -37,9 +37,8 @@ METRICS = ["exact_match", "confusion", "focus", "macro_f1", "las", "las_gold_pre
            "p2_gap"]
 CLAIMS = {"focus": 0.09, "confusion": -0.07}  # the paper's reported effects of p1+p2
 CURVE_KEYS = ("exact_match", "focus", "confusion")
-# the issue-35 grid as committed ran before ``train.plain_model``: its curves' exact match was
-# decoded through the bridge-wrapped training model and is wrong (focus and confusion, read from
-# the same logits as the saved student's, are right): ``--curve-keys focus,confusion``
+# (a grid run before ``train.plain_model`` decoded its curves' exact match through the
+# bridge-wrapped training model, wrongly: report it with ``--curve-keys focus,confusion``)
 
 
 def fmt(iv) -> str:
