@@ -15,8 +15,10 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       "causal"``) against all-layers and layer-stratified random sets;
                       ``summary["causal_validation"]`` its noise rows, said in the findings
     groups/           (``stages=True``) patch-p{phase}-{direction}.*: [layer, head, group] over the
-                      task's position groups (``stage_groups``: evidence, anchor, shortlist,
-                      answer, read); ``summary["stages"]`` their strongest cells (exact only)
+                      task's position groups on the selection examples (``stage_groups``:
+                      evidence, the anchor, shortlist and answer steps, all);
+                      ``summary["stages"]`` their strongest cells; ``causal.csv`` and
+                      ``summary["phase_table"]`` from the same sweeps (exact only)
     head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
                       random sets: exact match, confusion, focus; resample needs two prompts
                       with steps of every phase: on one it is skipped, ``summary["skipped"]``)
@@ -304,13 +306,12 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     if stages:
         if not reusable("stages", i):
             _log(progress, f"[{i}/{total}] stages: every head patched at each position group "
-                           f"(evidence, anchor, shortlist, answer, read) per phase, both "
-                           "directions")
+                           f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
+                           f"directions, on the {len(chosen)} selection examples")
             t0 = time.perf_counter()
-            written, summary["stages"] = _stages_step(
-                model, per_phase, out, batch_size, progress,
-                dict(model_name=name, task=task_name))
-            written += _causal_step(model, chosen, out, k, batch_size, progress, summary)
+            written = _stages_step(model, {p: phase_task(chosen, p) for p in phases}, out, k,
+                                   batch_size, progress, dict(model_name=name, task=task_name),
+                                   summary)
             record("stages", time.perf_counter() - t0, written)
         i += 1
     if reusable("scores", i):
@@ -375,7 +376,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         if not reusable("edges", i):
             _log(progress, f"[{i}/{total}] edges")
             t0 = time.perf_counter()
-            written = _edges_step(model, per_phase, scores, k, out, batch_size, progress,
+            written = _edges_step(model, {p: phase_task(chosen, p) for p in phases}, scores,
+                                  k, out, batch_size, progress,
                                   dict(model_name=name, task=task_name))
             record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
@@ -480,8 +482,6 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
     returns the files written (relative to ``out``), none when no receiver lies after a
     sender."""
-    import torch
-
     import circuitkit as ck
     from circuitkit import hooks
     from circuitkit.scoring.heads import top_heads
@@ -503,7 +503,7 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
                     receivers_from=f"phase{phases[-1]}")
     # the same senders and receivers through everything between them (MLPs, other heads, other
     # positions), each route restricted to one stage's positions: what the q/k/v edges miss
-    groups = {"all": torch.ones(tp.clean_tokens.shape, dtype=torch.bool), **stage_groups(tp)}
+    groups = stage_groups(tp)
     shared_kv = hooks.facts(model).gqa  # a k/v input is several heads' (patch_paths: q only)
     paths = ck.patch_paths(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
                            receivers, inputs=("q",) if shared_kv else tuple(res.inputs),
@@ -522,30 +522,29 @@ STAGE_TOP = 5  # cells per (phase, direction) in summary["stages"]
 
 
 def stage_groups(task: Any) -> dict[str, Any]:
-    """The position groups ``characterize``'s stages step patches: ``task.position_groups()``
-    (each stage at its tokens' own positions) and "read": the positions the phase's metric
-    reads (the step before each scored token: where the answer is produced)."""
-    import torch
+    """The position groups ``characterize``'s stages step (and the edge step's paths) patch:
+    ``scoring.causal.causal_groups(task, "steps")``: evidence at its tokens, anchor, shortlist
+    and answer at the steps that write them (each token's position - 1; "answer" is where the
+    phase's metric reads), and "all". One meaning of "the shortlist positions" in a run."""
+    from circuitkit.scoring.causal import causal_groups
 
-    groups = task.position_groups()
-    reads = task.answer_positions
-    read = torch.zeros(task.clean_tokens.shape, dtype=torch.bool)
-    rows = torch.arange(len(task))[:, None].expand_as(reads)
-    read[rows[reads >= 0], reads[reads >= 0]] = True
-    groups["read"] = read
-    return groups
+    return causal_groups(task, "steps")
 
 
-def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, batch_size: int | None,
-                 progress: bool, meta: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """Exact ``[layer, head, group]`` sweeps over each phase's ``stage_groups``, denoise and
-    noise: ``out/groups/patch-p{phase}-{direction}.*`` (PatchResult), and the summary's
-    ``stages``: per phase and direction the group names and the ``STAGE_TOP`` cells with the
-    largest ``|normalized|`` (head, group, normalized)."""
+def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
+                 batch_size: int | None, progress: bool, meta: dict[str, Any],
+                 summary: dict[str, Any]) -> list[str]:
+    """Exact ``[layer, head, group]`` sweeps over each phase's ``stage_groups`` (on the
+    selection notes), denoise and noise: ``out/groups/patch-p{phase}-{direction}.*``
+    (PatchResult); from the same sweeps ``out/causal.csv`` (``causal.causal_frame``) and the
+    summary's ``phase_table`` (top ``k``) and ``stages`` (per phase and direction the group
+    names and the ``STAGE_TOP`` cells with the largest ``|normalized|``)."""
     import circuitkit as ck
+    from circuitkit import files, hooks
     from circuitkit.patching.results import quiet_baseline
+    from circuitkit.scoring.causal import causal_frame, phase_table
 
-    written, said = [], {}
+    written, said, sweeps = [], {}, {}
     for phase, tp in per_phase.items():
         groups = stage_groups(tp)
         for direction in ("denoise", "noise"):
@@ -559,6 +558,7 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, batch_size: i
                 norm = res.normalized()
             res.meta.update(meta, phase=phase, n_examples=len(tp))
             res.save(out / "groups" / step, views=False)
+            sweeps[(phase, direction)] = (res, tp)
             written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
             flat = norm.abs().nan_to_num(0).flatten()
             top = flat.argsort(descending=True)[:STAGE_TOP].tolist()
@@ -568,7 +568,13 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, batch_size: i
                     dict(head=[c // (H * G), (c // G) % H],
                          group=res.meta["group_names"][c % G],
                          normalized=round(float(norm.flatten()[c]), 4)) for c in top])
-    return written, said
+    f = hooks.facts(model)
+    table = causal_frame(f.n_layers, f.n_heads, sweeps, "steps")
+    files.write_text(out / "causal.csv", table.to_csv(index=False))
+    summary["stages"] = said
+    summary["causal_attrs"] = _json_safe(table.attrs)
+    summary["phase_table"] = _json_safe(phase_table(table, k=k))
+    return written + ["causal.csv"]
 
 
 def selection_samples(task: Any, select_n: int | None, seed: int
@@ -591,20 +597,6 @@ def selection_samples(task: Any, select_n: int | None, seed: int
                                                                           len(task)))
     return chosen, rest, dict(select=named(chosen, 0), validate=named(rest, int(select_n)),
                               held_out=True)
-
-
-def _causal_step(model: Any, task: Any, out: Path, k: int, batch_size: int | None,
-                 progress: bool, summary: dict[str, Any]) -> list[str]:
-    """``scoring.causal.causal_table`` on ``task`` (steps convention) into ``out/causal.csv``,
-    and ``summary["phase_table"]`` from it (``phase_table``, top ``k``)."""
-    from circuitkit import files
-    from circuitkit.scoring.causal import causal_table, phase_table
-
-    table = causal_table(model, task, batch_size=batch_size, progress=progress)
-    files.write_text(out / "causal.csv", table.to_csv(index=False))
-    summary["causal_attrs"] = _json_safe(table.attrs)
-    summary["phase_table"] = _json_safe(phase_table(table, k=k))
-    return ["causal.csv"]
 
 
 def _stored(path: Path) -> Any:

@@ -58,7 +58,13 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
         for d in ("denoise", "noise"):
             res = ck.PatchResult.load(out / "groups" / f"patch-p{phase}-{d}")
             assert res.axes == ("layer", "head", "group") and res.direction == d
-            assert res.meta["group_names"][-1] == "read" and res.values.shape[:2] == (3, 4)
+            assert res.meta["group_names"][-1] == "all" and res.values.shape[:2] == (3, 4)
+            # causal.csv comes from these very sweeps: one meaning of each group in a run
+            causal = pd.read_csv(out / "causal.csv")
+            for g, name in enumerate(res.meta["group_names"]):
+                torch.testing.assert_close(
+                    torch.tensor(causal[f"p{phase}_{d}_{name}"].to_numpy()),
+                    res.normalized()[..., g].flatten().double(), rtol=0, atol=1e-9)
             top = stored["stages"][f"phase{phase}"][d]["top"]
             assert len(top) == 5 and top[0]["group"] in res.meta["group_names"]
     assert "Heads by stage" in (out / "report.html").read_text()

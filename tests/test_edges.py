@@ -696,7 +696,11 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     # the same pairs as paths through everything, at every position and per stage group
     paths = ck.PatchResult.load(out / "edges" / "paths")
     assert paths.axes == ("sender", "receiver", "group")
-    assert paths.meta["path_groups"][0] == "all" and "shortlist" in paths.meta["path_groups"]
+    from circuitkit.characterize import stage_groups
+
+    assert paths.meta["path_groups"] == list(stage_groups(ck.load_task(
+        "synthetic", n_examples=8, split="test", **kw["task_kwargs"]).with_phase(2)))
+    assert "all" in paths.meta["path_groups"] and "shortlist" in paths.meta["path_groups"]
     assert [tuple(ck.hooks.parse_head(s)) for s in paths.meta["senders"]] == list(res.senders)
     assert res.meta["path_coverage"] == {g: row["overall"]
                                          for g, row in paths.meta["coverage"].items()}

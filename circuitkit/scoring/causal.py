@@ -46,10 +46,7 @@ def causal_table(model: Any, task: Any, *, n: int | None = None,
     each phase the task has steps of (``task_phases``). ``n``: the first ``n`` examples only.
     ``df.attrs``: per phase the metric name, prompts, clean, corrupt, gap, whether degenerate
     (then the columns are raw effects, ``PatchResult.normalized``), group names and sizes."""
-    import pandas as pd
-
     import circuitkit as ck
-    from circuitkit.hooks import head_name
     from circuitkit.patching.results import quiet_baseline
     from circuitkit.tasks.base import phase_task, task_phases
 
@@ -65,31 +62,46 @@ def causal_table(model: Any, task: Any, *, n: int | None = None,
     if not phases:
         raise ValueError(f"causal_table: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps: no metric to patch.")
-    L, H = model.cfg.n_layers, model.cfg.n_heads
-    df = pd.DataFrame(dict(layer=[ly for ly in range(L) for _ in range(H)],
-                           head=[h for _ in range(L) for h in range(H)]))
-    df["name"] = [head_name(int(r.layer), int(r.head)) for r in df.itertuples()]
-    info: dict[str, Any] = dict(at=at, phases=phases)
+    sweeps = {}
     for p in phases:
         tp = phase_task(task, p)
         groups = causal_groups(tp, at)
         for d in directions:
             with quiet_baseline():  # the caller's sweeps say a degenerate baseline once
-                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction=d, positions=groups, batch_size=batch_size,
-                                     progress=progress, task_hash=tp.fingerprint())
-                norm = res.normalized().double()  # [layer, head, group]
-            for g, name in enumerate(res.meta["group_names"]):
-                col = norm[..., g].flatten().numpy()
-                df[f"p{p}_{d}_{name}"] = col
-                helpful = pd.Series(-col if d == "noise" else col)
-                df[f"p{p}_{d}_rank_{name}"] = helpful.rank(ascending=False, method="min"
-                                                           ).astype(int)
-            info[f"phase{p}"] = dict(
-                metric=tp.metric.name, n_prompts=len(tp), clean=float(res.clean),
-                corrupt=float(res.corrupt), gap=float(res.gap), degenerate=bool(res.degenerate),
-                groups=list(res.meta["group_names"]),
-                group_sizes=[round(s, 3) for s in res.meta.get("group_sizes", [])])
+                sweeps[(p, d)] = (ck.patch_heads(
+                    model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, direction=d,
+                    positions=groups, batch_size=batch_size, progress=progress,
+                    task_hash=tp.fingerprint()), tp)
+    return causal_frame(model.cfg.n_layers, model.cfg.n_heads, sweeps, at)
+
+
+def causal_frame(n_layers: int, n_heads: int, sweeps: dict[tuple[int, str], Any],
+                 at: str = "steps"):
+    """``causal_table``'s frame from its sweeps: ``sweeps[(phase, direction)] = (result, phase
+    task)``, each result a ``[layer, head, group]`` ``patch_heads`` over ``causal_groups``
+    (``characterize --stages`` passes the sweeps it saved, so they run once)."""
+    import pandas as pd
+
+    from circuitkit.hooks import head_name
+
+    L, H = n_layers, n_heads
+    df = pd.DataFrame(dict(layer=[ly for ly in range(L) for _ in range(H)],
+                           head=[h for _ in range(L) for h in range(H)]))
+    df["name"] = [head_name(int(r.layer), int(r.head)) for r in df.itertuples()]
+    info: dict[str, Any] = dict(at=at, phases=sorted({p for p, _ in sweeps}))
+    for (p, d), (res, tp) in sweeps.items():
+        norm = res.normalized().double()  # [layer, head, group]
+        for g, name in enumerate(res.meta["group_names"]):
+            col = norm[..., g].flatten().numpy()
+            df[f"p{p}_{d}_{name}"] = col
+            helpful = pd.Series(-col if d == "noise" else col)
+            df[f"p{p}_{d}_rank_{name}"] = helpful.rank(ascending=False, method="min"
+                                                       ).astype(int)
+        info[f"phase{p}"] = dict(
+            metric=tp.metric.name, n_prompts=len(tp), clean=float(res.clean),
+            corrupt=float(res.corrupt), gap=float(res.gap), degenerate=bool(res.degenerate),
+            groups=list(res.meta["group_names"]),
+            group_sizes=[round(s, 3) for s in res.meta.get("group_sizes", [])])
     df.attrs.update(info)
     return df
 
