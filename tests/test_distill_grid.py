@@ -95,6 +95,25 @@ def test_a_partial_grid_refuses_a_change_and_overwrite_starts_over(base, tmp_pat
     assert "steps" not in A.STORE_KEYS and "pool_size" in A.STORE_KEYS
 
 
+def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_path):
+    """A run whose metrics.json lacks one of ``METRICS`` (a version that measured less, e.g.
+    before ``focus_per_step``) is measured again from its saved student on resume; training
+    is not repeated and the other values stay."""
+    out = tmp_path / "g"  # (a copy would move the folders its runs' configs name)
+    A.run_ablation(out, variants=("cot",), data=("full",), **GRID)
+    (done,) = list((out / "runs").glob("*/cot-seed0/metrics.json"))
+    rec = json.loads(done.read_text())
+    old = dict(rec["metrics"])
+    rec["metrics"].pop("focus_per_step")
+    done.write_text(json.dumps(rec))
+    assert not A.measured(done.parent)
+    record = (done.parent / T.RECORD).read_bytes()  # distill.json: rewritten if it trained
+    A.run_ablation(out, variants=("cot",), data=("full",), **GRID)
+    again = json.loads(done.read_text())["metrics"]
+    assert A.measured(done.parent) and (done.parent / T.RECORD).read_bytes() == record
+    assert again == old  # (deterministic: the same student, the same notes)
+
+
 def test_ablation_refuses_single_student_options():
     r = CliRunner().invoke(app, CLI + ["--batch-size", "8", "--out", "/tmp/unused-grid"])
     assert r.exit_code == 2 and "--batch-size is a single student's option" in r.output

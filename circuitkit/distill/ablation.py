@@ -86,7 +86,8 @@ DEFAULT_VARIANTS = ("cot", "p1", "p2", "p1+p2", "nonselective")
 VARIANT_LOSS: dict[str, dict[str, str]] = {"p1+p2-causal": dict(heads="causal")}
 STUDENTS = ("student", "student4")
 DATA = {"full": 1, "small": 10}  # pool divisor
-TASK_METRICS = ("focus", "confusion", "confusion_rate", "macro_f1", "exact_match")
+TASK_METRICS = ("focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
+                "exact_match")
 LAS_METRICS = ("las", "las_gold_prefit")
 FIDELITY_METRICS = ("p1_gap", "p2_gap", "sharpness", "anchor_alignment",
                     "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
@@ -246,15 +247,17 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     test = ctx.test
-    focus, conf = [], []
+    focus, step, conf = [], [], []
     with torch.no_grad():
         for s in range(0, len(test), batch_size):
             sub = test.subset(range(s, min(s + batch_size, len(test))))
             logits = hf(sub.clean_tokens).logits
             focus.append(ev.focus_from_logits(logits, sub))
+            step.append(ev.focus_per_step_from_logits(logits, sub))
             conf.append(ev.confusion_from_logits(logits, sub))
-    f, c = torch.cat(focus), torch.cat(conf)
-    out: dict[str, Any] = dict(focus=float(f.nanmean()), confusion=float(c.nanmean()))
+    f, fs, c = torch.cat(focus), torch.cat(step), torch.cat(conf)
+    out: dict[str, Any] = dict(focus=float(f.nanmean()), focus_per_step=float(fs.nanmean()),
+                               confusion=float(c.nanmean()))
     gens = decode(hf, test)
     out.update(ev.set_metrics([ev.parse_answer(g, test) for g in gens],
                               [set(e.targets) for e in test.examples],
@@ -314,7 +317,7 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
 
     folder = run.folder(Path(out))
     done = folder / "metrics.json"
-    if done.exists():
+    if measured(folder):
         return str(done)
     config = DistillConfig(**cfg)
     if progress:
@@ -338,6 +341,17 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
     write_json(done, dict(run=asdict(run), metrics=m, config=asdict(config),
                           eval_seconds=round(time.perf_counter() - t0, 1)))
     return str(done)
+
+
+def measured(folder: Path) -> bool:
+    """Whether ``folder/metrics.json`` holds every one of ``METRICS``: a run measured by a
+    version that measured less is measured again from its saved student (``train_student``
+    finds it there and does not train)."""
+    try:
+        got = json.loads((Path(folder) / "metrics.json").read_text())["metrics"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all(k in got for k in METRICS)
 
 
 def _task(fn: Any, *args: Any) -> Any:
@@ -769,7 +783,7 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
     configs; None: no pre-training); a finished start (its ``distill.json``) is reused."""
     from circuitkit.distill.train import RECORD
 
-    todo = [r for r in runs if not (r.folder(out) / "metrics.json").exists()]
+    todo = [r for r in runs if not measured(r.folder(out))]
     starts = list({r.cell: r for r in todo
                    if pretrain_of is not None
                    and not (r.pretrain_folder(out) / RECORD).exists()}.values())

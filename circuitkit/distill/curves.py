@@ -11,8 +11,9 @@ predict). Two callbacks live here:
   (``[{"step": s, "heldout_loss": x}, ...]``), written after each point, so a resumed run keeps
   them. ``best_step(points)``: the step of the lowest held-out loss (ties: the earlier), the
   grid's S*.
-* ``Curve``: exact match (greedy decoding, ``evaluation.set_metrics``), per-step focus and
-  sibling confusion (``evaluation.focus_from_logits`` / ``confusion_from_logits``) of the
+* ``Curve``: exact match (greedy decoding, ``evaluation.set_metrics``), focus (any of the
+  note's anchors, ``evaluation.focus_from_logits``), per-step focus (the anchor of that step,
+  ``focus_per_step_from_logits``) and sibling confusion (``confusion_from_logits``) of the
   student on a small fixed held-out task, per point; ``curve.json`` likewise.
 """
 
@@ -77,20 +78,23 @@ def decode(hf: Any, task: Any) -> list[list[int]]:
 
 @torch.no_grad()
 def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
-    """``exact_match``, ``focus``, ``confusion`` of ``hf`` on ``task`` (module docstring)."""
+    """``exact_match``, ``focus``, ``focus_per_step``, ``confusion`` of ``hf`` on ``task``
+    (module docstring)."""
     from circuitkit import evaluation as ev
 
-    focus, conf = [], []
+    focus, step, conf = [], [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = hf(sub.clean_tokens).logits
         focus.append(ev.focus_from_logits(logits, sub))
+        step.append(ev.focus_per_step_from_logits(logits, sub))
         conf.append(ev.confusion_from_logits(logits, sub))
     gens = decode(hf, task)
     sets = ev.set_metrics([ev.parse_answer(g, task) for g in gens],
                           [set(e.targets) for e in task.examples],
                           [set(e.near_misses) for e in task.examples])
     return dict(exact_match=float(sets["exact_match"]), focus=float(torch.cat(focus).nanmean()),
+                focus_per_step=float(torch.cat(step).nanmean()),
                 confusion=float(torch.cat(conf).nanmean()))
 
 
