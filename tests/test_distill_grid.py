@@ -112,6 +112,9 @@ def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_p
     again = json.loads(done.read_text())["metrics"]
     assert A.measured(done.parent) and (done.parent / T.RECORD).read_bytes() == record
     assert again == old  # (deterministic: the same student, the same notes)
+    record = json.loads((out / "ablation.json").read_text())  # each call's timings kept
+    assert len(record["calls"]) == 2 and record["timings"] == record["calls"][-1]
+    assert record["teacher_metrics"]
 
 
 def test_ablation_refuses_single_student_options():

@@ -620,6 +620,10 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     stored = _check_grid(out, record, overwrite)
     if stored is not None:  # the presets of cells this call does not run stay on record
         record["students"] = {**stored.get("students", {}), **record["students"]}
+        # and what earlier calls measured (read mid-call, the record stays whole)
+        record.update({k: stored[k] for k in ("teacher_metrics", "timings") if k in stored})
+        record["calls"] = stored.get("calls") or ([stored["timings"]] if "timings" in stored
+                                                  else [])
     write_json(out / "ablation.json", record)
     # stores: one per data size (scored once, the table shared), then the held-out notes'
     stores = {}
@@ -686,7 +690,8 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     runs = planned + extra
     frame = _write_tables(out, runs)
     timings["total_this_call"] = round(time.time() - t_start, 1)
-    record.update(timings=timings, n_runs=len(runs), teacher_metrics=teacher_m,
+    record.update(timings=timings, calls=[*record.get("calls", []), timings], n_runs=len(runs),
+                  teacher_metrics=teacher_m,
                   extra_runs=[asdict(r) for r in extra])
     write_json(out / "ablation.json", record)
     return frame
