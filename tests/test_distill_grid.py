@@ -106,6 +106,9 @@ def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_p
     old = dict(rec["metrics"])
     rec["metrics"].pop("focus_per_step")
     done.write_text(json.dumps(rec))
+    teacher = json.loads((out / "teacher.json").read_text())  # the teacher's too
+    (out / "teacher.json").write_text(json.dumps({k: v for k, v in teacher.items()
+                                                  if k != "focus_per_step"}))
     assert not A.measured(done.parent)
     record = (done.parent / T.RECORD).read_bytes()  # distill.json: rewritten if it trained
     A.run_ablation(out, variants=("cot",), data=("full",), **GRID)
@@ -114,7 +117,7 @@ def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_p
     assert again == old  # (deterministic: the same student, the same notes)
     record = json.loads((out / "ablation.json").read_text())  # each call's timings kept
     assert len(record["calls"]) == 2 and record["timings"] == record["calls"][-1]
-    assert record["teacher_metrics"]
+    assert record["teacher_metrics"]["focus_per_step"] == teacher["focus_per_step"]
 
 
 def test_ablation_refuses_single_student_options():

@@ -918,13 +918,16 @@ def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
 
 def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
                      progress: bool) -> dict[str, Any]:
-    """The teacher's own metrics on the grid's notes (``teacher.json``; computed once)."""
+    """The teacher's own metrics on the grid's notes (``teacher.json``; computed once, and
+    again when it lacks one of ``METRICS``, as a run's are: ``measured``)."""
     from circuitkit.files import write_json
     from circuitkit.models import hf_progress, shipped_path
 
     path = out / "teacher.json"
     if path.exists():
-        return json.loads(path.read_text())
+        got = json.loads(path.read_text())
+        if all(k in got for k in METRICS):
+            return got
     ctx = context(out, sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
     folder = shipped_path(teacher) if not Path(teacher).is_dir() else Path(teacher)
     with hf_progress(progress):
