@@ -195,6 +195,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             f"(anchor_pos / answer_pos >= 1: icd10, synthetic, or a JSONL with them); "
             f"{task_name!r} has neither: no position for a metric to read.")
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
+    # the selection notes' phase tasks, for the steps that select on them (stages, edges)
+    per_phase_chosen = {p: phase_task(chosen, p) for p in phases} if stages or edges else {}
     ablations, skipped = head_ablations(task)  # decided before any step runs
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
     # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
@@ -309,9 +311,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                            f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
                            f"directions, on the {len(chosen)} selection examples")
             t0 = time.perf_counter()
-            written = _stages_step(model, {p: phase_task(chosen, p) for p in phases}, out, k,
-                                   batch_size, progress, dict(model_name=name, task=task_name),
-                                   summary)
+            written = _stages_step(model, per_phase_chosen, out, k, batch_size, progress,
+                                   dict(model_name=name, task=task_name), summary)
             record("stages", time.perf_counter() - t0, written)
         i += 1
     if reusable("scores", i):
@@ -376,9 +377,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         if not reusable("edges", i):
             _log(progress, f"[{i}/{total}] edges")
             t0 = time.perf_counter()
-            written = _edges_step(model, {p: phase_task(chosen, p) for p in phases}, scores,
-                                  k, out, batch_size, progress,
-                                  dict(model_name=name, task=task_name))
+            written = _edges_step(model, per_phase_chosen, scores, k, out, batch_size,
+                                  progress, dict(model_name=name, task=task_name))
             record("edges", time.perf_counter() - t0, written)
     summary["complete"] = all(step in steps for step in expected)
     summary["steps_run_this_call"] = ran

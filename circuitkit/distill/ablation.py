@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from circuitkit.distill.curves import decode  # noqa: F401 (re-exported: tests, callers)
+from circuitkit.distill.curves import decode, teacher_forced
 from circuitkit.distill.train import DistillConfig, train_student
 
 VARIANTS: dict[str, dict[str, float]] = {
@@ -247,17 +247,7 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     test = ctx.test
-    focus, step, conf = [], [], []
-    with torch.no_grad():
-        for s in range(0, len(test), batch_size):
-            sub = test.subset(range(s, min(s + batch_size, len(test))))
-            logits = hf(sub.clean_tokens).logits
-            focus.append(ev.focus_from_logits(logits, sub))
-            step.append(ev.focus_per_step_from_logits(logits, sub))
-            conf.append(ev.confusion_from_logits(logits, sub))
-    f, fs, c = torch.cat(focus), torch.cat(step), torch.cat(conf)
-    out: dict[str, Any] = dict(focus=float(f.nanmean()), focus_per_step=float(fs.nanmean()),
-                               confusion=float(c.nanmean()))
+    out: dict[str, Any] = teacher_forced(hf, test, batch_size)
     gens = decode(hf, test)
     out.update(ev.set_metrics([ev.parse_answer(g, test) for g in gens],
                               [set(e.targets) for e in test.examples],
@@ -348,10 +338,14 @@ def measured(folder: Path) -> bool:
     version that measured less is measured again from its saved student (``train_student``
     finds it there and does not train)."""
     try:
-        got = json.loads((Path(folder) / "metrics.json").read_text())["metrics"]
+        return _complete(json.loads((Path(folder) / "metrics.json").read_text())["metrics"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all(k in got for k in METRICS)
+
+
+def _complete(metrics: Any) -> bool:
+    """Whether ``metrics`` (a run's or the teacher's) holds every one of ``METRICS``."""
+    return isinstance(metrics, dict) and all(k in metrics for k in METRICS)
 
 
 def _task(fn: Any, *args: Any) -> Any:
@@ -926,7 +920,7 @@ def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc:
     path = out / "teacher.json"
     if path.exists():
         got = json.loads(path.read_text())
-        if all(k in got for k in METRICS):
+        if _complete(got):
             return got
     ctx = context(out, sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
     folder = shipped_path(teacher) if not Path(teacher).is_dir() else Path(teacher)

@@ -82,20 +82,28 @@ def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
     (module docstring)."""
     from circuitkit import evaluation as ev
 
-    focus, step, conf = [], [], []
-    for s in range(0, len(task), batch_size):
-        sub = task.subset(range(s, min(s + batch_size, len(task))))
-        logits = hf(sub.clean_tokens).logits
-        focus.append(ev.focus_from_logits(logits, sub))
-        step.append(ev.focus_per_step_from_logits(logits, sub))
-        conf.append(ev.confusion_from_logits(logits, sub))
     gens = decode(hf, task)
     sets = ev.set_metrics([ev.parse_answer(g, task) for g in gens],
                           [set(e.targets) for e in task.examples],
                           [set(e.near_misses) for e in task.examples])
-    return dict(exact_match=float(sets["exact_match"]), focus=float(torch.cat(focus).nanmean()),
-                focus_per_step=float(torch.cat(step).nanmean()),
-                confusion=float(torch.cat(conf).nanmean()))
+    return dict(exact_match=float(sets["exact_match"]), **teacher_forced(hf, task, batch_size))
+
+
+@torch.no_grad()
+def teacher_forced(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
+    """``focus``, ``focus_per_step`` and ``confusion`` of ``hf`` on ``task``'s own tokens
+    (``evaluation.focus_from_logits`` / ``focus_per_step_from_logits`` /
+    ``confusion_from_logits``, example means), ``batch_size`` notes per forward."""
+    from circuitkit import evaluation as ev
+
+    parts: dict[str, list[torch.Tensor]] = {"focus": [], "focus_per_step": [], "confusion": []}
+    for s in range(0, len(task), batch_size):
+        sub = task.subset(range(s, min(s + batch_size, len(task))))
+        logits = hf(sub.clean_tokens).logits
+        parts["focus"].append(ev.focus_from_logits(logits, sub))
+        parts["focus_per_step"].append(ev.focus_per_step_from_logits(logits, sub))
+        parts["confusion"].append(ev.confusion_from_logits(logits, sub))
+    return {k: float(torch.cat(v).nanmean()) for k, v in parts.items()}
 
 
 class _Callback:

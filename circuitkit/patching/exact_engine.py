@@ -104,7 +104,6 @@ class ExactEngine(HeadSetRuns):
         tokens = torch.cat(list(token_sets))
         check = self.metric.probed and self.reads is not None
         reads = None if self.reads is None else self.reads.repeat(len(token_sets), 1)
-        gather = reads
         logits, acts = [], {name: [] for name in want}
         kinds = fused.cache_kinds(len(self.fused.blocks)) if self.fused is not None else {}
         if not (want <= kinds.keys() and self._fused_cache_agrees(tokens, reads, kinds)):
@@ -112,19 +111,19 @@ class ExactEngine(HeadSetRuns):
         # The fused run stops each prompt at its own last read (later positions hold zeros):
         # enough for every patch of a prompt by itself, not for a z taken from another prompt
         # (run_head_sets' resample, _site_base_to_length).
-        self.rows_cut_at_reads = bool(kinds) and gather is not None
+        self.rows_cut_at_reads = bool(kinds) and reads is not None
         for r0 in range(0, tokens.shape[0], rows):
             if kinds:  # a Llama-form model: the same run as plain tensor code
                 out, cache = self.fused.cached_run(
                     tokens[r0:r0 + rows], {name: kinds[name] for name in want},
-                    None if gather is None else gather[r0:r0 + rows], self.layer_device)
+                    None if reads is None else reads[r0:r0 + rows], self.layer_device)
                 logits.append(out)
                 for name in want:
                     acts[name].append(cache[name].to("cpu"))
                 continue
             fwd_hooks = []
-            if gather is not None:
-                idx = gather[r0:r0 + rows].to(self.device)
+            if reads is not None:
+                idx = reads[r0:r0 + rows].to(self.device)
                 fwd_hooks = [(hooks.UNEMBED_IN, shortcuts.gather_rows(idx))]
             norms = shortcuts.native_norms(self.model, 0, keep=want)  # the cache hooks come later
             with shortcuts.hooked(self.model, fwd_hooks), shortcuts.attn_result_off(self.model), \
