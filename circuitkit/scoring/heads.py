@@ -1,92 +1,28 @@
 """``score_heads``: Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, with
-their stability under resampling of the examples.
+their stability under resampling of the examples. Every column's formula (``COLUMNS``; the
+components in ``coarse.py`` and ``refine.py``) and the bootstrap: docs/scores.md.
 
-One row per (layer, head); columns (formulas in ``coarse.py``, ``refine.py`` and docs/scores.md):
+Means are over an example's query positions (Phase 1: ``q = anchor_pos - 1``; Phase 2:
+``q = answer_pos - 1``), then over examples; a row where a component is undefined is left out of
+its mean. ``loopback``, ``coarse_score`` and the ranks are computed from the head's means.
 
-=======================  ===================================================================
-sharpness                mean Fisher excess kurtosis of the head's attention row (keys
-                         ``0..q``) at the Phase-1 query positions ``q = anchor_pos - 1``
-anchor_alignment         mean ``cos(w, u_correct) - mean_other cos(w, u_a)`` of the head's
-                         write ``w`` there with the centred anchor directions ``u`` (default:
-                         label centroids; ``attrs["anchor_directions"]`` says which)
-coarse_score             ``tanh(max(sharpness, 0) / 3) * anchor_alignment``
-shortlist_share          mean attention mass on the shortlist entries at the Phase-2 query
-                         positions ``q = answer_pos - 1``
-key_preference           mean ``(a_T - a_M) / (a_T + a_M)``, ``a_T``/``a_M`` the mean attention
-                         per target / near-miss entry (count-balanced, in [-1, 1])
-ov_copy                  attention-weighted mean own-label effect of the shortlist entries read
-                         (+ copies what it reads, - suppresses)
-mechanism                "copy" / "suppress" / "retrieve" / "-" (``refine.mechanism``)
-loopback                 ``shortlist_share * key_preference`` (attention only, signed)
-margin_widening          mean direct effect of the head's write (through the run's final-norm
-                         scale) on ``logit[target] - mean logit[near_misses]``
-refine_score             the part of margin_widening the head writes from the shortlist entries
-                         it reads: ``sum_{s in shortlist} A[s] m[s]``, ``m[s]`` the margin
-                         effect of key ``s``'s value through ``W_O``
-phase1_rank              rank of ``coarse_score`` (1 = highest; ties by (layer, head) order;
-                         empty when the task has no steps of that phase)
-phase2_rank              rank of ``refine_score``
-phase1_inclusion         share of bootstrap resamples of the examples in which the head is in
-                         the top ``k`` of Phase 1 (``attrs["k"]``, ``attrs["n_boot"]``)
-phase2_inclusion         the same for Phase 2
-phase1_rank_low/high     2.5 / 97.5 percentile of its Phase-1 rank over the resamples
-phase2_rank_low/high     the same for Phase 2
-anchor_alignment_tokens  ``anchor_alignment`` with the anchor tokens' own unembedding columns
-coarse_score_tokens      ``coarse_score`` with those
-phase1_rank_tokens       rank of ``coarse_score_tokens``
-ov_copy_targets          ``ov_copy`` over the target entries only
-ov_copy_near_misses      ``ov_copy`` over the near-miss entries only
-margin_from_targets      ``refine_score``'s sum over the target entries only
-margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
-refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
-refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
-refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
-sharpness_concentration  mean ``exp(-entropy)`` of the Phase-1 row (keys ``0..q``): 1 / the
-                         effective number of keys attended; length-invariant (``coarse.py``)
-evidence_mass            mean attention mass on the note's evidence positions at Phase-1 rows
-key_preference_nonadjacent  ``key_preference`` without the near-miss entries that stand just
-                         before a target entry in the shortlist (``refine.py``)
-margin_widening_siblings ``margin_widening`` against the target's own siblings only
-                         (near-misses with the target's anchor); rows without one left out
-refine_score_siblings    ``refine_score`` along that sibling margin
-margin_from_siblings     ``refine_score_siblings``' sum over the sibling near-miss entries
-ov_copy_siblings         ``ov_copy`` over the sibling near-miss entries only
-margin_from_targets_siblings  ``refine_score_siblings``' sum over the target entries
-refine_near_down_siblings  ``refine_score_siblings - refine_target_up`` (on the same rows)
-refine_if_uniform_siblings  ``refine_if_uniform`` along the sibling margin
-=======================  ===================================================================
-
-Means are over an example's query positions, then over examples (as Reasoning Focus is); a
-row where a component is undefined (``key_preference`` without a target or a near-miss entry)
-is left out of that component's mean. ``loopback``, ``coarse_score`` and the ranks are
-computed from the head's means. Bootstrap: ``n_boot`` resamples (with replacement) of the
-examples with steps of that phase, every component re-averaged and the scores and ranks
-recomputed.
-``attrs`` also hold ``unstable`` (top-``k`` heads included in fewer than ``STABLE_MIN`` of the
-resamples), ``anchor_agreement`` (Spearman of ``coarse_score`` against ``coarse_score_tokens``
-and the overlap of the two top-``k`` sets) and ``refine_parts`` (``refine_part_influence``).
-
-A head's write at position ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head]
-and ``W_O`` [head, d_head, d_model]), the per-head output without the attention's output bias;
-where the block normalises the attention output before the residual add (Gemma 2), that write
-through the norm as the run scaled it (``refine.final_norm_linear``: the heads' shares of the
-norm's output, exact for RMSNorm without bias);
-``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special;
+A head's write at ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head], ``W_O``
+[head, d_head, d_model]), without the output bias; through the post-attention norm as the run
+scaled it where the block has one (Gemma 2). ``hook_z``/``hook_pattern`` are per query head;
 ``hook_v`` is per KV head: query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``.
-Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``); their
-per-key parts are NaN and ``refine_score`` is ``shortlist_share * margin_widening``; without
-either, ``score_heads`` refuses.
+Without ``W_O``, ``hook_result`` (per-key parts NaN); without either, ``score_heads`` refuses.
 
-Streaming: one ``run_with_cache`` per batch of examples, filtered to ``hook_pattern``,
-``hook_z`` and ``hook_v`` of every layer and ``ln_final.hook_in``; only the rows at query
-positions are kept, plus per-example means ([n_examples, n_layers, n_heads] per component, for
-the bootstrap). The unembedding runs at one position only (its output is not used).
+Streaming: one ``run_with_cache`` per batch, filtered to ``hook_pattern``, ``hook_z``, ``hook_v``
+and ``ln_final.hook_in``; only the query rows and per-example means ([n_examples, n_layers,
+n_heads] per component, for the bootstrap) are kept.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,11 +106,12 @@ def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> i
     return tok2anchor[tok]
 
 
-def _padded(rows: list[list[int]]) -> Int[Tensor, "n k"]:
+def _padded(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
+    """``rows`` as one [n, longest] tensor (at least 1 wide), padded with -1."""
     out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1,
                      dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
 
 
@@ -410,6 +347,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         plan = plan_queries(task, sub.examples, tokens.shape[1])
         first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
         result_ctx = shortcuts.attn_result(model, source != "W_O")  # read by hook_result only
+        # the unembedding at one position only: its output is not used
         with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
                 result_ctx:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
@@ -523,19 +461,14 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         bar.close()
     per_ex = {c: a.means() for c, a in acc.items()}
     nan = float("nan")
-    mean = {}
-    for c, (m, ok) in per_ex.items():
-        mean[c] = m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
+    mean = {c: m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
+            for c, (m, ok) in per_ex.items()}
     shortlist = any(e.shortlist_pos for e in task.examples)
     if n2 and not shortlist:
-        import warnings
-
         warnings.warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
                       "scored on re-reading a shortlist, so refine_score is margin_widening "
                       "alone and loopback is NaN (docs/scores.md).", stacklevel=2)
     if n2 and shortlist and source != "W_O":
-        import warnings
-
         warnings.warn("the model's attention exposes no W_O, so what a head writes per key "
                       "is unknown: ov_copy and the margin parts are NaN and refine_score is "
                       "shortlist_share * margin_widening (docs/scores.md).", stacklevel=2)
@@ -552,8 +485,6 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
         if col != "coarse_score_tokens" and len(values) > 1 and values.max() == values.min():
-            import warnings
-
             warnings.warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
                           "(layer, head) order, not a finding (Phase-1 sharpness needs query "
                           "rows long enough for kurtosis to exceed 0; docs/scores.md).",
@@ -763,19 +694,16 @@ def _ranked_by(scores: Any, phase: int) -> str:
     return col if col in scores.columns else ("coarse_score" if phase == 1 else "refine_score")
 
 
-def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None
-            ) -> Float[Tensor, "N H D"]:
-    if W_O is None:
-        return cache[hooks.result(layer)][b, q].float()
-    z = cache[hooks.z(layer)][b, q].float()  # [N, H, d_head]
-    return torch.einsum("nhd,hdm->nhm", z, W_O[layer].float())
-
-
 def _head_writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None,
                  post: dict[int, tuple[str, Tensor, float]]) -> Float[Tensor, "N H D"]:
-    """Each head's write at rows ``(b, q)``; through the post-attention norm as the run scaled
-    it where the block has one (the residual receives n(sum of heads): each head's share)."""
-    writes = _writes(cache, layer, b, q, W_O)
+    """Each head's write at rows ``(b, q)`` (``hook_result`` without ``W_O``); through the
+    post-attention norm as the run scaled it where the block has one (the residual receives
+    n(sum of heads): each head's share)."""
+    if W_O is None:
+        writes = cache[hooks.result(layer)][b, q].float()
+    else:  # z [N, H, d_head]
+        writes = torch.einsum("nhd,hdm->nhm", cache[hooks.z(layer)][b, q].float(),
+                              W_O[layer].float())
     if layer in post:
         writes = refine.final_norm_linear(writes, cache[hooks.attn_module_out(layer)][b, q],
                                           *post[layer])
@@ -795,8 +723,6 @@ def _key_writes(cache: Any, layer: int, b: Tensor, q: Tensor, key_pos: Int[Tenso
                                        cache[hooks.attn_module_out(layer)][b, q],
                                        *post[layer]).reshape(n, kk, H, D)
     return out
-
-
 
 
 def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:
