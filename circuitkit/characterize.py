@@ -335,25 +335,24 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     i += 1
     from circuitkit.scoring.causal import has_causal_columns
 
+    # validation and ablation: on the held-out notes, finished runs kept in one folder
+    tested = dict(k=k, n_random=n_random, seed=seed, batch_size=batch_size, progress=progress,
+                  checkpoint=out / "checkpoints" / "validation")
     if has_causal_columns(scores):  # (a record from before the causal sets were validated)
         outdated("validation", "validation-causal.csv")
     if not reusable("validation", i):
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
                        f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
-                             batch_size=batch_size, progress=progress,
-                             checkpoint=out / "checkpoints" / "validation")
+        val = validate_heads(model, held_out, scores, **tested)
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
         if has_causal_columns(scores):  # --stages: the causal top sets are validated too
             _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
                            f"against {n_random} random and layer-stratified {k}-head sets")
-            cval = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
-                                  batch_size=batch_size, progress=progress,
-                                  checkpoint=out / "checkpoints" / "validation",
-                                  pools=("all-layers", "layer-stratified"), selection="causal")
+            cval = validate_heads(model, held_out, scores, **tested, selection="causal",
+                                  pools=("all-layers", "layer-stratified"))
             files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
             summary["causal_validation"] = causal_validation(cval)
             written.append("validation-causal.csv")
@@ -365,10 +364,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
                        f"against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        abl = ablate_heads(model, held_out, scores, k=k, n_random=n_random, ablations=ablations,
-                           seed=seed,
-                           batch_size=batch_size, progress=progress,
-                           checkpoint=out / "checkpoints" / "validation")
+        abl = ablate_heads(model, held_out, scores, **tested, ablations=ablations)
         files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
@@ -612,8 +608,6 @@ def _stored(path: Path) -> Any:
 def _say_degenerate(results: dict[tuple[int, str], Any]) -> None:
     """One warning per phase whose corruption does not lower its metric by the margin
     (``PatchResult.degenerate``, the rule every entry point follows), naming its sweeps."""
-    import warnings
-
     from circuitkit.patching.results import DegenerateBaselineWarning
 
     for phase in sorted({p for p, _ in results}):
