@@ -5,37 +5,21 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
 ``out_dir`` after a run::
 
-    patch-p1-denoise.safetensors/.json   PatchResult (ck.PatchResult.load), phase-1 task metric
-    patch-p1-noise.*  patch-p2-denoise.*  patch-p2-noise.*
-    scores.csv        score_heads (one row per head, with bootstrap rank intervals and top-k
-                      inclusion)
-    validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
-                      direction)
-    validation-causal.csv  (``stages=True``) the same for the causal top-k (``selection=
-                      "causal"``) against all-layers and layer-stratified random sets;
-                      ``summary["causal_validation"]`` its noise rows, said in the findings
-    groups/           (``stages=True``) patch-p{phase}-{direction}.*: [layer, head, group] over the
-                      task's position groups on the selection examples (``stage_groups``:
-                      evidence, the anchor, shortlist and answer steps, all);
-                      ``summary["stages"]`` their strongest cells; ``causal.csv`` and
-                      ``summary["phase_table"]`` from the same sweeps (exact only)
-    head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
-                      random sets: exact match, confusion, focus; resample needs two prompts
-                      with steps of every phase: on one it is skipped, ``summary["skipped"]``)
-    summary.json      identity (model, task fingerprints, options), versions, ``phases``,
-                      per-step timings and files, ``steps_run_this_call`` (the others were
-                      reused), top heads per phase, ``complete``, and the score summaries
-                      (``scores_attrs``, ``stability``, ``validation_sets``; keys in
-                      docs/scores.md), ``ablations`` (those run) and ``skipped`` (one line
-                      per thing left out and why; printed and in the report's findings)
-    edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
-                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric),
-                      ``paths.*`` (``patch_paths``: the same pairs through everything between
-                      them, at every position and at each ``stage_groups`` group; its coverage
-                      of the senders' effect is also the edges' ``meta["path_coverage"]``) and
-                      ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
-    checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
-                      validation's finished (phase, direction) runs
+    patch-p{1,2}-{denoise,noise}.*  PatchResult (ck.PatchResult.load), the phase's task metric
+    scores.csv        score_heads (bootstrap rank intervals, top-k inclusion)
+    validation.csv    validate_heads (top-k vs random head sets of two pools)
+    validation-causal.csv  (``stages=True``) the causal top-k (``selection="causal"``) against
+                      all-layers and layer-stratified sets; ``summary["causal_validation"]``
+    groups/, causal.csv  (``stages=True``, exact only) ``_stages_step``'s [layer, head, group]
+                      sweeps over ``stage_groups`` and the causal columns from them
+    head-ablation.csv ablate_heads (zero / mean / resample; resample needs two prompts with
+                      steps of every phase, else it is skipped: ``summary["skipped"]``)
+    edges/            (``edges=True``) ``_edges_step``'s edges.*, paths.*, circuit.json
+    summary.json      identity, versions, ``phases``, per-step timings, files and SHA-256,
+                      ``steps_run_this_call``, top heads, ``complete``, the score summaries
+                      (keys: docs/scores.md), ``ablations`` and ``skipped`` (one line each)
+    checkpoints/      exact-patching chunks (a killed sweep resumes mid-way) and validation's
+                      finished runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
 Resumable: every finished step is recorded in ``summary.json`` (written atomically after the
@@ -43,9 +27,9 @@ step's files, with their SHA-256), and rerunning the same call reuses those step
 validation, its finished runs) whose files are all there and unchanged (a missing or modified
 file is named and its step recomputed); a folder holding a run with a different identity is
 refused. One run per folder: ``out_dir`` is locked (``files.lock_folder``) for the whole run, so
-a second run on it is refused with the first one's pid. A pretrained LLM whose
-vocabulary cannot hold the task's word tokens gets the task rendered as text
-(``circuitkit.scoring.text.text_task``; ``text=None`` decides automatically).
+a second run on it is refused with the first one's pid. A pretrained LLM whose vocabulary cannot
+hold the task's word tokens gets the task rendered as text (``scoring.text.text_task``;
+``text=None`` decides automatically).
 """
 
 from __future__ import annotations
@@ -75,8 +59,7 @@ def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = Fals
         ["stages"] if stages else []) + ["scores", "validation", "ablation"]
 
 
-PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
-STEPS = step_names()
+STEPS = step_names()  # a task with both phases (icd10, synthetic)
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -475,7 +458,9 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
                 batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
     """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
     after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
-    only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
+    only: its top heads into themselves); their faithfulness curve (``circuit.json``); the same
+    pairs through everything between them (``paths.*``, ``patch_paths`` per ``stage_groups``
+    group; its coverage is the edges' ``meta["path_coverage"]``). Writes ``out/edges/``;
     returns the files written (relative to ``out``), none when no receiver lies after a
     sender."""
     import circuitkit as ck

@@ -334,12 +334,10 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     E = len(task)
     acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS + PHASE1_EXTRA
            + PHASE2_EXTRA}
-    bar = None
-    if progress:
-        from circuitkit._progress import tqdm
+    from circuitkit._progress import tqdm
 
-        bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
-                   dynamic_ncols=True)
+    bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
     checked_norm = False
     for s in range(0, len(task), bs):
         sub = task.subset(range(s, min(s + bs, len(task))))
@@ -367,14 +365,17 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
             # rows with a target and a near-miss entry (the others have no key_preference)
             pref_ok = (plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0)
-            key_t = (plan.target_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
-                & key_ok
-            key_m = (plan.near_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) & key_ok
             # issue 34: the target's own siblings; near-misses not just before a target
             sib_ok = (plan.sibling_tok >= 0).any(-1)  # [N2] rows with a sibling near-miss
             sib_dir = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
-            key_sib = (plan.sibling_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
-                & key_ok
+            # target, near-miss and sibling entries among each row's keys [N2, K]
+            key_t, key_m, key_sib = ((at.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device)
+                                     & key_ok for at in (plan.target_keys, plan.near_keys,
+                                                         plan.sibling_keys))
+            # the margin, the target (vs the vocab mean) and the sibling margin, per key
+            kk = key_pos.shape[1]
+            per_key = [d[:, None, :].expand(-1, kk, -1).to(device)
+                       for d in (margin_dir, target_dir, sib_dir)]
             adj_ok = (plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0)
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
@@ -401,8 +402,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 scaled = refine.final_norm_linear(writes, x2, *norm)
                 acc["margin_widening"].add(lay, ex2, refine.margin_widening(scaled, margin_dir),
                                            plan.w2)
-                acc["shortlist_share"].add(lay, ex2, refine.shortlist_share(
-                    rows, plan.shortlist_keys.to(device)), plan.w2)
+                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                acc["shortlist_share"].add(lay, ex2, share, plan.w2)
                 pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
                                                 plan.near_keys.to(device))
                 acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
@@ -418,47 +419,35 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                     continue
                 at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
                 key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
-                n, kk = key_pos.shape
+                n = key_pos.shape[0]
                 key_scaled = refine.final_norm_linear(
                     key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
                 own = refine.key_effects(key_scaled, label_dir.to(device))  # [N, K, H]
-                gain = refine.key_effects(key_scaled, margin_dir[:, None, :].expand(-1, kk, -1)
-                                          .to(device))
-                up = refine.key_effects(key_scaled, target_dir[:, None, :].expand(-1, kk, -1)
-                                        .to(device))
-                acc["refine_target_up"].add(lay, ex2, refine.attended_sum(at_keys, up, key_ok)[0],
-                                            plan.w2)
-                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m)):
+                gain, up, gain_sib = (refine.key_effects(key_scaled, d) for d in per_key)
+                up_sum = refine.attended_sum(at_keys, up, key_ok)[0]
+                acc["refine_target_up"].add(lay, ex2, up_sum, plan.w2)
+                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m),
+                                ("_siblings", key_sib)):
                     e_sum, mass = refine.attended_sum(at_keys, own, keys)
-                    has = keys.any(-1).cpu()
-                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30), plan.w2 * has)
-                    m_sum, _ = refine.attended_sum(at_keys, gain, keys)
-                    name = "refine_score" if not c else "margin_from" + c
-                    acc[name].add(lay, ex2, m_sum, plan.w2)
-                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
+                                           plan.w2 * keys.any(-1).cpu())
+                for c, keys in (("refine_score", key_ok), ("margin_from_targets", key_t),
+                                ("margin_from_near_misses", key_m)):
+                    acc[c].add(lay, ex2, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
                 acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
                                              plan.w2)
-                gain_sib = refine.key_effects(key_scaled, sib_dir[:, None, :].expand(-1, kk, -1)
-                                              .to(device))
-                rs_sib = refine.attended_sum(at_keys, gain_sib, key_ok)[0]
-                acc["refine_score_siblings"].add(lay, ex2, rs_sib, plan.w2 * sib_ok)
-                acc["refine_near_down_siblings"].add(
-                    lay, ex2, rs_sib - refine.attended_sum(at_keys, up, key_ok)[0],
-                    plan.w2 * sib_ok)
-                acc["margin_from_targets_siblings"].add(lay, ex2, refine.attended_sum(
-                    at_keys, gain_sib, key_t)[0], plan.w2 * sib_ok)
-                acc["refine_if_uniform_siblings"].add(lay, ex2, refine.uniform_sum(
-                    share, gain_sib, key_ok), plan.w2 * sib_ok)
-                acc["margin_from_siblings"].add(lay, ex2, refine.attended_sum(
-                    at_keys, gain_sib, key_sib)[0], plan.w2 * sib_ok)
-                e_sum, mass = refine.attended_sum(at_keys, own, key_sib)
-                acc["ov_copy_siblings"].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
-                                            plan.w2 * key_sib.any(-1).cpu())
+                rs_sib, from_t, from_sib = (refine.attended_sum(at_keys, gain_sib, keys)[0]
+                                            for keys in (key_ok, key_t, key_sib))
+                for c, value in (("refine_score_siblings", rs_sib),
+                                 ("refine_near_down_siblings", rs_sib - up_sum),
+                                 ("margin_from_targets_siblings", from_t),
+                                 ("refine_if_uniform_siblings",
+                                  refine.uniform_sum(share, gain_sib, key_ok)),
+                                 ("margin_from_siblings", from_sib)):
+                    acc[c].add(lay, ex2, value, plan.w2 * sib_ok)
         del cache
-        if bar is not None:
-            bar.update(len(sub))
-    if bar is not None:
-        bar.close()
+        bar.update(len(sub))
+    bar.close()
     per_ex = {c: a.means() for c, a in acc.items()}
     nan = float("nan")
     mean = {c: m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
@@ -493,8 +482,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         name = f"phase{phase}_rank" + ("_tokens" if col.endswith("_tokens") else "")
         df[name] = _int_or_na(ranks(torch.tensor(df[col].to_numpy()))) \
             if df[col].notna().any() else pd.array([pd.NA] * len(df), dtype="Int64")
-    for phase, parts in ((1, PHASE1_PARTS), (2, PHASE2_PARTS)):
-        col = "coarse_score" if phase == 1 else "refine_score"
+    for phase, col, parts in ((1, "coarse_score", PHASE1_PARTS), (2, "refine_score", PHASE2_PARTS)):
         ok = per_ex[parts[0]][1]
         if n_boot and df[col].notna().any() and int(ok.sum()) > 1:
             boot = bootstrap_ranks({c: per_ex[c] for c in parts}, col, int(n_boot),

@@ -321,10 +321,11 @@ def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
     return pools
 
 
-def _sorted_by_length(tp: Task) -> Task:
-    """Prompts sorted by the last position their metric reads: run in length buckets, each
-    bucket's forwards stop after its own last read (the statistics ignore prompt order)."""
-    need = tp.metric.reads.max(1).values
+def _sorted_by_length(tp: Task, metric: PromptMetric | None = None) -> Task:
+    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: run in
+    length buckets, each bucket's forwards stop after its own last read (the statistics ignore
+    prompt order)."""
+    need = (metric or tp.metric).reads.max(1).values
     return tp.subset(torch.argsort(need, stable=True).tolist())
 
 
@@ -499,8 +500,7 @@ def ablation_task(task: Task) -> Task:
         raise ValueError(f"ablate_heads: no example of task {task.name!r} has steps of every "
                          f"phase it holds ({phases}); the metrics need them on the same prompts.")
     sub = task.subset(keep)
-    need = _reads_metric(sub, phases).reads.max(1).values
-    return sub.subset(torch.argsort(need, stable=True).tolist())
+    return _sorted_by_length(sub, _reads_metric(sub, phases))
 
 
 def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
