@@ -388,8 +388,7 @@ def timing_line(summary: dict[str, Any], seconds: float) -> str:
         before = sum(steps[s]["seconds"] for s in reused)
         parts.append(f"{len(reused)} step{'s' if len(reused) > 1 else ''} reused from the "
                      f"folder (they had taken {before:.1f} s)")
-    rest = seconds - spent
-    parts.append(f"{rest:.1f} s loading, writing and drawing the report")
+    parts.append(f"{seconds - spent:.1f} s loading, writing and drawing the report")
     return f"took {seconds:.1f} s: " + ", ".join(parts)
 
 

@@ -109,15 +109,15 @@ def patch(
     a = SimpleNamespace(**ctx.params)
     with _errors_as_lines():
         _check_patch_flags(a)
-    if plan and (seq_len is not None or not _weights_here(model)):
+    from circuitkit import hooks, models
+
+    if plan and (seq_len is not None or not models.weights_available(model)):
         _plan_offline(a, n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
         return
     layout, leader = _replicas(ctx, a)
     if not leader:
         return
     the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
-    from circuitkit import hooks
-
     unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
     what = (f"{model} on {the_task.name} Phase {the_task.phase}, metric {metric.name}, "
             f"{direction}, {unit} at site {a.site}")
@@ -172,12 +172,6 @@ def _check_patch_flags(a) -> None:
         from circuitkit.files import check_writable_dir
 
         check_writable_dir(a.out)  # before any work: a result is never lost at 100%
-
-
-def _weights_here(model: str) -> bool:
-    from circuitkit import models
-
-    return models.weights_available(model)
 
 
 def _replicas(ctx, a):

@@ -352,17 +352,13 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
                    progress: bool = True, checkpoint: str | Path | None = None,
                    pools: Sequence[str] = POOLS, selection: str = "score"):
-    """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
-    with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
-    docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
-    ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
-    for finished runs (module docstring); ``pools``: random-set pools among ``ALL_POOLS``
-    (default ``POOLS``; "layer-stratified": the top set's per-layer counts from all of each
-    layer's heads). Held-out validation: pass ``scores`` from ``score_heads`` on another
-    sample of notes than ``task``'s. ``selection``: which top ``k`` heads are tested, "score"
-    (the descriptive ranks, ``top_heads``) or "causal" (the causal columns ``causal_table``
-    merged into ``scores``: ``causal_heads`` by noising share at every position); kept in
-    ``df.attrs["selection"]``."""
+    """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task`` (module docstring): a
+    pandas DataFrame with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction,
+    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool.
+    ``batch_size``: sequences per forward (default from free memory); ``pools``: among
+    ``ALL_POOLS``. Held-out validation: ``scores`` from another sample of notes than ``task``'s.
+    ``selection``: the top ``k`` by "score" (``top_heads``) or "causal" (``causal_heads`` of the
+    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
@@ -473,12 +469,9 @@ def _reused(bar: Any, progress: bool, line: str, n: int) -> None:
 
 def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
     """Rows of ``pool``'s random sets in ``[[], top, *(each pool's sets, in order)]``."""
-    start = 2
-    for p in pools:
-        if p == pool:
-            return list(range(start, start + len(pools[p])))
-        start += len(pools[p])
-    raise ValueError(pool)
+    names = list(pools)
+    start = 2 + sum(len(pools[p]) for p in names[:names.index(pool)])
+    return list(range(start, start + len(pools[pool])))
 
 
 def _sets_json(sets_used: dict[int, dict]) -> dict[int, dict]:

@@ -446,12 +446,10 @@ def _head_ablation_table(frame: Any) -> Any:
     if not need <= set(frame.columns):
         return frame
     show = frame.copy()
-    show["top effect [95%]"] = [  # (no-break spaces: one line per cell)
-        f"{r.top_effect:+.3f}\u00a0[{r.top_low:+.3f},\u00a0{r.top_high:+.3f}]"
-        for r in frame.itertuples()]
-    show["random effect [95%]"] = [
-        f"{r.random_mean:+.3f}\u00a0[{r.random_low:+.3f},\u00a0{r.random_high:+.3f}]"
-        for r in frame.itertuples()]
+    for name, mid, low, high in (("top effect [95%]", "top_effect", "top_low", "top_high"), (
+            "random effect [95%]", "random_mean", "random_low", "random_high")):
+        show[name] = [f"{m:+.3f}\u00a0[{lo:+.3f},\u00a0{hi:+.3f}]"  # (no-break spaces: one line)
+                      for m, lo, hi in zip(frame[mid], frame[low], frame[high], strict=True)]
     keep = [c for c in ("phase", "pool", "ablation", "quantity", "heads", "n_random", "overlap",
                         "n_prompts", "base", "top_value") if c in show.columns]
     return show[keep + ["top effect [95%]", "random effect [95%]"]
@@ -471,13 +469,6 @@ def ablation_table(frame: Any) -> Any:
     wide = frame.assign(cell=cells).pivot_table(index="variant", columns="metric", values="cell",
                                                 aggfunc="first", sort=False)
     return wide.reset_index().rename_axis(columns=None)
-
-
-def _or_raw(make, frame: Any) -> Any:
-    try:
-        return make(frame)
-    except (ValueError, KeyError):
-        return frame
 
 
 def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int,
@@ -648,10 +639,13 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     if edges:
         sections.append(("edges", "Edges: which heads feed which", edges))
     if ablation is not None:
+        try:
+            wide = ablation_table(ablation)
+        except (ValueError, KeyError):  # a frame the table does not know: shown as it is
+            wide = ablation
         sections.append(("distillation", "Distillation ablation",
                          chart(charts.ablation_chart, ablation)
-                         + "<p class='note'>mean over seeds [95% interval]</p>"
-                         + _table(_or_raw(ablation_table, ablation))))
+                         + "<p class='note'>mean over seeds [95% interval]</p>" + _table(wide)))
 
     terms = glossary_terms(results, scores, validation, ablation, head_ablation)
     if terms:
