@@ -24,9 +24,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
 
-    with _errors_as_lines():
-        _positive("--n-examples", n_examples, "notes in the run")
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
+        _positive("--n-examples", n_examples, "notes in the run")
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
                                 seed=seed, split=split, phase=phase)

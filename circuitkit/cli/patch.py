@@ -54,11 +54,10 @@ def info(
     if model is None:
         typer.echo(_model_list())
         return
-    with _errors_as_lines():
+    with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         _one_of("--gpu", gpu.upper(), sorted(GPU_CLASSES))
         _positive("--seq-len", seq_len, "tokens per prompt")
         _positive("--n-examples", prompts, "prompts per sweep")
-    with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         arch = models.architecture(model)
     if seq_len is None:
         seq_len = min(512, arch.n_ctx) if arch.n_ctx else 512

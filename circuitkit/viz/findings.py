@@ -133,25 +133,23 @@ def same_layers_sentence(rows: dict[tuple[str, str], Any], asked: int | None = N
     first = next(iter(rows.values()))
     shared = int(first["overlap"]) if "overlap" in first and first["overlap"] == first[
         "overlap"] else 0
-    said, _ = validation_sentence(rows, asked)
-    said = said.replace("Patched together they", "Against sets drawn from the same layers"
-                        + (f" (each sharing {shared} heads with the top set, as those layers "
-                           "hold few others)" if shared else "") + ", they", 1)
-    return said
+    return validation_sentence(rows, asked)[0].replace(
+        "Patched together they", "Against sets drawn from the same layers"
+        + (f" (each sharing {shared} heads with the top set, as those layers hold few others)"
+           if shared else "") + ", they", 1)
 
 
 def floor_note(n_random: int, asked: int | None = None) -> str:
     """The smallest p-value ``n_random`` random sets allow, said in words; ``asked``: the
     ``n_random`` the run asked for, when the pool held fewer distinct sets (rerunning with a
     larger ``--n-random`` cannot help then)."""
-    floor = 1 / (n_random + 1)
-    text = f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}"
-    if asked is not None and asked > n_random:
-        text = (f"With {n_random} random sets (every distinct set this pool holds; {asked} were "
-                f"asked) no p can be below 1/{n_random + 1} = {floor:.2g}")
-        if floor > ALPHA:
-            return text + (f", so this test cannot reach p < {ALPHA:g} on this model: a larger "
-                           "--n-random cannot help; the test against sets from all layers can.")
+    floor, all_held = 1 / (n_random + 1), asked is not None and asked > n_random
+    text = (f"With {n_random} random sets" + (f" (every distinct set this pool holds; {asked} "
+            "were asked)" if all_held else "") + f" no p can be below 1/{n_random + 1} = "
+            f"{floor:.2g}")
+    if floor > ALPHA and all_held:
+        return text + (f", so this test cannot reach p < {ALPHA:g} on this model: a larger "
+                       "--n-random cannot help; the test against sets from all layers can.")
     if floor > ALPHA:
         return text + (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
                        f"{math.ceil(1 / ALPHA)} or more.")
