@@ -613,18 +613,8 @@ def refine_part_influence(scores: Any, k: int = 5):
     """How much each part of RefineScore moves the Phase-2 ranking: a DataFrame, one row per
     part, with ``spearman_alone`` (refine_score against the part by itself), ``spearman_without``
     (against refine_score with the part taken out) and ``top_k_kept`` (heads of refine_score's
-    top ``k`` still in the top ``k`` without it):
-
-    * margin_widening: alone; without = ``margin_widening - refine_score``, what the head writes
-      from keys off the shortlist (refine_score is the shortlist's part of margin_widening);
-    * shortlist_share: alone; without = ``refine_score / shortlist_share``, the margin per unit
-      of shortlist attention (as if every head gave the shortlist all its attention);
-    * key_preference (its size, the selection): alone ``|key_preference|``; without =
-      ``refine_if_uniform``, the head's shortlist attention spread evenly over the entries;
-    * ov (what the head writes from what it reads): alone ``ov_copy``; without =
-      ``shortlist_share * |key_preference|``, attention statistics only;
-    * loopback (attention only, signed): alone.
-    """
+    top ``k`` still in the top ``k`` without it). Each part's "alone" and "without" (below, in
+    that order): docs/scores.md."""
     import numpy as np
     import pandas as pd
 
