@@ -5,37 +5,21 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
 ``out_dir`` after a run::
 
-    patch-p1-denoise.safetensors/.json   PatchResult (ck.PatchResult.load), phase-1 task metric
-    patch-p1-noise.*  patch-p2-denoise.*  patch-p2-noise.*
-    scores.csv        score_heads (one row per head, with bootstrap rank intervals and top-k
-                      inclusion)
-    validation.csv    validate_heads (top-k vs random head sets of two pools, per phase and
-                      direction)
-    validation-causal.csv  (``stages=True``) the same for the causal top-k (``selection=
-                      "causal"``) against all-layers and layer-stratified random sets;
-                      ``summary["causal_validation"]`` its noise rows, said in the findings
-    groups/           (``stages=True``) patch-p{phase}-{direction}.*: [layer, head, group] over the
-                      task's position groups on the selection examples (``stage_groups``:
-                      evidence, the anchor, shortlist and answer steps, all);
-                      ``summary["stages"]`` their strongest cells; ``causal.csv`` and
-                      ``summary["phase_table"]`` from the same sweeps (exact only)
-    head-ablation.csv ablate_heads (zero / mean / resample ablation of each phase's top-k vs
-                      random sets: exact match, confusion, focus; resample needs two prompts
-                      with steps of every phase: on one it is skipped, ``summary["skipped"]``)
-    summary.json      identity (model, task fingerprints, options), versions, ``phases``,
-                      per-step timings and files, ``steps_run_this_call`` (the others were
-                      reused), top heads per phase, ``complete``, and the score summaries
-                      (``scores_attrs``, ``stability``, ``validation_sets``; keys in
-                      docs/scores.md), ``ablations`` (those run) and ``skipped`` (one line
-                      per thing left out and why; printed and in the report's findings)
-    edges/            with ``edges=True``: ``edges.*`` (EdgeResult: the top Phase-1 heads'
-                      writes into the top Phase-2 heads' q/k/v, Phase-2 metric),
-                      ``paths.*`` (``patch_paths``: the same pairs through everything between
-                      them, at every position and at each ``stage_groups`` group; its coverage
-                      of the senders' effect is also the edges' ``meta["path_coverage"]``) and
-                      ``circuit.json`` (their faithfulness curve, CPR/CMD, kept set)
-    checkpoints/      exact-patching chunk checkpoints (a killed sweep resumes mid-way) and
-                      validation's finished (phase, direction) runs
+    patch-p{1,2}-{denoise,noise}.*  PatchResult (ck.PatchResult.load), the phase's task metric
+    scores.csv        score_heads (bootstrap rank intervals, top-k inclusion)
+    validation.csv    validate_heads (top-k vs random head sets of two pools)
+    validation-causal.csv  (``stages=True``) the causal top-k (``selection="causal"``) against
+                      all-layers and layer-stratified sets; ``summary["causal_validation"]``
+    groups/, causal.csv  (``stages=True``, exact only) ``_stages_step``'s [layer, head, group]
+                      sweeps over ``stage_groups`` and the causal columns from them
+    head-ablation.csv ablate_heads (zero / mean / resample; resample needs two prompts with
+                      steps of every phase, else it is skipped: ``summary["skipped"]``)
+    edges/            (``edges=True``) ``_edges_step``'s edges.*, paths.*, circuit.json
+    summary.json      identity, versions, ``phases``, per-step timings, files and SHA-256,
+                      ``steps_run_this_call``, top heads, ``complete``, the score summaries
+                      (keys: docs/scores.md), ``ablations`` and ``skipped`` (one line each)
+    checkpoints/      exact-patching chunks (a killed sweep resumes mid-way) and validation's
+                      finished runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
 Resumable: every finished step is recorded in ``summary.json`` (written atomically after the
@@ -43,9 +27,9 @@ step's files, with their SHA-256), and rerunning the same call reuses those step
 validation, its finished runs) whose files are all there and unchanged (a missing or modified
 file is named and its step recomputed); a folder holding a run with a different identity is
 refused. One run per folder: ``out_dir`` is locked (``files.lock_folder``) for the whole run, so
-a second run on it is refused with the first one's pid. A pretrained LLM whose
-vocabulary cannot hold the task's word tokens gets the task rendered as text
-(``circuitkit.scoring.text.text_task``; ``text=None`` decides automatically).
+a second run on it is refused with the first one's pid. A pretrained LLM whose vocabulary cannot
+hold the task's word tokens gets the task rendered as text (``scoring.text.text_task``;
+``text=None`` decides automatically).
 """
 
 from __future__ import annotations
@@ -75,8 +59,7 @@ def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = Fals
         ["stages"] if stages else []) + ["scores", "validation", "ablation"]
 
 
-PATCH_STEPS = patch_steps()  # a task with both phases (icd10, synthetic)
-STEPS = step_names()
+STEPS = step_names()  # a task with both phases (icd10, synthetic)
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -335,25 +318,24 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     i += 1
     from circuitkit.scoring.causal import has_causal_columns
 
+    # validation and ablation: on the held-out notes, finished runs kept in one folder
+    tested = dict(k=k, n_random=n_random, seed=seed, batch_size=batch_size, progress=progress,
+                  checkpoint=out / "checkpoints" / "validation")
     if has_causal_columns(scores):  # (a record from before the causal sets were validated)
         outdated("validation", "validation-causal.csv")
     if not reusable("validation", i):
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
                        f"together, against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
-                             batch_size=batch_size, progress=progress,
-                             checkpoint=out / "checkpoints" / "validation")
+        val = validate_heads(model, held_out, scores, **tested)
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
         if has_causal_columns(scores):  # --stages: the causal top sets are validated too
             _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
                            f"against {n_random} random and layer-stratified {k}-head sets")
-            cval = validate_heads(model, held_out, scores, k=k, n_random=n_random, seed=seed,
-                                  batch_size=batch_size, progress=progress,
-                                  checkpoint=out / "checkpoints" / "validation",
-                                  pools=("all-layers", "layer-stratified"), selection="causal")
+            cval = validate_heads(model, held_out, scores, **tested, selection="causal",
+                                  pools=("all-layers", "layer-stratified"))
             files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
             summary["causal_validation"] = causal_validation(cval)
             written.append("validation-causal.csv")
@@ -365,10 +347,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
                        f"against {n_random} random {k}-head sets")
         t0 = time.perf_counter()
-        abl = ablate_heads(model, held_out, scores, k=k, n_random=n_random, ablations=ablations,
-                           seed=seed,
-                           batch_size=batch_size, progress=progress,
-                           checkpoint=out / "checkpoints" / "validation")
+        abl = ablate_heads(model, held_out, scores, **tested, ablations=ablations)
         files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
@@ -409,8 +388,7 @@ def timing_line(summary: dict[str, Any], seconds: float) -> str:
         before = sum(steps[s]["seconds"] for s in reused)
         parts.append(f"{len(reused)} step{'s' if len(reused) > 1 else ''} reused from the "
                      f"folder (they had taken {before:.1f} s)")
-    rest = seconds - spent
-    parts.append(f"{rest:.1f} s loading, writing and drawing the report")
+    parts.append(f"{seconds - spent:.1f} s loading, writing and drawing the report")
     return f"took {seconds:.1f} s: " + ", ".join(parts)
 
 
@@ -479,7 +457,9 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
                 batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
     """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
     after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
-    only: its top heads into themselves); their faithfulness curve. Writes ``out/edges/``;
+    only: its top heads into themselves); their faithfulness curve (``circuit.json``); the same
+    pairs through everything between them (``paths.*``, ``patch_paths`` per ``stage_groups``
+    group; its coverage is the edges' ``meta["path_coverage"]``). Writes ``out/edges/``;
     returns the files written (relative to ``out``), none when no receiver lies after a
     sender."""
     import circuitkit as ck
@@ -612,8 +592,6 @@ def _stored(path: Path) -> Any:
 def _say_degenerate(results: dict[tuple[int, str], Any]) -> None:
     """One warning per phase whose corruption does not lower its metric by the margin
     (``PatchResult.degenerate``, the rule every entry point follows), naming its sweeps."""
-    import warnings
-
     from circuitkit.patching.results import DegenerateBaselineWarning
 
     for phase in sorted({p for p, _ in results}):

@@ -28,7 +28,7 @@ from tinymodels import with_random_post_norms
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.scoring import coarse, refine
-from circuitkit.scoring.heads import COLUMNS, _writes, score_heads, top_heads, write_source
+from circuitkit.scoring.heads import COLUMNS, _head_writes, score_heads, top_heads, write_source
 from circuitkit.scoring.text import text_task
 
 
@@ -150,8 +150,9 @@ def test_writes_and_norm_against_the_model(which, request):
     b, q = torch.tensor([0, 1, 2, 2]), torch.tensor([8, 3, 0, 5])
     W_O = [blk.attn.W_O.detach() for blk in model.blocks]
     for layer in range(len(W_O)):
-        torch.testing.assert_close(_writes(cache, layer, b, q, W_O),
-                                   _writes(cache, layer, b, q, None), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_head_writes(cache, layer, b, q, W_O, {}),
+                                   _head_writes(cache, layer, b, q, None, {}), atol=1e-5,
+                                   rtol=1e-5)
     x = cache[hooks.FINAL_NORM_IN][b, q]
     kind, g, eps = refine.final_norm(model)
     assert kind == ("rms" if which == "tiny_llama" else "ln")

@@ -7,42 +7,27 @@ from pathlib import Path
 
 import typer
 
+from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _check_k, _claim_folder, _n_for, _one_of, _positive, _text_flag
-from circuitkit.cli.console import _echo_json, _fail, _same_command
+from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
 from circuitkit.cli.format import _run_words
-from circuitkit.cli.options import (
-    DEFAULT_MODEL,
-    DEFAULT_TASK,
-    BatchSize,
-    Json,
-    K,
-    Model,
-    N,
-    Out,
-    PatchMethod,
-    Progress,
-    Seed,
-    Split,
-    Task,
-    Text,
-)
 
 
 @app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
 def score(
-    model: Model = DEFAULT_MODEL,
-    task: Task = DEFAULT_TASK,
-    n_examples: N = None,
-    split: Split = "test",
-    seed: Seed = 0,
-    k: K = 5,
-    text: Text = "auto",
-    batch_size: BatchSize = None,
+    model: opt.Model = opt.DEFAULT_MODEL,
+    task: opt.Task = opt.DEFAULT_TASK,
+    n_examples: opt.N = None,
+    split: opt.Split = "test",
+    seed: opt.Seed = 0,
+    k: opt.K = 5,
+    text: opt.Text = "auto",
+    batch_size: opt.BatchSize = None,
     out: Path = typer.Option(Path("score-out/scores.csv"), "--out", "-o", help="CSV file to "
                              "write (default ./score-out/scores.csv).", metavar="FILE"),
-    progress: Progress = True,
-    as_json: Json = False,
+    progress: opt.Progress = True,
+    as_json: opt.Json = False,
 ) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
@@ -52,7 +37,7 @@ def score(
     from circuitkit.scoring.text import load_for
 
     flag = _text_flag(text)
-    try:
+    with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--batch-size", batch_size, "examples per forward pass")
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
@@ -62,8 +47,6 @@ def score(
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
                          seed=seed)  # as characterize scores: the same table for the same flags
         files.write_text(out, df.to_csv(index=False))
-    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e) or type(e).__name__)
     if as_json:
         return _echo_json(dict(command="score", n_examples=len(the_task), split=split, seed=seed,
                                heads=df.to_dict("records"), files=[str(out)]))
@@ -90,18 +73,18 @@ def _print_scores(df, k: int, the_task, split: str, seed: int) -> None:
 @app.command(short_help="The main job: sweeps, scores, validation, report.")
 def characterize(
     ctx: typer.Context,
-    model: Model = DEFAULT_MODEL,
-    task: Task = DEFAULT_TASK,
-    out: Out = Path("characterize-out"),
-    n_examples: N = None,
-    split: Split = "test",
-    seed: Seed = 0,
-    k: K = 5,
+    model: opt.Model = opt.DEFAULT_MODEL,
+    task: opt.Task = opt.DEFAULT_TASK,
+    out: opt.Out = Path("characterize-out"),
+    n_examples: opt.N = None,
+    split: opt.Split = "test",
+    seed: opt.Seed = 0,
+    k: opt.K = 5,
     n_random: int = typer.Option(20, "--n-random", help="Random head sets to compare with.",
                                  metavar="N"),
-    patch_method: PatchMethod = "exact",
-    text: Text = "auto",
-    batch_size: BatchSize = None,
+    patch_method: opt.PatchMethod = "exact",
+    text: opt.Text = "auto",
+    batch_size: opt.BatchSize = None,
     edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
                                "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
                                "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
@@ -113,8 +96,8 @@ def characterize(
     select_n: int = typer.Option(None, "--select-n", help="Held-out selection: score (select) "
                                  "heads on the first N examples, validate on the rest.",
                                  metavar="N"),
-    progress: Progress = True,
-    as_json: Json = False,
+    progress: opt.Progress = True,
+    as_json: opt.Json = False,
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
@@ -139,9 +122,8 @@ def characterize(
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
-        typer.secho("interrupted; finished steps (and finished chunks of the current sweep) are "
-                    f"in {out}. Resume with the same command:\n  {_same_command(ctx)}", err=True)
-        raise typer.Exit(130) from None
+        _interrupted("finished steps (and finished chunks of the current sweep) are in "
+                     f"{out}. Resume with the same command:\n  {_same_command(ctx)}")
     if as_json:
         return _echo_json(dict(command="characterize", out=str(out), summary=summary))
     _print_characterize(out, summary)

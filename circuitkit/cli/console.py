@@ -18,6 +18,23 @@ def _fail(msg: str) -> None:
 
 
 @contextlib.contextmanager
+def _errors_as_lines(*errors: type[Exception]):
+    """Inside: an exception of ``errors`` (default ``ValueError``) ends the command in one line
+    (``_fail``: its message, or its type's name when it has none)."""
+    caught = errors or (ValueError,)
+    try:
+        yield
+    except caught as e:
+        _fail(str(e) or type(e).__name__)
+
+
+def _interrupted(why: str) -> None:
+    """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) and exit status 130."""
+    typer.secho("interrupted; " + why, err=True)
+    raise typer.Exit(130) from None
+
+
+@contextlib.contextmanager
 def _warnings_as_lines():
     """Inside: a warning circuitkit raises (a ``DegenerateBaselineWarning``, or any warning
     from circuitkit's own code) prints as one ``warning:`` line, each distinct message once

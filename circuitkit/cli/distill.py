@@ -11,13 +11,8 @@ import typer
 
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _claim_folder
-from circuitkit.cli.console import _fail, _given, _same_command
-from circuitkit.cli.options import Out, Progress
-
-
-def _opt(flag: str, help: str, metavar: str | None = None, *alias: str):
-    return typer.Option(flag, *alias, help=help, metavar=metavar)
-
+from circuitkit.cli.console import _fail, _given, _interrupted, _same_command
+from circuitkit.cli.options import Out, Progress, _opt
 
 Teacher = Annotated[str, _opt("--teacher", "Teacher: shipped toy, folder or hub id over the "
                                            "task's vocabulary.", "NAME")]
@@ -109,9 +104,7 @@ def distill(
     except (ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:
-        typer.secho("interrupted; rerun the same command to resume:\n  "
-                    f"{_same_command(ctx)}", err=True)
-        raise typer.Exit(130) from None
+        _interrupted(f"rerun the same command to resume:\n  {_same_command(ctx)}")
     typer.echo(_distill_summary(folder))
     typer.echo(f"student saved to {folder}; evaluate it with: circuitkit evaluate --model "
                f"{folder}")

@@ -8,7 +8,7 @@ import typer
 
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.checks import _positive
-from circuitkit.cli.console import _fail
+from circuitkit.cli.console import _errors_as_lines, _fail
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
@@ -24,11 +24,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
 
-    try:
+    with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
-    except ValueError as e:
-        _fail(str(e))
-    try:
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
                                 seed=seed, split=split, phase=phase)
@@ -38,8 +35,6 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         if loader is None:
             _check_vocabulary(the_model, the_task, renders)
         return the_model, the_task
-    except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e) or type(e).__name__)
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:
@@ -69,10 +64,8 @@ def _sweep_inputs(tokenizer, the_task):
 
     if not needs_text(tokenizer, the_task):
         return the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric, ""
-    try:
+    with _errors_as_lines():
         clean, corrupt, metric, kept = text_prompts(the_task, tokenizer)
-    except ValueError as e:
-        _fail(str(e))
     return clean, corrupt, metric, (
         f"{the_task.name} rendered as text for this model's tokenizer: {len(kept)} of "
         f"{len(the_task)} examples kept (clean and corrupt of equal token count); metric: "

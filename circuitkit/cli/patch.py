@@ -9,9 +9,17 @@ from types import SimpleNamespace
 import typer
 
 from circuitkit.characterize import DEFAULT_N
+from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _check_sweep_flags, _claim_folder, _one_of, _positive
-from circuitkit.cli.console import _echo_json, _fail, _given, _same_command
+from circuitkit.cli.console import (
+    _echo_json,
+    _errors_as_lines,
+    _fail,
+    _given,
+    _interrupted,
+    _same_command,
+)
 from circuitkit.cli.format import (
     _describe_auto,
     _describe_scale,
@@ -21,42 +29,6 @@ from circuitkit.cli.format import (
     _table,
 )
 from circuitkit.cli.load import _check_vocabulary, _load, _phase_task, _sweep_tokens
-from circuitkit.cli.options import (
-    DEFAULT_MODEL,
-    DEFAULT_TASK,
-    Ablation,
-    Backend,
-    BatchSize,
-    Checkpoint,
-    Circuit,
-    Direction,
-    EdgeEstimator,
-    Gpu,
-    GpusPerReplica,
-    HeadEstimator,
-    IgSteps,
-    Inputs,
-    Json,
-    MaxPasses,
-    Method,
-    Model,
-    N,
-    Out,
-    Phase,
-    Plan,
-    Positions,
-    Progress,
-    Receivers,
-    Remote,
-    Seed,
-    Senders,
-    SeqLen,
-    Site,
-    Split,
-    Task,
-    TopK,
-    Utilisation,
-)
 from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
 
 
@@ -70,8 +42,8 @@ def info(
                                 metavar="TOKENS"),
     prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
                                 help="Prompts per sweep assumed for the pass counts.", metavar="N"),
-    gpu: Gpu = "H100",
-    as_json: Json = False,
+    gpu: opt.Gpu = "H100",
+    as_json: opt.Json = False,
 ) -> None:
     """Architecture and head sweep cost plan, from the config alone (no weights needed): the
     figures ``patch --plan --seq-len`` prints for the same prompts (``patching.plan.sweep_plan``);
@@ -82,16 +54,11 @@ def info(
     if model is None:
         typer.echo(_model_list())
         return
-    try:
+    with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         _one_of("--gpu", gpu.upper(), sorted(GPU_CLASSES))
         _positive("--seq-len", seq_len, "tokens per prompt")
         _positive("--n-examples", prompts, "prompts per sweep")
-    except ValueError as e:
-        _fail(str(e))
-    try:
         arch = models.architecture(model)
-    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
-        _fail(str(e))
     if seq_len is None:
         seq_len = min(512, arch.n_ctx) if arch.n_ctx else 512
     elif arch.n_ctx and seq_len > arch.n_ctx:
@@ -110,48 +77,46 @@ def info(
 @app.command(short_help="Activation patching of every head (or layer).")
 def patch(
     ctx: typer.Context,
-    model: Model = DEFAULT_MODEL,
-    task: Task = DEFAULT_TASK,
-    n_examples: N = None,
-    direction: Direction = "denoise",
-    method: Method = "auto",
-    positions: Positions = None,
-    site: Site = "z",
-    phase: Phase = None,
-    split: Split = "test",
-    seed: Seed = 0,
-    batch_size: BatchSize = None,
-    top_k: TopK = None,
-    max_passes: MaxPasses = None,
-    estimator: HeadEstimator = None,
-    out: Out = Path("patch-out"),
-    checkpoint: Checkpoint = True,
-    plan: Plan = False,
-    seq_len: SeqLen = None,
-    gpu: Gpu = "H100",
-    utilisation: Utilisation = 0.4,
-    gpus_per_replica: GpusPerReplica = 1,
-    backend: Backend = "transformer_lens",
-    remote: Remote = False,
-    progress: Progress = True,
-    as_json: Json = False,
+    model: opt.Model = opt.DEFAULT_MODEL,
+    task: opt.Task = opt.DEFAULT_TASK,
+    n_examples: opt.N = None,
+    direction: opt.Direction = "denoise",
+    method: opt.Method = "auto",
+    positions: opt.Positions = None,
+    site: opt.Site = "z",
+    phase: opt.Phase = None,
+    split: opt.Split = "test",
+    seed: opt.Seed = 0,
+    batch_size: opt.BatchSize = None,
+    top_k: opt.TopK = None,
+    max_passes: opt.MaxPasses = None,
+    estimator: opt.HeadEstimator = None,
+    out: opt.Out = Path("patch-out"),
+    checkpoint: opt.Checkpoint = True,
+    plan: opt.Plan = False,
+    seq_len: opt.SeqLen = None,
+    gpu: opt.Gpu = "H100",
+    utilisation: opt.Utilisation = 0.4,
+    gpus_per_replica: opt.GpusPerReplica = 1,
+    backend: opt.Backend = "transformer_lens",
+    remote: opt.Remote = False,
+    progress: opt.Progress = True,
+    as_json: opt.Json = False,
 ) -> None:
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     a = SimpleNamespace(**ctx.params)
-    try:
+    with _errors_as_lines():
         _check_patch_flags(a)
-    except ValueError as e:
-        _fail(str(e))
-    if plan and (seq_len is not None or not _weights_here(model)):
+    from circuitkit import hooks, models
+
+    if plan and (seq_len is not None or not models.weights_available(model)):
         _plan_offline(a, n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
         return
     layout, leader = _replicas(ctx, a)
     if not leader:
         return
     the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
-    from circuitkit import hooks
-
     unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
     what = (f"{model} on {the_task.name} Phase {the_task.phase}, metric {metric.name}, "
             f"{direction}, {unit} at site {a.site}")
@@ -165,11 +130,9 @@ def patch(
     if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
-        try:
+        with _errors_as_lines(OSError):  # a full disk: the rerun resumes from the checkpoint
             written = res.save(out / "result")
             estimate = _mark_estimates(res, written)
-        except OSError as e:  # a full disk: one line; the rerun resumes from the checkpoint
-            _fail(str(e))
         _print_patch(a, res, what, metric, len(clean), estimate, written)
 
 
@@ -210,21 +173,13 @@ def _check_patch_flags(a) -> None:
         check_writable_dir(a.out)  # before any work: a result is never lost at 100%
 
 
-def _weights_here(model: str) -> bool:
-    from circuitkit import models
-
-    return models.weights_available(model)
-
-
 def _replicas(ctx, a):
     """(torchrun replica layout or None for --plan, whether this process leads a replica).
     Rank 0 holds OUT's lock and claims it for patch (every method)."""
     from circuitkit.patching import distributed
 
-    try:
+    with _errors_as_lines():
         layout = distributed.init_replicas(a.gpus_per_replica) if not a.plan else None
-    except ValueError as e:
-        _fail(str(e))
     if layout is not None and not layout.leader:
         typer.echo(f"rank {layout.rank}: GPU lent to replica {layout.replica} (led by rank "
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
@@ -232,11 +187,9 @@ def _replicas(ctx, a):
     if not a.plan and distributed.rank_world()[0] == 0:
         from circuitkit.files import lock_folder
 
-        try:
+        with _errors_as_lines():
             ctx.call_on_close(lock_folder(a.out, "--out folder").close)
             _claim_folder(a.out, "patch")
-        except ValueError as e:
-            _fail(str(e))
     return layout, True
 
 
@@ -259,16 +212,10 @@ def _patch_inputs(a, layout):
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
                                     loader=loader, renders=True)
         if loader is not None:
-            try:
+            with _errors_as_lines():
                 _check_vocabulary(the_model, the_task, renders=True)
-            except ValueError as e:
-                _fail(str(e))
     the_task = _phase_task(the_task, a.task)
     return the_model, the_task, _sweep_tokens(the_model, the_task)
-
-
-
-
 
 
 def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
@@ -286,12 +233,11 @@ def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
     extra = {} if layers else dict(
         top_k=a.top_k, backend=a.backend, remote=a.remote, max_passes=a.max_passes,
         **({} if a.estimator is None else dict(estimator=a.estimator)))
-    try:
-        return (api.patch_layers if layers else api.patch_heads)(
-            the_model, clean, corrupt, metric, progress=a.progress,
-            task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
-    except (ValueError, WriteError) as e:  # WriteError: a checkpoint chunk on a full disk
-        _fail(str(e))
+    try:  # WriteError: a checkpoint chunk on a full disk
+        with _errors_as_lines(ValueError, WriteError):
+            return (api.patch_layers if layers else api.patch_heads)(
+                the_model, clean, corrupt, metric, progress=a.progress,
+                task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
     except KeyboardInterrupt:
         if ckpt is not None:
             why = (f"finished work is in {ckpt}. Resume with the same command:\n  "
@@ -302,8 +248,7 @@ def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
         else:
             what = "--backend nnsight" if a.backend == "nnsight" else "--method attribution"
             why = f"nothing was saved ({what} runs are not checkpointed)."
-        typer.secho("interrupted; " + why, err=True)
-        raise typer.Exit(130) from None
+        _interrupted(why)
 
 
 def _print_patch(a, res, what: str, metric, n: int, estimate: str, written) -> None:
@@ -344,37 +289,37 @@ def _checkpoint_dir(out: Path) -> Path:
 @app.command(short_help="Which heads feed which heads' q, k, v: edge patching.")
 def edges(
     ctx: typer.Context,
-    model: Model = DEFAULT_MODEL,
-    task: Task = DEFAULT_TASK,
-    inputs: Inputs = "q,k,v",
-    senders: Senders = "all",
-    receivers: Receivers = "all",
-    method: Method = "exact",
-    estimator: EdgeEstimator = None,
-    ig_steps: IgSteps = None,
-    top_k: TopK = None,
-    direction: Direction = "denoise",
-    n_examples: N = None,
-    phase: Phase = None,
-    split: Split = "test",
-    seed: Seed = 0,
-    batch_size: BatchSize = None,
-    circuit: Circuit = True,
-    ablation: Ablation = "corrupt",
-    out: Out = Path("edges-out"),
-    checkpoint: Checkpoint = True,
-    plan: Plan = False,
-    gpu: Gpu = "H100",
-    utilisation: Utilisation = 0.4,
-    progress: Progress = True,
-    as_json: Json = False,
+    model: opt.Model = opt.DEFAULT_MODEL,
+    task: opt.Task = opt.DEFAULT_TASK,
+    inputs: opt.Inputs = "q,k,v",
+    senders: opt.Senders = "all",
+    receivers: opt.Receivers = "all",
+    method: opt.Method = "exact",
+    estimator: opt.EdgeEstimator = None,
+    ig_steps: opt.IgSteps = None,
+    top_k: opt.TopK = None,
+    direction: opt.Direction = "denoise",
+    n_examples: opt.N = None,
+    phase: opt.Phase = None,
+    split: opt.Split = "test",
+    seed: opt.Seed = 0,
+    batch_size: opt.BatchSize = None,
+    circuit: opt.Circuit = True,
+    ablation: opt.Ablation = "corrupt",
+    out: opt.Out = Path("edges-out"),
+    checkpoint: opt.Checkpoint = True,
+    plan: opt.Plan = False,
+    gpu: opt.Gpu = "H100",
+    utilisation: opt.Utilisation = 0.4,
+    progress: opt.Progress = True,
+    as_json: opt.Json = False,
 ) -> None:
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
     a = SimpleNamespace(**ctx.params)
     from circuitkit.patching.inputs import EDGE_METHODS
 
-    try:
+    with _errors_as_lines():
         _check_sweep_flags(a)
         _one_of("--method", method, EDGE_METHODS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
@@ -383,8 +328,6 @@ def edges(
 
             _claim_folder(out, "edges")
             ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
-    except ValueError as e:
-        _fail(str(e))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
@@ -420,10 +363,8 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
     except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
         _fail(str(e))
     except KeyboardInterrupt:
-        where = (f"finished chunks are in {ckpt}. Resume with the same command:\n  "
-                 f"{_same_command(ctx)}") if ckpt is not None else "nothing was saved."
-        typer.secho("interrupted; " + where, err=True)
-        raise typer.Exit(130) from None
+        _interrupted(f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+                     f"{_same_command(ctx)}" if ckpt is not None else "nothing was saved.")
     return res, circ, written
 
 

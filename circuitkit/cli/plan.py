@@ -7,7 +7,7 @@ from __future__ import annotations
 import typer
 
 from circuitkit.characterize import DEFAULT_N
-from circuitkit.cli.console import _echo_json, _fail
+from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail
 from circuitkit.cli.format import format_plan
 from circuitkit.cli.load import _load, _phase_task, _sweep_tokens
 
@@ -16,12 +16,10 @@ def _patch_plan(a, the_model, clean, corrupt, metric) -> None:
     """``patch --plan`` with the weights here: ``api.plan_patch``'s one-chunk probe."""
     from circuitkit.patching import api
 
-    try:
+    with _errors_as_lines():
         p = api.plan_patch(the_model, clean, corrupt, metric, top_k=a.top_k,
                            estimator=a.estimator, direction=a.direction, method=a.method,
                            positions=a.positions, site=a.site, batch_size=a.batch_size)
-    except ValueError as e:
-        _fail(str(e))
     if a.as_json:
         return _echo_json(p)
     typer.echo(format_plan(p))
@@ -37,16 +35,14 @@ def _edge_plan(a) -> None:
     from circuitkit.patching.plan import edge_plan, format_edge_plan
     from circuitkit.patching.sweep import EdgeLayout
 
-    try:
+    with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         arch = models.architecture(a.model)
-    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
-        _fail(str(e))
     n_params = None
     if models.weights_available(a.model):
         lengths, how, n_params = _run_lengths(a)
     else:
         lengths, how = _task_lengths(a)
-    try:
+    with _errors_as_lines():
         s, r, i = check_edge_nodes(arch, a.nodes["senders"], a.nodes["receivers"], a.inputs)
         layout = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
         kw = dict(direction=a.direction, ig_steps=a.ig_steps or 5, gpu=a.gpu.upper(),
@@ -56,8 +52,6 @@ def _edge_plan(a) -> None:
             k = max(1, min(50, p["methods"]["attribution+exact"]["verified_edges"] // 5))
             p["top_k_hint"] = (k, edge_plan(arch, lengths, layout, top_k=k, **kw)
                                ["methods"]["attribution+exact"])
-    except ValueError as e:
-        _fail(str(e))
     if n_params is not None:
         p["n_params"], p["measured"] = n_params, True
     p["chosen"] = a.method if a.method != "attribution" else (a.estimator or "eap")
@@ -103,10 +97,8 @@ def _plan_offline(a, *, n_gpus=None) -> None:
     from circuitkit import models
     from circuitkit.patching.plan import format_sweep_plan, sweep_plan
 
-    try:
+    with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         arch = models.architecture(a.model)
-    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as e:
-        _fail(str(e))
     if a.seq_len is not None:
         if a.seq_len < 1 or (arch.n_ctx and a.seq_len > arch.n_ctx):
             _fail(f"--seq-len must be in 1..{arch.n_ctx or 'the context'} ({arch.name}'s "
@@ -115,12 +107,10 @@ def _plan_offline(a, *, n_gpus=None) -> None:
         lengths, how = [a.seq_len] * n, f"--seq-len: {n} prompts of {a.seq_len} tokens each"
     else:
         lengths, how = _task_lengths(a)
-    try:
+    with _errors_as_lines():
         p = sweep_plan(arch, lengths, site=a.site, positions=a.positions, direction=a.direction,
                        top_k=a.top_k, gpu=a.gpu.upper(), utilisation=a.utilisation,
                        rows=a.batch_size, n_gpus=n_gpus)
-    except ValueError as e:
-        _fail(str(e))
     if a.as_json:
         return _echo_json(p)
     text = format_sweep_plan(p, how, weights_here=models.weights_available(a.model))

@@ -7,43 +7,30 @@ from pathlib import Path
 
 import typer
 
+from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _positive
-from circuitkit.cli.console import _echo_json, _fail
+from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail
 from circuitkit.cli.format import METRIC_MEANINGS
 from circuitkit.cli.load import _load
-from circuitkit.cli.options import (
-    DEFAULT_MODEL,
-    DEFAULT_TASK,
-    BatchSize,
-    Json,
-    Model,
-    N,
-    Progress,
-    Seed,
-    Split,
-    Task,
-)
 
 
 @app.command(short_help="Task metrics: focus, confusion, F1, exact match.")
 def evaluate(
-    model: Model = DEFAULT_MODEL,
-    task: Task = DEFAULT_TASK,
-    n_examples: N = None,
-    split: Split = "test",
-    seed: Seed = 0,
-    batch_size: BatchSize = 64,
-    progress: Progress = True,
-    as_json: Json = False,
+    model: opt.Model = opt.DEFAULT_MODEL,
+    task: opt.Task = opt.DEFAULT_TASK,
+    n_examples: opt.N = None,
+    split: opt.Split = "test",
+    seed: opt.Seed = 0,
+    batch_size: opt.BatchSize = 64,
+    progress: opt.Progress = True,
+    as_json: opt.Json = False,
 ) -> None:
     """Reasoning Focus, Near-Miss Confusion, confusion rate, Macro/micro-F1 and exact match."""
     import circuitkit as ck
 
-    try:
+    with _errors_as_lines():
         _positive("--batch-size", batch_size, "notes per forward pass")
-    except ValueError as e:
-        _fail(str(e))
     the_model, the_task = _load(model, task, n_examples, seed, split, 2)
     try:
         scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=progress)
@@ -73,8 +60,6 @@ def report(
     from circuitkit.viz.report import describe_written, write_report
 
     t0 = time.perf_counter()
-    try:
+    with _errors_as_lines(ValueError, OSError):
         path = write_report(run_dir, out, attention=attention)
-    except (ValueError, OSError) as e:
-        _fail(str(e))
     typer.echo(describe_written(path, time.perf_counter() - t0))

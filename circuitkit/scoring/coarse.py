@@ -1,41 +1,20 @@
 """Phase-1 components: attention sharpness, anchor alignment and their combination (CoarseScore).
+Definitions and why: docs/scores.md.
 
-Shapes: ``N`` Phase-1 query rows (one per example and anchor step), ``H`` heads, ``S`` key
-positions, ``D`` = d_model, ``A`` anchors. A Phase-1 query position is ``anchor_pos - 1``: the
-position whose logits predict the anchor (task layout: ``tokens[p]`` is read at ``p - 1``).
+Shapes: ``N`` Phase-1 query rows (``q = anchor_pos - 1``, where the anchor is predicted), ``H``
+heads, ``S`` key positions, ``D`` = d_model, ``A`` anchors.
 
-* ``excess_kurtosis(rows, n_keys)``: Fisher excess kurtosis of each attention row over its keys
-  ``0..q`` taken as a sample (``scipy.stats.kurtosis(row[:q + 1], fisher=True, bias=True)``):
-  ``m4 / m2**2 - 3`` with ``m_k = mean((a - mean(a))**k)``. One sharp peak in ``n`` keys scores
-  about ``n - 5``; a flat row low. A row with zero variance (exactly uniform, or one key) has no
-  defined kurtosis (scipy: NaN); it gets ``FLAT_KURTOSIS = -2``, the smallest excess kurtosis any
-  sample can have, so a flat row scores lowest.
-* ``anchor_alignment(writes, directions, correct)``: ``cos(w, u_c) - mean_{a != c} cos(w, u_a)``
-  for the head's write ``w`` [N, H, D] and centred anchor directions ``u`` [D, A]; a zero write
-  scores 0.
-* ``coarse_score(sharpness, alignment) = tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment``:
-  the squashed sharpness is a gate in [0, 1) (0 for a flat or platykurtic head), so the score is
-  high only when attention is sharp *and* the write is anchor-aligned; a sharp head writing an
-  unaligned direction scores ~0, a well-aligned diffuse head is damped.
-
-Length-invariant sharpness (issue 34: excess kurtosis grows with the row's length for the same
-spread over the same keys: uniform over 3 keys scores -1.73 in an 8-key row, 5.11 in a 30-key row).
-Two columns beside ``sharpness``, whose formula is kept:
-
-* ``concentration(rows, valid) = exp(-H)`` with ``H = -sum_s a_s log a_s`` over the valid keys (the
-  row renormalised over them): ``1 / (effective number of keys attended)``, in ``(0, 1]``; 1 for
-  all mass on one key, ``1 / m`` for a row uniform over ``m`` keys whatever the row's length
-  (keys with no attention add nothing to ``H``).
-* ``salient_mass(rows, salient) = sum_{s in salient} a_s``: the attention mass on the note's
-  evidence positions (the words the anchors are read from), in [0, 1]; the same for a head
-  spreading its attention over the same evidence words at any row length.
-
-Anchor directions (``anchor_directions``), one centred column per anchor. Default ``"labels"``
-(the paper's semantic anchor centroids): ``u_a = m_a - mean_b m_b`` with ``m_a`` the mean
-unembedding column of anchor a's labels (``W_U[:, label_token_ids[label_anchor == a]].mean(1)``).
-Option ``"tokens"``: ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]``, the anchor token's own
-column; at ``anchor_pos - 1`` that token is the next one, so this reading measures largely the
-head's contribution to predicting the next token.
+* ``excess_kurtosis``: ``m4 / m2**2 - 3``, ``m_k = mean((a - mean(a))**k)`` over the keys
+  ``0..q`` (``scipy.stats.kurtosis(row[:q + 1], fisher=True, bias=True)``); a zero-variance row
+  (scipy: NaN) gets ``FLAT_KURTOSIS = -2``, the smallest any sample can have.
+* ``anchor_alignment``: ``cos(w, u_c) - mean_{a != c} cos(w, u_a)``, write ``w`` [N, H, D],
+  centred anchor directions ``u`` [D, A]; a zero write scores 0.
+* ``coarse_score = tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment``.
+* Length-invariant beside ``sharpness`` (issue 34): ``concentration = exp(-H)``, ``H`` the
+  entropy of the row renormalised over the valid keys (``1 / m`` for a row uniform over ``m``
+  keys); ``salient_mass = sum_{s in salient} a_s`` (the note's evidence positions).
+* ``anchor_directions``: "labels" ``u_a = m_a - mean_b m_b``, ``m_a`` the mean unembedding
+  column of anchor a's labels; "tokens" ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]``.
 """
 
 from __future__ import annotations
@@ -125,14 +104,10 @@ def anchor_alignment(writes: Float[Tensor, "N H D"], directions: Float[Tensor, "
     return own - (cos.sum(-1) - own) / (n_a - 1)
 
 
-def squash_sharpness(sharpness: Tensor) -> Tensor:
-    """``tanh(max(sharpness, 0) / SHARPNESS_SCALE)`` in [0, 1)."""
-    return torch.tanh(sharpness.clamp(min=0) / SHARPNESS_SCALE)
-
-
 def coarse_score(sharpness: Tensor, alignment: Tensor) -> Tensor:
-    """``tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment`` (module docstring)."""
-    return squash_sharpness(sharpness) * alignment
+    """``tanh(max(sharpness, 0) / SHARPNESS_SCALE) * alignment``: the squashed sharpness, a gate
+    in [0, 1)."""
+    return torch.tanh(sharpness.clamp(min=0) / SHARPNESS_SCALE) * alignment
 
 
 def spike_kurtosis(n: int) -> float:

@@ -1,92 +1,28 @@
 """``score_heads``: Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, with
-their stability under resampling of the examples.
+their stability under resampling of the examples. Every column's formula (``COLUMNS``; the
+components in ``coarse.py`` and ``refine.py``) and the bootstrap: docs/scores.md.
 
-One row per (layer, head); columns (formulas in ``coarse.py``, ``refine.py`` and docs/scores.md):
+Means are over an example's query positions (Phase 1: ``q = anchor_pos - 1``; Phase 2:
+``q = answer_pos - 1``), then over examples; a row where a component is undefined is left out of
+its mean. ``loopback``, ``coarse_score`` and the ranks are computed from the head's means.
 
-=======================  ===================================================================
-sharpness                mean Fisher excess kurtosis of the head's attention row (keys
-                         ``0..q``) at the Phase-1 query positions ``q = anchor_pos - 1``
-anchor_alignment         mean ``cos(w, u_correct) - mean_other cos(w, u_a)`` of the head's
-                         write ``w`` there with the centred anchor directions ``u`` (default:
-                         label centroids; ``attrs["anchor_directions"]`` says which)
-coarse_score             ``tanh(max(sharpness, 0) / 3) * anchor_alignment``
-shortlist_share          mean attention mass on the shortlist entries at the Phase-2 query
-                         positions ``q = answer_pos - 1``
-key_preference           mean ``(a_T - a_M) / (a_T + a_M)``, ``a_T``/``a_M`` the mean attention
-                         per target / near-miss entry (count-balanced, in [-1, 1])
-ov_copy                  attention-weighted mean own-label effect of the shortlist entries read
-                         (+ copies what it reads, - suppresses)
-mechanism                "copy" / "suppress" / "retrieve" / "-" (``refine.mechanism``)
-loopback                 ``shortlist_share * key_preference`` (attention only, signed)
-margin_widening          mean direct effect of the head's write (through the run's final-norm
-                         scale) on ``logit[target] - mean logit[near_misses]``
-refine_score             the part of margin_widening the head writes from the shortlist entries
-                         it reads: ``sum_{s in shortlist} A[s] m[s]``, ``m[s]`` the margin
-                         effect of key ``s``'s value through ``W_O``
-phase1_rank              rank of ``coarse_score`` (1 = highest; ties by (layer, head) order;
-                         empty when the task has no steps of that phase)
-phase2_rank              rank of ``refine_score``
-phase1_inclusion         share of bootstrap resamples of the examples in which the head is in
-                         the top ``k`` of Phase 1 (``attrs["k"]``, ``attrs["n_boot"]``)
-phase2_inclusion         the same for Phase 2
-phase1_rank_low/high     2.5 / 97.5 percentile of its Phase-1 rank over the resamples
-phase2_rank_low/high     the same for Phase 2
-anchor_alignment_tokens  ``anchor_alignment`` with the anchor tokens' own unembedding columns
-coarse_score_tokens      ``coarse_score`` with those
-phase1_rank_tokens       rank of ``coarse_score_tokens``
-ov_copy_targets          ``ov_copy`` over the target entries only
-ov_copy_near_misses      ``ov_copy`` over the near-miss entries only
-margin_from_targets      ``refine_score``'s sum over the target entries only
-margin_from_near_misses  ``refine_score``'s sum over the near-miss entries only
-refine_target_up         the part of ``refine_score`` that raises the target (vs the vocab mean)
-refine_near_down         ``refine_score - refine_target_up``: the part lowering the near-misses
-refine_if_uniform        ``refine_score`` with the head's shortlist attention spread evenly
-sharpness_concentration  mean ``exp(-entropy)`` of the Phase-1 row (keys ``0..q``): 1 / the
-                         effective number of keys attended; length-invariant (``coarse.py``)
-evidence_mass            mean attention mass on the note's evidence positions at Phase-1 rows
-key_preference_nonadjacent  ``key_preference`` without the near-miss entries that stand just
-                         before a target entry in the shortlist (``refine.py``)
-margin_widening_siblings ``margin_widening`` against the target's own siblings only
-                         (near-misses with the target's anchor); rows without one left out
-refine_score_siblings    ``refine_score`` along that sibling margin
-margin_from_siblings     ``refine_score_siblings``' sum over the sibling near-miss entries
-ov_copy_siblings         ``ov_copy`` over the sibling near-miss entries only
-margin_from_targets_siblings  ``refine_score_siblings``' sum over the target entries
-refine_near_down_siblings  ``refine_score_siblings - refine_target_up`` (on the same rows)
-refine_if_uniform_siblings  ``refine_if_uniform`` along the sibling margin
-=======================  ===================================================================
-
-Means are over an example's query positions, then over examples (as Reasoning Focus is); a
-row where a component is undefined (``key_preference`` without a target or a near-miss entry)
-is left out of that component's mean. ``loopback``, ``coarse_score`` and the ranks are
-computed from the head's means. Bootstrap: ``n_boot`` resamples (with replacement) of the
-examples with steps of that phase, every component re-averaged and the scores and ranks
-recomputed.
-``attrs`` also hold ``unstable`` (top-``k`` heads included in fewer than ``STABLE_MIN`` of the
-resamples), ``anchor_agreement`` (Spearman of ``coarse_score`` against ``coarse_score_tokens``
-and the overlap of the two top-``k`` sets) and ``refine_parts`` (``refine_part_influence``).
-
-A head's write at position ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head]
-and ``W_O`` [head, d_head, d_model]), the per-head output without the attention's output bias;
-where the block normalises the attention output before the residual add (Gemma 2), that write
-through the norm as the run scaled it (``refine.final_norm_linear``: the heads' shares of the
-norm's output, exact for RMSNorm without bias);
-``hook_z`` and ``hook_pattern`` are per *query* head, so GQA models need nothing special;
+A head's write at ``q`` is ``z[q, h] @ W_O[h]`` (``hook_z`` [batch, pos, head, d_head], ``W_O``
+[head, d_head, d_model]), without the output bias; through the post-attention norm as the run
+scaled it where the block has one (Gemma 2). ``hook_z``/``hook_pattern`` are per query head;
 ``hook_v`` is per KV head: query head ``h`` reads KV head ``h // (n_heads / n_kv_heads)``.
-Models whose attention exposes no ``W_O`` use ``hook_result`` (``set_use_attn_result``); their
-per-key parts are NaN and ``refine_score`` is ``shortlist_share * margin_widening``; without
-either, ``score_heads`` refuses.
+Without ``W_O``, ``hook_result`` (per-key parts NaN); without either, ``score_heads`` refuses.
 
-Streaming: one ``run_with_cache`` per batch of examples, filtered to ``hook_pattern``,
-``hook_z`` and ``hook_v`` of every layer and ``ln_final.hook_in``; only the rows at query
-positions are kept, plus per-example means ([n_examples, n_layers, n_heads] per component, for
-the bootstrap). The unembedding runs at one position only (its output is not used).
+Streaming: one ``run_with_cache`` per batch, filtered to ``hook_pattern``, ``hook_z``, ``hook_v``
+and ``ln_final.hook_in``; only the query rows and per-example means ([n_examples, n_layers,
+n_heads] per component, for the bootstrap) are kept.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,11 +106,12 @@ def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> i
     return tok2anchor[tok]
 
 
-def _padded(rows: list[list[int]]) -> Int[Tensor, "n k"]:
+def _padded(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
+    """``rows`` as one [n, longest] tensor (at least 1 wide), padded with -1."""
     out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1,
                      dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
 
 
@@ -397,12 +334,10 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     E = len(task)
     acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS + PHASE1_EXTRA
            + PHASE2_EXTRA}
-    bar = None
-    if progress:
-        from circuitkit._progress import tqdm
+    from circuitkit._progress import tqdm
 
-        bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
-                   dynamic_ncols=True)
+    bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
     checked_norm = False
     for s in range(0, len(task), bs):
         sub = task.subset(range(s, min(s + bs, len(task))))
@@ -410,6 +345,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         plan = plan_queries(task, sub.examples, tokens.shape[1])
         first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
         result_ctx = shortcuts.attn_result(model, source != "W_O")  # read by hook_result only
+        # the unembedding at one position only: its output is not used
         with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
                 result_ctx:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
@@ -429,14 +365,17 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
             # rows with a target and a near-miss entry (the others have no key_preference)
             pref_ok = (plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0)
-            key_t = (plan.target_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
-                & key_ok
-            key_m = (plan.near_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) & key_ok
             # issue 34: the target's own siblings; near-misses not just before a target
             sib_ok = (plan.sibling_tok >= 0).any(-1)  # [N2] rows with a sibling near-miss
             sib_dir = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
-            key_sib = (plan.sibling_keys.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device) \
-                & key_ok
+            # target, near-miss and sibling entries among each row's keys [N2, K]
+            key_t, key_m, key_sib = ((at.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device)
+                                     & key_ok for at in (plan.target_keys, plan.near_keys,
+                                                         plan.sibling_keys))
+            # the margin, the target (vs the vocab mean) and the sibling margin, per key
+            kk = key_pos.shape[1]
+            per_key = [d[:, None, :].expand(-1, kk, -1).to(device)
+                       for d in (margin_dir, target_dir, sib_dir)]
             adj_ok = (plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0)
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
@@ -463,8 +402,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 scaled = refine.final_norm_linear(writes, x2, *norm)
                 acc["margin_widening"].add(lay, ex2, refine.margin_widening(scaled, margin_dir),
                                            plan.w2)
-                acc["shortlist_share"].add(lay, ex2, refine.shortlist_share(
-                    rows, plan.shortlist_keys.to(device)), plan.w2)
+                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                acc["shortlist_share"].add(lay, ex2, share, plan.w2)
                 pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
                                                 plan.near_keys.to(device))
                 acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
@@ -480,62 +419,45 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                     continue
                 at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
                 key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
-                n, kk = key_pos.shape
+                n = key_pos.shape[0]
                 key_scaled = refine.final_norm_linear(
                     key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
                 own = refine.key_effects(key_scaled, label_dir.to(device))  # [N, K, H]
-                gain = refine.key_effects(key_scaled, margin_dir[:, None, :].expand(-1, kk, -1)
-                                          .to(device))
-                up = refine.key_effects(key_scaled, target_dir[:, None, :].expand(-1, kk, -1)
-                                        .to(device))
-                acc["refine_target_up"].add(lay, ex2, refine.attended_sum(at_keys, up, key_ok)[0],
-                                            plan.w2)
-                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m)):
+                gain, up, gain_sib = (refine.key_effects(key_scaled, d) for d in per_key)
+                up_sum = refine.attended_sum(at_keys, up, key_ok)[0]
+                acc["refine_target_up"].add(lay, ex2, up_sum, plan.w2)
+                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m),
+                                ("_siblings", key_sib)):
                     e_sum, mass = refine.attended_sum(at_keys, own, keys)
-                    has = keys.any(-1).cpu()
-                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30), plan.w2 * has)
-                    m_sum, _ = refine.attended_sum(at_keys, gain, keys)
-                    name = "refine_score" if not c else "margin_from" + c
-                    acc[name].add(lay, ex2, m_sum, plan.w2)
-                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
+                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
+                                           plan.w2 * keys.any(-1).cpu())
+                for c, keys in (("refine_score", key_ok), ("margin_from_targets", key_t),
+                                ("margin_from_near_misses", key_m)):
+                    acc[c].add(lay, ex2, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
                 acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
                                              plan.w2)
-                gain_sib = refine.key_effects(key_scaled, sib_dir[:, None, :].expand(-1, kk, -1)
-                                              .to(device))
-                rs_sib = refine.attended_sum(at_keys, gain_sib, key_ok)[0]
-                acc["refine_score_siblings"].add(lay, ex2, rs_sib, plan.w2 * sib_ok)
-                acc["refine_near_down_siblings"].add(
-                    lay, ex2, rs_sib - refine.attended_sum(at_keys, up, key_ok)[0],
-                    plan.w2 * sib_ok)
-                acc["margin_from_targets_siblings"].add(lay, ex2, refine.attended_sum(
-                    at_keys, gain_sib, key_t)[0], plan.w2 * sib_ok)
-                acc["refine_if_uniform_siblings"].add(lay, ex2, refine.uniform_sum(
-                    share, gain_sib, key_ok), plan.w2 * sib_ok)
-                acc["margin_from_siblings"].add(lay, ex2, refine.attended_sum(
-                    at_keys, gain_sib, key_sib)[0], plan.w2 * sib_ok)
-                e_sum, mass = refine.attended_sum(at_keys, own, key_sib)
-                acc["ov_copy_siblings"].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
-                                            plan.w2 * key_sib.any(-1).cpu())
+                rs_sib, from_t, from_sib = (refine.attended_sum(at_keys, gain_sib, keys)[0]
+                                            for keys in (key_ok, key_t, key_sib))
+                for c, value in (("refine_score_siblings", rs_sib),
+                                 ("refine_near_down_siblings", rs_sib - up_sum),
+                                 ("margin_from_targets_siblings", from_t),
+                                 ("refine_if_uniform_siblings",
+                                  refine.uniform_sum(share, gain_sib, key_ok)),
+                                 ("margin_from_siblings", from_sib)):
+                    acc[c].add(lay, ex2, value, plan.w2 * sib_ok)
         del cache
-        if bar is not None:
-            bar.update(len(sub))
-    if bar is not None:
-        bar.close()
+        bar.update(len(sub))
+    bar.close()
     per_ex = {c: a.means() for c, a in acc.items()}
     nan = float("nan")
-    mean = {}
-    for c, (m, ok) in per_ex.items():
-        mean[c] = m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
+    mean = {c: m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
+            for c, (m, ok) in per_ex.items()}
     shortlist = any(e.shortlist_pos for e in task.examples)
     if n2 and not shortlist:
-        import warnings
-
         warnings.warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
                       "scored on re-reading a shortlist, so refine_score is margin_widening "
                       "alone and loopback is NaN (docs/scores.md).", stacklevel=2)
     if n2 and shortlist and source != "W_O":
-        import warnings
-
         warnings.warn("the model's attention exposes no W_O, so what a head writes per key "
                       "is unknown: ov_copy and the margin parts are NaN and refine_score is "
                       "shortlist_share * margin_widening (docs/scores.md).", stacklevel=2)
@@ -552,8 +474,6 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
         if col != "coarse_score_tokens" and len(values) > 1 and values.max() == values.min():
-            import warnings
-
             warnings.warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
                           "(layer, head) order, not a finding (Phase-1 sharpness needs query "
                           "rows long enough for kurtosis to exceed 0; docs/scores.md).",
@@ -562,8 +482,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         name = f"phase{phase}_rank" + ("_tokens" if col.endswith("_tokens") else "")
         df[name] = _int_or_na(ranks(torch.tensor(df[col].to_numpy()))) \
             if df[col].notna().any() else pd.array([pd.NA] * len(df), dtype="Int64")
-    for phase, parts in ((1, PHASE1_PARTS), (2, PHASE2_PARTS)):
-        col = "coarse_score" if phase == 1 else "refine_score"
+    for phase, col, parts in ((1, "coarse_score", PHASE1_PARTS), (2, "refine_score", PHASE2_PARTS)):
         ok = per_ex[parts[0]][1]
         if n_boot and df[col].notna().any() and int(ok.sum()) > 1:
             boot = bootstrap_ranks({c: per_ex[c] for c in parts}, col, int(n_boot),
@@ -694,18 +613,8 @@ def refine_part_influence(scores: Any, k: int = 5):
     """How much each part of RefineScore moves the Phase-2 ranking: a DataFrame, one row per
     part, with ``spearman_alone`` (refine_score against the part by itself), ``spearman_without``
     (against refine_score with the part taken out) and ``top_k_kept`` (heads of refine_score's
-    top ``k`` still in the top ``k`` without it):
-
-    * margin_widening: alone; without = ``margin_widening - refine_score``, what the head writes
-      from keys off the shortlist (refine_score is the shortlist's part of margin_widening);
-    * shortlist_share: alone; without = ``refine_score / shortlist_share``, the margin per unit
-      of shortlist attention (as if every head gave the shortlist all its attention);
-    * key_preference (its size, the selection): alone ``|key_preference|``; without =
-      ``refine_if_uniform``, the head's shortlist attention spread evenly over the entries;
-    * ov (what the head writes from what it reads): alone ``ov_copy``; without =
-      ``shortlist_share * |key_preference|``, attention statistics only;
-    * loopback (attention only, signed): alone.
-    """
+    top ``k`` still in the top ``k`` without it). Each part's "alone" and "without" (below, in
+    that order): docs/scores.md."""
     import numpy as np
     import pandas as pd
 
@@ -763,19 +672,16 @@ def _ranked_by(scores: Any, phase: int) -> str:
     return col if col in scores.columns else ("coarse_score" if phase == 1 else "refine_score")
 
 
-def _writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None
-            ) -> Float[Tensor, "N H D"]:
-    if W_O is None:
-        return cache[hooks.result(layer)][b, q].float()
-    z = cache[hooks.z(layer)][b, q].float()  # [N, H, d_head]
-    return torch.einsum("nhd,hdm->nhm", z, W_O[layer].float())
-
-
 def _head_writes(cache: Any, layer: int, b: Tensor, q: Tensor, W_O: list[Tensor] | None,
                  post: dict[int, tuple[str, Tensor, float]]) -> Float[Tensor, "N H D"]:
-    """Each head's write at rows ``(b, q)``; through the post-attention norm as the run scaled
-    it where the block has one (the residual receives n(sum of heads): each head's share)."""
-    writes = _writes(cache, layer, b, q, W_O)
+    """Each head's write at rows ``(b, q)`` (``hook_result`` without ``W_O``); through the
+    post-attention norm as the run scaled it where the block has one (the residual receives
+    n(sum of heads): each head's share)."""
+    if W_O is None:
+        writes = cache[hooks.result(layer)][b, q].float()
+    else:  # z [N, H, d_head]
+        writes = torch.einsum("nhd,hdm->nhm", cache[hooks.z(layer)][b, q].float(),
+                              W_O[layer].float())
     if layer in post:
         writes = refine.final_norm_linear(writes, cache[hooks.attn_module_out(layer)][b, q],
                                           *post[layer])
@@ -795,8 +701,6 @@ def _key_writes(cache: Any, layer: int, b: Tensor, q: Tensor, key_pos: Int[Tenso
                                        cache[hooks.attn_module_out(layer)][b, q],
                                        *post[layer]).reshape(n, kk, H, D)
     return out
-
-
 
 
 def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:

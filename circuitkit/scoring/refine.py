@@ -1,103 +1,30 @@
-"""Phase-2 components: the loop-back decomposed, margin widening and RefineScore.
+"""Phase-2 components: the loop-back decomposed, margin widening and RefineScore. Definitions,
+the columns built from them (issue 34's included) and the rejected alternatives: docs/scores.md.
 
-Shapes: ``N`` Phase-2 query rows (one per example and answer step), ``H`` heads, ``S`` key
-positions, ``K`` shortlist keys of a row (padded), ``D`` = d_model. A Phase-2 query position is
-``answer_pos - 1``: the position whose logits predict the answer label. ``A[n, h, s]`` is the
-head's attention row; ``SL`` the row's shortlist positions (keys ``<= q``), ``T``/``M`` those
-holding one of the example's target / near-miss tokens.
+Shapes: ``N`` Phase-2 query rows (``q = answer_pos - 1``), ``H`` heads, ``S`` key positions,
+``K`` shortlist keys of a row (padded), ``D`` = d_model. ``A[n, h, s]``: the attention row;
+``SL`` the shortlist keys ``<= q``, ``T``/``M`` those holding a target / near-miss token.
 
-Attention only:
+* ``shortlist_share = sum_{s in SL} A[s]``; ``key_preference = (a_T - a_M) / (a_T + a_M)``,
+  ``a_T``/``a_M`` the mean attention per target / near-miss entry (count-balanced, in [-1, 1];
+  undefined without both); ``loopback = shortlist_share * key_preference``.
+* Per key, ``w_s = v[s] @ W_O[h]`` through the final norm (``n``): own-label effect ``e[s] =
+  n(w_s) . (W_U[:, tok(s)] - mean_v W_U[:, v])``, margin effect ``m[s] = n(w_s) . (W_U[:, t] -
+  mean_m W_U[:, m])``. ``ov_copy = sum_SL A e / sum_SL A``; ``refine_score = sum_SL A m`` (the
+  shortlist's part of ``margin_widening``, the same sum over every key);
+  ``refine_if_uniform = shortlist_share * mean_SL m``.
+* ``margin_widening = n(w) . (W_U[:, t] - mean_m W_U[:, m])`` (the vocabulary mean without
+  near-misses, as the task metric).
+* ``mechanism``: for a head with ``refine_score > 0`` and at least ``MECHANISM_MIN`` of the
+  largest, "copy" (``margin_from_targets >= margin_from_near_misses`` and ``refine_target_up >=
+  refine_near_down``), "suppress" (both the other way), "retrieve" (they disagree); "-" else.
 
-* ``shortlist_share = sum_{s in SL} A[s]`` in [0, 1]: how much the head re-reads the shortlist.
-* ``key_preference = (a_T - a_M) / (a_T + a_M)`` in [-1, 1], with ``a_T = mean_{s in T} A`` and
-  ``a_M = mean_{s in M} A`` the mean attention *per entry*: count-balanced (a head uniform over
-  the shortlist scores 0 whatever the numbers of targets and near-misses), independent of the
-  share, and equal to ``tanh(Delta / 2)`` where ``Delta = log a_T - log a_M`` is the difference
-  of the (log-mean-exp) pre-softmax QK logits of the two groups: the QK logit difference
-  squashed onto [-1, 1]. Undefined (left out of the mean) for a row without a target or without
-  a near-miss entry.
-* ``loopback = shortlist_share * key_preference`` in [-1, 1]: re-attending to the shortlist, and
-  to which side of it: +1 all attention on target entries, -1 all on near-miss entries, 0 a
-  uniform look-back or none.
-
-What the head writes from what it reads. The head's write is ``z @ W_O = sum_s A[s] v[s] @ W_O``,
-so the part it takes from key ``s`` per unit of attention is ``w_s = v[s] @ W_O[h]`` (``v`` its
-value vector), read through the final norm as the run scaled it (``n``, ``final_norm_linear``):
-
-* ``ov_copy``: the own-label effect ``e[s] = n(w_s) . (W_U[:, tok(s)] - mean_v W_U[:, v])``
-  (the logit of the label at ``s`` relative to the mean logit over the vocabulary, the usual
-  direct-logit-attribution baseline), attention-weighted over ``SL``: ``sum A e / sum A``. > 0
-  the head copies what it reads, < 0 it suppresses it (logits per unit of attention).
-  ``ov_copy_targets`` / ``ov_copy_near_misses``: the same over ``T`` / ``M`` only.
-* ``refine_score = sum_{s in SL} A[s] m[s]`` with ``m[s] = n(w_s) . (W_U[:, t] - mean_m W_U[:, m])``
-  the margin effect of what key ``s`` gives the head: the part of ``margin_widening`` the head
-  writes from the shortlist entries it reads (exact: ``margin_widening`` is the same sum over
-  every key). ``margin_from_targets`` / ``margin_from_near_misses``: the sum over ``T`` / ``M``.
-  ``refine_target_up``: the part that raises the target, ``sum_SL A n(w_s) . (W_U[:, t] -
-  mean_v W_U[:, v])``; ``refine_near_down = refine_score - refine_target_up``, the part that
-  lowers the near-misses. It is high for a head that re-reads the shortlist and turns what it
-  reads into margin, in any of the ways: copying the targets it attends to, suppressing the
-  near-misses it attends to, or reading target information stored at other entries; 0 for a
-  uniform look-back with a copying OV (the targets' gain and the near-misses' cancel), a head
-  that never looks, or one that widens the margin from elsewhere (the note).
-  ``refine_if_uniform``: the same with the head's shortlist attention spread evenly over the
-  entries (``shortlist_share * mean_{s in SL} m[s]``): what selection among the entries adds is
-  ``refine_score - refine_if_uniform``.
-* ``margin_widening``: the head's direct effect on the target-vs-near-miss logit margin,
-  ``(norm_scale(w, x) @ (W_U[:, t] - mean_m W_U[:, m]))``: its write ``w`` [N, H, D] passed through
-  the final norm *as that run scaled it* (``final_norm_linear``), dotted with the unembedding
-  difference of the target token ``t`` predicted at that step and the example's near-miss tokens
-  (their mean: "averaged over near-misses"; the vocabulary mean when an example has none, as the
-  task metric does). Summed over every residual component, these direct effects add up to the
-  metric's logit margin (up to the unembedding bias).
-* ``mechanism`` (``mechanism``): for a head whose ``refine_score`` is positive and at least
-  ``MECHANISM_MIN`` of the largest, where its shortlist margin comes from and what it moves:
-  "copy" (mostly from target entries, mostly raising the target: ``margin_from_targets >=
-  margin_from_near_misses`` and ``refine_target_up >= refine_near_down``), "suppress" (mostly
-  from near-miss entries, mostly lowering the near-misses), "retrieve" (the two disagree: e.g.
-  reading near-miss entries and raising the target from what is stored there); "-" for the
-  other heads. (Comparing the two sides of the margin, not the sign of ``ov_copy``: a head that
-  writes the target from a near-miss entry lowers that entry's logit relative to any mean that
-  includes the target.)
-
-Beside these, each its own column (issue 34; the columns above keep their formulas):
-
-* ``key_preference_nonadjacent``: ``key_preference`` with ``M`` replaced by ``M'``, the near-miss
-  entries that do not stand immediately before a target entry in the shortlist (the entry at the
-  previous shortlist position of a target). A head with an off-by-one habit (attention on the
-  entry before the one it copies) makes today's ``key_preference`` negative while it prefers the
-  target over the other near-misses. Undefined for a row without a target or an ``M'`` entry.
-* Sibling margins: the same quantities along ``W_U[:, t] - mean_{m in sib(t)} W_U[:, m]``, with
-  ``sib(t)`` the example's near-misses in the target's *own* category (``label_anchor[m] ==
-  label_anchor[t]``); today's near-miss margin averages over every near-miss of the note, other
-  categories' included. ``margin_widening_siblings`` (the direct effect), ``refine_score_siblings``
-  (``sum_{s in SL} A[s] m_sib[s]``) and ``margin_from_siblings`` (that sum over the shortlist
-  entries holding ``sib(t)``), ``margin_from_targets_siblings`` (over ``T``),
-  ``refine_near_down_siblings`` (``refine_score_siblings - refine_target_up``, row by row) and
-  ``refine_if_uniform_siblings``; ``ov_copy_siblings``: ``ov_copy`` over those entries. Undefined
-  (left out of the means) for a row whose target has no sibling among the near-misses: no
-  vocabulary-mean fallback.
-
-Rejected (issue 23): ``loopback = mass_T - mass_M`` (negative for a uniform look-back, as a
-shortlist holds more near-misses than targets) and ``refine_score = (1 + loopback) / 2 *
-margin_widening`` (a gate >= 0.3 for every head of the shipped teacher: the ranking was
-margin_widening's); and a product ``margin_widening * max(share * key_preference *
-sign(ov_copy), 0)``, which assumes a head writes about the label it attends to: the shipped
-teacher's strongest shortlist readers attend mostly to near-miss entries and copy them a little,
-yet write the target, and that product gave them 0.
-
-Final norm (``final_norm_linear``), with ``x`` [N, D] the residual entering the final norm at the
-query position (``hooks.FINAL_NORM_IN``) and ``g`` the norm's gain (its weight; ``1 + weight``
-for Gemma's RMSNorm; 1 for TransformerLens's weightless ``LNPre`` / ``RMSPre``):
-
-* RMSNorm: ``w * g / sqrt(mean(x^2) + eps)``;
-* LayerNorm: ``(w - mean(w)) * g / sqrt(var(x) + eps)`` (the bias is not part of any head's write);
-* no normalization (``normalization_type=None``): ``w``.
-
-The norm's input is the sum of all components' writes, so this is the exact linearisation of the
-final norm around that run (the "frozen scale" of direct logit attribution). Logits a model caps
-after the unembedding (Gemma 2's ``tanh`` soft-cap) are taken before the cap: the margin is then
-the pre-cap one, which the cap shrinks monotonically.
+Final norm (``final_norm_linear``), ``x`` [N, D] the residual entering it at ``q``
+(``hooks.FINAL_NORM_IN``), ``g`` its gain (weight; ``1 + weight`` for Gemma's RMSNorm; 1 for
+``LNPre``/``RMSPre``): RMSNorm ``w * g / sqrt(mean(x^2) + eps)``; LayerNorm ``(w - mean(w)) * g /
+sqrt(var(x) + eps)`` (the bias is no head's); none ``w``. The exact linearisation around the run
+(the frozen scale of direct logit attribution); the margin is the one before a soft-cap (Gemma 2),
+which shrinks it monotonically.
 """
 
 from __future__ import annotations

@@ -1,43 +1,26 @@
 """Score heads of a pretrained LLM: a CoT task rendered as text (``circuitkit.tasks.text``),
-with Phase-1 and Phase-2 positions mapped onto the rendered tokens.
+with Phase-1 and Phase-2 positions mapped onto the rendered tokens (why and how, with SmolLM2's
+example: docs/scores.md, Pretrained LLMs).
 
-The rendered prompt (``render_text``) lists the candidate codes and ends with ``Answer:``; the
-answer spells each target code, and a code is several tokens (SmolLM2: `` I50.22`` ->
-``Ġ I | 5 | 0 | . | 2 | 2``). Siblings share all but their last tokens, so the first token of a
-code (`` I``) cannot tell a target from its near-misses, nor most anchors apart. A label is
-therefore scored at its **first distinguishing token**: the first token where its code's
-tokenization departs from the rival's (for single-token labels, its first token). With the
-answer teacher-forced, the logits just before that position compare exactly the two continuations.
+A label is scored at its first distinguishing token ``d``: the first token where its code's
+tokenization departs from the rival's. Per source example (kept when both phases render as
+equal-length clean/corrupt prompts):
 
-One text example per source example (both phases need its clean tokens; kept only when both
-phases render as equal-length clean/corrupt prompts, see ``render_text``):
+* Phase 1: ``t1 = meta["p1_target"]`` against ``m = meta["p1_label"]`` (its corrupting label,
+  another anchor): ``anchor_pos = [start(t1) + d1]``, anchor token ``t1``'s there, corrupt anchor
+  ``m``'s (``meta["corrupt_anchors"]``).
+* Phase 2: ``t2 = meta["p2_target"]`` against its near-miss siblings: ``answer_pos = [start(t2) +
+  d2]``, ``d2`` the first departure of any sibling; near-miss tokens those of the siblings
+  departing at ``d2``; ``shortlist_pos`` offset ``d2`` in the candidate-line spelling of each.
 
-* **Phase 1** (anchor): ``t1`` = the target whose evidence the phase-1 corruption replaced
-  (``meta["p1_target"]``) by that of a label ``m`` under another anchor (``meta["p1_label"]``).
-  ``anchor_pos = [start(t1) + d1]`` with ``d1`` = the first token where the codes of ``t1`` and
-  ``m`` differ (inside the category part: the category is the code's first 3 characters); the
-  anchor "token" is ``t1``'s token there and the corrupt anchor (``meta["corrupt_anchors"]``) is
-  ``m``'s. The task's anchor set is every token used this way, so Reasoning Focus is the mass on
-  the correct token among them, and ``anchor_alignment`` uses their centred unembeddings.
-* **Phase 2** (refinement): ``t2`` = the target whose distinguishing words the phase-2 corruption
-  swapped for a near-miss sibling's (``meta["p2_target"]``). Its rivals are the example's
-  near-misses under the same anchor; ``d2`` = the first token where any rival's code departs
-  from ``t2``'s; ``answer_pos = [start(t2) + d2]``, target token ``t2``'s token there,
-  near-miss tokens those of the rivals departing at ``d2``. ``shortlist_pos`` = the same token
-  offset ``d2`` inside the candidate-line spelling of ``t2`` and of those rivals, so
-  ``loopback`` measures attention to the very token that distinguishes the target in the
-  candidate list.
-
-Labels and anchors of the returned task are these tokens (``label_token_ids`` /
-``anchor_token_ids``: distinct token ids, names their decoded text); ``label_anchor`` is all
-zeros (no label hierarchy among tokens). ``meta`` keeps the source index and the codes.
-Examples are dropped (counted in ``task.config["dropped"]``) when a phase renders with unequal
-lengths, when a code's tokens in context differ from its standalone tokenization, or when codes
-do not diverge.
+Labels and anchors of the returned task are these tokens (``label_anchor`` all zeros: no
+hierarchy among tokens); ``meta`` keeps the source index and the codes; dropped examples are
+counted, by reason, in ``task.config["dropped"]``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -78,12 +61,9 @@ def text_task(task: Task, tokenizer: Any, n_examples: int | None = None,
     def enc(s: str) -> list[int]:
         return list(tokenizer.encode(s, add_special_tokens=False))
 
-    code_cache: dict[int, list[int]] = {}
-
+    @functools.cache
     def code(label: int) -> list[int]:
-        if label not in code_cache:
-            code_cache[label] = enc(" " + names[label])
-        return code_cache[label]
+        return enc(" " + names[label])
 
     tok2label = {int(t): i for i, t in enumerate(task.label_token_ids.tolist())}
     la = task.label_anchor

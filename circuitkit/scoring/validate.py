@@ -1,61 +1,27 @@
 """``validate_heads`` and ``ablate_heads``: do the top-scored heads carry the behaviour? Patch or
-ablate them together and compare with random head sets drawn from two pools.
+ablate them together and compare with random head sets. The pools, quantities, columns and
+checkpoints in full: docs/scores.md (Causal validation, Ablation table).
 
-Random sets (``random_head_sets``), ``n_random`` distinct ``k``-sets per pool, none equal to the
-top set (``pools``: any of ``ALL_POOLS``; default the first two):
+Random sets (``random_head_sets``): ``n_random`` distinct ``k``-sets per pool, none equal to the
+top set (all of them, with a warning, when fewer exist). ``same-layers``: per layer holding ``c``
+top heads, ``c`` others of that layer (too few others: all of them plus that layer's top heads,
+the ``overlap`` column); ``all-layers``: ``k`` of every non-top head; ``layer-stratified``: per
+layer holding ``c`` top heads, ``c`` of all of that layer's heads.
 
-* ``same-layers``: for each layer holding ``c`` of the top heads, ``c`` heads of that layer that
-  are not top heads; where a layer has fewer than ``c`` such heads, all of them plus the
-  missing number drawn from that layer's top heads (the ``overlap`` column says how many top
-  heads every set shares);
-* ``all-layers``: ``k`` heads drawn uniformly from every head that is not a top head (disjoint
-  whenever the model has ``k`` such heads);
-* ``layer-stratified``: for each layer holding ``c`` of the top heads, ``c`` heads drawn from all
-  of that layer's heads (top heads included).
+Both run the sets through ``ExactEngine.run_head_sets``: validation per phase and direction
+(noise: corrupt ``z`` into the clean run; denoise: the reverse), reading the phase's metric and
+its behaviour measure (``focus_metric`` / ``confusion_metric``, as ``circuitkit.evaluation``'s);
+ablation on the clean run with ``source`` "zero", "mean" or "resample", reading
+``exact_match_metric``, ``confusion`` and ``focus``. Per quantity, ``d_i = patched_i - base_i``:
 
-When fewer distinct sets exist than asked, all of them are used (a warning says so) and
-``n_random`` in the frame is the number used.
+* ``top_effect = mean_i d_i`` with its bootstrap 95% interval; ``random_mean`` and the 2.5 / 97.5
+  percentiles of a random set's mean effect over the same resamples;
+* ``p_value = (1 + #{r: |effect_r| >= |top_effect| - tol}) / (1 + n_random)``, ``tol = TIE_RTOL
+  * max(1, |top_effect|)``; ``p_low``/``p_high``: its Clopper-Pearson interval (``mc_interval``);
+* validation: ``normalized = top_effect / (clean - corrupt)``; ablation: ``base``, ``top_value``,
+  ``random_value`` (means).
 
-``validate_heads``: for each phase ``P`` (1: Phase-1 task ``task.with_phase(1)``, heads ranked by
-``phase1_rank``; 2: ``task.with_phase(2)``, ``phase2_rank``) and each direction (``noise``: the
-heads' corrupt ``z`` into the clean run; ``denoise``: their clean ``z`` into the corrupt run),
-the exact engine (``ExactEngine.run_head_sets``) runs, in the same batched suffix forwards, the
-unpatched base run (the empty set), the top-``k`` set and the random sets of both pools, and
-reads two per-prompt quantities: the phase's task metric (``task.prompt_metric()``: anchor
-margin / target-vs-near-miss margin) and its behaviour measure, Reasoning Focus (phase 1) or
-Near-Miss Confusion (phase 2), as defined in ``circuitkit.evaluation`` (``focus_metric``/
-``confusion_metric`` below equal ``focus_from_logits``/``confusion_from_logits``, read at the
-same positions).
-
-``ablate_heads``: on the clean run of the examples with steps of every phase the task has, the
-top-``k`` set of each phase and the random sets are ablated (``ExactEngine.run_head_sets`` with
-``source`` "zero", "mean" or "resample": the heads' ``z`` set to 0, to its mean over the prompts'
-positions, or to another prompt's) and the task metrics are read: ``exact_match``
-(teacher-forced: every answer step's arg-max over the vocabulary is one of the example's
-targets; ``exact_match_metric``), ``confusion`` and ``focus``.
-
-Per quantity, with ``d_i = patched_i - base_i`` over prompts ``i``:
-
-* ``top_effect = mean_i d_i`` of the top set; ``top_low``/``top_high``: percentile bootstrap
-  95% interval over prompts (``n_boot`` resamples);
-* ``random_mean``: mean over random sets and prompts; ``random_low``/``random_high``: the 2.5 and
-  97.5 percentiles of a random set's mean effect, pooled over the random sets and the same
-  bootstrap resamples of prompts (where a random ``k``-set's effect falls);
-* ``p_value = (1 + #{random sets r: |effect_r| >= |top_effect| - tol}) / (1 + n_random)``: the
-  Monte Carlo permutation p-value of the top set against the random sets of that pool (``tol =
-  TIE_RTOL * max(1, |top_effect|)``: a set equal to the top one up to float rounding counts as
-  as strong);
-* ``p_low``/``p_high``: its Monte Carlo 95% interval (``mc_interval``: Clopper-Pearson for the
-  count of random sets as strong, out of ``n_random``);
-* validation: ``normalized = top_effect / (clean - corrupt)`` of that quantity (noise: -1 = the
-  behaviour fully broken; denoise: 1 = fully restored); ablation: ``base`` (unablated mean),
-  ``top_value`` and ``random_value`` (means after ablation).
-
-With ``checkpoint`` (a folder), each finished run is saved there, named by the hash of
-everything it depends on (model weights, tokens, metrics, head sets, ablation), and a rerun
-reuses it once verified (its key, one float32 tensor ``runs`` of the run's shape, finite, its
-SHA-256; a file failing a check is named with the field in a warning and recomputed): an
-interrupted validation loses at most the run in progress.
+``checkpoint``: each finished run saved under the hash of all it depends on, verified before reuse.
 """
 
 from __future__ import annotations
@@ -65,6 +31,7 @@ import math
 import random
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +42,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
+from circuitkit.scoring.heads import _padded as _pad
 from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
@@ -95,14 +63,6 @@ ABLATION_COLUMNS = ["phase", "pool", "ablation", "quantity", "heads", "k", "n_ra
                     "n_prompts", "base", "top_value", "top_effect", "top_low", "top_high",
                     "random_value", "random_mean", "random_low", "random_high", "p_value",
                     "p_low", "p_high"]
-
-
-def _pad(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
-    width = max(1, max((len(r) for r in rows), default=1))
-    out = torch.full((len(rows), width), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-    return out
 
 
 def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
@@ -198,43 +158,28 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     ``n_layers``: needed for the "all-layers" pool."""
     want = sorted(top)
     top_set = set(want)
-    k = len(want)
+    counts = sorted(Counter(layer for layer, _ in want).items())
+    # groups: (the heads drawn from, the top heads that fill in when too few, how many) per layer
     if pool == "same-layers":
-        counts: dict[int, int] = {}
-        for layer, _ in want:
-            counts[layer] = counts.get(layer, 0) + 1
-        groups = []  # (others of the layer, top heads of the layer, how many) per layer
-        for layer, c in sorted(counts.items()):
-            others = [(layer, h) for h in range(n_heads) if (layer, h) not in top_set]
-            groups.append((others, [x for x in want if x[0] == layer], c))
+        groups = [([(layer, h) for h in range(n_heads) if (layer, h) not in top_set],
+                   [x for x in want if x[0] == layer], c) for layer, c in counts]
     elif pool == "all-layers":
         if n_layers is None:
             raise ValueError("random_head_sets(pool='all-layers') needs n_layers.")
-        others = [(la, h) for la in range(n_layers) for h in range(n_heads)
-                  if (la, h) not in top_set]
-        groups = [(others, want, k)]
+        groups = [([(la, h) for la in range(n_layers) for h in range(n_heads)
+                    if (la, h) not in top_set], want, len(want))]
     elif pool == "layer-stratified":  # the top set's per-layer counts, from all of each layer
-        counts = {}
-        for layer, _ in want:
-            counts[layer] = counts.get(layer, 0) + 1
-        groups = [([(layer, h) for h in range(n_heads)], [], c)
-                  for layer, c in sorted(counts.items())]
+        groups = [([(layer, h) for h in range(n_heads)], [], c) for layer, c in counts]
     else:
         raise ValueError(f"pool={pool!r}; expected one of {list(ALL_POOLS)}.")
-    if not any(others for others, _, _ in groups):
+    possible = math.prod(math.comb(len(others), c) if len(others) >= c
+                         else math.comb(len(mine), c - len(others)) for others, mine, c in groups)
+    if pool == "layer-stratified":
+        possible -= 1  # (the top set itself is one of them)
+    if not any(others for others, _, _ in groups) or possible < 1:
         warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
                       "heads fill every head there; that pool is left out.", stacklevel=3)
         return []
-    possible = 1
-    for others, mine, c in groups:
-        possible *= math.comb(len(others), c) if len(others) >= c \
-            else math.comb(len(mine), c - len(others))
-    if pool == "layer-stratified":
-        possible -= 1  # (the top set itself is one of them)
-        if possible < 1:
-            warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
-                          "heads fill every head there; that pool is left out.", stacklevel=3)
-            return []
 
     def draw(rng: random.Random) -> list[tuple[int, int]]:
         out = []
@@ -376,10 +321,11 @@ def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
     return pools
 
 
-def _sorted_by_length(tp: Task) -> Task:
-    """Prompts sorted by the last position their metric reads: run in length buckets, each
-    bucket's forwards stop after its own last read (the statistics ignore prompt order)."""
-    need = tp.metric.reads.max(1).values
+def _sorted_by_length(tp: Task, metric: PromptMetric | None = None) -> Task:
+    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: run in
+    length buckets, each bucket's forwards stop after its own last read (the statistics ignore
+    prompt order)."""
+    need = (metric or tp.metric).reads.max(1).values
     return tp.subset(torch.argsort(need, stable=True).tolist())
 
 
@@ -406,17 +352,13 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                    seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
                    progress: bool = True, checkpoint: str | Path | None = None,
                    pools: Sequence[str] = POOLS, selection: str = "score"):
-    """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task``: a pandas DataFrame
-    with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction, quantity); see the module
-    docstring. ``df.attrs["sets"]`` holds the top and random head sets used per phase and pool.
-    ``batch_size``: sequences per forward (default from free memory); ``checkpoint``: folder
-    for finished runs (module docstring); ``pools``: random-set pools among ``ALL_POOLS``
-    (default ``POOLS``; "layer-stratified": the top set's per-layer counts from all of each
-    layer's heads). Held-out validation: pass ``scores`` from ``score_heads`` on another
-    sample of notes than ``task``'s. ``selection``: which top ``k`` heads are tested, "score"
-    (the descriptive ranks, ``top_heads``) or "causal" (the causal columns ``causal_table``
-    merged into ``scores``: ``causal_heads`` by noising share at every position); kept in
-    ``df.attrs["selection"]``."""
+    """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task`` (module docstring): a
+    pandas DataFrame with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction,
+    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool.
+    ``batch_size``: sequences per forward (default from free memory); ``pools``: among
+    ``ALL_POOLS``. Held-out validation: ``scores`` from another sample of notes than ``task``'s.
+    ``selection``: the top ``k`` by "score" (``top_heads``) or "causal" (``causal_heads`` of the
+    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
@@ -451,8 +393,8 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                       f.d_vocab_out)
             if saved and (got := saved.load(key, (2, len(sets), n))) is not None:
                 runs[direction] = got
-                _say(bar, progress, f"validate: phase {phase} {direction}: reused")
-                _counted(bar, len(sets) * n, got)
+                _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
+                        len(sets) * n)
                 continue
             _say(bar, progress, f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs "
                                 + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
@@ -518,20 +460,18 @@ def _say(bar: Any, progress: bool, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _counted(bar: Any, n: int, runs: Tensor) -> Tensor:
+def _reused(bar: Any, progress: bool, line: str, n: int) -> None:
+    """``line`` said, and the bar moved on by the ``n`` rows of a run reused from a checkpoint."""
+    _say(bar, progress, line)
     if bar is not None:
         bar.update(n)
-    return runs
 
 
 def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
     """Rows of ``pool``'s random sets in ``[[], top, *(each pool's sets, in order)]``."""
-    start = 2
-    for p in pools:
-        if p == pool:
-            return list(range(start, start + len(pools[p])))
-        start += len(pools[p])
-    raise ValueError(pool)
+    names = list(pools)
+    start = 2 + sum(len(pools[p]) for p in names[:names.index(pool)])
+    return list(range(start, start + len(pools[pool])))
 
 
 def _sets_json(sets_used: dict[int, dict]) -> dict[int, dict]:
@@ -553,8 +493,7 @@ def ablation_task(task: Task) -> Task:
         raise ValueError(f"ablate_heads: no example of task {task.name!r} has steps of every "
                          f"phase it holds ({phases}); the metrics need them on the same prompts.")
     sub = task.subset(keep)
-    need = _reads_metric(sub, phases).reads.max(1).values
-    return sub.subset(torch.argsort(need, stable=True).tolist())
+    return _sorted_by_length(sub, _reads_metric(sub, phases))
 
 
 def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
@@ -592,7 +531,7 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
     engine = None
     rows, sets_used, plan = [], {}, {}
-    for phase in [p for p in phases if p in _scored(scores)]:
+    for phase in [p for p in phases if p in scored_phases(scores)]:
         top = top_heads(scores, phase, k)
         pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
         plan[phase] = (top, pools, [[], top, *(s for p in pools_asked for s in pools[p])])
@@ -617,8 +556,7 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int 
                 if saved:
                     saved.save(key, run)
             else:
-                _say(bar, progress, f"ablate: phase {phase} {ablation}: reused")
-                _counted(bar, len(sets) * n, run)
+                _reused(bar, progress, f"ablate: phase {phase} {ablation}: reused", len(sets) * n)
             for pool, rand in pools.items():
                 pick = [1] + _pool_rows(pools, pool)
                 for qi, q in enumerate(quantities):
@@ -645,10 +583,6 @@ def _fast(model: Any) -> bool | None:
     from circuitkit.patching import fused
 
     return None if fused.unhooked(model) and fused.fused_form(model) is not None else False
-
-
-def _scored(scores: Any) -> list[int]:
-    return scored_phases(scores)
 
 
 class _Saved:

@@ -83,11 +83,8 @@ class AttentionView:
     @property
     def labels(self) -> list[str]:
         """Token labels with the span marker prefixed (what circuitsvis shows)."""
-        out = []
-        for p, w in enumerate(self.words):
-            span = self.span_of(p)
-            out.append((SPANS[span][0] if span else "") + w)
-        return out
+        return [(SPANS[s][0] if s else "") + w
+                for p, w in enumerate(self.words) for s in [self.span_of(p)]]
 
     @property
     def head_names(self) -> list[str]:

@@ -18,12 +18,15 @@ from circuitkit.viz.heatmaps import check_counts, int_ticks
 PHASE_COLORS = {1: "#1f77b4", 2: "#d62728"}  # Phase 1 (coarse, anchors) blue, Phase 2 red
 
 
-def _require(frame: Any, columns: Sequence[str], arg: str) -> None:
+def _require(frame: Any, columns: Sequence[str], arg: str, numeric: bool = False) -> None:
+    """Refuse a frame without ``columns`` (and, ``numeric``, one where they hold no numbers)."""
     missing = [c for c in columns if c not in getattr(frame, "columns", ())]
     if missing:
         have = list(getattr(frame, "columns", []))
         raise ValueError(f"{arg}: expected a DataFrame with columns {list(columns)}; missing "
                          f"{missing} (has {have}).")
+    if numeric:
+        _numeric(frame, columns, arg)
 
 
 def _pick(frame: Any, names: Sequence[str], arg: str, required: bool = True) -> str | None:
@@ -143,8 +146,7 @@ def score_scatter(scores: Any, label_top: int = 5):
     """
     import plotly.graph_objects as go
 
-    _require(scores, ["layer", "head", "coarse_score", "refine_score"], "scores")
-    _numeric(scores, ["layer", "head", "coarse_score", "refine_score"], "scores")
+    _require(scores, ["layer", "head", "coarse_score", "refine_score"], "scores", numeric=True)
     for col, phase in (("coarse_score", 1), ("refine_score", 2)):
         if scores[col].isna().all():  # a task without this phase's steps (induction: anchors)
             raise ValueError(f"scores: {col} is empty (the task has no Phase-{phase} steps); "
@@ -198,14 +200,6 @@ def score_scatter(scores: Any, label_top: int = 5):
     return fig
 
 
-def layer_means(scores: Any, column: str) -> Any:
-    """Per-layer mean, standard error and head count of ``scores[column]`` (DataFrame by layer)."""
-    g = scores.groupby("layer")[column]
-    out = g.agg(["mean", "std", "count"]).reset_index()
-    out["sem"] = (out["std"] / np.sqrt(out["count"])).fillna(0.0)
-    return out
-
-
 def phase_profile(scores: Any, n_layers: int):
     """Mean Phase-1 (``coarse_score``) and Phase-2 (``refine_score``) score per layer against
     the layer (x ticks at layer numbers, ``0 .. n_layers - 1``, the whole depth shown), error
@@ -217,8 +211,7 @@ def phase_profile(scores: Any, n_layers: int):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    _require(scores, ["layer", "coarse_score", "refine_score"], "scores")
-    _numeric(scores, ["layer", "coarse_score", "refine_score"], "scores")
+    _require(scores, ["layer", "coarse_score", "refine_score"], "scores", numeric=True)
     present = [(p, c, second) for p, c, second in ((1, "coarse_score", False),
                                                     (2, "refine_score", True))
                if scores[c].notna().any()]  # a phase the task has no steps for: no line
@@ -231,7 +224,8 @@ def phase_profile(scores: Any, n_layers: int):
                          f"scores ({top}).")
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for phase, column, second in present:
-        m = layer_means(scores, column)
+        m = scores.groupby("layer")[column].agg(["mean", "std", "count"]).reset_index()
+        m["sem"] = (m["std"] / np.sqrt(m["count"])).fillna(0.0)  # standard error over heads
         fig.add_trace(go.Scatter(
             x=m["layer"].to_numpy(), y=m["mean"], mode="lines+markers",
             name=f"Phase {phase}: mean {column}", line=dict(color=PHASE_COLORS[phase], width=2),

@@ -1,12 +1,6 @@
-"""Pictures of edges and circuits (plotly): the circuit graph and the faithfulness curve.
-
-``circuit_graph``: nodes at (layer, head), layers left to right (the embeddings at the left,
-the logits at the right), one line per edge whose width grows with ``|score|`` (colour: the
-input it feeds; dashed: a negative score). ``faithfulness_curve``: the normalized metric of the
-circuits against their size (the share of items kept, log axis), with the bootstrap band and
-MIB's CPR and CMD in the title. Both take a ``CircuitResult`` (``ck.circuit``); the graph also
-takes an ``EdgeResult`` (its ``top`` edges). The sender x receiver heatmap is
-``viz.heatmaps.edge_heatmap`` (``EdgeResult.heatmap()``).
+"""Pictures of edges and circuits (plotly): ``circuit_graph`` (a ``CircuitResult``'s kept edges,
+or an ``EdgeResult``'s top ones) and ``faithfulness_curve`` (MIB's CPR and CMD in its title). The
+sender x receiver heatmap is ``viz.heatmaps.edge_heatmap`` (``EdgeResult.heatmap()``).
 """
 
 from __future__ import annotations

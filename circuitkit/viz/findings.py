@@ -92,13 +92,9 @@ def _pct(x: float) -> str:
     return f"{abs(float(x)):.0%}"
 
 
-def head_name(head: tuple[int, int]) -> str:
-    return hooks.head_name(*head)
-
-
 def _heads_phrase(heads: list[tuple[int, int]]) -> str:
     """"L0H2, L0H3 and L2H1, in layers 0 (2 heads) and 2 (1)" style."""
-    names = [head_name(h) for h in heads]
+    names = [hooks.head_name(*h) for h in heads]
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
     by_layer: dict[int, int] = {}
     for layer, _ in heads:
@@ -111,10 +107,6 @@ def _heads_phrase(heads: list[tuple[int, int]]) -> str:
                  for i, (layer, n) in enumerate(sorted(by_layer.items()))]
         where = "in layers " + ", ".join(parts[:-1]) + " and " + parts[-1]
     return f"{listed}, {where}"
-
-
-def _parse_heads(text: Any) -> list[tuple[int, int]]:
-    return hooks.heads_in(text)
 
 
 def _rows(validation: Any, phase: int, pool: str = "all-layers") -> dict[tuple[str, str], Any]:
@@ -141,25 +133,23 @@ def same_layers_sentence(rows: dict[tuple[str, str], Any], asked: int | None = N
     first = next(iter(rows.values()))
     shared = int(first["overlap"]) if "overlap" in first and first["overlap"] == first[
         "overlap"] else 0
-    said, _ = validation_sentence(rows, asked)
-    said = said.replace("Patched together they", "Against sets drawn from the same layers"
-                        + (f" (each sharing {shared} heads with the top set, as those layers "
-                           "hold few others)" if shared else "") + ", they", 1)
-    return said
+    return validation_sentence(rows, asked)[0].replace(
+        "Patched together they", "Against sets drawn from the same layers"
+        + (f" (each sharing {shared} heads with the top set, as those layers hold few others)"
+           if shared else "") + ", they", 1)
 
 
 def floor_note(n_random: int, asked: int | None = None) -> str:
     """The smallest p-value ``n_random`` random sets allow, said in words; ``asked``: the
     ``n_random`` the run asked for, when the pool held fewer distinct sets (rerunning with a
     larger ``--n-random`` cannot help then)."""
-    floor = 1 / (n_random + 1)
-    text = f"With {n_random} random sets no p can be below 1/{n_random + 1} = {floor:.2g}"
-    if asked is not None and asked > n_random:
-        text = (f"With {n_random} random sets (every distinct set this pool holds; {asked} were "
-                f"asked) no p can be below 1/{n_random + 1} = {floor:.2g}")
-        if floor > ALPHA:
-            return text + (f", so this test cannot reach p < {ALPHA:g} on this model: a larger "
-                           "--n-random cannot help; the test against sets from all layers can.")
+    floor, all_held = 1 / (n_random + 1), asked is not None and asked > n_random
+    text = (f"With {n_random} random sets" + (f" (every distinct set this pool holds; {asked} "
+            "were asked)" if all_held else "") + f" no p can be below 1/{n_random + 1} = "
+            f"{floor:.2g}")
+    if floor > ALPHA and all_held:
+        return text + (f", so this test cannot reach p < {ALPHA:g} on this model: a larger "
+                       "--n-random cannot help; the test against sets from all layers can.")
     if floor > ALPHA:
         return text + (f", so this test cannot reach p < {ALPHA:g}: rerun with --n-random "
                        f"{math.ceil(1 / ALPHA)} or more.")
@@ -331,6 +321,7 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
     if found is None:
         return []
     cell, said = found
+    name = hooks.head_name(*cell)
     any_res = next(iter(sweeps.values()))
     metric = (any_res.meta or {}).get("metric") or "the metric"
     said = list(said.values())
@@ -338,7 +329,7 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
         said[0] += f" of the clean-corrupt difference in {metric}"
     else:
         said.append(f"the corruption did not lower {metric}, so no share of it is given")
-    out = [f"Strongest single head in the Phase-{phase} patching sweeps: {head_name(cell)} "
+    out = [f"Strongest single head in the Phase-{phase} patching sweeps: {name} "
            f"({'; '.join(said)})."]
     if top and cell not in top and scores is not None:
         col, what = RANKED_BY[phase]
@@ -346,12 +337,12 @@ def sweep_sentences(phase: int, sweeps: dict[str, Any], top: list[tuple[int, int
         row = scores[(scores["layer"] == cell[0]) & (scores["head"] == cell[1])]
         rank = ""
         if len(row) and rank_col in scores.columns and row[rank_col].notna().all():
-            rank = f"; {head_name(cell)} ranks {int(row[rank_col].iloc[0])} of {len(scores)}"
+            rank = f"; {name} ranks {int(row[rank_col].iloc[0])} of {len(scores)}"
             if col in scores.columns:
                 rank += f" ({col} {_g(row[col].iloc[0])})"
         early = "an early head" if cell[0] < min(layer for layer, _ in top) else "a head"
         out.append(
-            f"Why {head_name(cell)}, the strongest Phase-{phase} patching cell, is not among the "
+            f"Why {name}, the strongest Phase-{phase} patching cell, is not among the "
             f"top {k} Phase-{phase} heads: they are ranked by {col} ({what}), not by patching"
             f"{rank}. Patching measures a head's total effect, including what later heads "
             f"read from it, so {early} can move {metric} without scoring high on {col}.")
@@ -457,7 +448,7 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         first = next(iter(rows.values()), None)
         k = int(first["k"]) if first is not None else int(
             (summary.get("validation_options") or {}).get("k", 5))
-        top = _parse_heads(first["heads"]) if first is not None and "heads" in first else []
+        top = hooks.heads_in(first["heads"]) if first is not None and "heads" in first else []
         if not top and scores is not None and phase in scored_phases(scores):
             top = top_heads(scores, phase, k)
         col = RANKED_BY[phase][0]

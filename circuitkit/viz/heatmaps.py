@@ -68,10 +68,12 @@ def method_label(method: str) -> str:
         method, method)
 
 
-def describe(result: Any, raw: bool | None = None) -> str:
-    """Title naming the model, the task (and phase), the metric and the direction, from ``meta``;
-    a second, smaller line with method, site, positions, the number of prompts and what colour
-    shows (``raw``: the raw effect; default for a ``degenerate`` result)."""
+def describe(result: Any, raw: bool | None = None, sub: list | None = None,
+             escape: Any = str) -> str:
+    """Title naming the model, the task (and phase), the metric and the direction, from ``meta``
+    (each through ``escape``); a second, smaller line (``sub``: its parts, else method, site,
+    positions, the number of prompts and what colour shows; ``raw``: the raw effect, default for
+    a ``degenerate`` result)."""
     raw = bool(getattr(result, "degenerate", False)) if raw is None else raw
     meta = result.meta or {}
     task = meta.get("task")
@@ -80,10 +82,11 @@ def describe(result: Any, raw: bool | None = None) -> str:
     metric = meta.get("metric")
     head = [model_label(meta), task, f"metric {metric}" if metric else None, result.direction]
     n = meta.get("n_prompts") or meta.get("n_examples")
-    sub = [method_label(result.method), f"site {result.site}", f"positions {result.positions}",
-           f"{n} prompts" if n else None,
-           RAW_NOTE if raw else "colour = normalized effect"]
-    return (" · ".join(str(p) for p in head if p)
+    if sub is None:
+        sub = [method_label(result.method), f"site {result.site}",
+               f"positions {result.positions}", f"{n} prompts" if n else None,
+               RAW_NOTE if raw else "colour = normalized effect"]
+    return (" · ".join(escape(str(p)) for p in head if p)
             + "<br><sup>" + ", ".join(str(p) for p in sub if p) + "</sup>")
 
 
@@ -404,21 +407,14 @@ def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str]
     # the gap wherever it is drawn (subtitle and colour bar)
     scale = None if raw else f"full colour = \u00b1{m:.2%} of the clean\u2212corrupt gap"
     if title is None:
-        meta = result.meta or {}
-        task = meta.get("task")
-        if task and meta.get("phase") is not None:
-            task = f"{task} phase {meta['phase']}"
-        head = [model_label(meta), task, f"metric {meta['metric']}" if meta.get("metric")
-                else None, result.direction]
-        n = meta.get("n_prompts")
-        sub = [method_label(result.method), "edges: a sender's write into one receiver's input",
-               f"{n} prompts" if n else None,
-               RAW_NOTE if raw else f"colour = normalized effect, {scale}",
-               DIRECTION_NOTE.get(result.direction)]
+        n = (result.meta or {}).get("n_prompts")
         # (the direction note sits in the subtitle: below the plot it overlapped the tilted
         # receiver labels)
-        title = (" · ".join(html.escape(str(p)) for p in head if p) + "<br><sup>"
-                 + ", ".join(str(p) for p in sub if p) + "</sup>")
+        title = describe(result, raw, escape=html.escape, sub=[
+            method_label(result.method), "edges: a sender's write into one receiver's input",
+            f"{n} prompts" if n else None,
+            RAW_NOTE if raw else f"colour = normalized effect, {scale}",
+            DIRECTION_NOTE.get(result.direction)])
     fig = _finish(fig, m, title, raw)
     if scale is not None:
         fig.update_layout(coloraxis_colorbar_title_text=f"normalized<br>(\u00b1{m:.2%}<br>of gap)")

@@ -1,35 +1,17 @@
 """``report.html``: one self-contained page of a results folder (opens offline, can be mailed).
 
-``write_report(run_dir)`` reads what it finds in ``run_dir`` (the folder ``circuitkit characterize``
-writes; every part is optional, a missing part is skipped with a note). The page leads with the
-findings in words (``viz.findings``: per phase which heads, which layers, whether they beat
-random head sets with the p-value's floor, the key effect, the strongest patching cell), then
-the sweeps, scores, validation, attention and ablation; the glossary lists only the quantities
-the page shows; model fingerprints, versions and timings come last.
+``write_report(run_dir)`` reads what it finds in ``run_dir`` (every part optional; a missing part
+is skipped with a note): ``summary.json`` (model, task, sizes, versions, timings; its ``model``
+and ``task`` enable the attention views), every ``X.json`` + ``X.safetensors`` ``PatchResult``
+(a ``-denoise``/``-noise`` pair is one side-by-side heatmap), ``scores.csv``, ``validation.csv``,
+``head-ablation.csv``, the distillation's ``ablation.csv`` (or ``distill/ablation.csv``) and
+``characterize --edges``' ``edges/``. The page leads with the findings in words
+(``viz.findings``), then the sweeps, scores, validation, attention and ablation; the glossary
+lists only the quantities the page shows; fingerprints, versions and timings come last.
 
-==============================================  ===============================================
-``summary.json``                                model, task, sizes, versions, timings (a table,
-                                                last);
-                                                ``model`` (a name ``ck.load_model`` takes) and
-                                                ``task`` (``ck.load_task``) enable attention views
-``patch-p1-denoise`` / ``patch-p1-noise`` ...   ``PatchResult`` files (``.safetensors`` +
-                                                ``.json``): a ``-denoise``/``-noise`` pair is one
-                                                side-by-side heatmap; any other ``X.json`` +
-                                                ``X.safetensors`` (e.g. ``result``) its own
-``scores.csv``                                  ``ck.score_heads``: top-head tables, score scatter,
-                                                phase profile
-``validation.csv``                              ``ck.validate_heads``: chart and table
-``head-ablation.csv``                           ``ck.ablate_heads``: top-k vs random heads under
-                                                zero / mean / resample ablation (a table)
-``ablation.csv`` (or ``distill/ablation.csv``)  distillation ablation (``charts.ablation_chart``)
-``edges/edges.*``, ``edges/circuit.json``       ``characterize --edges``: sender x receiver
-                                                heatmap per input, top edges by input, the
-                                                circuit graph and its faithfulness
-==============================================  ===============================================
-
-JavaScript: plotly.js (~4.8 MB) is inlined once in ``<head>`` and every figure is a
-``<div>`` + ``Plotly.newPlot`` call; the circuitsvis bundle (~1.3 MB) likewise, only when the page
-has attention views. Nothing is loaded from a network.
+JavaScript: plotly.js (~4.8 MB) is inlined once in ``<head>``, every figure a ``<div>`` +
+``Plotly.newPlot`` call; the circuitsvis bundle (~1.3 MB) likewise, only with attention views.
+Nothing is loaded from a network.
 """
 
 from __future__ import annotations
@@ -230,29 +212,24 @@ def _patch_results(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
 
 def _sweep_sections(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.patching.results import quiet_baseline
-
-    with quiet_baseline():  # the page says it (_gap_warning): no console warning per figure
-        return _sweep_figures(results, fig_html)
-
-
-def _sweep_figures(results: dict[str, Any], fig_html) -> list[str]:
     from circuitkit.viz.heatmaps import patch_heatmap, patch_heatmaps
 
     out, done = [], set()
-    for name, res in results.items():
-        m = PAIR.match(name)
-        if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
-            other = f"{m.group('base')}-noise"
-            phase = phase_of(m.group("base"), res)
-            head = f"Phase {phase} sweep" if phase else m.group("base")
-            out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
-                       f"</span></h3>" + _gap_warning(res)
-                       + fig_html(patch_heatmaps(res, results[other])))
-            done |= {name, other}
-    for name, res in results.items():
-        if name not in done:
-            out.append(f"<h3>{_esc(sweep_heading(name, res))}</h3>" + _gap_warning(res)
-                       + fig_html(patch_heatmap(res)))
+    with quiet_baseline():  # the page says it (_gap_warning): no console warning per figure
+        for name, res in results.items():
+            m = PAIR.match(name)
+            if m and m.group("direction") == "denoise" and f"{m.group('base')}-noise" in results:
+                other = f"{m.group('base')}-noise"
+                phase = phase_of(m.group("base"), res)
+                head = f"Phase {phase} sweep" if phase else m.group("base")
+                out.append(f"<h3>{_esc(head)} <span class='note'>({_esc(name)}, {_esc(other)})"
+                           f"</span></h3>" + _gap_warning(res)
+                           + fig_html(patch_heatmaps(res, results[other])))
+                done |= {name, other}
+        for name, res in results.items():
+            if name not in done:
+                out.append(f"<h3>{_esc(sweep_heading(name, res))}</h3>" + _gap_warning(res)
+                           + fig_html(patch_heatmap(res)))
     return out
 
 
@@ -344,9 +321,8 @@ def findings_section(summary: dict, validation: Any, scores: Any,
 
 
 def _n_layers(summary: dict, results: dict[str, Any], scores: Any) -> int:
-    for key in ("n_layers",):
-        if isinstance(summary.get(key), int):
-            return summary[key]
+    if isinstance(summary.get("n_layers"), int):
+        return summary["n_layers"]
     for res in results.values():
         facts = (res.meta or {}).get("facts") or {}
         if "n_layers" in facts:
@@ -470,12 +446,10 @@ def _head_ablation_table(frame: Any) -> Any:
     if not need <= set(frame.columns):
         return frame
     show = frame.copy()
-    show["top effect [95%]"] = [  # (no-break spaces: one line per cell)
-        f"{r.top_effect:+.3f}\u00a0[{r.top_low:+.3f},\u00a0{r.top_high:+.3f}]"
-        for r in frame.itertuples()]
-    show["random effect [95%]"] = [
-        f"{r.random_mean:+.3f}\u00a0[{r.random_low:+.3f},\u00a0{r.random_high:+.3f}]"
-        for r in frame.itertuples()]
+    for name, mid, low, high in (("top effect [95%]", "top_effect", "top_low", "top_high"), (
+            "random effect [95%]", "random_mean", "random_low", "random_high")):
+        show[name] = [f"{m:+.3f}\u00a0[{lo:+.3f},\u00a0{hi:+.3f}]"  # (no-break spaces: one line)
+                      for m, lo, hi in zip(frame[mid], frame[low], frame[high], strict=True)]
     keep = [c for c in ("phase", "pool", "ablation", "quantity", "heads", "n_random", "overlap",
                         "n_prompts", "base", "top_value") if c in show.columns]
     return show[keep + ["top effect [95%]", "random effect [95%]"]
@@ -495,13 +469,6 @@ def ablation_table(frame: Any) -> Any:
     wide = frame.assign(cell=cells).pivot_table(index="variant", columns="metric", values="cell",
                                                 aggfunc="first", sort=False)
     return wide.reset_index().rename_axis(columns=None)
-
-
-def _or_raw(make, frame: Any) -> Any:
-    try:
-        return make(frame)
-    except (ValueError, KeyError):
-        return frame
 
 
 def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int,
@@ -672,10 +639,13 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     if edges:
         sections.append(("edges", "Edges: which heads feed which", edges))
     if ablation is not None:
+        try:
+            wide = ablation_table(ablation)
+        except (ValueError, KeyError):  # a frame the table does not know: shown as it is
+            wide = ablation
         sections.append(("distillation", "Distillation ablation",
                          chart(charts.ablation_chart, ablation)
-                         + "<p class='note'>mean over seeds [95% interval]</p>"
-                         + _table(_or_raw(ablation_table, ablation))))
+                         + "<p class='note'>mean over seeds [95% interval]</p>" + _table(wide)))
 
     terms = glossary_terms(results, scores, validation, ablation, head_ablation)
     if terms:
@@ -816,7 +786,7 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
         else:
             cls = "warn" if share is not None and abs(share) < SMALL_SHARE else "note"
             reached = "" if circ.get("target_reached", True) else (
-                f" (none of the curve reaches the target {_g3(circ['target'])}: this is the "
+                f" (none of the curve reaches the target {float(circ['target']):.3g}: this is the "
                 "largest circuit)")
             body += (f"<p class='{cls}'>{said}</p><p>Circuit ({_esc(circ['ablation'])} ablation "
                      f"of the edges left out): the top {_esc(circ['n_kept'])} of "
@@ -830,10 +800,6 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
         if circ.get("edges"):
             body += fig_html(circuit_graph(circ))
     return body
-
-
-def _g3(x: Any) -> str:
-    return f"{float(x):.3g}"
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:
