@@ -17,7 +17,14 @@ disjoint samples. Then, from each folder's ``summary.json``, ``validation*.csv``
 * agreement between pairs: how often each head is in a phase's causal top set.
 
     python benchmarks/phase_evidence.py [--model icd-teacher] [--seeds 1 2 3] [--n 128]
-        [--n-random 1000] [--out benchmarks/results/phase-evidence] [--report-only]
+        [--n-random 1000] [--out benchmarks/results/phase-evidence] [--report-only] [--gaps]
+
+``--gaps``: first ask whether there is anything to locate. Per seed and phase, the phase's
+clean-corrupt gap ``mean_i (m(clean_i) - m(corrupt_i))`` over the ``2 n`` notes ``characterize``
+would use (``scoring.text.load_for``: rendered as text for a pretrained LLM), with its normal 95%
+interval and the share of notes whose corruption lowers the metric; one forward per note and
+run, into ``OUT/<model>-gaps.md``. A gap whose interval holds 0 leaves a sweep nothing to
+attribute (every share of it is noise), so the phase's claims are not testable on that model.
 """
 
 from __future__ import annotations
@@ -42,6 +49,43 @@ def run(model: str, seeds: list[int], n: int, n_random: int, out: Path, text: st
                      text={"yes": True, "no": False}.get(text))
         folders.append(folder)
     return folders
+
+
+def gaps(model_name: str, seeds: list[int], n: int, text: str | None) -> str:
+    """``--gaps``: each phase's clean-corrupt gap with its 95% interval (module docstring)."""
+    import torch
+
+    import circuitkit as ck
+    from circuitkit.scoring.text import load_for
+    from circuitkit.tasks.base import phase_task, task_phases
+
+    model = ck.load_model(model_name)
+    rows = []
+    for s in seeds:
+        task, rendered = load_for(model, "icd10", 2 * n, s, "test",
+                                  {"yes": True, "no": False}.get(text))
+        for p in task_phases(task):
+            tp = phase_task(task, p)
+            d = torch.cat([_gap_rows(model, tp, range(i, min(i + 8, len(tp))))
+                           for i in range(0, len(tp), 8)]).double()
+            half = 1.96 * float(d.std()) / len(d) ** 0.5
+            rows.append([s, p, tp.metric.name, len(tp), "text" if rendered else "tokens",
+                         f"{float(d.mean()):+.4f} [{float(d.mean()) - half:+.4f}, "
+                         f"{float(d.mean()) + half:+.4f}]",
+                         f"{float((d > 0).double().mean()):.2f}"])
+    return "## Clean-corrupt gap per phase (95% normal interval over notes)\n\n" + _md(
+        ["seed", "phase", "metric", "notes", "rendered as", "gap", "share of notes lowered"],
+        rows) + "\n"
+
+
+def _gap_rows(model, tp, rows: range):
+    """``m(clean_i) - m(corrupt_i)`` of the notes ``rows`` of the phase task ``tp``."""
+    import torch
+
+    m = tp.metric.select(rows)
+    with torch.no_grad():
+        return (m.per_prompt(model(tp.clean_tokens[rows.start:rows.stop]))
+                - m.per_prompt(model(tp.corrupt_tokens[rows.start:rows.stop])))
 
 
 def _pct(x: float) -> str:
@@ -134,7 +178,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/phase-evidence"))
     ap.add_argument("--report-only", action="store_true",
                     help="only collate the folders already in --out")
+    ap.add_argument("--gaps", action="store_true",
+                    help="only measure each phase's clean-corrupt gap (is there an effect?)")
     args = ap.parse_args()
+    if args.gaps:
+        text = gaps(args.model, args.seeds, args.n, args.text)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.model.replace('/', '_')}-gaps.md").write_text(text)
+        print(text)
+        return
     if args.report_only:
         folders = sorted(p for p in args.out.glob(f"{args.model.replace('/', '_')}-s*")
                          if (p / "summary.json").exists())

@@ -45,6 +45,13 @@ from typing import Any
 # icd-teacher on icd10: ~42 s on 1 quiet CPU thread (benchmarks/characterize.py); --stages adds
 # 4 sweeps x 5 position groups (~37 s on 2 busy cores)
 DEFAULT_N = 128
+# Random head sets the top set is validated against: a p-value floor of 1/201, so p < 0.05 can
+# be shown with its Monte Carlo interval below 0.05 (20 sets, floor 0.048, could not: the same
+# top set read 0.048-0.143 over disjoint batches). 1000 (``validate_heads``' default, the
+# science runs') costs ~5x more: ~0.8 s per set on the teacher's 128 notes on one CPU thread.
+N_RANDOM = 200
+# ... and ablated against (``ablate_heads``' default): three ablations, each decoding outputs.
+N_RANDOM_ABLATION = 20
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
@@ -69,17 +76,19 @@ def _log(progress: bool, msg: str) -> None:
 
 def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  out_dir: str | Path = "characterize-out", n_examples: int = DEFAULT_N,
-                 seed: int = 0, split: str = "test", k: int = 5, n_random: int = 20,
+                 seed: int = 0, split: str = "test", k: int = 5, n_random: int = N_RANDOM,
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
                  edges: bool = False, stages: bool = False,
-                 select_n: int | None = None) -> dict[str, Any]:
+                 select_n: int | None = None,
+                 n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
 
-    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``k``/``n_random``:
-    top set size (bootstrap inclusion, validation, ablation) and random sets per pool;
+    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``k``: top set size
+    (bootstrap inclusion, validation, ablation); ``n_random`` / ``n_random_ablation``: random
+    head sets per pool the top set is validated / ablated against (``N_RANDOM``: why 200);
     ``patch_method``: "exact" (default), "attribution" or "attribution+exact" (for models too
     big for exact sweeps on the machine);
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
@@ -94,7 +103,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
         return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
                              k, n_random, batch_size, patch_method, text, progress, task_kwargs,
-                             report, edges, stages, held, select_n)
+                             report, edges, stages, held, select_n, n_random_ablation)
 
 
 def step_problem(out: Path, record: dict[str, Any]) -> str:
@@ -140,7 +149,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                   batch_size: int | None, patch_method: str, text: bool | None,
                   progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
                   edges: bool, stages: bool, held: contextlib.ExitStack,
-                  select_n: int | None = None) -> dict[str, Any]:
+                  select_n: int | None = None,
+                  n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
@@ -155,8 +165,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         raise ValueError(f"n_examples must be >= 1; got {n_examples!r}.")
     if int(k) < 1:  # checked again against the model's heads below, before any step runs
         raise ValueError(f"k must be a positive number of heads; got {k!r}.")
-    if int(n_random) < 1:
-        raise ValueError(f"n_random must be >= 1; got {n_random!r}.")
+    for what, v in (("n_random", n_random), ("n_random_ablation", n_random_ablation)):
+        if int(v) < 1:
+            raise ValueError(f"{what} must be >= 1; got {v!r}.")
     out = files.check_writable_dir(out_dir, "out_dir")
     held.enter_context(files.lock_folder(out, "out_dir"))  # one run per folder
     t_all = time.perf_counter()
@@ -191,7 +202,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                     n_examples=len(task), seed=seed, split=split, patch_method=patch_method,
                     select_n=None if select_n is None else int(select_n),
                     task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
-    validation_options = dict(k=int(k), n_random=int(n_random))
+    validation_options = dict(k=int(k), n_random=int(n_random),
+                              n_random_ablation=int(n_random_ablation))
     summary_path = out / "summary.json"
     summary: dict[str, Any] = {}
     if summary_path.exists():
@@ -205,13 +217,17 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         old.pop("model", None)  # older folders named the model in the identity
         stored_options = summary.get("validation_options") or {
             key: old.pop(key) for key in ("k", "n_random") if key in old}  # older folders
+        # (before n_random_ablation, the ablation drew n_random sets too)
+        stored_options.setdefault("n_random_ablation", stored_options.get("n_random"))
         if old != identity:
             raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
                              f"(stored, now): {identity_diff(old, identity)}; use a new folder "
                              "or delete it.")
-        if stored_options != validation_options:  # same sweeps: score, validate, ablate and
-            for step in ("scores", "validation", "ablation", "edges"):  # patch edges again
-                summary.get("steps", {}).pop(step, None)
+        changed = {key for key, v in validation_options.items() if stored_options.get(key) != v}
+        # same sweeps: score, validate, ablate and patch edges again (only ablate, for its count)
+        for step in ("scores", "validation", "ablation", "edges") if changed - {
+                "n_random_ablation"} else ("ablation",) if changed else ():
+            summary.get("steps", {}).pop(step, None)
     # position groups: opt-in (5 groups x 4 sweeps, ~5 sweeps' time), exact sweeps only
     if stages and patch_method != "exact":
         stages = False
@@ -345,9 +361,10 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
             "zero- and mean-ablated (resample skipped: one prompt)")
         _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
-                       f"against {n_random} random {k}-head sets")
+                       f"against {n_random_ablation} random {k}-head sets")
         t0 = time.perf_counter()
-        abl = ablate_heads(model, held_out, scores, **tested, ablations=ablations)
+        abl = ablate_heads(model, held_out, scores, **dict(tested, n_random=n_random_ablation),
+                           ablations=ablations)
         files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
         record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
     if edges:
