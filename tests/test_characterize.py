@@ -213,11 +213,33 @@ def test_a_new_k_validates_again_and_reuses_sweeps(tiny_llama, tmp_path, monkeyp
     summary = characterize(tiny_llama, "synthetic", out, n_examples=8, k=1, n_random=3,
                            text=False, progress=False, task_kwargs=TASK)
     val = pd.read_csv(out / "validation.csv")
-    assert set(val["k"]) == {1} and summary["validation_options"] == dict(k=1, n_random=3)
+    assert set(val["k"]) == {1} and summary["validation_options"] == dict(
+        k=1, n_random=3, n_random_ablation=20)
     assert set(pd.read_csv(out / "head-ablation.csv")["k"]) == {1}
     assert summary["scores_attrs"]["k"] == 1
     assert all(st["k"] == 1 and len(st["top"]) == 1 for st in summary["stability"].values())
     assert all(len(v) == 1 for v in summary["top_heads"].values()) and summary["complete"]
+
+
+def test_ablation_sets_counted_apart_and_a_new_count_redoes_the_ablation_only(tiny_llama,
+                                                                              tmp_path):
+    """Validation draws ``n_random`` sets per pool, the ablation ``n_random_ablation``; a new
+    ablation count recomputes the ablation and reuses every other step; an older folder, whose
+    one ``n_random`` served both, is reused whole when that count is asked for both."""
+    out = tmp_path / "run"
+    first = run(tiny_llama, out, n_random_ablation=2)
+    used = lambda name: pd.read_csv(out / name)["n_random"].max()  # (a small pool holds fewer)
+    assert used("validation.csv") == 4 and used("head-ablation.csv") == 2
+    again = run(tiny_llama, out, n_random_ablation=3)
+    assert again["steps_run_this_call"] == ["ablation"]
+    assert used("head-ablation.csv") == 3 and used("validation.csv") == 4
+    assert again["steps"]["validation"] == first["steps"]["validation"]
+    summary = json.loads((out / "summary.json").read_text())  # as an older version wrote it
+    summary["validation_options"] = dict(k=2, n_random=4)
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert run(tiny_llama, out, n_random_ablation=4)["steps_run_this_call"] == []
+    with pytest.raises(ValueError, match="n_random_ablation must be >= 1"):
+        run(tiny_llama, tmp_path / "bad", n_random_ablation=0)
 
 
 def test_a_mixed_task_patches_each_phase_on_the_examples_with_its_steps(tiny_llama, tmp_path):
