@@ -249,9 +249,7 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
     test = ctx.test
     out: dict[str, Any] = teacher_forced(hf, test, batch_size)
     gens = decode(hf, test)
-    out.update(ev.set_metrics([ev.parse_answer(g, test) for g in gens],
-                              [set(e.targets) for e in test.examples],
-                              [set(e.near_misses) for e in test.examples]))
+    out.update(ev.task_set_metrics(gens, test))
     sim_gens = decode(hf, ctx.sim_task)
     for name, sim in (("las", None), ("las_gold_prefit", ctx.gold_sim)):
         res = ev.las(None, test, ctx.sim_task, generations=gens, train_generations=sim_gens,

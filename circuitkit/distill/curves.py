@@ -66,14 +66,10 @@ def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
 
 def decode(hf: Any, task: Any) -> list[list[int]]:
     """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
-    from circuitkit.evaluation import greedy_decode_cached, prompt_end
+    from circuitkit.evaluation import greedy_decode_cached, task_prompts
 
-    think = task.vocab.index("<think>")
-    ends = [prompt_end(e, think) for e in task.examples]
-    new = max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)) + 4
-    return greedy_decode_cached(hf, [e.tokens[:n] for e, n in zip(task.examples, ends,
-                                                                   strict=True)],
-                                task.eos_id, new, task.pad_id)
+    prompts, new = task_prompts(task)
+    return greedy_decode_cached(hf, prompts, task.eos_id, new, task.pad_id)
 
 
 @torch.no_grad()
@@ -82,10 +78,7 @@ def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
     (module docstring)."""
     from circuitkit import evaluation as ev
 
-    gens = decode(hf, task)
-    sets = ev.set_metrics([ev.parse_answer(g, task) for g in gens],
-                          [set(e.targets) for e in task.examples],
-                          [set(e.near_misses) for e in task.examples])
+    sets = ev.task_set_metrics(decode(hf, task), task)
     return dict(exact_match=float(sets["exact_match"]), **teacher_forced(hf, task, batch_size))
 
 

@@ -301,15 +301,7 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     qs = signals.queries(tokens, lay, cfg.heads)
     _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
     anchors = signals.Anchors.of(task, cfg.phase1_reading)
-    dev = next(teacher.parameters()).device
-    with torch.no_grad():
-        t_logits, acts = signals.run_and_capture(teacher, tokens.to(dev), pool.layers(),
-                                                 v_layers=pool.p2_layers())
-        t_sig = signals.readout(teacher, acts, qs, pool, anchors).detach()
-        topk = None
-        if cfg.topk_logits:
-            v, i = t_logits.float().topk(cfg.topk_logits, dim=-1)
-            topk = (v, i)
+    t_sig, topk = signals.read_teacher(teacher, tokens, qs, pool, anchors, cfg.topk_logits)
     batch = Batch(tokens, mask.bool(), qs, t_sig, topk)
     return student_terms(student, batch, pool, anchors, cfg, lambda_p1, lambda_p2, lambda_ns)
 

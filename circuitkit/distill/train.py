@@ -48,9 +48,17 @@ from typing import Any
 
 import torch
 
+import circuitkit as ck
+from circuitkit import training
+from circuitkit.distill import signals
 from circuitkit.distill.loss import BALANCES, LossConfig, balanced_gradients, student_terms
+from circuitkit.evaluation import non_finite_parameters
+from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_text
+from circuitkit.models import configure_threads, hf_progress, shipped_path
+from circuitkit.tasks import load_task
+from circuitkit.tasks.base import word_tokenizer
+from circuitkit.training import PRESETS, STATE_FILE, Preset, build_model
 
-STATE_FILE = "train_state.safetensors"
 RECORD = "distill.json"  # written last: the folder holds a finished student
 # one history row per step: the terms, each term's own gradient norm, the factor its
 # lambda * gradient entered the step with, the cosine of the CoT and mechanistic parts, the
@@ -129,8 +137,6 @@ class DistillConfig:
 
 def preset(student: Any):
     """A ``training.Preset`` from a preset name, a dict of its fields, or a JSON file of them."""
-    from circuitkit.training import PRESETS, Preset
-
     if isinstance(student, str) and student in PRESETS:
         return PRESETS[student]
     if isinstance(student, (str, Path)) and Path(student).is_file():
@@ -154,16 +160,12 @@ def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
     ``heads="causal"`` with ``causal_table``'s noise columns merged in."""
     import pandas as pd
 
-    from circuitkit.files import write_text
     from circuitkit.scoring.heads import score_heads
-    from circuitkit.tasks import load_task
 
     path = folder / "scores.csv"
     causal = cfg.loss_config().heads == "causal"
     old = pd.read_csv(path) if path.exists() else None
-    from circuitkit.distill.signals import causal_columns
-
-    needed = [c for p in (1, 2) for c in causal_columns(p)] if causal else []
+    needed = [c for p in (1, 2) for c in signals.causal_columns(p)] if causal else []
     if old is not None and all(c in old.columns for c in needed):
         return old
     task = load_task(cfg.task, n_examples=cfg.score_examples, seed=cfg.pool_seed + 1,
@@ -185,11 +187,6 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     the teacher is loaded here and released on return. ``overwrite``: a default store
     (``out_dir/signals``) built for another config is deleted and rebuilt (a ``cfg.store`` is
     the caller's: never deleted)."""
-    import circuitkit as ck
-    from circuitkit.distill.signals import StoreOptions, StoreProblem, build_store
-    from circuitkit.files import check_writable_dir
-    from circuitkit.tasks import load_task
-
     teacher = ck.load_model(cfg.teacher)
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.pool_seed, split="train",
                      **cfg.task_kw)
@@ -201,16 +198,16 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
                                 "signal store folder (--store)")
     lc = cfg.loss_config()
-    opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
+    opts = signals.StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
                         topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
                         phase1_reading=lc.phase1_reading, heads=lc.heads)
     for attempt in (0, 1):
         try:
             table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
-            store = build_store(teacher, pool, table, folder, opts, teacher_name=cfg.teacher,
-                                progress=progress)
+            store = signals.build_store(teacher, pool, table, folder, opts,
+                                        teacher_name=cfg.teacher, progress=progress)
             break
-        except StoreProblem:
+        except signals.StoreProblem:
             if attempt or not (overwrite and cfg.store is None):
                 raise
             import shutil
@@ -223,10 +220,6 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
 
 def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
     """``(hf_model, bridge)``: a fresh student and the bridge that runs it (shared weights)."""
-    import circuitkit as ck
-    from circuitkit.tasks.base import word_tokenizer
-    from circuitkit.training import build_model
-
     hf = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
     if cfg.init is not None:
         load_init(hf, cfg.init)
@@ -237,8 +230,6 @@ def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
 def init_folder(init: str) -> Path:
     """The HF folder ``init`` names: a folder with ``config.json`` and ``model.safetensors``, or
     a shipped model (``icd-student-cot``)."""
-    from circuitkit.models import shipped_path
-
     folder = Path(init) if (Path(init) / "config.json").is_file() else shipped_path(str(init))
     if folder is None or not (folder / "model.safetensors").is_file():
         raise ValueError(f"init={init!r}: expected an HF model folder (config.json and "
@@ -271,9 +262,6 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
     deleted first (otherwise refused). ``callback(step, hf_model)``: called after every
     ``save_every``-th step and the last (held-out curves, early stopping: ``distill.curves``);
     not part of the config, so it never changes what is trained."""
-    from circuitkit.files import check_writable_dir, lock_folder
-    from circuitkit.models import hf_progress
-
     cfg = cfg or DistillConfig()
     if overrides:
         bad = set(overrides) - set(DistillConfig.__dataclass_fields__)
@@ -291,8 +279,6 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
 def finished_problem(out: Path, record: dict) -> str:
     """Why a finished folder's student is not intact ("" when it is): a file listed in
     ``distill.json`` is missing or differs from its recorded SHA-256."""
-    from circuitkit.files import sha256_file
-
     sums = record.get("files")
     if not isinstance(sums, dict) or not sums:
         return f"{out / RECORD} lists no student files (an older circuitkit wrote it)"
@@ -338,10 +324,6 @@ def _config_diff(stored: dict, now: dict) -> str:
 def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
                    overwrite: bool, callback: Any = None) -> Path:
     from circuitkit._progress import tqdm
-    from circuitkit.distill.signals import BatchStream
-    from circuitkit.files import write_text
-    from circuitkit.models import configure_threads
-    from circuitkit.training import load_train_state, save_train_state
 
     configure_threads()
     state_path = out / STATE_FILE
@@ -372,7 +354,7 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
         warnings.warn(f"circuitkit: finished student in {out} is damaged ({problem}); {how}.",
                       stacklevel=3)
     if state_path.exists() and resume:
-        stored = load_train_state(state_path)
+        stored = training.load_train_state(state_path)
         if stored["config"] != config:
             if not overwrite:
                 raise ValueError(
@@ -381,26 +363,19 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                     "(overwrite=True) to start over, or use another out_dir.")
             _clear(out, record)
     store, pool = prepare_store(cfg, out, scores, progress, overwrite)
-    width = max(s["width"] for s in store.manifest["shards"])
-    n_ctx = max(64, 2 ** math.ceil(math.log2(width + 1)))
+    n_ctx = training.context_length(max(s["width"] for s in store.manifest["shards"]))
     hf, student = build_student(cfg, pool.vocab, n_ctx)
     params = [p for p in hf.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s
-                                                                          / cfg.steps)))
-    stream = BatchStream(store, cfg.batch_size, cfg.seed)
+    opt, sched = training.optimizer(params, cfg)
+    stream = signals.BatchStream(store, cfg.batch_size, cfg.seed)
     teacher_pool = store.pooling()
     anchors = store.anchors
     lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
     lc = cfg.loss_config()
     step, elapsed, history = 0, 0.0, []
     if resume and state_path.exists():
-        st = load_train_state(state_path)
-        hf.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+        step, elapsed, history = training.restore(training.load_train_state(state_path), hf, opt,
+                                                  sched)
     saved = step  # the step of the training state on disk (0: none)
 
     def checkpoint() -> None:
@@ -409,7 +384,7 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
         if bad:  # never replace a good state with a broken one
             raise ValueError(_diverged(step, cfg, f"weights {bad[:3]} hold NaN/inf", saved,
                                        state_path))
-        save_train_state(state_path, dict(config=config, model=hf.state_dict(),
+        training.save_train_state(state_path, dict(config=config, model=hf.state_dict(),
                                           opt=opt.state_dict(), sched=sched.state_dict(),
                                           step=step, elapsed=elapsed, history=history))
         saved = step
@@ -476,11 +451,6 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
     return out
 
 
-def non_finite_parameters(model: Any) -> list[str]:
-    """Names of ``model``'s parameters holding NaN or inf."""
-    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-
-
 def _terms(terms: dict) -> str:
     return ", ".join(f"{k} {float(terms[k].detach()):.4g}" for k in ("total", "cot", "p1", "p2",
                                                                       "ns") if k in terms)
@@ -499,11 +469,8 @@ def _diverged(step: int, cfg: DistillConfig, what: str, saved: int, state: Path)
 def plain_model(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int) -> Any:
     """A fresh HF model of the student's preset holding ``hf``'s weights (copies, eval mode):
     what ``save_student`` writes and what a training callback measures."""
-    from circuitkit.distill.signals import plain_parameters
-    from circuitkit.training import build_model
-
     fresh = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
-    params = plain_parameters(hf)
+    params = signals.plain_parameters(hf)
     missing = fresh.load_state_dict({k: v.detach().clone() for k, v in params.items()},
                                     strict=False)
     if missing.missing_keys or missing.unexpected_keys:
@@ -517,8 +484,7 @@ def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int,
     the bridge-wrapped model's own ``save_pretrained`` would write wrapper names). Returns
     ``{file name: SHA-256}`` of the files written. Refuses (``ValueError``) weights holding
     NaN or inf: a broken student is never saved."""
-    from circuitkit.files import sha256_file, write_files_into
-    from circuitkit.tasks.base import word_tokenizer
+    from circuitkit.files import write_files_into
 
     fresh = plain_model(hf, cfg, vocab, n_ctx)
     bad = non_finite_parameters(fresh)
