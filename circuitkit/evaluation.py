@@ -396,25 +396,16 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     return out
 
 
-# --- LAS: leakage-adjusted simulatability (Hase et al. 2020) -------------------------------
+# --- LAS: leakage-adjusted simulatability (Hase et al. 2020; docs/distill.md, "LAS") -------
 #
-# A *simulator* predicts the model's own answer (its decoded label set) from the note alone (x),
-# from the note and the model's rationale (x + e: its generated CoT before ``</think>``), and from
-# the rationale alone (e). An example is *leaking* when the simulator gets the answer right from
-# e alone. With ``c(.)`` = 1 if the simulator's set equals the model's:
+# A simulator predicts the model's decoded label set from the note (x), the note and the model's
+# rationale (x + e: its CoT before ``</think>``), or e alone; an example *leaks* when e alone
+# gets it right. With ``c(.)`` = 1 if the simulator's set equals the model's:
 #
 #     LAS = 1/2 [ mean_leaking (c(x+e) - c(x)) + mean_non-leaking (c(x+e) - c(x)) ]
 #
-# (a group without examples drops out: LAS is then the other group's mean). The 95% interval is
-# the 2.5/97.5 percentiles of LAS over ``n_boot`` bootstrap resamples of the evaluation notes. The
-# simulator is trained on notes disjoint from the evaluation notes (``las(train_task=...)``, or
-# two-fold cross-fitting when none is given).
-#
-# As Hase et al., by default the simulator learns only from the model's own outputs (notes,
-# rationales, answers of the training notes). ``las_gold_prefit`` is the other reading: the
-# simulator first learns the task from gold CoT and answers of a third note set
-# (``gold_prefit_simulator``), then the model's outputs; it then largely re-measures accuracy
-# (docs/distill.md).
+# (a group without examples drops out); 95% interval: 2.5/97.5 percentiles over ``n_boot``
+# bootstrap resamples of the evaluation notes.
 
 
 def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: Sequence[bool],
@@ -454,25 +445,15 @@ def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: 
 
 
 class SignatureSimulator:
-    """The default LAS simulator: a token-signature rule learner. Small, deterministic, fitted
-    by counting (seconds on a CPU); it knows nothing of the task beyond which tokens occur.
-
-    From its training rows ``(x, e, y)`` (note tokens, rationale tokens, answer set) it counts,
-    per label l and segment s in {x, e}, how often each token t occurs in s when l is in y. The
-    *signature* of l in s is the set of tokens that are both frequent with l and specific to it:
+    """The default LAS simulator: a token-signature rule learner fitted by counting
+    (docs/distill.md, "LAS"). From training rows ``(x, e, y)`` (note tokens, rationale tokens,
+    answer set), the signature of label l in segment s in {x, e}:
 
         sig_s(l) = { t : P(t in s | l in y) >= support  and  P(t in s | l in y) >= lift P(t in s) }
 
-    (a structural token or a filler that occurs everywhere has lift ~1 and drops out). Given the
-    segments at hand (x alone, e alone, or both), l is predicted iff it was seen at least
-    ``min_count`` times, at least one given segment has a non-empty signature of l, and every
-    given segment contains its whole signature of l. Defaults: support 0.9, lift 3, min_count 2
-    (on ``icd10`` gold notes, 8192 to fit and 256 held out: exact set accuracy 0.79 from the
-    note alone, 0.84 with the CoT).
-
-    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones: ``las_gold_prefit`` pre-fits
-    the simulator on a task's own CoT and answers (``gold_prefit_simulator``) and then adds the
-    model's own outputs; ``las`` (Hase et al.) fits a fresh one on the model's outputs only.
+    l is predicted iff it was seen at least ``min_count`` times, some given segment has a
+    non-empty signature of l, and every given segment contains its whole signature of l.
+    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones (``las_gold_prefit``).
     """
 
     def __init__(self, vocab_size: int, label_token_ids: Tensor, support: float = 0.9,

@@ -23,19 +23,10 @@ over ``p_i > 0`` (``q`` clamped at 1e-12 inside the log only), so ``KL(p || p) =
   over Phase-1 and Phase-2 rows, ``ns[:, l]`` the mean attention of *all* heads of teacher layer
   ``l`` (student: of the mapped layer), no head selection and no write terms.
 
-Why anchor-alignment space, not a learned projection, for the writes: it has no parameters (so
-``p1`` is exactly 0 for the teacher itself, and a projection cannot shrink the loss by collapsing
-both sides), it is width-free, and it is the quantity the CoarseScore measures. Likewise the
-Phase-2 write is compared as logits, which two models over one vocabulary share.
-
-Gradients: the teacher side is computed without autograd; on the student side ``W_U`` and the
-final norm (weight and the run's scale) are detached (the reading frame), as is a post-attention
-norm (Gemma 2), so ``p1``/``p2`` reach only the mapped heads' own weights in their layer (query,
-key, value rows and output columns; not the layer's other heads, its MLP, later layers or the
-unembedding) and what those heads read (the embeddings and the blocks below); ``cot`` reaches
-every parameter.
-
-Combining the terms' gradients in training: ``balanced_gradients`` (docs/distill.md).
+The writes are compared in anchor-alignment space and as logits (no parameters: ``p1`` is exactly
+0 for the teacher itself), and ``p1``/``p2`` reach only the mapped heads' own weights and what
+they read; why, and the gradient mask: docs/distill.md ("Losses"). Combining the terms'
+gradients in training: ``balanced_gradients``.
 """
 
 from __future__ import annotations

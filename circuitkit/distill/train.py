@@ -1,38 +1,17 @@
-"""Train a student on the teacher-signal store: ``L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2``.
+"""Train a student on the teacher-signal store: ``L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2``
+(docs/distill.md, "Training").
 
-``train_student(cfg, out_dir)``:
-
-1. the teacher (``ck.load_model(cfg.teacher)``) is scored (``ck.score_heads`` on ``score_examples``
-   train notes, cached as ``scores.csv`` beside the store) and its signals on ``pool_size`` train
-   notes are written to the store (``signals.build_store``; resumable; refused on mismatch);
-   then the teacher is dropped: training reads the store one shard at a time;
-2. the student is a fresh HF ``LlamaForCausalLM`` (``training.build_model``, preset by name or
-   fields) run through a ``TransformerBridge`` that wraps it (``ck.load_model(hf_model)``: the
-   parameters are the HF model's), so its signals come from the same hook names as the
-   teacher's; a CoT-only step (all lambdas 0) reads no hooks;
-3. AdamW with linear warm-up and cosine decay, batches from ``signals.BatchStream`` (batch ``i``
-   depends only on ``(seed, i)``); each term's gradient is taken on its own and combined by
-   ``loss.balanced_gradients`` (``balance``, ``grad_ratio``): the CoT part is clipped at 1 as
-   in ``training.train``, and no mechanistic term's own gradient counts for more than
-   ``grad_ratio`` times it (then weighted by its lambda), so the mechanistic losses cannot
-   throttle L_CoT. Every step's term values and gradient norms
-   go into the history (``HISTORY_COLUMNS``);
-4. resumable: every ``save_every`` steps (and on Ctrl-C) ``out_dir/train_state.safetensors``
-   (``training.save_train_state``: safetensors + JSON, no pickle) holds model, optimiser,
-   scheduler, step and history; the next call with the same config continues from it, and the
-   final weights equal an uninterrupted run's bit for bit. A step whose loss or gradient is not
-   finite stops the run with one error naming the step and the terms; nothing of that step is
-   applied and no non-finite weights are ever saved (the last good state stays);
-5. the student is saved as a plain HF folder (``save_pretrained`` + the task's tokenizer), loadable
-   with ``ck.load_model(out_dir)``, with ``distill.json`` (config, history, time, the SHA-256 of
-   every student file) written last: it marks the folder finished. The final training state is
-   kept: rerunning the same config on a finished folder whose files verify does nothing; one
-   whose student files are missing or modified is rewritten from that state (no training). A
-   finished folder of another config is refused unless ``overwrite=True`` (``--overwrite``),
-   which deletes its student, state and (the default ``OUT/signals``) store first.
-
-One run per ``out_dir`` at a time (``files.lock_folder``); taking the lock removes the temporary
-files a killed save left there.
+``train_student(cfg, out_dir)``: score the teacher and write its store (``prepare_store``), drop
+it; train a fresh HF ``LlamaForCausalLM`` (``training.build_model``) through a
+``TransformerBridge`` that wraps it (same hook names as the teacher's) with AdamW, warm-up and
+cosine decay (``training.optimizer``), batches from ``signals.BatchStream`` and each term's
+gradient combined by ``loss.balanced_gradients``; every step's terms and gradient norms go into
+the history (``HISTORY_COLUMNS``). Resumable from ``out_dir/train_state.safetensors`` (every
+``save_every`` steps and on Ctrl-C) bit for bit; a non-finite step stops the run with nothing of
+it applied. The student is saved as a plain HF folder with ``distill.json`` (config, history, the
+SHA-256 of every student file) written last: a finished folder of the same config is a no-op (or
+rewritten from the kept state when damaged), another config is refused unless ``overwrite``.
+One run per ``out_dir`` at a time (``files.lock_folder``).
 """
 
 from __future__ import annotations
