@@ -70,7 +70,8 @@ def _umask() -> int:
     return mask
 
 
-def fsync_dir(path: str | Path) -> None:
+def _fsync(path: str | Path) -> None:
+    """fsync a file or a folder."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -85,11 +86,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException as e:
@@ -98,7 +95,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
         if failure is None:
             raise
         raise failure from None
-    fsync_dir(path.parent)
+    _fsync(path.parent)
     return path
 
 
@@ -209,7 +206,7 @@ def write_folder(out: Path, write: Callable[[Path], Any]) -> Path:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    fsync_dir(out.parent)
+    _fsync(out.parent)
     return out
 
 
