@@ -254,12 +254,17 @@ class Run:
         return out / "runs" / self.cell / "pretrain"
 
 
-def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str:
-    """The CoT-only start of ``run``'s cell (module docstring); in a worker."""
-    folder = run.pretrain_folder(Path(out))
+def _do_train(out: str, run: Run, cfg: dict[str, Any], progress: bool,
+              heldout: str | None = None) -> str:
+    """A CoT-only run measured by nothing but its held-out loss, in a worker: the start of
+    ``run``'s cell (``pretrain``), or, with the ``heldout`` store, its arm's early-stopping
+    baseline (whose held-out loss picks S*)."""
+    folder = run.pretrain_folder(Path(out)) if heldout is None else run.folder(Path(out))
     if progress:
-        print(f"[ablation] {run.cell} pretrain", file=sys.stderr, flush=True)
-    train_student(DistillConfig(**cfg), folder, progress=progress)
+        print(f"[ablation] {run.cell} {'pretrain' if heldout is None else 'early stopping'}",
+              file=sys.stderr, flush=True)
+    train_student(DistillConfig(**cfg), folder, progress=progress, callback=None
+                  if heldout is None else HeldoutLoss(folder, SignalStore.open(heldout)))
     return str(folder)
 
 
@@ -453,16 +458,6 @@ def coverage(task: str, pool_size: int, test: Any) -> dict[str, float]:
             for k in (1, 3)}
 
 
-def _do_es(out: str, run: Run, cfg: dict[str, Any], heldout: str, progress: bool) -> str:
-    """The CoT-only baseline run of ``run``'s arm whose held-out loss picks S*; in a worker."""
-    folder = run.folder(Path(out))
-    if progress:
-        print(f"[ablation] {run.cell} early stopping", file=sys.stderr, flush=True)
-    train_student(DistillConfig(**cfg), folder, progress=progress,
-                  callback=HeldoutLoss(folder, SignalStore.open(heldout)))
-    return str(folder)
-
-
 def _early_stopping(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
                     names: dict[str, Any], sz: dict[str, Any], task: str, progress: bool,
                     workers: int, record: dict) -> dict[str, dict[str, Any]]:
@@ -496,7 +491,7 @@ def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dic
         cfg = dict(stores[d], student=names[s], seed=0, steps=sz["es_max"],
                    save_every=sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
         if not (r.folder(out) / "distill.json").exists():
-            tasks.append((_do_es, (str(out), r, cfg, heldout, progress), r, "early stopping"))
+            tasks.append((_do_train, (str(out), r, cfg, progress, heldout), r, "early stopping"))
     if workers == 1:
         for fn, args, _, _ in tasks:
             fn(*args)
@@ -709,11 +704,11 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
         return
     if workers == 1:
         for r in starts:
-            _do_pretrain(str(out), r, pretrain_of(r), progress)
+            _do_train(str(out), r, pretrain_of(r), progress)
         for r in todo:
             _do_run(str(out), r, cfg_of(r), ctx_args, progress)
         return
-    tasks = [(_do_pretrain, (str(out), r, pretrain_of(r), progress), r, "pretrain")
+    tasks = [(_do_train, (str(out), r, pretrain_of(r), progress), r, "pretrain")
              for r in starts]
     _dispatch(out, tasks, workers, progress)
     tasks = [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run") for r in todo]

@@ -53,7 +53,7 @@ import math
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -275,10 +275,16 @@ def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int
 def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
                  reading: str = "tokens", heads: str = "scores") -> Float[Tensor, "L H"]:
     """``phase_heads``' weights as an ``[L, H]`` matrix (0 off the top heads; sums to 1)."""
-    chosen, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads)
-    w = torch.zeros(n_layers, n_heads)
-    for (lay, hd), a in zip(chosen, alpha.tolist(), strict=True):
-        w[lay, hd] = a
+    return _matrix((n_layers, n_heads),
+                   *phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads))
+
+
+def _matrix(shape: tuple[int, int], heads: Sequence[tuple[int, int]], alpha: Tensor
+            ) -> Float[Tensor, "L H"]:
+    """``alpha`` of each head at its ``(layer, head)`` (summed where one repeats), else 0."""
+    w = torch.zeros(shape)
+    for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
+        w[lay, hd] += a
     return w
 
 
@@ -354,17 +360,11 @@ class Pooling:
     def w1(self) -> Tensor:
         """Phase 1 as an ``[L, H]`` weight matrix (a head standing for several teacher heads
         holds their sum)."""
-        return self._matrix(self.heads1, self.alpha1)
+        return _matrix(self.shape, self.heads1, self.alpha1)
 
     @property
     def w2(self) -> Tensor:
-        return self._matrix(self.heads2, self.alpha2)
-
-    def _matrix(self, heads: tuple[tuple[int, int], ...], alpha: Tensor) -> Tensor:
-        w = torch.zeros(self.shape)
-        for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
-            w[lay, hd] += a
-        return w
+        return _matrix(self.shape, self.heads2, self.alpha2)
 
     def layers(self) -> list[int]:
         return sorted({lay for lay, _ in self.heads1 + self.heads2} | set(self.ns_layers))
@@ -1019,11 +1019,9 @@ def _width(path: Path) -> int:
 
 
 def _options_dict(o: StoreOptions) -> dict[str, Any]:
-    out = dict(top_k1=o.top_k1, top_k2=o.top_k2, nonselective=o.nonselective,
-               topk_logits=o.topk_logits, shard_size=o.shard_size,
-               phase1_reading=o.phase1_reading)
-    if o.heads != "scores":  # stores of the default choice keep their manifests
-        out["heads"] = o.heads
+    out = asdict(o)
+    if o.heads == "scores":  # stores of the default choice keep their manifests
+        del out["heads"]
     return out
 
 
