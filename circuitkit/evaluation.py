@@ -29,12 +29,14 @@ A ``las`` key (distillation) can be added to ``evaluate``'s output without chang
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from circuitkit._progress import tqdm
 from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
@@ -108,21 +110,17 @@ def f1_scores(pred_sets: Sequence[set[int]], true_sets: Sequence[set[int]]) -> t
 
     Both are 1.0 when there is nothing to predict and nothing predicted.
     """
-    tp: dict[int, int] = {}
-    fp: dict[int, int] = {}
-    fn: dict[int, int] = {}
+    tp: Counter[int] = Counter()
+    fp: Counter[int] = Counter()
+    fn: Counter[int] = Counter()
     for p, t in zip(pred_sets, true_sets, strict=True):
-        for lab in p & t:
-            tp[lab] = tp.get(lab, 0) + 1
-        for lab in p - t:
-            fp[lab] = fp.get(lab, 0) + 1
-        for lab in t - p:
-            fn[lab] = fn.get(lab, 0) + 1
+        tp.update(p & t)
+        fp.update(p - t)
+        fn.update(t - p)
     labels = set(tp) | set(fp) | set(fn)
     if not labels:
         return 1.0, 1.0
-    per = [2 * tp.get(lab, 0) / (2 * tp.get(lab, 0) + fp.get(lab, 0) + fn.get(lab, 0))
-           for lab in labels]
+    per = [2 * tp[lab] / (2 * tp[lab] + fp[lab] + fn[lab]) for lab in labels]
     TP, FP, FN = sum(tp.values()), sum(fp.values()), sum(fn.values())
     return sum(per) / len(per), 2 * TP / (2 * TP + FP + FN)
 
@@ -248,17 +246,14 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
         else:
             out.append(None)
             rest.append((i, t))
-    if rest and not _causal(model):  # padding is safe for a causal model only
-        gens = greedy_decode(model, [task.examples[i].tokens[:ends[i]] for i, _ in rest], eos,
-                             max_new_tokens, batch_size, on_batch=on_batch)
-        for (i, _), g in zip(rest, gens, strict=True):
-            out[i] = g
-    elif rest:
-        gens = padded_greedy(model, [task.examples[i].tokens[:ends[i] + t] for i, t in rest],
-                             eos, [max_new_tokens - t for _, t in rest], batch_size,
-                             on_batch=on_batch)
-        for (i, t), g in zip(rest, gens, strict=True):
-            out[i] = task.examples[i].tokens[ends[i]:ends[i] + t].tolist() + g
+    causal = _causal(model)  # padding is safe for a causal model only: others start over
+    rest = rest if causal else [(i, 0) for i, _ in rest]
+    prompts = [task.examples[i].tokens[:ends[i] + t] for i, t in rest]
+    gens = (padded_greedy(model, prompts, eos, [max_new_tokens - t for _, t in rest], batch_size,
+                          on_batch=on_batch) if causal else
+            greedy_decode(model, prompts, eos, max_new_tokens, batch_size, on_batch=on_batch))
+    for (i, t), g in zip(rest, gens, strict=True):
+        out[i] = task.examples[i].tokens[ends[i]:ends[i] + t].tolist() + g
     return [g for g in out if g is not None]
 
 
@@ -361,12 +356,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         task.check_model(model)
     check_finite_model(model)
     dev = _device(model)
-    bar = None
-    if progress:
-        from circuitkit._progress import tqdm
-
-        bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
-                   unit="note-pass", file=sys.stderr)
+    bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
+               unit="note-pass", file=sys.stderr, disable=not progress)
     focus, focus_step, conf, argmax = [], [], [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
@@ -379,14 +370,12 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         focus_step.append(focus_per_step_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
         argmax += list(logits.argmax(-1).cpu())
-        if bar is not None:
-            bar.update(len(sub))
+        bar.update(len(sub))
     prompts, default_new = task_prompts(task)
     gens = teacher_forced_greedy(model, task, [len(p) for p in prompts], argmax,
                                  default_new if max_new_tokens is None else max_new_tokens,
-                                 batch_size, on_batch=None if bar is None else bar.update)
-    if bar is not None:
-        bar.close()
+                                 batch_size, on_batch=bar.update)
+    bar.close()
     out = dict(focus=_nanmean(torch.cat(focus)), focus_per_step=_nanmean(torch.cat(focus_step)),
                confusion=_nanmean(torch.cat(conf)))
     out.update(task_set_metrics(gens, task))

@@ -416,20 +416,18 @@ class Anchors:
     @classmethod
     def of(cls, task: Any, reading: str = "tokens") -> Anchors:
         labels = check_reading(reading) == "labels"
-        return cls(reading, tuple(int(t) for t in task.anchor_token_ids.tolist()),
-                   tuple(int(t) for t in task.label_token_ids.tolist()) if labels else (),
-                   tuple(int(t) for t in task.label_anchor.tolist()) if labels else ())
+        return cls(reading, tuple(task.anchor_token_ids.tolist()),
+                   tuple(task.label_token_ids.tolist()) if labels else (),
+                   tuple(task.label_anchor.tolist()) if labels else ())
 
     def directions(self, W_U: Float[Tensor, "D V"]) -> Float[Tensor, "D A"]:
         """Centred anchor directions of this reading (detached), ``[D, A]``."""
         from circuitkit.scoring.coarse import anchor_directions
 
-        lab = torch.tensor(self.label_token_ids, dtype=torch.long) if self.label_token_ids \
-            else None
-        anc = torch.tensor(self.label_anchor, dtype=torch.long) if self.label_anchor else None
-        return anchor_directions(W_U.detach(), torch.tensor(self.anchor_token_ids,
-                                                            dtype=torch.long),
-                                 self.reading, lab, anc)
+        lt = lambda t: torch.tensor(t, dtype=torch.long)
+        return anchor_directions(W_U.detach(), lt(self.anchor_token_ids), self.reading,
+                                 lt(self.label_token_ids) if self.label_token_ids else None,
+                                 lt(self.label_anchor) if self.label_anchor else None)
 
 
 def _cos(w: Float[Tensor, "N k D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N k A"]:
@@ -450,10 +448,6 @@ class Signals:
     p2_effect: Tensor
     ns_attn1: Tensor | None = None
     ns_attn2: Tensor | None = None
-
-    def detach(self) -> Signals:
-        return Signals(**{f.name: None if getattr(self, f.name) is None
-                          else getattr(self, f.name).detach() for f in fields(self)})
 
 
 def _through_post(o: Tensor, acts: dict[str, Tensor], lay: int, b: Tensor, q: Tensor,
@@ -790,7 +784,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
             t.update(tokens=tokens.int(), mask=mask.to(torch.uint8))
             write_tensors(path, t)
             digest = sha256_file(path)
-        shards.append(dict(file=path.name, n_examples=len(sub), width=_width(path),
+        shards.append(dict(file=path.name, n_examples=len(sub), width=_shape(path, "tokens")[1],
                            bytes=path.stat().st_size, sha256=digest))
         write_json(partial, dict(head, shards=shards))  # a kill from here on keeps this shard
         bar.update(len(sub))
@@ -1012,10 +1006,6 @@ def _shape_or_none(path: Path) -> list[int] | None:
         return _shape(path, "tokens")
     except Exception:  # noqa: BLE001 - safetensors has its own error types
         return None
-
-
-def _width(path: Path) -> int:
-    return _shape(path, "tokens")[1]
 
 
 def _options_dict(o: StoreOptions) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
             near[t] = sorted(rng.sample(sib, min(max_near_misses, len(sib))))
         order = targets[:]
         rng.shuffle(order)
-        note, ev_pos, group_start = [h_bos()], [], {}
+        note, ev_pos, group_start = [SPECIAL_TOKENS.index("<bos>")], [], {}
         for i, t in enumerate(order):
             if i:
                 note.append(sep)
@@ -148,7 +148,7 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
         shortlist_pos = list(range(len(seq), len(seq) + len(shortlist)))
         seq += h.label_token_ids[shortlist].tolist() + [end]
         answer_pos = list(range(len(seq), len(seq) + len(answer)))
-        seq += h.label_token_ids[answer].tolist() + [h_eos()]
+        seq += h.label_token_ids[answer].tolist() + [SPECIAL_TOKENS.index("<eos>")]
         # phase 1: one target's whole evidence -> evidence of a label under another anchor
         t1 = rng.choice(order)
         m = rng.randrange(n_labels)
@@ -171,14 +171,6 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
             meta=dict(corrupt_tokens_p1=c1, corrupt_tokens_p2=c2, corrupt_anchors=[int(la[m])],
                       p1_label=m, p1_target=t1, p2_label=n2, p2_target=t2, note_order=order)))
     return examples
-
-
-def h_bos() -> int:
-    return SPECIAL_TOKENS.index("<bos>")
-
-
-def h_eos() -> int:
-    return SPECIAL_TOKENS.index("<eos>")
 
 
 def task_from(h: Hierarchy, examples: list[Example], phase: int, config: dict) -> Task:
