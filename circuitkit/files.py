@@ -1,20 +1,9 @@
-"""Durable file writes: the one atomic-write helper every durable write in circuitkit uses.
+"""Durable file writes and folder locks (docs/durability.md).
 
-``atomic_write(path, write)`` calls ``write(tmp_path)``, fsyncs the file, renames it over
-``path`` and fsyncs the folder: a crash (SIGKILL included) leaves either the old state or the
-complete new file, never a partial one under the final name. The file gets the mode a plain
-``open(path, "w")`` would give (``0o666 & ~umask``): some writers (``safetensors.save_file``)
-create files ``0600``, which would leave result files unreadable to a group that can read the
-JSON beside them. A write that fails for want of space or permission (``OSError``, or
-safetensors' ``SafetensorError`` wrapping one) is raised as ``WriteError`` (an ``OSError``): one
-line naming the file and what to do; the temporary file is removed.
-
-``lock_folder(path)``: the one lock of a folder that a run writes (``characterize``, ``distill``,
-``patch --out``, ``report``, each checkpoint rank): ``fcntl.flock`` on a file in it, so a lock
-whose process died is free again (taken over, its pid replaced); taking it removes the
-temporary files dead writers left there (``clean_temporaries``).
-
-This module imports nothing heavy.
+``atomic_write(path, write)``: the one atomic-write helper every durable write in circuitkit
+uses (a crash leaves the old state or the complete new file, with the mode ``open`` would give;
+a failure for want of space or permission is one-line ``WriteError``). ``lock_folder(path)``:
+the one lock of a folder that a run writes. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -80,8 +69,10 @@ def _fsync(path: str | Path) -> None:
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
-    """``write(tmp)`` then fsync, chmod to ``0o666 & ~umask``, rename over ``path``, fsync the
-    folder. Returns ``path``. The temporary file is removed if ``write`` raises."""
+    """``write(tmp)`` then fsync, chmod to ``0o666 & ~umask`` (some writers, such as
+    ``safetensors.save_file``, create ``0600`` files a group reading the folder could not read),
+    rename over ``path``, fsync the folder. Returns ``path``. The temporary file is removed if
+    ``write`` raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
