@@ -25,18 +25,14 @@ from typing import Any
 
 import torch
 
+from circuitkit.files import write_json
+
 CURVE = "curve.json"
 
 
 def _points(folder: Path) -> list[dict[str, Any]]:
     path = folder / CURVE
     return json.loads(path.read_text()) if path.exists() else []
-
-
-def _save(folder: Path, points: list[dict[str, Any]]) -> None:
-    from circuitkit.files import write_json
-
-    write_json(folder / CURVE, sorted(points, key=lambda p: p["step"]))
 
 
 def best_step(points: list[dict[str, Any]], key: str = "heldout_loss") -> int:
@@ -119,7 +115,7 @@ class _Callback:
             points.append(dict(step=step, **self.measure(hf)))
         finally:
             hf.train()
-        _save(self.folder, points)
+        write_json(self.folder / CURVE, sorted(points, key=lambda p: p["step"]))
 
 
 class HeldoutLoss(_Callback):

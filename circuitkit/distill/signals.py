@@ -48,6 +48,7 @@ time (``BatchStream``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -162,19 +163,16 @@ def queries(tokens: Int[Tensor, "b s"], lay: Layout, heads: str = "scores") -> Q
     b1, q1, w1, a1, b2, q2, w2, keys, toks = [], [], [], [], [], [], [], [], []
     for b, row in enumerate(tokens.tolist()):
         anchors, short, answer = parse_row(row, lay)
-        for p in anchors:
-            b1.append(b)
-            q1.append(p - 1)
-            w1.append(1.0 / len(anchors))
-            a1.append(tok2anchor[row[p]])
-        if short:
-            rows = short if at_shortlist else answer
-            for p in rows:
-                b2.append(b)
-                q2.append(p - 1)
-                w2.append(1.0 / len(rows))
-                keys.append(short)
-                toks.append([row[s] for s in short])
+        b1 += [b] * len(anchors)
+        q1 += [p - 1 for p in anchors]
+        w1 += [1.0 / len(anchors) for _ in anchors]
+        a1 += [tok2anchor[row[p]] for p in anchors]
+        rows = (short if at_shortlist else answer) if short else []
+        b2 += [b] * len(rows)
+        q2 += [p - 1 for p in rows]
+        w2 += [1.0 / len(rows) for _ in rows]
+        keys += [short] * len(rows)
+        toks += [[row[s] for s in short]] * len(rows)
     K = max((len(k) for k in keys), default=0)
     pad = lambda rows: torch.tensor([r + [-1] * (K - len(r)) for r in rows],  # noqa: E731
                                     dtype=torch.long).reshape(len(rows), K)
@@ -1170,10 +1168,7 @@ class BatchStream:
         return self.store.batch(*self.locate(i))
 
     def __iter__(self) -> Iterator[Batch]:
-        i = 0
-        while True:
-            yield self[i]
-            i += 1
+        return map(self.__getitem__, itertools.count())
 
 
 def hash_ints(*xs: int) -> int:

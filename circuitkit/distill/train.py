@@ -363,9 +363,9 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
         if bad:  # never replace a good state with a broken one
             raise ValueError(_diverged(step, cfg, f"weights {bad[:3]} hold NaN/inf", saved,
                                        state_path))
-        training.save_train_state(state_path, dict(config=config, model=hf.state_dict(),
-                                          opt=opt.state_dict(), sched=sched.state_dict(),
-                                          step=step, elapsed=elapsed, history=history))
+        training.save_train_state(state_path, dict(
+            config=config, model=hf.state_dict(), opt=opt.state_dict(),
+            sched=sched.state_dict(), step=step, elapsed=elapsed, history=history))
         saved = step
 
     student.train()
