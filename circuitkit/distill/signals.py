@@ -53,6 +53,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -792,12 +793,10 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     man["checksums"] = manifest_checksums(man)
     write_json(out / MANIFEST, man)
     partial.unlink(missing_ok=True)
-    steps = {k: sum(_shape(out / s["file"], k)[0] for s in shards) for k in ("p1_b", "p2_b")}
-    if not steps["p1_b"] or not steps["p2_b"]:
-        import warnings
-
-        gone = [(p, t) for p, t, k in (("Phase-1 anchor steps", "L_P1", "p1_b"),
-                                       ("Phase-2 answer steps", "L_P2", "p2_b")) if not steps[k]]
+    gone = [(p, t) for p, t, k in (("Phase-1 anchor steps", "L_P1", "p1_b"),
+                                   ("Phase-2 answer steps", "L_P2", "p2_b"))
+            if not sum(_shape(out / s["file"], k)[0] for s in shards)]
+    if gone:
         warnings.warn(f"signal store {out}: the teacher's greedy CoT of these {n} notes has no "
                       f"{' and no '.join(p for p, _ in gone)}, so "
                       f"{' and '.join(t for _, t in gone)} will be 0 in training: is the teacher "
