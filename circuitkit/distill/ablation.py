@@ -492,10 +492,7 @@ def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dic
                    save_every=sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
         if not (r.folder(out) / "distill.json").exists():
             tasks.append((_do_train, (str(out), r, cfg, progress, heldout), r, "early stopping"))
-    if workers == 1:
-        for fn, args, _, _ in tasks:
-            fn(*args)
-    elif tasks:
+    if tasks:
         _dispatch(out, tasks, workers, progress)
     sel = {}
     for s, d in cells:
@@ -702,17 +699,10 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
                    and not (r.pretrain_folder(out) / train.RECORD).exists()}.values())
     if not todo:
         return
-    if workers == 1:
-        for r in starts:
-            _do_train(str(out), r, pretrain_of(r), progress)
-        for r in todo:
-            _do_run(str(out), r, cfg_of(r), ctx_args, progress)
-        return
-    tasks = [(_do_train, (str(out), r, pretrain_of(r), progress), r, "pretrain")
-             for r in starts]
-    _dispatch(out, tasks, workers, progress)
-    tasks = [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run") for r in todo]
-    _dispatch(out, tasks, workers, progress)
+    _dispatch(out, [(_do_train, (str(out), r, pretrain_of(r), progress), r, "pretrain")
+                    for r in starts], workers, progress)
+    _dispatch(out, [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run")
+                    for r in todo], workers, progress)
 
 
 STOP_GRACE = 30.0  # seconds a stopped worker has to save its training state before it is killed
@@ -722,7 +712,12 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
     """Run ``tasks`` (``(fn, args, run, what)``) on ``workers`` spawned processes, at most one
     task per worker at a time (so a stop leaves nothing queued). On Ctrl-C, a worker's error or
     a worker's death: nothing more is dispatched, the running tasks are stopped at their last
-    training state (``train_student`` saves it on SIGINT), and the grid says what is kept."""
+    training state (``train_student`` saves it on SIGINT), and the grid says what is kept.
+    One worker: each task in this process, in turn."""
+    if workers == 1:
+        for fn, args, _, _ in tasks:
+            fn(*args)
+        return
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
