@@ -30,12 +30,12 @@ class WriteError(OSError):
         return str(self.strerror)
 
 
-def _write_failure(e: BaseException, path: Path) -> WriteError | None:
-    """``e`` as a ``WriteError`` naming ``path`` when it is an I/O failure (an ``OSError``, or a
-    ``SafetensorError`` wrapping one: safetensors reports ``No space left on device`` that way);
-    None for anything else (a bug is not a disk problem)."""
+def _raise_write_error(e: BaseException, path: Path) -> None:
+    """Raise ``e`` as a ``WriteError`` naming ``path`` when it is an I/O failure (an ``OSError``,
+    or a ``SafetensorError`` wrapping one: safetensors reports ``No space left on device`` that
+    way); return for anything else (a bug is not a disk problem: the caller re-raises it)."""
     if isinstance(e, WriteError):
-        return e
+        raise e from None
     if isinstance(e, OSError):
         code, reason = e.errno, e.strerror or str(e)
     elif type(e).__name__ == "SafetensorError" and ("I/O error" in str(e) or "os error" in str(e)
@@ -44,13 +44,13 @@ def _write_failure(e: BaseException, path: Path) -> WriteError | None:
         code = int(next(g for g in m.groups() if g)) if m else None
         reason = os.strerror(code) if code else str(e)
     else:
-        return None
+        return
     what = {errno_.ENOSPC: "free some space", errno_.EDQUOT: "free some space",
             errno_.EACCES: "make the folder writable", errno_.EROFS: "choose a writable folder",
             errno_.EPERM: "make the folder writable"}.get(code, "fix that")
-    return WriteError(code or errno_.EIO, f"could not write {path}: {reason}; {what} and rerun "
-                      "the same command (files written completely are kept; nothing is left "
-                      "half-written under its name).")
+    raise WriteError(code or errno_.EIO, f"could not write {path}: {reason}; {what} and rerun "
+                     "the same command (files written completely are kept; nothing is left "
+                     "half-written under its name).") from None
 
 
 def _umask() -> int:
@@ -82,10 +82,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        failure = _write_failure(e, path)
-        if failure is None:
-            raise
-        raise failure from None
+        _raise_write_error(e, path)
+        raise
     _fsync(path.parent)
     return path
 
@@ -225,10 +223,8 @@ def _staged(write: Callable[[Path], Any], stage: Path, out: Path) -> None:
     try:
         write(stage)
     except Exception as e:
-        failure = _write_failure(e, out)
-        if failure is None:
-            raise
-        raise failure from None
+        _raise_write_error(e, out)
+        raise
 
 
 # --- one lock per folder, and what dead writers left there ---------------------------------------

@@ -12,9 +12,8 @@
    for tests; see ``load_model``), or a ``TransformerBridgeConfig`` (TransformerLens-native).
 
 Models load in eval mode with raw HF weights (no TransformerLens weight processing: folding
-LayerNorm would upcast a bf16 70B model to fp32). One dtype rule covers every named model
-(``default_dtype``); parameter counts come from a meta-device model built from the config
-(``param_count``), so they are exact for any architecture transformers knows.
+LayerNorm would upcast a bf16 70B model to fp32), in one dtype rule (``default_dtype``);
+parameter counts are exact, from the config (``param_count``).
 """
 
 from __future__ import annotations

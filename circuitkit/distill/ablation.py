@@ -403,10 +403,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
     ``balance``, ``grad_ratio``: how every run combines its terms' gradients
     (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
-    (0: every run starts from its seed's fresh initialisation). A folder holding a grid of
-    another configuration (``ablation.json``: sizes, steps, lambdas, balancing, teacher, task,
-    student presets) is refused naming what differs; ``overwrite`` starts it over instead
-    (``_start_over``)."""
+    (0: every run starts from its seed's fresh initialisation). ``overwrite``: a grid of another
+    configuration in ``out`` is started over instead of refused (``_check_grid``)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}.")
     if seeds < 1:

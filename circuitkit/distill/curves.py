@@ -1,20 +1,12 @@
-"""Held-out evaluation during training: the baseline's early stopping and learning curves.
+"""Held-out evaluation during training: the baseline's early stopping and learning curves
+(docs/distill.md, the issue-35 grid).
 
-``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step (every
-``save_every`` steps and the last), ``hf`` a plain copy of the student (``train.plain_model``:
-the training model is wrapped by a bridge, whose ``generate`` does not decode what its weights
-predict). Two callbacks live here:
-
-* ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p] | logits[p-1])`` over the masked positions
-  of the teacher's CoT rows of a held-out signal store (notes disjoint from the pool and the
-  test notes), example-weighted over batches; the points go to ``curve.json``
-  (``[{"step": s, "heldout_loss": x}, ...]``), written after each point, so a resumed run keeps
-  them. ``best_step(points)``: the step of the lowest held-out loss (ties: the earlier), the
-  grid's S*.
-* ``Curve``: exact match (greedy decoding, ``evaluation.set_metrics``), focus (any of the
-  note's anchors, ``evaluation.focus_from_logits``), per-step focus (the anchor of that step,
-  ``focus_per_step_from_logits``) and sibling confusion (``confusion_from_logits``) of the
-  student on a small fixed held-out task, per point; ``curve.json`` likewise.
+``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step, ``hf`` a
+plain copy of the student (``train.plain_model``). ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p]
+| logits[p-1])`` over a held-out signal store's CoT rows (``heldout_loss``), whose lowest point is
+the grid's S* (``best_step``). ``Curve``: exact match, focus, per-step focus and sibling
+confusion on a small held-out task (``task_point``). Each writes its points to ``curve.json``
+(``[{"step": s, ...}, ...]``) as it goes, so a resumed run keeps them.
 """
 
 from __future__ import annotations

@@ -200,10 +200,8 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
         raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}.")
     on = [k for k in MECH if lambdas.get(k, 0.0) > 0]
     names = ["cot"] + on
-    grads = {}
-    for i, k in enumerate(names):
-        grads[k] = list(torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1,
-                                            allow_unused=True))
+    grads = {k: list(torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1,
+                                         allow_unused=True)) for i, k in enumerate(names)}
     norms = {k: _norm(g) for k, g in grads.items()}
     out = {f"gn_{k}": float(norms.get(k, 0.0)) for k in ("cot",) + MECH}
     if not all(bool(torch.isfinite(n)) for n in norms.values()):

@@ -655,14 +655,9 @@ class StoreSpec:
 
 
 def _manifest_mismatch(man: dict, spec: StoreSpec) -> list[str]:
-    bad = []
-    for key, want in (("teacher_fingerprint", spec.teacher), ("scores_hash", spec.scores),
-                      ("task_fingerprint", spec.task)):
-        if man.get(key) != want:
-            bad.append(f"{key} {man.get(key)} != this run's {want}")
-    if spec.options and man.get("options") != spec.options:
-        bad.append(f"options {man.get('options')} != this run's {spec.options}")
-    return bad
+    want = dict(teacher_fingerprint=spec.teacher, scores_hash=spec.scores,
+                task_fingerprint=spec.task, **({"options": spec.options} if spec.options else {}))
+    return [f"{k} {man.get(k)} != this run's {v}" for k, v in want.items() if man.get(k) != v]
 
 
 def teacher_folder(teacher: Any) -> Path | None:
@@ -1067,14 +1062,13 @@ class SignalStore:
 
     def pooling(self) -> Pooling:
         """The teacher's heads and weights as built."""
-        sh = self.manifest["teacher_shape"]
-        w = self.manifest["weights"]
+        sh, w = self.manifest["teacher_shape"], self.manifest["weights"]
         ns = tuple(range(sh["n_layers"])) if self.manifest["options"]["nonselective"] else ()
-        return Pooling(tuple((a, b) for a, b, _ in w["p1"]),
-                       torch.tensor([v for *_, v in w["p1"]], dtype=torch.float32),
-                       tuple((a, b) for a, b, _ in w["p2"]),
-                       torch.tensor([v for *_, v in w["p2"]], dtype=torch.float32),
-                       (sh["n_layers"], sh["n_heads"]), ns)
+
+        def phase(k: str) -> tuple[tuple[tuple[int, int], ...], Tensor]:
+            return (tuple((a, b) for a, b, _ in w[k]),
+                    torch.tensor([v for *_, v in w[k]], dtype=torch.float32))
+        return Pooling(*phase("p1"), *phase("p2"), (sh["n_layers"], sh["n_heads"]), ns)
 
     def shard(self, i: int) -> dict[str, Tensor]:
         if self._cache is not None and self._cache[0] == i:

@@ -332,15 +332,15 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                "training it again (no training state kept)")
         warnings.warn(f"circuitkit: finished student in {out} is damaged ({problem}); {how}.",
                       stacklevel=3)
-    if state_path.exists() and resume:
-        stored = training.load_train_state(state_path)
-        if stored["config"] != config:
-            if not overwrite:
-                raise ValueError(
-                    f"{state_path} belongs to a different distillation config "
-                    f"({_config_diff(stored['config'], config)}); pass --overwrite "
-                    "(overwrite=True) to start over, or use another out_dir.")
-            _clear(out, record)
+    stored = training.load_train_state(state_path) if resume and state_path.exists() else None
+    if stored is not None and stored["config"] != config:
+        if not overwrite:
+            raise ValueError(
+                f"{state_path} belongs to a different distillation config "
+                f"({_config_diff(stored['config'], config)}); pass --overwrite "
+                "(overwrite=True) to start over, or use another out_dir.")
+        _clear(out, record)
+        stored = None
     store, pool = prepare_store(cfg, out, scores, progress, overwrite)
     n_ctx = training.context_length(max(s["width"] for s in store.manifest["shards"]))
     hf, student = build_student(cfg, pool.vocab, n_ctx)
@@ -352,9 +352,8 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
     lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
     lc = cfg.loss_config()
     step, elapsed, history = 0, 0.0, []
-    if resume and state_path.exists():
-        step, elapsed, history = training.restore(training.load_train_state(state_path), hf, opt,
-                                                  sched)
+    if stored is not None:
+        step, elapsed, history = training.restore(stored, hf, opt, sched)
     saved = step  # the step of the training state on disk (0: none)
 
     def checkpoint() -> None:

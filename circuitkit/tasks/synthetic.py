@@ -185,14 +185,8 @@ def decode_note(h: Hierarchy, tokens: list[int]) -> list[int]:
     """Label ids named by a note's evidence groups (first E tokens after ``<bos>`` or ``|``)."""
     think, sep = _struct_id("<think>"), _struct_id("|")
     note = tokens[1:tokens.index(think)]
-    groups, cur = [], []
-    for t in note:
-        if t == sep:
-            groups.append(cur)
-            cur = []
-        else:
-            cur.append(t)
-    groups.append(cur)
+    cuts = [-1] + [i for i, t in enumerate(note) if t == sep] + [len(note)]
+    groups = [note[a + 1:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     lookup = evidence_lookup(h)
     E = h.evidence.shape[1]
     return [lookup.get(tuple(g[:E]), -1) for g in groups]
