@@ -28,6 +28,7 @@ A ``las`` key (distillation) can be added to ``evaluate``'s output without chang
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -587,8 +588,6 @@ def las(model, task: Task, train_task: Task | None = None, *,
     ``SignatureSimulator`` (``gold_prefit_simulator``) is copied and fitted further
     (``warm=True``): that is ``las_gold_prefit``, not Hase et al.'s LAS.
     """
-    import copy
-
     gens = list(generations) if generations is not None else decode_task(model, task,
                                                                          batch_size)
     if len(gens) != len(task):

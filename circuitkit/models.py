@@ -222,10 +222,8 @@ def uses_gpu(device: Any = None, n_devices: int | None = None, device_map: Any =
     dict map uses one when any of its values is neither ``"cpu"`` nor ``"disk"``)."""
     import torch
 
-    def on_gpu(d: Any) -> bool:
-        if isinstance(d, int):  # a CUDA ordinal, as HF device maps write it
-            return True
-        return str(d).split(":")[0] not in ("cpu", "disk", "meta")
+    def on_gpu(d: Any) -> bool:  # (an int is a CUDA ordinal, as HF device maps write it)
+        return isinstance(d, int) or str(d).split(":")[0] not in ("cpu", "disk", "meta")
 
     if n_devices:
         return True

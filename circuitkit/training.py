@@ -24,6 +24,10 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from circuitkit._progress import tqdm
+from circuitkit.evaluation import greedy_decode_cached, prompt_end
+from circuitkit.files import write_files_into, write_tensors, write_text
+from circuitkit.models import configure_threads, hf_progress, shipped_path
 from circuitkit.tasks import Task, load_task
 from circuitkit.tasks.base import word_tokenizer
 
@@ -141,9 +145,6 @@ def teacher_cot(pool: Task, teacher: str, batch_size: int = 512) -> tuple[Tensor
     """
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.evaluation import greedy_decode_cached, prompt_end
-    from circuitkit.models import hf_progress, shipped_path
-
     path = shipped_path(teacher) or Path(teacher)
     with hf_progress(False):  # a small copy for decoding: its bar would cut into the caller's
         model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -214,8 +215,6 @@ def _join_tensors(obj: Any, tensors: dict[str, Tensor]) -> Any:
 def save_train_state(path: str | Path, state: dict[str, Any]) -> Path:
     """Write ``state`` (nested dicts/lists of tensors and JSON values) as one safetensors file,
     atomically (``files.write_tensors``: umask mode, fsync, rename)."""
-    from circuitkit.files import write_tensors
-
     tensors: dict[str, Tensor] = {}
     tree = _split_tensors(state, "s", tensors)
     return write_tensors(path, tensors, metadata={_STATE_KEY: json.dumps(tree)})
@@ -244,10 +243,6 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     Killed or interrupted runs continue from ``out_dir/train_state.safetensors`` on the next
     call. A pickled ``train_state.pt`` (older versions) is refused, not loaded.
     """
-    from circuitkit._progress import tqdm
-    from circuitkit.files import write_files_into, write_text
-    from circuitkit.models import configure_threads
-
     configure_threads()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,14 +21,20 @@ sqrt(n)``), ``comparisons.csv`` (paired differences against ``cot`` and ``nonsel
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -354,8 +360,6 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _init_worker(parent: int | None = None) -> None:
-    import threading
-
     # one thread per worker: train_student's configure_threads keeps an explicit
     # OMP_NUM_THREADS (two workers with two threads each on two shared cores ran 10-20x slower)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -371,8 +375,6 @@ def _init_worker(parent: int | None = None) -> None:
     # die with the grid's process: the kernel's parent-death signal (Linux), and a thread that
     # polls the parent for other systems (a SIGKILLed grid left its workers training for good)
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         # (it fires when the thread that spawned the worker ends: ``_dispatch``'s caller, which
         # waits for the pool before it returns)
@@ -447,8 +449,6 @@ def arms(sz: dict[str, Any]) -> dict[str, int]:
 def coverage(task: str, pool_size: int, test: Any) -> dict[str, float]:
     """Label coverage of an arm: the share of the test notes' targets (each target of each note
     counted once) seen in at least 1 and at least 3 of the pool's notes' targets."""
-    from collections import Counter
-
     pool = load_task(task, n_examples=pool_size, seed=0, split="train")
     seen = Counter(t for e in pool.examples for t in e.targets)
     targets = [t for e in test.examples for t in e.targets]
@@ -716,10 +716,6 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
         for fn, args, _, _ in tasks:
             fn(*args)
         return
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
-
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(os.getpid(),))
     running: dict[Any, tuple] = {}

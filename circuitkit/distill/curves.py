@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from circuitkit import evaluation as ev
 from circuitkit.files import write_json
+from circuitkit.training import lm_loss
 
 CURVE = "curve.json"
 
@@ -40,8 +42,6 @@ def best_step(points: list[dict[str, Any]], key: str = "heldout_loss") -> int:
 def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
     """Example-weighted mean of ``training.lm_loss`` over the store's CoT rows (module
     docstring); ``hf``: a causal LM returning ``.logits`` [b, s, V]."""
-    from circuitkit.training import lm_loss
-
     total, n = 0.0, 0
     for i, shard in enumerate(store.manifest["shards"]):
         for s in range(0, shard["n_examples"], batch_size):
@@ -54,18 +54,14 @@ def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
 
 def decode(hf: Any, task: Any) -> list[list[int]]:
     """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
-    from circuitkit.evaluation import greedy_decode_cached, task_prompts
-
-    prompts, new = task_prompts(task)
-    return greedy_decode_cached(hf, prompts, task.eos_id, new, task.pad_id)
+    prompts, new = ev.task_prompts(task)
+    return ev.greedy_decode_cached(hf, prompts, task.eos_id, new, task.pad_id)
 
 
 @torch.no_grad()
 def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
     """``exact_match``, ``focus``, ``focus_per_step``, ``confusion`` of ``hf`` on ``task``
     (module docstring)."""
-    from circuitkit import evaluation as ev
-
     sets = ev.task_set_metrics(decode(hf, task), task)
     return dict(exact_match=float(sets["exact_match"]), **teacher_forced(hf, task, batch_size))
 
@@ -75,8 +71,6 @@ def teacher_forced(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]
     """``focus``, ``focus_per_step`` and ``confusion`` of ``hf`` on ``task``'s own tokens
     (``evaluation.focus_from_logits`` / ``focus_per_step_from_logits`` /
     ``confusion_from_logits``, example means), ``batch_size`` notes per forward."""
-    from circuitkit import evaluation as ev
-
     parts: dict[str, list[torch.Tensor]] = {"focus": [], "focus_per_step": [], "confusion": []}
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))

@@ -31,6 +31,7 @@ gradients in training: ``balanced_gradients``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from circuitkit import hooks
 from circuitkit.distill import signals
 from circuitkit.distill.signals import Batch, Pooling, Signals
 from circuitkit.tasks.base import check_task
+from circuitkit.training import lm_loss, loss_mask
 
 _LOG_FLOOR = 1e-12
 
@@ -124,8 +126,6 @@ def loss_ns(t: Signals, s: Signals, w1: Tensor, w2: Tensor) -> Tensor:
 
 def loss_cot(logits: Tensor, tokens: Tensor, mask: Tensor, topk: tuple[Tensor, Tensor] | None,
              cfg: LossConfig) -> Tensor:
-    from circuitkit.training import lm_loss
-
     ce = lm_loss(logits, tokens, mask)
     if cfg.kd_weight <= 0 or topk is None:
         return ce
@@ -277,8 +277,6 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
         if cot == "teacher":
             tokens, mask = signals.teacher_rows(teacher, task)
         elif cot == "task":
-            from circuitkit.training import loss_mask
-
             tokens, mask = task.clean_tokens, loss_mask(task)
         else:
             raise ValueError(f"cot must be 'teacher', 'task' or (tokens, mask); got {cot!r}.")
@@ -315,8 +313,6 @@ def _cot_pair(cot: Any) -> tuple[Tensor, Tensor]:
 def _warn_no_steps(qs: Any, lambda_p1: float, lambda_p2: float, cot: Any) -> None:
     """p1/p2 are 0 when the CoT rows hold no anchor steps / no shortlist and answer: say so
     instead of training on L_CoT alone without a word."""
-    import warnings
-
     gone = [n for n, lam, rows in (("p1", lambda_p1, len(qs.b1)), ("p2", lambda_p2, len(qs.b2)))
             if lam > 0 and rows == 0]
     if gone:

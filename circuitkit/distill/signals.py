@@ -55,6 +55,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,14 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
+from circuitkit._progress import tqdm
+from circuitkit.evaluation import greedy_decode, task_prompts
+from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_json, write_tensors
+from circuitkit.models import hf_model_of, hf_progress, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.patching.shortcuts import attn_result_off  # nothing here reads hook_result
+from circuitkit.scoring.coarse import anchor_directions
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
+from circuitkit.training import cot_rows, teacher_cot
 
 FORMAT = "circuitkit.distill.signals/4"  # /2: a SHA-256 per shard; /3: per-head signals;
 # /4: a SHA-256 per manifest field (``manifest_checksums``)
@@ -421,8 +427,6 @@ class Anchors:
 
     def directions(self, W_U: Float[Tensor, "D V"]) -> Float[Tensor, "D A"]:
         """Centred anchor directions of this reading (detached), ``[D, A]``."""
-        from circuitkit.scoring.coarse import anchor_directions
-
         lt = lambda t: torch.tensor(t, dtype=torch.long)
         return anchor_directions(W_U.detach(), lt(self.anchor_token_ids), self.reading,
                                  lt(self.label_token_ids) if self.label_token_ids else None,
@@ -670,8 +674,6 @@ def teacher_folder(teacher: Any) -> Path | None:
     path = Path(name)
     if not (path / "config.json").exists():
         return None
-    from circuitkit.models import hf_progress
-
     try:
         with hf_progress(False):  # a probe, not a load the user asked for: no bar
             fresh = AutoModelForCausalLM.from_pretrained(path)
@@ -687,14 +689,8 @@ def teacher_rows(teacher: Any, task: Any, folder: Path | None = None
     (``training.teacher_cot``, KV cache) when given, else decoded through the bridge
     (``evaluation.greedy_decode``: no cache, same tokens)."""
     if folder is not None:
-        from circuitkit.training import teacher_cot
-
         return teacher_cot(task, str(folder))
-    from circuitkit.evaluation import greedy_decode, prompt_end
-    from circuitkit.training import cot_rows
-
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    prompts = [e.tokens[: prompt_end(e, think)] for e in task.examples]
+    prompts, _ = task_prompts(task)
     width = task.clean_tokens.shape[1] + 4
     gens = greedy_decode(teacher, prompts, task.eos_id, max(1, width - min(map(len, prompts))))
     return cot_rows(prompts, gens, width, task.pad_id)
@@ -706,10 +702,6 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
     """Write the teacher-signal store of ``pool_task`` to ``out`` (or resume one, or return the
     finished one). ``teacher``: a ``TransformerBridge``
     (``ck.load_model``); its CoT: ``teacher_rows``."""
-    from contextlib import nullcontext
-
-    from circuitkit.files import check_writable_dir, lock_folder
-
     options = options or StoreOptions()
     options.check()
     out = check_writable_dir(out, "signal store folder")
@@ -723,8 +715,6 @@ def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
 
 def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: StoreOptions,
                  teacher_name: str | None, progress: bool, batch_size: int) -> SignalStore:
-    from circuitkit.files import sha256_file, write_json, write_tensors
-
     f = hooks.facts(teacher)
     pool = Pooling.teacher(scores, f.n_layers, f.n_heads, options.top_k1, options.top_k2,
                            options.nonselective, options.phase1_reading, options.heads)
@@ -757,8 +747,6 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
                  and isinstance(e.get("file"), str)}
     else:
         write_json(partial, head)
-    from circuitkit._progress import tqdm
-
     n = len(pool_task)
     bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr,
                disable=not progress)
@@ -965,8 +953,6 @@ def _number(x: Any) -> bool:
 def check_shards(man: dict, store: Path) -> None:
     """Each shard file exists, has the manifest's size and SHA-256; otherwise a ``ValueError``
     naming the shard (swapped, edited, truncated or missing)."""
-    from circuitkit.files import sha256_file
-
     for e in man["shards"]:
         file = store / e["file"]
         if not file.is_file():

@@ -39,6 +39,7 @@ from circuitkit.tasks import jsonl
 # The CoT tasks that can be rendered as plain text for a pretrained LLM (``tasks.text``); a JSONL
 # task is read as the token ids it stores.
 TEXT_TASKS = ("icd10", "synthetic")
+ID_FIELDS = ("label_token_ids", "anchor_token_ids", "label_anchor")  # tensors here, lists in files
 
 
 @dataclass
@@ -138,33 +139,25 @@ class Task:
         for row in rows:
             meta = dict(row.get("meta", {}))
             meta[jsonl.PHASE_CORRUPT[phase]] = row["corrupt_tokens"]
-            for k in jsonl.OPTIONAL_INT_LISTS:
-                if k in row:
-                    meta[k] = row[k]
+            meta.update({k: row[k] for k in jsonl.OPTIONAL_INT_LISTS if k in row})
             examples.append(Example(
                 tokens=torch.tensor(row["tokens"], dtype=torch.long),
                 corrupt_tokens=torch.tensor(row["corrupt_tokens"], dtype=torch.long),
                 **{k: row[k] for k in jsonl.INT_LIST_FIELDS[2:]}, meta=meta))
-        return cls(
-            name=head["name"], examples=examples, label_names=head["label_names"],
-            anchor_names=head["anchor_names"],
-            label_token_ids=torch.tensor(head["label_token_ids"], dtype=torch.long),
-            anchor_token_ids=torch.tensor(head["anchor_token_ids"], dtype=torch.long),
-            label_anchor=torch.tensor(head["label_anchor"], dtype=torch.long),
-            vocab=head["vocab"], phase=phase, pad_id=head.get("pad_id", 0),
-            bos_id=head.get("bos_id", 1), eos_id=head.get("eos_id", 2),
-            config=head.get("config", {}))
+        return cls(name=head["name"], examples=examples, label_names=head["label_names"],
+                   anchor_names=head["anchor_names"], vocab=head["vocab"], phase=phase,
+                   pad_id=head.get("pad_id", 0), bos_id=head.get("bos_id", 1),
+                   eos_id=head.get("eos_id", 2), config=head.get("config", {}),
+                   **{k: torch.tensor(head[k], dtype=torch.long) for k in ID_FIELDS})
 
     def to_jsonl(self, path: str | Path) -> None:
         """Write this task as JSONL (header line + one line per example); exact round trip.
         ``corrupt_tokens`` is written once: the other phase's corruption, if known, goes in
         ``corrupt_tokens_p{other}``."""
-        head = dict(name=self.name, phase=self.phase, vocab=self.vocab,
-                    label_names=self.label_names, anchor_names=self.anchor_names,
-                    label_token_ids=self.label_token_ids.tolist(),
-                    anchor_token_ids=self.anchor_token_ids.tolist(),
-                    label_anchor=self.label_anchor.tolist(), pad_id=self.pad_id,
-                    bos_id=self.bos_id, eos_id=self.eos_id, config=self.config)
+        head = {k: getattr(self, k) for k in ("name", "phase", "vocab", "label_names",
+                                              "anchor_names", *ID_FIELDS, "pad_id", "bos_id",
+                                              "eos_id", "config")}
+        head.update({k: head[k].tolist() for k in ID_FIELDS})
         other = jsonl.PHASE_CORRUPT[3 - self.phase]
         rows = []
         for e in self.examples:
