@@ -262,9 +262,9 @@ class Run:
 
 def _do_train(out: str, run: Run, cfg: dict[str, Any], progress: bool,
               heldout: str | None = None) -> str:
-    """A CoT-only run measured by nothing but its held-out loss, in a worker: the start of
-    ``run``'s cell (``pretrain``), or, with the ``heldout`` store, its arm's early-stopping
-    baseline (whose held-out loss picks S*)."""
+    """A CoT-only run with no metrics of its own, in a worker: the start of ``run``'s cell
+    (``pretrain``), or, with the ``heldout`` store, its arm's early-stopping baseline (its
+    held-out loss, ``HeldoutLoss``, picks S*)."""
     folder = run.pretrain_folder(Path(out)) if heldout is None else run.folder(Path(out))
     if progress:
         print(f"[ablation] {run.cell} {'pretrain' if heldout is None else 'early stopping'}",

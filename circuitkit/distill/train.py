@@ -178,8 +178,8 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
                                 "signal store folder (--store)")
     lc = cfg.loss_config()
     opts = signals.StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
-                        topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
-                        phase1_reading=lc.phase1_reading, heads=lc.heads)
+                                topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
+                                phase1_reading=lc.phase1_reading, heads=lc.heads)
     for attempt in (0, 1):
         try:
             table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
