@@ -62,7 +62,7 @@ q = _per_layer("attn.hook_q")
 k = _per_layer("attn.hook_k")
 v = _per_layer("attn.hook_v")
 z = _per_layer("attn.hook_z")
-# each head's residual write; fires only with model.set_use_attn_result(True)
+# each head's residual write; fires only with ``model.set_use_attn_result(True)``
 result = _per_layer("attn.hook_result")
 pattern = _per_layer("attn.hook_pattern")
 scores = _per_layer("attn.hook_attn_scores")
