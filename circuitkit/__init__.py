@@ -7,34 +7,25 @@ needs them (``ck.load_model`` ...), never at ``import circuitkit``.
 from __future__ import annotations
 
 from circuitkit._lazy import lazy_exports
+from circuitkit.patching import _EXPORTS as _PATCHING  # (lazy itself: no torch)
 
 __version__ = "0.1.0"
 
-# public name -> "module:attribute" (resolved lazily, PEP 562)
+# public name -> "module:attribute" (resolved lazily, PEP 562); the patching names as
+# ``ck.patching`` exports them
 _EXPORTS = {
     "load_model": "circuitkit.models:load_model",
     "save_model": "circuitkit.models:save_model",
     "ModelNotAvailableError": "circuitkit.models:ModelNotAvailableError",
-    "PromptMetric": "circuitkit.metrics:PromptMetric",
-    "as_metric": "circuitkit.metrics:as_metric",
     "load_task": "circuitkit.tasks:load_task",
     "Task": "circuitkit.tasks.base:Task",
     "Example": "circuitkit.tasks.base:Example",
     "evaluate": "circuitkit.evaluation:evaluate",
-    "patch": "circuitkit.patching.api:patch",
-    "HeadUnits": "circuitkit.patching.units:HeadUnits",
-    "LayerUnits": "circuitkit.patching.units:LayerUnits",
-    "EdgeUnits": "circuitkit.patching.units:EdgeUnits",
-    "MethodOptions": "circuitkit.patching.units:MethodOptions",
-    "patch_heads": "circuitkit.patching.api:patch_heads",
-    "patch_layers": "circuitkit.patching.api:patch_layers",
-    "plan_patch": "circuitkit.patching.api:plan_patch",
-    "PatchResult": "circuitkit.patching.results:PatchResult",
-    "patch_edges": "circuitkit.patching.api:patch_edges",
+    **{name: _PATCHING[name] for name in (
+        "PromptMetric", "as_metric", "patch", "HeadUnits", "LayerUnits", "EdgeUnits",
+        "MethodOptions", "patch_heads", "patch_layers", "plan_patch", "PatchResult",
+        "patch_edges", "EdgeResult", "circuit", "CircuitResult")},
     "patch_paths": "circuitkit.patching.paths:patch_paths",
-    "EdgeResult": "circuitkit.patching.results:EdgeResult",
-    "circuit": "circuitkit.patching.faithfulness:circuit",
-    "CircuitResult": "circuitkit.patching.results:CircuitResult",
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.scoring.validate:validate_heads",
     "ablate_heads": "circuitkit.scoring.validate:ablate_heads",

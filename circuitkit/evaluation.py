@@ -28,13 +28,16 @@ A ``las`` key (distillation) can be added to ``evaluate``'s output without chang
 
 from __future__ import annotations
 
+import copy
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from circuitkit._progress import tqdm
 from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
@@ -108,21 +111,17 @@ def f1_scores(pred_sets: Sequence[set[int]], true_sets: Sequence[set[int]]) -> t
 
     Both are 1.0 when there is nothing to predict and nothing predicted.
     """
-    tp: dict[int, int] = {}
-    fp: dict[int, int] = {}
-    fn: dict[int, int] = {}
+    tp: Counter[int] = Counter()
+    fp: Counter[int] = Counter()
+    fn: Counter[int] = Counter()
     for p, t in zip(pred_sets, true_sets, strict=True):
-        for lab in p & t:
-            tp[lab] = tp.get(lab, 0) + 1
-        for lab in p - t:
-            fp[lab] = fp.get(lab, 0) + 1
-        for lab in t - p:
-            fn[lab] = fn.get(lab, 0) + 1
+        tp.update(p & t)
+        fp.update(p - t)
+        fn.update(t - p)
     labels = set(tp) | set(fp) | set(fn)
     if not labels:
         return 1.0, 1.0
-    per = [2 * tp.get(lab, 0) / (2 * tp.get(lab, 0) + fp.get(lab, 0) + fn.get(lab, 0))
-           for lab in labels]
+    per = [2 * tp[lab] / (2 * tp[lab] + fp[lab] + fn[lab]) for lab in labels]
     TP, FP, FN = sum(tp.values()), sum(fp.values()), sum(fn.values())
     return sum(per) / len(per), 2 * TP / (2 * TP + FP + FN)
 
@@ -136,6 +135,13 @@ def set_metrics(pred_sets: Sequence[set[int]], true_sets: Sequence[set[int]],
         exact_match=sum(p == t for p, t in zip(pred_sets, true_sets, strict=True)) / n,
         confusion_rate=sum(bool(p & m) for p, m in zip(pred_sets, near_sets, strict=True)) / n,
         macro_f1=macro, micro_f1=micro)
+
+
+def task_set_metrics(generations: Sequence[Sequence[int]], task: Task) -> dict[str, float]:
+    """``set_metrics`` of ``task``'s decoded continuations against its targets and near-misses."""
+    return set_metrics([parse_answer(g, task) for g in generations],
+                       [set(e.targets) for e in task.examples],
+                       [set(e.near_misses) for e in task.examples])
 
 
 def parse_answer(generated: Sequence[int], task: Task) -> set[int]:
@@ -171,35 +177,45 @@ def _device(model) -> torch.device:
         return torch.device("cpu")
 
 
+def length_batches(prompts: Sequence[Tensor], batch_size: int
+                   ) -> Iterator[tuple[int, list[int]]]:
+    """``(length, indices)``: batches of at most ``batch_size`` prompts of one length (unpadded:
+    exact, no attention mask needed)."""
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for n, idx in by_len.items():
+        for s in range(0, len(idx), batch_size):
+            yield n, idx[s: s + batch_size]
+
+
 @torch.no_grad()
 def greedy_decode(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int, max_new_tokens: int,
                   batch_size: int = 64, on_batch=None) -> list[list[int]]:
     """Greedy continuation of each prompt (new tokens only, cut after the first ``eos_id``).
 
-    Prompts are grouped by length so every batch is unpadded (exact, no attention mask needed).
+    Prompts are grouped by length (``length_batches``).
     """
     dev = _device(model)
     out: list[list[int]] = [[] for _ in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for idx_all in by_len.values():
-        for s in range(0, len(idx_all), batch_size):
-            idx = idx_all[s: s + batch_size]
-            cur = torch.stack([prompts[i] for i in idx]).to(dev)
-            done = torch.zeros(len(idx), dtype=torch.bool, device=dev)
-            for _ in range(max_new_tokens):
-                nxt = _logits(model, cur)[:, -1].argmax(-1)
-                cur = torch.cat([cur, nxt[:, None]], 1)
-                done |= nxt == eos_id
-                if bool(done.all()):
-                    break
-            new = cur[:, len(prompts[idx[0]]):].tolist()
-            for i, row in zip(idx, new, strict=True):
-                out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
-            if on_batch is not None:
-                on_batch(len(idx))
+    for n, idx in length_batches(prompts, batch_size):
+        cur = torch.stack([prompts[i] for i in idx]).to(dev)
+        done = torch.zeros(len(idx), dtype=torch.bool, device=dev)
+        for _ in range(max_new_tokens):
+            nxt = _logits(model, cur)[:, -1].argmax(-1)
+            cur = torch.cat([cur, nxt[:, None]], 1)
+            done |= nxt == eos_id
+            if bool(done.all()):
+                break
+        for i, row in zip(idx, cur[:, n:].tolist(), strict=True):
+            out[i] = _until_eos(row, eos_id)
+        if on_batch is not None:
+            on_batch(len(idx))
     return out
+
+
+def _until_eos(row: list[int], eos_id: int) -> list[int]:
+    return row[: row.index(eos_id) + 1] if eos_id in row else row
 
 
 def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
@@ -231,17 +247,14 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
         else:
             out.append(None)
             rest.append((i, t))
-    if rest and not _causal(model):  # padding is safe for a causal model only
-        gens = greedy_decode(model, [task.examples[i].tokens[:ends[i]] for i, _ in rest], eos,
-                             max_new_tokens, batch_size, on_batch=on_batch)
-        for (i, _), g in zip(rest, gens, strict=True):
-            out[i] = g
-    elif rest:
-        gens = padded_greedy(model, [task.examples[i].tokens[:ends[i] + t] for i, t in rest],
-                             eos, [max_new_tokens - t for _, t in rest], batch_size,
-                             on_batch=on_batch)
-        for (i, t), g in zip(rest, gens, strict=True):
-            out[i] = task.examples[i].tokens[ends[i]:ends[i] + t].tolist() + g
+    causal = _causal(model)  # padding is safe for a causal model only: others start over
+    rest = rest if causal else [(i, 0) for i, _ in rest]
+    prompts = [task.examples[i].tokens[:ends[i] + t] for i, t in rest]
+    gens = (padded_greedy(model, prompts, eos, [max_new_tokens - t for _, t in rest], batch_size,
+                          on_batch=on_batch) if causal else
+            greedy_decode(model, prompts, eos, max_new_tokens, batch_size, on_batch=on_batch))
+    for (i, t), g in zip(rest, gens, strict=True):
+        out[i] = task.examples[i].tokens[ends[i]:ends[i] + t].tolist() + g
     return [g for g in out if g is not None]
 
 
@@ -282,12 +295,15 @@ def padded_greedy(model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
     return out
 
 
+def non_finite_parameters(model) -> list[str]:
+    """Names of ``model``'s parameters holding NaN or inf (none without ``named_parameters``)."""
+    params = getattr(model, "named_parameters", None)
+    return [] if params is None else [n for n, p in params() if not bool(torch.isfinite(p).all())]
+
+
 def check_finite_model(model) -> None:
     """Refuse (``ValueError``) a model whose parameters hold NaN or inf, naming a few."""
-    params = getattr(model, "named_parameters", None)
-    if params is None:
-        return
-    bad = [n for n, p in params() if not bool(torch.isfinite(p).all())]
+    bad = non_finite_parameters(model)
     if bad:
         raise ValueError(f"the model's weights hold NaN/inf in {len(bad)} parameter(s) (e.g. "
                          f"{', '.join(bad[:3])}): nothing meaningful to evaluate. Is it a "
@@ -300,6 +316,23 @@ def prompt_end(e, think_id: int | None) -> int:
     if think_id is not None and think_id in toks:
         return toks.index(think_id) + 1
     return min(e.anchor_pos + e.shortlist_pos + e.answer_pos)
+
+
+def think_id(task: Task) -> int | None:
+    return task.vocab.index("<think>") if "<think>" in task.vocab else None
+
+
+def task_prompts(task: Task) -> tuple[list[Tensor], int]:
+    """Each note's prompt (``prompt_end``) and ``evaluate``'s default ``max_new_tokens``: the
+    longest continuation after a prompt, plus 4."""
+    think = think_id(task)
+    ends = [prompt_end(e, think) for e in task.examples]
+    return ([e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)],
+            max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)) + 4)
+
+
+def _nanmean(t: Tensor) -> float:
+    return float(t.nanmean()) if t.numel() and not t.isnan().all() else float("nan")
 
 
 # --- the model-facing entry point -----------------------------------------------------------------
@@ -324,12 +357,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         task.check_model(model)
     check_finite_model(model)
     dev = _device(model)
-    bar = None
-    if progress:
-        from circuitkit._progress import tqdm
-
-        bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
-                   unit="note-pass", file=sys.stderr)
+    bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
+               unit="note-pass", file=sys.stderr, disable=not progress)
     focus, focus_step, conf, argmax = [], [], [], []
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
@@ -342,50 +371,31 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         focus_step.append(focus_per_step_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
         argmax += list(logits.argmax(-1).cpu())
-        if bar is not None:
-            bar.update(len(sub))
-    f, c, fs = torch.cat(focus), torch.cat(conf), torch.cat(focus_step)
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    ends = [prompt_end(e, think) for e in task.examples]
-    if max_new_tokens is None:
-        rest = [len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)]
-        max_new_tokens = max(rest) + 4
-    gens = teacher_forced_greedy(model, task, ends, argmax, max_new_tokens, batch_size,
-                                 on_batch=None if bar is None else bar.update)
-    if bar is not None:
-        bar.close()
-    preds = [parse_answer(g, task) for g in gens]
-    out = dict(focus=float(f.nanmean()) if f.numel() and not f.isnan().all() else float("nan"),
-               focus_per_step=float(fs.nanmean()) if fs.numel() and not fs.isnan().all()
-               else float("nan"),
-               confusion=float(c.nanmean()) if c.numel() and not c.isnan().all() else float("nan"))
-    out.update(set_metrics(preds, [set(e.targets) for e in task.examples],
-                           [set(e.near_misses) for e in task.examples]))
+        bar.update(len(sub))
+    prompts, default_new = task_prompts(task)
+    gens = teacher_forced_greedy(model, task, [len(p) for p in prompts], argmax,
+                                 default_new if max_new_tokens is None else max_new_tokens,
+                                 batch_size, on_batch=bar.update)
+    bar.close()
+    out = dict(focus=_nanmean(torch.cat(focus)), focus_per_step=_nanmean(torch.cat(focus_step)),
+               confusion=_nanmean(torch.cat(conf)))
+    out.update(task_set_metrics(gens, task))
     if las:
         res = las_of(model, task, las_train, generations=gens, batch_size=batch_size)
         out.update({k: res[k] for k in ("las", "las_ci_low", "las_ci_high")})
     return out
 
 
-# --- LAS: leakage-adjusted simulatability (Hase et al. 2020) -------------------------------
+# --- LAS: leakage-adjusted simulatability (Hase et al. 2020; docs/distill.md, "LAS") -------
 #
-# A *simulator* predicts the model's own answer (its decoded label set) from the note alone (x),
-# from the note and the model's rationale (x + e: its generated CoT before ``</think>``), and from
-# the rationale alone (e). An example is *leaking* when the simulator gets the answer right from
-# e alone. With ``c(.)`` = 1 if the simulator's set equals the model's:
+# A simulator predicts the model's decoded label set from the note (x), the note and the model's
+# rationale (x + e: its CoT before ``</think>``), or e alone; an example *leaks* when e alone
+# gets it right. With ``c(.)`` = 1 if the simulator's set equals the model's:
 #
 #     LAS = 1/2 [ mean_leaking (c(x+e) - c(x)) + mean_non-leaking (c(x+e) - c(x)) ]
 #
-# (a group without examples drops out: LAS is then the other group's mean). The 95% interval is
-# the 2.5/97.5 percentiles of LAS over ``n_boot`` bootstrap resamples of the evaluation notes. The
-# simulator is trained on notes disjoint from the evaluation notes (``las(train_task=...)``, or
-# two-fold cross-fitting when none is given).
-#
-# As Hase et al., by default the simulator learns only from the model's own outputs (notes,
-# rationales, answers of the training notes). ``las_gold_prefit`` is the other reading: the
-# simulator first learns the task from gold CoT and answers of a third note set
-# (``gold_prefit_simulator``), then the model's outputs; it then largely re-measures accuracy
-# (docs/distill.md).
+# (a group without examples drops out); 95% interval: 2.5/97.5 percentiles over ``n_boot``
+# bootstrap resamples of the evaluation notes.
 
 
 def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: Sequence[bool],
@@ -425,25 +435,15 @@ def las_score(correct_xe: Sequence[bool], correct_x: Sequence[bool], correct_e: 
 
 
 class SignatureSimulator:
-    """The default LAS simulator: a token-signature rule learner. Small, deterministic, fitted
-    by counting (seconds on a CPU); it knows nothing of the task beyond which tokens occur.
-
-    From its training rows ``(x, e, y)`` (note tokens, rationale tokens, answer set) it counts,
-    per label l and segment s in {x, e}, how often each token t occurs in s when l is in y. The
-    *signature* of l in s is the set of tokens that are both frequent with l and specific to it:
+    """The default LAS simulator: a token-signature rule learner fitted by counting
+    (docs/distill.md, "LAS"). From training rows ``(x, e, y)`` (note tokens, rationale tokens,
+    answer set), the signature of label l in segment s in {x, e}:
 
         sig_s(l) = { t : P(t in s | l in y) >= support  and  P(t in s | l in y) >= lift P(t in s) }
 
-    (a structural token or a filler that occurs everywhere has lift ~1 and drops out). Given the
-    segments at hand (x alone, e alone, or both), l is predicted iff it was seen at least
-    ``min_count`` times, at least one given segment has a non-empty signature of l, and every
-    given segment contains its whole signature of l. Defaults: support 0.9, lift 3, min_count 2
-    (on ``icd10`` gold notes, 8192 to fit and 256 held out: exact set accuracy 0.79 from the
-    note alone, 0.84 with the CoT).
-
-    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones: ``las_gold_prefit`` pre-fits
-    the simulator on a task's own CoT and answers (``gold_prefit_simulator``) and then adds the
-    model's own outputs; ``las`` (Hase et al.) fits a fresh one on the model's outputs only.
+    l is predicted iff it was seen at least ``min_count`` times, some given segment has a
+    non-empty signature of l, and every given segment contains its whole signature of l.
+    ``fit(xs, es, ys, warm=True)`` adds counts to the current ones (``las_gold_prefit``).
     """
 
     def __init__(self, vocab_size: int, label_token_ids: Tensor, support: float = 0.9,
@@ -526,23 +526,27 @@ def note_tokens(e, think_id: int | None) -> list[int]:
 def decode_task(model, task: Task, batch_size: int = 64,
                 max_new_tokens: int | None = None) -> list[list[int]]:
     """``greedy_decode`` of every note's prompt, with ``evaluate``'s default length."""
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    ends = [prompt_end(e, think) for e in task.examples]
-    if max_new_tokens is None:
-        max_new_tokens = max(len(e.tokens) - n for e, n in zip(task.examples, ends,
-                                                                strict=True)) + 4
-    return greedy_decode(model, [e.tokens[:n] for e, n in zip(task.examples, ends, strict=True)],
-                         task.eos_id, max_new_tokens, batch_size)
+    prompts, default_new = task_prompts(task)
+    return greedy_decode(model, prompts, task.eos_id,
+                         default_new if max_new_tokens is None else max_new_tokens, batch_size)
 
 
 def gold_simulation_data(task: Task) -> tuple[list[list[int]], list[list[int]], list[set[int]]]:
     """``(xs, es, ys)`` of a task's own notes, CoT (between ``<think>`` and ``</think>``) and
     targets: data to pre-train a simulator on (``pretrained_simulator``)."""
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    xs = [note_tokens(e, think) for e in task.examples]
-    es = [split_generation(e.tokens[prompt_end(e, think):].tolist(), task)[0]
-          for e in task.examples]
+    think = think_id(task)
+    gold = [e.tokens[prompt_end(e, think):].tolist() for e in task.examples]
+    xs, es, _ = simulation_data(task, gold)
     return xs, es, [set(e.targets) for e in task.examples]
+
+
+def simulation_data(task: Task, generations: Sequence[Sequence[int]]
+                    ) -> tuple[list[list[int]], list[list[int]], list[set[int]]]:
+    """``(xs, es, ys)``: each note (``note_tokens``) and the rationale and answer set of its
+    decoded continuation (``split_generation``)."""
+    split, think = [split_generation(g, task) for g in generations], think_id(task)
+    return ([note_tokens(e, think) for e in task.examples], [r for r, _ in split],
+            [a for _, a in split])
 
 
 def gold_prefit_simulator(task: Task, **kw) -> SignatureSimulator:
@@ -584,16 +588,11 @@ def las(model, task: Task, train_task: Task | None = None, *,
     ``SignatureSimulator`` (``gold_prefit_simulator``) is copied and fitted further
     (``warm=True``): that is ``las_gold_prefit``, not Hase et al.'s LAS.
     """
-    import copy
-
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
     gens = list(generations) if generations is not None else decode_task(model, task,
                                                                          batch_size)
     if len(gens) != len(task):
         raise ValueError(f"generations has {len(gens)} rows for {len(task)} notes.")
-    xs = [note_tokens(e, think) for e in task.examples]
-    es = [split_generation(g, task)[0] for g in gens]
-    ys = [split_generation(g, task)[1] for g in gens]
+    xs, es, ys = simulation_data(task, gens)
     base = simulator if simulator is not None else \
         SignatureSimulator(len(task.vocab), task.label_token_ids)
     warm = getattr(base, "counts", None) is not None  # pre-fitted: add the model's counts
@@ -610,12 +609,9 @@ def las(model, task: Task, train_task: Task | None = None, *,
                 [p == t for p, t in zip(sim.predict(none, pe), truth, strict=True)])
 
     if train_task is not None:
-        t_think = train_task.vocab.index("<think>") if "<think>" in train_task.vocab else None
         tg = list(train_generations) if train_generations is not None else \
             decode_task(model, train_task, batch_size)
-        sim = fitted([note_tokens(e, t_think) for e in train_task.examples],
-                     [split_generation(g, train_task)[0] for g in tg],
-                     [split_generation(g, train_task)[1] for g in tg])
+        sim = fitted(*simulation_data(train_task, tg))
         c_xe, c_x, c_e = score(sim, list(range(len(task))))
     else:
         if len(task) < 4:
@@ -638,23 +634,19 @@ las_of = las  # ``evaluate``'s parameter ``las`` shadows the function inside it
 
 @torch.no_grad()
 def greedy_decode_cached(hf_model, prompts: Sequence[Int[Tensor, " p"]], eos_id: int,
-                         max_new_tokens: int, pad_id: int = 0,
+                         max_new_tokens: int | Callable[[int], int], pad_id: int = 0,
                          batch_size: int = 256) -> list[list[int]]:
     """``greedy_decode`` for a plain HF causal LM, with its KV cache (``generate``, greedy):
     the same tokens (prompts grouped by length, unpadded; each row cut after its first
     ``eos_id``), ~10x faster on CPU than re-running the whole prefix every step. A model
-    wrapped by a ``TransformerBridge`` cannot ``generate``: load its folder afresh."""
+    wrapped by a ``TransformerBridge`` cannot ``generate``: load its folder afresh.
+    ``max_new_tokens``: a number, or a function of the prompt length."""
     out: list[list[int]] = [[] for _ in prompts]
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
     dev = _device(hf_model)
-    for n, idx_all in by_len.items():
-        for s in range(0, len(idx_all), batch_size):
-            idx = idx_all[s: s + batch_size]
-            gen = hf_model.generate(torch.stack([prompts[i] for i in idx]).to(dev),
-                                    do_sample=False, max_new_tokens=max_new_tokens,
-                                    eos_token_id=eos_id, pad_token_id=pad_id)
-            for i, row in zip(idx, gen[:, n:].tolist(), strict=True):
-                out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
+    for n, idx in length_batches(prompts, batch_size):
+        gen = hf_model.generate(torch.stack([prompts[i] for i in idx]).to(dev), do_sample=False,
+                                max_new_tokens=max_new_tokens(n) if callable(max_new_tokens)
+                                else max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+        for i, row in zip(idx, gen[:, n:].tolist(), strict=True):
+            out[i] = _until_eos(row, eos_id)
     return out

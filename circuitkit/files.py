@@ -1,20 +1,9 @@
-"""Durable file writes: the one atomic-write helper every durable write in circuitkit uses.
+"""Durable file writes and folder locks (docs/durability.md).
 
-``atomic_write(path, write)`` calls ``write(tmp_path)``, fsyncs the file, renames it over
-``path`` and fsyncs the folder: a crash (SIGKILL included) leaves either the old state or the
-complete new file, never a partial one under the final name. The file gets the mode a plain
-``open(path, "w")`` would give (``0o666 & ~umask``): some writers (``safetensors.save_file``)
-create files ``0600``, which would leave result files unreadable to a group that can read the
-JSON beside them. A write that fails for want of space or permission (``OSError``, or
-safetensors' ``SafetensorError`` wrapping one) is raised as ``WriteError`` (an ``OSError``): one
-line naming the file and what to do; the temporary file is removed.
-
-``lock_folder(path)``: the one lock of a folder that a run writes (``characterize``, ``distill``,
-``patch --out``, ``report``, each checkpoint rank): ``fcntl.flock`` on a file in it, so a lock
-whose process died is free again (taken over, its pid replaced); taking it removes the
-temporary files dead writers left there (``clean_temporaries``).
-
-This module imports nothing heavy.
+``atomic_write(path, write)``: the one atomic-write helper every durable write in circuitkit
+uses (a crash leaves the old state or the complete new file, with the mode ``open`` would give;
+a failure for want of space or permission is one-line ``WriteError``). ``lock_folder(path)``:
+the one lock of a folder that a run writes. This module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -41,12 +30,12 @@ class WriteError(OSError):
         return str(self.strerror)
 
 
-def _write_failure(e: BaseException, path: Path) -> WriteError | None:
-    """``e`` as a ``WriteError`` naming ``path`` when it is an I/O failure (an ``OSError``, or a
-    ``SafetensorError`` wrapping one: safetensors reports ``No space left on device`` that way);
-    None for anything else (a bug is not a disk problem)."""
+def _raise_write_error(e: BaseException, path: Path) -> None:
+    """Raise ``e`` as a ``WriteError`` naming ``path`` when it is an I/O failure (an ``OSError``,
+    or a ``SafetensorError`` wrapping one: safetensors reports ``No space left on device`` that
+    way); return for anything else (a bug is not a disk problem: the caller re-raises it)."""
     if isinstance(e, WriteError):
-        return e
+        raise e from None
     if isinstance(e, OSError):
         code, reason = e.errno, e.strerror or str(e)
     elif type(e).__name__ == "SafetensorError" and ("I/O error" in str(e) or "os error" in str(e)
@@ -55,13 +44,13 @@ def _write_failure(e: BaseException, path: Path) -> WriteError | None:
         code = int(next(g for g in m.groups() if g)) if m else None
         reason = os.strerror(code) if code else str(e)
     else:
-        return None
+        return
     what = {errno_.ENOSPC: "free some space", errno_.EDQUOT: "free some space",
             errno_.EACCES: "make the folder writable", errno_.EROFS: "choose a writable folder",
             errno_.EPERM: "make the folder writable"}.get(code, "fix that")
-    return WriteError(code or errno_.EIO, f"could not write {path}: {reason}; {what} and rerun "
-                      "the same command (files written completely are kept; nothing is left "
-                      "half-written under its name).")
+    raise WriteError(code or errno_.EIO, f"could not write {path}: {reason}; {what} and rerun "
+                     "the same command (files written completely are kept; nothing is left "
+                     "half-written under its name).") from None
 
 
 def _umask() -> int:
@@ -70,7 +59,8 @@ def _umask() -> int:
     return mask
 
 
-def fsync_dir(path: str | Path) -> None:
+def _fsync(path: str | Path) -> None:
+    """fsync a file or a folder."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,26 +69,22 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
-    """``write(tmp)`` then fsync, chmod to ``0o666 & ~umask``, rename over ``path``, fsync the
-    folder. Returns ``path``. The temporary file is removed if ``write`` raises."""
+    """``write(tmp)`` then fsync, chmod to ``0o666 & ~umask`` (some writers, such as
+    ``safetensors.save_file``, create ``0600`` files a group reading the folder could not read),
+    rename over ``path``, fsync the folder. Returns ``path``. The temporary file is removed if
+    ``write`` raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        failure = _write_failure(e, path)
-        if failure is None:
-            raise
-        raise failure from None
-    fsync_dir(path.parent)
+        _raise_write_error(e, path)
+        raise
+    _fsync(path.parent)
     return path
 
 
@@ -209,7 +195,7 @@ def write_folder(out: Path, write: Callable[[Path], Any]) -> Path:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    fsync_dir(out.parent)
+    _fsync(out.parent)
     return out
 
 
@@ -237,10 +223,8 @@ def _staged(write: Callable[[Path], Any], stage: Path, out: Path) -> None:
     try:
         write(stage)
     except Exception as e:
-        failure = _write_failure(e, out)
-        if failure is None:
-            raise
-        raise failure from None
+        _raise_write_error(e, out)
+        raise
 
 
 # --- one lock per folder, and what dead writers left there ---------------------------------------

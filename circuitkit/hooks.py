@@ -29,15 +29,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+
+def _per_layer(hook: str) -> Callable[[int], str]:
+    """``layer -> "blocks.{layer}.{hook}"``: the hook name of a per-layer site."""
+    def name(layer: int) -> str:
+        return f"blocks.{layer}.{hook}"
+    return name
+
+
 # --- per-layer residual-stream sites --------------------------------------------------------
-
-
-def resid_pre(layer: int) -> str:
-    return f"blocks.{layer}.hook_resid_pre"
-
-
-def resid_mid(layer: int) -> str:
-    return f"blocks.{layer}.hook_resid_mid"
+resid_pre = _per_layer("hook_resid_pre")
+resid_mid = _per_layer("hook_resid_mid")
+resid_post = _per_layer("hook_resid_post")
+attn_out = _per_layer("hook_attn_out")
+# the attention module's own output, before any post-attention norm (Gemma 2); the same value as
+# attn_out where the block has none
+attn_module_out = _per_layer("attn.hook_out")
+mlp_out = _per_layer("hook_mlp_out")
 
 
 def resid_mid_of(model: Any, layer: int) -> str:
@@ -49,72 +57,21 @@ def resid_mid_of(model: Any, layer: int) -> str:
     return resid_pre(layer) if parallel(model) else resid_mid(layer)
 
 
-def resid_post(layer: int) -> str:
-    return f"blocks.{layer}.hook_resid_post"
-
-
-def attn_out(layer: int) -> str:
-    return f"blocks.{layer}.hook_attn_out"
-
-
-def attn_module_out(layer: int) -> str:
-    """The attention module's own output, before any post-attention norm (Gemma 2); the same
-    value as ``attn_out`` where the block has none."""
-    return f"blocks.{layer}.attn.hook_out"
-
-
-def mlp_out(layer: int) -> str:
-    return f"blocks.{layer}.hook_mlp_out"
-
-
 # --- per-head attention sites ---------------------------------------------------------------
-
-
-def q(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_q"
-
-
-def k(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_k"
-
-
-def v(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_v"
-
-
-def z(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_z"
-
-
-def result(layer: int) -> str:
-    """Per-head residual write; fires only with ``model.set_use_attn_result(True)``."""
-    return f"blocks.{layer}.attn.hook_result"
-
-
-def pattern(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_pattern"
-
-
-def scores(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_attn_scores"
-
-
-def q_input(layer: int) -> str:
-    """Each head's own copy of the residual its queries read, ``[batch, pos, n_heads,
-    d_model]`` (before the block's norm); fires only under ``use_split_qkv_input``
-    (``patching.shortcuts.split_qkv_inputs``)."""
-    return f"blocks.{layer}.attn.hook_q_input"
-
-
-def k_input(layer: int) -> str:
-    """As ``q_input`` for keys: ``[batch, pos, n_kv_heads, d_model]`` (a copy per KV head)."""
-    return f"blocks.{layer}.attn.hook_k_input"
-
-
-def v_input(layer: int) -> str:
-    """As ``q_input`` for values: ``[batch, pos, n_kv_heads, d_model]``."""
-    return f"blocks.{layer}.attn.hook_v_input"
-
+q = _per_layer("attn.hook_q")
+k = _per_layer("attn.hook_k")
+v = _per_layer("attn.hook_v")
+z = _per_layer("attn.hook_z")
+# each head's residual write; fires only with ``model.set_use_attn_result(True)``
+result = _per_layer("attn.hook_result")
+pattern = _per_layer("attn.hook_pattern")
+scores = _per_layer("attn.hook_attn_scores")
+# each head's own copy of the residual its queries (keys, values: a copy per KV head) read,
+# [batch, pos, n_heads (n_kv_heads), d_model], before the block's norm; they fire only under
+# use_split_qkv_input (patching.shortcuts.split_qkv_inputs)
+q_input = _per_layer("attn.hook_q_input")
+k_input = _per_layer("attn.hook_k_input")
+v_input = _per_layer("attn.hook_v_input")
 
 EMBED = "hook_embed"
 FINAL_NORM_IN = "ln_final.hook_in"

@@ -21,22 +21,12 @@ evaluated on all prompts at once. When the probe cannot tell (no gradient: an ar
 metric), every position is read, and ``metric.note`` says so (sweeps copy it into
 ``PatchResult.meta["metric_note"]``). The wrapped callable always sees logits of the full
 ``[n_prompts, seq, d_vocab]`` shape in the caller's prompt order (positions it does not read
-hold zeros), so results do not depend on the form the metric
-takes.
+hold zeros), so results do not depend on the form the metric takes.
 
-The probe's findings are kept per function *code* and shape, and reused only while the callable
-still gives the same values on the first probe input (``_same``): a lambda reading a global
-``POS`` that changed since, or a new lambda with other closure values, is probed again (one
-call of ``fn`` decides; measured in ``benchmarks/metric_probe.py``). Random logits cannot show
-every read of a metric whose read position depends on the logits themselves
-(``torch.where(l[:, -1, a] > l[:, -1, b], l[:, -1, c], l[:, -3, c])``), so probed reads are
-marked ``probed``: every entry point checks them on the real clean and corrupt runs and
-reads every position where they do not hold: the exact engine on its cached runs' logits at the
-reads, with random logits everywhere else (``PromptMetric.reads_hold_at``: a read only real
-values trigger then meets random ones), the other entries on the full logits
-(``PromptMetric.reads_hold``, ``patching.inputs.checked_metric``). ``gradient`` records
-whether the callable's value carries a gradient to the logits (``.item()``, numpy and
-``.detach()`` do not): attribution refuses a metric without one.
+The probe's findings are reused per function *code* and shape while the callable gives the same
+values on the first probe input (``_same``); probed reads (``probed``) are checked on the real
+logits (``PromptMetric.reads_hold``, ``reads_hold_at``); ``gradient`` records whether the value
+carries a gradient to the logits. Why and what each costs: docs/metrics.md, sections 1-3.
 
 Positions follow the task layout: the prediction of the token at position ``p`` is read from the
 logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metrics from it.

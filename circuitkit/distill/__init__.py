@@ -1,11 +1,6 @@
 """Mechanistic distillation: teacher signals and their store (signals), L_CoT + L_P1 + L_P2
-(loss), student training (train), the ablation table (ablation). Formulas: docs/distill.md.
-
-The loss module is ``loss``, not ``losses``: importing a submodule binds its name on the
-package, which would shadow the public function ``ck.distill.losses`` (as ``evaluation`` /
-``ck.evaluate``).
-
-Names resolve lazily so ``import circuitkit.distill`` stays free of torch.
+(loss: not ``losses``, which would shadow ``ck.distill.losses``), student training (train), the
+ablation table (ablation). docs/distill.md. Names resolve lazily: no torch at import.
 """
 
 from __future__ import annotations

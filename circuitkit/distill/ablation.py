@@ -1,77 +1,57 @@
-"""The ablation grid: which supervision transfers the teacher's reasoning to the student.
+"""The ablation grid: which supervision transfers the teacher's reasoning to the student
+(docs/distill.md, "The ablation": cells, seeds, workers, outputs, measured results).
 
-``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset x data size)
-and seed, five students from the teacher's signal store of that data size:
+``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset ``STUDENTS``
+x data size ``DATA`` or a size's ``arms``) and seed, one student per variant (``VARIANTS``: ``cot``
+CoT only; ``p1``, ``p2``, ``p1+p2`` + L_P1 / L_P2 of the teacher's heads, each matched by its own
+student head; ``nonselective`` + L_NS, every teacher layer's mean attention; opt-in
+``p1+p2-causal``, ``LossConfig(heads="causal")``) from the teacher's signal store of that data
+size, optionally after one shared CoT-only start per cell (``pretrain`` steps). Seeds: ``seeds``
+per variant, then up to ``max_seeds`` for every headline comparison (``HEADLINE``) whose 95%
+intervals overlap.
 
-=============  ==========================================================================
-cot            CoT only (``lambda_p1 = lambda_p2 = 0``)
-p1             + L_P1 (the teacher's Phase-1 heads, each matched by its own student head)
-p2             + L_P2 (the Phase-2 heads, likewise)
-p1+p2          + L_P1 + L_P2
-nonselective   CoT + L_NS: every teacher layer's mean attention over all its heads, matched by
-               the mapped student layer's mean (MiniLM-style), at the same query rows; no head
-               selection, no writes
-p1+p2-causal   (opt-in) + L_P1 + L_P2 of the heads the teacher's decision runs through:
-               ``LossConfig(heads="causal")``, the causal columns (each head noised at its
-               phase's anchor / shortlist steps), L_P2 at the shortlist steps
-=============  ==========================================================================
-
-Cells: students ``STUDENTS`` (``student``: 2 layers, its Phase-2 layer is its output layer;
-``student4``: 4 layers at half the teacher's width, Phase 2 below the output layer) x data
-``DATA`` (``full``: the whole pool of train notes; ``small``: a pool 10x smaller). Seed ``k``
-fixes a student's initialisation and batch order, so seed ``k`` of every variant starts alike.
-With ``pretrain`` steps (the default size's), every run of a cell starts from one CoT-only
-student trained that many steps (seed 0) on the cell's store (``out/runs/<cell>/pretrain/``), as
-the issue's own 300 + 300-step experiment did: a student that already writes the format, whose
-mechanism the variants then steer; seed ``k`` then fixes the variant's batch order.
-
-Seeds: ``seeds`` per variant first; then, per cell, every headline comparison (``HEADLINE``:
-each mechanistic variant against ``cot`` and against ``nonselective``, on focus and confusion)
-whose 95% intervals overlap gets both its variants run up to ``max_seeds``.
-
-Each run lives in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable
-``train_student`` folder, then ``metrics.json``, written last); a finished run is skipped, so the
-command resumes where it stopped. ``ablation.json`` (written first) records the grid's
-configuration (``grid_config``): a rerun of another one is refused naming what differs,
-``overwrite`` starts it over. ``workers`` runs train side by side (one thread each), in
-spawned processes that die with the grid (``_init_worker``); Ctrl-C or a dead worker stops
-the grid at once, running runs saving their training state (``_dispatch``).
-Per run, on held-out ``icd10`` test notes (``student_metrics``): the task metrics
-(``TASK_METRICS``, as ``ck.evaluate``; decoding through the HF model's KV cache), LAS both ways
-(``las``: Hase et al., the simulator trained only on the student's own outputs for train notes
-disjoint from the test notes; ``las_gold_prefit``: pre-fitted on gold notes first), and its
-mechanistic fidelity (``FIDELITY_METRICS``): ``p1_gap``/``p2_gap``, L_P1 / L_P2 of its mapped
-heads against the teacher's on held-out notes (lower: closer), and ``ck.score_heads`` of the
-student: the mean over its own top-``k`` heads of each phase (``k`` the heads distilled per
-phase; Phase 1 by the distillation's reading, Phase 2 by ``refine_score``) of each component.
-
-Outputs:
-
-* ``out/runs.csv``: ``student, data, variant, seed, metric, value``;
-* ``out/ablation.csv``: ``student, data, variant, metric, mean, ci_low, ci_high, n_seeds``: the
-  mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s / sqrt(n)``;
-  ``ck.viz.ablation_chart`` reads it;
-* ``out/comparisons.csv``: per cell, metric and pair (variant vs baseline): the mean paired
-  difference over shared seeds and its 95% t-interval;
-* ``out/teacher.json``: the teacher's own metrics on the same notes (the reference);
-* ``out/ablation.json``: sizes, configs and the measured wall-clock time of each part.
+Runs live in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable ``train_student``
+folder, then ``metrics.json``, written last: ``student_metrics``); ``ablation.json`` (written
+first) records the grid's configuration (``grid_config``). Tables: ``runs.csv``,
+``ablation.csv`` (mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s /
+sqrt(n)``), ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``),
+``teacher.json`` (the teacher's own metrics on the same notes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
+import multiprocessing
+import os
+import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from circuitkit.distill.curves import decode, teacher_forced
+import circuitkit as ck
+from circuitkit import evaluation as ev
+from circuitkit import hooks
+from circuitkit.distill import train
+from circuitkit.distill.curves import Curve, HeldoutLoss, _points, best_step, decode, teacher_forced
+from circuitkit.distill.loss import LossConfig, student_terms
+from circuitkit.distill.signals import SignalStore, StoreOptions, build_store
 from circuitkit.distill.train import DistillConfig, train_student
+from circuitkit.files import check_writable_dir, lock_folder, write_json, write_text
+from circuitkit.models import hf_progress, shipped_path
+from circuitkit.tasks import load_task
 
 VARIANTS: dict[str, dict[str, float]] = {
     "cot": dict(lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0),
@@ -170,17 +150,18 @@ class Context:
 def context(out: Path, sz: dict[str, Any], task: str, reading: str, top_k: tuple[int, int]
             ) -> Context:
     """The evaluation context (the gap store must exist: ``_gap_store``)."""
-    from circuitkit.distill.signals import SignalStore
-    from circuitkit.evaluation import gold_prefit_simulator
-    from circuitkit.tasks import load_task
-
-    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
+    test, fidelity = _test_notes(task, sz)
     sim_task = load_task(task, n_examples=sz["sim_examples"], seed=1, split="train")
-    gold = gold_prefit_simulator(load_task(task, n_examples=sz["gold_examples"], seed=2,
-                                           split="train"))
-    fidelity = test.subset(range(min(sz["fidelity_examples"], len(test))))
+    gold = ev.gold_prefit_simulator(load_task(task, n_examples=sz["gold_examples"], seed=2,
+                                              split="train"))
     return Context(test, sim_task, gold, fidelity, SignalStore.open(out / "signals-fidelity"),
                    top_k[0], top_k[1], reading)
+
+
+def _test_notes(task: str, sz: dict[str, Any]) -> tuple[Any, Any]:
+    """``(test, fidelity)``: the held-out test notes and the first ``fidelity_examples``."""
+    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
+    return test, test.subset(range(min(sz["fidelity_examples"], len(test))))
 
 
 def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[str, float]:
@@ -196,8 +177,6 @@ def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[
     best = scores.sort_values(order + ["layer", "head"],
                               ascending=[False, False, True, True]).head(k)
     out = {p: float(best[p].astype(float).mean()) for p in parts}
-    from circuitkit import hooks
-
     out[f"phase{phase}_heads"] = " ".join(hooks.head_name(int(r.layer), int(r.head))
                                           for r in best.itertuples())
     return out
@@ -222,8 +201,6 @@ def fidelity_metrics(model: Any, ctx: Context) -> dict[str, Any]:
 def mechanism_gaps(model: Any, store: Any, batch_size: int = 64) -> dict[str, float]:
     """``p1_gap``, ``p2_gap``: L_P1 and L_P2 of ``model``'s mapped heads against the teacher's
     signals in ``store`` (held-out notes), example-weighted over batches."""
-    from circuitkit.distill.loss import LossConfig, student_terms
-
     pool, anchors = store.pooling(), store.anchors
     lc = LossConfig(top_k1=len(pool.heads1), top_k2=len(pool.heads2),
                     phase1_reading=anchors.reading)
@@ -239,19 +216,17 @@ def mechanism_gaps(model: Any, store: Any, batch_size: int = 64) -> dict[str, fl
 
 
 def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> dict[str, Any]:
-    """The grid's metrics of the model saved in ``folder`` (module docstring)."""
+    """The grid's metrics of the model saved in ``folder``: ``TASK_METRICS`` as ``ck.evaluate``
+    (decoding through the HF KV cache), ``LAS_METRICS`` (``ev.las``, Hase et al., and with the
+    gold pre-fit simulator) and ``FIDELITY_METRICS`` (``mechanism_gaps``, ``fidelity_metrics``)
+    on the context's held-out notes."""
     from transformers import AutoModelForCausalLM
-
-    import circuitkit as ck
-    from circuitkit import evaluation as ev
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     test = ctx.test
     out: dict[str, Any] = teacher_forced(hf, test, batch_size)
     gens = decode(hf, test)
-    out.update(ev.set_metrics([ev.parse_answer(g, test) for g in gens],
-                              [set(e.targets) for e in test.examples],
-                              [set(e.near_misses) for e in test.examples]))
+    out.update(ev.task_set_metrics(gens, test))
     sim_gens = decode(hf, ctx.sim_task)
     for name, sim in (("las", None), ("las_gold_prefit", ctx.gold_sim)):
         res = ev.las(None, test, ctx.sim_task, generations=gens, train_generations=sim_gens,
@@ -285,12 +260,17 @@ class Run:
         return out / "runs" / self.cell / "pretrain"
 
 
-def _do_pretrain(out: str, run: Run, cfg: dict[str, Any], progress: bool) -> str:
-    """The CoT-only start of ``run``'s cell (module docstring); in a worker."""
-    folder = run.pretrain_folder(Path(out))
+def _do_train(out: str, run: Run, cfg: dict[str, Any], progress: bool,
+              heldout: str | None = None) -> str:
+    """A CoT-only run with no metrics of its own, in a worker: the start of ``run``'s cell
+    (``pretrain``), or, with the ``heldout`` store, its arm's early-stopping baseline (its
+    held-out loss, ``HeldoutLoss``, picks S*)."""
+    folder = run.pretrain_folder(Path(out)) if heldout is None else run.folder(Path(out))
     if progress:
-        print(f"[ablation] {run.cell} pretrain", file=sys.stderr, flush=True)
-    train_student(DistillConfig(**cfg), folder, progress=progress)
+        print(f"[ablation] {run.cell} {'pretrain' if heldout is None else 'early stopping'}",
+              file=sys.stderr, flush=True)
+    train_student(DistillConfig(**cfg), folder, progress=progress, callback=None
+                  if heldout is None else HeldoutLoss(folder, SignalStore.open(heldout)))
     return str(folder)
 
 
@@ -302,9 +282,6 @@ _WORKER: dict[str, Any] = dict(parent=None, in_task=False, stop=False, term=Fals
 
 def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: bool) -> str:
     """Train and measure one run (skipped when its ``metrics.json`` exists); in a worker."""
-    from circuitkit.files import write_json
-    from circuitkit.models import hf_progress
-
     folder = run.folder(Path(out))
     done = folder / "metrics.json"
     if measured(folder):
@@ -316,9 +293,6 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
     sz, task = ctx_args[0], ctx_args[1]
     callback = None
     if sz.get("curve_examples"):  # learning curves on held-out notes (pool seed 99's first)
-        from circuitkit.distill.curves import Curve
-        from circuitkit.tasks import load_task
-
         callback = Curve(folder, load_task(task, n_examples=sz["curve_examples"], seed=99,
                                            split="train"))
     train_student(config, folder, progress=progress, callback=callback)
@@ -352,8 +326,6 @@ def _task(fn: Any, *args: Any) -> Any:
     """Run ``fn(*args)`` in a worker as one grid task: nothing when the worker was told to stop;
     a SIGTERM (the pool ending after another worker died) exits once ``train_student`` has
     saved its training state."""
-    import os
-
     if _WORKER["stop"]:
         return None  # told to stop: nothing more runs here
     _WORKER["in_task"] = True
@@ -369,8 +341,6 @@ def _task(fn: Any, *args: Any) -> Any:
 
 def _parent_check() -> None:
     """In a worker: exit at once (no cleanup, no write) when the grid's process is gone."""
-    import os
-
     if _WORKER["parent"] is not None and os.getppid() != _WORKER["parent"]:
         os._exit(1)
 
@@ -380,25 +350,16 @@ def _on_signal(signum: int, frame: Any) -> None:
     saving the training state (``train.STOP``). In another part of a task (loading, measuring:
     nothing there to save): exit now. An idle worker: SIGINT is noted (nothing more will run),
     SIGTERM exits."""
-    import os
-    import signal
-
-    from circuitkit.distill.train import STOP
-
     _WORKER["stop"] = True
     term = signum == signal.SIGTERM
     _WORKER["term"] = _WORKER["term"] or term
-    if STOP["training"]:
-        STOP["requested"] = True
+    if train.STOP["training"]:
+        train.STOP["requested"] = True
     elif _WORKER["in_task"] or term:
         os._exit(143 if term else 130)
 
 
 def _init_worker(parent: int | None = None) -> None:
-    import os
-    import signal
-    import threading
-
     # one thread per worker: train_student's configure_threads keeps an explicit
     # OMP_NUM_THREADS (two workers with two threads each on two shared cores ran 10-20x slower)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -414,8 +375,6 @@ def _init_worker(parent: int | None = None) -> None:
     # die with the grid's process: the kernel's parent-death signal (Linux), and a thread that
     # polls the parent for other systems (a SIGKILLed grid left its workers training for good)
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         # (it fires when the thread that spawned the worker ends: ``_dispatch``'s caller, which
         # waits for the pool before it returns)
@@ -446,12 +405,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
     ``balance``, ``grad_ratio``: how every run combines its terms' gradients
     (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
-    (0: every run starts from its seed's fresh initialisation). A folder holding a grid of
-    another configuration (``ablation.json``: sizes, steps, lambdas, balancing, teacher, task,
-    student presets) is refused naming what differs; ``overwrite`` starts it over instead
-    (``_start_over``)."""
-    from circuitkit.files import check_writable_dir, lock_folder
-
+    (0: every run starts from its seed's fresh initialisation). ``overwrite``: a grid of another
+    configuration in ``out`` is started over instead of refused (``_check_grid``)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}.")
     if seeds < 1:
@@ -494,28 +449,11 @@ def arms(sz: dict[str, Any]) -> dict[str, int]:
 def coverage(task: str, pool_size: int, test: Any) -> dict[str, float]:
     """Label coverage of an arm: the share of the test notes' targets (each target of each note
     counted once) seen in at least 1 and at least 3 of the pool's notes' targets."""
-    from collections import Counter
-
-    from circuitkit.tasks import load_task
-
     pool = load_task(task, n_examples=pool_size, seed=0, split="train")
     seen = Counter(t for e in pool.examples for t in e.targets)
     targets = [t for e in test.examples for t in e.targets]
     return {f"seen_ge{k}": sum(seen[t] >= k for t in targets) / max(len(targets), 1)
             for k in (1, 3)}
-
-
-def _do_es(out: str, run: Run, cfg: dict[str, Any], heldout: str, progress: bool) -> str:
-    """The CoT-only baseline run of ``run``'s arm whose held-out loss picks S*; in a worker."""
-    from circuitkit.distill.curves import HeldoutLoss
-    from circuitkit.distill.signals import SignalStore
-
-    folder = run.folder(Path(out))
-    if progress:
-        print(f"[ablation] {run.cell} early stopping", file=sys.stderr, flush=True)
-    train_student(DistillConfig(**cfg), folder, progress=progress,
-                  callback=HeldoutLoss(folder, SignalStore.open(heldout)))
-    return str(folder)
 
 
 def _early_stopping(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
@@ -524,23 +462,14 @@ def _early_stopping(out: Path, cells: list[tuple[str, str]], stores: dict[str, d
     """The held-out store (``heldout_examples`` train notes of pool seed 99: disjoint from the
     pools of seed 0 and from the test split), each arm's label coverage, then ``_select_steps``;
     S*, curves and coverage go into ``ablation.json`` at once."""
-    import shutil
-
-    from circuitkit.distill.train import prepare_store
-    from circuitkit.files import write_json
-    from circuitkit.models import hf_progress
-    from circuitkit.tasks import load_task
-
     folder = out / "signals-heldout"
-    first = Path(stores[cells[0][1]]["store"]) / "scores.csv"
-    if not (folder / "scores.csv").exists():  # the pools' score table: the same heads
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(first, folder / "scores.csv")
+    # the pools' score table: the same heads
+    _share_scores(Path(stores[cells[0][1]]["store"]) / "scores.csv", folder)
     cfg = dict(stores[cells[0][1]], pool_size=sz["heldout_examples"], pool_seed=99,
                store=str(folder))
     with hf_progress(progress):
-        prepare_store(DistillConfig(**cfg), out, progress=progress)
-    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
+        train.prepare_store(DistillConfig(**cfg), out, progress=progress)
+    test, _ = _test_notes(task, sz)
     record["coverage"] = {d: coverage(task, arms(sz)[d], test) for _, d in cells}
     sel = _select_steps(out, cells, stores, names, sz, progress, workers)
     record["baseline_selection"] = sel
@@ -553,8 +482,6 @@ def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dic
                   ) -> dict[str, dict[str, Any]]:
     """Per arm: S* and the held-out-loss curve of its early-stopping baseline (seed 0, the cot
     variant's config with ``es_max`` steps, measured every ``es_every``)."""
-    from circuitkit.distill.curves import _points, best_step
-
     heldout = str(out / "signals-heldout")
     tasks = []
     for s, d in cells:
@@ -562,11 +489,8 @@ def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dic
         cfg = dict(stores[d], student=names[s], seed=0, steps=sz["es_max"],
                    save_every=sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
         if not (r.folder(out) / "distill.json").exists():
-            tasks.append((_do_es, (str(out), r, cfg, heldout, progress), r, "early stopping"))
-    if workers == 1:
-        for fn, args, _, _ in tasks:
-            fn(*args)
-    elif tasks:
+            tasks.append((_do_train, (str(out), r, cfg, progress, heldout), r, "early stopping"))
+    if tasks:
         _dispatch(out, tasks, workers, progress)
     sel = {}
     for s, d in cells:
@@ -578,9 +502,7 @@ def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dic
 def _student_name(student: Any) -> str:
     if isinstance(student, str) and "/" not in student and not student.endswith(".json"):
         return student
-    from circuitkit.distill.train import preset
-
-    p = preset(student)
+    p = train.preset(student)
     return f"L{p.n_layers}H{p.n_heads}D{p.d_model}"
 
 
@@ -589,12 +511,6 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
                   task: str, variants: tuple[str, ...], progress: bool, workers: int,
                   steps: int | None, balancing: dict[str, Any], pretrain: int | None,
                   overwrite: bool = False) -> Any:
-    import shutil
-
-    from circuitkit.distill.train import prepare_store
-    from circuitkit.files import write_json
-    from circuitkit.models import hf_progress
-
     sz = dict(SIZES[size])
     if steps is not None:
         sz["steps"] = int(steps)
@@ -607,7 +523,7 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     timings: dict[str, float] = {}
     record = json.loads(json.dumps(dict(
         size=size, sizes=sz, seeds=seeds, max_seeds=max_seeds, variants=variants,
-        students={n: (asdict(_preset(s))) for n, s in names.items()}, data=list(data),
+        students={n: asdict(train.preset(s)) for n, s in names.items()}, data=list(data),
         lambdas=scale, base=base, workers=workers)))
     # the grid's identity first, before anything is built or trained: a changed configuration
     # is refused (or, with overwrite, started over), never mixed into the runs already there
@@ -620,31 +536,28 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
                                                   else [])
     write_json(out / "ablation.json", record)
     # stores: one per data size (scored once, the table shared), then the held-out notes'
-    stores = {}
-    for d in data:
-        folder = out / f"signals-{d}"
-        full = out / f"signals-{data[0]}" / "scores.csv"
-        if d != data[0] and full.exists() and not (folder / "scores.csv").exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(full, folder / "scores.csv")
-        stores[d] = dict(base, pool_size=arms(sz)[d], store=str(folder))
+    stores: dict[Any, dict[str, Any]] = {}
+
+    def store(key: Any, name: str, cfg: dict[str, Any]) -> None:
+        stores[key] = cfg
         t0 = time.perf_counter()
         with hf_progress(progress):
-            prepare_store(DistillConfig(**stores[d]), out, progress=progress)
-        timings[f"store_{d}"] = round(time.perf_counter() - t0, 1)
+            train.prepare_store(DistillConfig(**cfg), out, progress=progress)
+        timings[name] = round(time.perf_counter() - t0, 1)
+
+    for d in data:
+        folder = out / f"signals-{d}"
+        _share_scores(out / f"signals-{data[0]}" / "scores.csv", folder)
+        store(d, f"store_{d}", dict(base, pool_size=arms(sz)[d], store=str(folder)))
     for heads in sorted({VARIANT_LOSS[v]["heads"] for v in variants if v in VARIANT_LOSS}):
         for d in data:  # a variant's own heads: its own store per data size, one score table
             folder = out / f"signals-{d}-{heads}"
             first = out / f"signals-{data[0]}-{heads}" / "scores.csv"
-            src = first if first.exists() else out / f"signals-{data[0]}" / "scores.csv"
-            if not (folder / "scores.csv").exists() and src.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, folder / "scores.csv")  # causal columns added once
-            stores[(d, heads)] = dict(stores[d], store=str(folder), loss=dict(heads=heads))
-            t0 = time.perf_counter()
-            with hf_progress(progress):
-                prepare_store(DistillConfig(**stores[(d, heads)]), out, progress=progress)
-            timings[f"store_{d}_{heads}"] = round(time.perf_counter() - t0, 1)
+            # the causal columns are added once
+            _share_scores(first if first.exists() else out / f"signals-{data[0]}" / "scores.csv",
+                          folder)
+            store((d, heads), f"store_{d}_{heads}",
+                  dict(stores[d], store=str(folder), loss=dict(heads=heads)))
     lc = DistillConfig().loss_config()
     t0 = time.perf_counter()
     _gap_store(out, teacher, task, sz, lc, stores[data[0]]["store"], progress)
@@ -691,6 +604,14 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     return frame
 
 
+def _share_scores(src: Path, folder: Path) -> None:
+    """Copy the score table ``src`` into the store ``folder`` unless it has one (or there is
+    none to copy): stores built on one table choose the same heads."""
+    if src.exists() and not (folder / "scores.csv").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, folder / "scores.csv")
+
+
 GRID_FILES = ("ablation.json", "runs.csv", "ablation.csv", "comparisons.csv")
 # what a training store depends on; and, with these, the held-out notes' store and teacher.json
 STORE_KEYS = ("teacher", "task", "pool_size", "shard_size", "score_examples", "batch_size")
@@ -715,8 +636,6 @@ def _check_grid(out: Path, record: dict, overwrite: bool) -> dict | None:
     """The stored ``ablation.json`` of ``out`` (None: none), refused when it records another
     configuration than ``record`` (a single student's ``distill`` refuses so too:
     ``train._config_diff``); with ``overwrite`` that grid is started over instead."""
-    from circuitkit.distill.train import _config_diff
-
     path = out / "ablation.json"
     if not path.exists():
         return None
@@ -734,7 +653,7 @@ def _check_grid(out: Path, record: dict, overwrite: bool) -> dict | None:
     for key in [k for k in set(old) ^ set(now) if k.startswith("student ")]:
         old.pop(key, None)  # a cell only one side runs: nothing to mix
         now.pop(key, None)
-    diff = _config_diff(old, now)
+    diff = train._config_diff(old, now)
     if not diff:
         return stored
     if not overwrite:
@@ -748,8 +667,6 @@ def _start_over(out: Path, changed: set[str] | None) -> None:
     """``overwrite``: delete the grid's runs and tables; its held-out notes' store and
     ``teacher.json`` too when an evaluation size (``EVAL_KEYS``) changed, and the training
     stores when what they hold (``STORE_KEYS``) changed (``changed`` None: everything)."""
-    import shutil
-
     def gone(keys: tuple[str, ...]) -> bool:
         return changed is None or bool(changed & set(keys))
 
@@ -765,12 +682,6 @@ def _start_over(out: Path, changed: set[str] | None) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _preset(student: Any):
-    from circuitkit.distill.train import preset
-
-    return preset(student)
-
-
 class GridStopped(ValueError):
     """The grid stopped before its runs finished (a worker died); the message says what is kept
     and how to resume."""
@@ -780,25 +691,16 @@ def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args
              progress: bool, workers: int) -> None:
     """The unfinished ``runs``, after the CoT-only starts they need (``pretrain_of``: their
     configs; None: no pre-training); a finished start (its ``distill.json``) is reused."""
-    from circuitkit.distill.train import RECORD
-
     todo = [r for r in runs if not measured(r.folder(out))]
     starts = list({r.cell: r for r in todo
                    if pretrain_of is not None
-                   and not (r.pretrain_folder(out) / RECORD).exists()}.values())
+                   and not (r.pretrain_folder(out) / train.RECORD).exists()}.values())
     if not todo:
         return
-    if workers == 1:
-        for r in starts:
-            _do_pretrain(str(out), r, pretrain_of(r), progress)
-        for r in todo:
-            _do_run(str(out), r, cfg_of(r), ctx_args, progress)
-        return
-    tasks = [(_do_pretrain, (str(out), r, pretrain_of(r), progress), r, "pretrain")
-             for r in starts]
-    _dispatch(out, tasks, workers, progress)
-    tasks = [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run") for r in todo]
-    _dispatch(out, tasks, workers, progress)
+    _dispatch(out, [(_do_train, (str(out), r, pretrain_of(r), progress), r, "pretrain")
+                    for r in starts], workers, progress)
+    _dispatch(out, [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run")
+                    for r in todo], workers, progress)
 
 
 STOP_GRACE = 30.0  # seconds a stopped worker has to save its training state before it is killed
@@ -808,13 +710,12 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
     """Run ``tasks`` (``(fn, args, run, what)``) on ``workers`` spawned processes, at most one
     task per worker at a time (so a stop leaves nothing queued). On Ctrl-C, a worker's error or
     a worker's death: nothing more is dispatched, the running tasks are stopped at their last
-    training state (``train_student`` saves it on SIGINT), and the grid says what is kept."""
-    import multiprocessing
-    import os
-    import signal
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
-
+    training state (``train_student`` saves it on SIGINT), and the grid says what is kept.
+    One worker: each task in this process, in turn."""
+    if workers == 1:
+        for fn, args, _, _ in tasks:
+            fn(*args)
+        return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(os.getpid(),))
     running: dict[Any, tuple] = {}
@@ -836,7 +737,7 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:  # stop the running tasks: each saves its training state
             if p.is_alive():
-                with _suppress():
+                with contextlib.suppress(ProcessLookupError, OSError):
                     os.kill(p.pid, signal.SIGINT)
         deadline = time.time() + STOP_GRACE
         for p in procs:
@@ -867,8 +768,6 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
 
 
 def _how(code: int | None) -> str:
-    import signal
-
     if code is not None and code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -877,30 +776,16 @@ def _how(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def _suppress():
-    import contextlib
-
-    return contextlib.suppress(ProcessLookupError, OSError)
-
-
 def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
                train_store: str, progress: bool) -> Any:
     """The teacher's signals on the fidelity notes (held out), with the training stores'
     score table and options."""
     import pandas as pd
 
-    import circuitkit as ck
-    from circuitkit.distill.signals import StoreOptions, build_store
-    from circuitkit.models import hf_progress
-    from circuitkit.tasks import load_task
-
     folder = out / "signals-fidelity"
     if (folder / "manifest.json").exists():
-        from circuitkit.distill.signals import SignalStore
-
         return SignalStore.open(folder)
-    test = load_task(task, n_examples=sz["eval_examples"], seed=0, split="test")
-    fid = test.subset(range(min(sz["fidelity_examples"], len(test))))
+    _, fid = _test_notes(task, sz)
     scores = pd.read_csv(Path(train_store) / "scores.csv")
     opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=False,
                         shard_size=len(fid), phase1_reading=lc.phase1_reading)
@@ -914,9 +799,6 @@ def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc:
                      progress: bool) -> dict[str, Any]:
     """The teacher's own metrics on the grid's notes (``teacher.json``; computed once, and
     again when it lacks one of ``METRICS``, as a run's are: ``measured``)."""
-    from circuitkit.files import write_json
-    from circuitkit.models import hf_progress, shipped_path
-
     path = out / "teacher.json"
     if path.exists():
         got = json.loads(path.read_text())
@@ -954,8 +836,6 @@ def _extra_runs(out: Path, cells: list[tuple[str, str]], variants: tuple[str, ..
 
 def _write_tables(out: Path, runs: list[Run]) -> Any:
     import pandas as pd
-
-    from circuitkit.files import write_text
 
     rows = []
     for r in runs:

@@ -1,20 +1,12 @@
-"""Held-out evaluation during training: the baseline's early stopping and learning curves.
+"""Held-out evaluation during training: the baseline's early stopping and learning curves
+(docs/distill.md, the issue-35 grid).
 
-``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step (every
-``save_every`` steps and the last), ``hf`` a plain copy of the student (``train.plain_model``:
-the training model is wrapped by a bridge, whose ``generate`` does not decode what its weights
-predict). Two callbacks live here:
-
-* ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p] | logits[p-1])`` over the masked positions
-  of the teacher's CoT rows of a held-out signal store (notes disjoint from the pool and the
-  test notes), example-weighted over batches; the points go to ``curve.json``
-  (``[{"step": s, "heldout_loss": x}, ...]``), written after each point, so a resumed run keeps
-  them. ``best_step(points)``: the step of the lowest held-out loss (ties: the earlier), the
-  grid's S*.
-* ``Curve``: exact match (greedy decoding, ``evaluation.set_metrics``), focus (any of the
-  note's anchors, ``evaluation.focus_from_logits``), per-step focus (the anchor of that step,
-  ``focus_per_step_from_logits``) and sibling confusion (``confusion_from_logits``) of the
-  student on a small fixed held-out task, per point; ``curve.json`` likewise.
+``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step, ``hf`` a
+plain copy of the student (``train.plain_model``). ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p]
+| logits[p-1])`` over a held-out signal store's CoT rows (``heldout_loss``), whose lowest point is
+the grid's S* (``best_step``). ``Curve``: exact match, focus, per-step focus and sibling
+confusion on a small held-out task (``task_point``). Each writes its points to ``curve.json``
+(``[{"step": s, ...}, ...]``) as it goes, so a resumed run keeps them.
 """
 
 from __future__ import annotations
@@ -25,18 +17,16 @@ from typing import Any
 
 import torch
 
+from circuitkit import evaluation as ev
+from circuitkit.files import write_json
+from circuitkit.training import lm_loss
+
 CURVE = "curve.json"
 
 
 def _points(folder: Path) -> list[dict[str, Any]]:
     path = folder / CURVE
     return json.loads(path.read_text()) if path.exists() else []
-
-
-def _save(folder: Path, points: list[dict[str, Any]]) -> None:
-    from circuitkit.files import write_json
-
-    write_json(folder / CURVE, sorted(points, key=lambda p: p["step"]))
 
 
 def best_step(points: list[dict[str, Any]], key: str = "heldout_loss") -> int:
@@ -52,8 +42,6 @@ def best_step(points: list[dict[str, Any]], key: str = "heldout_loss") -> int:
 def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
     """Example-weighted mean of ``training.lm_loss`` over the store's CoT rows (module
     docstring); ``hf``: a causal LM returning ``.logits`` [b, s, V]."""
-    from circuitkit.training import lm_loss
-
     total, n = 0.0, 0
     for i, shard in enumerate(store.manifest["shards"]):
         for s in range(0, shard["n_examples"], batch_size):
@@ -66,26 +54,15 @@ def heldout_loss(hf: Any, store: Any, batch_size: int = 64) -> float:
 
 def decode(hf: Any, task: Any) -> list[list[int]]:
     """The model's greedy continuations of ``task``'s prompts, ``evaluate``'s length."""
-    from circuitkit.evaluation import greedy_decode_cached, prompt_end
-
-    think = task.vocab.index("<think>")
-    ends = [prompt_end(e, think) for e in task.examples]
-    new = max(len(e.tokens) - n for e, n in zip(task.examples, ends, strict=True)) + 4
-    return greedy_decode_cached(hf, [e.tokens[:n] for e, n in zip(task.examples, ends,
-                                                                   strict=True)],
-                                task.eos_id, new, task.pad_id)
+    prompts, new = ev.task_prompts(task)
+    return ev.greedy_decode_cached(hf, prompts, task.eos_id, new, task.pad_id)
 
 
 @torch.no_grad()
 def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
     """``exact_match``, ``focus``, ``focus_per_step``, ``confusion`` of ``hf`` on ``task``
     (module docstring)."""
-    from circuitkit import evaluation as ev
-
-    gens = decode(hf, task)
-    sets = ev.set_metrics([ev.parse_answer(g, task) for g in gens],
-                          [set(e.targets) for e in task.examples],
-                          [set(e.near_misses) for e in task.examples])
+    sets = ev.task_set_metrics(decode(hf, task), task)
     return dict(exact_match=float(sets["exact_match"]), **teacher_forced(hf, task, batch_size))
 
 
@@ -94,8 +71,6 @@ def teacher_forced(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]
     """``focus``, ``focus_per_step`` and ``confusion`` of ``hf`` on ``task``'s own tokens
     (``evaluation.focus_from_logits`` / ``focus_per_step_from_logits`` /
     ``confusion_from_logits``, example means), ``batch_size`` notes per forward."""
-    from circuitkit import evaluation as ev
-
     parts: dict[str, list[torch.Tensor]] = {"focus": [], "focus_per_step": [], "confusion": []}
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
@@ -126,7 +101,7 @@ class _Callback:
             points.append(dict(step=step, **self.measure(hf)))
         finally:
             hf.train()
-        _save(self.folder, points)
+        write_json(self.folder / CURVE, sorted(points, key=lambda p: p["step"]))
 
 
 class HeldoutLoss(_Callback):

@@ -23,23 +23,15 @@ over ``p_i > 0`` (``q`` clamped at 1e-12 inside the log only), so ``KL(p || p) =
   over Phase-1 and Phase-2 rows, ``ns[:, l]`` the mean attention of *all* heads of teacher layer
   ``l`` (student: of the mapped layer), no head selection and no write terms.
 
-Why anchor-alignment space, not a learned projection, for the writes: it has no parameters (so
-``p1`` is exactly 0 for the teacher itself, and a projection cannot shrink the loss by collapsing
-both sides), it is width-free, and it is the quantity the CoarseScore measures. Likewise the
-Phase-2 write is compared as logits, which two models over one vocabulary share.
-
-Gradients: the teacher side is computed without autograd; on the student side ``W_U`` and the
-final norm (weight and the run's scale) are detached (the reading frame), as is a post-attention
-norm (Gemma 2), so ``p1``/``p2`` reach only the mapped heads' own weights in their layer (query,
-key, value rows and output columns; not the layer's other heads, its MLP, later layers or the
-unembedding) and what those heads read (the embeddings and the blocks below); ``cot`` reaches
-every parameter.
-
-Combining the terms' gradients in training: ``balanced_gradients`` (docs/distill.md).
+The writes are compared in anchor-alignment space and as logits (no parameters: ``p1`` is exactly
+0 for the teacher itself), and ``p1``/``p2`` reach only the mapped heads' own weights and what
+they read; why, and the gradient mask: docs/distill.md ("Losses"). Combining the terms'
+gradients in training: ``balanced_gradients``.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +42,7 @@ from circuitkit import hooks
 from circuitkit.distill import signals
 from circuitkit.distill.signals import Batch, Pooling, Signals
 from circuitkit.tasks.base import check_task
+from circuitkit.training import lm_loss, loss_mask
 
 _LOG_FLOOR = 1e-12
 
@@ -133,8 +126,6 @@ def loss_ns(t: Signals, s: Signals, w1: Tensor, w2: Tensor) -> Tensor:
 
 def loss_cot(logits: Tensor, tokens: Tensor, mask: Tensor, topk: tuple[Tensor, Tensor] | None,
              cfg: LossConfig) -> Tensor:
-    from circuitkit.training import lm_loss
-
     ce = lm_loss(logits, tokens, mask)
     if cfg.kd_weight <= 0 or topk is None:
         return ce
@@ -209,10 +200,8 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
         raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}.")
     on = [k for k in MECH if lambdas.get(k, 0.0) > 0]
     names = ["cot"] + on
-    grads = {}
-    for i, k in enumerate(names):
-        grads[k] = list(torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1,
-                                            allow_unused=True))
+    grads = {k: list(torch.autograd.grad(terms[k], params, retain_graph=i < len(names) - 1,
+                                         allow_unused=True)) for i, k in enumerate(names)}
     norms = {k: _norm(g) for k, g in grads.items()}
     out = {f"gn_{k}": float(norms.get(k, 0.0)) for k in ("cot",) + MECH}
     if not all(bool(torch.isfinite(n)) for n in norms.values()):
@@ -288,8 +277,6 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
         if cot == "teacher":
             tokens, mask = signals.teacher_rows(teacher, task)
         elif cot == "task":
-            from circuitkit.training import loss_mask
-
             tokens, mask = task.clean_tokens, loss_mask(task)
         else:
             raise ValueError(f"cot must be 'teacher', 'task' or (tokens, mask); got {cot!r}.")
@@ -301,15 +288,7 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     qs = signals.queries(tokens, lay, cfg.heads)
     _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
     anchors = signals.Anchors.of(task, cfg.phase1_reading)
-    dev = next(teacher.parameters()).device
-    with torch.no_grad():
-        t_logits, acts = signals.run_and_capture(teacher, tokens.to(dev), pool.layers(),
-                                                 v_layers=pool.p2_layers())
-        t_sig = signals.readout(teacher, acts, qs, pool, anchors).detach()
-        topk = None
-        if cfg.topk_logits:
-            v, i = t_logits.float().topk(cfg.topk_logits, dim=-1)
-            topk = (v, i)
+    t_sig, topk = signals.read_teacher(teacher, tokens, qs, pool, anchors, cfg.topk_logits)
     batch = Batch(tokens, mask.bool(), qs, t_sig, topk)
     return student_terms(student, batch, pool, anchors, cfg, lambda_p1, lambda_p2, lambda_ns)
 
@@ -334,8 +313,6 @@ def _cot_pair(cot: Any) -> tuple[Tensor, Tensor]:
 def _warn_no_steps(qs: Any, lambda_p1: float, lambda_p2: float, cot: Any) -> None:
     """p1/p2 are 0 when the CoT rows hold no anchor steps / no shortlist and answer: say so
     instead of training on L_CoT alone without a word."""
-    import warnings
-
     gone = [n for n, lam, rows in (("p1", lambda_p1, len(qs.b1)), ("p2", lambda_p2, len(qs.b2)))
             if lam > 0 and rows == 0]
     if gone:

@@ -1,51 +1,20 @@
 """Teacher signals for mechanistic distillation, and the store that streams them to training.
+docs/distill.md is the reference (query rows, which heads, the student's head map, the store).
 
-A *signal* is what one of the teacher's top Phase-1 / Phase-2 heads does at the query positions of
-its own chain of thought (``ck.score_heads`` picks the heads). Each teacher head is matched by its
-own student head (``head_map``), read by the same code (``readout``) at the same hook names
-(``hooks.pattern``, ``hooks.z``, ``hooks.v``, ``hooks.FINAL_NORM_IN``), so a loss compares like
-with like, head by head.
+A *signal* is what one of the teacher's top Phase-1 / Phase-2 heads (``phase_heads``) does at the
+query positions of its own chain of thought. Each teacher head is matched by its own student head
+(``head_map``), read by the same code (``readout``) at the same hook names (``hooks.pattern``,
+``hooks.z``, ``hooks.v``, ``hooks.FINAL_NORM_IN``), so a loss compares like with like.
 
-Rows and positions (task layout: the token at ``p`` is predicted from the logits at ``p - 1``):
+Rows (the token at ``p`` is predicted from the logits at ``p - 1``; ``queries`` parses a CoT row
+``<bos> note <think> anchors <sl> shortlist </think> answer <eos>``): Phase-1 rows ``(b1, q1)``,
+``q1 = p - 1`` for each anchor token ``p``; Phase-2 rows ``(b2, q2)``, ``q2 = p - 1`` for each
+answer label ``p`` (``heads="causal"``: each shortlist entry; entries after ``q2`` masked), keys
+``keys2`` the shortlist positions, ``tok2`` their tokens; row weights ``w = 1 / (steps of that
+example)``.
 
-* a CoT row is ``<bos> note <think> anchors <sl> shortlist </think> answer <eos>`` (the teacher's
-  greedy continuation of ``note <think>``); ``queries`` parses it;
-* Phase-1 query rows ``(b1, q1)``: ``q1 = p - 1`` for each anchor token ``p`` between
-  ``<think>`` and ``<sl>``; Phase-2 query rows ``(b2, q2)``: ``q2 = p - 1`` for each label
-  token after ``</think>``; their keys ``keys2`` are the shortlist positions (label tokens
-  between ``<sl>`` and ``</think>``) and ``tok2`` the tokens there;
-* row weights ``w = 1 / (steps of that example)``: losses average over steps, then examples
-  (as Reasoning Focus does).
-
-Heads (``phase_heads``): phase ``k``'s top ``top_k`` heads, best first, with weights
-``alpha = max(score, 0) / sum`` (uniform when none is positive). Phase 2 ranks by
-``refine_score`` (the margin a head writes from the shortlist entries it reads). Phase 1 ranks by
-the CoarseScore of one *reading* of the anchor directions (``READINGS``): ``"tokens"`` (default:
-``coarse_score_tokens``, the anchor tokens' own unembedding columns) or ``"labels"``
-(``coarse_score``, the label centroids); the Phase-1 write profile is read in the same
-directions. docs/distill.md says why tokens is the default (on icd-teacher the centroid
-reading's top set is unstable and half of it is the Phase-2 retrieval heads).
-
-Heads by causal evidence (``heads="causal"``, ``HEAD_CHOICES``): phase ``k``'s heads are the
-ones whose noising at the positions where the phase's loss reads them costs the most of the
-phase's clean-corrupt gap: the columns ``p{k}_noise_{g}`` of ``scoring.causal.causal_table``
-(merged into the score table; ``g = CAUSAL_GROUPS[k]``: Phase 1 at its anchor steps, Phase 2 at
-its *shortlist* steps, where the teacher makes the sibling decision), ranked by
-``p{k}_noise_rank_{g}``, weights ``alpha = max(-share, 0) / sum``. Phase-2 query rows then sit at
-the shortlist steps: ``q2 = p - 1`` for each shortlist entry ``p`` (weights ``1 / entries``),
-keys the same shortlist positions (entries after ``q2`` are masked: zero attention and write in
-both models).
-
-Student heads (``head_map``, a fixed assignment): a student of the teacher's shape uses the same
-heads; otherwise teacher layer ``l`` maps to student layer ``floor((l + 1/2) L_S / L_T)`` (same
-relative depth) and the teacher's top heads (Phase 1's, then Phase 2's, each best first) take
-that layer's heads ``0, 1, ...`` in turn, at most ``max(1, floor(share * H_S))`` of them (default
-half: the rest stay free); a teacher head past that shares a student head (round robin), and a
-head in both phases' top sets keeps one student head.
-
-Signals (``readout``; ``N1``/``N2`` query rows, ``k1``/``k2`` heads, ``S`` keys, ``A`` anchors,
-``K`` shortlist keys, ``D`` d_model of the model read; ``w = z[b, q, h] @ W_O[l, h]`` a head's
-write):
+Signals (``N1``/``N2`` query rows, ``k1``/``k2`` heads, ``S`` keys, ``A`` anchors, ``K``
+shortlist keys, ``D`` d_model of the model read; ``w = z[b, q, h] @ W_O[l, h]`` a head's write):
 
 =============  ===========  ====================================================================
 p1_attn        [N1, k1, S]  ``pattern_l[b, h, q, :]``: where the head reads (keys ``0..q``)
@@ -55,48 +24,39 @@ p1_profile     [N1, k1, A]  ``cos(w, u_a)`` for every anchor ``a``, ``u`` the mo
 p1_alignment   [N1, k1]     ``cos(w, u_c) - mean_{a != c} cos(w, u_a)``, ``c`` the anchor
                             predicted at that step (the head's anchor_alignment at that row)
 p2_loop        [N2, k2,     ``(pattern_l[b, h, q, keys], 1 - their sum)``: attention over the
-               K+1]         shortlist entries plus the mass elsewhere (shortlist_share and
-                            key_preference are functions of it)
-p2_effect      [N2, k2, K]  ``e_k = n(w_SL) . W_U[:, tok_k] - mean_j n(w_SL) . W_U[:, tok_j]``:
-                            what the head writes *from the shortlist entries it reads*,
-                            ``w_SL = sum_{s in keys} A[s] v[b, s, h] @ W_O[l, h]``, as logits of
-                            the shortlist labels through the final norm as the run scaled it
-                            (``n``, frozen), centred over the shortlist; ``refine_score`` at that
-                            row is ``e_target - mean e_near-misses``
+               K+1]         shortlist entries plus the mass elsewhere
+p2_effect      [N2, k2, K]  ``e_k = n(w_SL) . W_U[:, tok_k] - mean_j n(w_SL) . W_U[:, tok_j]``,
+                            ``w_SL = sum_{s in keys} A[s] v[b, s, h] @ W_O[l, h]``: what the head
+                            writes from the shortlist entries it reads, as logits of the
+                            shortlist labels through the frozen final norm ``n``, centred
 ns_attn1/2     [N, L_T, S]  non-selective baseline: per teacher layer the mean over *all* its
                             heads (student: over all heads of the mapped layer)
 =============  ===========  ====================================================================
 
-The unembedding ``W_U``, the final-norm weight and the run's norm scales are detached in signals
-(the reading frame is the model's own and fixed within a step: a mechanistic loss moves the
-heads, not the frame); ``W_O``, patterns, ``z`` and ``v`` keep their gradients, so a signal's
-gradient reaches its own head's query, key, value and output weights and what they read (the
-residual below), never another head of that layer.
+``W_U``, the final-norm weight and the run's norm scales are detached (the reading frame);
+``W_O``, patterns, ``z`` and ``v`` keep their gradients, so a signal's gradient reaches its own
+head's weights and what they read, never another head of that layer.
 
-Store (``build_store``/``SignalStore``): a folder of safetensors shards (``shard-00000``...) of
-``shard_size`` examples each, with the teacher's CoT rows, loss mask, query rows and signals (fp32)
-and, optionally, the teacher's top-k logits at every position; ``manifest.json`` names the
-teacher fingerprint (hash of its weights), the score-table hash, the task fingerprint, the options,
-the teacher's heads per phase (best first, with weights), each shard with its SHA-256, and a
-SHA-256 of each of its own fields (``checksums``: ``manifest_checksums``).
-Building is resumable shard by shard (``manifest.partial.json`` lists the shards written so far,
-with their SHA-256: a resumed build keeps those that still match, recomputes the rest);
-``SignalStore.open`` refuses a store whose manifest is malformed (each field's type, range and
-checksum checked, the field named), does not match the run (``build_store`` also compares the
-fields it derives from the teacher, score table and task), or whose shard files do not match their
-SHA-256 (swapped, edited, truncated: the shard named). Training reads one shard at a time
-(``BatchStream``), so the teacher never sits in memory beside the student.
+Store (``build_store``/``SignalStore``): safetensors shards of ``shard_size`` examples (CoT rows,
+loss mask, query rows, signals, optionally the teacher's top-k logits) and ``manifest.json``
+(fingerprints of teacher, score table and task, options, heads, a SHA-256 per shard and per
+field); resumable shard by shard (``manifest.partial.json``); ``SignalStore.open`` refuses a
+malformed, mismatched or damaged store naming the field or shard. Training reads one shard at a
+time (``BatchStream``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +65,14 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.models import hf_model_of, plain_parameters  # noqa: F401 (re-exported)
+from circuitkit._progress import tqdm
+from circuitkit.evaluation import greedy_decode, task_prompts
+from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_json, write_tensors
+from circuitkit.models import hf_model_of, hf_progress, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.patching.shortcuts import attn_result_off  # nothing here reads hook_result
+from circuitkit.scoring.coarse import anchor_directions
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
+from circuitkit.training import cot_rows, teacher_cot
 
 FORMAT = "circuitkit.distill.signals/4"  # /2: a SHA-256 per shard; /3: per-head signals;
 # /4: a SHA-256 per manifest field (``manifest_checksums``)
@@ -117,7 +82,6 @@ SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score
                  "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
                  "key_preference", "loopback", "margin_widening", "refine_score", "phase1_rank",
                  "phase1_rank_tokens", "phase2_rank")
-_EPS = 1e-12
 
 
 class StoreProblem(ValueError):
@@ -206,19 +170,16 @@ def queries(tokens: Int[Tensor, "b s"], lay: Layout, heads: str = "scores") -> Q
     b1, q1, w1, a1, b2, q2, w2, keys, toks = [], [], [], [], [], [], [], [], []
     for b, row in enumerate(tokens.tolist()):
         anchors, short, answer = parse_row(row, lay)
-        for p in anchors:
-            b1.append(b)
-            q1.append(p - 1)
-            w1.append(1.0 / len(anchors))
-            a1.append(tok2anchor[row[p]])
-        if short:
-            rows = short if at_shortlist else answer
-            for p in rows:
-                b2.append(b)
-                q2.append(p - 1)
-                w2.append(1.0 / len(rows))
-                keys.append(short)
-                toks.append([row[s] for s in short])
+        b1 += [b] * len(anchors)
+        q1 += [p - 1 for p in anchors]
+        w1 += [1.0 / len(anchors) for _ in anchors]
+        a1 += [tok2anchor[row[p]] for p in anchors]
+        rows = (short if at_shortlist else answer) if short else []
+        b2 += [b] * len(rows)
+        q2 += [p - 1 for p in rows]
+        w2 += [1.0 / len(rows) for _ in rows]
+        keys += [short] * len(rows)
+        toks += [[row[s] for s in short]] * len(rows)
     K = max((len(k) for k in keys), default=0)
     pad = lambda rows: torch.tensor([r + [-1] * (K - len(r)) for r in rows],  # noqa: E731
                                     dtype=torch.long).reshape(len(rows), K)
@@ -270,7 +231,8 @@ def check_reading(reading: str) -> str:
 
 def phase_column(phase: int, reading: str = "tokens", heads: str = "scores"
                  ) -> tuple[str, str]:
-    """``(score, rank)`` columns ``phase``'s heads are chosen by (module docstring)."""
+    """``(score, rank)`` columns ``phase``'s heads are chosen by: Phase 2 ``refine_score``,
+    Phase 1 the reading's CoarseScore; ``heads="causal"``: ``causal_columns``."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2, got {phase!r}.")
     if check_heads(heads) == "causal":
@@ -318,10 +280,16 @@ def phase_heads(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int
 def head_weights(scores: Any, n_layers: int, n_heads: int, phase: int, top_k: int,
                  reading: str = "tokens", heads: str = "scores") -> Float[Tensor, "L H"]:
     """``phase_heads``' weights as an ``[L, H]`` matrix (0 off the top heads; sums to 1)."""
-    chosen, alpha = phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads)
-    w = torch.zeros(n_layers, n_heads)
-    for (lay, hd), a in zip(chosen, alpha.tolist(), strict=True):
-        w[lay, hd] = a
+    return _matrix((n_layers, n_heads),
+                   *phase_heads(scores, n_layers, n_heads, phase, top_k, reading, heads))
+
+
+def _matrix(shape: tuple[int, int], heads: Sequence[tuple[int, int]], alpha: Tensor
+            ) -> Float[Tensor, "L H"]:
+    """``alpha`` of each head at its ``(layer, head)`` (summed where one repeats), else 0."""
+    w = torch.zeros(shape)
+    for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
+        w[lay, hd] += a
     return w
 
 
@@ -334,7 +302,7 @@ def layer_map(n_teacher: int, n_student: int) -> list[int]:
 
 def head_map(heads: Sequence[tuple[int, int]], teacher_shape: tuple[int, int], n_layers: int,
              n_heads: int, share: float = HEAD_SHARE) -> dict[tuple[int, int], tuple[int, int]]:
-    """The student head ``(layer, head)`` of each teacher head in ``heads`` (module docstring):
+    """The student head ``(layer, head)`` of each teacher head in ``heads`` (docs/distill.md):
     the identity for a student of the teacher's shape; otherwise the mapped layer's heads
     ``0, 1, ...`` in the order ``heads`` lists them, at most ``max(1, floor(share * n_heads))``
     per layer (round robin past that)."""
@@ -397,17 +365,11 @@ class Pooling:
     def w1(self) -> Tensor:
         """Phase 1 as an ``[L, H]`` weight matrix (a head standing for several teacher heads
         holds their sum)."""
-        return self._matrix(self.heads1, self.alpha1)
+        return _matrix(self.shape, self.heads1, self.alpha1)
 
     @property
     def w2(self) -> Tensor:
-        return self._matrix(self.heads2, self.alpha2)
-
-    def _matrix(self, heads: tuple[tuple[int, int], ...], alpha: Tensor) -> Tensor:
-        w = torch.zeros(self.shape)
-        for (lay, hd), a in zip(heads, alpha.tolist(), strict=True):
-            w[lay, hd] += a
-        return w
+        return _matrix(self.shape, self.heads2, self.alpha2)
 
     def layers(self) -> list[int]:
         return sorted({lay for lay, _ in self.heads1 + self.heads2} | set(self.ns_layers))
@@ -459,20 +421,16 @@ class Anchors:
     @classmethod
     def of(cls, task: Any, reading: str = "tokens") -> Anchors:
         labels = check_reading(reading) == "labels"
-        return cls(reading, tuple(int(t) for t in task.anchor_token_ids.tolist()),
-                   tuple(int(t) for t in task.label_token_ids.tolist()) if labels else (),
-                   tuple(int(t) for t in task.label_anchor.tolist()) if labels else ())
+        return cls(reading, tuple(task.anchor_token_ids.tolist()),
+                   tuple(task.label_token_ids.tolist()) if labels else (),
+                   tuple(task.label_anchor.tolist()) if labels else ())
 
     def directions(self, W_U: Float[Tensor, "D V"]) -> Float[Tensor, "D A"]:
         """Centred anchor directions of this reading (detached), ``[D, A]``."""
-        from circuitkit.scoring.coarse import anchor_directions
-
-        lab = torch.tensor(self.label_token_ids, dtype=torch.long) if self.label_token_ids \
-            else None
-        anc = torch.tensor(self.label_anchor, dtype=torch.long) if self.label_anchor else None
-        return anchor_directions(W_U.detach(), torch.tensor(self.anchor_token_ids,
-                                                            dtype=torch.long),
-                                 self.reading, lab, anc)
+        lt = lambda t: torch.tensor(t, dtype=torch.long)
+        return anchor_directions(W_U.detach(), lt(self.anchor_token_ids), self.reading,
+                                 lt(self.label_token_ids) if self.label_token_ids else None,
+                                 lt(self.label_anchor) if self.label_anchor else None)
 
 
 def _cos(w: Float[Tensor, "N k D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N k A"]:
@@ -493,10 +451,6 @@ class Signals:
     p2_effect: Tensor
     ns_attn1: Tensor | None = None
     ns_attn2: Tensor | None = None
-
-    def detach(self) -> Signals:
-        return Signals(**{f.name: None if getattr(self, f.name) is None
-                          else getattr(self, f.name).detach() for f in fields(self)})
 
 
 def _through_post(o: Tensor, acts: dict[str, Tensor], lay: int, b: Tensor, q: Tensor,
@@ -648,47 +602,48 @@ def _signal_tensors(sig: Signals, qs: Queries) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
+def read_teacher(teacher: Any, tokens: Tensor, qs: Queries, pool: Pooling, anchors: Anchors,
+                 topk_logits: int = 0) -> tuple[Signals, tuple[Tensor, Tensor] | None]:
+    """``(signals, topk)``: the teacher's signals at ``qs`` on CoT rows ``tokens`` and, with
+    ``topk_logits``, its top-k logits ``(values, indices)`` [b, s, k] (else None)."""
+    dev = next(teacher.parameters()).device
+    logits, acts = run_and_capture(teacher, tokens.to(dev), pool.layers(),
+                                   v_layers=pool.p2_layers())
+    topk = logits.float().topk(topk_logits, dim=-1) if topk_logits else None
+    return readout(teacher, acts, qs, pool, anchors), topk
+
+
 def teacher_signals(teacher: Any, tokens: Tensor, pool: Pooling, lay: Layout, anchors: Anchors,
                     topk_logits: int = 0, batch_size: int = 64, heads: str = "scores"
                     ) -> dict[str, Tensor]:
     """Signals of ``teacher`` on CoT rows ``tokens`` as the tensors a shard holds (query rows
-    indexed into ``tokens``)."""
-    dev = next(teacher.parameters()).device
+    indexed into ``tokens``; the shortlist axis padded to the widest batch's, -1 for keys and
+    tokens, 0 for signals, a loop's "elsewhere" mass kept last)."""
     parts: list[dict[str, Tensor]] = []
     for s in range(0, len(tokens), batch_size):
         chunk = tokens[s: s + batch_size]
         qs = queries(chunk, lay, heads)
-        logits, acts = run_and_capture(teacher, chunk.to(dev), pool.layers(),
-                                       v_layers=pool.p2_layers())
-        t = _signal_tensors(readout(teacher, acts, qs, pool, anchors), qs)
+        sig, topk = read_teacher(teacher, chunk, qs, pool, anchors, topk_logits)
+        t = _signal_tensors(sig, qs)
         t["p1_b"] += s
         t["p2_b"] += s
-        if topk_logits:
-            v, i = logits.float().topk(topk_logits, dim=-1)
-            t["topk_val"], t["topk_idx"] = v.cpu(), i.int().cpu()
+        if topk is not None:
+            t["topk_val"], t["topk_idx"] = topk[0].cpu(), topk[1].int().cpu()
         parts.append(t)
-    out = {}
-    for k in parts[0]:
-        if k in ("p2_keys", "p2_tok"):
-            K = max(p[k].shape[1] for p in parts)
-            out[k] = torch.cat([torch.nn.functional.pad(p[k], (0, K - p[k].shape[1]), value=-1)
-                                for p in parts])
-        elif k in ("p2_loop", "p2_effect"):
-            K = max(p["p2_keys"].shape[1] for p in parts)
-            extra = 1 if k == "p2_loop" else 0
-            out[k] = torch.cat([_pad_keys(p[k], K + extra, k == "p2_loop") for p in parts])
-        else:
-            out[k] = torch.cat([p[k] for p in parts])
-    return out
+    K = max(p["p2_keys"].shape[1] for p in parts)
+    width = {"p2_keys": K, "p2_tok": K, "p2_effect": K, "p2_loop": K + 1}
+    return {k: torch.cat([_pad_keys(p[k], width[k], k) if k in width else p[k] for p in parts])
+            for k in parts[0]}
 
 
-def _pad_keys(t: Float[Tensor, "N k K"], width: int, loop: bool) -> Tensor:
-    """Widen the shortlist axis (the last) to ``width``, keeping the last column (the
-    "elsewhere" mass) of a loop distribution last."""
+def _pad_keys(t: Tensor, width: int, key: str) -> Tensor:
+    """Widen the shortlist axis (the last) of field ``key`` to ``width``: -1 for keys and
+    tokens, 0 for signals, keeping the last column (the "elsewhere" mass) of a loop last."""
     if t.shape[-1] == width:
         return t
-    if not loop:
-        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    if key != "p2_loop":
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]),
+                                       value=-1 if key in ("p2_keys", "p2_tok") else 0)
     pad = t.new_zeros(*t.shape[:-1], width - t.shape[-1])
     return torch.cat([t[..., :-1], pad, t[..., -1:]], -1)
 
@@ -704,14 +659,9 @@ class StoreSpec:
 
 
 def _manifest_mismatch(man: dict, spec: StoreSpec) -> list[str]:
-    bad = []
-    for key, want in (("teacher_fingerprint", spec.teacher), ("scores_hash", spec.scores),
-                      ("task_fingerprint", spec.task)):
-        if man.get(key) != want:
-            bad.append(f"{key} {man.get(key)} != this run's {want}")
-    if spec.options and man.get("options") != spec.options:
-        bad.append(f"options {man.get('options')} != this run's {spec.options}")
-    return bad
+    want = dict(teacher_fingerprint=spec.teacher, scores_hash=spec.scores,
+                task_fingerprint=spec.task, **({"options": spec.options} if spec.options else {}))
+    return [f"{k} {man.get(k)} != this run's {v}" for k, v in want.items() if man.get(k) != v]
 
 
 def teacher_folder(teacher: Any) -> Path | None:
@@ -724,8 +674,6 @@ def teacher_folder(teacher: Any) -> Path | None:
     path = Path(name)
     if not (path / "config.json").exists():
         return None
-    from circuitkit.models import hf_progress
-
     try:
         with hf_progress(False):  # a probe, not a load the user asked for: no bar
             fresh = AutoModelForCausalLM.from_pretrained(path)
@@ -741,50 +689,32 @@ def teacher_rows(teacher: Any, task: Any, folder: Path | None = None
     (``training.teacher_cot``, KV cache) when given, else decoded through the bridge
     (``evaluation.greedy_decode``: no cache, same tokens)."""
     if folder is not None:
-        from circuitkit.training import teacher_cot
-
         return teacher_cot(task, str(folder))
-    from circuitkit.evaluation import greedy_decode, prompt_end
-
-    think = task.vocab.index("<think>") if "<think>" in task.vocab else None
-    prompts = [e.tokens[: prompt_end(e, think)] for e in task.examples]
+    prompts, _ = task_prompts(task)
     width = task.clean_tokens.shape[1] + 4
     gens = greedy_decode(teacher, prompts, task.eos_id, max(1, width - min(map(len, prompts))))
-    tokens = torch.full((len(prompts), width), task.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(tokens, dtype=torch.bool)
-    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
-        g = g[: width - len(p)]
-        tokens[i, : len(p)] = p
-        tokens[i, len(p): len(p) + len(g)] = torch.tensor(g, dtype=torch.long)
-        mask[i, len(p): len(p) + len(g)] = True
-    return tokens, mask
+    return cot_rows(prompts, gens, width, task.pad_id)
 
 
 def build_store(teacher: Any, pool_task: Any, scores: Any, out: str | Path,
                 options: StoreOptions | None = None, teacher_name: str | None = None,
                 progress: bool = True, batch_size: int = 64) -> SignalStore:
     """Write the teacher-signal store of ``pool_task`` to ``out`` (or resume one, or return the
-    finished one); see the module docstring. ``teacher``: a ``TransformerBridge``
+    finished one). ``teacher``: a ``TransformerBridge``
     (``ck.load_model``); its CoT: ``teacher_rows``."""
-    from circuitkit.files import check_writable_dir, lock_folder
-
     options = options or StoreOptions()
     options.check()
     out = check_writable_dir(out, "signal store folder")
-    if (out / MANIFEST).exists():  # finished: read it without the builders' lock, so runs
-        # sharing a store (the ablation's workers) never refuse each other; the manifest is
-        # written last and atomically, and open() verifies every shard's SHA-256
-        return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
-                            batch_size)
-    with lock_folder(out, "signal store folder"):  # one builder at a time
+    # one builder at a time; a finished store is read without the builders' lock, so runs
+    # sharing it (the ablation's workers) never refuse each other: the manifest is written last
+    # and atomically, and open() verifies every shard's SHA-256
+    with nullcontext() if (out / MANIFEST).exists() else lock_folder(out, "signal store folder"):
         return _build_store(teacher, pool_task, scores, out, options, teacher_name, progress,
                             batch_size)
 
 
 def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: StoreOptions,
                  teacher_name: str | None, progress: bool, batch_size: int) -> SignalStore:
-    from circuitkit.files import sha256_file, write_json, write_tensors
-
     f = hooks.facts(teacher)
     pool = Pooling.teacher(scores, f.n_layers, f.n_heads, options.top_k1, options.top_k2,
                            options.nonselective, options.phase1_reading, options.heads)
@@ -818,48 +748,38 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     else:
         write_json(partial, head)
     n = len(pool_task)
-    starts = list(range(0, n, options.shard_size))
-    bar = None
-    if progress:
-        from circuitkit._progress import tqdm
-
-        bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr)
+    bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr,
+               disable=not progress)
     shards = []
     folder = teacher_folder(teacher)
-    for i, s in enumerate(starts):
+    for i, s in enumerate(range(0, n, options.shard_size)):
         path = out / f"shard-{i:05d}.safetensors"
         sub = pool_task.subset(range(s, min(s + options.shard_size, n)))
-        entry = known.get(path.name)
-        if entry is not None and entry.get("n_examples") == len(sub) and path.is_file() \
-                and sha256_file(path) == entry.get("sha256"):
-            # a shard a killed build finished: its width and size come from the file itself
-            entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
-                         bytes=path.stat().st_size, sha256=entry["sha256"])
-        else:
+        old = known.get(path.name, {})
+        # a shard a killed build finished is kept: its width and size come from the file itself
+        digest = sha256_file(path) if old.get("n_examples") == len(sub) and path.is_file() \
+            else None
+        if digest is None or digest != old.get("sha256"):
             tokens, mask = teacher_rows(teacher, sub, folder)
             t = teacher_signals(teacher, tokens, pool, lay, anchors, options.topk_logits,
                                 batch_size, options.heads)
             t.update(tokens=tokens.int(), mask=mask.to(torch.uint8))
             write_tensors(path, t)
-            entry = dict(file=path.name, n_examples=len(sub), width=_width(path),
-                         bytes=path.stat().st_size, sha256=sha256_file(path))
-        shards.append(entry)
+            digest = sha256_file(path)
+        shards.append(dict(file=path.name, n_examples=len(sub), width=_shape(path, "tokens")[1],
+                           bytes=path.stat().st_size, sha256=digest))
         write_json(partial, dict(head, shards=shards))  # a kill from here on keeps this shard
-        if bar is not None:
-            bar.update(len(sub))
-    if bar is not None:
-        bar.close()
+        bar.update(len(sub))
+    bar.close()
     man = dict(head, shards=shards, n_examples=n, bytes=sum(s["bytes"] for s in shards))
     man = json.loads(json.dumps(man))  # as it reads back: the checksums are of that
     man["checksums"] = manifest_checksums(man)
     write_json(out / MANIFEST, man)
     partial.unlink(missing_ok=True)
-    steps = {k: sum(_shape(out / s["file"], k)[0] for s in shards) for k in ("p1_b", "p2_b")}
-    if not steps["p1_b"] or not steps["p2_b"]:
-        import warnings
-
-        gone = [(p, t) for p, t, k in (("Phase-1 anchor steps", "L_P1", "p1_b"),
-                                       ("Phase-2 answer steps", "L_P2", "p2_b")) if not steps[k]]
+    gone = [(p, t) for p, t, k in (("Phase-1 anchor steps", "L_P1", "p1_b"),
+                                   ("Phase-2 answer steps", "L_P2", "p2_b"))
+            if not sum(_shape(out / s["file"], k)[0] for s in shards)]
+    if gone:
         warnings.warn(f"signal store {out}: the teacher's greedy CoT of these {n} notes has no "
                       f"{' and no '.join(p for p, _ in gone)}, so "
                       f"{' and '.join(t for _, t in gone)} will be 0 in training: is the teacher "
@@ -1033,8 +953,6 @@ def _number(x: Any) -> bool:
 def check_shards(man: dict, store: Path) -> None:
     """Each shard file exists, has the manifest's size and SHA-256; otherwise a ``ValueError``
     naming the shard (swapped, edited, truncated or missing)."""
-    from circuitkit.files import sha256_file
-
     for e in man["shards"]:
         file = store / e["file"]
         if not file.is_file():
@@ -1068,16 +986,10 @@ def _shape_or_none(path: Path) -> list[int] | None:
         return None
 
 
-def _width(path: Path) -> int:
-    return _shape(path, "tokens")[1]
-
-
 def _options_dict(o: StoreOptions) -> dict[str, Any]:
-    out = dict(top_k1=o.top_k1, top_k2=o.top_k2, nonselective=o.nonselective,
-               topk_logits=o.topk_logits, shard_size=o.shard_size,
-               phase1_reading=o.phase1_reading)
-    if o.heads != "scores":  # stores of the default choice keep their manifests
-        out["heads"] = o.heads
+    out = asdict(o)
+    if o.heads == "scores":  # stores of the default choice keep their manifests
+        del out["heads"]
     return out
 
 
@@ -1136,14 +1048,13 @@ class SignalStore:
 
     def pooling(self) -> Pooling:
         """The teacher's heads and weights as built."""
-        sh = self.manifest["teacher_shape"]
-        w = self.manifest["weights"]
+        sh, w = self.manifest["teacher_shape"], self.manifest["weights"]
         ns = tuple(range(sh["n_layers"])) if self.manifest["options"]["nonselective"] else ()
-        return Pooling(tuple((a, b) for a, b, _ in w["p1"]),
-                       torch.tensor([v for *_, v in w["p1"]], dtype=torch.float32),
-                       tuple((a, b) for a, b, _ in w["p2"]),
-                       torch.tensor([v for *_, v in w["p2"]], dtype=torch.float32),
-                       (sh["n_layers"], sh["n_heads"]), ns)
+
+        def phase(k: str) -> tuple[tuple[tuple[int, int], ...], Tensor]:
+            return (tuple((a, b) for a, b, _ in w[k]),
+                    torch.tensor([v for *_, v in w[k]], dtype=torch.float32))
+        return Pooling(*phase("p1"), *phase("p2"), (sh["n_layers"], sh["n_heads"]), ns)
 
     def shard(self, i: int) -> dict[str, Tensor]:
         if self._cache is not None and self._cache[0] == i:
@@ -1236,10 +1147,7 @@ class BatchStream:
         return self.store.batch(*self.locate(i))
 
     def __iter__(self) -> Iterator[Batch]:
-        i = 0
-        while True:
-            yield self[i]
-            i += 1
+        return map(self.__getitem__, itertools.count())
 
 
 def hash_ints(*xs: int) -> int:

@@ -1,38 +1,17 @@
-"""Train a student on the teacher-signal store: ``L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2``.
+"""Train a student on the teacher-signal store: ``L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2``
+(docs/distill.md, "Training").
 
-``train_student(cfg, out_dir)``:
-
-1. the teacher (``ck.load_model(cfg.teacher)``) is scored (``ck.score_heads`` on ``score_examples``
-   train notes, cached as ``scores.csv`` beside the store) and its signals on ``pool_size`` train
-   notes are written to the store (``signals.build_store``; resumable; refused on mismatch);
-   then the teacher is dropped: training reads the store one shard at a time;
-2. the student is a fresh HF ``LlamaForCausalLM`` (``training.build_model``, preset by name or
-   fields) run through a ``TransformerBridge`` that wraps it (``ck.load_model(hf_model)``: the
-   parameters are the HF model's), so its signals come from the same hook names as the
-   teacher's; a CoT-only step (all lambdas 0) reads no hooks;
-3. AdamW with linear warm-up and cosine decay, batches from ``signals.BatchStream`` (batch ``i``
-   depends only on ``(seed, i)``); each term's gradient is taken on its own and combined by
-   ``loss.balanced_gradients`` (``balance``, ``grad_ratio``): the CoT part is clipped at 1 as
-   in ``training.train``, and no mechanistic term's own gradient counts for more than
-   ``grad_ratio`` times it (then weighted by its lambda), so the mechanistic losses cannot
-   throttle L_CoT. Every step's term values and gradient norms
-   go into the history (``HISTORY_COLUMNS``);
-4. resumable: every ``save_every`` steps (and on Ctrl-C) ``out_dir/train_state.safetensors``
-   (``training.save_train_state``: safetensors + JSON, no pickle) holds model, optimiser,
-   scheduler, step and history; the next call with the same config continues from it, and the
-   final weights equal an uninterrupted run's bit for bit. A step whose loss or gradient is not
-   finite stops the run with one error naming the step and the terms; nothing of that step is
-   applied and no non-finite weights are ever saved (the last good state stays);
-5. the student is saved as a plain HF folder (``save_pretrained`` + the task's tokenizer), loadable
-   with ``ck.load_model(out_dir)``, with ``distill.json`` (config, history, time, the SHA-256 of
-   every student file) written last: it marks the folder finished. The final training state is
-   kept: rerunning the same config on a finished folder whose files verify does nothing; one
-   whose student files are missing or modified is rewritten from that state (no training). A
-   finished folder of another config is refused unless ``overwrite=True`` (``--overwrite``),
-   which deletes its student, state and (the default ``OUT/signals``) store first.
-
-One run per ``out_dir`` at a time (``files.lock_folder``); taking the lock removes the temporary
-files a killed save left there.
+``train_student(cfg, out_dir)``: score the teacher and write its store (``prepare_store``), drop
+it; train a fresh HF ``LlamaForCausalLM`` (``training.build_model``) through a
+``TransformerBridge`` that wraps it (same hook names as the teacher's) with AdamW, warm-up and
+cosine decay (``training.optimizer``), batches from ``signals.BatchStream`` and each term's
+gradient combined by ``loss.balanced_gradients``; every step's terms and gradient norms go into
+the history (``HISTORY_COLUMNS``). Resumable from ``out_dir/train_state.safetensors`` (every
+``save_every`` steps and on Ctrl-C) bit for bit; a non-finite step stops the run with nothing of
+it applied. The student is saved as a plain HF folder with ``distill.json`` (config, history, the
+SHA-256 of every student file) written last: a finished folder of the same config is a no-op (or
+rewritten from the kept state when damaged), another config is refused unless ``overwrite``.
+One run per ``out_dir`` at a time (``files.lock_folder``).
 """
 
 from __future__ import annotations
@@ -48,9 +27,17 @@ from typing import Any
 
 import torch
 
+import circuitkit as ck
+from circuitkit import training
+from circuitkit.distill import signals
 from circuitkit.distill.loss import BALANCES, LossConfig, balanced_gradients, student_terms
+from circuitkit.evaluation import non_finite_parameters
+from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_text
+from circuitkit.models import configure_threads, hf_progress, shipped_path
+from circuitkit.tasks import load_task
+from circuitkit.tasks.base import word_tokenizer
+from circuitkit.training import PRESETS, STATE_FILE, Preset, build_model
 
-STATE_FILE = "train_state.safetensors"
 RECORD = "distill.json"  # written last: the folder holds a finished student
 # one history row per step: the terms, each term's own gradient norm, the factor its
 # lambda * gradient entered the step with, the cosine of the CoT and mechanistic parts, the
@@ -129,8 +116,6 @@ class DistillConfig:
 
 def preset(student: Any):
     """A ``training.Preset`` from a preset name, a dict of its fields, or a JSON file of them."""
-    from circuitkit.training import PRESETS, Preset
-
     if isinstance(student, str) and student in PRESETS:
         return PRESETS[student]
     if isinstance(student, (str, Path)) and Path(student).is_file():
@@ -154,16 +139,12 @@ def teacher_scores(teacher: Any, cfg: DistillConfig, folder: Path) -> Any:
     ``heads="causal"`` with ``causal_table``'s noise columns merged in."""
     import pandas as pd
 
-    from circuitkit.files import write_text
     from circuitkit.scoring.heads import score_heads
-    from circuitkit.tasks import load_task
 
     path = folder / "scores.csv"
     causal = cfg.loss_config().heads == "causal"
     old = pd.read_csv(path) if path.exists() else None
-    from circuitkit.distill.signals import causal_columns
-
-    needed = [c for p in (1, 2) for c in causal_columns(p)] if causal else []
+    needed = [c for p in (1, 2) for c in signals.causal_columns(p)] if causal else []
     if old is not None and all(c in old.columns for c in needed):
         return old
     task = load_task(cfg.task, n_examples=cfg.score_examples, seed=cfg.pool_seed + 1,
@@ -185,11 +166,6 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     the teacher is loaded here and released on return. ``overwrite``: a default store
     (``out_dir/signals``) built for another config is deleted and rebuilt (a ``cfg.store`` is
     the caller's: never deleted)."""
-    import circuitkit as ck
-    from circuitkit.distill.signals import StoreOptions, StoreProblem, build_store
-    from circuitkit.files import check_writable_dir
-    from circuitkit.tasks import load_task
-
     teacher = ck.load_model(cfg.teacher)
     pool = load_task(cfg.task, n_examples=cfg.pool_size, seed=cfg.pool_seed, split="train",
                      **cfg.task_kw)
@@ -201,16 +177,16 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
     folder = check_writable_dir(Path(cfg.store) if cfg.store else out_dir / "signals",
                                 "signal store folder (--store)")
     lc = cfg.loss_config()
-    opts = StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
-                        topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
-                        phase1_reading=lc.phase1_reading, heads=lc.heads)
+    opts = signals.StoreOptions(top_k1=lc.top_k1, top_k2=lc.top_k2, nonselective=True,
+                                topk_logits=lc.topk_logits, shard_size=cfg.shard_size,
+                                phase1_reading=lc.phase1_reading, heads=lc.heads)
     for attempt in (0, 1):
         try:
             table = scores if scores is not None else teacher_scores(teacher, cfg, folder)
-            store = build_store(teacher, pool, table, folder, opts, teacher_name=cfg.teacher,
-                                progress=progress)
+            store = signals.build_store(teacher, pool, table, folder, opts,
+                                        teacher_name=cfg.teacher, progress=progress)
             break
-        except StoreProblem:
+        except signals.StoreProblem:
             if attempt or not (overwrite and cfg.store is None):
                 raise
             import shutil
@@ -223,10 +199,6 @@ def prepare_store(cfg: DistillConfig, out_dir: Path, scores: Any = None, progres
 
 def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
     """``(hf_model, bridge)``: a fresh student and the bridge that runs it (shared weights)."""
-    import circuitkit as ck
-    from circuitkit.tasks.base import word_tokenizer
-    from circuitkit.training import build_model
-
     hf = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
     if cfg.init is not None:
         load_init(hf, cfg.init)
@@ -237,8 +209,6 @@ def build_student(cfg: DistillConfig, vocab: list[str], n_ctx: int):
 def init_folder(init: str) -> Path:
     """The HF folder ``init`` names: a folder with ``config.json`` and ``model.safetensors``, or
     a shipped model (``icd-student-cot``)."""
-    from circuitkit.models import shipped_path
-
     folder = Path(init) if (Path(init) / "config.json").is_file() else shipped_path(str(init))
     if folder is None or not (folder / "model.safetensors").is_file():
         raise ValueError(f"init={init!r}: expected an HF model folder (config.json and "
@@ -271,9 +241,6 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
     deleted first (otherwise refused). ``callback(step, hf_model)``: called after every
     ``save_every``-th step and the last (held-out curves, early stopping: ``distill.curves``);
     not part of the config, so it never changes what is trained."""
-    from circuitkit.files import check_writable_dir, lock_folder
-    from circuitkit.models import hf_progress
-
     cfg = cfg or DistillConfig()
     if overrides:
         bad = set(overrides) - set(DistillConfig.__dataclass_fields__)
@@ -291,8 +258,6 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
 def finished_problem(out: Path, record: dict) -> str:
     """Why a finished folder's student is not intact ("" when it is): a file listed in
     ``distill.json`` is missing or differs from its recorded SHA-256."""
-    from circuitkit.files import sha256_file
-
     sums = record.get("files")
     if not isinstance(sums, dict) or not sums:
         return f"{out / RECORD} lists no student files (an older circuitkit wrote it)"
@@ -338,10 +303,6 @@ def _config_diff(stored: dict, now: dict) -> str:
 def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
                    overwrite: bool, callback: Any = None) -> Path:
     from circuitkit._progress import tqdm
-    from circuitkit.distill.signals import BatchStream
-    from circuitkit.files import write_text
-    from circuitkit.models import configure_threads
-    from circuitkit.training import load_train_state, save_train_state
 
     configure_threads()
     state_path = out / STATE_FILE
@@ -371,36 +332,28 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                "training it again (no training state kept)")
         warnings.warn(f"circuitkit: finished student in {out} is damaged ({problem}); {how}.",
                       stacklevel=3)
-    if state_path.exists() and resume:
-        stored = load_train_state(state_path)
-        if stored["config"] != config:
-            if not overwrite:
-                raise ValueError(
-                    f"{state_path} belongs to a different distillation config "
-                    f"({_config_diff(stored['config'], config)}); pass --overwrite "
-                    "(overwrite=True) to start over, or use another out_dir.")
-            _clear(out, record)
+    stored = training.load_train_state(state_path) if resume and state_path.exists() else None
+    if stored is not None and stored["config"] != config:
+        if not overwrite:
+            raise ValueError(
+                f"{state_path} belongs to a different distillation config "
+                f"({_config_diff(stored['config'], config)}); pass --overwrite "
+                "(overwrite=True) to start over, or use another out_dir.")
+        _clear(out, record)
+        stored = None
     store, pool = prepare_store(cfg, out, scores, progress, overwrite)
-    width = max(s["width"] for s in store.manifest["shards"])
-    n_ctx = max(64, 2 ** math.ceil(math.log2(width + 1)))
+    n_ctx = training.context_length(max(s["width"] for s in store.manifest["shards"]))
     hf, student = build_student(cfg, pool.vocab, n_ctx)
     params = [p for p in hf.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s
-                                                                          / cfg.steps)))
-    stream = BatchStream(store, cfg.batch_size, cfg.seed)
+    opt, sched = training.optimizer(params, cfg)
+    stream = signals.BatchStream(store, cfg.batch_size, cfg.seed)
     teacher_pool = store.pooling()
     anchors = store.anchors
     lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
     lc = cfg.loss_config()
     step, elapsed, history = 0, 0.0, []
-    if resume and state_path.exists():
-        st = load_train_state(state_path)
-        hf.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+    if stored is not None:
+        step, elapsed, history = training.restore(stored, hf, opt, sched)
     saved = step  # the step of the training state on disk (0: none)
 
     def checkpoint() -> None:
@@ -409,9 +362,9 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
         if bad:  # never replace a good state with a broken one
             raise ValueError(_diverged(step, cfg, f"weights {bad[:3]} hold NaN/inf", saved,
                                        state_path))
-        save_train_state(state_path, dict(config=config, model=hf.state_dict(),
-                                          opt=opt.state_dict(), sched=sched.state_dict(),
-                                          step=step, elapsed=elapsed, history=history))
+        training.save_train_state(state_path, dict(
+            config=config, model=hf.state_dict(), opt=opt.state_dict(),
+            sched=sched.state_dict(), step=step, elapsed=elapsed, history=history))
         saved = step
 
     student.train()
@@ -476,11 +429,6 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
     return out
 
 
-def non_finite_parameters(model: Any) -> list[str]:
-    """Names of ``model``'s parameters holding NaN or inf."""
-    return [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-
-
 def _terms(terms: dict) -> str:
     return ", ".join(f"{k} {float(terms[k].detach()):.4g}" for k in ("total", "cot", "p1", "p2",
                                                                       "ns") if k in terms)
@@ -499,11 +447,8 @@ def _diverged(step: int, cfg: DistillConfig, what: str, saved: int, state: Path)
 def plain_model(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int) -> Any:
     """A fresh HF model of the student's preset holding ``hf``'s weights (copies, eval mode):
     what ``save_student`` writes and what a training callback measures."""
-    from circuitkit.distill.signals import plain_parameters
-    from circuitkit.training import build_model
-
     fresh = build_model(preset(cfg.student), len(vocab), n_ctx, cfg.seed)
-    params = plain_parameters(hf)
+    params = signals.plain_parameters(hf)
     missing = fresh.load_state_dict({k: v.detach().clone() for k, v in params.items()},
                                     strict=False)
     if missing.missing_keys or missing.unexpected_keys:
@@ -517,8 +462,7 @@ def save_student(hf: Any, cfg: DistillConfig, vocab: list[str], n_ctx: int,
     the bridge-wrapped model's own ``save_pretrained`` would write wrapper names). Returns
     ``{file name: SHA-256}`` of the files written. Refuses (``ValueError``) weights holding
     NaN or inf: a broken student is never saved."""
-    from circuitkit.files import sha256_file, write_files_into
-    from circuitkit.tasks.base import word_tokenizer
+    from circuitkit.files import write_files_into
 
     fresh = plain_model(hf, cfg, vocab, n_ctx)
     bad = non_finite_parameters(fresh)

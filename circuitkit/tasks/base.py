@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from circuitkit.tasks import jsonl
 # The CoT tasks that can be rendered as plain text for a pretrained LLM (``tasks.text``); a JSONL
 # task is read as the token ids it stores.
 TEXT_TASKS = ("icd10", "synthetic")
+ID_FIELDS = ("label_token_ids", "anchor_token_ids", "label_anchor")  # tensors here, lists in files
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Task:
         return out
 
     def subset(self, idx: list[int] | range) -> Task:
-        return _replace(self, examples=[self.examples[i] for i in idx])
+        return replace(self, examples=[self.examples[i] for i in idx])
 
     def with_phase(self, phase: int) -> Task:
         """This task at ``phase``: examples that store per-phase corruptions
@@ -121,11 +122,11 @@ class Task:
                 f"{self.phase}'s. Use the task at phase {self.phase} (--phase {self.phase}), or "
                 f"add {key} to the rows.")
         examples = [
-            _replace(e, corrupt_tokens=torch.as_tensor(e.meta[key], dtype=torch.long))
+            replace(e, corrupt_tokens=torch.as_tensor(e.meta[key], dtype=torch.long))
             if key in e.meta else e
             for e in self.examples
         ]
-        return _replace(self, phase=phase, examples=examples)
+        return replace(self, phase=phase, examples=examples)
 
     # --- JSONL (file format: circuitkit.tasks.jsonl, docs/jsonl.md) -----------------------------
     @classmethod
@@ -138,33 +139,25 @@ class Task:
         for row in rows:
             meta = dict(row.get("meta", {}))
             meta[jsonl.PHASE_CORRUPT[phase]] = row["corrupt_tokens"]
-            for k in jsonl.OPTIONAL_INT_LISTS:
-                if k in row:
-                    meta[k] = row[k]
+            meta.update({k: row[k] for k in jsonl.OPTIONAL_INT_LISTS if k in row})
             examples.append(Example(
                 tokens=torch.tensor(row["tokens"], dtype=torch.long),
                 corrupt_tokens=torch.tensor(row["corrupt_tokens"], dtype=torch.long),
                 **{k: row[k] for k in jsonl.INT_LIST_FIELDS[2:]}, meta=meta))
-        return cls(
-            name=head["name"], examples=examples, label_names=head["label_names"],
-            anchor_names=head["anchor_names"],
-            label_token_ids=torch.tensor(head["label_token_ids"], dtype=torch.long),
-            anchor_token_ids=torch.tensor(head["anchor_token_ids"], dtype=torch.long),
-            label_anchor=torch.tensor(head["label_anchor"], dtype=torch.long),
-            vocab=head["vocab"], phase=phase, pad_id=head.get("pad_id", 0),
-            bos_id=head.get("bos_id", 1), eos_id=head.get("eos_id", 2),
-            config=head.get("config", {}))
+        return cls(name=head["name"], examples=examples, label_names=head["label_names"],
+                   anchor_names=head["anchor_names"], vocab=head["vocab"], phase=phase,
+                   pad_id=head.get("pad_id", 0), bos_id=head.get("bos_id", 1),
+                   eos_id=head.get("eos_id", 2), config=head.get("config", {}),
+                   **{k: torch.tensor(head[k], dtype=torch.long) for k in ID_FIELDS})
 
     def to_jsonl(self, path: str | Path) -> None:
         """Write this task as JSONL (header line + one line per example); exact round trip.
         ``corrupt_tokens`` is written once: the other phase's corruption, if known, goes in
         ``corrupt_tokens_p{other}``."""
-        head = dict(name=self.name, phase=self.phase, vocab=self.vocab,
-                    label_names=self.label_names, anchor_names=self.anchor_names,
-                    label_token_ids=self.label_token_ids.tolist(),
-                    anchor_token_ids=self.anchor_token_ids.tolist(),
-                    label_anchor=self.label_anchor.tolist(), pad_id=self.pad_id,
-                    bos_id=self.bos_id, eos_id=self.eos_id, config=self.config)
+        head = {k: getattr(self, k) for k in ("name", "phase", "vocab", "label_names",
+                                              "anchor_names", *ID_FIELDS, "pad_id", "bos_id",
+                                              "eos_id", "config")}
+        head.update({k: head[k].tolist() for k in ID_FIELDS})
         other = jsonl.PHASE_CORRUPT[3 - self.phase]
         rows = []
         for e in self.examples:
@@ -193,11 +186,8 @@ class Task:
 
     def prompt_metric(self) -> PromptMetric:
         """Same as ``task.metric`` (kept for code written before ``metric`` was a property)."""
-        import dataclasses
-
         # labelled: a patching result of this metric names its task and phase (figure titles)
-        return dataclasses.replace(self._metric(), labels=(("task", self.name),
-                                                           ("phase", self.phase)))
+        return replace(self._metric(), labels=(("task", self.name), ("phase", self.phase)))
 
     @property
     def answer_positions(self) -> Int[Tensor, "batch k"]:
@@ -212,8 +202,7 @@ class Task:
     def answer_tokens(self) -> Int[Tensor, "batch k"]:
         """The token at each of ``answer_positions``' steps (what it predicts: the target),
         ``[batch, k]``, 0 where a row is padded (its position is -1 there)."""
-        return pad_rows([e.tokens[p].tolist() for e, p in zip(self.examples, self._step_pos(),
-                                                          strict=True)], fill=0)
+        return pad_rows(self._step_tokens(), fill=0)
 
     def position_groups(self, at: str = "tokens") -> dict[str, Tensor]:
         """The task's stages as position groups for ``ck.patch_heads(..., positions=...)``:
@@ -255,13 +244,16 @@ class Task:
         one = self.phase == 1 and self.config.get("metric") != "logprob"
         return [e.anchor_pos if one else e.answer_pos for e in self.examples]
 
+    def _step_tokens(self) -> list[list[int]]:
+        """The token at each of ``_step_pos``' positions, per example."""
+        return [e.tokens[p].tolist() for e, p in zip(self.examples, self._step_pos(), strict=True)]
+
     def _metric(self) -> PromptMetric:
         ex = self.examples
         steps = self._step_pos()
+        tokens = self._step_tokens()
         if self.config.get("metric") == "logprob":
-            return token_logprob_metric(
-                steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
-                name="answer_logprob")
+            return token_logprob_metric(steps, tokens, name="answer_logprob")
         if self.phase == 1:
             anchors = self.anchor_token_ids.tolist()
 
@@ -273,14 +265,11 @@ class Task:
                     return self.anchor_token_ids[e.meta["corrupt_anchors"]].tolist()
                 own = set(e.tokens[e.anchor_pos].tolist())
                 return [t for t in anchors if t not in own]
-            return token_margin_metric(
-                steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
-                [rivals(e) for e in ex], name="anchor_margin")
-        return token_margin_metric(
-            steps, [e.tokens[p].tolist() for e, p in zip(ex, steps, strict=True)],
-            [self.label_token_ids[e.near_misses].tolist() for e in ex],
-            name="target_vs_near_miss_margin",
-        )
+            return token_margin_metric(steps, tokens, [rivals(e) for e in ex],
+                                       name="anchor_margin")
+        return token_margin_metric(steps, tokens,
+                                   [self.label_token_ids[e.near_misses].tolist() for e in ex],
+                                   name="target_vs_near_miss_margin")
 
     # --- identity -------------------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -420,12 +409,6 @@ def phase_task(task: Task, phase: int) -> Task:
     tp = task.with_phase(phase)
     keep = [i for i, e in enumerate(tp.examples) if _has_steps(e, phase)]
     return tp if len(keep) == len(tp) else tp.subset(keep)
-
-
-def _replace(task: Task, **changes: Any) -> Task:
-    import dataclasses
-
-    return dataclasses.replace(task, **changes)
 
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]

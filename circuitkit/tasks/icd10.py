@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +150,7 @@ def hierarchy(labels: Any = None, chapters: tuple[str, ...] | None = None, n_lab
     cats = list(dict.fromkeys(r[2] for r in rows))
     # category word: rarest word of the category description among the chosen categories, unused
     cat_words = {c: words(desc[c]) for c in cats}
-    df: dict[str, int] = {}
-    for ws in cat_words.values():
-        for w in ws:
-            df[w] = df.get(w, 0) + 1
+    df = Counter(w for ws in cat_words.values() for w in ws)
     taken: set[str] = set()
     cat_word: dict[str, str] = {}
     for i, c in enumerate(cats):
@@ -166,10 +164,7 @@ def hierarchy(labels: Any = None, chapters: tuple[str, ...] | None = None, n_lab
     ev_words: list[tuple[str, str, str]] = [("", "", "")] * len(rows)
     for c, members in by_cat.items():
         lw = {i: [w for w in words(rows[i][5]) if w != cat_word[c]] for i in members}
-        cdf: dict[str, int] = {}
-        for ws in lw.values():
-            for w in ws:
-                cdf[w] = cdf.get(w, 0) + 1
+        cdf = Counter(w for ws in lw.values() for w in ws)
         used: set[frozenset] = set()
         n_synth = 0
         for i in members:
@@ -189,7 +184,6 @@ def hierarchy(labels: Any = None, chapters: tuple[str, ...] | None = None, n_lab
     label_tokens = [c + "." if c in anchor_set else c for c in codes]
     vocab = base + ev_vocab + anchor_names + label_tokens
     if len(set(vocab)) != len(vocab):
-        from collections import Counter
         dup = [w for w, n in Counter(vocab).items() if n > 1][:10]
         # duplicates would silently break the WordLevel tokenizer
         raise AssertionError(f"icd10 vocabulary has duplicate tokens {dup}")

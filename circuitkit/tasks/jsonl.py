@@ -1,39 +1,13 @@
-"""JSONL file format of a task: validation and (de)serialisation of plain rows (docs/jsonl.md).
+"""JSONL file format of a task: validation and (de)serialisation of plain rows. The schema, the
+validation rules and the version-1 reading: docs/jsonl.md.
 
 This module knows the file format only; it imports nothing from ``tasks.base`` (``Task`` builds
 itself from what ``read_jsonl`` returns and hands ``write_jsonl`` its rows), so there is no cycle.
-
-Line 1, the header (an object)::
-
-    {"format": "circuitkit.task", "version": 2, "name": str, "phase": 1|2,
-     "vocab": [str, ...],                      # token id -> token; starts <pad> <bos> <eos> <unk>
-     "label_names": [str, ...], "anchor_names": [str, ...],
-     "label_token_ids": [int, ...],            # label id -> token id   (len = len(label_names))
-     "anchor_token_ids": [int, ...],           # anchor id -> token id  (len = len(anchor_names))
-     "label_anchor": [int, ...],               # label id -> anchor id
-     "pad_id": 0, "bos_id": 1, "eos_id": 2, "config": {...}}
-
-Then one object per example::
-
-    {"tokens": [int, ...], "corrupt_tokens": [int, ...],            # same length, ids < len(vocab)
-     "corrupt_tokens_p1": [int, ...],         # optional: the OTHER phase's corruption (here p1
-                                              # in a phase-2 file); never the header's phase
-     "evidence_pos": [int, ...], "anchor_pos": [...], "shortlist_pos": [...], "answer_pos": [...],
-     "targets": [int, ...],                   # label ids, non-empty
-     "near_misses": [int, ...], "anchors": [int, ...],               # label ids / anchor ids
-     "corrupt_anchors": [int, ...],           # optional: anchor ids the corrupt evidence points to
-     "meta": {...}}                           # optional, free-form (never read by circuitkit)
-
-One source of truth per field: ``corrupt_tokens`` is the corruption for the header's phase; a
-``corrupt_tokens_p{phase}`` duplicating it is refused. Version-1 files kept per-phase corruptions
-and ``corrupt_anchors`` inside ``meta``; they are read, validated like every other field, and
-refused when ``meta.corrupt_tokens_p{phase}`` disagrees with ``corrupt_tokens``.
-
-Positions index ``tokens`` and must satisfy ``1 <= p < len(tokens)`` (a prediction of the token at p
-is read from logits at p - 1). Blank lines are skipped. Every bad row (malformed JSON, missing
-field, unknown label/anchor id, empty ``targets``, clean/corrupt length mismatch, position out of
-range, token id out of the vocabulary) is reported together in one ``ValueError`` as
-``file:line: reason``; no row is silently dropped. A file without examples is refused.
+Line 1 is the header (``HEADER_FIELDS``, ``HEADER_OPTIONAL``), each further line one example
+(``ROW_FIELDS``). One source of truth per field: ``corrupt_tokens`` is the corruption for the
+header's phase (a ``corrupt_tokens_p{phase}`` duplicating it is refused). Positions satisfy
+``1 <= p < len(tokens)``. Every bad row is reported together in one ``ValueError`` as
+``file:line: reason``; no row is silently dropped.
 """
 
 from __future__ import annotations

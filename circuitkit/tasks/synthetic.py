@@ -124,7 +124,7 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
             near[t] = sorted(rng.sample(sib, min(max_near_misses, len(sib))))
         order = targets[:]
         rng.shuffle(order)
-        note, ev_pos, group_start = [h_bos()], [], {}
+        note, ev_pos, group_start = [SPECIAL_TOKENS.index("<bos>")], [], {}
         for i, t in enumerate(order):
             if i:
                 note.append(sep)
@@ -148,7 +148,7 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
         shortlist_pos = list(range(len(seq), len(seq) + len(shortlist)))
         seq += h.label_token_ids[shortlist].tolist() + [end]
         answer_pos = list(range(len(seq), len(seq) + len(answer)))
-        seq += h.label_token_ids[answer].tolist() + [h_eos()]
+        seq += h.label_token_ids[answer].tolist() + [SPECIAL_TOKENS.index("<eos>")]
         # phase 1: one target's whole evidence -> evidence of a label under another anchor
         t1 = rng.choice(order)
         m = rng.randrange(n_labels)
@@ -173,14 +173,6 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
     return examples
 
 
-def h_bos() -> int:
-    return SPECIAL_TOKENS.index("<bos>")
-
-
-def h_eos() -> int:
-    return SPECIAL_TOKENS.index("<eos>")
-
-
 def task_from(h: Hierarchy, examples: list[Example], phase: int, config: dict) -> Task:
     task = Task(name=h.name, examples=examples, label_names=h.label_names,
                 anchor_names=h.anchor_names, label_token_ids=h.label_token_ids,
@@ -193,14 +185,8 @@ def decode_note(h: Hierarchy, tokens: list[int]) -> list[int]:
     """Label ids named by a note's evidence groups (first E tokens after ``<bos>`` or ``|``)."""
     think, sep = _struct_id("<think>"), _struct_id("|")
     note = tokens[1:tokens.index(think)]
-    groups, cur = [], []
-    for t in note:
-        if t == sep:
-            groups.append(cur)
-            cur = []
-        else:
-            cur.append(t)
-    groups.append(cur)
+    cuts = [-1] + [i for i, t in enumerate(note) if t == sep] + [len(note)]
+    groups = [note[a + 1:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     lookup = evidence_lookup(h)
     E = h.evidence.shape[1]
     return [lookup.get(tuple(g[:E]), -1) for g in groups]
