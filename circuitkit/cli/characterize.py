@@ -7,12 +7,12 @@ from pathlib import Path
 
 import typer
 
+from circuitkit.characterize import N_RANDOM, N_RANDOM_ABLATION
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _check_k, _claim_folder, _n_for, _one_of, _positive, _text_flag
 from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
 from circuitkit.cli.format import _run_words
-from circuitkit.characterize import N_RANDOM, N_RANDOM_ABLATION
 
 
 @app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
