@@ -4,7 +4,6 @@ rule are ``PatchResult``'s (``_as_patch_result``)."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,18 +14,17 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching.pages import write_page
 from circuitkit.patching.patch_result import PatchResult
 from circuitkit.patching.result_files import (
     _EDGE_FILE,
     EDGE_FORMAT,
     EDGE_FORMAT_VERSION,
-    TENSOR_FIELDS,
     _check_nodes,
     _checked_edge_info,
     _no_edge,
-    json_ready,
     load_result,
+    result_paths,
+    save_result,
 )
 
 
@@ -203,23 +201,12 @@ class EdgeResult:
         with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``, with
         the folder's one ``plotly.min.js``: ``write_page``), each written atomically; ``path``
         may be a folder (then ``<folder>/edges.*``)."""
-        from circuitkit import files
-
-        paths = _edge_paths(path)
-        paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
-        files.write_tensors(paths["safetensors"], tensors)
         info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     senders=[list(s) for s in self.senders],
                     receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
                     n_layers=self.n_layers, meta=self.meta)
-        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
-        if not views:
-            return [paths["safetensors"], paths["json"]]
-        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
-        return list(paths.values())
+        return save_result(self, result_paths(path, "edges"), info, views)
 
     @classmethod
     def load(cls, path: str | Path) -> EdgeResult:
@@ -230,7 +217,7 @@ class EdgeResult:
         q, k, v order, senders and receivers distinct, sorted and inside the model
         (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
         (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
-        paths = _edge_paths(path)
+        paths = result_paths(path, "edges")
 
         def layout(kw: dict[str, Any], tensors: dict[str, Any]) -> tuple:
             shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
@@ -243,13 +230,4 @@ class EdgeResult:
                 f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
                 f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
                 f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
-
-
-def _edge_paths(path: str | Path) -> dict[str, Path]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "edges"
-    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
-        p = p.with_suffix("")
-    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
 

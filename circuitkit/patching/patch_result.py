@@ -26,7 +26,6 @@ gap is at most the margin.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import warnings
 from collections.abc import Iterator
@@ -40,19 +39,18 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.patching.inputs import DIRECTIONS, EDGE_METHODS  # (a result holds no "auto")
-from circuitkit.patching.pages import write_page
 from circuitkit.patching.result_files import (
     _PATCH_FILE,
     FORMAT,
     FORMAT_VERSION,
     POSITIONS,
     SITES,
-    TENSOR_FIELDS,
     _checked_patch_info,
     _no_path,
     _patch_shape,
-    json_ready,
     load_result,
+    result_paths,
+    save_result,
 )
 
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
@@ -369,41 +367,18 @@ class PatchResult:
         return patch_heatmap(self, title, **kw)
 
     # --- persistence ----------------------------------------------------------------------------
-    @staticmethod
-    def _paths(path: str | Path) -> dict[str, Path]:
-        """The files of a result at ``path`` (a folder holding ``result.*``, or a base path with
-        or without a suffix)."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "result"
-        elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
-            p = p.with_suffix("")
-        return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv",
-                                                                   "html")}
-
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
         (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page that loads the folder's one
         ``plotly.min.js``, written beside it once: ``write_page``), each atomically; ``path``
         may be a folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
         writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
-        from circuitkit import files
-
-        paths = self._paths(path)
-        paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
-        files.write_tensors(paths["safetensors"], tensors)
         self._record_baseline()  # (fields may have been changed since it was made)
         info = dict(format=FORMAT, version=FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     site=self.site, positions=self.positions, axes=list(self.axes),
                     meta=self.meta)
-        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
-        if not views:
-            return [paths["safetensors"], paths["json"]]
-        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
-        return list(paths.values())
+        return save_result(self, result_paths(path, "result"), info, views)
 
     @classmethod
     def load(cls, path: str | Path) -> PatchResult:
@@ -411,8 +386,8 @@ class PatchResult:
         base path, or any of its files. Every field is validated (``_checked_info``,
         ``_check_tensors``: the checks ``EdgeResult.load`` applies too); a bad file is named
         with the field that is wrong (``ValueError``)."""
-        return load_result(cls, path, cls._paths(path), _PATCH_FILE, _checked_patch_info,
-                           lambda kw, _: (_patch_shape(kw), _no_path(kw)))
+        return load_result(cls, path, result_paths(path, "result"), _PATCH_FILE,
+                           _checked_patch_info, lambda kw, _: (_patch_shape(kw), _no_path(kw)))
 
     def __repr__(self) -> str:
         return (f"PatchResult(method={self.method!r}, direction={self.direction!r}, "

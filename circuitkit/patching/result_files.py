@@ -12,6 +12,7 @@ file and the field (docs/durability.md).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from circuitkit import files, hooks
+from circuitkit.patching.pages import write_page
 
 TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
 FORMAT = "circuitkit.patch_result"
@@ -62,6 +64,34 @@ def json_ready(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return str(obj)
+
+
+def result_paths(path: str | Path, name: str) -> dict[str, Path]:
+    """The files of a result at ``path``: a folder holding ``<name>.*``, or a base path with or
+    without a suffix."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / name
+    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+        p = p.with_suffix("")
+    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
+
+
+def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views: bool
+                ) -> list[Path]:
+    """What every result's ``save`` writes, each file atomically: ``TENSOR_FIELDS`` (the ones
+    set) to ``.safetensors``, ``info`` (``json_ready``) to ``.json`` and, with ``views``,
+    ``to_frame()`` to ``.csv`` and ``heatmap()`` to ``.html`` (``write_page``: the folder's
+    one ``plotly.min.js``). Returns the paths written."""
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: getattr(result, k) for k in TENSOR_FIELDS if getattr(result, k) is not None}
+    files.write_tensors(paths["safetensors"], tensors)
+    files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
+    if not views:
+        return [paths["safetensors"], paths["json"]]
+    files.atomic_write(paths["csv"], lambda p: result.to_frame().to_csv(p, index=False))
+    write_page(result.heatmap(), paths["html"])  # + the folder's one plotly.min.js
+    return list(paths.values())
 
 
 def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
