@@ -110,8 +110,9 @@ def model_fingerprint(model: Any) -> str:
 
 
 def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
-                   metric: PromptMetric) -> dict[str, Any]:
-    """Everything a resumed sweep must share with the one that wrote the checkpoint."""
+                   metric: PromptMetric, **extra: Any) -> dict[str, Any]:
+    """Everything a resumed sweep must share with the one that wrote the checkpoint, and
+    ``extra`` (an edge sweep's layout, a hybrid's method and estimator)."""
     f = hooks.facts(model)
     out = dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
                direction=sweep.direction, positions=sweep.positions,
@@ -121,7 +122,7 @@ def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
                split_prompts=sweep.split_prompts, prompt_order="by_length")
     if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)
         out["groups"] = sweep.groups.hash()
-    return out
+    return dict(out, **extra)
 
 
 def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -284,9 +284,9 @@ class HeadUnits(_Units):
                 progress=progress),
             screen_passes=n * attribution.estimator_passes(
                 model, estimator, self.site, self.positions, seq, batch=min(batch_size or n, n)),
-            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
-                                  method="attribution+exact", estimator=estimator,
-                                  atp_star=star),
+            identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
+                                            method="attribution+exact", estimator=estimator,
+                                            atp_star=star),
             read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
             result_type=PatchResult)
 
@@ -449,9 +449,9 @@ class EdgeUnits(_Units):
             exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
                                      checkpoint, progress, {}),
             screen_passes=n * self._screen_passes(model, estimator, opts.ig_steps, seq),
-            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
-                                  **layout.to_dict(), method="attribution+exact",
-                                  estimator=estimator, ig_steps=opts.ig_steps),
+            identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
+                                            **layout.to_dict(), method="attribution+exact",
+                                            estimator=estimator, ig_steps=opts.ig_steps),
             read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
             result_type=EdgeResult)
 
