@@ -14,9 +14,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching.result_files import (
-    _number,
-)
+from circuitkit.patching.result_files import _number
 
 CIRCUIT_FORMAT = "circuitkit.circuit"
 CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap

@@ -24,7 +24,7 @@ from circuitkit.patching.engine_checks import (
 )
 from circuitkit.patching.head_sets import HeadSetRuns
 from circuitkit.patching.inputs import ReadsDoNotHold
-from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
+from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, bucket_split, is_out_of_memory
 
 # Sites whose patch leaves block l's attention computation to a cached output (fast path).
 ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers", "mlp_out")})
@@ -347,10 +347,8 @@ class ExactEngine(HeadSetRuns):
         need = (self.reads[p0:p1].max(1).values + 1).tolist()
         if any(a > b for a, b in zip(need, need[1:], strict=False)):
             return None  # not sorted by length: nothing to gain
-        n = p1 - p0
-        cost = {s: s * need[s - 1] + (n - s) * need[-1] for s in range(n // 4, n - n // 4)}
-        best = min(cost, key=cost.__getitem__, default=None)
-        return p0 + best if best and cost[best] <= 0.9 * n * need[-1] else None
+        best = bucket_split(need)
+        return None if best is None else p0 + best
 
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:

@@ -57,6 +57,7 @@ from circuitkit.patching.circuit_graph import CircuitGraph
 from circuitkit.patching.circuit_result import (
     CIRCUIT_ABLATIONS,
     CIRCUIT_OLD_ABLATIONS,
+    CIRCUIT_RANKS,
     CircuitResult,
     CircuitTargetWarning,
 )
@@ -73,11 +74,11 @@ from circuitkit.patching.patch_result import (
     DegenerateBaselineWarning,
     PatchResult,
     _outside_circuitkit,
+    resample_weights,
 )
 from circuitkit.patching.sweep import auto_rows
 
 ABLATIONS = CIRCUIT_ABLATIONS  # "mean": position-mean's old name (CIRCUIT_OLD_ABLATIONS)
-RANKS = ("abs", "signed")
 # MIB's circuit sizes: shares of the scored items kept
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -164,7 +165,7 @@ def _checked_options(ablation: str, rank: str, sizes: Any, target: Any
                       "too); the old name will go.", DeprecationWarning, stacklevel=3)
         ablation = CIRCUIT_OLD_ABLATIONS[ablation]
     choice("ablation", ablation, ABLATIONS)
-    choice("rank", rank, RANKS)
+    choice("rank", rank, CIRCUIT_RANKS)
     sizes = _check_sizes(sizes)
     if not (isinstance(target, int | float) and 0 < target <= 1):
         raise ValueError(f"target={target!r}: expected a faithfulness in (0, 1] the kept set "
@@ -299,12 +300,7 @@ def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tens
                corrupt: Tensor, n_boot: int, seed: int, level: float = 0.95) -> dict[str, Any]:
     """Percentile intervals over prompt resamples of f (per size), CPR, CMD and the share of
     the gap (each resample recomputes every mean)."""
-    n = curve.shape[1]
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(n_boot, n, dtype=torch.float64)
-    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
-                        torch.ones(n_boot, n, dtype=torch.float64))
-    w = counts / n
+    w = resample_weights(curve.shape[1], n_boot, seed)
     full_b, empty_b = w @ full.double(), w @ empty.double()
     f = _faithfulness(w @ curve.double().T, full_b[:, None], empty_b[:, None])  # [n_boot, k]
     share = _share(full_b, empty_b, w @ corrupt.double())

@@ -78,6 +78,16 @@ def _outside_circuitkit() -> int:
     return level
 
 
+def resample_weights(n: int, n_boot: int, seed: int) -> Tensor:
+    """``[n_boot, n]`` float64 weights of ``n_boot`` seeded resamples of ``n`` prompts drawn with
+    replacement: a resample's mean of ``x`` is ``w @ x`` (its counts over ``n``)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(n_boot, n, dtype=torch.float64)
+    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
+                        torch.ones(n_boot, n, dtype=torch.float64))
+    return counts / n
+
+
 @contextlib.contextmanager
 def quiet_baseline() -> Iterator[None]:
     """Silence ``DegenerateBaselineWarning`` inside (a caller that says it another way: the
@@ -293,12 +303,7 @@ class PatchResult:
             return None
         raw = self.degenerate if raw is None else raw
         n = self.per_prompt.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        # Resample counts [n_boot, n]: mean over a resample = counts @ x / n.
-        counts = torch.zeros(n_boot, n, dtype=torch.float64)
-        counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
-                            torch.ones(n_boot, n, dtype=torch.float64))
-        w = counts / n
+        w = resample_weights(n, n_boot, seed)
         clean = w @ self.clean_per_prompt.double()  # [n_boot]
         corrupt = w @ self.corrupt_per_prompt.double()
         flat = self.per_prompt.double().reshape(n, -1)
