@@ -1,26 +1,18 @@
 """``PatchResult``: the one results type of every patching sweep (exact, attribution, hybrid).
 
-Shapes: ``values`` is ``[n_layers, n_heads]`` (heads, all positions), ``[n_layers, n_heads, seq]``
-(heads, each position) or ``[n_layers, seq]`` (layer sites); ``axes`` names them.
-``per_prompt`` is ``[n_prompts, *values.shape]`` when the metric had a per-prompt view.
+Shapes: ``values`` ``[n_layers, n_heads]`` (heads, all positions), ``[n_layers, n_heads, seq]``
+(each position), ``[n_layers, n_heads, n_groups]`` (position groups) or ``[n_layers, seq]``
+(layer sites), named by ``axes``; ``per_prompt`` ``[n_prompts, *values.shape]`` when the metric
+has per-prompt values.
 
-Normalisation (``normalized()``), with ``clean``/``corrupt`` the unpatched baselines:
-
-* denoise (clean activation into the corrupt run): ``(patched - corrupt) / (clean - corrupt)``;
-  0 = no effect, 1 = the clean behaviour fully restored.
-* noise (corrupt activation into the clean run): ``(patched - clean) / (clean - corrupt)``;
-  0 = no effect, -1 = the behaviour fully broken (the patched run scores like the corrupt run).
-
-The degenerate-baseline rule (one rule for every entry point, view and figure; docs/metrics.md):
-the corruption must *lower* the metric (higher = more of the clean behaviour) by more than a
-margin, ``gap = clean - corrupt > margin``, with ``margin = max(MIN_GAP_SE * se, tol)``: ``se``
-the standard error of the per-prompt gaps ``clean_i - corrupt_i`` (0 without per-prompt values or
-with one prompt), ``tol = DEGENERATE * max(1, |clean|, |corrupt|)`` (rounding). Otherwise the
-result is ``degenerate``: the ratio over ``clean - corrupt`` is noise (or of the wrong sign), so
-``normalized()`` returns the raw effect ``values - baseline`` instead, warns once per result
-(``DegenerateBaselineWarning``, one line saying what to do), and ``meta["normalization"]``
-records why; every figure then shows raw effects. ``weak_prompts()`` flags the prompts whose own
-gap is at most the margin.
+``normalized()``: denoise ``(patched - corrupt) / (clean - corrupt)`` (0: no effect, 1: the clean
+behaviour restored); noise ``(patched - clean) / (clean - corrupt)`` (-1: fully broken). The
+degenerate-baseline rule (docs/metrics.md, section 5): unless the corruption lowers the metric by
+more than a margin, ``gap = clean - corrupt > max(MIN_GAP_SE * se, DEGENERATE * max(1, |clean|,
+|corrupt|))`` (``se``: the standard error of the per-prompt gaps), the result is ``degenerate``:
+``normalized()`` gives the raw effect ``values - baseline``, warns once per result
+(``DegenerateBaselineWarning``) and ``meta["normalization"]`` says why; ``weak_prompts()`` flags
+the prompts whose own gap is at most the margin.
 """
 
 from __future__ import annotations
