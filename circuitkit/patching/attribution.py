@@ -49,10 +49,7 @@ from circuitkit.patching.estimators.block import (  # noqa: F401  (imported from
     _parameters_as,
 )
 from circuitkit.patching.estimators.common import _head_writes  # noqa: F401
-from circuitkit.patching.estimators.costs import (
-    head_mlp_pays,  # noqa: F401
-    receiver_attn_passes,
-)
+from circuitkit.patching.estimators.costs import head_mlp_pays  # noqa: F401
 from circuitkit.patching.estimators.graddrop import _graddrop_combine
 from circuitkit.patching.estimators.qk import (  # noqa: F401
     ATP_STAR_SITES,
@@ -224,12 +221,8 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
                              lambda b: est.batch(job, b), progress, f"edges {est.name}",
                              edges=True)
     scale = torch.stack(got.scales).mean(0)
-    receiver_attn = receiver_attn_passes(
-        block_shares(model, clean_tokens.shape[1])[0], layout.n_layers, len(layout.inputs),
-        sum(len(job.before[la]) for la in job.recv_layers)) if job.exact_receiver else 0.0
-    n_groups = len(job.groups) if est.name == "eap-ig-activations" else 1
-    meta = driver.base_meta(model, metric, est.name, n, bs,
-                            edge_estimator_passes(est.name, m, n_groups, receiver_attn), t_start)
+    meta = driver.base_meta(model, metric, est.name, n, bs, edge_estimator_passes(
+        model, layout, est.name, m, clean_tokens.shape[1]), t_start)
     meta["write_scale"] = [[[None if v != v else v for v in row] for row in mat]
                            for mat in scale.tolist()]
     if est.ig:

@@ -26,7 +26,6 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import attribution, exact, groups
-from circuitkit.patching import plan as costs
 from circuitkit.patching.checkpoint import sweep_identity
 from circuitkit.patching.engine import EdgeEngine, ExactEngine
 from circuitkit.patching.estimators.registry import resolve_estimator
@@ -448,27 +447,14 @@ class EdgeUnits(_Units):
             per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
             exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
                                      checkpoint, progress, {}),
-            screen_passes=n * self._screen_passes(model, estimator, opts.ig_steps, seq),
+            screen_passes=n * attribution.edge_estimator_passes(
+                model, layout, estimator, attribution.EDGE_IG_STEPS if opts.ig_steps is None
+                else opts.ig_steps, seq),
             identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
                                             **layout.to_dict(), method="attribution+exact",
                                             estimator=estimator, ig_steps=opts.ig_steps),
             read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
             result_type=EdgeResult)
-
-    def _screen_passes(self, model: Any, estimator: str, ig_steps: int | None,
-                       seq: int) -> float:
-        """Pass-equivalents per prompt of an edge screen, as ``attribution_patch_edges`` will
-        count them (``attribution.edge_estimator_passes``)."""
-        layout, L = self.layout, self.layout.n_layers
-        recv = {la for la, _ in layout.receivers if la < L}
-        pairs = sum(1 for la in recv for sl, _ in layout.senders if sl < la)
-        attn = costs.receiver_attn_passes(attribution.block_shares(model, seq)[0], L,
-                                          len(layout.inputs), pairs) \
-            if estimator == "eap*" else 0.0
-        n_groups = len({max(sl, -1) for sl, _ in layout.senders})
-        return attribution.edge_estimator_passes(
-            estimator, attribution.EDGE_IG_STEPS if ig_steps is None else ig_steps,
-            n_groups if estimator == "eap-ig-activations" else 1, attn)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
         """``plan.edge_plan`` of these edges (config only)."""
