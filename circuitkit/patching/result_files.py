@@ -2,7 +2,7 @@
 
 A result is two files: ``<name>.json`` (baselines, labels, ``meta``: plain JSON, ``json_ready``)
 and ``<name>.safetensors`` (``TENSOR_FIELDS``). ``PatchResult.load`` and ``EdgeResult.load``
-(``patching/results.py``) read both with ``_load_parts`` and check them with the same
+(``patching/results.py``) read both with ``load_result`` and check them with the same
 functions: ``_checked_info`` (the JSON fields every result has), ``_check_tensors`` (tensor
 types, shapes, finite cells, values and baselines as the means of their per-prompt values, the
 verified mask), and each kind's own fields (``_checked_patch_info``; ``_checked_edge_info``,
@@ -94,28 +94,6 @@ def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views
     return list(paths.values())
 
 
-def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
-                     ) -> Any:
-    """The JSON half of a saved result (``js``), once both files exist; a missing, unreadable or
-    truncated file is one ``ValueError`` naming it (``noun``: "no {noun} at ...", ``file_noun``:
-    "not a readable {file_noun} file")."""
-    for p in (js, st):
-        if not p.exists():
-            raise ValueError(f"no {noun} at {path}: {p} does not exist (expected the files "
-                             f"{cls}.save writes).")
-    return files.read_json(js, f"{file_noun} file")
-
-
-def _read_saved_tensors(st: Path) -> dict[str, Tensor]:
-    """The safetensors half of a saved result; a corrupt file of any kind is one ``ValueError``."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(st))
-    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
-
-
 @dataclass(frozen=True)
 class _FileKind:
     """What one kind of result file holds: its ``format`` and newest ``version``, the JSON
@@ -136,22 +114,24 @@ _PATCH_FILE = _FileKind(FORMAT, FORMAT_VERSION, ("clean", "corrupt", "direction"
                         "patching result", "result", "PatchResult", format_optional=True)
 
 
-def _load_parts(path: str | Path, paths: dict[str, Path], kind: _FileKind
-                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """A saved result's JSON fields (``_checked_info``) and tensors (read, not yet checked)."""
-    js, st = paths["json"], paths["safetensors"]
-    info = _read_saved_json(path, js, st, kind.noun, kind.file_noun, kind.cls)
-    return _checked_info(info, js, kind), _read_saved_tensors(st)
-
-
 def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _FileKind,
                 checked: Any, layout: Any) -> Any:
     """The one strict load of every result kind: the shared fields (``_checked_info``), the
     kind's own (``checked(kw, js)``), then the tensors against ``layout(kw, tensors)`` =
     ``(shape, empty cells)`` (``_check_tensors``); a bad file is a ``ValueError`` naming it and
     the field."""
+    from safetensors.torch import load_file
+
     js, st = paths["json"], paths["safetensors"]
-    kw, tensors = _load_parts(path, paths, kind)
+    for p in (js, st):
+        if not p.exists():
+            raise ValueError(f"no {kind.noun} at {path}: {p} does not exist (expected the files "
+                             f"{kind.cls}.save writes).")
+    kw = _checked_info(files.read_json(js, f"{kind.file_noun} file"), js, kind)
+    try:
+        tensors = load_file(str(st))
+    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
     kw = checked(kw, js)
     shape, empty = layout(kw, tensors)
     _check_tensors(tensors, kw, st, js, shape=shape, empty=empty)
