@@ -1,13 +1,7 @@
-"""The public patching functions: ``patch`` (one entry for any units), its thin wrappers
-``patch_heads``, ``patch_layers``, ``patch_edges``, and ``plan_patch``, ``attribution_plus_exact``.
-
-``patch(model, clean, corrupt, metric, units, ...)`` checks the arguments (``inputs``; the
-units' own checks: ``units.py``) and wraps the user's metric once
-(``circuitkit.metrics.as_metric``, every metric check here, once), so exact, attribution and
-the hybrid see the same ``PromptMetric``; then hands over to the module named for the method:
-``exact`` (the exact sweep's orchestration), ``attribution`` (estimates), ``hybrid`` (screen then
-verify, any units) or ``auto`` (the choice between them). The wrappers build the units and call
-``patch``, as TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``.
+"""The public patching functions: ``patch`` (one entry for any units: every argument and metric
+check, once), its thin wrappers ``patch_heads``, ``patch_layers``, ``patch_edges`` (as
+TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``),
+``plan_patch`` and ``attribution_plus_exact``. The route: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
-are the same road: each describes itself once (``Screenable``, built by its units:
-``units.HeadUnits.screenable`` / ``EdgeUnits.screenable``: how to screen, how to verify a list
-of flat cells, the error unit's depth share and cost per cell, the round size), and everything
-else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: the screen and every
-verified cell, stored as they finish; a rerun replays the rule on the stored numbers and picks
-the same cells), out-of-memory back-off (rows halved), Ctrl-C reporting, the budget rule, the
-cost accounting against an exact sweep, and the choice to run the exact sweep instead when the
-hybrid is predicted to cost as much (``predicted``, the numbers ``plan_patch`` prints too).
+differ only in their ``Screenable`` (built by ``HeadUnits.screenable`` / ``EdgeUnits.screenable``);
+everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays
+the rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the
+budget rule, the cost against an exact sweep, and running that sweep instead where the hybrid is
+predicted to cost as much (``predicted``, which ``plan_patch`` prints too).
 
 Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2): a
 verified cell re-runs the share ``d`` of the model downstream of it (heads ``(L - l) / L``,

@@ -1,17 +1,10 @@
 """What is patched: ``HeadUnits``, ``LayerUnits``, ``EdgeUnits``, and ``MethodOptions``.
 
-A unit object says what ``ck.patch`` patches; each stage takes it. Each kind knows, once:
-the entry's checks that are its own (``entry``, ``checked``: position groups resolved, an edge
-layout built and checked), its sweep (``sweep``: ``sweep.make_sweep`` / ``make_edge_sweep``),
-its exact run (``exact``), its estimate (``estimate``, an estimator of the registry), its
-hybrid's ``Screenable`` (``screenable``: what ``hybrid.screen_then_verify`` takes), its result's
-axes (``axes``), its cost plan (``cost_plan``: ``plan.sweep_plan`` / ``plan.edge_plan``) and the
-methods and estimators that apply (``methods``, ``estimators``). Nodes are named one way
-(``hooks.node_name`` / ``parse_node``: "L2H0", "embed", "logits").
-
-``MethodOptions``: what every method shares (the screen's ``estimator``, ``top_k``,
-``max_passes``, ``atp_star``, ``ig_steps``, ``screening_recall``), one frozen object; an
-option the chosen method does not use is said to do nothing (a warning), never dropped silently.
+A unit object says what ``ck.patch`` patches; each stage takes it, and each kind knows, once, its
+own checks (``check_method``, ``entry``, ``checked``), ``sweep``, ``exact``, ``estimate``,
+``screenable`` (the hybrid's ``Screenable``), ``axes``, ``cost_plan``, ``methods`` and
+``estimators``. ``MethodOptions``: what every method shares, one frozen object; an option the
+chosen method does not use is said to do nothing (a warning), never dropped silently.
 """
 
 from __future__ import annotations
