@@ -338,10 +338,10 @@ class ExactEngine(HeadSetRuns):
 
     def length_split(self, p0: int, p1: int) -> int | None:
         """For a metric without per-prompt values (its chunks hold every prompt): a prompt
-        index splitting ``p0:p1`` (sorted by length) into two forwards when that saves >= 10% of
-        token-rows and each keeps >= 1/4 of the prompts (as ``sweep.chunked`` does across chunks
-        for per-prompt metrics); None otherwise, or when the logits are not read at known
-        positions (full-length logits of two buckets would not join)."""
+        index splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``,
+        as ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the
+        logits are not read at known positions (full-length logits of two buckets would not
+        join)."""
         if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
             return None  # (a per-prompt metric's chunks are already length buckets: sweep.chunked)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()

@@ -97,7 +97,8 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     graph = CircuitGraph.of(model, edges_or_heads)
     order = graph.order(rank, edges_or_heads.direction)
     counts = [int(share * graph.n_items) for share in sizes]
-    kept = [_first(order, k, graph.n_items) for k in counts]
+    kept = [torch.zeros(graph.n_items, dtype=torch.bool).index_fill_(0, order[:k], True)
+            for k in counts]
     # m(full): the clean run (nothing ablated); m(empty): every scored item ablated
     runner = _Ablated(model, clean, corrupt, pm, graph, ablation, seed, batch_size)
     full, corrupt_m = runner.clean_metric, runner.corrupt_metric
@@ -242,12 +243,6 @@ def _task_inputs(task: Any) -> tuple[Tensor, Tensor, Any]:
         return task.clean_tokens, task.corrupt_tokens, task.metric
     raise ValueError(f"task: expected a ck.Task or a (clean_tokens, corrupt_tokens, metric) "
                      f"tuple; got {type(task).__name__}.")
-
-
-def _first(order: Tensor, k: int, n: int) -> Bool[Tensor, " n"]:
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[order[:k]] = True
-    return mask
 
 
 def _faithfulness(m: Tensor, full: Tensor, empty: Tensor) -> Tensor:

@@ -115,9 +115,8 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
     """``sweep`` cut into chunks of at most ``rows`` sequences per forward pass.
 
     ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
-    in one forward they are split in two length buckets if that saves >= 10% of the token-rows
-    (a chunk runs up to its longest prompt); each bucket keeps >= 1/4 of the prompts so forwards
-    stay large. Prompts are split across chunks only when the metric has per-prompt values.
+    in one forward they may run in two length buckets (``bucket_split``). Prompts are split
+    across chunks only when the metric has per-prompt values.
     """
     rows = max(1, int(rows))
     n, chunks = sweep.n_prompts, []
