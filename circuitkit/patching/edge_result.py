@@ -33,14 +33,11 @@ class EdgeResult:
     """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
 
     ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
-    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only. Nodes are ``(layer, head)``:
-    the senders include the embeddings as ``(-1, -1)`` ("embed"), the receivers the logits as
-    ``(n_layers, -1)`` ("logits": the final residual the unembedding reads; it has one input,
-    stored at input index 0 and shown as input "resid"). NaN where ``(s, r, i)`` is no edge:
-    the receiver's layer is not after the sender's, the logits' other input slots, and under
-    GQA a k/v receiver ``(l, g)`` with ``g >= n_kv_heads`` (k/v receivers are KV heads:
-    ``meta["kv_heads"]``). ``per_prompt``: ``[n_prompts, n_senders, n_receivers, n_inputs]``.
-    Normalisation and intervals are ``PatchResult``'s (one definition: ``_as_patch_result``).
+    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only; ``per_prompt``:
+    ``[n_prompts, n_senders, n_receivers, n_inputs]``. Nodes are ``(layer, head)``, the
+    embeddings ``(-1, -1)`` and the logits ``(n_layers, -1)`` (one input, index 0, shown as
+    "resid"); NaN where ``(s, r, i)`` is no edge (docs/edges.md, "The tensor"). Normalisation
+    and intervals are ``PatchResult``'s (``_as_patch_result``).
     """
 
     values: Float[Tensor, "sender receiver input"]
@@ -113,9 +110,7 @@ class EdgeResult:
         return said
 
     def normalized(self) -> Float[Tensor, "sender receiver input"]:
-        """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
-        corrupt)``, noise ``(v - clean) / (clean - corrupt)``; the raw effect for a
-        ``degenerate`` result (one warning per result)."""
+        """``PatchResult.normalized`` of each edge (one warning per result)."""
         view = self._as_patch_result()
         out = view.normalized().reshape(self.values.shape)
         self._baseline_said = view._baseline_said
@@ -127,9 +122,7 @@ class EdgeResult:
 
     def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
                             raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
-        """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
-        normalized value, or of the raw effect: ``raw``, default for a ``degenerate`` result)
-        of each edge, values-shaped; None without per-prompt values."""
+        """``PatchResult.confidence_interval`` of each edge, values-shaped."""
         got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
         return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
 
@@ -197,10 +190,8 @@ class EdgeResult:
 
     # --- persistence ----------------------------------------------------------------------------
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
-        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata, ``json_ready``), and
-        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``, with
-        the folder's one ``plotly.min.js``: ``write_page``), each written atomically; ``path``
-        may be a folder (then ``<folder>/edges.*``)."""
+        """As ``PatchResult.save`` (``result_files.save_result``); ``path`` may be a folder
+        (then ``<folder>/edges.*``)."""
         info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     senders=[list(s) for s in self.senders],
@@ -210,13 +201,10 @@ class EdgeResult:
 
     @classmethod
     def load(cls, path: str | Path) -> EdgeResult:
-        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict,
-        with ``PatchResult.load``'s checks (``_checked_info``, ``_check_tensors``: types,
-        finite cells, values and baselines the means of their per-prompt values, the verified
-        mask) and the edges' own: ``n_layers`` a positive integer, ``inputs`` distinct in
-        q, k, v order, senders and receivers distinct, sorted and inside the model
-        (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
-        (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
+        """Read what ``save`` wrote (the folder, the base path or any of its files), strictly:
+        ``PatchResult.load``'s checks and the edges' own (``_checked_edge_info``, ``_no_edge``:
+        NaN exactly where there is no edge; docs/durability.md). A bad file is a
+        ``ValueError`` naming the file and the field."""
         paths = result_paths(path, "edges")
 
         def layout(kw: dict[str, Any], tensors: dict[str, Any]) -> tuple:

@@ -263,12 +263,8 @@ class PatchResult:
         return (patched - ref) / (clean - corrupt)
 
     def normalized(self) -> Float[Tensor, "..."]:
-        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``.
-
-        A ``degenerate`` result (the corruption does not lower the metric by its margin) gives
-        the raw effect ``values - baseline`` (``effect()``) instead, with one warning per result
-        and ``meta["normalization"]`` saying why.
-        """
+        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``; the
+        raw effect (``effect()``) for a ``degenerate`` result (module docstring)."""
         if self.warn_if_degenerate():
             return self.effect()
         return self._normalize(self.values, self.clean, self.corrupt)
