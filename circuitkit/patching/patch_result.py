@@ -21,7 +21,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +233,8 @@ class PatchResult:
         pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
             self.corrupt_per_prompt[idx]
         meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
-        return PatchResult(values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
-                           direction=self.direction, method=self.method, site=self.site,
-                           positions=self.positions, per_prompt=pp, clean_per_prompt=cl,
-                           corrupt_per_prompt=co, axes=self.axes, meta=meta)
+        return replace(self, values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
+                       per_prompt=pp, clean_per_prompt=cl, corrupt_per_prompt=co, meta=meta)
 
     def warn_if_degenerate(self) -> bool:
         """Warn ``degenerate_reason()`` (``DegenerateBaselineWarning``, at the caller's line

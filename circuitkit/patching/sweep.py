@@ -233,18 +233,12 @@ EMBED_NODE, logits_node = hooks.EMBED_NODE, hooks.logits_node  # (their home: ho
 
 @dataclass(frozen=True)
 class EdgeLayout:
-    """Which edges an edge sweep patches, and how they become a sweep's variants.
-
-    ``senders``: ``(layer, head)`` nodes whose write is patched, ``EMBED_NODE`` first when
-    present; ``receivers``: ``(layer, head)`` nodes whose input is patched, ``logits_node``
-    last when present; ``inputs``: the receiving heads' inputs ("q", "k", "v"). An edge is a
-    (sender, receiver, input) with the receiver's layer after the sender's. Under GQA the
-    receiver of a k/v edge is a KV head: ``(layer, g)`` for ``g < n_kv_heads``.
-
-    The sweep's "layers" are the receiver layers ``0..n_layers`` (``n_layers``: the logits); a
-    variant of layer ``l`` is one edge into it, laid out sender-major, then input, then head
-    (``cells``), so a chunk's variants share few senders.
-    """
+    """Which edges an edge sweep patches (``senders``, ``EMBED_NODE`` first when present;
+    ``receivers``, ``logits_node`` last when present; ``inputs``, "q", "k", "v"; docs/edges.md)
+    and how they become a sweep's variants: its "layers" are the receiver layers
+    ``0..n_layers`` (``n_layers``: the logits), a variant of layer ``l`` one edge into it, laid
+    out sender-major, then input, then head (``cells``), so a chunk's variants share few
+    senders."""
 
     n_layers: int
     n_heads: int

@@ -236,21 +236,15 @@ class HeadUnits(_Units):
             atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
             explicit=opts.estimator is not None, **extra)
 
-    def screen_estimator(self, model: Any, opts: MethodOptions, clean: Any) -> str:
-        """The hybrid's screen: ``estimator``, else "qk" with ``atp_star`` where it applies,
-        else ``attribution.screening_estimator``."""
-        if opts.estimator is not None:
-            return opts.estimator
-        if opts.atp_star and self.site in attribution.ATP_STAR_SITES:
-            return "qk"
-        return attribution.screening_estimator(model, self.site, clean)
-
     def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
                    checkpoint=None) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these heads (checked): flat cell ``j``
         is ``values``'s row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; the
-        exact sweep instead: ``exact`` (checkpointed in the same folder)."""
-        estimator = self.screen_estimator(model, opts, clean)
+        exact sweep instead: ``exact`` (checkpointed in the same folder). The screen:
+        ``estimator``, else "qk" with ``atp_star`` where it applies, else the screening one."""
+        estimator = opts.estimator or ("qk" if opts.atp_star and self.site in
+                                       attribution.ATP_STAR_SITES else
+                                       attribution.screening_estimator(model, self.site, clean))
         sweep = self.sweep(model, direction, clean, pm)
         (n, seq), f = clean.shape, hooks.facts(model)
         L, per_layer, n_units = f.n_layers, sweep.n_variants, f.n_heads_at(self.site)
