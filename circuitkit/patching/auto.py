@@ -1,10 +1,8 @@
-"""``method="auto"``: the exact sweep where it is affordable, else screen then verify (``run``).
-
-The rule (``choice``): exact at or below ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt
-token for the exact sweep, else ``attribution+exact`` (``hybrid``) with the screening estimator
-and its automatic budget. With ``screening_recall=True`` an exact run also screens, to report how
-many of the exact top-k cells the screen would have found (it roughly doubles the time on a
-small model, so it is asked for, never the default).
+"""``method="auto"``: the exact sweep where it is affordable (``choice``: at or below
+``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token), else screen then verify with the
+screening estimator and its automatic budget (``run``). With ``screening_recall=True`` an exact
+run also screens, to report the screen's recall of the exact top-k cells (it roughly doubles a
+small model's time, so it is asked for, never the default).
 """
 
 from __future__ import annotations

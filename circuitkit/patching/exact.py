@@ -227,7 +227,7 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         if agreed < rows:
             rows, first = agreed, {}
             sweep = engine.sweep = chunked(sweep, rows, lengths)
-            bar.reset()  # a new plan: the bar restarts over its chunks
+            bar.close()  # a new plan: the bar restarts over its chunks
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity(), sweep.chunks, rank=rank,
@@ -354,18 +354,14 @@ class Progress:
         else:  # re-planned (out of memory): the same bar, from 0 over the new chunks
             self.bar.reset(total=total)
 
-    def reset(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
     def update(self, n: int) -> None:
         if self.bar is not None:
             self.bar.update(n)
 
-    def close(self) -> None:
+    def close(self) -> None:  # (a later open starts a new bar)
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,

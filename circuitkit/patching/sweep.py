@@ -7,10 +7,8 @@ positions (``seq`` for per-position sweeps, else 1) over ``n_prompts`` prompts. 
 The work is cut into ``Chunk``s: one layer, a range of variants, a range of prompts, at most
 ``rows`` sequences per forward. Chunks are independent, which is what makes checkpointing and
 sharding across ranks simple and bit-reproducible: the plan is fixed up front and stored with a
-checkpoint, and a chunk's numbers never depend on who computes it.
-
-Causal models: nothing after a prompt's last read position can change its metric, so each prompt
-*needs* only ``last read + 1`` positions (its ``length``). Prompts are swept in order of that length
+checkpoint, and a chunk's numbers never depend on who computes it. A causal model's prompt needs
+only ``last read + 1`` positions (its ``length``): prompts are swept in that order
 (``length_order``), and chunks of short prompts stop early.
 """
 
