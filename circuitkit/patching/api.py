@@ -156,10 +156,9 @@ def patch_heads(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric
     ``task.position_groups()``: ``patching/groups.py``; methods "exact" and plain "attribution"
     only). Sites k/v of a GQA model: the KV-head axis (``meta["head_axis"] == "kv_head"``).
     ``estimator``, ``atp_star``: the attribution's estimator (default "atp"; ``atp_star``: "qk")
-    or the hybrid's screen (default "block"; ``attribution.ESTIMATORS``). ``top_k``,
-    ``max_passes``: the cells attribution+exact (and auto's hybrid) verifies, or the
-    pass-equivalents it may spend (docs/attribution.md, "Screening"). ``screening_recall``:
-    auto's extra screen of an exact run (``auto.run``).
+    or the hybrid's screen (default "block"). ``top_k``, ``max_passes``: the cells
+    attribution+exact (and auto's hybrid) verifies, or the pass-equivalents it may spend.
+    ``screening_recall``: auto's extra screen of an exact run (``auto.run``).
     """
     return patch(model, clean_tokens, corrupt_tokens, metric, HeadUnits(site, positions),
                  direction=direction, method=method, batch_size=batch_size,

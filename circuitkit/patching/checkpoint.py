@@ -16,12 +16,10 @@ Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) a
 
 Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
 
-``attribution+exact`` (heads and edges: ``hybrid.screen_then_verify``) keeps its own files in
-the same kind of folder (``HybridCheckpoint``): ``hybrid.json`` (identity: the sweep's, plus the
-estimator), ``hybrid-screen.*`` (the screening estimate, a ``PatchResult`` or ``EdgeResult``)
-and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
-exact values, rewritten atomically after each verification forward, with the identity key
-and a checksum).
+``attribution+exact`` keeps its own files in the same kind of folder (``HybridCheckpoint``):
+``hybrid.json`` (identity), ``hybrid-screen.*`` (the screen, a ``PatchResult`` or
+``EdgeResult``) and ``hybrid-cells.safetensors`` (every verified cell's per-prompt exact values,
+rewritten atomically after each verification forward, with the identity key and a checksum).
 """
 
 from __future__ import annotations

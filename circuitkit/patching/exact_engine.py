@@ -42,7 +42,8 @@ class ExactEngine(HeadSetRuns):
                  fast: bool | None = None, rows: int | None = None):
         self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
-        self.site_names = [self._site_name(layer) for layer in range(L)]
+        site = hooks.layer_site if sweep.kind == "layers" else hooks.head_site
+        self.site_names = [site(sweep.site, layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
         # Cached per layer: resid_pre (the restart point); for the fast path the base attention
         # output (attn_out, mlp_out sites; for z it is o(z_base), so only z_base is kept) and
@@ -186,11 +187,6 @@ class ExactEngine(HeadSetRuns):
                 f"{hooks.facts(self.model).n_kv_heads}). The cfg lacks correct GQA info; set "
                 f"model.cfg.n_key_value_heads = {got}, or "
                 "patch site='z' or 'q'.")
-
-    def _site_name(self, layer: int) -> str:
-        if self.sweep.kind == "layers":
-            return hooks.layer_site(self.sweep.site, layer)
-        return hooks.head_site(self.sweep.site, layer)
 
     @property
     def clean_metric(self) -> Tensor:

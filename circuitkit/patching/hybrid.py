@@ -249,8 +249,10 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | No
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
                   rounds=rounds, **rule)
+    error_unit = torch.full(est.values.shape, float("nan"))  # (NaN: no cell)
+    error_unit[at] = scale
     return place(est, units.index, v.order, v.exact_pp[v.order], dict(
-        budget=budget, cost=cost, error_unit=_nested(_filled(est.values, at, scale))))
+        budget=budget, cost=cost, error_unit=_nested(error_unit)))
 
 
 class _Verifier:
@@ -402,12 +404,6 @@ def _nan_tensor(nested: Any) -> Tensor:
     def fill(x: Any) -> Any:
         return [fill(v) for v in x] if isinstance(x, list) else float("nan") if x is None else x
     return torch.tensor(fill(nested), dtype=torch.float32)
-
-
-def _filled(like: Tensor, at: tuple, flat: Tensor) -> Tensor:
-    out = torch.full(like.shape, float("nan"))
-    out[at] = flat
-    return out
 
 
 def _nested(t: Tensor) -> list:

@@ -95,13 +95,11 @@ def patch_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: Any,
                 inputs: Sequence[str] = ("q", "k", "v"), direction: str = "denoise",
                 positions: Any = None, batch_size: int | None = None):
     """Path effects of every ``senders x receivers`` pair (module docstring): a
-    ``PatchResult`` with ``values [n_senders, n_receivers]`` (``axes`` ("sender",
-    "receiver")) or, with ``positions`` (a bool mask ``[batch, seq]`` or ``{name: mask}``, the
-    groups of ``patching.groups``), ``[n_senders, n_receivers, n_groups]`` (axis "group");
-    NaN where the receiver's layer is not after the sender's. ``per_prompt`` holds each
-    prompt's value; ``meta``: senders, receivers (names), inputs, ``node`` (each sender's
-    node effect ``M(sender run) - M(base)``), ``coverage`` (per sender and overall, per group)
-    and, with groups, ``path_groups`` (names). ``batch_size``: prompts per forward."""
+    ``PatchResult`` with ``values [n_senders, n_receivers]`` or, with ``positions`` (position
+    groups, ``patching.groups``), ``[n_senders, n_receivers, n_groups]``; NaN where the
+    receiver's layer is not after the sender's; ``per_prompt``; ``meta``: senders, receivers,
+    inputs, ``node``, ``coverage`` and, with groups, ``path_groups`` (their names).
+    ``batch_size``: prompts per forward."""
     from circuitkit.metrics import as_metric
     from circuitkit.patching.results import PatchResult
 

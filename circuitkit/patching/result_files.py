@@ -1,13 +1,10 @@
 """What a saved patch or edge result holds, and the one strict load both go through.
 
 A result is two files: ``<name>.json`` (baselines, labels, ``meta``: plain JSON, ``json_ready``)
-and ``<name>.safetensors`` (``TENSOR_FIELDS``). ``PatchResult.load`` and ``EdgeResult.load``
-(``patching/results.py``) read both with ``load_result`` and check them with the same
-functions: ``_checked_info`` (the JSON fields every result has), ``_check_tensors`` (tensor
-types, shapes, finite cells, values and baselines as the means of their per-prompt values, the
-verified mask), and each kind's own fields (``_checked_patch_info``; ``_checked_edge_info``,
-``_check_nodes``, ``_no_edge`` for edges). Every refusal is one ``ValueError`` line naming the
-file and the field (docs/durability.md).
+and ``<name>.safetensors`` (``TENSOR_FIELDS``), written by ``save_result``. ``PatchResult.load``
+and ``EdgeResult.load`` read both with ``load_result``: the shared checks (``_checked_info``,
+``_check_tensors``) and each kind's own; every refusal is one ``ValueError`` line naming the file
+and the field (docs/durability.md, "Strict loading").
 """
 
 from __future__ import annotations
