@@ -1,13 +1,7 @@
-"""The public patching functions: ``patch`` (one entry for any units), its thin wrappers
-``patch_heads``, ``patch_layers``, ``patch_edges``, and ``plan_patch``, ``attribution_plus_exact``.
-
-``patch(model, clean, corrupt, metric, units, ...)`` checks the arguments (``inputs``; the
-units' own checks: ``units.py``) and wraps the user's metric once
-(``circuitkit.metrics.as_metric``, every metric check here, once), so exact, attribution and
-the hybrid see the same ``PromptMetric``; then hands over to the module named for the method:
-``exact`` (the exact sweep's orchestration), ``attribution`` (estimates), ``hybrid`` (screen then
-verify, any units) or ``auto`` (the choice between them). The wrappers build the units and call
-``patch``, as TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``.
+"""The public patching functions: ``patch`` (one entry for any units: every argument and metric
+check, once), its thin wrappers ``patch_heads``, ``patch_layers``, ``patch_edges`` (as
+TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``),
+``plan_patch`` and ``attribution_plus_exact``. The route: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import attribution, auto, exact, hybrid
 from circuitkit.patching.exact import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
 from circuitkit.patching.exact import versions  # noqa: F401 (re-exported)
-from circuitkit.patching.hybrid import check_max_passes  # noqa: F401 (re-exported)
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     METHODS,
@@ -35,18 +28,19 @@ from circuitkit.patching.inputs import (
     checked_metric,
     choice,
 )
-from circuitkit.patching.results import (  # noqa: F401 (re-exported)
+from circuitkit.patching.results import (  # noqa: F401 (verified_mask re-exported)
     EdgeResult,
     PatchResult,
-    quiet_baseline,
     verified_mask,
 )
 from circuitkit.patching.sweep import (  # noqa: F401 (make_sweep re-exported)
     EdgeLayout,
-    Sweep,
     auto_rows,
+    available_bytes,
+    bytes_per_row,
     length_order,
     make_sweep,
+    model_devices,
 )
 from circuitkit.patching.units import (
     EdgeUnits,
@@ -57,14 +51,13 @@ from circuitkit.patching.units import (
     as_units,
 )
 
-# One wording for cost everywhere: a pass-equivalent is one prompt through the whole model;
-# a backward counts as two forwards.
+Tokens = Int[Tensor, "batch seq"]
 
 
 def patch(
     model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
+    clean_tokens: Tokens,
+    corrupt_tokens: Tokens,
     metric: Any,
     units: Any,
     *,
@@ -85,9 +78,16 @@ def patch(
     ``direction``: "denoise" (each cell's clean activation into the corrupt run) or "noise" (its
     corrupt activation into the clean run). ``method``: one of ``units.methods``: "exact",
     "attribution" (``options.estimator``, one of ``units.estimators``), "attribution+exact"
-    (``hybrid.screen_then_verify``: one road for every unit) or "auto" (heads). ``options``:
-    ``MethodOptions`` (or a dict of its fields), what every method shares. ``batch_size``,
-    ``checkpoint``, ``progress``, ``task_hash``, ``backend``, ``remote``: as ``patch_heads``.
+    (``hybrid.screen_then_verify``: one road for every unit) or "auto" (heads: ``auto.run``).
+    ``options``: ``MethodOptions`` (or a dict of its fields), what every method shares.
+    ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once
+    by ``as_metric``; same values either way). ``batch_size``: sequences per forward (default:
+    from free memory; halved and retried on out-of-memory). ``checkpoint``: folder; finished
+    chunks (attribution+exact: the screen and the verified cells) are stored durably and a
+    rerun resumes. Under ``torchrun`` an exact sweep's chunks are split over ranks (replicas,
+    ``distributed``) and every rank returns the merged result; attribution and
+    attribution+exact run whole on each replica (a warning says so). ``backend="nnsight"``
+    (heads): the exact sweep through nnsight (``nnsight_backend``; ``remote=True`` on NDIF).
     The route, module by module: docs/architecture.md, "One metric's route".
     """
     units, opts = as_units(units), as_options(options)
@@ -139,63 +139,26 @@ def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Ten
     return res
 
 
-def patch_heads(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    *,
-    direction: str = "denoise",
-    method: str = "exact",
-    positions: str = "all",
-    site: str = "z",
-    batch_size: int | None = None,
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    atp_star: bool = False,
-    top_k: int | None = None,
-    task_hash: str | None = None,
-    backend: str = "transformer_lens",
-    remote: bool = False,
-    estimator: str | None = None,
-    max_passes: float | None = None,
-    screening_recall: bool = False,
-) -> PatchResult:
-    """Patch every attention head (per layer; per position with ``positions="each"``; per
-    position group with ``positions`` a bool mask ``[batch, seq]`` or ``{name: mask}``).
+def patch_heads(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
+                direction: str = "denoise", method: str = "exact", positions: str = "all",
+                site: str = "z", batch_size: int | None = None,
+                checkpoint: str | Path | None = None, progress: bool = True,
+                atp_star: bool = False, top_k: int | None = None, task_hash: str | None = None,
+                backend: str = "transformer_lens", remote: bool = False,
+                estimator: str | None = None, max_passes: float | None = None,
+                screening_recall: bool = False) -> PatchResult:
+    """``patch`` over every attention head at ``site`` (``HeadUnits(site, positions)``).
 
-    ``denoise``: each head's clean activation at ``site`` patched into the corrupt run;
-    ``noise``: its corrupt activation patched into the clean run. ``values``: ``[n_layers,
-    n_heads]`` (or ``[n_layers, n_heads, seq]``), the metric after the patch, mean over prompts.
-    For ``site`` k/v on a GQA model the head axis is the KV-head axis (``meta["head_axis"] ==
-    "kv_head"``). For ``site="pattern"`` a position is the query (destination) position, whose
-    whole attention row is patched (as TransformerLens's
-    ``get_act_patch_attn_head_pattern_by_pos``).
-
-    ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once by
-    ``as_metric``; same values either way). ``method``: "exact" (the engine), "attribution"
-    (gradient estimate by ``estimator``, default plain AtP, or AtP*'s Q/K fix with ``atp_star``;
-    ``attribution.ESTIMATORS``), "attribution+exact" (an estimator screens, default "block";
-    the exact engine verifies the ``top_k``, or with ``top_k=None`` as many cells as its error
-    bound requires: ``attribution_plus_exact``), "auto" (``auto.run``: exact below
-    ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN``, else attribution+exact with the automatic budget;
-    ``meta["auto"]`` records the choice, the verified cells and, with ``screening_recall=True``
-    where every cell is exact, the screening recall of the top k: an extra screen, off by
-    default). ``max_passes``: attribution+exact (and auto's hybrid) stop
-    verifying when the next cell would pass this many pass-equivalents in all.
-    ``batch_size``: sequences per forward (default: from free memory; halved and retried on
-    out-of-memory). ``checkpoint``: folder; finished chunks (attribution+exact: the screen and
-    the verified cells) are stored durably and a rerun resumes. Under ``torchrun`` an exact
-    sweep's chunks are split over ranks (replicas, see ``distributed``); every rank returns the
-    merged result. Attribution and attribution+exact are not split: each replica runs them
-    whole (a warning says so).
-    ``backend="nnsight"``: the same exact sweep through nnsight's tracing (``nnsight_backend``;
-    ``model`` an nnsight model or a name/folder; ``remote=True`` runs it on NDIF).
-    Position groups (``patching/groups.py``; ``task.position_groups()`` gives a task's
-    evidence, anchor, shortlist and answer positions): each head is patched at the group's
-    positions of each prompt at once; ``values [n_layers, n_heads, n_groups]``, axes ``(layer,
-    head, group)``, ``meta["group_names"]`` / ``["groups_hash"]``. Methods "exact" and plain
-    "attribution" (the per-position estimate summed over the group) only.
+    ``values``: ``[n_layers, n_heads]``, ``[n_layers, n_heads, seq]`` (``positions="each"``;
+    for "pattern" the query position, whose whole attention row is patched, as
+    TransformerLens's ``get_act_patch_attn_head_pattern_by_pos``) or ``[n_layers, n_heads,
+    n_groups]`` (``positions`` a bool mask ``[batch, seq]`` or ``{name: mask}``, e.g.
+    ``task.position_groups()``: ``patching/groups.py``; methods "exact" and plain "attribution"
+    only). Sites k/v of a GQA model: the KV-head axis (``meta["head_axis"] == "kv_head"``).
+    ``estimator``, ``atp_star``: the attribution's estimator (default "atp"; ``atp_star``: "qk")
+    or the hybrid's screen (default "block"). ``top_k``, ``max_passes``: the cells
+    attribution+exact (and auto's hybrid) verifies, or the pass-equivalents it may spend.
+    ``screening_recall``: auto's extra screen of an exact run (``auto.run``).
     """
     return patch(model, clean_tokens, corrupt_tokens, metric, HeadUnits(site, positions),
                  direction=direction, method=method, batch_size=batch_size,
@@ -205,47 +168,24 @@ def patch_heads(
                      atp_star=atp_star, screening_recall=screening_recall))
 
 
-def patch_edges(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    senders: Any = None,
-    receivers: Any = None,
-    inputs: Any = hooks.EDGE_INPUTS,
-    *,
-    direction: str = "denoise",
-    method: str = "exact",
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    batch_size: int | None = None,
-    estimator: str | None = None,
-    ig_steps: int | None = None,
-    top_k: int | None = None,
-    max_passes: float | None = None,
-    task_hash: str | None = None,
-) -> EdgeResult:
-    """Patch every edge: a sender's write into one receiver's q, k or v input alone.
+def patch_edges(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
+                senders: Any = None, receivers: Any = None, inputs: Any = hooks.EDGE_INPUTS, *,
+                direction: str = "denoise", method: str = "exact",
+                checkpoint: str | Path | None = None, progress: bool = True,
+                batch_size: int | None = None, estimator: str | None = None,
+                ig_steps: int | None = None, top_k: int | None = None,
+                max_passes: float | None = None, task_hash: str | None = None) -> EdgeResult:
+    """``patch`` over every edge (``EdgeUnits(senders, receivers, inputs)``): a sender's write
+    (source minus base: a head's ``dz @ W_O``, or the embeddings') added to one receiver's own
+    copy of the residual at one input only, every other reader on the base run.
+    ``values[s, r, i]``: the metric after that patch (``EdgeResult``; NaN where no edge;
+    docs/edges.md).
 
-    An edge (sender, receiver, input): the sender's write (source minus base: a head's
-    ``dz @ W_O``, or the embeddings' difference) is added to the receiver's own copy of the
-    residual at that input only; every other reader keeps the base run (denoise: base corrupt,
-    source clean; noise: the reverse). ``values[s, r, i]`` is the metric after that patch,
-    mean over prompts (``EdgeResult``; docs/edges.md).
-
-    ``senders``/``receivers``: lists of ``(layer, head)`` (or "L3H2"), with "embed" (a sender)
-    and "logits" (a receiver); None: every head and the embeddings / the logits. ``inputs``:
-    any of "q", "k", "v" (under GQA, k/v receivers are KV heads). ``method``: "exact" (the
-    edge engine: receivers of one layer per forward, re-entering at their layer), "attribution"
-    (``estimator``: "eap", the default, "eap-ig-inputs" or "eap-ig-activations", ``ig_steps``
-    steps, or "eap*", the receiving head run exactly; ``attribution.attribution_patch_edges``)
-    or "attribution+exact" (an estimator screens every edge, default "eap*", and the exact
-    engine verifies the ``top_k``, or as many as the error bound of ``attribution_plus_exact``
-    requires; ``max_passes`` caps the cost: ``hybrid.screen_then_verify``, the heads' road).
-    ``checkpoint``: folder; finished chunks of an exact sweep, or the hybrid's screen and
-    verified edges, are stored and a rerun resumes (attribution is not checkpointed: a warning
-    says so).
-    ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
+    ``senders``/``receivers``: ``(layer, head)`` pairs or names ("L3H2", "embed" a sender,
+    "logits" a receiver); None: every head and the embeddings / the logits. ``inputs``: any of
+    "q", "k", "v" (under GQA k/v receivers are KV heads). ``estimator``, ``ig_steps``: the
+    attribution's (default "eap") or the hybrid's screen (default "eap*"); ``top_k``,
+    ``max_passes``: as ``patch_heads``.
     """
     return patch(model, clean_tokens, corrupt_tokens, metric,
                  EdgeUnits(senders, receivers, inputs), direction=direction, method=method,
@@ -261,26 +201,13 @@ def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
     return EdgeUnits(senders, receivers, inputs).layout_of(model)
 
 
-def patch_layers(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    *,
-    direction: str = "denoise",
-    method: str = "exact",
-    positions: str = "each",
-    site: str = "resid_pre",
-    batch_size: int | None = None,
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    task_hash: str | None = None,
-) -> PatchResult:
-    """Patch a whole-layer site (``resid_pre``, ``attn_out``, ``mlp_out``) at each (layer, pos).
-
-    ``values``: ``[n_layers, seq]``, the metric after patching layer l's site at position p.
-    Exact only (``method="exact"``), per position only (``positions="each"``).
-    """
+def patch_layers(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
+                 direction: str = "denoise", method: str = "exact", positions: str = "each",
+                 site: str = "resid_pre", batch_size: int | None = None,
+                 checkpoint: str | Path | None = None, progress: bool = True,
+                 task_hash: str | None = None) -> PatchResult:
+    """``patch`` of a whole-layer site (``resid_pre``, ``attn_out``, ``mlp_out``) at each
+    (layer, position): ``values [n_layers, seq]``. Exact only, per position only."""
     if positions != "each":
         choice("positions", positions, POSITIONS)
         raise ValueError(f"patch_layers patches one position at a time (positions='each', its "
@@ -291,34 +218,20 @@ def patch_layers(
                  checkpoint=checkpoint, progress=progress, task_hash=task_hash)
 
 
-def plan_patch(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    *,
-    direction: str = "denoise",
-    method: str = "exact",
-    positions: str = "all",
-    site: str = "z",
-    batch_size: int | None = None,
-    top_k: int | None = None,
-    estimator: str | None = None,
-    units: HeadUnits | None = None,
-) -> dict[str, Any]:
+def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
+               direction: str = "denoise", method: str = "exact", positions: str = "all",
+               site: str = "z", batch_size: int | None = None, top_k: int | None = None,
+               estimator: str | None = None, units: HeadUnits | None = None) -> dict[str, Any]:
     """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
-``units``: a ``HeadUnits`` (positions "all" or "each"), in place of ``site`` / ``positions``.
+    ``units``: a ``HeadUnits`` (positions "all" or "each"), in place of ``site`` / ``positions``.
 
     ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
     chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
-    cached runs; attribution: ``estimator``'s passes (``attribution.estimator_passes``; plain
-    AtP: 4 per prompt, whatever the head count); attribution+exact: the screening estimator's
-    passes (``estimator``, default the screening one) plus the verified cells x their mean
-    suffix + 2 per prompt (``hybrid.predicted``, the run's own prediction): ``top_k``, or with
-    the automatic budget (``top_k=None``) ``plan.hybrid_cells`` (``verified_cells_max``,
-    ``est_seconds_max``: at its cap, ``plan.AUTO_MAX_FRACTION``). Where the automatic budget is
-    predicted to cost at least the exact sweep, the run patches exactly instead, and so does
-    the plan (``method="exact"``, ``hybrid["runs"]``).
+    cached runs; attribution: ``estimator``'s passes (``attribution.estimator_passes``);
+    attribution+exact: the run's own prediction (``hybrid.predicted``: the screen's passes plus
+    the verified cells, ``top_k`` or ``plan.hybrid_cells``; ``verified_cells_max`` and
+    ``est_seconds_max`` at the automatic budget's cap). Where that budget is predicted to cost
+    at least the exact sweep, the run and the plan are exact (``hybrid["runs"]``).
     """
     units = HeadUnits(site, positions) if units is None else as_units(units)
     if not isinstance(units, HeadUnits) or units.grouped:
@@ -371,8 +284,8 @@ def _probed(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units:
     row = dict(n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
                n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
                naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
-               bytes_per_chunk=_bytes_per_chunk(model, seq, rows, sweep),
-               available_bytes=_available(model))
+               bytes_per_chunk=bytes_per_row(model, seq) * min(rows, sweep.n_variants * n),
+               available_bytes=available_bytes(model_devices(model)))
     return dict(row=row, clean=clean, corrupt=corrupt, pm=pm, total=total,
                 cached_seconds=timing["cached"],  # the two cached runs: ~2 passes per prompt
                 per_cost=timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))]),
@@ -419,56 +332,20 @@ def attribution_plus_exact(
     max_passes: float | None = None, batch_size: int | None = None, progress: bool = True,
     checkpoint: str | Path | None = None, exact_when_cheaper: bool = False,
 ) -> PatchResult:
-    """Screen every cell with an attribution estimator, then verify cells with the exact engine
-    (``ExactEngine.run_variants``).
+    """``method="attribution+exact"`` over heads, the budget rule's knobs exposed: an
+    estimator screens every cell, the exact engine (``ExactEngine.run_variants``) verifies the
+    ``top_k`` largest ``|estimate|`` or, with ``top_k=None``, as many as the estimator's
+    calibrated error bound requires (``hybrid.budget_rule``: ``recall_top``, ``quantile``,
+    ``max_fraction``, ``max_passes``; docs/attribution.md, "Screening"). ``estimator``: any of
+    ``attribution.ESTIMATORS`` (default ``SCREENING_ESTIMATOR``; ``atp_star``: "qk").
 
-    ``estimator``: any of ``attribution.ESTIMATORS`` (default ``SCREENING_ESTIMATOR``, "block";
-    ``atp_star=True``: "qk" where supported). ``top_k``: verify exactly the ``top_k`` largest
-    ``|estimated effect|``. ``top_k=None`` (default): the budget is chosen from the estimator's
-    own error, by this rule (``e``: estimated effect, ``x``: exact effect, ``u = w (L - l) / L``
-    the error unit, ``w`` the cell's ``meta["write_scale"]``, ``l`` its layer; all per cell):
-
-    1. error bound ``|x - e| <= k u``, with ``k`` the ``quantile`` of ``|x - e| / u`` over the
-       cells verified so far (0 before any). ``u`` grows with the size of the patch and with
-       the share of the model downstream of it: a first-order estimate's error is what the
-       layers after the patch do nonlinearly with it (docs/attribution.md, "Screening");
-    2. cells are verified in rounds of one layer's worth (``n_heads`` cells), highest upper bound
-       ``U = |e| + k u`` first; the first round adds as many cells of largest ``u`` (the
-       calibration then covers the largest patches, where first-order estimates fail);
-    3. ``tau`` = the ``recall_top``-th largest ``|x|`` verified; stop as soon as every
-       unverified ``U < tau`` ("bound"), or when ``max_fraction`` of the cells are verified
-       ("budget"), or when no further cell fits in ``max_passes`` pass-equivalents, estimator
-       and verification together (``meta["cost"]["total_passes"]``; "passes"): within a round,
-       cells that do not fit are skipped in priority order.
-
-    Stated recall: if every unverified cell obeys the bound (it held for a fraction ``quantile``
-    of the verified cells), every cell with ``|x| >= tau`` is verified, so the exact top
-    ``recall_top`` cells are all among the verified ones. ``meta["budget"]`` says which stop
-    applied, with ``k`` (``error_scale``) and ``tau``.
-
-    ``values``: exact metric-after-patch for the verified cells, the estimate for the rest;
-    ``meta["verified"]``: nested-list bool mask shaped like ``values``, ``meta["verified_cells"]``
-    in verification order; ``meta["attribution_values"]``: the screening estimate of every cell;
-    ``meta["error_unit"]``: ``u`` of every cell;
-    ``meta["cost"]``: pass-equivalents and seconds of the estimator and of the verification,
-    and of a full exact sweep for reference (each prompt up to its metric's last read, as the
-    exact engine runs it).
-
-    ``metric``: a ``PromptMetric`` or any callable (``as_metric``). ``batch_size``: sequences
-    per verification forward (default from free memory; halved and retried on out-of-memory).
-    ``checkpoint``: folder (``checkpoint.HybridCheckpoint``); the screen and every verified
-    cell are stored as they finish, and a rerun of the same call resumes (the rule replays
-    on the stored numbers and picks the same cells).
-
-    ``exact_when_cheaper`` (automatic budget only; ``patch_heads`` and ``patch_edges`` set it,
-    a direct call measures the hybrid itself and leaves it off): where the hybrid is predicted
-    (``hybrid.predicted``, as ``plan_patch`` prints it) to cost at least the exact sweep, the
-    exact sweep runs instead (``method="exact"``); off, such a run warns before it starts.
-    ``meta["hybrid"]``: what ran and why, the prediction; ``meta["timing"]``: seconds of the
-    screen, the verification and the total
-    (``meta["seconds"]``); with ``progress`` one line says what was verified, why it stopped and
-    the cost against the exact sweep's, and a run that cost more says so (a warning). One road
-    for heads and edges: ``hybrid.screen_then_verify``.
+    ``values``: exact for the verified cells, the estimate elsewhere; ``meta``: ``verified``
+    (a bool mask like ``values``), ``verified_cells``, ``attribution_values``, ``error_unit``,
+    ``budget``, ``cost`` (``hybrid.place``), ``hybrid`` and ``timing``
+    (``hybrid.screen_then_verify``). ``checkpoint``: folder (``checkpoint.HybridCheckpoint``);
+    a rerun of the same call resumes. ``exact_when_cheaper``: where the automatic budget is
+    predicted to cost at least the exact sweep, run that instead (``patch_heads`` sets it; a
+    direct call measures the hybrid and warns before it starts).
     """
     hybrid.check_rule(top_k, max_passes, recall_top, quantile, max_fraction)
     clean_tokens, corrupt_tokens, metric = _check(
@@ -506,17 +383,4 @@ def _check(model, clean, corrupt, metric, direction, method, batch_size, *, site
     check_gradient(pm, method)
     return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
                                           engine_checks=engine_checks)
-
-
-def _bytes_per_chunk(model: Any, seq: int, rows: int, sweep: Sweep) -> int:
-    from circuitkit.patching.sweep import bytes_per_row
-
-    return bytes_per_row(model, seq) * min(rows, sweep.n_variants * sweep.n_prompts)
-
-
-def _available(model: Any) -> int:
-    from circuitkit.patching.sweep import available_bytes, model_devices
-
-    return available_bytes(model_devices(model))
-
 

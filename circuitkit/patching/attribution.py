@@ -1,96 +1,39 @@
-"""Attribution patching of attention heads: gradient estimates of every head's patching effect.
+"""Attribution patching: gradient estimates of every head's (and edge's) patching effect. This
+module keeps the public entry points (``attribution_patch_heads``, ``attribution_patch_edges``)
+and the names other modules import; each estimator is one entry of ``estimators.registry`` (its
+per-batch function, cost, needs) run by ``estimators.driver``. What each computes, why, its cost
+and the evidence: docs/attribution.md (edges: docs/edges.md); the hybrid: ``hybrid.py``.
 
 A head's activation ``a`` at ``site`` is patched from the *base* run to the *source* run
-(denoise: base = corrupt, source = clean; noise: base = clean, source = corrupt). Every estimator
-returns ``values = metric(base) + delta`` (mean over prompts), an estimate of the metric *after*
-patching, directly comparable with the exact sweep's ``values``. ``estimator=`` selects one;
-``docs/attribution.md`` gives the evidence for each on a 30-layer model. Cost is in
-pass-equivalents per prompt: one prompt through the whole model; a backward counts 2
-(``meta["pass_equivalents"]`` is the total for the prompts given, ``meta["seconds"]`` the time).
+(denoise: base = corrupt, source = clean; noise: the reverse). Every estimator returns ``values =
+metric(base) + delta`` (mean over prompts), comparable with the exact sweep's ``values``:
 
-* ``"atp"`` (plain attribution; Nanda 2023, Syed et al. 2023), the cheapest::
+* ``"atp"`` (Nanda 2023, Syed et al. 2023): ``delta = sum_{pos, d} (a_source - a_base) .
+  dm/da_base``;
+* ``"block"``: the head's own block exact, the rest linear: ``delta = g_l . [dr + MLP_l(r_mid +
+  dr) - MLP_l(r_mid)]``, ``dr = (z_source - z_base) @ W_O[head]``, ``g_l = dm/d resid_post(l)``
+  (sites q/k/v/pattern: the head's attention recomputed exactly first);
+* ``"qk"`` (AtP*'s Q/K fix, Kramar et al. 2024; ``atp_star=True``): site z ``delta + sum_{l' >
+  l} [(P_l'(r_l' + dr) - P_l'(r_l')) . dm/dP_l' - dr . d/dr (P_l'(r) . dm/dP_l')]``; q/k: the
+  own pattern's softmax exact; optional exact tail (``exact_tail``);
+* ``"graddrop"`` (AtP*'s GradDrop): ``|delta| = 1/(L-1) sum_{l'} |AtP with block l' dropped from
+  the backward|``, the sign of the largest term, no per-prompt values; ``"atp*"``: both fixes;
+* ``"ig"`` (as EAP-IG, Hanna et al. 2024): ``delta = (a_source - a_base) . mean_k
+  dm/da(alpha_k)``, token embeddings interpolated at ``alpha_k = (k + 1/2) / m``.
 
-      delta(head) = sum_{pos, d} (a_source - a_base)[pos, head, d] * dm/da_base[pos, head, d]
-
-  Cost 4 (base forward with gradients, source forward, one backward).
-
-* ``"block"`` (the default for screening): the head's own block completed exactly, the rest
-  linear. The patched head's write ``dr = (z_source - z_base) @ W_O[head]`` enters the block's
-  MLP exactly, and the change of the block's output is dotted with the base gradient there::
-
-      delta(head) = g_l . [dr + MLP_l(r_mid + dr) - MLP_l(r_mid)],   g_l = dm/d resid_post(l)
-
-  (``MLP_l`` includes its norm; parallel attention/MLP blocks have no MLP after the head, so the
-  estimate is plain AtP there. A block that normalises the attention and MLP outputs before the
-  residual add, Gemma 2's, is completed through those norms too: ``dr = n_attn(a + dz W_O) -
-  n_attn(a)`` around the base attention output ``a``, and ``MLP_l`` ends in ``n_mlp``.) For
-  sites q/k/v/pattern the head's attention is first recomputed exactly with the patched
-  activation (own softmax exact), then the same. Why: on SmolLM2 the
-  linearised MLP right after a head answers its write with a large opposite response that the
-  exact MLP does not give (L16H0: +2.5 of linear cancellation, AtP -0.14 vs exact -4.18; this
-  estimator -2.38). Cost, site z: 4 + H * s_mlp with one MLP call per head and layer (the MLP
-  being a share ``s_mlp`` of a block; rows are position-wise, so ``positions="each"`` costs the
-  same), or, from ``2 d_model / H`` positions per call on, 4 + s_mlp ((2k + 1) + k d_model / N) /
-  (k + 1) with all heads at once (``head_mlp``: virtual weights, N positions per call, k input
-  projections): independent of H in FLOPs. Other sites: 4 + C * (s_attn + s_mlp) (C copies).
-
-* ``"qk"`` (AtP*'s Q/K fix, Kramar et al. 2024 section 3.1.1; ``atp_star=True``): the effect of
-  the patch on attention logits taken as it is and the softmax recomputed exactly, the rest
-  linear. Sites q/k: the head's own pattern ``sum (P(q_source) - P_base) * dm/dP``. Site z: the
-  head's direct residual write enters every later layer's queries and keys exactly, and its
-  linearisation is swapped out::
-
-      delta*(head) = delta(head) + sum_{l' > l} [ (P_l'(r_l' + dr) - P_l'(r_l')) . dm/dP_l'
-                                                  - dr . d/dr (P_l'(r) . dm/dP_l') ]
-
-  Cost: 4 + (H * pairs * s_attn + (L - 1) * 2 s_attn) / L with ``pairs`` = L(L-1)/2 (site z):
-  it grows with heads times layers squared. Optional exact tail (``exact_tail=True``; default
-  on only for the legacy ``atp_star=True``): the last block and the readout evaluated exactly
-  for each head's direct write, + H * L last-block calls / L.
-
-* ``"graddrop"`` (AtP*'s GradDrop, Kramar et al. 2024 section 3.1.2): plain AtP with the gradient
-  through each layer's residual contribution (attention and MLP outputs of block ``l'``) zeroed,
-  one estimate per ``l'``; the score is their mean magnitude, so paths that cancel in plain AtP
-  no longer hide each other::
-
-      |delta_GD(head)| = 1/(L-1) sum_{l'} | AtP with block l' dropped from the backward |
-
-  The sign is that of the largest single-``l'`` estimate. Defined on the prompt mean (no
-  per-prompt values). Cost: 2 + 2 (L + 1).
-
-* ``"atp*"``: both fixes (``"qk"``'s correction added to every GradDrop term). Cost: the sum.
-
-* ``"ig"`` (integrated gradients along the clean-corrupt path, as EAP-IG, Hanna et al. 2024): the
-  token embeddings interpolated ``e(alpha) = e_base + alpha (e_source - e_base)`` and the site
-  gradient averaged over ``m = ig_steps`` midpoints ``alpha_k = (k + 1/2) / m``::
-
-      delta(head) = (a_source - a_base) . mean_k dm/da(alpha_k)
-
-  The path is the same for both directions (reversed), so noise and denoise estimates are
-  mirror images: it cannot see that breaking one head of a circuit (noise) costs more than
-  restoring it (denoise). Cost: 2 + 3 m.
-
-Every estimator also returns ``meta["write_scale"]`` (per cell, mean over prompts): the size of
-the patch relative to what it perturbs (site z: ``|dr| / |resid_mid|`` per position, the block
-input for parallel blocks, ``hooks.resid_mid_of``; q/k/v:
-``|a_source - a_base| / |a_base|``; pattern: total variation of the row). The nonlinear error of
-an estimate grows with it; ``attribution+exact`` uses it as the unit of its error bound.
-
-Metrics: a ``PromptMetric`` (``circuitkit.metrics``). A metric without per-prompt values (a
-wrapped scalar callable) repeats its scalar ``m`` for every prompt; the objective differentiated
-is the sum of per-prompt values, ``n * m``, so per-prompt estimates are ``n`` times each prompt's
-share and their mean is ``m + sum_b delta_b``: the same formula, no special case (such a metric
-runs all prompts in one batch).
-
-Layout: each estimator is one entry of ``estimators.registry`` (units, per-batch function, cost,
-what it needs of the model); ``estimators.driver`` runs every one of them, heads and edges. This
-module keeps the public entry points and the names other modules import. The hybrid (an
-estimator, then exact verification) lives in ``patching/api.py``.
+``meta``: ``pass_equivalents`` (one prompt through the whole model; a backward counts 2),
+``seconds`` and ``write_scale`` per cell, the patch's size relative to what it perturbs (site z
+``|dr| / |resid_mid|``, ``hooks.resid_mid_of``; q/k/v ``|a_source - a_base| / |a_base|``;
+pattern: the row's total variation): the unit of ``attribution+exact``'s error bound. A metric
+without per-prompt values repeats its scalar ``m`` per prompt; the objective differentiated is
+the sum of per-prompt values, ``n m``, so per-prompt estimates are shares of it and their mean
+is ``m + sum_b delta_b`` (such a metric runs all prompts in one batch).
 """
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -106,14 +49,10 @@ from circuitkit.patching.estimators.block import (  # noqa: F401  (imported from
     _parameters_as,
 )
 from circuitkit.patching.estimators.common import _head_writes  # noqa: F401
-from circuitkit.patching.estimators.costs import (
-    head_mlp_pays,  # noqa: F401
-    receiver_attn_passes,
-)
+from circuitkit.patching.estimators.costs import head_mlp_pays  # noqa: F401
 from circuitkit.patching.estimators.graddrop import _graddrop_combine
 from circuitkit.patching.estimators.qk import (  # noqa: F401
     ATP_STAR_SITES,
-    LayerStep,
     estimator_plan,
 )
 from circuitkit.patching.estimators.registry import (  # noqa: F401
@@ -130,7 +69,6 @@ from circuitkit.patching.estimators.registry import (  # noqa: F401
     edge_estimator_passes,
     estimator_passes,
     get,
-    missing_reruns,
     resolve_estimator,
     screening_estimator,
 )
@@ -145,16 +83,6 @@ from circuitkit.patching.inputs import (
     choice,
 )
 from circuitkit.patching.patch_result import PatchResult
-
-ATTRIBUTION_COST = "4 pass-equivalents per prompt (2 forwards + 1 backward, a backward counting 2)"
-
-
-class _HeadJob:
-    """What every batch of a head estimate shares (``common.Batch.head_args`` reads it)."""
-
-    def __init__(self, site: str, positions: str, steps: Any, tail: bool, ig_steps: int):
-        self.site, self.positions, self.steps, self.tail = site, positions, steps, tail
-        self.ig_steps = ig_steps
 
 
 def attribution_patch_heads(
@@ -172,28 +100,18 @@ def attribution_patch_heads(
     estimator: str | None = None,
     ig_steps: int = IG_STEPS,
 ) -> PatchResult:
-    """Estimate every head's patching effect by attribution; see the module docstring.
+    """Estimate every head's patching effect by attribution (module docstring): a
+    ``PatchResult``, method "attribution", ``values = metric(base) + delta`` (mean over
+    prompts) ``[n_layers, n_heads]`` (``positions="all"``) or ``[n_layers, n_heads, seq]``
+    ("each"; for "pattern" the query position); ``meta``: estimator, pass_equivalents, seconds,
+    write_scale, plan ("qk").
 
-    Args:
-        model: a TransformerBridge (eval mode).
-        clean_tokens, corrupt_tokens: [batch, seq], aligned position by position.
-        metric: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]``
-            (``circuitkit.metrics.as_metric``).
-        direction: "denoise" (clean -> corrupt run) or "noise" (corrupt -> clean run).
-        site: "z", "q", "k", "v" (k/v: KV heads under GQA) or "pattern".
-        positions: "all" -> values [n_layers, n_heads]; "each" -> [n_layers, n_heads, seq]
-            (for "pattern" the position is the query position).
-        estimator: one of ``ESTIMATORS`` (default: "qk" with ``atp_star``, else "atp").
-        atp_star: legacy switch for estimator "qk" (sites z, q, k), with the exact tail on.
-        batch_size: prompts per forward/backward (default: all; a metric without per-prompt
-            values always runs all prompts at once).
-        exact_tail: estimators "qk"/"atp*", site z: evaluate the last block and the readout
-            exactly for each head's direct write (default: on with ``atp_star`` only).
-        ig_steps: interpolation steps ``m`` of estimator "ig".
-
-    Returns:
-        PatchResult, method "attribution"; ``values = metric(base) + delta`` (mean over
-        prompts); ``meta``: estimator, pass_equivalents, seconds, write_scale, plan ("qk").
+    ``site``: "z", "q", "k", "v" (k/v: KV heads under GQA) or "pattern". ``estimator``: one of
+    ``ESTIMATORS`` (default: "qk" with ``atp_star``, a legacy switch that also turns the exact
+    tail on, else "atp"). ``batch_size``: prompts per forward/backward (default: all; a metric
+    without per-prompt values runs all at once). ``exact_tail``: "qk"/"atp*" at site z, the
+    last block and the readout exact for each head's direct write. ``ig_steps``: "ig"'s
+    interpolation steps ``m``. ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
     """
     t_start = time.perf_counter()
     est, clean_tokens, corrupt_tokens, metric = _checked_heads(
@@ -223,7 +141,9 @@ def estimate_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, met
     steps = estimator_plan(hooks.facts(model).n_layers, site, est.qk, tail) if est.qk else None
     bs = batch_size if (batch_size and metric.per_prompt_values) else n
     base_all, src_all = driver.base_and_source(clean_tokens, corrupt_tokens, direction)
-    job = _HeadJob(site, positions, steps, tail, ig_steps)
+    # what every batch shares (``common.Batch.head_args`` reads it)
+    job = SimpleNamespace(site=site, positions=positions, steps=steps, tail=tail,
+                          ig_steps=ig_steps)
     got = driver.run_batches(model, metric, base_all, src_all, bs,
                              lambda b: est.batch(job, b), progress, "attribution")
     pp = metric.per_prompt_values and est.per_prompt
@@ -235,7 +155,8 @@ def estimate_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, met
     meta = driver.base_meta(model, metric, est.name, n, bs, estimator_passes(
         model, est.name, site, positions, seq, ig_steps, tail, batch=bs), t_start)
     meta.update(atp_star=est.qk, exact_tail=tail,
-                passes=ATTRIBUTION_COST if est.name == "atp" else f"see estimator {est.name!r}",
+                passes="4 pass-equivalents per prompt (2 forwards + 1 backward, a backward "
+                "counting 2)" if est.name == "atp" else f"see estimator {est.name!r}",
                 write_scale=torch.cat(got.scales).mean(0).tolist())
     if est.ig:
         meta["ig_steps"] = ig_steps
@@ -300,12 +221,8 @@ def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Te
                              lambda b: est.batch(job, b), progress, f"edges {est.name}",
                              edges=True)
     scale = torch.stack(got.scales).mean(0)
-    receiver_attn = receiver_attn_passes(
-        block_shares(model, clean_tokens.shape[1])[0], layout.n_layers, len(layout.inputs),
-        sum(len(job.before[la]) for la in job.recv_layers)) if job.exact_receiver else 0.0
-    n_groups = len(job.groups) if est.name == "eap-ig-activations" else 1
-    meta = driver.base_meta(model, metric, est.name, n, bs,
-                            edge_estimator_passes(est.name, m, n_groups, receiver_attn), t_start)
+    meta = driver.base_meta(model, metric, est.name, n, bs, edge_estimator_passes(
+        model, layout, est.name, m, clean_tokens.shape[1]), t_start)
     meta["write_scale"] = [[[None if v != v else v for v in row] for row in mat]
                            for mat in scale.tolist()]
     if est.ig:

@@ -1,10 +1,8 @@
-"""``method="auto"``: the exact sweep where it is affordable, else screen then verify (``run``).
-
-The rule (``choice``): exact at or below ``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt
-token for the exact sweep, else ``attribution+exact`` (``hybrid``) with the screening estimator
-and its automatic budget. With ``screening_recall=True`` an exact run also screens, to report how
-many of the exact top-k cells the screen would have found (it roughly doubles the time on a
-small model, so it is asked for, never the default).
+"""``method="auto"``: the exact sweep where it is affordable (``choice``: at or below
+``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token), else screen then verify with the
+screening estimator and its automatic budget (``run``). With ``screening_recall=True`` an exact
+run also screens, to report the screen's recall of the exact top-k cells (it roughly doubles a
+small model's time, so it is asked for, never the default).
 """
 
 from __future__ import annotations
@@ -45,13 +43,10 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: Hea
         direction: str, batch_size: int | None, checkpoint: str | Path | None,
         progress: bool, top_k: int | None, meta: dict, max_passes: float | None = None,
         screening_recall: bool = False) -> PatchResult:
-    """``method="auto"`` over head ``units``. Below the threshold (``choice``): the exact sweep;
-    with ``screening_recall`` also the screening estimator's pass
-    (``attribution.screening_estimator``: plain AtP where the model cannot re-run a layer
-    alone), and ``meta["auto"]["screening"]["recall"]`` = share of the exact top-k cells (by
-    ``|value - baseline|``) among the screen's top k, ``k = min(top_k or 20, cells / 2)``.
-    Above it: attribution+exact with the same estimator and, unless ``top_k`` is given, its
-    automatic budget; the verified cells are listed in ``meta["auto"]["verified"]``."""
+    """``method="auto"`` over head ``units`` (module docstring); ``meta["auto"]``: the choice,
+    the verified cells and ``screening``, whose ``recall`` (with ``screening_recall``) is the
+    share of the exact top-k cells (by ``|value - baseline|``) among the screen's top k,
+    ``k = min(top_k or 20, cells / 2)``."""
     site, positions = units.site, units.positions
     info = choice(model, clean.shape[1], site, positions)
     if max_passes is not None and info["chose"] == "exact":

@@ -16,12 +16,10 @@ Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) a
 
 Several ranks can share a folder: chunk files never collide and only rank 0 writes the header.
 
-``attribution+exact`` (heads and edges: ``hybrid.screen_then_verify``) keeps its own files in
-the same kind of folder (``HybridCheckpoint``): ``hybrid.json`` (identity: the sweep's, plus the
-estimator), ``hybrid-screen.*`` (the screening estimate, a ``PatchResult`` or ``EdgeResult``)
-and ``hybrid-cells.safetensors`` (every verified cell's per-prompt
-exact values, rewritten atomically after each verification forward, with the identity key
-and a checksum).
+``attribution+exact`` keeps its own files in the same kind of folder (``HybridCheckpoint``):
+``hybrid.json`` (identity), ``hybrid-screen.*`` (the screen, a ``PatchResult`` or
+``EdgeResult``) and ``hybrid-cells.safetensors`` (every verified cell's per-prompt exact values,
+rewritten atomically after each verification forward, with the identity key and a checksum).
 """
 
 from __future__ import annotations
@@ -110,8 +108,9 @@ def model_fingerprint(model: Any) -> str:
 
 
 def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
-                   metric: PromptMetric) -> dict[str, Any]:
-    """Everything a resumed sweep must share with the one that wrote the checkpoint."""
+                   metric: PromptMetric, **extra: Any) -> dict[str, Any]:
+    """Everything a resumed sweep must share with the one that wrote the checkpoint, and
+    ``extra`` (an edge sweep's layout, a hybrid's method and estimator)."""
     f = hooks.facts(model)
     out = dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
                direction=sweep.direction, positions=sweep.positions,
@@ -121,7 +120,7 @@ def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
                split_prompts=sweep.split_prompts, prompt_order="by_length")
     if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)
         out["groups"] = sweep.groups.hash()
-    return out
+    return dict(out, **extra)
 
 
 def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -173,27 +172,15 @@ class SweepCheckpoint:
         """Open (or create) ``path`` for this sweep; the stored chunk plan wins on resume."""
         from circuitkit.patching import distributed as dist
 
-        path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint {path} is a file, not a folder; pass a folder path.")
+        path = _folder(path)
         header = path / cls.HEADER
         if rank == 0 and not header.exists():
             files.check_writable_dir(path, "checkpoint folder")
             files.write_json(header, dict(identity=identity, chunks=[list(c) for c in chunks]))
         if world > 1:
             dist.barrier()
-        lock = _take_lock(path, rank, world)
-        try:
-            stored = _read_header(header)
-            if stored["identity"] != identity:
-                raise ValueError(
-                    f"checkpoint {path} belongs to a different sweep; differing fields "
-                    f"(stored, now): {identity_diff(stored['identity'], identity)}. Use a new "
-                    "checkpoint folder, or delete this one to start over.")
-            return cls(path, identity, tuple(Chunk(*c) for c in stored["chunks"]), lock)
-        except BaseException:
-            lock.close()
-            raise
+        stored, lock = _locked(path, header, (), identity, rank, world, "sweep", "this one")
+        return cls(path, identity, tuple(Chunk(*c) for c in stored["chunks"]), lock)
 
     def close(self) -> None:
         self._lock.close()
@@ -256,6 +243,31 @@ def _chunk_problem(meta: dict, values: Tensor, key: str, cid: int, chunk: Chunk)
     return ""
 
 
+def _folder(path: str | Path) -> Path:
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint {path} is a file, not a folder; pass a folder path.")
+    return path
+
+
+def _locked(path: Path, header: Path, keys: tuple[str, ...], identity: dict, rank: int,
+            world: int, what: str, delete: str) -> tuple[dict, files.FolderLock]:
+    """The stored ``header`` (holding ``keys``) and this rank's lock of the folder, once its
+    identity is this run's (else one line naming the differing fields; the lock let go)."""
+    lock = _take_lock(path, rank, world)
+    try:
+        stored = _read_header(header, *keys)
+        if stored["identity"] != identity:
+            raise ValueError(
+                f"checkpoint {path} belongs to a different {what}; differing fields (stored, "
+                f"now): {identity_diff(stored['identity'], identity)}. Use a new checkpoint "
+                f"folder, or delete {delete} to start over.")
+        return stored, lock
+    except BaseException:
+        lock.close()
+        raise
+
+
 def _read_header(header: Path, *keys: str) -> dict:
     keys = keys or ("identity", "chunks")
     try:
@@ -289,26 +301,14 @@ class HybridCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path, identity: dict) -> HybridCheckpoint:
-        path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"checkpoint {path} is a file, not a folder; pass a folder path.")
+        path = _folder(path)
         files.check_writable_dir(path, "checkpoint folder")
         stored = path / cls.IDENTITY
         if not stored.exists():
             files.write_json(stored, dict(identity=identity))
-        lock = _take_lock(path, 0)
-        try:
-            old = _read_header(stored, "identity")["identity"]
-            if old != identity:
-                raise ValueError(
-                    f"checkpoint {path} belongs to a different attribution+exact run; differing "
-                    f"fields (stored, now): {identity_diff(old, identity)}. Use a new "
-                    f"checkpoint folder, or delete {stored.name} and the hybrid-* files there "
-                    "to start over.")
-            return cls(path, identity, lock)
-        except BaseException:
-            lock.close()
-            raise
+        _, lock = _locked(path, stored, ("identity",), identity, 0, 1, "attribution+exact run",
+                          f"{stored.name} and the hybrid-* files there")
+        return cls(path, identity, lock)
 
     def close(self) -> None:
         self._lock.close()

@@ -72,15 +72,12 @@ class CircuitGraph:
                         f"{node_name((rl, rh), f.n_layers)} ({inp}) is no edge of this model "
                         f"({f.n_layers} layers x {f.n_heads} heads, {f.n_kv_heads} KV heads): "
                         "the EdgeResult was patched on another model.")
-                cells.append(torch.tensor([[g.sender(sl, sh), g.receiver(rl, rh), i if rl <
-                                            f.n_layers else 0]]))
+                cells.append(torch.tensor([[g.sender(sl, sh), g.receiver(rl, rh),  # (q, k, v)
+                                            hooks.EDGE_INPUTS.index(inp) if rl < f.n_layers
+                                            else 0]]))
                 scores.append(float(eff[s, r, i]))
                 shares.append(float(norm[s, r, i]))
                 names.append(((sl, sh), (rl, rh), inp))
-            input_index = [hooks.EDGE_INPUTS.index(x) for x in result.inputs]
-            for c in cells:  # the result's input index -> the model's (q, k, v)
-                if int(c[0, 1]) != g.receiver(f.n_layers, -1):
-                    c[0, 2] = input_index[int(c[0, 2])]
             return cls(model, "edges", cells, torch.tensor(scores), names, torch.tensor(shares))
         if isinstance(result, PatchResult):
             if result.axes != ("layer", "head") or result.site != "z":

@@ -14,9 +14,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching.result_files import (
-    _number,
-)
+from circuitkit.patching.result_files import _number
 
 CIRCUIT_FORMAT = "circuitkit.circuit"
 CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap
@@ -52,26 +50,19 @@ def share_phrase(share: float | None) -> str:
 
 @dataclass
 class CircuitResult:
-    """A faithfulness curve and the kept set (``patching.faithfulness.circuit``).
+    """A faithfulness curve and the kept set (``patching.faithfulness.circuit``; its
+    formulas: ``patching/faithfulness.py``, docs/edges.md).
 
-    ``kind``: "edges" or "heads"; ``sizes``: shares of the scored items kept (ascending),
-    ``n_kept``: how many items that is; ``faithfulness[k] = (m(C_k) - empty) / (full -
-    empty)`` with ``full``/``empty`` the metric with every scored item kept / ablated;
-    ``per_prompt``: ``[n_sizes, n_prompts]`` metric of each circuit. ``cpr``/``cmd``: MIB's
-    areas (under f; between f and 1) over the kept share. ``share``: the scored items' share
-    of the whole behaviour, ``(full - empty) / (clean - corrupt)`` (``clean`` = ``full``, the
-    clean run; ``corrupt``: the corrupt run): f and CPR are shares of *that* part only.
-    ``items``: every scored item, ranked, the same dicts ``kept()`` and ``circuit.json`` give
-    (edges: ``sender``/``receiver`` node names as ``hooks.node_name``, ``input``; heads: ``name``,
-    ``layer``, ``head``; both: ``score``, the item's own normalized effect as
-    ``PatchResult.normalized``, and ``effect``, its raw effect ``value - baseline``).
-    ``chosen``: index of the kept set, the smallest circuit with faithfulness >= ``target``
-    (``target_reached``; else the largest circuit, with a ``CircuitTargetWarning``).
-    ``degenerate``: why f is no share (the corruption does not lower the metric by its margin,
-    or ablating every scored item does not move it: ``PatchResult.degenerate``'s rule), else
-    None; then ``faithfulness`` holds raw effects ``m(C_k) - empty`` and ``cpr``/``cmd``/``share``
-    are None. ``intervals``: bootstrap percentile intervals over prompts of faithfulness (per
-    size), CPR, CMD and share, or None.
+    ``sizes``: shares of the scored items kept (ascending), ``n_kept``: how many items that is;
+    ``faithfulness[k] = (m(C_k) - empty) / (full - empty)``; ``per_prompt``: ``[n_sizes,
+    n_prompts]`` metric of each circuit; ``cpr``/``cmd``: MIB's areas; ``share``: the scored
+    items' share of the clean-corrupt gap (``full`` is the clean run, ``corrupt`` the corrupt
+    run). ``items``: every scored item, ranked, as ``kept()`` and ``circuit.json`` give them
+    (edges: ``sender``/``receiver`` node names, ``input``; heads: ``name``, ``layer``, ``head``;
+    both: ``score``, the item's normalized effect, and ``effect``, its raw effect). ``chosen``:
+    the kept set's index (``target_reached``). ``degenerate``: why f is no share, else None
+    (then ``faithfulness`` holds raw effects and ``cpr``/``cmd``/``share`` are None).
+    ``intervals``: bootstrap percentile intervals of faithfulness, CPR, CMD and share, or None.
     """
 
     kind: str

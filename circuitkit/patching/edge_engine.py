@@ -21,12 +21,9 @@ from circuitkit.patching.sweep import Sweep, auto_rows
 
 
 class EdgeEngine(ExactEngine):
-    """Exact edge patching (``patching/engine.py``'s docstring, "Edges"): the cached runs,
-    restart, chunking and metric evaluation of ``ExactEngine``; the patch is an edge's.
-
-    ``layout``: the ``sweep.EdgeLayout``; the sweep's layer ``l`` is receiver layer ``l``
-    (``n_layers``: the logits) and its variants are ``layout.cells(l)``.
-    """
+    """Exact edge patching (module docstring). ``layout``: the ``sweep.EdgeLayout``; the
+    sweep's layer ``l`` is receiver layer ``l`` (``n_layers``: the logits), its variants
+    ``layout.cells(l)``."""
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):

@@ -4,7 +4,6 @@ rule are ``PatchResult``'s (``_as_patch_result``)."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,18 +14,17 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching.pages import write_page
 from circuitkit.patching.patch_result import PatchResult
 from circuitkit.patching.result_files import (
     _EDGE_FILE,
     EDGE_FORMAT,
     EDGE_FORMAT_VERSION,
-    TENSOR_FIELDS,
     _check_nodes,
     _checked_edge_info,
     _no_edge,
-    json_ready,
     load_result,
+    result_paths,
+    save_result,
 )
 
 
@@ -35,14 +33,11 @@ class EdgeResult:
     """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
 
     ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
-    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only. Nodes are ``(layer, head)``:
-    the senders include the embeddings as ``(-1, -1)`` ("embed"), the receivers the logits as
-    ``(n_layers, -1)`` ("logits": the final residual the unembedding reads; it has one input,
-    stored at input index 0 and shown as input "resid"). NaN where ``(s, r, i)`` is no edge:
-    the receiver's layer is not after the sender's, the logits' other input slots, and under
-    GQA a k/v receiver ``(l, g)`` with ``g >= n_kv_heads`` (k/v receivers are KV heads:
-    ``meta["kv_heads"]``). ``per_prompt``: ``[n_prompts, n_senders, n_receivers, n_inputs]``.
-    Normalisation and intervals are ``PatchResult``'s (one definition: ``_as_patch_result``).
+    reaches receiver ``receivers[r]`` at input ``inputs[i]`` only; ``per_prompt``:
+    ``[n_prompts, n_senders, n_receivers, n_inputs]``. Nodes are ``(layer, head)``, the
+    embeddings ``(-1, -1)`` and the logits ``(n_layers, -1)`` (one input, index 0, shown as
+    "resid"); NaN where ``(s, r, i)`` is no edge (docs/edges.md, "The tensor"). Normalisation
+    and intervals are ``PatchResult``'s (``_as_patch_result``).
     """
 
     values: Float[Tensor, "sender receiver input"]
@@ -115,9 +110,7 @@ class EdgeResult:
         return said
 
     def normalized(self) -> Float[Tensor, "sender receiver input"]:
-        """``PatchResult.normalized`` of each edge: denoise ``(v - corrupt) / (clean -
-        corrupt)``, noise ``(v - clean) / (clean - corrupt)``; the raw effect for a
-        ``degenerate`` result (one warning per result)."""
+        """``PatchResult.normalized`` of each edge (one warning per result)."""
         view = self._as_patch_result()
         out = view.normalized().reshape(self.values.shape)
         self._baseline_said = view._baseline_said
@@ -129,9 +122,7 @@ class EdgeResult:
 
     def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
                             raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
-        """``PatchResult.confidence_interval`` (percentile bootstrap over prompts of the
-        normalized value, or of the raw effect: ``raw``, default for a ``degenerate`` result)
-        of each edge, values-shaped; None without per-prompt values."""
+        """``PatchResult.confidence_interval`` of each edge, values-shaped."""
         got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
         return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
 
@@ -199,38 +190,22 @@ class EdgeResult:
 
     # --- persistence ----------------------------------------------------------------------------
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
-        """``<path>.safetensors`` (tensors), ``<path>.json`` (metadata, ``json_ready``), and
-        with ``views`` ``<path>.csv`` (``to_frame()``) and ``<path>.html`` (``heatmap()``, with
-        the folder's one ``plotly.min.js``: ``write_page``), each written atomically; ``path``
-        may be a folder (then ``<folder>/edges.*``)."""
-        from circuitkit import files
-
-        paths = _edge_paths(path)
-        paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
-        files.write_tensors(paths["safetensors"], tensors)
+        """As ``PatchResult.save`` (``result_files.save_result``); ``path`` may be a folder
+        (then ``<folder>/edges.*``)."""
         info = dict(format=EDGE_FORMAT, version=EDGE_FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     senders=[list(s) for s in self.senders],
                     receivers=[list(r) for r in self.receivers], inputs=list(self.inputs),
                     n_layers=self.n_layers, meta=self.meta)
-        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
-        if not views:
-            return [paths["safetensors"], paths["json"]]
-        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
-        return list(paths.values())
+        return save_result(self, result_paths(path, "edges"), info, views)
 
     @classmethod
     def load(cls, path: str | Path) -> EdgeResult:
-        """Read what ``save`` wrote (the folder, the base path or any of its files). Strict,
-        with ``PatchResult.load``'s checks (``_checked_info``, ``_check_tensors``: types,
-        finite cells, values and baselines the means of their per-prompt values, the verified
-        mask) and the edges' own: ``n_layers`` a positive integer, ``inputs`` distinct in
-        q, k, v order, senders and receivers distinct, sorted and inside the model
-        (``meta["facts"]``, when recorded), and NaN exactly where there is no edge
-        (``_no_edge``). A bad file is a ``ValueError`` naming the file and the field."""
-        paths = _edge_paths(path)
+        """Read what ``save`` wrote (the folder, the base path or any of its files), strictly:
+        ``PatchResult.load``'s checks and the edges' own (``_checked_edge_info``, ``_no_edge``:
+        NaN exactly where there is no edge; docs/durability.md). A bad file is a
+        ``ValueError`` naming the file and the field."""
+        paths = result_paths(path, "edges")
 
         def layout(kw: dict[str, Any], tensors: dict[str, Any]) -> tuple:
             shape = (len(kw["senders"]), len(kw["receivers"]), len(kw["inputs"]))
@@ -243,13 +218,4 @@ class EdgeResult:
                 f"{len(self.senders)} senders x {len(self.receivers)} receivers x "
                 f"inputs {list(self.inputs)}, {int(self.edge_mask().sum())} edges, "
                 f"clean={self.clean:.4f}, corrupt={self.corrupt:.4f})")
-
-
-def _edge_paths(path: str | Path) -> dict[str, Path]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "edges"
-    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
-        p = p.with_suffix("")
-    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
 

@@ -5,7 +5,7 @@ fitted (``fit_rows``: cached runs and the heaviest chunk as a probe, rows halved
 out-of-memory) -> checkpoint opened and verified (``checkpoint.SweepCheckpoint``) -> this rank's
 missing chunks computed (``compute``: each saved as it finishes, split on out-of-memory by
 ``chunk_fitting``, Ctrl-C saves and says how to resume) -> ranks merged (``distributed``) ->
-``Swept``, assembled in the caller's prompt order (``assembled``, ``patch_result``).
+``Swept``, its result in the caller's prompt order (``Swept.fields``, ``patch_result``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -55,7 +56,6 @@ def whole_on_every_replica(what: str) -> None:
                       "method='exact'.", stacklevel=3)
 
 
-
 def described(meta: dict, metric: PromptMetric) -> dict:
     """The metric's labels (a task's metric: ``task``, ``phase``), the caller's meta entries
     that are set, and the metric's note when it has one."""
@@ -79,19 +79,6 @@ def with_recorded(res: Any, model: Any, clean: Tensor, corrupt: Tensor) -> Any:
         if k not in res.meta:
             res.meta[k] = f()
     return res
-
-
-class Lazy:
-    """``fn(*args)``, computed on the first call and kept."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self.fn, self.args, self.value = fn, args, None
-
-    def __call__(self) -> Any:
-        if self.value is None:
-            self.value = self.fn(*self.args)
-        return self.value
-
 
 
 def versions() -> dict[str, str]:
@@ -147,21 +134,12 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep:
 def patch_result(model: Any, swept: Swept, sweep: Sweep, metric: PromptMetric,
                   meta: dict) -> PatchResult:
     """The ``PatchResult`` of a finished head or layer sweep."""
-    values, per_prompt, clean_pp, corrupt_pp = assembled(swept)
-    pp = metric.per_prompt_values
     extra = described(meta, metric)
-    axes = ("layer", "pos") if sweep.kind == "layers" else (
-        ("layer", "head", "pos") if sweep.positions == "each" else
-        ("layer", "head", "group") if sweep.positions == "groups" else ("layer", "head"))
     if sweep.positions == "groups":
         extra.update(group_meta(sweep.groups))
-    return PatchResult(
-        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
-        direction=sweep.direction, method="exact", site=sweep.site, positions=sweep.positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None, axes=axes,
-        meta=dict(model=str(getattr(model.cfg, "model_name", "")), **swept.provenance(model),
-                  **extra))
+    # (axes: PatchResult's own, from the site, positions and values' shape)
+    return PatchResult(direction=sweep.direction, site=sweep.site, positions=sweep.positions,
+                       **swept.fields(model, metric, extra))
 
 
 def group_meta(groups: Any) -> dict[str, Any]:
@@ -183,16 +161,10 @@ def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
                       make_engine=functools.partial(EdgeEngine, layout=layout),
                       identity_extra=layout.to_dict())
-    values, per_prompt, clean_pp, corrupt_pp = assembled(swept)
-    pp = metric.per_prompt_values
-    return EdgeResult(
-        values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
-        direction=direction, method="exact", senders=layout.senders,
-        receivers=layout.receivers, inputs=layout.inputs, n_layers=layout.n_layers,
-        per_prompt=per_prompt, clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None,
-        meta=dict(model=str(getattr(model.cfg, "model_name", "")), n_edges=layout.n_edges,
-                  **swept.provenance(model), **described(meta, metric)))
+    return EdgeResult(direction=direction, senders=layout.senders, receivers=layout.receivers,
+                      inputs=layout.inputs, n_layers=layout.n_layers, **swept.fields(
+                          model, metric, dict(n_edges=layout.n_edges,
+                                              **described(meta, metric))))
 
 
 class Swept(NamedTuple):
@@ -204,27 +176,22 @@ class Swept(NamedTuple):
     order: Tensor | None
     info: dict[str, Any]
 
-    def provenance(self, model: Any) -> dict[str, Any]:
-        """The meta entries every exact result records."""
-        return dict(**self.info, versions=versions(), facts=asdict(hooks.facts(model)))
-
-
-def assembled(swept: Swept) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """(values, per_prompt, clean per prompt, corrupt per prompt) of a finished sweep, per
-    prompt in the caller's order."""
-    engine = swept.engine
-    values, per_prompt = engine.assemble(swept.done)
-    clean_pp, corrupt_pp = engine.clean_metric, engine.corrupt_metric
-    if swept.order is not None:  # back to the caller's prompt order
-        inv = torch.argsort(swept.order)
-        clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
-        per_prompt = None if per_prompt is None else per_prompt[inv]
-    return values, per_prompt, clean_pp, corrupt_pp
-
-
-def identity_of(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
-              extra: dict) -> dict[str, Any]:
-    return dict(sweep_identity(model, sweep, clean, corrupt, metric), **extra)
+    def fields(self, model: Any, metric: PromptMetric, meta: dict) -> dict[str, Any]:
+        """The result's values, baselines and per-prompt values (where the metric has them), in
+        the caller's prompt order, and ``meta`` after what every exact result records."""
+        values, per_prompt = self.engine.assemble(self.done)
+        clean_pp, corrupt_pp = self.engine.clean_metric, self.engine.corrupt_metric
+        if self.order is not None:  # back to the caller's prompt order
+            inv = torch.argsort(self.order)
+            clean_pp, corrupt_pp = clean_pp[inv], corrupt_pp[inv]
+            per_prompt = None if per_prompt is None else per_prompt[inv]
+        pp = metric.per_prompt_values
+        return dict(values=values, clean=float(clean_pp.mean()), corrupt=float(corrupt_pp.mean()),
+                    method="exact", per_prompt=per_prompt,
+                    clean_per_prompt=clean_pp if pp else None,
+                    corrupt_per_prompt=corrupt_pp if pp else None,
+                    meta=dict(model=str(getattr(model.cfg, "model_name", "")), **self.info,
+                              versions=versions(), facts=asdict(hooks.facts(model)), **meta))
 
 
 def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
@@ -238,7 +205,8 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
     # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
-    identity = Lazy(identity_of, model, sweep, clean, corrupt, metric, identity_extra or {})
+    identity = functools.cache(functools.partial(sweep_identity, model, sweep, clean, corrupt,
+                                                 metric, **(identity_extra or {})))
     fingerprints = dict(model_fingerprint=model_fingerprint(model),
                         tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
@@ -259,7 +227,7 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         if agreed < rows:
             rows, first = agreed, {}
             sweep = engine.sweep = chunked(sweep, rows, lengths)
-            bar.reset()  # a new plan: the bar restarts over its chunks
+            bar.close()  # a new plan: the bar restarts over its chunks
     ckpt = None
     if checkpoint is not None:
         ckpt = SweepCheckpoint.open(checkpoint, identity(), sweep.chunks, rank=rank,
@@ -292,9 +260,8 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
 
 def heaviest(sweep: Sweep) -> int:
     """The chunk needing the most activation memory: most sequences x longest run."""
-    return max(range(len(sweep.chunks)), key=lambda c: (
-        (sweep.chunks[c].v1 - sweep.chunks[c].v0) * (sweep.chunks[c].p1 - sweep.chunks[c].p0)
-        * sweep.run_length(sweep.chunks[c].p0, sweep.chunks[c].p1)))
+    return max(range(len(sweep.chunks)), key=lambda c: sweep.chunk_prompts(sweep.chunks[c])
+               * sweep.run_length(sweep.chunks[c].p0, sweep.chunks[c].p1))
 
 
 def fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
@@ -387,22 +354,18 @@ class Progress:
         else:  # re-planned (out of memory): the same bar, from 0 over the new chunks
             self.bar.reset(total=total)
 
-    def reset(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
     def update(self, n: int) -> None:
         if self.bar is not None:
             self.bar.update(n)
 
-    def close(self) -> None:
+    def close(self) -> None:  # (a later open starts a new bar)
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def compute(engine: ExactEngine, sweep: Sweep, mine: list[int], ckpt: SweepCheckpoint | None,
-             identity: Lazy, bar: Progress, n_done: int, splits: list[int],
+             identity: Callable[[], dict], bar: Progress, n_done: int, splits: list[int],
              computed: dict[int, Tensor]) -> dict[int, Tensor]:
     """This rank's chunks, each saved as it finishes; Ctrl-C saves what was computed (to a
     default folder when the sweep had none) and says how to resume. ``bar``: opened here

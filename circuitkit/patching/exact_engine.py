@@ -24,7 +24,7 @@ from circuitkit.patching.engine_checks import (
 )
 from circuitkit.patching.head_sets import HeadSetRuns
 from circuitkit.patching.inputs import ReadsDoNotHold
-from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, is_out_of_memory
+from circuitkit.patching.sweep import Chunk, Sweep, auto_rows, bucket_split, is_out_of_memory
 
 # Sites whose patch leaves block l's attention computation to a cached output (fast path).
 ATTN_OUTPUT_SITES = frozenset({("heads", "z"), ("layers", "attn_out"), ("layers", "mlp_out")})
@@ -42,7 +42,8 @@ class ExactEngine(HeadSetRuns):
                  fast: bool | None = None, rows: int | None = None):
         self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
-        self.site_names = [self._site_name(layer) for layer in range(L)]
+        site = hooks.layer_site if sweep.kind == "layers" else hooks.head_site
+        self.site_names = [site(sweep.site, layer) for layer in range(L)]
         self.attn_cached = (sweep.kind, sweep.site) in ATTN_OUTPUT_SITES
         # Cached per layer: resid_pre (the restart point); for the fast path the base attention
         # output (attn_out, mlp_out sites; for z it is o(z_base), so only z_base is kept) and
@@ -186,11 +187,6 @@ class ExactEngine(HeadSetRuns):
                 f"{hooks.facts(self.model).n_kv_heads}). The cfg lacks correct GQA info; set "
                 f"model.cfg.n_key_value_heads = {got}, or "
                 "patch site='z' or 'q'.")
-
-    def _site_name(self, layer: int) -> str:
-        if self.sweep.kind == "layers":
-            return hooks.layer_site(self.sweep.site, layer)
-        return hooks.head_site(self.sweep.site, layer)
 
     @property
     def clean_metric(self) -> Tensor:
@@ -338,19 +334,17 @@ class ExactEngine(HeadSetRuns):
 
     def length_split(self, p0: int, p1: int) -> int | None:
         """For a metric without per-prompt values (its chunks hold every prompt): a prompt
-        index splitting ``p0:p1`` (sorted by length) into two forwards when that saves >= 10% of
-        token-rows and each keeps >= 1/4 of the prompts (as ``sweep.chunked`` does across chunks
-        for per-prompt metrics); None otherwise, or when the logits are not read at known
-        positions (full-length logits of two buckets would not join)."""
+        index splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``,
+        as ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the
+        logits are not read at known positions (full-length logits of two buckets would not
+        join)."""
         if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
             return None  # (a per-prompt metric's chunks are already length buckets: sweep.chunked)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()
         if any(a > b for a, b in zip(need, need[1:], strict=False)):
             return None  # not sorted by length: nothing to gain
-        n = p1 - p0
-        cost = {s: s * need[s - 1] + (n - s) * need[-1] for s in range(n // 4, n - n // 4)}
-        best = min(cost, key=cost.__getitem__, default=None)
-        return p0 + best if best and cost[best] <= 0.9 * n * need[-1] else None
+        best = bucket_split(need)
+        return None if best is None else p0 + best
 
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:

@@ -1,41 +1,22 @@
-"""Circuit faithfulness (``ck.circuit``): keep the top edges (or heads), ablate the rest.
+"""Circuit faithfulness (``ck.circuit``): keep the top edges (or heads), ablate the rest
+(docs/edges.md, "Circuit faithfulness"). For each size of the curve, the clean prompts run with
+every scored item outside the kept share ablated; MIB's measures over the kept shares ``x_k``:
 
-``circuit(model, task, scores)`` ranks the items of an ``EdgeResult`` (edges) or a head
-``PatchResult`` (heads) by their effect, keeps the top ``size`` share of them for each size of
-the curve (MIB's 0.1% .. 100% by default), runs the clean prompts with every other scored item
-ablated, and reports the normalized metric of each circuit and MIB's areas:
+    f(C)  = (m(C) - m(empty)) / (m(full) - m(empty))
+    CPR   = sum_k (x_{k+1} - x_k) (f_k + f_{k+1}) / 2
+    CMD   = sum_k (x_{k+1} - x_k) (|1 - f_k| + |1 - f_{k+1}|) / 2
+    share = (m(full) - m(empty)) / (m(clean) - m(corrupt))     (m(full): the clean run)
 
-    f(C)  = (m(C) - m(empty)) / (m(full) - m(empty))        (faithfulness, MIB)
-    CPR   = sum_k (x_{k+1} - x_k) (f_k + f_{k+1}) / 2      (area under f over the kept share x)
-    CMD   = sum_k (x_{k+1} - x_k) (|1 - f_k| + |1 - f_{k+1}|) / 2   (area between f and 1)
-
-``m(full)``: every scored item kept (the clean run: unscored edges count as kept);
-``m(empty)``: every scored item ablated (the ablation run: the corrupt run for
-``ablation="corrupt"`` when the items cover the model). f is a share of what the scored items
-carry, which may be a sliver of the behaviour, so beside it stands their share of the whole
-clean-corrupt gap:
-
-    share = (m(full) - m(empty)) / (m(clean) - m(corrupt))
-
-Intervals: percentile bootstrap over prompts of f, CPR, CMD and share (each resample
-recomputes the means, as ``PatchResult`` does). The degenerate-baseline rule is
-``PatchResult``'s (docs/metrics.md), applied to clean vs corrupt and to full vs empty.
-
-The run (``_Ablated``), block by block: each head's q/k/v input is its own copy of the residual
-(its activation computed by the module itself on that copy, ``shortcuts.run_until``). With
-``live_s`` a sender's write in this run and ``abl_s`` its ablated write (``ablation``: the
-corrupt run's, zero, the mean over the task's clean prompts per position ("position-mean"), or
-another prompt's
-clean write), a receiver ``r`` reads at input ``i``
+``m(full)``: every scored item kept; ``m(empty)``: every one ablated. Intervals: percentile
+bootstrap over prompts (each resample recomputes the means). The run (``_Ablated``), block by
+block, with ``live_s`` a sender's write in this run and ``abl_s`` its ablated write: a receiver
+``r`` reads at input ``i`` its own copy
 
     x_r,i = x - sum_{s alive, (s, r, i) not kept} (live_s - abl_s)
 
-where ``x`` is the residual stream, in which every sender that is not *alive* writes
-``abl_s`` (its attention output is edited at ``hook_attn_out``). A sender is alive when one of
-its outgoing edges is kept (an edge outside the scored set counts as kept). MLPs are no nodes:
-they read the stream, so they see alive senders' writes and compute on them, as in path patching
-(Wang et al. 2023). The logits read the final residual, corrected the same way. For heads,
-a kept head's edges are all kept and an ablated head's none. Docs: docs/edges.md.
+(``shortcuts.run_until``), ``x`` the residual stream, in which every sender that is not alive
+(no kept outgoing edge; an unscored edge counts as kept) writes ``abl_s``. MLPs are no nodes:
+they read the stream. Heads: a kept head's edges are all kept, an ablated head's none.
 """
 
 from __future__ import annotations
@@ -57,6 +38,7 @@ from circuitkit.patching.circuit_graph import CircuitGraph
 from circuitkit.patching.circuit_result import (
     CIRCUIT_ABLATIONS,
     CIRCUIT_OLD_ABLATIONS,
+    CIRCUIT_RANKS,
     CircuitResult,
     CircuitTargetWarning,
 )
@@ -73,11 +55,11 @@ from circuitkit.patching.patch_result import (
     DegenerateBaselineWarning,
     PatchResult,
     _outside_circuitkit,
+    resample_weights,
 )
 from circuitkit.patching.sweep import auto_rows
 
 ABLATIONS = CIRCUIT_ABLATIONS  # "mean": position-mean's old name (CIRCUIT_OLD_ABLATIONS)
-RANKS = ("abs", "signed")
 # MIB's circuit sizes: shares of the scored items kept
 MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -86,30 +68,22 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
             sizes: Any = MIB_SIZES, *, ablation: str = "corrupt", rank: str = "abs",
             target: float = 0.8, n_boot: int = 1000, seed: int = 0,
             batch_size: int | None = None, progress: bool = True) -> CircuitResult:
-    """Faithfulness curve, CPR/CMD and the kept set of the circuits made of the top-scored
-    edges or heads (module docstring).
+    """Faithfulness curve, CPR/CMD, share of the gap and the kept set of the circuits made of
+    the top-scored edges or heads (module docstring).
 
-    ``task``: a ``Task`` (its clean and corrupt tokens and metric) or a ``(clean_tokens,
-    corrupt_tokens, metric)`` tuple. ``edges_or_heads``: an ``EdgeResult`` (items: its edges)
-    or a ``PatchResult`` of heads at all positions (items: heads), patched on this model (its
-    ``meta["model_fingerprint"]``, and every node, must be this model's); items are ranked by
-    ``|effect|`` (``rank="abs"``) or helpful first (``"signed"``, as MIB's CPR ranks: by
-    effect for denoise, by ``-effect`` for noise, where breaking the metric is the help).
-    ``sizes``: shares of the items kept, in (0, 1], ascending (``int(share x n_items)`` items,
-    as MIB counts). ``ablation``: "corrupt" (the corrupt run's writes), "zero", "position-mean"
-    (the mean write over the task's clean prompts, per position; "mean" is its old name, taken
-    with a ``DeprecationWarning``: ``ablate_heads``' "mean" is over prompts and positions
-    together) or "resample" (another prompt's clean writes, a
-    seeded derangement). ``target``: the kept set (``CircuitResult.kept``) is the smallest
-    circuit of the curve with faithfulness >= target; when none reaches it,
-    ``target_reached`` is False, a ``CircuitTargetWarning`` says so and the kept set is the
-    largest circuit. ``n_boot``: bootstrap resamples of the intervals (0: none).
-
-    Also ``share = (full - empty) / (clean - corrupt)``: the scored items' share of the whole
-    behaviour (f and CPR are shares of that part only). A degenerate baseline (the
-    corruption does not lower the metric by ``PatchResult``'s margin) or a candidate set whose
-    ablation does not move the metric by that margin gives ``degenerate`` (the reason), raw
-    effects in ``faithfulness``, None for cpr/cmd/share, and one ``DegenerateBaselineWarning``.
+    ``task``: a ``Task`` or a ``(clean_tokens, corrupt_tokens, metric)`` tuple.
+    ``edges_or_heads``: an ``EdgeResult`` (items: its edges) or a ``PatchResult`` of heads at
+    all positions (items: heads), patched on this model (``meta["model_fingerprint"]``).
+    ``rank``: by ``|effect|`` ("abs") or helpful first ("signed", MIB's CPR: effect for
+    denoise, ``-effect`` for noise). ``sizes``: shares of the items kept, in (0, 1], ascending
+    (``int(share x n_items)`` items). ``ablation``: "corrupt" (the corrupt run's writes),
+    "zero", "position-mean" (the clean prompts' mean write per position; "mean", its old name,
+    with a ``DeprecationWarning``) or "resample" (another prompt's, ``head_sets.derangement``).
+    ``target``: the kept set is the smallest circuit with faithfulness >= target, else the
+    largest (``target_reached`` False, a ``CircuitTargetWarning``). ``n_boot``: bootstrap
+    resamples (0: none). A degenerate baseline (``PatchResult``'s rule, on clean vs corrupt and
+    on full vs empty) gives ``degenerate`` (why), raw effects in ``faithfulness``, None for
+    cpr/cmd/share and one ``DegenerateBaselineWarning``.
     """
     t0 = time.perf_counter()
     ablation, sizes = _checked_options(ablation, rank, sizes, target)
@@ -123,7 +97,8 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     graph = CircuitGraph.of(model, edges_or_heads)
     order = graph.order(rank, edges_or_heads.direction)
     counts = [int(share * graph.n_items) for share in sizes]
-    kept = [_first(order, k, graph.n_items) for k in counts]
+    kept = [torch.zeros(graph.n_items, dtype=torch.bool).index_fill_(0, order[:k], True)
+            for k in counts]
     # m(full): the clean run (nothing ablated); m(empty): every scored item ablated
     runner = _Ablated(model, clean, corrupt, pm, graph, ablation, seed, batch_size)
     full, corrupt_m = runner.clean_metric, runner.corrupt_metric
@@ -164,7 +139,7 @@ def _checked_options(ablation: str, rank: str, sizes: Any, target: Any
                       "too); the old name will go.", DeprecationWarning, stacklevel=3)
         ablation = CIRCUIT_OLD_ABLATIONS[ablation]
     choice("ablation", ablation, ABLATIONS)
-    choice("rank", rank, RANKS)
+    choice("rank", rank, CIRCUIT_RANKS)
     sizes = _check_sizes(sizes)
     if not (isinstance(target, int | float) and 0 < target <= 1):
         raise ValueError(f"target={target!r}: expected a faithfulness in (0, 1] the kept set "
@@ -270,12 +245,6 @@ def _task_inputs(task: Any) -> tuple[Tensor, Tensor, Any]:
                      f"tuple; got {type(task).__name__}.")
 
 
-def _first(order: Tensor, k: int, n: int) -> Bool[Tensor, " n"]:
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[order[:k]] = True
-    return mask
-
-
 def _faithfulness(m: Tensor, full: Tensor, empty: Tensor) -> Tensor:
     return (m - empty) / (full - empty)
 
@@ -299,12 +268,7 @@ def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tens
                corrupt: Tensor, n_boot: int, seed: int, level: float = 0.95) -> dict[str, Any]:
     """Percentile intervals over prompt resamples of f (per size), CPR, CMD and the share of
     the gap (each resample recomputes every mean)."""
-    n = curve.shape[1]
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(n_boot, n, dtype=torch.float64)
-    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
-                        torch.ones(n_boot, n, dtype=torch.float64))
-    w = counts / n
+    w = resample_weights(curve.shape[1], n_boot, seed)
     full_b, empty_b = w @ full.double(), w @ empty.double()
     f = _faithfulness(w @ curve.double().T, full_b[:, None], empty_b[:, None])  # [n_boot, k]
     share = _share(full_b, empty_b, w @ corrupt.double())

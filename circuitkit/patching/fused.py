@@ -1,32 +1,23 @@
-"""The suffix of a patched run as plain tensor code on a Llama-form model, its rows packed.
+"""The suffix of a patched run as plain tensor code on a Llama-form model, its rows packed
+(docs/speed.md: what it skips, how it is checked, what it measures).
 
-A patched run re-enters the model at the patched layer ``l`` (``patching/engine.py``). Through
-the bridge every block of that suffix pays for hook points nobody reads, a second normalisation
-per norm, rotary embeddings through concatenations, eager attention, one module call per
-projection. ``fused_form`` reads a bridge whose blocks are all *Llama-form* (HF
-``LlamaDecoderLayer``, ``MistralDecoderLayer`` or ``Qwen2DecoderLayer``: pre-norm RMSNorm, rotary
-softmax attention with optional GQA, q/k/v/o biases and a sliding window, gated MLP; no
-soft-cap, Q/K norm, gate or processed weights) and runs a suffix as a
-few tensor operations per block on the module's own weights (read in place, nothing copied):
+``fused_form`` reads a bridge whose blocks are all *Llama-form* (HF ``LlamaDecoderLayer``,
+``MistralDecoderLayer`` or ``Qwen2DecoderLayer``: pre-norm RMSNorm, rotary softmax attention with
+optional GQA, q/k/v/o biases and a sliding window, gated MLP; no soft-cap, Q/K norm, gate or
+processed weights) and runs a suffix as a few tensor operations per block on the module's own
+weights (read in place, nothing copied):
 
     x = x + o(attention(rope(q(n1)), rope(k(n1)), v(n1)))      n1 = rms(x) * g1
     x = x + down(act(gate(n2)) * up(n2))                        n2 = rms(x) * g2
 
-with the norms as ``F.rms_norm``, rotary as three in-place multiply-adds, attention as
-``scaled_dot_product_attention``. ``suffix_logits`` is that suffix; the engine uses it on its
-fast path (its probe compares it with the plain hooked path, like every fast-path piece).
-
-**Packing.** Row ``r`` of a chunk (one variant's copy of one prompt) can differ from the base run
-only at positions ``start[r] <= pos < end[r]``: ``end`` is the prompt's last read + 1 (causal),
-``start`` the first position its base and source tokens differ (every activation before it is
-the same in both runs, so a patch there writes the base value), or a per-position patch's
-position if later, and never after the row's first read. Position-wise work (norms,
-projections, MLP) runs on those tokens only, packed as ``[T, d_model]``, ``T = sum(end -
-start)``: neither the positions every variant shares with the base run nor the ones a short
-prompt does not need are computed. Attention reads every key: block ``j``'s keys and values
-before ``start[r]`` are the base run's, computed once per prompt from the cached base
-``resid_pre(j)``, and the packed tokens' own are written over them (``Packing``). The last block
-computes its queries, MLP, final norm and unembedding at the read positions only.
+``suffix_logits`` is that suffix, the engine's fast path. **Packing**: row ``r`` (one variant's
+copy of one prompt) can differ from the base run only at ``start[r] <= pos < end[r]`` (``end``:
+its last read + 1; ``start``: the first position its base and source tokens differ, or a
+per-position patch's position if later, never after its first read). Position-wise work runs
+on those ``T = sum(end - start)`` tokens only, ``[T, d_model]``; attention reads the base run's
+keys and values before ``start[r]`` (from the cached ``resid_pre(j)``) with the packed tokens'
+own written over them (``Packing``); the last block computes its queries, MLP, final norm and
+unembedding at the read positions only.
 """
 
 from __future__ import annotations

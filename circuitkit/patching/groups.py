@@ -1,10 +1,8 @@
 """Position groups: ``positions=`` as a bool mask ``[batch, seq]`` or ``{name: mask}``.
 
 A group patches a head at the group's positions of each prompt at once (each prompt its own
-positions: a task's evidence, anchor, shortlist or answer positions, or any user mask). The
-sweep then has one variant per (head, group) and values ``[n_layers, n_heads, n_groups]``
-(``Sweep.positions == "groups"``, ``Sweep.groups``); results record the group names
-(``meta["group_names"]``) and the masks' hash (``meta["groups_hash"]``).
+positions: a task's stages or any user mask): one variant per (head, group), values
+``[n_layers, n_heads, n_groups]``, ``meta["group_names"]`` and ``["groups_hash"]``.
 """
 
 from __future__ import annotations

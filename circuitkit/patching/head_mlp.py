@@ -18,13 +18,10 @@ projection is folded into the gradient, ``g . W_out^T u = (W_out g) . u``. Per p
 costs one input projection per projection matrix for all heads together (``sum_h d_head =
 d_model``) and one output projection, instead of ``H`` whole MLPs; the virtual weights ``V`` cost
 ``d_model`` positions' worth once per layer and call, so this pays from about ``2 d_model / H``
-positions on (in FLOPs; on a GPU the float32 elementwise work over ``[H, positions, d_mlp]`` is
-memory-bound, and runs fused through ``torch.compile``; docs/attribution.md). The products
-run in the weights' dtype, everything after them in float32 at least, since in bf16
-``MLP(r + dr_h) - MLP(r)`` loses most of its digits. ``estimators.block._head_mlp_z`` compares
-result with the module, run in the same precision, on a few positions of every layer and call,
-and keeps the per-head call where they disagree (a norm or MLP this formula does not describe,
-e.g. a norm scaled by ``1 + gamma``) or where the block does not expose its weights.
+positions on (in FLOPs). The products run in the weights' dtype, everything after them in
+float32 at least (in bf16 ``MLP(r + dr_h) - MLP(r)`` loses most of its digits); its GPU cost
+(``torch.compile``) and the check against the module (``estimators.block._head_mlp_z``, which
+keeps the per-head call where they disagree): docs/attribution.md.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
-are the same road: each describes itself once (``Screenable``, built by its units:
-``units.HeadUnits.screenable`` / ``EdgeUnits.screenable``: how to screen, how to verify a list
-of flat cells, the error unit's depth share and cost per cell, the round size), and everything
-else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: the screen and every
-verified cell, stored as they finish; a rerun replays the rule on the stored numbers and picks
-the same cells), out-of-memory back-off (rows halved), Ctrl-C reporting, the budget rule, the
-cost accounting against an exact sweep, and the choice to run the exact sweep instead when the
-hybrid is predicted to cost as much (``predicted``, the numbers ``plan_patch`` prints too).
+differ only in their ``Screenable`` (built by ``HeadUnits.screenable`` / ``EdgeUnits.screenable``);
+everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays
+the rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the
+budget rule, the cost against an exact sweep, and running that sweep instead where the hybrid is
+predicted to cost as much (``predicted``, which ``plan_patch`` prints too).
 
 Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2): a
 verified cell re-runs the share ``d`` of the model downstream of it (heads ``(L - l) / L``,
@@ -252,8 +249,10 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | No
     budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
                   max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
                   rounds=rounds, **rule)
+    error_unit = torch.full(est.values.shape, float("nan"))  # (NaN: no cell)
+    error_unit[at] = scale
     return place(est, units.index, v.order, v.exact_pp[v.order], dict(
-        budget=budget, cost=cost, error_unit=_nested(_filled(est.values, at, scale))))
+        budget=budget, cost=cost, error_unit=_nested(error_unit)))
 
 
 class _Verifier:
@@ -405,12 +404,6 @@ def _nan_tensor(nested: Any) -> Tensor:
     def fill(x: Any) -> Any:
         return [fill(v) for v in x] if isinstance(x, list) else float("nan") if x is None else x
     return torch.tensor(fill(nested), dtype=torch.float32)
-
-
-def _filled(like: Tensor, at: tuple, flat: Tensor) -> Tensor:
-    out = torch.full(like.shape, float("nan"))
-    out[at] = flat
-    return out
 
 
 def _nested(t: Tensor) -> list:

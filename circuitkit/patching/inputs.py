@@ -387,15 +387,11 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
 def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
                    batch_size: int | None = None, logits_of: Any = None,
                    engine_checks: bool = False) -> Any:
-    """``pm`` fit for these tokens, before any sweep work:
-
-    * read positions a probe found on random logits (``pm.probed``) are checked on the real
-      clean and corrupt logits: the values from the logits at the reads only (zeros elsewhere,
-      as sweeps hand them) must equal those from the full logits (``PromptMetric.reads_hold``);
-      where they do not, every position is read and the note says so. ``engine_checks``: left
-      to the exact engine, whose cached clean and corrupt runs then unembed every position
-      (``ReadsDoNotHold``; no forward of their own);
-    * right padding the metric would read is refused (``check_padding``).
+    """``pm`` fit for these tokens, before any sweep work (docs/metrics.md, sections 3 and 6):
+    read positions a probe found on random logits (``pm.probed``) checked on the real clean and
+    corrupt logits (``PromptMetric.reads_hold``; where they do not hold, every position is read
+    and the note says so; ``engine_checks``: left to the exact engine's cached runs,
+    ``ReadsDoNotHold``), and right padding the metric would read refused (``check_padding``).
 
     ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``)
     runs the unpatched model: once per token set, only for probed metrics (unless

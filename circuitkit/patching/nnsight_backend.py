@@ -207,8 +207,7 @@ def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric
         values=values, clean=float(clean_m.mean()), corrupt=float(corrupt_m.mean()),
         direction=direction, method="exact", site=site, positions=positions,
         per_prompt=per_prompt, clean_per_prompt=clean_m if pm.per_prompt_values else None,
-        corrupt_per_prompt=corrupt_m if pm.per_prompt_values else None,
-        axes=("layer", "head", "pos") if positions == "each" else ("layer", "head"), meta=meta)
+        corrupt_per_prompt=corrupt_m if pm.per_prompt_values else None, meta=meta)
 
 
 def _sweep(lm: Any, f: ModelFacts, base: Tensor, source: Tensor, pm: PromptMetric,

@@ -41,15 +41,10 @@ _NO_BUNDLE = (
 
 def write_page(fig: Any, path: str | Path) -> Path:
     """Write plotly figure ``fig`` as the page ``path`` (atomically) that loads plotly.js
-    from ``plotly.min.js`` in the same folder, written there once (``plotly_bundle``).
-
-    The one rule for every page circuitkit writes beside results (``PatchResult.save``'s
-    ``result.html``, ``EdgeResult.save``'s ``edges.html``, the CLI's ``circuit.html`` and
-    ``faithfulness.html``, ``characterize``'s sweep pages): a folder holds one copy of plotly.js
-    (~4.6 MB) however many pages it has. ``report.html`` is the one self-contained page (plotly.js
-    inlined once: it opens alone, offline, and can be mailed). A page copied out of its folder
-    says so in place of its figure; ``fig.write_html(path)`` writes a page that inlines
-    plotly.js instead."""
+    from ``plotly.min.js`` in the same folder, written there once (``plotly_bundle``): the one
+    rule for every page beside results, so a folder holds one copy of plotly.js however many
+    pages it has (docs/durability.md). A page copied out of its folder says so in place of its
+    figure."""
     from circuitkit import files
 
     path = Path(path)

@@ -1,36 +1,27 @@
 """``PatchResult``: the one results type of every patching sweep (exact, attribution, hybrid).
 
-Shapes: ``values`` is ``[n_layers, n_heads]`` (heads, all positions), ``[n_layers, n_heads, seq]``
-(heads, each position) or ``[n_layers, seq]`` (layer sites); ``axes`` names them.
-``per_prompt`` is ``[n_prompts, *values.shape]`` when the metric had a per-prompt view.
+Shapes: ``values`` ``[n_layers, n_heads]`` (heads, all positions), ``[n_layers, n_heads, seq]``
+(each position), ``[n_layers, n_heads, n_groups]`` (position groups) or ``[n_layers, seq]``
+(layer sites), named by ``axes``; ``per_prompt`` ``[n_prompts, *values.shape]`` when the metric
+has per-prompt values.
 
-Normalisation (``normalized()``), with ``clean``/``corrupt`` the unpatched baselines:
-
-* denoise (clean activation into the corrupt run): ``(patched - corrupt) / (clean - corrupt)``;
-  0 = no effect, 1 = the clean behaviour fully restored.
-* noise (corrupt activation into the clean run): ``(patched - clean) / (clean - corrupt)``;
-  0 = no effect, -1 = the behaviour fully broken (the patched run scores like the corrupt run).
-
-The degenerate-baseline rule (one rule for every entry point, view and figure; docs/metrics.md):
-the corruption must *lower* the metric (higher = more of the clean behaviour) by more than a
-margin, ``gap = clean - corrupt > margin``, with ``margin = max(MIN_GAP_SE * se, tol)``: ``se``
-the standard error of the per-prompt gaps ``clean_i - corrupt_i`` (0 without per-prompt values or
-with one prompt), ``tol = DEGENERATE * max(1, |clean|, |corrupt|)`` (rounding). Otherwise the
-result is ``degenerate``: the ratio over ``clean - corrupt`` is noise (or of the wrong sign), so
-``normalized()`` returns the raw effect ``values - baseline`` instead, warns once per result
-(``DegenerateBaselineWarning``, one line saying what to do), and ``meta["normalization"]``
-records why; every figure then shows raw effects. ``weak_prompts()`` flags the prompts whose own
-gap is at most the margin.
+``normalized()``: denoise ``(patched - corrupt) / (clean - corrupt)`` (0: no effect, 1: the clean
+behaviour restored); noise ``(patched - clean) / (clean - corrupt)`` (-1: fully broken). The
+degenerate-baseline rule (docs/metrics.md, section 5): unless the corruption lowers the metric by
+more than a margin, ``gap = clean - corrupt > max(MIN_GAP_SE * se, DEGENERATE * max(1, |clean|,
+|corrupt|))`` (``se``: the standard error of the per-prompt gaps), the result is ``degenerate``:
+``normalized()`` gives the raw effect ``values - baseline``, warns once per result
+(``DegenerateBaselineWarning``) and ``meta["normalization"]`` says why; ``weak_prompts()`` flags
+the prompts whose own gap is at most the margin.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +31,18 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.patching.inputs import DIRECTIONS, EDGE_METHODS  # (a result holds no "auto")
-from circuitkit.patching.pages import write_page
 from circuitkit.patching.result_files import (
     _PATCH_FILE,
     FORMAT,
     FORMAT_VERSION,
     POSITIONS,
     SITES,
-    TENSOR_FIELDS,
     _checked_patch_info,
     _no_path,
     _patch_shape,
-    json_ready,
     load_result,
+    result_paths,
+    save_result,
 )
 
 # |clean - corrupt| below this (relative to their size) makes normalized values meaningless
@@ -78,6 +68,16 @@ def _outside_circuitkit() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def resample_weights(n: int, n_boot: int, seed: int) -> Tensor:
+    """``[n_boot, n]`` float64 weights of ``n_boot`` seeded resamples of ``n`` prompts drawn with
+    replacement: a resample's mean of ``x`` is ``w @ x`` (its counts over ``n``)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(n_boot, n, dtype=torch.float64)
+    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
+                        torch.ones(n_boot, n, dtype=torch.float64))
+    return counts / n
 
 
 @contextlib.contextmanager
@@ -233,10 +233,8 @@ class PatchResult:
         pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
             self.corrupt_per_prompt[idx]
         meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
-        return PatchResult(values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
-                           direction=self.direction, method=self.method, site=self.site,
-                           positions=self.positions, per_prompt=pp, clean_per_prompt=cl,
-                           corrupt_per_prompt=co, axes=self.axes, meta=meta)
+        return replace(self, values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
+                       per_prompt=pp, clean_per_prompt=cl, corrupt_per_prompt=co, meta=meta)
 
     def warn_if_degenerate(self) -> bool:
         """Warn ``degenerate_reason()`` (``DegenerateBaselineWarning``, at the caller's line
@@ -263,12 +261,8 @@ class PatchResult:
         return (patched - ref) / (clean - corrupt)
 
     def normalized(self) -> Float[Tensor, "..."]:
-        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``.
-
-        A ``degenerate`` result (the corruption does not lower the metric by its margin) gives
-        the raw effect ``values - baseline`` (``effect()``) instead, with one warning per result
-        and ``meta["normalization"]`` saying why.
-        """
+        """Denoise: ``(v - corrupt) / (clean - corrupt)``; noise: ``(v - clean) / (same)``; the
+        raw effect (``effect()``) for a ``degenerate`` result (module docstring)."""
         if self.warn_if_degenerate():
             return self.effect()
         return self._normalize(self.values, self.clean, self.corrupt)
@@ -295,12 +289,7 @@ class PatchResult:
             return None
         raw = self.degenerate if raw is None else raw
         n = self.per_prompt.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        # Resample counts [n_boot, n]: mean over a resample = counts @ x / n.
-        counts = torch.zeros(n_boot, n, dtype=torch.float64)
-        counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
-                            torch.ones(n_boot, n, dtype=torch.float64))
-        w = counts / n
+        w = resample_weights(n, n_boot, seed)
         clean = w @ self.clean_per_prompt.double()  # [n_boot]
         corrupt = w @ self.corrupt_per_prompt.double()
         flat = self.per_prompt.double().reshape(n, -1)
@@ -369,41 +358,18 @@ class PatchResult:
         return patch_heatmap(self, title, **kw)
 
     # --- persistence ----------------------------------------------------------------------------
-    @staticmethod
-    def _paths(path: str | Path) -> dict[str, Path]:
-        """The files of a result at ``path`` (a folder holding ``result.*``, or a base path with
-        or without a suffix)."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "result"
-        elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
-            p = p.with_suffix("")
-        return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv",
-                                                                   "html")}
-
     def save(self, path: str | Path, *, views: bool = True) -> list[Path]:
         """Write ``<path>.safetensors`` (tensors), ``<path>.json`` (metadata), ``<path>.csv``
         (``to_frame()``) and ``<path>.html`` (``heatmap()``, a page that loads the folder's one
         ``plotly.min.js``, written beside it once: ``write_page``), each atomically; ``path``
         may be a folder (then ``<folder>/result.*``). Returns the paths written. The CLI's ``--out``
         writes exactly these. ``views=False``: the first two only (all ``load`` reads)."""
-        from circuitkit import files
-
-        paths = self._paths(path)
-        paths["json"].parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: getattr(self, k) for k in TENSOR_FIELDS if getattr(self, k) is not None}
-        files.write_tensors(paths["safetensors"], tensors)
         self._record_baseline()  # (fields may have been changed since it was made)
         info = dict(format=FORMAT, version=FORMAT_VERSION, clean=self.clean,
                     corrupt=self.corrupt, direction=self.direction, method=self.method,
                     site=self.site, positions=self.positions, axes=list(self.axes),
                     meta=self.meta)
-        files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
-        if not views:
-            return [paths["safetensors"], paths["json"]]
-        files.atomic_write(paths["csv"], lambda p: self.to_frame().to_csv(p, index=False))
-        write_page(self.heatmap(), paths["html"])  # + the folder's one plotly.min.js
-        return list(paths.values())
+        return save_result(self, result_paths(path, "result"), info, views)
 
     @classmethod
     def load(cls, path: str | Path) -> PatchResult:
@@ -411,8 +377,8 @@ class PatchResult:
         base path, or any of its files. Every field is validated (``_checked_info``,
         ``_check_tensors``: the checks ``EdgeResult.load`` applies too); a bad file is named
         with the field that is wrong (``ValueError``)."""
-        return load_result(cls, path, cls._paths(path), _PATCH_FILE, _checked_patch_info,
-                           lambda kw, _: (_patch_shape(kw), _no_path(kw)))
+        return load_result(cls, path, result_paths(path, "result"), _PATCH_FILE,
+                           _checked_patch_info, lambda kw, _: (_patch_shape(kw), _no_path(kw)))
 
     def __repr__(self) -> str:
         return (f"PatchResult(method={self.method!r}, direction={self.direction!r}, "

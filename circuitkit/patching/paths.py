@@ -1,29 +1,19 @@
-"""Path patching through everything between a sender and a receiver (``ck.patch_paths``).
+"""Path patching through everything between a sender and a receiver (``ck.patch_paths``;
+docs/edges.md, "Paths"). A q/k/v edge carries a sender's *direct* write only; a path carries all
+of it (MLPs, other heads, other positions in between).
 
-A q/k/v edge (``patch_edges``) carries only a sender's *direct* write into a receiver's input.
-A path unit carries all of it: MLPs, other heads and other positions in between.
+For sender ``s = (l_s, h_s)``, receiver ``r = (l_r, h_r)``, ``l_r > l_s`` (denoise: base =
+corrupt run, source = clean run; noise: the reverse): the *sender run* is the base run with
+``s``'s ``z`` from the source at every position, everything downstream recomputed; the *path
+run* is the base run with ``r``'s q/k/v (position-wise functions of its ``resid_pre(l_r)``)
+taken from the sender run at the positions of group ``g`` (all without ``positions``), base
+elsewhere, the layers from ``l_r`` on recomputed. ``path(s, r, g) = M(path run) - M(base)``
+(``values`` hold ``M(path run)``) and, as for edges,
 
-For sender ``s = (l_s, h_s)`` and receiver ``r = (l_r, h_r)``, ``l_r > l_s``, direction
-``denoise`` (base = corrupt run, source = clean run; ``noise``: the other way round):
+    node(s)     = M(sender run) - M(base)
+    coverage(s) = sum_r path(s, r) / node(s),   overall = sum_{s, r} path(s, r) / sum_s node(s)
 
-1. the *sender run*: the base run with ``z`` of head ``h_s`` at layer ``l_s`` from the source,
-   every position, everything downstream recomputed (its metric is the node effect of ``s``);
-2. the *path run*: the base run with receiver ``r``'s inputs (its ``q``/``k``/``v``, each a
-   position-wise function of the residual ``resid_pre(l_r)`` it reads, so patching them is
-   patching that residual for ``r`` alone) taken from the sender run, at the positions of
-   group ``g`` (every position when no ``positions``), base everywhere else; the layers from
-   ``l_r`` on recomputed. Nothing else of the sender run reaches the path run.
-
-``path(s, r, g) = M(path run) - M(base)`` (``values`` hold ``M(path run)``, as a sweep's do;
-``PatchResult.normalized`` divides by the clean-corrupt gap). With ``positions`` a group
-``g`` restricts the route to "``s`` -> the residual at ``g``'s positions -> ``r``".
-
-Coverage (``meta["coverage"]``, docs/edges.md): the share of a sender's node effect its
-paths explain, under the same direction and metric,
-``coverage(s) = sum_r path(s, r) / node(s)``, ``node(s) = M(sender run) - M(base)``; overall
-``sum_{s, r} path(s, r) / sum_s node(s)`` (per group with ``positions``). Paths into several
-receivers overlap (a receiver's effect runs partly through a later receiver), so coverage can
-exceed 1; it is a share of the senders' effect, not a partition.
+(per group; paths into several receivers overlap, so coverage is a share, not a partition).
 """
 
 from __future__ import annotations
@@ -105,13 +95,11 @@ def patch_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: Any,
                 inputs: Sequence[str] = ("q", "k", "v"), direction: str = "denoise",
                 positions: Any = None, batch_size: int | None = None):
     """Path effects of every ``senders x receivers`` pair (module docstring): a
-    ``PatchResult`` with ``values [n_senders, n_receivers]`` (``axes`` ("sender",
-    "receiver")) or, with ``positions`` (a bool mask ``[batch, seq]`` or ``{name: mask}``, the
-    groups of ``patching.groups``), ``[n_senders, n_receivers, n_groups]`` (axis "group");
-    NaN where the receiver's layer is not after the sender's. ``per_prompt`` holds each
-    prompt's value; ``meta``: senders, receivers (names), inputs, ``node`` (each sender's
-    node effect ``M(sender run) - M(base)``), ``coverage`` (per sender and overall, per group)
-    and, with groups, ``path_groups`` (names). ``batch_size``: prompts per forward."""
+    ``PatchResult`` with ``values [n_senders, n_receivers]`` or, with ``positions`` (position
+    groups, ``patching.groups``), ``[n_senders, n_receivers, n_groups]``; NaN where the
+    receiver's layer is not after the sender's; ``per_prompt``; ``meta``: senders, receivers,
+    inputs, ``node``, ``coverage`` and, with groups, ``path_groups`` (their names).
+    ``batch_size``: prompts per forward."""
     from circuitkit.metrics import as_metric
     from circuitkit.patching.results import PatchResult
 

@@ -11,15 +11,10 @@ counts, stated here so the numbers can be checked by hand:
 * **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
   Exact: the engine's chunk plan (``sweep.chunked``, same rows and length buckets as a real run),
   each chunk costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``, plus
-  2 per prompt (the cached clean and corrupt runs). Attribution: 4 per prompt (every estimator's
-  cost is its registry entry's, ``estimators.costs``). Attribution then
-  exact: the screening estimator ("block": ``4 + H s_mlp`` per prompt at site z, ``s_mlp`` the
-  MLP's FLOP share of a gated block; ``4 + H (s_attn + s_mlp)`` per position-copy elsewhere) +
-  the verified cells x ``(L + 1) / 2L`` (a cell's mean suffix) per prompt + 2 per prompt (the
-  exact engine's cached runs). Verified cells: ``top_k`` when given; with the automatic budget
-  (``top_k=None``) ``hybrid_cells``: ``AUTO_EXPECTED_FRACTION`` of the cells (what it verified
-  on SmolLM2, docs/attribution.md) or the rule's floor if more, and at most
-  ``AUTO_MAX_FRACTION`` (its cap: ``seconds_max``).
+  2 per prompt (the cached clean and corrupt runs). Attribution: its registry entry's cost
+  (``estimators.costs``; AtP: 4 per prompt). Attribution then exact: the screening estimator's
+  passes + the verified cells (``hybrid_cells``) x ``(L + 1) / 2L`` (a cell's mean suffix) per
+  prompt + 2 per prompt (the exact engine's cached runs).
 * **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
   (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
   AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
@@ -379,12 +374,9 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
     run per (sender, receiver layer) through the receiving layer's norm and q/k/v projections
     (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
     one full pass per head -> later head edge and prompt (it has no embeddings or logits).
-    Attribution: eap 4 per prompt, eap-ig-inputs ``2 + 3 m``, eap-ig-activations
-    ``2 + 3 m x`` sender layers, eap* ``4 + receiver_attn_passes``; attribution+exact: the
-    eap* screen + the verified edges
-    (``top_k``, or ``AUTO_EXPECTED_FRACTION`` of them) x their mean suffix + 2 per prompt.
-    Checks, time, GPUs and memory: ``basis``, as ``sweep_plan``'s; ``results_bytes``: the
-    per-prompt result tensor (float32, every sender x receiver x input cell)."""
+    Attribution: each edge estimator's registry entry; attribution+exact: the eap* screen + the
+    verified edges (``hybrid_cells``) x their mean suffix + 2 per prompt. Checks, time, GPUs and
+    memory: ``basis``; ``results_bytes``: the per-prompt result tensor (float32, every cell)."""
     b = basis(arch, lengths, top_k=top_k, gpu=gpu, utilisation=utilisation,
               dtype_bytes=dtype_bytes, n_gpus=n_gpus, rows=rows)
     g, lengths, n, seq, L, rows, cost = b.g, b.lengths, b.n, b.seq, b.L, b.rows, b.cost

@@ -1,17 +1,15 @@
 """What a saved patch or edge result holds, and the one strict load both go through.
 
 A result is two files: ``<name>.json`` (baselines, labels, ``meta``: plain JSON, ``json_ready``)
-and ``<name>.safetensors`` (``TENSOR_FIELDS``). ``PatchResult.load`` and ``EdgeResult.load``
-(``patching/results.py``) read both with ``_load_parts`` and check them with the same
-functions: ``_checked_info`` (the JSON fields every result has), ``_check_tensors`` (tensor
-types, shapes, finite cells, values and baselines as the means of their per-prompt values, the
-verified mask), and each kind's own fields (``_checked_patch_info``; ``_checked_edge_info``,
-``_check_nodes``, ``_no_edge`` for edges). Every refusal is one ``ValueError`` line naming the
-file and the field (docs/durability.md).
+and ``<name>.safetensors`` (``TENSOR_FIELDS``), written by ``save_result``. ``PatchResult.load``
+and ``EdgeResult.load`` read both with ``load_result``: the shared checks (``_checked_info``,
+``_check_tensors``) and each kind's own; every refusal is one ``ValueError`` line naming the file
+and the field (docs/durability.md, "Strict loading").
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import torch
 from torch import Tensor
 
 from circuitkit import files, hooks
+from circuitkit.patching.pages import write_page
 
 TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
 FORMAT = "circuitkit.patch_result"
@@ -64,26 +63,32 @@ def json_ready(obj: Any) -> Any:
     return str(obj)
 
 
-def _read_saved_json(path: str | Path, js: Path, st: Path, noun: str, file_noun: str, cls: str
-                     ) -> Any:
-    """The JSON half of a saved result (``js``), once both files exist; a missing, unreadable or
-    truncated file is one ``ValueError`` naming it (``noun``: "no {noun} at ...", ``file_noun``:
-    "not a readable {file_noun} file")."""
-    for p in (js, st):
-        if not p.exists():
-            raise ValueError(f"no {noun} at {path}: {p} does not exist (expected the files "
-                             f"{cls}.save writes).")
-    return files.read_json(js, f"{file_noun} file")
+def result_paths(path: str | Path, name: str) -> dict[str, Path]:
+    """The files of a result at ``path``: a folder holding ``<name>.*``, or a base path with or
+    without a suffix."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / name
+    elif p.suffix in (".safetensors", ".json", ".csv", ".html"):
+        p = p.with_suffix("")
+    return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
 
 
-def _read_saved_tensors(st: Path) -> dict[str, Tensor]:
-    """The safetensors half of a saved result; a corrupt file of any kind is one ``ValueError``."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(st))
-    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
+def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views: bool
+                ) -> list[Path]:
+    """What every result's ``save`` writes, each file atomically: ``TENSOR_FIELDS`` (the ones
+    set) to ``.safetensors``, ``info`` (``json_ready``) to ``.json`` and, with ``views``,
+    ``to_frame()`` to ``.csv`` and ``heatmap()`` to ``.html`` (``write_page``: the folder's
+    one ``plotly.min.js``). Returns the paths written."""
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: getattr(result, k) for k in TENSOR_FIELDS if getattr(result, k) is not None}
+    files.write_tensors(paths["safetensors"], tensors)
+    files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
+    if not views:
+        return [paths["safetensors"], paths["json"]]
+    files.atomic_write(paths["csv"], lambda p: result.to_frame().to_csv(p, index=False))
+    write_page(result.heatmap(), paths["html"])  # + the folder's one plotly.min.js
+    return list(paths.values())
 
 
 @dataclass(frozen=True)
@@ -106,22 +111,24 @@ _PATCH_FILE = _FileKind(FORMAT, FORMAT_VERSION, ("clean", "corrupt", "direction"
                         "patching result", "result", "PatchResult", format_optional=True)
 
 
-def _load_parts(path: str | Path, paths: dict[str, Path], kind: _FileKind
-                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """A saved result's JSON fields (``_checked_info``) and tensors (read, not yet checked)."""
-    js, st = paths["json"], paths["safetensors"]
-    info = _read_saved_json(path, js, st, kind.noun, kind.file_noun, kind.cls)
-    return _checked_info(info, js, kind), _read_saved_tensors(st)
-
-
 def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _FileKind,
                 checked: Any, layout: Any) -> Any:
     """The one strict load of every result kind: the shared fields (``_checked_info``), the
     kind's own (``checked(kw, js)``), then the tensors against ``layout(kw, tensors)`` =
     ``(shape, empty cells)`` (``_check_tensors``); a bad file is a ``ValueError`` naming it and
     the field."""
+    from safetensors.torch import load_file
+
     js, st = paths["json"], paths["safetensors"]
-    kw, tensors = _load_parts(path, paths, kind)
+    for p in (js, st):
+        if not p.exists():
+            raise ValueError(f"no {kind.noun} at {path}: {p} does not exist (expected the files "
+                             f"{kind.cls}.save writes).")
+    kw = _checked_info(files.read_json(js, f"{kind.file_noun} file"), js, kind)
+    try:
+        tensors = load_file(str(st))
+    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+        raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
     kw = checked(kw, js)
     shape, empty = layout(kw, tensors)
     _check_tensors(tensors, kw, st, js, shape=shape, empty=empty)

@@ -1,14 +1,6 @@
-"""The patching results' public import path; each type lives in a file named for it.
-
-* ``PatchResult`` (``patch_result.py``): the one results type of every patching sweep (exact,
-  attribution, hybrid), its normalisation and the degenerate-baseline rule
-  (``DegenerateBaselineWarning``, ``quiet_baseline``; docs/metrics.md);
-* ``EdgeResult`` (``edge_result.py``): edges, a ``PatchResult`` over (sender, receiver x input);
-* ``CircuitResult`` and ``read_circuit_json`` (``circuit_result.py``): ``ck.circuit``'s curve and
-  the strict reader of its ``circuit.json``;
-* ``write_page`` and ``plotly_bundle`` (``pages.py``): every page beside results;
-* the file format and the strict load's checks: ``result_files.py``.
-"""
+"""The patching results' public import path; each type lives in a file named for it
+(``patch_result.py``, ``edge_result.py``, ``circuit_result.py``; pages beside them: ``pages.py``;
+the file format and the strict load's checks: ``result_files.py``)."""
 
 from circuitkit.hooks import node_name
 from circuitkit.hooks import parse_node as node_of  # node_name's inverse, under its old name

@@ -7,10 +7,8 @@ positions (``seq`` for per-position sweeps, else 1) over ``n_prompts`` prompts. 
 The work is cut into ``Chunk``s: one layer, a range of variants, a range of prompts, at most
 ``rows`` sequences per forward. Chunks are independent, which is what makes checkpointing and
 sharding across ranks simple and bit-reproducible: the plan is fixed up front and stored with a
-checkpoint, and a chunk's numbers never depend on who computes it.
-
-Causal models: nothing after a prompt's last read position can change its metric, so each prompt
-*needs* only ``last read + 1`` positions (its ``length``). Prompts are swept in order of that length
+checkpoint, and a chunk's numbers never depend on who computes it. A causal model's prompt needs
+only ``last read + 1`` positions (its ``length``): prompts are swept in that order
 (``length_order``), and chunks of short prompts stop early.
 """
 
@@ -115,20 +113,14 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
     """``sweep`` cut into chunks of at most ``rows`` sequences per forward pass.
 
     ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
-    in one forward they are split in two length buckets if that saves >= 10% of the token-rows
-    (a chunk runs up to its longest prompt); each bucket keeps >= 1/4 of the prompts so forwards
-    stay large. Prompts are split across chunks only when the metric has per-prompt values.
+    in one forward they may run in two length buckets (``bucket_split``). Prompts are split
+    across chunks only when the metric has per-prompt values.
     """
     rows = max(1, int(rows))
     n, chunks = sweep.n_prompts, []
     if rows >= n or not sweep.split_prompts:
-        buckets = [(0, n)]
-        if lengths is not None and sweep.split_prompts and n >= 4:
-            cost = {s: s * lengths[s - 1] + (n - s) * lengths[-1]
-                    for s in range(n // 4, n - n // 4)}
-            best = min(cost, key=cost.__getitem__, default=None)
-            if best and cost[best] <= 0.9 * n * lengths[-1]:
-                buckets = [(0, best), (best, n)]
+        best = bucket_split(lengths) if lengths is not None and sweep.split_prompts else None
+        buckets = [(0, n)] if best is None else [(0, best), (best, n)]
         for layer in range(sweep.n_layers):
             for p0, p1 in buckets:
                 per = max(1, rows // (p1 - p0))
@@ -142,6 +134,18 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
                     chunks.append(Chunk(layer, v, v + 1, p0, min(p0 + rows, n)))
     return replace(sweep, chunks=tuple(chunks),
                    lengths=None if lengths is None else tuple(lengths))
+
+
+def bucket_split(lengths: list[int]) -> int | None:
+    """Where prompts of ``lengths`` (ascending) split into two forwards, each running to its
+    longest prompt: the split that saves >= 10% of the token-rows, each side keeping >= 1/4 of
+    the prompts; None where none does (or fewer than 4 prompts)."""
+    n = len(lengths)
+    if n < 4:
+        return None
+    cost = {s: s * lengths[s - 1] + (n - s) * lengths[-1] for s in range(n // 4, n - n // 4)}
+    best = min(cost, key=cost.__getitem__, default=None)
+    return best if best and cost[best] <= 0.9 * n * lengths[-1] else None
 
 
 def length_order(metric: PromptMetric) -> tuple[Tensor | None, list[int] | None]:
@@ -227,18 +231,12 @@ EMBED_NODE, logits_node = hooks.EMBED_NODE, hooks.logits_node  # (their home: ho
 
 @dataclass(frozen=True)
 class EdgeLayout:
-    """Which edges an edge sweep patches, and how they become a sweep's variants.
-
-    ``senders``: ``(layer, head)`` nodes whose write is patched, ``EMBED_NODE`` first when
-    present; ``receivers``: ``(layer, head)`` nodes whose input is patched, ``logits_node``
-    last when present; ``inputs``: the receiving heads' inputs ("q", "k", "v"). An edge is a
-    (sender, receiver, input) with the receiver's layer after the sender's. Under GQA the
-    receiver of a k/v edge is a KV head: ``(layer, g)`` for ``g < n_kv_heads``.
-
-    The sweep's "layers" are the receiver layers ``0..n_layers`` (``n_layers``: the logits); a
-    variant of layer ``l`` is one edge into it, laid out sender-major, then input, then head
-    (``cells``), so a chunk's variants share few senders.
-    """
+    """Which edges an edge sweep patches (``senders``, ``EMBED_NODE`` first when present;
+    ``receivers``, ``logits_node`` last when present; ``inputs``, "q", "k", "v"; docs/edges.md)
+    and how they become a sweep's variants: its "layers" are the receiver layers
+    ``0..n_layers`` (``n_layers``: the logits), a variant of layer ``l`` one edge into it, laid
+    out sender-major, then input, then head (``cells``), so a chunk's variants share few
+    senders."""
 
     n_layers: int
     n_heads: int

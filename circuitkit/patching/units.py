@@ -1,17 +1,10 @@
 """What is patched: ``HeadUnits``, ``LayerUnits``, ``EdgeUnits``, and ``MethodOptions``.
 
-A unit object says what ``ck.patch`` patches; each stage takes it. Each kind knows, once:
-the entry's checks that are its own (``entry``, ``checked``: position groups resolved, an edge
-layout built and checked), its sweep (``sweep``: ``sweep.make_sweep`` / ``make_edge_sweep``),
-its exact run (``exact``), its estimate (``estimate``, an estimator of the registry), its
-hybrid's ``Screenable`` (``screenable``: what ``hybrid.screen_then_verify`` takes), its result's
-axes (``axes``), its cost plan (``cost_plan``: ``plan.sweep_plan`` / ``plan.edge_plan``) and the
-methods and estimators that apply (``methods``, ``estimators``). Nodes are named one way
-(``hooks.node_name`` / ``parse_node``: "L2H0", "embed", "logits").
-
-``MethodOptions``: what every method shares (the screen's ``estimator``, ``top_k``,
-``max_passes``, ``atp_star``, ``ig_steps``, ``screening_recall``), one frozen object; an
-option the chosen method does not use is said to do nothing (a warning), never dropped silently.
+A unit object says what ``ck.patch`` patches; each stage takes it, and each kind knows, once, its
+own checks (``check_method``, ``entry``, ``checked``), ``sweep``, ``exact``, ``estimate``,
+``screenable`` (the hybrid's ``Screenable``), ``axes``, ``cost_plan``, ``methods`` and
+``estimators``. ``MethodOptions``: what every method shares, one frozen object; an option the
+chosen method does not use is said to do nothing (a warning), never dropped silently.
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import attribution, exact, groups
-from circuitkit.patching import plan as costs
 from circuitkit.patching.checkpoint import sweep_identity
 from circuitkit.patching.engine import EdgeEngine, ExactEngine
 from circuitkit.patching.estimators.registry import resolve_estimator
@@ -244,21 +236,15 @@ class HeadUnits(_Units):
             atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
             explicit=opts.estimator is not None, **extra)
 
-    def screen_estimator(self, model: Any, opts: MethodOptions, clean: Any) -> str:
-        """The hybrid's screen: ``estimator``, else "qk" with ``atp_star`` where it applies,
-        else ``attribution.screening_estimator``."""
-        if opts.estimator is not None:
-            return opts.estimator
-        if opts.atp_star and self.site in attribution.ATP_STAR_SITES:
-            return "qk"
-        return attribution.screening_estimator(model, self.site, clean)
-
     def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
                    checkpoint=None) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these heads (checked): flat cell ``j``
         is ``values``'s row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; the
-        exact sweep instead: ``exact`` (checkpointed in the same folder)."""
-        estimator = self.screen_estimator(model, opts, clean)
+        exact sweep instead: ``exact`` (checkpointed in the same folder). The screen:
+        ``estimator``, else "qk" with ``atp_star`` where it applies, else the screening one."""
+        estimator = opts.estimator or ("qk" if opts.atp_star and self.site in
+                                       attribution.ATP_STAR_SITES else
+                                       attribution.screening_estimator(model, self.site, clean))
         sweep = self.sweep(model, direction, clean, pm)
         (n, seq), f = clean.shape, hooks.facts(model)
         L, per_layer, n_units = f.n_layers, sweep.n_variants, f.n_heads_at(self.site)
@@ -284,9 +270,9 @@ class HeadUnits(_Units):
                 progress=progress),
             screen_passes=n * attribution.estimator_passes(
                 model, estimator, self.site, self.positions, seq, batch=min(batch_size or n, n)),
-            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
-                                  method="attribution+exact", estimator=estimator,
-                                  atp_star=star),
+            identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
+                                            method="attribution+exact", estimator=estimator,
+                                            atp_star=star),
             read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
             result_type=PatchResult)
 
@@ -448,27 +434,14 @@ class EdgeUnits(_Units):
             per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
             exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
                                      checkpoint, progress, {}),
-            screen_passes=n * self._screen_passes(model, estimator, opts.ig_steps, seq),
-            identity=lambda: dict(sweep_identity(model, sweep, clean, corrupt, pm),
-                                  **layout.to_dict(), method="attribution+exact",
-                                  estimator=estimator, ig_steps=opts.ig_steps),
+            screen_passes=n * attribution.edge_estimator_passes(
+                model, layout, estimator, attribution.EDGE_IG_STEPS if opts.ig_steps is None
+                else opts.ig_steps, seq),
+            identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
+                                            **layout.to_dict(), method="attribution+exact",
+                                            estimator=estimator, ig_steps=opts.ig_steps),
             read_share=_read_share(pm, clean), rows=batch_size or auto_rows(model, seq),
             result_type=EdgeResult)
-
-    def _screen_passes(self, model: Any, estimator: str, ig_steps: int | None,
-                       seq: int) -> float:
-        """Pass-equivalents per prompt of an edge screen, as ``attribution_patch_edges`` will
-        count them (``attribution.edge_estimator_passes``)."""
-        layout, L = self.layout, self.layout.n_layers
-        recv = {la for la, _ in layout.receivers if la < L}
-        pairs = sum(1 for la in recv for sl, _ in layout.senders if sl < la)
-        attn = costs.receiver_attn_passes(attribution.block_shares(model, seq)[0], L,
-                                          len(layout.inputs), pairs) \
-            if estimator == "eap*" else 0.0
-        n_groups = len({max(sl, -1) for sl, _ in layout.senders})
-        return attribution.edge_estimator_passes(
-            estimator, attribution.EDGE_IG_STEPS if ig_steps is None else ig_steps,
-            n_groups if estimator == "eap-ig-activations" else 1, attn)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
         """``plan.edge_plan`` of these edges (config only)."""

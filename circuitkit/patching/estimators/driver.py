@@ -81,22 +81,25 @@ def base_meta(model: Any, metric: PromptMetric, est: str, n: int, bs: int, passe
                 pass_equivalents=n * passes, seconds=time.perf_counter() - t_start)
 
 
-def _clean_corrupt(got: Collected, direction: str) -> tuple[Tensor, Tensor]:
-    return (got.src_pp, got.base_pp) if direction == "denoise" else (got.base_pp, got.src_pp)
+def _fields(got: Collected, values: Tensor, per_prompt: Tensor, per_prompt_values: bool,
+            direction: str) -> dict[str, Any]:
+    """What every estimate's result holds beside its units: ``values``, the clean and corrupt
+    baselines, per-prompt values where the metric has them, method "attribution"."""
+    pp = per_prompt_values
+    clean_pp, corrupt_pp = (got.src_pp, got.base_pp) if direction == "denoise" else (
+        got.base_pp, got.src_pp)
+    return dict(values=values, clean=clean_pp.mean(), corrupt=corrupt_pp.mean(),
+                direction=direction, method="attribution", per_prompt=per_prompt if pp else None,
+                clean_per_prompt=clean_pp if pp else None,
+                corrupt_per_prompt=corrupt_pp if pp else None)
 
 
 def head_result(got: Collected, delta_mean: Tensor, per_prompt_values: bool, direction: str,
                 site: str, positions: str, meta: dict[str, Any]) -> PatchResult:
     """``values = metric(base) + delta`` (mean over prompts) as a ``PatchResult``."""
-    pp = per_prompt_values
     per_prompt = got.base_pp.reshape(-1, *([1] * (got.delta.ndim - 1))) + got.delta
-    clean_pp, corrupt_pp = _clean_corrupt(got, direction)
-    res = PatchResult(
-        values=got.base_pp.mean() + delta_mean, clean=clean_pp.mean(),
-        corrupt=corrupt_pp.mean(), direction=direction, method="attribution", site=site,
-        positions=positions, per_prompt=per_prompt if pp else None,
-        clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+    res = PatchResult(site=site, positions=positions, meta=meta, **_fields(
+        got, got.base_pp.mean() + delta_mean, per_prompt, per_prompt_values, direction))
     res.warn_if_degenerate()
     return res
 
@@ -104,13 +107,8 @@ def head_result(got: Collected, delta_mean: Tensor, per_prompt_values: bool, dir
 def edge_result(got: Collected, per_prompt_values: bool, direction: str, layout: Any,
                 meta: dict[str, Any]) -> EdgeResult:
     """``values = metric(base) + delta`` (mean over prompts) as an ``EdgeResult``."""
-    pp = per_prompt_values
     per_prompt = got.base_pp[:, None, None, None] + got.delta
-    clean_pp, corrupt_pp = _clean_corrupt(got, direction)
-    return EdgeResult(
-        values=got.base_pp.mean() + got.delta.mean(0), clean=clean_pp.mean(),
-        corrupt=corrupt_pp.mean(), direction=direction, method="attribution",
-        senders=layout.senders, receivers=layout.receivers, inputs=layout.inputs,
-        n_layers=layout.n_layers, per_prompt=per_prompt if pp else None,
-        clean_per_prompt=clean_pp if pp else None,
-        corrupt_per_prompt=corrupt_pp if pp else None, meta=meta)
+    return EdgeResult(senders=layout.senders, receivers=layout.receivers, inputs=layout.inputs,
+                      n_layers=layout.n_layers, meta=meta, **_fields(
+                          got, got.base_pp.mean() + got.delta.mean(0), per_prompt,
+                          per_prompt_values, direction))

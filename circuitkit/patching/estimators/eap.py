@@ -1,23 +1,16 @@
-"""Edge attribution: ``eap``, ``eap-ig-inputs``, ``eap-ig-activations``, ``eap*`` (docs/edges.md).
+"""Edge attribution: ``eap``, ``eap-ig-inputs``, ``eap-ig-activations``, ``eap*`` (docs/edges.md,
+"Edge attribution": what each computes and costs). With ``delta_s`` the sender's write (source
+minus base: a head's ``dz[:, :, h] @ W_O[h]``, the embeddings' ``resid_pre(0)`` difference) and
+the gradients of the base run (denoise: corrupt), as for heads:
 
-An edge (sender s, receiver r, input i) is estimated as its sender's write dotted with the
-gradient of the metric at the receiver's own copy of the residual at that input
-(``hooks.q_input`` ..., under ``shortcuts.split_qkv_inputs``), summed over positions:
+    eap:   delta(s, r, i) = sum_{pos, d} delta_s[pos, d] * dm/dx_{r,i}[pos, d]
+    eap*:  delta(s, r, i) = sum_{pos, d} (z'_r - z_r) * dm/dz_r,  z'_r the receiving head's
+           output with delta_s in its input i alone (the logits receiver as eap)
 
-    eap:                 delta(s, r, i) = sum_{pos, d} delta_s[pos, d] * dm/dx_{r,i}[pos, d]
-    eap-ig-inputs:       the gradient averaged over m runs with the token embeddings
-                         interpolated base -> source, alpha_k = (k + 1/2) / m (Hanna et al. 2024)
-    eap-ig-activations:  for the senders of layer a, the gradient averaged over m runs with
-                         layer a's attention output (the embeddings for "embed") interpolated
-                         base -> source, everything else the base run (Marks et al. 2024)
-    eap*:                the receiving head run exactly (AtP*'s QK fix at edge level, Kramar
-                         et al. 2024): delta(s, r, i) = sum_{pos, d} (z'_r - z_r) * dm/dz_r,
-                         z'_r the head's output with delta_s in its input i alone; the logits
-                         receiver as eap
-
-``delta_s`` = source minus base write (a head's ``dz[:, :, h] @ W_O[h]``, the embeddings'
-``resid_pre(0)`` difference); the logits' gradient is taken at the final residual. Gradients
-are those of the base run (denoise: corrupt), as for heads. Docs: docs/edges.md.
+``x_{r,i}``: the receiver's own copy of the residual at input ``i`` (``hooks.q_input`` ...,
+under ``shortcuts.split_qkv_inputs``); the logits' gradient is taken at the final residual. The
+eap-ig estimators average eap's gradient over ``m`` runs with the token embeddings (inputs) or
+each sender layer's attention output (activations) interpolated base -> source.
 """
 
 from __future__ import annotations

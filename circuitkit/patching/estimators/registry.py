@@ -147,14 +147,21 @@ def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq:
     return REGISTRY[estimator].passes(shape)
 
 
-def edge_estimator_passes(estimator: str, ig_steps: int, n_sender_groups: int,
-                          receiver_attn: float = 0.0) -> float:
-    """Pass-equivalents per prompt of an edge estimator (its entry's ``passes``): eap 4,
-    eap-ig-inputs 2 + 3 m, eap-ig-activations 2 + 3 m per sender layer, eap* 4 +
-    ``receiver_attn`` (``costs.receiver_attn_passes``)."""
+def edge_estimator_passes(model: Any, layout: Any, estimator: str, ig_steps: int,
+                          seq: int) -> float:
+    """Pass-equivalents per prompt of edge estimator ``estimator`` over ``layout``'s edges
+    (``sweep.EdgeLayout``; its entry's ``passes``): eap 4, eap-ig-inputs 2 + 3 m,
+    eap-ig-activations 2 + 3 m per sender layer, eap* 4 + its receiver runs per (sender,
+    receiver layer) pair (``costs.receiver_attn_passes``)."""
+    L = layout.n_layers
+    recv = {la for la, _ in layout.receivers if la < L}
+    pairs = sum(1 for la in recv for sl, _ in layout.senders if sl < la)
+    attn = costs.receiver_attn_passes(block_shares(model, seq)[0], L, len(layout.inputs),
+                                      pairs) if estimator == "eap*" else 0.0
+    groups = len({max(sl, -1) for sl, _ in layout.senders}) \
+        if estimator == "eap-ig-activations" else 1
     return REGISTRY[estimator].passes(costs.CostShape(
-        n_layers=0, ig_steps=ig_steps, n_sender_groups=n_sender_groups,
-        receiver_attn=receiver_attn))
+        n_layers=0, ig_steps=ig_steps, n_sender_groups=groups, receiver_attn=attn))
 
 
 # --- what an estimator needs of the model -------------------------------------------------------
