@@ -336,12 +336,13 @@ class PatchResult:
 
     @property
     def labels(self) -> dict[str, list[str]]:
-        """The labels of each labelled axis: "group" by ``meta["group_names"]``, a path
-        result's "sender" / "receiver" by ``meta["senders"]`` / ``["receivers"]`` (an
-        ``EdgeResult``: its nodes and inputs); layer, head and pos are their indices."""
+        """The labels of each labelled axis: "group" by ``meta["group_names"]`` (a path
+        result's: ``meta["path_groups"]``), a path result's "sender" / "receiver" by
+        ``meta["senders"]`` / ``["receivers"]`` (an ``EdgeResult``: its nodes and inputs);
+        layer, head and pos are their indices."""
         meta = self.meta or {}
-        named = dict(group=meta.get("group_names"), sender=meta.get("senders"),
-                     receiver=meta.get("receivers"))
+        named = dict(group=meta.get("group_names") or meta.get("path_groups"),
+                     sender=meta.get("senders"), receiver=meta.get("receivers"))
         return {a: list(named[a]) for a in self.axes if named.get(a) is not None}
 
     @property
