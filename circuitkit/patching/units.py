@@ -497,9 +497,11 @@ class PathUnits(_Units):
                     engine_checks=False)
 
     def checked(self, model: Any, clean: Any, corrupt: Any) -> PathUnits:
-        """The nodes checked (``check_path_nodes``) into a ``PathLayout``; position groups
-        checked against the (checked) tokens."""
+        """The nodes checked (``check_path_nodes``) into a ``PathLayout``, every input
+        patchable; position groups checked against the (checked) tokens."""
         s, r, i = check_path_nodes(model, self.senders, self.receivers, self.inputs)
+        for name in i:
+            hooks.check_patchable(model, name, clean)
         pos = self.positions
         if pos is not None:
             real = padded_lengths(clean, corrupt, pad_token_id(model))
