@@ -168,6 +168,30 @@ def tl_vs_exact(model, clean, corrupt, metric, repeats, reference=None) -> None:
               f"{t_ref / t_ck:.2f}x faster")
 
 
+def paths_vs_reference(model, clean, corrupt, metric, repeats, reference) -> None:
+    """``ck.patch_paths`` (every layer-0 head into every head of the last two layers, q/k/v
+    together, every position) against the same call of the reference checkout, interleaved;
+    max |diff| of the values and of the coverage."""
+    f = hooks.facts(model)
+    senders = [(0, h) for h in range(f.n_heads)]
+    receivers = [(la, h) for la in range(max(1, f.n_layers - 2), f.n_layers)
+                 for h in range(f.n_heads)]
+    inputs = ("q",) if f.gqa else hooks.EDGE_INPUTS
+    kw = dict(inputs=inputs, batch_size=None)
+    runs = {"ours": lambda: ck.patch_paths(model, clean, corrupt, metric, senders, receivers,
+                                           progress=False, **kw),
+            "reference": lambda: reference.patch_paths(model, clean, corrupt, metric, senders,
+                                                       receivers, **kw)}
+    got = interleaved(runs, repeats)
+    (t_ck, res), (t_ref, ref) = got["ours"], got["reference"]
+    err = float((res.values - ref.values).abs().nan_to_num(0).max())
+    cov = max(abs(res.meta["coverage"]["all"][k] - v)
+              for k, v in ref.meta["coverage"]["all"].items())
+    print(f"  paths ({len(senders)} senders x {len(receivers)} receivers, {','.join(inputs)}): "
+          f"reference checkout {t_ref:.2f} s, this one {t_ck:.2f} s: {t_ref / t_ck:.2f}x; "
+          f"max |diff| {err:.2e}, coverage {cov:.2e}")
+
+
 def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, dict]:
     runs: dict[str, Callable[[], Any]] = {
         "exact": lambda: ck.patch_edges(model, clean, corrupt, metric, progress=False)}
@@ -221,6 +245,8 @@ def small_model(part: str, n: int, n_quality: int, repeats: int, ig_steps: int,
     print(f"\n== {desc}")
     if tl:
         tl_vs_exact(model, clean, corrupt, metric, repeats, reference)
+    if reference is not None:
+        paths_vs_reference(model, clean, corrupt, metric, repeats, reference)
     if speed_only:
         return
     if n_quality != n:

@@ -23,9 +23,9 @@ _EXPORTS = {
     "evaluate": "circuitkit.evaluation:evaluate",
     **{name: _PATCHING[name] for name in (
         "PromptMetric", "as_metric", "patch", "HeadUnits", "LayerUnits", "EdgeUnits",
-        "MethodOptions", "patch_heads", "patch_layers", "plan_patch", "PatchResult",
-        "patch_edges", "EdgeResult", "circuit", "CircuitResult")},
-    "patch_paths": "circuitkit.patching.paths:patch_paths",
+        "PathUnits", "MethodOptions", "patch_heads", "patch_layers", "plan_patch",
+        "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
+        "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.scoring.validate:validate_heads",
     "ablate_heads": "circuitkit.scoring.validate:ablate_heads",

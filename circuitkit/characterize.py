@@ -504,7 +504,9 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     shared_kv = hooks.facts(model).gqa  # a k/v input is several heads' (patch_paths: q only)
     paths = ck.patch_paths(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
                            receivers, inputs=("q",) if shared_kv else tuple(res.inputs),
-                           direction=res.direction, positions=groups, batch_size=batch_size)
+                           direction=res.direction, positions=groups, batch_size=batch_size,
+                           checkpoint=out / "checkpoints" / "paths", progress=progress,
+                           task_hash=tp.fingerprint())
     paths.meta.update(meta, phase=phases[-1], n_examples=len(tp))
     paths.save(folder / "paths", views=False)
     res.meta["path_coverage"] = {g: row["overall"] for g, row in paths.meta["coverage"].items()}

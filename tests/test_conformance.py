@@ -325,6 +325,65 @@ def test_exact_every_site_and_position_mode(name):
                                        msg=f"noise {site} {positions}")
 
 
+def hand_path(model, base, source, metric, sender, receiver, site):
+    """A path by plain hooks (a reference written apart from ``PathEngine``): the base run with
+    ``sender``'s source ``z``, the receiver's ``site`` recorded there; then the base run with
+    the receiver's ``site`` replaced by it. Mean metric."""
+    (ls, hs), (lr, hr) = sender, receiver
+    name = hooks.head_site(site, lr)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(source, names_filter=[hooks.z(ls)])
+        got = {}
+
+        def put_z(t, hook):
+            t = t.clone()
+            t[:, :, hs] = cache[hooks.z(ls)][:, :, hs]
+            return t
+
+        def keep(t, hook):
+            got["x"] = t.clone()
+
+        model.run_with_hooks(base, fwd_hooks=[(hooks.z(ls), put_z), (name, keep)])
+
+        def put(t, hook):
+            t = t.clone()
+            t[:, :, hr] = got["x"][:, :, hr]
+            return t
+
+        return float(metric(model.run_with_hooks(base, fwd_hooks=[(name, put)])).mean())
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_paths(name):
+    """``patch_paths`` (q input: every layout has one per query head), both directions, every
+    (sender, receiver) cell of the first two layers' first two heads against ``hand_path``; a
+    one-layer model (Tracr's) has no path and is refused in one line."""
+    c = case(name)
+    L = hooks.facts(c.model).n_layers
+    nodes = [(la, h) for la in range(min(2, L)) for h in range(2)]
+    if L < 2:
+        with pytest.raises(ValueError, match="no receiver is in a layer after any sender") as e:
+            ck.patch_paths(c.model, c.clean, c.corrupt, c.metric, nodes, nodes, inputs="q",
+                           progress=False)
+        one_line(e)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for direction in ("denoise", "noise"):
+            res = ck.patch_paths(c.model, c.clean, c.corrupt, c.metric, nodes, nodes,
+                                 inputs="q", direction=direction, progress=False)
+            base, source = (c.corrupt, c.clean) if direction == "denoise" else (c.clean,
+                                                                              c.corrupt)
+            for si, s in enumerate(nodes):
+                for ri, r in enumerate(nodes):
+                    got = float(res.values[si, ri])
+                    if r[0] <= s[0]:
+                        assert got != got, f"{name}: {s} -> {r} is no path"
+                        continue
+                    want = hand_path(c.model, base, source, c.metric, s, r, "q")
+                    assert abs(got - want) <= ATOL, f"{name} {direction} {s} -> {r}"
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_attribution_estimators(name):
     """Every estimator runs (finite, the sweep's shape, the unpatched baselines) or is refused

@@ -229,3 +229,53 @@ def test_every_edge_result_states_its_senders_coverage(method):
         assert abs(cov[hooks.head_name(*s)] - want) < 1e-4 * max(1, abs(want))
     overall = float(eff.nansum()) / sum(node.values())
     assert abs(cov["overall"] - overall) < 1e-4 * max(1, abs(overall))
+
+
+def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
+    """Paths go through ``ck.patch`` (``PathUnits``) like every unit: the entry's metric check,
+    the exact orchestration's checkpoint (a stopped sweep resumes to the same numbers; another
+    request in the same folder is refused), the cost plan, and one-line refusals of methods
+    that do not apply."""
+    import circuitkit as ck
+    from circuitkit.models import architecture
+    from circuitkit.patching.path_engine import PathEngine
+    from circuitkit.patching.plan import price
+
+    model = _random_llama()
+    clean, corrupt = _tokens(n=8)
+    units = ck.PathUnits([(0, 1), "L1H2"], [(1, 0), (2, 3), (2, 1)],
+                         positions={"all": torch.ones_like(clean, dtype=torch.bool)})
+    kw = dict(progress=False, batch_size=4, checkpoint=tmp_path / "ck")
+    calls, real = [], PathEngine.run_chunk
+
+    def failing(self, chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(PathEngine, "run_chunk", failing)
+    with pytest.raises(KeyboardInterrupt):
+        ck.patch(model, clean, corrupt, _metric, units, **kw)
+    monkeypatch.setattr(PathEngine, "run_chunk", real)
+    assert len(sorted((tmp_path / "ck").glob("chunk_*.safetensors"))) >= 2
+    resumed = ck.patch(model, clean, corrupt, _metric, units, **kw)
+    fresh = ck.patch_paths(model, clean, corrupt, _metric, [(0, 1), (1, 2)],
+                           [(1, 0), (2, 3), (2, 1)], batch_size=4, positions=units.positions,
+                           progress=False)
+    assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
+    assert resumed.meta["coverage"] == fresh.meta["coverage"]
+    with pytest.raises(ValueError, match="different sweep"):
+        ck.patch(model, clean, corrupt, _metric, ck.PathUnits([(0, 1)], [(1, 0)]), **kw)
+    with pytest.raises(ValueError, match="paths are patched exactly only"):
+        ck.patch(model, clean, corrupt, _metric, units, method="attribution")
+    with pytest.raises(ValueError, match="padded with pad token id"):  # the entry checks tokens
+        padded = clean.clone()
+        padded[:, -1] = model.cfg.d_vocab  # the built tokenizer's pad id
+        ck.patch(model, padded, corrupt, _metric, units, progress=False)
+    arch = architecture("llama3-8b")  # priced from the shipped config, no weights
+    few = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "exact")
+    more = price(arch, [64] * 16, ck.PathUnits(["L0H0", "L4H1"], ["L8H0", "L9H2"], "q"), "exact")
+    assert 0 < few["pass_equivalents"] < more["pass_equivalents"]
+    with pytest.raises(ValueError, match="prices \\['exact'\\]"):
+        price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "attribution")

@@ -58,6 +58,9 @@ CASES = {
     "edges hybrid": (ck.patch_edges, dict(method="attribution+exact", top_k=4),
                      ck.EdgeUnits(inputs=("q",)), dict(method="attribution+exact",
                                                        options=dict(top_k=4))),
+    "paths": (ck.patch_paths, dict(senders=["L0H1", (1, 2)], receivers=["L2H0", (1, 3)],
+                                   inputs=("q",)),
+              ck.PathUnits(["L0H1", (1, 2)], ["L2H0", (1, 3)], ("q",)), {}),
 }
 
 
@@ -92,7 +95,7 @@ def test_position_groups_through_patch_equal_patch_heads(tiny_llama):
 
 
 @pytest.mark.parametrize("wrapper,kind", [(ck.patch_heads, "heads"), (ck.patch_layers, "layers"),
-                                          (ck.patch_edges, "edges")])
+                                          (ck.patch_edges, "edges"), (ck.patch_paths, "paths")])
 def test_every_wrapper_goes_through_the_one_entry(tiny_llama, monkeypatch, wrapper, kind):
     seen = []
     real = api.patch
@@ -101,7 +104,8 @@ def test_every_wrapper_goes_through_the_one_entry(tiny_llama, monkeypatch, wrapp
         seen.append(a[4].kind)
         return real(*a, **k)
     monkeypatch.setattr(api, "patch", spy)
-    quiet(wrapper, tiny_llama, *pair(), margin, progress=False)
+    kw = dict(inputs=("q",)) if kind == "paths" else {}  # (tiny_llama: GQA)
+    quiet(wrapper, tiny_llama, *pair(), margin, progress=False, **kw)
     assert seen == [kind]
 
 
@@ -178,3 +182,41 @@ def test_a_checkpoint_of_patch_heads_resumes_through_patch(tiny_llama, tmp_path,
     got = quiet(ck.patch, tiny_llama, clean, corrupt, margin, ck.HeadUnits(),
                 checkpoint=tmp_path, batch_size=4, progress=False)
     assert calls == [] and torch.equal(got.values, want.values)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "layers"])
+def test_one_result_type_for_every_unit(tiny_llama, case):
+    """Every unit's result is a ``PatchResult`` (edges: its subclass ``EdgeResult``), with its
+    axes and their labels, and PatchResult's own normalisation, intervals and prompt selection
+    (the edges used to reshape themselves into a second object for each of these)."""
+    clean, corrupt = pair()
+    if case == "paths":
+        res = quiet(ck.patch_paths, tiny_llama, clean, corrupt, margin, senders=[(0, 0), (0, 1)],
+                    receivers=[(1, 0)], inputs=("q",), positions=stage_mask(clean),
+                    progress=False)
+        want = dict(sender=["L0H0", "L0H1"], receiver=["L1H0"], group=["early", "last"])
+    else:
+        wrapper, kw, _, _ = CASES[case]
+        if "positions" in kw or case.startswith("heads"):
+            kw = dict(kw, positions=stage_mask(clean)) if case == "heads exact" else kw
+        res = quiet(wrapper, tiny_llama, clean, corrupt, margin, progress=False, **kw)
+        want = dict(group=["early", "last"]) if case == "heads exact" else {}
+    assert isinstance(res, ck.PatchResult) and len(res.axes) == res.values.ndim
+    if isinstance(res, ck.EdgeResult):
+        assert res.axes == ("sender", "receiver", "input")
+        assert res.labels == dict(sender=res.sender_names(), receiver=res.receiver_names(),
+                                  input=list(res.inputs))
+        assert len(res.labels["sender"]) == res.values.shape[0]
+    else:
+        assert res.labels == want
+    norm = quiet(res.normalized)
+    ref = (res.values - (res.corrupt if res.direction == "denoise" else res.clean)) / (
+        res.clean - res.corrupt)
+    if not res.degenerate:
+        torch.testing.assert_close(norm, ref, equal_nan=True)
+    if res.per_prompt is not None:
+        low, high = quiet(res.confidence_interval, n_boot=50)
+        assert low.shape == res.values.shape == high.shape
+        one = res.select_prompts(torch.tensor([1]))
+        assert type(one) is type(res) and torch.allclose(one.values, res.per_prompt[1],
+                                                         equal_nan=True)

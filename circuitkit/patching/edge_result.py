@@ -1,6 +1,5 @@
-"""``EdgeResult``: the metric after patching each edge (``patch_edges``), its views and its
-strict load (``patching/result_files.py``). Normalisation, intervals and the degenerate-baseline
-rule are ``PatchResult``'s (``_as_patch_result``)."""
+"""``EdgeResult``: the ``PatchResult`` of an edge sweep (``patch_edges``), with its node labels,
+views and strict load (``patching/result_files.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
@@ -28,41 +26,32 @@ from circuitkit.patching.result_files import (
 )
 
 
-@dataclass
-class EdgeResult:
-    """Metric after patching each edge (``patch_edges``), plus baselines and provenance.
+@dataclass(repr=False)
+class EdgeResult(PatchResult):
+    """A ``PatchResult`` over edges (``patch_edges``): ``axes`` ("sender", "receiver", "input"),
+    each axis labelled by ``senders``, ``receivers``, ``inputs``.
 
     ``values[s, r, i]``: mean over prompts of the metric after sender ``senders[s]``'s write
     reaches receiver ``receivers[r]`` at input ``inputs[i]`` only; ``per_prompt``:
     ``[n_prompts, n_senders, n_receivers, n_inputs]``. Nodes are ``(layer, head)``, the
     embeddings ``(-1, -1)`` and the logits ``(n_layers, -1)`` (one input, index 0, shown as
-    "resid"); NaN where ``(s, r, i)`` is no edge (docs/edges.md, "The tensor"). Normalisation
-    and intervals are ``PatchResult``'s (``_as_patch_result``).
+    "resid"); NaN where ``(s, r, i)`` is no edge (docs/edges.md, "The tensor"). Normalisation,
+    intervals, the degenerate rule and ``select_prompts`` are ``PatchResult``'s; the views, the
+    file and its strict load are the edges' own.
     """
 
-    values: Float[Tensor, "sender receiver input"]
-    clean: float
-    corrupt: float
-    direction: str
-    method: str
-    senders: tuple[tuple[int, int], ...]
-    receivers: tuple[tuple[int, int], ...]
-    inputs: tuple[str, ...]
-    n_layers: int
-    per_prompt: Float[Tensor, "n_prompts sender receiver input"] | None = None
-    clean_per_prompt: Float[Tensor, " n_prompts"] | None = None
-    corrupt_per_prompt: Float[Tensor, " n_prompts"] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    # whether the degenerate baseline was said (warned) for this result: once per result
-    _baseline_said: bool = field(default=False, init=False, repr=False, compare=False)
+    site: str = "z"  # (a sender's write: its z through W_O)
+    positions: str = "all"
+    senders: tuple[tuple[int, int], ...] = field(kw_only=True)
+    receivers: tuple[tuple[int, int], ...] = field(kw_only=True)
+    inputs: tuple[str, ...] = field(kw_only=True)
+    n_layers: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         self.senders = tuple((int(a), int(b)) for a, b in self.senders)
         self.receivers = tuple((int(a), int(b)) for a, b in self.receivers)
         self.inputs = tuple(self.inputs)
         self.n_layers = int(self.n_layers)
-        self.clean, self.corrupt = float(self.clean), float(self.corrupt)  # (a 0-d tensor too)
-        self.meta = dict(self.meta or {})
         canonical = tuple(i for i in hooks.EDGE_INPUTS if i in self.inputs)
         if not self.inputs or self.inputs != canonical:
             raise ValueError(f"inputs={list(self.inputs)} must be distinct names from "
@@ -72,7 +61,7 @@ class EdgeResult:
         if not isinstance(self.values, Tensor) or tuple(self.values.shape) != shape:
             raise ValueError(f"values must be a [senders, receivers, inputs] = {list(shape)} "
                              f"tensor; got shape {tuple(getattr(self.values, 'shape', ()))}.")
-        facts = self.meta.get("facts")
+        facts = (self.meta or {}).get("facts")
         n_heads = facts.get("n_heads") if isinstance(facts, dict) else None
         _check_nodes(self.senders, self.receivers, self.n_layers,
                      n_heads if isinstance(n_heads, int) else None)
@@ -80,51 +69,14 @@ class EdgeResult:
         if pp is not None and (not isinstance(pp, Tensor) or tuple(pp.shape[1:]) != shape):
             raise ValueError(f"per_prompt must be a [n_prompts, {', '.join(map(str, shape))}] "
                              f"tensor; got shape {tuple(getattr(pp, 'shape', ()))}.")
-        # the rest (direction, method, baselines, per-prompt shapes) as a PatchResult checks it
-        self._as_patch_result()
-
-    def _as_patch_result(self, values: Tensor | None = None) -> PatchResult:
-        """The same numbers as a ``PatchResult`` over (sender, receiver x input): its
-        normalisation, bootstrap and degenerate rule are the edges' too."""
-        n_s = len(self.senders)
-        pp = self.per_prompt
-        view = PatchResult(
-            values=(self.values if values is None else values).reshape(n_s, -1),
-            clean=self.clean, corrupt=self.corrupt, direction=self.direction,
-            method=self.method, site="z", positions="all",
-            per_prompt=None if pp is None else pp.reshape(pp.shape[0], n_s, -1),
-            clean_per_prompt=self.clean_per_prompt, corrupt_per_prompt=self.corrupt_per_prompt,
-            axes=("sender", "receiver_input"), meta=dict(metric=self.meta.get("metric")))
-        view._baseline_said = self._baseline_said  # one warning per edge result, not per view
-        return view
+        self.axes = ("sender", "receiver", "input")
+        super().__post_init__()  # direction, method, baselines, per-prompt shapes
 
     @property
-    def degenerate(self) -> bool:
-        return self._as_patch_result().degenerate
-
-    def warn_if_degenerate(self) -> bool:
-        """``PatchResult.warn_if_degenerate``: once per edge result."""
-        view = self._as_patch_result()
-        said = view.warn_if_degenerate()
-        self._baseline_said = view._baseline_said
-        return said
-
-    def normalized(self) -> Float[Tensor, "sender receiver input"]:
-        """``PatchResult.normalized`` of each edge (one warning per result)."""
-        view = self._as_patch_result()
-        out = view.normalized().reshape(self.values.shape)
-        self._baseline_said = view._baseline_said
-        return out
-
-    def effect(self) -> Float[Tensor, "sender receiver input"]:
-        """``values - baseline`` (corrupt for denoise, clean for noise)."""
-        return self.values - (self.corrupt if self.direction == "denoise" else self.clean)
-
-    def confidence_interval(self, level: float = 0.95, n_boot: int = 1000, seed: int = 0,
-                            raw: bool | None = None) -> tuple[Tensor, Tensor] | None:
-        """``PatchResult.confidence_interval`` of each edge, values-shaped."""
-        got = self._as_patch_result().confidence_interval(level, n_boot, seed, raw=raw)
-        return None if got is None else tuple(t.reshape(self.values.shape) for t in got)
+    def labels(self) -> dict[str, list[str]]:
+        """Each axis's labels: node names ("embed", "L0H1", "logits") and input names."""
+        return dict(sender=self.sender_names(), receiver=self.receiver_names(),
+                    input=list(self.inputs))
 
     def sender_names(self) -> list[str]:
         return [hooks.node_name(s, self.n_layers) for s in self.senders]

@@ -43,6 +43,7 @@ from circuitkit.patching.sweep import (
     is_out_of_memory,
     length_order,
     make_edge_sweep,
+    make_path_sweep,
     make_sweep,
     release_cached_memory,
 )
@@ -165,6 +166,39 @@ def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
                       inputs=layout.inputs, n_layers=layout.n_layers, **swept.fields(
                           model, metric, dict(n_edges=layout.n_edges,
                                               **described(meta, metric))))
+
+
+def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
+              groups: Any, direction: str, batch_size: int | None,
+              checkpoint: str | Path | None, progress: bool, meta: dict) -> PatchResult:
+    """The exact path sweep of ``layout`` (``PathEngine``; ``groups``: checked position groups
+    or None; checkpoint identity: the sweep's plus the layout) as a ``PatchResult`` over
+    ``(sender, receiver(, group))`` in the caller's prompt order, with each sender's node effect
+    and the paths' ``coverage`` of it (``paths.node_effects``, ``paths.coverage``)."""
+    from circuitkit.patching.path_engine import PathEngine
+    from circuitkit.patching.paths import coverage, node_effects
+
+    sweep = make_path_sweep(layout, direction, clean, metric, groups)
+    swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
+                      make_engine=functools.partial(PathEngine, layout=layout),
+                      identity_extra=layout.to_dict())
+    fields = swept.fields(model, metric, described(meta, metric))
+    names = ["all"] if groups is None else list(groups.names)
+    node = node_effects(model, clean, corrupt, metric, layout.senders, direction, batch_size)
+    base = fields["corrupt"] if direction == "denoise" else fields["clean"]
+    fields["meta"].update(
+        kind="paths", senders=[hooks.head_name(*s) for s in layout.senders],
+        receivers=[hooks.head_name(*r) for r in layout.receivers], inputs=list(layout.inputs),
+        node={hooks.head_name(*s): float(v) for s, v in zip(layout.senders, node, strict=True)},
+        coverage=coverage(fields["values"] - base, node, layout.senders, names))
+    if groups is None:
+        fields["values"] = fields["values"][..., 0]
+        if fields["per_prompt"] is not None:
+            fields["per_prompt"] = fields["per_prompt"][..., 0]
+    else:
+        fields["meta"]["path_groups"] = names
+    axes = ("sender", "receiver") + (() if groups is None else ("group",))
+    return PatchResult(direction=direction, site="z", positions="all", axes=axes, **fields)
 
 
 class Swept(NamedTuple):

@@ -120,6 +120,46 @@ def check_metric_prompts(pm: Any, n: int) -> None:
                          "metric: task.subset(...).metric for a subset of its prompts).")
 
 
+def check_path_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
+                     ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
+                                tuple[str, ...]]:
+    """Validated ``(senders, receivers, inputs)`` of a path sweep (``patch_paths``): heads as
+    ``(layer, head)`` or ``"L3H2"``, in the caller's order (None: every head), at least one
+    receiver after a sender; ``inputs`` distinct names from ``hooks.EDGE_INPUTS`` (only "q"
+    under GQA, whose k/v inputs are shared by several query heads)."""
+    from circuitkit import hooks
+
+    f = hooks.facts(model)
+    if isinstance(inputs, str):
+        inputs = [p.strip() for p in inputs.split(",") if p.strip()]
+    given = tuple(inputs) if isinstance(inputs, list | tuple) else ()
+    ins = tuple(i for i in hooks.EDGE_INPUTS if i in given)
+    if not ins or len(ins) != len(given):
+        raise ValueError(f"inputs={inputs!r}; expected distinct names among "
+                         f"{list(hooks.EDGE_INPUTS)}.")
+    if f.gqa and set(ins) & hooks.KV_SITES:
+        raise ValueError("patch_paths: under grouped-query attention a k/v input is shared by "
+                         "several query heads; pass inputs=('q',).")
+    nodes = []
+    every = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
+    for what, got in (("senders", senders), ("receivers", receivers)):
+        got = [hooks.parse_head(n) or n if isinstance(n, str) else n for n in (
+            every if got is None else [got] if isinstance(got, str) else got)]
+        try:
+            got = [(int(a), int(b)) for a, b in got]
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}={got!r}: give heads as (layer, head) pairs or names "
+                             "such as 'L3H2'.") from None
+        bad = [n for n in got if not (0 <= n[0] < f.n_layers and 0 <= n[1] < f.n_heads)]
+        if not got or bad:
+            raise ValueError(f"{what}: give (layer, head) pairs within the model's "
+                             f"{f.n_layers} layers x {f.n_heads} heads; got {bad or 'none'}.")
+        nodes.append(tuple(got))
+    if not any(r[0] > s[0] for s in nodes[0] for r in nodes[1]):
+        raise ValueError("patch_paths: no receiver is in a layer after any sender: no path.")
+    return nodes[0], nodes[1], ins
+
+
 def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
                      ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
                                 tuple[str, ...]]:

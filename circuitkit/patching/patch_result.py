@@ -335,6 +335,17 @@ class PatchResult:
         return frame
 
     @property
+    def labels(self) -> dict[str, list[str]]:
+        """The labels of each labelled axis: "group" by ``meta["group_names"]`` (a path
+        result's: ``meta["path_groups"]``), a path result's "sender" / "receiver" by
+        ``meta["senders"]`` / ``["receivers"]`` (an ``EdgeResult``: its nodes and inputs);
+        layer, head and pos are their indices."""
+        meta = self.meta or {}
+        named = dict(group=meta.get("group_names") or meta.get("path_groups"),
+                     sender=meta.get("senders"), receiver=meta.get("receivers"))
+        return {a: list(named[a]) for a in self.axes if named.get(a) is not None}
+
+    @property
     def verified(self) -> Tensor | None:
         """``attribution+exact``: a bool tensor shaped like ``values``, True where the value is
         exact (``meta["verified"]``); None for results of other methods (every cell as its

@@ -434,6 +434,43 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
                 methods=methods)
 
 
+def path_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "denoise",
+              gpu: str = "H100", utilisation: float = UTILISATION, dtype_bytes: int = 2,
+              n_gpus: int | None = None, rows: int | None = None) -> dict[str, Any]:
+    """Cost of a path sweep (``api.patch_paths``) of ``arch`` over prompts of ``lengths``
+    tokens, from the config alone (``layout``: the ``sweep.PathLayout``); exact only.
+
+    The engine's plan (length buckets and chunks as ``sweep.chunked`` cuts them): a path into
+    layer ``l`` reruns blocks ``l..L-1`` up to its bucket's last read; each chunk runs its
+    senders' runs from each sender's layer to ``l`` (a chunk's variants are sender-major) and
+    one partial run per (sender, group) through the receiving layer's q/k/v (a third of a
+    block); plus 2 passes per prompt (the cached runs) and ``2 + n_senders`` (each sender's node
+    effect: the base, the source and one run per sender)."""
+    b = basis(arch, lengths, gpu=gpu, utilisation=utilisation, dtype_bytes=dtype_bytes,
+              n_gpus=n_gpus, rows=rows)
+    lengths, n, seq, L, rows = b.lengths, b.n, b.seq, b.L, b.rows
+    per_layer = layout.layer_variants
+    buckets = sorted({(c.p0, c.p1) for c in chunked(
+        Sweep("paths", "", direction, "all", 1, 1, 1, n, seq, True), rows, lengths).chunks})
+    token_blocks = 0.0
+    for p0, p1 in buckets:
+        c, per = lengths[p1 - 1], max(1, rows // (p1 - p0))
+        for layer, v in enumerate(per_layer):
+            before = [sl for sl, _ in layout.senders if sl < layer]
+            if not v:
+                continue
+            runs = math.ceil(v / len(before) / per)  # chunks holding each sender's cells
+            token_blocks += (p1 - p0) * c * (v * (L - layer) + runs * sum(
+                layer - sl for sl in before) + len(before) * layout.n_groups / 3)
+    exact = b.cost(token_blocks / (L * seq) + (4 + len(layout.senders)) * n,
+                   rows=min(rows, max(per_layer) * n))
+    return dict(model=arch.name, n_params=arch.n_params, n_layers=L, n_heads=arch.n_heads,
+                n_senders=len(layout.senders), n_receivers=len(layout.receivers),
+                inputs=list(layout.inputs), n_groups=layout.n_groups, n_paths=sum(per_layer),
+                n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n, direction=direction,
+                gpu=b.g.name, n_gpus=b.n_gpus, methods={"exact": exact})
+
+
 def format_edge_plan(p: dict[str, Any], tokens_from: str = "") -> str:
     """The ``circuitkit edges --plan`` text of an ``edge_plan`` dict. Optional keys the CLI
     adds: ``measured`` (the parameters were counted on the loaded weights), ``chosen`` (the

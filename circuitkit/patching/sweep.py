@@ -296,3 +296,46 @@ def make_edge_sweep(model: Any, layout: EdgeLayout, direction: str, tokens: Tens
     per_layer = layout.layer_variants
     return Sweep("edges", ",".join(layout.inputs), direction, "all", layout.n_layers + 1,
                  max(per_layer), 1, n, seq, metric.per_prompt_values, layer_variants=per_layer)
+
+
+@dataclass(frozen=True)
+class PathLayout:
+    """Which paths a path sweep patches (``patch_paths``; ``patching/paths.py``): ``senders``
+    and ``receivers`` heads in the caller's order, the receivers' ``inputs`` (patched together)
+    and ``n_groups`` position groups (1: every position). Its "layers" are the receiver layers;
+    a variant of layer ``l`` is one (sender before ``l``, group, receiver head at ``l``), laid out
+    sender-major, then group, then head (``cells``), so a chunk's variants share few senders."""
+
+    n_layers: int
+    senders: tuple[tuple[int, int], ...]
+    receivers: tuple[tuple[int, int], ...]
+    inputs: tuple[str, ...]
+    n_groups: int = 1
+
+    def cells(self, layer: int) -> Int[Tensor, "n 3"]:
+        """Paths into receiver layer ``layer``: rows ``(sender index, group, receiver index)``."""
+        into = [ri for ri, (rl, _) in enumerate(self.receivers) if rl == layer]
+        rows = [(s, g, r) for s, (sl, _) in enumerate(self.senders) if sl < layer
+                for g in range(self.n_groups) for r in into]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
+    @property
+    def layer_variants(self) -> tuple[int, ...]:
+        return tuple(sum(1 for sl, _ in self.senders if sl < layer) * self.n_groups
+                     * sum(1 for rl, _ in self.receivers if rl == layer)
+                     for layer in range(self.n_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(senders=[list(s) for s in self.senders],
+                    receivers=[list(r) for r in self.receivers], inputs=list(self.inputs))
+
+
+def make_path_sweep(layout: PathLayout, direction: str, tokens: Tensor, metric: PromptMetric,
+                    groups: Any = None) -> Sweep:
+    """The unplanned ``Sweep`` of a path layout (kind "paths", site the inputs joined by ",",
+    one "layer" per receiver layer; ``groups``: the checked ``PositionGroups``, or None)."""
+    n, seq = tokens.shape
+    per_layer = layout.layer_variants
+    return Sweep("paths", ",".join(layout.inputs), direction, "all", layout.n_layers,
+                 max(per_layer), 1, n, seq, metric.per_prompt_values, layer_variants=per_layer,
+                 groups=groups)

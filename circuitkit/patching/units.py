@@ -30,6 +30,7 @@ from circuitkit.patching.inputs import (
     POSITIONS,
     check_edge_model,
     check_edge_nodes,
+    check_path_nodes,
     check_top_k,
     choice,
     pad_token_id,
@@ -38,9 +39,11 @@ from circuitkit.patching.inputs import (
 from circuitkit.patching.results import EdgeResult, PatchResult
 from circuitkit.patching.sweep import (
     EdgeLayout,
+    PathLayout,
     auto_rows,
     length_order,
     make_edge_sweep,
+    make_path_sweep,
     make_sweep,
 )
 
@@ -81,15 +84,17 @@ def as_options(options: Any) -> MethodOptions:
 
 
 def as_units(units: Any) -> Any:
-    """``units``: a ``HeadUnits``, ``LayerUnits`` or ``EdgeUnits`` (or "heads", "layers",
-    "edges" for their defaults); anything else is one line naming what is expected."""
-    if isinstance(units, HeadUnits | LayerUnits | EdgeUnits):
+    """``units``: a ``HeadUnits``, ``LayerUnits``, ``EdgeUnits`` or ``PathUnits`` (or "heads",
+    "layers", "edges", "paths" for their defaults); anything else is one line naming what is
+    expected."""
+    if isinstance(units, HeadUnits | LayerUnits | EdgeUnits | PathUnits):
         return units
     if isinstance(units, str) and units in KINDS:
         return KINDS[units]()
     raise ValueError(f"units={units!r}: expected ck.HeadUnits(site, positions), "
-                     "ck.LayerUnits(site) or ck.EdgeUnits(senders, receivers, inputs) (or "
-                     "'heads', 'layers', 'edges' for their defaults).")
+                     "ck.LayerUnits(site), ck.EdgeUnits(senders, receivers, inputs) or "
+                     "ck.PathUnits(senders, receivers, inputs, positions) (or 'heads', "
+                     "'layers', 'edges', 'paths' for their defaults).")
 
 
 def _stray(method: str, opts: MethodOptions, allowed: dict[str, set[str]]) -> None:
@@ -450,4 +455,76 @@ class EdgeUnits(_Units):
         return edge_plan(arch, lengths, self.layout or self.layout_of(arch), **kw)
 
 
-KINDS = {"heads": HeadUnits, "layers": LayerUnits, "edges": EdgeUnits}
+# --- paths ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PathUnits(_Units):
+    """Every path from ``senders`` into ``receivers`` (heads: ``(layer, head)`` or "L3H2")
+    through everything between them (MLPs, other heads, other positions): the receiver's
+    ``inputs`` ("q", "k", "v", patched together) read the sender run's residual at each position
+    group of ``positions`` (a bool mask ``[batch, seq]`` or ``{name: mask}``; None: every
+    position). Values ``[sender, receiver]`` or ``[sender, receiver, group]``, NaN where the
+    receiver is not after the sender; exact only (``patching/paths.py``, ``PathEngine``)."""
+
+    senders: Any = None
+    receivers: Any = None
+    inputs: Any = hooks.EDGE_INPUTS
+    positions: Any = None
+    layout: PathLayout | None = field(default=None, compare=False, repr=False)
+    kind: ClassVar[str] = "paths"
+    methods: ClassVar[tuple[str, ...]] = ("exact",)
+    estimators: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return ("sender", "receiver") + (() if self.positions is None else ("group",))
+
+    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
+        method = "exact" if method == "auto" else method  # one choice for paths
+        choice("method", method, METHODS)
+        if method != "exact":
+            raise ValueError(f"paths are patched exactly only; got method={method!r}. Screen "
+                             "the direct edges with patch_edges(method='attribution') instead.")
+        _stray(method, opts, {})
+        if backend != "transformer_lens" or remote:
+            raise ValueError(f"backend={backend!r}: path sweeps run on the TransformerLens "
+                             "backend only.")
+        return method
+
+    def entry(self, method: str) -> dict[str, Any]:
+        return dict(site="z", positions="all", sites=hooks.PATCH_HEAD_SITES,
+                    engine_checks=False)
+
+    def checked(self, model: Any, clean: Any, corrupt: Any) -> PathUnits:
+        """The nodes checked (``check_path_nodes``) into a ``PathLayout``, every input
+        patchable; position groups checked against the (checked) tokens."""
+        s, r, i = check_path_nodes(model, self.senders, self.receivers, self.inputs)
+        for name in i:
+            hooks.check_patchable(model, name, clean)
+        pos = self.positions
+        if pos is not None:
+            real = padded_lengths(clean, corrupt, pad_token_id(model))
+            pos = groups.position_groups(pos, clean, real)
+        layout = PathLayout(hooks.facts(model).n_layers, s, r, i, 1 if pos is None else len(pos))
+        return replace(self, positions=pos, layout=layout)
+
+    def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
+        return make_path_sweep(self.layout, direction, clean, metric, self.positions)
+
+    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
+              meta) -> Any:
+        return exact.run_paths(model, clean, corrupt, pm, self.layout, self.positions, direction,
+                               batch_size, checkpoint, progress, meta)
+
+    def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
+        """``plan.path_plan`` of these paths (config only)."""
+        from circuitkit.patching.plan import path_plan
+
+        layout = self.layout or PathLayout(arch.n_layers, *check_path_nodes(
+            arch, self.senders, self.receivers, self.inputs), n_groups=1 if self.positions
+            is None else len(self.positions))
+        return path_plan(arch, lengths, layout, **kw)
+
+
+KINDS = {"heads": HeadUnits, "layers": LayerUnits, "edges": EdgeUnits, "paths": PathUnits}
