@@ -122,6 +122,21 @@ def _hybrid_options(method: str, opts: MethodOptions) -> None:
         check_max_passes(opts.max_passes, opts.top_k)
 
 
+def _exact_only(method: str, opts: MethodOptions, backend: str, remote: bool, what: str,
+                refusal: str) -> str:
+    """The method of units patched exactly only ("auto" is "exact"): another one is
+    ``refusal``, another backend a line naming ``what`` sweeps."""
+    method = "exact" if method == "auto" else method  # the one choice
+    choice("method", method, METHODS)
+    if method != "exact":
+        raise ValueError(refusal)
+    _stray(method, opts, {})
+    if backend != "transformer_lens" or remote:
+        raise ValueError(f"backend={backend!r}: {what} sweeps run on the TransformerLens "
+                         "backend only.")
+    return method
+
+
 class _Units:
     """What every kind shares: no entry work of its own, ``meta`` the task's hash, and the
     exact sweep of ``sweep`` (edges: their own engine)."""
@@ -307,16 +322,9 @@ class LayerUnits(_Units):
         choice("site", self.site, hooks.PATCH_LAYER_SITES)
 
     def check_method(self, method, opts, checkpoint, backend, remote) -> str:
-        method = "exact" if method == "auto" else method  # one choice for layer sites
-        choice("method", method, METHODS)
-        if method != "exact":
-            raise ValueError(f"patch_layers is exact only; got method={method!r}. Use "
-                             "patch_heads for attribution (heads, not layers).")
-        _stray(method, opts, {})
-        if backend != "transformer_lens" or remote:
-            raise ValueError(f"backend={backend!r}: layer sweeps run on the TransformerLens "
-                             "backend only.")
-        return method
+        return _exact_only(method, opts, backend, remote, "layer", (
+            f"patch_layers is exact only; got method={method!r}. Use patch_heads for "
+            "attribution (heads, not layers)."))
 
     def entry(self, method: str) -> dict[str, Any]:
         return dict(site=self.site, positions="each", sites=hooks.PATCH_LAYER_SITES,
@@ -481,16 +489,9 @@ class PathUnits(_Units):
         return ("sender", "receiver") + (() if self.positions is None else ("group",))
 
     def check_method(self, method, opts, checkpoint, backend, remote) -> str:
-        method = "exact" if method == "auto" else method  # one choice for paths
-        choice("method", method, METHODS)
-        if method != "exact":
-            raise ValueError(f"paths are patched exactly only; got method={method!r}. Screen "
-                             "the direct edges with patch_edges(method='attribution') instead.")
-        _stray(method, opts, {})
-        if backend != "transformer_lens" or remote:
-            raise ValueError(f"backend={backend!r}: path sweeps run on the TransformerLens "
-                             "backend only.")
-        return method
+        return _exact_only(method, opts, backend, remote, "path", (
+            f"paths are patched exactly only; got method={method!r}. Screen the direct edges "
+            "with patch_edges(method='attribution') instead."))
 
     def entry(self, method: str) -> dict[str, Any]:
         return dict(site="z", positions="all", sites=hooks.PATCH_HEAD_SITES,
