@@ -81,7 +81,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
                  edges: bool = False, stages: bool = False,
-                 select_n: int | None = None,
+                 select_n: int | str | None = "half",
                  n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
     summary dict also written to ``out_dir/summary.json``.
@@ -98,7 +98,9 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``_stages_step``; exact patching only), and the causal columns (``scoring.causal``:
     ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``);
     ``select_n``: held-out selection: scores (and causal columns) on the first ``select_n``
-    examples, validation and ablation on the others (``summary["samples"]``).
+    examples, validation and ablation on the others (``summary["samples"]``); "half" (the
+    default): the first half of the examples; None: the same examples for both (a p-value then
+    tests heads chosen on the very notes it is computed on).
     """
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
         return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
@@ -149,7 +151,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                   batch_size: int | None, patch_method: str, text: bool | None,
                   progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
                   edges: bool, stages: bool, held: contextlib.ExitStack,
-                  select_n: int | None = None,
+                  select_n: int | str | None = "half",
                   n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     import circuitkit as ck
     from circuitkit import files
@@ -181,6 +183,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     n_heads = model.cfg.n_layers * model.cfg.n_heads
     if int(k) > n_heads:
         raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {k!r}.")
+    select_n, no_split = _select_n(select_n, len(task))
     chosen, held_out, samples = selection_samples(task, select_n, seed)
     phases = task_phases(task)  # a task with one phase's steps is characterized in that phase
     if not phases:
@@ -192,6 +195,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     # the selection notes' phase tasks, for the steps that select on them (stages, edges)
     per_phase_chosen = {p: phase_task(chosen, p) for p in phases} if stages or edges else {}
     ablations, skipped = head_ablations(task)  # decided before any step runs
+    skipped = [*skipped, *no_split]
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
     # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
     # validation and ablation only (the sweeps are reused)
@@ -574,6 +578,20 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
     summary["causal_attrs"] = _json_safe(table.attrs)
     summary["phase_table"] = _json_safe(phase_table(table, k=k))
     return written + ["causal.csv"]
+
+
+def _select_n(select_n: int | str | None, n: int) -> tuple[int | None, list[str]]:
+    """``select_n`` resolved for ``n`` examples ("half": ``n // 2``), and the line saying why a
+    held-out sample was not drawn (one example cannot be split)."""
+    if select_n != "half":
+        if isinstance(select_n, str):
+            raise ValueError(f"select_n={select_n!r}: expected a number of examples, 'half' "
+                             "or None.")
+        return select_n, []
+    if n >= 2:
+        return n // 2, []
+    return None, ["held-out validation skipped: one example cannot be split into a selection "
+                  "and a validation sample; heads were selected and validated on it."]
 
 
 def selection_samples(task: Any, select_n: int | None, seed: int

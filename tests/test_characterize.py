@@ -51,7 +51,10 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
         assert 0 < got["pools"]["layer-stratified"]["p"] <= 1
     assert "causal top set" in (out / "report.html").read_text()
     assert stored["phase_table"]["phase2"]["groups"]["all"]["top"]
-    assert stored["samples"]["select"] == stored["samples"]["validate"]
+    # held out by default: heads selected on the first half, validated on the other
+    assert stored["samples"]["held_out"] and stored["samples"]["select"]["examples"] == [0, 4]
+    assert stored["samples"]["validate"]["examples"] == [4, 8]
+    assert stored["identity"]["select_n"] == 4
     assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8
     # the stages step: [layer, head, group] sweeps over the task's position groups
     for phase in (1, 2):
@@ -110,7 +113,8 @@ def test_cli_score_and_characterize(tmp_path):
     assert "top Phase-1 heads by coarse_score (8 examples, test split, seed 0)" in res.output
     assert len(pd.read_csv(tmp_path / "s.csv")) == 32
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
-                              "--n-random", "3", "--out", str(tmp_path / "c")])
+                              "--n-random", "3", "--select-n", "none", "--out",
+                              str(tmp_path / "c")])  # (scores on all 8 notes, as score's)
     assert res.exit_code == 0, res.output
     assert (tmp_path / "c" / "summary.json").exists()
     # the same arguments rank the same heads: characterize's scores are score's (top-k
@@ -118,7 +122,8 @@ def test_cli_score_and_characterize(tmp_path):
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "s.csv"),
                                   pd.read_csv(tmp_path / "c" / "scores.csv"))
     said = " ".join(res.output.split())
-    assert "findings (icd-teacher on icd10: 8 test examples, seed 0, exact patching):" in said
+    assert ("findings (icd-teacher on icd10: 8 test examples, seed 0, exact patching; heads "
+            "selected and validated on the same examples):") in said
     for phase in (1, 2):
         top = json.loads((tmp_path / "c" / "summary.json").read_text())["top_heads"][
             f"phase{phase}"]
@@ -131,7 +136,8 @@ def test_cli_score_and_characterize(tmp_path):
         in said
     assert re.search(r"took [\d.]+ s: [\d.]+ s computing 7 steps, [\d.]+ s loading", said)
     again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
-                                "--n-random", "3", "--out", str(tmp_path / "c")])
+                                "--n-random", "3", "--select-n", "none", "--out",
+                                str(tmp_path / "c")])
     said = " ".join(again.output.split())
     assert "7 steps reused from the folder (they had taken" in said
     assert "kept (finished by an earlier run): patch-p1-denoise" in said
@@ -157,7 +163,9 @@ def test_cli_characterize_on_one_prompt_skips_resample_and_says_so(tmp_path):
     assert "Not run. Resample ablation skipped" in said and "-n / n_examples" in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["ablations"] == ["zero", "mean"]
-    assert len(summary["skipped"]) == 1 and summary["skipped"][0].startswith(note)
+    assert len(summary["skipped"]) == 2 and summary["skipped"][0].startswith(note)
+    assert summary["skipped"][1].startswith("held-out validation skipped: one example")
+    assert not summary["samples"]["held_out"]
     assert set(pd.read_csv(out / "head-ablation.csv")["ablation"]) == {"zero", "mean"}
     assert "Resample ablation skipped" in (out / "report.html").read_text()
 
@@ -252,7 +260,7 @@ def test_a_mixed_task_patches_each_phase_on_the_examples_with_its_steps(tiny_lla
     task.to_jsonl(tmp_path / "task.jsonl")
     out = tmp_path / "run"
     characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, n_examples=8, k=2, n_random=4,
-                 text=False, progress=False)
+                 text=False, progress=False, select_n=None)
     p1 = ck.PatchResult.load(out / "patch-p1-noise")
     p2 = ck.PatchResult.load(out / "patch-p2-noise")
     assert p1.per_prompt.shape[0] == 4 and p2.per_prompt.shape[0] == 8

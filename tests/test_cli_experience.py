@@ -159,6 +159,13 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
          "-k 9999: expected 1..32"),
         (["characterize", "-n", "2", "--n-random", "0", "--out", str(tmp_path / "c")],
          "--n-random 0: expected a positive integer"),
+        (["characterize", "-n", "2", "--n-random-ablation", "0", "--out", str(tmp_path / "c")],
+         "--n-random-ablation 0: expected a positive integer"),
+        (["characterize", "-n", "2", "--select-n", "0", "--out", str(tmp_path / "c")],
+         "--select-n 0: expected a positive integer (examples to select heads on), 'half' or "
+         "'none'"),
+        (["characterize", "-n", "2", "--select-n", "most", "--out", str(tmp_path / "c")],
+         "--select-n most: expected a positive integer"),
         (["distill", "--seeds", "2", "--out", str(tmp_path / "d")], "--seeds is the ablation"),
         (["distill", "--quick", "--batch-size", "0", "--out", str(tmp_path / "d")],
          "batch_size must be a positive"),  # --quick no longer overrides what is typed

@@ -10,7 +10,15 @@ import typer
 from circuitkit.characterize import N_RANDOM, N_RANDOM_ABLATION
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
-from circuitkit.cli.checks import _check_k, _claim_folder, _n_for, _one_of, _positive, _text_flag
+from circuitkit.cli.checks import (
+    _check_k,
+    _claim_folder,
+    _n_for,
+    _one_of,
+    _positive,
+    _select_n_flag,
+    _text_flag,
+)
 from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
 from circuitkit.cli.format import _run_words
 
@@ -81,14 +89,8 @@ def characterize(
     split: opt.Split = "test",
     seed: opt.Seed = 0,
     k: opt.K = 5,
-    n_random: int = typer.Option(N_RANDOM, "--n-random", help="Random head sets per pool the "
-                                 "top set is validated against (the p-value's floor is "
-                                 "1/(N+1); 1000 for the paper-grade null, ~5x the time).",
-                                 metavar="N"),
-    n_random_ablation: int = typer.Option(N_RANDOM_ABLATION, "--n-random-ablation",
-                                          help="Random head sets per pool the top set is "
-                                          "ablated (zero, mean, resample) against.",
-                                          metavar="N"),
+    n_random: opt.NRandom = N_RANDOM,
+    n_random_ablation: opt.NRandomAblation = N_RANDOM_ABLATION,
     patch_method: opt.PatchMethod = "exact",
     text: opt.Text = "auto",
     batch_size: opt.BatchSize = None,
@@ -100,9 +102,7 @@ def characterize(
                                 "and the positions the metric reads), both directions: where "
                                 "each phase's decision is made; OUT/groups/ (exact patching; "
                                 "about 5 sweeps' time)."),
-    select_n: int = typer.Option(None, "--select-n", help="Held-out selection: score (select) "
-                                 "heads on the first N examples, validate on the rest.",
-                                 metavar="N"),
+    select_n: opt.SelectN = "half",
     progress: opt.Progress = True,
     as_json: opt.Json = False,
 ) -> None:
@@ -119,7 +119,7 @@ def characterize(
         _positive("--batch-size", batch_size, "sequences per forward pass")
         _positive("--n-random", n_random, "random head sets")
         _positive("--n-random-ablation", n_random_ablation, "random head sets")
-        _positive("--select-n", select_n, "examples to select heads on")
+        select_n = _select_n_flag(select_n)
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
         _claim_folder(out, "characterize")

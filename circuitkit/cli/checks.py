@@ -24,6 +24,16 @@ def _positive(flag: str, value, what: str) -> None:
                          "or more.")
 
 
+def _select_n_flag(value: str) -> int | str | None:
+    """``--select-n``: a positive number of examples, "half" or "none" (None)."""
+    if value in ("half", "none"):
+        return None if value == "none" else value
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--select-n {value}: expected a positive integer (examples to select "
+                         "heads on), 'half' or 'none'.")
+    return int(value)
+
+
 def _check_sweep_flags(a) -> None:
     """The flags patch and edges share: -n, --batch-size, --top-k, --direction, --gpu,
     --utilisation (``a``: the command's parameters)."""

@@ -75,6 +75,15 @@ Text = Annotated[str, _opt("--text", "Render the task as text for a pretrained L
 Progress = Annotated[bool, _opt("--progress/--no-progress", "Progress bars on stderr.")]
 Json = Annotated[bool, _opt("--json", "Print one JSON object (what ran, what it found, the "
                             "files written) instead of text.")]
+NRandom = Annotated[int, _opt("--n-random", "Random head sets per pool the top set is "
+                              "validated against (the p-value's floor is 1/(N+1); 1000 for the "
+                              "paper-grade null, ~5x the time).", "N")]
+NRandomAblation = Annotated[int, _opt("--n-random-ablation", "Random head sets per pool the top "
+                                      "set is ablated (zero, mean, resample) against.", "N")]
+SelectN = Annotated[str, _opt("--select-n", "Held-out selection: score (select) heads on the "
+                              "first N examples, validate on the rest; 'half' (the default): "
+                              "the first half; 'none': select and validate on the same "
+                              "examples.", "N|half|none")]
 
 
 # --- options of one sweep command (declared here, so each command is its list of options) -------

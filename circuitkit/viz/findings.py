@@ -520,7 +520,8 @@ def skipped_finding(summary: dict) -> list[Finding]:
 
 
 def run_line(summary: dict | None) -> str:
-    """"icd-teacher on icd10: 128 test examples, seed 0" from ``summary.json`` (or "")."""
+    """"icd-teacher on icd10: 128 test examples, seed 0, exact patching; heads selected on
+    examples 0-63, validated on the held-out 64-127" from ``summary.json`` (or "")."""
     summary = summary or {}
     ident = {**summary, **(summary.get("identity") or {})}
     model, task = summary.get("model") or ident.get("model_name"), ident.get("task")
@@ -531,6 +532,13 @@ def run_line(summary: dict | None) -> str:
             f"seed {seed}" if seed is not None else None,
             f"{ident['patch_method']} patching" if ident.get("patch_method") else None]
     said = ", ".join(b for b in bits if b)
+    samples = summary.get("samples") or {}
+    if samples.get("held_out"):
+        sel, val = samples["select"]["examples"], samples["validate"]["examples"]
+        said += (f"; heads selected on examples {sel[0]}-{sel[1] - 1}, validated on the "
+                 f"held-out {val[0]}-{val[1] - 1}")
+    elif samples:
+        said += "; heads selected and validated on the same examples"
     return f"{model or 'a model'} on {task or 'a task'}" + (f": {said}" if said else "")
 
 
