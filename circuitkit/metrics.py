@@ -343,6 +343,14 @@ def _prompts_independent(fn: Callable, xs: Tensor, outs: list[Tensor], n: int,
     return True
 
 
+def _whole(logits: Tensor, idx: Tensor, rows: Tensor, n: int, seq: int) -> bool:
+    """Whether ``logits`` already are the ``[n, seq, vocab]`` logits a wrapped callable expects:
+    every prompt once, in order, every position at its own row (nothing to rebuild)."""
+    return (tuple(logits.shape[:2]) == (n, seq) and tuple(rows.shape) == (n, seq)
+            and bool((idx == torch.arange(n, device=idx.device)).all())
+            and bool((rows == torch.arange(seq, device=rows.device)).all()))
+
+
 # Bytes of rebuilt logits one batched (vmap) call of a wrapped callable may hold.
 VMAP_BYTES = 256 * 2**20
 
@@ -380,6 +388,9 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
                 f"values that depend on other prompts), so it must see all {n} prompts at once; "
                 f"it was given {min(len(rc) for rc in copies)}. Return one value per prompt, "
                 "each from its own prompt's logits, to allow splitting prompts.")
+        if _whole(logits, idx, rows, n, seq):  # the callable's own input, as given
+            value, _ = _call(fn, logits, n, name)
+            return (value if per_prompt else value.mean().expand(n)).float()
         out = logits.new_zeros(logits.shape[0], dtype=torch.float32)
         pos = torch.arange(rows.shape[1], device=logits.device)
         differentiable = torch.is_grad_enabled() and logits.requires_grad
