@@ -290,7 +290,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         tp = per_phase[phase]
         how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
         _log(progress, f"[{i}/{total}] {step}: Phase {phase}, metric {tp.metric.name}, "
-                       f"{direction} ({how} runs), {len(tp)} prompts")
+                       f"{direction} ({how} runs), {len(tp)} prompts"
+                       + (" (both samples)" if samples["held_out"] else ""))
         t0 = time.perf_counter()
         ckpt = out / "checkpoints" / step if patch_method == "exact" else None
         with quiet_baseline():  # said once per phase below
@@ -322,7 +323,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         scores = pd.read_csv(out / "scores.csv")
     else:
         _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
-                       f"scores on {len(task)} examples")
+                       f"scores on {_on(samples, 'select')}")
         t0 = time.perf_counter()
         scores = score_heads(model, chosen, batch_size=batch_size, progress=progress, k=k,
                              seed=seed)
@@ -345,7 +346,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         outdated("validation", "validation-causal.csv")
     if not reusable("validation", i):
         _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
-                       f"together, against {n_random} random {k}-head sets")
+                       f"together on {_on(samples, 'validate')}, against {n_random} random "
+                       f"{k}-head sets")
         t0 = time.perf_counter()
         val = validate_heads(model, held_out, scores, **tested)
         files.write_text(out / "validation.csv", val.to_csv(index=False))
@@ -364,8 +366,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
             "zero- and mean-ablated (resample skipped: one prompt)")
-        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how}, "
-                       f"against {n_random_ablation} random {k}-head sets")
+        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how} on "
+                       f"{_on(samples, 'validate')}, against {n_random_ablation} random "
+                       f"{k}-head sets")
         t0 = time.perf_counter()
         abl = ablate_heads(model, held_out, scores, **dict(tested, n_random=n_random_ablation),
                            ablations=ablations)
@@ -578,6 +581,16 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
     summary["causal_attrs"] = _json_safe(table.attrs)
     summary["phase_table"] = _json_safe(phase_table(table, k=k))
     return written + ["causal.csv"]
+
+
+def _on(samples: dict[str, Any], role: str) -> str:
+    """Which notes a step runs on, in words: "examples 0-63 (the selection sample)", "examples
+    64-127 (held out)", or "the 128 examples" (one sample for both)."""
+    a, b = samples[role]["examples"]
+    if not samples["held_out"]:
+        return f"the {b - a} examples"
+    return f"examples {a}-{b - 1} (" + ("the selection sample)" if role == "select" else
+                                        "held out)")
 
 
 def _select_n(select_n: int | str | None, n: int) -> tuple[int | None, list[str]]:

@@ -296,3 +296,42 @@ def test_a_model_folder_typed_from_another_directory_is_the_same_run(tiny_llama,
     assert summary["model_path"] == str((tmp_path / "m").resolve())
     html = write_report(tmp_path / "run").read_text()
     assert "Attention views skipped" not in html and "CircuitsVis.render(" in html
+
+
+def test_cli_names_the_samples_and_a_failed_run_releases_its_folder(tmp_path):
+    """The console says which notes each step runs on (the selection sample, the held-out one,
+    both for the sweeps); ``--json`` carries the findings; a run refused before it wrote a
+    result leaves no claim on its folder (another command may use it), and the parser's own
+    refusals are one line (``circuitkit.cli.main``)."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    out = tmp_path / "c"
+    res = CliRunner().invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
+                                   "--n-random", "3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "8 prompts (both samples)" in said
+    assert "scores on examples 0-3 (the selection sample)" in said
+    assert "patched together on examples 4-7 (held out)" in said
+    assert "heads selected on examples 0-3, validated on the held-out 4-7" in said
+    again = CliRunner().invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k",
+                                     "2", "--n-random", "3", "--out", str(out), "--json"])
+    got = json.loads(again.stdout)
+    assert "validated on the held-out 4-7" in got["findings"]["run"]
+    assert any("random" in f["headline"] for f in got["findings"]["items"])
+    bad = tmp_path / "bad"
+    res = CliRunner().invoke(app, ["characterize", "-n", "8", "--select-n", "8", "--out",
+                                   str(bad)])
+    assert res.exit_code == 2 and "--select-n 8: expected 1..7" in res.output
+    assert not bad.exists()  # (it used to stay claimed by characterize: patch was refused)
+    for args, said in ((["characterize", "--n-random", "x"], "Invalid value for '--n-random'"),
+                       (["score", "--split", "dev"], "'dev': expected test or train")):
+        run = subprocess.run([sys.executable, "-m", "circuitkit.cli", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and said in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr

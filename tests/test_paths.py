@@ -279,3 +279,28 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     assert 0 < few["pass_equivalents"] < more["pass_equivalents"]
     with pytest.raises(ValueError, match="prices \\['exact'\\]"):
         price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "attribution")
+
+
+@pytest.mark.filterwarnings("ignore::circuitkit.patching.patch_result.DegenerateBaselineWarning")
+def test_a_path_result_reads_by_name_and_refuses_in_one_line():
+    """Its frame names senders, receivers and groups (``labels``); ``top`` leaves out the
+    no-route cells; a method other than exact, and a head outside the model, are one line
+    naming what was given."""
+    import circuitkit as ck
+
+    model = _random_llama()
+    clean, corrupt = _tokens()
+    mask = torch.zeros_like(clean, dtype=torch.bool)
+    mask[:, 4:7] = True
+    res = ck.patch_paths(model, clean, corrupt, _metric, ["L1H1"], ["L0H0", (2, 3)],
+                         positions={"mid": mask}, progress=False)
+    frame = res.to_frame()
+    assert set(frame["sender"]) == {"L1H1"} and set(frame["receiver"]) == {"L0H0", "L2H3"}
+    assert set(frame["group"]) == {"mid"}
+    top = res.top(5)
+    assert len(top) == 1 and top.loc[0, "receiver"] == "L2H3"  # L0H0 is no path from L1H1
+    with pytest.raises(ValueError, match="paths are patched exactly only; got "
+                                         "method='attribution'"):
+        ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], [(1, 0)], method="attribution")
+    with pytest.raises(ValueError, match=r"receivers: .* got \['L9H0'\]"):
+        ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], ["L9H0"])

@@ -25,10 +25,27 @@ from circuitkit.cli.app import app
 
 def main() -> None:  # console-script entry point
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         typer.secho("interrupted", err=True)
         sys.exit(130)
+    except Exception as e:
+        # a usage error (a value its flag's type refuses, no such option or command): one line,
+        # as every other bad argument, instead of the parser's usage block
+        if not callable(getattr(e, "format_message", None)) or not isinstance(
+                getattr(e, "exit_code", None), int):
+            raise
+        if type(e).__name__ == "Abort":  # Ctrl-C at a prompt
+            typer.secho("interrupted", err=True)
+            sys.exit(130)
+        if type(e).__name__ == "NoArgsIsHelpError":  # no command: the help, as before
+            typer.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        hint = f"{ctx.command_path} --help" if ctx is not None else "circuitkit --help"
+        typer.secho(f"error: {e.format_message()} (see {hint})", fg=typer.colors.RED, err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 # the commands register on ``app`` in the order ``--help`` lists them

@@ -119,9 +119,9 @@ def characterize(
         _positive("--batch-size", batch_size, "sequences per forward pass")
         _positive("--n-random", n_random, "random head sets")
         _positive("--n-random-ablation", n_random_ablation, "random head sets")
-        select_n = _select_n_flag(select_n)
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
+        select_n = _select_n_flag(select_n, n_examples)
         _claim_folder(out, "characterize")
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, n_random_ablation=n_random_ablation,
@@ -134,8 +134,18 @@ def characterize(
         _interrupted("finished steps (and finished chunks of the current sweep) are in "
                      f"{out}. Resume with the same command:\n  {_same_command(ctx)}")
     if as_json:
-        return _echo_json(dict(command="characterize", out=str(out), summary=summary))
+        return _echo_json(dict(command="characterize", out=str(out),
+                               findings=_findings_json(out), summary=summary))
     _print_characterize(out, summary)
+
+
+def _findings_json(out: Path) -> dict:
+    """The findings ``--json`` prints: the run's line and each finding's title and sentences."""
+    from circuitkit.viz.report import findings_in
+
+    line, found = findings_in(out)
+    return dict(run=line, items=[dict(title=f.title, headline=f.headline, notes=list(f.notes))
+                                 for f in found])
 
 
 def _print_characterize(out: Path, summary: dict) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from circuitkit.characterize import DEFAULT_N
-from circuitkit.cli.console import _fail
+from circuitkit.cli.console import FRESH_CLAIMS, _fail
 
 
 # --- the command line's own checks: one line naming the flag, before any model loads ----------
@@ -24,13 +24,17 @@ def _positive(flag: str, value, what: str) -> None:
                          "or more.")
 
 
-def _select_n_flag(value: str) -> int | str | None:
-    """``--select-n``: a positive number of examples, "half" or "none" (None)."""
-    if value in ("half", "none"):
-        return None if value == "none" else value
+def _select_n_flag(value: str, n: int) -> int | str | None:
+    """``--select-n``: a number of examples in ``1..n - 1`` (``n``: the run's notes), "half" or
+    "none" (None)."""
+    if value.lower() in ("half", "none"):
+        return None if value.lower() == "none" else "half"
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"--select-n {value}: expected a positive integer (examples to select "
                          "heads on), 'half' or 'none'.")
+    if int(value) >= n:
+        raise ValueError(f"--select-n {value}: expected 1..{n - 1} (the run has {n} notes; the "
+                         "rest validate), 'half' or 'none'.")
     return int(value)
 
 
@@ -76,11 +80,13 @@ RUN_SIGNS = (("summary.json", "characterize"), ("result.json", "patch"),
 
 def _claim_folder(out: Path, command: str) -> None:
     """One run per folder: ``out`` (made if needed, writable) holds ``command``'s results;
-    a folder holding another command's results is refused in one line."""
+    a folder holding another command's results is refused in one line. A fresh claim is
+    released when the command fails before writing anything (``console._fail``)."""
     import json
 
     from circuitkit import files
 
+    made = not out.exists()
     files.check_writable_dir(out)
     marker = out / RUN_FILE
     try:
@@ -93,6 +99,8 @@ def _claim_folder(out: Path, command: str) -> None:
                          f"{out.parent / (out.name + '-' + command)}).")
     if held is None or not marker.exists():
         files.write_text(marker, json.dumps({"command": command}) + "\n")
+        if held is None:  # released again if the command fails before writing a result
+            FRESH_CLAIMS.append((out, made))
 
 
 # --- scores and the main job (circuitkit.scoring, circuitkit.characterize) ------------------------

@@ -10,11 +10,33 @@ from pathlib import Path
 
 import typer
 
+# folders this command claimed fresh (``checks._claim_folder``): (folder, made by the claim)
+FRESH_CLAIMS: list[tuple[Path, bool]] = []
+# what a claim (and the run's folder lock) leaves in a folder before any result is written
+CLAIM_FILES = frozenset({".circuitkit-run", ".circuitkit.lock"})
+
 
 def _fail(msg: str) -> None:
-    """End the command with the whole message (every line: which row, which file, what to do)."""
+    """End the command with the whole message (every line: which row, which file, what to do).
+    A folder this command claimed and wrote nothing else to is released (a failed run does not
+    keep another command out of it)."""
+    _release_fresh_claims()
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def _release_fresh_claims() -> None:
+    while FRESH_CLAIMS:
+        out, made = FRESH_CLAIMS.pop()
+        try:
+            names = {p.name for p in out.iterdir()}
+            if names <= CLAIM_FILES:
+                for name in names:
+                    (out / name).unlink()
+                if made:
+                    out.rmdir()
+        except OSError:
+            pass  # (a folder another process writes to now keeps its claim)
 
 
 @contextlib.contextmanager

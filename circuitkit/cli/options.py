@@ -38,7 +38,14 @@ Model = Annotated[str, _opt("--model", MODEL_HELP, "NAME", "-m")]
 Task = Annotated[str, _opt("--task", "icd10, synthetic, induction or a .jsonl (characterize "
                            "and score: a CoT task or a .jsonl).", "TASK", "-t")]
 N = Annotated[int | None, _opt("--n-examples", N_HELP, "N", "-n")]
-Split = Annotated[str, _opt("--split", "Task split: test (held out) or train.", "SPLIT")]
+def _split(value: str) -> str:
+    if value not in ("test", "train"):  # at parse time, before any model loads
+        raise typer.BadParameter(f"{value!r}: expected test or train.")
+    return value
+
+
+Split = Annotated[str, typer.Option("--split", help="Task split: test (held out) or train.",
+                                    metavar="SPLIT", callback=_split)]
 Seed = Annotated[int, _opt("--seed", "Task seed (and the command's own random draws: bootstrap, "
                            "random head sets).", "SEED")]
 Phase = Annotated[int | None, _opt("--phase", "Task phase: 1 (anchors) or 2 (answers); default "

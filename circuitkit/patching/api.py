@@ -199,18 +199,20 @@ def patch_edges(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric
 def patch_paths(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
                 senders: Any = None, receivers: Any = None, inputs: Any = hooks.EDGE_INPUTS,
                 direction: str = "denoise", positions: Any = None,
-                batch_size: int | None = None, *, checkpoint: str | Path | None = None,
-                progress: bool = True, task_hash: str | None = None) -> PatchResult:
+                batch_size: int | None = None, *, method: str = "exact",
+                checkpoint: str | Path | None = None, progress: bool = True,
+                task_hash: str | None = None) -> PatchResult:
     """``patch`` over every path (``PathUnits(senders, receivers, inputs, positions)``): the
     sender's source ``z`` in the base run, everything after it recomputed, read by the
     receiver's ``inputs`` only (at each position group of ``positions``; None: every
     position). ``values[s, r(, g)]``: the metric after that patch, NaN where the receiver is
     not after the sender; ``meta``: each sender's ``node`` effect and the paths' ``coverage`` of
-    it (``patching/paths.py``; docs/edges.md, "Paths"). Exact only."""
+    it (``patching/paths.py``; docs/edges.md, "Paths"). ``method``: "exact" (another is refused
+    in one line)."""
     return patch(model, clean_tokens, corrupt_tokens, metric,
                  PathUnits(senders, receivers, inputs, positions), direction=direction,
-                 batch_size=batch_size, checkpoint=checkpoint, progress=progress,
-                 task_hash=task_hash)
+                 method=method, batch_size=batch_size, checkpoint=checkpoint,
+                 progress=progress, task_hash=task_hash)
 
 
 def edge_layout(model: Any, senders: Any = None, receivers: Any = None,

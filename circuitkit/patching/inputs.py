@@ -143,14 +143,15 @@ def check_path_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
     nodes = []
     every = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
     for what, got in (("senders", senders), ("receivers", receivers)):
-        got = [hooks.parse_head(n) or n if isinstance(n, str) else n for n in (
-            every if got is None else [got] if isinstance(got, str) else got)]
+        given = every if got is None else [got] if isinstance(got, str) else list(got)
         try:
-            got = [(int(a), int(b)) for a, b in got]
+            got = [(int(a), int(b)) for a, b in (
+                hooks.parse_head(n) or n if isinstance(n, str) else n for n in given)]
         except (TypeError, ValueError):
-            raise ValueError(f"{what}={got!r}: give heads as (layer, head) pairs or names "
+            raise ValueError(f"{what}={given!r}: give heads as (layer, head) pairs or names "
                              "such as 'L3H2'.") from None
-        bad = [n for n in got if not (0 <= n[0] < f.n_layers and 0 <= n[1] < f.n_heads)]
+        bad = [g for g, n in zip(given, got, strict=True)
+               if not (0 <= n[0] < f.n_layers and 0 <= n[1] < f.n_heads)]
         if not got or bad:
             raise ValueError(f"{what}: give (layer, head) pairs within the model's "
                              f"{f.n_layers} layers x {f.n_heads} heads; got {bad or 'none'}.")

@@ -317,10 +317,9 @@ class PatchResult:
         idx = torch.cartesian_prod(*[torch.arange(s) for s in self.values.shape])
         idx = idx.reshape(-1, len(self.axes))
         cols = {a: idx[:, i].numpy() for i, a in enumerate(self.axes)}
-        names = (self.meta or {}).get("group_names")
-        if "group" in cols and isinstance(names, list) and len(names) == self.values.shape[
-                self.axes.index("group")]:
-            cols["group"] = [names[g] for g in cols["group"]]  # the groups by name
+        for axis, names in self.labels.items():  # labelled axes by name (groups, nodes)
+            if len(names) == self.values.shape[self.axes.index(axis)]:
+                cols[axis] = [names[j] for j in cols[axis]]
         cols["value"] = self.values.reshape(-1).float().numpy()
         cols["normalized"] = self.normalized().reshape(-1).float().numpy()  # (warns once)
         interval = self.confidence_interval() if ci else None
@@ -358,6 +357,7 @@ class PatchResult:
         ``|effect|`` for a ``degenerate`` result (its ``normalized`` column holds raw effects,
         and it warns once)."""
         df = self.to_frame()
+        df = df[df["value"].notna()]  # (a path result's NaN: no route, no cell)
         order = df["normalized"].abs().sort_values(ascending=False,
                                                    na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)

@@ -528,7 +528,7 @@ def run_line(summary: dict | None) -> str:
     if not model and not task:
         return ""
     n, split, seed = ident.get("n_examples"), ident.get("split"), ident.get("seed")
-    bits = [f"{n} {split + ' ' if split else ''}examples" if n else None,
+    bits = [f"{n} {split + ' ' if split else ''}example{'s' if n != 1 else ''}" if n else None,
             f"seed {seed}" if seed is not None else None,
             f"{ident['patch_method']} patching" if ident.get("patch_method") else None]
     said = ", ".join(b for b in bits if b)
