@@ -42,7 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# icd-teacher on icd10: ~42 s on 1 quiet CPU thread (benchmarks/characterize.py); --stages adds
+# icd-teacher on icd10: ~63 s on 1 CPU thread (benchmarks/characterize.py); --stages adds
 # 4 sweeps x 5 position groups (~37 s on 2 busy cores)
 DEFAULT_N = 128
 # Random head sets the top set is validated against: a p-value floor of 1/201, so p < 0.05 can
