@@ -176,7 +176,7 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     ``(sender, receiver(, group))`` in the caller's prompt order, with each sender's node effect
     and the paths' ``coverage`` of it (``paths.node_effects``, ``paths.coverage``)."""
     from circuitkit.patching.path_engine import PathEngine
-    from circuitkit.patching.paths import coverage, node_effects
+    from circuitkit.patching.paths import coverage
 
     sweep = make_path_sweep(layout, direction, clean, metric, groups)
     swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
@@ -184,7 +184,7 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
                       identity_extra=layout.to_dict())
     fields = swept.fields(model, metric, described(meta, metric))
     names = ["all"] if groups is None else list(groups.names)
-    node = node_effects(model, clean, corrupt, metric, layout.senders, direction, batch_size)
+    node = swept.engine.node_effects()  # (the sweep's own cached runs: its base is the same)
     base = fields["corrupt"] if direction == "denoise" else fields["clean"]
     fields["meta"].update(
         kind="paths", senders=[hooks.head_name(*s) for s in layout.senders],

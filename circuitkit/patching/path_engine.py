@@ -25,6 +25,7 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
+from circuitkit.patching.engine_checks import evaluate_metric
 from circuitkit.patching.exact_engine import ExactEngine
 from circuitkit.patching.sweep import Sweep, auto_rows
 
@@ -41,10 +42,11 @@ class PathEngine(ExactEngine):
         sender_layers = sorted({sl for sl, _ in layout.senders})
         names = [hooks.resid_pre(layer) for layer in range(L)] + [hooks.z(sl)
                                                                   for sl in sender_layers]
+        self.rows = rows or auto_rows(model, self.length)
         with torch.no_grad():
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
-                [self.base, self.source], names, rows or auto_rows(model, self.length))
+                [self.base, self.source], names, self.rows)
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.z_source = {sl: cache[hooks.z(sl)][1] for sl in sender_layers}
         self.fast = False
@@ -52,10 +54,9 @@ class PathEngine(ExactEngine):
     def _packed(self, fast: bool | None) -> bool:
         return False
 
-    def _sender_resid(self, s: int, layer: int, p0: int, p1: int, length: int
-                      ) -> Float[Tensor, "n_p pos d_model"]:
-        """The sender run's ``resid_pre(layer)`` on prompts ``p0:p1``: re-entered at the
-        sender's layer from the base residual, its ``z`` from the source run."""
+    def _sender_run(self, s: int, p0: int, p1: int, length: int) -> tuple[int, Tensor, tuple]:
+        """Sender ``s``'s run on prompts ``p0:p1``: its layer, the base residual there and the
+        hook giving it ``s``'s source ``z``."""
         ls, hs = self.layout.senders[s]
         z_src = self._span(self.z_source[ls], p0, p1, length, layer=ls)[:, :, hs]
 
@@ -64,10 +65,34 @@ class PathEngine(ExactEngine):
             act[:, :, hs] = z_src.to(act.dtype)
             return act
 
-        x = self._span(self.resid[ls], p0, p1, length, layer=ls)
+        return ls, self._span(self.resid[ls], p0, p1, length, layer=ls), (hooks.z(ls), put)
+
+    def _sender_resid(self, s: int, layer: int, p0: int, p1: int, length: int
+                      ) -> Float[Tensor, "n_p pos d_model"]:
+        """The sender run's ``resid_pre(layer)`` on prompts ``p0:p1``."""
+        ls, x, put = self._sender_run(s, p0, p1, length)
         name = hooks.resid_pre(layer)
         return shortcuts.run_until(self.model, ls, x, [name], self.block_arity,
-                                   fwd_hooks=[(hooks.z(ls), put)])[name]
+                                   fwd_hooks=[put])[name]
+
+    @torch.no_grad()
+    def node_effects(self) -> Float[Tensor, " sender"]:
+        """Each sender's node effect, ``mean_i M(sender run_i) - M(base_i)``: its run from its
+        layer to the logits, against the cached base run (``paths.coverage``'s denominator)."""
+        n, node = self.sweep.n_prompts, torch.zeros(len(self.layout.senders), dtype=torch.float64)
+        step = min(n, self.rows) if self.sweep.split_prompts else n  # (a scalar metric: all)
+        for s in range(len(self.layout.senders)):
+            for p0 in range(0, n, step):
+                p1 = min(n, p0 + step)
+                ls, x, put = self._sender_run(s, p0, p1, self._run_length(p0, p1))
+                hooks_at, forwards_at = self._read_rows_only(p0, p1, 1, False)
+                logits = self._suffix(x, ls, shortcuts.skipped_blocks(
+                    self.model, ls, self.block_arity) + forwards_at, [put] + hooks_at)
+                got = evaluate_metric(self.metric.select(list(range(p0, p1))), logits,
+                                      f"sender {s}'s run", at=None if self.reads is None
+                                      else self.reads[p0:p1])
+                node[s] += float((got.double() - self.base_metric[p0:p1].double()).sum())
+        return (node / n).float()
 
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:

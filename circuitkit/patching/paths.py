@@ -30,58 +30,20 @@ from torch import Tensor
 from circuitkit import hooks
 
 
-def _forward(model: Any, tokens: Tensor, fwd_hooks: list, names: Sequence[str] = ()
-             ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Logits of ``tokens`` under ``fwd_hooks``, and the activations at ``names`` (after the
-    hooks' edits)."""
-    from circuitkit.patching.shortcuts import hooked
-
-    got: dict[str, Tensor] = {}
-
-    def grab(name: str):
-        def fn(t: Tensor, hook: Any) -> Tensor:  # (keyed by the name we bound: FIELD-NOTES)
-            got[name] = t.detach().clone()
-            return t
-        return fn
-
-    with torch.no_grad(), hooked(model, [*fwd_hooks, *((n, grab(n)) for n in names)]):
-        logits = model(tokens)
-    return logits, got
-
-
-def _set_head(name: str, head: int, value: Tensor, mask: Tensor | None):
-    """A hook writing ``value`` ``[batch, pos, d_head]`` into ``head`` of the activation at
-    ``name`` (``[batch, pos, heads, d_head]``), at ``mask``'s positions (all when None)."""
-    def fn(act: Tensor, hook: Any) -> Tensor:
-        act = act.clone()
-        new = value.to(act.dtype)
-        if mask is not None:
-            new = torch.where(mask[..., None].to(act.device), new, act[:, :, head])
-        act[:, :, head] = new
-        return act
-    return name, fn
-
-
 def node_effects(model: Any, clean: Tensor, corrupt: Tensor, metric: Any,
                  senders: Sequence[tuple[int, int]], direction: str,
                  batch_size: int | None = None) -> Float[Tensor, " sender"]:
     """``node(s) = mean_i M(sender run_i) - M(base_i)`` of each head sender: the base run with
     ``s``'s ``z`` from the source at every position, everything after it recomputed (the
-    denominator of ``coverage``; ``metric``: a checked ``PromptMetric``)."""
-    n = clean.shape[0]
-    base_t, src_t = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
-    rows = batch_size or n
-    node = torch.zeros(len(senders), dtype=torch.float64)
-    for p0 in range(0, n, rows):
-        sl = slice(p0, min(n, p0 + rows))
-        m = metric.select(list(range(sl.start, sl.stop)))
-        base = m.per_prompt(_forward(model, base_t[sl], [])[0]).double()
-        _, src = _forward(model, src_t[sl], [], sorted({hooks.z(s[0]) for s in senders}))
-        for j, (ls, hs) in enumerate(senders):
-            logits, _ = _forward(model, base_t[sl], [_set_head(
-                hooks.z(ls), hs, src[hooks.z(ls)][:, :, hs], None)])
-            node[j] += float((m.per_prompt(logits).double() - base).sum())
-    return (node / n).float()
+    denominator of ``coverage``; ``metric``: a checked ``PromptMetric``): ``PathEngine``'s
+    ``node_effects`` on a layout of these senders and no receiver (a path sweep reuses its own
+    engine instead)."""
+    from circuitkit.patching.path_engine import PathEngine
+    from circuitkit.patching.sweep import PathLayout, make_path_sweep
+
+    layout = PathLayout(hooks.facts(model).n_layers, tuple(senders), (), ("q",))
+    return PathEngine(model, clean, corrupt, metric, make_path_sweep(
+        layout, direction, clean, metric), layout, rows=batch_size).node_effects()
 
 
 def coverage(effect: Float[Tensor, "sender receiver group"], node: Float[Tensor, " sender"],
