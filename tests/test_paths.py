@@ -277,6 +277,13 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     few = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "exact")
     more = price(arch, [64] * 16, ck.PathUnits(["L0H0", "L4H1"], ["L8H0", "L9H2"], "q"), "exact")
     assert 0 < few["pass_equivalents"] < more["pass_equivalents"]
+    mask = torch.zeros(16, 64, dtype=torch.bool)
+    mask[:, 3] = True
+    one = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q", positions=mask), "exact")
+    two = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q",
+                                             positions={"a": mask, "b": mask}), "exact")
+    assert one["pass_equivalents"] == few["pass_equivalents"]  # one mask: one group
+    assert two["pass_equivalents"] > one["pass_equivalents"]
     with pytest.raises(ValueError, match="prices \\['exact'\\]"):
         price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "attribution")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from circuitkit.characterize import DEFAULT_N
-from circuitkit.cli.console import FRESH_CLAIMS, _fail
+from circuitkit.cli.console import FRESH_CLAIMS, RUN_FILE, _fail
 
 
 # --- the command line's own checks: one line naming the flag, before any model loads ----------
@@ -72,7 +72,6 @@ def _check_k(model: str, k: int, flag: str = "-k") -> None:
                          f"smaller {flag}.")
 
 
-RUN_FILE = ".circuitkit-run"  # {"command": ...}: which command's results a folder holds
 # what older folders (before RUN_FILE) hold, by the file each command writes
 RUN_SIGNS = (("summary.json", "characterize"), ("result.json", "patch"),
              ("edges.json", "edges"), ("distill.json", "distill"), ("ablation.csv", "distill"))
@@ -100,7 +99,7 @@ def _claim_folder(out: Path, command: str) -> None:
     if held is None or not marker.exists():
         files.write_text(marker, json.dumps({"command": command}) + "\n")
         if held is None:  # released again if the command fails before writing a result
-            FRESH_CLAIMS.append((out, made))
+            FRESH_CLAIMS[:] = [(out, made)]  # (one claim a command)
 
 
 # --- scores and the main job (circuitkit.scoring, circuitkit.characterize) ------------------------

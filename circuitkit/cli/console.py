@@ -10,10 +10,9 @@ from pathlib import Path
 
 import typer
 
-# folders this command claimed fresh (``checks._claim_folder``): (folder, made by the claim)
+RUN_FILE = ".circuitkit-run"  # {"command": ...}: which command's results a folder holds
+# the folder this command claimed fresh (``checks._claim_folder``): (folder, made by the claim)
 FRESH_CLAIMS: list[tuple[Path, bool]] = []
-# what a claim (and the run's folder lock) leaves in a folder before any result is written
-CLAIM_FILES = frozenset({".circuitkit-run", ".circuitkit.lock"})
 
 
 def _fail(msg: str) -> None:
@@ -26,11 +25,13 @@ def _fail(msg: str) -> None:
 
 
 def _release_fresh_claims() -> None:
+    from circuitkit.files import LOCK_NAME
+
     while FRESH_CLAIMS:
         out, made = FRESH_CLAIMS.pop()
         try:
             names = {p.name for p in out.iterdir()}
-            if names <= CLAIM_FILES:
+            if names <= {RUN_FILE, LOCK_NAME}:  # (the claim and the run's lock: no result)
                 for name in names:
                     (out / name).unlink()
                 if made:

@@ -120,6 +120,23 @@ def check_metric_prompts(pm: Any, n: int) -> None:
                          "metric: task.subset(...).metric for a subset of its prompts).")
 
 
+def checked_inputs(inputs: Any) -> tuple[str, ...]:
+    """A receiver's ``inputs`` (edges and paths): distinct names from ``hooks.EDGE_INPUTS`` (a
+    list, or one string "q,k"), in that order; a bad one is one line."""
+    from circuitkit import hooks
+
+    if isinstance(inputs, str):
+        inputs = [p.strip() for p in inputs.split(",") if p.strip()]
+    if not isinstance(inputs, list | tuple) or not inputs:
+        raise ValueError(f"inputs={inputs!r}: expected a non-empty list of head inputs from "
+                         f"{list(hooks.EDGE_INPUTS)}, e.g. ('q', 'k', 'v').")
+    for name in inputs:
+        choice("inputs", name, hooks.EDGE_INPUTS)
+    if len(set(inputs)) != len(inputs):
+        raise ValueError(f"inputs={list(inputs)!r} names an input twice; give each once.")
+    return tuple(n for n in hooks.EDGE_INPUTS if n in inputs)
+
+
 def check_path_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
                      ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
                                 tuple[str, ...]]:
@@ -130,13 +147,7 @@ def check_path_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
     from circuitkit import hooks
 
     f = hooks.facts(model)
-    if isinstance(inputs, str):
-        inputs = [p.strip() for p in inputs.split(",") if p.strip()]
-    given = tuple(inputs) if isinstance(inputs, list | tuple) else ()
-    ins = tuple(i for i in hooks.EDGE_INPUTS if i in given)
-    if not ins or len(ins) != len(given):
-        raise ValueError(f"inputs={inputs!r}; expected distinct names among "
-                         f"{list(hooks.EDGE_INPUTS)}.")
+    ins = checked_inputs(inputs)
     if f.gqa and set(ins) & hooks.KV_SITES:
         raise ValueError("patch_paths: under grouped-query attention a k/v input is shared by "
                          "several query heads; pass inputs=('q',).")
@@ -177,16 +188,7 @@ def check_edge_nodes(model: Any, senders: Any, receivers: Any, inputs: Any
 
     f = hooks.facts(model)
     heads = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
-    if isinstance(inputs, str):
-        inputs = [p.strip() for p in inputs.split(",") if p.strip()]
-    if not isinstance(inputs, list | tuple) or not inputs:
-        raise ValueError(f"inputs={inputs!r}: expected a non-empty list of head inputs from "
-                         f"{list(hooks.EDGE_INPUTS)}, e.g. ('q', 'k', 'v').")
-    for name in inputs:
-        choice("inputs", name, hooks.EDGE_INPUTS)
-    if len(set(inputs)) != len(inputs):
-        raise ValueError(f"inputs={list(inputs)!r} names an input twice; give each once.")
-    inputs = tuple(n for n in hooks.EDGE_INPUTS if n in inputs)
+    inputs = checked_inputs(inputs)
     embed, logits = hooks.EMBED_NODE, hooks.logits_node(f.n_layers)
     out = []
     for role, given, default, special in (("senders", senders, [embed, *heads], "embed"),

@@ -500,15 +500,22 @@ class PathUnits(_Units):
     def checked(self, model: Any, clean: Any, corrupt: Any) -> PathUnits:
         """The nodes checked (``check_path_nodes``) into a ``PathLayout``, every input
         patchable; position groups checked against the (checked) tokens."""
-        s, r, i = check_path_nodes(model, self.senders, self.receivers, self.inputs)
-        for name in i:
+        layout = self.layout_of(model)
+        for name in layout.inputs:
             hooks.check_patchable(model, name, clean)
         pos = self.positions
         if pos is not None:
             real = padded_lengths(clean, corrupt, pad_token_id(model))
             pos = groups.position_groups(pos, clean, real)
-        layout = PathLayout(hooks.facts(model).n_layers, s, r, i, 1 if pos is None else len(pos))
         return replace(self, positions=pos, layout=layout)
+
+    def layout_of(self, model: Any) -> PathLayout:
+        """The ``PathLayout`` of these nodes on ``model`` (or a ``models.Architecture``): one
+        group without ``positions``, one per mask of a ``{name: mask}``."""
+        s, r, i = check_path_nodes(model, self.senders, self.receivers, self.inputs)
+        pos = self.positions
+        n_groups = 1 if pos is None or isinstance(pos, Tensor) else len(pos)
+        return PathLayout(hooks.facts(model).n_layers, s, r, i, n_groups)
 
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_path_sweep(self.layout, direction, clean, metric, self.positions)
@@ -522,10 +529,7 @@ class PathUnits(_Units):
         """``plan.path_plan`` of these paths (config only)."""
         from circuitkit.patching.plan import path_plan
 
-        layout = self.layout or PathLayout(arch.n_layers, *check_path_nodes(
-            arch, self.senders, self.receivers, self.inputs), n_groups=1 if self.positions
-            is None else len(self.positions))
-        return path_plan(arch, lengths, layout, **kw)
+        return path_plan(arch, lengths, self.layout or self.layout_of(arch), **kw)
 
 
 KINDS = {"heads": HeadUnits, "layers": LayerUnits, "edges": EdgeUnits, "paths": PathUnits}
