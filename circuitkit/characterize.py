@@ -228,9 +228,11 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                              f"(stored, now): {identity_diff(old, identity)}; use a new folder "
                              "or delete it.")
         changed = {key for key, v in validation_options.items() if stored_options.get(key) != v}
-        # same sweeps: score, validate, ablate and patch edges again (only ablate, for its count)
-        for step in ("scores", "validation", "ablation", "edges") if changed - {
-                "n_random_ablation"} else ("ablation",) if changed else ():
+        # the same sweeps: score, validate, ablate and patch edges again; a new ablation count
+        # alone redoes the ablation
+        redo = ("ablation",) if changed == {"n_random_ablation"} else (
+            "scores", "validation", "ablation", "edges") if changed else ()
+        for step in redo:
             summary.get("steps", {}).pop(step, None)
     # position groups: opt-in (5 groups x 4 sweeps, ~5 sweeps' time), exact sweeps only
     if stages and patch_method != "exact":
