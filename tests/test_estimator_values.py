@@ -1,5 +1,11 @@
-"""Every attribution estimator's values, bit for bit, against a fixture written by the code
-before the estimator registry (``circuitkit/patching/attribution.py`` at main 0ca20da).
+"""Every attribution estimator's values against a fixture written by the code before the
+estimator registry (``circuitkit/patching/attribution.py`` at main 0ca20da).
+
+The fixture was written on another machine: float32 results differ between CPUs (vector widths,
+fused multiply-adds, SLEEF kernels; FIELD-NOTES measured <= 2.4e-7 on an AVX-512 EPYC), so the
+values are compared within a tolerance fitted to float32 (``close``), not bit for bit. The
+tolerance is far below any change of formula: ``test_the_tolerance_can_fail`` checks that a
+relative change of 1e-4 fails it.
 
 The fixture ``tests/fixtures/estimator-values.safetensors`` holds, per case, ``values``,
 ``per_prompt`` (where the estimator has them), ``write_scale`` and the base/source metrics on
@@ -128,7 +134,8 @@ def golden():
 
 @pytest.mark.parametrize("key,model_name,kind,case", list(all_cases()),
                          ids=[c[0] for c in all_cases()])
-def test_values_are_the_old_codes_bit_for_bit(key, model_name, kind, case, golden, request):
+def test_values_are_the_old_codes_to_float32_rounding(key, model_name, kind, case, golden,
+                                                       request):
     model = request.getfixturevalue(model_name)
     got = compute(model, kind, case)
     want = {k.split(":", 1)[1]: v for k, v in golden.items() if k.split(":", 1)[0] == key}
@@ -137,9 +144,38 @@ def test_values_are_the_old_codes_bit_for_bit(key, model_name, kind, case, golde
     for name, w in want.items():
         g = got[name]
         assert g.shape == w.shape and g.dtype == w.dtype, (key, name)
-        # atol 0: the same float operations in the same order (NaN marks no-edge cells)
-        assert torch.equal(torch.nan_to_num(g, nan=1e30), torch.nan_to_num(w, nan=1e30)), \
-            (key, name, float((g - w).abs().nan_to_num().max()))
+        assert close(g, w), (key, name, float((g - w).abs().nan_to_num().max()))
+
+
+# The values are computed in float32 whatever dtype they are stored in (write scales and metrics
+# are float64 copies of float32 numbers): 64 ulps of float32, relative to the tensor's scale.
+# A sum over a few hundred terms reordered by another CPU's kernels stays well inside this.
+F32_ULPS = 64 * torch.finfo(torch.float32).eps  # 7.6e-6
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal NaN masks (NaN marks no-edge cells) and, elsewhere, |got - want| <= F32_ULPS *
+    max(1, max |want|): float32 rounding of values of that scale, not a change of formula."""
+    if not torch.equal(got.isnan(), want.isnan()):
+        return False
+    g, w = got.double().nan_to_num(), want.double().nan_to_num()
+    scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+    return bool(((g - w).abs() <= F32_ULPS * scale).all())
+
+
+def test_the_tolerance_can_fail(golden):
+    """The comparison is not vacuous: a relative change of 1e-4 anywhere, or a NaN moved, fails."""
+    values = [v for k, v in golden.items() if k.endswith(":values") and v.isfinite().any()]
+    assert values
+    for w in values[:8]:
+        assert close(w.clone(), w)
+        bumped = w.clone()
+        i = int(w.nan_to_num().abs().flatten().argmax())
+        bumped.view(-1)[i] = bumped.view(-1)[i] * (1 + 1e-4) + 1e-4
+        assert not close(bumped, w)
+        nan_moved = w.clone()
+        nan_moved.view(-1)[i] = float("nan")
+        assert not close(nan_moved, w)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
