@@ -150,6 +150,10 @@ def _check_patch_flags(a) -> None:
         a.positions = "each" if layer_site else "all"
     _one_of("--positions", a.positions, POSITIONS)
     _one_of("--backend", a.backend, BACKENDS)
+    if a.estimator is not None:  # before the model loads (the library would say it after)
+        from circuitkit.patching.estimators.registry import ESTIMATORS
+
+        _one_of("--estimator", a.estimator, ESTIMATORS)
     if layer_site and (a.method not in ("exact", "auto") or a.plan):
         raise ValueError(f"--site {a.site} (a layer site) supports --method exact without "
                          "--plan only.")
@@ -324,6 +328,10 @@ def edges(
     with _errors_as_lines():
         _check_sweep_flags(a)
         _one_of("--method", method, EDGE_METHODS)
+        if estimator is not None:  # before the model loads
+            from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
+
+            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
         if not plan:
             from circuitkit.files import lock_folder
