@@ -12,14 +12,16 @@ from circuitkit.cli.console import _errors_as_lines, _fail
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
-          phase: int | None, loader=None, renders: bool = False):
+          phase: int | None, loader=None, renders: bool = False, pairs: bool = False):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
     ``n_examples`` rows (None: all of them). ``model=None``: the task only. ``loader``: what
     loads the model (default ``ck.load_model``; its vocabulary is then checked, unless
     ``renders`` and the task is one the command renders as text for a pretrained LLM).
-    ``phase``: None takes a file's own phase (a built-in's default: 2).
+    ``phase``: None takes a file's own phase (a built-in's default: 2). ``pairs``: the command
+    takes a file of plain clean/corrupt pairs (``tasks.pairs``): the "task" is then a
+    ``Pairs``, its rows checked before the model loads and tokenized by it.
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
@@ -27,6 +29,11 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
+        if pairs and file:
+            from circuitkit.tasks import pairs as plain
+
+            if plain.is_pairs_file(task):
+                return _load_pairs(model, task, n_examples, phase, loader)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
                                 seed=seed, split=split, phase=phase)
         if model is None:
@@ -37,6 +44,25 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         return the_model, the_task
 
 
+def _load_pairs(model: str | None, task: str, n_examples: int | None, phase: int | None,
+                loader=None):
+    """(model, ``Pairs``) of a pairs file: its rows checked, then the model loaded and the
+    prompts tokenized by it (``tasks.pairs``); ``_load``'s errors_as_lines words failures."""
+    import circuitkit as ck
+    from circuitkit.tasks import pairs as plain
+
+    if phase is not None:
+        raise ValueError(f"--phase {phase}: {task} holds plain clean/corrupt pairs, which have "
+                         "no chain-of-thought phases; drop --phase.")
+    rows = plain.read_pairs(task, n_examples)
+    if model is None:
+        raise ValueError(f"{task} holds plain clean/corrupt pairs, which the model's tokenizer "
+                         "reads: run --plan where the weights are, or price prompts of one "
+                         "length with --seq-len.")
+    the_model = (loader or ck.load_model)(model)
+    return the_model, plain.pairs_inputs(rows, the_model, name=task)
+
+
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
     model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it, where
@@ -44,6 +70,8 @@ def _check_vocabulary(model, task, renders: bool) -> None:
     ``score`` follows through ``scoring.text.load_for``)."""
     from circuitkit.tasks.text import needs_text, text_problem
 
+    if not hasattr(task, "examples"):  # plain pairs: tokenized by this model's own tokenizer
+        return
     tok = getattr(model, "tokenizer", None)
     if not (renders and needs_text(tok, task)):
         task.check_model(model)
@@ -62,6 +90,8 @@ def _sweep_inputs(tokenizer, the_task):
     are dropped; metric: log-prob of the answer tokens); otherwise the task's own tokens."""
     from circuitkit.tasks.text import needs_text, text_prompts
 
+    if not hasattr(the_task, "examples"):  # plain pairs (tasks.pairs): tokenized already
+        return the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric, ""
     if not needs_text(tokenizer, the_task):
         return the_task.clean_tokens, the_task.corrupt_tokens, the_task.metric, ""
     with _errors_as_lines():
@@ -76,6 +106,8 @@ def _phase_task(the_task, name: str):
     """The examples with the task's phase's steps; a task without any: one line."""
     from circuitkit.tasks.base import phase_task, task_phases
 
+    if not hasattr(the_task, "examples"):  # plain pairs (tasks.pairs): no phases
+        return the_task
     if the_task.phase not in task_phases(the_task):
         _fail(f"task {name!r} has no Phase-{the_task.phase} steps "
               f"({'anchor_pos' if the_task.phase == 1 else 'answer_pos'} all empty): nothing to "

@@ -118,7 +118,8 @@ def patch(
         return
     the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
     unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
-    what = (f"{model} on {the_task.name} Phase {the_task.phase}, metric {metric.name}, "
+    phase = "" if the_task.phase is None else f" Phase {the_task.phase}"  # pairs: no phases
+    what = (f"{model} on {the_task.name}{phase}, metric {metric.name}, "
             f"{direction}, {unit} at site {a.site}")
     if plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
@@ -149,6 +150,10 @@ def _check_patch_flags(a) -> None:
         a.positions = "each" if layer_site else "all"
     _one_of("--positions", a.positions, POSITIONS)
     _one_of("--backend", a.backend, BACKENDS)
+    if a.estimator is not None:  # before the model loads (the library would say it after)
+        from circuitkit.patching.estimators.registry import ESTIMATORS
+
+        _one_of("--estimator", a.estimator, ESTIMATORS)
     if layer_site and (a.method not in ("exact", "auto") or a.plan):
         raise ValueError(f"--site {a.site} (a layer site) supports --method exact without "
                          "--plan only.")
@@ -200,7 +205,8 @@ def _patch_inputs(a, layout):
         from circuitkit.patching import nnsight_backend
 
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                    loader=lambda m: nnsight_backend.load(m, remote=a.remote))
+                                    loader=lambda m: nnsight_backend.load(m, remote=a.remote),
+                                    pairs=True)
     else:
         loader = None
         if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
@@ -210,7 +216,7 @@ def _patch_inputs(a, layout):
             placement = models.replica_placement(layout.local_gpus)
             loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                    loader=loader, renders=True)
+                                    loader=loader, renders=True, pairs=True)
         if loader is not None:
             with _errors_as_lines():
                 _check_vocabulary(the_model, the_task, renders=True)
@@ -322,6 +328,10 @@ def edges(
     with _errors_as_lines():
         _check_sweep_flags(a)
         _one_of("--method", method, EDGE_METHODS)
+        if estimator is not None:  # before the model loads
+            from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
+
+            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
         if not plan:
             from circuitkit.files import lock_folder
@@ -332,7 +342,8 @@ def edges(
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
         return _edge_plan(a)
-    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True)
+    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True,
+                                pairs=True)
     the_task = _phase_task(the_task, task)
     clean, corrupt, metric = _sweep_tokens(the_model, the_task)
     res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)

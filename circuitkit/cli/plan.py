@@ -67,7 +67,7 @@ def _run_lengths(a):
     from circuitkit.patching.inputs import pad_token_id, padded_lengths
 
     the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                renders=True)
+                                renders=True, pairs=True)
     clean, corrupt, _ = _sweep_tokens(the_model, _phase_task(the_task, a.task))
     real = padded_lengths(clean, corrupt, pad_token_id(the_model))
     lengths = [int(x) for x in real] if real is not None else [clean.shape[1]] * len(clean)
@@ -82,7 +82,7 @@ def _task_lengths(a):
     from circuitkit import models
     from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
 
-    _, the_task = _load(None, a.task, a.n_examples, a.seed, a.split, a.phase)
+    _, the_task = _load(None, a.task, a.n_examples, a.seed, a.split, a.phase, pairs=True)
     the_task = _phase_task(the_task, a.task)
     if the_task.name in TEXT_TASKS:
         return token_counts(prompt_texts(the_task), models.local_tokenizer(a.model))

@@ -197,6 +197,12 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if not isinstance(head, dict):
         raise ValueError(f"{path}:1: the header must be a JSON object; got a "
                          f"{type(head).__name__} (schema: docs/jsonl.md).")
+    if ("clean" in head or "corrupt" in head) and "vocab" not in head:
+        raise ValueError(f"{path} holds plain clean/corrupt pairs: `circuitkit patch` and "
+                         "`edges` take it as --task, Python reads it with "
+                         "circuitkit.tasks.pairs.load_pairs(path, model); a Task (characterize, "
+                         "score, evaluate, distill) needs the header and chain-of-thought fields "
+                         "of docs/jsonl.md (docs/from-transformerlens.md).")
     if "tokens" in head and "vocab" not in head:
         raise ValueError(f"{path}:1: line 1 is an example row; the file needs its header first "
                          "(name, vocab, label_names, ...; schema: docs/jsonl.md).")
