@@ -34,10 +34,12 @@ StudentSeed = Annotated[int, _opt("--seed", "Student seed (init and batch order)
 Store = Annotated[Path | None, _opt("--store", "Signal-store folder (default OUT/signals).",
                                     "DIR")]
 Balance = Annotated[str, _opt(
-    "--balance", "How the terms' gradients combine: 'cap' (the CoT part clipped at 1 on its "
-    "own, each mechanistic term's gradient capped at --grad-ratio x it, then times its lambda) "
-    "or 'global_clip' (the total's gradient clipped at 1, which lets the mechanistic terms "
-    "shrink the CoT step).", "cap|global_clip")]
+    "--balance", "How the terms' gradients combine (the CoT part clipped at 1 on its own in "
+    "all but global_clip): 'share' (each mechanistic term scaled to lambda x the CoT part's "
+    "norm: lambda is its share of the step), 'cap' (each term's gradient capped at "
+    "--grad-ratio x the CoT part, then times its lambda: before issue 50), 'none' (the "
+    "gradient of L_total, unscaled) or 'global_clip' (the total's gradient clipped at 1).",
+    "share|cap|none|global_clip")]
 GradRatio = Annotated[float, _opt("--grad-ratio", "--balance cap: the most a mechanistic "
                                                   "term's gradient counts for, as a multiple of "
                                                   "the CoT part's norm.", "R")]
@@ -82,7 +84,7 @@ def distill(
     task: CotTask = "icd10", lambda_p1: LambdaP1 = 1.0, lambda_p2: LambdaP2 = 1.0,
     lambda_ns: LambdaNS = 0.0, steps: Steps = None, batch_size: RowsPerStep = 64,
     pool_size: PoolSize = 16384, seed: StudentSeed = 0, store: Store = None,
-    balance: Balance = "cap", grad_ratio: GradRatio = 0.5, init: Init = None,
+    balance: Balance = "share", grad_ratio: GradRatio = 0.5, init: Init = None,
     ablation: Ablation = False, seeds: Seeds = 3, max_seeds: MaxSeeds = None,
     workers: Workers = 1, pretrain: Pretrain = None, quick: Quick = False, size: Size = None,
     variants: Variants = None, out: Out = Path("distill-out"), overwrite: Overwrite = False,
