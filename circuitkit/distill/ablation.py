@@ -124,14 +124,17 @@ SIZES: dict[str, dict[str, Any]] = {
                  es_max=2500, es_every=250, heldout_examples=256, curve_examples=128,
                  curve_points=5, score_examples=256, eval_examples=512, sim_examples=1024,
                  gold_examples=4096, fidelity_examples=48),
-    # issue 50: the lambda sweep on the main arm (one arm, no early-stopping run: steps fixed
-    # by what one thread on a shared machine could finish; docs/distill.md, "The lambda sweep"),
-    # held-out curves (pool seed 99, the grid's held-out notes) at the half and the end: the
-    # weight is chosen on them, the verdict taken on the test notes
-    "sweep": dict(arms={"main": 16384}, pool_size=16384, shard_size=1024, steps=600,
-                  batch_size=32, warmup=30, pretrain=0, save_every=300, es_max=0,
-                  curve_examples=256, curve_points=2, score_examples=256, eval_examples=512,
-                  sim_examples=256, gold_examples=4096, fidelity_examples=48),
+    # issue 50: the lambda sweep, cut to what one thread on a machine shared by 8 jobs could
+    # finish in about an hour (docs/distill.md, "The lambda sweep"): every run continues the
+    # shipped CoT-only student (``init``: one initialisation, the seeds are batch orders) for
+    # ``steps`` on 4,096 train notes of pool seed 0 (the main arm's seed; 120 x 32 rows draw
+    # 3,840 of them), no early-stopping run; held-out curves (pool seed 99, the grid's held-out
+    # notes) at the end choose the weight, the test notes give the verdict
+    "sweep": dict(arms={"main": 4096}, pool_size=4096, shard_size=1024, steps=120,
+                  batch_size=32, warmup=10, pretrain=0, init="icd-student-cot",
+                  save_every=120, es_max=0, curve_examples=128, curve_points=1,
+                  score_examples=256, eval_examples=256, sim_examples=128, gold_examples=4096,
+                  fidelity_examples=48),
     "grid-quick": dict(arms={"main": 160, "low": 96}, pool_size=160, shard_size=80, steps=6,
                        batch_size=8, warmup=2, pretrain=0, save_every=2, es_max=6, es_every=2,
                        heldout_examples=16, curve_examples=8, curve_points=2,
@@ -629,7 +632,7 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
     def cfg_of(r: Run) -> dict[str, Any]:
         base_, weight = variant_of(r.variant)
         lam = {k: VARIANTS[base_][k] * scale[k] * weight for k in scale}
-        init = str(r.pretrain_folder(out)) if sz["pretrain"] else None
+        init = str(r.pretrain_folder(out)) if sz["pretrain"] else sz.get("init")
         own = {}
         if r.cell in sel:  # S* fixes steps and schedule; curve points at its fifths
             n = sel[r.cell]["s_star"]
