@@ -65,11 +65,13 @@ def test_paired_intervals_per_definition_equal_a_hand_computation():
 
 
 def test_verdict_reads_the_claims_direction():
-    assert verdicts.verdict(-0.10, -0.02, -0.07) == "reproduced"
+    assert verdicts.verdict(-0.10, -0.02, -0.07) == (
+        "reproduced (the claimed size inside the interval)")
+    assert verdicts.verdict(-0.05, -0.02, -0.07) == "reproduced (smaller than claimed)"
     assert verdicts.verdict(-0.03, 0.01, -0.07) == "refuted (smaller than claimed)"
     assert verdicts.verdict(0.01, 0.03, -0.07) == "refuted (no effect in the claimed direction)"
     assert verdicts.verdict(-0.09, 0.01, -0.07).startswith("open")
-    assert verdicts.verdict(0.02, 0.12, 0.09) == "reproduced"
+    assert verdicts.verdict(0.10, 0.12, 0.09) == "reproduced (larger than claimed)"
     assert verdicts.verdict(-0.02, -0.01, None) == "lower"
     assert math.isnan(verdicts.mde(0.1, 1))
 

@@ -9,11 +9,12 @@ definition separately, paired by seed against a baseline variant (``cot``):
 * the **power**: the minimal detectable effect at 80% power of the two-sided 5% paired t-test,
   ``MDE = (t_{0.975, n-1} + t_{0.80, n-1}) sd / sqrt(n)`` (the usual normal-approximation form with
   t quantiles; NaN below 2 seeds);
-* the verdict (``verdict``): *reproduced* when the interval excludes 0 on the claimed side,
-  *refuted* when it excludes the claimed effect, *open* (not resolvable at this power) when it
-  holds both; for a claim with no size (exact match and Macro-F1: "distillation helps"),
-  *higher* / *lower* / *no difference detected*. A definition the grid did not measure (its
-  metric absent from ``runs.csv``) is *not measured*.
+* the verdict (``verdict``): *reproduced* when the interval excludes 0 on the claimed side
+  (with whether the claimed size is inside it, above or below it), *refuted* when it excludes
+  the claimed effect (and 0 is inside it or beyond it on the other side), *open* (not
+  resolvable at this power) when it holds both; for a claim with no size (exact match and
+  Macro-F1: "distillation helps"), *higher* / *lower* / *no difference detected*. A definition
+  the grid did not measure (its metric absent from ``runs.csv``) is *not measured*.
 
 ``claim_summary`` states one claim across its definitions, and says so when they disagree (e.g.
 refuted on the teacher-forced confusion and open on the output-level one).
@@ -95,8 +96,10 @@ def verdict(lo: float, hi: float, effect: float | None, direction: int = 1) -> s
         return "higher" if low > 0 else "lower" if high < 0 else "no difference detected"
     s = 1 if effect > 0 else -1
     low, high = sorted((s * lo, s * hi))
-    if low > 0:
-        return "reproduced"
+    if low > 0:  # the direction holds; how its size stands against the claimed one
+        return "reproduced" + (" (smaller than claimed)" if high < abs(effect) else
+                               " (larger than claimed)" if low > abs(effect) else
+                               " (the claimed size inside the interval)")
     if high < abs(effect):
         return "refuted" + (" (no effect in the claimed direction)" if high <= 0 else
                             " (smaller than claimed)")
