@@ -138,7 +138,10 @@ def claim_summary(rows: list[dict[str, Any]], claim: str, variant: str) -> str:
     if len(kinds) == 1:
         return (f"{claim}, {variant}: {kinds.pop()} on every measured definition "
                 f"({', '.join(r['definition'] for r in measured)}){tail}")
-    parts = [f"{r['verdict'].split(' (')[0]} on {r['definition']}" for r in measured]
+    parts = []
+    for r in measured:
+        kind, _, why = r["verdict"].partition(" (")
+        parts.append(f"{kind} on {r['definition']}" + (f" ({why}" if why else ""))
     return f"{claim}, {variant}: depends on the definition: {'; '.join(parts)}{tail}"
 
 
