@@ -64,11 +64,14 @@ Pretrain = Annotated[int | None, _opt("--pretrain", "Ablation: CoT-only steps of
 Quick = Annotated[bool, _opt("--quick", "Tiny sizes (CI).")]
 Size = Annotated[str | None, _opt("--size", "Ablation: the grid's size (ablation.SIZES: "
                                             "'default'; 'grid', issue 35's arms, early-stopped "
-                                            "baseline and curves; 'grid-quick'; --quick is "
+                                            "baseline and curves; 'sweep', issue 50's "
+                                            "lambda sweep; 'grid-quick'; --quick is "
                                             "'quick').", "NAME")]
 Variants = Annotated[str | None, _opt("--variants", "Ablation: comma-separated variants "
                                                     "(default cot,p1,p2,p1+p2,nonselective; "
-                                                    "also p1+p2-causal: the causal heads).",
+                                                    "also p1+p2-causal: the causal heads; "
+                                                    "V@W scales V's lambdas by W, e.g. "
+                                                    "p1+p2@0.3).",
                                       "V,V")]
 Overwrite = Annotated[bool, _opt("--overwrite", "Replace a finished student (or training "
                                                 "state) of another configuration in --out; "
