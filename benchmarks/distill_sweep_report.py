@@ -146,7 +146,7 @@ def _chosen(sub: pd.DataFrame, curves: pd.DataFrame, mech: list[str]) -> list[st
     out = ["Weight chosen on held-out notes (each run's last curve point, 128 train notes of "
            "pool seed 99; the seed mean, best in the claim's direction), verdict on the test "
            "notes at that weight:\n",
-           "| variant | definition | chosen | held-out mean | Δ vs cot on test | MDE | "
+           "| variant | definition | chosen | held-out mean (cot's) | Δ vs cot on test | MDE | "
            "verdict |", "|---|---|---|---|---|---|---|"]
     for base in dict.fromkeys(variant_of(v)[0] for v in mech):
         weights = [v for v in mech if variant_of(v)[0] == base]
@@ -162,15 +162,17 @@ def _chosen(sub: pd.DataFrame, curves: pd.DataFrame, mech: list[str]) -> list[st
                 best, value = verdicts.choose_weight(pts, direction)
                 if not best:
                     continue
+                base_v = last[last.variant == "cot"][metric].mean()
                 r = [x for x in verdicts.claim_rows(sub, [best], "cot")
                      if x["definition"] == metric][0]
                 if r["verdict"] == "not measured":
-                    out.append(f"| {base} | {metric} | {best} | {value:.3f} | not measured | | "
-                               "|")
+                    out.append(f"| {base} | {metric} | {best} | {value:.3f} ({base_v:.3f}) | "
+                               "not measured | | |")
                     continue
-                out.append(f"| {base} | {metric} | {best} | {value:.3f} | {r['diff']:+.3f} "
-                           f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {r['mde']:.3f} | "
-                           f"{r['verdict']} |")
+                ci = (f" [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {r['mde']:.3f}"
+                      if r["n"] > 1 else " | ")
+                out.append(f"| {base} | {metric} | {best} | {value:.3f} ({base_v:.3f}) | "
+                           f"{r['diff']:+.3f}{ci} | {r['verdict']} |")
     return out
 
 

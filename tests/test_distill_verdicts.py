@@ -62,6 +62,11 @@ def test_paired_intervals_per_definition_equal_a_hand_computation():
     assert "refuted on confusion (smaller than claimed); open on confusion_rate" in text
     assert "not measured on confusion_embedding" in text
     assert "not measured" in verdicts.fmt_row(by["focus_embedding"])
+    # one seed: a difference but no interval, so nothing decided
+    (one,) = [r for r in verdicts.claim_rows(runs[runs.seed == 0], ["p1+p2"], data="main")
+              if r["definition"] == "confusion_rate"]
+    assert one["n"] == 1 and one["diff"] == pytest.approx(-0.05)
+    assert one["verdict"].startswith("open") and math.isnan(one["ci_low"])
 
 
 def test_verdict_reads_the_claims_direction():

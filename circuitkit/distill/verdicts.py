@@ -118,9 +118,13 @@ def claim_rows(runs: Any, variants: list[str], baseline: str = "cot",
                 nan = math.nan
                 p = p or dict(n=0, diff=nan, ci_low=nan, ci_high=nan, half_width=nan, sd=nan,
                               mde=nan)
+                said = verdict(p["ci_low"], p["ci_high"], spec["effect"],
+                               spec.get("direction", 1))
+                if p["n"] == 1:  # one pair: no interval, nothing decided
+                    p.update(ci_low=nan, ci_high=nan, half_width=nan)
+                    said = "open (one seed: no interval)"
                 rows.append(dict(claim=claim, definition=metric, variant=v, baseline=baseline,
-                                 **p, verdict=verdict(p["ci_low"], p["ci_high"], spec["effect"],
-                                                      spec.get("direction", 1))))
+                                 **p, verdict=said))
     return rows
 
 
@@ -150,6 +154,9 @@ def fmt_row(r: dict[str, Any]) -> str:
     difference [95% CI], MDE, verdict."""
     if r["verdict"] == "not measured":
         return f"| {r['definition']} | {r['variant']} | 0 | not measured | | not measured |"
+    if r["n"] < 2:
+        return (f"| {r['definition']} | {r['variant']} | {r['n']} | {r['diff']:+.3f} | | "
+                f"{r['verdict']} |")
     return (f"| {r['definition']} | {r['variant']} | {r['n']} | {r['diff']:+.3f} "
             f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | {r['mde']:.3f} | {r['verdict']} |")
 
