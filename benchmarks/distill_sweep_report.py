@@ -162,7 +162,8 @@ def _chosen(sub: pd.DataFrame, curves: pd.DataFrame, mech: list[str]) -> list[st
                 best, value = verdicts.choose_weight(pts, direction)
                 if not best:
                     continue
-                base_v = last[last.variant == "cot"][metric].mean()
+                cot = last[(last.variant == "cot") & last.seed.isin(list(pts[best]))]
+                base_v = cot[metric].mean()  # over the chosen weight's seeds
                 r = [x for x in verdicts.claim_rows(sub, [best], "cot")
                      if x["definition"] == metric][0]
                 if r["verdict"] == "not measured":
