@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import circuitkit as ck
 from circuitkit.cli import app
 from circuitkit.distill import ablation as A
-from circuitkit.distill.ablation import DEFAULT_VARIANTS, METRICS, interval
+from circuitkit.distill.ablation import DEFAULT_VARIANTS, METRICS, SHARE_METRICS, interval
 
 
 def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
@@ -30,8 +30,15 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     assert list(dict.fromkeys(frame.variant)) == list(DEFAULT_VARIANTS)
     assert set(zip(frame.student, frame.data, strict=True)) == {("student", "full"),
                                                                 ("student", "small")}
-    assert len(frame) == 2 * len(DEFAULT_VARIANTS) * len(METRICS)
-    assert set(frame.metric) == set(METRICS) and (frame.n_seeds == 1).all()
+    assert len(frame) == 2 * len(DEFAULT_VARIANTS) * (len(METRICS) + len(SHARE_METRICS))
+    assert set(frame.metric) == set(METRICS + SHARE_METRICS) and (frame.n_seeds == 1).all()
+    # each term's effective share (balance "share"): its lambda, 0 when off
+    share = frame[frame.metric.isin(SHARE_METRICS)].set_index(["data", "variant", "metric"])
+    for v in DEFAULT_VARIANTS:
+        for k in ("p1", "p2", "ns"):
+            on = A.VARIANTS[v][f"lambda_{k}"]
+            assert share.loc[("full", v, f"share_{k}"), "mean"] == pytest.approx(
+                on, rel=1e-3, abs=1e-6), (v, k)
     assert frame[["mean", "ci_low", "ci_high"]].notna().all().all()
     runs = pd.read_csv(out / "runs.csv")
     assert list(runs.columns) == ["student", "data", "variant", "seed", "metric", "value"]

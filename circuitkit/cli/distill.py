@@ -34,10 +34,12 @@ StudentSeed = Annotated[int, _opt("--seed", "Student seed (init and batch order)
 Store = Annotated[Path | None, _opt("--store", "Signal-store folder (default OUT/signals).",
                                     "DIR")]
 Balance = Annotated[str, _opt(
-    "--balance", "How the terms' gradients combine: 'cap' (the CoT part clipped at 1 on its "
-    "own, each mechanistic term's gradient capped at --grad-ratio x it, then times its lambda) "
-    "or 'global_clip' (the total's gradient clipped at 1, which lets the mechanistic terms "
-    "shrink the CoT step).", "cap|global_clip")]
+    "--balance", "How the terms' gradients combine (the CoT part clipped at 1 on its own in "
+    "all but global_clip): 'share' (each mechanistic term scaled to lambda x the CoT part's "
+    "norm: lambda is its share of the step), 'cap' (each term's gradient capped at "
+    "--grad-ratio x the CoT part, then times its lambda: before issue 50), 'none' (the "
+    "gradient of L_total, unscaled) or 'global_clip' (the total's gradient clipped at 1).",
+    "share|cap|none|global_clip")]
 GradRatio = Annotated[float, _opt("--grad-ratio", "--balance cap: the most a mechanistic "
                                                   "term's gradient counts for, as a multiple of "
                                                   "the CoT part's norm.", "R")]
@@ -62,11 +64,14 @@ Pretrain = Annotated[int | None, _opt("--pretrain", "Ablation: CoT-only steps of
 Quick = Annotated[bool, _opt("--quick", "Tiny sizes (CI).")]
 Size = Annotated[str | None, _opt("--size", "Ablation: the grid's size (ablation.SIZES: "
                                             "'default'; 'grid', issue 35's arms, early-stopped "
-                                            "baseline and curves; 'grid-quick'; --quick is "
+                                            "baseline and curves; 'sweep', issue 50's "
+                                            "lambda sweep; 'grid-quick'; --quick is "
                                             "'quick').", "NAME")]
 Variants = Annotated[str | None, _opt("--variants", "Ablation: comma-separated variants "
                                                     "(default cot,p1,p2,p1+p2,nonselective; "
-                                                    "also p1+p2-causal: the causal heads).",
+                                                    "also p1+p2-causal: the causal heads; "
+                                                    "V@W scales V's lambdas by W, e.g. "
+                                                    "p1+p2@0.3).",
                                       "V,V")]
 Overwrite = Annotated[bool, _opt("--overwrite", "Replace a finished student (or training "
                                                 "state) of another configuration in --out; "
@@ -82,7 +87,7 @@ def distill(
     task: CotTask = "icd10", lambda_p1: LambdaP1 = 1.0, lambda_p2: LambdaP2 = 1.0,
     lambda_ns: LambdaNS = 0.0, steps: Steps = None, batch_size: RowsPerStep = 64,
     pool_size: PoolSize = 16384, seed: StudentSeed = 0, store: Store = None,
-    balance: Balance = "cap", grad_ratio: GradRatio = 0.5, init: Init = None,
+    balance: Balance = "share", grad_ratio: GradRatio = 0.5, init: Init = None,
     ablation: Ablation = False, seeds: Seeds = 3, max_seeds: MaxSeeds = None,
     workers: Workers = 1, pretrain: Pretrain = None, quick: Quick = False, size: Size = None,
     variants: Variants = None, out: Out = Path("distill-out"), overwrite: Overwrite = False,

@@ -62,12 +62,42 @@ VARIANTS: dict[str, dict[str, float]] = {
     "p1+p2-causal": dict(lambda_p1=1.0, lambda_p2=1.0, lambda_ns=0.0),
 }
 DEFAULT_VARIANTS = ("cot", "p1", "p2", "p1+p2", "nonselective")
+
+
+def variant_of(name: str) -> tuple[str, float]:
+    """``(variant, weight)`` of a grid variant name: ``"p1+p2"`` is ``("p1+p2", 1.0)``;
+    ``"p1+p2@0.3"`` is ``p1+p2`` with its lambdas times 0.3 (a lambda sweep, issue 50: with
+    ``balance="share"`` the weight is each term's effective share of the CoT gradient)."""
+    base, _, w = str(name).partition("@")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}, optionally "
+                         "with @WEIGHT (e.g. p1+p2@0.3).")
+    if not w:
+        return base, 1.0
+    try:
+        weight = float(w)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight > 0) or base == "cot":
+        raise ValueError(f"variant {name!r}: @WEIGHT takes a mechanistic variant and a number "
+                         "> 0 (e.g. p1+p2@0.3).")
+    return base, weight
+
+
+
 # a variant's LossConfig options beside its lambdas; its own store (``signals-<data>-<heads>``)
 VARIANT_LOSS: dict[str, dict[str, str]] = {"p1+p2-causal": dict(heads="causal")}
 STUDENTS = ("student", "student4")
 DATA = {"full": 1, "small": 10}  # pool divisor
 TASK_METRICS = ("focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
                 "exact_match")
+# the paper's sentence-embedding Focus and Confusion: in runs.csv when the evaluation returns
+# them (``evaluation.task_set_metrics``), reported as "not measured" otherwise; not required of
+# a run (``measured``), so a grid measured without them is not measured again
+EMBEDDING_METRICS = ("focus_embedding", "confusion_embedding")
+# each mechanistic term's effective share of the step (``loss.balanced_gradients``' ``sh_k``),
+# the mean over the run's steps, from its history (``run_shares``)
+SHARE_METRICS = ("share_p1", "share_p2", "share_ns")
 LAS_METRICS = ("las", "las_gold_prefit")
 FIDELITY_METRICS = ("p1_gap", "p2_gap", "sharpness", "anchor_alignment",
                     "anchor_alignment_tokens", "coarse_score_tokens", "shortlist_share",
@@ -94,6 +124,17 @@ SIZES: dict[str, dict[str, Any]] = {
                  es_max=2500, es_every=250, heldout_examples=256, curve_examples=128,
                  curve_points=5, score_examples=256, eval_examples=512, sim_examples=1024,
                  gold_examples=4096, fidelity_examples=48),
+    # issue 50: the lambda sweep, cut to what one thread on a machine shared by 8 jobs could
+    # finish in about an hour (docs/distill.md, "The lambda sweep"): every run continues the
+    # shipped CoT-only student (``init``: one initialisation, the seeds are batch orders) for
+    # ``steps`` on 4,096 train notes of pool seed 0 (the main arm's seed; 120 x 32 rows draw
+    # 3,840 of them), no early-stopping run; held-out curves (pool seed 99, the grid's held-out
+    # notes) at the end choose the weight, the test notes give the verdict
+    "sweep": dict(arms={"main": 4096}, pool_size=4096, shard_size=1024, steps=120,
+                  batch_size=32, warmup=10, pretrain=0, init="icd-student-cot",
+                  save_every=120, es_max=0, curve_examples=128, curve_points=1,
+                  score_examples=256, eval_examples=256, sim_examples=128, gold_examples=4096,
+                  fidelity_examples=48),
     "grid-quick": dict(arms={"main": 160, "low": 96}, pool_size=160, shard_size=80, steps=6,
                        batch_size=8, warmup=2, pretrain=0, save_every=2, es_max=6, es_every=2,
                        heldout_examples=16, curve_examples=8, curve_points=2,
@@ -302,9 +343,26 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
     with hf_progress(progress):
         m = student_metrics(folder, _CTX["ctx"])
     _parent_check()  # never write into a grid whose process is gone (its lock is free)
+    m.update(run_shares(folder))
     write_json(done, dict(run=asdict(run), metrics=m, config=asdict(config),
                           eval_seconds=round(time.perf_counter() - t0, 1)))
     return str(done)
+
+
+def run_shares(folder: str | Path) -> dict[str, float]:
+    """``SHARE_METRICS`` of the trained run in ``folder``: each term's effective share of the
+    step (``sh_k`` of ``loss.balanced_gradients``), its mean over the run's steps, from
+    ``distill.json``'s history (0 for a term that is off; NaN for a history without shares)."""
+    record = json.loads((Path(folder) / train.RECORD).read_text())
+    cols, hist = record["history_columns"], record["history"]
+    out = {}
+    for k in ("p1", "p2", "ns"):
+        if f"sh_{k}" not in cols or not hist:
+            out[f"share_{k}"] = math.nan
+            continue
+        i = cols.index(f"sh_{k}")
+        out[f"share_{k}"] = sum(float(r[i]) for r in hist) / len(hist)
+    return out
 
 
 def measured(folder: Path) -> bool:
@@ -397,7 +455,7 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
                  lambda_p2: float = 1.0, lambda_ns: float = 1.0, task: str = "icd10",
                  variants: tuple[str, ...] | None = None, progress: bool = True,
                  max_seeds: int | None = None, workers: int = 1,
-                 steps: int | None = None, balance: str = "cap",
+                 steps: int | None = None, balance: str = "share",
                  grad_ratio: float = 0.5, pretrain: int | None = None,
                  overwrite: bool = False) -> Any:
     """Train and measure the grid (module docstring); returns the ``ablation.csv`` frame. The
@@ -419,9 +477,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     if pretrain is not None and (not isinstance(pretrain, int) or pretrain < 0):
         raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got {pretrain!r}.")
     variants = tuple(variants or DEFAULT_VARIANTS)
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        raise ValueError(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}.")
+    for v in variants:
+        variant_of(v)
     known = arms(SIZES[size])
     data = tuple(known) if data is None else tuple(data)
     bad = [d for d in data if d not in known]
@@ -549,7 +606,8 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         folder = out / f"signals-{d}"
         _share_scores(out / f"signals-{data[0]}" / "scores.csv", folder)
         store(d, f"store_{d}", dict(base, pool_size=arms(sz)[d], store=str(folder)))
-    for heads in sorted({VARIANT_LOSS[v]["heads"] for v in variants if v in VARIANT_LOSS}):
+    for heads in sorted({VARIANT_LOSS[variant_of(v)[0]]["heads"] for v in variants
+                         if variant_of(v)[0] in VARIANT_LOSS}):
         for d in data:  # a variant's own heads: its own store per data size, one score table
             folder = out / f"signals-{d}-{heads}"
             first = out / f"signals-{data[0]}-{heads}" / "scores.csv"
@@ -572,14 +630,15 @@ def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str
         timings["early_stopping"] = round(time.perf_counter() - t0, 1)
 
     def cfg_of(r: Run) -> dict[str, Any]:
-        lam = {k: VARIANTS[r.variant][k] * scale[k] for k in scale}
-        init = str(r.pretrain_folder(out)) if sz["pretrain"] else None
+        base_, weight = variant_of(r.variant)
+        lam = {k: VARIANTS[base_][k] * scale[k] * weight for k in scale}
+        init = str(r.pretrain_folder(out)) if sz["pretrain"] else sz.get("init")
         own = {}
         if r.cell in sel:  # S* fixes steps and schedule; curve points at its fifths
             n = sel[r.cell]["s_star"]
             own = dict(steps=n, save_every=max(1, n // sz["curve_points"]),
                        warmup=min(sz["warmup"], max(1, n // 10)))
-        key = (r.data, VARIANT_LOSS[r.variant]["heads"]) if r.variant in VARIANT_LOSS else r.data
+        key = (r.data, VARIANT_LOSS[base_]["heads"]) if base_ in VARIANT_LOSS else r.data
         return dict(stores[key], student=names[r.student], seed=r.seed, init=init, **lam,
                     **own)
 
@@ -841,7 +900,8 @@ def _write_tables(out: Path, runs: list[Run]) -> Any:
     for r in runs:
         m = json.loads((r.folder(out) / "metrics.json").read_text())["metrics"]
         rows += [dict(student=r.student, data=r.data, variant=r.variant, seed=r.seed, metric=k,
-                      value=float(m[k])) for k in METRICS]
+                      value=float(m[k])) for k in METRICS + EMBEDDING_METRICS + SHARE_METRICS
+                 if k in m]
     runs_f = pd.DataFrame(rows, columns=["student", "data", "variant", "seed", "metric",
                                          "value"])
     write_text(out / "runs.csv", runs_f.to_csv(index=False))

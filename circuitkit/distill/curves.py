@@ -4,9 +4,10 @@
 ``train_student(..., callback=fn)`` calls ``fn(step, hf)`` at every checkpoint step, ``hf`` a
 plain copy of the student (``train.plain_model``). ``HeldoutLoss``: the CoT loss ``mean CE(tokens[p]
 | logits[p-1])`` over a held-out signal store's CoT rows (``heldout_loss``), whose lowest point is
-the grid's S* (``best_step``). ``Curve``: exact match, focus, per-step focus and sibling
-confusion on a small held-out task (``task_point``). Each writes its points to ``curve.json``
-(``[{"step": s, ...}, ...]``) as it goes, so a resumed run keeps them.
+the grid's S* (``best_step``). ``Curve``: exact match, Macro-F1, output-level confusion,
+focus, per-step focus and sibling confusion on a small held-out task (``task_point``). Each
+writes its points to ``curve.json`` (``[{"step": s, ...}, ...]``) as it goes, so a resumed run
+keeps them.
 """
 
 from __future__ import annotations
@@ -60,10 +61,14 @@ def decode(hf: Any, task: Any) -> list[list[int]]:
 
 @torch.no_grad()
 def task_point(hf: Any, task: Any, batch_size: int = 64) -> dict[str, float]:
-    """``exact_match``, ``focus``, ``focus_per_step``, ``confusion`` of ``hf`` on ``task``
-    (module docstring)."""
+    """``exact_match``, ``macro_f1``, ``confusion_rate`` (free generation), ``focus``,
+    ``focus_per_step``, ``confusion`` (teacher-forced) of ``hf`` on ``task`` (module docstring),
+    and the embedding Focus / Confusion when the evaluation returns them (the lambda sweep
+    chooses its weight on each of these definitions: issue 50)."""
     sets = ev.task_set_metrics(decode(hf, task), task)
-    return dict(exact_match=float(sets["exact_match"]), **teacher_forced(hf, task, batch_size))
+    out = {k: float(sets[k]) for k in ("exact_match", "macro_f1", "confusion_rate",
+                                       "focus_embedding", "confusion_embedding") if k in sets}
+    return dict(out, **teacher_forced(hf, task, batch_size))
 
 
 @torch.no_grad()

@@ -169,7 +169,7 @@ def student_terms(student: Any, batch: Batch, teacher_pool: Pooling, anchors: si
     return dict(cot=cot, p1=p1, p2=p2, ns=ns, total=total)
 
 
-BALANCES = ("cap", "global_clip")
+BALANCES = ("share", "cap", "global_clip", "none")
 MECH = ("p1", "p2", "ns")
 
 
@@ -179,23 +179,30 @@ def _norm(grads: list[Tensor | None]) -> Tensor:
 
 
 def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
-                       params: list[Tensor], balance: str = "cap", ratio: float = 0.5,
+                       params: list[Tensor], balance: str = "share", ratio: float = 0.5,
                        clip: float = 1.0) -> dict[str, float]:
     """Set ``p.grad`` of every parameter in ``params`` to one step's gradient from the terms
     ``student_terms`` returned; returns what the run's history logs: ``gn_<term>`` the norm of
     each term's own gradient ``|grad L_term|`` (unweighted; 0 for a term that is off),
-    ``s_<term>`` the factor its ``lambda * grad`` entered with, ``cos`` the cosine between
-    the CoT part and the mechanistic part of the step, ``norm`` the step gradient's norm (NaN
-    when any gradient is not finite: then no ``.grad`` is set).
+    ``s_<term>`` the factor its ``lambda * grad`` entered with, ``sh_<term>`` its **effective
+    share** ``|lambda_k s_k g_k| / |c g_CoT|`` (the norm of what the term added to the step over
+    the norm of the step's CoT part; 0 for a term that is off), ``cos`` the cosine between the
+    CoT part and the mechanistic part of the step, ``norm`` the step gradient's norm (NaN when
+    any gradient is not finite: then no ``.grad`` is set).
 
-    ``balance="cap"`` (the default; docs/distill.md): ``g = c g_CoT + sum_k lambda_k s_k g_k``
-    with ``c = min(1, clip / |g_CoT|)`` (CoT-only's own clip, so the CoT part of the step is
-    exactly CoT-only's) and ``s_k = min(1, ratio c |g_CoT| / |g_k|)``: no mechanistic term's
-    own gradient counts for more than ``ratio`` times the CoT part, and the lambdas keep their
-    meaning as the terms' weights (below the cap the step is the gradient of ``L_CoT + sum_k
-    lambda_k L_k``; at the cap, term ``k`` adds ``lambda_k ratio`` times the CoT part's norm).
-    ``balance="global_clip"`` (before issue 25): the gradient of the total, clipped to ``clip``
-    as a whole (a large mechanistic gradient shrinks the CoT part of the step)."""
+    All rules: ``g = c g_CoT + sum_k lambda_k s_k g_k`` with ``c = min(1, clip / |g_CoT|)``
+    (CoT-only's own clip, so the CoT part of the step is exactly CoT-only's), and
+
+    * ``"share"`` (the default, issue 50): ``s_k = c |g_CoT| / |g_k|``: term ``k`` enters at
+      exactly ``lambda_k`` times the CoT part's norm, its effective share is ``lambda_k``
+      (lambda is the term's share of the step, whatever the scale of its loss);
+    * ``"cap"`` (issues 25-35): ``s_k = min(1, ratio c |g_CoT| / |g_k|)``: no term's own
+      gradient counts for more than ``ratio`` times the CoT part (effective share
+      ``lambda_k min(|g_k| / (c |g_CoT|), ratio)``: the cap, not lambda, sets it when it binds);
+    * ``"none"``: ``s_k = c``: the gradient of ``L_CoT + sum_k lambda_k L_k`` under the CoT
+      part's clip (effective share ``lambda_k |g_k| / |g_CoT|``);
+    * ``"global_clip"`` (before issue 25): the gradient of the total, clipped to ``clip`` as a
+      whole (a large mechanistic gradient shrinks the CoT part of the step)."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}.")
     on = [k for k in MECH if lambdas.get(k, 0.0) > 0]
@@ -205,15 +212,20 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
     norms = {k: _norm(g) for k, g in grads.items()}
     out = {f"gn_{k}": float(norms.get(k, 0.0)) for k in ("cot",) + MECH}
     if not all(bool(torch.isfinite(n)) for n in norms.values()):
-        return dict(out, **{f"s_{k}": float("nan") for k in MECH}, cos=float("nan"),
+        return dict(out, **{f"s_{k}": float("nan") for k in MECH},
+                    **{f"sh_{k}": float("nan") for k in MECH}, cos=float("nan"),
                     norm=float("nan"))
     c_cot = min(1.0, clip / max(float(norms["cot"]), 1e-30))
+    part = c_cot * float(norms["cot"])  # the norm of the CoT part of the step
     scale = {}
     for k in on:
+        size = float(norms[k])
         if balance == "cap":
-            size = float(norms[k])
-            scale[k] = lambdas[k] * (min(1.0, ratio * c_cot * float(norms["cot"]) / size)
-                                     if size > 0 else 1.0)
+            scale[k] = lambdas[k] * (min(1.0, ratio * part / size) if size > 0 else 1.0)
+        elif balance == "share":  # a term with no gradient adds nothing whatever its factor
+            scale[k] = lambdas[k] * (part / size if size > 0 else 0.0)
+        elif balance == "none":
+            scale[k] = lambdas[k] * c_cot
         else:
             scale[k] = lambdas[k]
     mech: list[Tensor | None] = [None] * len(params)
@@ -227,6 +239,7 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
                  (m if m is not None else 0) for a, m in zip(cot, mech, strict=True)]
         c = min(1.0, clip / max(float(_norm(total)), 1e-30))
         c_cot, scale = c, {k: v * c for k, v in scale.items()}
+        part = c * float(norms["cot"])
         mech = [None if m is None else m * c for m in mech]
     cot = [None if g is None else g * c_cot for g in cot]
     dot = sum(float((a.float() * m.float()).sum()) for a, m in zip(cot, mech, strict=True)
@@ -236,6 +249,8 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
         g = a if m is None else (m if a is None else a + m)
         p.grad = None if g is None else g.detach().to(p.dtype)
     out.update({f"s_{k}": (scale[k] / lambdas[k] if k in scale else 0.0) for k in MECH})
+    out.update({f"sh_{k}": (scale[k] * float(norms[k]) / part if k in scale and part > 0
+                            else 0.0) for k in MECH})
     out["cos"] = dot / (n_cot * n_mech) if n_cot > 0 and n_mech > 0 else 0.0
     out["norm"] = float(_norm([p.grad for p in params]))
     return out

@@ -41,9 +41,11 @@ from circuitkit.training import PRESETS, STATE_FILE, Preset, build_model
 RECORD = "distill.json"  # written last: the folder holds a finished student
 # one history row per step: the terms, each term's own gradient norm, the factor its
 # lambda * gradient entered the step with, the cosine of the CoT and mechanistic parts, the
-# step gradient's norm, the learning rate, seconds since the start
+# step gradient's norm, each term's effective share of the step (loss.balanced_gradients), the
+# learning rate, seconds since the start
 HISTORY_COLUMNS = ["step", "total", "cot", "p1", "p2", "ns", "gn_cot", "gn_p1", "gn_p2", "gn_ns",
-                   "s_p1", "s_p2", "s_ns", "cos", "norm", "lr", "seconds"]
+                   "s_p1", "s_p2", "s_ns", "cos", "norm", "sh_p1", "sh_p2", "sh_ns", "lr",
+                   "seconds"]
 COT_TASKS = ("icd10", "synthetic")  # built-in tasks whose rows hold a <think> ... CoT
 # a cooperative stop, for the ablation's workers: a signal handler sets "requested" while
 # "training" (the step loop, its Ctrl-C checkpoint included) runs, and the loop stops before its
@@ -77,7 +79,7 @@ class DistillConfig:
     save_every: int = 100
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig fields
     store: str | None = None
-    balance: str = "cap"  # loss.BALANCES
+    balance: str = "share"  # loss.BALANCES ("cap" with grad_ratio 0.5: before issue 50)
     init: str | None = None  # start from this HF folder's weights (same preset) instead of fresh
     grad_ratio: float = 0.5  # cap: a term's own gradient counts as <= grad_ratio x the CoT part
 
@@ -396,7 +398,7 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
             elapsed = time.perf_counter() - t0
             history.append([step] + [round(float(terms[k].detach()), 5)
                                      for k in ("total", "cot", "p1", "p2", "ns")]
-                           + [round(g[k], 5) for k in HISTORY_COLUMNS[6:15]]
+                           + [round(g[k], 5) for k in HISTORY_COLUMNS[6:-2]]
                            + [float(f"{lr:.6g}"), round(elapsed, 1)])
             if step % 25 == 0 or step == cfg.steps:
                 bar.set_postfix({k: f"{float(terms[k].detach()):.3f}"
