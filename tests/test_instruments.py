@@ -339,3 +339,65 @@ def test_report_instrument_section_says_which_scores_beat_their_nulls():
     assert "--stages" in instrument_section(no_causal, {}, 4)
     assert instrument_section(no_causal.drop(columns=["key_preference_positional_null"]), {},
                               4) is None
+
+
+@pytest.fixture(scope="module")
+def teacher_and_scores():
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=32, split="test")
+    return model, task, score_heads(model, task, progress=False, n_boot=0)
+
+
+def test_null_columns_equal_a_recomputation_from_raw_patterns_on_the_teacher(teacher_and_scores):
+    """``evidence_mass_own`` (the note split at its ``|`` tokens, the step's target's segment),
+    its group-blind null and ``key_preference_positional_null`` (each head's mean attention per
+    shortlist length and entry index over every answer row, read as a row) from raw
+    ``hook_pattern``s, written here from their definitions: per step, mean over the note's
+    steps, then over notes."""
+    import numpy as np
+
+    model, task, df = teacher_and_scores
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    with torch.no_grad():
+        _, c = model.run_with_cache(task.clean_tokens)
+    bar = task.vocab.index("|")
+    lt = task.label_token_ids.tolist()
+    own_note, null_note = np.zeros((len(task), L * H)), np.zeros((len(task), L * H))
+    rows = []  # (note, layer, entries' attention [H, K], targets, near-misses)
+    for b, e in enumerate(task.examples):
+        tok = e.tokens.tolist()
+        think = tok.index(task.vocab.index("<think>"))
+        cuts = [0] + [i for i in range(think) if tok[i] == bar] + [think]
+        segments = [[p for p in e.evidence_pos if a < p < z]
+                    for a, z in zip(cuts, cuts[1:], strict=False)]
+        order = e.meta["note_order"]
+        sl = sorted(e.shortlist_pos)
+        for lay in range(L):
+            pat = c[f"blocks.{lay}.attn.hook_pattern"][b].double()
+            for j, p in enumerate(e.anchor_pos):
+                own = segments[order.index(e.targets[j])]
+                a = pat[:, p - 1]
+                mine = a[:, own].sum(-1)
+                null = a[:, e.evidence_pos].sum(-1) * len(own) / len(e.evidence_pos)
+                own_note[b, lay * H:(lay + 1) * H] += mine.numpy() / len(e.anchor_pos)
+                null_note[b, lay * H:(lay + 1) * H] += null.numpy() / len(e.anchor_pos)
+            for p in e.answer_pos:
+                t = [i for i, s in enumerate(sl) if tok[s] in {lt[x] for x in e.targets}]
+                m = [i for i, s in enumerate(sl) if tok[s] in {lt[x] for x in e.near_misses}]
+                rows.append((b, lay, pat[:, p - 1, sl], t, m, len(e.answer_pos)))
+    mean = {}
+    for _, lay, at, *_ in rows:
+        mean.setdefault((lay, at.shape[1]), []).append(at)
+    mean = {key: torch.stack(v).mean(0) for key, v in mean.items()}
+    pref = np.zeros((len(task), L * H))
+    for b, lay, at, t, m, steps in rows:
+        if t and m:
+            null_row = mean[(lay, at.shape[1])]
+            a_t, a_m = null_row[:, t].mean(-1), null_row[:, m].mean(-1)
+            pref[b, lay * H:(lay + 1) * H] += ((a_t - a_m) / (a_t + a_m)).numpy() / steps
+    for col, want in (("evidence_mass_own", own_note.mean(0)),
+                      ("evidence_mass_own_null", null_note.mean(0)),
+                      ("key_preference_positional_null", pref.mean(0))):
+        assert np.abs(want).max() > 1e-2, col
+        np.testing.assert_allclose(df[col].to_numpy(float), want, rtol=2e-4, atol=2e-5,
+                                   err_msg=col)
