@@ -401,3 +401,16 @@ def test_null_columns_equal_a_recomputation_from_raw_patterns_on_the_teacher(tea
         assert np.abs(want).max() > 1e-2, col
         np.testing.assert_allclose(df[col].to_numpy(float), want, rtol=2e-4, atol=2e-5,
                                    err_msg=col)
+
+
+def test_paper_refine_is_undefined_without_a_shortlist():
+    """Induction has no shortlist: the paper's RefineScore is NaN (not 0), as loopback."""
+    import warnings
+
+    model = ck.load_model("induction-2l")
+    task = ck.load_task("induction", n_examples=4, seg_len=5, vocab_size=64, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = score_heads(model, task, progress=False, n_boot=0)
+    assert df.refine_score_paper.isna().all() and df.loopback.isna().all()
+    assert df.attrs["instrument_nulls"] == {}  # no Phase-1 rows

@@ -537,6 +537,8 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                            **flat))
     df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
     df["evidence_mass_own_excess"] = df["evidence_mass_own"] - df["evidence_mass_own_null"]
+    if not shortlist:  # nothing to re-attend to: the paper's product is undefined, not 0
+        df["refine_score_paper"] = nan
     df["mechanism"] = refine.mechanism(df["refine_score"], df["margin_from_targets"],
                                        df["margin_from_near_misses"], df["refine_target_up"],
                                        df["refine_near_down"])
