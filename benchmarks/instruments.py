@@ -8,7 +8,10 @@ teacher and the CoT student (circuitkit's focus / confusion and the paper's sent
 ones side by side). One Markdown file ``OUT/<model>.md`` and the frames as CSV.
 
     python benchmarks/instruments.py [--model icd-teacher] [--seeds 0 1] [--n 128] [--k 5]
-        [--out benchmarks/results/instruments]
+        [--out benchmarks/results/instruments] [--no-causal] [--student NAME|none]
+
+A pretrained LLM reads the notes rendered as text (``scoring.text.load_for``). ``--no-causal``:
+the nulls only (a real model's causal sweeps take hours on a CPU).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/instruments")
+    ap.add_argument("--no-causal", action="store_true")
     a = ap.parse_args()
 
     import pandas as pd
@@ -35,6 +39,7 @@ def main() -> None:
     import circuitkit as ck
     from circuitkit.scoring.causal import causal_table
     from circuitkit.scoring.instruments import instrument_table
+    from circuitkit.scoring.text import load_for
 
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -46,14 +51,16 @@ def main() -> None:
              "Phase 2 target-vs-sibling margin). `python benchmarks/instruments.py`", ""]
     record = {}
     for seed in a.seeds:
-        task = ck.load_task("icd10", n_examples=a.n, split="test", seed=seed)
+        task, _ = load_for(model, "icd10", a.n, seed, "test", None)
         t0 = time.perf_counter()
         scores = ck.score_heads(model, task, progress=False, n_boot=0)
         t_scores = time.perf_counter() - t0
         t0 = time.perf_counter()
-        causal = causal_table(model, task, directions=("noise",))
+        merged = scores
+        if not a.no_causal:
+            causal = causal_table(model, task, directions=("noise",))
+            merged = scores.merge(causal.drop(columns=["name"]), on=["layer", "head"])
         t_causal = time.perf_counter() - t0
-        merged = scores.merge(causal.drop(columns=["name"]), on=["layer", "head"])
         merged.attrs.update(scores.attrs)
         table = instrument_table(merged, a.k)
         merged.to_csv(out / f"{a.model}-s{seed}-scores.csv", index=False)
@@ -64,9 +71,10 @@ def main() -> None:
                   "", table.to_markdown(index=False, floatfmt="+.3f"), ""]
         print(table.to_string(), flush=True)
     evals = []
-    task = ck.load_task("icd10", n_examples=a.n, split="test", seed=a.seeds[0])
-    for name in (a.model, a.student):
-        m = ck.evaluate(ck.load_model(name), task)
+    for name in [a.model] + ([a.student] if a.student != "none" else []):
+        other = model if name == a.model else ck.load_model(name)
+        task, _ = load_for(other, "icd10", a.n, a.seeds[0], "test", None)
+        m = ck.evaluate(other, task)
         evals.append(dict(model=name, **m))
     ev = pd.DataFrame(evals)[["model", "focus", "focus_per_step", "focus_embedding", "confusion",
                               "confusion_embedding", "exact_match", "embedding_encoder"]]

@@ -614,7 +614,7 @@ def sharpness_nulls(rows1: list[dict[str, Any]]) -> dict[str, Any]:
     row against those over the longer ones: 1 when row length does not reorder the heads) and
     ``evidence_count_corr`` (over heads, the median Pearson correlation of a head's row values
     with ``1 / n_ev``, the note's number of evidence words: ~0 when the count does not drive
-    it); None without Phase-1 rows with evidence."""
+    it; None for a task without evidence words); ``{}`` without Phase-1 rows."""
     import numpy as np
 
     if not rows1 or not rows1[0][SHARPNESS_COLUMNS[0]]:
@@ -626,10 +626,12 @@ def sharpness_nulls(rows1: list[dict[str, Any]]) -> dict[str, Any]:
     for c in SHARPNESS_COLUMNS:
         v = torch.cat([torch.stack(r[c], 1) for r in rows1]).double().numpy()  # [R, L, H]
         v = v.reshape(len(v), -1)
-        ok = np.isfinite(v).all(1) & (n_ev > 0)
+        fine = np.isfinite(v).all(1)
+        ok = fine & (n_ev > 0)  # the count's correlation needs evidence words; the length not
         entry: dict[str, Any] = dict(short_long_spearman=None, evidence_count_corr=None)
-        if (ok & short).sum() > 1 and (ok & ~short).sum() > 1:
-            entry["short_long_spearman"] = spearman(v[ok & short].mean(0), v[ok & ~short].mean(0))
+        if (fine & short).sum() > 1 and (fine & ~short).sum() > 1:
+            entry["short_long_spearman"] = spearman(v[fine & short].mean(0),
+                                                    v[fine & ~short].mean(0))
         inv = 1.0 / n_ev[ok]
         if ok.sum() > 2 and inv.std() > 0:
             corr = [float(np.corrcoef(inv, v[ok, j])[0, 1]) for j in range(v.shape[1])

@@ -68,12 +68,13 @@ def _null(col: str, kind: str | None, scores: Any, nulls: dict[str, Any]
     if kind == "rows":
         entry = (nulls or {}).get(col) or {}
         rho, corr = entry.get("short_long_spearman"), entry.get("evidence_count_corr")
-        if rho is None or corr is None:
+        if rho is None:
             return "row length and evidence count", None, "not measured (no per-row nulls)"
-        ok = rho >= NULL_STABLE and abs(corr) < NULL_COUNT
+        ok = rho >= NULL_STABLE and (corr is None or abs(corr) < NULL_COUNT)
         verdict = ("beats its null" if ok else "cannot beat its null") + \
-            f": short vs long rows Spearman {rho:+.2f}, correlation with 1/evidence words " \
-            f"{corr:+.2f}"
+            f": short vs long rows Spearman {rho:+.2f}" + \
+            (f", correlation with 1/evidence words {corr:+.2f}" if corr is not None else
+             " (no evidence words: the count not checked)")
         return "row length and evidence count", rho, verdict
     return "-", None, "-"
 
