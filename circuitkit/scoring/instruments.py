@@ -96,8 +96,8 @@ def instrument_table(scores: Any, k: int = 5, nulls: dict[str, Any] | None = Non
              for la, h in zip(scores["layer"], scores["head"], strict=True)]
     rows = []
     for col, phase, kind in SCORES:
-        if col not in scores.columns or scores[col].isna().all():
-            continue
+        if col not in scores.columns or scores[col].nunique(dropna=True) < 2:
+            continue  # absent, undefined or constant (no evidence words): ranks nothing
         try:
             need = carried(scores, phase, direction)
         except (KeyError, ValueError):
