@@ -23,6 +23,12 @@ Definitions (positions follow the task layout: the token at p is predicted from 
 * **micro_f1** = 2 TP / (2 TP + FP + FN) pooled over examples and labels; **macro_f1** = mean over
   labels that occur in a target or predicted set of 2 TP_l / (2 TP_l + FP_l + FN_l).
 
+* **focus_embedding**, **confusion_embedding** (the paper's Reasoning Focus and Near-Miss
+  Confusion: sentence-embedding cosines of the generated reasoning steps with the note / with the
+  near-miss labels; ``circuitkit.embedding``, docs/metrics.md), with ``embedding_encoder`` (the
+  encoder's name and version); NaN and None, with a one-line warning naming the ``embed`` extra,
+  when the encoder is not installed.
+
 A ``las`` key (distillation) can be added to ``evaluate``'s output without changing the others.
 """
 
@@ -30,8 +36,10 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -339,7 +347,7 @@ def _nanmean(t: Tensor) -> float:
 @torch.no_grad()
 def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None = None,
              progress: bool = False, las: bool = False,
-             las_train: Task | None = None) -> dict[str, float]:
+             las_train: Task | None = None, embeddings: bool = True) -> dict[str, Any]:
     """Run ``model`` (``model(tokens) -> logits [batch, seq, vocab]``) on ``task``; see the module
     docstring for ``focus, focus_per_step, confusion, confusion_rate, macro_f1, micro_f1,
     exact_match``.
@@ -349,6 +357,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     the 86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced
     pass, then decoding). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high`` (``las`` below;
     the simulator trains on ``las_train``'s notes, else cross-fits two halves of ``task``).
+    ``embeddings``: add the paper's ``focus_embedding``, ``confusion_embedding`` and
+    ``embedding_encoder`` (module docstring) from the decoded continuations.
     """
     check_task(task, "evaluate")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -380,10 +390,26 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     out = dict(focus=_nanmean(torch.cat(focus)), focus_per_step=_nanmean(torch.cat(focus_step)),
                confusion=_nanmean(torch.cat(conf)))
     out.update(task_set_metrics(gens, task))
+    if embeddings:
+        out.update(embedding_keys(task, gens))
     if las:
         res = las_of(model, task, las_train, generations=gens, batch_size=batch_size)
         out.update({k: res[k] for k in ("las", "las_ci_low", "las_ci_high")})
     return out
+
+
+def embedding_keys(task: Task, generations: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """``embedding.embedding_metrics`` of the decoded continuations; NaN (and a one-line
+    warning naming the ``embed`` extra) when the sentence encoder is not installed."""
+    from circuitkit import embedding
+
+    try:
+        encoder = embedding.load_encoder()
+    except embedding.EncoderMissing as err:
+        warnings.warn(str(err), stacklevel=3)
+        return dict(focus_embedding=float("nan"), confusion_embedding=float("nan"),
+                    embedding_encoder=None)
+    return embedding.embedding_metrics(task, generations, encoder)
 
 
 # --- LAS: leakage-adjusted simulatability (Hase et al. 2020; docs/distill.md, "LAS") -------

@@ -130,7 +130,7 @@ def test_evaluate_tiny_random_model(task):
          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
          "num_key_value_heads": 2, "max_position_embeddings": 128},
         tokenizer=task.tokenizer(), device="cpu")
-    m = evaluate(model, task.subset(range(8)), batch_size=4)
+    m = evaluate(model, task.subset(range(8)), batch_size=4, embeddings=False)
     assert set(m) == {"focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
                       "micro_f1", "exact_match"}
     for k, v in m.items():
@@ -142,7 +142,8 @@ def test_evaluate_tiny_random_model(task):
     assert m["confusion"] == pytest.approx(
         float(confusion_from_logits(logits, sub).nanmean()), abs=1e-5)
     # ck.evaluate works even though the circuitkit.evaluate module was imported first
-    assert ck.evaluate(model, task.subset(range(2)), batch_size=2).keys() == m.keys()
+    assert ck.evaluate(model, task.subset(range(2)), batch_size=2,
+                       embeddings=False).keys() == m.keys()
 
 
 def test_model_with_too_small_vocabulary_is_refused_clearly():

@@ -186,6 +186,11 @@ METRIC_MEANINGS = {
     "macro_f1": "F1 per label, averaged over labels (decoded answers)",
     "micro_f1": "F1 pooled over all (note, label) decisions",
     "exact_match": "share of notes whose decoded label set equals the target set",
+    "focus_embedding": "the paper's Reasoning Focus: cosine of each early reasoning step's "
+                       "sentence embedding with the note's",
+    "confusion_embedding": "the paper's Near-Miss Confusion: cosine of each refinement step's "
+                           "sentence embedding with the near-miss labels'",
+    "embedding_encoder": "the sentence encoder of the two lines above (name, package version)",
 }
 
 

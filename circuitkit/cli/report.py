@@ -38,11 +38,13 @@ def evaluate(
         _fail(f"{model}: {e}")
     if as_json:
         return _echo_json(dict(model=model, task=task, n_examples=len(the_task), split=split,
-                               seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
+                               seed=seed, metrics={k: round(v, 4) if isinstance(v, float) else v
+                                                   for k, v in scores.items()},
                                meanings=METRIC_MEANINGS))
     typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
     for k, v in scores.items():
-        typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
+        shown = f"{v:7.4f}" if isinstance(v, float) else str(v)
+        typer.echo(f"  {k:<15}{shown}   {METRIC_MEANINGS.get(k, '')}")
 
 
 @app.command(short_help="Rewrite a results folder's report.html.")

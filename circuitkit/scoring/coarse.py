@@ -15,6 +15,12 @@ heads, ``S`` key positions, ``D`` = d_model, ``A`` anchors.
   keys); ``salient_mass = sum_{s in salient} a_s`` (the note's evidence positions).
 * ``anchor_directions``: "labels" ``u_a = m_a - mean_b m_b``, ``m_a`` the mean unembedding
   column of anchor a's labels; "tokens" ``u_a = W_U[:, tok(a)] - mean_b W_U[:, tok(b)]``.
+* The paper's form beside them (issue 47): ``coarse_score_paper = E_rows[kurtosis(row) *
+  cos(w, m_c)]``, raw excess kurtosis times the cosine with the *uncentred* centroid ``m_c``
+  (``anchor_centroids``), the product taken per row, then averaged.
+* Nulls (issue 47): ``evidence_normalised = n_ev * exp(-H)`` (1 for a head spread evenly over
+  the note's ``n_ev`` evidence words, at any row length and any ``n_ev``); ``group_mass``: the
+  mass on the step's own evidence group, and its group-blind null ``salient_mass * |own| / n_ev``.
 """
 
 from __future__ import annotations
@@ -64,6 +70,15 @@ def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, "
                       mode: str = "labels", label_token_ids: Int[Tensor, " L"] | None = None,
                       label_anchor: Int[Tensor, " L"] | None = None) -> Float[Tensor, "D A"]:
     """Centred anchor directions ``u`` [D, A] (module docstring); ``mode`` "tokens" or "labels"."""
+    cols = anchor_centroids(W_U, anchor_token_ids, mode, label_token_ids, label_anchor)
+    return cols - cols.mean(1, keepdim=True)
+
+
+def anchor_centroids(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, " A"],
+                     mode: str = "labels", label_token_ids: Int[Tensor, " L"] | None = None,
+                     label_anchor: Int[Tensor, " L"] | None = None) -> Float[Tensor, "D A"]:
+    """Uncentred anchor centroids ``m`` [D, A]: "labels" the mean unembedding column of each
+    anchor's labels, "tokens" the anchor token's own column (``coarse_score_paper``'s)."""
     if mode == "tokens":
         cols = W_U[:, anchor_token_ids.to(W_U.device)].float()
     elif mode == "labels":
@@ -80,7 +95,7 @@ def anchor_directions(W_U: Float[Tensor, "D V"], anchor_token_ids: Int[Tensor, "
         cols = lab @ onehot / counts  # [D, A]
     else:
         raise ValueError(f"anchor_directions: mode={mode!r}; expected 'tokens' or 'labels'.")
-    return cols - cols.mean(1, keepdim=True)
+    return cols
 
 
 def cosines(writes: Float[Tensor, "N H D"], directions: Float[Tensor, "D A"]
@@ -102,6 +117,36 @@ def anchor_alignment(writes: Float[Tensor, "N H D"], directions: Float[Tensor, "
     if n_a < 2:
         return own
     return own - (cos.sum(-1) - own) / (n_a - 1)
+
+
+def paper_coarse(kurtosis: Float[Tensor, "N H"], writes: Float[Tensor, "N H D"],
+                 centroids: Float[Tensor, "D A"], correct: Int[Tensor, " N"]
+                 ) -> Float[Tensor, "N H"]:
+    """The paper's CoarseScore of each row: ``kurtosis * cos(w, m_c)`` (``c = correct[n]``,
+    ``m`` uncentred centroids); ``score_heads`` averages it over rows (``coarse_score_paper``)."""
+    cos = cosines(writes, centroids)
+    own = cos.gather(-1, correct.to(cos.device)[:, None, None].expand(-1, cos.shape[1], 1))[..., 0]
+    return kurtosis.float() * own
+
+
+def evidence_normalised(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"],
+                        n_evidence: Float[Tensor, " N"]) -> Float[Tensor, "N H"]:
+    """``n_ev * exp(-H)``: the row's concentration over that of a row spread evenly over the
+    note's ``n_ev`` evidence words (NaN where ``n_ev`` is 0)."""
+    n = n_evidence.to(rows.device).double()
+    c = concentration(rows, valid).double()
+    return torch.where(n[:, None] > 0, c * n[:, None], torch.full_like(c, math.nan)
+                       ).to(rows.dtype)
+
+
+def group_mass(rows: Float[Tensor, "N H S"], own: Float[Tensor, "N S"],
+               evidence: Float[Tensor, "N S"]) -> tuple[Float[Tensor, "N H"], Float[Tensor, "N H"]]:
+    """``(mass on own, its group-blind null)``: the attention on the step's own evidence group
+    ``own`` (0/1 per key), and what a head spreading its evidence mass evenly over every
+    evidence word would put there, ``salient_mass * |own| / |evidence|``."""
+    mine = salient_mass(rows, own)
+    share = own.float().sum(-1) / evidence.float().sum(-1).clamp(min=1)  # [N]
+    return mine, salient_mass(rows, evidence) * share[:, None].to(mine.device)
 
 
 def coarse_score(sharpness: Tensor, alignment: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
@@ -44,7 +44,10 @@ COLUMNS = ["layer", "head", "sharpness", "anchor_alignment", "coarse_score", "sh
            "refine_if_uniform", "sharpness_concentration", "evidence_mass",
            "key_preference_nonadjacent", "margin_widening_siblings", "refine_score_siblings",
            "margin_from_siblings", "ov_copy_siblings", "margin_from_targets_siblings",
-           "refine_near_down_siblings", "refine_if_uniform_siblings"]
+           "refine_near_down_siblings", "refine_if_uniform_siblings",
+           "coarse_score_paper", "refine_score_paper", "sharpness_evidence_normalised",
+           "evidence_mass_own", "evidence_mass_own_null", "evidence_mass_own_excess",
+           "key_preference_positional_null", "key_preference_excess"]
 BATCH_BYTES = 256 * 2**20  # cached activations per batch (patterns dominate: L*H*S^2 floats)
 N_BOOT = 50  # bootstrap resamples of the examples (rank intervals, top-k inclusion)
 STABLE_MIN = 0.8  # a top-k head included in fewer resamples than this is flagged unstable
@@ -61,6 +64,10 @@ PHASE2_EXTRA = ("key_preference_nonadjacent", "margin_widening_siblings",
                 "margin_from_targets_siblings", "refine_near_down_siblings",
                 "refine_if_uniform_siblings")
 KEY_PARTS = PHASE2_PARTS[3:] + PHASE2_EXTRA[2:]  # need each key's write: NaN without W_O
+# issue 47: the paper's score forms and the instruments' nulls, each its own column (not in the
+# bootstrap); the positional null is computed after the pass (it needs every row's attention)
+PAPER_EXTRA = ("coarse_score_paper", "sharpness_evidence_normalised", "evidence_mass_own",
+               "evidence_mass_own_null", "refine_score_paper")
 
 
 @dataclass
@@ -73,7 +80,9 @@ class QueryPlan:
     (padded -1). Issue 34's instruments: ``evidence_keys`` [N1, S] (the note's evidence
     positions <= q), ``nonadjacent_keys`` [N2, S] (near-miss entries not immediately before a
     target entry in the shortlist), ``sibling_tok`` [N2, M'] (the near-misses in the step's
-    target's own category, padded -1) and ``sibling_keys`` [N2, S] (the entries holding them)."""
+    target's own category, padded -1) and ``sibling_keys`` [N2, S] (the entries holding them).
+    Issue 47: ``own_keys`` [N1, S] (the step's own evidence group, ``evidence_groups``) and
+    ``own_ok`` [N1] (whether the example says which group is the step's)."""
 
     b1: Int[Tensor, " N1"]
     q1: Int[Tensor, " N1"]
@@ -93,6 +102,8 @@ class QueryPlan:
     nonadjacent_keys: Float[Tensor, "N2 S"] | None = None
     sibling_tok: Int[Tensor, "N2 M"] | None = None
     sibling_keys: Float[Tensor, "N2 S"] | None = None
+    own_keys: Float[Tensor, "N1 S"] | None = None
+    own_ok: Bool[Tensor, " N1"] | None = None
 
 
 def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> int:
@@ -115,6 +126,25 @@ def _padded(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
     return out
 
 
+def evidence_groups(e: Any) -> list[list[int]] | None:
+    """Each anchor step's own evidence group (positions), in ``anchor_pos`` order, or None when
+    the example does not say: the note's evidence words split into contiguous runs (one per
+    target, in note order ``meta["note_order"]``), step ``j``'s run the one of ``targets[j]``
+    (anchors and answers follow the sorted targets: ``synthetic.make_examples``)."""
+    order = list((e.meta or {}).get("note_order") or [])
+    ev = sorted(e.evidence_pos)
+    runs: list[list[int]] = []
+    for p in ev:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if not order or len(runs) != len(order) or len(e.targets) != len(e.anchor_pos) \
+            or sorted(order) != sorted(e.targets):
+        return None
+    return [runs[order.index(t)] for t in e.targets]
+
+
 def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
     """Query rows of ``examples`` (a batch) under the task layout (module docstring)."""
     tok2anchor = {int(t): i for i, t in enumerate(task.anchor_token_ids.tolist())}
@@ -123,13 +153,19 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
     label_anchor = task.label_anchor.tolist()
     b1, q1, a1, w1, b2, q2, w2, tt, nt = [], [], [], [], [], [], [], [], []
     tkeys, nkeys, skeys, kpos, ktok = [], [], [], [], []
-    ekeys, akeys, sibtok, sibkeys = [], [], [], []
+    ekeys, akeys, sibtok, sibkeys, okeys, o_ok = [], [], [], [], [], []
     for b, e in enumerate(examples):
         steps = [(j, p - 1) for j, p in enumerate(e.anchor_pos) if p >= 1]
         ev_row = torch.zeros(seq)
         ev_row[[p for p in e.evidence_pos if p < seq]] = 1.0
+        groups = evidence_groups(e)
         for j, q in steps:
             ekeys.append(ev_row * (torch.arange(seq) <= q))
+            own = torch.zeros(seq)
+            if groups is not None:
+                own[[p for p in groups[j] if p <= q and p < seq]] = 1.0
+            okeys.append(own)
+            o_ok.append(groups is not None)
             b1.append(b)
             q1.append(q)
             a1.append(_correct_anchor(task, e, j, tok2anchor))
@@ -187,7 +223,8 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
     return QueryPlan(ids(b1), ids(q1), ids(a1), torch.tensor(w1), ids(b2), ids(q2),
                      torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt),
                      rows(skeys), _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys),
-                     _padded(sibtok), rows(sibkeys))
+                     _padded(sibtok), rows(sibkeys), rows(okeys),
+                     torch.tensor(o_ok, dtype=torch.bool))
 
 
 def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
@@ -315,6 +352,9 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     mode = anchor_mode(task, anchor_directions)
     U = {m: coarse.anchor_directions(W_U, task.anchor_token_ids, m, task.label_token_ids,
                                      task.label_anchor) for m in {mode, "tokens"}} if n1 else {}
+    centroids = coarse.anchor_centroids(W_U, task.anchor_token_ids, mode, task.label_token_ids,
+                                        task.label_anchor) if n1 else None
+    ln_module = getattr(model.ln_final, "original_component", model.ln_final) if n2 else None
     norm = refine.final_norm(model) if n2 else None
     post = {lay: refine.norm_params(model, n, f"block {lay}'s post-attention norm")
             for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
@@ -333,7 +373,11 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             names |= {hooks.v(lay) for lay in range(L)}
     E = len(task)
     acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS + PHASE1_EXTRA
-           + PHASE2_EXTRA}
+           + PHASE2_EXTRA + PAPER_EXTRA + NULL_EXTRA}
+    # per-row values the nulls need after the pass (issue 47): Phase-1 sharpness columns with
+    # each row's length and evidence count; Phase-2 attention at each shortlist entry
+    rows1: list[dict[str, Tensor]] = []
+    rows2: list[dict[str, Tensor]] = []
     from circuitkit._progress import tqdm
 
     bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
@@ -377,6 +421,13 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             per_key = [d[:, None, :].expand(-1, kk, -1).to(device)
                        for d in (margin_dir, target_dir, sib_dir)]
             adj_ok = (plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0)
+            grad = refine.margin_gradient(ln_module, x2, margin_dir.to(device))  # [N2, D]
+            rows2.append(dict(ex=ex2, w=plan.w2 * pref_ok, n=key_ok.sum(-1).cpu(),
+                              t=key_t.cpu(), m=key_m.cpu(), at=[]))
+        if plan.b1.numel():
+            n_ev = plan.evidence_keys.sum(-1)
+            rows1.append(dict(ex=ex1, w=plan.w1, length=plan.q1 + 1, n_ev=n_ev,
+                              **{c: [] for c in SHARPNESS_COLUMNS}))
         for lay in range(L):
             pat = cache[hooks.pattern(lay)]
             if pat.shape[1] != H:
@@ -387,9 +438,21 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 rows = pat[bd, :, qd, :].float()  # [N, H, S]
                 writes = _head_writes(cache, lay, bd, qd, W_O, post)  # [N, H, D]
                 valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]
-                acc["sharpness"].add(lay, ex1, coarse.excess_kurtosis(rows, valid), plan.w1)
-                acc["sharpness_concentration"].add(lay, ex1, coarse.concentration(rows, valid),
-                                                   plan.w1)
+                kurt = coarse.excess_kurtosis(rows, valid)
+                conc = coarse.concentration(rows, valid)
+                normed = coarse.evidence_normalised(rows, valid, n_ev)
+                acc["sharpness"].add(lay, ex1, kurt, plan.w1)
+                acc["sharpness_concentration"].add(lay, ex1, conc, plan.w1)
+                acc["sharpness_evidence_normalised"].add(lay, ex1, normed.nan_to_num(),
+                                                         plan.w1 * (n_ev > 0))
+                for c, v in zip(SHARPNESS_COLUMNS, (kurt, conc, normed), strict=True):
+                    rows1[-1][c].append(v.float().cpu())
+                own, own_null = coarse.group_mass(rows, plan.own_keys.to(device),
+                                                  plan.evidence_keys.to(device))
+                acc["evidence_mass_own"].add(lay, ex1, own, plan.w1 * plan.own_ok)
+                acc["evidence_mass_own_null"].add(lay, ex1, own_null, plan.w1 * plan.own_ok)
+                acc["coarse_score_paper"].add(lay, ex1, coarse.paper_coarse(
+                    kurt, writes, centroids, plan.anchor1), plan.w1)
                 acc["evidence_mass"].add(lay, ex1, coarse.salient_mass(
                     rows, plan.evidence_keys.to(device)), plan.w1)
                 acc["anchor_alignment"].add(lay, ex1, coarse.anchor_alignment(
@@ -412,6 +475,11 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                 acc["key_preference_nonadjacent"].add(lay, ex2, pref_na, plan.w2 * adj_ok)
                 acc["margin_widening_siblings"].add(lay, ex2, refine.margin_widening(
                     scaled, sib_dir), plan.w2 * sib_ok)
+                near_mass = refine.shortlist_share(rows, plan.near_keys.to(device))
+                acc["refine_score_paper"].add(lay, ex2, refine.paper_refine(
+                    share, near_mass, writes, grad), plan.w2)
+                rows2[-1]["at"].append((rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))
+                                        * key_ok[:, None, :]).cpu())
                 if W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
                     nan = torch.full((len(b2), H), float("nan"))
                     for c in KEY_PARTS:
@@ -448,6 +516,7 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         del cache
         bar.update(len(sub))
     bar.close()
+    _positional_null(rows2, acc, L, H)
     per_ex = {c: a.means() for c, a in acc.items()}
     nan = float("nan")
     mean = {c: m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
@@ -467,6 +536,9 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
                            **flat))
     df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
+    df["evidence_mass_own_excess"] = df["evidence_mass_own"] - df["evidence_mass_own_null"]
+    if not shortlist:  # nothing to re-attend to: the paper's product is undefined, not 0
+        df["refine_score_paper"] = nan
     df["mechanism"] = refine.mechanism(df["refine_score"], df["margin_from_targets"],
                                        df["margin_from_near_misses"], df["refine_target_up"],
                                        df["refine_near_down"])
@@ -503,7 +575,70 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
                     final_norm=norm[0] if norm else None, k=int(k), n_boot=int(n_boot),
                     boot_seed=boot_seed, model=str(getattr(model.cfg, "model_name", "")))
     df.attrs.update(stability_summary(df, int(k)))
+    df.attrs["instrument_nulls"] = sharpness_nulls(rows1)
     return df
+
+
+SHARPNESS_COLUMNS = ("sharpness", "sharpness_concentration", "sharpness_evidence_normalised")
+NULL_EXTRA = ("key_preference_positional_null", "key_preference_excess")
+
+
+def _positional_null(rows2: list[dict[str, Any]], acc: dict[str, _PerExample], L: int,
+                     H: int) -> None:
+    """Add ``key_preference_positional_null`` and ``key_preference_excess`` to ``acc``: per
+    layer, every Phase-2 row's attention at its shortlist entries (``rows2``, padded to one
+    width), replaced by ``refine.positional_null``, read with the row's own target / near-miss
+    entries (module docstring of ``refine``)."""
+    if not rows2 or not rows2[0]["at"]:
+        return
+    width = max(r["t"].shape[1] for r in rows2)
+
+    def cat(key: str) -> Tensor:
+        return torch.cat([torch.nn.functional.pad(r[key], (0, width - r[key].shape[-1]))
+                          for r in rows2])
+
+    t, m, n = cat("t").float(), cat("m").float(), torch.cat([r["n"] for r in rows2])
+    ex, w = torch.cat([r["ex"] for r in rows2]), torch.cat([r["w"].float() for r in rows2])
+    for lay in range(L):
+        at = torch.cat([torch.nn.functional.pad(r["at"][lay], (0, width - r["at"][lay].shape[-1]))
+                        for r in rows2])  # [R, H, K]
+        real, null, ok = refine.key_preference_null(at, n, t, m)
+        weight = w * ok
+        acc["key_preference_positional_null"].add(lay, ex, null, weight)
+        acc["key_preference_excess"].add(lay, ex, real - null, weight)
+
+
+def sharpness_nulls(rows1: list[dict[str, Any]]) -> dict[str, Any]:
+    """What each sharpness column measures beside its name (JSON-ready, ``attrs``), per column:
+    ``short_long_spearman`` (the heads' means over the Phase-1 rows no longer than the median
+    row against those over the longer ones: 1 when row length does not reorder the heads) and
+    ``evidence_count_corr`` (over heads, the median Pearson correlation of a head's row values
+    with ``1 / n_ev``, the note's number of evidence words: ~0 when the count does not drive
+    it; None for a task without evidence words); ``{}`` without Phase-1 rows."""
+    import numpy as np
+
+    if not rows1 or not rows1[0][SHARPNESS_COLUMNS[0]]:
+        return {}
+    length = torch.cat([r["length"] for r in rows1]).double().numpy()
+    n_ev = torch.cat([r["n_ev"] for r in rows1]).double().numpy()
+    out: dict[str, Any] = {}
+    short = length <= np.median(length)
+    for c in SHARPNESS_COLUMNS:
+        v = torch.cat([torch.stack(r[c], 1) for r in rows1]).double().numpy()  # [R, L, H]
+        v = v.reshape(len(v), -1)
+        fine = np.isfinite(v).all(1)
+        ok = fine & (n_ev > 0)  # the count's correlation needs evidence words; the length not
+        entry: dict[str, Any] = dict(short_long_spearman=None, evidence_count_corr=None)
+        if (fine & short).sum() > 1 and (fine & ~short).sum() > 1:
+            entry["short_long_spearman"] = spearman(v[fine & short].mean(0),
+                                                    v[fine & ~short].mean(0))
+        inv = 1.0 / n_ev[ok]
+        if ok.sum() > 2 and inv.std() > 0:
+            corr = [float(np.corrcoef(inv, v[ok, j])[0, 1]) for j in range(v.shape[1])
+                    if v[ok, j].std() > 0]
+            entry["evidence_count_corr"] = float(np.median(corr)) if corr else None
+        out[c] = entry
+    return out
 
 
 def _scores(mean: dict[str, Tensor], shortlist: bool = True) -> dict[str, Tensor]:

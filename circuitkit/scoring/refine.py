@@ -18,6 +18,15 @@ Shapes: ``N`` Phase-2 query rows (``q = answer_pos - 1``), ``H`` heads, ``S`` ke
 * ``mechanism``: for a head with ``refine_score > 0`` and at least ``MECHANISM_MIN`` of the
   largest, "copy" (``margin_from_targets >= margin_from_near_misses`` and ``refine_target_up >=
   refine_near_down``), "suppress" (both the other way), "retrieve" (they disagree); "-" else.
+* The paper's form beside them (issue 47): ``refine_score_paper = E_rows[(Sim_shortlist -
+  Sim_near) * <w, grad_x margin>]``, ``Sim_shortlist = shortlist_share``, ``Sim_near = sum_{s in
+  M} A[s]`` (raw masses), ``grad_x margin`` the gradient of ``n(x) . (W_U[:, t] - mean_m W_U[:,
+  m])`` w.r.t. the residual ``x`` entering the final norm, through the model's own norm module
+  (its scale's derivative included: not ``margin_widening``'s frozen scale).
+* The positional null of ``key_preference`` (issue 47): the head's mean attention at each
+  (number of shortlist entries, entry index) over the rows, read as a row
+  (``positional_null``); ``key_preference_positional_null`` is ``key_preference`` of that row
+  with the row's own target / near-miss entries, ``key_preference_excess`` the difference.
 
 Final norm (``final_norm_linear``), ``x`` [N, D] the residual entering it at ``q``
 (``hooks.FINAL_NORM_IN``), ``g`` its gain (weight; ``1 + weight`` for Gemma's RMSNorm; 1 for
@@ -33,7 +42,7 @@ import weakref
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 MECHANISM_MIN = 0.1  # a head's refine_score, relative to the largest, to name its mechanism
@@ -166,6 +175,49 @@ def apply_final_norm(x: Float[Tensor, "N D"], kind: str, weight: Tensor, eps: fl
     """The final norm itself (to check ``final_norm`` against the model's own module)."""
     out = final_norm_linear(x[:, None, :], x, kind, weight, eps)[:, 0]
     return out if bias is None else out + bias.float().to(out.device)
+
+
+def margin_gradient(norm_module: Any, x: Float[Tensor, "N D"], margin_dir: Float[Tensor, "N D"]
+                    ) -> Float[Tensor, "N D"]:
+    """``d/dx [norm_module(x) . margin_dir]`` per row: autograd through the model's own final
+    norm (the unembedding bias does not depend on ``x``)."""
+    with torch.enable_grad():
+        xg = x.detach().clone().requires_grad_(True)
+        out = norm_module(xg)
+        (grad,) = torch.autograd.grad((out.float() * margin_dir.float().to(out.device)).sum(), xg)
+    return grad.float()
+
+
+def paper_refine(share: Float[Tensor, "N H"], near_mass: Float[Tensor, "N H"],
+                 writes: Float[Tensor, "N H D"], grad: Float[Tensor, "N D"]
+                 ) -> Float[Tensor, "N H"]:
+    """The paper's RefineScore of each row: ``(share - near_mass) * <w, grad>``."""
+    return (share.float() - near_mass.float()) * torch.einsum("nhd,nd->nh", writes.float(),
+                                                              grad.float())
+
+
+def positional_null(at_entries: Float[Tensor, "R H K"], n_entries: Int[Tensor, " R"]
+                    ) -> Float[Tensor, "R H K"]:
+    """Each row replaced by the mean over the rows with as many entries of the attention at each
+    entry index: what a head attending by entry order alone would do (0 past ``n_entries``)."""
+    out = torch.zeros_like(at_entries, dtype=torch.float64)
+    for n in n_entries.unique().tolist():
+        rows = n_entries == n
+        out[rows] = at_entries[rows].double().mean(0, keepdim=True)
+    width = torch.arange(at_entries.shape[-1])[None, None, :]
+    return (out * (width < n_entries[:, None, None])).to(at_entries.dtype)
+
+
+def key_preference_null(at_entries: Float[Tensor, "R H K"], n_entries: Int[Tensor, " R"],
+                        target_entries: Float[Tensor, "R K"], near_entries: Float[Tensor, "R K"]
+                        ) -> tuple[Float[Tensor, "R H"], Float[Tensor, "R H"], Bool[Tensor, " R"]]:
+    """``(key_preference, its positional null, rows where defined)`` of rows given at their
+    shortlist entries (entry order; ``n_entries`` valid per row): the null reads
+    ``positional_null``'s row with the same row's target / near-miss entries."""
+    real, ok = key_preference(at_entries, target_entries, near_entries)
+    null, _ = key_preference(positional_null(at_entries, n_entries), target_entries,
+                             near_entries)
+    return real, null, ok
 
 
 def margin_widening(scaled_writes: Float[Tensor, "N H D"], margin_dir: Float[Tensor, "N D"]

@@ -371,6 +371,31 @@ def _phase_columns(rows: Any, phase: int) -> tuple[Any, list[str]]:
     return rows, list(rows.columns)
 
 
+def instrument_section(scores: Any, summary: dict, k: int) -> str | None:
+    """Per score (circuitkit's and the paper's forms), its agreement with the causal ranking
+    (Spearman, precision@k; needs ``characterize --stages``) and with its null, and the verdict
+    in words (``scoring.instruments``); None for a scores.csv without the issue-47 columns."""
+    from circuitkit.scoring.instruments import instrument_table
+
+    if "key_preference_positional_null" not in scores.columns:
+        return None
+    nulls = (summary.get("scores_attrs") or {}).get("instrument_nulls") or {}
+    table = instrument_table(scores, k, nulls=nulls)
+    if table.empty:
+        return None
+    causal = table["spearman_causal"].notna().any()
+    note = ("<p class='note'>spearman_causal: over heads, with each head's needed share of its "
+            "phase's gap (noised at every position); precision_at_k: the score's top "
+            f"{k} in the causal top {k}. null_agreement: Spearman with the null (sharpness: "
+            "heads ranked on short rows against long rows). A score whose verdict says it "
+            "cannot beat its null measures that null on this model as much as its name.</p>")
+    if not causal:
+        note += ("<p class='skip'>No causal columns in scores.csv (run characterize with "
+                 "--stages): only the nulls are shown.</p>")
+        table = table.drop(columns=["spearman_causal", "precision_at_k", "causal_top_k"])
+    return note + _table(table, "{:+.3f}")
+
+
 def _stability_lines(summary: dict, scores: Any) -> str:
     """Lines under the score tables: top-k heads whose bootstrap inclusion is below 0.8, the
     agreement of the two anchor-direction rankings, and how much each RefineScore part moves
@@ -619,6 +644,10 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
         body += chart(charts.score_scatter, scores)
         body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
         sections.append(("scores", "Head scores", body))
+        instruments = instrument_section(scores, summary, min(5, len(scores)))
+        if instruments:
+            sections.append(("instruments", "Instruments: the causal ranking and their nulls",
+                             instruments))
     if validation is not None:
         table, note = _same_in_every_row(_validation_table(validation))
         sections.append(("validation", "Causal validation",
