@@ -12,14 +12,15 @@ from circuitkit.cli.console import _errors_as_lines, _fail
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
-          phase: int | None, loader=None, renders: bool = False):
+          phase: int | None, loader=None, renders: bool = False, corruption: str = "note"):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
     ``n_examples`` rows (None: all of them). ``model=None``: the task only. ``loader``: what
     loads the model (default ``ck.load_model``; its vocabulary is then checked, unless
     ``renders`` and the task is one the command renders as text for a pretrained LLM).
-    ``phase``: None takes a file's own phase (a built-in's default: 2).
+    ``phase``: None takes a file's own phase (a built-in's default: 2); ``corruption``: what
+    the corrupt run edits (``load_task``'s option; "note", the default, is not passed).
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
@@ -28,7 +29,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         _positive("--n-examples", n_examples, "notes in the run")
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
-                                seed=seed, split=split, phase=phase)
+                                seed=seed, split=split, phase=phase,
+                                **({} if corruption == "note" else {"corruption": corruption}))
         if model is None:
             return None, the_task
         the_model = (loader or ck.load_model)(model)
