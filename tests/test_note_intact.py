@@ -218,3 +218,16 @@ def test_one_bottleneck_model_reports_no_separate_phase_2_head():
     assert gap > 1.0 and edited["answer"][0, 0].item() > 0.9
     for g, s in edited.items():  # no layer-1 head carries any of it
         assert s[1].abs().max().item() < 1e-4, g
+
+
+@pytest.mark.slow
+def test_cli_patch_with_a_note_intact_corruption_names_its_metric(tmp_path):
+    import json
+
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, "-m", "circuitkit.cli", "patch", "-n", "4", "--phase",
+                        "1", "--corruption", "anchor", "--method", "exact", "--out", str(out),
+                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "result.json").read_text())
+    assert meta.get("meta", meta)["metric"] == "shortlist_anchor_margin"
