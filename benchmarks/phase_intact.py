@@ -7,19 +7,18 @@ seeds 1-3 give 3 disjoint pairs. For each phase and its corruption (Phase 1: "no
 ``anchor_margin``, "anchor" with ``shortlist_anchor_margin``; Phase 2: "note" with
 ``sibling_margin``, "shortlist-sibling" and "shortlist-swap" with ``edited_sibling_margin``):
 
-* ``gap``: ``m(clean_i) - m(corrupt_i)`` over all ``2 n`` notes, mean with its 95% normal
-  interval, the share of notes it lowers, and the clean margin (the gap's scale);
-* ``select``: every head noised alone at each position group (``ck.patch_heads(...,
-  positions=causal_groups(tp), direction="noise")``, the road ``characterize --stages`` takes)
-  on the select half; per layer x group the summed *needed* share ``sum_h -min(0, share_h)``
-  with a 95% bootstrap interval over notes (2000 resamples, the ratio of means re-taken in
-  each), and the top-5 heads by needed share at "all";
-* ``validate``: on the validation half, a hand hook loop (``hook_z`` of the corrupt run written
-  into the clean run at the group's positions, every head of the set at once) noising each
-  whole layer at each group, and the select half's top-5 heads at every position: the share of
-  the gap removed, with its 95% bootstrap interval.
+* ``gap`` (``-gap.json``): ``m(clean_i) - m(corrupt_i)`` over all ``2 n`` notes, mean with
+  its 95% normal interval, the share of notes it lowers, and the clean margin (its scale);
+* ``where`` (``-where.json``): on the select half, every head noised alone at every position
+  (``ck.patch_heads(..., direction="noise")``) and its top 5 by needed share ``-min(0,
+  share)``; on both halves, each whole layer noised at each position group
+  (``task.position_groups(at="steps")`` plus "all"; a hand hook loop writing the corrupt run's
+  ``hook_z`` into the clean run at the group's positions): the share of the gap removed with a
+  95% bootstrap interval over notes (2000 resamples, the ratio of means re-taken in each); on
+  the validation half, the select half's top 5 noised together.
 
-Results: ``OUT/<model>-s<seed>-<corruption>-p<phase>.json`` (a finished file is kept: the run
+All gaps run first, then the location runs (note-intact ones first), seed by seed.
+Results: ``OUT/<model>-s<seed>-<corruption>-p<phase>-{gap,where}.json`` (a finished file is kept: the run
 resumes), then ``OUT/<model>.md`` (tables).
 
     python benchmarks/phase_intact.py [--models icd-teacher icd-teacher-deep] [--seeds 1 2 3]
@@ -75,82 +74,100 @@ def _joint_noise(model, tp, heads_by_layer: dict[int, list[int]], mask):
     return tp.metric.per_prompt(logits)
 
 
-def one_run(model, model_name: str, seed: int, n: int, phase: int, corruption: str) -> dict:
-    import time
+def _task(model_name: str, seed: int, n: int, phase: int, corruption: str):
+    import circuitkit as ck
+    from circuitkit.tasks.base import phase_task
 
+    task = ck.load_task("icd10", n_examples=2 * n, seed=seed, split="test",
+                        corruption=corruption)
+    assert phase_task(task, phase).corruption == corruption
+    return task
+
+
+def gap_run(model, model_name: str, seed: int, n: int, phase: int, corruption: str) -> dict:
+    """The clean-corrupt gap over all ``2 n`` notes (module docstring)."""
     import torch
 
-    import circuitkit as ck
+    from circuitkit.tasks.base import phase_task
+
+    tp = phase_task(_task(model_name, seed, n, phase, corruption), phase)
+    m = tp.metric
+    with torch.no_grad():
+        clean = m.per_prompt(model(tp.clean_tokens)).double()
+        corrupt = m.per_prompt(model(tp.corrupt_tokens)).double()
+    d = clean - corrupt
+    half = 1.96 * float(d.std()) / len(d) ** 0.5
+    return dict(model=model_name, seed=seed, n=n, phase=phase, corruption=corruption,
+                metric=m.name, notes=len(d), gap=float(d.mean()),
+                gap_interval=[float(d.mean()) - half, float(d.mean()) + half],
+                lowered=float((d > 0).double().mean()), clean=float(clean.mean()),
+                corrupt=float(corrupt.mean()))
+
+
+def _layer_groups(model, tp) -> dict:
+    """Each whole layer noised at each position group (hand hook loop): ``{"L|g": [share,
+    low, high]}``, the share of ``tp``'s gap removed with its 95% bootstrap interval."""
+    import torch
+
     from circuitkit.scoring.causal import causal_groups
+
+    groups = causal_groups(tp)
+    with torch.no_grad():
+        c = tp.metric.per_prompt(model(tp.clean_tokens)).double()
+        k = tp.metric.per_prompt(model(tp.corrupt_tokens)).double()
+    out = {}
+    H = model.cfg.n_heads
+    for g, mask in groups.items():
+        for layer in range(model.cfg.n_layers):
+            got = _joint_noise(model, tp, {layer: list(range(H))}, mask).double()
+            out[f"L{layer}|{g}"] = [float(x) for x in _interval(c - got, c - k)]
+    return out, c - k, groups
+
+
+def where_run(model, model_name: str, seed: int, n: int, phase: int, corruption: str) -> dict:
+    """Select half: every head noised alone (all positions; ``ck.patch_heads``), its top 5 by
+    needed share, and each whole layer noised at each group; validation half: the same layer x
+    group cells and the top 5 noised together (module docstring)."""
+    import time
+
+    import circuitkit as ck
     from circuitkit.tasks.base import phase_task
 
     t0 = time.perf_counter()
-    task = ck.load_task("icd10", n_examples=2 * n, seed=seed, split="test",
-                        corruption=corruption)
-    tp_all = phase_task(task, phase)
-    assert tp_all.corruption == corruption
-    m = tp_all.metric
-    with torch.no_grad():
-        clean = m.per_prompt(model(tp_all.clean_tokens)).double()
-        corrupt = m.per_prompt(model(tp_all.corrupt_tokens)).double()
-    d = clean - corrupt
-    half = 1.96 * float(d.std()) / len(d) ** 0.5
-    out = dict(model=model_name, seed=seed, n=n, phase=phase, corruption=corruption,
-               metric=m.name, notes=len(d), gap=float(d.mean()),
-               gap_interval=[float(d.mean()) - half, float(d.mean()) + half],
-               lowered=float((d > 0).double().mean()), clean=float(clean.mean()),
-               corrupt=float(corrupt.mean()))
+    task = _task(model_name, seed, n, phase, corruption)
     sel = phase_task(task.subset(range(n)), phase)
     val = phase_task(task.subset(range(n, 2 * n)), phase)
-    groups = causal_groups(sel)
-    res = ck.patch_heads(model, sel.clean_tokens, sel.corrupt_tokens, sel.metric,
-                         direction="noise", positions=groups, progress=False)
     L, H = model.cfg.n_layers, model.cfg.n_heads
-    pp = res.per_prompt.double()  # [n, L, H, G]
-    c0, k0 = res.clean_per_prompt.double(), res.corrupt_per_prompt.double()
-    gap_sel = c0 - k0
-    # needed share per head: -min(0, effect) of the mean effect; per prompt the effect itself
-    eff = pp - c0[:, None, None, None]  # [n, L, H, G]; negative: the head is needed
-    mean_share = eff.mean(0) / gap_sel.mean()  # [L, H, G]
-    needed = (-mean_share).clamp(min=0)
-    keep = (mean_share < 0).double()  # the heads counted in the needed sum (fixed by the mean)
-    names = list(groups)
-    layer_group = {}
-    for g_i, g in enumerate(names):
-        for layer in range(L):
-            num = -(eff[:, layer, :, g_i] * keep[layer, :, g_i]).sum(-1)  # [n]
-            point, lo, hi = _interval(num, gap_sel)
-            layer_group[f"L{layer}|{g}"] = [float(point), float(lo), float(hi)]
-    all_i = names.index("all")
-    order = needed[..., all_i].flatten().argsort(descending=True)[:5].tolist()
+    res = ck.patch_heads(model, sel.clean_tokens, sel.corrupt_tokens, sel.metric,
+                         direction="noise", progress=False)
+    share = (res.values.double() - res.clean) / (res.clean - res.corrupt)  # [L, H]
+    needed = (-share).clamp(min=0)
+    order = needed.flatten().argsort(descending=True)[:5].tolist()
     top = [(i // H, i % H) for i in order]
-    out.update(select_gap=float(gap_sel.mean()), groups=names,
-               group_sizes={g: int(groups[g].sum()) for g in names},
-               layer_group=layer_group,
-               head_needed={f"L{i // H}H{i % H}|{g}": float(needed.flatten(0, 1)[i, gi])
-                            for gi, g in enumerate(names) for i in range(L * H)
-                            if float(needed.flatten(0, 1)[i, gi]) >= 0.01},
-               top5=[f"L{a}H{b}" for a, b in top])
-    vg = causal_groups(val)
-    with torch.no_grad():
-        vc = val.metric.per_prompt(model(val.clean_tokens)).double()
-        vk = val.metric.per_prompt(model(val.corrupt_tokens)).double()
-    vgap = vc - vk
-    validate = {}
-    for g in vg:
-        for layer in range(L):
-            got = _joint_noise(model, val, {layer: list(range(H))}, vg[g]).double()
-            point, lo, hi = _interval(vc - got, vgap)
-            validate[f"L{layer}|{g}"] = [float(point), float(lo), float(hi)]
+    select, sel_gap, groups = _layer_groups(model, sel)
+    validate, val_gap, vg = _layer_groups(model, val)
     by_layer: dict[int, list[int]] = {}
     for a, b in top:
         by_layer.setdefault(a, []).append(b)
+    import torch
+
+    with torch.no_grad():
+        c = val.metric.per_prompt(model(val.clean_tokens)).double()
     got = _joint_noise(model, val, by_layer, vg["all"]).double()
-    point, lo, hi = _interval(vc - got, vgap)
-    validate["top5|all"] = [float(point), float(lo), float(hi)]
-    out.update(validate_gap=float(vgap.mean()), validate=validate,
-               seconds=round(time.perf_counter() - t0, 1))
-    return out
+    validate["top5|all"] = [float(x) for x in _interval(c - got, val_gap)]
+    return dict(model=model_name, seed=seed, n=n, phase=phase, corruption=corruption,
+                metric=sel.metric.name, select_gap=float(sel_gap.mean()),
+                validate_gap=float(val_gap.mean()), groups=list(groups),
+                group_sizes={g: int(m.sum()) for g, m in groups.items()},
+                head_needed={f"L{i // H}H{i % H}": float(needed.flatten()[i])
+                             for i in range(L * H) if float(needed.flatten()[i]) >= 0.01},
+                top5=[f"L{a}H{b}" for a, b in top], top5_select=float(needed.flatten()[
+                    order].sum()), layer_group=select, validate=validate,
+                seconds=round(time.perf_counter() - t0, 1))
+
+
+WHERE_ORDER = ((1, "anchor"), (2, "shortlist-sibling"), (2, "note"), (1, "note"),
+               (2, "shortlist-swap"))
 
 
 def run(models: list[str], seeds: list[int], n: int, out: Path) -> None:
@@ -160,15 +177,19 @@ def run(models: list[str], seeds: list[int], n: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in models:
         model = None
-        for s in seeds:
-            for phase, corruption in RUNS:
-                path = out / f"{name}-s{s}-{corruption}-p{phase}.json"
-                if path.exists():
-                    continue
-                model = model or ck.load_model(name)
-                got = one_run(model, name, s, n, phase, corruption)
-                write_text(path, json.dumps(got, indent=1))
-                print(f"{path.name}: gap {got['gap']:.3g}, {got['seconds']} s", flush=True)
+        stem = Path(name).name
+        jobs = [("gap", s, p, c) for s in seeds for p, c in RUNS] + \
+            [("where", s, p, c) for p, c in WHERE_ORDER for s in seeds]
+        for stage, s, phase, corruption in jobs:
+            path = out / f"{stem}-s{s}-{corruption}-p{phase}-{stage}.json"
+            if path.exists():
+                continue
+            model = model or ck.load_model(name)
+            fn = gap_run if stage == "gap" else where_run
+            got = fn(model, stem, s, n, phase, corruption)
+            write_text(path, json.dumps(got, indent=1))
+            print(f"{path.name}: {got.get('gap', got.get('select_gap')):.3g}, "
+                  f"{got.get('seconds', '')} s", flush=True)
 
 
 def _f(v: list[float], pct: bool = True) -> str:
@@ -178,8 +199,9 @@ def _f(v: list[float], pct: bool = True) -> str:
 
 
 def report(name: str, out: Path) -> str:
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-s*-p*.json"))]
-    if not rows:
+    gaps = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-s*-gap.json"))]
+    wheres = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-s*-where.json"))]
+    if not gaps:
         return ""
     lines = [f"# {name}: where each phase's decision is made, note-editing and note-intact "
              "corruptions\n", "Generated by `benchmarks/phase_intact.py` (module docstring: "
@@ -187,29 +209,33 @@ def report(name: str, out: Path) -> str:
              "| seed | phase | corruption | metric | clean | gap | gap / clean | lowered |",
              "|---|---|---|---|---|---|---|---|"]
     key = {(p, c): i for i, (p, c) in enumerate(RUNS)}
-    rows.sort(key=lambda r: (key[(r["phase"], r["corruption"])], r["seed"]))
-    for r in rows:
+    gaps.sort(key=lambda r: (key[(r["phase"], r["corruption"])], r["seed"]))
+    for r in gaps:
         lo, hi = r["gap_interval"]
         lines.append(f"| {r['seed']} | {r['phase']} | {r['corruption']} | {r['metric']} | "
                      f"{r['clean']:.3g} | {r['gap']:.3g} [{lo:.3g}, {hi:.3g}] | "
                      f"{100 * r['gap'] / r['clean']:.1f}% | {100 * r['lowered']:.0f}% |")
-    lines += ["", "## Where: per layer x group, summed needed single-head shares on the select "
-              "half (95% bootstrap) -> whole layer noised at the group on the validation half",
-              "", "Cells with a select share >= 5% in any seed; `all` = every position.", ""]
+    lines += ["", "## Where: each whole layer noised at each position group, share of the gap "
+              "removed (95% bootstrap over notes): select half -> validation half", "",
+              "Cells removing >= 5% on a select half; `all` = every position. Last row: the "
+              "select half's top 5 single heads (needed share), noised together on the "
+              "validation half.", ""]
     for phase, corruption in RUNS:
-        rs = [r for r in rows if (r["phase"], r["corruption"]) == (phase, corruption)]
+        rs = sorted((r for r in wheres if (r["phase"], r["corruption"]) == (phase, corruption)),
+                    key=lambda r: r["seed"])
         if not rs:
             continue
         cells = sorted({c for r in rs for c, v in r["layer_group"].items() if v[0] >= 0.05},
                        key=lambda c: (c.split("|")[1] != "all", c))
-        lines += [f"### Phase {phase}, corruption {corruption} ({rs[0]['metric']})", "",
+        lines += [f"### Phase {phase}, corruption {corruption} ({rs[0]['metric']}; gap select "
+                  + " / ".join(f"{r['select_gap']:.3g}" for r in rs) + ")", "",
                   "| cell | " + " | ".join(f"seed {r['seed']}: select -> validate"
                                            for r in rs) + " |",
                   "|---|" + "---|" * len(rs)]
         for c in cells:
             lines.append(f"| {c} | " + " | ".join(
                 f"{_f(r['layer_group'][c])} -> {_f(r['validate'][c])}" for r in rs) + " |")
-        lines.append("| top 5 (select) at all | " + " | ".join(
+        lines.append("| top 5 heads together | " + " | ".join(
             f"{' '.join(r['top5'])} -> {_f(r['validate']['top5|all'])}" for r in rs) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -228,6 +254,7 @@ def main() -> None:
     from circuitkit.files import write_text
 
     for name in a.models:
+        name = Path(name).name
         text = report(name, a.out)
         if text:
             write_text(a.out / f"{name}.md", text)
