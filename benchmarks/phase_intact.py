@@ -17,9 +17,10 @@ seeds 1-3 give 3 disjoint pairs. For each phase and its corruption (Phase 1: "no
   95% bootstrap interval over notes (2000 resamples, the ratio of means re-taken in each); on
   the validation half, the select half's top 5 noised together.
 
-All gaps run first, then the location runs (note-intact ones first), seed by seed.
-Results: ``OUT/<model>-s<seed>-<corruption>-p<phase>-{gap,where}.json`` (a finished file is kept: the run
-resumes), then ``OUT/<model>.md`` (tables).
+All gaps run first, then the location runs (note-intact ones first), seed by seed; a gap whose
+interval holds 0 is not located (every share of it would be noise).
+Results: ``OUT/<model>-s<seed>-<corruption>-p<phase>-{gap,where}.json`` (a finished file is
+kept: the run resumes), then ``OUT/<model>.md`` (tables).
 
     python benchmarks/phase_intact.py [--models icd-teacher icd-teacher-deep] [--seeds 1 2 3]
         [--n 128] [--out benchmarks/results/phase-intact] [--report-only]
@@ -184,6 +185,11 @@ def run(models: list[str], seeds: list[int], n: int, out: Path) -> None:
             path = out / f"{stem}-s{s}-{corruption}-p{phase}-{stage}.json"
             if path.exists():
                 continue
+            gap_file = out / f"{stem}-s{s}-{corruption}-p{phase}-gap.json"
+            if stage == "where" and gap_file.exists():
+                lo, hi = json.loads(gap_file.read_text())["gap_interval"]
+                if lo <= 0 <= hi:  # no gap to locate: every share of it would be noise
+                    continue
             model = model or ck.load_model(name)
             fn = gap_run if stage == "gap" else where_run
             got = fn(model, stem, s, n, phase, corruption)

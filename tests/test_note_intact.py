@@ -231,3 +231,20 @@ def test_cli_patch_with_a_note_intact_corruption_names_its_metric(tmp_path):
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "result.json").read_text())
     assert meta.get("meta", meta)["metric"] == "shortlist_anchor_margin"
+
+
+def test_validation_runs_on_note_intact_corruptions():
+    """validate_heads reads each phase's metric and its behaviour measure in one engine, though
+    they read different steps (shortlist_anchor_margin: a shortlist step, Focus: the anchor
+    steps; edited_sibling_margin: one answer step, Confusion: every one)."""
+    from circuitkit.scoring import score_heads
+    from circuitkit.scoring.validate import validate_heads
+
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=6, seed=3, split="test",
+                        corruption="anchor,shortlist-sibling")
+    scores = score_heads(model, task, progress=False, n_boot=0)
+    df = validate_heads(model, task, scores, k=2, n_random=2, progress=False)
+    got = set(zip(df.phase, df.quantity, strict=True))
+    assert {(1, "shortlist_anchor_margin"), (1, "focus"), (2, "edited_sibling_margin"),
+            (2, "confusion")} <= got
