@@ -45,6 +45,9 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "teacher": Preset(n_layers=4, n_heads=8, d_model=192, d_mlp=768),
+    # twice the teacher's depth, its heads, two thirds of its width (what one shared CPU thread
+    # trains in an hour), so "early", "mid" and "late" layers are distinct places (issue 45)
+    "teacher-deep": Preset(n_layers=8, n_heads=8, d_model=128, d_mlp=512),
     "student": Preset(n_layers=2, n_heads=4, d_model=128, d_mlp=512),
     # room for both phases: the teacher's depth at half its width; its layers map one to one, so
     # the Phase-2 heads (teacher layer 2) land below the output layer (docs/distill.md)

@@ -58,9 +58,11 @@ def test_the_positions_are_each_examples_own(task):
     pos, tok, last = task.answer_positions, task.answer_tokens, task.last_positions
     assert pos.shape == tok.shape and pos.shape[0] == n and last.shape == (n,)
     for i, e in enumerate(task.examples):
-        k = len(e.answer_pos)
-        assert pos[i, :k].tolist() == [p - 1 for p in e.answer_pos]  # read one before a step
-        assert (pos[i, k:] == -1).all() and tok[i, :k].tolist() == e.tokens[e.answer_pos].tolist()
+        # the sibling margin reads the corrupted target's answer step, one before it
+        steps = [e.answer_pos[e.targets.index(e.meta["p2_target"])]]
+        k = len(steps)
+        assert pos[i, :k].tolist() == [p - 1 for p in steps]
+        assert (pos[i, k:] == -1).all() and tok[i, :k].tolist() == e.tokens[steps].tolist()
         assert int(last[i]) == len(e.tokens) - 1 < task.clean_tokens.shape[1]
         assert int(pos[i, :k].max()) < len(e.tokens)  # never in its padding
     p1 = task.with_phase(1)
@@ -71,8 +73,8 @@ def test_the_positions_are_each_examples_own(task):
 def test_at_answers_on_right_padded_task_tokens_equals_task_metric(teacher, task):
     """The helper, on the padded batch's logits, gives task.metric's values (per prompt, to
     1e-6), and a sweep with it gives the task metric's sweep (to 1e-5)."""
-    assert all(e.near_misses for e in task.examples)  # (else the task uses the vocab mean)
-    mine = margin_reading(task, [task.label_token_ids[e.near_misses].tolist()
+    assert all(e.meta["p2_siblings"] for e in task.examples)  # (else: the vocab mean)
+    mine = margin_reading(task, [task.label_token_ids[e.meta["p2_siblings"]].tolist()
                                  for e in task.examples])
     with torch.no_grad():
         logits = teacher(task.clean_tokens)

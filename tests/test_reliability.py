@@ -44,12 +44,16 @@ def test_resume_under_another_metric_of_the_same_name_is_refused(tiny_llama, tas
     assert torch.equal(again.values, sweep(tiny_llama, task, lambda logits: m(logits)).values)
 
 
-def test_changed_near_misses_change_the_metric_identity(tmp_path):
+def test_changed_siblings_change_the_metric_identity(tmp_path):
+    """The Phase-2 metric (the sibling margin) reads the corrupted target's siblings: other
+    siblings, another metric (the checkpoint refuses to resume)."""
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=4, split="test", seed=5)
     other = task.subset(range(4))
-    other.examples = [type(e)(**{**e.__dict__, "near_misses": e.near_misses[::-1][:1]})
-                      for e in task.examples]
+    n = len(task.label_names)
+    other.examples = [type(e)(**{**e.__dict__, "meta": {
+        **e.meta, "p2_siblings": [(s + 1) % n for s in e.meta["p2_siblings"]]}})
+        for e in task.examples]
     args = dict(progress=False, checkpoint=tmp_path / "c")
     ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, **args)
     assert not torch.equal(task.metric(torch.randn(4, task.clean_tokens.shape[1], 3516)),

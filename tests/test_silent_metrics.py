@@ -254,7 +254,7 @@ def test_a_raised_metric_warns_once_at_the_api(teacher, raised, call):
     said = [w for w in caught if issubclass(w.category, DegenerateBaselineWarning)]
     assert len(said) == 1, [str(w.message) for w in said]
     line = str(said[0].message)
-    assert "raises metric 'target_vs_near_miss_margin'" in line and "\n" not in line
+    assert "raises metric 'all_near_miss_margin'" in line and "\n" not in line
     assert said[0].filename == __file__  # the warning names the caller's line
     torch.testing.assert_close(normalized, res.effect())
     assert res.meta["normalization"].startswith("raw effect")

@@ -103,6 +103,7 @@ def characterize(
                                 "each phase's decision is made; OUT/groups/ (exact patching; "
                                 "about 5 sweeps' time)."),
     select_n: opt.SelectN = "half",
+    corruption: opt.Corruption = "note",
     progress: opt.Progress = True,
     as_json: opt.Json = False,
 ) -> None:
@@ -127,7 +128,8 @@ def characterize(
                       n_random=n_random, n_random_ablation=n_random_ablation,
                       batch_size=batch_size, patch_method=patch_method,
                       text=flag, progress=progress, edges=edges,
-                      stages=stages, select_n=select_n)
+                      stages=stages, select_n=select_n,
+                      task_kwargs=None if corruption == "note" else {"corruption": corruption})
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(str(e) or type(e).__name__)
     except KeyboardInterrupt:

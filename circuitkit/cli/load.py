@@ -12,7 +12,8 @@ from circuitkit.cli.console import _errors_as_lines, _fail
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
-          phase: int | None, loader=None, renders: bool = False, pairs: bool = False):
+          phase: int | None, loader=None, renders: bool = False, pairs: bool = False,
+          corruption: str = "note"):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
@@ -21,7 +22,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     ``renders`` and the task is one the command renders as text for a pretrained LLM).
     ``phase``: None takes a file's own phase (a built-in's default: 2). ``pairs``: the command
     takes a file of plain clean/corrupt pairs (``tasks.pairs``): the "task" is then a
-    ``Pairs``, its rows checked before the model loads and tokenized by it.
+    ``Pairs``, its rows checked before the model loads and tokenized by it. ``corruption``:
+    what the corrupt run edits (``load_task``'s option; "note", the default, is not passed).
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
@@ -35,7 +37,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
             if plain.is_pairs_file(task):
                 return _load_pairs(model, task, n_examples, phase, loader)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
-                                seed=seed, split=split, phase=phase)
+                                seed=seed, split=split, phase=phase,
+                                **({} if corruption == "note" else {"corruption": corruption}))
         if model is None:
             return None, the_task
         the_model = (loader or ck.load_model)(model)

@@ -87,6 +87,21 @@ NRandom = Annotated[int, _opt("--n-random", "Random head sets per pool the top s
                               "paper-grade null, ~5x the time).", "N")]
 NRandomAblation = Annotated[int, _opt("--n-random-ablation", "Random head sets per pool the top "
                                       "set is ablated (zero, mean, resample) against.", "N")]
+def _corruption(value: str) -> str:
+    from circuitkit.corruptions import parse_corruption  # torch-free: checked at parse time
+
+    try:
+        parse_corruption(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e).replace("corruption=", "", 1)) from None
+    return value
+
+
+Corruption = Annotated[str, typer.Option(
+    "--corruption", help="What the corrupt run edits: note (the evidence; default), anchor "
+    "(Phase 1: the written anchor, note intact), shortlist-swap or shortlist-sibling (Phase 2: "
+    "the shortlist, note intact), or one of each phase joined by a comma (docs/scores.md). "
+    "icd10 and synthetic.", metavar="NAME", callback=_corruption)]
 SelectN = Annotated[str, _opt("--select-n", "Held-out selection: score (select) heads on the "
                               "first N examples, validate on the rest; 'half' (the default): "
                               "the first half; 'none': select and validate on the same "

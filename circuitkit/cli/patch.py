@@ -85,6 +85,7 @@ def patch(
     positions: opt.Positions = None,
     site: opt.Site = "z",
     phase: opt.Phase = None,
+    corruption: opt.Corruption = "note",
     split: opt.Split = "test",
     seed: opt.Seed = 0,
     batch_size: opt.BatchSize = None,
@@ -206,7 +207,7 @@ def _patch_inputs(a, layout):
 
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
                                     loader=lambda m: nnsight_backend.load(m, remote=a.remote),
-                                    pairs=True)
+                                    pairs=True, corruption=a.corruption)
     else:
         loader = None
         if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
@@ -216,7 +217,8 @@ def _patch_inputs(a, layout):
             placement = models.replica_placement(layout.local_gpus)
             loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                    loader=loader, renders=True, pairs=True)
+                                    loader=loader, renders=True, pairs=True,
+                                    corruption=a.corruption)
         if loader is not None:
             with _errors_as_lines():
                 _check_vocabulary(the_model, the_task, renders=True)
@@ -307,6 +309,7 @@ def edges(
     direction: opt.Direction = "denoise",
     n_examples: opt.N = None,
     phase: opt.Phase = None,
+    corruption: opt.Corruption = "note",
     split: opt.Split = "test",
     seed: opt.Seed = 0,
     batch_size: opt.BatchSize = None,
@@ -343,7 +346,7 @@ def edges(
     if plan:
         return _edge_plan(a)
     the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True,
-                                pairs=True)
+                                pairs=True, corruption=corruption)
     the_task = _phase_task(the_task, task)
     clean, corrupt, metric = _sweep_tokens(the_model, the_task)
     res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)

@@ -136,6 +136,21 @@ def exact_match_metric(task: Task) -> PromptMetric:
     return PromptMetric(fn, "exact_match", reads=_reads(pos))
 
 
+def _carrier(metric: PromptMetric, other: PromptMetric) -> PromptMetric:
+    """``metric`` reading ``other``'s logit positions too: the engine's metric when both are
+    quantities (the sibling margin reads one answer step, Near-Miss Confusion every one; a
+    note-intact Phase-1 metric reads a shortlist step, Focus the anchor steps)."""
+    import dataclasses
+
+    same = (metric.prompt_idx is None and other.prompt_idx is None) or (
+        metric.prompt_idx is not None and other.prompt_idx is not None
+        and torch.equal(metric.prompt_idx, other.prompt_idx))
+    if metric.reads is None or other.reads is None or not same \
+            or metric.reads.shape[0] != other.reads.shape[0]:
+        return metric  # (the engine then says which reads it lacks)
+    return dataclasses.replace(metric, reads=torch.cat([metric.reads, other.reads], 1))
+
+
 def _reads_metric(task: Task, phases: Sequence[int]) -> PromptMetric:
     """A metric that reads the logits before every step of ``phases`` (anchor and answer
     steps): the engine's metric for ``ablate_heads``, whose quantities read subsets of them.
@@ -400,8 +415,8 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                 + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
                                 + f" random sets, {n} prompts")
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=_fast(model),
-                                 rows=batch_size)
+            engine = ExactEngine(model, clean, corrupt, _carrier(metric, behaviour), sweep,
+                                 fast=_fast(model), rows=batch_size)
             runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
                                            bar=bar)
             if saved:

@@ -33,7 +33,9 @@ def load_task(
     ``split="test"`` draws examples held out from ``"train"`` (disjoint generator streams).
     ``n_examples``: notes to build (default 256); for a JSONL file, its first ``n_examples``
     rows (default all; ``seed`` and ``split`` do not apply to a file). ``phase``: 1 or 2
-    (default 2; for a file, the phase its header names).
+    (default 2; for a file, the phase its header names). icd10 and synthetic take
+    ``corruption=``: "note" (default), "anchor", "shortlist-swap", "shortlist-sibling", or
+    one of each phase joined by a comma (``circuitkit.corruptions``).
     """
     name = str(name)
     if n_examples is not None and (not isinstance(n_examples, int) or n_examples < 1):
@@ -46,6 +48,10 @@ def load_task(
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
     if phase not in (None, 1, 2):
         raise ValueError(f"phase must be 1 (anchors) or 2 (shortlist/answer), got {phase!r}.")
+    if kw.get("corruption", "note") != "note" and name not in ("icd10", "synthetic"):
+        raise ValueError(f"corruption={kw['corruption']!r}: the chain-of-thought corruptions "
+                         f"are built for icd10 and synthetic, not {name!r} (a .jsonl holds its "
+                         "own corrupt_tokens); leave corruption out.")
     if name.endswith(".jsonl"):
         task = Task.from_jsonl(name)
         if n_examples is not None:

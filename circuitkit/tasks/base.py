@@ -176,11 +176,24 @@ class Task:
         """The task's metric for ``self.phase``, a ``PromptMetric`` (``task.metric(logits)`` is
         the mean over prompts; ``.per_prompt``, ``.reads``).
 
-        Phase 2: target-vs-near-miss logit margin at answer steps,
-        ``mean_steps(logit[target] - mean(logit[near_misses]))``.
-        Phase 1: correct-anchor-vs-other-anchors margin at anchor steps,
-        ``mean_steps(logit[anchor] - mean(logit[anchors of the corrupt evidence]))`` (a row
-        without ``corrupt_anchors``: the mean over every other anchor).
+        Each reads what its phase's corruption (``config["corruption"]``, default "note")
+        changes:
+
+        * Phase 2, "note" (``sibling_margin``): at the corrupted target's answer step
+          (``meta["p2_target"]``), ``logit[target] - mean(logit[its own shortlisted siblings])``
+          (``meta["p2_siblings"]``). A task whose rows lack those (a JSONL without them) gets
+          ``all_near_miss_margin``: the mean over answer steps of ``logit[target] -
+          mean(logit[every near-miss of the note])``, other categories' near-misses included
+          (``task.all_near_miss_metric()``, named so in every case).
+        * Phase 2, "shortlist-swap" / "shortlist-sibling" (``edited_sibling_margin``): at the
+          same step, ``logit[target] - logit[the sibling the shortlist edit wrote in its
+          place]`` (``meta["p2_rival"]``).
+        * Phase 1, "note" (``anchor_margin``): the mean over anchor steps of
+          ``logit[anchor] - mean(logit[anchors of the corrupt evidence])`` (a row without
+          ``corrupt_anchors``: the mean over every other anchor).
+        * Phase 1, "anchor" (``shortlist_anchor_margin``): at the first shortlist step of the
+          corrupted target's category (``meta["p1_shortlist_step"]``), ``logit[the label written
+          there] - mean(logit[labels under the anchor written in its place])``.
         """
         return self.prompt_metric()
 
@@ -239,10 +252,47 @@ class Task:
         task.last_positions]`` reads each prompt's own last position."""
         return torch.tensor([len(e.tokens) - 1 for e in self.examples], dtype=torch.long)
 
+    def all_near_miss_metric(self) -> PromptMetric:
+        """Phase 2's metric before the sibling margin (``all_near_miss_margin``): the mean over
+        answer steps of ``logit[target] - mean(logit[near_misses])``, every near-miss of the
+        note (other categories' included; the vocabulary's mean when a row has none)."""
+        ex = self.examples
+        return replace(token_margin_metric(
+            [e.answer_pos for e in ex], [e.tokens[e.answer_pos].tolist() for e in ex],
+            [self.label_token_ids[e.near_misses].tolist() for e in ex],
+            name="all_near_miss_margin"), labels=(("task", self.name), ("phase", 2)))
+
+    @property
+    def corruption(self) -> str:
+        """What this phase's ``corrupt_tokens`` edit: "note" (the evidence; the default),
+        "anchor" (Phase 1), "shortlist-swap" or "shortlist-sibling" (Phase 2)."""
+        from circuitkit.corruptions import parse_corruption
+
+        return parse_corruption(self.config.get("corruption"))[self.phase]
+
+    def _metric_kind(self) -> str:
+        """Which metric ``task.metric`` is (its name; docstring of ``metric``)."""
+        if self.config.get("metric") == "logprob":
+            return "answer_logprob"
+        kind = self.corruption
+        if self.phase == 1:
+            return "shortlist_anchor_margin" if kind == "anchor" else "anchor_margin"
+        if kind != "note":
+            return "edited_sibling_margin"
+        sib = all("p2_target" in e.meta and "p2_siblings" in e.meta for e in self.examples)
+        return "sibling_margin" if sib else "all_near_miss_margin"
+
     def _step_pos(self) -> list[list[int]]:
         """The token positions of the steps ``task.metric`` scores, per example."""
-        one = self.phase == 1 and self.config.get("metric") != "logprob"
-        return [e.anchor_pos if one else e.answer_pos for e in self.examples]
+        kind = self._metric_kind()
+        if kind == "anchor_margin":
+            return [e.anchor_pos for e in self.examples]
+        if kind == "shortlist_anchor_margin":
+            return [[int(e.meta["p1_shortlist_step"])] for e in self.examples]
+        if kind in ("sibling_margin", "edited_sibling_margin"):
+            return [[e.answer_pos[e.targets.index(int(e.meta["p2_target"]))]]
+                    for e in self.examples]
+        return [e.answer_pos for e in self.examples]
 
     def _step_tokens(self) -> list[list[int]]:
         """The token at each of ``_step_pos``' positions, per example."""
@@ -252,8 +302,21 @@ class Task:
         ex = self.examples
         steps = self._step_pos()
         tokens = self._step_tokens()
-        if self.config.get("metric") == "logprob":
+        kind = self._metric_kind()
+        if kind == "answer_logprob":
             return token_logprob_metric(steps, tokens, name="answer_logprob")
+        if kind == "shortlist_anchor_margin":
+            la = self.label_anchor
+            rivals = [self.label_token_ids[la == la[int(e.meta["p1_label"])]].tolist()
+                      for e in ex]
+            return token_margin_metric(steps, tokens, rivals, name=kind)
+        if kind in ("sibling_margin", "edited_sibling_margin"):
+            key = "p2_siblings" if kind == "sibling_margin" else "p2_rival"
+            rivals = [self.label_token_ids[torch.as_tensor(e.meta[key]).reshape(-1)].tolist()
+                      for e in ex]
+            return token_margin_metric(steps, tokens, rivals, name=kind)
+        if kind == "all_near_miss_margin":
+            return self.all_near_miss_metric()
         if self.phase == 1:
             anchors = self.anchor_token_ids.tolist()
 
@@ -267,9 +330,7 @@ class Task:
                 return [t for t in anchors if t not in own]
             return token_margin_metric(steps, tokens, [rivals(e) for e in ex],
                                        name="anchor_margin")
-        return token_margin_metric(steps, tokens,
-                                   [self.label_token_ids[e.near_misses].tolist() for e in ex],
-                                   name="target_vs_near_miss_margin")
+        raise AssertionError(f"unhandled metric kind {kind!r}")
 
     # --- identity -------------------------------------------------------------------------------
     def fingerprint(self) -> str:

@@ -38,15 +38,18 @@ from typing import Any
 
 import torch
 
+from circuitkit.corruptions import parse_corruption
 from circuitkit.files import write_text
 from circuitkit.tasks.base import SPECIAL_TOKENS, Task
 from circuitkit.tasks.synthetic import (
     FILLERS,
     STRUCT_TOKENS,
     Hierarchy,
+    corrupt_cot,
     decode_note,
     make_examples,
     task_from,
+    with_corruption,
 )
 
 # endocrine, circulatory, respiratory, digestive, genitourinary
@@ -219,22 +222,28 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
           n_labels: int = 2000, chapters: list[str] | tuple[str, ...] | None = None,
           labels: str | list[str] | None = None, anchor_level: str = "category",
           labels_per_note: tuple[int, int] = (1, 3), distractor_rate: float = 0.3,
-          max_near_misses: int = 3, max_leaves_per_category: int = 40) -> Task:
+          max_near_misses: int = 3, max_leaves_per_category: int = 40,
+          corruption: str = "note") -> Task:
     """ICD-10-CM notes -> anchors -> shortlist -> answer (see module docstring).
 
     ``labels_per_note``: (min, max) targets per note (targets have distinct anchors);
     ``distractor_rate``: chance a target's evidence group gets one distractor word (a filler, or
     half the time a distinguishing word of a near-miss sibling in the shortlist);
-    ``max_near_misses``: siblings per target put in the shortlist.
+    ``max_near_misses``: siblings per target put in the shortlist; ``corruption``: what each
+    phase's corrupt tokens edit: "note" (default: the evidence), "anchor" (Phase 1: the written
+    anchor), "shortlist-swap" / "shortlist-sibling" (Phase 2: the shortlist), or one of each
+    phase joined by a comma (``synthetic.parse_corruption``, docs/scores.md).
     """
+    choice = parse_corruption(corruption)
     lab = labels if labels is None or isinstance(labels, str) else tuple(labels)
     ch = None if chapters is None else tuple(str(c) for c in chapters)
     h = hierarchy(lab, ch, n_labels, anchor_level, max_leaves_per_category)
     ex = make_examples(h, n_examples, seed, split, tuple(labels_per_note), distractor_rate,
                        max_near_misses)
+    corrupt_cot(h, ex, choice)
     config = dict(name="icd10", n_labels=n_labels, chapters=None if ch is None else list(ch),
                   labels=lab if lab is None or isinstance(lab, str) else list(lab),
                   anchor_level=anchor_level, labels_per_note=list(labels_per_note),
                   distractor_rate=distractor_rate, max_near_misses=max_near_misses,
                   max_leaves_per_category=max_leaves_per_category, seed=seed, split=split)
-    return task_from(h, ex, phase, config)
+    return task_from(h, ex, phase, with_corruption(config, choice))

@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from circuitkit.corruptions import corruption_name, parse_corruption
 from circuitkit.tasks.base import SPECIAL_TOKENS, Example, Task
 
 STRUCT_TOKENS = ["<think>", "<sl>", "</think>", "|"]
@@ -169,8 +170,51 @@ def make_examples(h: Hierarchy, n_examples: int, seed: int, split: str,
             anchor_pos=anchor_pos, shortlist_pos=shortlist_pos, answer_pos=answer_pos,
             targets=answer, near_misses=near_misses, anchors=anchors,
             meta=dict(corrupt_tokens_p1=c1, corrupt_tokens_p2=c2, corrupt_anchors=[int(la[m])],
-                      p1_label=m, p1_target=t1, p2_label=n2, p2_target=t2, note_order=order)))
+                      p1_label=m, p1_target=t1, p2_label=n2, p2_target=t2,
+                      p2_siblings=list(near[t2]), note_order=order)))
     return examples
+
+
+def corrupt_cot(h: Hierarchy, examples: list[Example], choice: dict[int, str]) -> None:
+    """Replace each example's ``corrupt_tokens_p{phase}`` by the chain-of-thought corruption
+    ``choice`` names for that phase (in place; "note" leaves the phase as built). The note is
+    token-identical to the clean one; what a metric reads is stored in ``meta``:
+
+    * Phase 1 "anchor": the corrupted target ``p1_target``'s anchor token (in the anchor list)
+      becomes the anchor of ``p1_label`` (another category, the one "note" points to);
+      ``p1_shortlist_step``: the position of the first shortlist entry of ``p1_target``'s
+      category (where the model must choose which category the shortlist turns to next).
+    * Phase 2 "shortlist-swap": ``p2_target`` and ``p2_label`` (a shortlisted sibling) exchange
+      their shortlist positions; "shortlist-sibling": ``p2_target``'s shortlist token becomes
+      a sibling, one not in the shortlist when it has one (else a shortlisted one, written
+      twice). ``p2_rival``: that sibling.
+    No random draws: the notes and the "note" corruptions are those of every other choice.
+    """
+    for e in examples:
+        toks = e.tokens.tolist()
+        sl = {toks[p]: p for p in e.shortlist_pos}  # label token -> its shortlist position
+        if choice[1] == "anchor":
+            t1, m = e.meta["p1_target"], e.meta["p1_label"]
+            c = toks[:]
+            c[e.anchor_pos[e.anchors.index(int(h.label_anchor[t1]))]] = \
+                int(h.anchor_token_ids[h.label_anchor[m]])
+            group = [sl[int(h.label_token_ids[s])] for s in [t1, *h.siblings(t1)]
+                     if int(h.label_token_ids[s]) in sl]
+            e.meta.update(corrupt_tokens_p1=c, p1_shortlist_step=min(group))
+        if choice[2] != "note":
+            t2, n2 = e.meta["p2_target"], e.meta["p2_label"]
+            tok_t, c = int(h.label_token_ids[t2]), toks[:]
+            if choice[2] == "shortlist-swap":
+                rival = n2
+                c[sl[tok_t]], c[sl[int(h.label_token_ids[n2])]] = \
+                    int(h.label_token_ids[n2]), tok_t
+            else:
+                sib = sorted(h.siblings(t2))
+                free = [s for s in sib if int(h.label_token_ids[s]) not in sl]
+                pool = free or sib  # deterministic pick: a hash of the note, not the RNG
+                rival = pool[zlib.crc32(str(toks).encode()) % len(pool)]
+                c[sl[tok_t]] = int(h.label_token_ids[rival])
+            e.meta.update(corrupt_tokens_p2=c, p2_rival=int(rival))
 
 
 def task_from(h: Hierarchy, examples: list[Example], phase: int, config: dict) -> Task:
@@ -236,12 +280,23 @@ def hierarchy(n_labels: int = 1000, children: int = 8) -> Hierarchy:
 
 def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int = 2,
           n_labels: int = 1000, children: int = 8, labels_per_note: tuple[int, int] = (1, 3),
-          distractor_rate: float = 0.3, max_near_misses: int = 3) -> Task:
-    """Synthetic task: ``n_labels`` labels under ``ceil(n_labels / children)`` anchors."""
+          distractor_rate: float = 0.3, max_near_misses: int = 3,
+          corruption: str = "note") -> Task:
+    """Synthetic task: ``n_labels`` labels under ``ceil(n_labels / children)`` anchors.
+    ``corruption``: what each phase's corrupt tokens edit (``parse_corruption``)."""
+    choice = parse_corruption(corruption)
     h = hierarchy(n_labels, children)
     ex = make_examples(h, n_examples, seed, split, tuple(labels_per_note), distractor_rate,
                        max_near_misses)
+    corrupt_cot(h, ex, choice)
     config = dict(name="synthetic", n_labels=n_labels, children=children,
                   labels_per_note=list(labels_per_note), distractor_rate=distractor_rate,
                   max_near_misses=max_near_misses, seed=seed, split=split)
-    return task_from(h, ex, phase, config)
+    return task_from(h, ex, phase, with_corruption(config, choice))
+
+
+def with_corruption(config: dict, choice: dict[int, str]) -> dict:
+    """``config`` naming its corruption when it is not the default ("note" for both phases,
+    left out so configs recorded before the option existed still match)."""
+    name = corruption_name(choice)
+    return config if name == "note" else {**config, "corruption": name}

@@ -31,9 +31,12 @@ METRIC_LINES: dict[str, str] = {
     "value": "the task metric named in each sweep's title after patching one component, mean "
              "over prompts. icd10 and synthetic: anchor_margin (Phase 1), logit of the correct "
              "anchor minus the mean logit of the corrupt evidence's anchors at anchor steps; "
-             "target_vs_near_miss_margin (Phase 2), logit of the target minus the mean logit of "
-             "its near-miss siblings at answer steps. answer_logprob: mean log-probability of "
-             "the answer tokens.",
+             "sibling_margin (Phase 2), logit of the corrupted target minus the mean logit of "
+             "its own shortlisted siblings at its answer step (all_near_miss_margin: every "
+             "near-miss of the note, at every answer step, for rows without those fields); "
+             "with a note-intact corruption, shortlist_anchor_margin (Phase 1) and "
+             "edited_sibling_margin (Phase 2), docs/scores.md. answer_logprob: mean "
+             "log-probability of the answer tokens.",
     "normalized": "denoise (clean activation into the corrupt run): (patched - corrupt) / "
                   "(clean - corrupt), 0 = no effect, 1 = clean behaviour restored; noise (corrupt "
                   "activation into the clean run): (patched - clean) / (clean - corrupt), "
