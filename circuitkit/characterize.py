@@ -52,6 +52,9 @@ DEFAULT_N = 128
 N_RANDOM = 200
 # ... and ablated against (``ablate_heads``' default): three ablations, each decoding outputs.
 N_RANDOM_ABLATION = 20
+# the pools the score-selected top set is validated against: layer-matched ("any k heads of the
+# same layers", the headline p) and all-layer sets beside it
+SCORE_POOLS = ("layer-stratified", "all-layers")
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
@@ -80,7 +83,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
-                 edges: bool = False, stages: bool = False,
+                 edges: bool = False, stages: bool = True,
                  select_n: int | str | None = "half",
                  n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
@@ -194,6 +197,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
     # the selection notes' phase tasks, for the steps that select on them (stages, edges)
     per_phase_chosen = {p: phase_task(chosen, p) for p in phases} if stages or edges else {}
+    from circuitkit.scoring.claims import note_edited
+
+    edited = {p: note_edited(per_phase[p]) for p in phases}
     ablations, skipped = head_ablations(task)  # decided before any step runs
     skipped = [*skipped, *no_split]
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
@@ -245,7 +251,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     summary.update(identity=identity, versions=versions(), task_config=task.config,
                    phases=phases, steps_expected=expected, complete=False,
                    validation_options=validation_options, ablations=list(ablations),
-                   skipped=skipped, samples=samples)
+                   skipped=skipped, samples=samples, corruption={
+                       f"phase{p}": dict(name=task.config.get("corruption"),
+                                         note_edited=edited[p]) for p in phases})
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     ran: list[str] = []  # the steps computed by this call (the others were reused)
@@ -312,13 +320,17 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
 
     i = len(sweeps) + 1
     if stages:
+        if samples["held_out"]:  # (a record from before the held-out stage sweeps)
+            outdated("stages", f"groups/heldout-patch-p{phases[-1]}-noise.json")
         if not reusable("stages", i):
             _log(progress, f"[{i}/{total}] stages: every head patched at each position group "
                            f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
                            f"directions, on the {len(chosen)} selection examples")
             t0 = time.perf_counter()
+            held_tasks = {p: phase_task(held_out, p) for p in task_phases(held_out)
+                          if p in phases} if samples["held_out"] else None
             written = _stages_step(model, per_phase_chosen, out, k, batch_size, progress,
-                                   dict(model_name=name, task=task_name), summary)
+                                   dict(model_name=name, task=task_name), summary, held_tasks)
             record("stages", time.perf_counter() - t0, written)
         i += 1
     if reusable("scores", i):
@@ -351,7 +363,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"together on {_on(samples, 'validate')}, against {n_random} random "
                        f"{k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, held_out, scores, **tested)
+        val = validate_heads(model, held_out, scores, **tested, pools=SCORE_POOLS)
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
@@ -385,6 +397,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             written = _edges_step(model, per_phase_chosen, scores, k, out, batch_size,
                                   progress, dict(model_name=name, task=task_name))
             record("edges", time.perf_counter() - t0, written)
+    if stages:  # the lead: where each decision is made, stable heads, the claims table
+        summary.update(_json_safe(lead_picture(out, summary, scores, k, seed)))
     summary["complete"] = all(step in steps for step in expected)
     summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
@@ -399,6 +413,41 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"{time.perf_counter() - t0:.1f} s")
     _log(progress, timing_line(summary, time.perf_counter() - t_all))
     return summary
+
+
+def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
+                 seed: int = 0) -> dict[str, Any]:
+    """``summary["lead"]`` (``scoring.claims.decision_picture`` of the stage sweeps in
+    ``out/groups``: selection notes, and the held-out notes when there are any) and
+    ``summary["claims"]`` (``scoring.claims.claims`` with ``validation.csv`` and
+    ``validation-causal.csv``); {} without the stage sweeps."""
+    import pandas as pd
+
+    from circuitkit.scoring.claims import claims, decision_picture, validation_facts
+
+    phases = summary.get("phases") or []
+    sel = {(p, d): _stored(out / "groups" / f"patch-p{p}-{d}") for p in phases
+           for d in ("noise", "denoise")}
+    sel = {key: r for key, r in sel.items() if r is not None}
+    if not sel:
+        return {}
+    held = {(p, d): _stored(out / "groups" / f"heldout-patch-p{p}-{d}") for p, d in sel
+            if (out / "groups" / f"heldout-patch-p{p}-{d}.json").is_file()}
+    held = {key: r for key, r in held.items() if r is not None} or None
+    if held is not None and set(held) != set(sel):
+        held = None
+    edited = {int(key[5:]): v.get("note_edited")
+              for key, v in (summary.get("corruption") or {}).items()}
+    picture = decision_picture(sel, held, scores, k, edited, seed=seed)
+
+    def read(name: str) -> Any:
+        return pd.read_csv(out / name) if (out / name).is_file() else None
+
+    cval = read("validation-causal.csv")
+    for p in phases:
+        if f"phase{p}" in picture:
+            picture[f"phase{p}"]["validated"] = validation_facts(cval, p)
+    return dict(lead=picture, claims=claims(picture, read("validation.csv"), cval, summary))
 
 
 def timing_line(summary: dict[str, Any], seconds: float) -> str:
@@ -541,18 +590,35 @@ def stage_groups(task: Any) -> dict[str, Any]:
 
 def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
                  batch_size: int | None, progress: bool, meta: dict[str, Any],
-                 summary: dict[str, Any]) -> list[str]:
+                 summary: dict[str, Any], held: dict[int, Any] | None = None) -> list[str]:
     """Exact ``[layer, head, group]`` sweeps over each phase's ``stage_groups`` (on the
     selection notes), denoise and noise: ``out/groups/patch-p{phase}-{direction}.*``
     (PatchResult); from the same sweeps ``out/causal.csv`` (``causal.causal_frame``) and the
     summary's ``phase_table`` (top ``k``) and ``stages`` (per phase and direction the group
-    names and the ``STAGE_TOP`` cells with the largest ``|normalized|``)."""
+    names and the ``STAGE_TOP`` cells with the largest ``|normalized|``). ``held``: per phase
+    the held-out notes' task: the same sweeps on them, ``out/groups/heldout-patch-p*``
+    (``lead_picture`` measures where each decision is made on them)."""
     import circuitkit as ck
     from circuitkit import files, hooks
     from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.causal import causal_frame, phase_table
 
     written, said, sweeps = [], {}, {}
+    for phase, tp in (held or {}).items():  # the same sweeps on the held-out notes: the lead's
+        # "where" and its intervals are measured on notes the cells were not chosen on
+        if not len(tp):
+            continue
+        for direction in ("denoise", "noise"):
+            step = f"heldout-patch-p{phase}-{direction}"
+            with quiet_baseline():
+                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                     direction=direction, positions=stage_groups(tp),
+                                     batch_size=batch_size, progress=progress,
+                                     checkpoint=out / "checkpoints" / f"groups-{step}",
+                                     task_hash=tp.fingerprint())
+            res.meta.update(meta, phase=phase, n_examples=len(tp), sample="held-out")
+            res.save(out / "groups" / step, views=False)
+            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
     for phase, tp in per_phase.items():
         groups = stage_groups(tp)
         for direction in ("denoise", "noise"):
