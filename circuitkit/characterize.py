@@ -66,7 +66,8 @@ def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = Fals
     """The step names ``characterize`` records in ``summary.json``, in order (``stages``: the
     position-group sweeps, ``--stages``: run with exact patching)."""
     return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + (
-        ["stages"] if stages else []) + ["scores", "validation", "ablation"]
+        ["stages"] if stages else []) + ["scores", "validation"] + (
+        ["bins"] if stages else []) + ["ablation"]
 
 
 STEPS = step_names()  # a task with both phases (icd10, synthetic)
@@ -286,7 +287,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             steps.pop(step)
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 3 + int(stages) + int(bool(edges))
+    total = len(sweeps) + 3 + 2 * int(stages) + int(bool(edges))
     sweep_results: dict[tuple[int, str], Any] = {}
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
@@ -377,6 +378,15 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             written.append("validation-causal.csv")
         record("validation", time.perf_counter() - t0, written)
     i += 1
+    if stages and not reusable("bins", i):
+        _log(progress, f"[{i}/{total}] bins: the paper's experiment: the top heads by the "
+                       f"descriptive scores patched together in cumulative bins (pattern and z, "
+                       f"both directions) beside the lowest-ranked and random heads, on "
+                       f"{_on(samples, 'validate')}")
+        t0 = time.perf_counter()
+        record("bins", time.perf_counter() - t0,
+               _bins_step(model, held_out, scores, phases, out, seed, batch_size))
+    i += int(stages)
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
             "zero- and mean-ablated (resample skipped: one prompt)")
@@ -413,6 +423,28 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"{time.perf_counter() - t0:.1f} s")
     _log(progress, timing_line(summary, time.perf_counter() - t_all))
     return summary
+
+
+def _bins_step(model: Any, task: Any, scores: Any, phases: list[int], out: Path, seed: int,
+               batch_size: int | None) -> list[str]:
+    """``scoring.bins.cumulative_bins`` of each phase's ranking by its descriptive score
+    (``top_heads`` over every head) on ``task``: ``out/bins/bins.csv`` (every set),
+    ``bins/summary.csv`` (``bin_summary``) and ``bins/bins.html`` (``bins_figure``)."""
+    from circuitkit import files, hooks
+    from circuitkit.scoring.bins import bin_summary, bins_figure, cumulative_bins
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
+    f = hooks.facts(model)
+    rankings = {p: top_heads(scores, p, f.n_layers * f.n_heads) for p in phases
+                if p in scored_phases(scores)}
+    frame = cumulative_bins(model, task, rankings, seed=seed, batch_size=batch_size)
+    summ = bin_summary(frame)
+    (out / "bins").mkdir(exist_ok=True)
+    files.write_text(out / "bins" / "bins.csv", frame.to_csv(index=False))
+    files.write_text(out / "bins" / "summary.csv", summ.to_csv(index=False))
+    html = bins_figure(summ).to_html(include_plotlyjs="../plotly.min.js", full_html=True)
+    files.write_text(out / "bins" / "bins.html", html)
+    return ["bins/bins.csv", "bins/summary.csv", "bins/bins.html"]
 
 
 def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,

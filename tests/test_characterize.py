@@ -55,7 +55,22 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert stored["samples"]["held_out"] and stored["samples"]["select"]["examples"] == [0, 4]
     assert stored["samples"]["validate"]["examples"] == [4, 8]
     assert stored["identity"]["select_n"] == 4
-    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8
+    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 9
+    # the lead: where each decision is made (held out), stable heads, the claims table
+    for phase in (1, 2):
+        lead = stored["lead"][f"phase{phase}"]
+        assert lead["where"]["n_held"] == 4 and lead["where"]["chosen"]
+        assert len(lead["heads"]["top"]) == 2 and lead["heads"]["core"]["top"]
+        assert lead["precision"]["score"] in ("coarse_score", "refine_score")
+        res = ck.PatchResult.load(out / "groups" / f"heldout-patch-p{phase}-noise")
+        assert res.per_prompt.shape[0] == 4
+    assert {r["claim"] for r in stored["claims"]} >= {"early-phase1", "late-phase2",
+                                                        "separate-heads", "distill"}
+    assert stored["corruption"]["phase1"]["note_edited"] in (True, False)
+    # the paper's cumulative bins: capped at the model's 12 heads, both sites and directions
+    bins = pd.read_csv(out / "bins" / "summary.csv")
+    assert set(bins["bin"]) == {3, 8, 12} and set(bins["site"]) == {"pattern", "z"}
+    assert (out / "bins" / "bins.html").is_file()
     # the stages step: [layer, head, group] sweeps over the task's position groups
     for phase in (1, 2):
         for d in ("denoise", "noise"):
