@@ -164,7 +164,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     from circuitkit.patching.results import plotly_bundle, quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
-    from circuitkit.scoring.validate import ablate_heads, validate_heads
+    from circuitkit.scoring.validate import ablate_heads, validate_selections
     from circuitkit.tasks.base import phase_task, task_phases
 
     if int(n_examples) < 1:
@@ -364,15 +364,23 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"together on {_on(samples, 'validate')}, against {n_random} random "
                        f"{k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, held_out, scores, **tested, pools=SCORE_POOLS)
+        # the score and the causal top sets share each (phase, direction)'s run: one engine,
+        # their distinct sets once (validate_selections)
+        selections = {"score": SCORE_POOLS}
+        if has_causal_columns(scores):  # stages: the causal top sets are validated too
+            _log(progress, f"[{i}/{total}] validation: and the causal top {k} heads of each "
+                           f"phase, against {n_random} all-layers and layer-stratified sets, in "
+                           "the same runs")
+            selections["causal"] = ("all-layers", "layer-stratified")
+        got = validate_selections(model, held_out, scores, selections, k, n_random, seed,
+                                  batch_size, options=dict(progress=progress,
+                                                           checkpoint=tested["checkpoint"]))
+        val = got["score"]
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
-        if has_causal_columns(scores):  # --stages: the causal top sets are validated too
-            _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
-                           f"against {n_random} random and layer-stratified {k}-head sets")
-            cval = validate_heads(model, held_out, scores, **tested, selection="causal",
-                                  pools=("all-layers", "layer-stratified"))
+        if "causal" in got:
+            cval = got["causal"]
             files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
             summary["causal_validation"] = causal_validation(cval)
             written.append("validation-causal.csv")

@@ -142,3 +142,30 @@ def test_claims_say_not_testable_for_a_note_editing_corruption_and_decide_otherw
     assert rows["early-phase1"]["verdict"] == "refuted"
     assert rows["late-phase2"]["verdict"] == "undecided"
     assert rows["separate-heads"]["verdict"] == "refuted"  # L0H1 in both stable cores
+
+
+@pytest.mark.slow
+def test_two_selections_in_shared_runs_equal_their_own_calls(tiny_llama):
+    """validate_selections runs the score and the causal top sets' distinct sets in one run per
+    (phase, direction); each frame equals its own validate_heads call."""
+    from circuitkit.scoring.validate import validate_selections
+
+    task = ck.load_task("synthetic", n_examples=8, n_labels=8, children=4,
+                        labels_per_note=(1, 1), split="test", seed=6)
+    f = hooks.facts(tiny_llama)
+    n = f.n_layers * f.n_heads
+    scores = pd.DataFrame(dict(layer=[la for la in range(f.n_layers) for _ in range(f.n_heads)],
+                               head=[h for _ in range(f.n_layers) for h in range(f.n_heads)]))
+    g = torch.Generator().manual_seed(1)
+    for col in ("phase1_rank", "phase2_rank", "p1_noise_rank_all", "p2_noise_rank_all"):
+        scores[col] = (torch.randperm(n, generator=g) + 1).tolist()
+    pools = {"score": ("layer-stratified", "all-layers"), "causal": ("all-layers",
+                                                                      "layer-stratified")}
+    with pytest.warns(UserWarning):
+        both = validate_selections(tiny_llama, task, scores, pools, k=2, n_random=6,
+                                   options=dict(progress=False))
+        for sel, asked in pools.items():
+            alone = validate_heads(tiny_llama, task, scores, k=2, n_random=6, progress=False,
+                                   pools=asked, selection=sel)
+            pd.testing.assert_frame_equal(both[sel], alone, rtol=1e-5, atol=1e-6)
+            assert both[sel].attrs["sets"] == alone.attrs["sets"]

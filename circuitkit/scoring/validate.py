@@ -358,33 +358,60 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     ``batch_size``: sequences per forward (default from free memory); ``pools``: among
     ``ALL_POOLS``. Held-out validation: ``scores`` from another sample of notes than ``task``'s.
     ``selection``: the top ``k`` by "score" (``top_heads``) or "causal" (``causal_heads`` of the
-    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``."""
+    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``.
+    Several selections at once, sharing each run: ``validate_selections``."""
+    return validate_selections(model, task, scores, {selection: pools}, k, n_random, seed,
+                               batch_size, n_boot, dict(progress=progress,
+                                                        checkpoint=checkpoint))[selection]
+
+
+def validate_selections(model: Any, task: Task, scores: Any,
+                        selections: dict[str, Sequence[str]], k: int = 5,
+                        n_random: int = N_RANDOM, seed: int = 0, batch_size: int | None = None,
+                        n_boot: int = 2000, options: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``), each
+    frame equal to its own call's: per (phase, direction) one engine (cached runs) and one
+    ``run_head_sets`` over the distinct sets of every selection (a set in two selections' lists,
+    e.g. a layer-matched set of two top sets with the same layers, runs once). ``options``:
+    ``progress`` (default True), ``checkpoint`` (default None)."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
-    pools_asked = _check_pools(pools)
+    options = dict(options or {})
+    progress, checkpoint = options.get("progress", True), options.get("checkpoint")
+    asked = {sel: _check_pools(pools) for sel, pools in selections.items()}
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
         raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
-    rows, sets_used = [], {}
+    picks = {sel: _selection(scores, sel) for sel in selections}
+    rows: dict[str, list] = {sel: [] for sel in selections}
+    sets_used: dict[str, dict] = {sel: {} for sel in selections}
     plan = {}  # the sets of every phase first: the bar's total is known before it starts
-    pick = _selection(scores, selection)
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        top = pick(phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
-        plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
-                       [[], top, *(s for p in pools_asked for s in pools[p])])
-    bar = _variant_bar("validate", sum(2 * len(sets) * len(tp)
-                                       for tp, _, _, sets in plan.values()), progress)
-    for phase, (tp, top, pools, sets) in plan.items():
+        per_sel, union, index = {}, [], {}
+        for sel, pools_asked in asked.items():
+            top = picks[sel](phase, k)
+            pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
+            mine = [[], top, *(s for p in pools_asked for s in pools[p])]
+            for s in mine:
+                key = tuple(sorted(tuple(h) for h in s))
+                if key not in index:
+                    index[key] = len(union)
+                    union.append(s)
+            per_sel[sel] = (top, pools, [index[tuple(sorted(tuple(h) for h in s))]
+                                         for s in mine])
+        plan[phase] = (_sorted_by_length(phase_task(task, phase)), per_sel, union)
+    bar = _variant_bar("validate", sum(2 * len(union) * len(tp)
+                                       for tp, _, union in plan.values()), progress)
+    for phase, (tp, per_sel, sets) in plan.items():
         metric = tp.metric  # (tp: the examples with steps of this phase, sorted by length)
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
-        sets_used[phase] = dict(top=top, random=pools)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
         runs = {}
@@ -396,9 +423,11 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                 _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
                         len(sets) * n)
                 continue
-            _say(bar, progress, f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs "
-                                + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
-                                + f" random sets, {n} prompts")
+            said = "; ".join(f"top-{k} {_fmt(top)} vs " + ", ".join(
+                f"{len(s)} {p}" for p, s in pools.items()) + " random sets"
+                for top, pools, _ in per_sel.values())
+            _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} prompts"
+                 + (f" ({len(sets) - 1} distinct sets)" if len(per_sel) > 1 else ""))
             sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
             engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=_fast(model),
                                  rows=batch_size)
@@ -406,22 +435,29 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                            bar=bar)
             if saved:
                 saved.save(key, runs[direction])
-        # base of noise = clean run; base of denoise = corrupt run
-        for pool, rand in pools.items():
-            pick = [0, 1] + _pool_rows(pools, pool)
-            for direction in ("noise", "denoise"):
-                for qi, q in enumerate((metric, behaviour)):
-                    stats = summarize(runs[direction][qi][pick], runs["noise"][qi, 0],
-                                      runs["denoise"][qi, 0], n_boot, seed)
-                    rows.append(dict(phase=phase, pool=pool, direction=direction,
-                                     quantity=q.name, heads=_fmt(top), k=int(k),
-                                     n_random=len(rand), overlap=overlap(top, rand),
-                                     n_prompts=n, **stats))
+        for sel, (top, pools, at) in per_sel.items():
+            sets_used[sel][phase] = dict(top=top, random=pools)
+            mine = {d: r[:, at] for d, r in runs.items()}  # [[], top, *pools] of this selection
+            # base of noise = clean run; base of denoise = corrupt run
+            for pool, rand in pools.items():
+                pick = [0, 1] + _pool_rows(pools, pool)
+                for direction in ("noise", "denoise"):
+                    for qi, q in enumerate((metric, behaviour)):
+                        stats = summarize(mine[direction][qi][pick], mine["noise"][qi, 0],
+                                          mine["denoise"][qi, 0], n_boot, seed)
+                        rows[sel].append(dict(phase=phase, pool=pool, direction=direction,
+                                              quantity=q.name, heads=_fmt(top), k=int(k),
+                                              n_random=len(rand), overlap=overlap(top, rand),
+                                              n_prompts=n, **stats))
     if bar is not None:
         bar.close()
-    df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
-    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used), selection=selection)
-    return df
+    out = {}
+    for sel in selections:
+        df = pd.DataFrame(rows[sel], columns=VALIDATION_COLUMNS)
+        df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used[sel]),
+                        selection=sel)
+        out[sel] = df
+    return out
 
 
 SELECTIONS = ("score", "causal")
