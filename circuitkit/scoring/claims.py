@@ -150,6 +150,7 @@ def decision_picture(sweeps: dict[tuple[int, str], Any], held: dict[tuple[int, s
                 prec = dict(score=DESCRIPTIVE[p], top=desc, hits=hit,
                             precision=_r(len(hit) / int(k)), chance=_r(int(k) / (L * H)))
         out[f"phase{p}"] = dict(direction=d, metric=(sel.meta or {}).get("metric"),
+                                degenerate=bool(sel.degenerate or ho.degenerate),
                                 gap=_r(sel.gap), gap_held=_r(ho.gap), where=where, heads=heads,
                                 depth=depth, mid_late_at_answer=at_answer, precision=prec,
                                 note_edited=None if edited is None else edited.get(p),
@@ -237,6 +238,9 @@ def claims(picture: dict[str, Any], validation: Any = None, causal_validation: A
     def depth_claim(key: str, ph: dict | None, phase: int, part: dict | None, label: str) -> None:
         if ph is None:
             return row(key, "not testable here", f"the task has no Phase-{phase} steps")
+        if ph.get("degenerate"):
+            return row(key, "not testable here", f"the Phase-{phase} corruption does not lower "
+                       "its metric beyond noise: no share of a gap to locate")
         if ph["n_layers"] < 3:
             return row(key, "not testable here", f"a {ph['n_layers']}-layer model has no early, "
                        "mid and late layers")
@@ -271,7 +275,10 @@ def claims(picture: dict[str, Any], validation: Any = None, causal_validation: A
         n = p2["where"]["n_held"]
         power = f"finds a share >= {_pc(power_share(cross['low'], cross['high']))}" if cross \
             else ""
-        if p1.get("note_edited") or p2.get("note_edited"):
+        if p1.get("degenerate") or p2.get("degenerate"):
+            row("separate-heads", "not testable here", f"{ev}; but a phase's corruption does "
+                "not lower its metric beyond noise", n, power)
+        elif p1.get("note_edited") or p2.get("note_edited"):
             row("separate-heads", "not testable here", f"{ev}; but {CONFOUND}", n, power)
         elif both:
             row("separate-heads", "refuted", ev, n, power)
@@ -338,6 +345,10 @@ def lead_sentences(picture: dict[str, Any]) -> dict[int, list[str]]:
         lines = [f"Where: {cells} of the gap in {ph['metric']} ({held}: chosen on "
                  f"{w['n_select']} notes, measured on {w['n_held']}; the layer's heads patched "
                  f"one at a time at those positions, {ph['direction']}, shares summed)."]
+        if ph.get("degenerate"):
+            lines.append("Caution: the corruption does not lower the metric beyond noise on "
+                         "these notes (a degenerate baseline): the shares above are no shares of "
+                         "a behaviour.")
         if ph.get("note_edited"):
             lines.append(f"Caution: {CONFOUND}.")
         hd = ph["heads"]

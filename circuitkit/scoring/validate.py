@@ -150,12 +150,15 @@ def _reads_metric(task: Task, phases: Sequence[int]) -> PromptMetric:
 
 def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int,
                      seed: int, n_layers: int | None = None,
-                     pool: str = "same-layers") -> list[list[tuple[int, int]]]:
+                     pool: str = "same-layers", exclude: Sequence[tuple[int, int]] = ()
+                     ) -> list[list[tuple[int, int]]]:
     """Up to ``n_random`` distinct head sets of ``len(top)`` heads from ``pool`` (module
     docstring), none equal to ``top``, each sorted. Fewer distinct sets than ``n_random``
     exist: all of them (the p-value is then exact over them; a warning says how many); none
     (the top heads fill their layers, or the model): an empty list, with a warning.
-    ``n_layers``: needed for the "all-layers" pool."""
+    ``n_layers``: needed for the "all-layers" pool; ``exclude``: heads the "all-layers" pool
+    never draws besides the top set's (``validate_selections``: every selection's top heads,
+    so that one pool serves them all)."""
     want = sorted(top)
     top_set = set(want)
     counts = sorted(Counter(layer for layer, _ in want).items())
@@ -166,8 +169,9 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     elif pool == "all-layers":
         if n_layers is None:
             raise ValueError("random_head_sets(pool='all-layers') needs n_layers.")
+        banned = top_set | {tuple(h) for h in exclude}
         groups = [([(la, h) for la in range(n_layers) for h in range(n_heads)
-                    if (la, h) not in top_set], want, len(want))]
+                    if (la, h) not in banned], want, len(want))]
     elif pool == "layer-stratified":  # the top set's per-layer counts, from all of each layer
         groups = [([(layer, h) for h in range(n_heads)], [], c) for layer, c in counts]
     else:
@@ -306,11 +310,12 @@ def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, call
 
 
 def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int,
-                 pools: Sequence[str] = POOLS) -> dict[str, list[list[tuple[int, int]]]]:
+                 pools: Sequence[str] = POOLS, exclude: Sequence[tuple[int, int]] = ()
+                 ) -> dict[str, list[list[tuple[int, int]]]]:
     """Random sets of each of ``pools`` for ``top`` (pool ``i`` of ``ALL_POOLS`` seeded
-    ``seed + 10 i``)."""
+    ``seed + 10 i``; ``exclude``: ``random_head_sets``')."""
     return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * ALL_POOLS.index(pool),
-                                   f.n_layers, pool) for pool in pools}
+                                   f.n_layers, pool, exclude) for pool in pools}
 
 
 def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
@@ -370,10 +375,11 @@ def validate_selections(model: Any, task: Task, scores: Any,
                         n_random: int = N_RANDOM, seed: int = 0, batch_size: int | None = None,
                         n_boot: int = 2000, options: dict[str, Any] | None = None
                         ) -> dict[str, Any]:
-    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``), each
-    frame equal to its own call's: per (phase, direction) one engine (cached runs) and one
-    ``run_head_sets`` over the distinct sets of every selection (a set in two selections' lists,
-    e.g. a layer-matched set of two top sets with the same layers, runs once). ``options``:
+    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``): per
+    (phase, direction) one engine (cached runs) and one ``run_head_sets`` over the distinct sets
+    of every selection (a set in two selections' lists runs once). With several selections the
+    "all-layers" pool is one pool for all: ``k`` of the heads in no selection's top set (a
+    selection's frame otherwise equals its own ``validate_heads`` call's). ``options``:
     ``progress`` (default True), ``checkpoint`` (default None)."""
     import pandas as pd
 
@@ -395,9 +401,12 @@ def validate_selections(model: Any, task: Task, scores: Any,
     plan = {}  # the sets of every phase first: the bar's total is known before it starts
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
         per_sel, union, index = {}, [], {}
+        tops = {sel: picks[sel](phase, k) for sel in asked}
+        # one all-layers pool for every selection: heads in no selection's top set
+        every_top = sorted({h for t in tops.values() for h in t}) if len(tops) > 1 else []
         for sel, pools_asked in asked.items():
-            top = picks[sel](phase, k)
-            pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
+            top = tops[sel]
+            pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked, every_top)
             mine = [[], top, *(s for p in pools_asked for s in pools[p])]
             for s in mine:
                 key = tuple(sorted(tuple(h) for h in s))
