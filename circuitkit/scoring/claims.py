@@ -310,8 +310,11 @@ def claims(picture: dict[str, Any], validation: Any = None, causal_validation: A
         elif restores and degrades and floor > ALPHA:
             verdict, ev = "not testable here", ev + (f"; the same layers hold too few other "
                                                      f"sets for p < {ALPHA:g}")
-        elif restores and degrades:
-            verdict, ev = "refuted", ev + "; no stronger than any k heads of the same layers"
+        elif restores and degrades:  # (not refuted: these heads are not shown to matter
+            # more than their layers do)
+            verdict, ev = "undecided", ev + (f"; they restore and degrade, but no more than any "
+                                             f"{v['k']} heads of the same layers (p > "
+                                             f"{ALPHA:g}): specific to these heads not shown")
         else:
             verdict = "undecided"
         rows.append(dict(claim="restore-degrade", statement=CLAIMS["restore-degrade"]
@@ -342,7 +345,7 @@ def lead_sentences(picture: dict[str, Any]) -> dict[int, list[str]]:
         cells = "; ".join(f"layer {c['layer']} at the {c['group']} positions carries "
                           f"{_pc(c['share'])} [{_pc(c['low'])}, {_pc(c['high'])}]"
                           for c in w["chosen"])
-        lines = [f"Where: {cells} of the gap in {ph['metric']} ({held}: chosen on "
+        lines = [f"{cells[:1].upper()}{cells[1:]} of the gap in {ph['metric']} ({held}: chosen on "
                  f"{w['n_select']} notes, measured on {w['n_held']}; the layer's heads patched "
                  f"one at a time at those positions, {ph['direction']}, shares summed)."]
         if ph.get("degenerate"):
