@@ -7,11 +7,17 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
     patch-p{1,2}-{denoise,noise}.*  PatchResult (ck.PatchResult.load), the phase's task metric
     scores.csv        score_heads (bootstrap rank intervals, top-k inclusion)
-    validation.csv    validate_heads (top-k vs random head sets of two pools)
-    validation-causal.csv  (``stages=True``) the causal top-k (``selection="causal"``) against
-                      all-layers and layer-stratified sets; ``summary["causal_validation"]``
+    validation.csv    validate_heads (the score top-k vs layer-matched and all-layer sets)
+    validation-causal.csv  (``stages=True``, the default) the causal top-k
+                      (``selection="causal"``) against all-layers and layer-stratified sets,
+                      in the same runs (``validate_selections``); ``summary["causal_validation"]``
     groups/, causal.csv  (``stages=True``, exact only) ``_stages_step``'s [layer, head, group]
-                      sweeps over ``stage_groups`` and the causal columns from them
+                      sweeps over ``stage_groups`` (selection notes; ``heldout-*``: the
+                      held-out notes) and the causal columns from them
+    bins/             (``stages=True``) the paper's cumulative bins (``_bins_step``)
+    summary["lead"], summary["claims"]  (``stages=True``) ``lead_picture``: where each
+                      decision is made, the stable heads, the claims table; the findings and
+                      the report lead with them
     head-ablation.csv ablate_heads (zero / mean / resample; resample needs two prompts with
                       steps of every phase, else it is skipped: ``summary["skipped"]``)
     edges/            (``edges=True``) ``_edges_step``'s edges.*, paths.*, circuit.json
@@ -98,9 +104,10 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
     edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``);
-    ``stages``: also patch every head at each of the task's position groups (``groups/``,
-    ``_stages_step``; exact patching only), and the causal columns (``scoring.causal``:
-    ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``);
+    ``stages`` (default on): also patch every head at each of the task's position groups
+    (``groups/``, ``_stages_step``; exact patching only), the causal columns
+    (``scoring.causal``: ``causal.csv``, merged into ``scores.csv``;
+    ``summary["phase_table"]``), the paper's cumulative bins and the lead (``lead_picture``);
     ``select_n``: held-out selection: scores (and causal columns) on the first ``select_n``
     examples, validation and ablation on the others (``summary["samples"]``); "half" (the
     default): the first half of the examples; None: the same examples for both (a p-value then
