@@ -470,7 +470,7 @@ def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
     ``validation-causal.csv``); {} without the stage sweeps."""
     import pandas as pd
 
-    from circuitkit.scoring.claims import claims, decision_picture, validation_facts
+    from circuitkit.scoring.claims import bins_facts, claims, decision_picture, validation_facts
 
     phases = summary.get("phases") or []
     sel = {(p, d): _stored(out / "groups" / f"patch-p{p}-{d}") for p in phases
@@ -481,8 +481,8 @@ def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
     held = {(p, d): _stored(out / "groups" / f"heldout-patch-p{p}-{d}") for p, d in sel
             if (out / "groups" / f"heldout-patch-p{p}-{d}.json").is_file()}
     held = {key: r for key, r in held.items() if r is not None} or None
-    if held is not None and set(held) != set(sel):
-        held = None
+    if held is not None and {p for p, _ in held} != {p for p, _ in sel}:
+        held = None  # (a phase without held-out notes: the selection notes stand in for all)
     edited = {int(key[5:]): v.get("note_edited")
               for key, v in (summary.get("corruption") or {}).items()}
     picture = decision_picture(sel, held, scores, k, edited, seed=seed)
@@ -490,10 +490,11 @@ def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
     def read(name: str) -> Any:
         return pd.read_csv(out / name) if (out / name).is_file() else None
 
-    cval = read("validation-causal.csv")
+    cval, bins = read("validation-causal.csv"), read("bins/summary.csv")
     for p in phases:
         if f"phase{p}" in picture:
             picture[f"phase{p}"]["validated"] = validation_facts(cval, p)
+            picture[f"phase{p}"]["bins"] = bins_facts(bins, p)
     return dict(lead=picture, claims=claims(picture, read("validation.csv"), cval, summary))
 
 
@@ -652,10 +653,11 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
 
     written, said, sweeps = [], {}, {}
     for phase, tp in (held or {}).items():  # the same sweeps on the held-out notes: the lead's
-        # "where" and its intervals are measured on notes the cells were not chosen on
+        # "where" and its intervals are measured on notes the cells were not chosen on (noise,
+        # the direction the lead reads: removing what the phase needs)
         if not len(tp):
             continue
-        for direction in ("denoise", "noise"):
+        for direction in ("noise",):
             step = f"heldout-patch-p{phase}-{direction}"
             with quiet_baseline():
                 res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,

@@ -88,7 +88,10 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
                               True)
                 engine = ExactEngine(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, sweep,
                                      fast=False, rows=batch_size)
-                vals = engine.run_head_sets([s for *_, s in sets], rows=batch_size)[0]
+                # each distinct set once (the last bin is every head: top = lowest = random)
+                distinct = list(dict.fromkeys(tuple(s) for *_, s in sets))
+                got = engine.run_head_sets([list(s) for s in distinct], rows=batch_size)[0]
+                vals = got[[distinct.index(tuple(s)) for *_, s in sets]]
                 clean = float(engine.clean_metric.double().mean())
                 corrupt = float(engine.corrupt_metric.double().mean())
                 gap = clean - corrupt

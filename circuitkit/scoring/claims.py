@@ -149,6 +149,12 @@ def decision_picture(sweeps: dict[tuple[int, str], Any], held: dict[tuple[int, s
                 hit = [x for x in desc if x in heads["top"]]
                 prec = dict(score=DESCRIPTIVE[p], top=desc, hits=hit,
                             precision=_r(len(hit) / int(k)), chance=_r(int(k) / (L * H)))
+                inc_col = f"phase{p}_inclusion"  # (score_heads' bootstrap over the notes)
+                if inc_col in scores.columns and scores[inc_col].notna().all():
+                    by = {head_name(int(r.layer), int(r.head)): float(getattr(r, inc_col))
+                          for r in scores.itertuples()}
+                    prec["core"] = stable_core(hnames, [by.get(x, 0.0) for x in hnames],
+                                               [hnames.index(x) for x in desc])
         out[f"phase{p}"] = dict(direction=d, metric=(sel.meta or {}).get("metric"),
                                 degenerate=bool(sel.degenerate or ho.degenerate),
                                 gap=_r(sel.gap), gap_held=_r(ho.gap), where=where, heads=heads,
@@ -370,10 +376,14 @@ def lead_sentences(picture: dict[str, Any]) -> dict[int, list[str]]:
                          + "; ".join(x for x in (said, other) if x) + ".")
         pr = ph.get("precision")
         if pr:
+            top = (f"its top, stable over note resamples: {core_phrase(pr['core'])}"
+                   if pr.get("core") else f"its top: {', '.join(pr['top'])}")
             lines.append(f"The paper's {pr['score']} finds {len(pr['hits'])} of them: "
                          f"precision@{picture['k']} = {pr['precision']:.2f} (a random "
-                         f"{picture['k']}-set: {pr['chance']:.2f} on average; its top: "
-                         f"{', '.join(pr['top'])}).")
+                         f"{picture['k']}-set: {pr['chance']:.2f} on average; {top}).")
+        b = ph.get("bins")
+        if b:
+            lines.append(bins_sentence(b, p))
         out[p] = lines
     return out
 
@@ -383,3 +393,39 @@ def claim_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [f"{r['statement']}: {r['verdict'].upper()}. {r['evidence']}"
             + (f" (n = {r['n']}" + (f"; power: {r['power']}" if r['power'] else "") + ")"
                if r.get("n") else "") + "." for r in rows]
+
+
+def bins_facts(summary: Any, phase: int, site: str = "pattern") -> list[dict[str, Any]] | None:
+    """``scoring.bins.bin_summary`` rows of ``phase`` at ``site`` as plain dicts (both
+    directions, bins ascending), for ``bins_sentence``; None without rows."""
+    if summary is None or not len(summary):
+        return None
+    part = summary[(summary["phase"] == phase) & (summary["site"] == site)]
+    if not len(part):
+        return None
+    return [dict(direction=str(r.direction), bin=int(r.bin), top=_r(r.top), lowest=_r(r.lowest),
+                 random_mean=_r(r.random_mean), random_low=_r(r.random_low),
+                 random_high=_r(r.random_high), n_random=int(r.n_random), site=site)
+            for r in part.sort_values(["direction", "bin"]).itertuples()]
+
+
+def bins_sentence(rows: list[dict[str, Any]], phase: int) -> str:
+    """The paper's cumulative-bin experiment in words: per direction the top bins' shares
+    beside the lowest-ranked and random heads of equal count."""
+    parts = []
+    for d in ("denoise", "noise"):
+        mine = [r for r in rows if r["direction"] == d]
+        if not mine:
+            continue
+        sign = 1 if d == "denoise" else -1
+        bins = "/".join(str(r["bin"]) for r in mine)
+        fmt = lambda key, mine=mine, sign=sign: "/".join(  # noqa: E731
+            _pc(sign * r[key]) for r in mine)
+        parts.append(f"{'denoised' if d == 'denoise' else 'noised'}, the top {bins} "
+                     f"{'restore' if d == 'denoise' else 'remove'} {fmt('top')} (lowest-ranked: "
+                     f"{fmt('lowest')}; random, mean of {mine[0]['n_random']}: "
+                     f"{fmt('random_mean')})")
+    site = rows[0].get("site", "pattern")
+    return (f"The paper's experiment ({site}s of its top heads by "
+            f"{DESCRIPTIVE[phase]} patched together in cumulative bins, held out): "
+            + "; ".join(parts) + " (bins/).")
