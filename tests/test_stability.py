@@ -176,3 +176,22 @@ def test_two_selections_in_shared_runs_equal_their_own_calls(tiny_llama):
         assert got[0]["random"]["all-layers"] == got[1]["random"]["all-layers"]
         tops = {tuple(h) for g in got for h in g["top"]}
         assert all(not tops & {tuple(h) for h in s} for s in got[0]["random"]["all-layers"])
+
+
+def test_the_findings_lead_with_where_each_phase_is_decided_and_the_claims():
+    from circuitkit.viz.findings import findings, format_findings
+
+    tri = dict(share=0.5, low=0.4, high=0.6)
+    ph = _phase(edited=True)
+    ph["where"]["chosen"] = [dict(layer=0, group="anchor", selection=0.6, share=0.55, low=0.5,
+                                  high=0.6)]
+    ph["heads"]["top_share"] = tri
+    ph["heads"]["core"]["top"] = [["L0H1", 1.0]]
+    pic = dict(k=1, held_out=True, phase1=ph)
+    summary = dict(phases=[1], lead=pic, claims=claims(pic))
+    found = findings(summary)
+    assert [f.phase for f in found[:2]] == ["lead1", "claims"]
+    text = " ".join(format_findings(found).split())  # (unwrapped)
+    assert "Layer 0 at the anchor positions carries 55% [50%, 60%]" in text
+    assert "edits the note" in text and "NOT TESTABLE HERE" in text
+    assert text.index("where the decision is made") < text.index("The paper's claims")
