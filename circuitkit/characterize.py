@@ -351,7 +351,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                              seed=seed)
         if stages and (out / "causal.csv").is_file():  # the causal columns beside the scores
             causal = pd.read_csv(out / "causal.csv").drop(columns=["name"], errors="ignore")
+            attrs = dict(scores.attrs)  # (a merge drops them: scores_attrs would be empty)
             scores = scores.merge(causal, on=["layer", "head"], how="left")
+            scores.attrs.update(attrs)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
         summary["scores_attrs"] = _json_safe(scores.attrs)
         record("scores", time.perf_counter() - t0, ["scores.csv"])
