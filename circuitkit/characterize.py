@@ -55,7 +55,8 @@ DEFAULT_N = 128
 # be shown with its Monte Carlo interval below 0.05 (20 sets, floor 0.048, could not: the same
 # top set read 0.048-0.143 over disjoint batches). 1000 (``validate_heads``' default, the
 # science runs') costs ~5x more: ~0.8 s per set on the teacher's 128 notes on one CPU thread.
-N_RANDOM = 200
+N_RANDOM = 200  # at most: a pool stops at 50 or 100 once its p-values are settled at 0.05
+# by their Monte Carlo intervals (validate_selections(sequential=True))
 # ... and ablated against (``ablate_heads``' default): three ablations, each decoding outputs.
 N_RANDOM_ABLATION = 20
 # the pools the score-selected top set is validated against: layer-matched ("any k heads of the
@@ -382,7 +383,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                            "the same runs")
             selections["causal"] = ("all-layers", "layer-stratified")
         got = validate_selections(model, held_out, scores, selections, k, n_random, seed,
-                                  batch_size, options=dict(progress=progress,
+                                  batch_size, options=dict(progress=progress, sequential=True,
                                                            checkpoint=tested["checkpoint"]))
         val = got["score"]
         files.write_text(out / "validation.csv", val.to_csv(index=False))

@@ -195,3 +195,37 @@ def test_the_findings_lead_with_where_each_phase_is_decided_and_the_claims():
     assert "Layer 0 at the anchor positions carries 55% [50%, 60%]" in text
     assert "edits the note" in text and "NOT TESTABLE HERE" in text
     assert text.index("where the decision is made") < text.index("The paper's claims")
+
+
+@pytest.mark.slow
+def test_a_sequential_validation_stops_a_settled_pool_and_equals_a_shorter_draw(monkeypatch):
+    """sequential=True: a pool whose every p-value's Monte Carlo interval lies on one side of
+    ALPHA_SETTLED stops at the first checkpoint; its rows equal validate_heads with that many
+    sets (one seeded sequence of draws); a pool not settled runs all its sets. On the planted
+    circuit (k = 1): the planted heads beat every other head of their layer (settled early);
+    Phase 2's all-layers pool holds its mover, as strong (not settled: all 7 sets)."""
+    from planted_circuit import planted_model, planted_task
+
+    from circuitkit.scoring import validate
+    from circuitkit.scoring.heads import score_heads
+
+    model, task = planted_model(), planted_task(24)
+    scores = score_heads(model, task, progress=False, anchor_directions="tokens")
+    monkeypatch.setattr(validate, "SEQUENTIAL", (3,))
+    monkeypatch.setattr(validate, "ALPHA_SETTLED", 0.9)  # (0 hits of 3: interval [0, 0.71])
+    pools = ("all-layers", "same-layers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        seq = validate.validate_selections(model, task, scores, {"score": pools}, k=1,
+                                           n_random=7, options=dict(progress=False,
+                                                                    sequential=True))["score"]
+        used = {(int(r.phase), r.pool): int(r.n_random) for r in seq.itertuples()}
+        assert used[(2, "all-layers")] == 7 and used[(1, "all-layers")] == 3
+        for (phase, pool), m in used.items():
+            ref = validate_heads(model, task, scores, k=1, n_random=m, progress=False,
+                                 pools=(pool,))
+            ref = ref[ref["phase"] == phase].reset_index(drop=True)
+            mine = seq[(seq["phase"] == phase) & (seq["pool"] == pool)].reset_index(drop=True)
+            pd.testing.assert_frame_equal(mine, ref, rtol=1e-5, atol=1e-6)
+            if m < 7 and pool == "all-layers":  # stopped early: settled
+                assert ((mine["p_high"] < 0.9) | (mine["p_low"] > 0.9)).all()

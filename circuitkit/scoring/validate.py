@@ -370,6 +370,32 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                                                         checkpoint=checkpoint))[selection]
 
 
+SEQUENTIAL = (50, 100)  # validate_selections(sequential=True): where a pool may stop early
+ALPHA_SETTLED = 0.05  # ... once every p-value's Monte Carlo interval lies on one side of it
+
+
+def _checkpoints(n_random: int, sequential: bool) -> list[int]:
+    """The set counts at which a sequential validation decides whether to go on."""
+    return sorted({c for c in SEQUENTIAL if c < n_random} | {int(n_random)}) if sequential \
+        else [int(n_random)]
+
+
+def _settled(runs: dict[str, Tensor], pick: list[int], base: int) -> bool:
+    """Whether every p-value of the rows ``pick`` (``[base, top, *random]``) in both
+    directions and both quantities has its Monte Carlo interval wholly on one side of
+    ``ALPHA_SETTLED`` (``effect_stats``' p and ``mc_interval``)."""
+    for r in runs.values():
+        for qi in range(r.shape[0]):
+            v = r[qi][pick].double()
+            effects = (v[1:] - v[0]).mean(1)
+            t = float(effects[0])
+            hits = int((effects[1:].abs() >= abs(t) - TIE_RTOL * max(1.0, abs(t))).sum())
+            lo, hi = mc_interval(hits, len(pick) - 2)
+            if lo <= ALPHA_SETTLED <= hi:
+                return False
+    return True
+
+
 def validate_selections(model: Any, task: Task, scores: Any,
                         selections: dict[str, Sequence[str]], k: int = 5,
                         n_random: int = N_RANDOM, seed: int = 0, batch_size: int | None = None,
@@ -380,7 +406,12 @@ def validate_selections(model: Any, task: Task, scores: Any,
     of every selection (a set in two selections' lists runs once). With several selections the
     "all-layers" pool is one pool for all: ``k`` of the heads in no selection's top set (a
     selection's frame otherwise equals its own ``validate_heads`` call's). ``options``:
-    ``progress`` (default True), ``checkpoint`` (default None)."""
+    ``progress`` (default True), ``checkpoint`` (default None), ``sequential`` (default
+    False): draw each pool's sets in stages (``SEQUENTIAL``: 50, 100, then ``n_random``) and
+    stop a pool once the Monte Carlo interval of every one of its p-values (both directions,
+    both quantities) lies wholly below or above ``ALPHA_SETTLED``; its rows then hold the
+    first ``n_random`` sets drawn (``n_random`` column: how many), the same values as a call
+    with that ``n_random`` (the draws are one seeded sequence)."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
@@ -388,6 +419,7 @@ def validate_selections(model: Any, task: Task, scores: Any,
 
     options = dict(options or {})
     progress, checkpoint = options.get("progress", True), options.get("checkpoint")
+    sequential = bool(options.get("sequential", False))
     asked = {sel: _check_pools(pools) for sel, pools in selections.items()}
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
@@ -423,37 +455,68 @@ def validate_selections(model: Any, task: Task, scores: Any,
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
-        runs = {}
-        for direction in ("noise", "denoise"):
-            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
-                                      f.d_vocab_out)
-            if saved and (got := saved.load(key, (2, len(sets), n))) is not None:
-                runs[direction] = got
-                _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
-                        len(sets) * n)
-                continue
-            said = "; ".join(f"top-{k} {_fmt(top)} vs " + ", ".join(
-                f"{len(s)} {p}" for p, s in pools.items()) + " random sets"
-                for top, pools, _ in per_sel.values())
-            _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} prompts"
-                 + (f" ({len(sets) - 1} distinct sets)" if len(per_sel) > 1 else ""))
-            sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            engine = ExactEngine(model, clean, corrupt, metric, sweep, fast=_fast(model),
-                                 rows=batch_size)
-            runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
-                                           bar=bar)
-            if saved:
-                saved.save(key, runs[direction])
+        runs = {d: torch.full((2, len(sets), n), float("nan")) for d in ("noise", "denoise")}
+        done = torch.zeros(len(sets), dtype=torch.bool)
+        engines: dict[str, Any] = {}
+        # each pool's sets in use: all of them, or (sequential) the first c of them once every
+        # p-value of the pool is settled at ALPHA_SETTLED by its Monte Carlo interval
+        used = {(sel, pool): len(rand) for sel, (_, pools, _) in per_sel.items()
+                for pool, rand in pools.items()}
+        active = set(used)
+        marks = _checkpoints(n_random, sequential)
+        for c in marks:
+            need = set()
+            for sel, (_, pools, at) in per_sel.items():
+                need.update(at[:2])
+                for pool in pools:
+                    if (sel, pool) in active:
+                        need.update(at[r] for r in _pool_rows(pools, pool)[:c])
+            todo = sorted(i for i in need if not bool(done[i]))
+            for direction in ("noise", "denoise") if todo else ():
+                chunk = [sets[i] for i in todo]
+                key = saved and saved.key(tp, phase, direction, chunk, (metric, behaviour),
+                                          f.d_vocab_out)
+                got = saved.load(key, (2, len(chunk), n)) if saved else None
+                if got is not None:
+                    _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
+                            len(chunk) * n)
+                else:
+                    said = "; ".join(f"top-{k} {_fmt(top)} vs " + ", ".join(
+                        f"{min(len(s), c)} {p}" for p, s in pools.items()
+                        if (sel, p) in active) + " random sets"
+                        for sel, (top, pools, _) in per_sel.items())
+                    _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} "
+                         f"prompts ({len(chunk)} distinct sets)")
+                    if direction not in engines:
+                        sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1,
+                                      n, seq, True)
+                        engines[direction] = ExactEngine(model, clean, corrupt, metric, sweep,
+                                                         fast=_fast(model), rows=batch_size)
+                    got = _run_buckets(engines[direction], chunk, [metric, behaviour], n,
+                                       batch_size, bar=bar)
+                    if saved:
+                        saved.save(key, got)
+                runs[direction][:, todo] = got
+            done[todo] = True
+            if c == marks[-1]:
+                break
+            for sel, pool in sorted(active):
+                _, pools, at = per_sel[sel]
+                m = min(c, len(pools[pool]))
+                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:m]]
+                if m == len(pools[pool]) or _settled(runs, pick, at[0]):
+                    used[sel, pool] = m
+                    active.discard((sel, pool))
         for sel, (top, pools, at) in per_sel.items():
-            sets_used[sel][phase] = dict(top=top, random=pools)
-            mine = {d: r[:, at] for d, r in runs.items()}  # [[], top, *pools] of this selection
+            kept = {pool: rand[:used[sel, pool]] for pool, rand in pools.items()}
+            sets_used[sel][phase] = dict(top=top, random=kept)
             # base of noise = clean run; base of denoise = corrupt run
-            for pool, rand in pools.items():
-                pick = [0, 1] + _pool_rows(pools, pool)
+            for pool, rand in kept.items():
+                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:len(rand)]]
                 for direction in ("noise", "denoise"):
                     for qi, q in enumerate((metric, behaviour)):
-                        stats = summarize(mine[direction][qi][pick], mine["noise"][qi, 0],
-                                          mine["denoise"][qi, 0], n_boot, seed)
+                        stats = summarize(runs[direction][qi][pick], runs["noise"][qi, at[0]],
+                                          runs["denoise"][qi, at[0]], n_boot, seed)
                         rows[sel].append(dict(phase=phase, pool=pool, direction=direction,
                                               quantity=q.name, heads=_fmt(top), k=int(k),
                                               n_random=len(rand), overlap=overlap(top, rand),
