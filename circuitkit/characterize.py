@@ -7,11 +7,17 @@ in that phase: its sweeps, scores and validation rows are that phase's.
 
     patch-p{1,2}-{denoise,noise}.*  PatchResult (ck.PatchResult.load), the phase's task metric
     scores.csv        score_heads (bootstrap rank intervals, top-k inclusion)
-    validation.csv    validate_heads (top-k vs random head sets of two pools)
-    validation-causal.csv  (``stages=True``) the causal top-k (``selection="causal"``) against
-                      all-layers and layer-stratified sets; ``summary["causal_validation"]``
+    validation.csv    validate_heads (the score top-k vs layer-matched and all-layer sets)
+    validation-causal.csv  (``stages=True``, the default) the causal top-k
+                      (``selection="causal"``) against all-layers and layer-stratified sets,
+                      in the same runs (``validate_selections``); ``summary["causal_validation"]``
     groups/, causal.csv  (``stages=True``, exact only) ``_stages_step``'s [layer, head, group]
-                      sweeps over ``stage_groups`` and the causal columns from them
+                      sweeps over ``stage_groups`` (selection notes; ``heldout-*``: the
+                      held-out notes) and the causal columns from them
+    bins/             (``stages=True``) the paper's cumulative bins (``_bins_step``)
+    summary["lead"], summary["claims"]  (``stages=True``) ``lead_picture``: where each
+                      decision is made, the stable heads, the claims table; the findings and
+                      the report lead with them
     head-ablation.csv ablate_heads (zero / mean / resample; resample needs two prompts with
                       steps of every phase, else it is skipped: ``summary["skipped"]``)
     edges/            (``edges=True``) ``_edges_step``'s edges.*, paths.*, circuit.json
@@ -49,9 +55,13 @@ DEFAULT_N = 128
 # be shown with its Monte Carlo interval below 0.05 (20 sets, floor 0.048, could not: the same
 # top set read 0.048-0.143 over disjoint batches). 1000 (``validate_heads``' default, the
 # science runs') costs ~5x more: ~0.8 s per set on the teacher's 128 notes on one CPU thread.
-N_RANDOM = 200
+N_RANDOM = 200  # at most: a pool stops at 50 or 100 once its p-values are settled at 0.05
+# by their Monte Carlo intervals (validate_selections(sequential=True))
 # ... and ablated against (``ablate_heads``' default): three ablations, each decoding outputs.
 N_RANDOM_ABLATION = 20
+# the pools the score-selected top set is validated against: layer-matched ("any k heads of the
+# same layers", the headline p) and all-layer sets beside it
+SCORE_POOLS = ("layer-stratified", "all-layers")
 
 
 def patch_steps(phases: tuple[int, ...] | list[int] = (1, 2)) -> list[tuple[int, str]]:
@@ -63,7 +73,8 @@ def step_names(phases: tuple[int, ...] | list[int] = (1, 2), stages: bool = Fals
     """The step names ``characterize`` records in ``summary.json``, in order (``stages``: the
     position-group sweeps, ``--stages``: run with exact patching)."""
     return [f"patch-p{p}-{d}" for p, d in patch_steps(phases)] + (
-        ["stages"] if stages else []) + ["scores", "validation", "ablation"]
+        ["stages"] if stages else []) + ["scores", "validation"] + (
+        ["bins"] if stages else []) + ["ablation"]
 
 
 STEPS = step_names()  # a task with both phases (icd10, synthetic)
@@ -80,7 +91,7 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
                  batch_size: int | None = None, patch_method: str = "exact",
                  text: bool | None = None, progress: bool = True,
                  task_kwargs: dict[str, Any] | None = None, report: bool = True,
-                 edges: bool = False, stages: bool = False,
+                 edges: bool = False, stages: bool = True,
                  select_n: int | str | None = "half",
                  n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
@@ -94,9 +105,10 @@ def characterize(model_name_or_model: Any, task_name: str = "icd10",
     ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
     ``out_dir/report.html`` at the end (``circuitkit.viz.report``); ``edges``: also patch the
     edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``);
-    ``stages``: also patch every head at each of the task's position groups (``groups/``,
-    ``_stages_step``; exact patching only), and the causal columns (``scoring.causal``:
-    ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``);
+    ``stages`` (default on): also patch every head at each of the task's position groups
+    (``groups/``, ``_stages_step``; exact patching only), the causal columns
+    (``scoring.causal``: ``causal.csv``, merged into ``scores.csv``;
+    ``summary["phase_table"]``), the paper's cumulative bins and the lead (``lead_picture``);
     ``select_n``: held-out selection: scores (and causal columns) on the first ``select_n``
     examples, validation and ablation on the others (``summary["samples"]``); "half" (the
     default): the first half of the examples; None: the same examples for both (a p-value then
@@ -160,7 +172,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     from circuitkit.patching.results import plotly_bundle, quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
-    from circuitkit.scoring.validate import ablate_heads, validate_heads
+    from circuitkit.scoring.validate import ablate_heads, validate_selections
     from circuitkit.tasks.base import phase_task, task_phases
 
     if int(n_examples) < 1:
@@ -194,6 +206,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
     # the selection notes' phase tasks, for the steps that select on them (stages, edges)
     per_phase_chosen = {p: phase_task(chosen, p) for p in phases} if stages or edges else {}
+    from circuitkit.scoring.claims import note_edited
+
+    edited = {p: note_edited(per_phase[p]) for p in phases}
     ablations, skipped = head_ablations(task)  # decided before any step runs
     skipped = [*skipped, *no_split]
     fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
@@ -245,7 +260,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     summary.update(identity=identity, versions=versions(), task_config=task.config,
                    phases=phases, steps_expected=expected, complete=False,
                    validation_options=validation_options, ablations=list(ablations),
-                   skipped=skipped, samples=samples)
+                   skipped=skipped, samples=samples, corruption={
+                       f"phase{p}": dict(name=task.config.get("corruption"),
+                                         note_edited=edited[p]) for p in phases})
     steps: dict[str, Any] = summary.setdefault("steps", {})
 
     ran: list[str] = []  # the steps computed by this call (the others were reused)
@@ -278,7 +295,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             steps.pop(step)
 
     sweeps = patch_steps(phases)
-    total = len(sweeps) + 3 + int(stages) + int(bool(edges))
+    total = len(sweeps) + 3 + 2 * int(stages) + int(bool(edges))
     sweep_results: dict[tuple[int, str], Any] = {}
     _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
                    f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
@@ -312,13 +329,17 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
 
     i = len(sweeps) + 1
     if stages:
+        if samples["held_out"]:  # (a record from before the held-out stage sweeps)
+            outdated("stages", f"groups/heldout-patch-p{phases[-1]}-noise.json")
         if not reusable("stages", i):
             _log(progress, f"[{i}/{total}] stages: every head patched at each position group "
                            f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
                            f"directions, on the {len(chosen)} selection examples")
             t0 = time.perf_counter()
+            held_tasks = {p: phase_task(held_out, p) for p in task_phases(held_out)
+                          if p in phases} if samples["held_out"] else None
             written = _stages_step(model, per_phase_chosen, out, k, batch_size, progress,
-                                   dict(model_name=name, task=task_name), summary)
+                                   dict(model_name=name, task=task_name), summary, held_tasks)
             record("stages", time.perf_counter() - t0, written)
         i += 1
     if reusable("scores", i):
@@ -331,7 +352,9 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                              seed=seed)
         if stages and (out / "causal.csv").is_file():  # the causal columns beside the scores
             causal = pd.read_csv(out / "causal.csv").drop(columns=["name"], errors="ignore")
+            attrs = dict(scores.attrs)  # (a merge drops them: scores_attrs would be empty)
             scores = scores.merge(causal, on=["layer", "head"], how="left")
+            scores.attrs.update(attrs)
         files.write_text(out / "scores.csv", scores.to_csv(index=False))
         summary["scores_attrs"] = _json_safe(scores.attrs)
         record("scores", time.perf_counter() - t0, ["scores.csv"])
@@ -351,20 +374,37 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"together on {_on(samples, 'validate')}, against {n_random} random "
                        f"{k}-head sets")
         t0 = time.perf_counter()
-        val = validate_heads(model, held_out, scores, **tested)
+        # the score and the causal top sets share each (phase, direction)'s run: one engine,
+        # their distinct sets once (validate_selections)
+        selections = {"score": SCORE_POOLS}
+        if has_causal_columns(scores):  # stages: the causal top sets are validated too
+            _log(progress, f"[{i}/{total}] validation: and the causal top {k} heads of each "
+                           f"phase, against {n_random} all-layers and layer-stratified sets, in "
+                           "the same runs")
+            selections["causal"] = ("all-layers", "layer-stratified")
+        got = validate_selections(model, held_out, scores, selections, k, n_random, seed,
+                                  batch_size, options=dict(progress=progress, sequential=True,
+                                                           checkpoint=tested["checkpoint"]))
+        val = got["score"]
         files.write_text(out / "validation.csv", val.to_csv(index=False))
         summary["validation_sets"] = val.attrs.get("sets")
         written = ["validation.csv"]
-        if has_causal_columns(scores):  # --stages: the causal top sets are validated too
-            _log(progress, f"[{i}/{total}] validation: the causal top {k} heads of each phase, "
-                           f"against {n_random} random and layer-stratified {k}-head sets")
-            cval = validate_heads(model, held_out, scores, **tested, selection="causal",
-                                  pools=("all-layers", "layer-stratified"))
+        if "causal" in got:
+            cval = got["causal"]
             files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
             summary["causal_validation"] = causal_validation(cval)
             written.append("validation-causal.csv")
         record("validation", time.perf_counter() - t0, written)
     i += 1
+    if stages and not reusable("bins", i):
+        _log(progress, f"[{i}/{total}] bins: the paper's experiment: the top heads by the "
+                       f"descriptive scores patched together in cumulative bins (pattern and z, "
+                       f"both directions) beside the lowest-ranked and random heads, on "
+                       f"{_on(samples, 'validate')}")
+        t0 = time.perf_counter()
+        record("bins", time.perf_counter() - t0,
+               _bins_step(model, held_out, scores, phases, out, seed, batch_size))
+    i += int(stages)
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
             "zero- and mean-ablated (resample skipped: one prompt)")
@@ -385,6 +425,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
             written = _edges_step(model, per_phase_chosen, scores, k, out, batch_size,
                                   progress, dict(model_name=name, task=task_name))
             record("edges", time.perf_counter() - t0, written)
+    if stages:  # the lead: where each decision is made, stable heads, the claims table
+        summary.update(_json_safe(lead_picture(out, summary, scores, k, seed)))
     summary["complete"] = all(step in steps for step in expected)
     summary["steps_run_this_call"] = ran
     summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
@@ -399,6 +441,64 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"{time.perf_counter() - t0:.1f} s")
     _log(progress, timing_line(summary, time.perf_counter() - t_all))
     return summary
+
+
+def _bins_step(model: Any, task: Any, scores: Any, phases: list[int], out: Path, seed: int,
+               batch_size: int | None) -> list[str]:
+    """``scoring.bins.cumulative_bins`` of each phase's ranking by its descriptive score
+    (``top_heads`` over every head) on ``task``: ``out/bins/bins.csv`` (every set),
+    ``bins/summary.csv`` (``bin_summary``) and ``bins/bins.html`` (``bins_figure``)."""
+    from circuitkit import files, hooks
+    from circuitkit.scoring.bins import bin_summary, bins_figure, cumulative_bins
+    from circuitkit.scoring.heads import scored_phases, top_heads
+
+    f = hooks.facts(model)
+    rankings = {p: top_heads(scores, p, f.n_layers * f.n_heads) for p in phases
+                if p in scored_phases(scores)}
+    frame = cumulative_bins(model, task, rankings, seed=seed, batch_size=batch_size)
+    summ = bin_summary(frame)
+    (out / "bins").mkdir(exist_ok=True)
+    files.write_text(out / "bins" / "bins.csv", frame.to_csv(index=False))
+    files.write_text(out / "bins" / "summary.csv", summ.to_csv(index=False))
+    html = bins_figure(summ).to_html(include_plotlyjs="../plotly.min.js", full_html=True)
+    files.write_text(out / "bins" / "bins.html", html)
+    return ["bins/bins.csv", "bins/summary.csv", "bins/bins.html"]
+
+
+def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
+                 seed: int = 0) -> dict[str, Any]:
+    """``summary["lead"]`` (``scoring.claims.decision_picture`` of the stage sweeps in
+    ``out/groups``: selection notes, and the held-out notes when there are any) and
+    ``summary["claims"]`` (``scoring.claims.claims`` with ``validation.csv`` and
+    ``validation-causal.csv``); {} without the stage sweeps."""
+    import pandas as pd
+
+    from circuitkit.scoring.claims import bins_facts, claims, decision_picture, validation_facts
+
+    phases = summary.get("phases") or []
+    sel = {(p, d): _stored(out / "groups" / f"patch-p{p}-{d}") for p in phases
+           for d in ("noise", "denoise")}
+    sel = {key: r for key, r in sel.items() if r is not None}
+    if not sel:
+        return {}
+    held = {(p, d): _stored(out / "groups" / f"heldout-patch-p{p}-{d}") for p, d in sel
+            if (out / "groups" / f"heldout-patch-p{p}-{d}.json").is_file()}
+    held = {key: r for key, r in held.items() if r is not None} or None
+    if held is not None and {p for p, _ in held} != {p for p, _ in sel}:
+        held = None  # (a phase without held-out notes: the selection notes stand in for all)
+    edited = {int(key[5:]): v.get("note_edited")
+              for key, v in (summary.get("corruption") or {}).items()}
+    picture = decision_picture(sel, held, scores, k, edited, seed=seed)
+
+    def read(name: str) -> Any:
+        return pd.read_csv(out / name) if (out / name).is_file() else None
+
+    cval, bins = read("validation-causal.csv"), read("bins/summary.csv")
+    for p in phases:
+        if f"phase{p}" in picture:
+            picture[f"phase{p}"]["validated"] = validation_facts(cval, p)
+            picture[f"phase{p}"]["bins"] = bins_facts(bins, p)
+    return dict(lead=picture, claims=claims(picture, read("validation.csv"), cval, summary))
 
 
 def timing_line(summary: dict[str, Any], seconds: float) -> str:
@@ -541,18 +641,36 @@ def stage_groups(task: Any) -> dict[str, Any]:
 
 def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
                  batch_size: int | None, progress: bool, meta: dict[str, Any],
-                 summary: dict[str, Any]) -> list[str]:
+                 summary: dict[str, Any], held: dict[int, Any] | None = None) -> list[str]:
     """Exact ``[layer, head, group]`` sweeps over each phase's ``stage_groups`` (on the
     selection notes), denoise and noise: ``out/groups/patch-p{phase}-{direction}.*``
     (PatchResult); from the same sweeps ``out/causal.csv`` (``causal.causal_frame``) and the
     summary's ``phase_table`` (top ``k``) and ``stages`` (per phase and direction the group
-    names and the ``STAGE_TOP`` cells with the largest ``|normalized|``)."""
+    names and the ``STAGE_TOP`` cells with the largest ``|normalized|``). ``held``: per phase
+    the held-out notes' task: the same sweeps on them, ``out/groups/heldout-patch-p*``
+    (``lead_picture`` measures where each decision is made on them)."""
     import circuitkit as ck
     from circuitkit import files, hooks
     from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.causal import causal_frame, phase_table
 
     written, said, sweeps = [], {}, {}
+    for phase, tp in (held or {}).items():  # the same sweeps on the held-out notes: the lead's
+        # "where" and its intervals are measured on notes the cells were not chosen on (noise,
+        # the direction the lead reads: removing what the phase needs)
+        if not len(tp):
+            continue
+        for direction in ("noise",):
+            step = f"heldout-patch-p{phase}-{direction}"
+            with quiet_baseline():
+                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                     direction=direction, positions=stage_groups(tp),
+                                     batch_size=batch_size, progress=progress,
+                                     checkpoint=out / "checkpoints" / f"groups-{step}",
+                                     task_hash=tp.fingerprint())
+            res.meta.update(meta, phase=phase, n_examples=len(tp), sample="held-out")
+            res.save(out / "groups" / step, views=False)
+            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
     for phase, tp in per_phase.items():
         groups = stage_groups(tp)
         for direction in ("denoise", "noise"):

@@ -55,7 +55,22 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert stored["samples"]["held_out"] and stored["samples"]["select"]["examples"] == [0, 4]
     assert stored["samples"]["validate"]["examples"] == [4, 8]
     assert stored["identity"]["select_n"] == 4
-    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 8
+    assert stored["identity"] == summary["identity"] and len(stored["steps"]) == 9
+    # the lead: where each decision is made (held out), stable heads, the claims table
+    for phase in (1, 2):
+        lead = stored["lead"][f"phase{phase}"]
+        assert lead["where"]["n_held"] == 4 and lead["where"]["chosen"]
+        assert len(lead["heads"]["top"]) == 2 and lead["heads"]["core"]["top"]
+        assert lead["precision"]["score"] in ("coarse_score", "refine_score")
+        res = ck.PatchResult.load(out / "groups" / f"heldout-patch-p{phase}-noise")
+        assert res.per_prompt.shape[0] == 4
+    assert {r["claim"] for r in stored["claims"]} >= {"early-phase1", "late-phase2",
+                                                        "separate-heads", "distill"}
+    assert stored["corruption"]["phase1"]["note_edited"] in (True, False)
+    # the paper's cumulative bins: capped at the model's 12 heads, both sites and directions
+    bins = pd.read_csv(out / "bins" / "summary.csv")
+    assert set(bins["bin"]) == {3, 8, 12} and set(bins["site"]) == {"pattern", "z"}
+    assert (out / "bins" / "bins.html").is_file()
     # the stages step: [layer, head, group] sweeps over the task's position groups
     for phase in (1, 2):
         for d in ("denoise", "noise"):
@@ -119,8 +134,9 @@ def test_cli_score_and_characterize(tmp_path):
     assert (tmp_path / "c" / "summary.json").exists()
     # the same arguments rank the same heads: characterize's scores are score's (top-k
     # inclusion included: both bootstrap with the same k and seed)
-    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "s.csv"),
-                                  pd.read_csv(tmp_path / "c" / "scores.csv"))
+    alone = pd.read_csv(tmp_path / "s.csv")  # (the stage sweeps' causal columns follow)
+    pd.testing.assert_frame_equal(alone, pd.read_csv(tmp_path / "c" / "scores.csv")[
+        list(alone.columns)])
     said = " ".join(res.output.split())
     assert ("findings (icd-teacher on icd10: 8 test examples, seed 0, exact patching; heads "
             "selected and validated on the same examples):") in said
@@ -134,12 +150,12 @@ def test_cli_score_and_characterize(tmp_path):
     # one line per file written; report.html once
     assert said.count("report.html") == 1 and "wrote " + str(tmp_path / "c" / "scores.csv") \
         in said
-    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 7 steps, [\d.]+ s loading", said)
+    assert re.search(r"took [\d.]+ s: [\d.]+ s computing 9 steps, [\d.]+ s loading", said)
     again = runner.invoke(app, ["characterize", "--model", "icd-teacher", "-n", "8", "-k", "2",
                                 "--n-random", "3", "--select-n", "none", "--out",
                                 str(tmp_path / "c")])
     said = " ".join(again.output.split())
-    assert "7 steps reused from the folder (they had taken" in said
+    assert "9 steps reused from the folder (they had taken" in said
     assert "kept (finished by an earlier run): patch-p1-denoise" in said
     res = runner.invoke(app, ["characterize", "--model", "icd-teacher", "--text", "maybe"])
     assert res.exit_code == 2 and "--text" in res.output
@@ -159,7 +175,7 @@ def test_cli_characterize_on_one_prompt_skips_resample_and_says_so(tmp_path):
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     note = "resample ablation skipped: it takes each head's z from another prompt"
-    assert said.index("note: " + note) < said.index("[1/7] patch-p1-denoise")
+    assert said.index("note: " + note) < said.index("[1/9] patch-p1-denoise")
     assert "Not run. Resample ablation skipped" in said and "-n / n_examples" in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["ablations"] == ["zero", "mean"]
@@ -185,7 +201,8 @@ def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop,
     other = 3 - phase
     assert summary["phases"] == [phase] and summary["complete"]
     assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
-                                         "scores", "validation", "ablation"]
+                                         "stages", "scores", "validation", "bins", "ablation"]
+    assert list(summary["lead"]) == ["direction", "k", "share", "held_out", f"phase{phase}"]
     assert list(summary["top_heads"]) == [f"phase{phase}"]
     assert summary["identity"][f"task_fingerprint_p{other}"] is None
     names = {p.name for p in out.iterdir()}

@@ -111,10 +111,14 @@ def test_run_head_sets_refuses_bad_input(tiny_llama, synth):
         engine.run_head_sets([[(3, 0)]])
     with pytest.raises(ValueError, match="reads logit positions outside"):
         engine.run_head_sets([[(0, 0)]], metrics=[focus_metric(synth)])  # anchors, not answers
-    pattern = ExactEngine(tiny_llama, clean, corrupt, metric,
+    q = ExactEngine(tiny_llama, clean, corrupt, metric,
+                    Sweep("heads", "q", "noise", "all", 3, 4, 1, n, seq, True))
+    with pytest.raises(ValueError, match="site='z' or 'pattern'"):
+        q.run_head_sets([[(0, 0)]])
+    pattern = ExactEngine(tiny_llama, clean, corrupt, metric,  # (patterns: source runs only)
                           Sweep("heads", "pattern", "noise", "all", 3, 4, 1, n, seq, True))
-    with pytest.raises(ValueError, match="site='z'"):
-        pattern.run_head_sets([[(0, 0)]])
+    with pytest.raises(ValueError, match="source='source'"):
+        pattern.run_head_sets([[(0, 0)]], source="zero")
 
 
 def test_focus_and_confusion_metrics_equal_evaluation(tiny_llama, synth):

@@ -97,11 +97,13 @@ def characterize(
     edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
                                "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
                                "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
-    stages: bool = typer.Option(False, "--stages", help="Also patch every head at each of the "
-                                "task's position groups (evidence, anchor, shortlist, answer, "
-                                "and the positions the metric reads), both directions: where "
-                                "each phase's decision is made; OUT/groups/ (exact patching; "
-                                "about 5 sweeps' time)."),
+    stages: bool = typer.Option(True, "--stages/--no-stages", help="Patch every head at each "
+                                "of the task's position groups (evidence, anchor, shortlist, "
+                                "answer, and the positions the metric reads), both directions, "
+                                "on the selection and the held-out notes: where each phase's "
+                                "decision is made, the stable heads and the claims table the "
+                                "findings lead with; OUT/groups/ (exact patching; on by "
+                                "default, --no-stages for a quick run)."),
     select_n: opt.SelectN = "half",
     corruption: opt.Corruption = "note",
     progress: opt.Progress = True,

@@ -27,6 +27,9 @@ from circuitkit.patching.sweep import auto_rows
 
 # "mean": mean_z, over prompts and positions (ck.circuit's per-position one is "position-mean")
 HEAD_SET_SOURCES = ("source", "zero", "mean", "resample")
+# the sites a head set is patched at: its output z, or its attention pattern (the paper's
+# cumulative-bin experiment; source runs only, on the hooked path)
+HEAD_SET_SITES = ("z", "pattern")
 
 
 def _written(z: Float[Tensor, "T h_d"], which: Bool[Tensor, "T head"],
@@ -67,7 +70,9 @@ class HeadSetRuns:
         positions: a derangement of the prompts seeded by ``seed``, one for the whole call).
 
         Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
-        layer). Sets are grouped by their lowest layer ``l0``; a group's sets are stacked in the
+        layer), or over site ``pattern`` (``source="source"`` only, hooked: each set's heads get
+        the source run's attention pattern, the paper's cumulative-bin experiment). Sets are
+        grouped by their lowest layer ``l0``; a group's sets are stacked in the
         batch (set-major rows ``[n_sets * n_p, seq, d_model]``) and re-enter the model at
         ``l0`` from the cached base ``resid_pre(l0)``; a hook at ``z(l)`` of every layer ``l``
         the group touches writes the source ``z`` of each set's heads at ``l`` into that set's
@@ -121,12 +126,16 @@ class HeadSetRuns:
         sweep, ``source``, each metric (a ``PromptMetric`` reading within the engine metric's
         reads), each head in the model; returns (metrics, each set sorted without repeats)."""
         sw = self.sweep
-        if (sw.kind, sw.site, sw.positions) != ("heads", "z", "all"):
-            raise ValueError("run_head_sets needs an engine built for site='z', positions='all' "
-                             f"(got kind={sw.kind!r}, site={sw.site!r}, "
+        if (sw.kind, sw.positions) != ("heads", "all") or sw.site not in HEAD_SET_SITES:
+            raise ValueError("run_head_sets needs an engine built for site='z' or 'pattern', "
+                             f"positions='all' (got kind={sw.kind!r}, site={sw.site!r}, "
                              f"positions={sw.positions!r}).")
         if source not in HEAD_SET_SOURCES:
             raise ValueError(f"source={source!r}; expected one of {list(HEAD_SET_SOURCES)}.")
+        if sw.site != "z" and source != "source":
+            raise ValueError(f"source={source!r} ablates z; an engine built for site "
+                             f"{sw.site!r} patches the source run's {sw.site} only "
+                             "(source='source').")
         if source == "resample" and p1 - p0 < 2:
             raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
                              f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
@@ -158,7 +167,7 @@ class HeadSetRuns:
         """Whether ``run_head_sets`` runs its sets fused and packed (``_fused_head_set_logits``):
         a Llama-form model on the fast path, once ``_head_sets_agree`` found the fused sets
         equal to the hooked ones on this model (per ``source``)."""
-        if not self._packed(fast):
+        if not self._packed(fast) or self.sweep.site != "z":  # (a pattern set: hooked)
             return False
         if fast:  # forced (the probe itself, tests)
             return True
@@ -197,6 +206,7 @@ class HeadSetRuns:
         at = None if self.reads is None else self.reads[p0:p1]
         x = self._span(self.resid[start], p0, p1, length).repeat(n_g, 1, 1)
         fwd_hooks = []
+        pattern = self.sweep.site == "pattern"  # [batch, head, q, k]; z: [batch, pos, head, d]
         for layer in sorted({la for s in group for la, _ in s}):
             heads = [[h for la, h in s if la == layer] for s in group]
             src = self._head_set_source(layer, source, p0, p1, length, perm)
@@ -204,7 +214,9 @@ class HeadSetRuns:
             def hook(act: Tensor, hook: Any, heads=heads, src=src, n_g=n_g) -> Tensor:
                 view = act.view(n_g, n_p, *act.shape[1:])
                 for j, hs in enumerate(heads):
-                    if hs:
+                    if hs and pattern:
+                        view[j][:, hs] = src[:, hs].to(act.dtype)
+                    elif hs:
                         view[j][:, :, hs] = src[:, :, hs]
                 return act
 

@@ -165,12 +165,15 @@ def _reads_metric(task: Task, phases: Sequence[int]) -> PromptMetric:
 
 def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int,
                      seed: int, n_layers: int | None = None,
-                     pool: str = "same-layers") -> list[list[tuple[int, int]]]:
+                     pool: str = "same-layers", exclude: Sequence[tuple[int, int]] = ()
+                     ) -> list[list[tuple[int, int]]]:
     """Up to ``n_random`` distinct head sets of ``len(top)`` heads from ``pool`` (module
     docstring), none equal to ``top``, each sorted. Fewer distinct sets than ``n_random``
     exist: all of them (the p-value is then exact over them; a warning says how many); none
     (the top heads fill their layers, or the model): an empty list, with a warning.
-    ``n_layers``: needed for the "all-layers" pool."""
+    ``n_layers``: needed for the "all-layers" pool; ``exclude``: heads the "all-layers" pool
+    never draws besides the top set's (``validate_selections``: every selection's top heads,
+    so that one pool serves them all)."""
     want = sorted(top)
     top_set = set(want)
     counts = sorted(Counter(layer for layer, _ in want).items())
@@ -181,8 +184,9 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     elif pool == "all-layers":
         if n_layers is None:
             raise ValueError("random_head_sets(pool='all-layers') needs n_layers.")
+        banned = top_set | {tuple(h) for h in exclude}
         groups = [([(la, h) for la in range(n_layers) for h in range(n_heads)
-                    if (la, h) not in top_set], want, len(want))]
+                    if (la, h) not in banned], want, len(want))]
     elif pool == "layer-stratified":  # the top set's per-layer counts, from all of each layer
         groups = [([(layer, h) for h in range(n_heads)], [], c) for layer, c in counts]
     else:
@@ -321,11 +325,12 @@ def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, call
 
 
 def _pooled_sets(top: list[tuple[int, int]], f: Any, n_random: int, seed: int,
-                 pools: Sequence[str] = POOLS) -> dict[str, list[list[tuple[int, int]]]]:
+                 pools: Sequence[str] = POOLS, exclude: Sequence[tuple[int, int]] = ()
+                 ) -> dict[str, list[list[tuple[int, int]]]]:
     """Random sets of each of ``pools`` for ``top`` (pool ``i`` of ``ALL_POOLS`` seeded
-    ``seed + 10 i``)."""
+    ``seed + 10 i``; ``exclude``: ``random_head_sets``')."""
     return {pool: random_head_sets(top, f.n_heads, n_random, seed + 10 * ALL_POOLS.index(pool),
-                                   f.n_layers, pool) for pool in pools}
+                                   f.n_layers, pool, exclude) for pool in pools}
 
 
 def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
@@ -373,70 +378,174 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
     ``batch_size``: sequences per forward (default from free memory); ``pools``: among
     ``ALL_POOLS``. Held-out validation: ``scores`` from another sample of notes than ``task``'s.
     ``selection``: the top ``k`` by "score" (``top_heads``) or "causal" (``causal_heads`` of the
-    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``."""
+    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``.
+    Several selections at once, sharing each run: ``validate_selections``."""
+    return validate_selections(model, task, scores, {selection: pools}, k, n_random, seed,
+                               batch_size, n_boot, dict(progress=progress,
+                                                        checkpoint=checkpoint))[selection]
+
+
+SEQUENTIAL = (50, 100)  # validate_selections(sequential=True): where a pool may stop early
+ALPHA_SETTLED = 0.05  # ... once every p-value's Monte Carlo interval lies on one side of it
+
+
+def _checkpoints(n_random: int, sequential: bool) -> list[int]:
+    """The set counts at which a sequential validation decides whether to go on."""
+    return sorted({c for c in SEQUENTIAL if c < n_random} | {int(n_random)}) if sequential \
+        else [int(n_random)]
+
+
+def _settled(runs: dict[str, Tensor], pick: list[int], base: int) -> bool:
+    """Whether every p-value of the rows ``pick`` (``[base, top, *random]``) in both
+    directions and both quantities has its Monte Carlo interval wholly on one side of
+    ``ALPHA_SETTLED`` (``effect_stats``' p and ``mc_interval``)."""
+    for r in runs.values():
+        for qi in range(r.shape[0]):
+            v = r[qi][pick].double()
+            effects = (v[1:] - v[0]).mean(1)
+            t = float(effects[0])
+            hits = int((effects[1:].abs() >= abs(t) - TIE_RTOL * max(1.0, abs(t))).sum())
+            lo, hi = mc_interval(hits, len(pick) - 2)
+            if lo <= ALPHA_SETTLED <= hi:
+                return False
+    return True
+
+
+def validate_selections(model: Any, task: Task, scores: Any,
+                        selections: dict[str, Sequence[str]], k: int = 5,
+                        n_random: int = N_RANDOM, seed: int = 0, batch_size: int | None = None,
+                        n_boot: int = 2000, options: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``): per
+    (phase, direction) one engine (cached runs) and one ``run_head_sets`` over the distinct sets
+    of every selection (a set in two selections' lists runs once). With several selections the
+    "all-layers" pool is one pool for all: ``k`` of the heads in no selection's top set (a
+    selection's frame otherwise equals its own ``validate_heads`` call's). ``options``:
+    ``progress`` (default True), ``checkpoint`` (default None), ``sequential`` (default
+    False): draw each pool's sets in stages (``SEQUENTIAL``: 50, 100, then ``n_random``) and
+    stop a pool once the Monte Carlo interval of every one of its p-values (both directions,
+    both quantities) lies wholly below or above ``ALPHA_SETTLED``; its rows then hold the
+    first ``n_random`` sets drawn (``n_random`` column: how many), the same values as a call
+    with that ``n_random`` (the draws are one seeded sequence)."""
     import pandas as pd
 
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
-    pools_asked = _check_pools(pools)
+    options = dict(options or {})
+    progress, checkpoint = options.get("progress", True), options.get("checkpoint")
+    sequential = bool(options.get("sequential", False))
+    asked = {sel: _check_pools(pools) for sel, pools in selections.items()}
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
         raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
     saved = _Saved(model, checkpoint) if checkpoint is not None else None
-    rows, sets_used = [], {}
+    picks = {sel: _selection(scores, sel) for sel in selections}
+    rows: dict[str, list] = {sel: [] for sel in selections}
+    sets_used: dict[str, dict] = {sel: {} for sel in selections}
     plan = {}  # the sets of every phase first: the bar's total is known before it starts
-    pick = _selection(scores, selection)
     for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        top = pick(phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
-        plan[phase] = (_sorted_by_length(phase_task(task, phase)), top, pools,
-                       [[], top, *(s for p in pools_asked for s in pools[p])])
-    bar = _variant_bar("validate", sum(2 * len(sets) * len(tp)
-                                       for tp, _, _, sets in plan.values()), progress)
-    for phase, (tp, top, pools, sets) in plan.items():
+        per_sel, union, index = {}, [], {}
+        tops = {sel: picks[sel](phase, k) for sel in asked}
+        # one all-layers pool for every selection: heads in no selection's top set
+        every_top = sorted({h for t in tops.values() for h in t}) if len(tops) > 1 else []
+        for sel, pools_asked in asked.items():
+            top = tops[sel]
+            pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked, every_top)
+            mine = [[], top, *(s for p in pools_asked for s in pools[p])]
+            for s in mine:
+                key = tuple(sorted(tuple(h) for h in s))
+                if key not in index:
+                    index[key] = len(union)
+                    union.append(s)
+            per_sel[sel] = (top, pools, [index[tuple(sorted(tuple(h) for h in s))]
+                                         for s in mine])
+        plan[phase] = (_sorted_by_length(phase_task(task, phase)), per_sel, union)
+    bar = _variant_bar("validate", sum(2 * len(union) * len(tp)
+                                       for tp, _, union in plan.values()), progress)
+    for phase, (tp, per_sel, sets) in plan.items():
         metric = tp.metric  # (tp: the examples with steps of this phase, sorted by length)
         behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
-        sets_used[phase] = dict(top=top, random=pools)
         clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
         n, seq = clean.shape
-        runs = {}
-        for direction in ("noise", "denoise"):
-            key = saved and saved.key(tp, phase, direction, sets, (metric, behaviour),
-                                      f.d_vocab_out)
-            if saved and (got := saved.load(key, (2, len(sets), n))) is not None:
-                runs[direction] = got
-                _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
-                        len(sets) * n)
-                continue
-            _say(bar, progress, f"validate: phase {phase} {direction}, top-{k} {_fmt(top)} vs "
-                                + ", ".join(f"{len(s)} {p}" for p, s in pools.items())
-                                + f" random sets, {n} prompts")
-            sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1, n, seq, True)
-            engine = ExactEngine(model, clean, corrupt, _carrier(metric, behaviour), sweep,
-                                 fast=_fast(model), rows=batch_size)
-            runs[direction] = _run_buckets(engine, sets, [metric, behaviour], n, batch_size,
-                                           bar=bar)
-            if saved:
-                saved.save(key, runs[direction])
-        # base of noise = clean run; base of denoise = corrupt run
-        for pool, rand in pools.items():
-            pick = [0, 1] + _pool_rows(pools, pool)
-            for direction in ("noise", "denoise"):
-                for qi, q in enumerate((metric, behaviour)):
-                    stats = summarize(runs[direction][qi][pick], runs["noise"][qi, 0],
-                                      runs["denoise"][qi, 0], n_boot, seed)
-                    rows.append(dict(phase=phase, pool=pool, direction=direction,
-                                     quantity=q.name, heads=_fmt(top), k=int(k),
-                                     n_random=len(rand), overlap=overlap(top, rand),
-                                     n_prompts=n, **stats))
+        runs = {d: torch.full((2, len(sets), n), float("nan")) for d in ("noise", "denoise")}
+        done = torch.zeros(len(sets), dtype=torch.bool)
+        engines: dict[str, Any] = {}
+        # each pool's sets in use: all of them, or (sequential) the first c of them once every
+        # p-value of the pool is settled at ALPHA_SETTLED by its Monte Carlo interval
+        used = {(sel, pool): len(rand) for sel, (_, pools, _) in per_sel.items()
+                for pool, rand in pools.items()}
+        active = set(used)
+        marks = _checkpoints(n_random, sequential)
+        for c in marks:
+            need = set()
+            for sel, (_, pools, at) in per_sel.items():
+                need.update(at[:2])
+                for pool in pools:
+                    if (sel, pool) in active:
+                        need.update(at[r] for r in _pool_rows(pools, pool)[:c])
+            todo = sorted(i for i in need if not bool(done[i]))
+            for direction in ("noise", "denoise") if todo else ():
+                chunk = [sets[i] for i in todo]
+                key = saved and saved.key(tp, phase, direction, chunk, (metric, behaviour),
+                                          f.d_vocab_out)
+                got = saved.load(key, (2, len(chunk), n)) if saved else None
+                if got is not None:
+                    _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
+                            len(chunk) * n)
+                else:
+                    said = "; ".join(f"top-{k} {_fmt(top)} vs " + ", ".join(
+                        f"{min(len(s), c)} {p}" for p, s in pools.items()
+                        if (sel, p) in active) + " random sets"
+                        for sel, (top, pools, _) in per_sel.items())
+                    _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} "
+                         f"prompts ({len(chunk)} distinct sets)")
+                    if direction not in engines:
+                        sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1,
+                                      n, seq, True)
+                        engines[direction] = ExactEngine(
+                            model, clean, corrupt, _carrier(metric, behaviour), sweep,
+                            fast=_fast(model), rows=batch_size)
+                    got = _run_buckets(engines[direction], chunk, [metric, behaviour], n,
+                                       batch_size, bar=bar)
+                    if saved:
+                        saved.save(key, got)
+                runs[direction][:, todo] = got
+            done[todo] = True
+            if c == marks[-1]:
+                break
+            for sel, pool in sorted(active):
+                _, pools, at = per_sel[sel]
+                m = min(c, len(pools[pool]))
+                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:m]]
+                if m == len(pools[pool]) or _settled(runs, pick, at[0]):
+                    used[sel, pool] = m
+                    active.discard((sel, pool))
+        for sel, (top, pools, at) in per_sel.items():
+            kept = {pool: rand[:used[sel, pool]] for pool, rand in pools.items()}
+            sets_used[sel][phase] = dict(top=top, random=kept)
+            # base of noise = clean run; base of denoise = corrupt run
+            for pool, rand in kept.items():
+                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:len(rand)]]
+                for direction in ("noise", "denoise"):
+                    for qi, q in enumerate((metric, behaviour)):
+                        stats = summarize(runs[direction][qi][pick], runs["noise"][qi, at[0]],
+                                          runs["denoise"][qi, at[0]], n_boot, seed)
+                        rows[sel].append(dict(phase=phase, pool=pool, direction=direction,
+                                              quantity=q.name, heads=_fmt(top), k=int(k),
+                                              n_random=len(rand), overlap=overlap(top, rand),
+                                              n_prompts=n, **stats))
     if bar is not None:
         bar.close()
-    df = pd.DataFrame(rows, columns=VALIDATION_COLUMNS)
-    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used), selection=selection)
-    return df
+    out = {}
+    for sel in selections:
+        df = pd.DataFrame(rows[sel], columns=VALIDATION_COLUMNS)
+        df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used[sel]),
+                        selection=sel)
+        out[sel] = df
+    return out
 
 
 SELECTIONS = ("score", "causal")

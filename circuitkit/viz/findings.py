@@ -442,7 +442,9 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
     if scores is not None:
         phases += scored_phases(scores)
     phases += [p for p in (1, 2) if _head_sweeps(results, p)]
-    out = causal_finding(summary)  # the causal picture leads; the descriptive ranks follow
+    # the causal picture leads (where, stable heads, the paper's scores, the claims table);
+    # the descriptive ranks follow
+    out = lead_findings(summary) + causal_finding(summary)
     for phase in sorted(set(phases)):
         rows = _rows(validation, phase)
         first = next(iter(rows.values()), None)
@@ -469,6 +471,27 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
         out.append(Finding(phase, PHASE_NAMES[phase], " ".join(parts), notes, top))
     said = edge_finding(edges, circuit)
     return out + ([said] if said is not None else []) + skipped_finding(summary)
+
+
+def lead_findings(summary: dict) -> list[Finding]:
+    """``summary["lead"]`` and ``summary["claims"]`` (``characterize``'s stage sweeps;
+    ``scoring.claims``) as one ``Finding`` per phase titled "Phase p: where the decision is
+    made" (``claims.lead_sentences``) and one titled "The paper's claims" (one line per claim:
+    reproduced / refuted / undecided / not testable here, numbers, n, power); [] without them."""
+    from circuitkit.scoring.claims import claim_lines, lead_sentences
+
+    picture = summary.get("lead")
+    out = []
+    if isinstance(picture, dict):
+        for p, lines in lead_sentences(picture).items():
+            out.append(Finding(f"lead{p}", f"Phase {p}: where the decision is made", lines[0],
+                               lines[1:]))
+    rows = summary.get("claims")
+    if isinstance(rows, list) and rows:
+        lines = claim_lines(rows)
+        out.append(Finding("claims", "The paper's claims, checked in this run", lines[0],
+                           lines[1:]))
+    return out
 
 
 def causal_finding(summary: dict) -> list[Finding]:

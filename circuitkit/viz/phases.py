@@ -76,3 +76,47 @@ def causal_section(run_dir: Path, summary: dict[str, Any], table_html: Any) -> s
     return body + ("<p class='note'>The descriptive scores below keep their formulas; the "
                    "causal columns above are exact patching at each position group "
                    "(scores.csv p{phase}_{direction}_{group}).</p>")
+
+
+def lead_section(run_dir: Path, summary: dict[str, Any], table_html: Any) -> str:
+    """The report's first section (``""`` without ``summary["lead"]``): per phase where the
+    decision is made (held out, intervals), the stable heads and whether the paper's scores find
+    them (``scoring.claims.lead_sentences``), a [layer x position group] table of held-out
+    shares with their intervals, the claims table, and the paper's cumulative bins
+    (``bins/summary.csv``, ``bins/bins.html``)."""
+    import pandas as pd
+
+    from circuitkit.scoring.claims import lead_sentences
+
+    picture = summary.get("lead")
+    if not isinstance(picture, dict):
+        return ""
+    body = ""
+    for p, lines in lead_sentences(picture).items():
+        body += f"<h4>Phase {p}</h4>" + "".join(
+            f"<p>{'<b>' if i == 0 else ''}{html.escape(line)}{'</b>' if i == 0 else ''}</p>"
+            for i, line in enumerate(lines))
+        w = picture[f"phase{p}"]["where"]
+        frame = pd.DataFrame({"layer": w["layers"]})
+        for j, g in enumerate(w["groups"]):
+            frame[g] = [f"{w['share'][la][j]:.0%} [{w['low'][la][j]:.0%}, {w['high'][la][j]:.0%}]"
+                        for la in range(len(w["layers"]))]
+        body += ("<p class='note'>Share of the gap carried by each layer's heads at each "
+                 f"position group ({'held out' if picture.get('held_out') else 'selection'} "
+                 f"notes, n = {w['n_held']}; single-head patches summed, 95% intervals)</p>"
+                 + table_html(frame))
+    rows = summary.get("claims")
+    if isinstance(rows, list) and rows:
+        frame = pd.DataFrame([dict(claim=r["statement"], verdict=r["verdict"],
+                                   evidence=r["evidence"], n=r.get("n"), power=r.get("power"))
+                              for r in rows])
+        body += "<h4>The paper's claims, checked in this run</h4>" + table_html(frame)
+    path = Path(run_dir) / "bins" / "summary.csv"
+    if path.is_file():
+        body += ("<h4>The paper's experiment: top heads by its scores patched together in "
+                 "cumulative bins</h4><p class='note'>Normalized effect (denoise: share "
+                 "restored; noise: minus the share removed) of the top, the lowest-ranked and "
+                 "random heads of equal count (random: mean and 2.5-97.5% of the draws); "
+                 "<a href='bins/bins.html'>the figure</a>, bins/bins.csv every set.</p>"
+                 + table_html(pd.read_csv(path).round(3)))
+    return body

@@ -309,7 +309,8 @@ def findings_section(summary: dict, validation: Any, scores: Any,
     from circuitkit.viz.findings import findings, run_line
 
     found = [f for f in findings(summary, validation, scores, results, edges=edges,
-                                 circuit=circuit) if f.phase != "causal"]  # causal_section's
+                                 circuit=circuit)
+             if f.phase not in ("causal", "lead1", "lead2", "claims")]  # (the sections above)
     line = run_line(summary)
     out = f"<p class='note'>{_esc(line)}</p>" if line else ""
     for f in found:
@@ -604,8 +605,11 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
-    from circuitkit.viz.phases import causal_section
+    from circuitkit.viz.phases import causal_section, lead_section
 
+    lead = lead_section(run_dir, summary, _table)  # where, stable heads, claims: first
+    if lead:
+        sections.append(("lead", "Where each decision is made, and the paper's claims", lead))
     causal = causal_section(run_dir, summary, _table)  # the causal picture leads the findings
     if causal:
         sections.append(("causal", "Where each phase's decision is made (causal)", causal))

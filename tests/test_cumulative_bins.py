@@ -1,0 +1,80 @@
+"""The paper's cumulative-bin experiment (``scoring.bins``): the top heads of a ranking patched
+together in bins 3, 8, 16, ... (capped at the model's heads) beside the lowest-ranked and random
+heads of equal count, at the attention pattern and at z, both directions; every value equal to
+a plain TransformerLens hook loop on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import circuitkit as ck
+from circuitkit import hooks
+from circuitkit.scoring.bins import bin_sets, bin_sizes, bin_summary, bins_figure, cumulative_bins
+from circuitkit.tasks.base import phase_task
+
+
+def hand_value(model, base, source, heads, metric, site):
+    """Mean metric of ``base`` with ``heads``' ``site`` activation taken from ``source``'s run,
+    by ``run_with_hooks`` (pattern: ``[batch, head, q, k]``; z: ``[batch, pos, head, d]``)."""
+    names = {hooks.head_site(site, la) for la, _ in heads}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(source, names_filter=lambda n: n in names)
+    fwd = []
+    for layer in sorted({la for la, _ in heads}):
+        hs = [h for la, h in heads if la == layer]
+        name = hooks.head_site(site, layer)
+
+        def hook(act, hook, name=name, hs=hs):
+            if site == "pattern":
+                act[:, hs] = cache[name][:, hs]
+            else:
+                act[:, :, hs] = cache[name][:, :, hs]
+            return act
+        fwd.append((name, hook))
+    with torch.no_grad():
+        return float(metric.per_prompt(model.run_with_hooks(base, fwd_hooks=fwd)).double().mean())
+
+
+def test_bins_are_capped_and_controls_have_equal_counts():
+    assert bin_sizes(12) == [3, 8, 12] and bin_sizes(200) == [3, 8, 16, 40, 100]
+    ranking = [(la, h) for la in range(3) for h in range(4)]
+    sets = bin_sets(ranking, 12, n_random=3, seed=1)
+    assert {(b, c) for b, c, _, _ in sets} == {(b, c) for b in (3, 8, 12)
+                                               for c in ("top", "lowest", "random")}
+    assert all(len(s) == b and len(set(s)) == b for b, _, _, s in sets)
+    assert sets[0][3] == ranking[:3] and sets[1][3] == ranking[-3:]
+    with pytest.raises(ValueError, match="every one of the model's 12 heads"):
+        bin_sets(ranking[:5], 12)
+
+
+@pytest.mark.slow
+def test_cumulative_bins_equal_a_hand_hook_loop(tiny_llama):
+    task = ck.load_task("synthetic", n_examples=6, n_labels=8, children=4,
+                        labels_per_note=(1, 1), split="test", seed=3)
+    f = hooks.facts(tiny_llama)
+    heads = [(la, h) for la in range(f.n_layers) for h in range(f.n_heads)]
+    g = torch.Generator().manual_seed(0)
+    rankings = {p: [heads[i] for i in torch.randperm(len(heads), generator=g).tolist()]
+                for p in (1, 2)}
+    frame = cumulative_bins(tiny_llama, task, rankings, bins=(3, 8, 100), n_random=2)
+    assert set(frame["bin"]) == {3, 8, 12} and set(frame["site"]) == {"pattern", "z"}
+    assert len(frame) == 2 * 2 * 2 * 3 * 4  # phases x sites x directions x bins x (1+1+2)
+    for phase in (1, 2):
+        tp = phase_task(task, phase)
+        for direction in ("denoise", "noise"):
+            base, source = ((tp.corrupt_tokens, tp.clean_tokens) if direction == "denoise"
+                            else (tp.clean_tokens, tp.corrupt_tokens))
+            for site in ("pattern", "z"):
+                part = frame[(frame["phase"] == phase) & (frame["site"] == site)
+                             & (frame["direction"] == direction)]
+                for r in part.itertuples():
+                    want = hand_value(tiny_llama, base, source, hooks.heads_in(r.heads),
+                                      tp.metric, site)
+                    assert r.value == pytest.approx(want, abs=2e-5), (phase, site, r)
+                # all 12 heads: the whole source run's pattern / z; top = lowest = random
+                full = part[part["bin"] == 12]["value"]
+                assert float(full.max() - full.min()) < 1e-5
+    summ = bin_summary(frame)
+    assert len(summ) == 2 * 2 * 2 * 3 and (summ["n_random"] == 2).all()
+    assert bins_figure(summ).data
