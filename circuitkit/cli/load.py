@@ -22,10 +22,12 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     ``phase``: None takes a file's own phase (a built-in's default: 2).
     """
     import circuitkit as ck
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, check_available
 
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
+        if model is not None and loader is None:  # missing weights: said before torch loads
+            check_available(model)
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
                                 seed=seed, split=split, phase=phase)

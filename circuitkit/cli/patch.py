@@ -11,13 +11,14 @@ import typer
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
-from circuitkit.cli.checks import _check_sweep_flags, _claim_folder, _one_of, _positive
+from circuitkit.cli.checks import _check_sweep_flags, _claim_out, _n_for, _one_of, _positive
 from circuitkit.cli.console import (
     _echo_json,
     _errors_as_lines,
     _fail,
     _given,
     _interrupted,
+    _message,
     _same_command,
 )
 from circuitkit.cli.format import (
@@ -92,6 +93,7 @@ def patch(
     max_passes: opt.MaxPasses = None,
     estimator: opt.HeadEstimator = None,
     out: opt.Out = Path("patch-out"),
+    overwrite: opt.Overwrite = False,
     checkpoint: opt.Checkpoint = True,
     plan: opt.Plan = False,
     seq_len: opt.SeqLen = None,
@@ -167,10 +169,10 @@ def _check_patch_flags(a) -> None:
         from circuitkit.patching.nnsight_backend import check_remote
 
         check_remote(a.model)
-    if not a.plan:
-        from circuitkit.files import check_writable_dir
+    if a.estimator is not None:
+        from circuitkit.patching.estimators.registry import ESTIMATORS
 
-        check_writable_dir(a.out)  # before any work: a result is never lost at 100%
+        _one_of("--estimator", a.estimator, ESTIMATORS)
 
 
 def _replicas(ctx, a):
@@ -185,11 +187,9 @@ def _replicas(ctx, a):
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return layout, False
     if not a.plan and distributed.rank_world()[0] == 0:
-        from circuitkit.files import lock_folder
-
-        with _errors_as_lines():
-            ctx.call_on_close(lock_folder(a.out, "--out folder").close)
-            _claim_folder(a.out, "patch")
+        with _errors_as_lines(ValueError, OSError):
+            _claim_out(ctx, "patch", a.out, a.overwrite, positions=a.positions,
+                       n_examples=_n_for(a.task, a.n_examples))
     return layout, True
 
 
@@ -307,6 +307,7 @@ def edges(
     circuit: opt.Circuit = True,
     ablation: opt.Ablation = "corrupt",
     out: opt.Out = Path("edges-out"),
+    overwrite: opt.Overwrite = False,
     checkpoint: opt.Checkpoint = True,
     plan: opt.Plan = False,
     gpu: opt.Gpu = "H100",
@@ -323,11 +324,13 @@ def edges(
         _check_sweep_flags(a)
         _one_of("--method", method, EDGE_METHODS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
-        if not plan:
-            from circuitkit.files import lock_folder
+        if estimator is not None:
+            from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
 
-            _claim_folder(out, "edges")
-            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
+            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
+    if not plan:
+        with _errors_as_lines(ValueError, OSError):
+            _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
@@ -361,7 +364,7 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
         if circ is not None:
             written += _save_circuit(circ, a.out)
     except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
-        _fail(str(e))
+        _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted(f"finished chunks are in {ckpt}. Resume with the same command:\n  "
                      f"{_same_command(ctx)}" if ckpt is not None else "nothing was saved.")
