@@ -51,7 +51,7 @@ def score(
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.models import ModelNotAvailableError, check_available
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.scoring.heads import score_heads
     from circuitkit.scoring.text import load_for
 
@@ -61,12 +61,14 @@ def score(
         _check_k(model, k)
         check_available(model)  # missing weights: said before torch loads
         n_examples = _n_for(task, n_examples)
-        _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
+        if not out.is_dir():  # (a folder: check_writable_file says so)
+            _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
         made = _missing_folders(out.parent)
         files.check_writable_file(out, "--out", "scores.csv")
         if made:  # (removed again if the run is refused before it writes)
             FRESH_CLAIMS[:] = [(out.parent, made)]
-        the_model = ck.load_model(model)
+        with hf_progress(progress):  # --no-progress: transformers' bars too
+            the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
                          seed=seed)  # as characterize scores: the same table for the same flags
@@ -126,7 +128,7 @@ def characterize(
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
     from circuitkit.characterize import characterize as run
-    from circuitkit.models import ModelNotAvailableError, check_available
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
 
     flag = _text_flag(text)
@@ -141,11 +143,12 @@ def characterize(
         select_n = _select_n_flag(select_n, n_examples)
         _claim_out(ctx, "characterize", out, overwrite, hold=False, n_examples=n_examples,
                    select_n=select_n)
-        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                      n_random=n_random, n_random_ablation=n_random_ablation,
-                      batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=progress, edges=edges,
-                      stages=stages, select_n=select_n)
+        with hf_progress(progress):  # --no-progress: transformers' bars too
+            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split,
+                          k=k, n_random=n_random, n_random_ablation=n_random_ablation,
+                          batch_size=batch_size, patch_method=patch_method,
+                          text=flag, progress=progress, edges=edges,
+                          stages=stages, select_n=select_n)
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(_message(e))
     except KeyboardInterrupt:

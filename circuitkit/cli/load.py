@@ -22,7 +22,7 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     ``phase``: None takes a file's own phase (a built-in's default: 2).
     """
     import circuitkit as ck
-    from circuitkit.models import ModelNotAvailableError, check_available
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
 
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
@@ -33,10 +33,19 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
                                 seed=seed, split=split, phase=phase)
         if model is None:
             return None, the_task
-        the_model = (loader or ck.load_model)(model)
+        with hf_progress(_progress_flag()):  # --no-progress: transformers' bars too
+            the_model = (loader or ck.load_model)(model)
         if loader is None:
             _check_vocabulary(the_model, the_task, renders)
         return the_model, the_task
+
+
+def _progress_flag() -> bool:
+    """The running command's ``--progress/--no-progress`` (True outside a command)."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx.params.get("progress", True)) if ctx is not None else True
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:
