@@ -71,9 +71,24 @@ def _errors_as_lines(*errors: type[Exception]):
 
 
 def _interrupted(why: str) -> None:
-    """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) and exit status 130."""
+    """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) on a line of its own, and
+    exit status 130. Open progress bars stop where they are (not redrawn after it)."""
+    _stop_bars()
     typer.secho("interrupted; " + why, err=True)
     raise typer.Exit(130) from None
+
+
+def _stop_bars() -> None:
+    """Every open progress bar stops drawing (a later ``close()`` prints nothing); a bar's line
+    on stderr is ended, so what follows starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
+    drawn = [b for b in bars if not b.disable]
+    for bar in bars:
+        bar.disable = True  # (tqdm's close() and refresh() return at once)
+    if drawn:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 @contextlib.contextmanager

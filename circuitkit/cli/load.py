@@ -12,14 +12,15 @@ from circuitkit.cli.console import _errors_as_lines, _fail
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
-          phase: int | None, loader=None, renders: bool = False):
+          phase: int | None, loader=None, renders: bool = False, progress: bool = True):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
     ``n_examples`` rows (None: all of them). ``model=None``: the task only. ``loader``: what
     loads the model (default ``ck.load_model``; its vocabulary is then checked, unless
     ``renders`` and the task is one the command renders as text for a pretrained LLM).
-    ``phase``: None takes a file's own phase (a built-in's default: 2).
+    ``phase``: None takes a file's own phase (a built-in's default: 2). ``progress``: the
+    command's ``--progress`` (False: transformers' loading bar off too).
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
@@ -33,19 +34,11 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
                                 seed=seed, split=split, phase=phase)
         if model is None:
             return None, the_task
-        with hf_progress(_progress_flag()):  # --no-progress: transformers' bars too
+        with hf_progress(progress):  # --no-progress: transformers' bars too
             the_model = (loader or ck.load_model)(model)
         if loader is None:
             _check_vocabulary(the_model, the_task, renders)
         return the_model, the_task
-
-
-def _progress_flag() -> bool:
-    """The running command's ``--progress/--no-progress`` (True outside a command)."""
-    import click
-
-    ctx = click.get_current_context(silent=True)
-    return bool(ctx.params.get("progress", True)) if ctx is not None else True
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:

@@ -125,10 +125,12 @@ def patch(
     if plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
     how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
-    typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
-    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     from circuitkit.patching import distributed
 
+    if distributed.rank_world()[0] == 0:  # (under torchrun: said once, not once per rank)
+        typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}",
+                   err=True)
+    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
@@ -200,7 +202,8 @@ def _patch_inputs(a, layout):
         from circuitkit.patching import nnsight_backend
 
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                    loader=lambda m: nnsight_backend.load(m, remote=a.remote))
+                                    loader=lambda m: nnsight_backend.load(m, remote=a.remote),
+                                    progress=a.progress)
     else:
         loader = None
         if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
@@ -210,7 +213,7 @@ def _patch_inputs(a, layout):
             placement = models.replica_placement(layout.local_gpus)
             loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
-                                    loader=loader, renders=True)
+                                    loader=loader, renders=True, progress=a.progress)
         if loader is not None:
             with _errors_as_lines():
                 _check_vocabulary(the_model, the_task, renders=True)
@@ -335,7 +338,8 @@ def edges(
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
         return _edge_plan(a)
-    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True)
+    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True,
+                                progress=progress)
     the_task = _phase_task(the_task, task)
     clean, corrupt, metric = _sweep_tokens(the_model, the_task)
     res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)
@@ -397,9 +401,23 @@ def _print_edges(a, res, circ, written) -> None:
             top=top.to_dict("records"), circuit=None if circ is None else str(circ),
             files=[str(p) for p in written]))
     scale = _describe_scale(res, estimate).removesuffix(", -1 = fully broken")
-    typer.echo(f"{res}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
+    typer.echo(f"{_edges_header(res)}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
     if circ is not None:
         typer.echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")
+
+
+def _edges_header(res) -> str:
+    """What an edge sweep was, as a small table (not the ``EdgeResult(...)`` repr)."""
+    meta = res.meta or {}
+    n = int(res.edge_mask().sum())
+    how = res.method + (f" (estimator {meta['estimator']})" if meta.get("estimator") else "")
+    rows = [("edges", f"{len(res.senders)} senders x {len(res.receivers)} receivers, inputs "
+                      f"{', '.join(res.inputs)}: {n:,} edges"),
+            ("method", f"{how}, {res.direction}"),
+            ("metric", f"{meta.get('metric') or 'the metric'}: clean {res.clean:.4g}, corrupt "
+                       f"{res.corrupt:.4g}" + (f" (mean over {meta['n_examples']} prompts)"
+                                               if meta.get("n_examples") else ""))]
+    return "\n".join(f"{k:<8}{v}" for k, v in rows)

@@ -31,7 +31,7 @@ def evaluate(
 
     with _errors_as_lines():
         _positive("--batch-size", batch_size, "notes per forward pass")
-    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
+    the_model, the_task = _load(model, task, n_examples, seed, split, 2, progress=progress)
     try:
         scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=progress)
     except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
