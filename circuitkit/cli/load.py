@@ -41,6 +41,15 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
         return the_model, the_task
 
 
+def _check_weights(model: str) -> None:
+    """Weights that are not on this machine (and cannot be downloaded) end the command in one
+    line before torch is imported (``models.check_available``): seconds, not a model load."""
+    from circuitkit.models import ModelNotAvailableError, check_available
+
+    with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError):
+        check_available(model)
+
+
 def _check_vocabulary(model, task, renders: bool) -> None:
     """``task.check_model(model)``, except for a task ``_sweep_inputs`` renders as text for a
     model that does not read its word ids (a pretrained LLM): rendering re-tokenizes it, where

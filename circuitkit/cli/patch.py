@@ -29,7 +29,13 @@ from circuitkit.cli.format import (
     _model_list,
     _table,
 )
-from circuitkit.cli.load import _check_vocabulary, _load, _phase_task, _sweep_tokens
+from circuitkit.cli.load import (
+    _check_vocabulary,
+    _check_weights,
+    _load,
+    _phase_task,
+    _sweep_tokens,
+)
 from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
 
 
@@ -108,6 +114,8 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     a = SimpleNamespace(**ctx.params)
+    if not (plan or remote):
+        _check_weights(model)
     with _errors_as_lines():
         _check_patch_flags(a)
     from circuitkit import hooks, models
@@ -321,6 +329,8 @@ def edges(
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
     a = SimpleNamespace(**ctx.params)
+    if not plan:
+        _check_weights(model)
     from circuitkit.patching.inputs import EDGE_METHODS
 
     with _errors_as_lines():
