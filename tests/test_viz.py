@@ -207,11 +207,13 @@ def test_validation_chart():
     assert [a.text for a in fig.layout.annotations] == ["Phase 1, focus", "Phase 2, confusion"]
     assert len(fig.data) == 4  # 2 panels x 2 sets
     top = fig.data[0]
-    assert top.name == "top-3" and list(top.x) == ["noise", "denoise"]
+    # each direction's p-value under its name, not a label beside a marker (it ran into the
+    # next set's error bar: issue 44.7)
+    assert top.name == "top-3" and list(top.x) == ["noise<br>p = 0.01", "denoise<br>p = 0.01"]
+    assert list(fig.data[1].x) == list(top.x) and top.mode == "markers"
     np.testing.assert_allclose(top.y, [-0.4, -0.4])
     np.testing.assert_allclose(top.error_y.array, [0.05, 0.05])
     np.testing.assert_allclose(top.error_y.arrayminus, [0.1, 0.1])
-    assert list(top.text) == ["p=0.01", "p=0.01"] and list(fig.data[1].text) == ["", ""]
     # documented aliases, no optional columns
     alias = pd.DataFrame({"head_set": ["top", "random"], "effect_size": [1.0, 0.1]})
     fig = charts.validation_chart(alias)
@@ -321,7 +323,8 @@ def test_validation_chart_reads_validate_heads_wide_frame():
     top = next(t for t in fig.data if t.name == "top-k")
     assert list(top.y) == [-3.0, 3.0] and list(top.error_y.array) == [1.0, 1.0]
     rand = next(t for t in fig.data if t.name == "random")
-    assert list(rand.y) == [-1.5, 1.5] and all(t == "" for t in rand.text)
+    assert list(rand.y) == [-1.5, 1.5] and rand.text is None  # p: the x labels' (top set's)
+    assert list(rand.x) == ["noise<br>p = 0.05", "denoise<br>p = 0.05"]
 
 
 # --- found by review: figures that drew the wrong thing, or nothing, without a word ----------
@@ -420,5 +423,5 @@ def test_validation_chart_writes_p_as_the_findings_text_does():
     val = pd.DataFrame([dict(set="top-3", effect=-0.4, p_value=0.125),
                         dict(set="random", effect=-0.02, p_value=np.nan)])
     fig = charts.validation_chart(val)
-    assert list(fig.data[0].text) == ["p=0.12"]
+    assert list(fig.data[0].x) == ["effect<br>p = 0.12"]
     assert "p = 0.12" in _p_phrase({"noise": 0.125}, 20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from circuitkit.cli.console import _warnings_as_lines
+from circuitkit.cli.console import CLAIMED, FRESH_CLAIMS, _warnings_as_lines
 
 app = typer.Typer(
     add_completion=False,
@@ -18,4 +18,6 @@ app = typer.Typer(
 @app.callback()
 def _root(ctx: typer.Context) -> None:
     """circuitkit: characterize, then distill."""
+    FRESH_CLAIMS.clear()  # (what an earlier command of this process claimed is not this one's)
+    CLAIMED.clear()
     ctx.with_resource(_warnings_as_lines())  # for the whole command

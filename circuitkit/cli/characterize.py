@@ -12,15 +12,26 @@ from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import (
     _check_k,
-    _claim_folder,
+    _check_suffix,
+    _claim_out,
+    _missing_folders,
     _n_for,
     _one_of,
     _positive,
     _select_n_flag,
     _text_flag,
 )
-from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
+from circuitkit.cli.console import (
+    FRESH_CLAIMS,
+    _echo_json,
+    _errors_as_lines,
+    _fail,
+    _interrupted,
+    _message,
+    _same_command,
+)
 from circuitkit.cli.format import _run_words
+from circuitkit.cli.load import _check_weights
 
 
 @app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
@@ -39,9 +50,10 @@ def score(
     as_json: opt.Json = False,
 ) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
+    _check_weights(model)  # missing weights: said before torch loads
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, hf_progress
     from circuitkit.scoring.heads import score_heads
     from circuitkit.scoring.text import load_for
 
@@ -50,8 +62,14 @@ def score(
         _positive("--batch-size", batch_size, "examples per forward pass")
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
+        if not out.is_dir():  # (a folder: check_writable_file says so)
+            _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
+        made = _missing_folders(out.parent)
         files.check_writable_file(out, "--out", "scores.csv")
-        the_model = ck.load_model(model)
+        if made:  # (removed again if the run is refused before it writes)
+            FRESH_CLAIMS[:] = [(out.parent, made)]
+        with hf_progress(progress):  # --no-progress: transformers' bars too
+            the_model = ck.load_model(model)
         the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
         df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
                          seed=seed)  # as characterize scores: the same table for the same flags
@@ -106,14 +124,16 @@ def characterize(
                                 "default, --no-stages for a quick run)."),
     select_n: opt.SelectN = "half",
     corruption: opt.Corruption = "note",
+    overwrite: opt.Overwrite = False,
     progress: opt.Progress = True,
     as_json: opt.Json = False,
 ) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
+    _check_weights(model)  # missing weights: said before torch loads
     from circuitkit.characterize import characterize as run
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, hf_progress
     from circuitkit.patching.inputs import METHODS
 
     flag = _text_flag(text)
@@ -125,15 +145,18 @@ def characterize(
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
         select_n = _select_n_flag(select_n, n_examples)
-        _claim_folder(out, "characterize")
-        summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
-                      n_random=n_random, n_random_ablation=n_random_ablation,
-                      batch_size=batch_size, patch_method=patch_method,
-                      text=flag, progress=progress, edges=edges,
-                      stages=stages, select_n=select_n,
-                      task_kwargs=None if corruption == "note" else {"corruption": corruption})
+        _claim_out(ctx, "characterize", out, overwrite, hold=False, n_examples=n_examples,
+                   select_n=select_n)
+        with hf_progress(progress):  # --no-progress: transformers' bars too
+            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split,
+                          k=k, n_random=n_random, n_random_ablation=n_random_ablation,
+                          batch_size=batch_size, patch_method=patch_method,
+                          text=flag, progress=progress, edges=edges,
+                          stages=stages, select_n=select_n,
+                          task_kwargs=None if corruption == "note"
+                          else {"corruption": corruption})
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
-        _fail(str(e) or type(e).__name__)
+        _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted("finished steps (and finished chunks of the current sweep) are in "
                      f"{out}. Resume with the same command:\n  {_same_command(ctx)}")

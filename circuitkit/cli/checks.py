@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from circuitkit.characterize import DEFAULT_N
-from circuitkit.cli.console import FRESH_CLAIMS, RUN_FILE, _fail
+from circuitkit.cli.console import CLAIMED, FRESH_CLAIMS, RUN_FILE, _fail
 
 
 # --- the command line's own checks: one line naming the flag, before any model loads ----------
@@ -72,34 +72,158 @@ def _check_k(model: str, k: int, flag: str = "-k") -> None:
                          f"smaller {flag}.")
 
 
+def _check_suffix(out: Path, suffix: str, writes: str, instead: str = "") -> None:
+    """``--out FILE``: its suffix is what the command writes (``score --out x.json`` wrote CSV
+    into a .json file)."""
+    if out.suffix.lower() != suffix:
+        raise ValueError(f"--out {out}: {writes}; give a {suffix} file (e.g. "
+                         f"{out.with_suffix(suffix)}){', ' + instead if instead else ''}.")
+
+
 # what older folders (before RUN_FILE) hold, by the file each command writes
 RUN_SIGNS = (("summary.json", "characterize"), ("result.json", "patch"),
              ("edges.json", "edges"), ("distill.json", "distill"), ("ablation.csv", "distill"))
 
 
-def _claim_folder(out: Path, command: str) -> None:
+# flags that choose how a run goes, not what it computes: a rerun into the same --out may change
+# them (and each command's own that redo a step from the same sweeps: ``REDO_FLAGS``)
+HOW_FLAGS = frozenset({"out", "progress", "as_json", "batch_size", "checkpoint", "overwrite",
+                       "plan", "seq_len", "gpu", "utilisation", "gpus_per_replica", "backend",
+                       "remote", "ctx"})
+REDO_FLAGS = {"characterize": frozenset({"k", "n_random", "n_random_ablation", "edges",
+                                         "stages"}),
+              "edges": frozenset({"circuit", "ablation"})}
+
+
+def run_flags(ctx, command: str, **resolved) -> dict[str, dict]:
+    """What a run computes, by its flags: ``{name: {"value": v, "text": "-n 64"}}`` for every
+    option of ``ctx`` outside ``HOW_FLAGS`` and ``REDO_FLAGS[command]`` (``resolved``: values
+    the command worked out from its defaults, e.g. ``-n`` of a built-in task). ``text`` is the
+    flag as typed on the command line (``sys.argv``), else its shortest spelling."""
+    import sys
+
+    skip = HOW_FLAGS | REDO_FLAGS.get(command, frozenset())
+    argv = [w.split("=", 1)[0] for w in sys.argv[1:]]
+    flags = {}
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name in skip:
+            continue
+        value = resolved.get(param.name, ctx.params.get(param.name))
+        value = str(value) if isinstance(value, Path) else value
+        if param.is_flag:
+            text = (param.opts if value else param.secondary_opts or ["no " + param.opts[0]])[0]
+        else:
+            typed = [o for o in param.opts if o in argv]
+            flag = typed[-1] if typed else min(param.opts, key=len)
+            text = f"{flag} {value}" if value is not None else f"no {flag}"
+        flags[param.name] = dict(value=value, text=text)
+    return flags
+
+
+def _claim_folder(out: Path, command: str, flags: dict | None = None,
+                  overwrite: bool = False, made: list[Path] | None = None) -> None:
     """One run per folder: ``out`` (made if needed, writable) holds ``command``'s results;
-    a folder holding another command's results is refused in one line. A fresh claim is
-    released when the command fails before writing anything (``console._fail``)."""
+    a folder holding another command's results is refused in one line. ``flags``
+    (``run_flags``): recorded with a fresh claim; a folder holding this command's run with
+    other flags is refused before any model loads, naming the flags that differ, unless
+    ``overwrite`` (then what earlier runs wrote there is removed: a fresh start). A fresh claim,
+    and every folder it made, is released when the command fails before writing anything
+    (``console._fail``; ``made``: the folders this command made for it already, else those
+    the claim makes)."""
     import json
 
     from circuitkit import files
 
-    made = not out.exists()
+    made = _missing_folders(out) if made is None else made
     files.check_writable_dir(out)
     marker = out / RUN_FILE
+    record: dict = {}
     try:
-        held = json.loads(marker.read_text())["command"]
+        record = json.loads(marker.read_text())
+        held = record["command"]
     except (OSError, ValueError, KeyError, TypeError):
-        held = next((cmd for name, cmd in RUN_SIGNS if (out / name).exists()), None)
+        held, record = next((cmd for name, cmd in RUN_SIGNS if (out / name).exists()), None), {}
     if held not in (None, command):
         raise ValueError(f"--out {out} holds the results of `circuitkit {held}`; a folder holds "
                          f"one command's results: give this {command} another --out (e.g. "
                          f"{out.parent / (out.name + '-' + command)}).")
+    stored = record.get("flags") if isinstance(record.get("flags"), dict) else None
+    if held == command and overwrite:
+        _clear(out, record, held)
+        held, stored = None, None
+    elif held == command and stored is not None and flags is not None:
+        differ = [(stored[k].get("text"), f["text"]) for k, f in flags.items()
+                  if k in stored and isinstance(stored[k], dict)
+                  and stored[k].get("value") != f["value"]]
+        if differ:
+            said = "; ".join(f"{old} there, {new} now" for old, new in differ)
+            raise ValueError(f"--out {out} holds a {command} run with other flags ({said}): "
+                             "rerun with its flags to resume it, give another --out, or add "
+                             "--overwrite to start again there.")
     if held is None or not marker.exists():
-        files.write_text(marker, json.dumps({"command": command}) + "\n")
+        kept = sorted(p.name for p in out.iterdir()
+                      if p.name not in (RUN_FILE, files.LOCK_NAME)) if held is None else None
+        files.write_text(marker, json.dumps(dict(
+            command=command, **({} if flags is None else dict(flags=flags)),
+            **({} if kept is None else dict(kept=kept)))) + "\n")
         if held is None:  # released again if the command fails before writing a result
             FRESH_CLAIMS[:] = [(out, made)]  # (one claim a command)
+
+
+def _claim_out(ctx, command: str, out: Path, overwrite: bool, hold: bool = True,
+               **resolved) -> None:
+    """``command``'s claim of ``--out`` under the folder's lock, before any model loads:
+    ``_claim_folder`` with the run's flags (``run_flags(ctx, command, **resolved)``). ``hold``:
+    keep the lock until the command ends (else let go at once: the library takes it itself)."""
+    from circuitkit import files
+
+    flags = run_flags(ctx, command, **resolved)
+    made = _missing_folders(out)
+    files.check_writable_dir(out)  # before any work: a result is never lost at 100%
+    lock = files.lock_folder(out, "--out folder")  # one run per folder
+    try:
+        _claim_folder(out, command, flags, overwrite, made)
+    except BaseException:
+        lock.close()
+        FRESH_CLAIMS[:] = [(out, made)]  # (the folders made for it: released by _fail)
+        raise
+    CLAIMED[:] = [out]
+    if hold:
+        ctx.call_on_close(lock.close)
+    else:
+        lock.close()
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """The folders ``mkdir(parents=True)`` would make for ``path``, outermost first (what a
+    refused run removes again)."""
+    missing = []
+    for p in (Path(path), *Path(path).parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing.append(p)
+    return missing[::-1]
+
+
+def _clear(out: Path, record: dict, command: str) -> None:
+    """``--overwrite``: remove what earlier runs of ``command`` wrote in ``out`` (everything
+    but the entries the folder held before its first claim, its claim and its lock)."""
+    import shutil
+
+    from circuitkit import files
+
+    if not isinstance(record.get("kept"), list):  # (a folder claimed before claims said so)
+        raise ValueError(f"--overwrite: --out {out} was claimed by an older circuitkit, which "
+                         f"did not record what else the folder held; delete its {command} "
+                         "results yourself, or give another --out.")
+    keep = {RUN_FILE, files.LOCK_NAME, *record["kept"]}
+    for p in out.iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 # --- scores and the main job (circuitkit.scoring, circuitkit.characterize) ------------------------

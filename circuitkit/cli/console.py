@@ -11,8 +11,24 @@ from pathlib import Path
 import typer
 
 RUN_FILE = ".circuitkit-run"  # {"command": ...}: which command's results a folder holds
-# the folder this command claimed fresh (``checks._claim_folder``): (folder, made by the claim)
-FRESH_CLAIMS: list[tuple[Path, bool]] = []
+# the folder this command claimed fresh (``checks._claim_folder``): (folder, the folders the
+# claim made, outermost first)
+FRESH_CLAIMS: list[tuple[Path, list[Path]]] = []
+# the --out this command claimed with its flags (``checks._claim_out``): a refusal of the work
+# in it is said in the command line's terms
+CLAIMED: list[Path] = []
+
+
+def _message(e: BaseException) -> str:
+    """What the command says of ``e``: its message; a folder holding another run's work
+    (``checkpoint.IdentityMismatch``) in the command line's terms, when its flags matched."""
+    differing = getattr(e, "differing", None)
+    if not differing or not CLAIMED:
+        return str(e) or type(e).__name__
+    return (f"--out {CLAIMED[-1]} holds a run of the same flags on other inputs (differing: "
+            f"{', '.join(differing)}: the task's file, the model's weights or circuitkit's "
+            "version changed since): give another --out, or add --overwrite to start again "
+            "there.")
 
 
 def _fail(msg: str) -> None:
@@ -25,6 +41,9 @@ def _fail(msg: str) -> None:
 
 
 def _release_fresh_claims() -> None:
+    """Remove the claim (and lock) of a folder this command claimed fresh and wrote nothing
+    else to, and every folder the claim made (``(folder, [made folders, outermost first])``),
+    innermost first, while empty."""
     from circuitkit.files import LOCK_NAME
 
     while FRESH_CLAIMS:
@@ -34,8 +53,8 @@ def _release_fresh_claims() -> None:
             if names <= {RUN_FILE, LOCK_NAME}:  # (the claim and the run's lock: no result)
                 for name in names:
                     (out / name).unlink()
-                if made:
-                    out.rmdir()
+                for folder in reversed([out] if made is True else made or []):
+                    folder.rmdir()  # (OSError when not empty: kept)
         except OSError:
             pass  # (a folder another process writes to now keeps its claim)
 
@@ -48,13 +67,28 @@ def _errors_as_lines(*errors: type[Exception]):
     try:
         yield
     except caught as e:
-        _fail(str(e) or type(e).__name__)
+        _fail(_message(e))
 
 
 def _interrupted(why: str) -> None:
-    """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) and exit status 130."""
+    """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) on a line of its own, and
+    exit status 130. Open progress bars stop where they are (not redrawn after it)."""
+    _stop_bars()
     typer.secho("interrupted; " + why, err=True)
     raise typer.Exit(130) from None
+
+
+def _stop_bars() -> None:
+    """Every open progress bar stops drawing (a later ``close()`` prints nothing); a bar's line
+    on stderr is ended, so what follows starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
+    drawn = [b for b in bars if not b.disable]
+    for bar in bars:
+        bar.disable = True  # (tqdm's close() and refresh() return at once)
+    if drawn:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 @contextlib.contextmanager

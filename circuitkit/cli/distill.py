@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from circuitkit.cli.app import app
-from circuitkit.cli.checks import _claim_folder
+from circuitkit.cli.checks import _claim_folder, _missing_folders
 from circuitkit.cli.console import _fail, _given, _interrupted, _same_command
 from circuitkit.cli.options import Out, Progress, _opt
 
@@ -101,8 +101,9 @@ def distill(
     given = lambda name: _given(ctx, name)  # noqa: E731
     try:
         _check_distill_flags(given, ablation)
+        made = _missing_folders(out)  # (removed again if the run is refused before it writes)
         check_writable_dir(out)
-        _claim_folder(out, "distill")
+        _claim_folder(out, "distill", made=made)
         if ablation:
             return _grid(a, given)
         folder = _one_student(a, given)

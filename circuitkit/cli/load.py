@@ -13,7 +13,7 @@ from circuitkit.cli.console import _errors_as_lines, _fail
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
           phase: int | None, loader=None, renders: bool = False, pairs: bool = False,
-          corruption: str = "note"):
+          corruption: str = "note", progress: bool = True):
     """(model, task) for a command; bad names or data end the command with one clear message.
 
     ``n_examples``: notes to build for a built-in task; for a ``.jsonl`` task, the first
@@ -24,12 +24,15 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     takes a file of plain clean/corrupt pairs (``tasks.pairs``): the "task" is then a
     ``Pairs``, its rows checked before the model loads and tokenized by it. ``corruption``:
     what the corrupt run edits (``load_task``'s option; "note", the default, is not passed).
+    ``progress``: the command's ``--progress`` (False: transformers' loading bar off too).
     """
     import circuitkit as ck
-    from circuitkit.models import ModelNotAvailableError
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
 
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
+        if model is not None and loader is None:  # missing weights: said before torch loads
+            check_available(model)
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
         if pairs and file:
             from circuitkit.tasks import pairs as plain
@@ -41,7 +44,8 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
                                 **({} if corruption == "note" else {"corruption": corruption}))
         if model is None:
             return None, the_task
-        the_model = (loader or ck.load_model)(model)
+        with hf_progress(progress):  # --no-progress: transformers' bars too
+            the_model = (loader or ck.load_model)(model)
         if loader is None:
             _check_vocabulary(the_model, the_task, renders)
         return the_model, the_task
@@ -64,6 +68,15 @@ def _load_pairs(model: str | None, task: str, n_examples: int | None, phase: int
                          "length with --seq-len.")
     the_model = (loader or ck.load_model)(model)
     return the_model, plain.pairs_inputs(rows, the_model, name=task)
+
+
+def _check_weights(model: str) -> None:
+    """Weights that are not on this machine (and cannot be downloaded) end the command in one
+    line before torch is imported (``models.check_available``): seconds, not a model load."""
+    from circuitkit.models import ModelNotAvailableError, check_available
+
+    with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError):
+        check_available(model)
 
 
 def _check_vocabulary(model, task, renders: bool) -> None:

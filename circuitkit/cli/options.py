@@ -82,6 +82,10 @@ Text = Annotated[str, _opt("--text", "Render the task as text for a pretrained L
 Progress = Annotated[bool, _opt("--progress/--no-progress", "Progress bars on stderr.")]
 Json = Annotated[bool, _opt("--json", "Print one JSON object (what ran, what it found, the "
                             "files written) instead of text.")]
+Overwrite = Annotated[bool, _opt("--overwrite", "Start again: remove what earlier runs of this "
+                                 "command wrote in --out (its results, its checkpoints) "
+                                 "instead of resuming them; without it, a run whose flags "
+                                 "differ from the folder's is refused.")]
 NRandom = Annotated[int, _opt("--n-random", "Random head sets per pool the top set is "
                               "validated against (the p-value's floor is 1/(N+1); 1000 for the "
                               "paper-grade null, ~5x the time).", "N")]

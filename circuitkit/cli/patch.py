@@ -11,13 +11,14 @@ import typer
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
-from circuitkit.cli.checks import _check_sweep_flags, _claim_folder, _one_of, _positive
+from circuitkit.cli.checks import _check_sweep_flags, _claim_out, _n_for, _one_of, _positive
 from circuitkit.cli.console import (
     _echo_json,
     _errors_as_lines,
     _fail,
     _given,
     _interrupted,
+    _message,
     _same_command,
 )
 from circuitkit.cli.format import (
@@ -28,7 +29,13 @@ from circuitkit.cli.format import (
     _model_list,
     _table,
 )
-from circuitkit.cli.load import _check_vocabulary, _load, _phase_task, _sweep_tokens
+from circuitkit.cli.load import (
+    _check_vocabulary,
+    _check_weights,
+    _load,
+    _phase_task,
+    _sweep_tokens,
+)
 from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
 
 
@@ -93,6 +100,7 @@ def patch(
     max_passes: opt.MaxPasses = None,
     estimator: opt.HeadEstimator = None,
     out: opt.Out = Path("patch-out"),
+    overwrite: opt.Overwrite = False,
     checkpoint: opt.Checkpoint = True,
     plan: opt.Plan = False,
     seq_len: opt.SeqLen = None,
@@ -107,6 +115,8 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     a = SimpleNamespace(**ctx.params)
+    if not (plan or remote):
+        _check_weights(model)
     with _errors_as_lines():
         _check_patch_flags(a)
     from circuitkit import hooks, models
@@ -125,10 +135,12 @@ def patch(
     if plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
     how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
-    typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
-    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     from circuitkit.patching import distributed
 
+    if distributed.rank_world()[0] == 0:  # (under torchrun: said once, not once per rank)
+        typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}",
+                   err=True)
+    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
                         phase=the_task.phase, split=split, seed=seed)
@@ -173,10 +185,10 @@ def _check_patch_flags(a) -> None:
         from circuitkit.patching.nnsight_backend import check_remote
 
         check_remote(a.model)
-    if not a.plan:
-        from circuitkit.files import check_writable_dir
+    if a.estimator is not None:
+        from circuitkit.patching.estimators.registry import ESTIMATORS
 
-        check_writable_dir(a.out)  # before any work: a result is never lost at 100%
+        _one_of("--estimator", a.estimator, ESTIMATORS)
 
 
 def _replicas(ctx, a):
@@ -191,11 +203,9 @@ def _replicas(ctx, a):
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return layout, False
     if not a.plan and distributed.rank_world()[0] == 0:
-        from circuitkit.files import lock_folder
-
-        with _errors_as_lines():
-            ctx.call_on_close(lock_folder(a.out, "--out folder").close)
-            _claim_folder(a.out, "patch")
+        with _errors_as_lines(ValueError, OSError):
+            _claim_out(ctx, "patch", a.out, a.overwrite, positions=a.positions,
+                       n_examples=_n_for(a.task, a.n_examples))
     return layout, True
 
 
@@ -207,7 +217,8 @@ def _patch_inputs(a, layout):
 
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
                                     loader=lambda m: nnsight_backend.load(m, remote=a.remote),
-                                    pairs=True, corruption=a.corruption)
+                                    pairs=True, corruption=a.corruption,
+                                    progress=a.progress)
     else:
         loader = None
         if layout is not None and (layout.gpus_per_replica > 1 or layout.n_replicas > 1):
@@ -218,7 +229,7 @@ def _patch_inputs(a, layout):
             loader = lambda m: ck.load_model(m, **placement)  # noqa: E731
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
                                     loader=loader, renders=True, pairs=True,
-                                    corruption=a.corruption)
+                                    corruption=a.corruption, progress=a.progress)
         if loader is not None:
             with _errors_as_lines():
                 _check_vocabulary(the_model, the_task, renders=True)
@@ -316,6 +327,7 @@ def edges(
     circuit: opt.Circuit = True,
     ablation: opt.Ablation = "corrupt",
     out: opt.Out = Path("edges-out"),
+    overwrite: opt.Overwrite = False,
     checkpoint: opt.Checkpoint = True,
     plan: opt.Plan = False,
     gpu: opt.Gpu = "H100",
@@ -326,6 +338,8 @@ def edges(
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
     a = SimpleNamespace(**ctx.params)
+    if not plan:
+        _check_weights(model)
     from circuitkit.patching.inputs import EDGE_METHODS
 
     with _errors_as_lines():
@@ -336,17 +350,20 @@ def edges(
 
             _one_of("--estimator", estimator, EDGE_ESTIMATORS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
-        if not plan:
-            from circuitkit.files import lock_folder
+        if estimator is not None:
+            from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
 
-            _claim_folder(out, "edges")
-            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
+            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
+    if not plan:
+        with _errors_as_lines(ValueError, OSError):
+            _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
         return _edge_plan(a)
     the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True,
-                                pairs=True, corruption=corruption)
+                                pairs=True, corruption=corruption,
+                                progress=progress)
     the_task = _phase_task(the_task, task)
     clean, corrupt, metric = _sweep_tokens(the_model, the_task)
     res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)
@@ -375,7 +392,7 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
         if circ is not None:
             written += _save_circuit(circ, a.out)
     except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
-        _fail(str(e))
+        _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted(f"finished chunks are in {ckpt}. Resume with the same command:\n  "
                      f"{_same_command(ctx)}" if ckpt is not None else "nothing was saved.")
@@ -408,9 +425,23 @@ def _print_edges(a, res, circ, written) -> None:
             top=top.to_dict("records"), circuit=None if circ is None else str(circ),
             files=[str(p) for p in written]))
     scale = _describe_scale(res, estimate).removesuffix(", -1 = fully broken")
-    typer.echo(f"{res}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
+    typer.echo(f"{_edges_header(res)}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
     if circ is not None:
         typer.echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")
+
+
+def _edges_header(res) -> str:
+    """What an edge sweep was, as a small table (not the ``EdgeResult(...)`` repr)."""
+    meta = res.meta or {}
+    n = int(res.edge_mask().sum())
+    how = res.method + (f" (estimator {meta['estimator']})" if meta.get("estimator") else "")
+    rows = [("edges", f"{len(res.senders)} senders x {len(res.receivers)} receivers, inputs "
+                      f"{', '.join(res.inputs)}: {n:,} edges"),
+            ("method", f"{how}, {res.direction}"),
+            ("metric", f"{meta.get('metric') or 'the metric'}: clean {res.clean:.4g}, corrupt "
+                       f"{res.corrupt:.4g}" + (f" (mean over {meta['n_examples']} prompts)"
+                                               if meta.get("n_examples") else ""))]
+    return "\n".join(f"{k:<8}{v}" for k, v in rows)

@@ -9,7 +9,7 @@ import typer
 
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
-from circuitkit.cli.checks import _positive
+from circuitkit.cli.checks import _check_suffix, _positive
 from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail
 from circuitkit.cli.format import METRIC_MEANINGS
 from circuitkit.cli.load import _load
@@ -31,7 +31,7 @@ def evaluate(
 
     with _errors_as_lines():
         _positive("--batch-size", batch_size, "notes per forward pass")
-    the_model, the_task = _load(model, task, n_examples, seed, split, 2)
+    the_model, the_task = _load(model, task, n_examples, seed, split, 2, progress=progress)
     try:
         scores = ck.evaluate(the_model, the_task, batch_size=batch_size, progress=progress)
     except ValueError as e:  # a model with NaN weights: one line, not a table of NaN
@@ -63,5 +63,7 @@ def report(
 
     t0 = time.perf_counter()
     with _errors_as_lines(ValueError, OSError):
+        if out is not None and out.suffix.lower() not in (".html", ".htm"):
+            _check_suffix(out, ".html", "report writes one HTML page")
         path = write_report(run_dir, out, attention=attention)
     typer.echo(describe_written(path, time.perf_counter() - t0))

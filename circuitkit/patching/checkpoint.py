@@ -130,6 +130,15 @@ def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tupl
             if stored.get(k) != now.get(k)}
 
 
+class IdentityMismatch(ValueError):
+    """A folder holding another run's work: ``differing`` names the fields (``identity_diff``),
+    so a caller (the CLI) can say it in its own terms (its flags, ``--out``)."""
+
+    def __init__(self, message: str, differing: dict[str, tuple[Any, Any]]):
+        super().__init__(message)
+        self.differing = differing
+
+
 def identity_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -258,10 +267,11 @@ def _locked(path: Path, header: Path, keys: tuple[str, ...], identity: dict, ran
     try:
         stored = _read_header(header, *keys)
         if stored["identity"] != identity:
-            raise ValueError(
+            diff = identity_diff(stored["identity"], identity)
+            raise IdentityMismatch(
                 f"checkpoint {path} belongs to a different {what}; differing fields (stored, "
-                f"now): {identity_diff(stored['identity'], identity)}. Use a new checkpoint "
-                f"folder, or delete {delete} to start over.")
+                f"now): {diff}. Use a new checkpoint folder, or delete {delete} to start "
+                "over.", diff)
         return stored, lock
     except BaseException:
         lock.close()

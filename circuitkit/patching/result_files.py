@@ -80,7 +80,7 @@ def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views
     set) to ``.safetensors``, ``info`` (``json_ready``) to ``.json`` and, with ``views``,
     ``to_frame()`` to ``.csv`` and ``heatmap()`` to ``.html`` (``write_page``: the folder's
     one ``plotly.min.js``). Returns the paths written."""
-    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(paths["json"].parent)
     tensors = {k: getattr(result, k) for k in TENSOR_FIELDS if getattr(result, k) is not None}
     files.write_tensors(paths["safetensors"], tensors)
     files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
@@ -89,6 +89,21 @@ def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views
     files.atomic_write(paths["csv"], lambda p: result.to_frame().to_csv(p, index=False))
     write_page(result.heatmap(), paths["html"])  # + the folder's one plotly.min.js
     return list(paths.values())
+
+
+def _make_folder(folder: Path) -> None:
+    """``folder`` made if needed; a file where a folder must be (``save('<a file>/r')``) or a
+    folder that cannot be made is one line (``files.WriteError``) naming it, not a raw
+    ``FileExistsError``."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise files.WriteError(0, f"cannot save into {folder}: {blocker} is a file, not a "
+                               "folder; give a path inside a folder (or a new folder's name).")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise files.WriteError(e.errno, f"cannot make the folder {folder} ({e.strerror}); "
+                               "give a path in a folder you can write to.") from None
 
 
 @dataclass(frozen=True)

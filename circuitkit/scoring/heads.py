@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit._warn import warn
 from circuitkit.scoring import coarse, refine
 from circuitkit.tasks.base import Task, check_task
 
@@ -523,13 +523,13 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
             for c, (m, ok) in per_ex.items()}
     shortlist = any(e.shortlist_pos for e in task.examples)
     if n2 and not shortlist:
-        warnings.warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
+        warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
                       "scored on re-reading a shortlist, so refine_score is margin_widening "
-                      "alone and loopback is NaN (docs/scores.md).", stacklevel=2)
+                      "alone and loopback is NaN (docs/scores.md).")
     if n2 and shortlist and source != "W_O":
-        warnings.warn("the model's attention exposes no W_O, so what a head writes per key "
+        warn("the model's attention exposes no W_O, so what a head writes per key "
                       "is unknown: ov_copy and the margin parts are NaN and refine_score is "
-                      "shortlist_share * margin_widening (docs/scores.md).", stacklevel=2)
+                      "shortlist_share * margin_widening (docs/scores.md).")
     scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
     flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
@@ -546,10 +546,9 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
         if col != "coarse_score_tokens" and len(values) > 1 and values.max() == values.min():
-            warnings.warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
+            warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
                           "(layer, head) order, not a finding (Phase-1 sharpness needs query "
-                          "rows long enough for kurtosis to exceed 0; docs/scores.md).",
-                          stacklevel=2)
+                          "rows long enough for kurtosis to exceed 0; docs/scores.md).")
         # a phase the task has no steps for (induction: no anchors) gets no ranks, not row order
         name = f"phase{phase}_rank" + ("_tokens" if col.endswith("_tokens") else "")
         df[name] = _int_or_na(ranks(torch.tensor(df[col].to_numpy()))) \

@@ -30,7 +30,6 @@ import json
 import math
 import random
 import sys
-import warnings
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit._warn import warn
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import _padded as _pad
 from circuitkit.scoring.heads import scored_phases, top_heads
@@ -196,8 +196,8 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
     if pool == "layer-stratified":
         possible -= 1  # (the top set itself is one of them)
     if not any(others for others, _, _ in groups) or possible < 1:
-        warnings.warn(f"no {pool} random head set differs from the top set {want}: the top "
-                      "heads fill every head there; that pool is left out.", stacklevel=3)
+        warn(f"no {pool} random head set differs from the top set {want}: the top "
+                      "heads fill every head there; that pool is left out.")
         return []
 
     def draw(rng: random.Random) -> list[tuple[int, int]]:
@@ -217,9 +217,9 @@ def _distinct(draw: Any, possible: int, top: list[tuple[int, int]], n_random: in
     """``min(n_random, possible)`` distinct draws, none equal to ``top`` (a repeated set would
     count twice in the p-value as if it were independent evidence)."""
     if possible < n_random:
-        warnings.warn(f"only {possible} {pool} random head sets differ from the top set "
+        warn(f"only {possible} {pool} random head sets differ from the top set "
                       f"(n_random={n_random} asked): all {possible} are used, and the "
-                      f"p-value's floor is 1/{possible + 1}.", stacklevel=4)
+                      f"p-value's floor is 1/{possible + 1}.")
     rng, seen, out = random.Random(seed), {tuple(top)}, []
     while len(out) < min(n_random, possible):
         s = draw(rng)
@@ -750,8 +750,8 @@ class _Saved:
         except Exception as e:  # noqa: BLE001 - a torn or foreign file: run again
             problem = f"unreadable ({type(e).__name__}: {e})"
         if problem:
-            warnings.warn(f"circuitkit: validation checkpoint {path} is {problem}; "
-                          "recomputing it.", stacklevel=3)
+            warn(f"circuitkit: validation checkpoint {path} is {problem}; "
+                          "recomputing it.")
             path.unlink(missing_ok=True)
             return None
         return runs

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from circuitkit.viz.findings import format_p
-from circuitkit.viz.heatmaps import check_counts, int_ticks
+from circuitkit.viz.heatmaps import check_counts, int_ticks, place_title
 
 PHASE_COLORS = {1: "#1f77b4", 2: "#d62728"}  # Phase 1 (coarse, anchors) blue, Phase 2 red
 
@@ -247,7 +247,7 @@ def phase_profile(scores: Any, n_layers: int):
         height=440, width=760, plot_bgcolor="white",
         legend=dict(orientation="h", y=-0.2),
     )
-    return fig
+    return place_title(fig, room=20)
 
 
 # --- causal validation ----------------------------------------------------------------------
@@ -307,6 +307,7 @@ def validation_chart(validation: Any):
     is. Aliases accepted: ``head_set``/``kind``/``group`` for ``set``; ``effect_size``/``delta``
     for ``effect``; ``metric`` for ``measure``; ``low``/``high`` for the interval.
     """
+    import pandas as pd
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -339,21 +340,25 @@ def validation_chart(validation: Any):
     palette = ["#d62728", "#7f7f7f", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e"]
     for i, (_, part) in enumerate(panels):
         row, col = i // n_cols + 1, i % n_cols + 1
+        # each x category's p-value under its name (as the text says it): a label beside a
+        # marker ran into the next set's error bar
+        x_of = part[direction].astype(str) if direction else pd.Series([eff] * len(part),
+                                                                           index=part.index)
+        said = {x: f"{x}<br>p = {format_p(float(p))}" for x, p in zip(
+            x_of, part[p_col] if p_col else [np.nan] * len(part), strict=True)
+            if np.isfinite(p)}
         for j, s in enumerate(sets):
             rows = part[part[set_col].astype(str) == s]
             if rows.empty:
                 continue
-            x = rows[direction].astype(str) if direction else [eff] * len(rows)
-            ptxt = [f"p={format_p(p)}" if p_col and np.isfinite(p) else ""  # as the text says
-                    for p in (rows[p_col] if p_col else [np.nan] * len(rows))]
+            x = [said.get(v, v) for v in x_of[rows.index]]
             fig.add_trace(go.Scatter(
-                x=x, y=rows[eff], mode="markers+text", name=s, legendgroup=s,
+                x=x, y=rows[eff], mode="markers", name=s, legendgroup=s,
                 showlegend=i == 0, offsetgroup=s, marker=dict(size=11, color=palette[j % 6]),
-                error_y=_error_bars(rows, eff, interval), text=ptxt, textposition="middle right",
-                textfont=dict(size=10),
+                error_y=_error_bars(rows, eff, interval),
                 hovertemplate=f"{s}<br>%{{x}}<br>{eff} %{{y:.4g}}"
                 + (" [%{customdata[0]:.4g}, %{customdata[1]:.4g}]" if interval else "")
-                + "<br>%{text}<extra></extra>",
+                + "<extra></extra>",
                 customdata=rows[list(interval)].to_numpy(float) if interval else None,
             ), row=row, col=col)
         fig.update_yaxes(title_text=eff if col == 1 else None, zeroline=True,
@@ -364,7 +369,7 @@ def validation_chart(validation: Any):
         scattermode="group", height=330 * n_rows + 150, width=420 * n_cols + 200,
         plot_bgcolor="white", legend=dict(title=dict(text="head set")),
     )
-    return fig
+    return place_title(fig, room=30)
 
 
 # --- distillation ablation ------------------------------------------------------------------
@@ -457,4 +462,4 @@ def ablation_chart(frame: Any, n_cols: int = 3):
         "95% interval over seeds</sup>",
         height=300 * n_rows + 140, width=340 * n_cols + 120, plot_bgcolor="white",
     )
-    return fig
+    return place_title(fig)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from circuitkit.viz.heatmaps import place_title
+
 INPUT_COLORS = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c", "resid": "#7f7f7f"}
 
 
@@ -93,7 +95,7 @@ def circuit_graph(source: Any, title: str | None = None, *, top: int = 30,
     fig.update_layout(title=dict(text=title or what, x=0.01, xanchor="left"),
                       plot_bgcolor="white", height=520, width=max(560, 150 * (n_layers + 2)),
                       legend=dict(title="input"))
-    return fig
+    return place_title(fig, room=20)
 
 
 def faithfulness_curve(circ: Any, title: str | None = None):
@@ -140,4 +142,4 @@ def faithfulness_curve(circ: Any, title: str | None = None):
                                   f"ablation, ranked by {circ.rank} score){what}"),
                    x=0.01, xanchor="left"),
         plot_bgcolor="white", height=460, width=760)
-    return fig
+    return place_title(fig, room=20)

@@ -26,6 +26,10 @@ argument             fields
                      ``normalized()``, ``confidence_interval()``, ``meta["metric"]``
 ``edges``            ``EdgeResult`` (``characterize --edges``): ``senders``, ``receivers``,
                      ``inputs``, ``top(1)``, ``meta`` ``metric``/``senders_from``/``receivers_from``
+``head_ablation``    ``ck.ablate_heads``' frame (``head-ablation.csv``): ``phase, pool, ablation,
+                     quantity, k, n_random, top_effect, p_value``; ``summary``'s ``stability``
+                     (``phase{p}.unstable``, ``.k``) and the validation's ``n_prompts`` give
+                     the caveats
 ``circuit``          its ``circuit.json`` (``read_circuit_json``): ``share``, ``share_ci``,
                      ``n_items``, ``n_kept``, ``ablation``, ``faithfulness``, ``cpr``, ``cmd``,
                      ``target``, ``target_reached``, ``degenerate``
@@ -429,10 +433,14 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
 
 def findings(summary: dict | None = None, validation: Any = None, scores: Any = None,
              results: dict[str, Any] | None = None, edges: Any = None,
-             circuit: dict[str, Any] | None = None) -> list[Finding]:
+             circuit: dict[str, Any] | None = None, head_ablation: Any = None
+             ) -> list[Finding]:
     """One ``Finding`` per phase the data speaks of, and one for the edges (``edges``: an
     ``EdgeResult``; ``circuit``: its ``circuit.json``, ``edge_finding``) (module
-    docstring)."""
+    docstring). Each phase's finding carries what weakens it: an unstable ranking
+    (``stability_caveat``), a small validation sample (``sample_caveat``), the ablation's
+    verdict (``ablation_sentence``, ``head_ablation``: ``ck.ablate_heads``' frame) and a
+    correction for the several p-values it reports (``multiple_tests_note``)."""
     from circuitkit.scoring.heads import scored_phases, top_heads
 
     summary = summary or {}
@@ -455,14 +463,19 @@ def findings(summary: dict | None = None, validation: Any = None, scores: Any = 
             top = top_heads(scores, phase, k)
         col = RANKED_BY[phase][0]
         parts = [f"The top {len(top)} heads by {col} are {_heads_phrase(top)}."] if top else []
+        parts += [c for c in (stability_caveat(summary, phase),) if c]  # (beside the heads)
         said, _ = validation_sentence(rows)
         if said:
             parts.append(said)
+        parts += [c for c in (sample_caveat(rows),) if c]
         effect = effect_sentence(rows)
         asked = (summary.get("validation_options") or {}).get("n_random")
-        same = same_layers_sentence(_rows(validation, phase, "same-layers"),
-                                    int(asked) if asked is not None else None)
-        notes = ([effect] if effect else []) + ([same] if same else []) + sweep_sentences(
+        same_rows = _rows(validation, phase, "same-layers")
+        same = same_layers_sentence(same_rows, int(asked) if asked is not None else None)
+        ablated = ablation_sentence(head_ablation, phase)
+        notes = ([effect] if effect else []) + ([same] if same else []) + (
+            [ablated] if ablated else []) + [c for c in (multiple_tests_note(
+                phase, rows, same_rows, head_ablation),) if c] + sweep_sentences(
             phase, _head_sweeps(results, phase), top, scores, len(top) or k)
         if not parts and not notes:
             continue
@@ -492,6 +505,110 @@ def lead_findings(summary: dict) -> list[Finding]:
         out.append(Finding("claims", "The paper's claims, checked in this run", lines[0],
                            lines[1:]))
     return out
+
+
+# a validation on fewer examples than this is said to be small, with what its p-values can say
+SMALL_SAMPLE = 32
+
+
+def stability_caveat(summary: dict, phase: int) -> str:
+    """``summary["stability"]``'s verdict on this phase's top set, in the finding itself: the
+    top heads in fewer than ``STABLE_MIN`` of the bootstrap resamples of the examples."""
+    st = (summary.get("stability") or {}).get(f"phase{phase}") or {}
+    unstable = [h for h in st.get("unstable") or [] if isinstance(h, list | tuple)]
+    if not unstable:
+        return ""
+    names = [hooks.head_name(int(la), int(h)) for la, h in unstable]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    k = st.get("k", len(st.get("top") or []))
+    return (f"Caveat: the ranking is not stable: {listed} {'is' if len(names) == 1 else 'are'} "
+            f"in the top {k} in fewer than 80% of the bootstrap resamples of the examples, so "
+            f"another sample of examples would likely name other top-{k} heads.")
+
+
+def sample_caveat(rows: dict[tuple[str, str], Any]) -> str:
+    """A validation on fewer than ``SMALL_SAMPLE`` examples: their number, and what its
+    p-values can and cannot say (the floor is set by the random sets, not by the examples)."""
+    first = next(iter(rows.values()), None)
+    if first is None or "n_prompts" not in first or first["n_prompts"] != first["n_prompts"]:
+        return ""
+    n, n_random = int(first["n_prompts"]), int(first["n_random"])
+    if n >= SMALL_SAMPLE:
+        return ""
+    return (f"Caveat: validated on {n} example{'s' if n != 1 else ''} only: the p-values "
+            f"compare head sets on these {n} (their floor, 1/{n_random + 1} = "
+            f"{format_p(1 / (n_random + 1))}, is set by the number of random sets, not by the "
+            "examples) and say nothing of other examples; the effect's interval says how much "
+            f"{n} examples pin down. Run with more examples (-n) before relying on it.")
+
+
+def _ablation_rows(frame: Any, phase: int) -> Any:
+    """This phase's rows of ``ablate_heads``' frame against the all-layers pool (else every
+    pool's), or None."""
+    need = ("phase", "ablation", "quantity", "top_effect", "p_value", "k", "n_random")
+    if frame is None or not all(c in getattr(frame, "columns", ()) for c in need):
+        return None
+    rows = frame[frame["phase"] == phase]
+    if "pool" in rows.columns and (rows["pool"] == "all-layers").any():
+        rows = rows[rows["pool"] == "all-layers"]
+    return rows if len(rows) else None
+
+
+def ablation_sentence(frame: Any, phase: int) -> str:
+    """The head ablation's verdict in one sentence: what ablating the top set (zero, mean,
+    resample) does to each quantity, and in how many of the tests it goes beyond random sets
+    of as many heads (p <= ``ALPHA``)."""
+    rows = _ablation_rows(frame, phase)
+    if rows is None:
+        return ""
+    kinds = list(dict.fromkeys(str(a) for a in rows["ablation"]))
+    effects = []
+    for q in dict.fromkeys(str(x) for x in rows["quantity"]):
+        vals = [float(v) for v in rows[rows["quantity"] == q]["top_effect"] if v == v]
+        if vals:
+            lo, hi = min(vals), max(vals)
+            effects.append(f"{q} by {_signed(lo)}" if abs(hi - lo) < 1e-12 else
+                           f"{q} by {_signed(lo)} to {_signed(hi)}")
+    ps = [float(p) for p in rows["p_value"] if p == p]
+    beyond = sum(p <= ALPHA for p in ps)
+    k, n_random = int(rows["k"].iloc[0]), int(rows["n_random"].iloc[0])
+    verdict = ("beyond random sets in every test" if ps and beyond == len(ps) else
+               "no more than random sets do in any test" if not beyond else
+               f"beyond random sets in {beyond} of {len(ps)} tests")
+    return (f"Ablation verdict: ablating the top {k} ({', '.join(kinds)}) changes "
+            f"{'; '.join(effects)}: {verdict} (p <= {ALPHA:g} against {n_random} random "
+            f"{k}-head sets per test; floor {format_p(1 / (n_random + 1))}).")
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``ps`` (in their order): each p times the number of
+    hypotheses not yet rejected, made monotone, capped at 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [1.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def multiple_tests_note(phase: int, rows: dict, same_rows: dict, head_ablation: Any) -> str:
+    """Several p-values reported for one phase (validation in both pools, the ablation):
+    how many stay at or below ``ALPHA`` once corrected for their number (Holm), and the
+    smallest corrected p (what ``n_random`` sets allow: floor x tests)."""
+    ps = [float(r["p_value"]) for r in (*rows.values(), *same_rows.values())
+          if r["p_value"] == r["p_value"]]
+    abl = _ablation_rows(head_ablation, phase)
+    if abl is not None:
+        ps += [float(p) for p in abl["p_value"] if p == p]
+    if len(ps) < 2:
+        return ""
+    adjusted = holm(ps)
+    raw, kept = sum(p <= ALPHA for p in ps), sum(p <= ALPHA for p in adjusted)
+    more = ("; more random sets (--n-random, --n-random-ablation) lower the floor each "
+            "corrected p starts from" if raw and not kept else "")
+    return (f"Multiple comparisons: this phase reports {len(ps)} p-values; {raw} are at or "
+            f"below {ALPHA:g} as they stand, {kept} after Holm's correction for {len(ps)} "
+            f"tests (smallest corrected p {format_p(min(adjusted))}){more}.")
 
 
 def causal_finding(summary: dict) -> list[Finding]:

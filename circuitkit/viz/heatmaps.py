@@ -243,18 +243,32 @@ def wrap_title(title: str, width: float) -> tuple[str, float]:
     return "<br>".join(out), height
 
 
-def _finish(fig, m: float, title: str, raw: bool = False):
-    # a title is wrapped to the figure's width (a long one used to be cut at its edge), and the
-    # top margin grows to hold it
-    width = (fig.layout.width or 700) - 30
-    title, height = wrap_title(title, width)
-    top = fig.layout.margin.t or 0
-    need = int(height + SUBPLOT_TITLE_ROOM)
+# plotly's toolbar (mode bar: zoom, pan, download) sits in the figure's top 30 px at the right,
+# shown on hover: a title starts below it instead of running under it
+TOOLBAR_ROOM = 40
+
+
+def place_title(fig, room: int = SUBPLOT_TITLE_ROOM):
+    """``fig``'s title wrapped to the figure's width (a long one used to be cut at its edge),
+    left-aligned, starting below plotly's toolbar (``TOOLBAR_ROOM``), with the top margin (and
+    the height) grown to hold it and ``room`` px below it (the panels' own titles)."""
+    text = fig.layout.title.text
+    if not text:
+        return fig
+    title, height = wrap_title(text, (fig.layout.width or 700) - 30)
+    top = fig.layout.margin.t if fig.layout.margin.t is not None else 100
+    need = int(TOOLBAR_ROOM + height + room)
     if need > top:
-        fig.update_layout(margin=dict(t=need), height=(fig.layout.height or 0) + need - top)
+        fig.update_layout(margin=dict(t=need), height=(fig.layout.height or 450) + need - top)
+    fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", yanchor="top",
+                                 y=1 - TOOLBAR_ROOM / (fig.layout.height or 450)))
+    return fig
+
+
+def _finish(fig, m: float, title: str, raw: bool = False):
+    fig.update_layout(title_text=title)
+    place_title(fig)
     fig.update_layout(
-        title=dict(text=title, x=0.01, xanchor="left", y=1 - 12 / fig.layout.height,
-                   yanchor="top"),
         coloraxis=dict(colorscale=COLORSCALE, cmid=0.0, cmin=-m, cmax=m,
                        colorbar=dict(title=dict(text="raw effect" if raw else "normalized"))),
         plot_bgcolor="white",
@@ -369,14 +383,20 @@ def patch_heatmaps(denoise: Any, noise: Any, title: str | None = None, *, interv
     return _finish(fig, m, title, raw)
 
 
+PAGE_WIDTH = 1280  # px a figure must fit (a laptop's window): panels wrap, then stack
+
+
 def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str] | None = None,
                  interval: bool = True, n_cols: int = 3):
     """Sender x receiver heatmap of an ``EdgeResult``'s ``normalized()``, one panel per input
-    (q, k, v; the logits column, which has one input, shows in the first panel). Rows: senders
-    (the embeddings first), columns: receivers (the logits last); blank where (sender,
-    receiver, input) is no edge. Hover: the names, raw value, normalized value and its 95%
+    (q, k, v) over the receiving heads, and the logits (one input: the residual stream they
+    read) in a narrow panel of their own beside the first. Rows: senders (the embeddings
+    first), every one labelled; columns: receivers, every one labelled; blank where (sender,
+    receiver, input) is no edge. Panels wrap (at most ``n_cols`` a row), then stack, so the
+    figure fits ``PAGE_WIDTH`` px. Hover: the names, raw value, normalized value and its 95%
     bootstrap interval over prompts (when the result holds per-prompt values)."""
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
     if not all(hasattr(result, a) for a in ("values", "senders", "receivers", "inputs")):
         raise TypeError(f"expected an EdgeResult (ck.patch_edges / ck.EdgeResult.load); got "
@@ -390,18 +410,60 @@ def edge_heatmap(result: Any, title: str | None = None, *, inputs: Sequence[str]
     raw = _raw(result)
     c = _cells(result, interval, raw)
     senders, receivers = result.sender_names(), result.receiver_names()
-    n_cols = min(n_cols, len(names))
-    fig = _grid(len(names), n_cols, [f"into {n}" for n in names],
-                (len(senders), len(receivers)), "receiver", "sender")
-    for k, name in enumerate(names):
+    heads = [j for j, r in enumerate(receivers) if r != "logits"]
+    logits = [j for j, r in enumerate(receivers) if r == "logits"]
+    # the logits' one input: the index their values sit at (the first input's, by the format)
+    at = next((i for i in range(len(result.inputs)) if logits and np.isfinite(
+        c["normalized"][:, logits[0], i]).any()), 0)
+    pw = min(760, max(320, 28 * len(heads)))  # one panel's width: cells stay readable
+    lw = 150 if logits else 0  # (one column, its colour bar room is the figure's)
+    room = PAGE_WIDTH - 40 - 220 - lw
+    cols = max(1, min(n_cols, len(names), room // pw)) if heads else 0
+    pw = min(pw, room // max(cols, 1))
+    rows = max(1, math.ceil(len(names) / cols)) if heads else 1
+    specs, titles = [], []
+    for r in range(rows):
+        line = [{} if heads and r * cols + k < len(names) else None for k in range(cols)]
+        titles += [f"into {names[r * cols + k]}" for k in range(cols) if line[k] is not None]
+        if logits:
+            line.append({} if r == 0 else None)
+            titles += ["into the logits"] if r == 0 else []
+        specs.append(line)
+    widths = [pw] * cols + ([lw] if logits else [])
+    fig = make_subplots(rows=rows, cols=len(widths), specs=specs, subplot_titles=titles,
+                        column_widths=[w / sum(widths) for w in widths],
+                        horizontal_spacing=min(0.08, 60 / sum(widths)),
+                        vertical_spacing=min(0.1, 120 / (rows * max(220, 18 * len(senders))))
+                        if rows > 1 else 0.02)
+    small = dict(tickfont=dict(size=10 if len(senders) > 20 else 12))
+    for k, name in enumerate(names if heads else []):
         i = list(result.inputs).index(name)
-        index = (slice(None), slice(None), i)
-        trace = _trace(c, index, "receiver", "sender", extra=f"<br>input {name}", name=name,
-                       raw=raw)
-        trace.update(x=receivers, y=senders)
-        fig.add_trace(trace, row=k // n_cols + 1, col=k % n_cols + 1)
-    fig.update_xaxes(tickmode="auto", tickangle=-60)
-    fig.update_yaxes(tickmode="auto")
+        trace = _trace(c, (slice(None), heads, i), "receiver", "sender",
+                       extra=f"<br>input {name}", name=name, raw=raw)
+        trace.update(x=[receivers[j] for j in heads], y=senders)
+        fig.add_trace(trace, row=k // cols + 1, col=k % cols + 1)
+    if logits:
+        trace = _trace(c, (slice(None), logits, at), "receiver", "sender",
+                       extra="<br>input: the residual stream the unembedding reads",
+                       name="logits", raw=raw)
+        trace.update(x=["logits"], y=senders)
+        fig.add_trace(trace, row=1, col=cols + 1)
+    # every sender and receiver labelled (plotly's automatic ticks skip every other one)
+    fig.update_yaxes(autorange="reversed", tickmode="array", tickvals=senders,
+                     ticktext=senders, **small)
+    fig.update_xaxes(tickmode="array", tickangle=-60, **small)
+    for k in range(cols):
+        fig.update_xaxes(tickvals=[receivers[j] for j in heads],
+                         ticktext=[receivers[j] for j in heads], col=k + 1)
+        fig.update_xaxes(title_text="receiver", row=min(rows, (len(names) - 1 - k) // cols
+                                                        + 1), col=k + 1)
+    for r in range(1, rows + 1):
+        fig.update_yaxes(title_text="sender", row=r, col=1)
+    if logits:
+        fig.update_xaxes(tickvals=["logits"], ticktext=["logits"], col=cols + 1)
+    panel_h = max(220, 18 * len(senders))
+    fig.update_layout(height=rows * panel_h + 190, width=sum(widths) + 220,
+                      margin=dict(t=150, l=70, r=40, b=60))
     m = _abs_max(c["normalized"])
     # auto-scaled colour makes a 0.2%-of-the-gap edge look saturated: say the range in % of
     # the gap wherever it is drawn (subtitle and colour bar)

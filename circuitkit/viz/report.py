@@ -299,17 +299,19 @@ def findings_in(run_dir: str | Path) -> tuple[str, list]:
     results, _ = _patch_results(run_dir)
     edges, circ = _edge_files(run_dir)
     return run_line(summary), findings(summary, read("validation.csv"), read("scores.csv"),
-                                       results, edges=edges, circuit=circ)
+                                       results, edges=edges, circuit=circ,
+                                       head_ablation=read("head-ablation.csv"))
 
 
 def findings_section(summary: dict, validation: Any, scores: Any,
-                     results: dict[str, Any], edges: Any = None, circuit: Any = None) -> str:
+                     results: dict[str, Any], edges: Any = None, circuit: Any = None,
+                     head_ablation: Any = None) -> str:
     """The report's first section: ``viz.findings`` rendered (one block per phase, one for
     the edges)."""
     from circuitkit.viz.findings import findings, run_line
 
     found = [f for f in findings(summary, validation, scores, results, edges=edges,
-                                 circuit=circuit)
+                                 circuit=circuit, head_ablation=head_ablation)
              if f.phase not in ("causal", "lead1", "lead2", "claims")]  # (the sections above)
     line = run_line(summary)
     out = f"<p class='note'>{_esc(line)}</p>" if line else ""
@@ -616,7 +618,8 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     if results or scores is not None or validation is not None or edge_result is not None \
             or circ is not None:
         sections.append(("findings", "Findings", findings_section(
-            summary, validation, scores, results, edges=edge_result, circuit=circ)))
+            summary, validation, scores, results, edges=edge_result, circuit=circ,
+            head_ablation=head_ablation)))
     details = None
     if summary:
         flat = _flatten(summary)
