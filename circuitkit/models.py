@@ -982,7 +982,11 @@ def check_available(name: str) -> None:
     missing folder, or a hub id with nothing cached while huggingface.co cannot be reached
     (``ModelNotAvailableError``; the reachability probe waits at most 3 s). Anything else
     passes (``load_model`` says what is wrong with it)."""
-    if weights_available(name) or local_folder(name) is not None or name.lower() in SHIPPED:
+    if shipped_path(name) is not None or local_folder(name) is not None \
+            or name.lower() in SHIPPED:
+        return
+    _refuse_non_folder(name)  # (before weights_available: the hub refuses a path as a repo id)
+    if weights_available(name):
         return
     import importlib.util
 

@@ -115,10 +115,10 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     a = SimpleNamespace(**ctx.params)
-    if not (plan or remote):
-        _check_weights(model)
     with _errors_as_lines():
         _check_patch_flags(a)
+    if not (plan or remote):
+        _check_weights(model)
     from circuitkit import hooks, models
 
     if plan and (seq_len is not None or not models.weights_available(model)):
@@ -185,10 +185,6 @@ def _check_patch_flags(a) -> None:
         from circuitkit.patching.nnsight_backend import check_remote
 
         check_remote(a.model)
-    if a.estimator is not None:
-        from circuitkit.patching.estimators.registry import ESTIMATORS
-
-        _one_of("--estimator", a.estimator, ESTIMATORS)
 
 
 def _replicas(ctx, a):
@@ -338,8 +334,6 @@ def edges(
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
     a = SimpleNamespace(**ctx.params)
-    if not plan:
-        _check_weights(model)
     from circuitkit.patching.inputs import EDGE_METHODS
 
     with _errors_as_lines():
@@ -350,10 +344,8 @@ def edges(
 
             _one_of("--estimator", estimator, EDGE_ESTIMATORS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
-        if estimator is not None:
-            from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
-
-            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
+    if not plan:
+        _check_weights(model)
     if not plan:
         with _errors_as_lines(ValueError, OSError):
             _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
