@@ -33,6 +33,12 @@ from circuitkit.cli.console import (
 from circuitkit.cli.format import _run_words
 from circuitkit.cli.load import _check_weights
 
+STAGES_HELP = ("Patch every head at each of the task's position groups (evidence, anchor, "
+               "shortlist, answer, and the positions the metric reads), both directions, on the "
+               "selection and the held-out notes: where each phase's decision is made, the "
+               "stable heads and the claims table the findings lead with; OUT/groups/ (exact "
+               "patching; on by default, --no-stages for a quick run).")
+
 
 @app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
 def score(
@@ -115,13 +121,7 @@ def characterize(
     edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
                                "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
                                "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
-    stages: bool = typer.Option(True, "--stages/--no-stages", help="Patch every head at each "
-                                "of the task's position groups (evidence, anchor, shortlist, "
-                                "answer, and the positions the metric reads), both directions, "
-                                "on the selection and the held-out notes: where each phase's "
-                                "decision is made, the stable heads and the claims table the "
-                                "findings lead with; OUT/groups/ (exact patching; on by "
-                                "default, --no-stages for a quick run)."),
+    stages: bool = typer.Option(True, "--stages/--no-stages", help=STAGES_HELP),
     select_n: opt.SelectN = "half",
     corruption: opt.Corruption = "note",
     overwrite: opt.Overwrite = False,

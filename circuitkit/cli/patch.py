@@ -134,12 +134,9 @@ def patch(
             f"{direction}, {unit} at site {a.site}")
     if plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
-    how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
     from circuitkit.patching import distributed
 
-    if distributed.rank_world()[0] == 0:  # (under torchrun: said once, not once per rank)
-        typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}",
-                   err=True)
+    _say_start(a, what, len(clean))
     res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
         res.meta.update(model_name=model, task=task, n_examples=len(clean),
@@ -148,6 +145,15 @@ def patch(
             written = res.save(out / "result")
             estimate = _mark_estimates(res, written)
         _print_patch(a, res, what, metric, len(clean), estimate, written)
+
+
+def _say_start(a, what: str, n: int) -> None:
+    """The run's header, on stderr; under torchrun said once, not once per rank."""
+    from circuitkit.patching import distributed
+
+    how = "clean into corrupt" if a.direction == "denoise" else "corrupt into clean"
+    if distributed.rank_world()[0] == 0:
+        typer.echo(f"patching {what} ({how} runs), {n} prompts, method {a.method}", err=True)
 
 
 def _check_patch_flags(a) -> None:
