@@ -114,10 +114,10 @@ def patch(
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
     a = SimpleNamespace(**ctx.params)
-    if not (plan or remote):
-        _check_weights(model)
     with _errors_as_lines():
         _check_patch_flags(a)
+    if not (plan or remote):  # missing weights: said before any model loads or --out is made
+        _check_weights(model)
     from circuitkit import hooks, models
 
     if plan and (seq_len is not None or not models.weights_available(model)):
@@ -329,8 +329,6 @@ def edges(
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
     a = SimpleNamespace(**ctx.params)
-    if not plan:
-        _check_weights(model)
     from circuitkit.patching.inputs import EDGE_METHODS
 
     with _errors_as_lines():
@@ -342,6 +340,7 @@ def edges(
 
             _one_of("--estimator", estimator, EDGE_ESTIMATORS)
     if not plan:
+        _check_weights(model)  # missing weights: said before any model loads or --out is made
         with _errors_as_lines(ValueError, OSError):
             _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
