@@ -166,3 +166,18 @@ def test_save_under_a_file_is_one_line(tmp_path):
 def _induction():
     task = ck.load_task("induction", n_examples=4, seed=0)
     return task.clean_tokens, task.corrupt_tokens, task.metric
+
+
+def test_the_resume_line_of_an_overwrite_run_does_not_overwrite(tmp_path, monkeypatch):
+    from circuitkit.patching.engine import ExactEngine
+
+    out = tmp_path / "p"
+    assert run([*PATCH, "-n", "6", "--out", str(out)]).exit_code == 0
+
+    def interrupted(self, chunk):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ExactEngine, "run_chunk", interrupted)
+    r = run([*PATCH, "-n", "8", "--method", "exact", "--out", str(out), "--overwrite"])
+    assert r.exit_code == 130, r.output
+    said = r.output.split("Resume with the same command:")[1].strip().splitlines()[0]
+    assert "--n-examples 8" in said and "--overwrite" not in said

@@ -31,7 +31,6 @@ from circuitkit.cli.console import (
     _same_command,
 )
 from circuitkit.cli.format import _run_words
-from circuitkit.cli.load import _check_weights
 
 STAGES_HELP = ("Patch every head at each of the task's position groups (evidence, anchor, "
                "shortlist, answer, and the positions the metric reads), both directions, on the "
@@ -56,10 +55,9 @@ def score(
     as_json: opt.Json = False,
 ) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
-    _check_weights(model)  # missing weights: said before torch loads
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.models import ModelNotAvailableError, hf_progress
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.scoring.heads import score_heads
     from circuitkit.scoring.text import load_for
 
@@ -67,6 +65,7 @@ def score(
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--batch-size", batch_size, "examples per forward pass")
         _check_k(model, k)
+        check_available(model)  # missing weights: before any model loads or --out is made
         n_examples = _n_for(task, n_examples)
         if not out.is_dir():  # (a folder: check_writable_file says so)
             _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
@@ -131,9 +130,8 @@ def characterize(
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
-    _check_weights(model)  # missing weights: said before torch loads
     from circuitkit.characterize import characterize as run
-    from circuitkit.models import ModelNotAvailableError, hf_progress
+    from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
 
     flag = _text_flag(text)
@@ -145,6 +143,7 @@ def characterize(
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
         select_n = _select_n_flag(select_n, n_examples)
+        check_available(model)  # missing weights: before any model loads or --out is made
         _claim_out(ctx, "characterize", out, overwrite, hold=False, n_examples=n_examples,
                    select_n=select_n)
         with hf_progress(progress):  # --no-progress: transformers' bars too

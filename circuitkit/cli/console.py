@@ -150,7 +150,8 @@ def _same_command(ctx: typer.Context) -> str:
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         # (typer may bring its own click: ask the parameter what it is, not its class)
-        if param.param_type_name != "option" or value == param.default or value is None:
+        if param.param_type_name != "option" or value == param.default or value is None \
+                or param.name == "overwrite":  # (a resume never starts again)
             continue
         if param.is_flag:
             names = param.opts if value else param.secondary_opts

@@ -117,7 +117,7 @@ def patch(
     a = SimpleNamespace(**ctx.params)
     with _errors_as_lines():
         _check_patch_flags(a)
-    if not (plan or remote):
+    if not (plan or remote):  # missing weights: said before any model loads or --out is made
         _check_weights(model)
     from circuitkit import hooks, models
 
@@ -353,6 +353,7 @@ def edges(
     if not plan:
         _check_weights(model)
     if not plan:
+        _check_weights(model)  # missing weights: said before any model loads or --out is made
         with _errors_as_lines(ValueError, OSError):
             _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]

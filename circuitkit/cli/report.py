@@ -63,7 +63,8 @@ def report(
 
     t0 = time.perf_counter()
     with _errors_as_lines(ValueError, OSError):
-        if out is not None and out.suffix.lower() not in (".html", ".htm"):
+        if out is not None and not out.is_dir() and out.suffix.lower() not in (".html",
+                                                                              ".htm"):
             _check_suffix(out, ".html", "report writes one HTML page")
         path = write_report(run_dir, out, attention=attention)
     typer.echo(describe_written(path, time.perf_counter() - t0))
