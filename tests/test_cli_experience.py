@@ -152,7 +152,7 @@ def test_bad_numbers_and_paths_are_named_before_any_work(tmp_path, monkeypatch):
         (["score", "--model", "icd-teacher", "-n", "0", "--out", str(tmp_path / "s.csv")],
          "--n-examples 0: expected a positive"),
         (["score", "--model", "icd-teacher", "-n", "2", "--out", str(tmp_path)], "is a folder"),
-        (["report", str(tmp_path), "--out", str(tmp_path)], "give a .html file"),
+        (["report", str(tmp_path), "--out", str(tmp_path)], "is a folder"),
         (["characterize", "-n", "2", "-k", "0", "--out", str(tmp_path / "c")],
          "-k 0: expected a positive integer"),
         (["characterize", "-n", "2", "-k", "9999", "--out", str(tmp_path / "c")],
