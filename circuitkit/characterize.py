@@ -407,8 +407,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"both directions) beside the lowest-ranked and random heads, on "
                        f"{_on(samples, 'validate')}")
         t0 = time.perf_counter()
-        record("bins", time.perf_counter() - t0,
-               _bins_step(model, held_out, scores, phases, out, seed, batch_size))
+        written = _bins_step(model, held_out, scores, phases, out, seed, batch_size)
+        record("bins", time.perf_counter() - t0, written)
     i += int(stages)
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
