@@ -255,6 +255,11 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         stages = False
         skipped = [*skipped, f"stages (the [layer, head, group] sweeps over the task's position "
                    f"groups) skipped: they run with patch_method='exact'; got {patch_method!r}."]
+    elif not stages:
+        skipped = [*skipped, "stages skipped (--no-stages): where each decision is made, the "
+                   "stable heads that carry it, the paper's cumulative bins and the claims table "
+                   "need the stage sweeps; the findings below tell the descriptive scores' story "
+                   "only."]
     expected = step_names(phases, stages) + (["edges"] if edges else [])  # (a partial run misses)
     local = Path(name).expanduser()
     summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
@@ -403,8 +408,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
                        f"both directions) beside the lowest-ranked and random heads, on "
                        f"{_on(samples, 'validate')}")
         t0 = time.perf_counter()
-        record("bins", time.perf_counter() - t0,
-               _bins_step(model, held_out, scores, phases, out, seed, batch_size))
+        written = _bins_step(model, held_out, scores, phases, out, seed, batch_size)
+        record("bins", time.perf_counter() - t0, written)
     i += int(stages)
     if not reusable("ablation", i):
         how = "zero-, mean- and resample-ablated" if "resample" in ablations else (

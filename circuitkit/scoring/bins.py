@@ -67,6 +67,7 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
     from circuitkit.patching.engine import ExactEngine
     from circuitkit.patching.head_sets import HEAD_SET_SITES
     from circuitkit.patching.sweep import Sweep
+    from circuitkit.scoring.validate import _fast
     from circuitkit.tasks.base import phase_task, task_phases
 
     bad = [s for s in sites if s not in HEAD_SET_SITES] + [
@@ -86,8 +87,11 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
             for direction in directions:
                 sweep = Sweep("heads", site, direction, "all", f.n_layers, f.n_heads, 1, n, seq,
                               True)
+                # z: validation's engine (fused and packed on a Llama-form model, once checked
+                # against the hooked path); pattern: the hooked path
                 engine = ExactEngine(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, sweep,
-                                     fast=False, rows=batch_size)
+                                     fast=_fast(model) if site == "z" else False,
+                                     rows=batch_size)
                 # each distinct set once (the last bin is every head: top = lowest = random)
                 distinct = list(dict.fromkeys(tuple(s) for *_, s in sets))
                 got = engine.run_head_sets([list(s) for s in distinct], rows=batch_size)[0]
