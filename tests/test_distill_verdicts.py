@@ -74,7 +74,8 @@ def test_verdict_reads_the_claims_direction():
         "reproduced (the claimed size inside the interval)")
     assert verdicts.verdict(-0.05, -0.02, -0.07) == "reproduced (smaller than claimed)"
     assert verdicts.verdict(-0.03, 0.01, -0.07) == "refuted (smaller than claimed)"
-    assert verdicts.verdict(0.01, 0.03, -0.07) == "refuted (no effect in the claimed direction)"
+    assert verdicts.verdict(0.01, 0.03, -0.07) == "refuted (the opposite effect)"
+    assert verdicts.verdict(0.0, 0.03, -0.07) == "refuted (no effect in the claimed direction)"
     assert verdicts.verdict(-0.09, 0.01, -0.07).startswith("open")
     assert verdicts.verdict(0.10, 0.12, 0.09) == "reproduced (larger than claimed)"
     assert verdicts.verdict(-0.02, -0.01, None) == "lower"

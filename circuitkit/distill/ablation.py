@@ -16,6 +16,11 @@ first) records the grid's configuration (``grid_config``). Tables: ``runs.csv``,
 ``ablation.csv`` (mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s /
 sqrt(n)``), ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``),
 ``teacher.json`` (the teacher's own metrics on the same notes).
+
+A variant ``V@W`` is ``V`` with its lambdas times ``W`` (``variant_of``: a lambda sweep in one
+grid, issue 50); every run's ``metrics.json`` and ``runs.csv`` rows hold each term's effective
+share of the step (``SHARE_METRICS``, ``run_shares``), and the embedding Focus / Confusion
+when the evaluation returns them (``EMBEDDING_METRICS``).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ definition separately, paired by seed against a baseline variant (``cot``):
   t quantiles; NaN below 2 seeds);
 * the verdict (``verdict``): *reproduced* when the interval excludes 0 on the claimed side
   (with whether the claimed size is inside it, above or below it), *refuted* when it excludes
-  the claimed effect (and 0 is inside it or beyond it on the other side), *open* (not
-  resolvable at this power) when it holds both; for a claim with no size (exact match and
-  Macro-F1: "distillation helps"), *higher* / *lower* / *no difference detected*. A definition
-  the grid did not measure (its metric absent from ``runs.csv``) is *not measured*.
+  the claimed effect (0 inside it: "smaller than claimed"; all of it on the other side of 0:
+  "the opposite effect"), *open* (not resolvable at this power) when it holds both; for a
+  claim with no size (exact match and Macro-F1: "distillation helps"), *higher* / *lower* /
+  *no difference detected*. A definition the grid did not measure (its metric absent from
+  ``runs.csv``) is *not measured*.
 
 ``claim_summary`` states one claim across its definitions, and says so when they disagree (e.g.
 refuted on the teacher-forced confusion and open on the output-level one).
@@ -101,7 +102,8 @@ def verdict(lo: float, hi: float, effect: float | None, direction: int = 1) -> s
                                " (larger than claimed)" if low > abs(effect) else
                                " (the claimed size inside the interval)")
     if high < abs(effect):
-        return "refuted" + (" (no effect in the claimed direction)" if high <= 0 else
+        return "refuted" + (" (the opposite effect)" if high < 0 else
+                            " (no effect in the claimed direction)" if high <= 0 else
                             " (smaller than claimed)")
     return "open (not resolvable at this power)"
 
