@@ -242,6 +242,9 @@ def _n_for(task: str, n_examples: int | None) -> int:
     if not task.endswith(".jsonl"):
         return DEFAULT_N
     import circuitkit as ck
+    from circuitkit.tasks import pairs
 
+    if pairs.is_pairs_file(task):  # (a Task loader refuses a pairs file: its own line, later)
+        return len(pairs.read_pairs(task))
     return len(ck.load_task(task))
 
