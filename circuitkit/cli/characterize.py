@@ -19,7 +19,14 @@ from circuitkit.cli.checks import (
     _select_n_flag,
     _text_flag,
 )
-from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail, _interrupted, _same_command
+from circuitkit.cli.console import (
+    _echo_json,
+    _errors_as_lines,
+    _fail,
+    _interrupted,
+    _same_command,
+    echo,
+)
 from circuitkit.cli.format import _run_words
 
 
@@ -75,8 +82,8 @@ def _print_scores(df, k: int, the_task, split: str, seed: int) -> None:
             typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
             continue
         best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, k)].reset_index()
-        typer.echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
-                   "\n" + best[cols].to_string(index=False))
+        echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
+             "\n" + best[cols].to_string(index=False))
 
 
 @app.command(short_help="The main job: sweeps, scores, validation, report.")
@@ -122,7 +129,7 @@ def characterize(
         _check_k(model, k)
         n_examples = _n_for(task, n_examples)
         select_n = _select_n_flag(select_n, n_examples)
-        _claim_folder(out, "characterize")
+        _claim_folder(out, "characterize", ctx)
         summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split, k=k,
                       n_random=n_random, n_random_ablation=n_random_ablation,
                       batch_size=batch_size, patch_method=patch_method,
@@ -157,7 +164,7 @@ def _print_characterize(out: Path, summary: dict) -> None:
 
     width = min(100, max(60, shutil.get_terminal_size((88, 24)).columns - 1))
     line, found = findings_in(out)
-    typer.echo(format_findings(found, line, width))
+    echo(format_findings(found, line, width))  # (names from files: escaped)
     steps, ran = summary.get("steps", {}), summary.get("steps_run_this_call", [])
     for step in ran:
         names = steps[step]["files"]

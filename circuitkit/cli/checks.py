@@ -5,6 +5,7 @@ one-run-per-folder claim on ``--out``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.console import FRESH_CLAIMS, RUN_FILE, _fail
@@ -77,21 +78,50 @@ RUN_SIGNS = (("summary.json", "characterize"), ("result.json", "patch"),
              ("edges.json", "edges"), ("distill.json", "distill"), ("ablation.csv", "distill"))
 
 
-def _claim_folder(out: Path, command: str) -> None:
-    """One run per folder: ``out`` (made if needed, writable) holds ``command``'s results;
-    a folder holding another command's results is refused in one line. A fresh claim is
-    released when the command fails before writing anything (``console._fail``)."""
-    import json
+def _claim_folder(out: Path, command: str, ctx: Any = None) -> Any:
+    """One run per folder, one rule for its claim and its lock: ``out`` (made if needed,
+    writable) is first locked (``files.lock_folder``, held until the command ends; another
+    run holding it is refused in one line), and only then read and claimed: a folder holding
+    another command's results is refused in one line. A claim is written, read and released
+    under the lock only, so a run refused by the lock never touches another run's claim or
+    lock. A claim that holds nothing (only the claim and the lock: its command was killed
+    before it wrote anything, e.g. ``kill -9``) is stale and taken over. A fresh claim is
+    released when the command fails before writing anything (``console._fail``). Returns the
+    lock this call took (None if this process held it already); with the command's ``ctx``
+    (a click context) it is closed when the command ends, else by the caller."""
 
     from circuitkit import files
 
     made = not out.exists()
     files.check_writable_dir(out)
+    lock = None
+    if not files.holds_lock(out):
+        lock = files.lock_folder(out, "--out folder")  # (removes dead writers' temporaries)
+        if ctx is not None:
+            ctx.call_on_close(lock.close)  # after _fail's release: that runs under the lock
+    try:
+        _claim_locked(out, command, made)
+    except BaseException:
+        if lock is not None and ctx is None:
+            lock.close()  # (a command closes it when it ends)
+        raise
+    return lock
+
+
+def _claim_locked(out: Path, command: str, made: bool) -> None:
+    """``_claim_folder``'s claim, under the folder's lock."""
+    import json
+
+    from circuitkit import files
+
     marker = out / RUN_FILE
     try:
         held = json.loads(marker.read_text())["command"]
     except (OSError, ValueError, KeyError, TypeError):
         held = next((cmd for name, cmd in RUN_SIGNS if (out / name).exists()), None)
+    stale = {p.name for p in out.iterdir()} <= {RUN_FILE, files.LOCK_NAME}
+    if stale:  # a claim with nothing behind it: its command died before writing a result
+        held = None
     if held not in (None, command):
         raise ValueError(f"--out {out} holds the results of `circuitkit {held}`; a folder holds "
                          f"one command's results: give this {command} another --out (e.g. "

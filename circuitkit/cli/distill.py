@@ -97,7 +97,7 @@ def distill(
     try:
         _check_distill_flags(given, ablation)
         check_writable_dir(out)
-        _claim_folder(out, "distill")
+        _claim_folder(out, "distill", ctx)
         if ablation:
             return _grid(a, given)
         folder = _one_student(a, given)

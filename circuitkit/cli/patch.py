@@ -19,6 +19,7 @@ from circuitkit.cli.console import (
     _given,
     _interrupted,
     _same_command,
+    echo,
 )
 from circuitkit.cli.format import (
     _describe_auto,
@@ -123,7 +124,7 @@ def patch(
     if plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
     how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
-    typer.echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
+    echo(f"patching {what} ({how} runs), {len(clean)} prompts, method {method}", err=True)
     res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
     from circuitkit.patching import distributed
 
@@ -185,11 +186,8 @@ def _replicas(ctx, a):
                    f"{layout.rank - layout.rank % layout.procs_per_replica}); nothing to do here.")
         return layout, False
     if not a.plan and distributed.rank_world()[0] == 0:
-        from circuitkit.files import lock_folder
-
         with _errors_as_lines():
-            ctx.call_on_close(lock_folder(a.out, "--out folder").close)
-            _claim_folder(a.out, "patch")
+            _claim_folder(a.out, "patch", ctx)  # (locks OUT first, until the command ends)
     return layout, True
 
 
@@ -263,9 +261,9 @@ def _print_patch(a, res, what: str, metric, n: int, estimate: str, written) -> N
     auto = res.meta.get("auto")
     if auto:
         typer.echo(_describe_auto(auto))
-    typer.echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
-               f"over {n} prompts, {a.split} split, seed {a.seed})\n"
-               f"strongest cells ({_describe_scale(res, estimate)}):\n{_table(top, estimate)}")
+    echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
+         f"over {n} prompts, {a.split} split, seed {a.seed})\n"
+         f"strongest cells ({_describe_scale(res, estimate)}):\n{_table(top, estimate)}")
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")
 
@@ -324,10 +322,7 @@ def edges(
         _one_of("--method", method, EDGE_METHODS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
         if not plan:
-            from circuitkit.files import lock_folder
-
-            _claim_folder(out, "edges")
-            ctx.call_on_close(lock_folder(out, "--out folder").close)  # one run per folder
+            _claim_folder(out, "edges", ctx)  # one run per folder: locked first, then claimed
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
                for k, v in (("senders", senders), ("receivers", receivers))}
     if plan:
@@ -394,9 +389,9 @@ def _print_edges(a, res, circ, written) -> None:
             top=top.to_dict("records"), circuit=None if circ is None else str(circ),
             files=[str(p) for p in written]))
     scale = _describe_scale(res, estimate).removesuffix(", -1 = fully broken")
-    typer.echo(f"{res}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
+    echo(f"{res}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
     if circ is not None:
-        typer.echo(f"{circ}\n" + circ.to_frame().to_string(
+        echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")

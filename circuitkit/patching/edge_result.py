@@ -125,6 +125,9 @@ class EdgeResult(PatchResult):
         """The ``k`` edges with the largest ``|normalized|`` (by ``|effect|`` when normalized
         values are undefined), strongest first; ``input``: only edges into that input ("q",
         "k", "v", or "resid" for the logits)."""
+        from circuitkit.patching.patch_result import check_top
+
+        check_top(k)
         df = self.to_frame()
         if input is not None:
             df = df[df["input"] == input]

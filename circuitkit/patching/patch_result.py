@@ -355,7 +355,9 @@ class PatchResult:
     def top(self, k: int = 10):
         """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first): by
         ``|effect|`` for a ``degenerate`` result (its ``normalized`` column holds raw effects,
-        and it warns once)."""
+        and it warns once). ``k``: a positive integer (a negative one dropped the last rows,
+        before)."""
+        check_top(k)
         df = self.to_frame()
         df = df[df["value"].notna()]  # (a path result's NaN: no route, no cell)
         order = df["normalized"].abs().sort_values(ascending=False,
@@ -396,6 +398,15 @@ class PatchResult:
                 f"site={self.site!r}, positions={self.positions!r}, "
                 f"values={tuple(self.values.shape)} over {self.axes}, clean={self.clean:.4f}, "
                 f"corrupt={self.corrupt:.4f})")
+
+
+def check_top(k: Any) -> None:
+    """``top(k)``'s ``k``: a positive integer, else one ``ValueError`` line."""
+    import numbers
+
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"top: k must be a positive integer (how many cells to show); got "
+                         f"{k!r:.40}.")
 
 
 def verified_mask(result: PatchResult) -> Tensor:

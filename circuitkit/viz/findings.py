@@ -537,6 +537,10 @@ def run_line(summary: dict | None) -> str:
         sel, val = samples["select"]["examples"], samples["validate"]["examples"]
         said += (f"; heads selected on examples {sel[0]}-{sel[1] - 1}, validated on the "
                  f"held-out {val[0]}-{val[1] - 1}")
+        left = samples["validate"].get("left_out") or []
+        if left:  # examples that repeat a selection example are not held out
+            said += (f" less {len(left)} that repeat selection examples "
+                     f"({samples['validate'].get('n')} validated)")
     elif samples:
         said += "; heads selected and validated on the same examples"
     return f"{model or 'a model'} on {task or 'a task'}" + (f": {said}" if said else "")
