@@ -466,16 +466,23 @@ def _json_safe(x: Any) -> Any:
 def causal_validation(val: Any) -> dict[str, Any]:
     """``summary["causal_validation"]``: per phase, the causal top set (``validate_heads(...,
     selection="causal")``, noise, the phase's metric) on the validation notes: ``heads``,
-    ``normalized`` (its joint effect as a share of the gap), and per pool ``p`` with its Monte
-    Carlo interval and ``n_random``."""
+    ``normalized`` (its joint effect as a share of the gap; NaN and ``degenerate`` True when
+    the corruption does not lower the metric), ``effect`` (the raw joint effect), and per pool
+    ``p`` with its Monte Carlo interval and ``n_random``."""
+    from circuitkit.patching.patch_result import degenerate_baseline
     out: dict[str, Any] = {}
     rows = val[(val["direction"] == "noise")]
     for phase, part in rows.groupby("phase"):
         part = part[part["quantity"] == part["quantity"].iloc[0]]  # the phase's metric first
         first = part.iloc[0]
+        # the phase's metric: the one degenerate-baseline rule (no share of a gap the
+        # corruption does not open: "moves anchor_margin by nan% of the gap", before)
+        degenerate = degenerate_baseline(float(first["clean"]), float(first["corrupt"]))
         out[f"phase{int(phase)}"] = dict(
             heads=str(first["heads"]), quantity=str(first["quantity"]),
-            normalized=float(first["normalized"]), n_prompts=int(first["n_prompts"]),
+            normalized=float("nan") if degenerate else float(first["normalized"]),
+            effect=float(first["top_effect"]), degenerate=bool(degenerate),
+            n_prompts=int(first["n_prompts"]),
             pools={str(r["pool"]): dict(p=float(r["p_value"]), p_low=float(r["p_low"]),
                                         p_high=float(r["p_high"]), n_random=int(r["n_random"]))
                    for _, r in part.iterrows()})

@@ -457,3 +457,72 @@ def test_item_7_repeated_rows_are_not_validated_as_held_out():
     assert not any(tuple(e.tokens.tolist()) in keys for e in held.examples)
     line = run_line(dict(model="m", identity=dict(task="t", n_examples=24), samples=samples))
     assert "held-out 12-23 less 6 that repeat selection examples (6 validated)" in line, line
+
+
+# --- item 9 and issue 44 item 1: one degenerate-baseline rule for every share printed -----------
+
+
+def test_issue44_item_1_the_column_is_named_raw_effect_when_the_baseline_is_degenerate(
+        tiny_llama, tmp_path):
+    """Before: when the corruption did not lower the metric, ``normalized`` in the frame and in
+    ``result.csv`` held raw effects (only a stderr warning said so)."""
+    import csv
+
+    from circuitkit.patching.results import EdgeResult, PatchResult
+
+    clean, _ = _pair()
+    res = ck.patch_heads(tiny_llama, clean, clean.clone(), _margin, progress=False)
+    assert res.degenerate and res.value_column == "raw_effect"
+    frame = res.to_frame()
+    assert "raw_effect" in frame and "normalized" not in frame
+    assert list(res.top(2).columns) == list(frame.columns)
+    res.save(tmp_path / "r")
+    header = next(csv.reader((tmp_path / "r.csv").open()))
+    assert "raw_effect" in header and "normalized" not in header
+    assert "raw_effect" in PatchResult.load(tmp_path / "r").to_frame()
+    edges = ck.patch_edges(tiny_llama, clean, clean.clone(), _margin, senders=[(0, 0)],
+                           receivers=[(1, 0)], progress=False)
+    assert "raw_effect" in edges.to_frame() and "normalized" not in edges.to_frame()
+    assert isinstance(edges, EdgeResult) and "raw_effect" in edges.top(1)
+    # a result whose corruption lowers the metric keeps its "normalized" column
+    fine = PatchResult(values=torch.tensor([[0.5]]), clean=1.0, corrupt=0.0, direction="denoise",
+                       method="exact", site="z", positions="all")
+    assert fine.value_column == "normalized" and "normalized" in fine.to_frame()
+
+
+def test_item_9_no_share_of_a_gap_the_corruption_does_not_open(tiny_llama):
+    """Before, with a corruption identical to clean: "moves anchor_margin by nan% of the gap",
+    "made in no single layer at the no single position group positions", and path coverage
+    266.7% / 133.3% / 66.7%: the degenerate-baseline rule reached only faithfulness."""
+    import math
+
+    import pandas as pd
+
+    from circuitkit.characterize import causal_validation
+    from circuitkit.scoring.causal import phase_sentences
+    from circuitkit.viz.findings import causal_validation_lines
+
+    clean, _ = _pair()
+    half = torch.zeros_like(clean, dtype=torch.bool)
+    half[:, 3:] = True
+    paths = ck.patch_paths(tiny_llama, clean, clean.clone(), _margin, [(0, 0), (0, 1)],
+                           [(1, 0), (2, 1)], positions={"all": torch.ones_like(half),
+                                                       "late": half}, inputs=("q",),
+                           progress=False)
+    assert paths.degenerate
+    for row in paths.meta["coverage"].values():
+        assert all(math.isnan(v) for v in row.values()), row
+    # the causal validation: no share, the raw effect said
+    val = pd.DataFrame([dict(direction="noise", phase=1, quantity="anchor_margin",
+                             heads="L0H1, L1H0", normalized=float("nan"), n_prompts=8,
+                             clean=2.0, corrupt=2.0, top_effect=0.003, pool="all-layers",
+                             p_value=0.5, p_low=0.4, p_high=0.6, n_random=100)])
+    summary = dict(causal_validation=causal_validation(val))
+    (line,) = causal_validation_lines(summary)
+    assert "nan" not in line.lower() and "no share of the gap" in line, line
+    # where each decision is made: no "no single layer ... no single position group"
+    table = dict(direction="noise", k=3, share=0.1, phase1=dict(
+        metric="anchor_margin", gap=0.0, degenerate=True, groups={}, carrying_groups=[],
+        layers={}, carrying_layers=[], top_heads=[]))
+    (line,) = phase_sentences(table)
+    assert "no single" not in line and "%" not in line and "cannot be placed" in line, line

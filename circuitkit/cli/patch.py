@@ -379,7 +379,7 @@ def _save_circuit(circ, out: Path) -> list[Path]:
 def _print_edges(a, res, circ, written) -> None:
     """``edges``' report: the strongest edges (estimates labelled), the circuit, the files."""
     estimate = res.estimate
-    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+    cols = ["sender", "receiver", "input", "value", res.value_column] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else []) + (
         ["verified"] if "verified" in res.top(1) else [])
     top = res.top(10)[cols]

@@ -11,6 +11,7 @@ missing chunks computed (``compute``: each saved as it finishes, split on out-of
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 import warnings
@@ -186,11 +187,18 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     names = ["all"] if groups is None else list(groups.names)
     node = swept.engine.node_effects()  # (the sweep's own cached runs: its base is the same)
     base = fields["corrupt"] if direction == "denoise" else fields["clean"]
+    from circuitkit.patching.patch_result import baseline_margin, degenerate_baseline
+
+    gaps = None if fields.get("clean_per_prompt") is None or fields.get(
+        "corrupt_per_prompt") is None else fields["clean_per_prompt"].double() - fields[
+        "corrupt_per_prompt"].double()
+    margin = math.inf if degenerate_baseline(fields["clean"], fields["corrupt"], gaps) else \
+        baseline_margin(fields["clean"], fields["corrupt"], gaps)  # (one rule: no share)
     fields["meta"].update(
         kind="paths", senders=[hooks.head_name(*s) for s in layout.senders],
         receivers=[hooks.head_name(*r) for r in layout.receivers], inputs=list(layout.inputs),
         node={hooks.head_name(*s): float(v) for s, v in zip(layout.senders, node, strict=True)},
-        coverage=coverage(fields["values"] - base, node, layout.senders, names))
+        coverage=coverage(fields["values"] - base, node, layout.senders, names, margin))
     if groups is None:
         fields["values"] = fields["values"][..., 0]
         if fields["per_prompt"] is not None:

@@ -408,9 +408,9 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         # corrupt run; noise: into the clean run), not the ablation the share above measures
         into = "the clean run (noise)" if edges.direction == "noise" else \
             "the corrupt run (denoise)"
-        what = ("changes the metric by " + _signed(top.normalized)) if edges.degenerate \
-            else (f"{'removes' if edges.direction == 'noise' else 'restores'} "
-                  f"{_pct2(abs(float(top.normalized)))} of the gap")
+        what = ("changes the metric by " + _signed(top[edges.value_column])) \
+            if edges.degenerate else (f"{'removes' if edges.direction == 'noise' else 'restores'}"
+                                      f" {_pct2(abs(float(top.normalized)))} of the gap")
         notes.append(f"Strongest single edge: {top.sender} \u2192 {top.receiver} "
                      f"({top.input}), which patched alone into {into} {what}; the edges are "
                      f"ranked by these {edges.direction} values.")
@@ -503,9 +503,17 @@ def causal_validation_lines(summary: dict) -> list[str]:
         pools = "; ".join(f"against {v['n_random']} {pool} random sets p = {format_p(v['p'])} "
                           f"[{format_p(v['p_low'])}, {format_p(v['p_high'])}]"
                           for pool, v in got["pools"].items())
+        norm = got.get("normalized")
+        if norm is None or norm != norm:  # the one degenerate-baseline rule: no share
+            moved = (f"by {_signed(got['effect'])} (raw; no share of the gap: the corruption "
+                     f"does not lower {got['quantity']} by its margin)"
+                     if got.get("effect") is not None else
+                     "by no share of the gap (the corruption does not lower it by its margin)")
+        else:
+            moved = f"by {_pct2(norm)} of the gap"
         out.append(f"{key.replace('phase', 'Phase ')}'s causal top set ({got['heads']}) "
                    f"noised together on the {got['n_prompts']} validation examples moves "
-                   f"{got['quantity']} by {_pct2(got['normalized'])} of the gap; {pools}.")
+                   f"{got['quantity']} {moved}; {pools}.")
     return out
 
 
