@@ -526,3 +526,34 @@ def test_item_9_no_share_of_a_gap_the_corruption_does_not_open(tiny_llama):
         layers={}, carrying_layers=[], top_heads=[]))
     (line,) = phase_sentences(table)
     assert "no single" not in line and "%" not in line and "cannot be placed" in line, line
+
+
+# --- the other unclear items: long errors, a NaN that names its prompt ----------------------------
+
+
+def test_unclear_a_jsonl_with_many_bad_rows_is_a_short_error(tmp_path):
+    """Before: a JSONL with 100,000 bad rows gave a 9.1 MB, 100,001-line error."""
+    path = tmp_path / "t.jsonl"
+    ck.load_task("icd10", n_examples=2, split="test").to_jsonl(path)
+    with path.open("a") as f:
+        f.write("{not json\n" * 500)
+    with pytest.raises(ValueError) as err:
+        ck.Task.from_jsonl(path)
+    msg = str(err.value)
+    assert msg.startswith("500 problem(s) in") and len(msg.splitlines()) <= 22, msg[:300]
+    assert "... and 480 more" in msg and len(msg) < 5000
+
+
+def test_unclear_a_nan_on_some_patched_runs_names_its_prompt_and_variant():
+    """Before: the refusal printed the first 8 values (no NaN among them) and named no prompt
+    or variant."""
+    from circuitkit.metrics import at_answers
+    from circuitkit.patching.engine_checks import evaluate_metric
+
+    m = at_answers(_last, torch.full((4,), 2)).select(list(range(4)) * 3)  # 3 variants
+    logits = torch.zeros(12, 5, 64)
+    logits[9, 2, 3] = float("nan")  # variant 2, prompt 1
+    with pytest.raises(ValueError, match=r"1 non-finite value\(s\) \(NaN/inf\) of 12: the first "
+                                         r"nan at prompt 1, variant 2 of this call's 3 \(patched "
+                                         r"layer 0\)"):
+        evaluate_metric(m, logits, "patched layer 0")

@@ -11,7 +11,6 @@ missing chunks computed (``compute``: each saved as it finishes, split on out-of
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import time
 import warnings
@@ -187,13 +186,10 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     names = ["all"] if groups is None else list(groups.names)
     node = swept.engine.node_effects()  # (the sweep's own cached runs: its base is the same)
     base = fields["corrupt"] if direction == "denoise" else fields["clean"]
-    from circuitkit.patching.patch_result import baseline_margin, degenerate_baseline
+    from circuitkit.patching.patch_result import noise_floor
 
-    gaps = None if fields.get("clean_per_prompt") is None or fields.get(
-        "corrupt_per_prompt") is None else fields["clean_per_prompt"].double() - fields[
-        "corrupt_per_prompt"].double()
-    margin = math.inf if degenerate_baseline(fields["clean"], fields["corrupt"], gaps) else \
-        baseline_margin(fields["clean"], fields["corrupt"], gaps)  # (one rule: no share)
+    # the degenerate-baseline rule: a node effect within rounding is no whole to share
+    margin = noise_floor(fields["clean"], fields["corrupt"])
     fields["meta"].update(
         kind="paths", senders=[hooks.head_name(*s) for s in layout.senders],
         receivers=[hooks.head_name(*r) for r in layout.receivers], inputs=list(layout.inputs),

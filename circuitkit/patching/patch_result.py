@@ -57,11 +57,18 @@ def baseline_margin(clean: float, corrupt: float, gaps: Tensor | None = None) ->
     degenerate-baseline rule, module docstring): ``max(MIN_GAP_SE * se, DEGENERATE * max(1,
     |clean|, |corrupt|))``, ``se`` the standard error of the per-prompt ``gaps`` (when given,
     two or more)."""
-    tol = DEGENERATE * max(1.0, abs(clean), abs(corrupt))
+    tol = noise_floor(clean, corrupt)
     if gaps is None or gaps.numel() < 2:
         return tol
     se = float(gaps.double().std()) / math.sqrt(gaps.numel())
     return max(MIN_GAP_SE * se, tol) if math.isfinite(se) else tol
+
+
+def noise_floor(clean: float, corrupt: float) -> float:
+    """The degenerate-baseline rule's float tolerance, ``DEGENERATE * max(1, |clean|,
+    |corrupt|)``: an effect within it is rounding, not an effect (the whole of a coverage
+    share, whose own per-prompt spread is not recorded)."""
+    return DEGENERATE * max(1.0, abs(clean), abs(corrupt))
 
 
 def degenerate_baseline(clean: float, corrupt: float, gaps: Tensor | None = None) -> bool:

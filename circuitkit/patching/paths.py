@@ -20,7 +20,6 @@ elsewhere, the layers from ``l_r`` on recomputed. ``path(s, r, g) = M(path run) 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,8 +53,8 @@ def coverage(effect: Float[Tensor, "sender receiver group"], node: Float[Tensor,
     ``{group: {sender name: sum_r effect[s, r] / node[s], ..., "overall": sum_{s, r}
     effect / sum_s node}}`` (NaN cells, non-edges, left out). The degenerate-baseline rule
     (``patch_result.share``): NaN where the node effect is within ``margin`` (the result's
-    ``gap_margin``; ``inf`` for a degenerate result, whose effects are noise: no share at all,
-    where 266.7% / 133.3% were printed before). ``effect``: each cell's effect over its base
+    ``noise_floor``: with a corruption identical to clean every effect is rounding, and
+    266.7% / 133.3% were printed before). ``effect``: each cell's effect over its base
     (``values - base``), ``[senders, receivers, groups]`` (an edge result's ``[senders,
     receivers, inputs]`` summed over inputs first)."""
     from circuitkit.patching.patch_result import share
@@ -87,5 +86,7 @@ def edge_coverage(model: Any, clean: Tensor, corrupt: Tensor, metric: Any, edges
     node = node_effects(model, clean, corrupt, metric, [s for _, s in heads], edges.direction,
                         batch_size)
     effect = edges.effect()[[i for i, _ in heads]].nansum(-1, keepdim=True)
-    margin = math.inf if edges.degenerate else edges.gap_margin
+    from circuitkit.patching.patch_result import noise_floor
+
+    margin = noise_floor(edges.clean, edges.corrupt)  # (a node effect within rounding: no whole)
     return coverage(effect, node, [s for _, s in heads], margin=margin)["all"]

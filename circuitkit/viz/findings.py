@@ -374,11 +374,15 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         parts.append(f"{n} edges from {len(edges.senders)} sender heads into "
                      f"{len(edges.receivers)} receiver heads' {'/'.join(edges.inputs)} inputs, "
                      f"on {metric}.")
-    cov = meta.get("coverage") or {}
+    # the one degenerate-baseline rule: no shares of effects on a behaviour the corruption
+    # does not remove (the coverage numbers stay in the files, NaN where their whole is noise)
+    said_share = edges is None or not edges.degenerate
+    cov = (meta.get("coverage") or {}) if said_share else {}
     if cov.get("overall") is not None and cov["overall"] == cov["overall"]:
         parts.append(f"Summed, these edges explain {_pct2(cov['overall'])} of their senders' own "
                      "effect (each sender patched alone, the same direction and metric).")
-    routes = {g: v for g, v in (meta.get("path_coverage") or {}).items() if v == v}
+    routes = {g: v for g, v in (meta.get("path_coverage") or {}).items() if v == v} \
+        if said_share else {}
     if routes.get("all") is not None:
         staged = ", ".join(f"{_pct2(v)} at the {g} positions" for g, v in routes.items()
                            if g != "all")
