@@ -275,7 +275,10 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
     eos = task.eos_id
     # the shortcut and the padding below are exact for a causal model only, and whether the
     # model is one is measured: a look-ahead model would score its own teacher-forced pass
-    causal = _causal(model, task.clean_tokens[:4], len(task.vocab))
+    vocab = len(task.vocab)  # (the probe's changed tokens stay inside both vocabularies)
+    d_vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    vocab = min(vocab, int(d_vocab)) if isinstance(d_vocab, int) and d_vocab > 0 else vocab
+    causal = _causal(model, task.clean_tokens[:4], vocab)
     out: list[list[int] | None] = [None] * len(task.examples)
     rest: list[tuple[int, int]] = []  # (example, steps already matched)
     for i, (e, n) in enumerate(zip(task.examples, ends, strict=True)):

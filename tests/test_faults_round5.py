@@ -162,6 +162,29 @@ def test_item_4_edited_path_results_are_refused(tiny_llama, tmp_path):
         _refused(PatchResult.load, js, edit_json=edit)
 
 
+def test_item_4_an_edited_circuit_json_is_refused(tmp_path):
+    """The same binding for the circuit file: its derived fields (share, CPR, CMD, the curve)
+    edited loaded before (only types and ranges were checked)."""
+    import json
+
+    from planted_induction import planted_induction_model, planted_task
+
+    from circuitkit.patching.results import read_circuit_json
+
+    model, task = planted_induction_model(), planted_task(8)
+    res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                         progress=False)
+    path = ck.circuit(model, task, res, progress=False, n_boot=0).save_json(tmp_path / "c.json")
+    read_circuit_json(path)  # intact
+    for key in ("cpr", "faithfulness"):
+        data = json.loads(path.read_text())
+        data[key] = data[key] * 0.5
+        bad = tmp_path / f"{key}.json"
+        bad.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="field 'digest' does not match"):
+            read_circuit_json(bad)
+
+
 def json_bump(x):
     """``x`` (a JSON number, or lists/objects of them) with every number + 0.5."""
     if isinstance(x, dict):
@@ -344,20 +367,15 @@ def test_item_6_left_padded_prompts_are_refused_and_no_message_advises_left_padd
     left_c, left_x = clean.clone(), corrupt.clone()
     left_c[1, :3], left_x[1, :3] = pad, pad  # prompt 1 left-padded by 3
 
-    class Tok:
-        pad_token_id = pad
-
     from circuitkit.patching import inputs
 
     last = ck.metrics.at_answers(_last, torch.full((3,), 7))
-    with pytest.raises(ValueError, match=r"1 of 3 prompts are left-padded with pad token id 0 "
-                                         r"\(prompts 1 \(3 pad tokens\)\)") as err:
-        inputs.check_left_padding(left_c, left_x, Tok.pad_token_id)
-    assert "\n" not in str(err.value)
     # the sweep's entry refuses them (the model's tokenizer pads with id 0 here)
     monkeypatch.setattr(inputs, "pad_token_id", lambda model: pad)
-    with pytest.raises(ValueError, match="left-padded"):
+    with pytest.raises(ValueError, match=r"1 of 3 prompts are left-padded with pad token id 0 "
+                                         r"\(prompts 1 \(3 pad tokens\)\)") as err:
         ck.patch_heads(tiny_llama, left_c, left_x, last, progress=False)
+    assert "\n" not in str(err.value)
     right_c, right_x = clean.clone(), corrupt.clone()
     right_c[1, -3:], right_x[1, -3:] = pad, pad
     with pytest.raises(ValueError, match="right-padded") as err:
@@ -472,9 +490,9 @@ def test_issue44_item_1_the_column_is_named_raw_effect_when_the_baseline_is_dege
 
     clean, _ = _pair()
     res = ck.patch_heads(tiny_llama, clean, clean.clone(), _margin, progress=False)
-    assert res.degenerate and res.value_column == "raw_effect"
     frame = res.to_frame()
-    assert "raw_effect" in frame and "normalized" not in frame
+    assert res.degenerate and "raw_effect" in frame and "normalized" not in frame
+    assert res.value_column == "raw_effect"
     assert list(res.top(2).columns) == list(frame.columns)
     res.save(tmp_path / "r")
     header = next(csv.reader((tmp_path / "r.csv").open()))
