@@ -181,13 +181,13 @@ def _causal(model, tokens: Tensor | None = None, vocab: int | None = None) -> bo
 @torch.no_grad()
 def reads_ahead(model, tokens: Int[Tensor, "batch seq"], vocab: int | None = None) -> bool:
     """Whether ``model``'s logits at some position ``p`` change when every token after ``p`` is
-    changed, probed on up to 4 rows of ``tokens`` at three cuts (``p`` = 0, the middle, the
+    changed, probed on up to 2 rows of ``tokens`` at three cuts (``p`` = 0, the middle, the
     next to last): each row's tokens after the cut are replaced by ``(t + 1) % vocab`` (so every
     one differs; ``vocab``: default the largest id + 1), all variants in one forward. The
     logits up to the cut must equal the unchanged row's within a dtype-fitted tolerance
     (64 x eps x the largest |logit|: a causal model gives the same bits, a model that reads
     ahead moves them by its logits' scale)."""
-    rows = tokens[:4]
+    rows = tokens[:2]  # (8 rows in one forward: a [8, seq, vocab] logits tensor)
     seq = rows.shape[1]
     if seq < 2:
         return False  # nothing after any position to read
@@ -278,7 +278,7 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
     vocab = len(task.vocab)  # (the probe's changed tokens stay inside both vocabularies)
     d_vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
     vocab = min(vocab, int(d_vocab)) if isinstance(d_vocab, int) and d_vocab > 0 else vocab
-    causal = _causal(model, task.clean_tokens[:4], vocab)
+    causal = _causal(model, task.clean_tokens[:2], vocab)
     out: list[list[int] | None] = [None] * len(task.examples)
     rest: list[tuple[int, int]] = []  # (example, steps already matched)
     for i, (e, n) in enumerate(zip(task.examples, ends, strict=True)):
