@@ -414,7 +414,7 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
 def check_left_padding(clean: Tensor, corrupt: Tensor, pad_id: int | None) -> None:
     """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad
     tokens are attended to and shift its positions, and its values are not the unpadded
-    prompt's (0.49 logits off, measured on a tiny model); a metric reading there reads pad
+    prompt's (up to 0.49 logits off, as issue 49 measured); a metric reading there reads pad
     tokens. Left padding: a prompt's leading run of ``pad_id`` (in clean or corrupt) longer
     than the shortest such run of any prompt (a run every prompt starts with, e.g. a BOS that
     is also the pad token, is text)."""
