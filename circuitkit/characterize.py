@@ -81,8 +81,10 @@ STEPS = step_names()  # a task with both phases (icd10, synthetic)
 
 
 def _log(progress: bool, msg: str) -> None:
-    if progress:
-        print(msg, file=sys.stderr, flush=True)
+    if progress:  # (a task's name from a file: escaped for the terminal)
+        from circuitkit.escape import terminal_safe
+
+        print(terminal_safe(msg), file=sys.stderr, flush=True)
 
 
 def characterize(model_name_or_model: Any, task_name: str = "icd10",
@@ -183,7 +185,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         if int(v) < 1:
             raise ValueError(f"{what} must be >= 1; got {v!r}.")
     out = files.check_writable_dir(out_dir, "out_dir")
-    held.enter_context(files.lock_folder(out, "out_dir"))  # one run per folder
+    if not files.holds_lock(out):  # (the CLI's claim holds it already)
+        held.enter_context(files.lock_folder(out, "out_dir"))  # one run per folder
     t_all = time.perf_counter()
     model = ck.load_model(model_name_or_model) if isinstance(model_name_or_model, str | Path) \
         else model_name_or_model
@@ -569,16 +572,23 @@ def _json_safe(x: Any) -> Any:
 def causal_validation(val: Any) -> dict[str, Any]:
     """``summary["causal_validation"]``: per phase, the causal top set (``validate_heads(...,
     selection="causal")``, noise, the phase's metric) on the validation notes: ``heads``,
-    ``normalized`` (its joint effect as a share of the gap), and per pool ``p`` with its Monte
-    Carlo interval and ``n_random``."""
+    ``normalized`` (its joint effect as a share of the gap; NaN and ``degenerate`` True when
+    the corruption does not lower the metric), ``effect`` (the raw joint effect), and per pool
+    ``p`` with its Monte Carlo interval and ``n_random``."""
+    from circuitkit.patching.patch_result import degenerate_baseline
     out: dict[str, Any] = {}
     rows = val[(val["direction"] == "noise")]
     for phase, part in rows.groupby("phase"):
         part = part[part["quantity"] == part["quantity"].iloc[0]]  # the phase's metric first
         first = part.iloc[0]
+        # the phase's metric: the one degenerate-baseline rule (no share of a gap the
+        # corruption does not open: "moves anchor_margin by nan% of the gap", before)
+        degenerate = degenerate_baseline(float(first["clean"]), float(first["corrupt"]))
         out[f"phase{int(phase)}"] = dict(
             heads=str(first["heads"]), quantity=str(first["quantity"]),
-            normalized=float(first["normalized"]), n_prompts=int(first["n_prompts"]),
+            normalized=float("nan") if degenerate else float(first["normalized"]),
+            effect=float(first["top_effect"]), degenerate=bool(degenerate),
+            n_prompts=int(first["n_prompts"]),
             pools={str(r["pool"]): dict(p=float(r["p_value"]), p_low=float(r["p_low"]),
                                         p_high=float(r["p_high"]), n_random=int(r["n_random"]))
                    for _, r in part.iterrows()})
@@ -702,7 +712,9 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
                          normalized=round(float(norm.flatten()[c]), 4)) for c in top])
     f = hooks.facts(model)
     table = causal_frame(f.n_layers, f.n_heads, sweeps, "steps")
-    files.write_text(out / "causal.csv", table.to_csv(index=False))
+    from circuitkit.escape import csv_frame  # (group names: no spreadsheet formulas)
+
+    files.write_text(out / "causal.csv", csv_frame(table).to_csv(index=False))
     summary["stages"] = said
     summary["causal_attrs"] = _json_safe(table.attrs)
     summary["phase_table"] = _json_safe(phase_table(table, k=k))
@@ -751,8 +763,33 @@ def selection_samples(task: Any, select_n: int | None, seed: int
                          f"examples; the rest validate); got {select_n!r}.")
     chosen, rest = task.subset(range(int(select_n))), task.subset(range(int(select_n),
                                                                           len(task)))
-    return chosen, rest, dict(select=named(chosen, 0), validate=named(rest, int(select_n)),
-                              held_out=True)
+    rest, repeats = _held_out(chosen, rest, int(select_n))
+    validate = named(rest, int(select_n))
+    validate["examples"] = [int(select_n), len(task)]
+    if repeats:  # (the findings say so beside the range)
+        validate["left_out"] = repeats
+    return chosen, rest, dict(select=named(chosen, 0), validate=validate, held_out=True)
+
+
+def _held_out(chosen: Any, rest: Any, first: int) -> tuple[Any, list[int]]:
+    """``rest`` without the examples that repeat one of the selection sample (the same clean
+    and corrupt tokens: a JSONL's duplicate rows, a note drawn twice), and those examples'
+    indices in the task: validating on them is not held out, though the findings said so
+    (both samples hashed the same, before). Nothing left: ``ValueError``."""
+    def key(e: Any) -> tuple:
+        return (tuple(e.tokens.tolist()), tuple(e.corrupt_tokens.tolist()))
+
+    seen = {key(e) for e in chosen.examples}
+    keep = [j for j, e in enumerate(rest.examples) if key(e) not in seen]
+    repeats = [first + j for j in range(len(rest)) if j not in set(keep)]
+    if not keep:
+        raise ValueError(
+            f"every held-out example (examples {first}-{first + len(rest) - 1}) repeats one of "
+            "the selection sample (the same clean and corrupt tokens), so nothing is held out. "
+            "Remove the repeated rows from the task (a JSONL's duplicate rows), or select and "
+            "validate on the same examples (--select-n none / select_n=None), which the "
+            "findings then say.")
+    return (rest if not repeats else rest.subset(keep)), repeats
 
 
 def _stored(path: Path) -> Any:

@@ -171,11 +171,51 @@ def _logits(model, tokens: Tensor) -> Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _causal(model) -> bool:
-    """Whether ``model`` is known to be causal: a TransformerLens model whose config says so
-    (any other callable may read the whole row, e.g. a test oracle)."""
+def _causal(model, tokens: Tensor | None = None, vocab: int | None = None) -> bool:
+    """Whether ``model`` is causal: its logits at ``p`` never read a token after ``p``. A config
+    that says ``attention_dir="bidirectional"`` settles it (no); otherwise it is *measured*
+    (``reads_ahead``) on ``tokens`` ``[batch, seq]``: a config can say causal of a model that
+    is not (a hand-built module, a wrapped callable, a look-ahead bug), and any callable
+    without a config may read the whole row. Without ``tokens``: the config alone (False
+    without one)."""
     cfg = getattr(model, "cfg", None)
-    return cfg is not None and getattr(cfg, "attention_dir", "causal") != "bidirectional"
+    if cfg is not None and getattr(cfg, "attention_dir", "causal") == "bidirectional":
+        return False
+    if tokens is None:
+        return cfg is not None
+    return not reads_ahead(model, tokens, vocab)
+
+
+@torch.no_grad()
+def reads_ahead(model, tokens: Int[Tensor, "batch seq"], vocab: int | None = None) -> bool:
+    """Whether ``model``'s logits at some position ``p`` change when every token after ``p`` is
+    changed, probed on up to 2 rows of ``tokens`` at three cuts (``p`` = 0, the middle, the
+    next to last): each row's tokens after the cut are replaced by ``(t + 1) % vocab`` (so every
+    one differs; ``vocab``: default the largest id + 1), all variants in one forward. The
+    logits up to the cut must equal the unchanged row's within a dtype-fitted tolerance
+    (64 x eps x the largest |logit|: a causal model gives the same bits, a model that reads
+    ahead moves them by its logits' scale)."""
+    rows = tokens[:2]  # (8 rows in one forward: a [8, seq, vocab] logits tensor)
+    seq = rows.shape[1]
+    if seq < 2:
+        return False  # nothing after any position to read
+    vocab = int(tokens.max()) + 1 if vocab is None else int(vocab)
+    cuts = sorted({0, (seq - 1) // 2, seq - 2})
+    variants = [rows]
+    for cut in cuts:
+        v = rows.clone()
+        v[:, cut + 1:] = (v[:, cut + 1:] + 1) % max(vocab, 2)
+        variants.append(v)
+    logits = _logits(model, torch.cat(variants).to(_device(model)))
+    eps = torch.finfo(logits.dtype if logits.is_floating_point() else torch.float32).eps
+    logits = logits.float()
+    base, n = logits[:len(rows)], len(rows)
+    tol = 64 * eps * max(1.0, float(base.abs().max()))
+    for k, cut in enumerate(cuts, start=1):
+        got = logits[k * n:(k + 1) * n, :cut + 1]
+        if float((got - base[:, :cut + 1]).abs().max()) > tol:
+            return True
+    return False
 
 
 def _device(model) -> torch.device:
@@ -238,25 +278,32 @@ def teacher_forced_greedy(model, task: Task, ends: Sequence[int],
     ``<eos>``, at most ``max_new_tokens``) is ``c[:T]`` with no decoding; any other is decoded
     greedily from its last matching prefix ``tokens[:ends[i] + t*]`` (``t*``: the first step
     that differs, or the end of ``c``) for the ``max_new_tokens - t*`` steps left, after
-    ``c[:t*]``."""
+    ``c[:t*]``. All of this holds for a causal model only (``_causal``, measured): a model that
+    reads ahead is decoded greedily from every prompt, with nothing taken from its pass."""
     eos = task.eos_id
-    out: list[list[int] | None] = []
+    # the shortcut and the padding below are exact for a causal model only, and whether the
+    # model is one is measured: a look-ahead model would score its own teacher-forced pass
+    vocab = len(task.vocab)  # (the probe's changed tokens stay inside both vocabularies)
+    d_vocab = getattr(getattr(model, "cfg", None), "d_vocab", None)
+    vocab = min(vocab, int(d_vocab)) if isinstance(d_vocab, int) and d_vocab > 0 else vocab
+    causal = _causal(model, task.clean_tokens[:2], vocab)
+    out: list[list[int] | None] = [None] * len(task.examples)
     rest: list[tuple[int, int]] = []  # (example, steps already matched)
     for i, (e, n) in enumerate(zip(task.examples, ends, strict=True)):
+        if not causal:  # decoded for real, from its prompt
+            rest.append((i, 0))
+            continue
         c = e.tokens[n:].tolist()
         pred = argmax[i][n - 1:len(e.tokens) - 1].tolist()  # step t's token, teacher-forced
         stop = c.index(eos) + 1 if eos in c else len(c)
         want = min(stop, max_new_tokens)
         t = next((t for t in range(want) if pred[t] != c[t]), want)
         if t == want and (want == max_new_tokens or (eos in c and want == stop)):
-            out.append(c[:want])
+            out[i] = c[:want]
             if on_batch is not None:
                 on_batch(1)
         else:
-            out.append(None)
             rest.append((i, t))
-    causal = _causal(model)  # padding is safe for a causal model only: others start over
-    rest = rest if causal else [(i, 0) for i, _ in rest]
     prompts = [task.examples[i].tokens[:ends[i] + t] for i, t in rest]
     gens = (padded_greedy(model, prompts, eos, [max_new_tokens - t for _, t in rest], batch_size,
                           on_batch=on_batch) if causal else

@@ -222,6 +222,21 @@ def vocab_out(model_or_cfg: Any) -> int:
     return int(out) if isinstance(out, int) and out > 0 else int(cfg.d_vocab)
 
 
+def context_problem(model_or_cfg: Any, seq: int, what: str = "the prompts") -> str | None:
+    """Why prompts of ``seq`` tokens do not fit the model's context (``n_ctx``; None when they
+    do, or when the config records none): one rule for every entry (a sweep's tokens, a task's
+    notes, the plan's ``--seq-len``). Past ``n_ctx``, learned position embeddings do not exist
+    and rotary ones were never trained: values there mean nothing, whatever the model runs."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    n_ctx = getattr(cfg, "n_ctx", None)
+    if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1 or seq <= n_ctx:
+        return None
+    return (f"{what} have {seq} tokens but the model's context is n_ctx={n_ctx} tokens: "
+            "positions past it were never trained (or do not exist), so its values there mean "
+            f"nothing. Shorten them (or keep their last {n_ctx} tokens), or use a model with a "
+            "longer context.")
+
+
 def facts(model_or_cfg: Any) -> ModelFacts:
     """ModelFacts of a TransformerBridge (or of its ``cfg``)."""
     cfg = getattr(model_or_cfg, "cfg", model_or_cfg)

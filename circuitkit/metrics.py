@@ -101,6 +101,19 @@ class PromptMetric:
             return self.reads
         return self.reads[self.prompt_idx]
 
+    def check_reads(self, seq: int) -> None:
+        """Refuse (one ``ValueError`` line) reads at logit positions prompts of ``seq`` tokens
+        do not have: the position check at a sweep's entry (an ``IndexError`` deep in an
+        engine, before)."""
+        reads = self.read_positions()
+        if reads is None or not reads.numel() or int(reads.max()) < seq:
+            return
+        i = int((reads >= seq).any(1).nonzero()[0, 0])
+        raise ValueError(f"metric {self.name!r} reads logit position {int(reads[i].max())} of "
+                         f"prompt {i}, but the prompts have {seq} tokens (positions 0..{seq - 1})"
+                         "; give positions inside the prompts (task.last_positions: each "
+                         "prompt's last token, not its length).")
+
     def reads_hold(self, logits: Float[Tensor, "batch seq vocab"]) -> bool:
         """Whether the values from ``logits`` at ``reads`` only (zeros elsewhere, as sweeps
         hand them) equal the values from the full ``logits`` (rtol 1e-5, atol 1e-6). Always
@@ -537,6 +550,11 @@ def at_answers(reading: Callable[..., Tensor], positions: Sequence[Sequence[int]
 
     def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
         a = at[idx.cpu()].to(logits.device)
+        if int(a.max()) >= rows.shape[1]:  # (an IndexError deep in a gather, before)
+            raise ValueError(f"at_answers {name!r}: positions go up to {int(a.max())} but the "
+                             f"logits have {rows.shape[1]} positions (0..{rows.shape[1] - 1}); "
+                             "give positions inside the prompts (task.last_positions: each "
+                             "prompt's last token, not its length).")
         valid = a >= 0
         b = torch.arange(logits.shape[0], device=logits.device)[:, None]
         step = logits[b, rows[b, a.clamp(min=0)]]  # [batch, k, vocab]
@@ -554,7 +572,17 @@ def at_answers(reading: Callable[..., Tensor], positions: Sequence[Sequence[int]
 
 
 def _positions_tensor(positions: Any) -> Int[Tensor, "n k"]:
-    """``positions`` of ``at_answers`` as ``[n, k]`` long, -1 padding; bad input: one line."""
+    """``positions`` of ``at_answers`` as ``[n, k]`` long, -1 padding; bad input: one line
+    (never the positions echoed). The position check at the metric's entry: entries are
+    positions ``>= 0`` or -1 (padding), and every prompt has at least one position (a prompt
+    whose positions are all padding would read logit position 0). Positions past the
+    sequence: ``PromptMetric.check_reads`` (the sequence length is known only there)."""
+    if hasattr(positions, "__array__") and not isinstance(positions, Tensor):
+        try:  # a numpy array (its truth value is ambiguous to the checks below)
+            positions = torch.as_tensor(positions)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"at_answers: positions of type {type(positions).__name__} could "
+                             "not be read as integers; give a LongTensor [n] or [n, k].") from None
     if isinstance(positions, Tensor):
         at = positions
     else:
@@ -571,7 +599,20 @@ def _positions_tensor(positions: Any) -> Int[Tensor, "n k"]:
         raise ValueError(f"at_answers: positions must be integer, [n] or [n, k] with n >= 1; "
                          f"got {at.dtype} of shape {tuple(at.shape)}.")
     at = at.long().cpu()
-    return at[:, None] if at.ndim == 1 else at
+    at = at[:, None] if at.ndim == 1 else at
+    if bool((at < -1).any()):
+        i, j = (at < -1).nonzero()[0].tolist()
+        raise ValueError(f"at_answers: position {int(at[i, j])} of prompt {i} is negative; "
+                         "positions count from 0 (-1 marks padding only): give each prompt's "
+                         "own positions (task.last_positions, not -1 for 'the last').")
+    empty = (at < 0).all(1).nonzero()[:, 0].tolist()
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (" ..." if len(empty) > 5 else "")
+        raise ValueError(f"at_answers: {len(empty)} of {len(at)} prompts have no position to "
+                         f"read (every entry -1, padding: prompts {shown}); each prompt needs "
+                         "at least one: drop those prompts (task.subset) or give their "
+                         "positions.")
+    return at
 
 
 def token_margin_metric(

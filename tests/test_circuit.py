@@ -215,7 +215,9 @@ def test_position_mean_is_the_old_mean_and_the_old_name_still_works(planted, tmp
     path = new.save_json(tmp_path / "c.json")
     data = json.loads(path.read_text())
     assert data["ablation"] == "position-mean"
-    data["ablation"] = "mean"  # as a file of the version before wrote it
+    data["ablation"] = "mean"  # as a file of the version before wrote it (no digest then)
+    data["version"] = 2
+    data.pop("digest")
     path.write_text(json.dumps(data))
     assert read_circuit_json(path)["ablation"] == "position-mean"
     with pytest.raises(ValueError, match="ablation"):
@@ -263,9 +265,23 @@ def _copy_run(src, dst):
 
 
 def _resign(run):
-    """Record the current files' SHA-256s in summary.json (an edit summary.json agrees with)."""
-    from circuitkit import files
+    """Record the current files' SHA-256s in summary.json (an edit summary.json agrees with),
+    after each result's and circuit's own digest is made again (issue 49: a file's digest binds
+    its fields; a hostile author recomputes it, so what a page shows must be safe anyway)."""
+    from safetensors.torch import load_file
 
+    from circuitkit import files
+    from circuitkit.patching.result_files import result_digest
+
+    for js in [*run.glob("*.json"), *run.glob("edges/*.json")]:
+        try:
+            data = json.loads(js.read_text())
+        except ValueError:
+            continue  # (a truncated file stays truncated)
+        if isinstance(data, dict) and "digest" in data:
+            st = js.with_suffix(".safetensors")
+            data["digest"] = result_digest(data, load_file(str(st)) if st.exists() else {})
+            js.write_text(json.dumps(data))
     path = run / "summary.json"
     summary = json.loads(path.read_text())
     for record in summary["steps"].values():
@@ -387,8 +403,17 @@ def test_fuzzed_circuit_json_is_refused_naming_file_and_field_or_reads_the_same(
     path.parent.mkdir()
     for name in ("edges.json", "edges.safetensors"):
         (path.parent / name).write_bytes((edges_run / "edges" / name).read_bytes())
+    from circuitkit.patching.result_files import result_digest
+
     accepted = refused = 0
     for label, text in _mutations(data, rng, 300):
+        try:  # each mutation digested again (issue 49: as a hostile author would), so the
+            # field checks and the readers meet it, not only the digest
+            mutated = json.loads(text)
+            if isinstance(mutated, dict):
+                text = json.dumps(dict(mutated, digest=result_digest(mutated, {})))
+        except ValueError:
+            pass
         path.write_text(text)
         try:
             got = read_circuit_json(path)

@@ -568,7 +568,9 @@ def test_edge_result_round_trip_and_strict_load(tiny_gpt2, tmp_path):
                                                            res.inputs)
     df = res.to_frame()
     assert list(df.columns[:7]) == ["sender_layer", "sender_head", "receiver_layer",
-                                    "receiver_head", "input", "value", "normalized"]
+                                    "receiver_head", "input", "value", res.value_column]
+    # (issue 44 item 1: a degenerate result's column is named raw_effect)
+    assert res.value_column == ("raw_effect" if res.degenerate else "normalized")
     assert len(df) == int(res.edge_mask().sum())
     assert set(df[df.receiver == "logits"].input) == {"resid"}
     info = json.loads((tmp_path / "e.json").read_text())
@@ -708,7 +710,8 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
                                          for g, row in paths.meta["coverage"].items()}
     html = (out / "report.html").read_text()
     assert "Edges: which heads feed which" in html and "CPR" in html
-    assert "Through everything between them" in html
+    # (issue 49 item 9: no coverage share is printed for a degenerate result)
+    assert ("Through everything between them" in html) != res.degenerate
     again = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
     assert again["steps"]["edges"] == summary["steps"]["edges"]  # reused, not rerun
     # a folder written before the edges step patched paths: its edges step is redone

@@ -370,7 +370,7 @@ def test_prompts_past_learned_positions_are_refused_not_an_index_error(tiny_gpt2
     model = tiny_gpt2  # n_positions 64
     long = torch.randint(0, 50, (1, 70))
     for method in ("exact", "attribution"):
-        with pytest.raises(ValueError, match="learned position embeddings stop at n_ctx=64"):
+        with pytest.raises(ValueError, match="model.s context is n_ctx=64"):
             ck.patch_heads(model, long, long.flip(1), lambda lg: lg[:, -1, 3], method=method,
                            progress=False)
 

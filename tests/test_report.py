@@ -112,7 +112,8 @@ def test_report_is_self_contained_with_every_section(full_report):
     shown = set(re.findall(r"<tr><td>([^<]+)</td>", glossary))
     assert shown == set(report_mod.METRIC_LINES) - {
         "confusion_rate", "macro_f1 / micro_f1 / exact_match", "shortlist_share",
-        "key_preference", "ov_copy", "mechanism", "inclusion / rank interval", "ablation"}
+        "key_preference", "ov_copy", "mechanism", "inclusion / rank interval", "ablation",
+        "raw_effect"}  # (raw_effect: only beside a degenerate result's table, issue 44 item 1)
     assert "0.5 [0.45, 0.55]" in html  # ablation cell: mean [interval]
     size = path.stat().st_size
     assert 4.8e6 < size < 8e6, size

@@ -29,6 +29,7 @@ from circuitkit.cli.console import (
     _interrupted,
     _message,
     _same_command,
+    echo,
 )
 from circuitkit.cli.format import _run_words
 
@@ -98,8 +99,8 @@ def _print_scores(df, k: int, the_task, split: str, seed: int) -> None:
             typer.echo(f"no Phase-{phase} scores: the task has no Phase-{phase} steps")
             continue
         best = df.set_index(["layer", "head"]).loc[top_heads(df, phase, k)].reset_index()
-        typer.echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
-                   "\n" + best[cols].to_string(index=False))
+        echo(f"top Phase-{phase} heads by {cols[-1]} ({_run_words(the_task, split, seed)}):"
+             "\n" + best[cols].to_string(index=False))
 
 
 @app.command(short_help="The main job: sweeps, scores, validation, report.")
@@ -144,7 +145,7 @@ def characterize(
         n_examples = _n_for(task, n_examples)
         select_n = _select_n_flag(select_n, n_examples)
         check_available(model)  # missing weights: before any model loads or --out is made
-        _claim_out(ctx, "characterize", out, overwrite, hold=False, n_examples=n_examples,
+        _claim_out(ctx, "characterize", out, overwrite, n_examples=n_examples,
                    select_n=select_n)
         with hf_progress(progress):  # --no-progress: transformers' bars too
             summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split,
@@ -183,7 +184,7 @@ def _print_characterize(out: Path, summary: dict) -> None:
 
     width = min(100, max(60, shutil.get_terminal_size((88, 24)).columns - 1))
     line, found = findings_in(out)
-    typer.echo(format_findings(found, line, width))
+    echo(format_findings(found, line, width))  # (names from files: escaped)
     steps, ran = summary.get("steps", {}), summary.get("steps_run_this_call", [])
     for step in ran:
         names = steps[step]["files"]

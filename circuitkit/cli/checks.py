@@ -5,6 +5,7 @@ one-run-per-folder claim on ``--out``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.console import CLAIMED, FRESH_CLAIMS, RUN_FILE, _fail
@@ -120,22 +121,47 @@ def run_flags(ctx, command: str, **resolved) -> dict[str, dict]:
     return flags
 
 
-def _claim_folder(out: Path, command: str, flags: dict | None = None,
-                  overwrite: bool = False, made: list[Path] | None = None) -> None:
-    """One run per folder: ``out`` (made if needed, writable) holds ``command``'s results;
-    a folder holding another command's results is refused in one line. ``flags``
-    (``run_flags``): recorded with a fresh claim; a folder holding this command's run with
-    other flags is refused before any model loads, naming the flags that differ, unless
-    ``overwrite`` (then what earlier runs wrote there is removed: a fresh start). A fresh claim,
-    and every folder it made, is released when the command fails before writing anything
-    (``console._fail``; ``made``: the folders this command made for it already, else those
-    the claim makes)."""
+def _claim_folder(out: Path, command: str, ctx: Any = None, flags: dict | None = None,
+                  overwrite: bool = False, made: list[Path] | None = None) -> Any:
+    """One run per folder, one rule for its claim and its lock: ``out`` (made if needed,
+    writable) is first locked (``files.lock_folder``; another run holding it is refused in one
+    line), and only then read and claimed, so a run refused by the lock never touches another
+    run's claim or lock. A folder holding another command's results is refused in one line. A
+    claim that holds nothing (only the claim and the lock: its command was killed before it
+    wrote anything, e.g. ``kill -9``) is stale and taken over. ``flags`` (``run_flags``):
+    recorded with a fresh claim; a folder holding this command's run with other flags is
+    refused before any model loads, naming the flags that differ, unless ``overwrite`` (then
+    what earlier runs wrote there is removed: a fresh start). A fresh claim, and every folder
+    it made (``made``; default: those this call makes), is released when the command fails
+    before writing anything (``console._fail``, under the lock). Returns the lock this call
+    took (None if this process held it already); with the command's ``ctx`` (a click context)
+    it is closed when the command ends (after ``_fail``'s release), else by the caller."""
+    from circuitkit import files
+
+    made = _missing_folders(out) if made is None else made
+    files.check_writable_dir(out)  # before any work: a result is never lost at 100%
+    lock = None
+    if not files.holds_lock(out):
+        lock = files.lock_folder(out, "--out folder")  # (removes dead writers' temporaries)
+        if ctx is not None:
+            ctx.call_on_close(lock.close)
+    try:
+        _claim_locked(out, command, flags, overwrite, made)
+    except BaseException:
+        FRESH_CLAIMS[:] = [(out, made)]  # (the folders made for it: released by _fail)
+        if lock is not None and ctx is None:
+            lock.close()
+        raise
+    return lock
+
+
+def _claim_locked(out: Path, command: str, flags: dict | None, overwrite: bool,
+                  made: list[Path]) -> None:
+    """``_claim_folder``'s claim, under the folder's lock."""
     import json
 
     from circuitkit import files
 
-    made = _missing_folders(out) if made is None else made
-    files.check_writable_dir(out)
     marker = out / RUN_FILE
     record: dict = {}
     try:
@@ -143,6 +169,8 @@ def _claim_folder(out: Path, command: str, flags: dict | None = None,
         held = record["command"]
     except (OSError, ValueError, KeyError, TypeError):
         held, record = next((cmd for name, cmd in RUN_SIGNS if (out / name).exists()), None), {}
+    if {p.name for p in out.iterdir()} <= {RUN_FILE, files.LOCK_NAME}:
+        held, record = None, {}  # a claim with nothing behind it: its command died before writing
     if held not in (None, command):
         raise ValueError(f"--out {out} holds the results of `circuitkit {held}`; a folder holds "
                          f"one command's results: give this {command} another --out (e.g. "
@@ -170,28 +198,13 @@ def _claim_folder(out: Path, command: str, flags: dict | None = None,
             FRESH_CLAIMS[:] = [(out, made)]  # (one claim a command)
 
 
-def _claim_out(ctx, command: str, out: Path, overwrite: bool, hold: bool = True,
-               **resolved) -> None:
-    """``command``'s claim of ``--out`` under the folder's lock, before any model loads:
-    ``_claim_folder`` with the run's flags (``run_flags(ctx, command, **resolved)``). ``hold``:
-    keep the lock until the command ends (else let go at once: the library takes it itself)."""
-    from circuitkit import files
-
+def _claim_out(ctx, command: str, out: Path, overwrite: bool, **resolved) -> None:
+    """``command``'s claim of ``--out`` with the run's flags (``run_flags(ctx, command,
+    **resolved)``), before any model loads: ``_claim_folder``, its lock held until the command
+    ends (the library's own lock of the folder sees this process holds it)."""
     flags = run_flags(ctx, command, **resolved)
-    made = _missing_folders(out)
-    files.check_writable_dir(out)  # before any work: a result is never lost at 100%
-    lock = files.lock_folder(out, "--out folder")  # one run per folder
-    try:
-        _claim_folder(out, command, flags, overwrite, made)
-    except BaseException:
-        lock.close()
-        FRESH_CLAIMS[:] = [(out, made)]  # (the folders made for it: released by _fail)
-        raise
+    _claim_folder(out, command, ctx, flags, overwrite)
     CLAIMED[:] = [out]
-    if hold:
-        ctx.call_on_close(lock.close)
-    else:
-        lock.close()
 
 
 def _missing_folders(path: Path) -> list[Path]:

@@ -31,23 +31,37 @@ def _message(e: BaseException) -> str:
             "there.")
 
 
+def echo(text: object = "", err: bool = False) -> None:
+    """``typer.echo`` of ``text`` with its control characters escaped (``escape.terminal_safe``):
+    what the commands print holds names from the user's files (a task's, a group's)."""
+    from circuitkit.escape import terminal_safe
+
+    typer.echo(terminal_safe(text), err=err)
+
+
 def _fail(msg: str) -> None:
     """End the command with the whole message (every line: which row, which file, what to do).
     A folder this command claimed and wrote nothing else to is released (a failed run does not
     keep another command out of it)."""
+    from circuitkit.escape import terminal_safe
+
     _release_fresh_claims()
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    typer.secho(f"error: {terminal_safe(msg)}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
 def _release_fresh_claims() -> None:
-    """Remove the claim (and lock) of a folder this command claimed fresh and wrote nothing
+    """Release this command's fresh claim (``checks._claim_folder``), under its lock only (a
+    claim is never released by a process that does not hold the folder's lock: it would delete
+    the claim and lock of the run that does): the claim and lock of a folder it wrote nothing
     else to, and every folder the claim made (``(folder, [made folders, outermost first])``),
     innermost first, while empty."""
-    from circuitkit.files import LOCK_NAME
+    from circuitkit.files import LOCK_NAME, holds_lock
 
     while FRESH_CLAIMS:
         out, made = FRESH_CLAIMS.pop()
+        if not holds_lock(out):
+            continue
         try:
             names = {p.name for p in out.iterdir()}
             if names <= {RUN_FILE, LOCK_NAME}:  # (the claim and the run's lock: no result)
@@ -73,8 +87,10 @@ def _errors_as_lines(*errors: type[Exception]):
 def _interrupted(why: str) -> None:
     """Ctrl-C: ``interrupted; why`` (what was kept, how to resume) on a line of its own, and
     exit status 130. Open progress bars stop where they are (not redrawn after it)."""
+    from circuitkit.escape import terminal_safe
+
     _stop_bars()
-    typer.secho("interrupted; " + why, err=True)
+    typer.secho("interrupted; " + terminal_safe(why), err=True)
     raise typer.Exit(130) from None
 
 
@@ -133,7 +149,10 @@ def _warnings_as_lines():
 
 def _say(line: str, fg: str | None = None) -> None:
     """``line`` on stderr, on a line of its own: above any open progress bar (``tqdm.write``),
-    coloured ``fg`` on a terminal."""
+    coloured ``fg`` on a terminal; its control characters escaped (``escape.terminal_safe``)."""
+    from circuitkit.escape import terminal_safe
+
+    line = terminal_safe(line)
     tqdm = sys.modules.get("tqdm")
     if tqdm is None:
         typer.secho(line, fg=fg, err=True)

@@ -103,7 +103,7 @@ def distill(
         _check_distill_flags(given, ablation)
         made = _missing_folders(out)  # (removed again if the run is refused before it writes)
         check_writable_dir(out)
-        _claim_folder(out, "distill", made=made)
+        _claim_folder(out, "distill", ctx, made=made)
         if ablation:
             return _grid(a, given)
         folder = _one_student(a, given)

@@ -4,11 +4,9 @@ end the command in one line.
 
 from __future__ import annotations
 
-import typer
-
 from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.checks import _positive
-from circuitkit.cli.console import _errors_as_lines, _fail
+from circuitkit.cli.console import _errors_as_lines, _fail, echo
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,
@@ -135,5 +133,5 @@ def _sweep_tokens(the_model, the_task):
     """(clean, corrupt, metric) of ``_sweep_inputs``, its note said on stderr."""
     clean, corrupt, metric, note = _sweep_inputs(the_model.tokenizer, the_task)
     if note:
-        typer.echo(note, err=True)
+        echo(note, err=True)
     return clean, corrupt, metric

@@ -20,6 +20,7 @@ from circuitkit.cli.console import (
     _interrupted,
     _message,
     _same_command,
+    echo,
 )
 from circuitkit.cli.format import (
     _describe_auto,
@@ -153,7 +154,7 @@ def _say_start(a, what: str, n: int) -> None:
 
     how = "clean into corrupt" if a.direction == "denoise" else "corrupt into clean"
     if distributed.rank_world()[0] == 0:
-        typer.echo(f"patching {what} ({how} runs), {n} prompts, method {a.method}", err=True)
+        echo(f"patching {what} ({how} runs), {n} prompts, method {a.method}", err=True)
 
 
 def _check_patch_flags(a) -> None:
@@ -284,9 +285,9 @@ def _print_patch(a, res, what: str, metric, n: int, estimate: str, written) -> N
     auto = res.meta.get("auto")
     if auto:
         typer.echo(_describe_auto(auto))
-    typer.echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
-               f"over {n} prompts, {a.split} split, seed {a.seed})\n"
-               f"strongest cells ({_describe_scale(res, estimate)}):\n{_table(top, estimate)}")
+    echo(f"{what}: clean {res.clean:.4g}, corrupt {res.corrupt:.4g} (mean {metric.name} "
+         f"over {n} prompts, {a.split} split, seed {a.seed})\n"
+         f"strongest cells ({_describe_scale(res, estimate)}):\n{_table(top, estimate)}")
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")
 
@@ -351,8 +352,6 @@ def edges(
             _one_of("--estimator", estimator, EDGE_ESTIMATORS)
         _positive("--ig-steps", ig_steps, "interpolation steps")
     if not plan:
-        _check_weights(model)
-    if not plan:
         _check_weights(model)  # missing weights: said before any model loads or --out is made
         with _errors_as_lines(ValueError, OSError):
             _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
@@ -414,7 +413,7 @@ def _save_circuit(circ, out: Path) -> list[Path]:
 def _print_edges(a, res, circ, written) -> None:
     """``edges``' report: the strongest edges (estimates labelled), the circuit, the files."""
     estimate = res.estimate
-    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+    cols = ["sender", "receiver", "input", "value", res.value_column] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else []) + (
         ["verified"] if "verified" in res.top(1) else [])
     top = res.top(10)[cols]
@@ -424,9 +423,9 @@ def _print_edges(a, res, circ, written) -> None:
             top=top.to_dict("records"), circuit=None if circ is None else str(circ),
             files=[str(p) for p in written]))
     scale = _describe_scale(res, estimate).removesuffix(", -1 = fully broken")
-    typer.echo(f"{_edges_header(res)}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
+    echo(f"{_edges_header(res)}\nstrongest edges ({scale}):\n{_table(top, estimate)}")
     if circ is not None:
-        typer.echo(f"{circ}\n" + circ.to_frame().to_string(
+        echo(f"{circ}\n" + circ.to_frame().to_string(
             index=False, float_format=lambda v: f"{v:.3f}"))
     for path in written:  # one line per file
         typer.echo(f"wrote {path}")

@@ -54,7 +54,7 @@ from circuitkit.distill.curves import Curve, HeldoutLoss, _points, best_step, de
 from circuitkit.distill.loss import LossConfig, student_terms
 from circuitkit.distill.signals import SignalStore, StoreOptions, build_store
 from circuitkit.distill.train import DistillConfig, train_student
-from circuitkit.files import check_writable_dir, lock_folder, write_json, write_text
+from circuitkit.files import check_writable_dir, holds_lock, lock_folder, write_json, write_text
 from circuitkit.models import hf_progress, shipped_path
 from circuitkit.tasks import load_task
 
@@ -493,7 +493,8 @@ def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
     if not students:
         raise ValueError("students: name at least one student preset.")
     out = check_writable_dir(out, "--out")
-    with lock_folder(out, "--out folder"):  # one ablation per folder
+    # one ablation per folder (the CLI's claim may hold the lock already)
+    with contextlib.nullcontext() if holds_lock(out) else lock_folder(out, "--out folder"):
         return _run_ablation(out, teacher, seeds, max_seeds, size, tuple(students), tuple(data),
                              dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2,
                                   lambda_ns=lambda_ns), task, variants, progress, workers,

@@ -21,6 +21,7 @@ import math
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from circuitkit import training
 from circuitkit.distill import signals
 from circuitkit.distill.loss import BALANCES, LossConfig, balanced_gradients, student_terms
 from circuitkit.evaluation import non_finite_parameters
-from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_text
+from circuitkit.files import check_writable_dir, holds_lock, lock_folder, sha256_file, write_text
 from circuitkit.models import configure_threads, hf_progress, shipped_path
 from circuitkit.tasks import load_task
 from circuitkit.tasks.base import word_tokenizer
@@ -253,7 +254,8 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
     cfg.check()
     out = check_writable_dir(out_dir, "out_dir")
     # one run per folder (dead writers' temporaries removed); transformers' bars follow progress
-    with lock_folder(out, "out_dir"), hf_progress(progress):
+    with (nullcontext() if holds_lock(out) else lock_folder(out, "out_dir")), \
+            hf_progress(progress):  # (the CLI's claim may hold the lock already)
         return _train_student(cfg, out, progress, resume, scores, overwrite, callback)
 
 

@@ -330,8 +330,12 @@ class HybridCheckpoint:
 
         if not (self.path / f"{self.SCREEN}.json").exists():
             return None
+        from circuitkit.patching.result_files import UncheckedResultWarning
+
         try:
-            res = (result_type or PatchResult).load(self.path / self.SCREEN)
+            with warnings.catch_warnings():  # (an older screen file: its checksum below binds it)
+                warnings.simplefilter("ignore", UncheckedResultWarning)
+                res = (result_type or PatchResult).load(self.path / self.SCREEN)
             if res.meta.get("checkpoint_key") != self.key:
                 raise ValueError("from another run")
             missing = [k for k in ("write_scale", "pass_equivalents", "estimator", "seconds")

@@ -17,7 +17,10 @@ from circuitkit import hooks
 from circuitkit.patching.result_files import _number
 
 CIRCUIT_FORMAT = "circuitkit.circuit"
-CIRCUIT_VERSION = 2  # 2: node names and normalized scores in items, share of the gap
+CIRCUIT_VERSION = 3  # 2: node names and normalized scores in items, share of the gap
+# 3: ``digest`` (``result_files.result_digest`` of the fields): every derived field (share,
+# CPR, CMD, the curve, the kept nodes) bound to the others (issue 49)
+DIGEST_SINCE = 3
 CIRCUIT_KINDS = ("edges", "heads")
 # "position-mean": the clean prompts' mean write at each position (ablate_heads' "mean", over
 # prompts and positions together, is another quantity: docs/edges.md). "mean" is its old name,
@@ -147,8 +150,11 @@ class CircuitResult:
     def save_json(self, path: str | Path, index: int | None = None) -> Path:
         """``to_dict(index)`` written atomically as JSON."""
         from circuitkit import files
+        from circuitkit.patching.result_files import result_digest
 
-        return files.write_text(path, json.dumps(self.to_dict(index), indent=1, default=str))
+        data = json.loads(json.dumps(self.to_dict(index), default=str))  # (as read back)
+        data["digest"] = result_digest(data, {})
+        return files.write_text(path, json.dumps(data, indent=1))
 
     def __repr__(self) -> str:
         k = self.chosen
@@ -203,16 +209,39 @@ def read_circuit_json(path: str | Path) -> dict[str, Any]:
     use is checked for type, range and shape, nodes and edges against each other; a bad file
     is one ``ValueError`` naming the file and the field. Returns the parsed dict (an older
     file's ablation name read as today's)."""
+    import copy
+
     from circuitkit import files
 
     p = Path(path)
     data = files.read_json(p, "circuit file")
     f = _Fields(p)
+    as_read = copy.deepcopy(data)  # (the checks read an old ablation name as today's)
     _check_header(data, f)
     _check_scalars(data, f)
     _check_curve(data["curve"], data["n_items"], f)
     _check_edges(data, _check_nodes_of(data, f), f)
+    _check_circuit_digest(as_read, p)  # last: the checks above name the field they can
     return data
+
+
+def _check_circuit_digest(data: dict[str, Any], p: Path) -> None:
+    """``data["digest"]``: ``result_digest`` of the other fields (required from version
+    ``DIGEST_SINCE``; an older file loads with an ``UncheckedResultWarning``)."""
+    import warnings
+
+    from circuitkit.patching.result_files import UncheckedResultWarning, result_digest
+
+    digest = data.get("digest")
+    if data.get("version", 1) < DIGEST_SINCE and digest is None:
+        warnings.warn(f"{p} was written before circuit files carried a digest (version "
+                      f"{data.get('version')}): its derived fields load unchecked against each "
+                      "other. Recompute it to bind them.", UncheckedResultWarning, stacklevel=3)
+        return
+    if not isinstance(digest, str) or result_digest(data, {}) != digest:
+        raise ValueError(f"{p}: field 'digest' does not match the file's fields: a field (share, "
+                         "CPR, CMD, the curve, nodes or edges) was edited after the circuit was "
+                         "saved. Recompute the circuit.")
 
 
 def _check_header(data: Any, f: _Fields) -> None:

@@ -90,7 +90,8 @@ class EdgeResult(PatchResult):
 
     def to_frame(self, ci: bool = True):
         """pandas DataFrame, one row per edge: sender_layer, sender_head, receiver_layer,
-        receiver_head, input, value, normalized[, ci_low, ci_high][, verified], sender,
+        receiver_head, input, value, normalized (raw_effect for a degenerate result)[, ci_low,
+        ci_high][, verified], sender,
         receiver (names: "embed", "L0H1", "logits"). The embeddings are layer -1, the logits
         layer ``n_layers`` (head -1) with input "resid"."""
         import pandas as pd
@@ -108,7 +109,8 @@ class EdgeResult(PatchResult):
                     receiver_layer=rcv[:, 0].numpy(), receiver_head=rcv[:, 1].numpy(),
                     input=["resid" if lg else self.inputs[k]
                            for lg, k in zip(logits.tolist(), i.tolist(), strict=True)],
-                    value=self.values[s, r, i].float().numpy(), normalized=norm.float().numpy())
+                    value=self.values[s, r, i].float().numpy(),
+                    **{self.value_column: norm.float().numpy()})  # (raw_effect: degenerate)
         interval = self.confidence_interval() if ci else None
         if interval is not None:
             cols["ci_low"] = interval[0][s, r, i].numpy()
@@ -125,11 +127,13 @@ class EdgeResult(PatchResult):
         """The ``k`` edges with the largest ``|normalized|`` (by ``|effect|`` when normalized
         values are undefined), strongest first; ``input``: only edges into that input ("q",
         "k", "v", or "resid" for the logits)."""
+        from circuitkit.patching.patch_result import check_top
+
+        check_top(k)
         df = self.to_frame()
         if input is not None:
             df = df[df["input"] == input]
-        base = self.corrupt if self.direction == "denoise" else self.clean
-        key = df["value"] - base if self.degenerate else df["normalized"]
+        key = df[self.value_column]  # (a degenerate result's: its raw effect)
         order = key.abs().sort_values(ascending=False, na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 

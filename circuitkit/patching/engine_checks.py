@@ -55,7 +55,23 @@ def evaluate_metric(metric: PromptMetric, logits: Tensor, what: str,
                          f"{tuple(out.shape)}.")
     out = out.detach().float().cpu()
     if not torch.isfinite(out).all():
-        raise ValueError(f"metric {metric.name!r} returned a non-finite value ({what}): "
-                         f"{out.tolist()[:8]}. Check the answer positions/tokens it reads and the "
-                         "logits' dtype.")
+        raise ValueError(f"metric {metric.name!r} returned {_non_finite(metric, out)} ({what}). "
+                         "Check the answer positions/tokens it reads and the logits' dtype.")
     return out
+
+
+def _non_finite(metric: PromptMetric, out: Tensor) -> str:
+    """Which of ``out`` (one value per row) are NaN/inf, in words: how many, and the first by
+    its prompt and (rows tiled variant-major, ``metric.select(prompts * n_variants)``) its
+    variant within the call, with its value (the first 8 values, before: often none of them
+    the bad one)."""
+    bad = (~torch.isfinite(out)).nonzero()[:, 0].tolist()
+    i = bad[0]
+    idx = metric.prompt_idx
+    prompt = i if idx is None else int(idx[i])
+    n_p = len(out) if idx is None else len(set(idx.tolist()))
+    variant = f", variant {i // n_p} of this call's {len(out) // n_p}" if len(out) > n_p else ""
+    prompts = sorted({j if idx is None else int(idx[j]) for j in bad})
+    more = "" if len(prompts) == 1 else f"; prompts {prompts[:8]} in all"
+    return (f"{len(bad)} non-finite value(s) (NaN/inf) of {len(out)}: the first {out[i].item()} "
+            f"at prompt {prompt}{variant}{more}")

@@ -186,11 +186,15 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     names = ["all"] if groups is None else list(groups.names)
     node = swept.engine.node_effects()  # (the sweep's own cached runs: its base is the same)
     base = fields["corrupt"] if direction == "denoise" else fields["clean"]
+    from circuitkit.patching.patch_result import noise_floor
+
+    # the degenerate-baseline rule: a node effect within rounding is no whole to share
+    margin = noise_floor(fields["clean"], fields["corrupt"])
     fields["meta"].update(
         kind="paths", senders=[hooks.head_name(*s) for s in layout.senders],
         receivers=[hooks.head_name(*r) for r in layout.receivers], inputs=list(layout.inputs),
         node={hooks.head_name(*s): float(v) for s, v in zip(layout.senders, node, strict=True)},
-        coverage=coverage(fields["values"] - base, node, layout.senders, names))
+        coverage=coverage(fields["values"] - base, node, layout.senders, names, margin))
     if groups is None:
         fields["values"] = fields["values"][..., 0]
         if fields["per_prompt"] is not None:

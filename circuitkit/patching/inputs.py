@@ -20,8 +20,15 @@ EDGE_METHODS = ("exact", "attribution", "attribution+exact")
 
 
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; expected one of {list(allowed)}.")
+    """``value`` one of ``allowed`` (strings); else one short line (never a whole array)."""
+    simple = isinstance(value, str | int | float | bool | type(None))
+    if not simple or value not in allowed:  # (a numpy array's ``in``: "ambiguous", before)
+        shown = repr(value) if simple else f"a {type(value).__name__}"
+        extra = (" (a position group is a bool torch.Tensor [batch, seq] or {name: mask}; "
+                 "convert a numpy array with torch.from_numpy, a list with torch.tensor)"
+                 if name == "positions" and not simple else "")
+        raise ValueError(f"{name}={shown[:80]} is not supported; expected one of "
+                         f"{list(allowed)}{extra}.")
 
 
 def check_batch_size(batch_size: Any) -> None:
@@ -67,12 +74,11 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
         raise ValueError(f"token ids must be >= 0; got {low}. Negative ids usually mean padding "
                          "or an unfilled mask: replace them with the pad token id.")
     if model is not None:
-        n_ctx = getattr(model.cfg, "n_ctx", None)
-        learned = getattr(model.cfg, "positional_embedding_type", None) == "standard"
-        if learned and n_ctx and clean.shape[1] > int(n_ctx):  # rotary models run past it
-            raise ValueError(f"clean_tokens has {clean.shape[1]} positions but this model's "
-                             f"learned position embeddings stop at n_ctx={n_ctx}; shorten the "
-                             "prompts (or keep their last n_ctx tokens).")
+        from circuitkit import hooks
+
+        problem = hooks.context_problem(model, clean.shape[1], "clean_tokens")
+        if problem:  # (rotary models ran past it: values silently meaningless, before)
+            raise ValueError(problem)
         d_vocab = int(model.cfg.d_vocab)
         top = int(max(clean.max(), corrupt.max()))
         pad = pad_token_id(model)
@@ -379,9 +385,9 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
         " ..." if len(padded) > 4 else "")
     head = (f"clean_tokens: {len(padded)} of {n} prompts are right-padded with pad token id "
             f"{pad_id} (prompts {shown})")
-    fix = ("Left-pad them (tokenizer.padding_side = 'left'), give prompts of one length, or "
-           "pass a PromptMetric whose reads are each prompt's own positions (as a task's "
-           "metric is): for a task's tokens, ck.metrics.at_answers(reading, "
+    fix = ("Give prompts of one length, or pass a PromptMetric whose reads are each prompt's "
+           "own positions (as a task's metric is; left padding is no way out: sweeps pass no "
+           "attention mask): for a task's tokens, ck.metrics.at_answers(reading, "
            "task.answer_positions, task.answer_tokens) reads each prompt's answer steps, and "
            "logits[torch.arange(n), task.last_positions] each prompt's own last position in "
            "place of logits[:, -1] (docs/metrics.md).")
@@ -403,6 +409,32 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
             f"{head}, and metric {pm.name!r} reads positions that are unknown (it is not "
             f"differentiable, or reads everywhere){seen}, so its values may follow pad tokens. "
             f"{fix}")
+
+
+def check_left_padding(clean: Tensor, corrupt: Tensor, pad_id: int | None) -> None:
+    """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad
+    tokens are attended to and shift its positions, and its values are not the unpadded
+    prompt's (up to 0.49 logits off, as issue 49 measured); a metric reading there reads pad
+    tokens. Left padding: a prompt's leading run of ``pad_id`` (in clean or corrupt) longer
+    than the shortest such run of any prompt (a run every prompt starts with, e.g. a BOS that
+    is also the pad token, is text)."""
+    if pad_id is None:
+        return
+    lead = torch.zeros(clean.shape[0], dtype=torch.long)
+    for t in (clean, corrupt):
+        lead = torch.maximum(lead, (t == pad_id).long().cpu().cumprod(1).sum(1))
+    extra = lead - lead.min()
+    padded = (extra > 0).nonzero()[:, 0].tolist()
+    if padded:
+        shown = ", ".join(f"{i} ({int(extra[i])} pad tokens)" for i in padded[:4]) + (
+            " ..." if len(padded) > 4 else "")
+        raise ValueError(
+            f"clean_tokens: {len(padded)} of {clean.shape[0]} prompts are left-padded with pad "
+            f"token id {pad_id} (prompts {shown}); sweeps pass no attention mask, so the pad "
+            "tokens are attended to and the values are not the unpadded prompts'. Give prompts "
+            "of one length, or right-pad them (tokenizer.padding_side = 'right') with a metric "
+            "that reads each prompt's own positions (ck.metrics.at_answers, "
+            "task.last_positions; docs/metrics.md).")
 
 
 def _reads_padding(pm: Any, real: Tensor, runs: Any) -> bool:
@@ -441,7 +473,9 @@ def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
     ``engine_checks``) or right-padded prompts under a metric whose reads are unknown;
     ``logits_of=False``: never (the probe's reads stand, unknown reads on padded prompts are
     refused)."""
+    pm.check_reads(clean.shape[1])  # every position the metric reads exists
     pad = pad_token_id(model)
+    check_left_padding(clean, corrupt, pad)
     real = padded_lengths(clean, corrupt, pad)
     if pm.read_positions() is not None:
         check_padding(clean, corrupt, pm, real, pad)  # before any forward: it needs none

@@ -52,6 +52,39 @@ DEGENERATE = 1e-6
 MIN_GAP_SE = 2.0
 
 
+def baseline_margin(clean: float, corrupt: float, gaps: Tensor | None = None) -> float:
+    """What ``clean - corrupt`` must exceed for a share of it to mean anything (the
+    degenerate-baseline rule, module docstring): ``max(MIN_GAP_SE * se, DEGENERATE * max(1,
+    |clean|, |corrupt|))``, ``se`` the standard error of the per-prompt ``gaps`` (when given,
+    two or more)."""
+    tol = noise_floor(clean, corrupt)
+    if gaps is None or gaps.numel() < 2:
+        return tol
+    se = float(gaps.double().std()) / math.sqrt(gaps.numel())
+    return max(MIN_GAP_SE * se, tol) if math.isfinite(se) else tol
+
+
+def noise_floor(clean: float, corrupt: float) -> float:
+    """The degenerate-baseline rule's float tolerance, ``DEGENERATE * max(1, |clean|,
+    |corrupt|)``: an effect within it is rounding, not an effect (the whole of a coverage
+    share, whose own per-prompt spread is not recorded)."""
+    return DEGENERATE * max(1.0, abs(clean), abs(corrupt))
+
+
+def degenerate_baseline(clean: float, corrupt: float, gaps: Tensor | None = None) -> bool:
+    """The one degenerate-baseline rule: the corruption does not lower the metric by more than
+    ``baseline_margin`` (then no share of ``clean - corrupt`` is printed anywhere: results show
+    raw effects, findings and coverage say there is no share)."""
+    gap = clean - corrupt
+    return not gap > baseline_margin(clean, corrupt, gaps)  # (NaN: degenerate too)
+
+
+def share(part: float, whole: float, margin: float) -> float:
+    """``part / whole`` when ``|whole|`` exceeds ``margin`` (a whole within the degenerate-
+    baseline margin: noise, not a behaviour to take a share of), else NaN."""
+    return part / whole if abs(whole) > margin else float("nan")
+
+
 class DegenerateBaselineWarning(UserWarning):
     """The corruption does not lower the metric by its margin: normalized values mean nothing
     (``PatchResult.degenerate``)."""
@@ -178,12 +211,7 @@ class PatchResult:
     @property
     def gap_margin(self) -> float:
         """What ``gap`` must exceed: ``max(MIN_GAP_SE * se, tol)`` (module docstring)."""
-        tol = DEGENERATE * max(1.0, abs(self.clean), abs(self.corrupt))
-        gaps = self._prompt_gaps()
-        if gaps is None or gaps.numel() < 2:
-            return tol
-        se = float(gaps.std()) / math.sqrt(gaps.numel())
-        return max(MIN_GAP_SE * se, tol) if math.isfinite(se) else tol
+        return baseline_margin(self.clean, self.corrupt, self._prompt_gaps())
 
     @property
     def degenerate(self) -> bool:
@@ -191,7 +219,14 @@ class PatchResult:
         (clean and corrupt score the same, the corruption raises the metric, or the gap is
         within the noise of the per-prompt gaps): normalized values are then meaningless and
         ``normalized()`` returns raw effects."""
-        return self.gap <= self.gap_margin
+        return degenerate_baseline(self.clean, self.corrupt, self._prompt_gaps())
+
+    @property
+    def value_column(self) -> str:
+        """The name of ``normalized()``'s column in ``to_frame()``, ``result.csv``, the CLI
+        and the report: "normalized", or "raw_effect" for a ``degenerate`` result (whose
+        ``normalized()`` is the raw effect: a column is named for what it holds)."""
+        return "raw_effect" if self.degenerate else "normalized"
 
     def degenerate_reason(self) -> str | None:
         """One line saying why the result is ``degenerate`` and what to do; None if it is not."""
@@ -309,7 +344,8 @@ class PatchResult:
 
     # --- views -----------------------------------------------------------------------------------
     def to_frame(self, ci: bool = True):
-        """pandas DataFrame, one row per cell: axes..., value, normalized[, ci_low, ci_high]
+        """pandas DataFrame, one row per cell: axes..., value, normalized (named raw_effect for
+        a ``degenerate`` result: ``value_column``)[, ci_low, ci_high]
         [, verified: for ``attribution+exact``, True where the value is exact, not an
         estimate]."""
         import pandas as pd
@@ -321,7 +357,7 @@ class PatchResult:
             if len(names) == self.values.shape[self.axes.index(axis)]:
                 cols[axis] = [names[j] for j in cols[axis]]
         cols["value"] = self.values.reshape(-1).float().numpy()
-        cols["normalized"] = self.normalized().reshape(-1).float().numpy()  # (warns once)
+        cols[self.value_column] = self.normalized().reshape(-1).float().numpy()  # (warns once)
         interval = self.confidence_interval() if ci else None
         if interval is not None:
             cols["ci_low"] = interval[0].reshape(-1).numpy()
@@ -329,7 +365,7 @@ class PatchResult:
         if self.verified is not None:  # attribution+exact: which are exact
             cols["verified"] = self.verified.reshape(-1).numpy()
         frame = pd.DataFrame(cols)
-        if self.degenerate:  # its "normalized" column holds raw effects: say so
+        if self.degenerate:  # its "raw_effect" column holds raw effects: say why
             frame.attrs["normalization"] = self.meta["normalization"]
         return frame
 
@@ -354,11 +390,13 @@ class PatchResult:
 
     def top(self, k: int = 10):
         """The ``k`` cells with the largest ``|normalized|`` (DataFrame, strongest first): by
-        ``|effect|`` for a ``degenerate`` result (its ``normalized`` column holds raw effects,
-        and it warns once)."""
+        ``|effect|`` for a ``degenerate`` result (its column is ``raw_effect``, and it warns
+        once). ``k``: a positive integer (a negative one dropped the last rows,
+        before)."""
+        check_top(k)
         df = self.to_frame()
         df = df[df["value"].notna()]  # (a path result's NaN: no route, no cell)
-        order = df["normalized"].abs().sort_values(ascending=False,
+        order = df[self.value_column].abs().sort_values(ascending=False,
                                                    na_position="last").index[:k]
         return df.loc[order].reset_index(drop=True)
 
@@ -396,6 +434,15 @@ class PatchResult:
                 f"site={self.site!r}, positions={self.positions!r}, "
                 f"values={tuple(self.values.shape)} over {self.axes}, clean={self.clean:.4f}, "
                 f"corrupt={self.corrupt:.4f})")
+
+
+def check_top(k: Any) -> None:
+    """``top(k)``'s ``k``: a positive integer, else one ``ValueError`` line."""
+    import numbers
+
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"top: k must be a positive integer (how many cells to show); got "
+                         f"{k!r:.40}.")
 
 
 def verified_mask(result: PatchResult) -> Tensor:

@@ -47,26 +47,27 @@ def node_effects(model: Any, clean: Tensor, corrupt: Tensor, metric: Any,
 
 
 def coverage(effect: Float[Tensor, "sender receiver group"], node: Float[Tensor, " sender"],
-             senders: Sequence[tuple[int, int]], groups: Sequence[str] = ("all",)
-             ) -> dict[str, dict[str, float]]:
+             senders: Sequence[tuple[int, int]], groups: Sequence[str] = ("all",),
+             margin: float = 0.0) -> dict[str, dict[str, float]]:
     """The share of the senders' node effect that their edges or paths explain, per group:
     ``{group: {sender name: sum_r effect[s, r] / node[s], ..., "overall": sum_{s, r}
-    effect / sum_s node}}`` (NaN cells, non-edges, left out; NaN where the node effect is 0).
-    ``effect``: each cell's effect over its base (``values - base``), ``[senders, receivers,
-    groups]`` (an edge result's ``[senders, receivers, inputs]`` summed over inputs first)."""
+    effect / sum_s node}}`` (NaN cells, non-edges, left out). The degenerate-baseline rule
+    (``patch_result.share``): NaN where the node effect is within ``margin`` (the result's
+    ``noise_floor``: with a corruption identical to clean every effect is rounding, and
+    266.7% / 133.3% were printed before). ``effect``: each cell's effect over its base
+    (``values - base``), ``[senders, receivers, groups]`` (an edge result's ``[senders,
+    receivers, inputs]`` summed over inputs first)."""
+    from circuitkit.patching.patch_result import share
+
     out = {}
     summed = torch.nan_to_num(effect.double(), nan=0.0).sum(1)  # [senders, groups]
     node = node.double()
     for gi, g in enumerate(groups):
-        row = {hooks.head_name(*s): _share(float(summed[si, gi]), float(node[si]))
+        row = {hooks.head_name(*s): share(float(summed[si, gi]), float(node[si]), margin)
                for si, s in enumerate(senders)}
-        row["overall"] = _share(float(summed[:, gi].sum()), float(node.sum()))
+        row["overall"] = share(float(summed[:, gi].sum()), float(node.sum()), margin)
         out[g] = row
     return out
-
-
-def _share(part: float, whole: float) -> float:
-    return part / whole if whole != 0 else float("nan")
 
 
 def edge_coverage(model: Any, clean: Tensor, corrupt: Tensor, metric: Any, edges: Any,
@@ -85,4 +86,7 @@ def edge_coverage(model: Any, clean: Tensor, corrupt: Tensor, metric: Any, edges
     node = node_effects(model, clean, corrupt, metric, [s for _, s in heads], edges.direction,
                         batch_size)
     effect = edges.effect()[[i for i, _ in heads]].nansum(-1, keepdim=True)
-    return coverage(effect, node, [s for _, s in heads])["all"]
+    from circuitkit.patching.patch_result import noise_floor
+
+    margin = noise_floor(edges.clean, edges.corrupt)  # (a node effect within rounding: no whole)
+    return coverage(effect, node, [s for _, s in heads], margin=margin)["all"]

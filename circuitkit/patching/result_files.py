@@ -24,9 +24,12 @@ from circuitkit.patching.pages import write_page
 
 TENSOR_FIELDS = ("values", "per_prompt", "clean_per_prompt", "corrupt_per_prompt")
 FORMAT = "circuitkit.patch_result"
-FORMAT_VERSION = 1
+# version 2: the file carries ``digest`` (``result_digest``), which binds every label and derived
+# field of its JSON to the tensors' bytes; version 1 files (written before) load with a warning
+FORMAT_VERSION = 2
 EDGE_FORMAT = "circuitkit.edge_result"
-EDGE_FORMAT_VERSION = 1
+EDGE_FORMAT_VERSION = 2
+DIGEST_SINCE = 2
 POSITIONS = ("all", "each", "groups")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
 AXES = ("layer", "head", "pos", "group", "sender", "receiver")  # the last two: patch_paths
@@ -74,19 +77,45 @@ def result_paths(path: str | Path, name: str) -> dict[str, Path]:
     return {ext: p.with_name(p.name + "." + ext) for ext in ("safetensors", "json", "csv", "html")}
 
 
+def result_digest(info: dict[str, Any], tensors: dict[str, Tensor]) -> str:
+    """SHA-256 (hex) of a result as written: its JSON fields but ``digest`` (canonical JSON:
+    sorted keys, no spaces; ``json_ready`` data, which reads back as the same text) and each
+    tensor's name, dtype, shape and bytes, in name order. One binding of every label and
+    derived field (group names and their masks' hash, senders, receivers, a path result's
+    coverage and node effects, ``meta`` whole) to the values and per-prompt values: an edit of
+    either side, or a consistent one of both (values x 10 with their per-prompt values), no
+    longer matches. Guards against edits and damage, not forgery (anyone can recompute it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    body = {k: v for k, v in info.items() if k != "digest"}
+    h.update(json.dumps(json_ready(body), sort_keys=True, separators=(",", ":"),
+                        allow_nan=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"\n{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views: bool
                 ) -> list[Path]:
     """What every result's ``save`` writes, each file atomically: ``TENSOR_FIELDS`` (the ones
-    set) to ``.safetensors``, ``info`` (``json_ready``) to ``.json`` and, with ``views``,
-    ``to_frame()`` to ``.csv`` and ``heatmap()`` to ``.html`` (``write_page``: the folder's
-    one ``plotly.min.js``). Returns the paths written."""
+    set) to ``.safetensors``, ``info`` (``json_ready``, with its ``digest``: ``result_digest``)
+    to ``.json`` and, with ``views``, ``to_frame()`` to ``.csv`` and ``heatmap()`` to
+    ``.html`` (``write_page``: the folder's one ``plotly.min.js``). Returns the paths
+    written."""
     _make_folder(paths["json"].parent)
     tensors = {k: getattr(result, k) for k in TENSOR_FIELDS if getattr(result, k) is not None}
+    info = json_ready(info)
+    info["digest"] = result_digest(info, tensors)
     files.write_tensors(paths["safetensors"], tensors)
-    files.write_text(paths["json"], json.dumps(json_ready(info), indent=2))
+    files.write_text(paths["json"], json.dumps(info, indent=2))
     if not views:
         return [paths["safetensors"], paths["json"]]
-    files.atomic_write(paths["csv"], lambda p: result.to_frame().to_csv(p, index=False))
+    from circuitkit.escape import csv_frame  # (names from files: no spreadsheet formulas)
+
+    files.atomic_write(paths["csv"], lambda p: csv_frame(result.to_frame()).to_csv(p, index=False))
     write_page(result.heatmap(), paths["html"])  # + the folder's one plotly.min.js
     return list(paths.values())
 
@@ -139,7 +168,8 @@ def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _File
         if not p.exists():
             raise ValueError(f"no {kind.noun} at {path}: {p} does not exist (expected the files "
                              f"{kind.cls}.save writes).")
-    kw = _checked_info(files.read_json(js, f"{kind.file_noun} file"), js, kind)
+    info = files.read_json(js, f"{kind.file_noun} file")
+    kw = _checked_info(info, js, kind)
     try:
         tensors = load_file(str(st))
     except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
@@ -148,9 +178,40 @@ def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _File
     shape, empty = layout(kw, tensors)
     _check_tensors(tensors, kw, st, js, shape=shape, empty=empty)
     try:
-        return cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
+        result = cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{js}: {e}") from None
+    _check_digest(info, tensors, js, st, kind)  # last: the checks above name what is wrong
+    return result
+
+
+class UncheckedResultWarning(UserWarning):
+    """A result file written before results carried a digest (format version 1): its labels
+    cannot be checked against its values."""
+
+
+def _check_digest(info: dict[str, Any], tensors: dict[str, Tensor], js: Path, st: Path,
+                  kind: _FileKind) -> None:
+    """``info["digest"]`` is ``result_digest`` of what was read (required from format version
+    ``DIGEST_SINCE``; an older file loads with an ``UncheckedResultWarning``)."""
+    import warnings
+
+    digest = info.get("digest")
+    if info.get("version", 1) < DIGEST_SINCE and digest is None:
+        warnings.warn(f"{js} was written before result files carried a digest (format version "
+                      f"{info.get('version', 1)}): its labels and values load unchecked against "
+                      "each other. Save it again (or recompute it) to bind them.",
+                      UncheckedResultWarning, stacklevel=4)
+        return
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise ValueError(f"{js}: field 'digest' (the SHA-256 that binds this {kind.noun}'s "
+                         f"labels to its values) is missing or malformed; got {digest!r:.40}. "
+                         "The file was edited: recompute the result.")
+    if result_digest(info, tensors) != digest:
+        raise ValueError(f"{js} and {st} do not match their 'digest': a label, a derived field "
+                         "or a value was edited after the result was saved (e.g. group names, "
+                         "senders, receivers, coverage, or values and per-prompt values scaled "
+                         "together). Recompute the result.")
 
 
 def _checked_info(info: Any, js: Path, kind: _FileKind = _PATCH_FILE) -> dict[str, Any]:

@@ -201,6 +201,13 @@ def phase_sentences(table: dict[str, Any]) -> list[str]:
         ph = table.get(f"phase{p}")
         if not ph:
             continue
+        if ph.get("degenerate"):  # the one degenerate-baseline rule: no share of a gap
+            lines.append(f"Phase {p}'s decision ({ph['metric']}, {d}) cannot be placed: the "
+                         "corruption does not lower the metric by its margin, so no head, "
+                         "layer or position group carries a share of a gap (the causal "
+                         "columns hold raw effects). Use a corruption that removes the "
+                         "behaviour, or more examples.")
+            continue
         groups = ph["carrying_groups"]
         where = ", ".join(f"{g} ({ph['groups'][g]['sum']:.0%}; top {ph['groups'][g]['top'][0][0]}"
                           f" {ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
@@ -212,6 +219,12 @@ def phase_sentences(table: dict[str, Any]) -> list[str]:
                      f"{where or 'no single position group'} positions (summed single-head shares "
                      f"of the gap, >= {table['share']:.0%} shown; the group's top head).")
     same = table.get("same_heads")
+    if same and any((table.get(f"phase{p}") or {}).get("degenerate") for p in (1, 2)):
+        if same["n_overlap"]:  # (no shares of a gap a corruption does not open)
+            lines.append(f"The same heads are among the top {table['k']} of both phases: "
+                         f"{', '.join(same['overlap'])} (no shares: a phase's corruption does "
+                         "not lower its metric).")
+        same = None
     if same:
         if same["n_overlap"]:
             lines.append(

@@ -302,10 +302,15 @@ def summarize(values: Float[Tensor, "n_sets n"], clean: Tensor, corrupt: Tensor,
               n_boot: int, seed: int) -> dict[str, float]:
     """Effect statistics of one quantity (module docstring). ``values[0]``: base run,
     ``values[1]``: top set, ``values[2:]``: random sets; ``clean``/``corrupt``: [n]."""
+    from circuitkit.patching.patch_result import baseline_margin, share
+
     stats = effect_stats(values[0], values[1], values[2:], n_boot, seed)
-    gap = float(clean.double().mean() - corrupt.double().mean())
+    c, x = float(clean.double().mean()), float(corrupt.double().mean())
+    # the degenerate-baseline rule's margin: no share of a gap within the per-prompt noise (a
+    # quantity where lower is better, e.g. confusion, has a negative gap: its sign is its own)
+    margin = baseline_margin(c, x, clean.double() - corrupt.double())
     return dict(clean=float(clean.mean()), corrupt=float(corrupt.mean()), **stats,
-                normalized=stats["top_effect"] / gap if gap != 0 else float("nan"))
+                normalized=share(stats["top_effect"], c - x, margin))
 
 
 def _check_call(model: Any, task: Task, scores: Any, k: int, n_random: int, caller: str

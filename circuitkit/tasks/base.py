@@ -401,6 +401,10 @@ class Task:
                 f"{d_vocab} tokens: use a model trained on this task's vocabulary (e.g. "
                 f"icd-teacher for icd10), or render the task as text for a pretrained LLM "
                 f"(circuitkit.tasks.text.render_text).")
+        problem = hooks.context_problem(model, int(self.clean_tokens.shape[1]),
+                                        f"task {self.name!r}'s notes")
+        if problem:
+            raise ValueError(problem)
         out = hooks.vocab_out(model)
         phases = task_phases(self)
         read = [int(t) for p, ids in ((1, self.anchor_token_ids), (2, self.label_token_ids))

@@ -176,6 +176,20 @@ def _check_steps(row: dict[str, Any], head: dict[str, Any]) -> list[str]:
     return bad
 
 
+
+MAX_PROBLEMS = 20  # lines of a file's problems shown (a 100,000-row file: a 9 MB error, before)
+
+
+def _problems(errors: list[str], path: Any) -> str:
+    """The refusal of a file with ``errors``: their count and the first ``MAX_PROBLEMS`` (the
+    rest counted, never all printed)."""
+    shown = errors[:MAX_PROBLEMS]
+    more = len(errors) - len(shown)
+    return (f"{len(errors)} problem(s) in {path}:\n" + "\n".join(shown)
+            + (f"\n... and {more} more (fix these and load again to see the rest)" if more
+               else ""))
+
+
 def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(header, rows) of a task file, every field validated (module docstring). In the rows
     returned, ``corrupt_tokens_p{phase}`` of the header's phase is absent (it is
@@ -226,7 +240,7 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                          f"reads ({VERSION}); upgrade circuitkit")
     errors += [f"{path}:1: {b}" for b in _check_header(head)]
     if errors:  # the rows cannot be checked against a header that is wrong
-        raise ValueError(f"{len(errors)} problem(s) in {path}:\n" + "\n".join(errors))
+        raise ValueError(_problems(errors, path))
     n_vocab, n_labels, n_anchors = (len(head["vocab"]), len(head["label_names"]),
                                     len(head["anchor_names"]))
     rows = []
@@ -244,7 +258,7 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             row.pop(PHASE_CORRUPT[phase], None)
             rows.append(row)
     if errors:
-        raise ValueError(f"{len(errors)} problem(s) in {path}:\n" + "\n".join(errors))
+        raise ValueError(_problems(errors, path))
     if not rows:
         raise ValueError(f"{path} holds no examples (only a header); add one JSON object per "
                          "example after line 1 (schema: docs/jsonl.md).")

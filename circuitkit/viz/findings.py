@@ -378,11 +378,15 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         parts.append(f"{n} edges from {len(edges.senders)} sender heads into "
                      f"{len(edges.receivers)} receiver heads' {'/'.join(edges.inputs)} inputs, "
                      f"on {metric}.")
-    cov = meta.get("coverage") or {}
+    # the one degenerate-baseline rule: no shares of effects on a behaviour the corruption
+    # does not remove (the coverage numbers stay in the files, NaN where their whole is noise)
+    said_share = edges is None or not edges.degenerate
+    cov = (meta.get("coverage") or {}) if said_share else {}
     if cov.get("overall") is not None and cov["overall"] == cov["overall"]:
         parts.append(f"Summed, these edges explain {_pct2(cov['overall'])} of their senders' own "
                      "effect (each sender patched alone, the same direction and metric).")
-    routes = {g: v for g, v in (meta.get("path_coverage") or {}).items() if v == v}
+    routes = {g: v for g, v in (meta.get("path_coverage") or {}).items() if v == v} \
+        if said_share else {}
     if routes.get("all") is not None:
         staged = ", ".join(f"{_pct2(v)} at the {g} positions" for g, v in routes.items()
                            if g != "all")
@@ -412,9 +416,9 @@ def edge_finding(edges: Any = None, circuit: dict[str, Any] | None = None) -> Fi
         # corrupt run; noise: into the clean run), not the ablation the share above measures
         into = "the clean run (noise)" if edges.direction == "noise" else \
             "the corrupt run (denoise)"
-        what = ("changes the metric by " + _signed(top.normalized)) if edges.degenerate \
-            else (f"{'removes' if edges.direction == 'noise' else 'restores'} "
-                  f"{_pct2(abs(float(top.normalized)))} of the gap")
+        what = ("changes the metric by " + _signed(top[edges.value_column])) \
+            if edges.degenerate else (f"{'removes' if edges.direction == 'noise' else 'restores'}"
+                                      f" {_pct2(abs(float(top.normalized)))} of the gap")
         notes.append(f"Strongest single edge: {top.sender} \u2192 {top.receiver} "
                      f"({top.input}), which patched alone into {into} {what}; the edges are "
                      f"ranked by these {edges.direction} values.")
@@ -643,9 +647,17 @@ def causal_validation_lines(summary: dict) -> list[str]:
         pools = "; ".join(f"against {v['n_random']} {pool} random sets p = {format_p(v['p'])} "
                           f"[{format_p(v['p_low'])}, {format_p(v['p_high'])}]"
                           for pool, v in got["pools"].items())
+        norm = got.get("normalized")
+        if norm is None or norm != norm:  # the one degenerate-baseline rule: no share
+            moved = (f"by {_signed(got['effect'])} (raw; no share of the gap: the corruption "
+                     f"does not lower {got['quantity']} by its margin)"
+                     if got.get("effect") is not None else
+                     "by no share of the gap (the corruption does not lower it by its margin)")
+        else:
+            moved = f"by {_pct2(norm)} of the gap"
         out.append(f"{key.replace('phase', 'Phase ')}'s causal top set ({got['heads']}) "
                    f"noised together on the {got['n_prompts']} validation examples moves "
-                   f"{got['quantity']} by {_pct2(got['normalized'])} of the gap; {pools}.")
+                   f"{got['quantity']} {moved}; {pools}.")
     return out
 
 
@@ -677,6 +689,10 @@ def run_line(summary: dict | None) -> str:
         sel, val = samples["select"]["examples"], samples["validate"]["examples"]
         said += (f"; heads selected on examples {sel[0]}-{sel[1] - 1}, validated on the "
                  f"held-out {val[0]}-{val[1] - 1}")
+        left = samples["validate"].get("left_out") or []
+        if left:  # examples that repeat a selection example are not held out
+            said += (f" less {len(left)} that repeat selection examples "
+                     f"({samples['validate'].get('n')} validated)")
     elif samples:
         said += "; heads selected and validated on the same examples"
     return f"{model or 'a model'} on {task or 'a task'}" + (f": {said}" if said else "")

@@ -70,8 +70,12 @@ def causal_section(run_dir: Path, summary: dict[str, Any], table_html: Any) -> s
 
         frames = causal_frames(pd.read_csv(path), pt)
         for p, frame in frames.items():
-            body += (f"<h4>Phase {p}: share of the gap by head and position group "
-                     f"({html.escape(str(pt.get('direction')))}, 1 = the whole gap)</h4>"
+            what = ("raw effect (no share: the corruption does not lower the metric by its "
+                    "margin)" if (pt.get(f"phase{p}") or {}).get("degenerate") else
+                    "share of the gap")  # (the one degenerate-baseline rule)
+            body += (f"<h4>Phase {p}: {what} by head and position group "
+                     f"({html.escape(str(pt.get('direction')))}"
+                     f"{'' if what.startswith('raw') else ', 1 = the whole gap'})</h4>"
                      + table_html(frame))
     return body + ("<p class='note'>The descriptive scores below keep their formulas; the "
                    "causal columns above are exact patching at each position group "

@@ -41,6 +41,9 @@ METRIC_LINES: dict[str, str] = {
                   "(clean - corrupt), 0 = no effect, 1 = clean behaviour restored; noise (corrupt "
                   "activation into the clean run): (patched - clean) / (clean - corrupt), "
                   "-1 = behaviour fully broken.",
+    "raw_effect": "what a column holds in place of normalized when the corruption does not lower "
+                  "the metric (a degenerate baseline): the patch's raw change of the metric, "
+                  "value - baseline; no share of a gap can be taken.",
     "95% interval": "percentile bootstrap over prompts of the normalized value (prompts "
                     "resampled with replacement, 1000 resamples).",
     "sharpness": "excess kurtosis of the head's attention row at Phase-1 query positions "
@@ -266,6 +269,8 @@ def glossary_terms(results: dict[str, Any], scores: Any, validation: Any,
     want: set[str] = set()
     if results:
         want |= set(SWEEP_TERMS)
+        if any(getattr(r, "degenerate", False) for r in results.values()):
+            want.add("raw_effect")
     if scores is not None:
         phases = scored_phases(scores) if "layer" in scores.columns else []
         for phase in phases:
@@ -454,7 +459,8 @@ def _validation_table(frame: Any) -> Any:
                                                strict=True)]
             done += [mid, low, high]
     cols = [c for c in frame.columns if c not in done]
-    at = cols.index("normalized") if "normalized" in cols else len(cols)
+    named = [c for c in ("normalized", "raw_effect") if c in cols]
+    at = cols.index(named[0]) if named else len(cols)
     return show[cols[:at] + [n for n, *parts in trios if parts[0] in done] + cols[at:]]
 
 
@@ -805,7 +811,7 @@ def _edges_section(run_dir: Path, fig_html, circ: dict[str, Any] | None) -> str 
             "patch, normalized as the sweeps above (a share of the whole clean-corrupt gap; "
             "the heatmap's caption states its colour range in % of that gap).</p>")
     body += fig_html(res.heatmap())
-    cols = ["sender", "receiver", "input", "value", "normalized"] + (
+    cols = ["sender", "receiver", "input", "value", res.value_column] + (
         ["ci_low", "ci_high"] if res.per_prompt is not None else [])
     tops = [res.top(5, input=name)[cols] for name in res.inputs]
     body += _table(pd.concat(tops, ignore_index=True), "{:.4g}")  # (0.0017 of the gap: not 0.000)
