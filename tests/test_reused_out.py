@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -77,7 +78,8 @@ def test_characterize_refuses_another_n_before_loading(tmp_path, monkeypatch):
 
     out = tmp_path / "c"
 
-    def interrupted(*a, **k):  # a run stopped at its first step: its folder is claimed
+    def interrupted(*a, **k):  # a run stopped in its first step: its folder holds its work
+        (Path(a[2]) / "checkpoints").mkdir(exist_ok=True)
         raise KeyboardInterrupt
     monkeypatch.setattr(characterize, "characterize", interrupted)
     assert run(["characterize", "-n", "16", "--out", str(out)]).exit_code == 130
@@ -181,3 +183,19 @@ def test_the_resume_line_of_an_overwrite_run_does_not_overwrite(tmp_path, monkey
     assert r.exit_code == 130, r.output
     said = r.output.split("Resume with the same command:")[1].strip().splitlines()[0]
     assert "--n-examples 8" in said and "--overwrite" not in said
+
+
+def test_a_claim_with_nothing_behind_it_is_taken_over_whatever_its_flags(tmp_path, monkeypatch):
+    """A run killed before it wrote anything left only its claim (and lock): nothing to resume,
+    so a run with other flags takes the folder over instead of being refused (issue 49)."""
+    import circuitkit.characterize as characterize
+
+    out = tmp_path / "c"
+
+    def interrupted(*a, **k):  # stopped before any step wrote: only the claim is there
+        raise KeyboardInterrupt
+    monkeypatch.setattr(characterize, "characterize", interrupted)
+    assert run(["characterize", "-n", "16", "--out", str(out)]).exit_code == 130
+    assert run(["characterize", "-n", "32", "--out", str(out)]).exit_code == 130
+    record = json.loads((out / ".circuitkit-run").read_text())
+    assert record["flags"]["n_examples"]["value"] == 32
