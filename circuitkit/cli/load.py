@@ -23,12 +23,17 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError
+    from circuitkit.tasks import TOKENIZER_TASKS
 
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
         file = task.endswith(".jsonl")  # its first n_examples rows (None: all)
-        the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
-                                seed=seed, split=split, phase=phase)
+        n = n_examples if file else n_examples or DEFAULT_N
+        if task in TOKENIZER_TASKS and model is not None:  # text for the model's own tokenizer
+            the_model = (loader or ck.load_model)(model)
+            return the_model, ck.load_task(task, n_examples=n, seed=seed, split=split,
+                                           phase=phase, tokenizer=the_model.tokenizer)
+        the_task = ck.load_task(task, n_examples=n, seed=seed, split=split, phase=phase)
         if model is None:
             return None, the_task
         the_model = (loader or ck.load_model)(model)

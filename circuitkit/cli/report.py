@@ -41,8 +41,9 @@ def evaluate(
                                seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
                                meanings=METRIC_MEANINGS))
     typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
+    width = max(15, *(len(k) + 1 for k in scores))
     for k, v in scores.items():
-        typer.echo(f"  {k:<15}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
+        typer.echo(f"  {k:<{width}}{v:7.4f}   {METRIC_MEANINGS.get(k, '')}")
 
 
 @app.command(short_help="Rewrite a results folder's report.html.")
