@@ -6,8 +6,9 @@ the screen-then-verify path's recall against an exact sweep on a subset.
 
 Steps (each printed with its wall seconds, and written to ``OUT/benchmark.json``):
 
-1. ``ck.evaluate`` on the run's prompts: anchor (continent) and answer (capital) accuracy
-   against chance and the majority class;
+1. on the run's prompts, teacher-forced: anchor (continent) and answer (capital) accuracy
+   against chance and the majority class (``evaluation.step_accuracy``, as ``ck.evaluate``), and
+   each phase's gap (its metric clean minus corrupt, mean with a 95% bootstrap interval);
 2. ``characterize(model, "capitals", n_examples=n, patch_method=method)`` into ``OUT/run``
    (report, findings, held-out validation; its ``summary.json`` has every step's seconds);
 3. recall: on the first ``--recall-n`` prompts, per phase (noise direction), an exact sweep of
@@ -72,14 +73,30 @@ def main() -> None:
         from circuitkit.evaluation import accuracy_baselines, step_accuracy
 
         hits: dict[str, list[bool]] = {}
+        gaps: dict[int, list[float]] = {1: [], 2: []}
         with torch.no_grad():
-            for s in range(0, len(task), 16):  # teacher-forced accuracies only (no decoding)
+            for s in range(0, len(task), 16):  # teacher-forced (no decoding)
                 sub = task.subset(range(s, min(s + 16, len(task))))
-                for k, v in step_accuracy(model(sub.clean_tokens), sub).items():
+                clean = model(sub.clean_tokens)
+                for k, v in step_accuracy(clean, sub).items():
                     hits.setdefault(k, []).extend(v)
+                for phase in (1, 2):  # the phase's metric, clean minus corrupt, per prompt
+                    tp = sub.with_phase(phase)
+                    m = tp.metric
+                    gaps[phase] += (m.per_prompt(clean) - m.per_prompt(model(tp.corrupt_tokens))
+                                    ).tolist()
         record["accuracy"] = {k: round(v, 4) for k, v in accuracy_baselines(task, hits).items()}
+        g = torch.Generator().manual_seed(0)
+        for phase, vals in gaps.items():
+            v = torch.tensor(vals)
+            boot = v[torch.randint(0, len(v), (2000, len(v)), generator=g)].mean(1)
+            record[f"phase{phase}_gap"] = dict(
+                mean=round(float(v.mean()), 3), ci95=[round(float(boot.quantile(q)), 3)
+                                                      for q in (0.025, 0.975)],
+                share_positive=round(float((v > 0).float().mean()), 3))
         record["evaluate_seconds"] = round(time.perf_counter() - t0, 1)
-        print("accuracy", record["accuracy"], f"({record['evaluate_seconds']} s)", flush=True)
+        print("accuracy", record["accuracy"], "gaps", record["phase1_gap"], record["phase2_gap"],
+              f"({record['evaluate_seconds']} s)", flush=True)
         save()
     if "run" not in skip:
         t0 = time.perf_counter()
