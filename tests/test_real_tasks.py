@@ -128,11 +128,12 @@ class Oracle(torch.nn.Module):
 
 
 def test_oracle_scores_accuracy_one_and_baselines_are_stated(task):
-    m = ck.evaluate(Oracle(task), task, batch_size=16)
+    task = task.subset(range(24))  # round robin over the continents: 4 of each
+    m = ck.evaluate(Oracle(task), task, batch_size=24, max_new_tokens=2)
     for kind in ("anchor", "answer"):
         assert m[f"{kind}_accuracy"] == 1.0 and m[f"{kind}_accuracy_among"] == 1.0
     assert m["anchor_chance"] == pytest.approx(1 / 6)
-    assert m["anchor_majority"] == pytest.approx(10 / 60)
+    assert m["anchor_majority"] == pytest.approx(4 / 24)
     assert m["answer_chance"] == pytest.approx(1 / len(task.label_names))
     # a model that always says the first anchor and label: the majority-class floor, no better
     class Constant(Oracle):
@@ -140,8 +141,8 @@ def test_oracle_scores_accuracy_one_and_baselines_are_stated(task):
             out = torch.zeros(*tokens.shape, self.vocab)
             out[..., int(task.anchor_token_ids[0])] = 5.0
             return out
-    c = ck.evaluate(Constant(task), task, batch_size=16)
-    assert c["anchor_accuracy"] == pytest.approx(10 / 60)
+    c = ck.evaluate(Constant(task), task, batch_size=24, max_new_tokens=2)
+    assert c["anchor_accuracy"] == pytest.approx(4 / 24)
     assert c["answer_accuracy"] == 0.0
 
 
