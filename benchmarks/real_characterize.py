@@ -69,7 +69,7 @@ def main() -> None:
     task = ck.load_task("capitals", n_examples=args.n, split="test", tokenizer=model.tokenizer)
     print(f"model {args.model} loaded in {record['load_seconds']} s; task {task}", flush=True)
     if "evaluate" not in skip:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         from circuitkit.evaluation import accuracy_baselines, step_accuracy
 
         hits: dict[str, list[bool]] = {}
@@ -95,15 +95,17 @@ def main() -> None:
                                                       for q in (0.025, 0.975)],
                 share_positive=round(float((v > 0).float().mean()), 3))
         record["evaluate_seconds"] = round(time.perf_counter() - t0, 1)
+        record["evaluate_cpu_seconds"] = round(time.process_time() - c0, 1)  # this process's
         print("accuracy", record["accuracy"], "gaps", record["phase1_gap"], record["phase2_gap"],
               f"({record['evaluate_seconds']} s)", flush=True)
         save()
     if "run" not in skip:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         summary = characterize(model, "capitals", out_dir=out / "run", n_examples=args.n,
                                patch_method=args.method, n_random=args.n_random,
                                n_random_ablation=args.n_random_ablation, progress=True)
         record["characterize_seconds"] = round(time.perf_counter() - t0, 1)
+        record["characterize_cpu_seconds"] = round(time.process_time() - c0, 1)
         record["steps_seconds"] = {k: v["seconds"] for k, v in summary["steps"].items()}
         print(f"characterize: {record['characterize_seconds']} s", record["steps_seconds"],
               flush=True)

@@ -162,3 +162,16 @@ def test_characterize_runs_end_to_end_on_capitals(tokenizer, tmp_path):
     assert len({json.dumps(v, sort_keys=True) for v in summary["samples"].values()}) > 1
     assert (tmp_path / "run" / "report.html").exists()
     assert "GeoNames" in summary["task_config"]["data_notice"]
+
+
+def test_a_model_gets_capitals_in_its_own_tokenizer(tokenizer):
+    """``load_for`` (characterize, score) builds capitals for the model's tokenizer, unasked."""
+    from circuitkit.scoring.text import load_for
+
+    model = ck.load_model(dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=16,
+                               intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               max_position_embeddings=128, seed=0), tokenizer=tokenizer)
+    task, rendered = load_for(model, "capitals", 6, 0, "test", None)
+    assert not rendered and len(task) == 6
+    assert task.vocabulary_problem(model.tokenizer) is None
+    assert int(task.examples[0].tokens[0]) == tokenizer.bos_token_id
