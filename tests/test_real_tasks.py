@@ -175,3 +175,23 @@ def test_a_model_gets_capitals_in_its_own_tokenizer(tokenizer):
     assert not rendered and len(task) == 6
     assert task.vocabulary_problem(model.tokenizer) is None
     assert int(task.examples[0].tokens[0]) == tokenizer.bos_token_id
+
+
+@pytest.mark.slow
+def test_cli_evaluate_capitals_reports_accuracy_against_baselines(tokenizer, tmp_path):
+    """``circuitkit evaluate --task capitals``: built for the model's tokenizer (the model loads
+    first), accuracy beside chance and the majority class."""
+    from typer.testing import CliRunner
+
+    from circuitkit.cli import app
+
+    model = ck.load_model(dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=16,
+                               intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               max_position_embeddings=128, seed=0), tokenizer=tokenizer)
+    folder = ck.models.save_model(model, tmp_path / "tiny", tokenizer=tokenizer)
+    r = CliRunner().invoke(app, ["evaluate", "--model", str(folder), "--task", "capitals",
+                                 "-n", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    metrics = json.loads(r.output[r.output.index("{"):])["metrics"]
+    assert metrics["anchor_chance"] == pytest.approx(1 / 6, abs=1e-4)
+    assert {"answer_accuracy", "answer_majority", "anchor_accuracy_among"} <= set(metrics)
