@@ -39,7 +39,8 @@ def evaluate(
     if as_json:
         return _echo_json(dict(model=model, task=task, n_examples=len(the_task), split=split,
                                seed=seed, metrics={k: round(v, 4) for k, v in scores.items()},
-                               meanings=METRIC_MEANINGS))
+                               meanings={k: METRIC_MEANINGS[k] for k in scores
+                                         if k in METRIC_MEANINGS}))
     typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
     width = max(15, *(len(k) + 1 for k in scores))
     for k, v in scores.items():
