@@ -128,7 +128,8 @@ def main() -> None:
             row = dict(k=args.k, exact_seconds=runs["exact"][1],
                        method_seconds=runs[args.method][1], n_prompts=len(sub),
                        exact_top=sorted(truth), n_verified=len(verified),
-                       recall_in_verified=len(truth & {c[:2] for c in verified}) / args.k,
+                       recall_in_verified=(len(truth & {c[:2] for c in verified}) / args.k
+                                           if verified else None),  # (a hybrid's only)
                        recall_top_k=len(truth & top(screened.values, base, args.k)) / args.k)
             record["recall"][f"phase{phase}"] = row
             print(f"phase {phase} recall", row, flush=True)
