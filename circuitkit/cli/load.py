@@ -26,6 +26,7 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
     """
     import circuitkit as ck
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
+    from circuitkit.tasks import TOKENIZER_TASKS
 
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
         _positive("--n-examples", n_examples, "notes in the run")
@@ -37,9 +38,15 @@ def _load(model: str | None, task: str, n_examples: int | None, seed: int, split
 
             if plain.is_pairs_file(task):
                 return _load_pairs(model, task, n_examples, phase, loader)
-        the_task = ck.load_task(task, n_examples=n_examples if file else n_examples or DEFAULT_N,
-                                seed=seed, split=split, phase=phase,
-                                **({} if corruption == "note" else {"corruption": corruption}))
+        n = n_examples if file else n_examples or DEFAULT_N
+        options = {} if corruption == "note" else {"corruption": corruption}
+        if task in TOKENIZER_TASKS and model is not None:  # text for the model's own tokenizer
+            with hf_progress(progress):
+                the_model = (loader or ck.load_model)(model)
+            return the_model, ck.load_task(task, n_examples=n, seed=seed, split=split,
+                                           phase=phase, tokenizer=the_model.tokenizer, **options)
+        the_task = ck.load_task(task, n_examples=n, seed=seed, split=split, phase=phase,
+                                **options)
         if model is None:
             return None, the_task
         with hf_progress(progress):  # --no-progress: transformers' bars too

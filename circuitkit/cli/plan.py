@@ -80,9 +80,19 @@ def _task_lengths(a):
     (``--plan``): a text task's texts through the model's tokenizer, else the task's own
     tokens."""
     from circuitkit import models
+    from circuitkit.tasks import TOKENIZER_TASKS
     from circuitkit.tasks.text import TEXT_TASKS, prompt_texts, token_counts
 
-    _, the_task = _load(None, a.task, a.n_examples, a.seed, a.split, a.phase, pairs=True)
+    tok = models.local_tokenizer(a.model) if a.task in TOKENIZER_TASKS else None
+    if tok is not None:  # capitals: text in the model's own tokenizer (its files are here)
+        import circuitkit as ck
+
+        with _errors_as_lines(FileNotFoundError, ValueError, OSError):
+            the_task = ck.load_task(a.task, n_examples=a.n_examples or DEFAULT_N, seed=a.seed,
+                                    split=a.split, phase=a.phase, tokenizer=tok)
+    else:
+        _, the_task = _load(None, a.task, a.n_examples, a.seed, a.split, a.phase,
+                            pairs=True)
     the_task = _phase_task(the_task, a.task)
     if the_task.name in TEXT_TASKS:
         return token_counts(prompt_texts(the_task), models.local_tokenizer(a.model))

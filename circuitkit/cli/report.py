@@ -40,11 +40,13 @@ def evaluate(
         return _echo_json(dict(model=model, task=task, n_examples=len(the_task), split=split,
                                seed=seed, metrics={k: round(v, 4) if isinstance(v, float) else v
                                                    for k, v in scores.items()},
-                               meanings=METRIC_MEANINGS))
+                               meanings={k: METRIC_MEANINGS[k] for k in scores
+                                         if k in METRIC_MEANINGS}))
     typer.echo(f"{model} on {task} ({len(the_task)} notes, split {split}, seed {seed})")
+    width = max(15, *(len(k) + 1 for k in scores))
     for k, v in scores.items():
         shown = f"{v:7.4f}" if isinstance(v, float) else str(v)
-        typer.echo(f"  {k:<15}{shown}   {METRIC_MEANINGS.get(k, '')}")
+        typer.echo(f"  {k:<{width}}{shown}   {METRIC_MEANINGS.get(k, '')}")
 
 
 @app.command(short_help="Rewrite a results folder's report.html.")

@@ -184,7 +184,10 @@ def load_for(model: Any, task_name: str, n_examples: int, seed: int, split: str,
     rendered as text (``text_task``) when ``text`` is True, or None and the model's vocabulary
     cannot hold the task's tokens. Returns ``(task, rendered)``."""
     import circuitkit as ck
+    from circuitkit.tasks import TOKENIZER_TASKS
 
+    if task_name in TOKENIZER_TASKS and "tokenizer" not in task_kwargs:  # text for this model
+        task_kwargs = dict(task_kwargs, tokenizer=getattr(model, "tokenizer", None))
     file = str(task_name).endswith(".jsonl")  # a file: its first n_examples rows, at most all
     # a file keeps the phase its header names (a task with answer steps only may store no
     # Phase-1 corruption, and the reverse); the steps ask for each phase with with_phase

@@ -17,7 +17,11 @@ BUILDERS = {
     "icd10": "circuitkit.tasks.icd10",
     "synthetic": "circuitkit.tasks.synthetic",
     "induction": "circuitkit.tasks.induction",
+    "capitals": "circuitkit.tasks.capitals",
 }
+# Built-in tasks written as text for a model's own tokenizer (``load_task(name, tokenizer=...)``:
+# a tokenizer or a model name); the CLI and ``scoring.text.load_for`` pass the model's.
+TOKENIZER_TASKS = ("capitals",)
 
 
 def load_task(
@@ -28,7 +32,9 @@ def load_task(
     phase: int | None = None,
     **kw: Any,
 ) -> Task:
-    """Build a task by name ("icd10", "synthetic", "induction") or load a JSONL file path.
+    """Build a task by name ("icd10", "synthetic", "induction", "capitals") or load a JSONL file
+    path. ``capitals`` is text for a pretrained LLM: ``tokenizer=`` (an HF tokenizer or a model
+    name; default SmolLM2-135M's) (``circuitkit.tasks.capitals``).
 
     ``split="test"`` draws examples held out from ``"train"`` (disjoint generator streams).
     ``n_examples``: notes to build (default 256); for a JSONL file, its first ``n_examples``
@@ -73,4 +79,4 @@ def load_task(
                         split=split, phase=2 if phase is None else phase, **kw)
 
 
-__all__ = ["Example", "Task", "load_task", "word_tokenizer"]
+__all__ = ["Example", "TOKENIZER_TASKS", "Task", "load_task", "word_tokenizer"]
