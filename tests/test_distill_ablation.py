@@ -177,7 +177,7 @@ def test_progress_false_prints_no_bars_and_ties_warn_nothing(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "%|" not in out + err and "Loading weights" not in err, err[-2000:]
     assert not [str(w.message) for w in caught if "every head has the same" in str(w.message)]
-    assert set(frame.metric) == set(METRICS)
+    assert set(frame.metric) == set(METRICS + SHARE_METRICS)
     m = json.loads((tmp_path / "abl" / "runs" / "student-full" / "cot-seed0" / "metrics.json")
                    .read_text())
     fid = ck.load_task("icd10", n_examples=A.SIZES["quick"]["eval_examples"], seed=0,
