@@ -97,7 +97,7 @@ DATA = {"full": 1, "small": 10}  # pool divisor
 TASK_METRICS = ("focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
                 "exact_match")
 # the paper's sentence-embedding Focus and Confusion: in runs.csv when the evaluation returns
-# them (``evaluation.task_set_metrics``), reported as "not measured" otherwise; not required of
+# them (``evaluation.embedding_keys``; NaN without the embed extra: "not measured"); not required of
 # a run (``measured``), so a grid measured without them is not measured again
 EMBEDDING_METRICS = ("focus_embedding", "confusion_embedding")
 # each mechanistic term's effective share of the step (``loss.balanced_gradients``' ``sh_k``),
@@ -273,6 +273,9 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
     out: dict[str, Any] = teacher_forced(hf, test, batch_size)
     gens = decode(hf, test)
     out.update(ev.task_set_metrics(gens, test))
+    # the paper's Focus / Confusion (sentence-embedding cosines; NaN without the embed extra)
+    out.update({k: v for k, v in ev.embedding_keys(test, gens).items()
+                if k in EMBEDDING_METRICS})
     sim_gens = decode(hf, ctx.sim_task)
     for name, sim in (("las", None), ("las_gold_prefit", ctx.gold_sim)):
         res = ev.las(None, test, ctx.sim_task, generations=gens, train_generations=sim_gens,
