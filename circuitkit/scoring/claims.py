@@ -178,6 +178,16 @@ def decision_picture(sweeps: dict[tuple[int, str], Any], held: dict[tuple[int, s
     return out
 
 
+def _removed(no: dict) -> str:
+    """The share of the gap a noised set removes (``-share``) with its interval; "no share" when
+    the degenerate-baseline rule left it undefined (``None``/NaN: the corruption does not lower
+    the metric beyond noise on these notes)."""
+    vals = [no.get(k) for k in ("share", "low", "high")]
+    if any(v is None or v != v for v in vals):
+        return "no share (a degenerate baseline)"
+    return _iv(dict(share=-vals[0], low=-vals[2], high=-vals[1]))
+
+
 def _iv(d: dict[str, float] | None) -> str:
     if not d:
         return "n/a"
@@ -298,12 +308,20 @@ def claims(picture: dict[str, Any], validation: Any = None, causal_validation: A
         if v is None or "noise" not in v or "denoise" not in v:
             continue
         no, de = v["noise"], v["denoise"]
+        if any(x.get(k) is None or x.get(k) != x.get(k) for x in (no, de)
+               for k in ("share", "low", "high")):  # the degenerate-baseline rule: no shares
+            rows.append(dict(claim="restore-degrade", statement=CLAIMS["restore-degrade"]
+                             + f" (Phase {phase})", verdict="not testable here",
+                             evidence=f"Phase {phase}'s corruption does not lower "
+                             f"{v['quantity']} beyond noise on these notes: no share of a gap",
+                             n=v["n"], power=""))
+            continue
         pool = "layer-stratified" if "layer-stratified" in no["pools"] else next(iter(no["pools"]))
         ps = [_p_text(x, pool, "random sets of the same layers" if pool == "layer-stratified"
                       else f"{pool} random sets") for x in (no, de)]
         ev = (f"Phase {phase}'s top {v['k']} by {DESCRIPTIVE[phase]} ({v['heads']}), "
               f"{v['quantity']}: denoised restore {_iv(de)}, {ps[1]}; noised remove "
-              f"{_iv(dict(share=-no['share'], low=-no['high'], high=-no['low']))}, {ps[0]}")
+              f"{_removed(no)}, {ps[0]}")
         restores, degrades = de["low"] > 0, no["high"] < 0
         beyond = all(x["pools"].get(pool, {}).get("p", 1) <= ALPHA for x in (no, de))
         floor = 1 / (no["pools"][pool]["n_random"] + 1)
@@ -372,7 +390,7 @@ def lead_sentences(picture: dict[str, Any]) -> dict[int, list[str]]:
             said = _p_text(no, pool, "random sets of the same layers")
             other = _p_text(no, "all-layers", "all-layer random sets")
             lines.append(f"Patched together (noise) on the {v['n']} held-out notes they remove "
-                         f"{_iv(dict(share=-no['share'], low=-no['high'], high=-no['low']))}; "
+                         f"{_removed(no)}; "
                          + "; ".join(x for x in (said, other) if x) + ".")
         pr = ph.get("precision")
         if pr:
