@@ -236,3 +236,15 @@ def test_a_task_loader_given_pairs_says_where_they_go(tmp_path):
     out = cli(["patch", "--model", "induction-2l", "--task", str(path), "--phase", "1",
                "--out", str(tmp_path / "p")], tmp_path)
     assert out.returncode == 2 and "--phase 1" in out.stderr and "drop --phase" in out.stderr
+
+
+def test_a_pairs_file_with_many_bad_rows_is_a_short_error(tmp_path):
+    """Thousands of bad rows: their count and the first few, not one line each (as task files)."""
+    from circuitkit.tasks.pairs import read_pairs
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"clean": 1}\n' * 5000)
+    with pytest.raises(ValueError) as err:
+        read_pairs(bad)
+    lines = str(err.value).splitlines()
+    assert len(lines) < 40 and "more" in lines[-1] and "problem(s)" in lines[0]

@@ -100,7 +100,9 @@ def read_pairs(path: str | Path, n_examples: int | None = None) -> list[dict[str
         if not bad:
             rows.append((lineno, row))
     if errors:
-        raise ValueError(f"{len(errors)} problem(s) in {path}:\n" + "\n".join(errors))
+        from circuitkit.tasks.jsonl import _problems  # (the first few, the rest counted)
+
+        raise ValueError(_problems(errors, path))
     if not rows:
         raise ValueError(f"{path} holds no pairs; write one JSON object a line: "
                          '{"clean": ..., "corrupt": ..., "answer": ..., "wrong": ...}.')
