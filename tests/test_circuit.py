@@ -521,8 +521,18 @@ def test_report_runs_no_script_from_any_file_it_reads(edges_run, tmp_path):
     path.write_text(json.dumps(bad))
     summary = json.loads((run / "summary.json").read_text())
     steps = summary.pop("steps")
+    closed = json.loads(json.dumps(summary))  # closed-set fields keep their values (below)
     summary = _strings(summary, payload)
     summary["steps"] = steps
+    # closed-set fields of the phase table (a direction) are refused when edited, as circuit.json's
+    # ablation above; every free string around them is shown as text
+    for key in ("phase_table", "lead"):
+        if isinstance(closed.get(key), dict) and "direction" in closed[key]:
+            summary[key]["direction"] = closed[key]["direction"]
+        for p in (1, 2):
+            ph = (closed.get(key) or {}).get(f"phase{p}")
+            if isinstance(ph, dict) and "direction" in ph:
+                summary[key][f"phase{p}"]["direction"] = ph["direction"]
     for st in (summary.get("stability") or {}).values():  # numbers the page prints, too
         st["k"] = f"{st['k']}{payload}"
     agree = (summary.get("scores_attrs") or {}).get("anchor_agreement")

@@ -15,7 +15,13 @@ from typer.testing import CliRunner
 import circuitkit as ck
 from circuitkit.cli import app
 from circuitkit.distill import ablation as A
-from circuitkit.distill.ablation import DEFAULT_VARIANTS, METRICS, SHARE_METRICS, interval
+from circuitkit.distill.ablation import (
+    DEFAULT_VARIANTS,
+    EMBEDDING_METRICS,
+    METRICS,
+    SHARE_METRICS,
+    interval,
+)
 
 
 def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
@@ -30,8 +36,11 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     assert list(dict.fromkeys(frame.variant)) == list(DEFAULT_VARIANTS)
     assert set(zip(frame.student, frame.data, strict=True)) == {("student", "full"),
                                                                 ("student", "small")}
-    assert len(frame) == 2 * len(DEFAULT_VARIANTS) * (len(METRICS) + len(SHARE_METRICS))
-    assert set(frame.metric) == set(METRICS + SHARE_METRICS) and (frame.n_seeds == 1).all()
+    # (plus the paper's embedding metrics where they are defined and the embed extra is there)
+    core = frame[frame.metric.isin(METRICS + SHARE_METRICS)]
+    assert len(core) == 2 * len(DEFAULT_VARIANTS) * (len(METRICS) + len(SHARE_METRICS))
+    assert set(METRICS + SHARE_METRICS) <= set(frame.metric) <= set(
+        METRICS + SHARE_METRICS + EMBEDDING_METRICS) and (frame.n_seeds == 1).all()
     # each term's effective share (balance "share"): its lambda, 0 when off
     share = frame[frame.metric.isin(SHARE_METRICS)].set_index(["data", "variant", "metric"])
     for v in DEFAULT_VARIANTS:
@@ -177,7 +186,8 @@ def test_progress_false_prints_no_bars_and_ties_warn_nothing(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "%|" not in out + err and "Loading weights" not in err, err[-2000:]
     assert not [str(w.message) for w in caught if "every head has the same" in str(w.message)]
-    assert set(frame.metric) == set(METRICS + SHARE_METRICS)
+    assert set(METRICS + SHARE_METRICS) <= set(frame.metric) <= set(
+        METRICS + SHARE_METRICS + EMBEDDING_METRICS)
     m = json.loads((tmp_path / "abl" / "runs" / "student-full" / "cot-seed0" / "metrics.json")
                    .read_text())
     fid = ck.load_task("icd10", n_examples=A.SIZES["quick"]["eval_examples"], seed=0,

@@ -275,7 +275,7 @@ def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> d
     out.update(ev.task_set_metrics(gens, test))
     # the paper's Focus / Confusion (sentence-embedding cosines; NaN without the embed extra)
     out.update({k: v for k, v in ev.embedding_keys(test, gens).items()
-                if k in EMBEDDING_METRICS})
+                if k in EMBEDDING_METRICS and v == v})  # (measured only: a NaN is left out)
     sim_gens = decode(hf, ctx.sim_task)
     for name, sim in (("las", None), ("las_gold_prefit", ctx.gold_sim)):
         res = ev.las(None, test, ctx.sim_task, generations=gens, train_generations=sim_gens,
@@ -953,7 +953,11 @@ def format_table(frame: Any) -> str:
         for m in dict.fromkeys(sub.metric):
             cells_ = []
             for v in variants:
-                r = sub[(sub.variant == v) & (sub.metric == m)].iloc[0]
+                rows = sub[(sub.variant == v) & (sub.metric == m)]
+                if not len(rows):  # (a metric measured for some variants only: the embeddings)
+                    cells_.append("not measured")
+                    continue
+                r = rows.iloc[0]
                 cells_.append(f"{r['mean']:.3f} [{r['ci_low']:.3f},{r['ci_high']:.3f}]")
             lines.append(f"{m:<24}" + "".join(f"{c:>23}" for c in cells_))
         lines.append("")

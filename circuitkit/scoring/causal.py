@@ -208,7 +208,8 @@ def phase_sentences(table: dict[str, Any]) -> list[str]:
                          "columns hold raw effects). Use a corruption that removes the "
                          "behaviour, or more examples.")
             continue
-        groups = ph["carrying_groups"]
+        # (a name the table does not hold, e.g. a summary.json edited by hand, is left out)
+        groups = [g for g in ph["carrying_groups"] if g in ph["groups"]]
         where = ", ".join(f"{g} ({ph['groups'][g]['sum']:.0%}; top {ph['groups'][g]['top'][0][0]}"
                           f" {ph['groups'][g]['top'][0][1]:.0%})" for g in groups)
         carrying = {str(ly) for ly in ph["carrying_layers"]}  # JSON keys are strings

@@ -235,8 +235,12 @@ def _p_text(v: dict[str, Any], pool: str, what: str) -> str:
     got = v["pools"].get(pool)
     if not got:
         return ""
+    if any(got.get(k) is None or got.get(k) != got.get(k) for k in ("p", "p_low", "p_high")):
+        return f"no p against {what} (no share of a gap: a degenerate baseline)"
+    mean = got.get("random_share")
+    mean = "n/a" if mean is None or mean != mean else _pc(mean)
     return (f"p = {_fp(got['p'])} [{_fp(got['p_low'])}, {_fp(got['p_high'])}] against "
-            f"{got['n_random']} {what} (their mean {_pc(got['random_share'])})")
+            f"{got['n_random']} {what} (their mean {mean})")
 
 
 def claims(picture: dict[str, Any], validation: Any = None, causal_validation: Any = None,

@@ -136,6 +136,14 @@ def exact_match_metric(task: Task) -> PromptMetric:
     return PromptMetric(fn, "exact_match", reads=_reads(pos))
 
 
+def _against(k: int, top: Any, pools: list[str]) -> str:
+    """A progress line's words for one top set: against which random sets it runs now (none
+    when every pool of it is settled already)."""
+    if not pools:
+        return f"top-{k} {_fmt(top)} (its random sets settled)"
+    return f"top-{k} {_fmt(top)} vs " + ", ".join(pools) + " random sets"
+
+
 def _carrier(metric: PromptMetric, other: PromptMetric) -> PromptMetric:
     """``metric`` reading ``other``'s logit positions too: the engine's metric when both are
     quantities (the sibling margin reads one answer step, Near-Miss Confusion every one; a
@@ -501,10 +509,9 @@ def validate_selections(model: Any, task: Task, scores: Any,
                     _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
                             len(chunk) * n)
                 else:
-                    said = "; ".join(f"top-{k} {_fmt(top)} vs " + ", ".join(
+                    said = "; ".join(_against(k, top, [
                         f"{min(len(s), c)} {p}" for p, s in pools.items()
-                        if (sel, p) in active) + " random sets"
-                        for sel, (top, pools, _) in per_sel.items())
+                        if (sel, p) in active]) for sel, (top, pools, _) in per_sel.items())
                     _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} "
                          f"prompts ({len(chunk)} distinct sets)")
                     if direction not in engines:
