@@ -23,3 +23,19 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_gpt2():
     return make_model(TINY_GPT2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests listed in tests/slow_tests.txt (measured >= 0.8 s in a full run) are marked
+    ``slow``: ``-m "not slow"`` is the fast subset. The list is data, not a judgement: regenerate
+    it with tests/slow_from_durations.py from a ``--durations=0`` log."""
+    from pathlib import Path
+
+    import pytest
+
+    listed = Path(__file__).with_name("slow_tests.txt")
+    slow = {line.strip() for line in listed.read_text().splitlines()
+            if line.strip() and not line.startswith("#")} if listed.exists() else set()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
