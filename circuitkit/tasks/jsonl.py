@@ -180,7 +180,28 @@ def _check_steps(row: dict[str, Any], head: dict[str, Any]) -> list[str]:
 MAX_PROBLEMS = 20  # lines of a file's problems shown (a 100,000-row file: a 9 MB error, before)
 
 
-def _problems(errors: list[str], path: Any) -> str:
+def checked_lines(lines: list[str], first: int, path: Any,
+                  check: Any) -> tuple[list[tuple[int, Any]], list[str]]:
+    """The JSON objects of ``lines`` (numbered from ``first``; blank ones skipped) that
+    ``check(row) -> [problems]`` accepts, as ``(line number, row)``, and every problem as
+    ``path:line: problem`` (malformed JSON included): the one row loop of every JSONL reader."""
+    rows, errors = [], []
+    for lineno, line in enumerate(lines, start=first):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            errors.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
+            continue
+        bad = check(row)
+        errors += [f"{path}:{lineno}: {b}" for b in bad]
+        if not bad:
+            rows.append((lineno, row))
+    return rows, errors
+
+
+def problems(errors: list[str], path: Any) -> str:
     """The refusal of a file with ``errors``: their count and the first ``MAX_PROBLEMS`` (the
     rest counted, never all printed)."""
     shown = errors[:MAX_PROBLEMS]
@@ -240,25 +261,16 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                          f"reads ({VERSION}); upgrade circuitkit")
     errors += [f"{path}:1: {b}" for b in _check_header(head)]
     if errors:  # the rows cannot be checked against a header that is wrong
-        raise ValueError(_problems(errors, path))
+        raise ValueError(problems(errors, path))
     n_vocab, n_labels, n_anchors = (len(head["vocab"]), len(head["label_names"]),
                                     len(head["anchor_names"]))
-    rows = []
-    for lineno, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            errors.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
-            continue
-        bad = _check_row(row, phase, n_vocab, n_labels, n_anchors, version, head)
-        errors += [f"{path}:{lineno}: {b}" for b in bad]
-        if not bad:
-            row.pop(PHASE_CORRUPT[phase], None)
-            rows.append(row)
+    good, errors = checked_lines(lines[1:], 2, path, lambda row: _check_row(
+        row, phase, n_vocab, n_labels, n_anchors, version, head))
+    rows = [row for _, row in good]
+    for row in rows:
+        row.pop(PHASE_CORRUPT[phase], None)
     if errors:
-        raise ValueError(_problems(errors, path))
+        raise ValueError(problems(errors, path))
     if not rows:
         raise ValueError(f"{path} holds no examples (only a header); add one JSON object per "
                          "example after line 1 (schema: docs/jsonl.md).")

@@ -86,23 +86,11 @@ def read_pairs(path: str | Path, n_examples: int | None = None) -> list[dict[str
         lines = Path(path).read_text(encoding="utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read pairs file {path}: {e}") from None
-    rows, errors = [], []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            errors.append(f"{path}:{lineno}: malformed JSON ({err.msg})")
-            continue
-        bad = _row_problems(row)
-        errors += [f"{path}:{lineno}: {b}" for b in bad]
-        if not bad:
-            rows.append((lineno, row))
-    if errors:
-        from circuitkit.tasks.jsonl import _problems  # (the first few, the rest counted)
+    from circuitkit.tasks.jsonl import checked_lines, problems
 
-        raise ValueError(_problems(errors, path))
+    rows, errors = checked_lines(lines, 1, path, _row_problems)
+    if errors:  # (the first few, the rest counted)
+        raise ValueError(problems(errors, path))
     if not rows:
         raise ValueError(f"{path} holds no pairs; write one JSON object a line: "
                          '{"clean": ..., "corrupt": ..., "answer": ..., "wrong": ...}.')
