@@ -201,18 +201,12 @@ SCALE = {"copy": 2.0, "suppress": 2.0, "uniform": 2.0, "never": 3.0, "retrieve":
 
 
 @torch.no_grad()
-def refine_model(kinds: tuple[str, ...] = REFINE_KINDS):
-    """Layer-1 head ``h`` is of ``kinds[h]`` (zero heads added up to a divisor of d_model)."""
+def blank_llama(cfg: dict, n_ids: int):
+    """(bridge, its HF model) of a Llama ``cfg`` whose weights are all zero but for unit norms
+    and an identity embedding of the first ``n_ids`` token ids: what a planted circuit is
+    written into."""
     from tinymodels import make_model
 
-    kinds = tuple(kinds)
-    while 64 % len(kinds):  # (d_model must be a multiple of the heads: pad with zero heads)
-        kinds += ("zero",)
-    H = len(kinds)
-    cfg = {"model_type": "llama", "vocab_size": RV, "hidden_size": 64, "intermediate_size": 16,
-           "num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": H,
-           "head_dim": RH, "max_position_embeddings": 64, "rope_theta": 1e12,
-           "tie_word_embeddings": False, "seed": 0}
     model = make_model(cfg)
     hf = model.original_model
     for p in hf.parameters():
@@ -221,8 +215,23 @@ def refine_model(kinds: tuple[str, ...] = REFINE_KINDS):
                                    for m in (layer.input_layernorm,
                                              layer.post_attention_layernorm)]:
         norm.weight.fill_(1.0)
+    hf.model.embed_tokens.weight[:, :n_ids] = torch.eye(n_ids)
+    return model, hf
+
+
+@torch.no_grad()
+def refine_model(kinds: tuple[str, ...] = REFINE_KINDS):
+    """Layer-1 head ``h`` is of ``kinds[h]`` (zero heads added up to a divisor of d_model)."""
+    kinds = tuple(kinds)
+    while 64 % len(kinds):  # (d_model must be a multiple of the heads: pad with zero heads)
+        kinds += ("zero",)
+    H = len(kinds)
+    cfg = {"model_type": "llama", "vocab_size": RV, "hidden_size": 64, "intermediate_size": 16,
+           "num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": H,
+           "head_dim": RH, "max_position_embeddings": 64, "rope_theta": 1e12,
+           "tie_word_embeddings": False, "seed": 0}
+    model, hf = blank_llama(cfg, RV)
     emb = hf.model.embed_tokens.weight
-    emb[:, :RV] = torch.eye(RV)
     emb[:, CONST] = 1.0
     W_U = hf.lm_head.weight
     for k in range(8):

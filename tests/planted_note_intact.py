@@ -56,18 +56,10 @@ def task(corruption: str = "note", n: int = 16, seed: int = 0):
 
 @torch.no_grad()
 def _base():
-    from tinymodels import make_model
+    from planted_circuit import blank_llama
 
-    model = make_model(CONFIG)
-    hf = model.original_model
-    for p in hf.parameters():
-        p.zero_()
-    for norm in [hf.model.norm] + [m for layer in hf.model.layers
-                                   for m in (layer.input_layernorm,
-                                             layer.post_attention_layernorm)]:
-        norm.weight.fill_(1.0)
+    model, hf = blank_llama(CONFIG, V)
     emb = hf.model.embed_tokens.weight
-    emb[:, :V] = torch.eye(V)
     emb[:, CONST] = 1.0
     W_U = hf.lm_head.weight
     for k in range(8):
