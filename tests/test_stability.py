@@ -57,25 +57,13 @@ def test_a_rotating_set_is_its_stable_core_plus_one_of():
 
 def _hand_effects(model, base, source, sets, metric):
     """Mean metric change of patching each set's z from ``source`` into ``base``, by plain
-    TransformerLens hooks (no circuitkit engine)."""
-    names = {hooks.z(la) for s in sets for la, _ in s}
-    with torch.no_grad():
-        _, cache = model.run_with_cache(source, names_filter=lambda n: n in names)
-        base_v = metric.per_prompt(model(base)).double()
-    out = []
-    for s in sets:
-        fwd = []
-        for layer in sorted({la for la, _ in s}):
-            heads = [h for la, h in s if la == layer]
+    TransformerLens hooks (no circuitkit engine): test_validate's hooked reference."""
+    from test_validate import reference
 
-            def hook(z, hook, layer=layer, heads=heads):
-                z[:, :, heads] = cache[hooks.z(layer)][:, :, heads]
-                return z
-            fwd.append((hooks.z(layer), hook))
-        with torch.no_grad():
-            v = metric.per_prompt(model.run_with_hooks(base, fwd_hooks=fwd)).double()
-        out.append(float((v - base_v).mean()))
-    return out
+    with torch.no_grad():
+        base_v = metric.per_prompt(model(base)).double()
+        return [float((v.double() - base_v).mean())
+                for v in reference(model, base, source, sets, metric)]
 
 
 def test_the_layer_matched_p_is_a_hand_count_over_every_set_of_the_same_layers(tiny_llama):
