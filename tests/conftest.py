@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -39,3 +41,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+
+
+# a process that holds a folder's lock until it is killed (``holder``)
+HOLD = """
+import sys, time
+from circuitkit.files import lock_folder
+lock = lock_folder(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def holder():
+    """``start(folder)``: another process holding ``folder``'s lock (killed at teardown)."""
+    procs = []
+
+    def start(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)],
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.stdout.readline().strip() == "held"
+        procs.append(proc)
+        return proc
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()

@@ -13,8 +13,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -28,37 +26,10 @@ from circuitkit.cli import app
 from circuitkit.patching.results import PatchResult
 
 PATCH = ["patch", "--model", "induction-2l", "--task", "induction", "-n", "6"]
-HOLD = """
-import sys, time
-from circuitkit.files import lock_folder
-lock = lock_folder(sys.argv[1])
-print("held", flush=True)
-time.sleep(600)
-"""
 
 
 def _cli(args):
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def holder(tmp_path):
-    """``start(folder)``: another process holding ``folder``'s lock (killed at teardown)."""
-    procs = []
-
-    def start(folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)],
-                                stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        assert proc.stdout.readline().strip() == "held"
-        procs.append(proc)
-        return proc
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def _full_disk(monkeypatch, name: str):

@@ -228,13 +228,6 @@ def test_item_11_an_exact_edge_result_edited_is_refused(tiny_llama, tmp_path):
 
 # --- item 2 and the kill -9 claim: one rule for claims and locks ----------------------------------
 
-HOLD = """
-import sys, time
-from circuitkit.files import lock_folder
-lock = lock_folder(sys.argv[1])
-print("held", flush=True)
-time.sleep(600)
-"""
 
 
 def _cli(args):
@@ -245,36 +238,23 @@ def _cli(args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def test_item_2_a_run_refused_by_the_lock_leaves_the_holders_claim_and_lock(tmp_path):
+def test_item_2_a_run_refused_by_the_lock_leaves_the_holders_claim_and_lock(tmp_path, holder):
     """Before: run B wrote its claim, A took the lock, B (refused by it) released its claim on
     exit, deleting A's ``.circuitkit.lock`` (and claim) while A ran: a third command then took
     a new lock and wrote beside A. Now the lock comes first and a claim is released only under
     it."""
-    import os
-    import subprocess
-    import sys
-
     from circuitkit.cli.console import RUN_FILE
     from circuitkit.files import LOCK_NAME
 
     out = tmp_path / "shared"
-    out.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(__import__("pathlib").Path(ck.__file__).parents[1]))
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
-                            env=env, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "held"
-        edges = ["edges", "--model", "induction-2l", "--task", "induction", "-n", "2", "--out",
-                 out]
-        for _ in range(2):  # B, then a third command: both refused, nothing of A's touched
-            r = _cli(edges)
-            assert r.exit_code == 2 and f"in use by another process (pid {proc.pid})" \
-                in r.output, r.output
-            assert (out / LOCK_NAME).read_text() == str(proc.pid)
-            assert not (out / RUN_FILE).exists()
-    finally:
-        proc.kill()
-        proc.wait()
+    proc = holder(out)
+    edges = ["edges", "--model", "induction-2l", "--task", "induction", "-n", "2", "--out", out]
+    for _ in range(2):  # B, then a third command: both refused, nothing of A's touched
+        r = _cli(edges)
+        assert r.exit_code == 2 and f"in use by another process (pid {proc.pid})" \
+            in r.output, r.output
+        assert (out / LOCK_NAME).read_text() == str(proc.pid)
+        assert not (out / RUN_FILE).exists()
 
 
 def test_unclear_a_killed_commands_empty_claim_is_taken_over(tmp_path):
