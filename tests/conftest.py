@@ -71,3 +71,14 @@ def holder():
     for p in procs:
         p.kill()
         p.wait()
+
+
+@pytest.fixture(scope="module")
+def teacher_and_scores():
+    """(icd-teacher, 32 icd10 test notes, their score table without the bootstrap)."""
+    import circuitkit as ck
+    from circuitkit.scoring import score_heads
+
+    model = ck.load_model("icd-teacher")
+    task = ck.load_task("icd10", n_examples=32, split="test")
+    return model, task, score_heads(model, task, progress=False, n_boot=0)

@@ -341,13 +341,6 @@ def test_report_instrument_section_says_which_scores_beat_their_nulls():
                               4) is None
 
 
-@pytest.fixture(scope="module")
-def teacher_and_scores():
-    model = ck.load_model("icd-teacher")
-    task = ck.load_task("icd10", n_examples=32, split="test")
-    return model, task, score_heads(model, task, progress=False, n_boot=0)
-
-
 def test_null_columns_equal_a_recomputation_from_raw_patterns_on_the_teacher(teacher_and_scores):
     """``evidence_mass_own`` (the note split at its ``|`` tokens, the step's target's segment),
     its group-blind null and ``key_preference_positional_null`` (each head's mean attention per

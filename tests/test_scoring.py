@@ -732,13 +732,6 @@ def test_sibling_margin_of_a_head_widening_only_against_another_category():
         assert refine.attended_sum(a, gain, keys[:, 0])[0].item() == pytest.approx(0, abs=1e-7)
 
 
-@pytest.fixture(scope="module")
-def teacher_and_scores():
-    model = ck.load_model("icd-teacher")
-    task = ck.load_task("icd10", n_examples=32, split="test")
-    return model, task, score_heads(model, task, progress=False, n_boot=0)
-
-
 def test_new_columns_equal_a_hook_level_recomputation_on_the_teacher(teacher_and_scores):
     """Issue 34's columns from raw ``run_with_cache`` activations (hook_pattern, hook_result,
     hook_v, W_O, ln_final's input / scale / weight), written here from their definitions: per
