@@ -2,7 +2,8 @@
 
     python benchmarks/attribution_quality.py [--seeds 0 1 2] [--quick] [--out results.json]
 
-One run, every estimator of ``circuitkit.patching.attribution`` (``ESTIMATORS``), both directions,
+One run, every estimator of ``circuitkit.patching.estimators.attribution`` (``ESTIMATORS``), both
+directions,
 site z, all positions, on:
 
 * SmolLM2-135M (30 layers x 9 heads), repeated random tokens: 4 prompts, clean ``[BOS, A, A]``,
@@ -43,7 +44,7 @@ import circuitkit as ck
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.models import configure_threads
 from circuitkit.patching.api import attribution_plus_exact
-from circuitkit.patching.attribution import (
+from circuitkit.patching.estimators.attribution import (
     ESTIMATORS,
     SCREENING_ESTIMATOR,
     attribution_patch_heads,

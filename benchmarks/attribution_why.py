@@ -31,7 +31,7 @@ import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.models import configure_threads
 from circuitkit.patching.api import attribution_plus_exact
-from circuitkit.patching.attribution import (
+from circuitkit.patching.estimators.attribution import (
     SCREENING_ESTIMATOR,
     attribution_patch_heads,
     estimator_passes,

@@ -9,7 +9,7 @@ Llama-3-8B shape in bf16 on the GPU, ``benchmarks/gpu_sweep.build``; ``--tiny``:
 fp32 stand-in on CPU), random tokens with the middle third corrupted, metric: log-prob of each
 prompt's last token; site z, noise direction, all prompts in one call (timings after CUDA
 synchronisation). Per size: seconds of plain AtP, of ``block`` with the MLP called per head, and of
-``block`` through ``patching/head_mlp.py`` (the default when ``head_mlp_pays``), best of
+``block`` through ``patching/exact/head_mlp.py`` (the default when ``head_mlp_pays``), best of
 ``--repeats``, as ratios to AtP in the same process; the largest difference between the two
 ``block`` results (they must agree to rounding); and the pass-equivalents the cost formula
 (``plan.block_screen_passes``) gives for each.
@@ -27,9 +27,9 @@ import torch
 
 import circuitkit as ck
 from circuitkit.models import configure_threads
-from circuitkit.patching import head_mlp
-from circuitkit.patching.attribution import attribution_patch_heads, estimator_passes
 from circuitkit.patching.estimators import block
+from circuitkit.patching.estimators.attribution import attribution_patch_heads, estimator_passes
+from circuitkit.patching.exact import head_mlp
 
 
 def setting(model, n: int, seq: int):

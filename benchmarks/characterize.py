@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import circuitkit as ck  # noqa: E402
-from circuitkit.characterize import characterize  # noqa: E402
+from circuitkit.experiments.characterize import characterize  # noqa: E402
 
 
 def run(fn, model, args, folder: Path) -> tuple[dict, float]:

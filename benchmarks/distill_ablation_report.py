@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from circuitkit.distill.ablation import interval
+from circuitkit.experiments.distill_grid import interval
 
 TASK = ["focus", "confusion", "confusion_rate", "macro_f1", "exact_match", "las",
         "las_gold_prefit"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from circuitkit.distill.ablation import interval
+from circuitkit.experiments.distill_grid import interval
 
 METRICS = ["exact_match", "confusion", "confusion_rate", "focus", "focus_per_step", "macro_f1",
            "las", "las_gold_prefit", "p1_gap", "p2_gap"]

@@ -5,7 +5,7 @@ runs measured so far: each run's ``metrics.json``), or any committed grid's ``ru
 * each mechanistic variant's effective share of the CoT gradient per term (``share_p1``,
   ``share_p2``: the mean over the run's steps of ``|lambda_k s_k g_k| / |c g_CoT|``,
   ``loss.balanced_gradients``), mean [95% interval over seeds];
-* every claim on every definition (``distill.verdicts``): the paired difference against CoT-only
+* every claim on every definition (``experiments.verdicts``): the paired difference against CoT-only
   [95% t-interval], the 80%-power minimal detectable effect, the verdict; "not measured" for a
   definition the runs lack (the embedding-cosine Focus / Confusion until the evaluation returns
   them); one line per claim and variant saying whether the definitions agree;
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from circuitkit.distill import verdicts
-from circuitkit.distill.ablation import (
+from circuitkit.experiments import verdicts
+from circuitkit.experiments.distill_grid import (
     EMBEDDING_METRICS,
     METRICS,
     SHARE_METRICS,

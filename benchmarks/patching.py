@@ -8,8 +8,9 @@ One process, one model, the same inputs and metric for every method (denoise, si
 * ``TL``: ``transformer_lens.patching.get_act_patch_attn_head_out_all_pos`` (its clean cache is
   part of its time);
 * ``exact``: ``circuitkit.patch_heads(method="exact")``, the layer-suffix engine with its fast
-  path (``circuitkit.patching.engine``; on Llama-form models the fused, packed suffix of
-  ``patching/fused.py``), with the task's ``PromptMetric`` (``task.metric``), and with the same
+  path (``circuitkit.patching.exact``; on Llama-form models the fused, packed suffix of
+  ``patching/exact/fused.py``), with the task's ``PromptMetric`` (``task.metric``), and with the
+  same
   metric as a plain user lambda returning the mean (``lambda logits: metric(logits)``) or one
   value per prompt;
 * ``attribution``: ``attribution_patch_heads`` (4 pass-equivalents per prompt: 2 forwards +
@@ -136,7 +137,7 @@ def counted_flops(fn: Callable[[], Any]) -> float:
 def exact_sweep_flops(model: Any, metric: Any, n_prompts: int, seq: int) -> float:
     """Matmul FLOPs of the exact all-positions z sweep on the dense plan (gated MLP): every row
     from position 0. ``benchmarks/gpu_sweep.py`` prices its sweep with it; the fused engine packs
-    rows from the first position base and source differ (``patching/fused.py``), so on prompts
+    rows from the first position base and source differ (``patching/exact/fused.py``), so on prompts
     sharing a prefix this is an upper bound of its work (``counted_flops`` counts it).
 
     One cached run of base and source (``2 n`` rows up to the last read position; unembedding
@@ -197,7 +198,7 @@ def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
     32 tokens, metric: log-prob of the last 8 tokens). Exact costs about ``n_heads * n_layers / 2``
     forward passes (each head's suffix run), attribution about 3 whatever the head count, so
     their ratio grows with the model."""
-    from circuitkit.patching.attribution import attribution_patch_heads
+    from circuitkit.patching.estimators.attribution import attribution_patch_heads
 
     print(f"\nscaling: random Llama, {n_heads} heads per layer, d_model 256, 8 prompts x 32 "
           f"tokens, denoise z, all positions; best of {repeats}")

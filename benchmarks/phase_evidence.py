@@ -39,7 +39,7 @@ import pandas as pd
 
 def run(model: str, seeds: list[int], n: int, n_random: int, out: Path, text: str | None
         ) -> list[Path]:
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     folders = []
     for s in seeds:

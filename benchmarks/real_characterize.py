@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import circuitkit as ck
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

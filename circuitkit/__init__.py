@@ -27,15 +27,16 @@ _EXPORTS = {
         "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
         "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",
-    "validate_heads": "circuitkit.scoring.validate:validate_heads",
-    "ablate_heads": "circuitkit.scoring.validate:ablate_heads",
+    "validate_heads": "circuitkit.experiments.validation:validate_heads",
+    "ablate_heads": "circuitkit.experiments.validation:ablate_heads",
 }
 
 
 # Subpackages and modules reachable as attributes (``ck.patching.PromptMetric``), still lazily.
 _MODULES = ("hooks", "metrics", "models", "tasks", "evaluation", "patching", "files", "viz",
-            "scoring", "characterize", "distill")
+            "scoring", "distill", "experiments")
 _EXPORTS.update({name: f"circuitkit.{name}" for name in _MODULES})
+_EXPORTS["characterize"] = "circuitkit.experiments.characterize"  # the module, as before
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,6 @@
 """circuitkit's warnings attributed to the caller's line: ``warn(message)`` names the first frame
 outside circuitkit (and outside torch's decorators), so a notebook shows the user's own line
-under a warning, not a line of ``scoring/validate.py`` or of ``torch/utils/_contextlib.py``
+under a warning, not a line of ``experiments/validation.py`` or of ``torch/utils/_contextlib.py``
 (a fixed ``stacklevel`` pointed into whichever of them called last)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import circuitkit as ck
-from circuitkit.viz.report import write_report
+from circuitkit.experiments.report import write_report
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example-patch")
 model = ck.load_model("icd-teacher")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from circuitkit.viz.report import describe_written, write_report
+from circuitkit.experiments.report import describe_written, write_report
 
 if len(sys.argv) < 2:
     sys.exit(__doc__)

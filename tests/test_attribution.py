@@ -15,7 +15,7 @@ import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching.api import attribution_plus_exact, verified_mask
-from circuitkit.patching.attribution import attribution_patch_heads
+from circuitkit.patching.estimators.attribution import attribution_patch_heads
 
 TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -403,7 +403,7 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     head's MLP) cannot run there: asking for it is a clear ValueError, and ``attribution+exact``
     screens with plain AtP instead (a RuntimeWarning says so), its verified cells still exact;
     so does ``method="auto"`` after its exact sweep."""
-    from circuitkit.patching.attribution import layer_reruns
+    from circuitkit.patching.estimators.attribution import layer_reruns
 
     m = ck.load_model({"model_type": "opt", "vocab_size": 64, "hidden_size": 32, "ffn_dim": 64,
                        "num_hidden_layers": 2, "num_attention_heads": 4,

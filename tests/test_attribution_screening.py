@@ -23,9 +23,9 @@ import torch
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric, token_margin_metric
-from circuitkit.patching import attribution
 from circuitkit.patching.api import attribution_plus_exact, verified_mask
-from circuitkit.patching.attribution import ESTIMATORS, attribution_patch_heads
+from circuitkit.patching.estimators import attribution
+from circuitkit.patching.estimators.attribution import ESTIMATORS, attribution_patch_heads
 
 D, N_HEADS, D_HEAD, VOCAB, LAYERS = 32, 2, 16, 16, 6
 PAD, ONE, BOS, F, G, U = 0, 9, 10, 11, 12, 13  # residual dimensions; tokens t use dim 1 + t

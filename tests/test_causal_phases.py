@@ -116,8 +116,8 @@ def shared_model():
 def test_phase_table_and_report_say_the_same_head_carries_both(tmp_path):
     import json
 
+    from circuitkit.experiments.report import write_report
     from circuitkit.scoring.causal import phase_sentences, phase_table
-    from circuitkit.viz.report import write_report
 
     table = causal_table(shared_model(), planted_task(24), at="steps")
     pt = phase_table(table, k=2)
@@ -145,7 +145,7 @@ def test_phase_table_and_report_say_the_same_head_carries_both(tmp_path):
     assert evil not in page and page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 2
     # the console findings lead with the same causal picture, the layer named after the JSON
     # round trip (its keys strings, carrying_layers integers) and both samples said
-    from circuitkit.viz.findings import findings, format_findings
+    from circuitkit.experiments.findings import findings, format_findings
 
     found = findings(json.loads((tmp_path / "summary.json").read_text()))
     assert found[0].phase == "causal"
@@ -169,7 +169,7 @@ def test_two_stage_phase_table_says_no_shared_head(two_stage):
 def test_characterize_selects_on_one_sample_and_validates_on_another(tiny_llama, tmp_path):
     import json
 
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     kw = dict(n_examples=8, k=2, n_random=4, text=False, progress=False, report=False,
               task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1)))

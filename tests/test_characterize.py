@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import circuitkit as ck
-from circuitkit.characterize import characterize
+from circuitkit.experiments.characterize import characterize
+from circuitkit.experiments.validation import VALIDATION_COLUMNS
 from circuitkit.scoring.heads import COLUMNS
-from circuitkit.scoring.validate import VALIDATION_COLUMNS
 
 TASK = dict(n_labels=8, children=4, labels_per_note=(1, 1))
 
@@ -295,7 +295,7 @@ def test_a_model_folder_typed_from_another_directory_is_the_same_run(tiny_llama,
     """The identity held the model path as typed and the fingerprint hashed it: the same
     folder from another working directory was refused; the report from elsewhere lost its
     attention views."""
-    from circuitkit.viz.report import write_report
+    from circuitkit.experiments.report import write_report
 
     task = ck.load_task("synthetic", n_examples=4, seed=0, **TASK)
     ck.save_model(tiny_llama, tmp_path / "m", tokenizer=task.tokenizer())

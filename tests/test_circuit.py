@@ -246,7 +246,7 @@ def test_sizes_that_never_reach_the_target_say_so(planted):
 
 @pytest.fixture(scope="module")
 def edges_run(tmp_path_factory, tiny_llama):
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     out = tmp_path_factory.mktemp("circ") / "run"
     with warnings.catch_warnings():
@@ -271,7 +271,7 @@ def _resign(run):
     from safetensors.torch import load_file
 
     from circuitkit import files
-    from circuitkit.patching.result_files import result_digest
+    from circuitkit.patching.results.files import result_digest
 
     for js in [*run.glob("*.json"), *run.glob("edges/*.json")]:
         try:
@@ -393,9 +393,9 @@ def test_fuzzed_circuit_json_is_refused_naming_file_and_field_or_reads_the_same(
     circuit.json: ``read_circuit_json`` refuses each in one line naming the file (and, but for
     truncation, a field), or what it accepts the report's readers use without error (the edge
     section, the circuit graph and the edge finding are built from it)."""
+    from circuitkit.experiments.findings import edge_finding
+    from circuitkit.experiments.report import _edges_section
     from circuitkit.viz.edges import circuit_graph
-    from circuitkit.viz.findings import edge_finding
-    from circuitkit.viz.report import _edges_section
 
     data = read_circuit_json(edges_run / "edges" / "circuit.json")
     rng = random.Random(0)
@@ -403,7 +403,7 @@ def test_fuzzed_circuit_json_is_refused_naming_file_and_field_or_reads_the_same(
     path.parent.mkdir()
     for name in ("edges.json", "edges.safetensors"):
         (path.parent / name).write_bytes((edges_run / "edges" / name).read_bytes())
-    from circuitkit.patching.result_files import result_digest
+    from circuitkit.patching.results.files import result_digest
 
     accepted = refused = 0
     for label, text in _mutations(data, rng, 300):
@@ -437,7 +437,7 @@ def test_fuzzed_circuit_json_is_refused_naming_file_and_field_or_reads_the_same(
 def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     """36.5: the edge finding says what the edges show, with their share of the gap; a small
     share reads as small (and not as 'the phases do not communicate')."""
-    from circuitkit.viz.findings import edge_finding, format_findings
+    from circuitkit.experiments.findings import edge_finding, format_findings
 
     model, task, _ = planted
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
@@ -463,7 +463,7 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     assert "small share" in small.headline and "does not say that the phases do not " \
         "communicate" in small.headline
     # the edges' coverage of their sender's own effect (issue 34), stated beside the share
-    from circuitkit.viz.findings import _pct2
+    from circuitkit.experiments.findings import _pct2
 
     cov = part.meta["coverage"]["overall"]
     assert 0 < cov and f"explain {_pct2(cov)} of their senders' own effect" in text
@@ -472,8 +472,8 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
 def test_characterize_edges_findings_reach_console_and_report(edges_run, tmp_path):
     """``characterize --edges`` on a random model (its corruption is within noise): the edge
     finding says no share can be given, in the console findings and the report's Findings."""
-    from circuitkit.viz.findings import format_findings
-    from circuitkit.viz.report import findings_in
+    from circuitkit.experiments.findings import format_findings
+    from circuitkit.experiments.report import findings_in
 
     line, found = findings_in(edges_run)
     edge = [f for f in found if f.phase == "edges"]

@@ -76,7 +76,7 @@ def test_edges_prints_a_table_not_a_repr(tmp_path):
 
 
 def test_a_warning_names_the_callers_line_not_circuitkits():
-    from circuitkit.scoring.validate import _distinct
+    from circuitkit.experiments.validation import _distinct
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from circuitkit.cli import app
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.results import PatchResult
 
 PATCH = ["patch", "--model", "induction-2l", "--task", "induction", "-n", "6"]
@@ -203,7 +203,7 @@ def test_ctrl_c_says_what_was_kept_for_each_method(tmp_path, monkeypatch, method
     def interrupted(*a, **k):
         raise KeyboardInterrupt
     if method == "attribution":
-        monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads",
+        monkeypatch.setattr("circuitkit.patching.estimators.attribution.estimate_heads",
                             interrupted)
     else:
         monkeypatch.setattr(ExactEngine, "run_chunk", interrupted)
@@ -284,7 +284,7 @@ def test_info_and_plan_agree_on_the_70b_pass_count():
     count, no time). Now info prints sweep_plan's rows: with the same --seq-len and -n (the
     README's `info --model llama3-70b` against `patch --plan --seq-len 512`) every method's
     pass-equivalents and time, the GPUs and the weights are the plan's."""
-    from circuitkit.characterize import DEFAULT_N
+    from circuitkit.experiments.characterize import DEFAULT_N
 
     for seq, n, gpu in ((512, DEFAULT_N, "H100"), (300, 16, "H200")):
         size = ["-n", str(n)] if n != DEFAULT_N else []  # the README's: both at their defaults
@@ -376,7 +376,7 @@ def test_help_fits_80_columns_whole_without_type_tags():
 def test_every_command_has_the_same_model_task_and_n_defaults():
     import typer.main
 
-    from circuitkit.characterize import DEFAULT_N
+    from circuitkit.experiments.characterize import DEFAULT_N
 
     group = typer.main.get_command(app)
     for name in ("patch", "score", "evaluate", "characterize"):
@@ -449,7 +449,7 @@ def test_the_cli_says_a_circuitkit_warning_once_in_one_line(capsys):
     import warnings
 
     from circuitkit.cli import _warnings_as_lines
-    from circuitkit.scoring.validate import random_head_sets
+    from circuitkit.experiments.validation import random_head_sets
 
     with warnings.catch_warnings(record=True) as passed_on:  # what Python would print
         warnings.simplefilter("always")
@@ -569,7 +569,7 @@ def test_a_bar_prints_its_100_percent_line_once_and_warnings_go_above_it(monkeyp
 
     from circuitkit._progress import tqdm
     from circuitkit.cli import _warnings_as_lines
-    from circuitkit.scoring.validate import random_head_sets
+    from circuitkit.experiments.validation import random_head_sets
 
     log = io.StringIO()
     bar = tqdm(total=3, desc="x", file=log, mininterval=0)

@@ -46,9 +46,9 @@ from transformer_lens import patching as tlp
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.characterize import characterize
+from circuitkit.experiments.characterize import characterize
 from circuitkit.patching.api import verified_mask
-from circuitkit.patching.attribution import ESTIMATORS
+from circuitkit.patching.estimators.attribution import ESTIMATORS
 from circuitkit.tasks.base import Example, Task, phase_task
 
 ATOL = 1e-4

@@ -1,4 +1,4 @@
-"""The paper's cumulative-bin experiment (``scoring.bins``): the top heads of a ranking patched
+"""The paper's cumulative-bin experiment (``experiments.bins``): the top heads of a ranking patched
 together in bins 3, 8, 16, ... (capped at the model's heads) beside the lowest-ranked and random
 heads of equal count, at the attention pattern and at z, both directions; every value equal to
 a plain TransformerLens hook loop on a tiny model."""
@@ -10,7 +10,13 @@ import torch
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.scoring.bins import bin_sets, bin_sizes, bin_summary, bins_figure, cumulative_bins
+from circuitkit.experiments.bins import (
+    bin_sets,
+    bin_sizes,
+    bin_summary,
+    bins_figure,
+    cumulative_bins,
+)
 from circuitkit.tasks.base import phase_task
 
 

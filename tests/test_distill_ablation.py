@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 import circuitkit as ck
 from circuitkit.cli import app
-from circuitkit.distill import ablation as A
-from circuitkit.distill.ablation import (
+from circuitkit.experiments import distill_grid as A
+from circuitkit.experiments.distill_grid import (
     DEFAULT_VARIANTS,
     EMBEDDING_METRICS,
     METRICS,
@@ -86,8 +86,8 @@ def test_quick_grid_writes_the_tables_and_resumes(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     pd.testing.assert_frame_equal(pd.read_csv(out / "ablation.csv"), frame)
     # the report's chart and table read the grid: one bar / row per variant and cell
-    from circuitkit.viz import charts
-    from circuitkit.viz.report import ablation_table
+    from circuitkit.experiments import charts
+    from circuitkit.experiments.report import ablation_table
 
     assert len(ablation_table(frame)) == 2 * len(DEFAULT_VARIANTS)
     assert len(charts.ablation_chart(frame).data[0].x) == 2 * len(DEFAULT_VARIANTS)

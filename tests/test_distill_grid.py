@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from circuitkit.cli import app
-from circuitkit.distill import ablation as A
 from circuitkit.distill import train as T
+from circuitkit.experiments import distill_grid as A
 
 GRID = dict(seeds=1, size="quick", students=("student",), progress=False)
 CLI = ["distill", "--ablation", "--quick", "--seeds", "1", "--student-config", "student"]

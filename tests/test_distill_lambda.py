@@ -13,7 +13,6 @@ import torch
 from distill_helpers import TEACHER_P1, TEACHER_P2, hand_scores
 
 from circuitkit.distill import signals
-from circuitkit.distill.ablation import run_shares, variant_of
 from circuitkit.distill.loss import balanced_gradients, student_terms
 from circuitkit.distill.train import (
     HISTORY_COLUMNS,
@@ -22,6 +21,7 @@ from circuitkit.distill.train import (
     prepare_store,
     train_student,
 )
+from circuitkit.experiments.distill_grid import run_shares, variant_of
 from circuitkit.files import write_text
 from circuitkit.training import context_length
 

@@ -149,7 +149,7 @@ def test_a_callback_measures_the_model_training_saves(tmp_path, store_dir):
     match read 0 while the saved student's was 0.30)."""
     from transformers import AutoModelForCausalLM
 
-    from circuitkit.distill.ablation import decode
+    from circuitkit.experiments.distill_grid import decode
 
     task = ck.load_task("icd10", n_examples=4, seed=99, split="train")
     seen = {}

@@ -1,5 +1,5 @@
 """Claims decided per definition (issue 50): the paired intervals and minimal detectable effects
-of ``distill.verdicts`` equal a hand computation from a small ``runs.csv``; a definition not in
+of ``experiments.verdicts`` equal a hand computation from a small ``runs.csv``; a definition not in
 it is "not measured"; a claim refuted on one definition and open on another says so."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pandas as pd
 import pytest
 
-from circuitkit.distill import verdicts
+from circuitkit.experiments import verdicts
 
 # 3 seeds; cot and p1+p2 on two confusion definitions and exact match (no embedding metrics)
 VALUES = {

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import circuitkit as ck
 from circuitkit import files
-from circuitkit.characterize import characterize
 from circuitkit.cli import app
+from circuitkit.experiments.characterize import characterize
 from circuitkit.patching.results import PatchResult
 
 PATCH = ["patch", "--model", "induction-2l", "--task", "induction", "-n", "6"]
@@ -227,7 +227,7 @@ def _characterize(model, out, **kw):
 def test_a_step_whose_file_was_deleted_or_changed_is_recomputed(tiny_llama, tmp_path):
     """Before: a step recorded in summary.json counted as reused even when its file was gone,
     and the report then left that sweep out without a word."""
-    from circuitkit.viz.report import build_report
+    from circuitkit.experiments.report import build_report
 
     out = tmp_path / "run"
     _characterize(tiny_llama, out)
@@ -255,8 +255,8 @@ def test_one_check_of_a_file_against_its_recorded_digest(tmp_path, monkeypatch):
     """characterize's reusable-step check (``step_problem``) and the report's ``read_summary``
     compare a file with its recorded SHA-256 through the one helper, ``files.modified`` (they
     had each their own copy): same verdicts, each in its own words."""
-    from circuitkit.characterize import step_problem
-    from circuitkit.viz.report import read_summary
+    from circuitkit.experiments.characterize import step_problem
+    from circuitkit.experiments.report import read_summary
 
     out = tmp_path / "run"
     out.mkdir()

@@ -39,9 +39,9 @@ import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.patching import faithfulness, shortcuts
-from circuitkit.patching.circuit_graph import CircuitGraph
-from circuitkit.patching.engine import EdgeEngine
+from circuitkit.patching.exact import EdgeEngine
 from circuitkit.patching.results import DegenerateBaselineWarning
+from circuitkit.patching.results.circuit_graph import CircuitGraph
 
 
 def _model(name):
@@ -680,7 +680,7 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     on the Phase-2 metric; a step of its own (resumed), and a section of report.html."""
     import pandas as pd
 
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
     from circuitkit.scoring.heads import top_heads
 
     out = tmp_path / "run"
@@ -700,7 +700,7 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     # the same pairs as paths through everything, at every position and per stage group
     paths = ck.PatchResult.load(out / "edges" / "paths")
     assert paths.axes == ("sender", "receiver", "group")
-    from circuitkit.characterize import stage_groups
+    from circuitkit.experiments.characterize import stage_groups
 
     assert paths.meta["path_groups"] == list(stage_groups(ck.load_task(
         "synthetic", n_examples=8, split="test", **kw["task_kwargs"]).with_phase(2)))

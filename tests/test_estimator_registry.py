@@ -10,8 +10,8 @@ from tinymodels import TINY_LLAMA
 
 import circuitkit as ck
 from circuitkit import models
-from circuitkit.patching import api, attribution, plan
-from circuitkit.patching.estimators import registry
+from circuitkit.patching import api, plan
+from circuitkit.patching.estimators import attribution, registry
 from circuitkit.patching.estimators.common import BatchOut, _plain_run
 from circuitkit.patching.estimators.costs import CostShape
 

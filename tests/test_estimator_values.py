@@ -1,5 +1,5 @@
 """Every attribution estimator's values against a fixture written by the code before the
-estimator registry (``circuitkit/patching/attribution.py`` at main 0ca20da).
+estimator registry (``circuitkit/patching/estimators/attribution.py`` at main 0ca20da).
 
 The fixture was written on another machine: float32 results differ between CPUs (vector widths,
 fused multiply-adds, SLEEF kernels; FIELD-NOTES measured <= 2.4e-7 on an AVX-512 EPYC), so the
@@ -72,7 +72,7 @@ def prompts(model):
 
 
 def head_values(model, case) -> dict[str, torch.Tensor]:
-    from circuitkit.patching.attribution import attribution_patch_heads
+    from circuitkit.patching.estimators.attribution import attribution_patch_heads
 
     _, est, site, positions, direction, kw = case
     clean, corrupt, metric = prompts(model)

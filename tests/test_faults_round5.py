@@ -219,7 +219,7 @@ def test_item_11_an_exact_edge_result_edited_is_refused(tiny_llama, tmp_path):
     assert "digest" in _refused(EdgeResult.load, js, edit_tensors=plus5)
     assert "digest" in _refused(EdgeResult.load, js, edit_tensors=times10)
     # a file written before digests (format 1) still loads, and says it is unchecked
-    from circuitkit.patching.result_files import UncheckedResultWarning
+    from circuitkit.patching.results.files import UncheckedResultWarning
 
     _edit_json(js, lambda i: (i.pop("digest"), i.__setitem__("version", 1)))
     with pytest.warns(UncheckedResultWarning, match="before result files carried a digest"):
@@ -439,8 +439,8 @@ def test_issue44_item_4_top_refuses_k_below_one(tiny_llama):
 def test_item_7_repeated_rows_are_not_validated_as_held_out():
     """Before: a JSONL task with duplicate rows gave selection and validation samples with the
     same hash in summary.json, and the findings said "validated on the held-out 12-23"."""
-    from circuitkit.characterize import selection_samples
-    from circuitkit.viz.findings import run_line
+    from circuitkit.experiments.characterize import selection_samples
+    from circuitkit.experiments.findings import run_line
 
     task = load_task("synthetic", n_examples=24, seed=1, n_labels=60, children=4)
     twice = task.subset(list(range(12)) * 2)  # rows 12-23 repeat rows 0-11
@@ -496,9 +496,9 @@ def test_item_9_no_share_of_a_gap_the_corruption_does_not_open(tiny_llama):
 
     import pandas as pd
 
-    from circuitkit.characterize import causal_validation
+    from circuitkit.experiments.characterize import causal_validation
+    from circuitkit.experiments.findings import causal_validation_lines
     from circuitkit.scoring.causal import phase_sentences
-    from circuitkit.viz.findings import causal_validation_lines
 
     clean, _ = _pair()
     half = torch.zeros_like(clean, dtype=torch.bool)
@@ -546,7 +546,7 @@ def test_unclear_a_nan_on_some_patched_runs_names_its_prompt_and_variant():
     """Before: the refusal printed the first 8 values (no NaN among them) and named no prompt
     or variant."""
     from circuitkit.metrics import at_answers
-    from circuitkit.patching.engine_checks import evaluate_metric
+    from circuitkit.patching.exact.checks import evaluate_metric
 
     m = at_answers(_last, torch.full((4,), 2)).select(list(range(4)) * 3)  # 3 variants
     logits = torch.zeros(12, 5, 64)

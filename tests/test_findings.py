@@ -1,4 +1,5 @@
-"""viz.findings: the run's findings in words, read from the frames a run writes (validate_heads,
+"""experiments.findings: the run's findings in words, read from the frames a run writes
+(validate_heads,
 score_heads, PatchResult), with the p-value's floor stated and a strong patching cell outside the
 score ranking explained."""
 
@@ -9,8 +10,13 @@ import pytest
 import torch
 
 import circuitkit as ck
+from circuitkit.experiments.findings import (
+    findings,
+    floor_note,
+    strongest_cell,
+    validation_sentence,
+)
 from circuitkit.patching.results import PatchResult
-from circuitkit.viz.findings import findings, floor_note, strongest_cell, validation_sentence
 
 
 def rows(ps: dict[tuple[str, str], float], n_random: int = 20, k: int = 3) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from circuitkit.viz.findings import findings, format_findings, holm
+from circuitkit.experiments.findings import findings, format_findings, holm
 
 
 def _validation(n_prompts: int, p: float, n_random: int = 200) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""The fused Llama-form suffix (``patching/fused.py``): the engine's fast path on Llama (GQA),
+"""The fused Llama-form suffix (``patching/exact/fused.py``): the engine's fast path on Llama (GQA),
 Qwen2 (q/k/v biases) and Mistral blocks, checked against TransformerLens's own patching
 functions on prompts built to exercise the packing: base and source share prefixes of different
 lengths (rows start late), prompts read different positions (rows end at different places), one
@@ -16,8 +16,8 @@ from transformer_lens import patching as tlp
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
-from circuitkit.patching import engine as engine_module
-from circuitkit.patching import fused
+from circuitkit.patching import exact as engine_module
+from circuitkit.patching.exact import fused
 
 # random tiny models barely separate clean from corrupt: that warning is not what these check
 pytestmark = pytest.mark.filterwarnings("ignore::circuitkit.patching.results."

@@ -1,4 +1,5 @@
-"""The block estimator's all-heads MLP formula (``patching/head_mlp.py``) against the MLP module
+"""The block estimator's all-heads MLP formula (``patching/exact/head_mlp.py``) against the MLP
+module
 called once per head: the same numbers (float32, rtol 1e-4), on a gated RMSNorm Llama and a
 LayerNorm GELU GPT-2 with biases; the guard that falls back to the module when the formula does
 not describe the block; and whole block estimates with the formula on and off."""
@@ -13,9 +14,14 @@ import torch
 from tinymodels import TINY_LLAMA
 
 import circuitkit as ck
-from circuitkit.patching import attribution, head_mlp
-from circuitkit.patching.attribution import _head_writes, _mlp_change, attribution_patch_heads
+from circuitkit.patching.estimators import attribution
 from circuitkit.patching.estimators import block as block_estimator
+from circuitkit.patching.estimators.attribution import (
+    _head_writes,
+    _mlp_change,
+    attribution_patch_heads,
+)
+from circuitkit.patching.exact import head_mlp
 
 
 def module_readout(model, layer, dz, r, g, dr=None):

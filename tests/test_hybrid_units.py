@@ -15,7 +15,7 @@ from tinymodels import TINY_LLAMA, make_model
 
 import circuitkit as ck
 from circuitkit.patching import hybrid
-from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from circuitkit.patching.exact import EdgeEngine, ExactEngine
 from circuitkit.patching.results import DegenerateBaselineWarning
 
 
@@ -243,7 +243,7 @@ def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model
 
     def no_screen(*a, **k):
         raise AssertionError("the stored screen was recomputed")
-    monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads", no_screen)
+    monkeypatch.setattr("circuitkit.patching.estimators.attribution.estimate_heads", no_screen)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "not usable; screening again" would fail
         warnings.simplefilter("ignore", DegenerateBaselineWarning)
@@ -288,7 +288,7 @@ sys.path.insert(0, {tests!r})
 warnings.simplefilter("ignore")
 import torch
 import circuitkit as ck
-from circuitkit.patching.engine import EdgeEngine, ExactEngine
+from circuitkit.patching.exact import EdgeEngine, ExactEngine
 from _scale import TINY_GQA8, induction
 from tinymodels import TINY_LLAMA, make_model
 engine = ExactEngine if {kind!r} == "heads" else EdgeEngine

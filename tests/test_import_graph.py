@@ -123,8 +123,8 @@ RULES = [  # (importer prefix, forbidden prefix)
 # The one sanctioned exception: ``PatchResult.heatmap()`` and ``EdgeResult.heatmap()`` (public view
 # methods, DESIGN) import their figure functions from viz when called; viz.heatmaps imports
 # nothing of patching, so no cycle.
-ALLOWED = {("circuitkit.patching.patch_result", "circuitkit.viz.heatmaps"),
-           ("circuitkit.patching.edge_result", "circuitkit.viz.heatmaps")}
+ALLOWED = {("circuitkit.patching.results.patch_result", "circuitkit.viz.heatmaps"),
+           ("circuitkit.patching.results.edge_result", "circuitkit.viz.heatmaps")}
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -132,3 +132,38 @@ def test_lower_layers_never_import_higher_ones():
            for low, high in RULES
            if mod.startswith(low) and imp.startswith(high) and (mod, imp) not in ALLOWED]
     assert not bad, bad
+
+
+# The experiments wing sits above the core: the core (every circuitkit module but the package's
+# own facade, experiments/ and cli/) never imports it, not even through a lazy export's string.
+ABOVE_CORE = ("circuitkit.experiments", "circuitkit.cli")
+
+
+def core_modules() -> list[str]:
+    return [m for m in graph() if m != "circuitkit" and not m.startswith(ABOVE_CORE)]
+
+
+def lazy_targets(module: str) -> set[str]:
+    """The modules a package's lazy ``_EXPORTS`` strings name ("module:attr" or "module")."""
+    path = ROOT.parent / Path(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("circuitkit."):
+            out.add(node.value.partition(":")[0])
+    return out
+
+
+def test_the_core_never_imports_the_experiments():
+    g = graph()
+    bad = [(m, i) for m in core_modules() for i in g[m] | lazy_targets(m)
+           if i.startswith("circuitkit.experiments")]
+    assert not bad, bad
+
+
+def test_the_experiments_rule_can_fail():
+    # a planted core module naming experiments in an export string is caught
+    assert any(t.startswith("circuitkit.experiments") for t in lazy_targets("circuitkit"))
+    assert "circuitkit.patching.api" in core_modules()
+    assert not any(m.startswith("circuitkit.experiments") for m in core_modules())

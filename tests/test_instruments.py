@@ -331,7 +331,7 @@ def test_instrument_table_agreement_and_verdicts():
 
 
 def test_report_instrument_section_says_which_scores_beat_their_nulls():
-    from circuitkit.viz.report import instrument_section
+    from circuitkit.experiments.report import instrument_section
 
     html = instrument_section(_frame(), {}, 4)
     assert "cannot beat its null" in html and "spearman_<wbr>causal" in html

@@ -440,7 +440,7 @@ def test_exact_engine_fast_path_on_pretrained_smollm2(smollm2):
     fast path, including queries-at-reads attention in the last block, and chunks of the first,
     a middle and the last layer equal the plain hooked path (tolerance 1e-4 on log-probs)."""
     from circuitkit.metrics import token_logprob_metric
-    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.exact import ExactEngine
     from circuitkit.patching.sweep import Sweep
 
     g = torch.Generator().manual_seed(0)
@@ -590,7 +590,7 @@ def test_pickle_weights_are_refused_in_one_line_never_loaded(tmp_path, monkeypat
     import importlib.util
 
     if importlib.util.find_spec("nnsight") is not None:  # backend="nnsight" loads on its own
-        from circuitkit.patching import nnsight_backend
+        from circuitkit.patching.exact import nnsight as nnsight_backend
 
         with pytest.raises(models.PickleWeightsError, match="only as a pickle"):
             nnsight_backend.load(str(folder))

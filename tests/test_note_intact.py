@@ -237,8 +237,8 @@ def test_validation_runs_on_note_intact_corruptions():
     """validate_heads reads each phase's metric and its behaviour measure in one engine, though
     they read different steps (shortlist_anchor_margin: a shortlist step, Focus: the anchor
     steps; edited_sibling_margin: one answer step, Confusion: every one)."""
+    from circuitkit.experiments.validation import validate_heads
     from circuitkit.scoring import score_heads
-    from circuitkit.scoring.validate import validate_heads
 
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=6, seed=3, split="test",

@@ -58,10 +58,10 @@ def _weights(seed):
 
 def _null(model, top, pools, direction="noise"):
     """Per pool: ``effect_stats`` of ``top`` against ``N_RANDOM`` random sets of that pool."""
+    from circuitkit.experiments.validation import effect_stats, random_head_sets
     from circuitkit.metrics import as_metric
-    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.exact import ExactEngine
     from circuitkit.patching.sweep import Sweep
-    from circuitkit.scoring.validate import effect_stats, random_head_sets
 
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(6, 16, (12, 8), generator=g)
@@ -112,6 +112,6 @@ def test_truly_special_top_set_beats_the_stratified_null():
 def test_validate_default_draws_1000_sets():
     import inspect
 
-    from circuitkit.scoring.validate import validate_heads
+    from circuitkit.experiments.validation import validate_heads
 
     assert inspect.signature(validate_heads).parameters["n_random"].default >= 1000

@@ -25,8 +25,9 @@ def test_one_derangement():
     """``head_sets.derangement`` (also ``engine.derangement``) is the one seeded derangement
     (``circuit``'s resample and ``ablate_heads``' draw the same pairing from one seed)."""
     found = hits(r"def derangement\(")
-    assert len(found) == 1 and found[0].startswith("patching/head_sets.py:"), found
-    from circuitkit.patching import engine, head_sets
+    assert len(found) == 1 and found[0].startswith("patching/exact/head_sets.py:"), found
+    from circuitkit.patching import exact as engine
+    from circuitkit.patching.exact import head_sets
 
     assert engine.derangement is head_sets.derangement
     assert hits(r"argsort\(perm\)|roll\(perm") == []
@@ -94,8 +95,9 @@ def test_node_names_round_trip():
 def test_mean_has_one_meaning():
     """"mean" (ablate_heads, run_head_sets: a head's z over prompts and positions) is not
     ck.circuit's per-position mean, which is "position-mean"."""
-    from circuitkit.patching import engine, faithfulness, results
-    from circuitkit.scoring import validate
+    from circuitkit.experiments import validation as validate
+    from circuitkit.patching import exact as engine
+    from circuitkit.patching import faithfulness, results
 
     assert "mean" in validate.ABLATIONS and "mean" in engine.HEAD_SET_SOURCES
     assert "mean" not in faithfulness.ABLATIONS and "position-mean" in faithfulness.ABLATIONS

@@ -13,8 +13,8 @@ from transformer_lens import patching as tlp
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.patching import engine as engine_module
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching import exact as engine_module
+from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.sweep import Sweep, chunked
 
 ATOL = 1e-4
@@ -146,7 +146,7 @@ def test_plain_callable_metric(tiny_llama, task):
 def test_suffix_runs_skip_earlier_blocks(tiny_llama, task, fast, monkeypatch):
     """The whole point of the engine: a patch at layer l runs blocks l.. only, as bridge blocks
     (plain path) or as fused blocks (the fast path on a Llama-form model)."""
-    from circuitkit.patching import fused
+    from circuitkit.patching.exact import fused
 
     calls: list[int] = []
     handles = [b.original_component.register_forward_pre_hook(
@@ -219,7 +219,8 @@ def test_kv_without_gqa_info_is_refused(tiny_llama, task):
 def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
     """patch_heads forwards method="attribution"/"attribution+exact" with its arguments (the
     hybrid: the head units' ``Screenable`` to ``hybrid.screen_then_verify``)."""
-    from circuitkit.patching import attribution, hybrid
+    from circuitkit.patching import hybrid
+    from circuitkit.patching.estimators import attribution
 
     seen = {}
     args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())

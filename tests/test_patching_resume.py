@@ -15,7 +15,7 @@ import torch
 
 import circuitkit as ck
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.exact import ExactEngine
 
 TESTS = Path(__file__).parent
 SWEEP = dict(positions="each", site="z", batch_size=6)  # 3 layers x 24 chunks, 2 variants each

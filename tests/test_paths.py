@@ -194,7 +194,7 @@ def test_bad_input_is_one_line():
         ck.patch_paths(model, clean, corrupt, _metric, [(0, 9)], [(1, 0)])
 
 
-@pytest.mark.filterwarnings("ignore::circuitkit.patching.patch_result.DegenerateBaselineWarning")
+@pytest.mark.filterwarnings("ignore::circuitkit.patching.results.patch_result.DegenerateBaselineWarning")
 def test_a_path_result_saves_and_loads(tmp_path):
     import circuitkit as ck
     from circuitkit.patching.results import PatchResult
@@ -238,7 +238,7 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     that do not apply."""
     import circuitkit as ck
     from circuitkit.models import architecture
-    from circuitkit.patching.path_engine import PathEngine
+    from circuitkit.patching.exact.paths import PathEngine
     from circuitkit.patching.plan import price
 
     model = _random_llama()
@@ -288,7 +288,7 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
         price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "attribution")
 
 
-@pytest.mark.filterwarnings("ignore::circuitkit.patching.patch_result.DegenerateBaselineWarning")
+@pytest.mark.filterwarnings("ignore::circuitkit.patching.results.patch_result.DegenerateBaselineWarning")
 def test_a_path_result_reads_by_name_and_refuses_in_one_line():
     """Its frame names senders, receivers and groups (``labels``); ``top`` leaves out the
     no-route cells; a method other than exact, and a head outside the model, are one line

@@ -120,7 +120,7 @@ def test_random_mask_equals_hook_reference(tiny_llama, task, direction, site):
 
 def test_fused_and_plain_paths_agree(tiny_llama, task):
     """The fused fast path (Llama form) and the plain hooked path give the same group values."""
-    from circuitkit.patching import engine as engine_module
+    from circuitkit.patching import exact as engine_module
     from circuitkit.patching import groups
     from circuitkit.patching.sweep import chunked, make_sweep
 

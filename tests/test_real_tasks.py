@@ -150,7 +150,7 @@ def test_oracle_scores_accuracy_one_and_baselines_are_stated(task):
 def test_characterize_runs_end_to_end_on_capitals(tokenizer, tmp_path):
     """The main job on the capitals task (a tiny random Llama over SmolLM2's vocabulary: the
     pipeline, not the science): both phases' sweeps, scores, held-out validation, findings."""
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     model = ck.load_model(dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=32,
                                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

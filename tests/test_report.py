@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 import torch
 
+from circuitkit.experiments import report as report_mod
 from circuitkit.patching.results import PatchResult
-from circuitkit.viz import report as report_mod
 
 N_LAYERS, N_HEADS = 4, 8  # the shipped teacher's shape (attention views load it)
 
@@ -233,7 +233,7 @@ def test_report_in_chromium(full_report, tmp_path):
 
 
 def test_report_of_an_unfinished_characterize_run_says_so(tmp_path):
-    from circuitkit.characterize import STEPS
+    from circuitkit.experiments.characterize import STEPS
 
     def summary(done, complete):
         return dict(identity=dict(model="icd-teacher", task="icd10"), steps_expected=STEPS,

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 from tinymodels import TINY_GPT2, make_model
 
 import circuitkit as ck
-from circuitkit.patching.result_files import _nulls_as_nan, json_ready, result_digest
 from circuitkit.patching.results import MEAN_RTOL, EdgeResult, PatchResult
+from circuitkit.patching.results.files import _nulls_as_nan, json_ready, result_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore::circuitkit.patching.results."
                                         "DegenerateBaselineWarning")

@@ -74,7 +74,7 @@ def test_edges_refuses_another_seed_before_loading(tmp_path, monkeypatch):
 
 
 def test_characterize_refuses_another_n_before_loading(tmp_path, monkeypatch):
-    import circuitkit.characterize as characterize
+    import circuitkit.experiments.characterize as characterize
 
     out = tmp_path / "c"
 
@@ -171,7 +171,7 @@ def _induction():
 
 
 def test_the_resume_line_of_an_overwrite_run_does_not_overwrite(tmp_path, monkeypatch):
-    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.exact import ExactEngine
 
     out = tmp_path / "p"
     assert run([*PATCH, "-n", "6", "--out", str(out)]).exit_code == 0
@@ -188,7 +188,7 @@ def test_the_resume_line_of_an_overwrite_run_does_not_overwrite(tmp_path, monkey
 def test_a_claim_with_nothing_behind_it_is_taken_over_whatever_its_flags(tmp_path, monkeypatch):
     """A run killed before it wrote anything left only its claim (and lock): nothing to resume,
     so a run with other flags takes the folder over instead of being refused (issue 49)."""
-    import circuitkit.characterize as characterize
+    import circuitkit.experiments.characterize as characterize
 
     out = tmp_path / "c"
 

@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 import circuitkit as ck
 from circuitkit.cli import app
-from circuitkit.patching import api, attribution
+from circuitkit.patching import api
 from circuitkit.patching import plan as P
-from circuitkit.patching.attribution import SCREENING_ESTIMATOR, attribution_patch_heads
+from circuitkit.patching.estimators import attribution
+from circuitkit.patching.estimators.attribution import SCREENING_ESTIMATOR, attribution_patch_heads
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_auto_runs_no_extra_screen_unless_the_recall_is_asked_for(model, task, e
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
-    monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads", counted)
+    monkeypatch.setattr("circuitkit.patching.estimators.attribution.estimate_heads", counted)
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          method="auto", top_k=5, progress=False)
     assert not calls and res.meta["auto"]["screening"]["recall"] is None

@@ -12,7 +12,7 @@ from _scale import TINY_GQA8, induction
 
 import circuitkit as ck
 from circuitkit.patching import api
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.exact import ExactEngine
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_interrupted_hybrid_resumes_to_the_uninterrupted_result(model, task, tmp
 
     def no_screen(*a, **k):
         raise AssertionError("the stored screen was recomputed")
-    monkeypatch.setattr("circuitkit.patching.attribution.estimate_heads", no_screen)
+    monkeypatch.setattr("circuitkit.patching.estimators.attribution.estimate_heads", no_screen)
     calls = counting(monkeypatch)
     got = hybrid(model, task, batch_size=8, checkpoint=tmp_path)
     assert 0 < len(calls) < n_calls  # only what the first run had not finished

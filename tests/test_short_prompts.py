@@ -16,7 +16,7 @@ from transformer_lens import patching as tlp
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
-from circuitkit.patching import fused
+from circuitkit.patching.exact import fused
 
 # random tiny models barely separate clean from corrupt: that warning is not what these check
 pytestmark = pytest.mark.filterwarnings("ignore::circuitkit.patching.results."
@@ -148,7 +148,7 @@ def test_cached_per_model_probes_never_read_the_callers_prompts(monkeypatch):
     """The verdicts cached once per model (``hooks.check_patchable``, attribution's
     ``layer_reruns``) are computed on ``hooks.probe_tokens`` (8 seeded ids), whatever prompt the
     first call brings: a 1-token first call runs them on 8 positions."""
-    from circuitkit.patching import attribution
+    from circuitkit.patching.estimators import attribution
 
     model = fresh(LLAMA)
     seen: list[int] = []

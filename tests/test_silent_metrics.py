@@ -277,7 +277,7 @@ def test_a_raised_metric_warns_once_in_the_cli(teacher, raised, tmp_path):
 
 
 def test_characterize_warns_once_per_phase(teacher, raised, tmp_path):
-    from circuitkit.characterize import characterize
+    from circuitkit.experiments.characterize import characterize
 
     path = tmp_path / "raised.jsonl"
     raised.to_jsonl(path)

@@ -15,9 +15,9 @@ import torch
 
 import circuitkit as ck
 from circuitkit import hooks
-from circuitkit.scoring.claims import claims
-from circuitkit.scoring.stability import bootstrap_inclusion, core_phrase, stable_core
-from circuitkit.scoring.validate import validate_heads
+from circuitkit.experiments.claims import claims
+from circuitkit.experiments.stability import bootstrap_inclusion, core_phrase, stable_core
+from circuitkit.experiments.validation import validate_heads
 from circuitkit.tasks.base import phase_task
 
 
@@ -137,7 +137,7 @@ def test_claims_say_not_testable_for_a_note_editing_corruption_and_decide_otherw
 def test_two_selections_in_shared_runs_equal_their_own_calls(tiny_llama):
     """validate_selections runs the score and the causal top sets' distinct sets in one run per
     (phase, direction); each frame equals its own validate_heads call."""
-    from circuitkit.scoring.validate import validate_selections
+    from circuitkit.experiments.validation import validate_selections
 
     task = ck.load_task("synthetic", n_examples=8, n_labels=8, children=4,
                         labels_per_note=(1, 1), split="test", seed=6)
@@ -167,7 +167,7 @@ def test_two_selections_in_shared_runs_equal_their_own_calls(tiny_llama):
 
 
 def test_the_findings_lead_with_where_each_phase_is_decided_and_the_claims():
-    from circuitkit.viz.findings import findings, format_findings
+    from circuitkit.experiments.findings import findings, format_findings
 
     tri = dict(share=0.5, low=0.4, high=0.6)
     ph = _phase(edited=True)
@@ -194,7 +194,7 @@ def test_a_sequential_validation_stops_a_settled_pool_and_equals_a_shorter_draw(
     Phase 2's all-layers pool holds its mover, as strong (not settled: all 7 sets)."""
     from planted_circuit import planted_model, planted_task
 
-    from circuitkit.scoring import validate
+    from circuitkit.experiments import validation as validate
     from circuitkit.scoring.heads import score_heads
 
     model, task = planted_model(), planted_task(24)

@@ -170,7 +170,7 @@ def test_units_know_their_plan_from_the_config():
 def test_a_checkpoint_of_patch_heads_resumes_through_patch(tiny_llama, tmp_path, monkeypatch):
     """The same sweep identity whichever road wrote it: ``ck.patch`` over ``HeadUnits`` reuses
     every chunk ``patch_heads`` stored (no engine chunk runs) and gives the same values."""
-    from circuitkit.patching.engine import ExactEngine
+    from circuitkit.patching.exact import ExactEngine
 
     clean, corrupt = pair()
     want = quiet(ck.patch_heads, tiny_llama, clean, corrupt, margin, checkpoint=tmp_path,

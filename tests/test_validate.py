@@ -21,10 +21,7 @@ from planted_circuit import (
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.evaluation import confusion_from_logits, focus_from_logits
-from circuitkit.patching.engine import ExactEngine
-from circuitkit.patching.sweep import Sweep
-from circuitkit.scoring.heads import score_heads, top_heads
-from circuitkit.scoring.validate import (
+from circuitkit.experiments.validation import (
     ABLATION_COLUMNS,
     VALIDATION_COLUMNS,
     ablate_heads,
@@ -34,6 +31,9 @@ from circuitkit.scoring.validate import (
     random_head_sets,
     validate_heads,
 )
+from circuitkit.patching.exact import ExactEngine
+from circuitkit.patching.sweep import Sweep
+from circuitkit.scoring.heads import score_heads, top_heads
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_layer_stratified_pool_and_monte_carlo_interval():
     """layer-stratified sets keep the top set's per-layer counts, are drawn from every head of
     those layers (top heads included), distinct, seeded, never the top set; pools are checked.
     mc_interval is the Clopper-Pearson interval (values from scipy.stats.beta, 1e-9)."""
-    from circuitkit.scoring.validate import mc_interval
+    from circuitkit.experiments.validation import mc_interval
 
     top = [(0, 1), (2, 3), (2, 0)]
     sets = random_head_sets(top, n_heads=4, n_random=500, seed=2, n_layers=3,
@@ -259,7 +259,7 @@ def test_ablation_sources_equal_hand_hooked_runs(tiny_llama, synth, fast):
     packed: fast=None on this Llama-form model) against a plain run_with_hooks that writes the
     same z by hand (mean: over every prompt's positions up to its last read; resample: the
     engine's derangement of the prompts). atol 1e-5 (float order differs)."""
-    from circuitkit.patching.engine import derangement
+    from circuitkit.patching.exact import derangement
 
     model, metric = tiny_llama, synth.metric
     clean = synth.clean_tokens
@@ -580,7 +580,7 @@ def test_a_wrong_fused_head_set_path_is_caught_by_its_probe(synth, monkeypatch):
     hooked path gives the right values."""
     from tinymodels import TINY_LLAMA, make_model
 
-    from circuitkit.patching import head_sets
+    from circuitkit.patching.exact import head_sets
 
     model = make_model(TINY_LLAMA)  # a fresh object: its own fast-path verdicts
     clean, corrupt, metric = synth.clean_tokens, synth.corrupt_tokens, synth.metric

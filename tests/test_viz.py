@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
+from circuitkit.experiments import charts
 from circuitkit.patching.results import PatchResult
-from circuitkit.viz import charts, heatmaps
+from circuitkit.viz import heatmaps
 
 META = {"model_name": "icd-teacher", "task": "icd10", "phase": 2,
         "metric": "target_vs_near_miss_margin", "n_prompts": 6}
@@ -311,7 +312,7 @@ def test_validation_chart_reads_validate_heads_wide_frame():
     random_* columns: the chart draws both sets with their intervals, p only on the top set."""
     import pandas as pd
 
-    from circuitkit.viz.charts import validation_chart
+    from circuitkit.experiments.charts import validation_chart
 
     rows = [dict(phase=p, direction=d, quantity=q, top_effect=e, top_low=e - 1, top_high=e + 1,
                  random_mean=e / 2, random_low=e / 2 - 1, random_high=e / 2 + 1, p_value=0.05)
@@ -374,7 +375,7 @@ def test_per_seed_ablation_rows_are_refused():
                              metric=["focus"] * 4, value=[0.1, 0.5, 0.2, 0.9]))
     with pytest.raises(ValueError, match="rows share a \\(variant, metric\\).*runs.csv"):
         charts.ablation_chart(runs)
-    from circuitkit.viz.report import ablation_table
+    from circuitkit.experiments.report import ablation_table
     with pytest.raises(ValueError, match="rows share"):
         ablation_table(runs)
 
@@ -418,7 +419,7 @@ def test_a_task_metric_names_its_task_and_phase_in_the_title(teacher_and_task):
 
 def test_validation_chart_writes_p_as_the_findings_text_does():
     """issue 36.13: the chart said p=0.125 where the text said 0.12 (one rule: format_p)."""
-    from circuitkit.viz.findings import _p_phrase
+    from circuitkit.experiments.findings import _p_phrase
 
     val = pd.DataFrame([dict(set="top-3", effect=-0.4, p_value=0.125),
                         dict(set="random", effect=-0.02, p_value=np.nan)])

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import typer
 
-from circuitkit.characterize import N_RANDOM, N_RANDOM_ABLATION
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import (
@@ -32,6 +31,7 @@ from circuitkit.cli.console import (
     echo,
 )
 from circuitkit.cli.format import _run_words
+from circuitkit.experiments.characterize import N_RANDOM, N_RANDOM_ABLATION
 
 STAGES_HELP = ("Patch every head at each of the task's position groups (evidence, anchor, "
                "shortlist, answer, and the positions the metric reads), both directions, on the "
@@ -131,7 +131,7 @@ def characterize(
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
-    from circuitkit.characterize import characterize as run
+    from circuitkit.experiments.characterize import characterize as run
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
 
@@ -168,7 +168,7 @@ def characterize(
 
 def _findings_json(out: Path) -> dict:
     """The findings ``--json`` prints: the run's line and each finding's title and sentences."""
-    from circuitkit.viz.report import findings_in
+    from circuitkit.experiments.report import findings_in
 
     line, found = findings_in(out)
     return dict(run=line, items=[dict(title=f.title, headline=f.headline, notes=list(f.notes))
@@ -179,8 +179,8 @@ def _print_characterize(out: Path, summary: dict) -> None:
     """The findings, then one line per step's files (each file named once)."""
     import shutil
 
-    from circuitkit.viz.findings import format_findings
-    from circuitkit.viz.report import findings_in
+    from circuitkit.experiments.findings import format_findings
+    from circuitkit.experiments.report import findings_in
 
     width = min(100, max(60, shutil.get_terminal_size((88, 24)).columns - 1))
     line, found = findings_in(out)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.console import CLAIMED, FRESH_CLAIMS, RUN_FILE, _fail
+from circuitkit.experiments.characterize import DEFAULT_N
 
 
 # --- the command line's own checks: one line naming the flag, before any model loads ----------
@@ -239,7 +239,8 @@ def _clear(out: Path, record: dict, command: str) -> None:
             p.unlink()
 
 
-# --- scores and the main job (circuitkit.scoring, circuitkit.characterize) ------------------------
+# --- scores and the main job (circuitkit.scoring, circuitkit.experiments.characterize)
+# ------------------------
 def _text_flag(text: str) -> bool | None:
     if text not in ("auto", "yes", "no"):
         _fail(f"--text {text}: not one of auto, yes, no; choose one of those.")

@@ -136,7 +136,7 @@ def _check_distill_flags(given, ablation: bool) -> None:
 
 def _grid(a: dict, given) -> None:
     """``--ablation``: ``ablation.run_ablation`` of the flags, its table printed."""
-    from circuitkit.distill.ablation import STUDENTS, format_table, run_ablation
+    from circuitkit.experiments.distill_grid import STUDENTS, format_table, run_ablation
 
     variants = tuple(v.strip() for v in a["variants"].split(",")) if a["variants"] else None
     frame = run_ablation(

@@ -4,9 +4,9 @@ end the command in one line.
 
 from __future__ import annotations
 
-from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.checks import _positive
 from circuitkit.cli.console import _errors_as_lines, _fail, echo
+from circuitkit.experiments.characterize import DEFAULT_N
 
 
 def _load(model: str | None, task: str, n_examples: int | None, seed: int, split: str,

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from circuitkit.characterize import DEFAULT_N
+from circuitkit.experiments.characterize import DEFAULT_N
 
 
 def _opt(flag: str, help: str, metavar: str | None = None, *alias: str):

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import typer
 
-from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli import options as opt
 from circuitkit.cli.app import app
 from circuitkit.cli.checks import _check_sweep_flags, _claim_out, _n_for, _one_of, _positive
@@ -38,6 +37,7 @@ from circuitkit.cli.load import (
     _sweep_tokens,
 )
 from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
+from circuitkit.experiments.characterize import DEFAULT_N
 
 
 @app.command(short_help="Architecture and sweep costs of a model (offline).")
@@ -189,7 +189,7 @@ def _check_patch_flags(a) -> None:
         raise ValueError("--seq-len prices prompts of that length with --plan; a sweep runs the "
                          "task's own prompts. Add --plan, or drop --seq-len.")
     if a.remote:
-        from circuitkit.patching.nnsight_backend import check_remote
+        from circuitkit.patching.exact.nnsight import check_remote
 
         check_remote(a.model)
 
@@ -216,7 +216,7 @@ def _patch_inputs(a, layout):
     """(model, task of its phase, (clean, corrupt, metric)) for ``patch`` (``layout``: its
     torchrun replicas, or None)."""
     if a.backend == "nnsight":
-        from circuitkit.patching import nnsight_backend
+        from circuitkit.patching.exact import nnsight as nnsight_backend
 
         the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
                                     loader=lambda m: nnsight_backend.load(m, remote=a.remote),

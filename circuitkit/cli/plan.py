@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import typer
 
-from circuitkit.characterize import DEFAULT_N
 from circuitkit.cli.console import _echo_json, _errors_as_lines, _fail
 from circuitkit.cli.format import format_plan
 from circuitkit.cli.load import _load, _phase_task, _sweep_tokens
+from circuitkit.experiments.characterize import DEFAULT_N
 
 
 def _patch_plan(a, the_model, clean, corrupt, metric) -> None:

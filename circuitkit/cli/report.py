@@ -61,7 +61,7 @@ def report(
     """One self-contained report.html (all JavaScript inlined: opens offline, can be mailed)."""
     import time
 
-    from circuitkit.viz.report import describe_written, write_report
+    from circuitkit.experiments.report import describe_written, write_report
 
     t0 = time.perf_counter()
     with _errors_as_lines(ValueError, OSError):

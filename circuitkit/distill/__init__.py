@@ -12,7 +12,6 @@ _EXPORTS = {
     "LossConfig": "circuitkit.distill.loss:LossConfig",
     "train_student": "circuitkit.distill.train:train_student",
     "DistillConfig": "circuitkit.distill.train:DistillConfig",
-    "run_ablation": "circuitkit.distill.ablation:run_ablation",
     "build_store": "circuitkit.distill.signals:build_store",
     "SignalStore": "circuitkit.distill.signals:SignalStore",
     "StoreOptions": "circuitkit.distill.signals:StoreOptions",

@@ -242,7 +242,7 @@ def train_student(cfg: DistillConfig | None = None, out_dir: str | Path = "disti
     this function's bars, and transformers' own (loading the teacher, saving the student).
     ``overwrite``: a finished student or training state of another config in ``out_dir`` is
     deleted first (otherwise refused). ``callback(step, hf_model)``: called after every
-    ``save_every``-th step and the last (held-out curves, early stopping: ``distill.curves``);
+    ``save_every``-th step and the last (held-out curves, early stopping: ``experiments.curves``);
     not part of the config, so it never changes what is trained."""
     cfg = cfg or DistillConfig()
     if overrides:

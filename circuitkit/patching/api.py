@@ -14,9 +14,11 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching import attribution, auto, exact, hybrid
-from circuitkit.patching.exact import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
-from circuitkit.patching.exact import versions  # noqa: F401 (re-exported)
+from circuitkit.patching import auto, hybrid
+from circuitkit.patching.estimators import attribution
+from circuitkit.patching.exact import sweeps as exact
+from circuitkit.patching.exact.sweeps import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
+from circuitkit.patching.exact.sweeps import versions  # noqa: F401 (re-exported)
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     METHODS,
@@ -94,7 +96,7 @@ def patch(
     units, opts = as_units(units), as_options(options)
     method = units.check_method(method, opts, checkpoint, backend, remote)
     if backend != "transformer_lens" or remote:  # heads only (check_method refuses the rest)
-        from circuitkit.patching import nnsight_backend
+        from circuitkit.patching.exact import nnsight as nnsight_backend
 
         res = nnsight_backend.patch_heads(
             model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,

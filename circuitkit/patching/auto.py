@@ -16,8 +16,10 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import attribution, exact, hybrid
+from circuitkit.patching import hybrid
 from circuitkit.patching import plan as costs
+from circuitkit.patching.estimators import attribution
+from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.inputs import NoGradientError, check_gradient
 from circuitkit.patching.results import PatchResult, quiet_baseline
 from circuitkit.patching.units import HeadUnits, MethodOptions

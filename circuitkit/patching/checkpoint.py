@@ -326,11 +326,11 @@ class HybridCheckpoint:
     def load_screen(self, result_type: Any = None) -> Any:
         """The stored screening estimate (a ``result_type``: ``PatchResult`` unless given, or
         ``EdgeResult``), or None (none yet, or unreadable: warned)."""
-        from circuitkit.patching.patch_result import PatchResult
+        from circuitkit.patching.results.patch_result import PatchResult
 
         if not (self.path / f"{self.SCREEN}.json").exists():
             return None
-        from circuitkit.patching.result_files import UncheckedResultWarning
+        from circuitkit.patching.results.files import UncheckedResultWarning
 
         try:
             with warnings.catch_warnings():  # (an older screen file: its checksum below binds it)

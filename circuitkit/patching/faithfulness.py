@@ -34,24 +34,24 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import as_metric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.circuit_graph import CircuitGraph
-from circuitkit.patching.circuit_result import (
-    CIRCUIT_ABLATIONS,
-    CIRCUIT_OLD_ABLATIONS,
-    CIRCUIT_RANKS,
-    CircuitResult,
-    CircuitTargetWarning,
-)
-from circuitkit.patching.edge_result import EdgeResult
-from circuitkit.patching.engine_checks import evaluate_metric
-from circuitkit.patching.head_sets import derangement
+from circuitkit.patching.exact.checks import evaluate_metric
+from circuitkit.patching.exact.head_sets import derangement
 from circuitkit.patching.inputs import (
     check_edge_model,
     check_metric_prompts,
     check_tokens,
     choice,
 )
-from circuitkit.patching.patch_result import (
+from circuitkit.patching.results.circuit_graph import CircuitGraph
+from circuitkit.patching.results.circuit_result import (
+    CIRCUIT_ABLATIONS,
+    CIRCUIT_OLD_ABLATIONS,
+    CIRCUIT_RANKS,
+    CircuitResult,
+    CircuitTargetWarning,
+)
+from circuitkit.patching.results.edge_result import EdgeResult
+from circuitkit.patching.results.patch_result import (
     DegenerateBaselineWarning,
     PatchResult,
     _outside_circuitkit,

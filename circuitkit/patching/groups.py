@@ -92,7 +92,7 @@ def summed_over(each: Any, groups: PositionGroups) -> Any:
     groups: each prompt's estimate summed over its group's positions (plain attribution is
     linear in the patch: ``delta . grad`` over the group's positions), ``values [n_layers,
     n_heads, n_groups]``."""
-    from circuitkit.patching.patch_result import PatchResult
+    from circuitkit.patching.results.patch_result import PatchResult
 
     if each.per_prompt is None:
         raise NotImplementedError("method='attribution' with position groups needs a metric with "

@@ -1,5 +1,5 @@
 """Path patching through everything between a sender and a receiver (``ck.patch_paths``:
-``PathUnits`` through ``ck.patch``, its engine ``patching/path_engine.py``; docs/edges.md,
+``PathUnits`` through ``ck.patch``, its engine ``patching/exact/paths.py``; docs/edges.md,
 "Paths"); here, each sender's node effect and the share of it that paths or edges carry. A q/k/v
 edge carries a sender's *direct* write only; a path carries all of it (MLPs, other heads, other
 positions in between).
@@ -38,7 +38,7 @@ def node_effects(model: Any, clean: Tensor, corrupt: Tensor, metric: Any,
     denominator of ``coverage``; ``metric``: a checked ``PromptMetric``): ``PathEngine``'s
     ``node_effects`` on a layout of these senders and no receiver (a path sweep reuses its own
     engine instead)."""
-    from circuitkit.patching.path_engine import PathEngine
+    from circuitkit.patching.exact.paths import PathEngine
     from circuitkit.patching.sweep import PathLayout, make_path_sweep
 
     layout = PathLayout(hooks.facts(model).n_layers, tuple(senders), (), ("q",))
@@ -57,7 +57,7 @@ def coverage(effect: Float[Tensor, "sender receiver group"], node: Float[Tensor,
     266.7% / 133.3% were printed before). ``effect``: each cell's effect over its base
     (``values - base``), ``[senders, receivers, groups]`` (an edge result's ``[senders,
     receivers, inputs]`` summed over inputs first)."""
-    from circuitkit.patching.patch_result import share
+    from circuitkit.patching.results.patch_result import share
 
     out = {}
     summed = torch.nan_to_num(effect.double(), nan=0.0).sum(1)  # [senders, groups]
@@ -86,7 +86,7 @@ def edge_coverage(model: Any, clean: Tensor, corrupt: Tensor, metric: Any, edges
     node = node_effects(model, clean, corrupt, metric, [s for _, s in heads], edges.direction,
                         batch_size)
     effect = edges.effect()[[i for i, _ in heads]].nansum(-1, keepdim=True)
-    from circuitkit.patching.patch_result import noise_floor
+    from circuitkit.patching.results.patch_result import noise_floor
 
     margin = noise_floor(edges.clean, edges.corrupt)  # (a node effect within rounding: no whole)
     return coverage(effect, node, [s for _, s in heads], margin=margin)["all"]

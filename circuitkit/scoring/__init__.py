@@ -15,8 +15,6 @@ _EXPORTS = {
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "top_heads": "circuitkit.scoring.heads:top_heads",
     "COLUMNS": "circuitkit.scoring.heads:COLUMNS",
-    "validate_heads": "circuitkit.scoring.validate:validate_heads",
-    "ablate_heads": "circuitkit.scoring.validate:ablate_heads",
     "refine_part_influence": "circuitkit.scoring.heads:refine_part_influence",
     "text_task": "circuitkit.scoring.text:text_task",
 }

@@ -16,14 +16,8 @@ _EXPORTS = {
     "edge_heatmap": "circuitkit.viz.heatmaps:edge_heatmap",
     "circuit_graph": "circuitkit.viz.edges:circuit_graph",
     "faithfulness_curve": "circuitkit.viz.edges:faithfulness_curve",
-    "score_scatter": "circuitkit.viz.charts:score_scatter",
-    "phase_profile": "circuitkit.viz.charts:phase_profile",
-    "validation_chart": "circuitkit.viz.charts:validation_chart",
-    "ablation_chart": "circuitkit.viz.charts:ablation_chart",
     "attention": "circuitkit.viz.attention:attention",
     "AttentionView": "circuitkit.viz.attention:AttentionView",
-    "write_report": "circuitkit.viz.report:write_report",
-    "findings": "circuitkit.viz.findings:findings",
     "top_heads": "circuitkit.scoring.heads:top_heads",
 }
 

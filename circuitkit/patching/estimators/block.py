@@ -14,7 +14,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching import head_mlp
 from circuitkit.patching.estimators.common import (
     ATP_STAR_CHUNK,
     BatchOut,
@@ -31,6 +30,7 @@ from circuitkit.patching.estimators.common import (
 )
 from circuitkit.patching.estimators.costs import head_mlp_pays
 from circuitkit.patching.estimators.rerun import _attn_grab, _Inputs, _mlp_of
+from circuitkit.patching.exact import head_mlp
 
 # Positions on which the block estimator's all-heads MLP formula is checked against the module.
 CHECK_ROWS = 8
@@ -85,7 +85,8 @@ def _head_mlp_z(model, layer, dz, dr, r_mid, g) -> Float[Tensor, "b p h"]:
             rtol = max(1e-3, 4 * torch.finfo(fast.W_out.dtype).eps)
             if diff <= rtol * float(slow.abs().max()) + 1e-7:
                 return fast.readout(dz, r_mid, g, dr)
-            warnings.warn("block estimator: the all-heads MLP formula (patching/head_mlp.py) does "
+            warnings.warn("block estimator: the all-heads MLP formula "
+                          "(patching/exact/head_mlp.py) does "
                           "not reproduce this model's MLP block (its norm or MLP is of another "
                           "kind); running the MLP once per head instead: same estimates, H times "
                           "the MLP cost.", RuntimeWarning, stacklevel=2)

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.edge_result import EdgeResult
 from circuitkit.patching.estimators.common import Batch, BatchOut, _MetricStash, _progress
-from circuitkit.patching.patch_result import PatchResult
+from circuitkit.patching.results.edge_result import EdgeResult
+from circuitkit.patching.results.patch_result import PatchResult
 
 
 class Collected(NamedTuple):

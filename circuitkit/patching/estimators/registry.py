@@ -15,10 +15,11 @@ from typing import Any
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching import head_mlp, shortcuts
+from circuitkit.patching import shortcuts
 from circuitkit.patching.estimators import atp, block, costs, eap, graddrop, ig
 from circuitkit.patching.estimators.qk import ATP_STAR_SITES
 from circuitkit.patching.estimators.rerun import layer_reruns
+from circuitkit.patching.exact import head_mlp
 from circuitkit.patching.inputs import choice
 
 HEAD_SITES = ("z", "q", "k", "v", "pattern")
