@@ -138,7 +138,8 @@ def cached_exact(label: str, model: Any, clean, corrupt, metric, direction: str,
     if (folder / "seconds.txt").exists():
         return ck.PatchResult.load(folder), float((folder / "seconds.txt").read_text())
     t0 = time.perf_counter()
-    res = ck.patch_heads(model, clean, corrupt, metric, direction=direction, progress=False)
+    res = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
+                         options=dict(progress=False))
     seconds = time.perf_counter() - t0
     folder.mkdir(parents=True, exist_ok=True)
     res.save(folder)

@@ -142,7 +142,7 @@ def tl_vs_exact(model, clean, corrupt, metric, repeats, reference=None) -> None:
 
     def ours(pkg: Any = ck) -> Any:
         return pkg.patch_edges(model, clean, corrupt, metric, senders=heads,
-                               receivers=heads[f.n_heads:], progress=False)
+                               receivers=heads[f.n_heads:], options=dict(progress=False))
 
     runs = {"TL": tl, "ours": ours}
     if reference is not None:
@@ -179,7 +179,7 @@ def paths_vs_reference(model, clean, corrupt, metric, repeats, reference) -> Non
     inputs = ("q",) if f.gqa else hooks.EDGE_INPUTS
     kw = dict(inputs=inputs, batch_size=None)
     runs = {"ours": lambda: ck.patch_paths(model, clean, corrupt, metric, senders, receivers,
-                                           progress=False, **kw),
+                                           inputs=inputs, options=dict(progress=False)),
             "reference": lambda: reference.patch_paths(model, clean, corrupt, metric, senders,
                                                        receivers, **kw)}
     got = interleaved(runs, repeats)
@@ -194,11 +194,15 @@ def paths_vs_reference(model, clean, corrupt, metric, repeats, reference) -> Non
 
 def estimators(model, clean, corrupt, metric, repeats, ig_steps) -> tuple[Any, dict]:
     runs: dict[str, Callable[[], Any]] = {
-        "exact": lambda: ck.patch_edges(model, clean, corrupt, metric, progress=False)}
+        "exact": lambda: ck.patch_edges(model, clean, corrupt, metric, options=dict(
+                                                                                    progress=False))}
     for est in ESTIMATORS:
-        runs[est] = (lambda est=est: ck.patch_edges(
-            model, clean, corrupt, metric, method="attribution", estimator=est,
-            ig_steps=ig_steps if est.startswith("eap-ig") else None, progress=False))
+        runs[est] = (lambda est=est: ck.patch_edges(model, clean, corrupt, metric,
+                                                    method="attribution",
+                                                    options=dict(
+                                                        estimator=est, progress=False,
+                                                        ig_steps=ig_steps if
+                                                        est.startswith("eap-ig") else None)))
     got = interleaved(runs, repeats)
     t_ex, exact = got["exact"]
     print(f"  full sweep: {int(exact.edge_mask().sum())} edges (embeddings and logits "
@@ -275,7 +279,7 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
                                         for i in range(n)])  # first token)
     print(f"\n== SmolLM2-135M (30 x 9 heads, GQA 3 kv), {n} x <bos> A A, |A| = {seg}")
     t = time.perf_counter()
-    heads = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+    heads = ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
     eff = heads.effect().abs().flatten()
     top = [(int(i) // 9, int(i) % 9) for i in eff.topk(k_heads).indices]
     print(f"  exact head patching {time.perf_counter() - t:.1f} s; top {k_heads} heads: "
@@ -283,7 +287,7 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
     receivers = [h for h in top if h[0] > min(la for la, _ in top)]
     t = time.perf_counter()
     exact = ck.patch_edges(model, clean, corrupt, metric, senders=top, receivers=receivers,
-                           progress=False)
+                           options=dict(progress=False))
     t_ex = time.perf_counter() - t
     print(f"  exact edges among them: {int(exact.edge_mask().sum())} edges, {t_ex:.1f} s; "
           f"whose 95% interval excludes 0: {significant(exact)}")
@@ -292,9 +296,10 @@ def smollm2(n: int, ig_steps: int, seg: int = 8, k_heads: int = 20) -> None:
     for est in ESTIMATORS:
         t = time.perf_counter()
         res = ck.patch_edges(model, clean, corrupt, metric, senders=top, receivers=receivers,
-                             method="attribution", estimator=est,
-                             ig_steps=ig_steps if est.startswith("eap-ig") else None,
-                             progress=False)
+                             method="attribution",
+                             options=dict(estimator=est,
+                                          ig_steps=ig_steps if est.startswith("eap-ig") else None,
+                                          progress=False))
         dt = time.perf_counter() - t
         q = quality(res, exact)
         cells = "".join(f"{q[k][0]:>7.3f} {q[k][1]:>2d}/{q[k][2]:<3d}" if k in q else

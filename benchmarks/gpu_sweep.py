@@ -149,7 +149,8 @@ def main() -> None:
 
     with torch.no_grad():  # warm-up: allocator, kernels, the fast-path probe's first forward
         model(clean[:1, :16].to(device))
-    ex_s, exact = timed(lambda: ck.patch_heads(model, clean, corrupt, metric, progress=False),
+    ex_s, exact = timed(lambda: ck.patch_heads(model, clean, corrupt, metric,
+                                               options=dict(progress=False)),
                         device)
     from patching import exact_sweep_flops
 
@@ -175,10 +176,9 @@ def main() -> None:
     spread = float(exact.values.max() - exact.values.min())
 
     at_s, _ = timed(lambda: ck.patch_heads(model, clean, corrupt, metric, method="attribution",
-                                           progress=False), device)
-    star_s, _ = timed(lambda: ck.patch_heads(model, clean, corrupt, metric,
-                                             method="attribution", atp_star=True,
-                                             progress=False), device)
+                                           options=dict(progress=False)), device)
+    star_s, _ = timed(lambda: ck.patch_heads(model, clean, corrupt, metric, method="attribution",
+                                             options=dict(atp_star=True, progress=False)), device)
     achieved = flops / ex_s
     rows = [
         ("exact sweep (circuitkit engine)", ex_s, f"{L * H} heads, rows/forward "

@@ -57,7 +57,7 @@ def teacher_part(repeats: int) -> None:
 
     def sweep(metric):
         with quiet_baseline():
-            ck.patch_heads(model, clean, corrupt, metric, progress=False)
+            ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
 
     def probed():
         metrics._PROBED.clear()

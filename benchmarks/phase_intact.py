@@ -140,7 +140,7 @@ def where_run(model, model_name: str, seed: int, n: int, phase: int, corruption:
     val = phase_task(task.subset(range(n, 2 * n)), phase)
     L, H = model.cfg.n_layers, model.cfg.n_heads
     res = ck.patch_heads(model, sel.clean_tokens, sel.corrupt_tokens, sel.metric,
-                         direction="noise", progress=False)
+                         direction="noise", options=dict(progress=False))
     share = (res.values.double() - res.clean) / (res.clean - res.corrupt)  # [L, H]
     needed = (-share).clamp(min=0)
     order = needed.flatten().argsort(descending=True)[:5].tolist()

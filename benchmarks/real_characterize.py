@@ -119,7 +119,7 @@ def main() -> None:
             for method in ("exact", args.method):
                 t0 = time.perf_counter()
                 res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction="noise", method=method, progress=False)
+                                     direction="noise", method=method, options=dict(progress=False))
                 runs[method] = (res, round(time.perf_counter() - t0, 1))
             ex, screened = runs["exact"][0], runs[args.method][0]
             base = float(ex.clean)

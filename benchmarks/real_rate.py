@@ -29,7 +29,7 @@ def main() -> None:
         out["forward16_wall_s"] = time.perf_counter() - w0
     c0, w0 = time.process_time(), time.perf_counter()
     ck.patch_heads(m, t.clean_tokens, t.corrupt_tokens, t.metric, direction="noise",
-                   method="attribution", progress=False)
+                   method="attribution", options=dict(progress=False))
     out["attribution16_cpu_s"] = time.process_time() - c0
     out["attribution16_wall_s"] = time.perf_counter() - w0
     out["seq"] = t.clean_tokens.shape[1]

@@ -78,8 +78,8 @@ def main() -> None:
 
     def sweep() -> float:
         t0 = time.perf_counter()
-        ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="exact", progress=False)
+        ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="exact",
+                       options=dict(progress=False))
         return time.perf_counter() - t0
 
     sweep()  # warm-up (probes, caches)

@@ -23,7 +23,7 @@ _EXPORTS = {
     "evaluate": "circuitkit.evaluation:evaluate",
     **{name: _PATCHING[name] for name in (
         "PromptMetric", "as_metric", "patch", "HeadUnits", "LayerUnits", "EdgeUnits",
-        "PathUnits", "MethodOptions", "patch_heads", "patch_layers", "plan_patch",
+        "PathUnits", "PatchOptions", "MethodOptions", "patch_heads", "patch_layers", "plan_patch",
         "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
         "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",

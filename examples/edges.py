@@ -39,7 +39,7 @@ print("top Phase-2 heads (refine_score):", " ".join(f"L{a}H{b}" for a, b in p2))
 
 t = time.perf_counter()
 edges = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       checkpoint=out / "checkpoint", progress=False)
+                       options=dict(checkpoint=out / "checkpoint", progress=False))
 print(f"\nexact edges: {edges} in {time.perf_counter() - t:.1f} s")
 edges.save(out / "edges")
 cols = ["sender", "receiver", "input", "value", "normalized", "ci_low", "ci_high"]
@@ -67,7 +67,8 @@ for label, result in (("all edges", edges),):
     print(circ.to_frame().to_string(**fmt))
     circ.save_json(out / "circuit.json")
 p12 = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric, senders=p1,
-                     receivers=[h for h in p2 if h[0] > min(a for a, _ in p1)], progress=False)
+                     receivers=[h for h in p2 if h[0] > min(a for a, _ in p1)],
+                     options=dict(progress=False))
 circ = ck.circuit(model, task, p12, progress=False)
 ci = circ.intervals or {}
 print(f"\nPhase-1 -> Phase-2 edges only ({int(p12.edge_mask().sum())}; every other edge kept): "
@@ -96,8 +97,9 @@ print(f"\nattribution against exact over all {int(edges.edge_mask().sum())} edge
 for est in ("eap", "eap*", "eap-ig-inputs", "eap-ig-activations"):
     t = time.perf_counter()
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         method="attribution", estimator=est,
-                         ig_steps=args.ig_steps if est.startswith("eap-ig") else None,
-                         progress=False)
+                         method="attribution",
+                         options=dict(estimator=est,
+                                      ig_steps=args.ig_steps if est.startswith("eap-ig") else None,
+                                      progress=False))
     print(f"  {est:<20s} {time.perf_counter() - t:6.1f} s  {quality(res, edges)}")
 torch.save(dict(p1=p1, p2=p2), out / "phase_heads.pt")

@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from tinymodels import call
 
 import circuitkit as ck
 from circuitkit.metrics import pad_rows
@@ -50,7 +51,7 @@ def margin_reading(task, rivals):
 def quiet(fn, *args, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DegenerateBaselineWarning)
-        return fn(*args, **kw)
+        return call(fn, *args, **kw)
 
 
 def test_the_positions_are_each_examples_own(task):
@@ -109,7 +110,7 @@ def test_the_idiom_is_refused_naming_the_helpers_and_last_positions_reads_its_ow
     tgt = int(task.label_token_ids[0])
     with pytest.raises(ValueError) as e:
         ck.patch_heads(teacher, task.clean_tokens, task.corrupt_tokens,
-                       lambda logits: logits[:, -1, tgt].mean(), progress=False)
+                       lambda logits: logits[:, -1, tgt].mean(), options=dict(progress=False))
     msg = str(e.value)
     assert "right-padded" in msg and "\n" not in msg
     for name in ("ck.metrics.at_answers", "task.answer_positions", "task.last_positions"):

@@ -197,7 +197,8 @@ def test_hybrid_per_position_cells_are_exact(model, data):
     clean, corrupt, metric = data
     res = attribution_plus_exact(model, clean, corrupt, metric, positions="each", top_k=6,
                                  batch_size=8, progress=False)
-    ex = ck.patch_heads(model, clean, corrupt, metric, positions="each", progress=False)
+    ex = ck.patch_heads(model, clean, corrupt, metric, positions="each",
+                        options=dict(progress=False))
     mask = verified_mask(res)
     assert mask.shape == ex.values.shape and int(mask.sum()) == 6
     torch.testing.assert_close(res.values[mask], ex.values[mask], atol=1e-5, rtol=0)
@@ -207,7 +208,8 @@ def test_hybrid_per_position_cells_are_exact(model, data):
 
 def _spearman_check(model, task_clean, task_corrupt, metric, threshold):
     res = attribution_patch_heads(model, task_clean, task_corrupt, metric, progress=False)
-    ex = ck.patch_heads(model, task_clean, task_corrupt, metric, method="exact", progress=False)
+    ex = ck.patch_heads(model, task_clean, task_corrupt, metric, method="exact",
+                        options=dict(progress=False))
     a, e = res.values - res.corrupt, ex.values - ex.corrupt
     rho = spearman(a, e)
     k = min(10, a.numel())
@@ -295,7 +297,7 @@ def test_atp_star_z_correction_moves_estimates_toward_exact_through_saturated_at
                                  [e.tokens[e.answer_pos].tolist() for e in ex], [[] for _ in ex])
     args = (model, task.clean_tokens, task.corrupt_tokens, metric)
     for direction in ("denoise", "noise"):
-        exact = ck.patch_heads(*args, direction=direction, progress=False).values[0]
+        exact = ck.patch_heads(*args, direction=direction, options=dict(progress=False)).values[0]
         plain = attribution_patch_heads(*args, direction=direction, progress=False).values[0]
         star = attribution_patch_heads(*args, direction=direction, atp_star=True,
                                        exact_tail=False, progress=False).values[0]
@@ -429,6 +431,6 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     # method="auto" screens the same way: its exact sweep is not lost to the screen's refusal
     with pytest.warns(RuntimeWarning, match="screen is plain AtP"):
         auto = ck.patch_heads(m, clean, corrupt, metric, direction="noise", method="auto",
-                              progress=False, screening_recall=True)
+                              options=dict(progress=False, screening_recall=True))
     assert auto.meta["auto"]["screening"]["estimator"] == "atp"
     torch.testing.assert_close(auto.values, ex, rtol=0, atol=1e-5)

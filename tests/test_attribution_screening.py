@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from tinymodels import call
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -114,7 +115,7 @@ def readout(model, dim: int, gain: float = 1.0) -> None:
 def effects(model, direction: str, positions: str = "all", **kw) -> tuple[torch.Tensor, ...]:
     """(exact, estimate) effects, metric after patch minus the base metric."""
     ex = ck.patch_heads(model, CLEAN, CORRUPT, METRIC, direction=direction, positions=positions,
-                        progress=False)
+                        options=dict(progress=False))
     est = attribution_patch_heads(model, CLEAN, CORRUPT, METRIC, direction=direction,
                                   positions=positions, progress=False, **kw)
     base = ex.clean if direction == "noise" else ex.corrupt
@@ -276,9 +277,10 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     corrupt = torch.randint(0, 64, (4, 12), generator=g)
     pos = [5, 8, 11]
     metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
-    ex = ck.patch_heads(model, clean, corrupt, metric, direction=direction, progress=False)
+    ex = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
+                        options=dict(progress=False))
     default = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
-                             method="attribution+exact", progress=False)
+                             method="attribution+exact", options=dict(progress=False))
     # 12 heads: the hybrid's floor (two rounds, 8 of 12 cells) plus its screen costs more than
     # every cell exactly, so the entry patches exactly and says why
     assert default.method == "exact" and default.meta["hybrid"]["ran"] == "exact"
@@ -315,8 +317,8 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
 
 def test_options_of_another_method_are_said_to_do_nothing(tiny_llama):
     toks = torch.zeros(1, 4, dtype=torch.long)
-    run = lambda **kw: ck.patch_heads(tiny_llama, toks, toks,  # noqa: E731
-                                      lambda lg: lg[:, -1, 0].mean(), progress=False, **kw)
+    run = lambda **kw: call(ck.patch_heads, tiny_llama, toks, toks,
+                            lambda lg: lg[:, -1, 0].mean(), progress=False, **kw)
     for method, kw in (("exact", dict(top_k=3)), ("exact", dict(estimator="block")),
                        ("exact", dict(atp_star=True)), ("attribution", dict(top_k=3)),
                        ("auto", dict(estimator="atp"))):
@@ -351,7 +353,8 @@ def test_pass_budget_caps_the_verification(tiny_llama):
           f"capped at {limit:.1f}: {capped.meta['n_verified']} cells, {spent:.1f}")
     assert spent <= limit + 1e-9 and capped.meta["budget"]["stopped"] == "passes"
     assert 0 < capped.meta["n_verified"] < free.meta["n_verified"]
-    ex = ck.patch_heads(tiny_llama, clean, corrupt, metric, direction="noise", progress=False)
+    ex = ck.patch_heads(tiny_llama, clean, corrupt, metric, direction="noise",
+                        options=dict(progress=False))
     done = verified_mask(capped)
     torch.testing.assert_close(capped.values[done], ex.values[done], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_passes"):
@@ -381,9 +384,9 @@ def test_plan_prices_verified_cells_as_the_run_counts_them(tiny_llama):
     metric = lambda lg: lg[:, -1, 3]  # noqa: E731
     n_cells = tiny_llama.cfg.n_layers * tiny_llama.cfg.n_heads
     plan = plan_patch(tiny_llama, clean, corrupt, metric, method="attribution+exact",
-                      top_k=n_cells)
+                      options=dict(top_k=n_cells))
     run = ck.patch_heads(tiny_llama, clean, corrupt, metric, method="attribution+exact",
-                         top_k=n_cells, progress=False)
+                         options=dict(top_k=n_cells, progress=False))
     assert plan["pass_equivalents"] == pytest.approx(run.meta["cost"]["total_passes"], rel=1e-9)
     exact = plan_patch(tiny_llama, clean, corrupt, metric, method="exact")
     assert run.meta["cost"]["verify_passes"] == pytest.approx(exact["pass_equivalents"])

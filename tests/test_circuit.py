@@ -44,7 +44,8 @@ def planted():
     model = planted_induction_model()
     task = planted_task(12)
     edges = {d: ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                               direction=d, progress=False) for d in ("denoise", "noise")}
+                               direction=d, options=dict(progress=False)) for d in ("denoise",
+                                                         "noise")}
     return model, task, edges
 
 
@@ -93,7 +94,7 @@ def test_share_of_the_gap_is_stated_for_a_partial_candidate_set(planted, tmp_pat
     whole = ck.circuit(model, task, edges["denoise"], progress=False, n_boot=20)
     assert whole.share == pytest.approx(1.0, abs=1e-5)
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          senders=[COPY_HEAD], receivers=[INDUCTION], progress=False)
+                          senders=[COPY_HEAD], receivers=[INDUCTION], options=dict(progress=False))
     circ = ck.circuit(model, task, part, progress=False, n_boot=50)
     assert circ.share == pytest.approx((circ.full - circ.empty) / (clean - corrupt), abs=1e-5)
     assert circ.full == pytest.approx(clean, abs=1e-5)
@@ -121,7 +122,7 @@ def test_kept_and_circuit_json_agree_on_names_and_normalized_scores(planted, tmp
         assert e["score"] == pytest.approx(float(row["normalized"]), abs=1e-6)
         assert e["effect"] == pytest.approx(float(row["value"]) - res.corrupt, abs=1e-6)
     heads = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                           progress=False)
+                           options=dict(progress=False))
     hc = ck.circuit(model, task, heads, progress=False, n_boot=0)
     hd = hc.to_dict()
     assert hd["nodes"] == sorted(hc.kept(), key=lambda n: (n["layer"], n["head"]))
@@ -135,7 +136,7 @@ def test_edge_heatmap_states_its_colour_range_in_percent_of_the_gap(planted):
     model, task, edges = planted
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                           senders=[COPY_HEAD], receivers=[INDUCTION], inputs=("v",),
-                          progress=False)
+                          options=dict(progress=False))
     fig = part.heatmap()
     m = float(part.normalized()[part.edge_mask()].abs().max())
     title = " ".join(re.sub(r"</?sup>|<br>", " ", fig.layout.title.text).split())  # unwrapped
@@ -158,16 +159,17 @@ def test_another_models_results_are_refused_in_one_line():
     wide = make_model(dict(TINY_GPT2, n_head=8, n_embd=32))  # 2 x 8 heads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random weights
-        res = ck.patch_edges(a, clean, corrupt, margin, inputs="v", progress=False)
-        heads = ck.patch_heads(a, clean, corrupt, margin, progress=False)
-        big = ck.patch_edges(wide, clean, corrupt, margin, inputs="v", progress=False)
+        res = ck.patch_edges(a, clean, corrupt, margin, inputs="v", options=dict(progress=False))
+        heads = ck.patch_heads(a, clean, corrupt, margin, options=dict(progress=False))
+        big = ck.patch_edges(wide, clean, corrupt, margin, inputs="v", options=dict(progress=False))
         # estimates record their model too (before: only exact sweeps did, so another model's
         # attribution result of the same shape was used without a word)
         eap = ck.patch_edges(a, clean, corrupt, margin, inputs="v", method="attribution",
-                             progress=False)
-        atp = ck.patch_heads(a, clean, corrupt, margin, method="attribution", progress=False)
-        hyb = ck.patch_edges(a, clean, corrupt, margin, inputs="v", top_k=2,
-                             method="attribution+exact", progress=False)
+                             options=dict(progress=False))
+        atp = ck.patch_heads(a, clean, corrupt, margin, method="attribution",
+                             options=dict(progress=False))
+        hyb = ck.patch_edges(a, clean, corrupt, margin, inputs="v", method="attribution+exact",
+                             options=dict(top_k=2, progress=False))
         for result in (res, heads, big, eap, atp, hyb):
             target = b if result is not big else a
             with pytest.raises(ValueError, match="another model") as err:
@@ -441,7 +443,7 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
 
     model, task, _ = planted
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          senders=[COPY_HEAD], receivers=[INDUCTION], progress=False)
+                          senders=[COPY_HEAD], receivers=[INDUCTION], options=dict(progress=False))
     part.meta.update(senders_from="phase1", receivers_from="phase2")
     circ = read_circuit_json(ck.circuit(model, task, part, progress=False).save_json(
         tmp_path / "c.json"))
@@ -455,7 +457,7 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     assert "patched alone into the corrupt run (denoise) restores" in text
     noise = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                            senders=[COPY_HEAD], receivers=[INDUCTION], direction="noise",
-                           progress=False)
+                           options=dict(progress=False))
     assert "patched alone into the clean run (noise) removes" in format_findings(
         [edge_finding(noise, circ)], width=10_000)
     small = edge_finding(part, dict(circ, share=0.004, share_ci=[0.003, 0.005]))

@@ -112,7 +112,7 @@ def test_progress_counts_patched_prompts_not_token_blocks(tiny_llama, capsys):
 
     task = ck.load_task("induction", n_examples=3, seg_len=5, vocab_size=64, seed=2)
     ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, task.metric,
-                   progress=True)
+                   options=dict(progress=True))
     err = capsys.readouterr().err
     assert "patched-prompt" in err and "token-block" not in err
     assert "36/36" in err  # 3 layers x 4 heads x 3 prompts, with an ETA while it runs
@@ -129,7 +129,7 @@ def test_cost_is_said_one_way_everywhere():
     assert "pass-equivalents" in plan.output
     task = ck.load_task("induction", n_examples=2, seg_len=4, vocab_size=64, seed=1)
     res = ck.patch_heads(ck.load_model("induction-2l"), task.clean_tokens, task.corrupt_tokens,
-                         task.metric, method="attribution", progress=False)
+                         task.metric, method="attribution", options=dict(progress=False))
     assert res.meta["passes"].startswith("4 pass-equivalents per prompt")
     for old in ("2 forward + 1 backward per prompt", "~3 passes", "2 passes"):
         assert old not in info.output + plan.output + res.meta["passes"]
@@ -598,8 +598,8 @@ def test_a_float64_model_rounds_within_the_fast_paths_tolerance(tiny_llama):
     model = copy.deepcopy(tiny_llama).double()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="exact", progress=False)
+        ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="exact",
+                       options=dict(progress=False))
     assert not [w for w in seen if "Please report" in str(w.message)], [
         str(w.message) for w in seen]
 

@@ -237,13 +237,13 @@ def test_tracr_program_computes_its_known_answer_and_patching_finds_its_heads():
     theirs = compiled.apply(["BOS", *grid[17].tolist()]).decoded[2:5]
     assert theirs == want[17].tolist()
     c = case("tracr")
-    res = ck.patch_heads(model, c.clean, c.corrupt, c.metric, progress=False)
+    res = ck.patch_heads(model, c.clean, c.corrupt, c.metric, options=dict(progress=False))
     assert (res.clean, res.corrupt) == pytest.approx((1.0, -1.0), abs=1e-5)
     assert res.normalized()[0].tolist() == pytest.approx(
         [1.0 if h == prv else 0.0 for h in range(2)], abs=1e-5)
     nxt_corrupt = c.clean.clone()
     nxt_corrupt[:, 4] = (nxt_corrupt[:, 4] + 1) % 3  # the next token of position 3
-    res = ck.patch_heads(model, c.clean, nxt_corrupt, c.metric, progress=False)
+    res = ck.patch_heads(model, c.clean, nxt_corrupt, c.metric, options=dict(progress=False))
     assert res.normalized()[0].tolist() == pytest.approx(
         [1.0 if h == nxt else 0.0 for h in range(2)], abs=1e-5)
 
@@ -319,7 +319,7 @@ def test_exact_every_site_and_position_mode(name):
             if (name, site) in REFUSED:
                 continue
             res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, direction="noise",
-                                 site=site, positions=positions, progress=False)
+                                 site=site, positions=positions, options=dict(progress=False))
             want = hooked_sweep(c.model, c.clean, c.corrupt, c.metric, "heads", site, positions)
             torch.testing.assert_close(res.values, want, atol=ATOL, rtol=0,
                                        msg=f"noise {site} {positions}")
@@ -364,14 +364,14 @@ def test_paths(name):
     if L < 2:
         with pytest.raises(ValueError, match="no receiver is in a layer after any sender") as e:
             ck.patch_paths(c.model, c.clean, c.corrupt, c.metric, nodes, nodes, inputs="q",
-                           progress=False)
+                           options=dict(progress=False))
         one_line(e)
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for direction in ("denoise", "noise"):
-            res = ck.patch_paths(c.model, c.clean, c.corrupt, c.metric, nodes, nodes,
-                                 inputs="q", direction=direction, progress=False)
+            res = ck.patch_paths(c.model, c.clean, c.corrupt, c.metric, nodes, nodes, inputs="q",
+                                 direction=direction, options=dict(progress=False))
             base, source = (c.corrupt, c.clean) if direction == "denoise" else (c.clean,
                                                                               c.corrupt)
             for si, s in enumerate(nodes):
@@ -399,11 +399,11 @@ def test_attribution_estimators(name):
             if expect is not None:
                 with expect as e:
                     ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution",
-                                   estimator=est, progress=False)
+                                   options=dict(estimator=est, progress=False))
                 one_line(e)
                 continue
             res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution",
-                                 estimator=est, progress=False)
+                                 options=dict(estimator=est, progress=False))
         notes = [str(w.message) for w in seen if "no MLP" in str(w.message)]
         # block on an attention-only model: a fallback, said once, in one line
         assert len(notes) == (est == "block" and not hooks.has_mlp(c.model)), notes
@@ -417,13 +417,13 @@ def test_attribution_estimators(name):
                                        msg=f"{est}: last layer")
         if est == "ig":  # the same path both ways: noise mirrors denoise
             noise = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution",
-                                   estimator="ig", direction="noise", progress=False)
+                                   direction="noise", options=dict(estimator="ig", progress=False))
             torch.testing.assert_close(noise.values - noise.clean, -(res.values - res.corrupt),
                                        atol=1e-5, rtol=0)
     expect = refused(name, "estimator:qk")
     if expect is None:  # AtP* with its exact tail: last-layer heads patched exactly
         res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution",
-                             atp_star=True, progress=False)
+                             options=dict(atp_star=True, progress=False))
         torch.testing.assert_close(res.values[last], exact[last], atol=ATOL, rtol=0)
 
 
@@ -449,11 +449,13 @@ def test_block_estimator_at_every_site(name):
                 if expect is not None:
                     with expect as e:
                         ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, site=site,
-                                       method="attribution", estimator=est, progress=False)
+                                       method="attribution",
+                                       options=dict(estimator=est, progress=False))
                     one_line(e)
                     continue
                 res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, site=site,
-                                     method="attribution", estimator=est, progress=False)
+                                     method="attribution",
+                                     options=dict(estimator=est, progress=False))
             exact = hooked_sweep(c.model, c.corrupt, c.clean, c.metric, "heads", site) \
                 if exact is None else exact
             assert res.values.shape == exact.shape and torch.isfinite(res.values).all()
@@ -472,7 +474,7 @@ def test_hybrid(name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, direction=direction,
-                                 method="attribution+exact", progress=False)
+                                 method="attribution+exact", options=dict(progress=False))
         base, src = (c.corrupt, c.clean) if direction == "denoise" else (c.clean, c.corrupt)
         want = hooked_sweep(c.model, base, src, c.metric)
         done = verified_mask(res)
@@ -482,7 +484,7 @@ def test_hybrid(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # OPT: "the screen is plain AtP" (auto's hybrid option)
         res = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="auto",
-                             progress=False)
+                             options=dict(progress=False))
     assert res.meta["auto"]["chose"] == "exact"
     torch.testing.assert_close(res.values, hooked_sweep(c.model, c.corrupt, c.clean, c.metric),
                                atol=ATOL, rtol=0)

@@ -410,8 +410,8 @@ def test_results_of_every_method_still_load(tiny_llama, tmp_path):
     task = ck.load_task("induction", n_examples=5, seg_len=5, vocab_size=64, seed=2)
     for method in ("exact", "attribution", "attribution+exact"):
         for positions in ("all", "each"):
-            res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                                 task.metric, method=method, positions=positions, progress=False)
+            res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, task.metric,
+                                 method=method, positions=positions, options=dict(progress=False))
             res.save(tmp_path / f"{method}-{positions}", views=False)
             back = PatchResult.load(tmp_path / f"{method}-{positions}")
             assert torch.equal(back.values, res.values)
@@ -433,8 +433,8 @@ def test_batch_size_changes_values_within_the_documented_tolerance(tiny_llama, t
 
     def run(bs, model=tiny_llama, checkpoint=None):
         return ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                              method=method, positions="each", batch_size=bs,
-                              checkpoint=checkpoint, progress=False)
+                              method=method, positions="each",
+                              options=dict(batch_size=bs, checkpoint=checkpoint, progress=False))
 
     ref = run(64)
     scale = max(1.0, abs(ref.clean), abs(ref.corrupt), float(ref.values.abs().max()))

@@ -145,7 +145,7 @@ def test_exact_edges_equal_transformer_lens_direct_path(cfg):
 
     model = make_model(cfg)
     clean, corrupt = _pair()
-    res = ck.patch_edges(model, clean, corrupt, margin, progress=False)
+    res = ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
     with torch.no_grad():
         _, cc = model.run_with_cache(clean)
         _, xc = model.run_with_cache(corrupt)
@@ -169,7 +169,7 @@ def test_exact_edges_equal_hand_loop_on_gqa(tiny_llama, direction):
     """GQA: k/v receivers are KV heads (TL refuses them); the embeddings and the logits too."""
     clean, corrupt = _pair(1)
     res = ck.patch_edges(tiny_llama, clean, corrupt, margin, direction=direction,
-                         progress=False, batch_size=7)  # several chunks per layer
+                         options=dict(progress=False, batch_size=7))  # several chunks per layer
     f = hooks.facts(tiny_llama)
     assert f.gqa and res.meta["kv_heads"]
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
@@ -196,10 +196,10 @@ def test_exact_edges_on_every_layout(name):
         if hooks.post_norm(model, 0, "attn") is not None:
             with pytest.raises(ValueError, match=r"^blocks\.0 normalises [^\n]*$"):
                 ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
-                               progress=False)
+                               options=dict(progress=False))
             return
-        res = ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
-                             direction="noise", progress=False)
+        res = ck.patch_edges(model, clean, corrupt, metric, senders, receivers, direction="noise",
+                             options=dict(progress=False))
         want = hand_edges(model, clean, corrupt, metric, res)
     torch.testing.assert_close(res.values, want, atol=1e-5, rtol=0, equal_nan=True)
 
@@ -264,10 +264,10 @@ def test_eap_star_equals_its_definition_on_every_layout(name):
         if hooks.post_norm(model, 0, "attn") is not None:
             with pytest.raises(ValueError, match=r"^blocks\.0 normalises [^\n]*$"):
                 ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
-                               method="attribution", estimator="eap*", progress=False)
+                               method="attribution", options=dict(estimator="eap*", progress=False))
             return
         res = ck.patch_edges(model, clean, corrupt, metric, senders, receivers,
-                             method="attribution", estimator="eap*", progress=False)
+                             method="attribution", options=dict(estimator="eap*", progress=False))
     want = hand_eap_star(model, corrupt, clean, metric, res)
     mask = res.edge_mask()
     assert int(mask.sum()) >= 19  # MQA: one KV head per layer receives k and v
@@ -281,8 +281,8 @@ def test_planted_induction_k_edge_is_the_top_edge():
     assert not hasattr(model.blocks[0], "mlp") or model.blocks[0].mlp is None
     task = planted_task(16)
     heads = [(la, h) for la in range(2) for h in range(2)]
-    res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         senders=heads, receivers=heads[2:], progress=False)
+    res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric, senders=heads,
+                         receivers=heads[2:], options=dict(progress=False))
     top = res.top(1).iloc[0]
     assert (top.sender, top.receiver, top.input) == ("L0H0", "L1H0", "k")
     assert abs(top.normalized) > 0.2
@@ -293,7 +293,7 @@ def test_planted_induction_k_edge_is_the_top_edge():
     c = res.senders.index(COPY_HEAD)
     assert float(res.normalized()[c, r, res.inputs.index("v")]) > 0.05
     full = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          progress=False)
+                          options=dict(progress=False))
     # the embeddings -> previous-token head V edge carries the same information as the K edge
     # (the head's only token input; K is its only reader), and the induction head's direct
     # write to the logits is its whole output
@@ -326,7 +326,7 @@ def test_faithfulness_all_edges_kept_is_the_clean_run_none_the_corrupt_run(which
     clean, corrupt = _pair(2, seq=7 if which != "native-attn-only" else 6)
     clean, corrupt = clean % hooks.facts(model).d_vocab_out, corrupt % hooks.facts(
         model).d_vocab_out
-    res = ck.patch_edges(model, clean, corrupt, margin, progress=False)
+    res = ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
     pm = ck.as_metric(margin, *clean.shape, hooks.facts(model).d_vocab_out)
     graph = CircuitGraph.of(model, res)
     run = faithfulness._Ablated(model, clean, corrupt, pm, graph, "corrupt", 0, None)
@@ -348,7 +348,7 @@ def test_faithfulness_of_heads_ablates_their_outputs(tiny_llama):
     """A head circuit: kept heads write, the others write their corrupt output everywhere
     (the reference: every ablated head's z replaced by the corrupt run's, by hand)."""
     clean, corrupt = _pair(3)
-    heads = ck.patch_heads(tiny_llama, clean, corrupt, margin, progress=False)
+    heads = ck.patch_heads(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     circ = ck.circuit(tiny_llama, (clean, corrupt, margin), heads, sizes=[0.25, 0.5, 1.0],
                       progress=False, n_boot=0)
     f = hooks.facts(tiny_llama)
@@ -377,7 +377,7 @@ def test_faithfulness_is_monotone_on_the_planted_circuit(rank):
     model = planted_induction_model()
     task = planted_task(16)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         progress=False)
+                         options=dict(progress=False))
     circ = ck.circuit(model, task, res, rank=rank, progress=False, n_boot=100)
     f = circ.faithfulness
     assert bool((f[1:] >= f[:-1] - 1e-5).all()), f
@@ -402,7 +402,7 @@ def test_circuit_json_export(tmp_path):
     model = planted_induction_model()
     task = planted_task(8)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         progress=False)
+                         options=dict(progress=False))
     circ = ck.circuit(model, task, res, progress=False, n_boot=20)
     data = json.loads(circ.save_json(tmp_path / "c.json").read_text())
     assert data["n_kept"] == len(data["edges"]) == 5
@@ -425,7 +425,8 @@ def test_eap_equals_transformer_lens_edge_attribution(cfg):
 
     model = make_model(cfg)
     clean, corrupt = _pair(4, n=2, seq=6)
-    res = ck.patch_edges(model, clean, corrupt, margin, method="attribution", progress=False)
+    res = ck.patch_edges(model, clean, corrupt, margin, method="attribution",
+                         options=dict(progress=False))
     tl = attribution_patch(model, clean, corrupt, lambda lg: margin(lg).mean(),
                            EdgeAttributionConfig(granularity="edge"))
     f = hooks.facts(model)
@@ -454,7 +455,8 @@ def test_eap_on_uneven_reads_is_the_full_logits_gradient(cfg):
     pos = [[5], [2, 4, 5]]
     metric = token_logprob_metric(pos, [clean[i, p].tolist() for i, p in enumerate(pos)])
     assert len(set(metric.read_positions()[0].tolist())) == 1  # one read, repeated
-    res = ck.patch_edges(model, clean, corrupt, metric, method="attribution", progress=False)
+    res = ck.patch_edges(model, clean, corrupt, metric, method="attribution",
+                         options=dict(progress=False))
     f = hooks.facts(model)
     names = [hooks.edge_input(i, la) for la in range(f.n_layers) for i in "qkv"]
     names.append(hooks.resid_post(f.n_layers - 1))
@@ -482,9 +484,9 @@ def test_eap_star_is_exact_where_the_downstream_is_linear(kv):
     model = sharpened(native_model(attn_only=True, normalization_type=None,
                                    n_key_value_heads=kv), factor=8.0)
     clean, corrupt = _pair(6, n=3, seq=8)
-    exact = ck.patch_edges(model, clean, corrupt, margin, progress=False)
+    exact = ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
     star = ck.patch_edges(model, clean, corrupt, margin, method="attribution",
-                          estimator="eap*", progress=False)
+                          options=dict(estimator="eap*", progress=False))
     assert star.meta["estimator"] == "eap*" and star.meta["pass_equivalents"] > 4 * 3
     assert not star.values.requires_grad and len(star.to_frame()) == int(star.edge_mask().sum())
     last = [r for r, (rl, _) in enumerate(exact.receivers) if rl == 1]
@@ -509,12 +511,12 @@ def test_eap_star_is_closer_to_exact_than_eap():
     0.099)."""
     tiny_llama = sharpened(make_model(TINY_LLAMA))
     clean, corrupt = _pair(7, n=3, seq=8)
-    exact = ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False)
+    exact = ck.patch_edges(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     mask = exact.edge_mask()
     err = {}
     for est in ("eap", "eap*"):
         res = ck.patch_edges(tiny_llama, clean, corrupt, margin, method="attribution",
-                             estimator=est, progress=False)
+                             options=dict(estimator=est, progress=False))
         d = (res.effect() - exact.effect()).abs()
         err[est] = [float(d[:, :, i][mask[:, :, i]].sum()) for i in range(3)]
     print("sum |estimate - exact| per input q, k, v:", err)
@@ -528,9 +530,9 @@ def test_eap_ig_variants_agree_on_the_embedding_edges(tiny_gpt2):
     be the same numbers; EAP-IG with more steps moves towards exact on the strongest edges."""
     clean, corrupt = _pair(5)
     a = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, method="attribution",
-                       estimator="eap-ig-inputs", ig_steps=3, progress=False)
+                       options=dict(estimator="eap-ig-inputs", ig_steps=3, progress=False))
     b = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, method="attribution",
-                       estimator="eap-ig-activations", ig_steps=3, progress=False)
+                       options=dict(estimator="eap-ig-activations", ig_steps=3, progress=False))
     assert a.meta["ig_steps"] == b.meta["ig_steps"] == 3
     torch.testing.assert_close(a.values[0], b.values[0], atol=1e-6, rtol=0, equal_nan=True)
     assert not torch.allclose(a.values[1:].nan_to_num(), b.values[1:].nan_to_num())
@@ -538,18 +540,18 @@ def test_eap_ig_variants_agree_on_the_embedding_edges(tiny_gpt2):
 
 def test_attribution_plus_exact_verifies_with_the_engine(tiny_llama):
     clean, corrupt = _pair(6)
-    exact = ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False)
+    exact = ck.patch_edges(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     n = int(exact.edge_mask().sum())
     every = ck.patch_edges(tiny_llama, clean, corrupt, margin, method="attribution+exact",
-                           top_k=n, progress=False)
+                           options=dict(top_k=n, progress=False))
     torch.testing.assert_close(every.values, exact.values, atol=1e-6, rtol=0, equal_nan=True)
     some = ck.patch_edges(tiny_llama, clean, corrupt, margin, method="attribution+exact",
-                          top_k=5, progress=False)
+                          options=dict(top_k=5, progress=False))
     mask = torch.tensor(some.meta["verified"])
     assert int(mask.sum()) == 5 and some.meta["cost"]["verify_passes"] > 0
     torch.testing.assert_close(some.values[mask], exact.values[mask], atol=1e-6, rtol=0)
     auto = ck.patch_edges(tiny_llama, clean, corrupt, margin, method="attribution+exact",
-                          progress=False)
+                          options=dict(progress=False))
     assert auto.meta["budget"]["stopped"] in ("bound", "budget", "all")
     assert 0 < auto.meta["n_verified"] <= n
 
@@ -559,7 +561,7 @@ def test_attribution_plus_exact_verifies_with_the_engine(tiny_llama):
 
 def test_edge_result_round_trip_and_strict_load(tiny_gpt2, tmp_path):
     clean, corrupt = _pair(7)
-    res = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, progress=False)
+    res = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, options=dict(progress=False))
     res.save(tmp_path / "e")
     back = ck.EdgeResult.load(tmp_path / "e")
     torch.testing.assert_close(back.values, res.values, equal_nan=True)
@@ -604,7 +606,8 @@ def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypa
     stored = sorted((tmp_path / "ck").glob("chunk_*.safetensors"))
     assert len(stored) >= 3  # the memory probe's chunk and those finished before the stop
     resumed = ck.patch_edges(tiny_llama, clean, corrupt, margin, **kw)
-    fresh = ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False, batch_size=6)
+    fresh = ck.patch_edges(tiny_llama, clean, corrupt, margin,
+                           options=dict(progress=False, batch_size=6))
     assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
     with pytest.raises(ValueError, match="different sweep"):  # other edges, same folder
         ck.patch_edges(tiny_llama, clean, corrupt, margin, inputs=("q",), **kw)
@@ -628,7 +631,7 @@ def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypa
 def test_bad_input_gives_one_line(tiny_llama, kw, match):
     clean, corrupt = _pair()
     with pytest.raises(ValueError, match=match) as err:
-        ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False, **kw)
+        ck.patch_edges(tiny_llama, clean, corrupt, margin, **kw, options=dict(progress=False))
     assert "\n" not in str(err.value)
 
 
@@ -638,12 +641,13 @@ def test_attribution_without_per_head_inputs_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^this model's attention \(AttentionBridge[^\n]*"
                                          r"method='exact'"):
         ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="attribution", progress=False)
+                       method="attribution", options=dict(progress=False))
 
 
 def test_circuit_bad_input_gives_one_line(tiny_gpt2):
     clean, corrupt = _pair()
-    res = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, inputs="q", progress=False)
+    res = ck.patch_edges(tiny_gpt2, clean, corrupt, margin, inputs="q",
+                         options=dict(progress=False))
     for kw, match in ((dict(sizes=[0.5, 0.1]), "sizes="), (dict(ablation="noise"),
                                                            "ablation='noise'"),
                       (dict(target=2.0), "target=")):
@@ -656,7 +660,7 @@ def test_pictures(tmp_path):
     model = planted_induction_model()
     task = planted_task(8)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         progress=False)
+                         options=dict(progress=False))
     fig = res.heatmap()
     # the logits in a panel of their own (issue 44.7: they were drawn inside "into q")
     assert [t.name for t in fig.data] == ["q", "k", "v", "logits"]

@@ -39,7 +39,7 @@ def edges():
     model = ck.load_model("icd-teacher")
     task = ck.load_task("icd10", n_examples=4, seed=0)
     return ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          method="attribution", progress=False)
+                          method="attribution", options=dict(progress=False))
 
 
 def test_the_figure_fits_1280_px_with_the_logits_apart_and_every_label(edges):

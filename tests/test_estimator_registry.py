@@ -90,7 +90,7 @@ def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
     ep = plan.edge_plan(arch, [seq] * n, layout)
     for est in EDGES:
         res = ck.patch_edges(tiny_llama, clean, corrupt, metric, method="attribution",
-                             estimator=est, progress=False)
+                             options=dict(estimator=est, progress=False))
         assert ep["methods"][est]["pass_equivalents"] == pytest.approx(
             res.meta["pass_equivalents"], rel=1e-12), est
 
@@ -108,7 +108,7 @@ def test_edges_check_the_metric_gradient_before_any_batch(tiny_gpt2, monkeypatch
     clean, corrupt, _ = prompts(tiny_gpt2)
     with pytest.raises(ValueError, match="carries no gradient"):
         ck.patch_edges(tiny_gpt2, clean, corrupt, lambda logits: logits[:, -1].argmax(-1).float(),
-                       method="attribution", estimator="eap", progress=False)
+                       method="attribution", options=dict(estimator="eap", progress=False))
     with pytest.raises(ValueError, match="direction"):
         attribution.attribution_patch_edges(tiny_gpt2, clean, corrupt, None,
                                             api.edge_layout(tiny_gpt2), direction="sideways")

@@ -87,8 +87,8 @@ def edge_values(model, case) -> dict[str, torch.Tensor]:
 
     _, est, direction, kw = case
     clean, corrupt, metric = prompts(model)
-    res = ck.patch_edges(model, clean, corrupt, metric, direction=direction,
-                         method="attribution", estimator=est, batch_size=2, progress=False, **kw)
+    res = ck.patch_edges(model, clean, corrupt, metric, direction=direction, method="attribution",
+                         options=dict(estimator=est, batch_size=2, progress=False, **kw))
     return _tensors(res)
 
 

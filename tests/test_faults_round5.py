@@ -119,7 +119,8 @@ def test_item_3_edited_group_labels_are_refused(tiny_llama, tmp_path):
     first = torch.zeros_like(clean, dtype=torch.bool)
     first[:, :3] = True
     res = ck.patch_heads(tiny_llama, clean, corrupt, _margin,
-                         positions={"evidence": first, "answer": ~first}, progress=False)
+                         positions={"evidence": first, "answer": ~first},
+                         options=dict(progress=False))
     res.save(tmp_path / "r", views=False)
     js = tmp_path / "r.json"
     back = PatchResult.load(js)  # intact: loads, same labels
@@ -141,10 +142,10 @@ def test_item_4_edited_path_results_are_refused(tiny_llama, tmp_path):
     clean, corrupt = _pair()
     half = torch.zeros_like(clean, dtype=torch.bool)
     half[:, 3:] = True
-    res = ck.patch_paths(tiny_llama, clean, corrupt, _margin, [(0, 0), (0, 1)],
-                         [(1, 0), (2, 1)], positions={"all": torch.ones_like(half),
-                                                     "late": half}, inputs=("q",),
-                         progress=False)
+    res = ck.patch_paths(tiny_llama, clean, corrupt, _margin, [(0, 0), (0, 1)], [(1, 0), (2, 1)],
+                         positions={"all": torch.ones_like(half),
+                                                     "late": half},
+                         inputs=("q",), options=dict(progress=False))
     res.save(tmp_path / "paths", views=False)
     js = tmp_path / "paths.json"
     PatchResult.load(js)  # intact
@@ -173,7 +174,7 @@ def test_item_4_an_edited_circuit_json_is_refused(tmp_path):
 
     model, task = planted_induction_model(), planted_task(8)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         progress=False)
+                         options=dict(progress=False))
     path = ck.circuit(model, task, res, progress=False, n_boot=0).save_json(tmp_path / "c.json")
     read_circuit_json(path)  # intact
     for key in ("cpr", "faithfulness"):
@@ -200,7 +201,7 @@ def test_item_11_an_exact_edge_result_edited_is_refused(tiny_llama, tmp_path):
     from circuitkit.patching.results import EdgeResult
 
     clean, corrupt = _pair()
-    res = ck.patch_edges(tiny_llama, clean, corrupt, _margin, progress=False)
+    res = ck.patch_edges(tiny_llama, clean, corrupt, _margin, options=dict(progress=False))
     res.save(tmp_path / "edges", views=False)
     js = tmp_path / "edges.json"
     EdgeResult.load(js)
@@ -314,7 +315,8 @@ def test_crash_positions_past_the_prompts_are_one_line_not_an_index_error(tiny_l
     for method in ("exact", "attribution"):
         with pytest.raises(ValueError, match=r"reads logit position 20 of prompt 0, but the "
                                              r"prompts have 20 tokens \(positions 0..19\)"):
-            ck.patch_heads(tiny_llama, clean, corrupt, m, method=method, progress=False)
+            ck.patch_heads(tiny_llama, clean, corrupt, m, method=method,
+                           options=dict(progress=False))
     with pytest.raises(ValueError, match="positions go up to 20 but the logits have 20"):
         m(torch.zeros(2, 20, 64))  # called directly
 
@@ -328,7 +330,7 @@ def test_unclear_positions_as_numpy_or_nested_lists_are_one_short_line(tiny_llam
     for given in (np.ones((2, 7), dtype=bool), [[True] * 7] * 2 * 1000):
         with pytest.raises(ValueError) as err:
             ck.patch_heads(tiny_llama, clean, corrupt, _margin, positions=given,
-                           progress=False)
+                           options=dict(progress=False))
         msg = str(err.value)
         assert "ambiguous" not in msg and len(msg) < 400 and "torch" in msg, msg
     # at_answers takes a numpy array of positions as the tensor it holds
@@ -354,12 +356,12 @@ def test_item_6_left_padded_prompts_are_refused_and_no_message_advises_left_padd
     monkeypatch.setattr(inputs, "pad_token_id", lambda model: pad)
     with pytest.raises(ValueError, match=r"1 of 3 prompts are left-padded with pad token id 0 "
                                          r"\(prompts 1 \(3 pad tokens\)\)") as err:
-        ck.patch_heads(tiny_llama, left_c, left_x, last, progress=False)
+        ck.patch_heads(tiny_llama, left_c, left_x, last, options=dict(progress=False))
     assert "\n" not in str(err.value)
     right_c, right_x = clean.clone(), corrupt.clone()
     right_c[1, -3:], right_x[1, -3:] = pad, pad
     with pytest.raises(ValueError, match="right-padded") as err:
-        ck.patch_heads(tiny_llama, right_c, right_x, last, progress=False)
+        ck.patch_heads(tiny_llama, right_c, right_x, last, options=dict(progress=False))
     assert "left-pad them" not in str(err.value).lower()
 
 
@@ -369,7 +371,7 @@ def test_item_8_prompts_longer_than_the_context_are_refused_for_rotary_models_to
     assert tiny_llama.cfg.n_ctx == 64
     clean, corrupt = _pair(n=1, seq=70)
     with pytest.raises(ValueError, match="70 tokens but the model's context is n_ctx=64"):
-        ck.patch_heads(tiny_llama, clean, corrupt, _margin, progress=False)
+        ck.patch_heads(tiny_llama, clean, corrupt, _margin, options=dict(progress=False))
     task = load_task("synthetic", n_examples=2, seed=1, n_labels=60, children=4)
     from circuitkit import hooks
 
@@ -408,8 +410,8 @@ def test_unclear_group_names_in_result_csv_are_not_spreadsheet_formulas(tiny_lla
     first = torch.zeros_like(clean, dtype=torch.bool)
     first[:, :3] = True
     evil = '=HYPERLINK("http://x","y")'
-    res = ck.patch_heads(tiny_llama, clean, corrupt, _margin,
-                         positions={evil: first, "-": ~first}, progress=False)
+    res = ck.patch_heads(tiny_llama, clean, corrupt, _margin, positions={evil: first, "-": ~first},
+                         options=dict(progress=False))
     res.save(tmp_path / "r")
     groups = {row["group"] for row in csv.DictReader((tmp_path / "r.csv").open())}
     assert groups == {"'" + evil, "-"}
@@ -422,13 +424,13 @@ def test_unclear_group_names_in_result_csv_are_not_spreadsheet_formulas(tiny_lla
 def test_issue44_item_4_top_refuses_k_below_one(tiny_llama):
     """Before: ``res.top(-3)`` returned every row but the last 3."""
     clean, corrupt = _pair()
-    res = ck.patch_heads(tiny_llama, clean, corrupt, _margin, progress=False)
+    res = ck.patch_heads(tiny_llama, clean, corrupt, _margin, options=dict(progress=False))
     for k in (-3, 0, 2.5, True):
         with pytest.raises(ValueError, match="top: k must be a positive integer"):
             res.top(k)
     assert len(res.top(3)) == 3
     edges = ck.patch_edges(tiny_llama, clean, corrupt, _margin, senders=[(0, 0)],
-                           receivers=[(1, 0)], progress=False)
+                           receivers=[(1, 0)], options=dict(progress=False))
     with pytest.raises(ValueError, match="top: k must be a positive integer"):
         edges.top(-1)
 
@@ -469,7 +471,7 @@ def test_issue44_item_1_the_column_is_named_raw_effect_when_the_baseline_is_dege
     from circuitkit.patching.results import EdgeResult, PatchResult
 
     clean, _ = _pair()
-    res = ck.patch_heads(tiny_llama, clean, clean.clone(), _margin, progress=False)
+    res = ck.patch_heads(tiny_llama, clean, clean.clone(), _margin, options=dict(progress=False))
     frame = res.to_frame()
     assert res.degenerate and "raw_effect" in frame and "normalized" not in frame
     assert res.value_column == "raw_effect"
@@ -479,7 +481,7 @@ def test_issue44_item_1_the_column_is_named_raw_effect_when_the_baseline_is_dege
     assert "raw_effect" in header and "normalized" not in header
     assert "raw_effect" in PatchResult.load(tmp_path / "r").to_frame()
     edges = ck.patch_edges(tiny_llama, clean, clean.clone(), _margin, senders=[(0, 0)],
-                           receivers=[(1, 0)], progress=False)
+                           receivers=[(1, 0)], options=dict(progress=False))
     assert "raw_effect" in edges.to_frame() and "normalized" not in edges.to_frame()
     assert isinstance(edges, EdgeResult) and "raw_effect" in edges.top(1)
     # a result whose corruption lowers the metric keeps its "normalized" column
@@ -504,9 +506,10 @@ def test_item_9_no_share_of_a_gap_the_corruption_does_not_open(tiny_llama):
     half = torch.zeros_like(clean, dtype=torch.bool)
     half[:, 3:] = True
     paths = ck.patch_paths(tiny_llama, clean, clean.clone(), _margin, [(0, 0), (0, 1)],
-                           [(1, 0), (2, 1)], positions={"all": torch.ones_like(half),
-                                                       "late": half}, inputs=("q",),
-                           progress=False)
+                           [(1, 0), (2, 1)],
+                           positions={"all": torch.ones_like(half),
+                                                       "late": half},
+                           inputs=("q",), options=dict(progress=False))
     assert paths.degenerate
     for row in paths.meta["coverage"].values():
         assert all(math.isnan(v) for v in row.values()), row

@@ -153,7 +153,7 @@ def test_right_padded_pairs_read_each_prompt_at_its_last_token(tmp_path):
     assert pairs.clean_tokens.shape == (6, 10)  # <bos> + 9 words, the longest
     assert pairs.last_positions.tolist() == [5, 7, 9, 9, 7, 5]
     res = ck.patch_heads(model, pairs.clean_tokens, pairs.corrupt_tokens, pairs.metric,
-                         progress=False)
+                         options=dict(progress=False))
     one_by_one = []
     with torch.no_grad():
         for r in _ragged_rows():
@@ -177,7 +177,8 @@ def test_right_padded_pairs_read_each_prompt_at_its_last_token(tmp_path):
     with pytest.raises(ValueError, match="padding"):
         ck.patch_heads(model, pairs.clean_tokens, pairs.corrupt_tokens,
                        lambda lg: (lg[:, -1].gather(-1, a[:, None])
-                                   - lg[:, -1].gather(-1, w[:, None])).mean(), progress=False)
+                                   - lg[:, -1].gather(-1, w[:, None])).mean(),
+                       options=dict(progress=False))
 
 
 def test_bad_pairs_files_are_refused_row_by_row(tmp_path):

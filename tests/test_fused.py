@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodels import SMALL
+from tinymodels import SMALL, call
 from transformer_lens import patching as tlp
 
 import circuitkit as ck
@@ -89,8 +89,8 @@ def test_fused_suffix_equals_transformer_lens(arch, kind, site, positions, direc
     clean, corrupt, metric = shared_prefix_case(model)
     calls = count_fused(monkeypatch)
     fn = ck.patch_heads if kind == "heads" else ck.patch_layers
-    res = fn(model, clean, corrupt, metric, site=site, positions=positions, direction=direction,
-             progress=False)
+    res = call(fn, model, clean, corrupt, metric, site=site, positions=positions,
+               direction=direction, progress=False)
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
     with torch.no_grad():
         cache = model.run_with_cache(source)[1]
@@ -118,8 +118,9 @@ def test_fused_edges_equal_the_hand_loop(arch, direction, monkeypatch):
         seen.extend(inputs)
         return real(self, b, resid, writes, z_base, sender, inputs, unit)
     monkeypatch.setattr(fused.FusedLlama, "edge_attention", spy)
-    res = ck.patch_edges(model, clean, corrupt, metric, direction=direction, progress=False,
-                         batch_size=9)  # several chunks per receiver layer
+    res = ck.patch_edges(model, clean, corrupt, metric, direction=direction,
+                         options=dict(progress=False,
+                                      batch_size=9))  # several chunks per receiver layer
     base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
     want = hand_edges(model, base, source, metric, res)
     assert set(seen) == {"q", "k", "v"}
@@ -188,7 +189,7 @@ def test_a_wrong_fused_cached_run_is_caught(arch, monkeypatch):
     monkeypatch.setattr(fused.FusedLlama, "cached_run", wrong)
     monkeypatch.setitem(engine_module._FAST_PATH_VERDICTS, model, {})  # forget verdicts
     with pytest.warns(UserWarning, match="fused cached run differs"):
-        res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+        res = ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
     with torch.no_grad():
         cache = model.run_with_cache(clean)[1]
         ref = tlp.get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
@@ -203,7 +204,7 @@ def test_a_user_hook_keeps_the_bridge_path(arch, monkeypatch):
     calls = count_fused(monkeypatch)
     scale = [(hooks.mlp_out(0), lambda t, hook: t * 0.5)]
     with model.hooks(fwd_hooks=scale):
-        res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+        res = ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
         with torch.no_grad():
             cache = model.run_with_cache(clean)[1]
             ref = tlp.get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
@@ -220,7 +221,7 @@ def test_a_wrong_fused_suffix_is_caught_by_the_probe(arch, monkeypatch):
     monkeypatch.setattr(fused.FusedLlama, "mlp", lambda self, x, b: real(self, x, b) * 1.5)
     monkeypatch.setitem(engine_module._FAST_PATH_VERDICTS, model, {})  # forget verdicts
     with pytest.warns(UserWarning, match="fast exact-patching path differs"):
-        res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+        res = ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
     with torch.no_grad():
         cache = model.run_with_cache(clean)[1]
         ref = tlp.get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from _scale import TINY_GQA8, induction
-from tinymodels import TINY_LLAMA, make_model
+from tinymodels import TINY_LLAMA, call, make_model
 
 import circuitkit as ck
 from circuitkit.patching import hybrid
@@ -50,19 +50,20 @@ def units(request, heads_model, edges_model, task):
     swapped for the exact sweep."""
     if request.param == "heads":  # through the one entry itself (patch_edges: its wrapper)
         def run(**kw):
+            kw = {**kw.pop("options", {}), **kw}  # (the tests' shorthand: one options dict)
             kw.setdefault("max_passes", 1e9)
             kw.setdefault("progress", False)
-            opts = {k: kw.pop(k) for k in ("top_k", "max_passes") if k in kw}
             return ck.patch(heads_model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                            ck.HeadUnits(), method="attribution+exact", options=opts, **kw)
+                            ck.HeadUnits(), method="attribution+exact", options=kw)
         return run, ExactEngine
     clean, corrupt = edge_pair()
 
     def run(**kw):
+        kw = {**kw.pop("options", {}), **kw}  # (the tests' shorthand: one options dict)
         kw.setdefault("max_passes", 1e9)
         kw.setdefault("progress", False)
-        return ck.patch_edges(edges_model, clean, corrupt, edge_margin,
-                              method="attribution+exact", **kw)
+        return call(ck.patch_edges, edges_model, clean, corrupt, edge_margin,
+                    method="attribution+exact", **kw)
     return run, EdgeEngine
 
 
@@ -86,7 +87,7 @@ def counting(monkeypatch, engine, stop_at=None, oom_above=None):
 def quiet(fn, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random models
-        return fn(**kw)
+        return call(fn, **kw)
 
 
 def test_heads_and_edges_take_the_one_screen_then_verify(units, monkeypatch):
@@ -212,8 +213,9 @@ def test_the_plan_is_within_a_quarter_of_the_run_on_the_teacher(teacher, top_k):
     budget, predicted dearer than exact, runs exact (both say so)."""
     model, task = teacher
     args = (model, task.clean_tokens, task.corrupt_tokens, task.metric)
-    plan = ck.plan_patch(*args, method="attribution+exact", top_k=top_k)
-    res = ck.patch_heads(*args, method="attribution+exact", top_k=top_k, progress=False)
+    plan = ck.plan_patch(*args, method="attribution+exact", options=dict(top_k=top_k))
+    res = ck.patch_heads(*args, method="attribution+exact",
+                         options=dict(top_k=top_k, progress=False))
     if top_k is None:
         assert plan["method"] == res.method == "exact" and res.meta["hybrid"]["ran"] == "exact"
         ran = res.meta["hybrid"]["exact_passes"]
@@ -272,8 +274,8 @@ def test_the_hybrid_itself_on_every_layout(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = api.attribution_plus_exact(c.model, c.clean, c.corrupt, c.metric, progress=False)
-        routed = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric,
-                                method="attribution+exact", progress=False)
+        routed = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution+exact",
+                                options=dict(progress=False))
     assert res.method == "attribution+exact"
     want = tc.hooked_sweep(c.model, c.corrupt, c.clean, c.metric)
     done = res.verified

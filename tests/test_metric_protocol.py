@@ -84,8 +84,8 @@ def test_every_metric_form_gives_the_same_sweep(setup, method):
     args = (model, task.clean_tokens, task.corrupt_tokens)
     for name, (lam, pm) in forms(task, seq, a, b).items():
         for direction in ("denoise", "noise"):
-            kw = dict(direction=direction, method=method, progress=False,
-                      **({"top_k": 6} if method == "attribution+exact" else {}))
+            kw = dict(direction=direction, method=method, options=dict(
+                progress=False, **({"top_k": 6} if method == "attribution+exact" else {})))
             if "argmax" in name and method != "exact":  # no gradient: refused, in either form
                 for form in (lam, pm):
                     with pytest.raises(ValueError, match="carries no gradient"):
@@ -117,7 +117,7 @@ def test_probe_finds_read_positions_and_says_when_it_cannot(setup):
     arg = as_metric(f["argmax, per prompt"][0], n, seq, V)
     assert arg.reads is None and "not differentiable" in arg.note
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, f["argmax, per prompt"][0],
-                         progress=False)
+                         options=dict(progress=False))
     assert "not differentiable" in res.meta["metric_note"]
 
 
@@ -137,10 +137,10 @@ def test_scalar_metric_cannot_be_split_over_prompts(setup):
     """A scalar metric sees all prompts at once: a small batch_size never splits them."""
     model, task, seq = setup
     lam = forms(task, seq, 5, 6)["answer positions, scalar"][0]
-    small = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, lam, batch_size=1,
-                           progress=False)
+    small = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, lam,
+                           options=dict(batch_size=1, progress=False))
     big = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         progress=False)
+                         options=dict(progress=False))
     torch.testing.assert_close(small.values, big.values, atol=ATOL, rtol=0)
 
 
@@ -156,8 +156,8 @@ def test_a_metric_vmap_cannot_run_takes_the_plain_loop(setup):
         return lam(logits) * scale
 
     args = (model, task.clean_tokens, task.corrupt_tokens)
-    got = ck.patch_heads(*args, stubborn, progress=False)
-    ref = ck.patch_heads(*args, pm, progress=False)
+    got = ck.patch_heads(*args, stubborn, options=dict(progress=False))
+    ref = ck.patch_heads(*args, pm, options=dict(progress=False))
     torch.testing.assert_close(got.values, ref.values, atol=ATOL, rtol=0)
 
 
@@ -191,7 +191,8 @@ def test_a_metric_reading_where_it_has_no_gradient_gets_every_position(setup):
 
     pm = as_metric(best, len(task), seq, int(model.cfg.d_vocab))
     assert pm.reads is None and "no gradient" in pm.note and pm.per_prompt_values
-    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, best, progress=False)
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, best,
+                         options=dict(progress=False))
     with torch.no_grad():
         assert res.clean == pytest.approx(float(best(model(task.clean_tokens)).mean()), abs=ATOL)
     last = model.cfg.n_layers - 1
@@ -213,8 +214,8 @@ def test_a_metric_mixing_prompts_is_never_split(setup):
     pm = as_metric(centred, len(task), seq, int(model.cfg.d_vocab))
     assert not pm.per_prompt_values and "depends on other prompts" in pm.note
     assert torch.equal(pm.reads, torch.full((len(task), 1), seq - 1))  # reads still known
-    runs = [ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, centred, batch_size=bs,
-                           progress=False) for bs in (None, 1)]
+    runs = [ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, centred,
+                           options=dict(batch_size=bs, progress=False)) for bs in (None, 1)]
     torch.testing.assert_close(runs[0].values, runs[1].values, atol=ATOL, rtol=0)
     assert runs[0].per_prompt is None
     assert float(runs[0].values[0, 0]) == pytest.approx(

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from tinymodels import call
 
 import circuitkit as ck
 from circuitkit import hooks
@@ -481,13 +482,13 @@ def test_attention_left_to_hf_loads_and_refuses_the_sites_it_cannot_patch():
     for method in ("exact", "attribution", "attribution+exact"):
         with pytest.raises(ValueError, match="site='pattern'.*does not change"):
             ck.patch_heads(model, clean, corrupt, metric, site="pattern", method=method,
-                           progress=False)
+                           options=dict(progress=False))
     # AtP*'s Q/K fix reads the pattern's gradient, which a post-hoc hook never gets
     with pytest.raises(ValueError, match="estimator 'qk'.*gradient at the attention pattern"):
         ck.patch_heads(model, clean, corrupt, metric, site="q", method="attribution",
-                       estimator="qk", progress=False)
+                       options=dict(estimator="qk", progress=False))
     res = ck.patch_heads(model, clean, corrupt, metric, site="z", direction="noise",
-                         progress=False)
+                         options=dict(progress=False))
     _, cache = model.run_with_cache(corrupt)
     for layer, head in [(0, 1), (1, 3)]:
         def patch(t, hook, layer=layer, head=head):
@@ -649,17 +650,18 @@ def test_prompts_ending_in_id_0_are_not_padding_on_a_config_dict_model(cfg):
     corrupt[:2, -2:] = 0
     clean[2, -1] = corrupt[2, -1] = 0
     metric = lambda logits: logits[:, -1, 5].mean()  # noqa: E731 (reads position -1)
-    res = ck.patch_heads(model, clean, corrupt, metric, progress=False)
+    res = ck.patch_heads(model, clean, corrupt, metric, options=dict(progress=False))
     with torch.no_grad():  # the clean value is the model's own, every prompt read at -1
         want = float(model(clean)[:, -1, 5].mean())
     assert res.clean == pytest.approx(want, abs=1e-5)  # fp32, one forward vs the engine's
-    assert ck.patch_layers(model, clean, corrupt, metric, progress=False).values.shape[0] == 2
+    assert ck.patch_layers(model, clean, corrupt, metric,
+                           options=dict(progress=False)).values.shape[0] == 2
     assert model.tokenizer.pad_token_id == V and model.tokenizer.convert_ids_to_tokens([0]) == [
         "t0"]
     padded = model.to_tokens(["t3 t4 t5 t6", "t3 t4"])
     assert padded[1, -1] == V  # real right padding: the pad id
     for fn in (ck.patch_heads, ck.patch_layers):
         with pytest.raises(ValueError) as e:
-            fn(model, padded, padded.clone(), metric, progress=False)
+            call(fn, model, padded, padded.clone(), metric, progress=False)
         msg = str(e.value)
         assert "padded with pad token id" in msg and "prompts [1]" in msg and "\n" not in msg

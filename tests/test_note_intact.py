@@ -175,8 +175,8 @@ def _shares(model, task, direction="noise"):
 
     tp = phase_task(task, 2)
     groups = causal_groups(tp)
-    res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                         direction=direction, positions=groups, progress=False)
+    res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, direction=direction,
+                         positions=groups, options=dict(progress=False))
     gap = res.clean - res.corrupt
     eff = res.values - (res.clean if direction == "noise" else res.corrupt)
     sign = -1.0 if direction == "noise" else 1.0

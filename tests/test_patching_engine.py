@@ -44,7 +44,7 @@ def clean_cache(tiny_llama, task):
 def test_denoise_matches_transformerlens(tiny_llama, task, clean_cache, site, positions):
     metric = task.prompt_metric()
     res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric, site=site,
-                         positions=positions, progress=False)
+                         positions=positions, options=dict(progress=False))
     tl_fn = TL_HEADS[site][0 if positions == "all" else 1]
     ref = tl_fn(tiny_llama, task.corrupt_tokens, clean_cache, metric)
     if positions == "each" and site != "pattern":
@@ -91,7 +91,8 @@ def _noise_reference(model, task, metric, site, positions):
 def test_noise_matches_hand_loop(tiny_llama, task, site, positions):
     metric = task.prompt_metric()
     res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
-                         direction="noise", site=site, positions=positions, progress=False)
+                         direction="noise", site=site, positions=positions,
+                         options=dict(progress=False))
     ref = _noise_reference(tiny_llama, task, metric, site, positions)
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
     # noising breaks the behaviour: normalized is (v - clean)/(clean - corrupt), 0 = no effect
@@ -106,7 +107,7 @@ def test_noise_matches_hand_loop(tiny_llama, task, site, positions):
 def test_layers_match_transformerlens(tiny_llama, task, clean_cache, site, tl_fn):
     metric = task.prompt_metric()
     res = ck.patch_layers(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric, site=site,
-                          progress=False)
+                          options=dict(progress=False))
     ref = tl_fn(tiny_llama, task.corrupt_tokens, clean_cache, metric)
     assert res.values.shape == (3, task.clean_tokens.shape[1])
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
@@ -116,7 +117,8 @@ def test_layers_match_transformerlens(tiny_llama, task, clean_cache, site, tl_fn
 def test_gpt2_matches_transformerlens(tiny_gpt2, task):
     metric = task.prompt_metric()
     _, cache = tiny_gpt2.run_with_cache(task.clean_tokens)
-    res = ck.patch_heads(tiny_gpt2, task.clean_tokens, task.corrupt_tokens, metric, progress=False)
+    res = ck.patch_heads(tiny_gpt2, task.clean_tokens, task.corrupt_tokens, metric,
+                         options=dict(progress=False))
     ref = tlp.get_act_patch_attn_head_out_all_pos(tiny_gpt2, task.corrupt_tokens, cache, metric)
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
 
@@ -124,9 +126,10 @@ def test_gpt2_matches_transformerlens(tiny_gpt2, task):
 def test_chunking_does_not_change_results(tiny_llama, task):
     metric = task.prompt_metric()
     args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, metric)
-    big = ck.patch_heads(*args, positions="each", progress=False)
-    one = ck.patch_heads(*args, positions="each", batch_size=1, progress=False)  # splits prompts
-    five = ck.patch_heads(*args, positions="each", batch_size=5, progress=False)
+    big = ck.patch_heads(*args, positions="each", options=dict(progress=False))
+    one = ck.patch_heads(*args, positions="each", options=dict(batch_size=1,
+                                                               progress=False))  # splits prompts
+    five = ck.patch_heads(*args, positions="each", options=dict(batch_size=5, progress=False))
     torch.testing.assert_close(one.values, big.values, atol=ATOL, rtol=0)
     torch.testing.assert_close(five.per_prompt, big.per_prompt, atol=ATOL, rtol=0)
     assert big.per_prompt.shape == (3, *big.values.shape)
@@ -136,8 +139,9 @@ def test_chunking_does_not_change_results(tiny_llama, task):
 def test_plain_callable_metric(tiny_llama, task):
     pm = task.prompt_metric()
     res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                         lambda logits: pm(logits), batch_size=2, progress=False)
-    ref = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, progress=False)
+                         lambda logits: pm(logits), options=dict(batch_size=2, progress=False))
+    ref = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
+                         options=dict(progress=False))
     assert res.per_prompt is None and res.confidence_interval() is None
     torch.testing.assert_close(res.values, ref.values, atol=ATOL, rtol=0)
 
@@ -182,26 +186,27 @@ def test_suffix_runs_skip_earlier_blocks(tiny_llama, task, fast, monkeypatch):
 def test_bad_inputs(tiny_llama, task):
     c, k, m = task.clean_tokens, task.corrupt_tokens, task.prompt_metric()
     with pytest.raises(ValueError, match="same shape"):
-        ck.patch_heads(tiny_llama, c, k[:, :-1], m, progress=False)
+        ck.patch_heads(tiny_llama, c, k[:, :-1], m, options=dict(progress=False))
     with pytest.raises(ValueError, match="site='nope'.*expected one of"):
-        ck.patch_heads(tiny_llama, c, k, m, site="nope", progress=False)
+        ck.patch_heads(tiny_llama, c, k, m, site="nope", options=dict(progress=False))
     with pytest.raises(ValueError, match="direction="):
-        ck.patch_heads(tiny_llama, c, k, m, direction="up", progress=False)
+        ck.patch_heads(tiny_llama, c, k, m, direction="up", options=dict(progress=False))
     with pytest.raises(ValueError, match="positions="):
-        ck.patch_heads(tiny_llama, c, k, m, positions="some", progress=False)
+        ck.patch_heads(tiny_llama, c, k, m, positions="some", options=dict(progress=False))
     with pytest.raises(ValueError, match="site="):
-        ck.patch_layers(tiny_llama, c, k, m, site="z", progress=False)
+        ck.patch_layers(tiny_llama, c, k, m, site="z", options=dict(progress=False))
     with pytest.raises(ValueError, match="scalar"):
-        ck.patch_heads(tiny_llama, c, k, lambda lg: lg[:, -1, :2], progress=False)
+        ck.patch_heads(tiny_llama, c, k, lambda lg: lg[:, -1, :2], options=dict(progress=False))
     with pytest.raises(ValueError, match="non-finite"):
-        ck.patch_heads(tiny_llama, c, k, lambda lg: lg.sum() * float("nan"), progress=False)
+        ck.patch_heads(tiny_llama, c, k, lambda lg: lg.sum() * float("nan"),
+                       options=dict(progress=False))
     with pytest.raises(ValueError, match="integer"):
-        ck.patch_heads(tiny_llama, c.float(), k, m, progress=False)
+        ck.patch_heads(tiny_llama, c.float(), k, m, options=dict(progress=False))
     too_big = c.clone()
     too_big[0, 1] = tiny_llama.cfg.d_vocab  # one id past the vocabulary
     for method in ("exact", "attribution"):  # one shared check for every entry point
         with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
-            ck.patch_heads(tiny_llama, too_big, k, m, method=method, progress=False)
+            ck.patch_heads(tiny_llama, too_big, k, m, method=method, options=dict(progress=False))
 
 
 def test_kv_without_gqa_info_is_refused(tiny_llama, task):
@@ -211,7 +216,7 @@ def test_kv_without_gqa_info_is_refused(tiny_llama, task):
     try:
         with pytest.raises(ValueError, match="GQA info"):
             ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                           task.prompt_metric(), site="k", progress=False)
+                           task.prompt_metric(), site="k", options=dict(progress=False))
     finally:
         cfg.n_key_value_heads = saved
 
@@ -239,11 +244,12 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
 
     monkeypatch.setattr(attribution, "estimate_heads", fake("atp"))
     monkeypatch.setattr(hybrid, "screen_then_verify", screen_then_verify)
-    assert ck.patch_heads(*args, method="attribution", site="k", atp_star=True) is patched
+    assert ck.patch_heads(*args, method="attribution", site="k",
+                          options=dict(atp_star=True)) is patched
     assert seen["atp"] == dict(estimator="qk", direction="denoise", site="k", positions="all",
                                atp_star=True, batch_size=None, progress=True, explicit=False)
-    assert ck.patch_heads(*args, method="attribution+exact", top_k=5,
-                          positions="each") is patched
+    assert ck.patch_heads(*args, method="attribution+exact", positions="each",
+                          options=dict(top_k=5)) is patched
     assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["kind"] == "heads"
     assert seen["hybrid"]["cell_ndim"] == 3  # (layer, head, pos): positions="each"
 
@@ -266,9 +272,9 @@ def test_unembedding_only_read_positions_changes_nothing(tiny_llama, task):
     blind = PromptMetric(pm.per_prompt_fn, pm.name)  # reads unknown -> full logits
     for direction in ("denoise", "noise"):
         fast = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
-                              direction=direction, progress=False)
+                              direction=direction, options=dict(progress=False))
         full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, blind,
-                              direction=direction, progress=False)
+                              direction=direction, options=dict(progress=False))
         torch.testing.assert_close(fast.per_prompt, full.per_prompt, atol=1e-5, rtol=0)
 
 
@@ -312,7 +318,7 @@ def test_a_wrong_fast_path_is_caught_by_the_probe(tiny_llama, task, clean_cache,
     metric = task.prompt_metric()
     with pytest.warns(UserWarning, match="fast exact-patching path differs"):
         res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
-                             progress=False)
+                             options=dict(progress=False))
     ref = tlp.get_act_patch_attn_head_out_all_pos(tiny_llama, task.corrupt_tokens, clean_cache,
                                                   metric)
     torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)
@@ -397,6 +403,6 @@ def test_post_norm_blocks_gemma2_fast_path_matches_transformerlens(task):
     for site, tl_fn in (("attn_out", tlp.get_act_patch_attn_out),
                         ("mlp_out", tlp.get_act_patch_mlp_out)):
         res = ck.patch_layers(model, task.clean_tokens, task.corrupt_tokens, metric, site=site,
-                              progress=False)
+                              options=dict(progress=False))
         ref = tl_fn(model, task.corrupt_tokens, clean_cache, metric)
         torch.testing.assert_close(res.values, ref, atol=ATOL, rtol=0)

@@ -18,7 +18,8 @@ from circuitkit.metrics import PromptMetric
 from circuitkit.patching.exact import ExactEngine
 
 TESTS = Path(__file__).parent
-SWEEP = dict(positions="each", site="z", batch_size=6)  # 3 layers x 24 chunks, 2 variants each
+SWEEP = dict(positions="each", site="z")  # (batch_size=6: BATCH)
+BATCH = 6  # 3 layers x 24 chunks, 2 variants each
 
 CHILD = textwrap.dedent("""
     import sys, time
@@ -33,7 +34,8 @@ CHILD = textwrap.dedent("""
         time.sleep(0.05)  # slow enough for the parent to kill us mid-sweep
         return pm.per_prompt_fn(logits, idx, rows)
     ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, PromptMetric(slow, pm.name),
-                   checkpoint=sys.argv[1], progress=False, **{sweep!r})
+                   options=dict(checkpoint=sys.argv[1], progress=False, batch_size=6),
+                   **{sweep!r})
     print("FINISHED")
 """)
 
@@ -76,22 +78,22 @@ def test_sigkill_then_resume_is_bit_identical(tiny_llama, task, tmp_path, monkey
     pm = PromptMetric(pm.per_prompt_fn, pm.name)  # as in the child: no declared reads
     calls: list[int] = []
     counting_chunks(monkeypatch, calls)
-    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
-                             checkpoint=ckpt, progress=False, **SWEEP)
+    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, **SWEEP,
+                             options=dict(batch_size=BATCH, checkpoint=ckpt, progress=False))
     n_chunks = resumed.meta["n_chunks"]
     assert n_saved < n_chunks
     assert len(calls) == n_chunks - n_saved  # only the missing chunks are computed
-    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
-                          progress=False, **SWEEP)
+    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, **SWEEP,
+                          options=dict(batch_size=BATCH, progress=False))
     assert torch.equal(resumed.values, full.values)
     assert torch.equal(resumed.per_prompt, full.per_prompt)
 
     with pytest.raises(ValueError, match="different sweep.*direction"):
-        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, checkpoint=ckpt,
-                       direction="noise", progress=False, **SWEEP)
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, direction="noise",
+                       **SWEEP, options=dict(batch_size=BATCH, checkpoint=ckpt, progress=False))
     with pytest.raises(ValueError, match="different sweep.*tokens"):
-        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens.flip(0), pm,
-                       checkpoint=ckpt, progress=False, **SWEEP)
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens.flip(0), pm, **SWEEP,
+                       options=dict(batch_size=BATCH, checkpoint=ckpt, progress=False))
 
 
 def test_a_model_edited_in_a_middle_layer_does_not_resume_another_models_checkpoint(
@@ -107,11 +109,11 @@ def test_a_model_edited_in_a_middle_layer_does_not_resume_another_models_checkpo
     with torch.no_grad():
         next(b.blocks[1].mlp.parameters()).add_(0.5)  # layer 1 of 3: neither end
     assert model_fingerprint(a) != model_fingerprint(b)
-    ck.patch_heads(a, task.clean_tokens, task.corrupt_tokens, task.metric, checkpoint=tmp_path,
-                   progress=False)
+    ck.patch_heads(a, task.clean_tokens, task.corrupt_tokens, task.metric,
+                   options=dict(batch_size=BATCH, checkpoint=tmp_path, progress=False))
     with pytest.raises(ValueError, match="different sweep.*model"):
         ck.patch_heads(b, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       checkpoint=tmp_path, progress=False)
+                       options=dict(batch_size=BATCH, checkpoint=tmp_path, progress=False))
 
 
 def test_a_head_ablated_in_a_wide_matrix_changes_the_fingerprint():
@@ -148,14 +150,14 @@ def test_ctrl_c_saves_and_reraises(tiny_llama, task, tmp_path, monkeypatch, caps
     pm = task.prompt_metric()
     counting_chunks(monkeypatch, [], fail_at=5)
     with pytest.raises(KeyboardInterrupt):
-        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, progress=False,
-                       **SWEEP)
+        ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, **SWEEP,
+                       options=dict(batch_size=BATCH, progress=False))
     err = capsys.readouterr().err
     assert "interrupted: 4/" in err and "checkpoint=" in err
     saved = next((tmp_path / "checkpoints").iterdir())
     assert len(list(saved.glob("chunk_*.safetensors"))) == 4
-    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
-                             checkpoint=saved, progress=False, **SWEEP)
-    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm,
-                          progress=False, **SWEEP)
+    resumed = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, **SWEEP,
+                             options=dict(batch_size=BATCH, checkpoint=saved, progress=False))
+    full = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, pm, **SWEEP,
+                          options=dict(batch_size=BATCH, progress=False))
     assert torch.equal(resumed.values, full.values)

@@ -53,10 +53,10 @@ def test_denoise_finds_induction_heads_noise_finds_previous_token_head(setup):
     assert induction and prev and not (induction & prev)
     assert all(layer == 1 for layer, _ in induction) and all(layer == 0 for layer, _ in prev)
     args = (model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
-    den = ck.patch_heads(*args, direction="denoise", progress=False).normalized()
+    den = ck.patch_heads(*args, direction="denoise", options=dict(progress=False)).normalized()
     # every induction head restores a real share of the log-prob; nothing else does
     assert cells(den > 0.15) == induction, den
-    noi = ck.patch_heads(*args, direction="noise", progress=False).normalized()
+    noi = ck.patch_heads(*args, direction="noise", options=dict(progress=False)).normalized()
     # breaking the previous-token head breaks induction (-1 = fully broken); the layer-1
     # induction heads back each other up, so noising any single one barely matters
     assert cells(noi < -0.3) == prev, noi
@@ -95,7 +95,7 @@ def test_exact_engine_matches_transformerlens_on_the_teacher(positions, n):
                   else tlp.get_act_patch_attn_head_out_by_pos)
         ref = ref_fn(model, task.corrupt_tokens, cache, metric)
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, metric,
-                         positions=positions, progress=False)
+                         positions=positions, options=dict(progress=False))
     if positions == "each":  # TL: [layer, pos, head]; ours: [layer, head, pos]
         ref = ref.permute(0, 2, 1)
     assert res.values.shape == ref.shape
@@ -119,9 +119,9 @@ def test_length_buckets_keep_the_callers_prompt_order_on_the_teacher():
     assert len({c[3:] for c in sweep.chunks}) == 2  # two prompt buckets
     args = (model, task.clean_tokens, task.corrupt_tokens)
     for direction in ("denoise", "noise"):
-        fast = ck.patch_heads(*args, pm, direction=direction, progress=False)
-        blind = ck.patch_heads(*args, PromptMetric(pm.per_prompt_fn, pm.name),
-                               direction=direction, progress=False)
+        fast = ck.patch_heads(*args, pm, direction=direction, options=dict(progress=False))
+        blind = ck.patch_heads(*args, PromptMetric(pm.per_prompt_fn, pm.name), direction=direction,
+                               options=dict(progress=False))
         for field in ("per_prompt", "clean_per_prompt", "corrupt_per_prompt"):
             torch.testing.assert_close(getattr(fast, field), getattr(blind, field), atol=1e-4,
                                        rtol=0)

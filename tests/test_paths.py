@@ -86,7 +86,8 @@ def test_paths_match_hand_written_reference(direction):
     senders, receivers = [(0, 1), (1, 2)], [(1, 0), (2, 3)]
     res = ck.patch_paths(model, clean, corrupt, _metric, senders, receivers,
                          positions={"all": torch.ones_like(mask), "mid": mask},
-                         direction=direction, batch_size=4)  # 6 prompts: two forwards each
+                         direction=direction,
+                         options=dict(batch_size=4))  # 6 prompts: two forwards each
     src_t, base_t = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
     assert tuple(res.values.shape) == (2, 2, 2) and res.axes == ("sender", "receiver", "group")
     for si, s in enumerate(senders):
@@ -98,7 +99,8 @@ def test_paths_match_hand_written_reference(direction):
                 want = _hand_path(model, src_t, base_t, s, r, m)
                 assert abs(float(res.values[si, ri, gi]) - want) < TOL * max(1, abs(want))
     # the coverage denominator: each sender's node effect is the exact head sweep's
-    heads = ck.patch_heads(model, clean, corrupt, _metric, direction=direction, progress=False)
+    heads = ck.patch_heads(model, clean, corrupt, _metric, direction=direction,
+                           options=dict(progress=False))
     base = heads.corrupt if direction == "denoise" else heads.clean
     for s in senders:
         want = float(heads.values[s]) - base
@@ -171,8 +173,8 @@ def test_path_through_mlp_found_where_direct_edge_is_zero():
     # write stays corrupt, so the final RMSNorm scale is smaller than in the clean run)
     assert path > 0.5 * gap
     assert res.meta["coverage"]["all"]["L0H0"] == pytest.approx(path / node, rel=1e-6)
-    edges = ck.patch_edges(model, clean, corrupt, metric, senders=[(0, 0)],
-                           receivers=[(1, 0)], inputs=("v",), progress=False)
+    edges = ck.patch_edges(model, clean, corrupt, metric, senders=[(0, 0)], receivers=[(1, 0)],
+                           inputs=("v",), options=dict(progress=False))
     direct = float(edges.effect()[0, 0, 0])
     assert abs(direct) < 1e-4 * gap  # no direct write reaches the receiver's value input
     from circuitkit.patching.paths import edge_coverage
@@ -202,7 +204,7 @@ def test_a_path_result_saves_and_loads(tmp_path):
     model = _random_llama()
     clean, corrupt = _tokens()
     res = ck.patch_paths(model, clean, corrupt, _metric, [(1, 1)], [(0, 0), (2, 3)],
-                         batch_size=6)  # L0H0 is not after L1H1: a NaN cell
+                         options=dict(batch_size=6))  # L0H0 is not after L1H1: a NaN cell
     assert torch.isnan(res.values[0, 0]) and not torch.isnan(res.values[0, 1])
     res.save(tmp_path / "paths")
     back = PatchResult.load(tmp_path / "paths")
@@ -219,9 +221,9 @@ def test_every_edge_result_states_its_senders_coverage(method):
     model = _random_llama()
     clean, corrupt = _tokens()
     edges = ck.patch_edges(model, clean, corrupt, _metric, senders=[(0, 1), (1, 2)],
-                           receivers=[(2, 0), (2, 3)], method=method, progress=False)
+                           receivers=[(2, 0), (2, 3)], method=method, options=dict(progress=False))
     cov = edges.meta["coverage"]
-    heads = ck.patch_heads(model, clean, corrupt, _metric, progress=False)
+    heads = ck.patch_heads(model, clean, corrupt, _metric, options=dict(progress=False))
     node = {s: float(heads.values[s]) - heads.corrupt for s in [(0, 1), (1, 2)]}
     eff = edges.effect()
     for si, s in enumerate(edges.senders):  # the share, recomputed from both results
@@ -261,8 +263,8 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     assert len(sorted((tmp_path / "ck").glob("chunk_*.safetensors"))) >= 2
     resumed = ck.patch(model, clean, corrupt, _metric, units, **kw)
     fresh = ck.patch_paths(model, clean, corrupt, _metric, [(0, 1), (1, 2)],
-                           [(1, 0), (2, 3), (2, 1)], batch_size=4, positions=units.positions,
-                           progress=False)
+                           [(1, 0), (2, 3), (2, 1)], positions=units.positions,
+                           options=dict(batch_size=4, progress=False))
     assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
     assert resumed.meta["coverage"] == fresh.meta["coverage"]
     with pytest.raises(ValueError, match="different sweep"):
@@ -272,7 +274,7 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="padded with pad token id"):  # the entry checks tokens
         padded = clean.clone()
         padded[:, -1] = model.cfg.d_vocab  # the built tokenizer's pad id
-        ck.patch(model, padded, corrupt, _metric, units, progress=False)
+        ck.patch(model, padded, corrupt, _metric, units, options=dict(progress=False))
     arch = architecture("llama3-8b")  # priced from the shipped config, no weights
     few = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "exact")
     more = price(arch, [64] * 16, ck.PathUnits(["L0H0", "L4H1"], ["L8H0", "L9H2"], "q"), "exact")
@@ -300,7 +302,7 @@ def test_a_path_result_reads_by_name_and_refuses_in_one_line():
     mask = torch.zeros_like(clean, dtype=torch.bool)
     mask[:, 4:7] = True
     res = ck.patch_paths(model, clean, corrupt, _metric, ["L1H1"], ["L0H0", (2, 3)],
-                         positions={"mid": mask}, progress=False)
+                         positions={"mid": mask}, options=dict(progress=False))
     frame = res.to_frame()
     assert set(frame["sender"]) == {"L1H1"} and set(frame["receiver"]) == {"L0H0", "L2H3"}
     assert set(frame["group"]) == {"mid"}
@@ -308,6 +310,7 @@ def test_a_path_result_reads_by_name_and_refuses_in_one_line():
     assert len(top) == 1 and top.loc[0, "receiver"] == "L2H3"  # L0H0 is no path from L1H1
     with pytest.raises(ValueError, match="paths are patched exactly only; got "
                                          "method='attribution'"):
-        ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], [(1, 0)], method="attribution")
+        ck.patch(model, clean, corrupt, _metric, ck.PathUnits([(0, 0)], [(1, 0)]),
+                 method="attribution")
     with pytest.raises(ValueError, match=r"receivers: .* got \['L9H0'\]"):
         ck.patch_paths(model, clean, corrupt, _metric, [(0, 0)], ["L9H0"])

@@ -34,7 +34,7 @@ def check_against_each_and_all(model, clean, corrupt, metric, real, direction, s
     one = torch.zeros(n, seq, dtype=torch.bool)
     one[torch.arange(n), pos] = True
     whole = torch.arange(seq)[None] < real[:, None]
-    kw = dict(direction=direction, site=site, progress=False)
+    kw = dict(direction=direction, site=site, options=dict(progress=False))
     res = ck.patch_heads(model, clean, corrupt, metric, positions={"one": one, "all": whole},
                          **kw)
     each = ck.patch_heads(model, clean, corrupt, metric, positions="each", **kw)
@@ -110,7 +110,8 @@ def test_random_mask_equals_hook_reference(tiny_llama, task, direction, site):
     mask[:, 0] = True  # no prompt empty
     metric = task.prompt_metric()
     res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, metric,
-                         positions=mask, direction=direction, site=site, progress=False)
+                         positions=mask, direction=direction, site=site,
+                         options=dict(progress=False))
     base, source = (task.corrupt_tokens, task.clean_tokens) if direction == "denoise" else (
         task.clean_tokens, task.corrupt_tokens)
     ref = hooked_group_reference(tiny_llama, base, source, metric, mask, site)
@@ -152,10 +153,10 @@ def test_bad_masks_are_refused(tiny_llama, task):
              ({}, "non-empty dict")]
     for positions, said in cases:
         with pytest.raises(ValueError, match=said):
-            ck.patch_heads(tiny_llama, c, k, m, positions=positions, progress=False)
+            ck.patch_heads(tiny_llama, c, k, m, positions=positions, options=dict(progress=False))
     with pytest.raises(NotImplementedError, match="position groups"):
         ck.patch_heads(tiny_llama, c, k, m, positions=good, method="attribution+exact",
-                       progress=False)
+                       options=dict(progress=False))
 
 
 def test_padding_positions_are_refused():
@@ -166,7 +167,7 @@ def test_padding_positions_are_refused():
     whole = torch.ones(t.clean_tokens.shape, dtype=torch.bool)
     with pytest.raises(ValueError, match="marks padding"):
         ck.patch_heads(model, t.clean_tokens, t.corrupt_tokens, t.metric, positions=whole,
-                       progress=False)
+                       options=dict(progress=False))
 
 
 def test_task_position_groups_align_with_examples():
@@ -197,16 +198,16 @@ def test_attribution_groups_sum_each_over_the_group(tiny_llama, task):
     mask[:, 2] = True
     m = task.prompt_metric()
     res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, m, positions=mask,
-                         method="attribution", progress=False)
-    each = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, m,
-                          positions="each", method="attribution", progress=False)
+                         method="attribution", options=dict(progress=False))
+    each = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, m, positions="each",
+                          method="attribution", options=dict(progress=False))
     base = each.corrupt_per_prompt[:, None, None]
     want = (base + ((each.per_prompt - base[..., None]) * mask[:, None, None]).sum(-1)).mean(0)
     assert res.method == "attribution" and res.axes == ("layer", "head", "group")
     torch.testing.assert_close(res.values[..., 0], want, atol=1e-5, rtol=0)
     with pytest.raises(NotImplementedError, match="position groups"):
         ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, m, positions=mask,
-                       method="attribution", estimator="block", progress=False)
+                       method="attribution", options=dict(estimator="block", progress=False))
 
 
 # --- a planted two-stage circuit -------------------------------------------------------------
@@ -244,7 +245,7 @@ def test_planted_two_stage_circuit_found_at_its_stages():
     groups = t.position_groups()  # at the tokens: the shortlist entries themselves
     groups["answer_step"] = t.position_groups(at="steps")["answer"]  # where the metric reads
     res = ck.patch_heads(model, t.clean_tokens, t.corrupt_tokens, t.metric, positions=groups,
-                         direction="noise", progress=False)
+                         direction="noise", options=dict(progress=False))
     assert not res.degenerate
     norm = res.normalized()
     g = {name: i for i, name in enumerate(res.meta["group_names"])}
@@ -268,9 +269,8 @@ def test_save_load_round_trip_and_damaged_group_fields(tiny_llama, task, tmp_pat
     n, seq = task.clean_tokens.shape
     mask = torch.zeros(n, seq, dtype=torch.bool)
     mask[:, -2:] = True
-    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                         task.prompt_metric(), positions={"late": mask, "early": ~mask},
-                         progress=False)
+    res = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
+                         positions={"late": mask, "early": ~mask}, options=dict(progress=False))
     res.save(tmp_path / "r")
     back = ck.PatchResult.load(tmp_path / "r")
     assert back.axes == res.axes and back.positions == "groups"
@@ -300,13 +300,13 @@ def test_checkpoint_resumes_and_refuses_other_masks(tiny_llama, task, tmp_path):
     mask = torch.zeros(n, seq, dtype=torch.bool)
     mask[:, :3] = True
     args = (tiny_llama, task.clean_tokens, task.corrupt_tokens, task.prompt_metric())
-    first = ck.patch_heads(*args, positions={"a": mask}, checkpoint=tmp_path / "ck",
-                           progress=False)
-    again = ck.patch_heads(*args, positions={"a": mask}, checkpoint=tmp_path / "ck",
-                           progress=False)
+    first = ck.patch_heads(*args, positions={"a": mask},
+                           options=dict(checkpoint=tmp_path / "ck", progress=False))
+    again = ck.patch_heads(*args, positions={"a": mask},
+                           options=dict(checkpoint=tmp_path / "ck", progress=False))
     torch.testing.assert_close(again.values, first.values, atol=0, rtol=0)
     other = mask.clone()
     other[0, 5] = True
     with pytest.raises(ValueError, match="groups"):
-        ck.patch_heads(*args, positions={"a": other}, checkpoint=tmp_path / "ck",
-                       progress=False)
+        ck.patch_heads(*args, positions={"a": other},
+                       options=dict(checkpoint=tmp_path / "ck", progress=False))

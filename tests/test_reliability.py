@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tinymodels import call
 from typer.testing import CliRunner
 
 import circuitkit as ck
@@ -27,8 +28,8 @@ def task():
 
 
 def sweep(model, task, metric=None, **kw):
-    return ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens,
-                          metric if metric is not None else task.metric, **{**SWEEP, **kw})
+    return call(ck.patch_heads, model, task.clean_tokens, task.corrupt_tokens,
+                metric if metric is not None else task.metric, **{**SWEEP, **kw})
 
 
 # --- 1. a checkpoint is tied to its metric by behaviour, not by name ----------------------------
@@ -183,8 +184,8 @@ def test_jsonl_version1_meta_corruptions_still_load(tmp_path):
 def test_attribution_refuses_a_nan_metric(tiny_llama, task):
     with pytest.raises(ValueError, match="not finite"):
         ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                       lambda logits: logits[:, -1, 0].mean() * float("nan"),
-                       method="attribution", progress=False)
+                       lambda logits: logits[:, -1, 0].mean() * float("nan"), method="attribution",
+                       options=dict(progress=False))
 
 
 def test_clean_equal_to_corrupt_warns_once_and_shows_raw_effects(tiny_llama, task):
@@ -192,7 +193,7 @@ def test_clean_equal_to_corrupt_warns_once_and_shows_raw_effects(tiny_llama, tas
     raw effect value - baseline (no further warning) instead of NaN."""
     with pytest.warns(UserWarning, match="does not change") as caught:
         res = ck.patch_heads(tiny_llama, task.clean_tokens, task.clean_tokens, task.metric,
-                             progress=False)
+                             options=dict(progress=False))
     assert res.degenerate and len(caught) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning would raise here
@@ -353,7 +354,7 @@ def test_bad_api_arguments_are_one_clear_line(tiny_llama, task, change, message)
     corrupt = change.get("corrupt", lambda c: c)(task.corrupt_tokens)
     kw = {k: v for k, v in change.items() if k not in ("clean", "corrupt")}
     with pytest.raises(ValueError, match=message):
-        ck.patch_heads(tiny_llama, clean, corrupt, task.metric, progress=False, **kw)
+        call(ck.patch_heads, tiny_llama, clean, corrupt, task.metric, **kw, progress=False)
 
 
 def test_a_task_metric_for_other_prompts_is_refused_not_an_index_error(tiny_llama, task):
@@ -362,8 +363,9 @@ def test_a_task_metric_for_other_prompts_is_refused_not_an_index_error(tiny_llam
         with pytest.raises(ValueError, match=f"made for {len(task)} prompts but clean_tokens "
                                              "has 2"):
             ck.patch_heads(tiny_llama, sub.clean_tokens, sub.corrupt_tokens, task.metric,
-                           method=method, progress=False)
-    ck.patch_heads(tiny_llama, sub.clean_tokens, sub.corrupt_tokens, sub.metric, progress=False)
+                           method=method, options=dict(progress=False))
+    ck.patch_heads(tiny_llama, sub.clean_tokens, sub.corrupt_tokens, sub.metric,
+                   options=dict(progress=False))
 
 
 def test_prompts_past_learned_positions_are_refused_not_an_index_error(tiny_gpt2):
@@ -372,7 +374,7 @@ def test_prompts_past_learned_positions_are_refused_not_an_index_error(tiny_gpt2
     for method in ("exact", "attribution"):
         with pytest.raises(ValueError, match="model.s context is n_ctx=64"):
             ck.patch_heads(model, long, long.flip(1), lambda lg: lg[:, -1, 3], method=method,
-                           progress=False)
+                           options=dict(progress=False))
 
 
 def test_truncated_checkpoint_header_names_the_file(tiny_llama, task, tmp_path):

@@ -55,26 +55,27 @@ def gpt2():
 def edges(tiny_llama):
     """Exact edges of the GQA Llama (4 query heads, 2 KV heads: NaN k/v slots), 3 prompts."""
     clean, corrupt = _pair()
-    return ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False)
+    return ck.patch_edges(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
 
 
 @pytest.fixture(scope="module")
 def hybrid_edges(tiny_llama):
     clean, corrupt = _pair()
     return ck.patch_edges(tiny_llama, clean, corrupt, margin, method="attribution+exact",
-                          top_k=6, progress=False)
+                          options=dict(top_k=6, progress=False))
 
 
 @pytest.fixture(scope="module")
 def layers(tiny_llama):
     clean, corrupt = _pair()
-    return ck.patch_layers(tiny_llama, clean, corrupt, margin, progress=False)
+    return ck.patch_layers(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
 
 
 @pytest.fixture(scope="module")
 def heads(tiny_llama):
     clean, corrupt = _pair()
-    return ck.patch_heads(tiny_llama, clean, corrupt, margin, positions="each", progress=False)
+    return ck.patch_heads(tiny_llama, clean, corrupt, margin, positions="each",
+                          options=dict(progress=False))
 
 
 def saved(result, folder, name="r"):
@@ -261,7 +262,7 @@ def test_a_moved_verified_mask_is_refused(hybrid_edges, tiny_llama, tmp_path):
     is refused, for edge and head results alike; and such a result without its mask too."""
     clean, corrupt = _pair(seed=5)
     heads = ck.patch_heads(tiny_llama, clean, corrupt, margin, method="attribution+exact",
-                           top_k=6, progress=False)
+                           options=dict(top_k=6, progress=False))
     for res in (hybrid_edges, heads):
         load = EdgeResult.load if isinstance(res, EdgeResult) else PatchResult.load
         js, _ = saved(res, tmp_path / type(res).__name__)
@@ -308,8 +309,8 @@ def test_every_edge_method_round_trips(gpt2, tmp_path, method, estimator):
     not be loaded. Now its baselines are JSON numbers, its meta plain JSON, and it loads back
     with the same numbers, labels and meta."""
     clean, corrupt = _pair(seed=5)
-    res = ck.patch_edges(gpt2, clean, corrupt, margin, method=method, estimator=estimator,
-                         progress=False)
+    res = ck.patch_edges(gpt2, clean, corrupt, margin, method=method,
+                         options=dict(estimator=estimator, progress=False))
     assert type(res.clean) is float and type(res.corrupt) is float
     js, _ = saved(res, tmp_path)
     info = json.loads(js.read_text())
@@ -327,7 +328,7 @@ def test_every_edge_method_round_trips(gpt2, tmp_path, method, estimator):
 @pytest.mark.parametrize("method", ["exact", "attribution", "attribution+exact"])
 def test_every_head_method_round_trips(gpt2, tmp_path, method):
     clean, corrupt = _pair(seed=5)
-    res = ck.patch_heads(gpt2, clean, corrupt, margin, method=method, progress=False)
+    res = ck.patch_heads(gpt2, clean, corrupt, margin, method=method, options=dict(progress=False))
     js, _ = saved(res, tmp_path)
     assert "tensor(" not in js.read_text()
     back = PatchResult.load(js)
@@ -424,11 +425,11 @@ def test_files_saved_before_the_strict_load_still_load(tiny_llama):
     clean = torch.randint(1, 64, (3, 7), generator=g)
     corrupt = torch.randint(1, 64, (3, 7), generator=g)
     edges = EdgeResult.load(SAVED_BY_MAIN / "edges")
-    now = ck.patch_edges(tiny_llama, clean, corrupt, margin, progress=False)
+    now = ck.patch_edges(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     torch.testing.assert_close(edges.values, now.values, atol=1e-6, rtol=0, equal_nan=True)
     heads = PatchResult.load(SAVED_BY_MAIN / "heads-hybrid.json")
     assert heads.method == "attribution+exact" and heads.verified is not None
-    exact = ck.patch_heads(tiny_llama, clean, corrupt, margin, progress=False)
+    exact = ck.patch_heads(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     torch.testing.assert_close(heads.values[heads.verified], exact.values[heads.verified],
                                atol=1e-6, rtol=0)
 

@@ -156,7 +156,7 @@ def test_an_out_file_whose_suffix_is_not_what_is_written_is_refused(tmp_path, no
 def test_save_under_a_file_is_one_line(tmp_path):
     from circuitkit.files import WriteError
 
-    res = ck.patch_heads(ck.load_model("induction-2l"), *_induction(), progress=False)
+    res = ck.patch_heads(ck.load_model("induction-2l"), *_induction(), options=dict(progress=False))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(WriteError) as e:

@@ -29,7 +29,7 @@ def task():
 @pytest.fixture(scope="module")
 def exact(model, task):
     return ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          progress=False)
+                          options=dict(progress=False))
 
 
 def topk(effect: torch.Tensor, k: int) -> set[tuple[int, int]]:
@@ -38,8 +38,8 @@ def topk(effect: torch.Tensor, k: int) -> set[tuple[int, int]]:
 
 
 def test_small_model_runs_exact_and_reports_screening_recall(model, task, exact):
-    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         method="auto", top_k=5, progress=False, screening_recall=True)
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="auto",
+                         options=dict(top_k=5, progress=False, screening_recall=True))
     auto = res.meta["auto"]
     n_params = sum(p.numel() for p in model.parameters())
     assert auto["chose"] == "exact" and res.method == "exact"
@@ -68,20 +68,20 @@ def test_auto_runs_no_extra_screen_unless_the_recall_is_asked_for(model, task, e
         calls.append(1)
         return real(*a, **k)
     monkeypatch.setattr("circuitkit.patching.estimators.attribution.estimate_heads", counted)
-    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         method="auto", top_k=5, progress=False)
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="auto",
+                         options=dict(top_k=5, progress=False))
     assert not calls and res.meta["auto"]["screening"]["recall"] is None
     assert "screening_recall=True" in res.meta["auto"]["screening"]["skipped"]
     assert torch.equal(res.values, exact.values)
     ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="auto",
-                   top_k=5, progress=False, screening_recall=True)
+                   options=dict(top_k=5, progress=False, screening_recall=True))
     assert len(calls) == 1
 
 
 def test_above_the_threshold_screens_then_verifies(model, task, exact, monkeypatch):
     monkeypatch.setattr(P, "AUTO_EXACT_MAX_FLOPS_PER_TOKEN", 0.0)  # as if it were 70B
-    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         method="auto", top_k=6, progress=False)
+    res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, method="auto",
+                         options=dict(top_k=6, progress=False))
     auto = res.meta["auto"]
     assert auto["chose"] == "attribution+exact" and res.method == "attribution+exact"
     cells = [tuple(c) for c in auto["verified"]]
@@ -97,7 +97,7 @@ def test_above_the_threshold_screens_then_verifies(model, task, exact, monkeypat
 
 def test_layer_sites_take_auto_as_exact(model, task):
     res = ck.patch_layers(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          method="auto", progress=False)
+                          method="auto", options=dict(progress=False))
     assert res.method == "exact" and res.values.shape == (2, task.clean_tokens.shape[1])
 
 

@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
                             [*base, "--gpus-per-replica", "2", "--out", str(tmp / "one")])
     task = ck.load_task("induction", n_examples=int(N), split="test", phase=2)
     single = ck.patch_heads(ck.load_model(str(folder)), task.clean_tokens, task.corrupt_tokens,
-                            task.metric, batch_size=8, progress=False)
+                            task.metric, options=dict(batch_size=8, progress=False))
     return tmp, two, one, single
 
 

@@ -92,8 +92,8 @@ def test_patch_heads_and_the_cli_checkpoint_the_hybrid(model, task, tmp_path):
         warnings.simplefilter("error")  # "checkpoint is not used" would fail here
         warnings.simplefilter("ignore", DegenerateBaselineWarning)  # (a random model)
         ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="attribution+exact", top_k=3, checkpoint=tmp_path,
-                       progress=False)
+                       method="attribution+exact",
+                       options=dict(top_k=3, checkpoint=tmp_path, progress=False))
     assert (tmp_path / "hybrid.json").exists() and (tmp_path / "hybrid-screen.json").exists()
 
 
@@ -131,7 +131,7 @@ def test_a_plain_callable_metric_works_in_the_hybrid(model, task):
 def test_max_passes_reachable_checked_and_honest(model, task):
     n = task.clean_tokens.shape[0]
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                         method="attribution+exact", max_passes=40.0, progress=False)
+                         method="attribution+exact", options=dict(max_passes=40.0, progress=False))
     assert res.meta["budget"]["max_passes"] == 40.0
     assert res.meta["cost"]["total_passes"] <= 40.0
     for bad in ("50", 0, float("nan"), True):
@@ -144,13 +144,13 @@ def test_max_passes_reachable_checked_and_honest(model, task):
     assert res.meta["n_verified"] == 0
     with pytest.warns(UserWarning, match="max_passes do nothing|max_passes does nothing"):
         ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="attribution", max_passes=40.0, progress=False)
+                       method="attribution", options=dict(max_passes=40.0, progress=False))
 
 
 def test_the_exact_reference_cost_is_the_plans(model, task):
     res = hybrid(model, task, top_k=2)
     plan = api.plan_patch(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                          method="exact", batch_size=1)
+                          method="exact", options=dict(batch_size=1))
     # the plan counts each chunk's prompts up to its longest read: with one prompt per
     # chunk that is each prompt's own, as the hybrid's reference counts it
     assert res.meta["cost"]["exact_sweep_passes"] == pytest.approx(plan["pass_equivalents"],
@@ -160,9 +160,9 @@ def test_the_exact_reference_cost_is_the_plans(model, task):
 def test_plan_prices_the_estimator_asked_for(model, task):
     for est in ("atp", "ig", "block"):
         plan = api.plan_patch(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                              method="attribution", estimator=est)
+                              method="attribution", options=dict(estimator=est))
         run = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                             method="attribution", estimator=est, progress=False)
+                             method="attribution", options=dict(estimator=est, progress=False))
         assert plan["pass_equivalents"] == pytest.approx(run.meta["pass_equivalents"]), est
 
 
@@ -170,7 +170,7 @@ def test_attribution_under_torchrun_says_it_is_not_split(model, task, monkeypatc
     monkeypatch.setattr("circuitkit.patching.distributed.rank_world", lambda: (0, 2))
     with pytest.warns(UserWarning, match="runs whole on every replica"):
         ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       method="attribution", progress=False)
+                       method="attribution", options=dict(progress=False))
 
 
 def test_a_damaged_screen_is_screened_again_and_reuse_is_counted_honestly(model, task, tmp_path):

@@ -39,10 +39,11 @@ def lm(folder):
     ("k", "each", "noise")])
 def test_nnsight_equals_transformer_lens(bridge, lm, site, positions, direction):
     task = induction(n=3, seed=4)
-    kw = dict(site=site, positions=positions, direction=direction, progress=False)
-    tl = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric, **kw)
-    nn = ck.patch_heads(lm, task.clean_tokens, task.corrupt_tokens, task.metric,
-                        backend="nnsight", batch_size=12, **kw)
+    kw = dict(site=site, positions=positions, direction=direction)
+    tl = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric, **kw,
+                        options=dict(progress=False))
+    nn = ck.patch_heads(lm, task.clean_tokens, task.corrupt_tokens, task.metric, **kw,
+                        options=dict(backend="nnsight", batch_size=12, progress=False))
     assert nn.meta["backend"] == "nnsight" and nn.values.shape == tl.values.shape
     assert nn.values.shape[1] == (2 if site in ("k", "v") else 16)  # KV heads under GQA
     assert abs(nn.clean - tl.clean) <= TOL and abs(nn.corrupt - tl.corrupt) <= TOL
@@ -55,9 +56,9 @@ def test_nnsight_equals_transformer_lens(bridge, lm, site, positions, direction)
 def test_a_bridge_from_a_folder_is_reloaded_for_nnsight(bridge, folder):
     task = induction(n=2, seed=6)
     nn = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric,
-                        backend="nnsight", progress=False)
+                        options=dict(backend="nnsight", progress=False))
     tl = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric,
-                        progress=False)
+                        options=dict(progress=False))
     assert (nn.values - tl.values).abs().max() <= TOL
 
 
@@ -75,11 +76,11 @@ def test_unsupported_requests_are_refused(lm):
     task = induction(n=2)
     args = (lm, task.clean_tokens, task.corrupt_tokens, task.metric)
     with pytest.raises(ValueError, match="site='pattern' is not supported by backend='nnsight'"):
-        ck.patch_heads(*args, site="pattern", backend="nnsight", progress=False)
+        ck.patch_heads(*args, site="pattern", options=dict(backend="nnsight", progress=False))
     with pytest.raises(ValueError, match="method='attribution' is not supported"):
-        ck.patch_heads(*args, method="attribution", backend="nnsight", progress=False)
+        ck.patch_heads(*args, method="attribution", options=dict(backend="nnsight", progress=False))
     with pytest.raises(ValueError, match="needs backend='nnsight'"):
-        ck.patch_heads(*args, remote=True, progress=False)
+        ck.patch_heads(*args, options=dict(remote=True, progress=False))
 
 
 def test_remote_needs_a_key_and_a_hub_id(monkeypatch, tmp_path, folder):
@@ -103,5 +104,5 @@ def test_cli_nnsight_backend_writes_the_same_result(folder, bridge, tmp_path):
     res = ck.PatchResult.load(tmp_path / "o")
     task = ck.load_task("induction", n_examples=3, split="test", phase=2)
     tl = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric,
-                        progress=False)
+                        options=dict(progress=False))
     assert res.meta["backend"] == "nnsight" and (res.values - tl.values).abs().max() <= TOL

@@ -47,7 +47,7 @@ def test_device_map_load_is_raw_bf16_and_sweeps_like_a_plain_load(folder):
     q0 = mapped.original_model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(q0, saved["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))
     task = induction()
-    kw = dict(progress=False, site="z")
+    kw = dict(options=dict(progress=False), site="z")
     a = ck.patch_heads(mapped, task.clean_tokens, task.corrupt_tokens, task.metric, **kw)
     b = ck.patch_heads(plain, task.clean_tokens, task.corrupt_tokens, task.metric, **kw)
     assert torch.equal(a.values, b.values)
@@ -88,7 +88,7 @@ def oom_above(limit_rows: int, limit_cached: int, monkeypatch) -> list[int]:
 
 def test_out_of_memory_backs_off_and_equals_a_run_without(fp32, monkeypatch):
     task = induction(n=4)
-    kw = dict(progress=False, batch_size=64, positions="each", site="z")
+    kw = dict(options=dict(progress=False, batch_size=64), positions="each", site="z")
     ref = ck.patch_heads(fp32, task.clean_tokens, task.corrupt_tokens, task.metric, **kw)
     assert ref.meta["oom_backoffs"] == 0 and ref.meta["rows"] == 64
     sizes = oom_above(12, 16, monkeypatch)
@@ -123,7 +123,7 @@ def test_other_errors_are_not_retried(fp32, monkeypatch):
     task = induction(n=2)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         ck.patch_heads(fp32, task.clean_tokens, task.corrupt_tokens, task.metric,
-                       progress=False)
+                       options=dict(progress=False))
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("x"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 

@@ -32,9 +32,9 @@ def test_smollm2_nnsight_equals_transformer_lens():
 
     pos = [list(range(7, 11))] * 2
     metric = token_logprob_metric(pos, [clean[i, pos[i]].tolist() for i in range(2)])
-    tl = ck.patch_heads(bridge, clean, corrupt, metric, progress=False)
-    nn = ck.patch_heads(lm, clean, corrupt, metric, backend="nnsight", batch_size=18,
-                        progress=False)
+    tl = ck.patch_heads(bridge, clean, corrupt, metric, options=dict(progress=False))
+    nn = ck.patch_heads(lm, clean, corrupt, metric,
+                        options=dict(backend="nnsight", batch_size=18, progress=False))
     assert tl.values.shape == nn.values.shape == (30, 9)
     assert abs(nn.clean - tl.clean) <= 1e-4 and abs(nn.corrupt - tl.corrupt) <= 1e-4
     assert (nn.values - tl.values).abs().max() <= 1e-4

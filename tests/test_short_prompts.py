@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodels import SMALL
+from tinymodels import SMALL, call
 from transformer_lens import patching as tlp
 
 import circuitkit as ck
@@ -85,7 +85,8 @@ def test_one_prompt_equals_transformer_lens(kind, site, positions):
     model = fresh(LLAMA)
     clean, corrupt, metric = case(1, 7)
     fn = ck.patch_heads if kind == "heads" else ck.patch_layers
-    res = fn(model, clean, corrupt, metric, site=site, positions=positions, progress=False)
+    res = call(fn, model, clean, corrupt, metric, site=site, positions=positions,
+               progress=False)
     assert res.per_prompt.shape[0] == 1
     torch.testing.assert_close(res.values, reference(model, site, positions, clean, corrupt,
                                                      metric), atol=ATOL, rtol=0)
@@ -96,7 +97,7 @@ def test_one_prompt_exact_edges_equal_transformer_lens():
     direct-path patching for q, k and v."""
     model = fresh(LLAMA_MHA)
     clean, corrupt, metric = case(1, 7)
-    res = ck.patch_edges(model, clean, corrupt, metric, progress=False)
+    res = ck.patch_edges(model, clean, corrupt, metric, options=dict(progress=False))
     for name, ours, ref in tl_edges(model, res, clean, corrupt, metric):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0, msg=name)
 
@@ -129,17 +130,17 @@ def test_a_one_token_first_call_decides_nothing_for_longer_prompts():
     afterwards run and equal TransformerLens's."""
     model = fresh(LLAMA_MHA)
     clean1, corrupt1, metric1 = case(2, 1)
-    one = ck.patch_heads(model, clean1, corrupt1, metric1, site="q", progress=False)
+    one = ck.patch_heads(model, clean1, corrupt1, metric1, site="q", options=dict(progress=False))
     torch.testing.assert_close(one.values, reference(model, "q", "all", clean1, corrupt1,
                                                      metric1), atol=ATOL, rtol=0)
     torch.testing.assert_close(one.values, torch.full_like(one.values, one.corrupt), atol=ATOL,
                                rtol=0)
     clean, corrupt, metric = case(2, 9)
-    nine = ck.patch_heads(model, clean, corrupt, metric, site="q", progress=False)
+    nine = ck.patch_heads(model, clean, corrupt, metric, site="q", options=dict(progress=False))
     ref = reference(model, "q", "all", clean, corrupt, metric)
     torch.testing.assert_close(nine.values, ref, atol=ATOL, rtol=0)
     assert float((ref - nine.corrupt).abs().max()) > 1e-5  # q matters at 9 tokens (2.3e-4)
-    edges = ck.patch_edges(model, clean, corrupt, metric, progress=False)
+    edges = ck.patch_edges(model, clean, corrupt, metric, options=dict(progress=False))
     for name, ours, want in tl_edges(model, edges, clean, corrupt, metric):
         torch.testing.assert_close(ours, want, atol=1e-5, rtol=0, msg=name)
 

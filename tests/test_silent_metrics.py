@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tinymodels import call
 from transformer_lens import patching as tl_patching
 from typer.testing import CliRunner
 
@@ -54,7 +55,7 @@ def tl_heads(model, clean, corrupt, metric):
 def quiet(fn, *args, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DegenerateBaselineWarning)
-        return fn(*args, **kw)
+        return call(fn, *args, **kw)
 
 
 # --- 1. a metric reading a global that changed is probed again ---------------------------------
@@ -242,10 +243,10 @@ def test_a_raised_metric_warns_once_at_the_api(teacher, raised, call):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if call == "layers":
-            res = ck.patch_layers(*args, progress=False)
+            res = ck.patch_layers(*args, options=dict(progress=False))
         else:
-            res = ck.patch_heads(*args, method=call, progress=False,
-                                 **({"top_k": 4} if call == "attribution+exact" else {}))
+            res = ck.patch_heads(*args, method=call, options=dict(
+                progress=False, **{"top_k": 4} if call == "attribution+exact" else {}))
         assert res.corrupt > res.clean and res.degenerate
         normalized = res.normalized()
         res.top(3)
@@ -335,12 +336,12 @@ def test_right_padded_prompts_are_refused_where_the_metric_reads_padding(teacher
     for method in ("exact", "attribution", "attribution+exact"):
         with pytest.raises(ValueError) as e:
             ck.patch_heads(teacher, clean, corrupt, lambda logits: logits[:, -1, 5].mean(),
-                           method=method, progress=False)
+                           method=method, options=dict(progress=False))
         msg = str(e.value)
         assert "right-padded" in msg and "prompt 0 has 3 tokens" in msg and "\n" not in msg
     with pytest.raises(ValueError, match="right-padded"):
         ck.patch_layers(teacher, clean, corrupt, lambda logits: logits[:, -1, 5].mean(),
-                        progress=False)
+                        options=dict(progress=False))
     # reads unknown (an argmax): its values on the unpatched runs change when the padding's
     # logits are replaced by the last real token's, so it reads padding: refused
     with torch.no_grad():
@@ -348,7 +349,8 @@ def test_right_padded_prompts_are_refused_where_the_metric_reads_padding(teacher
     with pytest.raises(ValueError, match="reads positions that are unknown .* change with the "
                                          "logits at the padding"):
         ck.patch_heads(teacher, clean, corrupt,
-                       lambda logits: (logits[:, -1].argmax(-1) == a).float(), progress=False)
+                       lambda logits: (logits[:, -1].argmax(-1) == a).float(),
+                       options=dict(progress=False))
 
 
 def test_right_padding_is_fine_where_each_prompt_reads_its_own_positions(teacher):

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from tinymodels import call
 
 import circuitkit as ck
 from circuitkit.patching import api
@@ -30,7 +31,7 @@ def pair(n=3, seq=6, seed=3):
 def quiet(fn, *a, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random models
-        return fn(*a, **kw)
+        return call(fn, *a, **kw)
 
 
 def stage_mask(clean):
@@ -139,7 +140,7 @@ def test_bad_unit_fields_and_options_are_one_line_each(tiny_llama):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="site"):
         ck.LayerUnits(site="z")
-    with pytest.raises(ValueError, match="options=.*expected ck.MethodOptions"):
+    with pytest.raises(ValueError, match="options=.*expected ck.PatchOptions"):
         ck.patch(tiny_llama, *pair(), margin, "heads", options=dict(topk=3))
     with pytest.raises(ValueError, match="patch_layers is exact only"):
         ck.patch(tiny_llama, *pair(), margin, ck.LayerUnits(), method="attribution")

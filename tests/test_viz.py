@@ -409,11 +409,12 @@ def test_a_task_metric_names_its_task_and_phase_in_the_title(teacher_and_task):
 
     model, task = teacher_and_task
     t1 = task.with_phase(1)
-    res = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens, t1.metric, progress=False)
+    res = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens, t1.metric,
+                         options=dict(progress=False))
     assert res.meta["task"] == "icd10" and res.meta["phase"] == 1
     assert heatmaps.describe(res).startswith("icd-teacher · icd10 phase 1 · metric anchor_margin")
-    plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens,  # (right-padded prompts:
-                           lambda lg: t1.metric(lg), progress=False)  # each reads its own)
+    plain = ck.patch_heads(model, t1.clean_tokens, t1.corrupt_tokens, lambda lg: t1.metric(lg),
+                           options=dict(progress=False))  # each reads its own)
     assert "task" not in plain.meta and "phase" not in plain.meta
 
 

@@ -197,3 +197,25 @@ def hooked_sweep(model, base, source, metric, kind="heads", site="z", positions=
         return out
     return out.view(f.n_layers, units, -1).squeeze(-1) if positions == "all" else \
         out.view(f.n_layers, units, seq)
+
+
+def call(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the keywords ``fn`` does not take but ``ck.PatchOptions`` has
+    (progress, batch_size, checkpoint, the method's options...) moved into ``options``: the
+    tests' shorthand for the patching entries, whose run settings live in one options object."""
+    import inspect
+    from dataclasses import fields
+
+    from circuitkit.patching.units import PatchOptions
+
+    takes = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        return fn(*args, **kw)  # (a test's own runner: it passes them on)
+    names = {f.name for f in fields(PatchOptions)}
+    moved = {k: kw.pop(k) for k in list(kw) if k in names and k not in takes}
+    if moved:
+        given = kw.get("options") or {}
+        given = given if isinstance(given, dict) else {
+            f.name: getattr(given, f.name) for f in fields(given)}
+        kw["options"] = {**given, **moved}
+    return fn(*args, **kw)

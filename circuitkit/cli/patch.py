@@ -248,18 +248,18 @@ def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
     from circuitkit.patching import api
 
     layers = a.site in hooks.PATCH_LAYER_SITES
-    kw = dict(direction=a.direction, method=a.method, positions=a.positions, site=a.site,
-              batch_size=a.batch_size)
     stores = a.method != "attribution" and a.backend != "nnsight"  # what checkpoints
     ckpt = _checkpoint_dir(a.out) if a.checkpoint and stores else None
     extra = {} if layers else dict(
         top_k=a.top_k, backend=a.backend, remote=a.remote, max_passes=a.max_passes,
         **({} if a.estimator is None else dict(estimator=a.estimator)))
+    options = dict(batch_size=a.batch_size, progress=a.progress, checkpoint=ckpt,
+                   task_hash=the_task.fingerprint(), **extra)
     try:  # WriteError: a checkpoint chunk on a full disk
         with _errors_as_lines(ValueError, WriteError):
             return (api.patch_layers if layers else api.patch_heads)(
-                the_model, clean, corrupt, metric, progress=a.progress,
-                task_hash=the_task.fingerprint(), checkpoint=ckpt, **kw, **extra)
+                the_model, clean, corrupt, metric, direction=a.direction, method=a.method,
+                positions=a.positions, site=a.site, options=options)
     except KeyboardInterrupt:
         if ckpt is not None:
             why = (f"finished work is in {ckpt}. Resume with the same command:\n  "
@@ -378,9 +378,10 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
     try:
         res = ck.patch_edges(the_model, clean, corrupt, metric, a.nodes["senders"],
                              a.nodes["receivers"], a.inputs, direction=a.direction,
-                             method=a.method, estimator=a.estimator, ig_steps=a.ig_steps,
-                             top_k=a.top_k, batch_size=a.batch_size, checkpoint=ckpt,
-                             progress=a.progress, task_hash=the_task.fingerprint())
+                             method=a.method,
+                             options=dict(estimator=a.estimator, ig_steps=a.ig_steps, top_k=a.top_k,
+                                          batch_size=a.batch_size, checkpoint=ckpt,
+                                          progress=a.progress, task_hash=the_task.fingerprint()))
         res.meta.update(model_name=a.model, task=a.task, n_examples=len(clean),
                         phase=the_task.phase, split=a.split, seed=a.seed)
         written = res.save(a.out / "edges")

@@ -15,11 +15,13 @@ from circuitkit.experiments.characterize import DEFAULT_N
 def _patch_plan(a, the_model, clean, corrupt, metric) -> None:
     """``patch --plan`` with the weights here: ``api.plan_patch``'s one-chunk probe."""
     from circuitkit.patching import api
+    from circuitkit.patching.units import HeadUnits
 
     with _errors_as_lines():
-        p = api.plan_patch(the_model, clean, corrupt, metric, top_k=a.top_k,
-                           estimator=a.estimator, direction=a.direction, method=a.method,
-                           positions=a.positions, site=a.site, batch_size=a.batch_size)
+        p = api.plan_patch(the_model, clean, corrupt, metric,
+                           HeadUnits(a.site, a.positions), method=a.method,
+                           options=dict(top_k=a.top_k, estimator=a.estimator, direction=a.direction,
+                                        batch_size=a.batch_size))
     if a.as_json:
         return _echo_json(p)
     typer.echo(format_plan(p))

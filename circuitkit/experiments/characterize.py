@@ -326,8 +326,8 @@ def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
         with quiet_baseline():  # said once per phase below
             res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
                                  direction=direction, method=patch_method,
-                                 batch_size=batch_size, checkpoint=ckpt, progress=progress,
-                                 task_hash=tp.fingerprint())
+                                 options=dict(batch_size=batch_size, checkpoint=ckpt,
+                                              progress=progress, task_hash=tp.fingerprint()))
         res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
         written = res.save(out / step)
         sweep_results[phase, direction] = res
@@ -619,9 +619,9 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
         return []
     tp = per_phase[phases[-1]]
     folder = out / "edges"
-    res = ck.patch_edges(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
-                         receivers, batch_size=batch_size, checkpoint=out / "checkpoints" /
-                         "edges", progress=progress, task_hash=tp.fingerprint())
+    res = ck.patch_edges(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders, receivers,
+                         options=dict(batch_size=batch_size, checkpoint=out / "checkpoints" /
+                         "edges", progress=progress, task_hash=tp.fingerprint()))
     res.meta.update(meta, phase=phases[-1], n_examples=len(tp), senders_from=f"phase{phases[0]}",
                     receivers_from=f"phase{phases[-1]}")
     # the same senders and receivers through everything between them (MLPs, other heads, other
@@ -630,9 +630,10 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     shared_kv = hooks.facts(model).gqa  # a k/v input is several heads' (patch_paths: q only)
     paths = ck.patch_paths(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, senders,
                            receivers, inputs=("q",) if shared_kv else tuple(res.inputs),
-                           direction=res.direction, positions=groups, batch_size=batch_size,
-                           checkpoint=out / "checkpoints" / "paths", progress=progress,
-                           task_hash=tp.fingerprint())
+                           direction=res.direction, positions=groups,
+                           options=dict(batch_size=batch_size,
+                                        checkpoint=out / "checkpoints" / "paths", progress=progress,
+                                        task_hash=tp.fingerprint()))
     paths.meta.update(meta, phase=phases[-1], n_examples=len(tp))
     paths.save(folder / "paths", views=False)
     res.meta["path_coverage"] = {g: row["overall"] for g, row in paths.meta["coverage"].items()}
@@ -682,9 +683,9 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
             with quiet_baseline():
                 res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
                                      direction=direction, positions=stage_groups(tp),
-                                     batch_size=batch_size, progress=progress,
-                                     checkpoint=out / "checkpoints" / f"groups-{step}",
-                                     task_hash=tp.fingerprint())
+                                     options=dict(batch_size=batch_size, progress=progress,
+                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
+                                                  task_hash=tp.fingerprint()))
             res.meta.update(meta, phase=phase, n_examples=len(tp), sample="held-out")
             res.save(out / "groups" / step, views=False)
             written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
@@ -695,9 +696,9 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
             with quiet_baseline():  # (said once per phase by the whole-head sweeps)
                 res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
                                      direction=direction, positions=groups,
-                                     batch_size=batch_size, progress=progress,
-                                     checkpoint=out / "checkpoints" / f"groups-{step}",
-                                     task_hash=tp.fingerprint())
+                                     options=dict(batch_size=batch_size, progress=progress,
+                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
+                                                  task_hash=tp.fingerprint()))
                 norm = res.normalized()
             res.meta.update(meta, phase=phase, n_examples=len(tp))
             res.save(out / "groups" / step, views=False)

@@ -16,6 +16,7 @@ _EXPORTS = {
     "LayerUnits": "circuitkit.patching.units:LayerUnits",
     "EdgeUnits": "circuitkit.patching.units:EdgeUnits",
     "PathUnits": "circuitkit.patching.units:PathUnits",
+    "PatchOptions": "circuitkit.patching.units:PatchOptions",
     "MethodOptions": "circuitkit.patching.units:MethodOptions",
     "patch_heads": "circuitkit.patching.api:patch_heads",
     "patch_layers": "circuitkit.patching.api:patch_layers",

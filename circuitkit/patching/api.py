@@ -48,7 +48,7 @@ from circuitkit.patching.units import (
     EdgeUnits,
     HeadUnits,
     LayerUnits,
-    MethodOptions,
+    PatchOptions,
     PathUnits,
     as_options,
     as_units,
@@ -57,78 +57,57 @@ from circuitkit.patching.units import (
 Tokens = Int[Tensor, "batch seq"]
 
 
-def patch(
-    model: Any,
-    clean_tokens: Tokens,
-    corrupt_tokens: Tokens,
-    metric: Any,
-    units: Any,
-    *,
-    direction: str = "denoise",
-    method: str = "exact",
-    batch_size: int | None = None,
-    checkpoint: str | Path | None = None,
-    progress: bool = True,
-    options: MethodOptions | dict | None = None,
-    task_hash: str | None = None,
-    backend: str = "transformer_lens",
-    remote: bool = False,
-) -> PatchResult:
-    """Patch every cell of ``units`` (``HeadUnits``, ``LayerUnits``, ``EdgeUnits``; "heads",
-    "layers", "edges" for their defaults) and return the metric after each patch, mean over
-    prompts: a ``PatchResult`` with ``units.axes`` (edges: an ``EdgeResult``).
+def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, units: Any,
+          method: str = "exact", options: PatchOptions | dict | None = None) -> PatchResult:
+    """Patch every cell of ``units`` (``HeadUnits``, ``LayerUnits``, ``EdgeUnits``,
+    ``PathUnits``; "heads", "layers", "edges", "paths" for their defaults) and return the metric
+    after each patch, mean over prompts: a ``PatchResult`` with ``units.axes`` (edges: an
+    ``EdgeResult``).
 
-    ``direction``: "denoise" (each cell's clean activation into the corrupt run) or "noise" (its
-    corrupt activation into the clean run). ``method``: one of ``units.methods``: "exact",
-    "attribution" (``options.estimator``, one of ``units.estimators``), "attribution+exact"
-    (``hybrid.screen_then_verify``: one road for every unit) or "auto" (heads: ``auto.run``).
-    ``options``: ``MethodOptions`` (or a dict of its fields), what every method shares.
-    ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]`` (wrapped once
-    by ``as_metric``; same values either way). ``batch_size``: sequences per forward (default:
-    from free memory; halved and retried on out-of-memory). ``checkpoint``: folder; finished
-    chunks (attribution+exact: the screen and the verified cells) are stored durably and a
-    rerun resumes. Under ``torchrun`` an exact sweep's chunks are split over ranks (replicas,
-    ``distributed``) and every rank returns the merged result; attribution and
-    attribution+exact run whole on each replica (a warning says so). ``backend="nnsight"``
-    (heads): the exact sweep through nnsight (``nnsight_backend``; ``remote=True`` on NDIF).
+    ``method``: one of ``units.methods``: "exact", "attribution" (``options.estimator``, one of
+    ``units.estimators``), "attribution+exact" (``hybrid.screen_then_verify``: one road for
+    every unit) or "auto" (heads: ``auto.run``). ``options``: a ``PatchOptions`` (or a dict of
+    its fields): the direction ("denoise": each cell's clean activation into the corrupt run;
+    "noise": its corrupt activation into the clean run), batch size (default from free memory;
+    halved and retried on out-of-memory), checkpoint folder (finished chunks, or
+    attribution+exact's screen and verified cells, stored durably; a rerun resumes), progress,
+    backend ("nnsight": heads through nnsight, ``remote=True`` on NDIF) and the method's
+    options. ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]``
+    (wrapped once by ``as_metric``; same values either way). Under ``torchrun`` an exact
+    sweep's chunks are split over ranks (``distributed``) and every rank returns the merged
+    result; attribution and attribution+exact run whole on each replica (a warning says so).
     The route, module by module: docs/architecture.md, "One metric's route".
     """
     units, opts = as_units(units), as_options(options)
-    method = units.check_method(method, opts, checkpoint, backend, remote)
-    if backend != "transformer_lens" or remote:  # heads only (check_method refuses the rest)
-        from circuitkit.patching.exact import nnsight as nnsight_backend
+    method = units.check_method(method, opts)
+    if opts.backend != "transformer_lens" or opts.remote:  # heads only (check_method says)
+        from circuitkit.patching.exact import nnsight
 
-        res = nnsight_backend.patch_heads(
-            model, clean_tokens, corrupt_tokens, metric, direction=direction, method=method,
-            positions=units.positions, site=units.site, batch_size=batch_size,
-            progress=progress, remote=remote, task_hash=task_hash)
+        res = nnsight.patch_heads(model, clean_tokens, corrupt_tokens, metric, units, method,
+                                  opts)
         res.warn_if_degenerate()
         return res
-    clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, direction, method,
-                                batch_size, **units.entry(method))
+    clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, opts.direction,
+                                method, opts.batch_size, **units.entry(method))
     units = units.checked(model, clean, corrupt)
-    meta = units.meta(model, task_hash)
+    meta = units.meta(model, opts.task_hash)
     if method in ("exact", "auto"):
-        res = units.exact(model, clean, corrupt, pm, direction, batch_size, checkpoint,
-                          progress, meta) if method == "exact" else auto.run(
-            model, clean, corrupt, pm, units, direction=direction, batch_size=batch_size,
-            checkpoint=checkpoint, progress=progress, top_k=opts.top_k,
-            max_passes=opts.max_passes, meta=meta, screening_recall=opts.screening_recall)
+        res = units.exact(model, clean, corrupt, pm, opts, meta) if method == "exact" else \
+            auto.run(model, clean, corrupt, pm, units, opts, meta)
         res.warn_if_degenerate()
-        return _with_coverage(res, units, model, clean, corrupt, pm, batch_size)
+        return _with_coverage(res, units, model, clean, corrupt, pm, opts.batch_size)
     exact.whole_on_every_replica(f"method={method!r}")
     if method == "attribution":
-        res = units.estimate(model, clean, corrupt, pm, direction, opts, batch_size, progress)
+        res = units.estimate(model, clean, corrupt, pm, opts)
     else:
-        screenable = units.screenable(model, clean, corrupt, pm, direction, opts, batch_size,
-                                      progress, checkpoint)
-        res = hybrid.screen_then_verify(screenable, checkpoint, top_k=opts.top_k,
-                                        max_passes=opts.max_passes, batch_size=batch_size,
-                                        progress=progress)
+        screenable = units.screenable(model, clean, corrupt, pm, opts)
+        res = hybrid.screen_then_verify(screenable, opts.checkpoint, top_k=opts.top_k,
+                                        max_passes=opts.max_passes,
+                                        batch_size=opts.batch_size, progress=opts.progress)
     res.meta.update(exact.described(meta, pm))
     exact.with_recorded(res, model, clean, corrupt)
     res.warn_if_degenerate()
-    return _with_coverage(res, units, model, clean, corrupt, pm, batch_size)
+    return _with_coverage(res, units, model, clean, corrupt, pm, opts.batch_size)
 
 
 def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
@@ -143,13 +122,8 @@ def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Ten
 
 
 def patch_heads(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
-                direction: str = "denoise", method: str = "exact", positions: str = "all",
-                site: str = "z", batch_size: int | None = None,
-                checkpoint: str | Path | None = None, progress: bool = True,
-                atp_star: bool = False, top_k: int | None = None, task_hash: str | None = None,
-                backend: str = "transformer_lens", remote: bool = False,
-                estimator: str | None = None, max_passes: float | None = None,
-                screening_recall: bool = False) -> PatchResult:
+                direction: str = "denoise", method: str = "exact", positions: Any = "all",
+                site: str = "z", options: PatchOptions | dict | None = None) -> PatchResult:
     """``patch`` over every attention head at ``site`` (``HeadUnits(site, positions)``).
 
     ``values``: ``[n_layers, n_heads]``, ``[n_layers, n_heads, seq]`` (``positions="each"``;
@@ -158,26 +132,17 @@ def patch_heads(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric
     n_groups]`` (``positions`` a bool mask ``[batch, seq]`` or ``{name: mask}``, e.g.
     ``task.position_groups()``: ``patching/groups.py``; methods "exact" and plain "attribution"
     only). Sites k/v of a GQA model: the KV-head axis (``meta["head_axis"] == "kv_head"``).
-    ``estimator``, ``atp_star``: the attribution's estimator (default "atp"; ``atp_star``: "qk")
-    or the hybrid's screen (default "block"). ``top_k``, ``max_passes``: the cells
-    attribution+exact (and auto's hybrid) verifies, or the pass-equivalents it may spend.
-    ``screening_recall``: auto's extra screen of an exact run (``auto.run``).
+    ``direction``: ``PatchOptions.direction``, given here or in ``options`` (batch size,
+    checkpoint, progress, backend, the estimator, ``top_k``, ``max_passes``...).
     """
     return patch(model, clean_tokens, corrupt_tokens, metric, HeadUnits(site, positions),
-                 direction=direction, method=method, batch_size=batch_size,
-                 checkpoint=checkpoint, progress=progress, task_hash=task_hash, backend=backend,
-                 remote=remote, options=MethodOptions(
-                     estimator=estimator, top_k=top_k, max_passes=max_passes,
-                     atp_star=atp_star, screening_recall=screening_recall))
+                 method, as_options(options, direction=direction))
 
 
 def patch_edges(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
                 senders: Any = None, receivers: Any = None, inputs: Any = hooks.EDGE_INPUTS, *,
                 direction: str = "denoise", method: str = "exact",
-                checkpoint: str | Path | None = None, progress: bool = True,
-                batch_size: int | None = None, estimator: str | None = None,
-                ig_steps: int | None = None, top_k: int | None = None,
-                max_passes: float | None = None, task_hash: str | None = None) -> EdgeResult:
+                options: PatchOptions | dict | None = None) -> EdgeResult:
     """``patch`` over every edge (``EdgeUnits(senders, receivers, inputs)``): a sender's write
     (source minus base: a head's ``dz @ W_O``, or the embeddings') added to one receiver's own
     copy of the residual at one input only, every other reader on the base run.
@@ -186,35 +151,29 @@ def patch_edges(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric
 
     ``senders``/``receivers``: ``(layer, head)`` pairs or names ("L3H2", "embed" a sender,
     "logits" a receiver); None: every head and the embeddings / the logits. ``inputs``: any of
-    "q", "k", "v" (under GQA k/v receivers are KV heads). ``estimator``, ``ig_steps``: the
-    attribution's (default "eap") or the hybrid's screen (default "eap*"); ``top_k``,
-    ``max_passes``: as ``patch_heads``.
+    "q", "k", "v" (under GQA k/v receivers are KV heads). ``options``: ``PatchOptions`` (the
+    estimator and ``ig_steps`` of the attribution, default "eap", or of the hybrid's screen,
+    default "eap*"; ``top_k``, ``max_passes``; batch size, checkpoint, progress).
     """
     return patch(model, clean_tokens, corrupt_tokens, metric,
-                 EdgeUnits(senders, receivers, inputs), direction=direction, method=method,
-                 batch_size=batch_size, checkpoint=checkpoint, progress=progress,
-                 task_hash=task_hash, options=MethodOptions(
-                     estimator=estimator, ig_steps=ig_steps, top_k=top_k,
-                     max_passes=max_passes))
+                 EdgeUnits(senders, receivers, inputs), method,
+                 as_options(options, direction=direction))
 
 
 def patch_paths(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
-                senders: Any = None, receivers: Any = None, inputs: Any = hooks.EDGE_INPUTS,
+                senders: Any = None, receivers: Any = None, inputs: Any = hooks.EDGE_INPUTS, *,
                 direction: str = "denoise", positions: Any = None,
-                batch_size: int | None = None, *, method: str = "exact",
-                checkpoint: str | Path | None = None, progress: bool = True,
-                task_hash: str | None = None) -> PatchResult:
+                options: PatchOptions | dict | None = None) -> PatchResult:
     """``patch`` over every path (``PathUnits(senders, receivers, inputs, positions)``): the
     sender's source ``z`` in the base run, everything after it recomputed, read by the
     receiver's ``inputs`` only (at each position group of ``positions``; None: every
     position). ``values[s, r(, g)]``: the metric after that patch, NaN where the receiver is
     not after the sender; ``meta``: each sender's ``node`` effect and the paths' ``coverage`` of
-    it (``patching/paths.py``; docs/edges.md, "Paths"). ``method``: "exact" (another is refused
-    in one line)."""
+    it (``patching/paths.py``; docs/edges.md, "Paths"). Exact only (``ck.patch`` with
+    ``PathUnits`` refuses another method in one line)."""
     return patch(model, clean_tokens, corrupt_tokens, metric,
-                 PathUnits(senders, receivers, inputs, positions), direction=direction,
-                 method=method, batch_size=batch_size, checkpoint=checkpoint,
-                 progress=progress, task_hash=task_hash)
+                 PathUnits(senders, receivers, inputs, positions), "exact",
+                 as_options(options, direction=direction))
 
 
 def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
@@ -225,9 +184,8 @@ def edge_layout(model: Any, senders: Any = None, receivers: Any = None,
 
 def patch_layers(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
                  direction: str = "denoise", method: str = "exact", positions: str = "each",
-                 site: str = "resid_pre", batch_size: int | None = None,
-                 checkpoint: str | Path | None = None, progress: bool = True,
-                 task_hash: str | None = None) -> PatchResult:
+                 site: str = "resid_pre", options: PatchOptions | dict | None = None
+                 ) -> PatchResult:
     """``patch`` of a whole-layer site (``resid_pre``, ``attn_out``, ``mlp_out``) at each
     (layer, position): ``values [n_layers, seq]``. Exact only, per position only."""
     if positions != "each":
@@ -235,17 +193,16 @@ def patch_layers(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metri
         raise ValueError(f"patch_layers patches one position at a time (positions='each', its "
                          f"default); got positions={positions!r}. For one value per layer, use "
                          "patch_heads (site z, positions='all').")
-    return patch(model, clean_tokens, corrupt_tokens, metric, LayerUnits(site),
-                 direction=direction, method=method, batch_size=batch_size,
-                 checkpoint=checkpoint, progress=progress, task_hash=task_hash)
+    return patch(model, clean_tokens, corrupt_tokens, metric, LayerUnits(site), method,
+                 as_options(options, direction=direction))
 
 
-def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any, *,
-               direction: str = "denoise", method: str = "exact", positions: str = "all",
-               site: str = "z", batch_size: int | None = None, top_k: int | None = None,
-               estimator: str | None = None, units: HeadUnits | None = None) -> dict[str, Any]:
-    """Cost of a head sweep by ``method``, with the time measured on a one-chunk probe.
-    ``units``: a ``HeadUnits`` (positions "all" or "each"), in place of ``site`` / ``positions``.
+def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
+               units: Any = "heads", method: str = "exact",
+               options: PatchOptions | dict | None = None) -> dict[str, Any]:
+    """Cost of ``patch(model, clean, corrupt, metric, units, method, options)`` for head
+    ``units`` (a ``HeadUnits`` over positions "all" or "each"), with the time measured on a
+    one-chunk probe (``options``: its direction, batch size, ``top_k`` and estimator).
 
     ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
     chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
@@ -255,15 +212,16 @@ def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric:
     ``est_seconds_max`` at the automatic budget's cap). Where that budget is predicted to cost
     at least the exact sweep, the run and the plan are exact (``hybrid["runs"]``).
     """
-    units = HeadUnits(site, positions) if units is None else as_units(units)
+    units, opts = as_units(units), as_options(options)
+    direction, batch_size, top_k, estimator = (opts.direction, opts.batch_size, opts.top_k,
+                                               opts.estimator)
     if not isinstance(units, HeadUnits) or units.grouped:
         raise ValueError(f"plan_patch measures head sweeps over positions 'all' or 'each'; got "
                          f"units={units!r}. Edges are priced from the config: plan.edge_plan "
                          "(circuitkit edges --plan).")
     clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, direction, method,
                                 batch_size, **dict(units.entry(method), engine_checks=False))
-    units.check_method(method, MethodOptions(estimator=estimator, top_k=top_k), None,
-                       "transformer_lens", False)
+    units.check_method(method, PatchOptions(estimator=estimator, top_k=top_k))
     auto_info = None
     if method == "auto":
         auto_info = auto.choice(model, clean.shape[1], units.site, units.positions)
@@ -325,8 +283,8 @@ def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, direction: str
     screener = estimator or attribution.screening_estimator(model, units.site, clean)
     screen = n * attribution.estimator_passes(model, screener, units.site, units.positions,
                                               seq, batch=min(batch_size or n, n))
-    s = units.screenable(model, clean, corrupt, pm, direction,
-                         MethodOptions(estimator=screener), batch_size, False)
+    s = units.screenable(model, clean, corrupt, pm, PatchOptions(
+        direction=direction, estimator=screener, batch_size=batch_size, progress=False))
     guess = hybrid.predicted(screen, s.downstream, n, s.read_share, top_k, s.per_round)
     n_cells = s.index.shape[0]
 
@@ -374,8 +332,9 @@ def attribution_plus_exact(
         model, clean_tokens, corrupt_tokens, metric, direction, "attribution+exact",
         batch_size, site=site, positions=positions, sites=hooks.PATCH_HEAD_SITES)
     screenable = HeadUnits(site, positions).screenable(
-        model, clean_tokens, corrupt_tokens, metric, direction,
-        MethodOptions(estimator=estimator, atp_star=atp_star), batch_size, progress, checkpoint)
+        model, clean_tokens, corrupt_tokens, metric, PatchOptions(
+            direction=direction, estimator=estimator, atp_star=atp_star, batch_size=batch_size,
+            progress=progress, checkpoint=checkpoint))
     res = hybrid.screen_then_verify(
         screenable, checkpoint, top_k=top_k, max_passes=max_passes, batch_size=batch_size,
         progress=progress, exact_when_cheaper=exact_when_cheaper, recall_top=recall_top,

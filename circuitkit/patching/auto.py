@@ -8,7 +8,7 @@ small model's time, so it is asked for, never the default).
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from circuitkit.patching.estimators import attribution
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.inputs import NoGradientError, check_gradient
 from circuitkit.patching.results import PatchResult, quiet_baseline
-from circuitkit.patching.units import HeadUnits, MethodOptions
+from circuitkit.patching.units import HeadUnits, PatchOptions
 
 
 def choice(model: Any, seq: int, site: str, positions: str) -> dict[str, Any]:
@@ -41,15 +41,16 @@ def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:
     return [tuple(int(i) for i in torch.unravel_index(j, effect.shape)) for j in flat]
 
 
-def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: HeadUnits, *,
-        direction: str, batch_size: int | None, checkpoint: str | Path | None,
-        progress: bool, top_k: int | None, meta: dict, max_passes: float | None = None,
-        screening_recall: bool = False) -> PatchResult:
+def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: HeadUnits,
+        opts: PatchOptions, meta: dict) -> PatchResult:
     """``method="auto"`` over head ``units`` (module docstring); ``meta["auto"]``: the choice,
     the verified cells and ``screening``, whose ``recall`` (with ``screening_recall``) is the
     share of the exact top-k cells (by ``|value - baseline|``) among the screen's top k,
     ``k = min(top_k or 20, cells / 2)``."""
     site, positions = units.site, units.positions
+    direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
+                                                   opts.checkpoint, opts.progress)
+    top_k, max_passes = opts.top_k, opts.max_passes
     info = choice(model, clean.shape[1], site, positions)
     if max_passes is not None and info["chose"] == "exact":
         warnings.warn(f"max_passes={max_passes!r} does nothing here: method='auto' chose the "
@@ -59,19 +60,18 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: Hea
     k = min(top_k or 20, max(1, n_cells // 2))  # a "top k" of every cell would say nothing
     if info["chose"] == "exact":
         res, pm = exact.run(model, clean, corrupt, pm, units.sweep(model, direction, clean, pm),
-                            batch_size, checkpoint, progress, meta)
+                            opts, meta)
         info["verified"] = "all"
         info["screening"] = _screening_recall(
             model, clean, corrupt, pm, res, k, direction, site, positions, batch_size) \
-            if screening_recall else dict(k=k, estimator=None, recall=None,
+            if opts.screening_recall else dict(k=k, estimator=None, recall=None,
                                           skipped="not asked (screening_recall=True)")
     else:
         check_gradient(pm, "attribution+exact")  # (the message names the hybrid auto chose)
         exact.whole_on_every_replica("method='auto' chose 'attribution+exact' here, which")
         estimator = attribution.screening_estimator(model, site, clean)
-        screenable = units.screenable(model, clean, corrupt, pm, direction,
-                                      MethodOptions(estimator=estimator), batch_size, progress,
-                                      checkpoint)
+        screenable = units.screenable(model, clean, corrupt, pm,
+                                      replace(opts, estimator=estimator, atp_star=False))
         res = hybrid.screen_then_verify(screenable, checkpoint, top_k=top_k, max_passes=max_passes,
                                         batch_size=batch_size, progress=progress)
         # (the hybrid predicted as dear as exact runs exact: res.meta["hybrid"] says why)

@@ -68,10 +68,11 @@ def causal_table(model: Any, task: Any, *, n: int | None = None,
         groups = causal_groups(tp, at)
         for d in directions:
             with quiet_baseline():  # the caller's sweeps say a degenerate baseline once
-                sweeps[(p, d)] = (ck.patch_heads(
-                    model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, direction=d,
-                    positions=groups, batch_size=batch_size, progress=progress,
-                    task_hash=tp.fingerprint()), tp)
+                sweeps[(p, d)] = (ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens,
+                                                 tp.metric, direction=d, positions=groups,
+                                                 options=dict(batch_size=batch_size,
+                                                              progress=progress,
+                                                              task_hash=tp.fingerprint())), tp)
     return causal_frame(model.cfg.n_layers, model.cfg.n_heads, sweeps, at)
 
 

@@ -146,14 +146,16 @@ def _site(lm: Any, layer: int, site: str) -> Any:
 # --- the sweep ------------------------------------------------------------------------------------
 
 
-def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any, *,
-                direction: str = "denoise", method: str = "exact", positions: str = "all",
-                site: str = "z", batch_size: int | None = None, progress: bool = True,
-                remote: bool = False, task_hash: str | None = None) -> PatchResult:
+def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any,
+                units: Any, method: str, opts: Any) -> PatchResult:
     """Exact head patching through nnsight (module docstring); the arguments and the result
-    are those of ``circuitkit.patch_heads``. ``batch_size``: sequences per trace (default: 64,
-    at least all prompts: every variant runs all prompts). ``method``: "exact" ("auto" runs
-    exact: the attribution screen needs the TransformerLens backend)."""
+    are those of ``circuitkit.patch`` over ``HeadUnits`` (``opts``: its ``PatchOptions``).
+    ``batch_size``: sequences per trace (default: 64, at least all prompts: every variant runs
+    all prompts). ``method``: "exact" ("auto" runs exact: the attribution screen needs the
+    TransformerLens backend)."""
+    direction, positions, site = opts.direction, units.positions, units.site
+    batch_size, progress, remote, task_hash = (opts.batch_size, opts.progress, opts.remote,
+                                               opts.task_hash)
     choice("direction", direction, DIRECTIONS)
     choice("positions", positions, POSITIONS)
     if site not in SITES:

@@ -114,11 +114,12 @@ def _versions() -> dict[str, str]:
 
 
 def run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-         batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-         meta: dict) -> tuple[PatchResult, PromptMetric]:
+        opts: Any, meta: dict) -> tuple[PatchResult, PromptMetric]:
     """The exact sweep, and the metric it ran with: a probed metric's reads are checked by the
     engine's cached runs (``inputs.ReadsDoNotHold``); where they do not hold, the sweep starts
-    again reading every position (and right padding is checked for that metric)."""
+    again reading every position (and right padding is checked for that metric). ``opts``: the
+    ``PatchOptions`` (its batch size, checkpoint and progress)."""
+    batch_size, checkpoint, progress = opts.batch_size, opts.checkpoint, opts.progress
     try:
         swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
         metric = replace(metric, probed=False)
@@ -151,13 +152,14 @@ def group_meta(groups: Any) -> dict[str, Any]:
 
 
 def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
-              direction: str, batch_size: int | None, checkpoint: str | Path | None,
-              progress: bool, meta: dict) -> Any:
+              opts: Any, meta: dict) -> Any:
     """The exact edge sweep of ``layout`` (``EdgeEngine``; checkpoint identity: the sweep's plus
     the layout), as an ``EdgeResult`` in the caller's prompt order."""
     from circuitkit.patching.exact import EdgeEngine
     from circuitkit.patching.results import EdgeResult
 
+    direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
+                                                   opts.checkpoint, opts.progress)
     sweep = make_edge_sweep(model, layout, direction, clean, metric)
     swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
                       make_engine=functools.partial(EdgeEngine, layout=layout),
@@ -169,8 +171,7 @@ def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
 
 
 def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
-              groups: Any, direction: str, batch_size: int | None,
-              checkpoint: str | Path | None, progress: bool, meta: dict) -> PatchResult:
+              groups: Any, opts: Any, meta: dict) -> PatchResult:
     """The exact path sweep of ``layout`` (``PathEngine``; ``groups``: checked position groups
     or None; checkpoint identity: the sweep's plus the layout) as a ``PatchResult`` over
     ``(sender, receiver(, group))`` in the caller's prompt order, with each sender's node effect
@@ -178,6 +179,8 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     from circuitkit.patching.exact.paths import PathEngine
     from circuitkit.patching.paths import coverage
 
+    direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
+                                                   opts.checkpoint, opts.progress)
     sweep = make_path_sweep(layout, direction, clean, metric, groups)
     swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
                       make_engine=functools.partial(PathEngine, layout=layout),

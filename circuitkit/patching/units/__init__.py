@@ -13,6 +13,7 @@ from __future__ import annotations
 from circuitkit._lazy import lazy_exports
 
 _EXPORTS = {
+    "PatchOptions": "circuitkit.patching.units.base:PatchOptions",
     "MethodOptions": "circuitkit.patching.units.base:MethodOptions",
     "as_options": "circuitkit.patching.units.base:as_options",
     "as_units": "circuitkit.patching.units.kinds:as_units",

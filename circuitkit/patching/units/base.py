@@ -1,11 +1,12 @@
-"""What every kind of unit shares: ``MethodOptions`` (the options every method shares, one frozen
-object; an option the chosen method does not use is said to do nothing, never dropped silently),
-``as_units``, ``as_options`` and the checks the kinds call."""
+"""What every kind of unit shares: ``PatchOptions`` (how ``ck.patch`` runs: the run settings and
+the method's options, one frozen object; an option the chosen method does not use is said to do
+nothing, never dropped silently), ``as_options`` and the checks the kinds call."""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -14,7 +15,9 @@ from circuitkit.metrics import PromptMetric
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.hybrid import check_max_passes
 from circuitkit.patching.inputs import (
+    DIRECTIONS,
     METHODS,
+    check_batch_size,
     check_top_k,
     choice,
 )
@@ -25,14 +28,35 @@ from circuitkit.patching.sweep import (
 _STACK = 5  # warnings point at the caller of patch_heads / patch_edges (through ck.patch)
 
 
-@dataclass(frozen=True)
-class MethodOptions:
-    """Options every method shares. ``estimator``: the attribution estimate (or the hybrid's
-    screen; ``attribution.ESTIMATORS`` for heads, ``EDGE_ESTIMATORS`` for edges); ``atp_star``:
-    AtP*'s Q/K fix (heads); ``ig_steps``: the eap-ig estimators' steps (edges); ``top_k`` /
-    ``max_passes``: the cells ``attribution+exact`` (or ``auto``) verifies; ``screening_recall``:
-    ``auto``'s extra screen on an exact run."""
+RUN_FIELDS = ("direction", "batch_size", "checkpoint", "progress", "backend", "remote",
+              "task_hash")  # how a run goes; the rest choose the method's estimate and budget
 
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """How ``ck.patch`` runs, one frozen object (``ck.patch`` takes it as ``options``; a dict of
+    its fields is taken too).
+
+    Run settings: ``direction`` ("denoise": each cell's clean activation into the corrupt run;
+    "noise": its corrupt activation into the clean run); ``batch_size`` (sequences per forward;
+    None: from free memory, halved on out-of-memory); ``checkpoint`` (a folder: finished chunks
+    stored durably, a rerun resumes); ``progress``; ``backend`` ("transformer_lens" or
+    "nnsight") and ``remote`` (nnsight on NDIF); ``task_hash`` (recorded in the result).
+
+    The method's options: ``estimator`` (the attribution estimate or the hybrid's screen;
+    ``attribution.ESTIMATORS`` for heads, ``EDGE_ESTIMATORS`` for edges); ``atp_star`` (AtP*'s
+    Q/K fix, heads); ``ig_steps`` (the eap-ig estimators' steps, edges); ``top_k`` /
+    ``max_passes`` (the cells ``attribution+exact`` or ``auto`` verifies);
+    ``screening_recall`` (``auto``'s extra screen of an exact run). One the chosen method does
+    not use is said to do nothing (a warning), never dropped silently."""
+
+    direction: str = "denoise"
+    batch_size: int | None = None
+    checkpoint: str | Path | None = None
+    progress: bool = True
+    backend: str = "transformer_lens"
+    remote: bool = False
+    task_hash: str | None = None
     estimator: str | None = None
     top_k: int | None = None
     max_passes: float | None = None
@@ -40,25 +64,45 @@ class MethodOptions:
     ig_steps: int | None = None
     screening_recall: bool = False
 
+    def __post_init__(self) -> None:
+        choice("direction", self.direction, DIRECTIONS)
+        check_batch_size(self.batch_size)
+        for name in ("progress", "remote", "atp_star", "screening_recall"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False.")
+
     def given(self) -> list[str]:
-        """The options set away from their defaults, in declaration order."""
-        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+        """The method's options set away from their defaults, in declaration order."""
+        return [f.name for f in fields(self) if f.name not in RUN_FIELDS
+                and getattr(self, f.name) != f.default]
 
 
-def as_options(options: Any) -> MethodOptions:
-    """``options``: None, a ``MethodOptions`` or a dict of its fields (one line otherwise)."""
+MethodOptions = PatchOptions  # its name before the run settings joined it (same object)
+
+
+def as_options(options: Any, **explicit: Any) -> PatchOptions:
+    """``options``: None, a ``PatchOptions`` or a dict of its fields (one line otherwise),
+    with ``explicit`` keywords of a thin wrapper (``patch_heads(direction=...)``) folded in:
+    a wrapper's keyword and the same field of ``options`` set to two values is one line."""
+    names = [f.name for f in fields(PatchOptions)]
     if options is None:
-        return MethodOptions()
-    if isinstance(options, MethodOptions):
-        return options
-    names = [f.name for f in fields(MethodOptions)]
-    if isinstance(options, dict) and set(options) <= set(names):
-        return MethodOptions(**options)
-    raise ValueError(f"options={options!r}: expected ck.MethodOptions(...) or a dict of "
-                     f"{names}.")
+        options = PatchOptions()
+    elif isinstance(options, dict) and set(options) <= set(names):
+        options = PatchOptions(**options)
+    elif not isinstance(options, PatchOptions):
+        bad = sorted(set(options) - set(names)) if isinstance(options, dict) else None
+        raise ValueError(f"options={options!r}: expected ck.PatchOptions(...) or a dict of "
+                         f"{names}" + (f" (unknown: {bad})." if bad else "."))
+    defaults = PatchOptions()
+    for name, value in explicit.items():
+        mine = getattr(options, name)
+        if value != getattr(defaults, name) and mine != getattr(defaults, name) and mine != value:
+            raise ValueError(f"{name}={value!r} and options.{name}={mine!r}: give it once.")
+    moved = {k: v for k, v in explicit.items() if v != getattr(defaults, k)}
+    return replace(options, **moved) if moved else options
 
 
-def _stray(method: str, opts: MethodOptions, allowed: dict[str, set[str]]) -> None:
+def _stray(method: str, opts: PatchOptions, allowed: dict[str, set[str]]) -> None:
     """Warn for options ``method`` does not use (a notebook loop may pass one set to all)."""
     stray = [g for g in opts.given() if g not in allowed.get(method, set())
              and g != "screening_recall"]  # a flag of auto's exact run, harmless elsewhere
@@ -77,14 +121,13 @@ def unused_checkpoint(checkpoint: Any, what: str) -> None:
                       "are).", stacklevel=_STACK)
 
 
-def _hybrid_options(method: str, opts: MethodOptions) -> None:
+def _hybrid_options(method: str, opts: PatchOptions) -> None:
     check_top_k(opts.top_k)  # every entry, whatever the method (top_k=0 verified nothing)
     if method in ("attribution+exact", "auto"):
         check_max_passes(opts.max_passes, opts.top_k)
 
 
-def _exact_only(method: str, opts: MethodOptions, backend: str, remote: bool, what: str,
-                refusal: str) -> str:
+def _exact_only(method: str, opts: PatchOptions, what: str, refusal: str) -> str:
     """The method of units patched exactly only ("auto" is "exact"): another one is
     ``refusal``, another backend a line naming ``what`` sweeps."""
     method = "exact" if method == "auto" else method  # the one choice
@@ -92,8 +135,8 @@ def _exact_only(method: str, opts: MethodOptions, backend: str, remote: bool, wh
     if method != "exact":
         raise ValueError(refusal)
     _stray(method, opts, {})
-    if backend != "transformer_lens" or remote:
-        raise ValueError(f"backend={backend!r}: {what} sweeps run on the TransformerLens "
+    if opts.backend != "transformer_lens" or opts.remote:
+        raise ValueError(f"backend={opts.backend!r}: {what} sweeps run on the TransformerLens "
                          "backend only.")
     return method
 
@@ -108,11 +151,9 @@ class _Units:
     def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
         return dict(task_hash=task_hash)
 
-    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
-              meta) -> Any:
-        sweep = self.sweep(model, direction, clean, pm)
-        return exact.run(model, clean, corrupt, pm, sweep, batch_size, checkpoint, progress,
-                         meta)[0]
+    def exact(self, model, clean, corrupt, pm, opts: PatchOptions, meta) -> Any:
+        sweep = self.sweep(model, opts.direction, clean, pm)
+        return exact.run(model, clean, corrupt, pm, sweep, opts, meta)[0]
 
 
 def _read_share(metric: PromptMetric, clean: Tensor) -> float:

@@ -53,7 +53,8 @@ class EdgeUnits(_Units):
     estimators: ClassVar[tuple[str, ...]] = attribution.EDGE_ESTIMATORS
     axes: ClassVar[tuple[str, ...]] = ("sender", "receiver", "input")
 
-    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
+    def check_method(self, method, opts) -> str:
+        checkpoint, backend, remote = opts.checkpoint, opts.backend, opts.remote
         choice("method", method, EDGE_METHODS)
         _hybrid_options(method, opts)
         default = attribution.EDGE_SCREENING_ESTIMATOR if method == "attribution+exact" else \
@@ -100,19 +101,18 @@ class EdgeUnits(_Units):
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_edge_sweep(model, self.layout, direction, clean, metric)
 
-    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
-              meta) -> Any:
-        return exact.run_edges(model, clean, corrupt, pm, self.layout, direction, batch_size,
-                               checkpoint, progress, meta)
+    def exact(self, model, clean, corrupt, pm, opts, meta) -> Any:
+        return exact.run_edges(model, clean, corrupt, pm, self.layout, opts, meta)
 
-    def estimate(self, model, clean, corrupt, pm, direction, opts, batch_size, progress) -> Any:
+
+    def estimate(self, model, clean, corrupt, pm, opts) -> Any:
+        direction, batch_size, progress = opts.direction, opts.batch_size, opts.progress
         return attribution.attribution_patch_edges(
             model, clean, corrupt, pm, self.layout, direction=direction,
             estimator=opts.estimator, ig_steps=opts.ig_steps, batch_size=batch_size,
             progress=progress)
 
-    def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
-                   checkpoint=None) -> Screenable:
+    def screenable(self, model, clean, corrupt, pm, opts) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these edges (checked): flat cells are
         the edges in ``values``'s row-major order (sender, receiver, input), each verified as
         variant ``v`` of its receiver layer (``EdgeLayout.cells``); ``d = (L + 1 - l) / (L +
@@ -120,6 +120,7 @@ class EdgeUnits(_Units):
         estimator = opts.estimator or attribution.EDGE_SCREENING_ESTIMATOR
         layout, (n, seq) = self.layout, clean.shape
         L = layout.n_layers
+        direction, batch_size = opts.direction, opts.batch_size
         sweep = self.sweep(model, direction, clean, pm)
         where: dict[tuple[int, int, int], tuple[int, int]] = {}  # (s, r, i) -> (layer, v)
         r_index = layout.receiver_index()
@@ -137,16 +138,14 @@ class EdgeUnits(_Units):
             return engines[0].run_variants(la, [variant[j] for j in cells], p0, p1)
 
         def screen() -> EdgeResult:
-            est = self.estimate(model, clean, corrupt, pm, direction,
-                                replace(opts, estimator=estimator), batch_size, progress)
+            est = self.estimate(model, clean, corrupt, pm, replace(opts, estimator=estimator))
             return replace(est, clean=float(est.clean), corrupt=float(est.corrupt))  # savable
 
         return Screenable(
             kind="edges", index=index, layer=layer, screen=screen, run=run,
             downstream=(L + 1 - layer).float() / (L + 1), metric=pm, n_prompts=n,
             per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
-            exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
-                                     checkpoint, progress, {}),
+            exact=lambda: self.exact(model, clean, corrupt, pm, opts, {}),
             screen_passes=n * attribution.edge_estimator_passes(
                 model, layout, estimator, attribution.EDGE_IG_STEPS if opts.ig_steps is None
                 else opts.ig_steps, seq),

@@ -30,7 +30,7 @@ from circuitkit.patching.sweep import (
     make_sweep,
 )
 from circuitkit.patching.units.base import (
-    MethodOptions,
+    PatchOptions,
     _hybrid_options,
     _read_share,
     _stray,
@@ -69,9 +69,9 @@ class HeadUnits(_Units):
         return ("layer", "head") + (("pos",) if self.positions == "each" else ("group",)
                                     if self.grouped else ())
 
-    def check_method(self, method: str, opts: MethodOptions, checkpoint: Any, backend: str,
-                     remote: bool) -> str:
+    def check_method(self, method: str, opts: PatchOptions) -> str:
         """The method and options checked for heads (one line each); returns the method."""
+        checkpoint, backend, remote = opts.checkpoint, opts.backend, opts.remote
         _hybrid_options(method, opts)
         if opts.estimator is not None:
             choice("estimator", opts.estimator, attribution.ESTIMATORS)
@@ -116,8 +116,9 @@ class HeadUnits(_Units):
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_sweep(model, "heads", self.site, direction, self.positions, clean, metric)
 
-    def estimate(self, model, clean, corrupt, pm, direction, opts, batch_size, progress) -> Any:
+    def estimate(self, model, clean, corrupt, pm, opts: PatchOptions) -> Any:
         """Attribution; position groups: the per-position estimate summed over each group."""
+        direction, batch_size, progress = opts.direction, opts.batch_size, opts.progress
         extra = {} if opts.ig_steps is None else dict(ig_steps=opts.ig_steps)
         if self.grouped:
             each = attribution.estimate_heads(
@@ -132,8 +133,7 @@ class HeadUnits(_Units):
             atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
             explicit=opts.estimator is not None, **extra)
 
-    def screenable(self, model, clean, corrupt, pm, direction, opts, batch_size, progress,
-                   checkpoint=None) -> Screenable:
+    def screenable(self, model, clean, corrupt, pm, opts: PatchOptions) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these heads (checked): flat cell ``j``
         is ``values``'s row-major cell, layer ``j // per_layer``; ``d = (L - l) / L``; the
         exact sweep instead: ``exact`` (checkpointed in the same folder). The screen:
@@ -141,6 +141,8 @@ class HeadUnits(_Units):
         estimator = opts.estimator or ("qk" if opts.atp_star and self.site in
                                        attribution.ATP_STAR_SITES else
                                        attribution.screening_estimator(model, self.site, clean))
+        direction, batch_size, progress = (opts.direction, opts.batch_size,
+                                                       opts.progress)
         sweep = self.sweep(model, direction, clean, pm)
         (n, seq), f = clean.shape, hooks.facts(model)
         L, per_layer, n_units = f.n_layers, sweep.n_variants, f.n_heads_at(self.site)
@@ -158,8 +160,7 @@ class HeadUnits(_Units):
         return Screenable(
             kind="heads", index=index, layer=layer, downstream=(L - layer) / L, run=run,
             per_round=per_layer, metric=pm, n_prompts=n,
-            exact=lambda: self.exact(model, clean, corrupt, pm, direction, batch_size,
-                                     checkpoint, progress, {}),
+            exact=lambda: self.exact(model, clean, corrupt, pm, opts, {}),
             screen=lambda: attribution.estimate_heads(
                 model, clean, corrupt, pm, estimator, direction=direction, site=self.site,
                 positions=self.positions, atp_star=star, batch_size=batch_size,

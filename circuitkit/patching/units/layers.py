@@ -33,8 +33,8 @@ class LayerUnits(_Units):
     def __post_init__(self) -> None:
         choice("site", self.site, hooks.PATCH_LAYER_SITES)
 
-    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
-        return _exact_only(method, opts, backend, remote, "layer", (
+    def check_method(self, method, opts) -> str:
+        return _exact_only(method, opts, "layer", (
             f"patch_layers is exact only; got method={method!r}. Use patch_heads for "
             "attribution (heads, not layers)."))
 

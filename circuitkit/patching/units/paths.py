@@ -47,8 +47,8 @@ class PathUnits(_Units):
     def axes(self) -> tuple[str, ...]:
         return ("sender", "receiver") + (() if self.positions is None else ("group",))
 
-    def check_method(self, method, opts, checkpoint, backend, remote) -> str:
-        return _exact_only(method, opts, backend, remote, "path", (
+    def check_method(self, method, opts) -> str:
+        return _exact_only(method, opts, "path", (
             f"paths are patched exactly only; got method={method!r}. Screen the direct edges "
             "with patch_edges(method='attribution') instead."))
 
@@ -79,10 +79,9 @@ class PathUnits(_Units):
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_path_sweep(self.layout, direction, clean, metric, self.positions)
 
-    def exact(self, model, clean, corrupt, pm, direction, batch_size, checkpoint, progress,
-              meta) -> Any:
-        return exact.run_paths(model, clean, corrupt, pm, self.layout, self.positions, direction,
-                               batch_size, checkpoint, progress, meta)
+    def exact(self, model, clean, corrupt, pm, opts, meta) -> Any:
+        return exact.run_paths(model, clean, corrupt, pm, self.layout, self.positions, opts,
+                               meta)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
         """``plan.path_plan`` of these paths (config only)."""
