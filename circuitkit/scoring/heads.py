@@ -348,7 +348,14 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     _positional_null(rows2, acc, fr.L, fr.H)
     per_ex = {c: a.means() for c, a in acc.items()}
     shortlist = any(e.shortlist_pos for e in task.examples)
-    _warn_missing_parts(task, n2, shortlist, fr.source)
+    if n2 and not shortlist:
+        warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be scored on "
+             "re-reading a shortlist, so refine_score is margin_widening alone and loopback is "
+             "NaN (docs/scores.md).")
+    if n2 and shortlist and fr.source != "W_O":
+        warn("the model's attention exposes no W_O, so what a head writes per key is unknown: "
+             "ov_copy and the margin parts are NaN and refine_score is shortlist_share * "
+             "margin_widening (docs/scores.md).")
     df = _head_table(per_ex, shortlist, fr.L, fr.H)
     _add_ranks(df)
     _add_bootstrap(df, per_ex, int(k), int(n_boot), int(seed), shortlist)
@@ -428,6 +435,7 @@ def _reading_frame(model: Any, task: Task, anchor_directions: str, n1: int, n2: 
                                      task.label_anchor) for m in {mode, "tokens"}} if n1 else {}
     centroids = coarse.anchor_centroids(W_U, task.anchor_token_ids, mode, task.label_token_ids,
                                         task.label_anchor) if n1 else None
+    norm = refine.final_norm(model) if n2 else None
     post = {lay: refine.norm_params(model, n, f"block {lay}'s post-attention norm")
             for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
     need = max(max(e.anchor_pos + e.answer_pos + e.shortlist_pos, default=0)
@@ -448,7 +456,7 @@ def _reading_frame(model: Any, task: Task, anchor_directions: str, n1: int, n2: 
         kv_of=torch.arange(H, device=device) // max(1, H // f.n_kv_heads), W_U=W_U, mode=mode,
         U=U, centroids=centroids,
         ln_module=getattr(model.ln_final, "original_component", model.ln_final) if n2 else None,
-        norm=refine.final_norm(model) if n2 else None, post=post, seq=seq, names=names)
+        norm=norm, post=post, seq=seq, names=names)
 
 
 def _run_cached(model: Any, fr: _Frame, tokens: Int[Tensor, "b s"]) -> Any:
@@ -666,19 +674,6 @@ def _add_key_parts(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int
                      ("refine_if_uniform_siblings", refine.uniform_sum(share, gain_sib, ok)),
                      ("margin_from_siblings", from_sib)):
         acc[c].add(lay, ex, value, plan.w2 * p2.sib_ok)
-
-
-def _warn_missing_parts(task: Task, n2: int, shortlist: bool, source: str) -> None:
-    """Say which Phase-2 parts a task without a shortlist, or a model without ``W_O``, leaves
-    undefined (and what refine_score is then)."""
-    if n2 and not shortlist:
-        warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
-             "scored on re-reading a shortlist, so refine_score is margin_widening "
-             "alone and loopback is NaN (docs/scores.md).")
-    if n2 and shortlist and source != "W_O":
-        warn("the model's attention exposes no W_O, so what a head writes per key "
-             "is unknown: ov_copy and the margin parts are NaN and refine_score is "
-             "shortlist_share * margin_widening (docs/scores.md).")
 
 
 def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: int, H: int):
