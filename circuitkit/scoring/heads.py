@@ -68,6 +68,8 @@ KEY_PARTS = PHASE2_PARTS[3:] + PHASE2_EXTRA[2:]  # need each key's write: NaN wi
 # bootstrap); the positional null is computed after the pass (it needs every row's attention)
 PAPER_EXTRA = ("coarse_score_paper", "sharpness_evidence_normalised", "evidence_mass_own",
                "evidence_mass_own_null", "refine_score_paper")
+SHARPNESS_COLUMNS = ("sharpness", "sharpness_concentration", "sharpness_evidence_normalised")
+NULL_EXTRA = ("key_preference_positional_null", "key_preference_excess")
 
 
 @dataclass
@@ -325,10 +327,55 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     ``seed``. ``batch_size``: examples per forward (default: from a 256 MiB activation budget).
     ``df.attrs`` records the positions used, the write source and the stability summaries.
     """
-    import pandas as pd
+    from circuitkit._progress import tqdm
 
-    from circuitkit.patching import shortcuts
+    n1, n2 = _check_inputs(model, task, batch_size, k, n_boot)
+    fr = _reading_frame(model, task, anchor_directions, n1, n2)
+    bs = int(batch_size) if batch_size else auto_batch(model, fr.seq)
+    acc = {c: _PerExample(len(task), fr.L, fr.H) for c in PHASE1_PARTS + PHASE2_PARTS
+           + PHASE1_EXTRA + PHASE2_EXTRA + PAPER_EXTRA + NULL_EXTRA}
+    # per-row values the nulls need after the pass (issue 47): Phase-1 sharpness columns with
+    # each row's length and evidence count; Phase-2 attention at each shortlist entry
+    rows1: list[dict[str, Any]] = []
+    rows2: list[dict[str, Any]] = []
+    bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
+               dynamic_ncols=True, disable=not progress)
+    for s in range(0, len(task), bs):
+        sub = task.subset(range(s, min(s + bs, len(task))))
+        _score_batch(model, fr, task, sub, s, acc, rows1, rows2)
+        bar.update(len(sub))
+    bar.close()
+    _positional_null(rows2, acc, fr.L, fr.H)
+    per_ex = {c: a.means() for c, a in acc.items()}
+    shortlist = any(e.shortlist_pos for e in task.examples)
+    if n2 and not shortlist:
+        warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be scored on "
+             "re-reading a shortlist, so refine_score is margin_widening alone and loopback is "
+             "NaN (docs/scores.md).")
+    if n2 and shortlist and fr.source != "W_O":
+        warn("the model's attention exposes no W_O, so what a head writes per key is unknown: "
+             "ov_copy and the margin parts are NaN and refine_score is shortlist_share * "
+             "margin_widening (docs/scores.md).")
+    df = _head_table(per_ex, shortlist, fr.L, fr.H)
+    _add_ranks(df)
+    _add_bootstrap(df, per_ex, int(k), int(n_boot), int(seed), shortlist)
+    df = df[COLUMNS]
+    df.attrs.update(task=task.name, task_fingerprint=task.fingerprint(), n_examples=len(task),
+                    n_phase1_examples=int(per_ex["sharpness"][1].sum()),
+                    n_phase2_examples=int(per_ex["shortlist_share"][1].sum()),
+                    n_phase1_positions=n1, n_phase2_positions=n2, anchor_directions=fr.mode,
+                    write_source=fr.source, final_norm=fr.norm[0] if fr.norm else None,
+                    k=int(k), n_boot=int(n_boot), boot_seed=int(seed),
+                    model=str(getattr(model.cfg, "model_name", "")))
+    df.attrs.update(stability_summary(df, int(k)))
+    df.attrs["instrument_nulls"] = sharpness_nulls(rows1)
+    return df
 
+
+def _check_inputs(model: Any, task: Task, batch_size: int | None, k: int, n_boot: int
+                  ) -> tuple[int, int]:
+    """Refuse what ``score_heads`` cannot score (one line each); ``(n1, n2)``: the Phase-1 /
+    Phase-2 query positions of ``task`` (anchor / answer steps ``p >= 1``)."""
     check_task(task, "score_heads")
     if batch_size is not None and int(batch_size) < 1:
         raise ValueError(f"batch_size must be a positive integer or None; got {batch_size!r}.")
@@ -341,20 +388,53 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         raise ValueError(f"task {task.name!r} has no anchor_pos and no answer_pos >= 1: no "
                          "Phase-1 or Phase-2 query positions to score heads at.")
     f = hooks.facts(model)
+    if not 1 <= int(k) <= f.n_layers * f.n_heads:
+        raise ValueError(f"k must be in 1..{f.n_layers * f.n_heads} (heads of the model); got "
+                         f"{k!r}.")
+    return n1, n2
+
+
+@dataclass
+class _Frame:
+    """What every batch of ``score_heads`` is read in, fixed per model and task: ``L`` layers
+    of ``H`` heads; ``source`` (``write_source``) with ``W_O`` (per layer [H, d_head, D]; None
+    for "result") and ``kv_of`` [H] (the KV head each query head reads); ``W_U`` [D, V]; the
+    anchor reading ``mode`` (``anchor_mode``) with its directions ``U[mode]`` and
+    ``U["tokens"]`` [D, A] and ``centroids`` (Phase 1 only); the final norm ``norm`` (kind,
+    weight, eps) and its module ``ln_module`` (Phase 2 only); ``post`` (layer -> its
+    post-attention norm); ``seq`` (positions run: a causal model stops after the last one
+    read) and ``names`` (the hooks cached)."""
+
+    device: torch.device
+    L: int
+    H: int
+    source: str
+    W_O: list[Tensor] | None
+    kv_of: Int[Tensor, " H"]
+    W_U: Float[Tensor, "D V"]
+    mode: str
+    U: dict[str, Tensor]
+    centroids: Tensor | None
+    ln_module: Any
+    norm: tuple[str, Tensor, float] | None
+    post: dict[int, tuple[str, Tensor, float]]
+    seq: int
+    names: set[str]
+
+
+def _reading_frame(model: Any, task: Task, anchor_directions: str, n1: int, n2: int) -> _Frame:
+    """``score_heads``' ``_Frame`` of ``model`` on ``task`` (``n1``/``n2``: whether it has
+    Phase-1 / Phase-2 positions: the anchor directions / the final norm only then)."""
+    f = hooks.facts(model)
     L, H = f.n_layers, f.n_heads
-    if not 1 <= int(k) <= L * H:
-        raise ValueError(f"k must be in 1..{L * H} (heads of the model); got {k!r}.")
     device = next(model.parameters()).device
     source = write_source(model)
-    W_O = [b.attn.W_O.detach() for b in model.blocks] if source == "W_O" else None
-    kv_of = torch.arange(H, device=device) // max(1, H // f.n_kv_heads)
     W_U = model.W_U.detach()
     mode = anchor_mode(task, anchor_directions)
     U = {m: coarse.anchor_directions(W_U, task.anchor_token_ids, m, task.label_token_ids,
                                      task.label_anchor) for m in {mode, "tokens"}} if n1 else {}
     centroids = coarse.anchor_centroids(W_U, task.anchor_token_ids, mode, task.label_token_ids,
                                         task.label_anchor) if n1 else None
-    ln_module = getattr(model.ln_final, "original_component", model.ln_final) if n2 else None
     norm = refine.final_norm(model) if n2 else None
     post = {lay: refine.norm_params(model, n, f"block {lay}'s post-attention norm")
             for lay in range(L) if (n := hooks.post_norm(model, lay, "attn")) is not None}
@@ -363,7 +443,6 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     seq = task.clean_tokens.shape[1]
     if f.causal:  # later positions cannot matter (a bidirectional model reads them all)
         seq = min(need + 1, seq)
-    bs = int(batch_size) if batch_size else auto_batch(model, seq)
     names = {hooks.pattern(lay) for lay in range(L)}
     names |= {hooks.z(lay) if source == "W_O" else hooks.result(lay) for lay in range(L)}
     names |= {hooks.attn_module_out(lay) for lay in post}
@@ -371,165 +450,242 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
         names.add(hooks.FINAL_NORM_IN)
         if source == "W_O":
             names |= {hooks.v(lay) for lay in range(L)}
-    E = len(task)
-    acc = {c: _PerExample(E, L, H) for c in PHASE1_PARTS + PHASE2_PARTS + PHASE1_EXTRA
-           + PHASE2_EXTRA + PAPER_EXTRA + NULL_EXTRA}
-    # per-row values the nulls need after the pass (issue 47): Phase-1 sharpness columns with
-    # each row's length and evidence count; Phase-2 attention at each shortlist entry
-    rows1: list[dict[str, Tensor]] = []
-    rows2: list[dict[str, Tensor]] = []
-    from circuitkit._progress import tqdm
+    return _Frame(
+        device=device, L=L, H=H, source=source,
+        W_O=[b.attn.W_O.detach() for b in model.blocks] if source == "W_O" else None,
+        kv_of=torch.arange(H, device=device) // max(1, H // f.n_kv_heads), W_U=W_U, mode=mode,
+        U=U, centroids=centroids,
+        ln_module=getattr(model.ln_final, "original_component", model.ln_final) if n2 else None,
+        norm=norm, post=post, seq=seq, names=names)
 
-    bar = tqdm(total=len(task), desc="score heads", unit="example", file=sys.stderr,
-               dynamic_ncols=True, disable=not progress)
-    checked_norm = False
-    for s in range(0, len(task), bs):
-        sub = task.subset(range(s, min(s + bs, len(task))))
-        tokens = sub.clean_tokens[:, :seq].to(device)
-        plan = plan_queries(task, sub.examples, tokens.shape[1])
-        first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=device)
-        result_ctx = shortcuts.attn_result(model, source != "W_O")  # read by hook_result only
-        # the unembedding at one position only: its output is not used
-        with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), \
-                result_ctx:
-            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-        if n2 and not checked_norm:
-            _check_norm(model, cache[hooks.FINAL_NORM_IN][plan.b2[:4].to(device),
-                                                           plan.q2[:4].to(device)], norm)
-            checked_norm = True
-        ex1, ex2 = plan.b1 + s, plan.b2 + s  # rows' examples in the whole task
-        if plan.b2.numel():
-            b2, q2 = plan.b2.to(device), plan.q2.to(device)
-            x2 = cache[hooks.FINAL_NORM_IN][b2, q2]
-            margin_dir = margin_directions(W_U, plan.target_tok, plan.near_tok)
-            vocab_mean = W_U.float().mean(1)[None, :]
-            key_ok = (plan.key_pos >= 0).to(device)
-            key_pos = plan.key_pos.clamp(min=0).to(device)
-            label_dir = label_directions(W_U, plan.key_tok)  # own label vs the vocab mean
-            target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
-            # rows with a target and a near-miss entry (the others have no key_preference)
-            pref_ok = (plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0)
-            # issue 34: the target's own siblings; near-misses not just before a target
-            sib_ok = (plan.sibling_tok >= 0).any(-1)  # [N2] rows with a sibling near-miss
-            sib_dir = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
-            # target, near-miss and sibling entries among each row's keys [N2, K]
-            key_t, key_m, key_sib = ((at.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device)
-                                     & key_ok for at in (plan.target_keys, plan.near_keys,
-                                                         plan.sibling_keys))
-            # the margin, the target (vs the vocab mean) and the sibling margin, per key
-            kk = key_pos.shape[1]
-            per_key = [d[:, None, :].expand(-1, kk, -1).to(device)
-                       for d in (margin_dir, target_dir, sib_dir)]
-            adj_ok = (plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0)
-            grad = refine.margin_gradient(ln_module, x2, margin_dir.to(device))  # [N2, D]
-            rows2.append(dict(ex=ex2, w=plan.w2 * pref_ok, n=key_ok.sum(-1).cpu(),
-                              t=key_t.cpu(), m=key_m.cpu(), at=[]))
+
+def _run_cached(model: Any, fr: _Frame, tokens: Int[Tensor, "b s"]) -> Any:
+    """One ``run_with_cache`` of ``tokens`` keeping ``fr.names`` (``hook_result`` switched on
+    only where the writes are read from it)."""
+    from circuitkit.patching import shortcuts
+
+    first = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=fr.device)
+    result_ctx = shortcuts.attn_result(model, fr.source != "W_O")  # read by hook_result only
+    # the unembedding at one position only: its output is not used
+    with model.hooks(fwd_hooks=[(hooks.UNEMBED_IN, shortcuts.gather_rows(first))]), result_ctx:
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in fr.names)
+    return cache
+
+
+def _score_batch(model: Any, fr: _Frame, task: Task, sub: Task, start: int,
+                 acc: dict[str, _PerExample], rows1: list[dict[str, Any]],
+                 rows2: list[dict[str, Any]]) -> None:
+    """Add the examples ``sub`` (``task``'s from ``start`` on) to ``acc``, layer by layer, and
+    their per-row values to ``rows1`` / ``rows2`` (``score_heads``)."""
+    tokens = sub.clean_tokens[:, :fr.seq].to(fr.device)
+    plan = plan_queries(task, sub.examples, tokens.shape[1])
+    cache = _run_cached(model, fr, tokens)
+    if start == 0 and fr.norm is not None:  # once, on the first batch's first rows
+        _check_norm(model, cache[hooks.FINAL_NORM_IN][plan.b2[:4].to(fr.device),
+                                                       plan.q2[:4].to(fr.device)], fr.norm)
+    ex1, ex2 = plan.b1 + start, plan.b2 + start  # rows' examples in the whole task
+    p2 = _phase2_batch(fr, plan, cache) if plan.b2.numel() else None
+    if p2 is not None:
+        rows2.append(dict(ex=ex2, w=plan.w2 * p2.pref_ok, n=p2.key_ok.sum(-1).cpu(),
+                          t=p2.key_t.cpu(), m=p2.key_m.cpu(), at=[]))
+    if plan.b1.numel():
+        rows1.append(dict(ex=ex1, w=plan.w1, length=plan.q1 + 1,
+                          n_ev=plan.evidence_keys.sum(-1), **{c: [] for c in SHARPNESS_COLUMNS}))
+    for lay in range(fr.L):
+        pat = cache[hooks.pattern(lay)]
+        if pat.shape[1] != fr.H:
+            raise ValueError(f"hook_pattern of layer {lay} has {pat.shape[1]} heads; the cfg "
+                             f"says n_heads={fr.H}.")
         if plan.b1.numel():
-            n_ev = plan.evidence_keys.sum(-1)
-            rows1.append(dict(ex=ex1, w=plan.w1, length=plan.q1 + 1, n_ev=n_ev,
-                              **{c: [] for c in SHARPNESS_COLUMNS}))
-        for lay in range(L):
-            pat = cache[hooks.pattern(lay)]
-            if pat.shape[1] != H:
-                raise ValueError(f"hook_pattern of layer {lay} has {pat.shape[1]} heads; the cfg "
-                                 f"says n_heads={H}.")
-            if plan.b1.numel():
-                bd, qd = plan.b1.to(device), plan.q1.to(device)
-                rows = pat[bd, :, qd, :].float()  # [N, H, S]
-                writes = _head_writes(cache, lay, bd, qd, W_O, post)  # [N, H, D]
-                valid = torch.arange(rows.shape[-1], device=device)[None, :] <= qd[:, None]
-                kurt = coarse.excess_kurtosis(rows, valid)
-                conc = coarse.concentration(rows, valid)
-                normed = coarse.evidence_normalised(rows, valid, n_ev)
-                acc["sharpness"].add(lay, ex1, kurt, plan.w1)
-                acc["sharpness_concentration"].add(lay, ex1, conc, plan.w1)
-                acc["sharpness_evidence_normalised"].add(lay, ex1, normed.nan_to_num(),
-                                                         plan.w1 * (n_ev > 0))
-                for c, v in zip(SHARPNESS_COLUMNS, (kurt, conc, normed), strict=True):
-                    rows1[-1][c].append(v.float().cpu())
-                own, own_null = coarse.group_mass(rows, plan.own_keys.to(device),
-                                                  plan.evidence_keys.to(device))
-                acc["evidence_mass_own"].add(lay, ex1, own, plan.w1 * plan.own_ok)
-                acc["evidence_mass_own_null"].add(lay, ex1, own_null, plan.w1 * plan.own_ok)
-                acc["coarse_score_paper"].add(lay, ex1, coarse.paper_coarse(
-                    kurt, writes, centroids, plan.anchor1), plan.w1)
-                acc["evidence_mass"].add(lay, ex1, coarse.salient_mass(
-                    rows, plan.evidence_keys.to(device)), plan.w1)
-                acc["anchor_alignment"].add(lay, ex1, coarse.anchor_alignment(
-                    writes, U[mode], plan.anchor1), plan.w1)
-                acc["anchor_alignment_tokens"].add(lay, ex1, coarse.anchor_alignment(
-                    writes, U["tokens"], plan.anchor1), plan.w1)
-            if plan.b2.numel():
-                rows = pat[b2, :, q2, :].float()  # [N, H, S]
-                writes = _head_writes(cache, lay, b2, q2, W_O, post)
-                scaled = refine.final_norm_linear(writes, x2, *norm)
-                acc["margin_widening"].add(lay, ex2, refine.margin_widening(scaled, margin_dir),
-                                           plan.w2)
-                share = refine.shortlist_share(rows, plan.shortlist_keys.to(device))
-                acc["shortlist_share"].add(lay, ex2, share, plan.w2)
-                pref, _ = refine.key_preference(rows, plan.target_keys.to(device),
-                                                plan.near_keys.to(device))
-                acc["key_preference"].add(lay, ex2, pref, plan.w2 * pref_ok)
-                pref_na, _ = refine.key_preference(rows, plan.target_keys.to(device),
-                                                   plan.nonadjacent_keys.to(device))
-                acc["key_preference_nonadjacent"].add(lay, ex2, pref_na, plan.w2 * adj_ok)
-                acc["margin_widening_siblings"].add(lay, ex2, refine.margin_widening(
-                    scaled, sib_dir), plan.w2 * sib_ok)
-                near_mass = refine.shortlist_share(rows, plan.near_keys.to(device))
-                acc["refine_score_paper"].add(lay, ex2, refine.paper_refine(
-                    share, near_mass, writes, grad), plan.w2)
-                rows2[-1]["at"].append((rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))
-                                        * key_ok[:, None, :]).cpu())
-                if W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
-                    nan = torch.full((len(b2), H), float("nan"))
-                    for c in KEY_PARTS:
-                        acc[c].add(lay, ex2, nan, plan.w2)
-                    continue
-                at_keys = rows.gather(2, key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
-                key_writes = _key_writes(cache, lay, b2, q2, key_pos, kv_of, W_O[lay], post)
-                n = key_pos.shape[0]
-                key_scaled = refine.final_norm_linear(
-                    key_writes.reshape(n, kk * H, -1), x2, *norm).reshape(n, kk, H, -1)
-                own = refine.key_effects(key_scaled, label_dir.to(device))  # [N, K, H]
-                gain, up, gain_sib = (refine.key_effects(key_scaled, d) for d in per_key)
-                up_sum = refine.attended_sum(at_keys, up, key_ok)[0]
-                acc["refine_target_up"].add(lay, ex2, up_sum, plan.w2)
-                for c, keys in (("", key_ok), ("_targets", key_t), ("_near_misses", key_m),
-                                ("_siblings", key_sib)):
-                    e_sum, mass = refine.attended_sum(at_keys, own, keys)
-                    acc["ov_copy" + c].add(lay, ex2, e_sum / mass.clamp(min=1e-30),
-                                           plan.w2 * keys.any(-1).cpu())
-                for c, keys in (("refine_score", key_ok), ("margin_from_targets", key_t),
-                                ("margin_from_near_misses", key_m)):
-                    acc[c].add(lay, ex2, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
-                acc["refine_if_uniform"].add(lay, ex2, refine.uniform_sum(share, gain, key_ok),
-                                             plan.w2)
-                rs_sib, from_t, from_sib = (refine.attended_sum(at_keys, gain_sib, keys)[0]
-                                            for keys in (key_ok, key_t, key_sib))
-                for c, value in (("refine_score_siblings", rs_sib),
-                                 ("refine_near_down_siblings", rs_sib - up_sum),
-                                 ("margin_from_targets_siblings", from_t),
-                                 ("refine_if_uniform_siblings",
-                                  refine.uniform_sum(share, gain_sib, key_ok)),
-                                 ("margin_from_siblings", from_sib)):
-                    acc[c].add(lay, ex2, value, plan.w2 * sib_ok)
-        del cache
-        bar.update(len(sub))
-    bar.close()
-    _positional_null(rows2, acc, L, H)
-    per_ex = {c: a.means() for c, a in acc.items()}
+            _add_phase1(acc, fr, cache, lay, plan, ex1, rows1[-1])
+        if p2 is not None:
+            _add_phase2(acc, fr, cache, lay, plan, p2, ex2, rows2[-1])
+    del cache
+
+
+def _add_phase1(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int,
+                plan: QueryPlan, ex: Tensor, row: dict[str, Any]) -> None:
+    """Layer ``lay``'s Phase-1 components at the anchor rows (``coarse``; docs/scores.md), from
+    each head's attention row ``A`` [N1, H, S] (keys ``<= q``) and write ``w`` [N1, H, D]:
+    sharpness = excess kurtosis of ``A`` (with its concentration and evidence-normalised
+    forms, kept per row in ``row`` for ``sharpness_nulls``), anchor_alignment of ``w`` in the
+    anchor reading and in the tokens', the evidence mass (all / the step's own group against
+    its null) and the paper's CoarseScore."""
+    bd, qd = plan.b1.to(fr.device), plan.q1.to(fr.device)
+    rows = cache[hooks.pattern(lay)][bd, :, qd, :].float()  # [N, H, S]
+    writes = _head_writes(cache, lay, bd, qd, fr.W_O, fr.post)  # [N, H, D]
+    valid = torch.arange(rows.shape[-1], device=fr.device)[None, :] <= qd[:, None]
+    n_ev = row["n_ev"]
+    kurt = coarse.excess_kurtosis(rows, valid)
+    conc = coarse.concentration(rows, valid)
+    normed = coarse.evidence_normalised(rows, valid, n_ev)
+    acc["sharpness"].add(lay, ex, kurt, plan.w1)
+    acc["sharpness_concentration"].add(lay, ex, conc, plan.w1)
+    acc["sharpness_evidence_normalised"].add(lay, ex, normed.nan_to_num(), plan.w1 * (n_ev > 0))
+    for c, v in zip(SHARPNESS_COLUMNS, (kurt, conc, normed), strict=True):
+        row[c].append(v.float().cpu())
+    own, own_null = coarse.group_mass(rows, plan.own_keys.to(fr.device),
+                                      plan.evidence_keys.to(fr.device))
+    acc["evidence_mass_own"].add(lay, ex, own, plan.w1 * plan.own_ok)
+    acc["evidence_mass_own_null"].add(lay, ex, own_null, plan.w1 * plan.own_ok)
+    acc["coarse_score_paper"].add(lay, ex, coarse.paper_coarse(
+        kurt, writes, fr.centroids, plan.anchor1), plan.w1)
+    acc["evidence_mass"].add(lay, ex, coarse.salient_mass(
+        rows, plan.evidence_keys.to(fr.device)), plan.w1)
+    acc["anchor_alignment"].add(lay, ex, coarse.anchor_alignment(
+        writes, fr.U[fr.mode], plan.anchor1), plan.w1)
+    acc["anchor_alignment_tokens"].add(lay, ex, coarse.anchor_alignment(
+        writes, fr.U["tokens"], plan.anchor1), plan.w1)
+
+
+@dataclass
+class _Phase2Batch:
+    """One batch's Phase-2 reading frame (``N`` answer rows, ``K`` shortlist keys, ``D``
+    d_model): rows ``b``, ``q`` and the final norm's input there ``x`` [N, D]; the directions
+    ``margin_dir`` (target minus near-miss mean, ``margin_directions``), ``sib_dir`` (the same
+    against the target's own siblings) [N, D], ``label_dir`` [N, K, D] (each key's own label
+    against the vocabulary mean) and ``per_key`` (margin, target against the vocabulary mean,
+    sibling margin, each [N, K, D]); ``grad`` [N, D] (the margin's gradient through the final
+    norm, ``refine.margin_gradient``); the keys ``key_pos`` [N, K] (clamped) with ``key_ok``,
+    ``key_t`` / ``key_m`` / ``key_sib`` [N, K] (real / target / near-miss / sibling entries);
+    the rows that have a key_preference (``pref_ok``: a target and a near-miss entry),
+    a non-adjacent one (``adj_ok``) and a sibling near-miss (``sib_ok``) [N]."""
+
+    b: Int[Tensor, " N"]
+    q: Int[Tensor, " N"]
+    x: Float[Tensor, "N D"]
+    margin_dir: Float[Tensor, "N D"]
+    sib_dir: Float[Tensor, "N D"]
+    label_dir: Float[Tensor, "N K D"]
+    per_key: list[Tensor]
+    grad: Float[Tensor, "N D"]
+    key_pos: Int[Tensor, "N K"]
+    key_ok: Bool[Tensor, "N K"]
+    key_t: Bool[Tensor, "N K"]
+    key_m: Bool[Tensor, "N K"]
+    key_sib: Bool[Tensor, "N K"]
+    pref_ok: Bool[Tensor, " N"]
+    adj_ok: Bool[Tensor, " N"]
+    sib_ok: Bool[Tensor, " N"]
+
+
+def _phase2_batch(fr: _Frame, plan: QueryPlan, cache: Any) -> _Phase2Batch:
+    """The ``_Phase2Batch`` of ``plan``'s answer rows."""
+    device, W_U = fr.device, fr.W_U
+    b2, q2 = plan.b2.to(device), plan.q2.to(device)
+    x2 = cache[hooks.FINAL_NORM_IN][b2, q2]
+    margin_dir = margin_directions(W_U, plan.target_tok, plan.near_tok)
+    vocab_mean = W_U.float().mean(1)[None, :]
+    key_ok = (plan.key_pos >= 0).to(device)
+    key_pos = plan.key_pos.clamp(min=0).to(device)
+    target_dir = W_U.float()[:, plan.target_tok.to(W_U.device)].T - vocab_mean
+    # issue 34: the target's own siblings; near-misses not just before a target
+    sib_dir = margin_directions(W_U, plan.target_tok, plan.sibling_tok)
+    # target, near-miss and sibling entries among each row's keys [N2, K]
+    key_t, key_m, key_sib = ((at.gather(1, plan.key_pos.clamp(min=0)) > 0).to(device)
+                             & key_ok for at in (plan.target_keys, plan.near_keys,
+                                                 plan.sibling_keys))
+    # the margin, the target (vs the vocab mean) and the sibling margin, per key
+    kk = key_pos.shape[1]
+    per_key = [d[:, None, :].expand(-1, kk, -1).to(device)
+               for d in (margin_dir, target_dir, sib_dir)]
+    return _Phase2Batch(
+        b=b2, q=q2, x=x2, margin_dir=margin_dir, sib_dir=sib_dir,
+        label_dir=label_directions(W_U, plan.key_tok),  # own label vs the vocab mean
+        per_key=per_key, grad=refine.margin_gradient(fr.ln_module, x2, margin_dir.to(device)),
+        key_pos=key_pos, key_ok=key_ok, key_t=key_t, key_m=key_m, key_sib=key_sib,
+        # rows with a target and a near-miss entry (the others have no key_preference)
+        pref_ok=(plan.target_keys.sum(-1) > 0) & (plan.near_keys.sum(-1) > 0),
+        adj_ok=(plan.target_keys.sum(-1) > 0) & (plan.nonadjacent_keys.sum(-1) > 0),
+        sib_ok=(plan.sibling_tok >= 0).any(-1))  # [N2] rows with a sibling near-miss
+
+
+def _add_phase2(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int,
+                plan: QueryPlan, p2: _Phase2Batch, ex: Tensor, row: dict[str, Any]) -> None:
+    """Layer ``lay``'s Phase-2 components at the answer rows (``refine``; docs/scores.md), from
+    each head's attention row ``A`` [N2, H, S] and write ``w`` [N2, H, D] through the final
+    norm as the run scaled it (``n(w)``): margin_widening ``n(w) . margin_dir`` (and against
+    the siblings), shortlist_share ``sum_{s in shortlist} A[s]``, key_preference (targets
+    against near-misses, and against the non-adjacent ones), the paper's RefineScore; the
+    attention at each key kept in ``row`` (``_positional_null``); then the per-key parts
+    (``_add_key_parts``; NaN without ``W_O``)."""
+    H = fr.H
+    rows = cache[hooks.pattern(lay)][p2.b, :, p2.q, :].float()  # [N, H, S]
+    writes = _head_writes(cache, lay, p2.b, p2.q, fr.W_O, fr.post)
+    scaled = refine.final_norm_linear(writes, p2.x, *fr.norm)
+    acc["margin_widening"].add(lay, ex, refine.margin_widening(scaled, p2.margin_dir), plan.w2)
+    share = refine.shortlist_share(rows, plan.shortlist_keys.to(fr.device))
+    acc["shortlist_share"].add(lay, ex, share, plan.w2)
+    pref, _ = refine.key_preference(rows, plan.target_keys.to(fr.device),
+                                    plan.near_keys.to(fr.device))
+    acc["key_preference"].add(lay, ex, pref, plan.w2 * p2.pref_ok)
+    pref_na, _ = refine.key_preference(rows, plan.target_keys.to(fr.device),
+                                       plan.nonadjacent_keys.to(fr.device))
+    acc["key_preference_nonadjacent"].add(lay, ex, pref_na, plan.w2 * p2.adj_ok)
+    acc["margin_widening_siblings"].add(lay, ex, refine.margin_widening(
+        scaled, p2.sib_dir), plan.w2 * p2.sib_ok)
+    near_mass = refine.shortlist_share(rows, plan.near_keys.to(fr.device))
+    acc["refine_score_paper"].add(lay, ex, refine.paper_refine(
+        share, near_mass, writes, p2.grad), plan.w2)
+    row["at"].append((rows.gather(2, p2.key_pos[:, None, :].expand(-1, H, -1))
+                      * p2.key_ok[:, None, :]).cpu())
+    if fr.W_O is None:  # no per-key writes: share-weighted margin (docs/scores.md)
+        nan = torch.full((len(p2.b), H), float("nan"))
+        for c in KEY_PARTS:
+            acc[c].add(lay, ex, nan, plan.w2)
+        return
+    _add_key_parts(acc, fr, cache, lay, plan, p2, ex, rows, share)
+
+
+def _add_key_parts(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int,
+                   plan: QueryPlan, p2: _Phase2Batch, ex: Tensor,
+                   rows: Float[Tensor, "N H S"], share: Float[Tensor, "N H"]) -> None:
+    """Layer ``lay``'s per-key Phase-2 parts: head ``h``'s write per unit of attention to key
+    ``k``, ``n(v[k, kv(h)] @ W_O[h])`` [N, K, H, D] (``_key_writes``), read along each key's
+    own label (ov_copy: attention-weighted mean over all / target / near-miss / sibling
+    entries) and along the per-key margins (refine_score = ``sum_k A[k] e_k`` over the keys,
+    its parts from the targets / near-misses / siblings, the target's rise, the uniform-
+    attention counterfactual ``refine_if_uniform``)."""
+    H, ok = fr.H, p2.key_ok
+    kk = p2.key_pos.shape[1]
+    at_keys = rows.gather(2, p2.key_pos[:, None, :].expand(-1, H, -1))  # [N, H, K]
+    key_writes = _key_writes(cache, lay, p2.b, p2.q, p2.key_pos, fr.kv_of, fr.W_O[lay], fr.post)
+    n = p2.key_pos.shape[0]
+    key_scaled = refine.final_norm_linear(
+        key_writes.reshape(n, kk * H, -1), p2.x, *fr.norm).reshape(n, kk, H, -1)
+    own = refine.key_effects(key_scaled, p2.label_dir.to(fr.device))  # [N, K, H]
+    gain, up, gain_sib = (refine.key_effects(key_scaled, d) for d in p2.per_key)
+    up_sum = refine.attended_sum(at_keys, up, ok)[0]
+    acc["refine_target_up"].add(lay, ex, up_sum, plan.w2)
+    for c, keys in (("", ok), ("_targets", p2.key_t), ("_near_misses", p2.key_m),
+                    ("_siblings", p2.key_sib)):
+        e_sum, mass = refine.attended_sum(at_keys, own, keys)
+        acc["ov_copy" + c].add(lay, ex, e_sum / mass.clamp(min=1e-30),
+                               plan.w2 * keys.any(-1).cpu())
+    for c, keys in (("refine_score", ok), ("margin_from_targets", p2.key_t),
+                    ("margin_from_near_misses", p2.key_m)):
+        acc[c].add(lay, ex, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
+    acc["refine_if_uniform"].add(lay, ex, refine.uniform_sum(share, gain, ok), plan.w2)
+    rs_sib, from_t, from_sib = (refine.attended_sum(at_keys, gain_sib, keys)[0]
+                                for keys in (ok, p2.key_t, p2.key_sib))
+    for c, value in (("refine_score_siblings", rs_sib),
+                     ("refine_near_down_siblings", rs_sib - up_sum),
+                     ("margin_from_targets_siblings", from_t),
+                     ("refine_if_uniform_siblings", refine.uniform_sum(share, gain_sib, ok)),
+                     ("margin_from_siblings", from_sib)):
+        acc[c].add(lay, ex, value, plan.w2 * p2.sib_ok)
+
+
+def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: int, H: int):
+    """One row per (layer, head): each component's mean over the examples that have it
+    (``per_ex[c] = (means [E, L, H], ok [E])``; NaN where none does), the scores from them
+    (``_scores``), ``refine_near_down = refine_score - refine_target_up``,
+    ``evidence_mass_own_excess = own - own_null`` and ``mechanism``."""
+    import pandas as pd
+
     nan = float("nan")
     mean = {c: m[ok].mean(0) if ok.any() else torch.full((L, H), nan, dtype=torch.float64)
             for c, (m, ok) in per_ex.items()}
-    shortlist = any(e.shortlist_pos for e in task.examples)
-    if n2 and not shortlist:
-        warn(f"task {task.name!r} has no shortlist positions: Phase-2 heads cannot be "
-                      "scored on re-reading a shortlist, so refine_score is margin_widening "
-                      "alone and loopback is NaN (docs/scores.md).")
-    if n2 and shortlist and source != "W_O":
-        warn("the model's attention exposes no W_O, so what a head writes per key "
-                      "is unknown: ov_copy and the margin parts are NaN and refine_score is "
-                      "shortlist_share * margin_widening (docs/scores.md).")
     scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
     flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
@@ -542,44 +698,48 @@ def score_heads(model: Any, task: Task, batch_size: int | None = None, progress:
     df["mechanism"] = refine.mechanism(df["refine_score"], df["margin_from_targets"],
                                        df["margin_from_near_misses"], df["refine_target_up"],
                                        df["refine_near_down"])
-    boot_seed = int(seed)
+    return df
+
+
+def _add_ranks(df: Any) -> None:
+    """``phase1_rank`` (by coarse_score), ``phase2_rank`` (refine_score) and
+    ``phase1_rank_tokens`` (coarse_score_tokens): 1 = highest (``ranks``); empty for a phase
+    the task has no steps for. A score equal on every head is warned about: its ranks are
+    (layer, head) order, not a finding."""
+    import pandas as pd
+
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
         values = df[col].dropna()
         if col != "coarse_score_tokens" and len(values) > 1 and values.max() == values.min():
             warn(f"every head has the same {col} ({values.max():.4g}): its ranks are "
-                          "(layer, head) order, not a finding (Phase-1 sharpness needs query "
-                          "rows long enough for kurtosis to exceed 0; docs/scores.md).")
+                 "(layer, head) order, not a finding (Phase-1 sharpness needs query "
+                 "rows long enough for kurtosis to exceed 0; docs/scores.md).")
         # a phase the task has no steps for (induction: no anchors) gets no ranks, not row order
         name = f"phase{phase}_rank" + ("_tokens" if col.endswith("_tokens") else "")
         df[name] = _int_or_na(ranks(torch.tensor(df[col].to_numpy()))) \
             if df[col].notna().any() else pd.array([pd.NA] * len(df), dtype="Int64")
+
+
+def _add_bootstrap(df: Any, per_ex: dict[str, tuple[Tensor, Tensor]], k: int, n_boot: int,
+                   seed: int, shortlist: bool) -> None:
+    """Per phase, over ``n_boot`` resamples of the examples (``bootstrap_ranks``, seeded by
+    ``seed + phase``): ``phase{p}_inclusion`` (share of resamples with the head in the top
+    ``k``) and ``phase{p}_rank_low`` / ``_high`` (``_rank_interval``); NaN / NA without a
+    bootstrap, a score or two examples."""
+    import pandas as pd
+
     for phase, col, parts in ((1, "coarse_score", PHASE1_PARTS), (2, "refine_score", PHASE2_PARTS)):
         ok = per_ex[parts[0]][1]
         if n_boot and df[col].notna().any() and int(ok.sum()) > 1:
-            boot = bootstrap_ranks({c: per_ex[c] for c in parts}, col, int(n_boot),
-                                   boot_seed + phase, shortlist)  # [n_boot, L*H]
-            df[f"phase{phase}_inclusion"] = (boot <= int(k)).double().mean(0).numpy()
+            boot = bootstrap_ranks({c: per_ex[c] for c in parts}, col, n_boot, seed + phase,
+                                   shortlist)  # [n_boot, L*H]
+            df[f"phase{phase}_inclusion"] = (boot <= k).double().mean(0).numpy()
             lo, hi = _rank_interval(boot)
             df[f"phase{phase}_rank_low"], df[f"phase{phase}_rank_high"] = lo, hi
         else:
-            df[f"phase{phase}_inclusion"] = nan
+            df[f"phase{phase}_inclusion"] = float("nan")
             for end in ("low", "high"):
                 df[f"phase{phase}_rank_{end}"] = pd.array([pd.NA] * len(df), dtype="Int64")
-    ex1 = int(per_ex["sharpness"][1].sum())
-    ex2 = int(per_ex["shortlist_share"][1].sum())
-    df = df[COLUMNS]
-    df.attrs.update(task=task.name, task_fingerprint=task.fingerprint(), n_examples=len(task),
-                    n_phase1_examples=ex1, n_phase2_examples=ex2, n_phase1_positions=n1,
-                    n_phase2_positions=n2, anchor_directions=mode, write_source=source,
-                    final_norm=norm[0] if norm else None, k=int(k), n_boot=int(n_boot),
-                    boot_seed=boot_seed, model=str(getattr(model.cfg, "model_name", "")))
-    df.attrs.update(stability_summary(df, int(k)))
-    df.attrs["instrument_nulls"] = sharpness_nulls(rows1)
-    return df
-
-
-SHARPNESS_COLUMNS = ("sharpness", "sharpness_concentration", "sharpness_evidence_normalised")
-NULL_EXTRA = ("key_preference_positional_null", "key_preference_excess")
 
 
 def _positional_null(rows2: list[dict[str, Any]], acc: dict[str, _PerExample], L: int,

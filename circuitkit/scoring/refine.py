@@ -45,13 +45,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from circuitkit.scoring.coarse import salient_mass
+
 MECHANISM_MIN = 0.1  # a head's refine_score, relative to the largest, to name its mechanism
-
-
-def shortlist_share(rows: Float[Tensor, "N H S"], shortlist_keys: Float[Tensor, "N S"]
-                    ) -> Float[Tensor, "N H"]:
-    """Attention mass on the shortlist positions."""
-    return torch.einsum("nhs,ns->nh", rows.float(), shortlist_keys.float())
+# ``sum_{s in SL} A[s]``: the attention mass on the keys given, as Phase 1's (coarse.salient_mass)
+shortlist_share = salient_mass
 
 
 def key_preference(rows: Float[Tensor, "N H S"], target_keys: Float[Tensor, "N S"],

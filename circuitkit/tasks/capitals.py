@@ -130,14 +130,40 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
     for r in rows:
         by_cont[r["continent"]].append(r)
     demos = [max(by_cont[c], key=lambda r: r["population"]) for c in DEMO_ORDER[:int(n_demos)]]
-    demo_names = {d["name"] for d in demos}
-    pool = [r for r in rows if r["name"] not in demo_names]
     anchor_codes = list(CONTINENTS)
     anchor_toks = [first(CONTINENTS[c]) for c in anchor_codes]
     if len(set(anchor_toks)) < len(anchor_toks):
         raise ValueError("task 'capitals': two continents start with the same token under this "
                          "tokenizer; their anchors could not be told apart.")
-    # capitals whose first tokens collide (with each other or a continent) are left out
+    demo_names = {d["name"] for d in demos}
+    pool, dropped_line = _items([r for r in rows if r["name"] not in demo_names], countries,
+                                tok, first, anchor_toks)
+    labels = sorted(pool, key=lambda r: (r["continent"], r["capital"]))
+    ctx = SimpleNamespace(labels=labels, label_of={r["name"]: i for i, r in enumerate(labels)},
+                          anchor_codes=anchor_codes, anchor_toks=anchor_toks,
+                          demo_text="".join(_line(d["name"], CONTINENTS[d["continent"]],
+                                                  d["capital"], None) + "\n\n" for d in demos),
+                          enc=enc, first=first,
+                          width=lambda w: len(tok.encode(" " + w, add_special_tokens=False)),
+                          candidates=int(candidates), max_near_misses=int(max_near_misses))
+    examples, reasons = _draw(n_examples, seed, split, ctx)
+    config = dict(name="capitals", seed=seed, split=split, n_demos=int(n_demos),
+                  demonstrations=[d["name"] for d in demos], candidates=int(candidates),
+                  max_near_misses=int(max_near_misses), countries=countries,
+                  tokenizer=str(getattr(tok, "name_or_path", "") or type(tok).__name__),
+                  n_labels=len(labels), distinct_countries=len({e.meta["country"]
+                                                                for e in examples}),
+                  dropped=dropped_line, not_built=dict(reasons), step_accuracy=True,
+                  data_notice=NOTICE)
+    return _task(tok, examples, ctx, bos, config).with_phase(phase)
+
+
+def _items(pool: list[dict], countries: list[str] | None, tok: Any, first: Any,
+           anchor_toks: list[int]) -> tuple[list[dict], str]:
+    """``(items, dropped)``: the item countries among ``pool`` (the countries that are no
+    demonstration) and the line saying which were left out. Capitals whose first tokens
+    collide (with each other or with a continent's) would be one label to a first-token
+    metric: their countries are dropped, or, named in ``countries``, refused."""
     groups: dict[int, list[dict]] = {}
     for r in pool:
         groups.setdefault(first(r["capital"]), []).append(r)
@@ -155,35 +181,34 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
         if bad:
             raise ValueError("task 'capitals': capitals whose first tokens collide (one label to "
                              f"a first-token metric) refused: {'; '.join(bad)}; leave one out.")
-        pool = [names[c] for c in countries]
-    else:
-        out = {r["name"] for g in clash.values() for r in g}
-        dropped = [r for r in pool if r["name"] in out]
-        pool = [r for r in pool if r["name"] not in out]
-    dropped_line = "" if countries is not None or not clash else (
+        return [names[c] for c in countries], ""
+    out = {r["name"] for g in clash.values() for r in g}
+    dropped = [r for r in pool if r["name"] in out]
+    dropped_line = "" if not clash else (
         f"{len(dropped)} countries left out: their capitals' first tokens collide under this "
         "tokenizer (" + "; ".join(f"{tok.decode([t]).strip()!r}: "
                                   + ", ".join(r["capital"] for r in g)
                                   for t, g in list(clash.items())[:4]) + ", ...)")
-    labels = sorted(pool, key=lambda r: (r["continent"], r["capital"]))
-    label_of = {r["name"]: i for i, r in enumerate(labels)}
-    conts = [c for c in anchor_codes if any(r["continent"] == c for r in labels)]
-    # a continent's countries: split between train and test, alternating in a fixed order
+    return [r for r in pool if r["name"] not in out], dropped_line
+
+
+def _draw(n_examples: int, seed: int, split: str, ctx: SimpleNamespace
+          ) -> tuple[list[Example], Counter]:
+    """``(examples, why not)``: ``n_examples`` examples (``_example``), balanced round robin
+    over the continents in a seeded order; a continent's countries are split between train
+    and test (alternating in a fixed shuffled order) and drawn in a seeded order, again once
+    used up. A country that gives no example is counted under its reason; the same continent
+    is tried again (at most ``50 n + 100`` tries in all)."""
+    conts = [c for c in ctx.anchor_codes if any(r["continent"] == c for r in ctx.labels)]
     split_pool: dict[str, list[dict]] = {}
     for c in conts:
-        members = sorted((r for r in labels if r["continent"] == c), key=lambda r: r["name"])
+        members = sorted((r for r in ctx.labels if r["continent"] == c), key=lambda r: r["name"])
         random.Random(f"capitals-split-{c}").shuffle(members)
         split_pool[c] = members[split == "test"::2] or members
-    demo_text = "".join(_line(d["name"], CONTINENTS[d["continent"]], d["capital"],
-                              None) + "\n\n" for d in demos)
     rng = random.Random(f"capitals-{seed}-{split}")
     order = conts[:]
     rng.shuffle(order)
     queues: dict[str, list[dict]] = {c: [] for c in conts}
-    ctx = SimpleNamespace(labels=labels, label_of=label_of, anchor_codes=anchor_codes,
-                          anchor_toks=anchor_toks, demo_text=demo_text, enc=enc, first=first,
-                          width=lambda w: len(tok.encode(" " + w, add_special_tokens=False)),
-                          candidates=int(candidates), max_near_misses=int(max_near_misses))
     examples, reasons = [], Counter()
     tries = 0
     while len(examples) < n_examples and tries < 50 * n_examples + 100:
@@ -201,30 +226,29 @@ def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int
     if len(examples) < n_examples:
         raise ValueError(f"task 'capitals': only {len(examples)} of {n_examples} examples could be "
                          f"built under this tokenizer ({dict(reasons)}).")
+    return examples, reasons
+
+
+def _task(tok: Any, examples: list[Example], ctx: SimpleNamespace, bos: int | None,
+          config: dict) -> Task:
+    """The ``Task`` of ``examples`` over ``tok``'s whole vocabulary (labels: the capitals'
+    first tokens; anchors: the continents'), with the tokenizer's special ids."""
+    labels, anchor_codes = ctx.labels, ctx.anchor_codes
     pad = getattr(tok, "pad_token_id", None)
     eos = getattr(tok, "eos_token_id", None)
     size = len(tok) if hasattr(tok, "__len__") else 1 + max(
         int(max(e.tokens.max(), e.corrupt_tokens.max())) for e in examples)
     vocab = (tok.convert_ids_to_tokens(list(range(size))) if hasattr(tok, "convert_ids_to_tokens")
              else [str(i) for i in range(size)])
-    config = dict(name="capitals", seed=seed, split=split, n_demos=int(n_demos),
-                  demonstrations=[d["name"] for d in demos], candidates=int(candidates),
-                  max_near_misses=int(max_near_misses), countries=countries,
-                  tokenizer=str(getattr(tok, "name_or_path", "") or type(tok).__name__),
-                  n_labels=len(labels), distinct_countries=len({e.meta["country"]
-                                                                for e in examples}),
-                  dropped=dropped_line, not_built=dict(reasons), step_accuracy=True,
-                  data_notice=NOTICE)
-    task = Task(name="capitals", examples=examples,
+    return Task(name="capitals", examples=examples,
                 label_names=[r["capital"] for r in labels],
                 anchor_names=[CONTINENTS[c] for c in anchor_codes],
-                label_token_ids=torch.tensor([first(r["capital"]) for r in labels]),
-                anchor_token_ids=torch.tensor(anchor_toks),
+                label_token_ids=torch.tensor([ctx.first(r["capital"]) for r in labels]),
+                anchor_token_ids=torch.tensor(ctx.anchor_toks),
                 label_anchor=torch.tensor([anchor_codes.index(r["continent"]) for r in labels]),
                 vocab=list(vocab), phase=2, pad_id=int(pad if pad is not None else 0),
                 bos_id=int(bos if bos is not None else 1),
                 eos_id=int(eos if eos is not None else 2), config=config)
-    return task.with_phase(phase)
 
 
 def _example(r: dict, ctx: SimpleNamespace, rng: random.Random) -> tuple[Example | None, str]:

@@ -33,6 +33,7 @@ import json
 import os
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ DEFAULT_CHAPTERS = ("4", "9", "10", "11", "14")
 STOPWORDS = frozenset("of and the in on to for by or a an as at from".split())
 SYNTH = "~"  # prefix of synthesized evidence tokens (never a real description word)
 
-__all__ = ["build", "hierarchy", "icd_table", "words", "decode_note"]
+__all__ = ["build", "Icd10Options", "hierarchy", "icd_table", "words", "decode_note"]
 
 
 def words(description: str) -> list[str]:
@@ -218,32 +219,49 @@ def hierarchy(labels: Any = None, chapters: tuple[str, ...] | None = None, n_lab
         filler_ids=list(range(len(SPECIAL_TOKENS) + len(STRUCT_TOKENS), n_base)))
 
 
-def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int = 2,
-          n_labels: int = 2000, chapters: list[str] | tuple[str, ...] | None = None,
-          labels: str | list[str] | None = None, anchor_level: str = "category",
-          labels_per_note: tuple[int, int] = (1, 3), distractor_rate: float = 0.3,
-          max_near_misses: int = 3, max_leaves_per_category: int = 40,
-          corruption: str = "note") -> Task:
-    """ICD-10-CM notes -> anchors -> shortlist -> answer (see module docstring).
+@dataclass(frozen=True)
+class Icd10Options:
+    """The icd10 task's knobs beside ``(n_examples, seed, split, phase)``: what ``build`` (and
+    ``load_task("icd10", ...)``) takes as keywords.
 
-    ``labels_per_note``: (min, max) targets per note (targets have distinct anchors);
-    ``distractor_rate``: chance a target's evidence group gets one distractor word (a filler, or
-    half the time a distinguishing word of a near-miss sibling in the shortlist);
-    ``max_near_misses``: siblings per target put in the shortlist; ``corruption``: what each
-    phase's corrupt tokens edit: "note" (default: the evidence), "anchor" (Phase 1: the written
-    anchor), "shortlist-swap" / "shortlist-sibling" (Phase 2: the shortlist), or one of each
-    phase joined by a comma (``synthetic.parse_corruption``, docs/scores.md).
+    The label space (``hierarchy``): ``n_labels``, ``chapters``, ``labels`` (module docstring),
+    ``anchor_level`` ("category" or "block"), ``max_leaves_per_category``. The notes
+    (``synthetic.make_examples``): ``labels_per_note``: (min, max) targets per note (targets
+    have distinct anchors); ``distractor_rate``: chance a target's evidence group gets one
+    distractor word (a filler, or half the time a distinguishing word of a near-miss sibling
+    in the shortlist); ``max_near_misses``: siblings per target put in the shortlist.
+    ``corruption``: what each phase's corrupt tokens edit: "note" (default: the evidence),
+    "anchor" (Phase 1: the written anchor), "shortlist-swap" / "shortlist-sibling" (Phase 2:
+    the shortlist), or one of each phase joined by a comma (``parse_corruption``,
+    docs/scores.md).
     """
-    choice = parse_corruption(corruption)
-    lab = labels if labels is None or isinstance(labels, str) else tuple(labels)
-    ch = None if chapters is None else tuple(str(c) for c in chapters)
-    h = hierarchy(lab, ch, n_labels, anchor_level, max_leaves_per_category)
-    ex = make_examples(h, n_examples, seed, split, tuple(labels_per_note), distractor_rate,
-                       max_near_misses)
+
+    n_labels: int = 2000
+    chapters: list[str] | tuple[str, ...] | None = None
+    labels: str | list[str] | None = None
+    anchor_level: str = "category"
+    labels_per_note: tuple[int, int] = (1, 3)
+    distractor_rate: float = 0.3
+    max_near_misses: int = 3
+    max_leaves_per_category: int = 40
+    corruption: str = "note"
+
+
+def build(n_examples: int = 256, seed: int = 0, split: str = "train", phase: int = 2,
+          **options: Any) -> Task:
+    """ICD-10-CM notes -> anchors -> shortlist -> answer (see module docstring); ``options``:
+    ``Icd10Options`` fields."""
+    o = Icd10Options(**options)
+    choice = parse_corruption(o.corruption)
+    lab = o.labels if o.labels is None or isinstance(o.labels, str) else tuple(o.labels)
+    ch = None if o.chapters is None else tuple(str(c) for c in o.chapters)
+    h = hierarchy(lab, ch, o.n_labels, o.anchor_level, o.max_leaves_per_category)
+    ex = make_examples(h, n_examples, seed, split, tuple(o.labels_per_note), o.distractor_rate,
+                       o.max_near_misses)
     corrupt_cot(h, ex, choice)
-    config = dict(name="icd10", n_labels=n_labels, chapters=None if ch is None else list(ch),
+    config = dict(name="icd10", n_labels=o.n_labels, chapters=None if ch is None else list(ch),
                   labels=lab if lab is None or isinstance(lab, str) else list(lab),
-                  anchor_level=anchor_level, labels_per_note=list(labels_per_note),
-                  distractor_rate=distractor_rate, max_near_misses=max_near_misses,
-                  max_leaves_per_category=max_leaves_per_category, seed=seed, split=split)
+                  anchor_level=o.anchor_level, labels_per_note=list(o.labels_per_note),
+                  distractor_rate=o.distractor_rate, max_near_misses=o.max_near_misses,
+                  max_leaves_per_category=o.max_leaves_per_category, seed=seed, split=split)
     return task_from(h, ex, phase, with_corruption(config, choice))
