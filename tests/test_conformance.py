@@ -301,11 +301,11 @@ def test_exact_every_site_and_position_mode(name):
             if expect is not None:
                 with expect as e:
                     fn(c.model, c.clean, c.corrupt, c.metric, site=site, positions=positions,
-                       progress=False)
+                       options=dict(progress=False))
                 one_line(e)
                 continue
             res = fn(c.model, c.clean, c.corrupt, c.metric, site=site, positions=positions,
-                     progress=False)
+                     options=dict(progress=False))
             want = hooked_sweep(c.model, c.corrupt, c.clean, c.metric, kind, site, positions)
             torch.testing.assert_close(res.values, want, atol=ATOL, rtol=0,
                                        msg=f"{name} {site} {positions}")

@@ -589,7 +589,7 @@ def test_edge_result_round_trip_and_strict_load(tiny_gpt2, tmp_path):
 
 def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypatch):
     clean, corrupt = _pair(8)
-    kw = dict(progress=False, batch_size=6, checkpoint=tmp_path / "ck")
+    kw = dict(options=dict(progress=False, batch_size=6, checkpoint=tmp_path / "ck"))
     calls = []
     real = EdgeEngine.run_chunk
 

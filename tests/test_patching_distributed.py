@@ -25,7 +25,7 @@ RANK = textwrap.dedent("""
     model = make_model(TINY_LLAMA)
     task = ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=3)
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
-                         checkpoint=sys.argv[2], progress=False, **{sweep!r})
+                         options=dict(checkpoint=sys.argv[2], progress=False), **{sweep!r})
     res.save(sys.argv[1] + "/rank" + os.environ["RANK"])
 """)
 

@@ -247,7 +247,7 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     clean, corrupt = _tokens(n=8)
     units = ck.PathUnits([(0, 1), "L1H2"], [(1, 0), (2, 3), (2, 1)],
                          positions={"all": torch.ones_like(clean, dtype=torch.bool)})
-    kw = dict(progress=False, batch_size=4, checkpoint=tmp_path / "ck")
+    kw = dict(options=dict(progress=False, batch_size=4, checkpoint=tmp_path / "ck"))
     calls, real = [], PathEngine.run_chunk
 
     def failing(self, chunk):

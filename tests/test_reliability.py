@@ -55,7 +55,7 @@ def test_changed_siblings_change_the_metric_identity(tmp_path):
     other.examples = [type(e)(**{**e.__dict__, "meta": {
         **e.meta, "p2_siblings": [(s + 1) % n for s in e.meta["p2_siblings"]]}})
         for e in task.examples]
-    args = dict(progress=False, checkpoint=tmp_path / "c")
+    args = dict(options=dict(progress=False, checkpoint=tmp_path / "c"))
     ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric, **args)
     assert not torch.equal(task.metric(torch.randn(4, task.clean_tokens.shape[1], 3516)),
                            other.metric(torch.randn(4, task.clean_tokens.shape[1], 3516)))
