@@ -119,6 +119,37 @@ def test_characterize_refuses_bad_input(tiny_llama, tmp_path):
         run(tiny_llama, tmp_path / "file")
 
 
+def test_options_and_the_resume_record_are_read_strictly(tiny_llama, tmp_path):
+    """``characterize(model, task, out, options)``: an unknown option is one line naming it
+    and the valid ones (before anything loads); keywords are the same options. A resume
+    record of a newer version is refused in one line naming it, a malformed one names its
+    field, before any step runs."""
+    with pytest.raises(ValueError) as e:
+        characterize(tiny_llama, "synthetic", tmp_path / "x", dict(n_exampels=8))
+    line = str(e.value)
+    assert "\n" not in line and "unknown characterize option 'n_exampels'" in line
+    assert "the options are: n_examples, seed, split, k, n_random" in line
+    with pytest.raises(ValueError, match="unknown characterize option 'kk'"):
+        characterize(tiny_llama, "synthetic", tmp_path / "x", CharacterizeOptions(k=2), kk=1)
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "run"
+    out.mkdir()
+    for doc, said in ((dict(record_version=2, steps={}), "resume record version 2 is not one "
+                       "this circuitkit reads"),
+                      (dict(record_version=1, steps=dict(scores=dict(
+                          seconds=1.0, files=["../scores.csv"], sha256={}, depends="0" * 64))),
+                       "steps.scores.files must list file names inside the folder"),
+                      (dict(steps=dict(scores=dict(seconds="1", files=[]))),
+                       "steps.scores.seconds must be a number")):
+        (out / "summary.json").write_text(json.dumps(doc))
+        with pytest.raises(ValueError) as e:
+            run(tiny_llama, out, report=False)
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert str(out / "summary.json") in str(e.value)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "summary.json"]  # nothing ran
+
+
 def test_cli_score_and_characterize(tmp_path):
     from typer.testing import CliRunner
 

@@ -171,12 +171,14 @@ def step_problem(out: Path, record: dict[str, Any]) -> str:
 class StepRecord:
     """The resume record of one job: ``steps`` (the document's own dict, read by ``read_steps``)
     of the folder ``out``; ``save()`` writes the document (called after every step recorded);
-    ``job`` and ``path`` name them in what is said; ``ran``: the steps done by this call."""
+    ``job`` and ``path`` name them in what is said; ``ran``: the steps done by this call;
+    ``dropped``: the recorded steps whose files did not verify (said, to be done again)."""
 
     def __init__(self, out: Path, steps: dict[str, dict[str, Any]], save: Callable[[], None],
                  job: str, path: Path) -> None:
         self.out, self.steps, self.save, self.job, self.path = out, steps, save, job, path
         self.ran: list[str] = []
+        self.dropped: set[str] = set()
 
     def forget_stale(self, depends: dict[str, str]) -> list[str]:
         """Drop the recorded steps of ``depends``' names whose inputs changed (their
@@ -202,6 +204,7 @@ class StepRecord:
             warnings.warn(f"circuitkit: {self.job} step {name} is recorded as done in "
                           f"{self.path}, but {problem}; recomputing it.", stacklevel=3)
             self.steps.pop(name)
+            self.dropped.add(name)
             return False
         return True
 
