@@ -9,7 +9,8 @@ The record, in its document (``RECORD_VERSION`` under ``"record_version"``)::
                      "depends": HEX}}
 
 ``files`` are relative to the job's folder; ``sha256`` is each file's SHA-256 as the step wrote
-it; ``depends`` is ``depends_hash`` of what the step depends on (its inputs and options). A
+it; ``depends`` is ``depends_hash`` of what the step depends on (its inputs and options; null:
+a step of an older version that this one does not run, kept as it was, never reused). A
 recorded step is reused only while its ``depends`` is the current one and every file is there
 with its recorded digest (``step_problem``); otherwise it is run again. A document without
 ``"record_version"`` was written before the record had one (version 0: no ``depends``; its
@@ -93,8 +94,9 @@ def _inside(name: Any) -> bool:
 
 
 def _check_entry(path: Path, name: str, entry: Any, version: int, remedy: str) -> None:
-    """One recorded step, strictly: its fields and their types (version 0: no ``depends``, and
-    ``sha256`` may be missing, a folder from before checksums were recorded)."""
+    """One recorded step, strictly: its fields and their types (version 0: no ``depends``;
+    ``sha256`` may be missing or name fewer than its files: a folder from before checksums
+    were recorded, whose files are then verified by loading, ``step_problem``)."""
     at = f"steps.{name}"
     if not isinstance(entry, dict):
         raise _bad(path, at, "must be a record (seconds, files, sha256, depends)", remedy)
@@ -113,11 +115,13 @@ def _check_entry(path: Path, name: str, entry: Any, version: int, remedy: str) -
     sums = (entry.get("sha256") or {}) if version == 0 else entry.get("sha256")
     if not isinstance(sums, dict) or not all(
             isinstance(v, str) and _HEX.match(v) for v in sums.values()) or (
-            version >= 1 and set(sums) != set(files_)):
-        raise _bad(path, f"{at}.sha256", "must give each of its files' SHA-256 (64 hex "
+            not set(sums) <= set(files_)):
+        raise _bad(path, f"{at}.sha256", "must map its files to their SHA-256 (64 hex "
                    "digits)", remedy)
-    if version >= 1 and not (isinstance(entry["depends"], str) and _HEX.match(entry["depends"])):
-        raise _bad(path, f"{at}.depends", "must be a SHA-256 (64 hex digits)", remedy)
+    depends = entry.get("depends")
+    if version >= 1 and depends is not None and not (isinstance(depends, str)
+                                                     and _HEX.match(depends)):
+        raise _bad(path, f"{at}.depends", "must be a SHA-256 (64 hex digits) or null", remedy)
 
 
 def read_steps(doc: Any, path: Path, remedy: str,
@@ -206,6 +210,11 @@ class StepRecord:
             self.steps.pop(name)
             self.dropped.add(name)
             return False
+        if set(entry["sha256"]) != set(entry["files"]):  # a folder from before checksums: its
+            from circuitkit import files  # files verified by loading, their digests taken now
+
+            entry["sha256"] = {f: entry["sha256"].get(f) or files.sha256_file(self.out / f)
+                               for f in entry["files"]}
         return True
 
     def done(self, name: str, depends: str, seconds: float, written: list[str]) -> None:
