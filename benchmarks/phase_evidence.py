@@ -44,9 +44,9 @@ def run(model: str, seeds: list[int], n: int, n_random: int, out: Path, text: st
     folders = []
     for s in seeds:
         folder = out / f"{model.replace('/', '_')}-s{s}"
-        characterize(model, "icd10", folder, n_examples=2 * n, select_n=n, seed=s,
-                     n_random=n_random, stages=True, edges=True, progress=False,
-                     text={"yes": True, "no": False}.get(text))
+        characterize(model, "icd10", folder, dict(
+            n_examples=2 * n, select_n=n, seed=s, n_random=n_random, stages=True, edges=True,
+            progress=False, text={"yes": True, "no": False}.get(text)))
         folders.append(folder)
     return folders
 

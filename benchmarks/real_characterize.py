@@ -101,9 +101,9 @@ def main() -> None:
         save()
     if "run" not in skip:
         t0, c0 = time.perf_counter(), time.process_time()
-        summary = characterize(model, "capitals", out_dir=out / "run", n_examples=args.n,
-                               patch_method=args.method, n_random=args.n_random,
-                               n_random_ablation=args.n_random_ablation, progress=True)
+        summary = characterize(model, "capitals", out / "run", dict(
+            n_examples=args.n, patch_method=args.method, n_random=args.n_random,
+            n_random_ablation=args.n_random_ablation, progress=True))
         record["characterize_seconds"] = round(time.perf_counter() - t0, 1)
         record["characterize_cpu_seconds"] = round(time.process_time() - c0, 1)
         record["steps_seconds"] = {k: v["seconds"] for k, v in summary["steps"].items()}

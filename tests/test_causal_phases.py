@@ -173,7 +173,7 @@ def test_characterize_selects_on_one_sample_and_validates_on_another(tiny_llama,
 
     kw = dict(n_examples=8, k=2, n_random=4, text=False, progress=False, report=False,
               task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1)))
-    characterize(tiny_llama, "synthetic", tmp_path / "run", select_n=5, **kw)
+    characterize(tiny_llama, "synthetic", tmp_path / "run", dict(kw, select_n=5))
     s = json.loads((tmp_path / "run" / "summary.json").read_text())["samples"]
     assert s["held_out"] and s["select"]["examples"] == [0, 5]
     # (issue 49 item 7: a held-out example that repeats a selection example, as 8 notes over 8
@@ -185,4 +185,4 @@ def test_characterize_selects_on_one_sample_and_validates_on_another(tiny_llama,
     val = __import__("pandas").read_csv(tmp_path / "run" / "validation.csv")
     assert set(val["n_prompts"]) <= {1, 2, 3}  # validated on the held-out 3 only
     with pytest.raises(ValueError, match="select_n must be in 1..7"):
-        characterize(tiny_llama, "synthetic", tmp_path / "bad", select_n=8, **kw)
+        characterize(tiny_llama, "synthetic", tmp_path / "bad", dict(kw, select_n=8))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import circuitkit as ck
-from circuitkit.experiments.characterize import characterize
+from circuitkit.experiments.characterize import CharacterizeOptions, characterize
 from circuitkit.experiments.validation import VALIDATION_COLUMNS
 from circuitkit.scoring.heads import COLUMNS
 
@@ -20,8 +20,9 @@ TASK = dict(n_labels=8, children=4, labels_per_note=(1, 1))
 
 
 def run(model, out, **kw):
-    return characterize(model, "synthetic", out, n_examples=8, k=2, n_random=4, text=False,
-                        progress=False, task_kwargs=TASK, **kw)
+    return characterize(model, "synthetic", out, dict(n_examples=8, k=2, n_random=4,
+                                                      text=False, progress=False,
+                                                      task_kwargs=TASK, **kw))
 
 
 def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
@@ -105,16 +106,48 @@ def test_characterize_writes_and_resumes(tiny_llama, tmp_path, monkeypatch):
     assert (out / "validation.csv").read_text() == before
     # a different run into the same folder is refused
     with pytest.raises(ValueError, match="different identity"):
-        characterize(tiny_llama, "synthetic", out, n_examples=6, k=2, n_random=4, text=False,
-                     progress=False, task_kwargs=TASK)
+        characterize(tiny_llama, "synthetic", out, CharacterizeOptions(
+            n_examples=6, k=2, n_random=4, text=False, progress=False, task_kwargs=TASK))
 
 
 def test_characterize_refuses_bad_input(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="n_examples"):
-        characterize(tiny_llama, "synthetic", tmp_path / "x", n_examples=0, progress=False)
+        characterize(tiny_llama, "synthetic", tmp_path / "x", dict(n_examples=0,
+                                                                    progress=False))
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not a folder"):
         run(tiny_llama, tmp_path / "file")
+
+
+def test_options_and_the_resume_record_are_read_strictly(tiny_llama, tmp_path):
+    """``characterize(model, task, out, options)``: an unknown option is one line naming it
+    and the valid ones (before anything loads); keywords are the same options. A resume
+    record of a newer version is refused in one line naming it, a malformed one names its
+    field, before any step runs."""
+    with pytest.raises(ValueError) as e:
+        characterize(tiny_llama, "synthetic", tmp_path / "x", dict(n_exampels=8))
+    line = str(e.value)
+    assert "\n" not in line and "unknown characterize option 'n_exampels'" in line
+    assert "the options are: n_examples, seed, split, k, n_random" in line
+    with pytest.raises(ValueError, match="unknown characterize option 'kk'"):
+        characterize(tiny_llama, "synthetic", tmp_path / "x", CharacterizeOptions(k=2), kk=1)
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "run"
+    out.mkdir()
+    for doc, said in ((dict(record_version=2, steps={}), "resume record version 2 is not one "
+                       "this circuitkit reads"),
+                      (dict(record_version=1, steps=dict(scores=dict(
+                          seconds=1.0, files=["../scores.csv"], sha256={}, depends="0" * 64))),
+                       "steps.scores.files must list file names inside the folder"),
+                      (dict(steps=dict(scores=dict(seconds="1", files=[]))),
+                       "steps.scores.seconds must be a number")):
+        (out / "summary.json").write_text(json.dumps(doc))
+        with pytest.raises(ValueError) as e:
+            run(tiny_llama, out, report=False)
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert str(out / "summary.json") in str(e.value)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "summary.json"]  # nothing ran
 
 
 def test_cli_score_and_characterize(tmp_path):
@@ -197,8 +230,8 @@ def test_characterize_a_task_with_steps_of_one_phase(tiny_llama, tmp_path, drop,
                                                for e in task.examples]).with_phase(phase)
     task.to_jsonl(tmp_path / "task.jsonl")
     out = tmp_path / "run"
-    summary = characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, n_examples=8, k=2,
-                           n_random=4, text=False, progress=False)
+    summary = characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, dict(
+        n_examples=8, k=2, n_random=4, text=False, progress=False))
     other = 3 - phase
     assert summary["phases"] == [phase] and summary["complete"]
     assert summary["steps_expected"] == [f"patch-p{phase}-denoise", f"patch-p{phase}-noise",
@@ -222,8 +255,8 @@ def test_characterize_refuses_a_task_with_no_steps(tiny_llama, tmp_path):
                                                for e in task.examples])
     task.to_jsonl(tmp_path / "task.jsonl")
     with pytest.raises(ValueError, match="Phase-1 anchor steps or Phase-2 answer steps"):
-        characterize(tiny_llama, str(tmp_path / "task.jsonl"), tmp_path / "run", n_examples=4,
-                     text=False, progress=False)
+        characterize(tiny_llama, str(tmp_path / "task.jsonl"), tmp_path / "run",
+                     dict(n_examples=4, text=False, progress=False))
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
@@ -236,8 +269,8 @@ def test_a_new_k_validates_again_and_reuses_sweeps(tiny_llama, tmp_path, monkeyp
     def boom(*a, **k):
         raise AssertionError("a sweep was recomputed")
     monkeypatch.setattr(ck, "patch_heads", boom)
-    summary = characterize(tiny_llama, "synthetic", out, n_examples=8, k=1, n_random=3,
-                           text=False, progress=False, task_kwargs=TASK)
+    summary = characterize(tiny_llama, "synthetic", out, dict(
+        n_examples=8, k=1, n_random=3, text=False, progress=False, task_kwargs=TASK))
     val = pd.read_csv(out / "validation.csv")
     assert set(val["k"]) == {1} and summary["validation_options"] == dict(
         k=1, n_random=3, n_random_ablation=20)
@@ -262,6 +295,9 @@ def test_ablation_sets_counted_apart_and_a_new_count_redoes_the_ablation_only(ti
     assert again["steps"]["validation"] == first["steps"]["validation"]
     summary = json.loads((out / "summary.json").read_text())  # as an older version wrote it
     summary["validation_options"] = dict(k=2, n_random=4)
+    del summary["record_version"]  # (no version, no step's depends: derived from the options)
+    for entry in summary["steps"].values():
+        del entry["depends"]
     (out / "summary.json").write_text(json.dumps(summary))
     assert run(tiny_llama, out, n_random_ablation=4)["steps_run_this_call"] == []
     with pytest.raises(ValueError, match="n_random_ablation must be >= 1"):
@@ -277,8 +313,8 @@ def test_a_mixed_task_patches_each_phase_on_the_examples_with_its_steps(tiny_lla
         for i, e in enumerate(task.examples)])
     task.to_jsonl(tmp_path / "task.jsonl")
     out = tmp_path / "run"
-    characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, n_examples=8, k=2, n_random=4,
-                 text=False, progress=False, select_n=None)
+    characterize(tiny_llama, str(tmp_path / "task.jsonl"), out, dict(
+        n_examples=8, k=2, n_random=4, text=False, progress=False, select_n=None))
     p1 = ck.PatchResult.load(out / "patch-p1-noise")
     p2 = ck.PatchResult.load(out / "patch-p2-noise")
     assert p1.per_prompt.shape[0] == 4 and p2.per_prompt.shape[0] == 8
@@ -301,16 +337,15 @@ def test_a_model_folder_typed_from_another_directory_is_the_same_run(tiny_llama,
     ck.save_model(tiny_llama, tmp_path / "m", tokenizer=task.tokenizer())
     (tmp_path / "sub").mkdir()
     monkeypatch.chdir(tmp_path)
-    characterize("m", "synthetic", tmp_path / "run", n_examples=4, k=1, n_random=2, text=False,
-                 progress=False, task_kwargs=TASK, report=False)
+    opts = CharacterizeOptions(n_examples=4, k=1, n_random=2, text=False, progress=False,
+                               task_kwargs=TASK, report=False)
+    characterize("m", "synthetic", tmp_path / "run", opts)
 
     def boom(*a, **k):
         raise AssertionError("a sweep was recomputed")
     monkeypatch.setattr(ck, "patch_heads", boom)
     monkeypatch.chdir(tmp_path / "sub")
-    summary = characterize("../m", "synthetic", tmp_path / "run", n_examples=4, k=1,
-                           n_random=2, text=False, progress=False, task_kwargs=TASK,
-                           report=False)
+    summary = characterize("../m", "synthetic", tmp_path / "run", opts)
     assert summary["model_path"] == str((tmp_path / "m").resolve())
     html = write_report(tmp_path / "run").read_text()
     assert "Attention views skipped" not in html and "CircuitsVis.render(" in html

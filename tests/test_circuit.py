@@ -253,9 +253,9 @@ def edges_run(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("circ") / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        characterize(tiny_llama, "synthetic", out, edges=True, n_examples=8, k=3, n_random=3,
-                     text=False, progress=False, report=False,
-                     task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1)))
+        characterize(tiny_llama, "synthetic", out, dict(
+            edges=True, n_examples=8, k=3, n_random=3, text=False, progress=False,
+            report=False, task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1))))
     return out
 
 

@@ -572,9 +572,9 @@ def test_characterize_score_validate_on_a_jsonl_task(name, tmp_path):
     out = tmp_path / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        summary = characterize(c.model, str(path), out, n_examples=len(task), k=1,
-                              n_random=2, progress=False, report=False, text=False,
-                              select_n=None)  # (validated on the task the references use)
+        summary = characterize(c.model, str(path), out, dict(
+            n_examples=len(task), k=1, n_random=2, progress=False, report=False, text=False,
+            select_n=None))  # (validated on the task the references use)
     assert summary["complete"]
     phases = summary["phases"]
     assert phases == ([2] if name == "tracr" else [1, 2])

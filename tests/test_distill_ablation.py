@@ -181,8 +181,9 @@ def test_progress_false_prints_no_bars_and_ties_warn_nothing(tmp_path, capfd):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        frame = A.run_ablation(tmp_path / "abl", seeds=1, size="quick", variants=("cot",),
-                               students=("student",), data=("full",), progress=False)
+        frame = A.run_ablation(tmp_path / "abl", A.GridOptions(
+            seeds=1, size="quick", variants=("cot",), students=("student",), data=("full",),
+            progress=False))
     out, err = capfd.readouterr()
     assert "%|" not in out + err and "Loading weights" not in err, err[-2000:]
     assert not [str(w.message) for w in caught if "every head has the same" in str(w.message)]
@@ -205,6 +206,6 @@ def test_bad_grid_arguments_are_named(tmp_path):
                     (dict(variants=("p3",)), "unknown variant"),
                     (dict(workers=0), "workers must be a positive integer")):
         with pytest.raises(ValueError, match=msg):
-            A.run_ablation(tmp_path, size="quick", **kw)
+            A.run_ablation(tmp_path, dict(kw, size="quick"))
     r = CliRunner().invoke(app, ["distill", "--workers", "2", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "--workers is an ablation option" in r.output

@@ -17,12 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from circuitkit.cli import app
 from circuitkit.distill import train as T
 from circuitkit.experiments import distill_grid as A
+from circuitkit.files import sha256_file
 
 GRID = dict(seeds=1, size="quick", students=("student",), progress=False)
 CLI = ["distill", "--ablation", "--quick", "--seeds", "1", "--student-config", "student"]
@@ -33,7 +35,7 @@ def base(tmp_path_factory):
     """A finished quick grid of the CoT-only variant on both data sizes (stores, held-out
     store, teacher.json, pre-training, one run per cell)."""
     out = tmp_path_factory.mktemp("grid") / "g"
-    A.run_ablation(out, variants=("cot",), **GRID)
+    A.run_ablation(out, A.GridOptions(variants=("cot",), **GRID))
     return out
 
 
@@ -63,7 +65,7 @@ def test_a_finished_grid_refuses_a_changed_flag_in_one_line(base, tmp_path, monk
                      (dict(pretrain=3), "pretrain: 2 -> 3")):
         with pytest.raises(ValueError, match=f"another configuration \\({diff}\\); pass "
                                              "--overwrite"):
-            A.run_ablation(out, variants=("cot",), data=("full",), **GRID, **kw)
+            A.run_ablation(out, dict(GRID, variants=("cot",), data=("full",), **kw))
     r = CliRunner().invoke(app, CLI + ["--lambda-p1", "0.5", "--steps", "6", "--out", str(out)])
     errors = [x for x in r.output.splitlines() if x.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1, r.output
@@ -83,9 +85,10 @@ def test_a_partial_grid_refuses_a_change_and_overwrite_starts_over(base, tmp_pat
         m.setattr(A, "train_student", _boom)
         m.setattr(T, "prepare_store", _boom)
         with pytest.raises(ValueError, match="another configuration \\(steps: 4 -> 6\\)"):
-            A.run_ablation(out, variants=("cot",), data=("full",), steps=6, **GRID)
+            A.run_ablation(out, dict(GRID, variants=("cot",), data=("full",), steps=6))
     store = (out / "signals-full" / "manifest.json").stat().st_mtime_ns
-    A.run_ablation(out, variants=("cot",), data=("full",), steps=6, overwrite=True, **GRID)
+    A.run_ablation(out, dict(GRID, variants=("cot",), data=("full",), steps=6,
+                             overwrite=True))
     assert not (out / "runs" / "student-small").exists()  # the old grid's runs are gone
     run = json.loads((out / "runs" / "student-full" / "cot-seed0" / "distill.json").read_text())
     assert run["config"]["steps"] == 6 and len(run["history"]) == 6
@@ -100,7 +103,7 @@ def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_p
     before ``focus_per_step``) is measured again from its saved student on resume; training
     is not repeated and the other values stay."""
     out = tmp_path / "g"  # (a copy would move the folders its runs' configs name)
-    A.run_ablation(out, variants=("cot",), data=("full",), **GRID)
+    A.run_ablation(out, A.GridOptions(variants=("cot",), data=("full",), **GRID))
     (done,) = list((out / "runs").glob("*/cot-seed0/metrics.json"))
     rec = json.loads(done.read_text())
     old = dict(rec["metrics"])
@@ -109,15 +112,79 @@ def test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained(tmp_p
     teacher = json.loads((out / "teacher.json").read_text())  # the teacher's too
     (out / "teacher.json").write_text(json.dumps({k: v for k, v in teacher.items()
                                                   if k != "focus_per_step"}))
+    doc = json.loads((out / "ablation.json").read_text())  # (that version: no resume record)
+    (out / "ablation.json").write_text(json.dumps(
+        {k: v for k, v in doc.items() if k not in ("record_version", "steps")}))
     assert not A.measured(done.parent)
     record = (done.parent / T.RECORD).read_bytes()  # distill.json: rewritten if it trained
-    A.run_ablation(out, variants=("cot",), data=("full",), **GRID)
+    A.run_ablation(out, A.GridOptions(variants=("cot",), data=("full",), **GRID))
     again = json.loads(done.read_text())["metrics"]
     assert A.measured(done.parent) and (done.parent / T.RECORD).read_bytes() == record
     assert again == old  # (deterministic: the same student, the same notes)
-    record = json.loads((out / "ablation.json").read_text())  # each call's timings kept
-    assert len(record["calls"]) == 2 and record["timings"] == record["calls"][-1]
-    assert record["teacher_metrics"]["focus_per_step"] == teacher["focus_per_step"]
+    doc = json.loads((out / "ablation.json").read_text())  # each call's timings kept
+    assert len(doc["calls"]) == 2 and doc["timings"] == doc["calls"][-1]
+    assert doc["teacher_metrics"]["focus_per_step"] == teacher["focus_per_step"]
+    # a recorded run's metrics.json modified since: said (the record's SHA-256 differs) and
+    # measured again from its saved student, not trained
+    rec = json.loads(done.read_text())
+    done.write_text(json.dumps(dict(rec, metrics=dict(rec["metrics"], focus=-1.0))))
+    with pytest.warns(UserWarning, match="ablation grid step runs/student-full/cot-seed0 is "
+                                         "recorded as done in .*ablation.json, but its file "
+                                         ".*metrics.json was modified .*; recomputing it"):
+        A.run_ablation(out, A.GridOptions(variants=("cot",), data=("full",), **GRID))
+    assert json.loads(done.read_text())["metrics"] == old
+    assert (done.parent / T.RECORD).read_bytes() == record
+
+
+def test_a_grid_resumes_through_its_record(base, tmp_path, monkeypatch):
+    """``ablation.json`` holds the grid's resume record (``experiments.runner.StepRecord``,
+    the one ``characterize`` keeps in ``summary.json``): the teacher's metrics, each CoT-only
+    start and each run, bound to the hash of its config and the SHA-256 of the file it wrote
+    last. A copy of the grid resumes from it (nothing trained or measured); a record of a
+    newer version is refused in one line naming it; a record as the code before it wrote
+    (no version, no steps) still resumes and gets one. (A modified ``metrics.json``:
+    ``test_a_run_measured_with_fewer_metrics_is_measured_again_not_retrained``.)"""
+    out = _copy(base, tmp_path)
+    doc = json.loads((out / "ablation.json").read_text())
+    assert doc["record_version"] == 1
+    run = "runs/student-full/cot-seed0"
+    steps = doc["steps"]
+    assert {"teacher", run, "runs/student-small/cot-seed0", "runs/student-full/pretrain"} \
+        <= set(steps)
+    assert steps[run]["files"] == [f"{run}/metrics.json"]
+    assert steps[run]["sha256"][f"{run}/metrics.json"] == sha256_file(out / run /
+                                                                       "metrics.json")
+    assert steps["teacher"]["files"] == ["teacher.json"]
+    frame = pd.read_csv(out / "ablation.csv")
+    with monkeypatch.context() as m:
+        m.setattr(A, "train_student", _boom)
+        m.setattr(A, "student_metrics", _boom)
+        A.run_ablation(out, A.GridOptions(variants=("cot",), **GRID))
+    pd.testing.assert_frame_equal(pd.read_csv(out / "ablation.csv"), frame)
+    assert json.loads((out / "ablation.json").read_text())["steps"][run] == steps[run]
+    # a newer record: refused, named, nothing run or rewritten
+    doc = json.loads((out / "ablation.json").read_text())
+    (out / "ablation.json").write_text(json.dumps(dict(doc, record_version=2)))
+    with monkeypatch.context() as m:
+        m.setattr(A, "train_student", _boom)
+        m.setattr(T, "prepare_store", _boom)
+        with pytest.raises(ValueError) as e:
+            A.run_ablation(out, A.GridOptions(variants=("cot",), **GRID))
+    assert "resume record version 2 is not one this circuitkit reads" in str(e.value)
+    assert "--overwrite" in str(e.value) and "\n" not in str(e.value)
+    # today's record (before the resume record): every finished part is taken as it is
+    legacy = {k: v for k, v in doc.items() if k not in ("record_version", "steps")}
+    (out / "ablation.json").write_text(json.dumps(legacy))
+    with monkeypatch.context() as m:
+        m.setattr(A, "train_student", _boom)
+        m.setattr(A, "student_metrics", _boom)
+        A.run_ablation(out, A.GridOptions(variants=("cot",), **GRID))
+    again = json.loads((out / "ablation.json").read_text())
+    # (the CoT-only starts: looked at when a run of their cell is left to train)
+    assert again["record_version"] == 1 and set(again["steps"]) == {
+        k for k in doc["steps"] if not k.endswith("/pretrain")}
+    assert again["steps"][run]["depends"] == doc["steps"][run]["depends"]
+    pd.testing.assert_frame_equal(pd.read_csv(out / "ablation.csv"), frame)
 
 
 def test_ablation_refuses_single_student_options():

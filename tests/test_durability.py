@@ -191,7 +191,7 @@ def test_report_and_characterize_are_refused_on_a_folder_in_use(tmp_path, holder
     out = tmp_path / "c"
     proc = holder(out)
     with pytest.raises(ValueError, match=f"out_dir {out} is in use.*pid {proc.pid}"):
-        characterize(tiny_llama, "synthetic", out, n_examples=4, progress=False)
+        characterize(tiny_llama, "synthetic", out, dict(n_examples=4, progress=False))
     (out / "summary.json").write_text("{}")
     r = _cli(["report", out, "--no-attention"])
     assert r.exit_code == 2 and f"pid {proc.pid}" in r.output, r.output
@@ -220,8 +220,9 @@ TASK = dict(n_labels=8, children=4, labels_per_note=(1, 1))
 
 
 def _characterize(model, out, **kw):
-    return characterize(model, "synthetic", out, n_examples=8, k=2, n_random=4, text=False,
-                           progress=False, task_kwargs=TASK, **kw)
+    return characterize(model, "synthetic", out, dict(n_examples=8, k=2, n_random=4,
+                                                      text=False, progress=False,
+                                                      task_kwargs=TASK, **kw))
 
 
 def test_a_step_whose_file_was_deleted_or_changed_is_recomputed(tiny_llama, tmp_path):
@@ -255,8 +256,8 @@ def test_one_check_of_a_file_against_its_recorded_digest(tmp_path, monkeypatch):
     """characterize's reusable-step check (``step_problem``) and the report's ``read_summary``
     compare a file with its recorded SHA-256 through the one helper, ``files.modified`` (they
     had each their own copy): same verdicts, each in its own words."""
-    from circuitkit.experiments.characterize import step_problem
     from circuitkit.experiments.report import read_summary
+    from circuitkit.experiments.runner import step_problem
 
     out = tmp_path / "run"
     out.mkdir()

@@ -690,7 +690,7 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     out = tmp_path / "run"
     kw = dict(n_examples=8, k=3, n_random=3, text=False, progress=False,
               task_kwargs=dict(n_labels=8, children=4, labels_per_note=(1, 1)))
-    summary = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    summary = characterize(tiny_llama, "synthetic", out, dict(kw, edges=True))
     assert summary["complete"] and "edges" in summary["steps"]
     scores = pd.read_csv(out / "scores.csv")
     res = ck.EdgeResult.load(out / "edges" / "edges")
@@ -716,15 +716,19 @@ def test_characterize_edges_and_report(tiny_llama, tmp_path):
     assert "Edges: which heads feed which" in html and "CPR" in html
     # (issue 49 item 9: no coverage share is printed for a degenerate result)
     assert ("Through everything between them" in html) != res.degenerate
-    again = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    again = characterize(tiny_llama, "synthetic", out, dict(kw, edges=True))
     assert again["steps"]["edges"] == summary["steps"]["edges"]  # reused, not rerun
     # a folder written before the edges step patched paths: its edges step is redone
     old = json.loads((out / "summary.json").read_text())
-    old["steps"]["edges"]["files"] = [f for f in old["steps"]["edges"]["files"]
-                                      if not f.startswith("edges/paths")]
+    del old["record_version"]  # (that version's record: no version, no step's depends)
+    for entry in old["steps"].values():
+        del entry["depends"]
+    edges = old["steps"]["edges"]
+    edges["files"] = [f for f in edges["files"] if not f.startswith("edges/paths")]
+    edges["sha256"] = {f: d for f, d in edges["sha256"].items() if f in edges["files"]}
     (out / "summary.json").write_text(json.dumps(old))
     (out / "edges" / "paths.json").unlink()
-    redone = characterize(tiny_llama, "synthetic", out, edges=True, **kw)
+    redone = characterize(tiny_llama, "synthetic", out, dict(kw, edges=True))
     assert "edges" in redone["steps_run_this_call"] and (out / "edges" / "paths.json").exists()
 
 

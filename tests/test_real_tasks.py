@@ -155,9 +155,9 @@ def test_characterize_runs_end_to_end_on_capitals(tokenizer, tmp_path):
     model = ck.load_model(dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=32,
                                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=128, seed=0))
-    summary = characterize(model, "capitals", out_dir=tmp_path / "run", n_examples=8,
-                           n_random=5, n_random_ablation=2, progress=False, report=True,
-                           task_kwargs=dict(tokenizer=tokenizer))
+    summary = characterize(model, "capitals", tmp_path / "run", dict(
+        n_examples=8, n_random=5, n_random_ablation=2, progress=False, report=True,
+        task_kwargs=dict(tokenizer=tokenizer)))
     assert summary["complete"] and summary["phases"] == [1, 2]
     assert len({json.dumps(v, sort_keys=True) for v in summary["samples"].values()}) > 1
     assert (tmp_path / "run" / "report.html").exists()

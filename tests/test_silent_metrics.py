@@ -284,8 +284,8 @@ def test_characterize_warns_once_per_phase(teacher, raised, tmp_path):
     raised.to_jsonl(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        characterize(teacher, str(path), tmp_path / "c", n_examples=6, k=2, n_random=2,
-                     progress=False, report=True)
+        characterize(teacher, str(path), tmp_path / "c", dict(n_examples=6, k=2, n_random=2,
+                                                              progress=False, report=True))
     said = [str(w.message) for w in caught if issubclass(w.category, DegenerateBaselineWarning)]
     assert len(said) == 1 and "phase 2 (patch-p2-denoise, patch-p2-noise)" in said[0], said
     html = (tmp_path / "c" / "report.html").read_text()

@@ -131,6 +131,7 @@ def characterize(
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
+    from circuitkit.experiments.characterize import CharacterizeOptions
     from circuitkit.experiments.characterize import characterize as run
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
@@ -148,13 +149,12 @@ def characterize(
         _claim_out(ctx, "characterize", out, overwrite, n_examples=n_examples,
                    select_n=select_n)
         with hf_progress(progress):  # --no-progress: transformers' bars too
-            summary = run(model, task, out, n_examples=n_examples, seed=seed, split=split,
-                          k=k, n_random=n_random, n_random_ablation=n_random_ablation,
-                          batch_size=batch_size, patch_method=patch_method,
-                          text=flag, progress=progress, edges=edges,
-                          stages=stages, select_n=select_n,
-                          task_kwargs=None if corruption == "note"
-                          else {"corruption": corruption})
+            summary = run(model, task, out, CharacterizeOptions(
+                n_examples=n_examples, seed=seed, split=split, k=k, n_random=n_random,
+                n_random_ablation=n_random_ablation, batch_size=batch_size,
+                patch_method=patch_method, text=flag, progress=progress, edges=edges,
+                stages=stages, select_n=select_n,
+                task_kwargs=None if corruption == "note" else {"corruption": corruption}))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(_message(e))
     except KeyboardInterrupt:

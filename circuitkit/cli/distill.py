@@ -136,17 +136,22 @@ def _check_distill_flags(given, ablation: bool) -> None:
 
 def _grid(a: dict, given) -> None:
     """``--ablation``: ``ablation.run_ablation`` of the flags, its table printed."""
-    from circuitkit.experiments.distill_grid import STUDENTS, format_table, run_ablation
+    from circuitkit.experiments.distill_grid import (
+        STUDENTS,
+        GridOptions,
+        format_table,
+        run_ablation,
+    )
 
     variants = tuple(v.strip() for v in a["variants"].split(",")) if a["variants"] else None
-    frame = run_ablation(
-        a["out"], teacher=a["teacher"], seeds=a["seeds"], max_seeds=a["max_seeds"],
+    frame = run_ablation(a["out"], GridOptions(
+        teacher=a["teacher"], seeds=a["seeds"], max_seeds=a["max_seeds"],
         size="quick" if a["quick"] else (a["size"] or "default"), variants=variants,
         students=(a["student_config"],) if given("student_config") else STUDENTS,
         lambda_p1=a["lambda_p1"], lambda_p2=a["lambda_p2"], task=a["task"],
         workers=a["workers"], steps=a["steps"], balance=a["balance"],
         grad_ratio=a["grad_ratio"], pretrain=a["pretrain"], overwrite=a["overwrite"],
-        progress=a["progress"], **({"lambda_ns": a["lambda_ns"]} if given("lambda_ns") else {}))
+        progress=a["progress"], **({"lambda_ns": a["lambda_ns"]} if given("lambda_ns") else {})))
     out = a["out"]
     typer.echo(format_table(frame))
     typer.echo(f"wrote {out / 'ablation.csv'}, {out / 'comparisons.csv'} and {out / 'runs.csv'}")

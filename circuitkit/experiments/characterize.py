@@ -28,14 +28,16 @@ in that phase: its sweeps, scores and validation rows are that phase's.
                       finished runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
-Resumable: every finished step is recorded in ``summary.json`` (written atomically after the
-step's files, with their SHA-256), and rerunning the same call reuses those steps (within
-validation, its finished runs) whose files are all there and unchanged (a missing or modified
-file is named and its step recomputed); a folder holding a run with a different identity is
-refused. One run per folder: ``out_dir`` is locked (``files.lock_folder``) for the whole run, so
-a second run on it is refused with the first one's pid. A pretrained LLM whose vocabulary cannot
-hold the task's word tokens gets the task rendered as text (``scoring.text.text_task``;
-``text=None`` decides automatically).
+The job is a list of named steps (``_steps``) run by ``experiments.runner.run_steps``.
+Resumable: every finished step is recorded in ``summary.json``'s resume record
+(``runner.StepRecord``: written atomically after the step's files, with their SHA-256 and the
+hash of what the step depends on, ``step_depends``), and rerunning the same call reuses those
+steps (within validation, its finished runs) whose inputs are the same and whose files are all
+there and unchanged (a missing or modified file is named and its step recomputed); a folder
+holding a run with a different identity is refused. One run per folder: ``out_dir`` is locked
+(``files.lock_folder``) for the whole run, so a second run on it is refused with the first
+one's pid. A pretrained LLM whose vocabulary cannot hold the task's word tokens gets the task
+rendered as text (``scoring.text.text_task``; ``text=None`` decides automatically).
 """
 
 from __future__ import annotations
@@ -45,8 +47,21 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from circuitkit.experiments.runner import (
+    RECORD_VERSION,
+    VERSION_KEY,
+    Step,
+    StepRecord,
+    depends_hash,
+    options_of,
+    read_steps,
+    run_steps,
+)
 
 # icd-teacher on icd10: ~63 s on 1 CPU thread (benchmarks/characterize.py); --stages adds
 # 4 sweeps x 5 position groups (~37 s on 2 busy cores)
@@ -87,62 +102,68 @@ def _log(progress: bool, msg: str) -> None:
         print(terminal_safe(msg), file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class CharacterizeOptions:
+    """``characterize``'s options (a dict of these fields is accepted too).
+
+    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``seed``,
+    ``split``: which examples (``ck.load_task``); ``k``: top set size (bootstrap inclusion,
+    validation, ablation); ``n_random`` / ``n_random_ablation``: random head sets per pool the
+    top set is validated / ablated against (``N_RANDOM``: why 200); ``batch_size``: sequences
+    per forward pass (None: automatic); ``patch_method``: "exact" (default), "attribution" or
+    "attribution+exact" (for models too big for exact sweeps on the machine); ``text``:
+    render the task as text (None: when the model's vocabulary cannot hold its word tokens);
+    ``progress``: bars and one line per step on stderr; ``task_kwargs``: passed to
+    ``ck.load_task`` (e.g. ``n_labels``); ``report``: write ``out_dir/report.html`` at the end
+    (``circuitkit.experiments.report``); ``edges``: also patch the edges from the top ``k``
+    Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``); ``stages`` (default on):
+    also patch every head at each of the task's position groups (``groups/``,
+    ``_stages_step``; exact patching only), the causal columns (``scoring.causal``:
+    ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``), the paper's
+    cumulative bins and the lead (``lead_picture``); ``select_n``: held-out selection: scores
+    (and causal columns) on the first ``select_n`` examples, validation and ablation on the
+    others (``summary["samples"]``); "half" (the default): the first half of the examples;
+    None: the same examples for both (a p-value then tests heads chosen on the very notes it
+    is computed on)."""
+
+    n_examples: int = DEFAULT_N
+    seed: int = 0
+    split: str = "test"
+    k: int = 5
+    n_random: int = N_RANDOM
+    batch_size: int | None = None
+    patch_method: str = "exact"
+    text: bool | None = None
+    progress: bool = True
+    task_kwargs: dict[str, Any] | None = None
+    report: bool = True
+    edges: bool = False
+    stages: bool = True
+    select_n: int | str | None = "half"
+    n_random_ablation: int = N_RANDOM_ABLATION
+
+
 def characterize(model_name_or_model: Any, task_name: str = "icd10",
-                 out_dir: str | Path = "characterize-out", n_examples: int = DEFAULT_N,
-                 seed: int = 0, split: str = "test", k: int = 5, n_random: int = N_RANDOM,
-                 batch_size: int | None = None, patch_method: str = "exact",
-                 text: bool | None = None, progress: bool = True,
-                 task_kwargs: dict[str, Any] | None = None, report: bool = True,
-                 edges: bool = False, stages: bool = True,
-                 select_n: int | str | None = "half",
-                 n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
+                 out_dir: str | Path = "characterize-out",
+                 options: CharacterizeOptions | dict[str, Any] | None = None,
+                 **overrides: Any) -> dict[str, Any]:
     """Run (or resume) the whole characterization into ``out_dir`` (module docstring); returns the
-    summary dict also written to ``out_dir/summary.json``.
-
-    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``k``: top set size
-    (bootstrap inclusion, validation, ablation); ``n_random`` / ``n_random_ablation``: random
-    head sets per pool the top set is validated / ablated against (``N_RANDOM``: why 200);
-    ``patch_method``: "exact" (default), "attribution" or "attribution+exact" (for models too
-    big for exact sweeps on the machine);
-    ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``: write
-    ``out_dir/report.html`` at the end (``circuitkit.experiments.report``); ``edges``: also patch
-    the
-    edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``);
-    ``stages`` (default on): also patch every head at each of the task's position groups
-    (``groups/``, ``_stages_step``; exact patching only), the causal columns
-    (``scoring.causal``: ``causal.csv``, merged into ``scores.csv``;
-    ``summary["phase_table"]``), the paper's cumulative bins and the lead (``lead_picture``);
-    ``select_n``: held-out selection: scores (and causal columns) on the first ``select_n``
-    examples, validation and ablation on the others (``summary["samples"]``); "half" (the
-    default): the first half of the examples; None: the same examples for both (a p-value then
-    tests heads chosen on the very notes it is computed on).
-    """
+    summary dict also written to ``out_dir/summary.json``. ``options``: ``CharacterizeOptions``
+    (or a dict of its fields); ``overrides``: its fields, on top
+    (``characterize(model, "icd10", out, n_examples=64)``). The job is ``_steps``' list, run by
+    ``experiments.runner.run_steps`` and resumed from the record in ``summary.json``."""
+    opts = options_of(CharacterizeOptions, options, overrides, "characterize")
+    _check_options(opts)
     with contextlib.ExitStack() as held:  # the folder's lock, released however the run ends
-        return _characterize(model_name_or_model, task_name, out_dir, n_examples, seed, split,
-                             k, n_random, batch_size, patch_method, text, progress, task_kwargs,
-                             report, edges, stages, held, select_n, n_random_ablation)
-
-
-def step_problem(out: Path, record: dict[str, Any]) -> str:
-    """Why a step recorded in ``summary.json`` cannot be reused ("" when it can): one of its
-    files is missing, or differs from the SHA-256 recorded with it (a folder from before
-    checksums were recorded: its patch results must load, ``PatchResult.load``)."""
-    from circuitkit import files
-    from circuitkit.patching.results import PatchResult
-
-    sums = record.get("sha256") or {}
-    for name in record.get("files", []):
-        path = out / name
-        if not path.is_file():
-            return f"its file {path} is missing"
-        if name in sums and files.modified(path, sums[name]):
-            return f"its file {path} was modified (its SHA-256 differs from the one recorded)"
-        if not sums and name.endswith(".json") and (out / (name[:-5] + ".safetensors")).exists():
-            try:
-                PatchResult.load(out / name)
-            except ValueError as e:
-                return str(e)
-    return ""
+        job = _open(model_name_or_model, task_name, out_dir, opts, held)
+        record = _resume(job)
+        _log(opts.progress, f"characterize {job.name} on {job.task.name} ({len(job.task)} "
+                            f"{opts.split} examples, seed {opts.seed}"
+                            f"{', text-rendered' if job.rendered else ''}) -> {job.out}")
+        for said in job.skipped:
+            _log(opts.progress, f"note: {said}")
+        run_steps(_steps(job), record, lambda msg: _log(opts.progress, msg))
+        return _finish(job, record)
 
 
 def head_ablations(task: Any) -> tuple[tuple[str, ...], list[str]]:
@@ -161,295 +182,426 @@ def head_ablations(task: Any) -> tuple[tuple[str, ...], list[str]]:
         "of 2 or more runs resample too)."]
 
 
-def _characterize(model_name_or_model: Any, task_name: str, out_dir: str | Path,
-                  n_examples: int, seed: int, split: str, k: int, n_random: int,
-                  batch_size: int | None, patch_method: str, text: bool | None,
-                  progress: bool, task_kwargs: dict[str, Any] | None, report: bool,
-                  edges: bool, stages: bool, held: contextlib.ExitStack,
-                  select_n: int | str | None = "half",
-                  n_random_ablation: int = N_RANDOM_ABLATION) -> dict[str, Any]:
+@dataclass
+class _Job:
+    """One characterize call: its options, folder, model, task and samples (``_open``), and
+    what its steps hand on: the summary, the sweeps' results, the scores."""
+
+    opts: CharacterizeOptions
+    out: Path
+    model: Any
+    name: str  # the model as the summary names it
+    task_name: str
+    task: Any
+    rendered: bool
+    phases: list[int]
+    per_phase: dict[int, Any]  # each phase's task: the examples with that phase's steps
+    chosen: Any  # the selection notes (scores, causal columns)
+    held_out: Any  # the validation notes (validation, bins, ablation)
+    samples: dict[str, Any]
+    ablations: tuple[str, ...]
+    skipped: list[str]
+    stages: bool  # the stage sweeps run (asked for, and exact patching)
+    identity: dict[str, Any] = field(default_factory=dict)
+    per_phase_chosen: dict[int, Any] = field(default_factory=dict)
+    edited: dict[int, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    sweeps: dict[tuple[int, str], Any] = field(default_factory=dict)
+    scores: Any = None
+    t_all: float = 0.0
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return dict(model_name=self.name, task=self.task_name)
+
+
+def _check_options(opts: CharacterizeOptions) -> None:
+    if int(opts.n_examples) < 1:
+        raise ValueError(f"n_examples must be >= 1; got {opts.n_examples!r}.")
+    if int(opts.k) < 1:  # checked again against the model's heads in _open, before any step
+        raise ValueError(f"k must be a positive number of heads; got {opts.k!r}.")
+    for what, v in (("n_random", opts.n_random), ("n_random_ablation", opts.n_random_ablation)):
+        if int(v) < 1:
+            raise ValueError(f"{what} must be >= 1; got {v!r}.")
+
+
+def _open(model_name_or_model: Any, task_name: str, out_dir: str | Path,
+          opts: CharacterizeOptions, held: contextlib.ExitStack) -> _Job:
+    """The folder (locked for the run), the model, the task, its phases and samples, and what
+    the run skips (each said in one line), all before any step runs."""
     import circuitkit as ck
     from circuitkit import files
-    from circuitkit.experiments.validation import ablate_heads, validate_selections
-    from circuitkit.patching.api import versions
-    from circuitkit.patching.checkpoint import IdentityMismatch, identity_diff, model_fingerprint
-    from circuitkit.patching.results import plotly_bundle, quiet_baseline
-    from circuitkit.scoring.heads import score_heads, top_heads
+    from circuitkit.experiments.claims import note_edited
     from circuitkit.scoring.text import load_for
     from circuitkit.tasks.base import phase_task, task_phases
 
-    if int(n_examples) < 1:
-        raise ValueError(f"n_examples must be >= 1; got {n_examples!r}.")
-    if int(k) < 1:  # checked again against the model's heads below, before any step runs
-        raise ValueError(f"k must be a positive number of heads; got {k!r}.")
-    for what, v in (("n_random", n_random), ("n_random_ablation", n_random_ablation)):
-        if int(v) < 1:
-            raise ValueError(f"{what} must be >= 1; got {v!r}.")
     out = files.check_writable_dir(out_dir, "out_dir")
     if not files.holds_lock(out):  # (the CLI's claim holds it already)
         held.enter_context(files.lock_folder(out, "out_dir"))  # one run per folder
     t_all = time.perf_counter()
-    model = ck.load_model(model_name_or_model) if isinstance(model_name_or_model, str | Path) \
-        else model_name_or_model
-    name = str(model_name_or_model) if isinstance(model_name_or_model, str | Path) \
+    named = isinstance(model_name_or_model, str | Path)
+    model = ck.load_model(model_name_or_model) if named else model_name_or_model
+    name = str(model_name_or_model) if named \
         else str(getattr(model.cfg, "model_name", type(model).__name__))
-    task_kwargs = dict(task_kwargs or {})
-    task, rendered = load_for(model, task_name, int(n_examples), seed, split, text, **task_kwargs)
+    task_kwargs = dict(opts.task_kwargs or {})
+    task, rendered = load_for(model, task_name, int(opts.n_examples), opts.seed, opts.split,
+                              opts.text, **task_kwargs)
     task.check_model(model)
     n_heads = model.cfg.n_layers * model.cfg.n_heads
-    if int(k) > n_heads:
-        raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {k!r}.")
-    select_n, no_split = _select_n(select_n, len(task))
-    chosen, held_out, samples = selection_samples(task, select_n, seed)
+    if int(opts.k) > n_heads:
+        raise ValueError(f"k must be in 1..{n_heads} (heads of the model); got {opts.k!r}.")
+    select_n, no_split = _select_n(opts.select_n, len(task))
+    chosen, held_out, samples = selection_samples(task, select_n, opts.seed)
     phases = task_phases(task)  # a task with one phase's steps is characterized in that phase
     if not phases:
         raise ValueError(
             f"characterize needs a task with Phase-1 anchor steps or Phase-2 answer steps "
             f"(anchor_pos / answer_pos >= 1: icd10, synthetic, or a JSONL with them); "
             f"{task_name!r} has neither: no position for a metric to read.")
-    per_phase = {p: phase_task(task, p) for p in phases}  # examples with that phase's steps
-    # the selection notes' phase tasks, for the steps that select on them (stages, edges)
-    per_phase_chosen = {p: phase_task(chosen, p) for p in phases} if stages or edges else {}
-    from circuitkit.experiments.claims import note_edited
-
-    edited = {p: note_edited(per_phase[p]) for p in phases}
     ablations, skipped = head_ablations(task)  # decided before any step runs
-    skipped = [*skipped, *no_split]
-    fingerprint = {p: per_phase[p].fingerprint() if p in phases else None for p in (1, 2)}
-    # what the sweeps and scores depend on; k and n_random change the scores' top-k inclusion,
-    # validation and ablation only (the sweeps are reused)
-    # the model by its weights (model_fingerprint), not by the path it was typed as
-    identity = dict(model_fingerprint=model_fingerprint(model), task=task_name,
-                    task_fingerprint_p1=fingerprint[1],
-                    task_fingerprint_p2=fingerprint[2], text=rendered,
-                    n_examples=len(task), seed=seed, split=split, patch_method=patch_method,
-                    select_n=None if select_n is None else int(select_n),
-                    task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
-    validation_options = dict(k=int(k), n_random=int(n_random),
-                              n_random_ablation=int(n_random_ablation))
+    stages, said = _stages_said(opts)
+    job = _Job(opts=opts, out=out, model=model, name=name, task_name=task_name, task=task,
+               rendered=rendered, phases=phases,
+               per_phase={p: phase_task(task, p) for p in phases}, chosen=chosen,
+               held_out=held_out, samples=samples, ablations=ablations,
+               skipped=[*skipped, *no_split, *said], stages=stages, t_all=t_all)
+    # the selection notes' phase tasks, for the steps that select on them (stages, edges)
+    if opts.stages or opts.edges:
+        job.per_phase_chosen = {p: phase_task(chosen, p) for p in phases}
+    job.edited = {p: note_edited(job.per_phase[p]) for p in phases}
+    job.identity = _identity(job, select_n, task_kwargs)
+    return job
+
+
+def _stages_said(opts: CharacterizeOptions) -> tuple[bool, list[str]]:
+    """Whether the stage sweeps run, and the line saying why not (exact sweeps only; position
+    groups cost about five sweeps' time)."""
+    if opts.stages and opts.patch_method != "exact":
+        return False, [f"stages (the [layer, head, group] sweeps over the task's position "
+                       f"groups) skipped: they run with patch_method='exact'; got "
+                       f"{opts.patch_method!r}."]
+    if not opts.stages:
+        return False, ["stages skipped (--no-stages): where each decision is made, the stable "
+                       "heads that carry it, the paper's cumulative bins and the claims table "
+                       "need the stage sweeps; the findings below tell the descriptive scores' "
+                       "story only."]
+    return True, []
+
+
+def _identity(job: _Job, select_n: int | None, task_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the sweeps and scores depend on (``k`` and ``n_random`` change the scores' top-k
+    inclusion, validation and ablation only: ``step_depends``); the model by its weights
+    (``model_fingerprint``), not by the path it was typed as."""
+    from circuitkit.patching.checkpoint import model_fingerprint
+
+    fingerprint = {p: job.per_phase[p].fingerprint() if p in job.phases else None
+                   for p in (1, 2)}
+    o = job.opts
+    return dict(model_fingerprint=model_fingerprint(job.model), task=job.task_name,
+                task_fingerprint_p1=fingerprint[1], task_fingerprint_p2=fingerprint[2],
+                text=job.rendered, n_examples=len(job.task), seed=o.seed, split=o.split,
+                patch_method=o.patch_method,
+                select_n=None if select_n is None else int(select_n),
+                task_kwargs=json.loads(json.dumps(task_kwargs, default=str)))
+
+
+def step_depends(identity: dict[str, Any], options: dict[str, Any]) -> dict[str, str]:
+    """Each step's ``depends`` (``runner.depends_hash``): the sweeps, stages and bins depend on
+    the run's identity; scores, validation and edges on it and ``k``, ``n_random``; the
+    ablation on those and ``n_random_ablation`` (a new ablation count alone redoes the ablation
+    only). ``options``: ``summary["validation_options"]``."""
+    sweeps = depends_hash(dict(identity=identity))
+    chosen = depends_hash(dict(identity=identity, k=options.get("k"),
+                               n_random=options.get("n_random")))
+    ablation = depends_hash(dict(identity=identity, k=options.get("k"),
+                                 n_random=options.get("n_random"),
+                                 n_random_ablation=options.get("n_random_ablation")))
+    out = {f"patch-p{p}-{d}": sweeps for p, d in patch_steps((1, 2))}
+    out.update(stages=sweeps, bins=sweeps, scores=chosen, validation=chosen, edges=chosen,
+               ablation=ablation)
+    return out
+
+
+RESUME_REMEDY = "delete it to start the run over (finished sweep chunks in checkpoints/ are reused)"
+
+
+def _resume(job: _Job) -> StepRecord:
+    """The run's summary and resume record: ``summary.json``'s when there is one (a folder
+    holding a run of another identity is refused; a step whose inputs changed is dropped, to
+    run again), with this call's identity, options and plan."""
+    from circuitkit import files
+    from circuitkit.patching.api import versions
+    from circuitkit.patching.checkpoint import IdentityMismatch, identity_diff
+
+    o, out = job.opts, job.out
     summary_path = out / "summary.json"
+    options = dict(k=int(o.k), n_random=int(o.n_random),
+                   n_random_ablation=int(o.n_random_ablation))
     summary: dict[str, Any] = {}
     if summary_path.exists():
         try:
             summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{summary_path}: not valid JSON (truncated?) at line {e.lineno} "
-                             f"column {e.colno}; delete it to start the run over (finished "
-                             "sweep chunks in checkpoints/ are reused).") from None
-        old = dict(summary.get("identity", {}))
-        old.pop("model", None)  # older folders named the model in the identity
-        stored_options = summary.get("validation_options") or {
-            key: old.pop(key) for key in ("k", "n_random") if key in old}  # older folders
-        # (before n_random_ablation, the ablation drew n_random sets too)
-        stored_options.setdefault("n_random_ablation", stored_options.get("n_random"))
-        if old != identity:
-            diff = identity_diff(old, identity)
+                             f"column {e.colno}; {RESUME_REMEDY}.") from None
+        old, stored = _stored_identity(summary if isinstance(summary, dict) else {})
+        read_steps(summary, summary_path, RESUME_REMEDY,
+                   lambda name: step_depends(job.identity, stored).get(name))
+        if old != job.identity:
+            diff = identity_diff(old, job.identity)
             raise IdentityMismatch(f"out_dir {out} holds a characterize run with a different "
                                    f"identity (stored, now): {diff}; use a new folder or "
                                    "delete it.", diff)
-        changed = {key for key, v in validation_options.items() if stored_options.get(key) != v}
-        # the same sweeps: score, validate, ablate and patch edges again; a new ablation count
-        # alone redoes the ablation
-        redo = ("ablation",) if changed == {"n_random_ablation"} else (
-            "scores", "validation", "ablation", "edges") if changed else ()
-        for step in redo:
-            summary.get("steps", {}).pop(step, None)
-    # position groups: opt-in (5 groups x 4 sweeps, ~5 sweeps' time), exact sweeps only
-    if stages and patch_method != "exact":
-        stages = False
-        skipped = [*skipped, f"stages (the [layer, head, group] sweeps over the task's position "
-                   f"groups) skipped: they run with patch_method='exact'; got {patch_method!r}."]
-    elif not stages:
-        skipped = [*skipped, "stages skipped (--no-stages): where each decision is made, the "
-                   "stable heads that carry it, the paper's cumulative bins and the claims table "
-                   "need the stage sweeps; the findings below tell the descriptive scores' story "
-                   "only."]
-    expected = step_names(phases, stages) + (["edges"] if edges else [])  # (a partial run misses)
-    local = Path(name).expanduser()
-    summary.update(model=name, model_path=str(local.resolve()) if local.is_dir() else None)
-    summary.update(identity=identity, versions=versions(), task_config=task.config,
-                   phases=phases, steps_expected=expected, complete=False,
-                   validation_options=validation_options, ablations=list(ablations),
-                   skipped=skipped, samples=samples, corruption={
-                       f"phase{p}": dict(name=task.config.get("corruption"),
-                                         note_edited=edited[p]) for p in phases})
-    steps: dict[str, Any] = summary.setdefault("steps", {})
+    expected = step_names(job.phases, job.stages) + (["edges"] if o.edges else [])
+    local = Path(job.name).expanduser()
+    summary.update(model=job.name, model_path=str(local.resolve()) if local.is_dir() else None)
+    summary.update(identity=job.identity, versions=versions(), task_config=job.task.config,
+                   phases=job.phases, steps_expected=expected, complete=False,
+                   validation_options=options, ablations=list(job.ablations),
+                   skipped=job.skipped, samples=job.samples, corruption={
+                       f"phase{p}": dict(name=job.task.config.get("corruption"),
+                                         note_edited=job.edited[p]) for p in job.phases})
+    summary[VERSION_KEY] = RECORD_VERSION
+    job.summary = summary
+    record = StepRecord(out, summary.setdefault("steps", {}),
+                        lambda: files.write_json(summary_path, summary), "characterize",
+                        summary_path)
+    record.forget_stale(step_depends(job.identity, options))
+    summary["steps_run_this_call"] = record.ran  # the steps computed by this call
+    return record
 
-    ran: list[str] = []  # the steps computed by this call (the others were reused)
-    summary["steps_run_this_call"] = ran
 
-    def record(step: str, seconds: float, files_: list[str]) -> None:
-        steps[step] = dict(seconds=round(seconds, 3), files=files_,
-                           sha256={f: files.sha256_file(out / f) for f in files_})
-        ran.append(step)
-        summary["steps_run_this_call"] = ran
-        files.write_json(summary_path, summary)
+def _stored_identity(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A stored summary's identity and validation options, as older versions stored them
+    too: the model named in the identity (dropped), ``k`` and ``n_random`` in it, and no
+    ``n_random_ablation`` (the ablation drew ``n_random`` sets then)."""
+    old = dict(summary.get("identity", {}))
+    old.pop("model", None)
+    stored = dict(summary.get("validation_options") or {
+        key: old.pop(key) for key in ("k", "n_random") if key in old})
+    stored.setdefault("n_random_ablation", stored.get("n_random"))
+    return old, stored
 
-    def reusable(step: str, i: int) -> bool:
-        """Whether ``step`` is recorded and its files verify; says why not otherwise."""
-        if step not in steps:
-            return False
-        problem = step_problem(out, steps[step])
-        if problem:
-            warnings.warn(f"circuitkit: characterize step {step} is recorded as done in "
-                          f"{summary_path}, but {problem}; recomputing it.", stacklevel=3)
-            steps.pop(step)
-            return False
-        _log(progress, f"[{i}/{total}] {step}: reused")
-        return True
 
-    def outdated(step: str, needed: str) -> None:
-        """Drop ``step``'s record when it lacks ``needed``: written by a version whose step
-        did less (its finished parts still resume from their checkpoints)."""
-        if step in steps and needed not in steps[step].get("files", []):
-            steps.pop(step)
+def _lists(name: str) -> Any:
+    """A recorded step is current only when it lists ``name`` (a version whose step did less
+    did not write it; its finished parts still resume from their checkpoints)."""
+    return lambda entry: name in entry.get("files", [])
 
-    sweeps = patch_steps(phases)
-    total = len(sweeps) + 3 + 2 * int(stages) + int(bool(edges))
-    sweep_results: dict[tuple[int, str], Any] = {}
-    _log(progress, f"characterize {name} on {task.name} ({len(task)} {split} examples, seed "
-                   f"{seed}{', text-rendered' if rendered else ''}) -> {out}")
-    for said in skipped:
-        _log(progress, f"note: {said}")
-    for i, (phase, direction) in enumerate(sweeps, 1):
-        step = f"patch-p{phase}-{direction}"
-        if reusable(step, i):
-            sweep_results[phase, direction] = _stored(out / step)
-            continue
-        tp = per_phase[phase]
-        how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
-        _log(progress, f"[{i}/{total}] {step}: Phase {phase}, metric {tp.metric.name}, "
-                       f"{direction} ({how} runs), {len(tp)} prompts"
-                       + (" (both samples)" if samples["held_out"] else ""))
-        t0 = time.perf_counter()
-        ckpt = out / "checkpoints" / step if patch_method == "exact" else None
-        with quiet_baseline():  # said once per phase below
-            res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                 direction=direction, method=patch_method,
-                                 options=dict(batch_size=batch_size, checkpoint=ckpt,
-                                              progress=progress, task_hash=tp.fingerprint()))
-        res.meta.update(model_name=name, task=task_name, phase=phase, n_examples=len(tp))
-        written = res.save(out / step)
-        sweep_results[phase, direction] = res
-        record(step, time.perf_counter() - t0, [p.name for p in written])
-    # the sweep pages' one plotly.min.js (not a step's file: rewritten whenever incomplete)
-    plotly_bundle(out)
-    _say_degenerate(sweep_results)
-    import pandas as pd
 
-    i = len(sweeps) + 1
-    if stages:
-        if samples["held_out"]:  # (a record from before the held-out stage sweeps)
-            outdated("stages", f"groups/heldout-patch-p{phases[-1]}-noise.json")
-        if not reusable("stages", i):
-            _log(progress, f"[{i}/{total}] stages: every head patched at each position group "
-                           f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
-                           f"directions, on the {len(chosen)} selection examples")
-            t0 = time.perf_counter()
-            held_tasks = {p: phase_task(held_out, p) for p in task_phases(held_out)
-                          if p in phases} if samples["held_out"] else None
-            written = _stages_step(model, per_phase_chosen, out, k, batch_size, progress,
-                                   dict(model_name=name, task=task_name), summary, held_tasks)
-            record("stages", time.perf_counter() - t0, written)
-        i += 1
-    if reusable("scores", i):
-        scores = pd.read_csv(out / "scores.csv")
-    else:
-        _log(progress, f"[{i}/{total}] scores: every head's Phase-{'/'.join(map(str, phases))} "
-                       f"scores on {_on(samples, 'select')}")
-        t0 = time.perf_counter()
-        scores = score_heads(model, chosen, batch_size=batch_size, progress=progress, k=k,
-                             seed=seed)
-        if stages and (out / "causal.csv").is_file():  # the causal columns beside the scores
-            causal = pd.read_csv(out / "causal.csv").drop(columns=["name"], errors="ignore")
-            attrs = dict(scores.attrs)  # (a merge drops them: scores_attrs would be empty)
-            scores = scores.merge(causal, on=["layer", "head"], how="left")
-            scores.attrs.update(attrs)
-        files.write_text(out / "scores.csv", scores.to_csv(index=False))
-        summary["scores_attrs"] = _json_safe(scores.attrs)
-        record("scores", time.perf_counter() - t0, ["scores.csv"])
-    summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(scores, p, k)]
-                            for p in phases}  # (this call's k)
-    summary["stability"] = _json_safe(stability(scores, phases, k))
-    i += 1
+def _steps(job: _Job) -> list[Step]:
+    """The job, in order: the head sweeps (each phase, both directions), the stage sweeps
+    (``stages``), scores, validation, bins (``stages``), ablation and edges (``edges``), each
+    bound to what it depends on (``step_depends``); between them, unrecorded views."""
     from circuitkit.scoring.causal import has_causal_columns
 
-    # validation and ablation: on the held-out notes, finished runs kept in one folder
-    tested = dict(k=k, n_random=n_random, seed=seed, batch_size=batch_size, progress=progress,
-                  checkpoint=out / "checkpoints" / "validation")
-    if has_causal_columns(scores):  # (a record from before the causal sets were validated)
-        outdated("validation", "validation-causal.csv")
-    if not reusable("validation", i):
-        _log(progress, f"[{i}/{total}] validation: the top {k} heads of each phase patched "
-                       f"together on {_on(samples, 'validate')}, against {n_random} random "
-                       f"{k}-head sets")
-        t0 = time.perf_counter()
-        # the score and the causal top sets share each (phase, direction)'s run: one engine,
-        # their distinct sets once (validate_selections)
-        selections = {"score": SCORE_POOLS}
-        if has_causal_columns(scores):  # stages: the causal top sets are validated too
-            _log(progress, f"[{i}/{total}] validation: and the causal top {k} heads of each "
-                           f"phase, against {n_random} all-layers and layer-stratified sets, in "
-                           "the same runs")
-            selections["causal"] = ("all-layers", "layer-stratified")
-        got = validate_selections(model, held_out, scores, selections, k, n_random, seed,
-                                  batch_size, options=dict(progress=progress, sequential=True,
-                                                           checkpoint=tested["checkpoint"]))
-        val = got["score"]
-        files.write_text(out / "validation.csv", val.to_csv(index=False))
-        summary["validation_sets"] = val.attrs.get("sets")
-        written = ["validation.csv"]
-        if "causal" in got:
-            cval = got["causal"]
-            files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
-            summary["causal_validation"] = causal_validation(cval)
-            written.append("validation-causal.csv")
-        record("validation", time.perf_counter() - t0, written)
-    i += 1
-    if stages and not reusable("bins", i):
-        _log(progress, f"[{i}/{total}] bins: the paper's experiment: the top heads by the "
-                       f"descriptive scores patched together in cumulative bins (pattern and z, "
-                       f"both directions) beside the lowest-ranked and random heads, on "
-                       f"{_on(samples, 'validate')}")
-        t0 = time.perf_counter()
-        written = _bins_step(model, held_out, scores, phases, out, seed, batch_size)
-        record("bins", time.perf_counter() - t0, written)
-    i += int(stages)
-    if not reusable("ablation", i):
-        how = "zero-, mean- and resample-ablated" if "resample" in ablations else (
-            "zero- and mean-ablated (resample skipped: one prompt)")
-        _log(progress, f"[{i}/{total}] ablation: the top {k} heads of each phase {how} on "
-                       f"{_on(samples, 'validate')}, against {n_random_ablation} random "
-                       f"{k}-head sets")
-        t0 = time.perf_counter()
-        abl = ablate_heads(model, held_out, scores, **dict(tested, n_random=n_random_ablation),
-                           ablations=ablations)
-        files.write_text(out / "head-ablation.csv", abl.to_csv(index=False))
-        record("ablation", time.perf_counter() - t0, ["head-ablation.csv"])
-    if edges:
-        i += 1
-        outdated("edges", "edges/paths.json")  # (before the edges step patched paths)
-        if not reusable("edges", i):
-            _log(progress, f"[{i}/{total}] edges")
-            t0 = time.perf_counter()
-            written = _edges_step(model, per_phase_chosen, scores, k, out, batch_size,
-                                  progress, dict(model_name=name, task=task_name))
-            record("edges", time.perf_counter() - t0, written)
-    if stages:  # the lead: where each decision is made, stable heads, the claims table
-        summary.update(_json_safe(lead_picture(out, summary, scores, k, seed)))
-    summary["complete"] = all(step in steps for step in expected)
-    summary["steps_run_this_call"] = ran
-    summary["seconds_this_call"] = round(time.perf_counter() - t_all, 3)
+    dep = step_depends(job.identity, job.summary["validation_options"])
+    steps = [Step(f"patch-p{p}-{d}", partial(_patch_step, job, p, d), dep[f"patch-p{p}-{d}"],
+                  reuse=partial(_reuse_sweep, job, p, d)) for p, d in patch_steps(job.phases)]
+    steps.append(Step("sweeps-said", partial(_sweeps_said, job)))
+    if job.stages:  # (a record from before the held-out stage sweeps: run again)
+        steps.append(Step("stages", partial(_stages, job), dep["stages"], current=_lists(
+            f"groups/heldout-patch-p{job.phases[-1]}-noise.json")
+            if job.samples["held_out"] else None))
+    steps += [Step("scores", partial(_scores, job), dep["scores"],
+                   reuse=partial(_read_scores, job)),
+              Step("top-heads", partial(_top_heads, job)),
+              # (a record from before the causal sets were validated: run again)
+              Step("validation", partial(_validation, job), dep["validation"],
+                   current=lambda e: not has_causal_columns(job.scores)
+                   or _lists("validation-causal.csv")(e))]
+    if job.stages:
+        steps.append(Step("bins", partial(_bins, job), dep["bins"]))
+    steps.append(Step("ablation", partial(_ablation, job), dep["ablation"]))
+    if job.opts.edges:  # (before the edges step patched paths: run again)
+        steps.append(Step("edges", partial(_edges, job), dep["edges"],
+                          current=_lists("edges/paths.json")))
+    return steps
+
+
+def _patch_step(job: _Job, phase: int, direction: str, at: str) -> list[str]:
+    """Every head patched (``ck.patch_heads``) on the phase's task, both samples, one
+    direction: ``out/patch-p{phase}-{direction}.*``."""
+    import circuitkit as ck
+    from circuitkit.patching.results import quiet_baseline
+
+    o, step, tp = job.opts, f"patch-p{phase}-{direction}", job.per_phase[phase]
+    how = "clean into corrupt" if direction == "denoise" else "corrupt into clean"
+    _log(o.progress, f"{at} {step}: Phase {phase}, metric {tp.metric.name}, {direction} "
+                     f"({how} runs), {len(tp)} prompts"
+                     + (" (both samples)" if job.samples["held_out"] else ""))
+    ckpt = job.out / "checkpoints" / step if o.patch_method == "exact" else None
+    with quiet_baseline():  # said once per phase (_sweeps_said)
+        res = ck.patch_heads(job.model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                             direction=direction, method=o.patch_method,
+                             options=dict(batch_size=o.batch_size, checkpoint=ckpt,
+                                          progress=o.progress, task_hash=tp.fingerprint()))
+    res.meta.update(model_name=job.name, task=job.task_name, phase=phase, n_examples=len(tp))
+    written = res.save(job.out / step)
+    job.sweeps[phase, direction] = res
+    return [p.name for p in written]
+
+
+def _reuse_sweep(job: _Job, phase: int, direction: str) -> None:
+    job.sweeps[phase, direction] = _stored(job.out / f"patch-p{phase}-{direction}")
+
+
+def _sweeps_said(job: _Job, at: str) -> list[str]:
+    """The sweep pages' one plotly.min.js (not a step's file: rewritten whenever incomplete)
+    and one warning per phase whose corruption does not lower its metric."""
+    from circuitkit.patching.results import plotly_bundle
+
+    plotly_bundle(job.out)
+    _say_degenerate(job.sweeps)
+    return []
+
+
+def _stages(job: _Job, at: str) -> list[str]:
+    from circuitkit.tasks.base import phase_task, task_phases
+
+    _log(job.opts.progress, f"{at} stages: every head patched at each position group "
+                            f"(evidence, anchor, shortlist, answer steps, all) per phase, both "
+                            f"directions, on the {len(job.chosen)} selection examples")
+    held_tasks = {p: phase_task(job.held_out, p) for p in task_phases(job.held_out)
+                  if p in job.phases} if job.samples["held_out"] else None
+    return _stages_step(job.model, job.per_phase_chosen, job.out, job.opts.k,
+                        job.opts.batch_size, job.opts.progress, job.meta, job.summary,
+                        held_tasks)
+
+
+def _scores(job: _Job, at: str) -> list[str]:
+    """Every head's scores on the selection notes (``score_heads``), the stage sweeps' causal
+    columns beside them: ``out/scores.csv``."""
+    import pandas as pd
+
+    from circuitkit import files
+    from circuitkit.scoring.heads import score_heads
+
+    o, out = job.opts, job.out
+    _log(o.progress, f"{at} scores: every head's Phase-{'/'.join(map(str, job.phases))} "
+                     f"scores on {_on(job.samples, 'select')}")
+    scores = score_heads(job.model, job.chosen, batch_size=o.batch_size, progress=o.progress,
+                         k=o.k, seed=o.seed)
+    if job.stages and (out / "causal.csv").is_file():  # the causal columns beside the scores
+        causal = pd.read_csv(out / "causal.csv").drop(columns=["name"], errors="ignore")
+        attrs = dict(scores.attrs)  # (a merge drops them: scores_attrs would be empty)
+        scores = scores.merge(causal, on=["layer", "head"], how="left")
+        scores.attrs.update(attrs)
+    files.write_text(out / "scores.csv", scores.to_csv(index=False))
+    job.summary["scores_attrs"] = _json_safe(scores.attrs)
+    job.scores = scores
+    return ["scores.csv"]
+
+
+def _read_scores(job: _Job) -> None:
+    import pandas as pd
+
+    job.scores = pd.read_csv(job.out / "scores.csv")
+
+
+def _top_heads(job: _Job, at: str) -> list[str]:
+    """The summary's top heads and their stability, for this call's ``k``."""
+    from circuitkit.scoring.heads import top_heads
+
+    k = job.opts.k
+    job.summary["top_heads"] = {f"phase{p}": [list(h) for h in top_heads(job.scores, p, k)]
+                                for p in job.phases}
+    job.summary["stability"] = _json_safe(stability(job.scores, job.phases, k))
+    return []
+
+
+def _validation(job: _Job, at: str) -> list[str]:
+    """The top ``k`` heads of each phase patched together on the held-out notes against
+    random sets (the causal top sets too, with the stage sweeps): ``validation.csv``,
+    ``validation-causal.csv``; finished runs kept in ``checkpoints/validation``."""
+    from circuitkit import files
+    from circuitkit.experiments.validation import validate_selections
+    from circuitkit.scoring.causal import has_causal_columns
+
+    o, out, k, n_random = job.opts, job.out, job.opts.k, job.opts.n_random
+    _log(o.progress, f"{at} validation: the top {k} heads of each phase patched together on "
+                     f"{_on(job.samples, 'validate')}, against {n_random} random {k}-head sets")
+    # the score and the causal top sets share each (phase, direction)'s run: one engine,
+    # their distinct sets once (validate_selections)
+    selections = {"score": SCORE_POOLS}
+    if has_causal_columns(job.scores):  # stages: the causal top sets are validated too
+        _log(o.progress, f"{at} validation: and the causal top {k} heads of each phase, "
+                         f"against {n_random} all-layers and layer-stratified sets, in the "
+                         "same runs")
+        selections["causal"] = ("all-layers", "layer-stratified")
+    got = validate_selections(job.model, job.held_out, job.scores, selections, k, n_random,
+                              o.seed, o.batch_size, options=dict(
+                                  progress=o.progress, sequential=True,
+                                  checkpoint=out / "checkpoints" / "validation"))
+    val = got["score"]
+    files.write_text(out / "validation.csv", val.to_csv(index=False))
+    job.summary["validation_sets"] = val.attrs.get("sets")
+    written = ["validation.csv"]
+    if "causal" in got:
+        cval = got["causal"]
+        files.write_text(out / "validation-causal.csv", cval.to_csv(index=False))
+        job.summary["causal_validation"] = causal_validation(cval)
+        written.append("validation-causal.csv")
+    return written
+
+
+def _bins(job: _Job, at: str) -> list[str]:
+    _log(job.opts.progress, f"{at} bins: the paper's experiment: the top heads by the "
+                            f"descriptive scores patched together in cumulative bins (pattern "
+                            f"and z, both directions) beside the lowest-ranked and random heads, "
+                            f"on {_on(job.samples, 'validate')}")
+    return _bins_step(job.model, job.held_out, job.scores, job.phases, job.out, job.opts.seed,
+                      job.opts.batch_size)
+
+
+def _ablation(job: _Job, at: str) -> list[str]:
+    """The top ``k`` heads of each phase ablated (``job.ablations``) on the held-out notes,
+    against random sets: ``head-ablation.csv``."""
+    from circuitkit import files
+    from circuitkit.experiments.validation import ablate_heads
+
+    o = job.opts
+    how = "zero-, mean- and resample-ablated" if "resample" in job.ablations else (
+        "zero- and mean-ablated (resample skipped: one prompt)")
+    _log(o.progress, f"{at} ablation: the top {o.k} heads of each phase {how} on "
+                     f"{_on(job.samples, 'validate')}, against {o.n_random_ablation} random "
+                     f"{o.k}-head sets")
+    abl = ablate_heads(job.model, job.held_out, job.scores, k=o.k, n_random=o.n_random_ablation,
+                       seed=o.seed, batch_size=o.batch_size, progress=o.progress,
+                       checkpoint=job.out / "checkpoints" / "validation",
+                       ablations=job.ablations)
+    files.write_text(job.out / "head-ablation.csv", abl.to_csv(index=False))
+    return ["head-ablation.csv"]
+
+
+def _edges(job: _Job, at: str) -> list[str]:
+    _log(job.opts.progress, f"{at} edges")
+    return _edges_step(job.model, job.per_phase_chosen, job.scores, job.opts.k, job.out,
+                       job.opts.batch_size, job.opts.progress, job.meta)
+
+
+def _finish(job: _Job, record: StepRecord) -> dict[str, Any]:
+    """The lead (with the stage sweeps), whether every step is done, the timings; the summary
+    written, then the report (always rewritten: a view of the folder, cheap next to the
+    steps)."""
+    from circuitkit import files
+
+    summary, steps, o = job.summary, record.steps, job.opts
+    if job.stages:  # the lead: where each decision is made, stable heads, the claims table
+        summary.update(_json_safe(lead_picture(job.out, summary, job.scores, o.k, o.seed)))
+    summary["complete"] = all(step in steps for step in summary["steps_expected"])
+    summary["steps_run_this_call"] = record.ran
+    summary["seconds_this_call"] = round(time.perf_counter() - job.t_all, 3)
     summary["seconds_all_steps"] = round(sum(s["seconds"] for s in steps.values()), 3)
-    files.write_json(summary_path, summary)
-    if report:  # always rewritten: it is a view of the folder, cheap next to the steps
+    files.write_json(job.out / "summary.json", summary)
+    if o.report:
         from circuitkit.experiments.report import write_report
 
         t0 = time.perf_counter()
-        path = write_report(out, model=model, task=task)
-        _log(progress, f"report: {path.stat().st_size / 1e6:.1f} MB in "
-                       f"{time.perf_counter() - t0:.1f} s")
-    _log(progress, timing_line(summary, time.perf_counter() - t_all))
+        path = write_report(job.out, model=job.model, task=job.task)
+        _log(o.progress, f"report: {path.stat().st_size / 1e6:.1f} MB in "
+                         f"{time.perf_counter() - t0:.1f} s")
+    _log(o.progress, timing_line(summary, time.perf_counter() - job.t_all))
     return summary
 
 

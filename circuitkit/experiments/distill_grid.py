@@ -40,7 +40,8 @@ import warnings
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,16 @@ from circuitkit.experiments.curves import (
     best_step,
     decode,
     teacher_forced,
+)
+from circuitkit.experiments.runner import (
+    RECORD_VERSION,
+    VERSION_KEY,
+    Step,
+    StepRecord,
+    depends_hash,
+    options_of,
+    read_steps,
+    run_steps,
 )
 from circuitkit.files import check_writable_dir, holds_lock, lock_folder, write_json, write_text
 from circuitkit.models import hf_progress, shipped_path
@@ -464,52 +475,84 @@ def _init_worker(parent: int | None = None) -> None:
     threading.Thread(target=watch, daemon=True, name="circuitkit-parent-watch").start()
 
 
-def run_ablation(out: str | Path, teacher: str = "icd-teacher", seeds: int = 3,
-                 size: str = "default", students: tuple[Any, ...] = STUDENTS,
-                 data: tuple[str, ...] | None = None, lambda_p1: float = 1.0,
-                 lambda_p2: float = 1.0, lambda_ns: float = 1.0, task: str = "icd10",
-                 variants: tuple[str, ...] | None = None, progress: bool = True,
-                 max_seeds: int | None = None, workers: int = 1,
-                 steps: int | None = None, balance: str = "share",
-                 grad_ratio: float = 0.5, pretrain: int | None = None,
-                 overwrite: bool = False) -> Any:
-    """Train and measure the grid (module docstring); returns the ``ablation.csv`` frame. The
-    lambdas scale the variants' mechanistic terms; ``max_seeds`` (default ``seeds``): seeds
-    for headline comparisons whose intervals overlap; ``steps`` overrides the size's;
-    ``balance``, ``grad_ratio``: how every run combines its terms' gradients
-    (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps
-    (0: every run starts from its seed's fresh initialisation). ``overwrite``: a grid of another
-    configuration in ``out`` is started over instead of refused (``_check_grid``)."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}.")
-    if seeds < 1:
-        raise ValueError(f"seeds must be a positive integer, got {seeds}.")
-    max_seeds = seeds if max_seeds is None else max_seeds
-    if max_seeds < seeds:
-        raise ValueError(f"max_seeds ({max_seeds}) must be >= seeds ({seeds}).")
-    if workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers}.")
-    if pretrain is not None and (not isinstance(pretrain, int) or pretrain < 0):
-        raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got {pretrain!r}.")
-    variants = tuple(variants or DEFAULT_VARIANTS)
-    for v in variants:
-        variant_of(v)
-    known = arms(SIZES[size])
-    data = tuple(known) if data is None else tuple(data)
-    bad = [d for d in data if d not in known]
-    if bad or not data:
-        raise ValueError(f"unknown data size(s) {bad or data} for size {size!r}; choose from "
-                         f"{list(known)}.")
-    if not students:
-        raise ValueError("students: name at least one student preset.")
+@dataclass(frozen=True)
+class GridOptions:
+    """``run_ablation``'s options (a dict of these fields is accepted too; module docstring).
+
+    ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant;
+    ``max_seeds`` (None: ``seeds``): seeds for headline comparisons whose intervals overlap;
+    ``size``: one of ``SIZES``; ``students``: student presets (names or configs); ``data``:
+    the data sizes or arms (None: every one of the size's); ``variants`` (None:
+    ``DEFAULT_VARIANTS``); ``lambda_p1``, ``lambda_p2``, ``lambda_ns``: scale the variants'
+    mechanistic terms; ``steps`` overrides the size's; ``balance``, ``grad_ratio``: how every
+    run combines its terms' gradients (``loss.balanced_gradients``); ``pretrain`` overrides the
+    size's CoT-only pre-training steps (0: every run starts from its seed's fresh
+    initialisation); ``workers``: runs at a time, each in its own process; ``progress``: bars
+    and one line per run on stderr; ``overwrite``: a grid of another configuration in ``out``
+    is started over instead of refused (``_check_grid``)."""
+
+    teacher: str = "icd-teacher"
+    seeds: int = 3
+    size: str = "default"
+    students: tuple[Any, ...] = STUDENTS
+    data: tuple[str, ...] | None = None
+    lambda_p1: float = 1.0
+    lambda_p2: float = 1.0
+    lambda_ns: float = 1.0
+    task: str = "icd10"
+    variants: tuple[str, ...] | None = None
+    progress: bool = True
+    max_seeds: int | None = None
+    workers: int = 1
+    steps: int | None = None
+    balance: str = "share"
+    grad_ratio: float = 0.5
+    pretrain: int | None = None
+    overwrite: bool = False
+
+
+def run_ablation(out: str | Path, options: GridOptions | dict[str, Any] | None = None,
+                 **overrides: Any) -> Any:
+    """Train and measure the grid (module docstring) into ``out``; returns the
+    ``ablation.csv`` frame. ``options``: ``GridOptions`` (or a dict of its fields);
+    ``overrides``: its fields, on top (``run_ablation(out, seeds=1, size="quick")``). Resumed
+    from ``ablation.json``'s record (``experiments.runner.StepRecord``): finished runs are not
+    trained or measured again."""
+    o = _resolve(options_of(GridOptions, options, overrides, "run_ablation"))
     out = check_writable_dir(out, "--out")
     # one ablation per folder (the CLI's claim may hold the lock already)
     with contextlib.nullcontext() if holds_lock(out) else lock_folder(out, "--out folder"):
-        return _run_ablation(out, teacher, seeds, max_seeds, size, tuple(students), tuple(data),
-                             dict(lambda_p1=lambda_p1, lambda_p2=lambda_p2,
-                                  lambda_ns=lambda_ns), task, variants, progress, workers,
-                             steps, dict(balance=balance, grad_ratio=grad_ratio), pretrain,
-                             overwrite)
+        return _run_ablation(out, o)
+
+
+def _resolve(o: GridOptions) -> GridOptions:
+    """``o`` checked (each bad value one line) with its defaults resolved: ``max_seeds``,
+    ``variants``, ``data`` and ``students`` as tuples."""
+    if o.size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {o.size!r}.")
+    if o.seeds < 1:
+        raise ValueError(f"seeds must be a positive integer, got {o.seeds}.")
+    max_seeds = o.seeds if o.max_seeds is None else o.max_seeds
+    if max_seeds < o.seeds:
+        raise ValueError(f"max_seeds ({max_seeds}) must be >= seeds ({o.seeds}).")
+    if o.workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {o.workers}.")
+    if o.pretrain is not None and (not isinstance(o.pretrain, int) or o.pretrain < 0):
+        raise ValueError(f"pretrain must be an integer >= 0 (CoT-only steps), got "
+                         f"{o.pretrain!r}.")
+    variants = tuple(o.variants or DEFAULT_VARIANTS)
+    for v in variants:
+        variant_of(v)
+    known = arms(SIZES[o.size])
+    data = tuple(known) if o.data is None else tuple(o.data)
+    bad = [d for d in data if d not in known]
+    if bad or not data:
+        raise ValueError(f"unknown data size(s) {bad or data} for size {o.size!r}; choose from "
+                         f"{list(known)}.")
+    if not o.students:
+        raise ValueError("students: name at least one student preset.")
+    return replace(o, max_seeds=max_seeds, variants=variants, data=data,
+                   students=tuple(o.students))
 
 
 def arms(sz: dict[str, Any]) -> dict[str, int]:
@@ -529,45 +572,205 @@ def coverage(task: str, pool_size: int, test: Any) -> dict[str, float]:
             for k in (1, 3)}
 
 
-def _early_stopping(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
-                    names: dict[str, Any], sz: dict[str, Any], task: str, progress: bool,
-                    workers: int, record: dict) -> dict[str, dict[str, Any]]:
+@dataclass
+class _Grid:
+    """One ``run_ablation`` call: its options and sizes, ``ablation.json``'s document ``doc``
+    and resume record, and what its steps hand on (stores, S*, the teacher's metrics, the
+    runs, the frame)."""
+
+    out: Path
+    o: GridOptions
+    sz: dict[str, Any]
+    names: dict[str, Any]  # student name -> preset
+    scale: dict[str, float]  # the lambdas
+    base: dict[str, Any]  # every run's config: teacher, task, balancing, the size's fields
+    doc: dict[str, Any]
+    record: StepRecord
+    lc: Any
+    t_start: float
+    timings: dict[str, float] = field(default_factory=dict)
+    stores: dict[Any, dict[str, Any]] = field(default_factory=dict)
+    sel: dict[str, dict[str, Any]] = field(default_factory=dict)
+    teacher_m: dict[str, Any] = field(default_factory=dict)
+    planned: list[Run] = field(default_factory=list)
+    extra: list[Run] = field(default_factory=list)
+    frame: Any = None
+    t0: float = 0.0
+
+    @property
+    def cells(self) -> list[tuple[str, str]]:
+        return [(s, d) for s in self.names for d in self.o.data]
+
+    @property
+    def ctx_args(self) -> tuple:
+        return (self.sz, self.o.task, self.lc.phase1_reading, (self.lc.top_k1, self.lc.top_k2))
+
+    def save(self) -> None:
+        self.record.save()
+
+
+GRID_REMEDY = "pass --overwrite to start the grid over, or choose another --out"
+
+
+def _open_grid(out: Path, o: GridOptions) -> _Grid:
+    """The grid's sizes, its document (the configuration, checked against the one stored
+    first: a changed configuration is refused, or with ``overwrite`` started over, before
+    anything is built or trained) and its resume record, written."""
+    sz = dict(SIZES[o.size])
+    if o.steps is not None:
+        sz["steps"] = int(o.steps)
+    if o.pretrain is not None:
+        sz["pretrain"] = o.pretrain
+    names = {_student_name(s): s for s in o.students}
+    scale = dict(lambda_p1=o.lambda_p1, lambda_p2=o.lambda_p2, lambda_ns=o.lambda_ns)
+    base = dict(teacher=o.teacher, task=o.task, balance=o.balance, grad_ratio=o.grad_ratio,
+                **{k: sz[k] for k in ("shard_size", "steps", "batch_size", "warmup",
+                                      "save_every", "score_examples")})
+    doc = json.loads(json.dumps(dict(
+        size=o.size, sizes=sz, seeds=o.seeds, max_seeds=o.max_seeds, variants=o.variants,
+        students={n: asdict(train.preset(s)) for n, s in names.items()}, data=list(o.data),
+        lambdas=scale, base=base, workers=o.workers)))
+    stored = _check_grid(out, doc, o.overwrite)
+    if stored is not None:  # the presets of cells this call does not run stay on record
+        doc["students"] = {**stored.get("students", {}), **doc["students"]}
+        # and what earlier calls measured (read mid-call, the record stays whole)
+        doc.update({k: stored[k] for k in ("teacher_metrics", "timings") if k in stored})
+        doc["calls"] = stored.get("calls") or ([stored["timings"]] if "timings" in stored
+                                               else [])
+    doc["steps"] = (stored or {}).get("steps", {})
+    doc[VERSION_KEY] = RECORD_VERSION
+    record = StepRecord(out, doc["steps"], lambda: write_json(out / "ablation.json", doc),
+                        "ablation grid", out / "ablation.json")
+    record.save()
+    return _Grid(out=out, o=o, sz=sz, names=names, scale=scale, base=base, doc=doc,
+                 record=record, lc=DistillConfig().loss_config(), t_start=time.time())
+
+
+def _run_ablation(out: Path, o: GridOptions) -> Any:
+    """The grid's steps (``runner.run_steps``): the stores, the held-out notes' store, the
+    teacher's metrics (recorded), the early-stopping baselines (sizes with ``es_max``), the
+    runs (each recorded: ``_finished``) and the tables."""
+    g = _open_grid(out, o)
+    steps = [Step("stores", partial(_stores, g)), Step("fidelity-store", partial(_fidelity, g)),
+             Step("teacher", partial(_teacher, g), depends_hash(_eval_config(g)),
+                  reuse=partial(_read_teacher, g), current=partial(_teacher_current, g))]
+    if g.sz.get("es_max"):
+        steps.append(Step("early-stopping", partial(_early_stopping, g)))
+    steps += [Step("runs", partial(_runs, g)), Step("tables", partial(_tables, g))]
+    run_steps(steps, g.record, lambda msg: None)  # (the runs say what they do themselves)
+    return g.frame
+
+
+def _stores(g: _Grid, at: str) -> list[str]:
+    """The training stores: one per data size (scored once, the table shared), and a variant's
+    own heads' store per data size (``VARIANT_LOSS``); each ``train.prepare_store``'s own
+    resumable folder."""
+    out, data = g.out, g.o.data
+
+    def store(key: Any, name: str, cfg: dict[str, Any]) -> None:
+        g.stores[key] = cfg
+        t0 = time.perf_counter()
+        with hf_progress(g.o.progress):
+            train.prepare_store(DistillConfig(**cfg), out, progress=g.o.progress)
+        g.timings[name] = round(time.perf_counter() - t0, 1)
+
+    for d in data:
+        folder = out / f"signals-{d}"
+        _share_scores(out / f"signals-{data[0]}" / "scores.csv", folder)
+        store(d, f"store_{d}", dict(g.base, pool_size=arms(g.sz)[d], store=str(folder)))
+    for heads in sorted({VARIANT_LOSS[variant_of(v)[0]]["heads"] for v in g.o.variants
+                         if variant_of(v)[0] in VARIANT_LOSS}):
+        for d in data:  # a variant's own heads: its own store per data size, one score table
+            folder = out / f"signals-{d}-{heads}"
+            first = out / f"signals-{data[0]}-{heads}" / "scores.csv"
+            # the causal columns are added once
+            _share_scores(first if first.exists() else out / f"signals-{data[0]}" / "scores.csv",
+                          folder)
+            store((d, heads), f"store_{d}_{heads}",
+                  dict(g.stores[d], store=str(folder), loss=dict(heads=heads)))
+    return []
+
+
+def _fidelity(g: _Grid, at: str) -> list[str]:
+    g.t0 = time.perf_counter()
+    _gap_store(g.out, g.o.teacher, g.o.task, g.sz, g.lc, g.stores[g.o.data[0]]["store"],
+               g.o.progress)
+    return []
+
+
+def _eval_config(g: _Grid) -> dict[str, Any]:
+    """What the teacher's metrics depend on: the teacher, the task, the evaluation sizes."""
+    return dict(teacher=g.o.teacher, task=g.o.task, lc=asdict(g.lc),
+                **{k: g.sz.get(k) for k in EVAL_KEYS if k not in ("teacher", "task")})
+
+
+def _teacher_current(g: _Grid, entry: dict[str, Any]) -> bool:
+    """A recorded ``teacher.json`` lacking one of ``METRICS`` (a version that measured less)
+    is measured again, as a run's is (``measured``); a missing or unreadable one is the
+    record's to name."""
+    try:
+        return _complete(json.loads((g.out / "teacher.json").read_text()))
+    except (OSError, ValueError):
+        return True
+
+
+def _teacher(g: _Grid, at: str) -> list[str]:
+    """The teacher's metrics (``teacher.json``): those of a folder from before the record
+    (there, complete, not recorded) are taken as they are; else measured."""
+    path = g.out / "teacher.json"
+    if "teacher" not in g.record.dropped and path.exists():
+        with contextlib.suppress(OSError, ValueError):
+            got = json.loads(path.read_text())
+            if _complete(got):
+                g.teacher_m = got
+    if not g.teacher_m:
+        g.teacher_m = _teacher_metrics(g.out, g.o.teacher, g.o.task, g.sz, g.lc, g.o.progress)
+    g.timings["teacher_and_fidelity_store"] = round(time.perf_counter() - g.t0, 1)
+    return ["teacher.json"]
+
+
+def _read_teacher(g: _Grid) -> None:
+    g.teacher_m = json.loads((g.out / "teacher.json").read_text())
+    g.timings["teacher_and_fidelity_store"] = round(time.perf_counter() - g.t0, 1)
+
+
+def _early_stopping(g: _Grid, at: str) -> list[str]:
     """The held-out store (``heldout_examples`` train notes of pool seed 99: disjoint from the
     pools of seed 0 and from the test split), each arm's label coverage, then ``_select_steps``;
     S*, curves and coverage go into ``ablation.json`` at once."""
+    t0 = time.perf_counter()
+    out, cells, sz = g.out, g.cells, g.sz
     folder = out / "signals-heldout"
     # the pools' score table: the same heads
-    _share_scores(Path(stores[cells[0][1]]["store"]) / "scores.csv", folder)
-    cfg = dict(stores[cells[0][1]], pool_size=sz["heldout_examples"], pool_seed=99,
+    _share_scores(Path(g.stores[cells[0][1]]["store"]) / "scores.csv", folder)
+    cfg = dict(g.stores[cells[0][1]], pool_size=sz["heldout_examples"], pool_seed=99,
                store=str(folder))
-    with hf_progress(progress):
-        train.prepare_store(DistillConfig(**cfg), out, progress=progress)
-    test, _ = _test_notes(task, sz)
-    record["coverage"] = {d: coverage(task, arms(sz)[d], test) for _, d in cells}
-    sel = _select_steps(out, cells, stores, names, sz, progress, workers)
-    record["baseline_selection"] = sel
-    write_json(out / "ablation.json", record)
-    return sel
+    with hf_progress(g.o.progress):
+        train.prepare_store(DistillConfig(**cfg), out, progress=g.o.progress)
+    test, _ = _test_notes(g.o.task, sz)
+    g.doc["coverage"] = {d: coverage(g.o.task, arms(sz)[d], test) for _, d in cells}
+    g.sel = _select_steps(g)
+    g.doc["baseline_selection"] = g.sel
+    g.save()
+    g.timings["early_stopping"] = round(time.perf_counter() - t0, 1)
+    return []
 
 
-def _select_steps(out: Path, cells: list[tuple[str, str]], stores: dict[str, dict],
-                  names: dict[str, Any], sz: dict[str, Any], progress: bool, workers: int
-                  ) -> dict[str, dict[str, Any]]:
+def _select_steps(g: _Grid) -> dict[str, dict[str, Any]]:
     """Per arm: S* and the held-out-loss curve of its early-stopping baseline (seed 0, the cot
     variant's config with ``es_max`` steps, measured every ``es_every``)."""
-    heldout = str(out / "signals-heldout")
+    heldout = str(g.out / "signals-heldout")
     tasks = []
-    for s, d in cells:
+    for s, d in g.cells:
         r = Run(s, d, "cot-es", 0)
-        cfg = dict(stores[d], student=names[s], seed=0, steps=sz["es_max"],
-                   save_every=sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
-        if not (r.folder(out) / "distill.json").exists():
-            tasks.append((_do_train, (str(out), r, cfg, progress, heldout), r, "early stopping"))
+        if not _finished(g, r, "early stopping"):
+            tasks.append((_do_train, (str(g.out), r, _es_of(g, r), g.o.progress, heldout), r,
+                          "early stopping"))
     if tasks:
-        _dispatch(out, tasks, workers, progress)
+        _dispatch(g.out, tasks, g.o.workers, g.o.progress, partial(_record_task, g))
     sel = {}
-    for s, d in cells:
-        pts = _points(Run(s, d, "cot-es", 0).folder(out))
+    for s, d in g.cells:
+        pts = _points(Run(s, d, "cot-es", 0).folder(g.out))
         sel[f"{s}-{d}"] = dict(s_star=best_step(pts), curve=pts)
     return sel
 
@@ -579,104 +782,114 @@ def _student_name(student: Any) -> str:
     return f"L{p.n_layers}H{p.n_heads}D{p.d_model}"
 
 
-def _run_ablation(out: Path, teacher: str, seeds: int, max_seeds: int, size: str,
-                  students: tuple[Any, ...], data: tuple[str, ...], scale: dict[str, float],
-                  task: str, variants: tuple[str, ...], progress: bool, workers: int,
-                  steps: int | None, balancing: dict[str, Any], pretrain: int | None,
-                  overwrite: bool = False) -> Any:
-    sz = dict(SIZES[size])
-    if steps is not None:
-        sz["steps"] = int(steps)
-    if pretrain is not None:
-        sz["pretrain"] = pretrain
-    t_start = time.time()
-    names = {_student_name(s): s for s in students}
-    base = dict(teacher=teacher, task=task, **balancing, **{k: sz[k] for k in (
-        "shard_size", "steps", "batch_size", "warmup", "save_every", "score_examples")})
-    timings: dict[str, float] = {}
-    record = json.loads(json.dumps(dict(
-        size=size, sizes=sz, seeds=seeds, max_seeds=max_seeds, variants=variants,
-        students={n: asdict(train.preset(s)) for n, s in names.items()}, data=list(data),
-        lambdas=scale, base=base, workers=workers)))
-    # the grid's identity first, before anything is built or trained: a changed configuration
-    # is refused (or, with overwrite, started over), never mixed into the runs already there
-    stored = _check_grid(out, record, overwrite)
-    if stored is not None:  # the presets of cells this call does not run stay on record
-        record["students"] = {**stored.get("students", {}), **record["students"]}
-        # and what earlier calls measured (read mid-call, the record stays whole)
-        record.update({k: stored[k] for k in ("teacher_metrics", "timings") if k in stored})
-        record["calls"] = stored.get("calls") or ([stored["timings"]] if "timings" in stored
-                                                  else [])
-    write_json(out / "ablation.json", record)
-    # stores: one per data size (scored once, the table shared), then the held-out notes'
-    stores: dict[Any, dict[str, Any]] = {}
+def _cfg_of(g: _Grid, r: Run) -> dict[str, Any]:
+    """Run ``r``'s config: its data size's store, its student and seed, its variant's lambdas
+    (times the grid's and the variant's weight), its start, and its arm's S* when there is
+    one (steps and schedule; curve points at its fifths)."""
+    base_, weight = variant_of(r.variant)
+    lam = {k: VARIANTS[base_][k] * g.scale[k] * weight for k in g.scale}
+    init = str(r.pretrain_folder(g.out)) if g.sz["pretrain"] else g.sz.get("init")
+    own = {}
+    if r.cell in g.sel:
+        n = g.sel[r.cell]["s_star"]
+        own = dict(steps=n, save_every=max(1, n // g.sz["curve_points"]),
+                   warmup=min(g.sz["warmup"], max(1, n // 10)))
+    key = (r.data, VARIANT_LOSS[base_]["heads"]) if base_ in VARIANT_LOSS else r.data
+    return dict(g.stores[key], student=g.names[r.student], seed=r.seed, init=init, **lam, **own)
 
-    def store(key: Any, name: str, cfg: dict[str, Any]) -> None:
-        stores[key] = cfg
-        t0 = time.perf_counter()
-        with hf_progress(progress):
-            train.prepare_store(DistillConfig(**cfg), out, progress=progress)
-        timings[name] = round(time.perf_counter() - t0, 1)
 
-    for d in data:
-        folder = out / f"signals-{d}"
-        _share_scores(out / f"signals-{data[0]}" / "scores.csv", folder)
-        store(d, f"store_{d}", dict(base, pool_size=arms(sz)[d], store=str(folder)))
-    for heads in sorted({VARIANT_LOSS[variant_of(v)[0]]["heads"] for v in variants
-                         if variant_of(v)[0] in VARIANT_LOSS}):
-        for d in data:  # a variant's own heads: its own store per data size, one score table
-            folder = out / f"signals-{d}-{heads}"
-            first = out / f"signals-{data[0]}-{heads}" / "scores.csv"
-            # the causal columns are added once
-            _share_scores(first if first.exists() else out / f"signals-{data[0]}" / "scores.csv",
-                          folder)
-            store((d, heads), f"store_{d}_{heads}",
-                  dict(stores[d], store=str(folder), loss=dict(heads=heads)))
-    lc = DistillConfig().loss_config()
+def _pretrain_of(g: _Grid, r: Run) -> dict[str, Any]:
+    """The CoT-only start of ``r``'s cell (``pretrain`` steps, seed 0)."""
+    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["pretrain"],
+                lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+
+
+def _es_of(g: _Grid, r: Run) -> dict[str, Any]:
+    """The early-stopping baseline of ``r``'s arm: the cot config with ``es_max`` steps."""
+    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["es_max"],
+                save_every=g.sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+
+
+# each recorded kind of grid step: (its folder, its config, the file it writes last)
+_KINDS: dict[str, tuple[Any, Any, str]] = {
+    "run": (lambda g, r: r.folder(g.out), _cfg_of, "metrics.json"),
+    "pretrain": (lambda g, r: r.pretrain_folder(g.out), _pretrain_of, train.RECORD),
+    "early stopping": (lambda g, r: r.folder(g.out), _es_of, train.RECORD),
+}
+
+
+def _sub_step(g: _Grid, r: Run, what: str) -> tuple[str, str, str]:
+    """``(name, depends, file)`` of a recorded grid step: ``name`` its folder relative to the
+    grid's, ``depends`` the hash of its config with the grid's own paths relative (a grid
+    copied elsewhere resumes), ``file`` what it writes last."""
+    folder_of, config_of, last = _KINDS[what]
+    name = folder_of(g, r).relative_to(g.out).as_posix()
+    prefix = str(g.out) + os.sep
+    cfg = {k: "./" + v[len(prefix):].replace(os.sep, "/")
+           if isinstance(v, str) and v.startswith(prefix) else v
+           for k, v in config_of(g, r).items()}
+    return name, depends_hash(cfg), f"{name}/{last}"
+
+
+def _finished(g: _Grid, r: Run, what: str) -> bool:
+    """Whether grid step ``what`` of ``r`` is done: recorded for this config with its file
+    verified, or (a folder from before the record, or a run finished as the grid stopped) its
+    last file there (``measured`` for a run). A recorded one whose file was modified is said
+    and done again (a run measured again from its saved student; a training run verified by
+    ``train_student``); one recorded for another config is refused (``overwrite``: its folder
+    is deleted and it runs again)."""
+    rec = g.record
+    name, depends, file = _sub_step(g, r, what)
+    folder = g.out / name
+    if rec.forget_stale({name: depends}):
+        if not g.o.overwrite:
+            raise ValueError(f"{folder} was trained for another config than this call's (its "
+                             f"recorded inputs differ); {GRID_REMEDY}.")
+        shutil.rmtree(folder, ignore_errors=True)
+    if rec.reusable(name):
+        return True
+    if name in rec.dropped:
+        if what == "run":  # (metrics.json is derived: measured again, not trained)
+            (g.out / file).unlink(missing_ok=True)
+        return False
+    if measured(folder) if what == "run" else (g.out / file).exists():
+        rec.done(name, depends, 0.0, [file])
+        return True
+    return False
+
+
+def _record_task(g: _Grid, r: Run, what: str, seconds: float) -> None:
+    """A dispatched task's step recorded as it finishes (a task told to stop wrote nothing)."""
+    name, depends, file = _sub_step(g, r, what)
+    if (measured(g.out / name) if what == "run" else (g.out / file).exists()):
+        g.record.done(name, depends, seconds, [file])
+
+
+def _runs(g: _Grid, at: str) -> list[str]:
+    """Every variant x seed of every cell, then the seeds added for overlapping headline
+    comparisons (``_extra_runs``); finished ones are kept (``_finished``)."""
     t0 = time.perf_counter()
-    _gap_store(out, teacher, task, sz, lc, stores[data[0]]["store"], progress)
-    teacher_m = _teacher_metrics(out, teacher, task, sz, lc, progress)
-    timings["teacher_and_fidelity_store"] = round(time.perf_counter() - t0, 1)
-    ctx_args = (sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
-    cells = [(s, d) for s in names for d in data]
-    sel: dict[str, dict[str, Any]] = {}
-    if sz.get("es_max"):
-        t0 = time.perf_counter()
-        sel = _early_stopping(out, cells, stores, names, sz, task, progress, workers, record)
-        timings["early_stopping"] = round(time.perf_counter() - t0, 1)
+    g.planned = [Run(s, d, v, k) for s, d in g.cells for k in range(g.o.seeds)
+                 for v in g.o.variants]
+    _execute(g, g.planned)
+    if g.o.max_seeds > g.o.seeds:
+        g.extra = _extra_runs(g.out, g.cells, g.o.variants, g.o.seeds, g.o.max_seeds)
+    _execute(g, g.extra)
+    g.timings["runs"] = round(time.perf_counter() - t0, 1)
+    return []
 
-    def cfg_of(r: Run) -> dict[str, Any]:
-        base_, weight = variant_of(r.variant)
-        lam = {k: VARIANTS[base_][k] * scale[k] * weight for k in scale}
-        init = str(r.pretrain_folder(out)) if sz["pretrain"] else sz.get("init")
-        own = {}
-        if r.cell in sel:  # S* fixes steps and schedule; curve points at its fifths
-            n = sel[r.cell]["s_star"]
-            own = dict(steps=n, save_every=max(1, n // sz["curve_points"]),
-                       warmup=min(sz["warmup"], max(1, n // 10)))
-        key = (r.data, VARIANT_LOSS[base_]["heads"]) if base_ in VARIANT_LOSS else r.data
-        return dict(stores[key], student=names[r.student], seed=r.seed, init=init, **lam,
-                    **own)
 
-    def pretrain_of(r: Run) -> dict[str, Any]:
-        return dict(stores[r.data], student=names[r.student], seed=0, steps=sz["pretrain"],
-                    lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
-
-    planned = [Run(s, d, v, k) for s, d in cells for k in range(seeds) for v in variants]
-    t0 = time.perf_counter()
-    pre = pretrain_of if sz["pretrain"] else None
-    _execute(out, planned, cfg_of, pre, ctx_args, progress, workers)
-    extra = _extra_runs(out, cells, variants, seeds, max_seeds) if max_seeds > seeds else []
-    _execute(out, extra, cfg_of, pre, ctx_args, progress, workers)
-    timings["runs"] = round(time.perf_counter() - t0, 1)
-    runs = planned + extra
-    frame = _write_tables(out, runs)
-    timings["total_this_call"] = round(time.time() - t_start, 1)
-    record.update(timings=timings, calls=[*record.get("calls", []), timings], n_runs=len(runs),
-                  teacher_metrics=teacher_m,
-                  extra_runs=[asdict(r) for r in extra])
-    write_json(out / "ablation.json", record)
-    return frame
+def _tables(g: _Grid, at: str) -> list[str]:
+    """``runs.csv``, ``ablation.csv``, ``comparisons.csv`` of every run; this call's timings
+    and the teacher's metrics into ``ablation.json``."""
+    runs = g.planned + g.extra
+    g.frame = _write_tables(g.out, runs)
+    g.timings["total_this_call"] = round(time.time() - g.t_start, 1)
+    g.doc.update(timings=g.timings, calls=[*g.doc.get("calls", []), g.timings],
+                 n_runs=len(runs), teacher_metrics=g.teacher_m,
+                 extra_runs=[asdict(r) for r in g.extra])
+    g.save()
+    return []
 
 
 def _share_scores(src: Path, folder: Path) -> None:
@@ -708,9 +921,10 @@ def grid_config(record: dict) -> dict[str, Any]:
 
 
 def _check_grid(out: Path, record: dict, overwrite: bool) -> dict | None:
-    """The stored ``ablation.json`` of ``out`` (None: none), refused when it records another
-    configuration than ``record`` (a single student's ``distill`` refuses so too:
-    ``train._config_diff``); with ``overwrite`` that grid is started over instead."""
+    """The stored ``ablation.json`` of ``out`` (None: none), its resume record read strictly
+    (``runner.read_steps``), refused when it records another configuration than ``record`` (a
+    single student's ``distill`` refuses so too: ``train._config_diff``); with ``overwrite``
+    that grid is started over instead (an unreadable one too)."""
     path = out / "ablation.json"
     if not path.exists():
         return None
@@ -720,8 +934,14 @@ def _check_grid(out: Path, record: dict, overwrite: bool) -> dict | None:
             raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         if not overwrite:
-            raise ValueError(f"{path} is unreadable ({e}); pass --overwrite to start the grid "
-                             "over, or choose another --out.") from None
+            raise ValueError(f"{path} is unreadable ({e}); {GRID_REMEDY}.") from None
+        _start_over(out, None)
+        return None
+    try:
+        stored["steps"] = read_steps(stored, path, GRID_REMEDY)
+    except ValueError:
+        if not overwrite:
+            raise
         _start_over(out, None)
         return None
     old, now = grid_config(stored), grid_config(record)
@@ -762,34 +982,39 @@ class GridStopped(ValueError):
     and how to resume."""
 
 
-def _execute(out: Path, runs: list[Run], cfg_of: Any, pretrain_of: Any, ctx_args: tuple,
-             progress: bool, workers: int) -> None:
-    """The unfinished ``runs``, after the CoT-only starts they need (``pretrain_of``: their
-    configs; None: no pre-training); a finished start (its ``distill.json``) is reused."""
-    todo = [r for r in runs if not measured(r.folder(out))]
+def _execute(g: _Grid, runs: list[Run]) -> None:
+    """The unfinished ``runs`` (``_finished``), after the CoT-only starts they need (sizes
+    with ``pretrain`` steps); a finished start is reused. Each recorded as it finishes."""
+    out, progress, workers = g.out, g.o.progress, g.o.workers
+    todo = [r for r in runs if not _finished(g, r, "run")]
     starts = list({r.cell: r for r in todo
-                   if pretrain_of is not None
-                   and not (r.pretrain_folder(out) / train.RECORD).exists()}.values())
+                   if g.sz["pretrain"] and not _finished(g, r, "pretrain")}.values())
     if not todo:
         return
-    _dispatch(out, [(_do_train, (str(out), r, pretrain_of(r), progress), r, "pretrain")
-                    for r in starts], workers, progress)
-    _dispatch(out, [(_do_run, (str(out), r, cfg_of(r), ctx_args, progress), r, "run")
-                    for r in todo], workers, progress)
+    done = partial(_record_task, g)
+    _dispatch(out, [(_do_train, (str(out), r, _pretrain_of(g, r), progress), r, "pretrain")
+                    for r in starts], workers, progress, done)
+    _dispatch(out, [(_do_run, (str(out), r, _cfg_of(g, r), g.ctx_args, progress), r, "run")
+                    for r in todo], workers, progress, done)
 
 
 STOP_GRACE = 30.0  # seconds a stopped worker has to save its training state before it is killed
 
 
-def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> None:
+def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool,
+              on_done: Any = None) -> None:
     """Run ``tasks`` (``(fn, args, run, what)``) on ``workers`` spawned processes, at most one
-    task per worker at a time (so a stop leaves nothing queued). On Ctrl-C, a worker's error or
-    a worker's death: nothing more is dispatched, the running tasks are stopped at their last
+    task per worker at a time (so a stop leaves nothing queued); ``on_done(run, what,
+    seconds)`` as each finishes (the grid records it). On Ctrl-C, a worker's error or a
+    worker's death: nothing more is dispatched, the running tasks are stopped at their last
     training state (``train_student`` saves it on SIGINT), and the grid says what is kept.
     One worker: each task in this process, in turn."""
+    on_done = on_done or (lambda *a: None)
     if workers == 1:
-        for fn, args, _, _ in tasks:
+        for fn, args, run, what in tasks:
+            t0 = time.perf_counter()
             fn(*args)
+            on_done(run, what, time.perf_counter() - t0)
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(os.getpid(),))
@@ -800,15 +1025,16 @@ def _dispatch(out: Path, tasks: list[tuple], workers: int, progress: bool) -> No
         while queue or running:
             while queue and len(running) < workers:
                 fn, args, run, what = queue.pop(0)
-                running[pool.submit(_task, fn, *args)] = (run, what)
+                running[pool.submit(_task, fn, *args)] = (run, what, time.perf_counter())
                 procs = list(getattr(pool, "_processes", {}).values()) or procs
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in done:
                 f.result()  # a worker's error surfaces here, with its message
-                running.pop(f)
+                run, what, t0 = running.pop(f)
+                on_done(run, what, time.perf_counter() - t0)
     except BaseException as e:
         in_flight = [f"{r.cell} {r.variant if what == 'run' else 'pretrain'} seed {r.seed}"
-                     for r, what in running.values()]
+                     for r, what, _ in running.values()]
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:  # stop the running tasks: each saves its training state
             if p.is_alive():
@@ -872,13 +1098,9 @@ def _gap_store(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
 
 def _teacher_metrics(out: Path, teacher: str, task: str, sz: dict[str, Any], lc: Any,
                      progress: bool) -> dict[str, Any]:
-    """The teacher's own metrics on the grid's notes (``teacher.json``; computed once, and
-    again when it lacks one of ``METRICS``, as a run's are: ``measured``)."""
+    """The teacher's own metrics on the grid's notes, written to ``teacher.json`` (the grid's
+    ``teacher`` step: recorded, measured again when it lacks one of ``METRICS``)."""
     path = out / "teacher.json"
-    if path.exists():
-        got = json.loads(path.read_text())
-        if _complete(got):
-            return got
     ctx = context(out, sz, task, lc.phase1_reading, (lc.top_k1, lc.top_k2))
     folder = shipped_path(teacher) if not Path(teacher).is_dir() else Path(teacher)
     with hf_progress(progress):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -555,17 +556,40 @@ def _attention_section(summary: dict, scores: Any, model: Any, task: Any, k: int
                 f"({_esc(type(e).__name__)}: {_esc(first)}).</p>")
 
 
-def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
-                 attention: bool = True, top_k: int = 10, attention_heads: int = 3) -> str:
-    """The report's HTML text (see the module docstring); ``write_report`` writes it."""
+@dataclass
+class _RunFiles:
+    """What ``build_report`` found in a results folder (each part None / empty when absent)."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+    results: dict[str, Any]  # name -> PatchResult
+    skipped: list[str]  # a line per pair of files that is not a PatchResult
+    edge_result: Any
+    circ: dict[str, Any] | None
+    scores: Any
+    validation: Any
+    ablation: Any
+    head_ablation: Any
+
+    @property
+    def model_name(self) -> str | None:
+        s = self.summary
+        return s.get("model") or s.get("model_name") or s.get("identity", {}).get("model") or \
+            next((r.meta.get("model_name") or r.meta.get("model")
+                  for r in self.results.values()), None)
+
+    @property
+    def task_name(self) -> str | None:
+        s = self.summary
+        return s.get("task") or s.get("identity", {}).get("task") or next(
+            (r.meta.get("task") for r in self.results.values() if r.meta.get("task")), None)
+
+
+def _read_run(run_dir: Path) -> _RunFiles:
+    """Every part of ``run_dir`` the page shows (``summary.json`` verified first); a folder
+    with none of them is one ``ValueError``."""
     import pandas as pd
-    import plotly.io as pio
-    from plotly.offline import get_plotlyjs
 
-    from circuitkit.experiments import charts
-    from circuitkit.viz.attention import circuitsvis_script
-
-    run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run_dir={str(run_dir)!r}: expected a results folder (as written by "
                          f"circuitkit characterize or patch --out).")
@@ -573,34 +597,59 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
     results, skipped = _patch_results(run_dir)
     edge_result, circ = _edge_files(run_dir)
     read = lambda name: pd.read_csv(run_dir / name) if (run_dir / name).exists() else None
-    scores, validation = read("scores.csv"), read("validation.csv")
     ablation = read("ablation.csv")
-    head_ablation = read("head-ablation.csv")
     if ablation is None and (run_dir / "distill" / "ablation.csv").exists():
         ablation = pd.read_csv(run_dir / "distill" / "ablation.csv")
-    if not (summary or results or scores is not None or validation is not None
+    run = _RunFiles(run_dir, summary, results, skipped, edge_result, circ, read("scores.csv"),
+                    read("validation.csv"), ablation, read("head-ablation.csv"))
+    if not (summary or results or run.scores is not None or run.validation is not None
             or ablation is not None):
         raise ValueError(f"run_dir={str(run_dir)!r} holds none of summary.json, patch results "
                          f"(X.json + X.safetensors), scores.csv, validation.csv, ablation.csv.")
+    return run
 
+
+def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
+                 attention: bool = True, top_k: int = 10, attention_heads: int = 3) -> str:
+    """The report's HTML text (see the module docstring); ``write_report`` writes it. The
+    page's sections in order: what is missing (``_status_sections``), the lead and the
+    findings (``_lead_sections``), the results (``_result_sections``), the attention views,
+    the edges and the distillation grid (``_more_sections``), the glossary, and the
+    summary's details last (``_details_section``)."""
+    import plotly.io as pio
+
+    run_dir = Path(run_dir)
+    run = _read_run(run_dir)
     config = {"displaylogo": False, "responsive": False}
     fig_html = lambda fig: pio.to_html(fig, full_html=False, include_plotlyjs=False,
                                        config=config)
+    views: list = []
+    sections = _status_sections(run_dir, run.summary) + _lead_sections(run_dir, run)
+    sections += _result_sections(run, fig_html, top_k)
+    if attention and run.scores is not None:
+        sections.append(("attention", "Attention of the top heads", _attention_section(
+            run.summary, run.scores, model, task, attention_heads, views)))
+    sections += _more_sections(run_dir, run, fig_html)
+    sections += _glossary_section(run)
+    details = _details_section(run.summary)  # fingerprints, versions, timings: the last one
+    if details:
+        sections.append(details)
+    return _page(run_dir, run, sections, views)
 
-    def chart(make, *args) -> str:
-        """A chart, or one line saying why not (a frame whose columns a chart does not know
-        still gets its table)."""
-        try:
-            return fig_html(make(*args))
-        except ValueError as e:
-            return f"<p class='skip'>Chart skipped: {_esc(e)}</p>"
-    sections: list[tuple[str, str, str]] = []  # (id, heading, body)
 
-    model_name = summary.get("model") or summary.get("model_name") or summary.get(
-        "identity", {}).get("model") or next(
-        (r.meta.get("model_name") or r.meta.get("model") for r in results.values()), None)
-    task_name = summary.get("task") or summary.get("identity", {}).get("task") or next(
-        (r.meta.get("task") for r in results.values() if r.meta.get("task")), None)
+def _chart(fig_html: Any, make: Any, *args: Any) -> str:
+    """A chart, or one line saying why not (a frame whose columns a chart does not know still
+    gets its table)."""
+    try:
+        return fig_html(make(*args))
+    except ValueError as e:
+        return f"<p class='skip'>Chart skipped: {_esc(e)}</p>"
+
+
+def _status_sections(run_dir: Path, summary: dict) -> list[tuple[str, str, str]]:
+    """``(id, heading, body)`` of what is missing: steps recorded as done whose files are
+    gone (not silently left out of the page), and an unfinished run's missing steps."""
+    sections = []
     recorded = summary.get("steps", {})
     missing = [s for s in summary.get("steps_expected", []) if s not in recorded]
     lost = {s: [f for f in r.get("files", []) if not (run_dir / f).is_file()]
@@ -618,93 +667,135 @@ def build_report(run_dir: str | Path, *, model: Any = None, task: Any = None,
             f"{len(summary['steps_expected'])} steps: {_esc(', '.join(missing))} are missing "
             "below. Rerun the same <code>circuitkit characterize</code> command to finish it "
             "(finished steps are reused).</p>")))
+    return sections
+
+
+def _lead_sections(run_dir: Path, run: _RunFiles) -> list[tuple[str, str, str]]:
+    """Where each decision is made and the paper's claims, the causal picture, the findings
+    in words: the page leads with them."""
     from circuitkit.experiments.phases import causal_section, lead_section
 
-    lead = lead_section(run_dir, summary, _table)  # where, stable heads, claims: first
+    sections = []
+    lead = lead_section(run_dir, run.summary, _table)  # where, stable heads, claims: first
     if lead:
         sections.append(("lead", "Where each decision is made, and the paper's claims", lead))
-    causal = causal_section(run_dir, summary, _table)  # the causal picture leads the findings
-    if causal:
+    causal = causal_section(run_dir, run.summary, _table)  # the causal picture leads the
+    if causal:  # findings
         sections.append(("causal", "Where each phase's decision is made (causal)", causal))
-    if results or scores is not None or validation is not None or edge_result is not None \
-            or circ is not None:
+    if run.results or run.scores is not None or run.validation is not None \
+            or run.edge_result is not None or run.circ is not None:
         sections.append(("findings", "Findings", findings_section(
-            summary, validation, scores, results, edges=edge_result, circuit=circ,
-            head_ablation=head_ablation)))
-    details = None
-    if summary:
-        flat = _flatten(summary)
-        # the headline first (what ran, on what, how long); everything else folded away
-        head_keys = [k for k in flat if k.startswith(("identity.", "versions.")) or
-                     k.endswith(".seconds") or k in ("seconds_all_steps", "seconds_this_call")]
-        rest = {k: v for k, v in flat.items() if k not in head_keys}
-        head = pd.DataFrame([(_words(k.removeprefix("identity.").removeprefix("steps.")),
-                              flat[k]) for k in head_keys], columns=["key", "value"])
-        body = _table(head)
-        if rest:
-            body += ("<details><summary>full summary.json</summary>"
-                     + _table(pd.DataFrame([(_words(k), v) for k, v in rest.items()],
-                                           columns=["key", "value"]))
-                     + "</details>")
-        # fingerprints, versions and timings: the last section (findings lead the page)
-        details = ("summary", "Model, task and versions", body)
-    if results or skipped:
+            run.summary, run.validation, run.scores, run.results, edges=run.edge_result,
+            circuit=run.circ, head_ablation=run.head_ablation)))
+    return sections
+
+
+def _result_sections(run: _RunFiles, fig_html: Any, top_k: int
+                     ) -> list[tuple[str, str, str]]:
+    """The sweeps' heatmaps, the stage sweeps, the head scores (and the instruments), the
+    causal validation and the head ablation."""
+    from circuitkit.experiments import charts
+
+    sections = []
+    if run.results or run.skipped:
         sections.append(("sweeps", "Activation-patching sweeps",
                          "<p class='note'>Layer x head, colour = normalized effect on one scale "
                          "centred at zero per figure; hover for value and 95% interval.</p>"
                          + "".join(f"<p class='skip'>Skipped {_esc(line)}.</p>"
-                                   for line in skipped)
-                         + "".join(_sweep_sections(results, fig_html))))
-    stages = _stages_section(run_dir)
+                                   for line in run.skipped)
+                         + "".join(_sweep_sections(run.results, fig_html))))
+    stages = _stages_section(run.run_dir)
     if stages:
         sections.append(("stages", "Heads by stage (position groups)", stages))
-    views: list = []
+    scores, summary = run.scores, run.summary
     if scores is not None:
         body = _score_tables(scores, top_k)
         body += _stability_lines(summary, scores)
-        body += chart(charts.score_scatter, scores)
-        body += chart(charts.phase_profile, scores, _n_layers(summary, results, scores))
+        body += _chart(fig_html, charts.score_scatter, scores)
+        body += _chart(fig_html, charts.phase_profile, scores,
+                       _n_layers(summary, run.results, scores))
         sections.append(("scores", "Head scores", body))
         instruments = instrument_section(scores, summary, min(5, len(scores)))
         if instruments:
             sections.append(("instruments", "Instruments: the causal ranking and their nulls",
                              instruments))
-    if validation is not None:
-        table, note = _same_in_every_row(_validation_table(validation))
+    if run.validation is not None:
+        table, note = _same_in_every_row(_validation_table(run.validation))
         sections.append(("validation", "Causal validation",
-                         chart(charts.validation_chart, validation) + note + _table(table)))
-    if head_ablation is not None:
-        table, note = _same_in_every_row(_head_ablation_table(head_ablation))
+                         _chart(fig_html, charts.validation_chart, run.validation) + note
+                         + _table(table)))
+    if run.head_ablation is not None:
+        table, note = _same_in_every_row(_head_ablation_table(run.head_ablation))
         sections.append(("head-ablation", "Ablation of the top heads",
                          "<p class='note'>Each phase's top-k set and random sets ablated on "
                          "the clean run; effect = ablated - unablated, mean over prompts "
                          "[bootstrap 95% interval]; the random interval is where one random "
                          "set's effect falls; p against that pool's random sets.</p>"
                          + note + _table(table)))
-    if attention and scores is not None:
-        sections.append(("attention", "Attention of the top heads",
-                         _attention_section(summary, scores, model, task, attention_heads,
-                                            views)))
-    edges = _edges_section(run_dir, fig_html, circ)
+    return sections
+
+
+def _more_sections(run_dir: Path, run: _RunFiles, fig_html: Any) -> list[tuple[str, str, str]]:
+    """The edges (``characterize --edges``) and the distillation grid's table."""
+    from circuitkit.experiments import charts
+
+    sections = []
+    edges = _edges_section(run_dir, fig_html, run.circ)
     if edges:
         sections.append(("edges", "Edges: which heads feed which", edges))
-    if ablation is not None:
+    if run.ablation is not None:
         try:
-            wide = ablation_table(ablation)
+            wide = ablation_table(run.ablation)
         except (ValueError, KeyError):  # a frame the table does not know: shown as it is
-            wide = ablation
+            wide = run.ablation
         sections.append(("distillation", "Distillation ablation",
-                         chart(charts.ablation_chart, ablation)
+                         _chart(fig_html, charts.ablation_chart, run.ablation)
                          + "<p class='note'>mean over seeds [95% interval]</p>" + _table(wide)))
+    return sections
 
-    terms = glossary_terms(results, scores, validation, ablation, head_ablation)
-    if terms:
-        lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(METRIC_LINES[k])}</td></tr>"
-                        for k in terms)
-        sections.append(("metrics", "What the numbers mean",
-                         f"<table class='metrics'>{lines}</table>"))
-    if details:
-        sections.append(details)
+
+def _glossary_section(run: _RunFiles) -> list[tuple[str, str, str]]:
+    """What the numbers mean: only the quantities the page shows."""
+    terms = glossary_terms(run.results, run.scores, run.validation, run.ablation,
+                           run.head_ablation)
+    if not terms:
+        return []
+    lines = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(METRIC_LINES[k])}</td></tr>"
+                    for k in terms)
+    return [("metrics", "What the numbers mean", f"<table class='metrics'>{lines}</table>")]
+
+
+def _details_section(summary: dict) -> tuple[str, str, str] | None:
+    """``summary.json`` as a table: the headline first (what ran, on what, how long),
+    everything else folded away; None without a summary."""
+    import pandas as pd
+
+    if not summary:
+        return None
+    flat = _flatten(summary)
+    head_keys = [k for k in flat if k.startswith(("identity.", "versions.")) or
+                 k.endswith(".seconds") or k in ("seconds_all_steps", "seconds_this_call")]
+    rest = {k: v for k, v in flat.items() if k not in head_keys}
+    head = pd.DataFrame([(_words(k.removeprefix("identity.").removeprefix("steps.")),
+                          flat[k]) for k in head_keys], columns=["key", "value"])
+    body = _table(head)
+    if rest:
+        body += ("<details><summary>full summary.json</summary>"
+                 + _table(pd.DataFrame([(_words(k), v) for k, v in rest.items()],
+                                       columns=["key", "value"]))
+                 + "</details>")
+    return ("summary", "Model, task and versions", body)
+
+
+def _page(run_dir: Path, run: _RunFiles, sections: list[tuple[str, str, str]],
+          views: list) -> str:
+    """The self-contained page: title, navigation, the sections, plotly.js (and the
+    circuitsvis bundle when there are attention views) inlined."""
+    from plotly.offline import get_plotlyjs
+
+    from circuitkit.viz.attention import circuitsvis_script
+
+    model_name, task_name = run.model_name, run.task_name
     title = "circuitkit report" + (f": {model_name}" if model_name else "") + \
         (f" on {task_name}" if task_name else "")
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
