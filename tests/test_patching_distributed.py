@@ -15,7 +15,8 @@ import circuitkit as ck
 from circuitkit.patching.results import PatchResult
 
 TESTS = Path(__file__).parent
-SWEEP = dict(positions="each", site="v", batch_size=5)
+SWEEP = dict(positions="each", site="v")
+BATCH = 5
 
 RANK = textwrap.dedent("""
     import os, sys
@@ -25,7 +26,8 @@ RANK = textwrap.dedent("""
     model = make_model(TINY_LLAMA)
     task = ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=3)
     res = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.prompt_metric(),
-                         options=dict(checkpoint=sys.argv[2], progress=False), **{sweep!r})
+                         options=dict(checkpoint=sys.argv[2], progress=False, batch_size={batch}),
+                         **{sweep!r})
     res.save(sys.argv[1] + "/rank" + os.environ["RANK"])
 """)
 
@@ -38,7 +40,7 @@ def free_port() -> int:
 
 def test_two_gloo_ranks_equal_single_process(tiny_llama, tmp_path):
     script = tmp_path / "rank.py"
-    script.write_text(RANK.format(tests=str(TESTS), sweep=SWEEP))
+    script.write_text(RANK.format(tests=str(TESTS), sweep=SWEEP, batch=BATCH))
     port = free_port()
     procs = []
     for rank in range(2):
@@ -53,7 +55,7 @@ def test_two_gloo_ranks_equal_single_process(tiny_llama, tmp_path):
 
     task = ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=3)
     single = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                            task.prompt_metric(), **SWEEP, options=dict(progress=False))
+                            task.prompt_metric(), **SWEEP, options=dict(progress=False, batch_size=BATCH))
     for rank in range(2):
         sharded = PatchResult.load(tmp_path / f"rank{rank}")
         assert sharded.meta["world"] == 2
