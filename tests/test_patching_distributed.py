@@ -55,7 +55,8 @@ def test_two_gloo_ranks_equal_single_process(tiny_llama, tmp_path):
 
     task = ck.load_task("induction", n_examples=3, seg_len=4, vocab_size=64, seed=3)
     single = ck.patch_heads(tiny_llama, task.clean_tokens, task.corrupt_tokens,
-                            task.prompt_metric(), **SWEEP, options=dict(progress=False, batch_size=BATCH))
+                            task.prompt_metric(), **SWEEP,
+                            options=dict(progress=False, batch_size=BATCH))
     for rank in range(2):
         sharded = PatchResult.load(tmp_path / f"rank{rank}")
         assert sharded.meta["world"] == 2
