@@ -16,6 +16,8 @@ from circuitkit._lazy import lazy_exports
 
 _EXPORTS = {
     "characterize": "circuitkit.experiments.characterize:characterize",
+    "CharacterizeOptions": "circuitkit.experiments.characterize:CharacterizeOptions",
+    "GridOptions": "circuitkit.experiments.distill_grid:GridOptions",
     "validate_heads": "circuitkit.experiments.validation:validate_heads",
     "ablate_heads": "circuitkit.experiments.validation:ablate_heads",
     "cumulative_bins": "circuitkit.experiments.bins:cumulative_bins",
