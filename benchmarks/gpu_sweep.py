@@ -12,7 +12,7 @@ Steps (one process, one model, one set of inputs; timings after CUDA synchronisa
 2. inputs: ``--prompts`` prompts of ``--seq`` random tokens; the corrupt run resamples a span
    in the middle; metric: log-prob of the last 8 tokens (``token_logprob_metric``);
 3. ``circuitkit.patch_heads`` (exact, all positions, site z; rows from free GPU memory, with the
-   out-of-memory back-off) and ``patching.plan.sweep_plan``'s prediction of its time;
+   out-of-memory back-off) and ``patching.cost.sweep_plan``'s prediction of its time;
 4. TransformerLens's loop (``generic_activation_patch`` with ``layer_head_vector_patch_setter``
    on ``hook_z``, i.e. ``get_act_patch_attn_head_out_all_pos``) on the same inputs. It runs one
    full forward per head; when all heads would not fit the time budget (``--budget-s``), it runs
@@ -21,7 +21,7 @@ Steps (one process, one model, one set of inputs; timings after CUDA synchronisa
 5. attribution (AtP, and AtP*) over all heads;
 6. achieved FLOP/s of the exact sweep: its matmul FLOPs as the engine runs them
    (``benchmarks/patching.exact_sweep_flops``) / its time, as a share of the bf16 dense peak
-   (``patching.plan.GPU_CLASSES``) when the GPU is known.
+   (``patching.cost.GPU_CLASSES``) when the GPU is known.
 
 Prints one table; nothing is written. Default sizes (8 prompts x 128 tokens, 1,024 heads) take
 about 3-5 minutes on an H100-class GPU, most of it TransformerLens's loop.
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/patching.py: exact_
 
 import circuitkit as ck  # noqa: E402
 from circuitkit import hooks, models  # noqa: E402
-from circuitkit.patching import plan as costs  # noqa: E402
+from circuitkit.patching import cost as costs  # noqa: E402
 
 TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 448,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -160,8 +160,8 @@ def main() -> None:
                                int(cfg["intermediate_size"]), f.d_vocab, f.n_ctx, n_params)
     predicted = None
     if gpu is not None:
-        p = costs.sweep_plan(arch, [seq] * n, gpu=next(k for k, g in costs.GPU_CLASSES.items()
-                                                       if g is gpu), n_gpus=1)
+        p = costs.sweep_plan(arch, [seq] * n, options=dict(
+            gpu=next(k for k, g in costs.GPU_CLASSES.items() if g is gpu), n_gpus=1))
         predicted = p["methods"]["exact"]["seconds"]
 
     # TransformerLens's loop: time one layer's heads, then as many layers as the budget allows

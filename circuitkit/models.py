@@ -976,7 +976,7 @@ def replica_placement(gpus: list[int], max_memory_share: float = 0.9) -> dict[st
     return dict(device_map="balanced", max_memory=mem)
 
 
-# --- architecture (config only, no weights; its costs: patching.plan) ----------------------------
+# --- architecture (config only, no weights; its costs: patching.cost) ----------------------------
 
 
 @dataclass

@@ -145,3 +145,35 @@ def test_store_of_a_teacher_without_cot_steps_warns(pool, tmp_path):
     with pytest.warns(UserWarning, match="answer steps, so (L_P1 and )?L_P2 will be 0"):
         S.build_store(untrained, pool.subset(range(3)), scores, tmp_path / "s",
                       S.StoreOptions(shard_size=2), progress=False)
+
+
+def test_the_store_fingerprints_its_teacher_as_checkpoints_do(store, teacher, pool, scores,
+                                                              tmp_path):
+    """One model fingerprint: the store's ``teacher_fingerprint`` is
+    ``identity.model_fingerprint`` (the checkpoints' and result files'); a store written before
+    (format /4: the store's own hash of the weights) is refused in one line naming what changed
+    and the folder to delete; ``teacher_folder`` compares the weights themselves."""
+    import shutil
+
+    from circuitkit import identity
+    from circuitkit.models import plain_parameters
+
+    assert S.model_fingerprint is identity.model_fingerprint
+    assert store.manifest["teacher_fingerprint"] == identity.model_fingerprint(teacher)
+    old = tmp_path / "old"
+    shutil.copytree(store.path, old)
+    man = json.loads((old / S.MANIFEST).read_text())
+    (old / S.MANIFEST).write_text(json.dumps(dict(man, format="circuitkit.distill.signals/4")))
+    with pytest.raises(S.StoreProblem, match=r"field 'format' is 'circuitkit.distill.signals/4'"
+                       r".*identity.model_fingerprint.*delete the folder") as e:
+        S.SignalStore.open(old)
+    assert "\n" not in str(e.value)
+    with pytest.raises(S.StoreProblem, match="identity.model_fingerprint"):  # the build says it
+        S.build_store(teacher, pool, scores, old, S.StoreOptions(shard_size=8, topk_logits=3),
+                      progress=False)
+    edited = ck.load_model("icd-teacher")
+    assert S.teacher_folder(edited) is not None  # its shipped folder holds these weights
+    with torch.no_grad():
+        next(iter(plain_parameters(edited).values())).view(-1)[0] += 1.0
+    assert S.teacher_folder(edited) is None
+    assert identity.model_fingerprint(edited) != identity.model_fingerprint(teacher)

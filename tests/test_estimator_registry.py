@@ -10,7 +10,7 @@ from tinymodels import TINY_LLAMA
 
 import circuitkit as ck
 from circuitkit import models
-from circuitkit.patching import api, plan
+from circuitkit.patching import api, cost
 from circuitkit.patching.estimators import attribution, registry
 from circuitkit.patching.estimators.common import BatchOut, _plain_run
 from circuitkit.patching.estimators.costs import CostShape
@@ -70,12 +70,12 @@ def test_one_entry_is_a_new_estimator(tiny_llama, monkeypatch):
 
 def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
     """Per estimator: ``meta["pass_equivalents"]`` of a real estimate equals ``n`` times its
-    entry's ``passes``, and ``plan.sweep_plan`` / ``plan.edge_plan`` (config only, no weights)
+    entry's ``passes``, and ``cost.sweep_plan`` / ``cost.edge_plan`` (config only, no weights)
     price the same figure for the same shape."""
     n, seq = 4, 8
     clean, corrupt, metric = prompts(tiny_llama, n, seq)
     arch = models.architecture_from_config(dict(TINY_LLAMA), name="tiny")
-    sp = plan.sweep_plan(arch, [seq] * n)
+    sp = cost.sweep_plan(arch, [seq] * n)
     for est in HEADS:
         res = attribution.attribution_patch_heads(tiny_llama, clean, corrupt, metric,
                                                   estimator=est, progress=False)
@@ -87,7 +87,7 @@ def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
     assert sp["methods"]["attribution+exact"]["screening_passes"] == pytest.approx(
         n * registry.estimator_passes(tiny_llama, "block", "z", "all", seq), rel=1e-12)
     layout = api.edge_layout(tiny_llama)
-    ep = plan.edge_plan(arch, [seq] * n, layout)
+    ep = cost.edge_plan(arch, [seq] * n, layout)
     for est in EDGES:
         res = ck.patch_edges(tiny_llama, clean, corrupt, metric, method="attribution",
                              options=dict(estimator=est, progress=False))

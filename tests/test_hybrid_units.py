@@ -190,7 +190,7 @@ def test_the_automatic_budget_runs_exact_where_it_would_cost_as_much(edges_model
 
 
 def test_plan_cells_floor():
-    from circuitkit.patching.plan import hybrid_cells
+    from circuitkit.patching.cost import hybrid_cells
 
     assert hybrid_cells(32, 8, None) == (16, 16)  # the teacher: two rounds = its cap
     assert hybrid_cells(5120, 64, None) == (1024, 2560)  # 70B: the 20% expectation
@@ -346,7 +346,7 @@ def test_sigkill_mid_verification_then_resume_gives_the_uninterrupted_result(uni
 def test_auto_above_the_threshold_that_runs_exact_says_so(edges_model, monkeypatch):
     """``auto`` choosing the hybrid (as for 70B) on a model where the hybrid would cost as much
     as exact: the exact sweep, ``meta["auto"]["verified"] == "all"``, the reason recorded."""
-    from circuitkit.patching import plan as P
+    from circuitkit.patching import cost as P
 
     monkeypatch.setattr(P, "AUTO_EXACT_MAX_FLOPS_PER_TOKEN", 0.0)
     clean, corrupt = edge_pair()

@@ -48,8 +48,8 @@ def test_one_attn_result_switch():
 
 
 def test_plan_is_the_cost_module_only():
-    """"plan" names the module that prices work (``patching/plan.py``); the chunker is
-    ``sweep.chunked``."""
+    """"plan" names what prices work (``patching/cost.py``: ``sweep_plan``, ``plan_patch``); the
+    chunker is ``sweep.chunked``."""
     from circuitkit.patching import sweep
 
     assert not hasattr(sweep, "plan") and callable(sweep.chunked)

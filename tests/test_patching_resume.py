@@ -102,7 +102,7 @@ def test_a_model_edited_in_a_middle_layer_does_not_resume_another_models_checkpo
     middle layer changed resumed the original's checkpoint and got its values, bit for bit."""
     from tinymodels import TINY_LLAMA, make_model
 
-    from circuitkit.patching.checkpoint import model_fingerprint
+    from circuitkit.identity import model_fingerprint
 
     a, b = make_model(TINY_LLAMA), make_model(TINY_LLAMA)
     assert model_fingerprint(a) == model_fingerprint(b)  # same weights, same fingerprint
@@ -120,7 +120,7 @@ def test_a_head_ablated_in_a_wide_matrix_changes_the_fingerprint():
     """A strided sample of a large W_O sees a few of its columns only (70B: head 0's): zeroing
     head 1's slice of a 1024-wide model resumed the unablated model's checkpoint (values off by
     0.06, new baselines). The row and column bit sums see every head."""
-    from circuitkit.patching.checkpoint import FINGERPRINT_SAMPLE, model_fingerprint
+    from circuitkit.identity import FINGERPRINT_SAMPLE, model_fingerprint
 
     cfg = dict(model_type="llama", vocab_size=64, hidden_size=1024, intermediate_size=256,
                num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16, head_dim=64,

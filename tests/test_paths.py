@@ -241,7 +241,6 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
     import circuitkit as ck
     from circuitkit.models import architecture
     from circuitkit.patching.exact.paths import PathEngine
-    from circuitkit.patching.plan import price
 
     model = _random_llama()
     clean, corrupt = _tokens(n=8)
@@ -276,18 +275,21 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
         padded[:, -1] = model.cfg.d_vocab  # the built tokenizer's pad id
         ck.patch(model, padded, corrupt, _metric, units, options=dict(progress=False))
     arch = architecture("llama3-8b")  # priced from the shipped config, no weights
-    few = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "exact")
-    more = price(arch, [64] * 16, ck.PathUnits(["L0H0", "L4H1"], ["L8H0", "L9H2"], "q"), "exact")
+
+    def price(units):  # the exact row of the units' plan (cost.path_plan): exact only
+        methods = units.cost_plan(arch, [64] * 16)["methods"]
+        assert list(methods) == ["exact"]
+        return methods["exact"]
+
+    few = price(ck.PathUnits(["L0H0"], ["L8H0"], "q"))
+    more = price(ck.PathUnits(["L0H0", "L4H1"], ["L8H0", "L9H2"], "q"))
     assert 0 < few["pass_equivalents"] < more["pass_equivalents"]
     mask = torch.zeros(16, 64, dtype=torch.bool)
     mask[:, 3] = True
-    one = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q", positions=mask), "exact")
-    two = price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q",
-                                             positions={"a": mask, "b": mask}), "exact")
+    one = price(ck.PathUnits(["L0H0"], ["L8H0"], "q", positions=mask))
+    two = price(ck.PathUnits(["L0H0"], ["L8H0"], "q", positions={"a": mask, "b": mask}))
     assert one["pass_equivalents"] == few["pass_equivalents"]  # one mask: one group
     assert two["pass_equivalents"] > one["pass_equivalents"]
-    with pytest.raises(ValueError, match="prices \\['exact'\\]"):
-        price(arch, [64] * 16, ck.PathUnits(["L0H0"], ["L8H0"], "q"), "attribution")
 
 
 @pytest.mark.filterwarnings("ignore::circuitkit.patching.results.patch_result.DegenerateBaselineWarning")

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import circuitkit as ck
 from circuitkit.cli import app
 from circuitkit.patching import api
-from circuitkit.patching import plan as P
+from circuitkit.patching import cost as P
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.estimators.attribution import SCREENING_ESTIMATOR, attribution_patch_heads
 

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import circuitkit as ck
 from circuitkit import models
 from circuitkit.cli import app
-from circuitkit.patching import plan as P
+from circuitkit.cli.plan_text import format_sweep_plan
+from circuitkit.patching import cost as P
 
 # Llama-3-70B (circuitkit/configs/meta-llama--Meta-Llama-3-70B.json)
 L, H, KV, D, DH, DMLP, V = 80, 64, 8, 8192, 128, 28672, 128256
@@ -31,7 +32,8 @@ def test_70b_parameters_and_weights_by_hand(arch):
     p = P.sweep_plan(arch, [100] * 8)
     assert p["weights_bytes"] == 2 * n  # bf16: 141.1 GB
     assert p["n_gpus"] == 2  # 141.1 GB > 0.9 x 80 GB, <= 2 x 72 GB
-    assert P.sweep_plan(arch, [100] * 8, gpu="H200")["n_gpus"] == 2  # 141.1 > 0.9 x 141
+    h200 = P.sweep_plan(arch, [100] * 8, options=dict(gpu="H200"))
+    assert h200["n_gpus"] == 2  # 141.1 > 0.9 x 141
     budget = (80e9 - n) * 0.7  # per GPU: its half of the weights is n bytes
     assert p["activation_budget_bytes"] == pytest.approx(budget)
     row = 2 * 100 * (8 * D + 3 * DMLP + 3 * H * 100 + 3 * V) * 1.5  # sweep.row_bytes
@@ -54,10 +56,10 @@ def test_70b_passes_flops_and_time_by_hand(arch):
     per_pass = S * (2 * (arch.n_params - V * D) + 2 * L * H * DH * S)
     assert ex["flops"] == pytest.approx(ex["pass_equivalents"] * per_pass)
     assert ex["seconds"] == pytest.approx(ex["flops"] / (989e12 * 0.4))
-    assert P.sweep_plan(arch, [S] * n, gpu="A100")["methods"]["exact"]["seconds"] == \
+    assert P.sweep_plan(arch, [S] * n, options=dict(gpu="A100"))["methods"]["exact"]["seconds"] == \
         pytest.approx(ex["flops"] / (312e12 * 0.4))
     # two replicas share the work
-    assert P.sweep_plan(arch, [S] * n, replicas=2)["methods"]["exact"]["seconds"] == \
+    assert P.sweep_plan(arch, [S] * n, options=dict(replicas=2))["methods"]["exact"]["seconds"] == \
         pytest.approx(ex["seconds"] / 2)
     # host RAM: resid_pre (d) + z base and source (2 H d_head) per layer and token, bf16
     assert p["host_cache_bytes"] == 2 * L * n * S * (D + 2 * H * DH)
@@ -79,7 +81,7 @@ def test_automatic_budget_is_priced_as_expected_and_capped(arch):
     per = lambda k: screen * n + k * n * (L + 1) / (2 * L) + 2 * n  # noqa: E731
     assert hy["pass_equivalents"] == pytest.approx(per(1024))
     assert hy["seconds_max"] == pytest.approx(hy["seconds"] * per(cells // 2) / per(1024))
-    assert "at most 2,560" in P.format_sweep_plan(P.sweep_plan(arch, [S] * n))
+    assert "at most 2,560" in format_sweep_plan(P.sweep_plan(arch, [S] * n))
 
 
 def test_auto_threshold(arch):
@@ -94,7 +96,7 @@ def test_auto_threshold(arch):
 
 def test_bad_arguments_are_named(arch):
     with pytest.raises(ValueError, match="gpu='V100'"):
-        P.sweep_plan(arch, [10], gpu="V100")
+        P.sweep_plan(arch, [10], options=dict(gpu="V100"))
     with pytest.raises(ValueError, match="lengths"):
         P.sweep_plan(arch, [])
     for bad in (0, -3, 2.5):  # a plan of 0 or -3 verified cells would price a run that refuses
@@ -202,7 +204,8 @@ def test_characterize_and_score_render_icd10_as_text_for_a_pretrained_llm():
 def test_plans_equal_those_captured_before_the_pricing_was_shared():
     """``sweep_plan`` and ``edge_plan`` of the teacher, llama3-8b and llama3-70b configs (heads
     and edges, every method, several options) equal the dicts captured before they were made
-    wrappers of one ``plan.price`` (tests/fixtures/make_plan_fixture.py wrote them)."""
+    wrappers of one ``plan.price``, and since of ``cost.price`` (the one price every route
+    takes; tests/fixtures/make_plan_fixture.py wrote them)."""
     import importlib.util
     import json
 
@@ -218,41 +221,34 @@ def test_plans_equal_those_captured_before_the_pricing_was_shared():
         assert now[key] == before[key], key
 
 
-def test_price_is_the_plans_row_and_edges_share_the_heads_checks(arch):
-    """``price(units, method)`` is that method's row of ``sweep_plan`` / ``edge_plan``; both
-    stand on ``basis``, so an edge plan refuses what a head plan refuses (too few GPUs per
-    replica, a utilisation outside (0, 1], no rows) instead of pricing it."""
+def test_units_plan_is_the_plan_and_edges_share_the_heads_checks(arch):
+    """A units object's ``cost_plan`` is ``sweep_plan`` / ``edge_plan``; both stand on ``basis``,
+    so an edge plan refuses what a head plan refuses (too few GPUs per replica, a utilisation
+    outside (0, 1], no rows, an unknown option) instead of pricing it."""
     from circuitkit.patching.inputs import check_edge_nodes
     from circuitkit.patching.sweep import EdgeLayout
 
     lengths = [300] * 8 + [512] * 4
     heads = P.sweep_plan(arch, lengths, top_k=20)
-    for method, row in heads["methods"].items():
-        assert P.price(arch, lengths, ck.HeadUnits(), method, top_k=20) == row
+    assert ck.HeadUnits().cost_plan(arch, lengths, top_k=20) == heads
     teacher = models.architecture("icd-teacher")
     s, r, i = check_edge_nodes(teacher, None, None, ("q",))
     layout = EdgeLayout(teacher.n_layers, teacher.n_heads, teacher.n_kv_heads, s, r, i)
-    edges = P.edge_plan(teacher, [40, 64], layout, gpu="A100")
-    assert set(edges["methods"]) >= {"exact", "TL loop", "eap", "eap*", "attribution+exact"}
-    for method, row in edges["methods"].items():
-        assert P.price(teacher, [40, 64], ck.EdgeUnits(layout=layout), method,
-                       gpu="A100") == row
+    edges = P.edge_plan(teacher, [40, 64], layout, options=dict(gpu="A100"))
+    assert list(edges["methods"]) == ["exact", "TL loop", "eap", "eap-ig-inputs",
+                                      "eap-ig-activations", "eap*", "attribution+exact"]
+    assert ck.EdgeUnits(layout=layout).cost_plan(teacher, [40, 64], options=P.PlanOptions(
+        gpu="A100")) == edges
+    assert ck.HeadUnits("z", "each").cost_plan(arch, lengths)["methods"]["exact"] == \
+        P.sweep_plan(arch, lengths, positions="each")["methods"]["exact"]
     b = P.basis(arch, lengths)
     assert (b.n_gpus, b.weights) == (heads["n_gpus"], heads["weights_bytes"])
     assert (b.n_gpus, b.weights) == (2, 2 * arch.n_params)
-    with pytest.raises(ValueError, match="prices heads or edges"):
-        P.price(arch, lengths, "heads", "exact")  # a name is not the units
-    with pytest.raises(ValueError, match="prices heads or edges"):
-        P.price(arch, lengths, ck.LayerUnits(), "exact")
-    with pytest.raises(ValueError, match="prices"):
-        P.price(arch, lengths, ck.HeadUnits(), "eap")
-    assert P.price(arch, lengths, ck.HeadUnits("z", "each"), "exact") == \
-        P.sweep_plan(arch, lengths, positions="each")["methods"]["exact"]
     s, r, i = check_edge_nodes(arch, None, None, ("q",))
     big = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
     for kw, said in ((dict(n_gpus=1), "needs at least 2"), (dict(utilisation=2.0), "utilisation"),
-                     (dict(rows=0), "rows=0")):
-        for plan in (lambda **k: P.sweep_plan(arch, lengths, **k),
-                     lambda **k: P.edge_plan(arch, lengths, big, **k)):
+                     (dict(rows=0), "rows=0"), (dict(gpus=2), "plan options \\['gpus'\\]")):
+        for plan in (lambda **k: P.sweep_plan(arch, lengths, options=k),
+                     lambda **k: P.edge_plan(arch, lengths, big, options=k)):
             with pytest.raises(ValueError, match=said):
                 plan(**kw)

@@ -49,7 +49,7 @@ def _check_sweep_flags(a) -> None:
 
     _one_of("--direction", a.direction, DIRECTIONS)
     if a.plan:
-        from circuitkit.patching.plan import GPU_CLASSES
+        from circuitkit.patching.cost import GPU_CLASSES
 
         _one_of("--gpu", a.gpu.upper(), sorted(GPU_CLASSES))
         if not 0 < a.utilisation <= 1:

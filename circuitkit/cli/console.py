@@ -21,7 +21,7 @@ CLAIMED: list[Path] = []
 
 def _message(e: BaseException) -> str:
     """What the command says of ``e``: its message; a folder holding another run's work
-    (``checkpoint.IdentityMismatch``) in the command line's terms, when its flags matched."""
+    (``identity.IdentityMismatch``) in the command line's terms, when its flags matched."""
     differing = getattr(e, "differing", None)
     if not differing or not CLAIMED:
         return str(e) or type(e).__name__

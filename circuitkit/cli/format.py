@@ -44,7 +44,8 @@ def _table(frame, estimate: str) -> str:
 def _info_text(arch, plan: dict) -> str:
     """``circuitkit info``'s text: the architecture, then the rows of ``sweep_plan`` (heads,
     all positions) that ``patch --plan --seq-len`` prints for the same prompts."""
-    from circuitkit.patching.plan import _duration, tl_loop_passes
+    from circuitkit.cli.plan_text import duration as _duration
+    from circuitkit.patching.cost import tl_loop_passes
 
     gqa = f" (GQA, {arch.n_heads // arch.n_kv_heads} query heads per KV head)" \
         if arch.n_kv_heads != arch.n_heads else ""

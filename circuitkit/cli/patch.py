@@ -54,10 +54,10 @@ def info(
     as_json: opt.Json = False,
 ) -> None:
     """Architecture and head sweep cost plan, from the config alone (no weights needed): the
-    figures ``patch --plan --seq-len`` prints for the same prompts (``patching.plan.sweep_plan``);
+    figures ``patch --plan --seq-len`` prints for the same prompts (``patching.cost.sweep_plan``);
     without --model, the list of models known by name."""
     from circuitkit import models
-    from circuitkit.patching.plan import GPU_CLASSES, sweep_plan
+    from circuitkit.patching.cost import GPU_CLASSES, sweep_plan
 
     if model is None:
         typer.echo(_model_list())
@@ -72,7 +72,7 @@ def info(
     elif arch.n_ctx and seq_len > arch.n_ctx:
         _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
               f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
-    plan = sweep_plan(arch, [seq_len] * prompts, gpu=gpu.upper())
+    plan = sweep_plan(arch, [seq_len] * prompts, options=dict(gpu=gpu.upper()))
     if as_json:
         import dataclasses
 

@@ -1,5 +1,5 @@
-"""``--plan`` of patch and edges: prints what ``patching.plan`` prices for the prompts a run
-would read.
+"""``--plan`` of patch and edges: prints what ``patching.cost`` prices for the prompts a run
+would read (its text: ``plan_text``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def _patch_plan(a, the_model, clean, corrupt, metric) -> None:
 
 
 def _edge_plan(a) -> None:
-    """``edges --plan``: ``patching.plan.edge_plan`` for the prompts the run would read. With
+    """``edges --plan``: ``patching.cost.edge_plan`` for the prompts the run would read. With
     the weights here, the model loads and the prompts are the run's own (the task's phase,
     rendered as the run renders it; lengths before right padding); else the model's config
     and the task's token counts."""
     from circuitkit import models
+    from circuitkit.cli.plan_text import format_edge_plan
+    from circuitkit.patching.cost import edge_plan
     from circuitkit.patching.inputs import check_edge_nodes
-    from circuitkit.patching.plan import edge_plan, format_edge_plan
     from circuitkit.patching.sweep import EdgeLayout
 
     with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
@@ -47,8 +48,8 @@ def _edge_plan(a) -> None:
     with _errors_as_lines():
         s, r, i = check_edge_nodes(arch, a.nodes["senders"], a.nodes["receivers"], a.inputs)
         layout = EdgeLayout(arch.n_layers, arch.n_heads, arch.n_kv_heads, s, r, i)
-        kw = dict(direction=a.direction, ig_steps=a.ig_steps or 5, gpu=a.gpu.upper(),
-                  utilisation=a.utilisation, rows=a.batch_size)
+        kw = dict(direction=a.direction, ig_steps=a.ig_steps or 5, options=dict(
+            gpu=a.gpu.upper(), utilisation=a.utilisation, rows=a.batch_size))
         p = edge_plan(arch, lengths, layout, top_k=a.top_k, **kw)
         if a.top_k is None and a.method == "attribution+exact":  # what a smaller budget costs
             k = max(1, min(50, p["methods"]["attribution+exact"]["verified_edges"] // 5))
@@ -103,11 +104,12 @@ def _task_lengths(a):
 
 
 def _plan_offline(a, *, n_gpus=None) -> None:
-    """``patch --plan`` without the weights: ``patching.plan.sweep_plan`` from the config, for
+    """``patch --plan`` without the weights: ``patching.cost.sweep_plan`` from the config, for
     the task's prompts (their token counts), or ``-n`` prompts of ``--seq-len`` tokens (the
     prompts ``circuitkit info`` prices)."""
     from circuitkit import models
-    from circuitkit.patching.plan import format_sweep_plan, sweep_plan
+    from circuitkit.cli.plan_text import format_sweep_plan
+    from circuitkit.patching.cost import sweep_plan
 
     with _errors_as_lines(models.ModelNotAvailableError, FileNotFoundError, ValueError):
         arch = models.architecture(a.model)
@@ -121,8 +123,8 @@ def _plan_offline(a, *, n_gpus=None) -> None:
         lengths, how = _task_lengths(a)
     with _errors_as_lines():
         p = sweep_plan(arch, lengths, site=a.site, positions=a.positions, direction=a.direction,
-                       top_k=a.top_k, gpu=a.gpu.upper(), utilisation=a.utilisation,
-                       rows=a.batch_size, n_gpus=n_gpus)
+                       top_k=a.top_k, options=dict(gpu=a.gpu.upper(), utilisation=a.utilisation,
+                                                   rows=a.batch_size, n_gpus=n_gpus))
     if a.as_json:
         return _echo_json(p)
     text = format_sweep_plan(p, how, weights_here=models.weights_available(a.model))

@@ -68,14 +68,18 @@ from circuitkit import hooks
 from circuitkit._progress import tqdm
 from circuitkit.evaluation import greedy_decode, task_prompts
 from circuitkit.files import check_writable_dir, lock_folder, sha256_file, write_json, write_tensors
+from circuitkit.identity import model_fingerprint, same_weights  # the one model fingerprint
 from circuitkit.models import hf_model_of, hf_progress, plain_parameters  # noqa: F401 (re-exported)
 from circuitkit.patching.shortcuts import attn_result_off  # nothing here reads hook_result
 from circuitkit.scoring.coarse import anchor_directions, cosines
 from circuitkit.scoring.refine import final_norm, final_norm_linear, norm_params
 from circuitkit.training import cot_rows, teacher_cot
 
-FORMAT = "circuitkit.distill.signals/4"  # /2: a SHA-256 per shard; /3: per-head signals;
-# /4: a SHA-256 per manifest field (``manifest_checksums``)
+FORMAT = "circuitkit.distill.signals/5"  # /2: a SHA-256 per shard; /3: per-head signals;
+# /4: a SHA-256 per manifest field (``manifest_checksums``); /5: FORMAT_CHANGE
+FORMAT_CHANGE = ("since /5 teacher_fingerprint is identity.model_fingerprint, the one checkpoints "
+                 "and result files store, not the store's own hash: a store built before cannot "
+                 "be matched to its teacher")
 MANIFEST = "manifest.json"
 PARTIAL = "manifest.partial.json"
 SCORE_COLUMNS = ("layer", "head", "sharpness", "anchor_alignment", "coarse_score",
@@ -536,16 +540,6 @@ def readout(model: Any, acts: dict[str, Tensor], qs: Queries, pool: Pooling,
 # --- fingerprints -----------------------------------------------------------------------------
 
 
-def model_fingerprint(model: Any) -> str:
-    """sha256 (16 hex) of every parameter: name, shape, dtype, bytes."""
-    h = hashlib.sha256()
-    for name, t in sorted(plain_parameters(model).items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
 def scores_hash(scores: Any, heads: str = "scores") -> str:
     """sha256 (16 hex) of the score table's columns (and, for ``heads="causal"``, the causal
     columns the heads are chosen by), rows ordered by (layer, head)."""
@@ -673,7 +667,7 @@ def teacher_folder(teacher: Any) -> Path | None:
             fresh = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError):
         return None
-    return path if model_fingerprint(fresh) == model_fingerprint(teacher) else None
+    return path if same_weights(fresh, teacher) else None
 
 
 def teacher_rows(teacher: Any, task: Any, folder: Path | None = None
@@ -1013,7 +1007,7 @@ class SignalStore:
         if not isinstance(man, dict) or man.get("format") != FORMAT:
             got = man.get("format") if isinstance(man, dict) else type(man).__name__
             raise StoreProblem(f"{path / MANIFEST}: field 'format' is {got!r:.60}, expected "
-                               f"{FORMAT!r} (a SHA-256 per shard and per manifest field); "
+                               f"{FORMAT!r} ({FORMAT_CHANGE}); "
                                f"delete the folder {path} to rebuild the store.")
         check_manifest(man, path)
         if spec is not None:

@@ -292,7 +292,7 @@ def _identity(job: _Job, select_n: int | None, task_kwargs: dict[str, Any]) -> d
     """What the sweeps and scores depend on (``k`` and ``n_random`` change the scores' top-k
     inclusion, validation and ablation only: ``step_depends``); the model by its weights
     (``model_fingerprint``), not by the path it was typed as."""
-    from circuitkit.patching.checkpoint import model_fingerprint
+    from circuitkit.identity import model_fingerprint
 
     fingerprint = {p: job.per_phase[p].fingerprint() if p in job.phases else None
                    for p in (1, 2)}
@@ -330,8 +330,8 @@ def _resume(job: _Job) -> StepRecord:
     holding a run of another identity is refused; a step whose inputs changed is dropped, to
     run again), with this call's identity, options and plan."""
     from circuitkit import files
+    from circuitkit.identity import IdentityMismatch, identity_diff
     from circuitkit.patching.api import versions
-    from circuitkit.patching.checkpoint import IdentityMismatch, identity_diff
 
     o, out = job.opts, job.out
     summary_path = out / "summary.json"

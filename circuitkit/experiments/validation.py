@@ -726,14 +726,14 @@ class _Saved:
 
     def __init__(self, model: Any, folder: str | Path):
         from circuitkit.files import check_writable_dir
-        from circuitkit.patching.checkpoint import model_fingerprint
+        from circuitkit.identity import model_fingerprint
 
         self.folder = check_writable_dir(folder, "checkpoint")
         self.model = model_fingerprint(model)
 
     def key(self, task: Task, phase: int, direction: str, sets: list, metrics: Sequence[
             PromptMetric], d_vocab: int) -> str:
-        from circuitkit.patching.checkpoint import identity_key, tokens_hash
+        from circuitkit.identity import identity_key, tokens_hash
 
         n, seq = task.clean_tokens.shape
         return identity_key(dict(

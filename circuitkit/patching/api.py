@@ -14,7 +14,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching import auto, hybrid
+from circuitkit.patching import auto, cost, hybrid
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.exact.sweeps import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
@@ -204,20 +204,22 @@ def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric:
     ``units`` (a ``HeadUnits`` over positions "all" or "each"), with the time measured on a
     one-chunk probe (``options``: its direction, batch size, ``top_k`` and estimator).
 
-    ``pass_equivalents``: prompts through the whole model (a backward counts 2). Exact: each
-    chunk runs ``(L - l) / L`` of a pass per patched prompt, up to its last read, plus the two
-    cached runs; attribution: ``estimator``'s passes (``attribution.estimator_passes``);
-    attribution+exact: the run's own prediction (``hybrid.predicted``: the screen's passes plus
-    the verified cells, ``top_k`` or ``plan.hybrid_cells``; ``verified_cells_max`` and
-    ``est_seconds_max`` at the automatic budget's cap). Where that budget is predicted to cost
-    at least the exact sweep, the run and the plan are exact (``hybrid["runs"]``).
+    ``pass_equivalents``: prompts through the whole model (a backward counts 2), by
+    ``cost.price``, the one price every route takes. Exact: the probe's chunk plan (each chunk
+    runs ``(L - l) / L`` of a pass per patched prompt, up to its last read: ``cost.chunk_suffix``)
+    plus the two cached runs; attribution: ``estimator``'s passes
+    (``attribution.estimator_passes``); attribution+exact: the run's own prediction
+    (``cost.price`` of its ``Screenable.work()``: the screen's passes plus the verified cells,
+    ``top_k`` or ``cost.hybrid_cells``; ``verified_cells_max`` and ``est_seconds_max`` at the
+    automatic budget's cap). Where that budget is predicted to cost at least the exact sweep,
+    the run and the plan are exact (``hybrid["runs"]``).
     """
     units, opts = as_units(units), as_options(options)
     direction, batch_size, top_k, estimator = (opts.direction, opts.batch_size, opts.top_k,
                                                opts.estimator)
     if not isinstance(units, HeadUnits) or units.grouped:
         raise ValueError(f"plan_patch measures head sweeps over positions 'all' or 'each'; got "
-                         f"units={units!r}. Edges are priced from the config: plan.edge_plan "
+                         f"units={units!r}. Edges are priced from the config: cost.edge_plan "
                          "(circuitkit edges --plan).")
     clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, direction, method,
                                 batch_size, **dict(units.entry(method), engine_checks=False))
@@ -230,19 +232,20 @@ def plan_patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric:
     out = dict(method=method, **p["row"])
     if auto_info is not None:
         out["auto"] = auto_info
-    exact_row = dict(pass_equivalents=p["exact_passes"], est_seconds=p["per_cost"] * p["total"])
+    (n, seq), est = clean.shape, estimator or "atp"
+    per_prompt = {est: attribution.estimator_passes(model, est, units.site, units.positions, seq,
+                                                    batch=min(batch_size or n, n))} \
+        if method == "attribution" else {}
+    passes = cost.price(cost.Work(n, suffix=cost.chunk_suffix(
+        p["total"], hooks.facts(model).n_layers, seq), per_prompt=per_prompt))["passes"]
+    exact_row = dict(pass_equivalents=passes["exact"], est_seconds=p["per_cost"] * p["total"])
     if method == "exact":
         out.update(exact_row)
     elif method == "attribution":
-        n, seq = clean.shape
-        att = n * attribution.estimator_passes(model, estimator or "atp", units.site,
-                                               units.positions, seq,
-                                               batch=min(batch_size or n, n))
-        out.update(pass_equivalents=att, est_seconds=p["per_pass"] * att, verified_cells=0,
-                   estimator=estimator or "atp")
+        out.update(pass_equivalents=passes[est], est_seconds=p["per_pass"] * passes[est],
+                   verified_cells=0, estimator=est)
     else:
-        out.update(_hybrid_plan(model, p, units, direction, batch_size, top_k, estimator,
-                                exact_row))
+        out.update(_hybrid_plan(model, p, units, opts, exact_row))
     return out
 
 
@@ -250,7 +253,8 @@ def _probed(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units:
             direction: str, batch_size: int | None) -> dict[str, Any]:
     """``plan_patch``'s one-chunk probe (prompts in length order, rows halved on OOM): the
     seconds per token-block (``per_cost``) and per pass (``per_pass``, the cached runs'), the
-    sweep's token-blocks (``total``), its pass-equivalents, and the plan's shape row."""
+    sweep's token-blocks (``total``) and the plan's shape row (``naive_passes``: TL's loop,
+    ``cost.tl_loop_passes``)."""
     n, seq = clean.shape
     sweep = units.sweep(model, direction, clean, pm)
     rows = batch_size or auto_rows(model, seq)
@@ -260,40 +264,37 @@ def _probed(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units:
     timing: dict[str, float] = {}  # the memory probe is the time probe (rows halved on OOM)
     _, sweep, rows, first, _ = exact.fit_rows(model, clean, corrupt, pm, sweep, rows, lengths,
                                               None, timing)
-    total = sum(sweep.chunk_cost(c) for c in sweep.chunks)
     row = dict(n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
                n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
-               naive_passes=sweep.n_layers * sweep.n_variants * n + 2 * n,
+               naive_passes=cost.tl_loop_passes(sweep.n_layers * sweep.n_variants, n),
                bytes_per_chunk=bytes_per_row(model, seq) * min(rows, sweep.n_variants * n),
                available_bytes=available_bytes(model_devices(model)))
-    return dict(row=row, clean=clean, corrupt=corrupt, pm=pm, total=total,
+    return dict(row=row, clean=clean, corrupt=corrupt, pm=pm,
+                total=sum(sweep.chunk_cost(c) for c in sweep.chunks),
                 cached_seconds=timing["cached"],  # the two cached runs: ~2 passes per prompt
                 per_cost=timing["probe"] / sweep.chunk_cost(sweep.chunks[next(iter(first))]),
-                per_pass=timing["cached"] / (2 * n),
-                exact_passes=total / (hooks.facts(model).n_layers * seq) + 2 * n)
+                per_pass=timing["cached"] / (2 * n))
 
 
-def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, direction: str,
-                 batch_size: int | None, top_k: int | None, estimator: str | None,
+def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, opts: PatchOptions,
                  exact_row: dict[str, float]) -> dict[str, Any]:
-    """``plan_patch``'s attribution+exact row: the run's own prediction (``hybrid.predicted``)
-    over the screen's passes, timed at the probe's rates; the exact row where it runs exact."""
+    """``plan_patch``'s attribution+exact row: the run's own prediction (``cost.price`` of the
+    ``Screenable`` the run builds, at ``opts.top_k``), timed at the probe's rates; the exact row
+    where it runs exact."""
     clean, corrupt, pm = p["clean"], p["corrupt"], p["pm"]
-    n, seq = clean.shape
-    screener = estimator or attribution.screening_estimator(model, units.site, clean)
-    screen = n * attribution.estimator_passes(model, screener, units.site, units.positions,
-                                              seq, batch=min(batch_size or n, n))
+    screener = opts.estimator or attribution.screening_estimator(model, units.site, clean)
     s = units.screenable(model, clean, corrupt, pm, PatchOptions(
-        direction=direction, estimator=screener, batch_size=batch_size, progress=False))
-    guess = hybrid.predicted(screen, s.downstream, n, s.read_share, top_k, s.per_round)
+        direction=opts.direction, estimator=screener, batch_size=opts.batch_size,
+        progress=False))
+    guess = cost.price(s.work(), cost.Budget(top_k=opts.top_k))["hybrid"]
     n_cells = s.index.shape[0]
 
     def seconds(k: int) -> float:  # the screen at the cached runs' rate, cells at the probe's
-        return p["per_pass"] * screen + p["per_cost"] * p["total"] * k / n_cells \
-            + p["cached_seconds"]
+        return p["per_pass"] * guess["screen_passes"] \
+            + p["per_cost"] * p["total"] * k / n_cells + p["cached_seconds"]
 
-    out = dict(estimator=screener, budget="auto" if top_k is None else "top_k",
-               hybrid=dict(guess, runs=guess["runs"]))
+    out = dict(estimator=screener, budget="auto" if opts.top_k is None else "top_k",
+               hybrid=guess)
     if guess["runs"] == "exact":  # what the run will do: the exact sweep (and say so)
         return dict(out, method="exact", **exact_row)
     return dict(out, pass_equivalents=guess["passes"], est_seconds=seconds(guess["cells"]),

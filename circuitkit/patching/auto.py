@@ -1,8 +1,8 @@
-"""``method="auto"``: the exact sweep where it is affordable (``choice``: at or below
-``plan.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token), else screen then verify with the
-screening estimator and its automatic budget (``run``). With ``screening_recall=True`` an exact
-run also screens, to report the screen's recall of the exact top-k cells (it roughly doubles a
-small model's time, so it is asked for, never the default).
+"""``method="auto"``: the exact sweep where it is affordable (``choice``: ``cost.price``'s
+``auto``, at or below ``cost.AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token), else
+screen then verify with the screening estimator and its automatic budget (``run``). With
+``screening_recall=True`` an exact run also screens, to report the screen's recall of the exact
+top-k cells (it roughly doubles a small model's time, so it is asked for, never the default).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import hybrid
-from circuitkit.patching import plan as costs
+from circuitkit.patching import cost, hybrid
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.inputs import NoGradientError, check_gradient
@@ -26,13 +25,15 @@ from circuitkit.patching.units import HeadUnits, PatchOptions
 
 
 def choice(model: Any, seq: int, site: str, positions: str) -> dict[str, Any]:
-    """What ``method="auto"`` runs for this model and sweep shape, and why."""
+    """What ``method="auto"`` runs for this model and sweep shape, and why: ``cost.price``'s
+    ``auto`` of the head sweep's ``Work`` (per prompt of ``seq`` tokens; ``chose``,
+    ``exact_flops_per_token``, ``threshold``) and ``n_params``."""
     f = hooks.facts(model)
     n_params = sum(p.numel() for p in model.parameters())
-    cost = costs.exact_flops_per_token(n_params, f.n_layers, f.n_heads_at(site),
-                                       seq if positions == "each" else 1)
-    return dict(chose=costs.auto_method(cost), exact_flops_per_token=cost,
-                threshold=costs.AUTO_EXACT_MAX_FLOPS_PER_TOKEN, n_params=n_params)
+    per_layer = f.n_heads_at(site) * (seq if positions == "each" else 1)
+    work = cost.Work(1, n_cells=f.n_layers * per_layer, per_round=per_layer,
+                     shares=cost.head_shares(f.n_layers, per_layer), n_params=n_params)
+    return dict(cost.price(work)["auto"], n_params=n_params)
 
 
 def top_cells(effect: Tensor, k: int) -> list[tuple[int, ...]]:

@@ -3,8 +3,9 @@
 Layout: ``header.json`` (format version, the sweep's identity, its chunk plan) and one
 ``chunk_{i:06d}.safetensors`` per finished chunk, written atomically the moment it completes.
 
-* **Identity** (``sweep_identity``): what was patched (kind, site, direction, positions), the
-  tokens (hash), the model (fingerprint of its shape and weights) and the metric *by behaviour*
+* **Identity** (``circuitkit.identity.sweep_identity``): what was patched (kind, site,
+  direction, positions), the tokens (hash), the model (``identity.model_fingerprint``, the one
+  fingerprint of its shape and weights) and the metric *by behaviour*
   (``PromptMetric.fingerprint``: its values on seeded random logits), not by name. A resume
   under anything else is refused with the differing fields.
 * **Integrity**: each chunk file carries, in its safetensors metadata, the identity key, its chunk
@@ -34,113 +35,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuitkit import files, hooks
-from circuitkit.metrics import PromptMetric
-from circuitkit.patching.sweep import Chunk, Sweep
+from circuitkit import files
+from circuitkit.identity import (  # noqa: F401 (their home before circuitkit.identity)
+    FINGERPRINT_SAMPLE,
+    SWEEP_FORMAT,
+    IdentityMismatch,
+    identity_diff,
+    identity_key,
+    model_fingerprint,
+    sweep_identity,
+    tokens_hash,
+)
+from circuitkit.patching.sweep import Chunk
 
-FORMAT_VERSION = 2
-
-
-def tokens_hash(*tokens: Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tokens:
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().cpu().long().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-FINGERPRINT_SAMPLE = 4096  # values per parameter
-_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width views
-_SUM_BLOCK = 1 << 22  # elements per integer block (bounds the int64 copy's memory)
-
-
-def _bit_sums(p: Tensor) -> Tensor:
-    """Row and column sums of a parameter's bit patterns (as integers, in int64, wrapping):
-    ``[rows + cols]`` for ``p`` viewed as ``[p.shape[0], -1]``, ``[1]`` for a vector. Integer
-    addition is associative, so the sums are exact whatever the device, thread count or order,
-    and every row and column (an attention head's slice of ``W_O``, an MLP neuron) counts."""
-    flat = p.detach().contiguous()
-    bits = flat.view(_INT_OF[flat.element_size()]) if flat.is_floating_point() else flat
-    if bits.ndim < 2:
-        return bits.reshape(-1).to(torch.int64).sum().reshape(1)
-    bits = bits.reshape(bits.shape[0], -1)
-    rows, cols = bits.shape
-    step = max(1, _SUM_BLOCK // max(cols, 1))
-    row_sums, col_sums = [], torch.zeros(cols, dtype=torch.int64, device=bits.device)
-    for r0 in range(0, rows, step):
-        block = bits[r0:r0 + step].to(torch.int64)
-        row_sums.append(block.sum(1))
-        col_sums += block.sum(0)
-    return torch.cat([*row_sums, col_sums])
-
-
-def model_fingerprint(model: Any) -> str:
-    """Hash of the shape facts and every parameter's name, shape, dtype, an
-    evenly strided sample of ``FINGERPRINT_SAMPLE`` values and the integer sums of its bit
-    patterns over each row and each column (``_bit_sums``). Every parameter: a fine-tune, a
-    merged LoRA or an edit of one layer's weights changes it (the first and last parameter
-    alone let a checkpoint of another model resume); every row and column: a strided sample of
-    a large matrix sees a few of its columns only (70B's ``W_O``: head 0), so a head ablated by
-    zeroing its slice would resume the unablated model's checkpoint. Exact values and integer
-    sums, no float sums: a float reduction's rounding could differ between thread counts or
-    ranks. One transfer per device."""
-    # no name: the same weights loaded from another path (or cwd) are the same model
-    h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
-    samples: list[Tensor] = []
-    sums: list[Tensor] = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            flat = p.detach().reshape(-1)
-            step = max(1, flat.numel() // FINGERPRINT_SAMPLE)
-            samples.append(flat[::step][:FINGERPRINT_SAMPLE].float())
-            sums.append(_bit_sums(p))
-        for group in (samples, sums):
-            on_cpu: list[Tensor | None] = [None] * len(group)
-            for dev in {t.device for t in group}:  # placement-independent: order kept
-                idx = [i for i, t in enumerate(group) if t.device == dev]
-                for i, t in zip(idx, torch.cat([group[i] for i in idx]).cpu().split(
-                        [group[i].numel() for i in idx]), strict=True):
-                    on_cpu[i] = t
-            for t in on_cpu:
-                h.update(t.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def sweep_identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor,
-                   metric: PromptMetric, **extra: Any) -> dict[str, Any]:
-    """Everything a resumed sweep must share with the one that wrote the checkpoint, and
-    ``extra`` (an edge sweep's layout, a hybrid's method and estimator)."""
-    f = hooks.facts(model)
-    out = dict(format=FORMAT_VERSION, kind=sweep.kind, site=sweep.site,
-               direction=sweep.direction, positions=sweep.positions,
-               tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
-               metric=metric.name,
-               metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
-               split_prompts=sweep.split_prompts, prompt_order="by_length")
-    if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)
-        out["groups"] = sweep.groups.hash()
-    return dict(out, **extra)
-
-
-def identity_diff(stored: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``key -> (stored, now)`` for every field in which two identities differ (what a refused
-    resume names)."""
-    return {k: (stored.get(k), now.get(k)) for k in sorted(set(stored) | set(now))
-            if stored.get(k) != now.get(k)}
-
-
-class IdentityMismatch(ValueError):
-    """A folder holding another run's work: ``differing`` names the fields (``identity_diff``),
-    so a caller (the CLI) can say it in its own terms (its flags, ``--out``)."""
-
-    def __init__(self, message: str, differing: dict[str, tuple[Any, Any]]):
-        super().__init__(message)
-        self.differing = differing
-
-
-def identity_key(identity: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+FORMAT_VERSION = SWEEP_FORMAT  # (its name here before: a sweep identity's "format")
 
 
 def default_dir(identity: dict[str, Any]) -> Path:

@@ -169,13 +169,13 @@ def _curve(sizes: list[float], curve: Tensor, full: Tensor, empty: Tensor, corru
 
 def _check_same_model(model: Any, result: Any) -> None:
     """Refuse a result patched on another model: its ``meta["model_fingerprint"]`` (written by
-    every exact sweep) must be this model's (``checkpoint.model_fingerprint``)."""
+    every exact sweep) must be this model's (``identity.model_fingerprint``)."""
     if not isinstance(result, EdgeResult | PatchResult):
         return  # (CircuitGraph.of names the type)
     stored = (result.meta or {}).get("model_fingerprint")
     if stored is None:
         return
-    from circuitkit.patching.checkpoint import model_fingerprint
+    from circuitkit.identity import model_fingerprint
 
     if stored != model_fingerprint(model):
         what = "EdgeResult" if isinstance(result, EdgeResult) else "PatchResult"

@@ -6,13 +6,15 @@ differ only in their ``Screenable`` (built by ``HeadUnits.screenable`` / ``EdgeU
 everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays
 the rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the
 budget rule, the cost against an exact sweep, and running that sweep instead where the hybrid is
-predicted to cost as much (``predicted``, which ``plan_patch`` prints too).
+predicted to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints
+too).
 
-Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2): a
-verified cell re-runs the share ``d`` of the model downstream of it (heads ``(L - l) / L``,
-edges ``(L + 1 - l) / (L + 1)``), so ``verify = n (sum_verified d + 2)`` (the engine's two
-cached runs) and the exact sweep ``n (read_share sum_all d + 2)``, each prompt up to its
-metric's last read (``read_share``), as ``plan_patch`` prices it.
+Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2), by
+``patching.cost``'s formulas: a verified cell re-runs the share ``d`` of the model downstream of
+it (heads ``(L - l) / L``, edges ``(L + 1 - l) / (L + 1)``), so ``verify = n (sum_verified d +
+2)`` (``cost.verified_passes``: the engine's two cached runs) and the exact sweep ``n
+read_share sum_all d + 2 n`` (``cost.cell_suffix``, ``cost.exact_passes``), each prompt up to its
+metric's last read (``read_share``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ import torch
 from torch import Tensor
 
 from circuitkit.metrics import PromptMetric
-from circuitkit.patching import plan as costs
+from circuitkit.patching import cost
 from circuitkit.patching.checkpoint import HybridCheckpoint
 from circuitkit.patching.inputs import check_top_k
 from circuitkit.patching.sweep import is_out_of_memory, release_cached_memory
 
-RULE = dict(recall_top=10, quantile=0.9, max_fraction=costs.AUTO_MAX_FRACTION)  # defaults
+RULE = cost.Budget().rule()  # the automatic rule's defaults (recall_top, quantile, max_fraction)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,15 @@ class Screenable:
     rows: int
     result_type: type
 
+    def work(self) -> cost.Work:
+        """What ``cost.price`` prices of these cells: ``n`` prompts, ``C`` cells whose
+        ``downstream`` shares sum to ``shares``, rounds of ``per_round``, the metric's
+        ``read_share`` and the screen's predicted passes."""
+        d = self.downstream.double()  # costs in float64
+        return cost.Work(self.n_prompts, n_cells=d.numel(), shares=float(d.sum()),
+                         per_round=self.per_round, read_share=self.read_share,
+                         screen=self.screen_passes)
+
 
 def check_max_passes(max_passes: Any, top_k: int | None) -> None:
     """``max_passes``: None or a positive, finite number; not together with ``top_k``."""
@@ -93,49 +104,21 @@ def check_rule(top_k: Any, max_passes: Any, recall_top: int, quantile: float,
     check_max_passes(max_passes, top_k)
 
 
-def predicted(screen_passes: float, downstream: Tensor, n: int, read_share: float,
-              top_k: int | None, per_round: int, max_passes: float | None = None,
-              **rule: Any) -> dict[str, Any]:
-    """The hybrid's cost before it runs, and what it will run: ``cells`` verified
-    (``plan.hybrid_cells``), ``passes = screen + n (cells x mean(d) + 2)`` (``passes_max`` at
-    the cap), the exact sweep's ``exact_passes = n (read_share sum(d) + 2)``; ``runs``: "exact"
-    when the automatic budget (no ``top_k``, no ``max_passes``) is predicted to cost at least
-    the exact sweep, else "attribution+exact"."""
-    rule = dict(RULE, **rule)
-    n_cells = downstream.numel()
-    cells, most = costs.hybrid_cells(n_cells, per_round, top_k, rule["max_fraction"],
-                                     rule["recall_top"])
-    mean_d = float(downstream.double().mean()) if n_cells else 0.0  # costs in float64
-
-    def passes(k: int) -> float:
-        return screen_passes + n * (k * mean_d + 2)
-
-    exact_passes = n * (float(downstream.double().sum()) * read_share + 2)
-    pas = passes(cells)
-    if max_passes is not None:
-        pas = min(pas, max(float(max_passes), screen_passes))
-    runs = "exact" if top_k is None and max_passes is None and pas >= exact_passes else \
-        "attribution+exact"
-    return dict(runs=runs, cells=cells, cells_max=most, passes=pas, passes_max=passes(most),
-                exact_passes=exact_passes, screen_passes=screen_passes)
-
-
 def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int | None = None,
                        max_passes: float | None = None, batch_size: int | None = None,
                        progress: bool = True, exact_when_cheaper: bool = True,
                        **rule: Any) -> Any:
     """Screen every cell of ``units``, verify by ``top_k`` or ``budget_rule``, and return the
     estimate with the verified cells exact (``place``). With the automatic budget and
-    ``exact_when_cheaper``, a hybrid ``predicted`` to cost at least the exact sweep runs the
-    exact sweep instead (``meta["hybrid"]["ran"] == "exact"``). Either way ``meta["hybrid"]``
-    says what ran and why, ``meta["timing"]`` the seconds of each part, and with ``progress``
-    one line on stderr says what was verified, why it stopped and the cost against exact's; a
-    run that costs more than the exact sweep says so (a warning)."""
-    rule = dict(RULE, **rule)
+    ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its
+    ``hybrid`` entry) to cost at least the exact sweep runs the exact sweep instead
+    (``meta["hybrid"]["ran"] == "exact"``). Either way ``meta["hybrid"]`` says what ran and
+    why, ``meta["timing"]`` the seconds of each part, and with ``progress`` one line on stderr
+    says what was verified, why it stopped and the cost against exact's; a run that costs more
+    than the exact sweep says so (a warning)."""
+    budget = cost.Budget(top_k, max_passes, **dict(RULE, **rule))
     t_start = time.perf_counter()
-    n = units.n_prompts
-    guess = predicted(units.screen_passes, units.downstream, n, units.read_share, top_k,
-                      units.per_round, max_passes, **rule)
+    guess = cost.price(units.work(), budget)["hybrid"]
     if guess["runs"] == "exact" and exact_when_cheaper:
         res = units.exact()
         seconds = time.perf_counter() - t_start
@@ -156,14 +139,14 @@ def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int 
     store = HybridCheckpoint.open(checkpoint, units.identity()) if checkpoint is not None \
         else None
     try:
-        res = _verified(units, store, top_k, max_passes, batch_size, progress, rule)
+        res = _verified(units, store, budget, batch_size, progress)
     finally:
         if store is not None:
             store.close()
-    cost = res.meta["cost"]
+    spent = res.meta["cost"]
     total = time.perf_counter() - t_start
-    res.meta.update(seconds=total, timing=dict(screen=cost["estimator_seconds"],
-                                               verify=cost["verify_seconds"], total=total),
+    res.meta.update(seconds=total, timing=dict(screen=spent["estimator_seconds"],
+                                               verify=spent["verify_seconds"], total=total),
                     hybrid=dict(guess, ran="attribution+exact", why=(
                         "top_k given" if top_k is not None else "max_passes given"
                         if max_passes is not None else "predicted cheaper than exact")))
@@ -192,11 +175,12 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | None,
-              max_passes: float | None, batch_size: int | None, progress: bool,
-              rule: dict) -> Any:
-    """The screen (stored or run), then the verification (``top_k`` or ``budget_rule``), each
-    verified cell stored as its forward finishes; cost and budget in ``meta``."""
+def _verified(units: Screenable, store: HybridCheckpoint | None, budget: cost.Budget,
+              batch_size: int | None, progress: bool) -> Any:
+    """The screen (stored or run), then the verification (``budget.top_k`` or
+    ``budget_rule``), each verified cell stored as its forward finishes; cost and budget in
+    ``meta``."""
+    top_k, max_passes = budget.top_k, budget.max_passes
     est = store.load_screen(units.result_type) if store is not None else None
     if est is None:
         est = units.screen()
@@ -222,9 +206,8 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | No
             v(torch.topk(effect.abs(), min(top_k, effect.numel())).indices.tolist())
         else:
             k_err, tau, stopped, rounds = budget_rule(
-                effect, scale, units.downstream, v.exact_pp, v.done, base, v, n,
-                units.per_round, max_passes=max_passes,
-                screen_passes=est.meta["pass_equivalents"], **rule)
+                Screened(effect, scale, units.downstream, base, n, units.per_round,
+                         est.meta["pass_equivalents"]), v, budget)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(v.finished)} verified cells" + (
             f" and the screen saved in {store.path}; rerun the same call to resume." if store
@@ -237,22 +220,23 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, top_k: int | No
                       f"engine's two cached runs would cost {2 * n}; every cell is the "
                       "estimate.", stacklevel=4)
     d = units.downstream.double()
-    verify_passes = n * (float(d[v.order].sum()) + 2 * bool(v.order))  # as a fresh run
-    cost = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
-                verify_passes=verify_passes,
-                total_passes=est.meta["pass_equivalents"] + verify_passes,
-                exact_sweep_passes=n * (float(d.sum()) * units.read_share + 2),
-                estimator_seconds=est.meta["seconds"],
-                verify_seconds=time.perf_counter() - t0, reused_cells=len(v.reused),
-                rows_per_forward=v.rows if units.metric.per_prompt_values else max(v.rows, n),
-                oom_backoffs=v.backoffs)
-    budget = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
-                  max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
-                  rounds=rounds, **rule)
+    verify_passes = cost.verified_passes(n, float(d[v.order].sum())) if v.order else 0.0
+    spent = dict(estimator=est.meta["estimator"], estimator_passes=est.meta["pass_equivalents"],
+                 verify_passes=verify_passes,  # (as a fresh run: a resumed one reused cells)
+                 total_passes=est.meta["pass_equivalents"] + verify_passes,
+                 exact_sweep_passes=cost.exact_passes(
+                     cost.cell_suffix(n, float(d.sum()), units.read_share), n),
+                 estimator_seconds=est.meta["seconds"],
+                 verify_seconds=time.perf_counter() - t0, reused_cells=len(v.reused),
+                 rows_per_forward=v.rows if units.metric.per_prompt_values else max(v.rows, n),
+                 oom_backoffs=v.backoffs)
+    said = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
+                max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
+                rounds=rounds, **budget.rule())
     error_unit = torch.full(est.values.shape, float("nan"))  # (NaN: no cell)
     error_unit[at] = scale
     return place(est, units.index, v.order, v.exact_pp[v.order], dict(
-        budget=budget, cost=cost, error_unit=_nested(error_unit)))
+        budget=said, cost=spent, error_unit=_nested(error_unit)))
 
 
 class _Verifier:
@@ -340,22 +324,40 @@ def place(est: Any, index: Tensor, order: list[int], exact: Tensor, meta: dict) 
     return out
 
 
-def budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Tensor,
-                done: Tensor, base: float, verify: Any, n: int, per_layer: int, *,
-                recall_top: int, quantile: float, max_fraction: float,
-                max_passes: float | None, screen_passes: float
+@dataclass(frozen=True)
+class Screened:
+    """What the screen said of the cells, each ``[C]``: ``effect`` (estimate minus ``base``, the
+    baseline metric), ``scale`` (its error unit ``u``), ``downstream`` (each cell's share ``d``
+    of the model); ``n`` prompts, ``per_round`` cells a round (one layer's), and the screen's
+    ``passes``."""
+
+    effect: Tensor
+    scale: Tensor
+    downstream: Tensor
+    base: float
+    n: int
+    per_round: int
+    passes: float
+
+
+def budget_rule(screened: Screened, verify: Any, budget: cost.Budget
                 ) -> tuple[float, float | None, str, int]:
     """The automatic budget (docs/attribution.md, "Screening"; ``e`` estimated effect, ``x``
-    exact, ``u`` = ``scale`` the error unit, all ``[C]``): (1) bound ``|x - e| <= k u``, ``k``
-    the ``quantile`` of ``|x - e| / u`` over the verified cells; (2) rounds of ``per_layer``
-    cells, highest ``|e| + k u`` first, the first round adding as many of largest ``u``; (3)
-    ``tau`` = the ``recall_top``-th largest verified ``|x|``: stop when every unverified bound is
-    below ``tau`` ("bound"), at ``max_fraction`` of the cells ("budget"), or when no cell fits
-    in ``max_passes`` ("passes"). ``verify(cells)`` fills ``exact_pp`` and ``done``. Returns
-    ``(k, tau, stopped, rounds)``."""
+    exact, ``u`` = ``scale`` the error unit, all ``[C]``, of ``screened``): (1) bound ``|x - e|
+    <= k u``, ``k`` the ``budget.quantile`` of ``|x - e| / u`` over the verified cells; (2)
+    rounds of ``per_round`` cells, highest ``|e| + k u`` first, the first round adding as many
+    of largest ``u``; (3) ``tau`` = the ``recall_top``-th largest verified ``|x|``: stop when
+    every unverified bound is below ``tau`` ("bound"), at ``max_fraction`` of the cells
+    (``cost.hybrid_cap``: "budget"), or when no cell fits in ``max_passes`` (the screen plus
+    ``cost.verified_passes``: "passes"). ``verify(cells)`` fills ``verify.exact_pp`` ``[C, n]``
+    and ``verify.done`` ``[C]``. Returns ``(k, tau, stopped, rounds)``."""
+    effect, scale, downstream, base = (screened.effect, screened.scale, screened.downstream,
+                                       screened.base)
+    n, per_layer, exact_pp, done = screened.n, screened.per_round, verify.exact_pp, verify.done
+    recall_top, max_passes = budget.recall_top, budget.max_passes
     n_cells = effect.numel()
     k_err, tau, rounds = 0.0, None, 0
-    cap = max(1, int(max_fraction * n_cells))
+    cap = cost.hybrid_cap(n_cells, budget.max_fraction)
     while True:
         bound = effect.abs() + k_err * scale
         bound[done] = -1.0
@@ -378,14 +380,14 @@ def budget_rule(effect: Tensor, scale: Tensor, downstream: Tensor, exact_pp: Ten
             more = min(per_layer, n_cells - take, cap - take)
             picked += torch.topk(size, max(0, more)).indices.tolist()
         if max_passes is not None:
-            picked = _within(picked, screen_passes + n * (2 + float(downstream[done].sum())),
-                             n * downstream, max_passes)
+            picked = _within(picked, screened.passes + cost.verified_passes(
+                n, float(downstream[done].sum())), n * downstream, max_passes)
             if not picked:
                 return k_err, tau, "passes", rounds
         verify(picked)
         rounds += 1
         ratio = (((exact_pp.mean(1) - base) - effect).abs() / scale)[done]
-        k_err = float(torch.quantile(ratio, quantile))
+        k_err = float(torch.quantile(ratio, budget.quantile))
 
 
 def _within(picked: list[int], spent: float, cost: Tensor, limit: float) -> list[int]:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 DIRECTIONS = ("denoise", "noise")
 POSITIONS = ("all", "each")
-# "auto": exact below a cost threshold, else attribution+exact (``patching.plan.auto_method``).
+# "auto": exact below a cost threshold, else attribution+exact (``patching.cost.auto_method``).
 METHODS = ("exact", "attribution", "attribution+exact", "auto")
 BACKENDS = ("transformer_lens", "nnsight")
 EDGE_METHODS = ("exact", "attribution", "attribution+exact")

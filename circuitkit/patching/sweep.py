@@ -168,7 +168,7 @@ def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int,
     per element: one block's activations (``8 d_model + 3 d_mlp`` per token), its attention
     scores/probabilities (``3 n_heads seq``) and the logits (``3 d_vocab``), times 1.5 for
     allocator slack and hook copies. The one formula behind ``bytes_per_row`` (a loaded model)
-    and ``patching.plan`` (a config, no weights)."""
+    and ``patching.cost`` (a config, no weights)."""
     per_tok = 8 * d_model + 3 * d_mlp + 3 * n_heads * seq + 3 * d_vocab
     return int(elem * seq * per_tok * 1.5)
 

@@ -2,7 +2,7 @@
 whole model; a backward counts 2), from numbers alone: the one home of these formulas. Each
 registry entry's ``passes`` is one of the ``*_passes`` functions below, read by the estimators'
 own ``meta["pass_equivalents"]`` (``registry.estimator_passes``) and by the plans without weights
-(``plan.sweep_plan``, ``plan.edge_plan``). What each estimator computes: docs/attribution.md."""
+(``cost.sweep_plan``, ``cost.edge_plan``). What each estimator computes: docs/attribution.md."""
 
 from __future__ import annotations
 

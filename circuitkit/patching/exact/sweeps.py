@@ -23,15 +23,10 @@ import torch
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.identity import model_fingerprint, sweep_identity, tokens_hash
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import distributed
-from circuitkit.patching.checkpoint import (
-    SweepCheckpoint,
-    default_dir,
-    model_fingerprint,
-    sweep_identity,
-    tokens_hash,
-)
+from circuitkit.patching.checkpoint import SweepCheckpoint, default_dir
 from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.inputs import ReadsDoNotHold, checked_metric, without_probed_reads
 from circuitkit.patching.results import PatchResult

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.patching.checkpoint import sweep_identity
+from circuitkit.identity import sweep_identity
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.exact import EdgeEngine
 from circuitkit.patching.exact import sweeps as exact
@@ -156,7 +156,7 @@ class EdgeUnits(_Units):
             result_type=EdgeResult)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
-        """``plan.edge_plan`` of these edges (config only)."""
-        from circuitkit.patching.plan import edge_plan
+        """``cost.edge_plan`` of these edges (config only)."""
+        from circuitkit.patching.cost import edge_plan
 
         return edge_plan(arch, lengths, self.layout or self.layout_of(arch), **kw)

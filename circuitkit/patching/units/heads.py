@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from circuitkit import hooks
+from circuitkit.identity import sweep_identity
 from circuitkit.patching import groups
-from circuitkit.patching.checkpoint import sweep_identity
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.estimators.registry import resolve_estimator
 from circuitkit.patching.exact import ExactEngine
@@ -174,7 +174,7 @@ class HeadUnits(_Units):
             result_type=PatchResult)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
-        """``plan.sweep_plan`` of these heads (config only)."""
-        from circuitkit.patching.plan import sweep_plan
+        """``cost.sweep_plan`` of these heads (config only)."""
+        from circuitkit.patching.cost import sweep_plan
 
         return sweep_plan(arch, lengths, site=self.site, positions=self.positions, **kw)

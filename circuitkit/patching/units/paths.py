@@ -84,7 +84,7 @@ class PathUnits(_Units):
                                meta)
 
     def cost_plan(self, arch: Any, lengths: list[int], **kw: Any) -> dict[str, Any]:
-        """``plan.path_plan`` of these paths (config only)."""
-        from circuitkit.patching.plan import path_plan
+        """``cost.path_plan`` of these paths (config only)."""
+        from circuitkit.patching.cost import path_plan
 
         return path_plan(arch, lengths, self.layout or self.layout_of(arch), **kw)
