@@ -44,6 +44,7 @@ from circuitkit.patching.sweep import (
     length_order,
     make_edge_sweep,
     make_path_sweep,
+    make_set_sweep,
     make_sweep,
     release_cached_memory,
 )
@@ -208,6 +209,44 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     return PatchResult(direction=direction, site="z", positions="all", axes=axes, **fields)
 
 
+def run_sets(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
+             opts: Any, meta: dict) -> PatchResult:
+    """The exact sweep of the head sets of ``layout`` (``sweep.SetLayout``; ``HeadSetEngine``;
+    checkpoint identity: the sweep's plus ``layout.identity``) as a ``PatchResult`` over
+    ``("set",)`` in the caller's prompt order: ``values [n_sets]`` and ``per_prompt [n_prompts,
+    n_sets]`` of ``metric``; ``meta``: ``kind`` "head_sets", ``sets``, ``set_source``,
+    ``set_seed`` and ``extra_per_prompt`` (``{name: [n_prompts, n_sets]}`` of each of
+    ``layout.metrics``, read on the same patched logits). A probed metric's reads that do not
+    hold: the sweep starts again reading every position (as ``run``)."""
+    from circuitkit.patching.exact.set_engine import HeadSetEngine
+
+    n, seq = clean.shape
+    extra = layout.identity(n, seq, hooks.facts(model).d_vocab_out)
+
+    def swept_with(m: PromptMetric) -> Swept:
+        sweep = make_set_sweep(model, layout, opts.direction, clean, m)
+        return run_sweep(model, clean, corrupt, m, sweep, opts.batch_size, opts.checkpoint,
+                         opts.progress, make_engine=HeadSetEngine, identity_extra=extra)
+
+    try:
+        swept = swept_with(metric)
+        metric = replace(metric, probed=False)
+    except ReadsDoNotHold as e:
+        metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
+                                opts.batch_size)
+        swept = swept_with(metric)
+    fields = swept.fields(model, metric, described(meta, metric))
+    every = swept.engine.per_metric(swept.done)  # [n_reads, n_prompts (sweep order), n_sets]
+    if swept.order is not None:
+        every = every[:, torch.argsort(swept.order)]
+    fields["meta"].update(kind="head_sets", sets=[[list(h) for h in s] for s in layout.sets],
+                          set_source=layout.source, set_seed=layout.seed,
+                          extra_per_prompt={m.name: every[i + 1]
+                                            for i, m in enumerate(layout.metrics)})
+    return PatchResult(direction=opts.direction, site=layout.site, positions="all",
+                       axes=("set",), **fields)
+
+
 class Swept(NamedTuple):
     """A finished exact sweep (``run_sweep``): its engine, every chunk's values, the prompt order
     it ran in (None: the caller's) and what the run recorded."""
@@ -257,9 +296,11 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
         if sweep.groups is not None:  # each prompt keeps its own positions
             sweep = replace(sweep, groups=sweep.groups.reordered(order))
+        if sweep.sets is not None:  # (a head-set sweep's other metrics, too)
+            sweep = replace(sweep, sets=sweep.sets.reordered(order))
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
-    bar = Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
-                    f"{sweep.site} {sweep.direction}")
+    what = "edges" if sweep.kind == "edges" else "head sets" if sweep.sets else "patch"
+    bar = Progress(progress and rank == 0, f"{what} {sweep.site} {sweep.direction}")
     engine, sweep, rows, first, backoffs = fit_rows(model, clean, corrupt, metric, sweep, rows,
                                                      lengths, stored, bar=bar, rank=rank,
                                                      world=world, make_engine=make_engine)
