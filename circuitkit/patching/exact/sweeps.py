@@ -221,7 +221,7 @@ def run_sets(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, l
     from circuitkit.patching.exact.set_engine import HeadSetEngine
 
     n, seq = clean.shape
-    extra = layout.identity(n, seq, hooks.facts(model).d_vocab_out)
+    extra = functools.partial(layout.identity, n, seq, hooks.facts(model).d_vocab_out)
 
     def swept_with(m: PromptMetric) -> Swept:
         sweep = make_set_sweep(model, layout, opts.direction, clean, m)
@@ -276,17 +276,17 @@ class Swept(NamedTuple):
 
 def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
            batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-           make_engine: Any = ExactEngine, identity_extra: dict | None = None) -> Swept:
+           make_engine: Any = ExactEngine, identity_extra: Any = None) -> Swept:
     """Run every chunk of ``sweep`` with an engine from ``make_engine`` (``ExactEngine`` or
     ``EdgeEngine``): prompts sorted by length, memory fitted, checkpoint opened (its identity:
-    ``sweep_identity`` plus ``identity_extra``), this rank's chunks computed and saved, ranks
-    merged."""
+    ``sweep_identity`` plus ``identity_extra``, a dict or a function giving it), this rank's
+    chunks computed and saved, ranks merged."""
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
     # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
-    identity = functools.cache(functools.partial(sweep_identity, model, sweep, clean, corrupt,
-                                                 metric, **(identity_extra or {})))
+    identity = functools.cache(functools.partial(_identity, model, sweep, clean, corrupt,
+                                                 metric, identity_extra))
     fingerprints = dict(model_fingerprint=model_fingerprint(model),
                         tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
@@ -338,6 +338,14 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
                 n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
                 oom_chunk_splits=splits[0], seconds=time.perf_counter() - t_start)
     return Swept(engine, done, order, info)
+
+
+def _identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              extra: dict | Callable[[], dict] | None) -> dict[str, Any]:
+    """``sweep_identity`` plus ``extra`` (a dict, or a function giving it: a head-set sweep's
+    extra metrics' behaviour hashes are computed only when the identity is needed)."""
+    extra = extra() if callable(extra) else extra
+    return sweep_identity(model, sweep, clean, corrupt, metric, **(extra or {}))
 
 
 def heaviest(sweep: Sweep) -> int:
