@@ -136,3 +136,28 @@ def test_head_set_units_refuse_bad_input_in_one_line(tiny_llama, synth):
         ck.patch(tiny_llama, clean, corrupt, metric,
                  ck.HeadSetUnits([[(0, 0)]], metrics=[synth.subset([0, 1]).metric]),
                  options=dict(progress=False))
+
+
+def test_a_plain_callable_metric_goes_through_the_entry(tiny_llama):
+    """A plain callable ``logits -> [batch]`` is wrapped once by the entry (its reads probed and
+    checked on the engine's cached runs), as for every other unit: same values as a hand hook
+    loop; a scalar one (the mean) gives the same values without per-prompt values."""
+    from circuitkit.patching.results import quiet_baseline
+
+    g = torch.Generator().manual_seed(3)
+    clean, corrupt = (torch.randint(1, 64, (4, 6), generator=g) for _ in range(2))
+
+    def margin(logits):
+        return logits[:, -1, 5] - logits[:, -1, 7]
+
+    sets = [[], [(0, 0)], [(1, 1), (2, 3)]]
+    with quiet_baseline():  # (a random model: its baselines need not differ)
+        res = ck.patch(tiny_llama, clean, corrupt, margin, ck.HeadSetUnits(sets),
+                       options=dict(progress=False))
+        scalar = ck.patch(tiny_llama, clean, corrupt, lambda lg: margin(lg).mean(),
+                          ck.HeadSetUnits(sets), options=dict(progress=False))
+    pm = ck.as_metric(margin, 4, 6, hooks.facts(tiny_llama).d_vocab_out)
+    torch.testing.assert_close(res.per_prompt.T, reference(tiny_llama, corrupt, clean, sets, pm),
+                               atol=1e-5, rtol=0)
+    assert scalar.per_prompt is None
+    torch.testing.assert_close(scalar.values, res.values, atol=1e-5, rtol=0)

@@ -393,9 +393,9 @@ def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
 
 
 def _sorted_by_length(tp: Task, metric: PromptMetric | None = None) -> Task:
-    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: run in
-    length buckets, each bucket's forwards stop after its own last read (the statistics ignore
-    prompt order)."""
+    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: the order
+    of every per-prompt value the statistics read (their bootstrap resamples prompts by index),
+    and of a resample's length buckets (``exact.head_sets.resample_pairing``)."""
     need = (metric or tp.metric).reads.max(1).values
     return tp.subset(torch.argsort(need, stable=True).tolist())
 
