@@ -161,3 +161,16 @@ def test_a_plain_callable_metric_goes_through_the_entry(tiny_llama):
                                atol=1e-5, rtol=0)
     assert scalar.per_prompt is None
     torch.testing.assert_close(scalar.values, res.values, atol=1e-5, rtol=0)
+
+
+def test_a_head_set_result_keeps_its_prompts_together(tiny_llama, synth, tmp_path):
+    """select_prompts keeps the extra metrics' values of the same prompts, and the selection
+    saves and loads."""
+    res = ck.patch(tiny_llama, synth.clean_tokens, synth.corrupt_tokens, synth.metric,
+                   ck.HeadSetUnits(SETS, metrics=[confusion_metric(synth)]),
+                   options=dict(progress=False))
+    some = res.select_prompts(torch.tensor([1, 4, 7]))
+    assert torch.equal(set_values(some)["confusion"], set_values(res)["confusion"][[1, 4, 7]])
+    some.save(tmp_path / "s", views=False)
+    back = ck.PatchResult.load(tmp_path / "s")
+    assert torch.equal(set_values(back)["confusion"], set_values(some)["confusion"])

@@ -302,9 +302,10 @@ def _checked_set_meta(meta: dict[str, Any], js: Path) -> dict[str, Any]:
         raise ValueError(f"{js}: field 'meta.sets' must be a non-empty list of head sets, each "
                          f"a sorted list of distinct [layer, head] pairs inside the model; got "
                          f"{sets!r:.60}.")
-    if not isinstance(meta.get("set_source"), str):
-        raise ValueError(f"{js}: field 'meta.set_source' must be a string (what the sets' "
-                         f"heads got); got {meta.get('set_source')!r:.40}.")
+    if not isinstance(meta.get("set_source"), str) or not _integer(meta.get("set_seed")):
+        raise ValueError(f"{js}: fields 'meta.set_source' and 'meta.set_seed' must be a string "
+                         f"(what the sets' heads got) and an integer; got "
+                         f"{meta.get('set_source')!r:.40}, {meta.get('set_seed')!r:.20}.")
     extra = meta.get("extra_per_prompt", {})
     out = {}
     for name, rows in extra.items() if isinstance(extra, dict) else [("", None)]:

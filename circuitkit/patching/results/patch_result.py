@@ -273,6 +273,9 @@ class PatchResult:
         pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
             self.corrupt_per_prompt[idx]
         meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
+        if meta.get("extra_per_prompt"):  # a head-set result's other metrics: the same prompts
+            meta["extra_per_prompt"] = {k: torch.as_tensor(v)[idx]
+                                        for k, v in meta["extra_per_prompt"].items()}
         return replace(self, values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
                        per_prompt=pp, clean_per_prompt=cl, corrupt_per_prompt=co, meta=meta)
 
