@@ -71,7 +71,9 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
     import pandas as pd
 
     from circuitkit import hooks
+    from circuitkit.experiments.validation import SetRuns, ValidationOptions
     from circuitkit.patching.exact.head_sets import HEAD_SET_SITES
+    from circuitkit.patching.units.head_sets import HeadSetUnits
     from circuitkit.tasks.base import check_task, phase_task, task_phases
 
     bad = [s for s in sites if s not in HEAD_SET_SITES] + [
@@ -84,7 +86,8 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
     task.check_model(model)
     f = hooks.facts(model)
     n_heads = f.n_layers * f.n_heads
-    runs = _Runs(model, batch_size, checkpoint)
+    runs = SetRuns(model, ValidationOptions(batch_size=batch_size, checkpoint=checkpoint,
+                                            progress=False))
     rows = []
     for phase in [p for p in task_phases(task) if p in rankings]:
         tp = phase_task(task, phase)
@@ -93,7 +96,10 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
         distinct = list(dict.fromkeys(tuple(s) for *_, s in sets))
         for site in sites:
             for direction in directions:
-                got, clean, corrupt = runs(tp, distinct, site, direction, f"bins-p{phase}")
+                got, clean, corrupt = _means(runs.patch(
+                    tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                    HeadSetUnits([list(s) for s in distinct], site=site), direction,
+                    f"bins-p{phase}-{site}-{direction}"))
                 gap = clean - corrupt
                 base = corrupt if direction == "denoise" else clean
                 for (b, control, draw, heads), value in zip(
@@ -107,43 +113,12 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-class _Runs:
-    """``cumulative_bins``' model runs: ``ck.patch`` over ``HeadSetUnits`` (z: fused and packed
-    on a Llama-form model, once checked against the hooked path; pattern: the hooked path),
-    each in its own checkpoint folder under ``checkpoint`` (``HeadSetUnits.checkpoint_in``)."""
-
-    def __init__(self, model: Any, batch_size: int | None, checkpoint: str | Path | None):
-        from circuitkit.patching.checkpoint import model_fingerprint
-
-        self.model, self.batch_size, self.root, self.fingerprint = model, batch_size, None, None
-        if checkpoint is not None:
-            from circuitkit.files import check_writable_dir
-
-            self.root = check_writable_dir(checkpoint, "checkpoint")
-            self.fingerprint = model_fingerprint(model)  # (once: it reads every weight)
-
-    def __call__(self, tp: Any, sets: list, site: str, direction: str, label: str
-                 ) -> tuple[list[float], float, float]:
-        """Each set's mean value (float64 over prompts), and the clean and corrupt means."""
-        from circuitkit.patching.api import patch
-        from circuitkit.patching.results import quiet_baseline
-        from circuitkit.patching.units.base import PatchOptions
-        from circuitkit.patching.units.head_sets import HeadSetUnits
-
-        clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
-        units = HeadSetUnits([list(s) for s in sets], site=site)
-        folder = None if self.root is None else units.checkpoint_in(
-            self.root, f"{label}-{site}-{direction}", self.model, clean, corrupt, tp.metric,
-            direction, self.fingerprint)
-        with quiet_baseline():  # (the frame's normalized says it: NaN without a gap)
-            res = patch(self.model, clean, corrupt, tp.metric, units, "exact", PatchOptions(
-                direction=direction, batch_size=self.batch_size, checkpoint=folder,
-                progress=False))
-        if res.per_prompt is None:  # (a metric without per-prompt values: its means)
-            return res.values.double().tolist(), res.clean, res.corrupt
-        return (res.per_prompt.double().mean(0).tolist(),
-                float(res.clean_per_prompt.double().mean()),
-                float(res.corrupt_per_prompt.double().mean()))
+def _means(res: Any) -> tuple[list[float], float, float]:
+    """Each set's mean value (float64 over prompts), and the clean and corrupt means."""
+    if res.per_prompt is None:  # (a metric without per-prompt values: its means)
+        return res.values.double().tolist(), res.clean, res.corrupt
+    return (res.per_prompt.double().mean(0).tolist(), float(res.clean_per_prompt.double().mean()),
+            float(res.corrupt_per_prompt.double().mean()))
 
 
 def bin_summary(frame: Any):

@@ -471,7 +471,7 @@ def validate_selections(model: Any, task: Task, scores: Any,
     # the sets of every phase first (a phase the task has no steps for is left out)
     plan = {phase: _phase_plan(task, phase, {sel: picks[sel](phase, k) for sel in asked}, asked,
                                f, n_random, seed) for phase in phases}
-    runs = _Runs(model, opts)
+    runs = SetRuns(model, opts)
     rows: dict[str, list] = {sel: [] for sel in selections}
     sets_used: dict[str, dict] = {sel: {} for sel in selections}
     for phase, (tp, per_sel, union) in plan.items():
@@ -514,7 +514,7 @@ def _phase_plan(task: Task, phase: int, tops: dict[str, list], asked: dict[str, 
     return _sorted_by_length(phase_task(task, phase)), per_sel, union
 
 
-def _validate_phase(runs: _Runs, phase: int, tp: Task, quantities: tuple[PromptMetric, ...],
+def _validate_phase(runs: SetRuns, phase: int, tp: Task, quantities: tuple[PromptMetric, ...],
                     per_sel: dict, sets: list, n_random: int, k: int
                     ) -> tuple[dict[str, Tensor], dict[tuple[str, str], int]]:
     """Every quantity after each set of ``sets`` in both directions, ``{direction: [2, n_sets,
@@ -581,11 +581,12 @@ def _validation_rows(phase: int, quantities: tuple[PromptMetric, ...], got: dict
     return rows
 
 
-class _Runs:
-    """The model runs of a validation or an ablation: each ``ck.patch`` over ``HeadSetUnits``
-    (``method="exact"``, the baselines' degenerate-rule warning silenced: the statistics apply
-    it), reading every metric on the same patched logits; with ``checkpoint``, each in its own
-    folder under it (``HeadSetUnits.checkpoint_in``)."""
+class SetRuns:
+    """The model runs of the experiments on head sets (validation, ablation, the cumulative
+    bins): each a ``ck.patch`` over ``HeadSetUnits`` (``method="exact"``; the baselines'
+    degenerate-rule warning silenced: the statistics apply it), with ``opts``' run settings
+    (``batch_size``, ``progress``) and, with ``checkpoint``, each run in its own folder under
+    it (``HeadSetUnits.checkpoint_in``)."""
 
     def __init__(self, model: Any, opts: ValidationOptions):
         from circuitkit.patching.checkpoint import model_fingerprint
@@ -605,20 +606,27 @@ class _Runs:
         if self.opts.progress:
             print(line, file=sys.stderr)
 
-    def __call__(self, clean: Tensor, corrupt: Tensor, metric: PromptMetric, units: Any,
-                 direction: str, label: str) -> Float[Tensor, "n_reads n_sets n_prompts"]:
-        """Every metric of ``units`` (``metric`` first) after each of its sets."""
+    def patch(self, clean: Tensor, corrupt: Tensor, metric: PromptMetric, units: Any,
+              direction: str, label: str) -> Any:
+        """The ``PatchResult`` of ``units`` (its checkpoint folder under ``checkpoint`` named
+        ``<label>-<key>``)."""
         from circuitkit.patching.api import patch
         from circuitkit.patching.results import quiet_baseline
         from circuitkit.patching.units.base import PatchOptions
-        from circuitkit.patching.units.head_sets import set_values
 
         folder = None if self.root is None else units.checkpoint_in(
             self.root, label, self.model, clean, corrupt, metric, direction, self.fingerprint)
         with quiet_baseline():
-            res = patch(self.model, clean, corrupt, metric, units, "exact", PatchOptions(
+            return patch(self.model, clean, corrupt, metric, units, "exact", PatchOptions(
                 direction=direction, batch_size=self.opts.batch_size, checkpoint=folder,
                 progress=self.opts.progress))
+
+    def __call__(self, clean: Tensor, corrupt: Tensor, metric: PromptMetric, units: Any,
+                 direction: str, label: str) -> Float[Tensor, "n_reads n_sets n_prompts"]:
+        """Every metric of ``units`` (``metric`` first) after each of its sets."""
+        from circuitkit.patching.units.head_sets import set_values
+
+        res = self.patch(clean, corrupt, metric, units, direction, label)
         return torch.stack(list(set_values(res).values())).transpose(1, 2)
 
 
@@ -697,7 +705,7 @@ def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5,
     quantities = ([exact_match_metric(tp), confusion_metric(tp)] if 2 in phases else []) \
         + ([focus_metric(tp)] if 1 in phases else [])
     pick = _selection(scores, opts.selection)
-    runs = _Runs(model, opts)
+    runs = SetRuns(model, opts)
     rows, sets_used = [], {}
     for phase in [p for p in phases if p in scored_phases(scores)]:
         top = pick(phase, k)
