@@ -11,8 +11,8 @@ layer holding ``c`` top heads, ``c`` of all of that layer's heads.
 Every model run is ``ck.patch`` over ``ck.HeadSetUnits`` (the sets patched together: its
 checks, the exact engine's ``run_head_sets``, the sweep orchestration and checkpoints):
 validation per phase and direction (noise: corrupt ``z`` into the clean run; denoise: the
-reverse), reading the phase's metric and its behaviour measure (``focus_metric`` /
-``confusion_metric``, as ``circuitkit.evaluation``'s) on the same patched logits; ablation on
+reverse), reading the phase's metric and its behaviour measure (``evaluation.focus_metric`` /
+``confusion_metric``) on the same patched logits; ablation on
 the clean run with ``source`` "zero", "mean" or "resample", reading ``exact_match_metric``,
 ``confusion`` and ``focus``. This module draws the sets and does the statistics. Per quantity,
 ``d_i = patched_i - base_i``:
@@ -41,11 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit._warn import warn
+from circuitkit.evaluation import (  # noqa: F401 (restricted_mass_metric re-exported)
+    confusion_metric,
+    focus_metric,
+    restricted_mass_metric,
+    step_reads,
+)
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import _padded as _pad
 from circuitkit.scoring.heads import scored_phases, top_heads
@@ -124,55 +130,6 @@ def as_validation_options(options: Any) -> ValidationOptions:
                      f"{names}" + (f" (unknown: {bad})." if bad else "."))
 
 
-def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
-    """Logit rows ``p - 1`` of the steps ``pos`` (padding repeats the first step)."""
-    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
-    return torch.where(pos >= 1, pos - 1, first)
-
-
-def restricted_mass_metric(positions: Sequence[Sequence[int]],
-                           candidates: Sequence[Sequence[int]],
-                           good: Sequence[Sequence[int]], name: str) -> PromptMetric:
-    """Per prompt: mean over ``p`` in ``positions[i]`` of the softmax of ``logits[p - 1]``
-    restricted to ``candidates[i]``, summed over ``good[i]`` (``evaluation.restricted_mass``
-    as a ``PromptMetric`` with ``reads``; 0 for a prompt without positions, where
-    ``restricted_mass`` gives NaN)."""
-    pos, cand = _pad(positions), _pad(candidates)
-    is_good = torch.stack([torch.isin(c, torch.as_tensor(list(g), dtype=torch.long))
-                           for c, g in zip(cand, good, strict=True)]) & (cand >= 0)
-
-    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
-        dev = logits.device
-        p, c, g = pos[idx].to(dev), cand[idx].to(dev), is_good[idx].to(dev)
-        valid = p >= 1
-        b = torch.arange(logits.shape[0], device=dev)[:, None]
-        step = logits[b, rows[b, (p - 1).clamp(min=0)]].float()  # [n, steps, vocab]
-        cl = step.gather(-1, c.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
-        cl = cl.masked_fill(~(c >= 0)[:, None, :], float("-inf"))
-        mass = (cl.softmax(-1) * g[:, None, :]).sum(-1) * valid
-        return mass.sum(-1) / valid.sum(-1).clamp(min=1)
-
-    return PromptMetric(fn, name, reads=_reads(pos))
-
-
-def focus_metric(task: Task) -> PromptMetric:
-    """Reasoning Focus per prompt (``evaluation.focus_from_logits``) as a PromptMetric."""
-    anchors = task.anchor_token_ids.tolist()
-    ex = task.examples
-    return restricted_mass_metric([e.anchor_pos for e in ex], [anchors] * len(ex),
-                                  [task.anchor_token_ids[e.anchors].tolist() for e in ex],
-                                  "focus")
-
-
-def confusion_metric(task: Task) -> PromptMetric:
-    """Near-Miss Confusion per prompt (``evaluation.confusion_from_logits``) as a PromptMetric."""
-    lt = task.label_token_ids
-    ex = task.examples
-    return restricted_mass_metric([e.answer_pos for e in ex],
-                                  [lt[e.targets + e.near_misses].tolist() for e in ex],
-                                  [lt[e.near_misses].tolist() for e in ex], "confusion")
-
-
 def exact_match_metric(task: Task) -> PromptMetric:
     """Teacher-forced exact match per prompt: 1 when at every answer step ``p`` the arg-max of
     ``logits[p - 1]`` over the whole vocabulary is a token of one of the example's targets, else
@@ -192,7 +149,7 @@ def exact_match_metric(task: Task) -> PromptMetric:
         ok = (hit | ~valid).all(-1) & valid.any(-1)
         return ok.float()
 
-    return PromptMetric(fn, "exact_match", reads=_reads(pos))
+    return PromptMetric(fn, "exact_match", reads=step_reads(pos))
 
 
 def _against(k: int, top: Any, pools: list[str]) -> str:
