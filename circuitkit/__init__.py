@@ -23,7 +23,8 @@ _EXPORTS = {
     "evaluate": "circuitkit.evaluation:evaluate",
     **{name: _PATCHING[name] for name in (
         "PromptMetric", "as_metric", "patch", "HeadUnits", "LayerUnits", "EdgeUnits",
-        "PathUnits", "PatchOptions", "MethodOptions", "patch_heads", "patch_layers", "plan_patch",
+        "PathUnits", "HeadSetUnits", "PatchOptions", "MethodOptions", "patch_heads",
+        "patch_layers", "plan_patch",
         "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
         "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",

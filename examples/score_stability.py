@@ -98,10 +98,10 @@ def main() -> None:
             # the top sets of this sample's scores, tested on its first val_n examples
             vtask = task if args.val_n is None else task.subset(range(min(args.val_n,
                                                                            len(task))))
-            val = ck.validate_heads(model, vtask, scores, k=k, n_random=args.n_random,
-                                    seed=seed, progress=False)
-            abl = ck.ablate_heads(model, vtask, scores, k=k, n_random=args.n_random,
-                                  seed=seed, progress=False)
+            val = ck.validate_heads(model, vtask, scores, k=k, n_random=args.n_random, seed=seed,
+                                    options=dict(progress=False))
+            abl = ck.ablate_heads(model, vtask, scores, k=k, n_random=args.n_random, seed=seed,
+                                  options=dict(progress=False))
             sample.update(validation=val.to_dict(orient="records"),
                           ablation=abl.to_dict(orient="records"), val_n=len(vtask))
         sample["seconds"] = round(time.perf_counter() - t0, 1)

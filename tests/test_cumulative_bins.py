@@ -5,6 +5,15 @@ a plain TransformerLens hook loop on a tiny model."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 
@@ -84,3 +93,71 @@ def test_cumulative_bins_equal_a_hand_hook_loop(tiny_llama):
     summ = bin_summary(frame)
     assert len(summ) == 2 * 2 * 2 * 3 and (summ["n_random"] == 2).all()
     assert bins_figure(summ).data
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import torch
+    from tinymodels import TINY_LLAMA, make_model
+    import circuitkit as ck
+    from circuitkit.experiments.bins import cumulative_bins
+    from circuitkit.patching.exact.set_engine import HeadSetEngine
+    real = HeadSetEngine.run_chunk
+    def slow(self, chunk):
+        time.sleep(0.05)  # slow enough for the parent to kill us mid-way
+        return real(self, chunk)
+    HeadSetEngine.run_chunk = slow
+    model = make_model(TINY_LLAMA)
+    task = ck.load_task("synthetic", n_examples=6, n_labels=8, children=4,
+                        labels_per_note=(1, 1), split="test", seed=3)
+    cumulative_bins(model, task, {rankings!r}, bins=(3, 8, 100), n_random=2, batch_size=6,
+                    checkpoint=sys.argv[1])
+    print("FINISHED")
+""")
+
+
+def test_killed_bins_resume_without_recomputing_finished_chunks(tiny_llama, tmp_path,
+                                                                monkeypatch):
+    """cumulative_bins with ``checkpoint``: SIGKILLed mid-way (no cleanup runs), the rerun
+    computes only the chunks not saved (each (phase, site, direction) run a ck.patch over
+    HeadSetUnits, its chunks saved as they finish) and gives the uninterrupted frame."""
+    from circuitkit.patching.exact.set_engine import HeadSetEngine
+
+    task = ck.load_task("synthetic", n_examples=6, n_labels=8, children=4,
+                        labels_per_note=(1, 1), split="test", seed=3)
+    heads = [(la, h) for la in range(3) for h in range(4)]
+    rankings = {1: heads, 2: heads[::-1]}
+    calls: list[int] = []
+    real = HeadSetEngine.run_chunk
+
+    def counted(self, chunk):
+        calls.append(1)
+        return real(self, chunk)
+
+    monkeypatch.setattr(HeadSetEngine, "run_chunk", counted)
+    run = lambda **kw: cumulative_bins(tiny_llama, task, rankings, bins=(3, 8, 100),  # noqa
+                                       n_random=2, batch_size=6, **kw)
+    want = run()
+    total = len(calls)
+    ckpt = tmp_path / "ckpt"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(Path(__file__).parent), rankings=rankings))
+    child = subprocess.Popen([sys.executable, str(script), str(ckpt)],
+                             env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(ckpt.glob("*/chunk_*.safetensors"))) < total // 3:
+        assert child.poll() is None, "child ended before it could be killed"
+        time.sleep(0.02)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    saved = len(list(ckpt.glob("*/chunk_*.safetensors")))
+    assert child.returncode == -signal.SIGKILL and 0 < saved < total
+    calls.clear()
+    got = run(checkpoint=ckpt)
+    assert len(calls) == total - saved  # only the chunks the killed run had not saved
+    pd.testing.assert_frame_equal(got, want)
+    calls.clear()
+    run(checkpoint=ckpt)
+    assert not calls

@@ -99,7 +99,7 @@ def test_findings_read_what_validate_heads_and_score_heads_write(tiny_llama):
     task = ck.load_task("synthetic", n_examples=6, n_labels=8, children=4,
                         labels_per_note=(1, 1))
     scores = ck.score_heads(tiny_llama, task, progress=False)
-    val = ck.validate_heads(tiny_llama, task, scores, k=2, n_random=3, progress=False)
+    val = ck.validate_heads(tiny_llama, task, scores, k=2, n_random=3, options=dict(progress=False))
     found = findings({}, val, scores, {})
     assert [f.phase for f in found] == [1, 2]
     for f in found:

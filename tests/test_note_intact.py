@@ -244,7 +244,7 @@ def test_validation_runs_on_note_intact_corruptions():
     task = ck.load_task("icd10", n_examples=6, seed=3, split="test",
                         corruption="anchor,shortlist-sibling")
     scores = score_heads(model, task, progress=False, n_boot=0)
-    df = validate_heads(model, task, scores, k=2, n_random=2, progress=False)
+    df = validate_heads(model, task, scores, k=2, n_random=2, options=dict(progress=False))
     got = set(zip(df.phase, df.quantity, strict=True))
     assert {(1, "shortlist_anchor_margin"), (1, "focus"), (2, "edited_sibling_margin"),
             (2, "confusion")} <= got

@@ -79,8 +79,8 @@ def test_the_layer_matched_p_is_a_hand_count_over_every_set_of_the_same_layers(t
     rank[1 * f.n_heads + 0], rank[1 * f.n_heads + 2] = 1, 2
     scores["phase1_rank"] = scores["phase2_rank"] = rank
     with pytest.warns(UserWarning, match="only 5 layer-stratified"):
-        val = validate_heads(tiny_llama, task, scores, k=2, n_random=50, progress=False,
-                             pools=("layer-stratified",))
+        val = validate_heads(tiny_llama, task, scores, k=2, n_random=50,
+                             options=dict(progress=False, pools=("layer-stratified",)))
     top = [(1, 0), (1, 2)]
     others = [list(s) for s in itertools.combinations([(1, h) for h in range(4)], 2)
               if list(s) != top]
@@ -180,8 +180,9 @@ def test_two_selections_in_shared_runs_equal_their_own_calls(tiny_llama):
         both = validate_selections(tiny_llama, task, scores, pools, k=2, n_random=6,
                                    options=dict(progress=False))
         for sel in pools:
-            alone = validate_heads(tiny_llama, task, scores, k=2, n_random=6, progress=False,
-                                   pools=("layer-stratified",), selection=sel)
+            alone = validate_heads(tiny_llama, task, scores, k=2, n_random=6,
+                                   options=dict(progress=False, pools=("layer-stratified",),
+                                                selection=sel))
             mine = both[sel][both[sel]["pool"] == "layer-stratified"].reset_index(drop=True)
             assert_frames_close(mine, alone)
     for phase in (1, 2):  # one all-layers pool, free of both top sets
@@ -235,8 +236,8 @@ def test_a_sequential_validation_stops_a_settled_pool_and_equals_a_shorter_draw(
         used = {(int(r.phase), r.pool): int(r.n_random) for r in seq.itertuples()}
         assert used[(2, "all-layers")] == 7 and used[(1, "all-layers")] == 3
         for (phase, pool), m in used.items():
-            ref = validate_heads(model, task, scores, k=1, n_random=m, progress=False,
-                                 pools=(pool,))
+            ref = validate_heads(model, task, scores, k=1, n_random=m,
+                                 options=dict(progress=False, pools=(pool,)))
             ref = ref[ref["phase"] == phase].reset_index(drop=True)
             mine = seq[(seq["phase"] == phase) & (seq["pool"] == pool)].reset_index(drop=True)
             pd.testing.assert_frame_equal(mine, ref, rtol=1e-5, atol=1e-6)

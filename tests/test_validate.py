@@ -6,6 +6,8 @@ than by random ones) and on random weights (no difference expected)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pandas as pd
 import pytest
 import torch
@@ -34,6 +36,7 @@ from circuitkit.experiments.validation import (
 from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.sweep import Sweep
 from circuitkit.scoring.heads import score_heads, top_heads
+from circuitkit.tasks.base import phase_task
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +174,8 @@ def test_a_top_five_in_an_eight_head_layer_draws_across_layers_or_states_the_ove
 def test_planted_heads_far_outside_random(planted):
     model, task, scores = planted
     with pytest.warns(UserWarning, match="random head sets differ from the top set"):
-        df = validate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
+        df = validate_heads(model, task, scores, k=1, n_random=20, seed=0,
+                            options=dict(progress=False))
     assert list(df.columns) == VALIDATION_COLUMNS and len(df) == 16
     assert df.attrs["sets"][1]["top"] == [list(PLANTED_P1)]
     assert df.attrs["sets"][2]["top"] == [list(PLANTED_P2)]
@@ -211,7 +215,8 @@ def test_a_top_set_no_better_than_random_gets_a_large_p_value():
     top = top_heads(scores, 2, 5)
     assert {la for la, _ in top} == {1}
     with pytest.warns(UserWarning, match="only 10 same-layers"):
-        df = validate_heads(model, task, scores, k=5, n_random=20, seed=0, progress=False)
+        df = validate_heads(model, task, scores, k=5, n_random=20, seed=0,
+                            options=dict(progress=False))
     same = df[df.pool == "same-layers"]
     wide = df[df.pool == "all-layers"]
     assert set(same.overlap) == {2} and set(same.n_random) == {10}
@@ -221,8 +226,8 @@ def test_a_top_set_no_better_than_random_gets_a_large_p_value():
     assert all(not {tuple(h) for h in s} & set(top) for s in sets["all-layers"])
     # issue 34: the layer-stratified null (the top set's per-layer counts from all of each
     # layer's heads), 200 sets, cannot call it specific either; p comes with its interval
-    strat = validate_heads(model, task, scores, k=5, n_random=200, seed=0, progress=False,
-                           pools=("layer-stratified",))
+    strat = validate_heads(model, task, scores, k=5, n_random=200, seed=0,
+                           options=dict(progress=False, pools=("layer-stratified",)))
     assert set(strat.pool) == {"layer-stratified"} and set(strat.n_random) == {55}  # C(8,5)-1
     assert (strat.p_value >= 0.2).all(), strat[["direction", "quantity", "p_value"]]
     assert ((strat.p_low <= strat.p_value) & (strat.p_value <= strat.p_high)).all()
@@ -244,7 +249,7 @@ def test_layer_stratified_pool_and_monte_carlo_interval():
     assert sets == random_head_sets(top, n_heads=4, n_random=500, seed=2, n_layers=3,
                                     pool="layer-stratified")
     with pytest.raises(ValueError, match="pools="):
-        validate_heads(None, None, None, pools=("nearby",))
+        validate_heads(None, None, None, options=dict(pools=("nearby",)))
     for (hits, r), (lo, hi) in {(0, 20): (0.0, 0.16843347098308), (1, 20): (0.00126508949795,
                                 0.24873276277203), (10, 20): (0.27195784956079, 0.72804215043921),
                                 (50, 1000): (0.03733539760466, 0.06539048791549),
@@ -328,7 +333,8 @@ def test_exact_match_metric_is_a_hand_argmax(tiny_llama, synth):
 def test_ablating_the_planted_phase2_head_raises_confusion_unlike_random_heads(planted):
     model, task, scores = planted
     with pytest.warns(UserWarning, match="random head sets differ"):
-        df = ablate_heads(model, task, scores, k=1, n_random=20, seed=0, progress=False)
+        df = ablate_heads(model, task, scores, k=1, n_random=20, seed=0,
+                          options=dict(progress=False))
     assert list(df.columns) == ABLATION_COLUMNS
     assert set(df.ablation) == {"zero", "mean", "resample"}
     assert set(df.quantity) == {"exact_match", "confusion", "focus"}
@@ -364,7 +370,8 @@ def test_random_weights_top_k_like_random(seed, synth):
                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
                         "max_position_embeddings": 64, "seed": seed})
     scores = score_heads(model, synth, progress=False)
-    df = validate_heads(model, synth, scores, k=3, n_random=20, seed=0, progress=False)
+    df = validate_heads(model, synth, scores, k=3, n_random=20, seed=0,
+                        options=dict(progress=False))
     for r in df.itertuples():
         width = r.random_high - r.random_low
         assert width > 0
@@ -375,15 +382,15 @@ def test_random_weights_top_k_like_random(seed, synth):
 def test_validate_refuses_bad_input(planted):
     model, task, scores = planted
     with pytest.raises(ValueError, match="k must be"):
-        validate_heads(model, task, scores, k=0, progress=False)
+        validate_heads(model, task, scores, k=0, options=dict(progress=False))
     with pytest.raises(ValueError, match="n_random"):
-        validate_heads(model, task, scores, n_random=0, progress=False)
+        validate_heads(model, task, scores, n_random=0, options=dict(progress=False))
     with pytest.raises(ValueError, match="rows"):
-        validate_heads(model, task, scores.head(3), progress=False)
+        validate_heads(model, task, scores.head(3), options=dict(progress=False))
     with pytest.raises(ValueError, match="selection='bogus'"):
-        validate_heads(model, task, scores, selection="bogus", progress=False)
+        validate_heads(model, task, scores, options=dict(selection="bogus", progress=False))
     with pytest.raises(ValueError, match="needs the causal columns"):
-        validate_heads(model, task, scores, selection="causal", progress=False)
+        validate_heads(model, task, scores, options=dict(selection="causal", progress=False))
 
 
 def test_a_task_without_phase1_steps_validates_phase2_only():
@@ -400,151 +407,187 @@ def test_a_task_without_phase1_steps_validates_phase2_only():
     assert sorted(scores["phase2_rank"].tolist()) == list(range(1, len(scores) + 1))
     with pytest.raises(ValueError, match="no phase1_rank"):
         top_heads(scores, 1, 2)
-    val = ck.validate_heads(model, task, scores, k=2, n_random=3, progress=False)
+    val = ck.validate_heads(model, task, scores, k=2, n_random=3, options=dict(progress=False))
     assert set(val["phase"]) == {2} and len(val) == 8  # 2 pools x 2 directions x 2 quantities
 
 
-def test_interrupted_validation_resumes_its_finished_runs(planted, tmp_path, monkeypatch):
-    """With ``checkpoint``, a validation stopped in its second (phase, direction) run redoes
-    only the runs it had not finished, and gives the uninterrupted frame exactly; other head
-    sets (another seed) or other weights do not reuse them."""
-    model, task, scores = planted
-    want = validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False)
-    calls = []
-    real = ExactEngine.run_head_sets
+def counting_chunks(monkeypatch, calls: list[int], fail_at: int | None = None) -> None:
+    """Count ``HeadSetEngine.run_chunk`` calls (every head-set chunk ``ck.patch`` computes);
+    raise KeyboardInterrupt (Ctrl-C) at call ``fail_at``."""
+    from circuitkit.patching.exact.set_engine import HeadSetEngine
 
-    def counted(self, *a, **k):
+    # (the engine's own, also when a test counts twice: monkeypatch restores it after the test)
+    real = counting_chunks.__dict__.setdefault("real", HeadSetEngine.run_chunk)
+
+    def run_chunk(self, chunk):
         calls.append(1)
-        if stop_at and len(calls) == stop_at:
+        if fail_at is not None and len(calls) == fail_at:
             raise KeyboardInterrupt
-        return real(self, *a, **k)
-    monkeypatch.setattr(ExactEngine, "run_head_sets", counted)
-    stop_at = 0
-    validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False)
-    per_run = len(calls) // 4  # engine calls per (phase, direction)
+        return real(self, chunk)
+
+    monkeypatch.setattr(HeadSetEngine, "run_chunk", run_chunk)
+
+
+def test_interrupted_validation_resumes_its_finished_chunks(planted, tmp_path, monkeypatch):
+    """With ``checkpoint``, a validation stopped mid-way (Ctrl-C in one of its runs' chunks)
+    computes only the chunks it had not finished (each run is a ck.patch over HeadSetUnits,
+    its chunks saved as they finish), and gives the uninterrupted frame exactly; other head sets
+    (another seed) or other weights do not reuse them. A folder of an older validation's files
+    is said to be recomputed."""
+    model, task, scores = planted
+    opts = dict(progress=False, batch_size=12)  # (several chunks per run)
+    run = lambda seed=0, **kw: validate_heads(  # noqa: E731
+        model, task, scores, k=1, n_random=5, seed=seed, options=dict(opts, **kw))
+    want = run()
+    calls: list[int] = []
+    counting_chunks(monkeypatch, calls)
+    run()
+    total = len(calls)
+    run(seed=1)
+    total_seed1 = len(calls) - total
+    assert total > 8 and total_seed1 > 0
     calls.clear()
-    stop_at = per_run + 1  # the first call of the second run
-    with pytest.raises(KeyboardInterrupt):
-        validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
-                       checkpoint=tmp_path)
+    counting_chunks(monkeypatch, calls, fail_at=total // 2)
+    (tmp_path / "validation-0123abcd.safetensors").write_bytes(b"old")
+    with pytest.warns(UserWarning, match="older circuitkit"), \
+            pytest.raises(KeyboardInterrupt):
+        run(checkpoint=tmp_path)
+    saved = len(list(tmp_path.glob("*/chunk_*.safetensors")))
+    assert saved == total // 2 - 1  # every chunk finished before Ctrl-C
     calls.clear()
-    stop_at = 0
-    got = validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
-                         checkpoint=tmp_path)
-    assert len(calls) == 3 * per_run  # the first run was reused, the other three ran
+    counting_chunks(monkeypatch, calls)
+    got = run(checkpoint=tmp_path)
+    assert len(calls) == total - saved  # only the chunks not finished
     pd.testing.assert_frame_equal(got, want)
     calls.clear()
-    validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
-                   checkpoint=tmp_path)
-    assert not calls  # all four reused
-    validate_heads(model, task, scores, k=1, n_random=5, seed=1, progress=False,
-                   checkpoint=tmp_path)
-    assert len(calls) == 4 * per_run  # other random sets: nothing reused
+    run(checkpoint=tmp_path)
+    assert not calls  # all reused
+    run(seed=1, checkpoint=tmp_path)
+    assert len(calls) == total_seed1  # other random sets: nothing reused
     calls.clear()
     with torch.no_grad():
         model.blocks[0].attn.W_O.mul_(1.5)  # type: ignore[union-attr]
     try:
-        validate_heads(model, task, scores, k=1, n_random=5, seed=0, progress=False,
-                       checkpoint=tmp_path)
+        run(checkpoint=tmp_path)
     finally:
         with torch.no_grad():
             model.blocks[0].attn.W_O.div_(1.5)  # type: ignore[union-attr]
-    assert len(calls) == 4 * per_run  # other weights: nothing reused
+    assert len(calls) == total  # other weights: nothing reused
+
+
+def test_interrupted_ablation_resumes_its_finished_chunks(planted, tmp_path, monkeypatch):
+    """ablate_heads stopped mid-way (Ctrl-C in a chunk) computes only its unfinished chunks on
+    the rerun and gives the uninterrupted frame exactly (resample included: its pairing does
+    not depend on the chunks)."""
+    model, task, scores = planted
+    run = lambda **kw: ablate_heads(  # noqa: E731
+        model, task, scores, k=1, n_random=4, ablations=("zero", "resample"),
+        options=dict(progress=False, batch_size=16, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = run()
+        calls: list[int] = []
+        counting_chunks(monkeypatch, calls)
+        run()
+        total = len(calls)
+        calls.clear()
+        counting_chunks(monkeypatch, calls, fail_at=total - 2)
+        with pytest.raises(KeyboardInterrupt):
+            run(checkpoint=tmp_path)
+        calls.clear()
+        counting_chunks(monkeypatch, calls)
+        got = run(checkpoint=tmp_path)
+    assert len(calls) == 3 and len(list(tmp_path.glob("*/chunk_*.safetensors"))) == total
+    pd.testing.assert_frame_equal(got, want)
 
 
 def _mutate(path, rng):
-    """One seeded mutation of a validation checkpoint file: (what, the field it touches)."""
+    """One seeded mutation of a head-set sweep's checkpoint chunk file: its kind."""
     import json as _json
 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(path), "pt") as f:
-        meta, runs = dict(f.metadata()), f.get_tensor("runs")
-    kind = rng.choice(["scalar", "shape", "transpose", "dtype", "int", "nan", "inf", "edit",
-                       "key", "no-key", "no-sha", "extra", "rename", "truncate", "empty"])
-    tensors, field = {"runs": runs}, "runs"
-    if kind == "scalar":  # the issue's `runs := 0.5`
-        tensors = {"runs": torch.tensor(0.5)}
+        meta, values = dict(f.metadata()), f.get_tensor("values")
+    kind = rng.choice(["scalar", "shape", "dtype", "int", "nan", "inf", "edit", "key",
+                       "no-key", "no-sha", "chunk", "rename", "truncate", "empty"])
+    tensors = {"values": values}
+    if kind == "scalar":
+        tensors = {"values": torch.tensor(0.5)}
     elif kind == "shape":
-        tensors = {"runs": runs[:, :, :rng.randrange(1, runs.shape[2])].contiguous()}
-    elif kind == "transpose":
-        tensors = {"runs": runs.transpose(1, 2).contiguous()}
+        tensors = {"values": torch.cat([values, values[:1]]).contiguous()}
     elif kind == "dtype":
-        tensors = {"runs": runs.double()}
+        tensors = {"values": values.double()}
     elif kind == "int":
-        tensors = {"runs": runs.round().int()}
+        tensors = {"values": values.round().int()}
     elif kind in ("nan", "inf"):
-        bad = runs.clone()
+        bad = values.clone()
         bad.view(-1)[rng.randrange(bad.numel())] = float(kind)
-        tensors = {"runs": bad}
+        tensors = {"values": bad}
     elif kind == "edit":  # a plausible value, the checksum kept
-        bad = runs.clone()
+        bad = values.clone()
         bad.view(-1)[rng.randrange(bad.numel())] += rng.choice([0.5, -0.25, 1e-3])
-        tensors = {"runs": bad}
+        tensors = {"values": bad}
     elif kind == "key":
-        meta["key"], field = _json.dumps("0" * 64), "key"
+        meta["sweep"] = "0" * 16
     elif kind == "no-key":
-        meta.pop("key")
-        field = "key"
+        meta.pop("sweep")
     elif kind == "no-sha":
         meta.pop("sha256")
-        field = "sha256"
-    elif kind == "extra":
-        tensors = {"runs": runs, "other": runs[:1].clone()}
+    elif kind == "chunk":  # another chunk's file under this one's name
+        meta["chunk"], meta["plan"] = "999", _json.dumps([0, 0, 1, 0, 1])
     elif kind == "rename":
-        tensors = {"values": runs}
+        tensors = {"runs": values}
     if kind in ("truncate", "empty"):
         data = path.read_bytes()
         path.write_bytes(data[:rng.randrange(1, len(data))] if kind == "truncate" else b"")
-        return kind, "unreadable"
+        return kind
     save_file(tensors, str(path), metadata=meta)
-    return kind, field
+    return kind
 
 
 def test_validation_checkpoints_are_verified_fuzzed(planted, tmp_path):
-    """Issue 33 item 9: each validation/ablation checkpoint file is checked (its key, one
-    float32 tensor ``runs`` of the run's shape, finite, SHA-256) before reuse. A seeded mutator
-    (types, ranges, shapes, swaps, truncation) damages one stored file at a time; the rerun
-    names the file and the field in a warning and recomputes it, giving the undamaged
-    frames exactly."""
+    """Issue 33 item 9: each validation/ablation checkpoint file is checked before reuse: the
+    sweep checkpoint's chunk files (their sweep's key, chunk id and plan, one float32 tensor of
+    the chunk's shape, SHA-256). A seeded mutator (types, ranges, shapes, swaps, truncation)
+    damages one stored file at a time; the rerun names the file in a warning and recomputes
+    it, giving the undamaged frames exactly."""
     import random as _random
-    import warnings as _warnings
 
     model, task, scores = planted
 
     def both():
-        v = validate_heads(model, task, scores, k=1, n_random=3, progress=False,
-                           checkpoint=tmp_path)
+        v = validate_heads(model, task, scores, k=1, n_random=3,
+                           options=dict(progress=False, checkpoint=tmp_path))
         a = ablate_heads(model, task, scores, k=1, n_random=3, ablations=("zero",),
-                         progress=False, checkpoint=tmp_path)
+                         options=dict(progress=False, checkpoint=tmp_path))
         return v, a
 
     want = both()
-    stored = sorted(tmp_path.glob("validation-*.safetensors"))
-    assert len(stored) == 4 + 2  # 2 phases x 2 directions, 2 phases x 1 ablation
+    assert len(list(tmp_path.iterdir())) == 4 + 2  # 2 phases x 2 directions, 2 x 1 ablation
+    stored = sorted(tmp_path.glob("*/chunk_*.safetensors"))
     originals = {p: p.read_bytes() for p in stored}
     rng = _random.Random(0)
     seen = set()
-    for _ in range(24):
+    for _ in range(20):
         path = rng.choice(stored)
-        kind, field = _mutate(path, rng)
-        seen.add(kind)
-        with _warnings.catch_warnings(record=True) as caught:
-            _warnings.simplefilter("always")
+        seen.add(_mutate(path, rng))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             got = both()
-        said = [str(w.message) for w in caught if "validation checkpoint" in str(w.message)]
-        assert len(said) == 1 and str(path) in said[0] and field in said[0], (kind, said)
+        said = [str(w.message) for w in caught if "checkpoint chunk" in str(w.message)]
+        assert len(said) == 1 and str(path) in said[0], said
         pd.testing.assert_frame_equal(got[0], want[0])
         pd.testing.assert_frame_equal(got[1], want[1])
         assert path.read_bytes() != b""  # rewritten by the recomputation
         for p, data in originals.items():
             p.write_bytes(data)
     assert len(seen) >= 10, seen
-    with _warnings.catch_warnings(record=True) as caught:  # undamaged files: reused silently
-        _warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:  # undamaged files: reused silently
+        warnings.simplefilter("always")
         got = both()
-    assert not [w for w in caught if "validation checkpoint" in str(w.message)]
+    assert not [w for w in caught if "checkpoint chunk" in str(w.message)]
 
 
 def test_teacher_forced_exact_match_equals_greedy_where_greedy_follows_the_note():
@@ -600,8 +643,9 @@ def test_a_wrong_fused_head_set_path_is_caught_by_its_probe(synth, monkeypatch):
 
 def test_progress_bars_count_set_prompts_to_a_total_fixed_up_front(planted, monkeypatch):
     """Issue 36 item 12: the validate bar's total jumped mid-run (21504 -> 18176) when fewer
-    distinct random sets existed than asked. Both bars now count (set, prompt) rows to a total
-    fixed before the first run: it never changes and is reached exactly."""
+    distinct random sets existed than asked. Every run is now a head-set sweep whose bar counts
+    (set, prompt) rows to a total fixed before its first chunk: it never changes and is reached
+    exactly; together they count every set of every run on every prompt."""
     import circuitkit._progress  # every circuitkit bar is made from its class
 
     model, task, scores = planted
@@ -616,17 +660,24 @@ def test_progress_bars_count_set_prompts_to_a_total_fixed_up_front(planted, monk
             self.n += n
             self.totals.append(self.total)
 
-        def write(self, *a, **k):
-            pass
-
         def close(self):
             pass
 
     monkeypatch.setattr(circuitkit._progress, "tqdm", Recorder)
     with pytest.warns(UserWarning, match="random head sets differ"):
-        validate_heads(model, task, scores, k=1, n_random=50, progress=True)
-        ablate_heads(model, task, scores, k=1, n_random=50, ablations=("zero", "mean"),
-                     progress=True)
-    assert [b.desc for b in bars] == ["validate", "ablate"]
+        val = validate_heads(model, task, scores, k=1, n_random=50,
+                             options=dict(progress=True))
+        abl = ablate_heads(model, task, scores, k=1, n_random=50, ablations=("zero", "mean"),
+                           options=dict(progress=True))
+    assert [b.desc for b in bars] == ["head sets z noise", "head sets z denoise"] * 2 + [
+        "head sets z noise"] * 4
     for b in bars:
         assert len(set(b.totals)) == 1 and b.n == b.total > 0, (b.desc, b.totals[:3], b.n)
+    rows = [len({tuple(map(tuple, s)) for s in [[], val.attrs["sets"][p]["top"], *(
+        s for rs in val.attrs["sets"][p]["random"].values() for s in rs)]})
+        * len(phase_task(task, p)) for p in (1, 2)]  # (each distinct set once)
+    assert [b.total for b in bars[:4]] == [rows[0]] * 2 + [rows[1]] * 2
+    n_abl = int(abl["n_prompts"].iloc[0])
+    assert [b.total for b in bars[4:]] == [
+        (2 + sum(map(len, abl.attrs["sets"][p]["random"].values()))) * n_abl
+        for p in (1, 2) for _ in range(2)]

@@ -5,8 +5,9 @@ outputs) and direction (``"denoise"``: clean activations into the corrupt run, d
 restore?; ``"noise"``: corrupt into clean, does it degrade?), the top ``b`` heads of a ranking
 are patched *together* for each bin size ``b`` in ``BINS`` (capped at the model's heads), beside
 two controls of equal count: the ``b`` lowest-ranked heads, and ``n_random`` random ``b``-sets
-of all heads (seeded). Every set runs through ``ExactEngine.run_head_sets`` (the head-set door
-``validate_heads`` uses; site ``pattern`` on its hooked path).
+of all heads (seeded). Every set runs through ``ck.patch`` over ``ck.HeadSetUnits`` (the door
+``validate_heads`` uses: ``ExactEngine.run_head_sets``, checkpointed; site ``pattern`` on its
+hooked path).
 
 ``cumulative_bins(model, task, ranking)`` returns a DataFrame, one row per (phase, site,
 direction, bin, control, draw): ``heads``, ``value`` (the metric's mean after the patch),
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 BINS = (3, 8, 16, 40, 100)  # the paper's cumulative bins
@@ -57,18 +59,22 @@ def bin_sets(ranking: Sequence[tuple[int, int]], n_heads: int, bins: Sequence[in
 def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[int, int]]],
                     bins: Sequence[int] = BINS, sites: Sequence[str] = SITES,
                     directions: Sequence[str] = DIRECTIONS, n_random: int = N_RANDOM,
-                    seed: int = 0, batch_size: int | None = None):
+                    seed: int = 0, batch_size: int | None = None,
+                    checkpoint: str | Path | None = None):
     """Module docstring. ``rankings``: per phase every head of the model, best first (e.g.
     ``scoring.heads.top_heads(scores, phase, n_heads)``); each phase runs on
-    ``phase_task(task, phase)`` with its metric."""
+    ``phase_task(task, phase)`` with its metric, one ``ck.patch`` per (phase, site,
+    direction) over ``HeadSetUnits`` of its distinct sets. ``checkpoint``: a folder; each run's
+    finished chunks kept in a sub-folder named by what it depends on
+    (``HeadSetUnits.checkpoint_in``), so a rerun, or a run killed mid-way, computes only the
+    chunks not finished."""
     import pandas as pd
 
     from circuitkit import hooks
-    from circuitkit.experiments.validation import _fast
-    from circuitkit.patching.exact import ExactEngine
+    from circuitkit.experiments.validation import SetRuns, ValidationOptions
     from circuitkit.patching.exact.head_sets import HEAD_SET_SITES
-    from circuitkit.patching.sweep import Sweep
-    from circuitkit.tasks.base import phase_task, task_phases
+    from circuitkit.patching.units.head_sets import HeadSetUnits
+    from circuitkit.tasks.base import check_task, phase_task, task_phases
 
     bad = [s for s in sites if s not in HEAD_SET_SITES] + [
         d for d in directions if d not in DIRECTIONS]
@@ -76,39 +82,43 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
         raise ValueError(f"sites must be among {list(HEAD_SET_SITES)} and directions among "
                          f"{list(DIRECTIONS)}; got sites={list(sites)}, "
                          f"directions={list(directions)}.")
+    check_task(task, "cumulative_bins")
+    task.check_model(model)
     f = hooks.facts(model)
     n_heads = f.n_layers * f.n_heads
+    runs = SetRuns(model, ValidationOptions(batch_size=batch_size, checkpoint=checkpoint,
+                                            progress=False))
     rows = []
     for phase in [p for p in task_phases(task) if p in rankings]:
         tp = phase_task(task, phase)
         sets = bin_sets(rankings[phase], n_heads, bins, n_random, seed + phase)
-        n, seq = tp.clean_tokens.shape
+        # each distinct set once (the last bin is every head: top = lowest = random)
+        distinct = list(dict.fromkeys(tuple(s) for *_, s in sets))
         for site in sites:
             for direction in directions:
-                sweep = Sweep("heads", site, direction, "all", f.n_layers, f.n_heads, 1, n, seq,
-                              True)
-                # z: validation's engine (fused and packed on a Llama-form model, once checked
-                # against the hooked path); pattern: the hooked path
-                engine = ExactEngine(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric, sweep,
-                                     fast=_fast(model) if site == "z" else False,
-                                     rows=batch_size)
-                # each distinct set once (the last bin is every head: top = lowest = random)
-                distinct = list(dict.fromkeys(tuple(s) for *_, s in sets))
-                got = engine.run_head_sets([list(s) for s in distinct], rows=batch_size)[0]
-                vals = got[[distinct.index(tuple(s)) for *_, s in sets]]
-                clean = float(engine.clean_metric.double().mean())
-                corrupt = float(engine.corrupt_metric.double().mean())
+                got, clean, corrupt = _means(runs.patch(
+                    tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                    HeadSetUnits([list(s) for s in distinct], site=site), direction,
+                    f"bins-p{phase}-{site}-{direction}"))
                 gap = clean - corrupt
                 base = corrupt if direction == "denoise" else clean
-                for (b, control, draw, heads), v in zip(sets, vals, strict=True):
-                    value = float(v.double().mean())
+                for (b, control, draw, heads), value in zip(
+                        sets, (got[distinct.index(tuple(s))] for *_, s in sets), strict=True):
                     rows.append(dict(phase=phase, site=site, direction=direction, bin=b,
                                      control=control, draw=draw,
                                      heads=" ".join(hooks.head_name(*h) for h in heads),
                                      value=value, clean=clean, corrupt=corrupt,
                                      normalized=(value - base) / gap if gap else float("nan"),
-                                     n_prompts=n))
+                                     n_prompts=len(tp)))
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _means(res: Any) -> tuple[list[float], float, float]:
+    """Each set's mean value (float64 over prompts), and the clean and corrupt means."""
+    if res.per_prompt is None:  # (a metric without per-prompt values: its means)
+        return res.values.double().tolist(), res.clean, res.corrupt
+    return (res.per_prompt.double().mean(0).tolist(), float(res.clean_per_prompt.double().mean()),
+            float(res.corrupt_per_prompt.double().mean()))
 
 
 def bin_summary(frame: Any):

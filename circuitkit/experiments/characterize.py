@@ -530,8 +530,8 @@ def _validation(job: _Job, at: str) -> list[str]:
                          "same runs")
         selections["causal"] = ("all-layers", "layer-stratified")
     got = validate_selections(job.model, job.held_out, job.scores, selections, k, n_random,
-                              o.seed, o.batch_size, options=dict(
-                                  progress=o.progress, sequential=True,
+                              o.seed, options=dict(
+                                  batch_size=o.batch_size, progress=o.progress, sequential=True,
                                   checkpoint=out / "checkpoints" / "validation"))
     val = got["score"]
     files.write_text(out / "validation.csv", val.to_csv(index=False))
@@ -567,9 +567,9 @@ def _ablation(job: _Job, at: str) -> list[str]:
                      f"{_on(job.samples, 'validate')}, against {o.n_random_ablation} random "
                      f"{o.k}-head sets")
     abl = ablate_heads(job.model, job.held_out, job.scores, k=o.k, n_random=o.n_random_ablation,
-                       seed=o.seed, batch_size=o.batch_size, progress=o.progress,
-                       checkpoint=job.out / "checkpoints" / "validation",
-                       ablations=job.ablations)
+                       seed=o.seed, ablations=job.ablations, options=dict(
+                           batch_size=o.batch_size, progress=o.progress,
+                           checkpoint=job.out / "checkpoints" / "validation"))
     files.write_text(job.out / "head-ablation.csv", abl.to_csv(index=False))
     return ["head-ablation.csv"]
 
@@ -617,7 +617,8 @@ def _bins_step(model: Any, task: Any, scores: Any, phases: list[int], out: Path,
     f = hooks.facts(model)
     rankings = {p: top_heads(scores, p, f.n_layers * f.n_heads) for p in phases
                 if p in scored_phases(scores)}
-    frame = cumulative_bins(model, task, rankings, seed=seed, batch_size=batch_size)
+    frame = cumulative_bins(model, task, rankings, seed=seed, batch_size=batch_size,
+                            checkpoint=out / "checkpoints" / "bins")
     summ = bin_summary(frame)
     (out / "bins").mkdir(exist_ok=True)
     files.write_text(out / "bins" / "bins.csv", frame.to_csv(index=False))

@@ -8,11 +8,14 @@ top heads, ``c`` others of that layer (too few others: all of them plus that lay
 the ``overlap`` column); ``all-layers``: ``k`` of every non-top head; ``layer-stratified``: per
 layer holding ``c`` top heads, ``c`` of all of that layer's heads.
 
-Both run the sets through ``ExactEngine.run_head_sets``: validation per phase and direction
-(noise: corrupt ``z`` into the clean run; denoise: the reverse), reading the phase's metric and
-its behaviour measure (``focus_metric`` / ``confusion_metric``, as ``circuitkit.evaluation``'s);
-ablation on the clean run with ``source`` "zero", "mean" or "resample", reading
-``exact_match_metric``, ``confusion`` and ``focus``. Per quantity, ``d_i = patched_i - base_i``:
+Every model run is ``ck.patch`` over ``ck.HeadSetUnits`` (the sets patched together: its
+checks, the exact engine's ``run_head_sets``, the sweep orchestration and checkpoints):
+validation per phase and direction (noise: corrupt ``z`` into the clean run; denoise: the
+reverse), reading the phase's metric and its behaviour measure (``evaluation.focus_metric`` /
+``confusion_metric``) on the same patched logits; ablation on
+the clean run with ``source`` "zero", "mean" or "resample", reading ``exact_match_metric``,
+``confusion`` and ``focus``. This module draws the sets and does the statistics. Per quantity,
+``d_i = patched_i - base_i``:
 
 * ``top_effect = mean_i d_i`` with its bootstrap 95% interval; ``random_mean`` and the 2.5 / 97.5
   percentiles of a random set's mean effect over the same resamples;
@@ -21,39 +24,48 @@ ablation on the clean run with ``source`` "zero", "mean" or "resample", reading
 * validation: ``normalized = top_effect / (clean - corrupt)``; ablation: ``base``, ``top_value``,
   ``random_value`` (means).
 
-``checkpoint``: each finished run saved under the hash of all it depends on, verified before reuse.
+``ValidationOptions.checkpoint``: a folder; each run's chunks are kept in a sub-folder named by
+all the run depends on (``HeadSetUnits.checkpoint_in``), verified before reuse, so a rerun, or
+a run killed mid-way, computes only the chunks not finished.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit import hooks
 from circuitkit._warn import warn
+from circuitkit.evaluation import (  # noqa: F401 (restricted_mass_metric re-exported)
+    confusion_metric,
+    focus_metric,
+    restricted_mass_metric,
+    step_reads,
+)
 from circuitkit.metrics import PromptMetric
 from circuitkit.scoring.heads import _padded as _pad
 from circuitkit.scoring.heads import scored_phases, top_heads
 from circuitkit.tasks.base import Task, check_task, phase_task, task_phases
 
-N_BUCKETS = 4  # prompt length buckets per engine run
 # random sets per pool: with 20, the same top set's p-value swung 0.048..0.143 over disjoint
 # batches on the teacher (issue 34); 1000 puts the floor at 1/1001 and the MC interval's width
 # near +-0.014 at p = 0.05
 N_RANDOM = 1000
+N_RANDOM_ABLATION = 20  # ablate_heads' default: three ablations, each reading three quantities
 POOLS = ("same-layers", "all-layers")  # the default pools
 ALL_POOLS = (*POOLS, "layer-stratified")  # any of these may be asked for (``pools=``)
 ABLATIONS = ("zero", "mean", "resample")
+SELECTIONS = ("score", "causal")
 TIE_RTOL = 1e-6  # a random set's effect this close to the top set's counts as as strong
 VALIDATION_COLUMNS = ["phase", "pool", "direction", "quantity", "heads", "k", "n_random",
                       "overlap", "n_prompts", "clean", "corrupt", "top_effect", "top_low",
@@ -65,53 +77,57 @@ ABLATION_COLUMNS = ["phase", "pool", "ablation", "quantity", "heads", "k", "n_ra
                     "p_low", "p_high"]
 
 
-def _reads(pos: Int[Tensor, "n k"]) -> Int[Tensor, "n k"]:
-    """Logit rows ``p - 1`` of the steps ``pos`` (padding repeats the first step)."""
-    first = torch.where(pos[:, :1] >= 1, pos[:, :1] - 1, torch.zeros_like(pos[:, :1]))
-    return torch.where(pos >= 1, pos - 1, first)
+@dataclass(frozen=True)
+class ValidationOptions:
+    """How ``validate_heads``, ``validate_selections`` and ``ablate_heads`` run, one frozen
+    object (a dict of its fields is taken too).
+
+    Statistics: ``n_boot`` (bootstrap resamples of every interval); ``pools`` (the random sets'
+    pools, distinct names among ``ALL_POOLS``; ``validate_selections`` takes each selection's
+    own); ``selection`` (the top ``k`` by "score": ``top_heads``, or "causal": ``causal_heads``
+    of the ``causal_table`` columns merged into ``scores``); ``sequential`` (draw each pool's
+    sets in stages, ``SEQUENTIAL`` then ``n_random``, and stop a pool once every p-value's Monte
+    Carlo interval lies wholly below or above ``ALPHA_SETTLED``). Runs: ``batch_size``
+    (sequences per forward; None: from free memory, halved on out-of-memory), ``checkpoint``
+    (a folder: each run's finished chunks kept durably, a rerun or a killed run resumes them;
+    module docstring), ``progress`` (a line per run and the sweep's bar, on stderr)."""
+
+    n_boot: int = 2000
+    pools: tuple[str, ...] = POOLS
+    selection: str = "score"
+    sequential: bool = False
+    batch_size: int | None = None
+    checkpoint: str | Path | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from circuitkit.patching.inputs import check_batch_size
+
+        object.__setattr__(self, "pools", _check_pools(self.pools))
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r}; expected one of "
+                             f"{list(SELECTIONS)}.")
+        if isinstance(self.n_boot, bool) or not isinstance(self.n_boot, int) or self.n_boot < 1:
+            raise ValueError(f"n_boot={self.n_boot!r}: expected a positive integer.")
+        check_batch_size(self.batch_size)
+        for name in ("sequential", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False.")
 
 
-def restricted_mass_metric(positions: Sequence[Sequence[int]],
-                           candidates: Sequence[Sequence[int]],
-                           good: Sequence[Sequence[int]], name: str) -> PromptMetric:
-    """Per prompt: mean over ``p`` in ``positions[i]`` of the softmax of ``logits[p - 1]``
-    restricted to ``candidates[i]``, summed over ``good[i]`` (``evaluation.restricted_mass``
-    as a ``PromptMetric`` with ``reads``; 0 for a prompt without positions, where
-    ``restricted_mass`` gives NaN)."""
-    pos, cand = _pad(positions), _pad(candidates)
-    is_good = torch.stack([torch.isin(c, torch.as_tensor(list(g), dtype=torch.long))
-                           for c, g in zip(cand, good, strict=True)]) & (cand >= 0)
-
-    def fn(logits: Tensor, idx: Tensor, rows: Tensor) -> Tensor:
-        dev = logits.device
-        p, c, g = pos[idx].to(dev), cand[idx].to(dev), is_good[idx].to(dev)
-        valid = p >= 1
-        b = torch.arange(logits.shape[0], device=dev)[:, None]
-        step = logits[b, rows[b, (p - 1).clamp(min=0)]].float()  # [n, steps, vocab]
-        cl = step.gather(-1, c.clamp(min=0)[:, None, :].expand(-1, step.shape[1], -1))
-        cl = cl.masked_fill(~(c >= 0)[:, None, :], float("-inf"))
-        mass = (cl.softmax(-1) * g[:, None, :]).sum(-1) * valid
-        return mass.sum(-1) / valid.sum(-1).clamp(min=1)
-
-    return PromptMetric(fn, name, reads=_reads(pos))
-
-
-def focus_metric(task: Task) -> PromptMetric:
-    """Reasoning Focus per prompt (``evaluation.focus_from_logits``) as a PromptMetric."""
-    anchors = task.anchor_token_ids.tolist()
-    ex = task.examples
-    return restricted_mass_metric([e.anchor_pos for e in ex], [anchors] * len(ex),
-                                  [task.anchor_token_ids[e.anchors].tolist() for e in ex],
-                                  "focus")
-
-
-def confusion_metric(task: Task) -> PromptMetric:
-    """Near-Miss Confusion per prompt (``evaluation.confusion_from_logits``) as a PromptMetric."""
-    lt = task.label_token_ids
-    ex = task.examples
-    return restricted_mass_metric([e.answer_pos for e in ex],
-                                  [lt[e.targets + e.near_misses].tolist() for e in ex],
-                                  [lt[e.near_misses].tolist() for e in ex], "confusion")
+def as_validation_options(options: Any) -> ValidationOptions:
+    """``options``: None, a ``ValidationOptions`` or a dict of its fields (one line
+    otherwise, naming the unknown fields)."""
+    names = [f.name for f in fields(ValidationOptions)]
+    if options is None:
+        return ValidationOptions()
+    if isinstance(options, ValidationOptions):
+        return options
+    if isinstance(options, dict) and set(options) <= set(names):
+        return ValidationOptions(**options)
+    bad = sorted(set(options) - set(names)) if isinstance(options, dict) else None
+    raise ValueError(f"options={options!r:.80}: expected ValidationOptions(...) or a dict of "
+                     f"{names}" + (f" (unknown: {bad})." if bad else "."))
 
 
 def exact_match_metric(task: Task) -> PromptMetric:
@@ -133,7 +149,7 @@ def exact_match_metric(task: Task) -> PromptMetric:
         ok = (hit | ~valid).all(-1) & valid.any(-1)
         return ok.float()
 
-    return PromptMetric(fn, "exact_match", reads=_reads(pos))
+    return PromptMetric(fn, "exact_match", reads=step_reads(pos))
 
 
 def _against(k: int, top: Any, pools: list[str]) -> str:
@@ -142,21 +158,6 @@ def _against(k: int, top: Any, pools: list[str]) -> str:
     if not pools:
         return f"top-{k} {_fmt(top)} (its random sets settled)"
     return f"top-{k} {_fmt(top)} vs " + ", ".join(pools) + " random sets"
-
-
-def _carrier(metric: PromptMetric, other: PromptMetric) -> PromptMetric:
-    """``metric`` reading ``other``'s logit positions too: the engine's metric when both are
-    quantities (the sibling margin reads one answer step, Near-Miss Confusion every one; a
-    note-intact Phase-1 metric reads a shortlist step, Focus the anchor steps)."""
-    import dataclasses
-
-    same = (metric.prompt_idx is None and other.prompt_idx is None) or (
-        metric.prompt_idx is not None and other.prompt_idx is not None
-        and torch.equal(metric.prompt_idx, other.prompt_idx))
-    if metric.reads is None or other.reads is None or not same \
-            or metric.reads.shape[0] != other.reads.shape[0]:
-        return metric  # (the engine then says which reads it lacks)
-    return dataclasses.replace(metric, reads=torch.cat([metric.reads, other.reads], 1))
 
 
 def _reads_metric(task: Task, phases: Sequence[int]) -> PromptMetric:
@@ -242,21 +243,15 @@ def overlap(top: Sequence[tuple[int, int]], sets: Sequence[Sequence[tuple[int, i
     return max((len(set(map(tuple, s)) & set(map(tuple, top))) for s in sets), default=0)
 
 
-def _bootstrap_weights(n: int, n_boot: int, seed: int) -> Float[Tensor, "n_boot n"]:
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(n_boot, n, dtype=torch.float64)
-    counts.scatter_add_(1, torch.randint(0, n, (n_boot, n), generator=g),
-                        torch.ones(n_boot, n, dtype=torch.float64))
-    return counts / n
-
-
 def effect_stats(base: Float[Tensor, " n"], top: Float[Tensor, " n"],
                  random_sets: Float[Tensor, "r n"], n_boot: int, seed: int) -> dict[str, float]:
     """``top_effect`` with its interval, ``random_mean`` and interval, ``p_value`` (module
     docstring) of the per-prompt values ``top`` and ``random_sets`` against ``base``."""
+    from circuitkit.patching.results.patch_result import resample_weights
+
     nan = float("nan")
     d = (torch.cat([top[None], random_sets]) - base[None]).double()  # [1 + r, n]
-    w = _bootstrap_weights(d.shape[1], n_boot, seed)
+    w = resample_weights(d.shape[1], n_boot, seed)
     boot = w @ d.T  # [n_boot, 1 + r]
     q = torch.tensor([0.025, 0.975], dtype=torch.float64)
     top_lo, top_hi = torch.quantile(boot[:, 0], q).tolist()
@@ -355,50 +350,30 @@ def _check_pools(pools: Sequence[str]) -> tuple[str, ...]:
 
 
 def _sorted_by_length(tp: Task, metric: PromptMetric | None = None) -> Task:
-    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: run in
-    length buckets, each bucket's forwards stop after its own last read (the statistics ignore
-    prompt order)."""
+    """Prompts sorted by the last position their metric (default ``tp.metric``) reads: the order
+    of every per-prompt value the statistics read (their bootstrap resamples prompts by index),
+    and of a resample's length buckets (``exact.head_sets.resample_pairing``)."""
     need = (metric or tp.metric).reads.max(1).values
     return tp.subset(torch.argsort(need, stable=True).tolist())
 
 
-def _run_buckets(engine: Any, sets: list, metrics: list, n: int, batch_size: int | None,
-                 source: str = "source", seed: int = 0, bar: Any = None) -> Tensor:
-    """``engine.run_head_sets`` over ``N_BUCKETS`` length buckets of the ``n`` prompts, joined:
-    ``[n_metrics, n_sets, n]``. ``bar``: a progress bar counting patched prompts."""
-    bounds = sorted({round(n * i / N_BUCKETS) for i in range(N_BUCKETS + 1)})
-    if source == "resample":  # a bucket of one prompt has no other prompt to take z from
-        kept = [0]
-        for b in bounds[1:]:
-            if b - kept[-1] >= 2:
-                kept.append(b)
-        if kept[-1] != n:  # a short tail joins the bucket before it
-            kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
-        bounds = kept
-    on_done = None if bar is None else bar.update
-    return torch.cat([engine.run_head_sets(
-        sets, p0, p1, metrics=metrics, rows=batch_size, source=source, seed=seed + p0,
-        on_done=on_done) for p0, p1 in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
-
-
 def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = N_RANDOM,
-                   seed: int = 0, batch_size: int | None = None, n_boot: int = 2000,
-                   progress: bool = True, checkpoint: str | Path | None = None,
-                   pools: Sequence[str] = POOLS, selection: str = "score"):
+                   seed: int = 0, options: ValidationOptions | dict | None = None):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task`` (module docstring): a
     pandas DataFrame with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction,
     quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool.
-    ``batch_size``: sequences per forward (default from free memory); ``pools``: among
-    ``ALL_POOLS``. Held-out validation: ``scores`` from another sample of notes than ``task``'s.
-    ``selection``: the top ``k`` by "score" (``top_heads``) or "causal" (``causal_heads`` of the
-    ``causal_table`` columns merged into ``scores``); kept in ``df.attrs["selection"]``.
-    Several selections at once, sharing each run: ``validate_selections``."""
-    return validate_selections(model, task, scores, {selection: pools}, k, n_random, seed,
-                               batch_size, n_boot, dict(progress=progress,
-                                                        checkpoint=checkpoint))[selection]
+    ``options``: ``ValidationOptions`` (or a dict of its fields): ``pools`` among
+    ``ALL_POOLS``, ``selection`` ("score": the top ``k`` by ``top_heads``; "causal": by
+    ``causal_heads`` of the ``causal_table`` columns merged into ``scores``; kept in
+    ``df.attrs["selection"]``), ``n_boot``, ``sequential``, ``batch_size``, ``checkpoint``,
+    ``progress``. Held-out validation: ``scores`` from another sample of notes than
+    ``task``'s. Several selections at once, sharing each run: ``validate_selections``."""
+    opts = as_validation_options(options)
+    return validate_selections(model, task, scores, {opts.selection: opts.pools}, k, n_random,
+                               seed, opts)[opts.selection]
 
 
-SEQUENTIAL = (50, 100)  # validate_selections(sequential=True): where a pool may stop early
+SEQUENTIAL = (50, 100)  # ValidationOptions(sequential=True): where a pool may stop early
 ALPHA_SETTLED = 0.05  # ... once every p-value's Monte Carlo interval lies on one side of it
 
 
@@ -426,141 +401,190 @@ def _settled(runs: dict[str, Tensor], pick: list[int], base: int) -> bool:
 
 def validate_selections(model: Any, task: Task, scores: Any,
                         selections: dict[str, Sequence[str]], k: int = 5,
-                        n_random: int = N_RANDOM, seed: int = 0, batch_size: int | None = None,
-                        n_boot: int = 2000, options: dict[str, Any] | None = None
-                        ) -> dict[str, Any]:
+                        n_random: int = N_RANDOM, seed: int = 0,
+                        options: ValidationOptions | dict | None = None) -> dict[str, Any]:
     """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``): per
-    (phase, direction) one engine (cached runs) and one ``run_head_sets`` over the distinct sets
-    of every selection (a set in two selections' lists runs once). With several selections the
-    "all-layers" pool is one pool for all: ``k`` of the heads in no selection's top set (a
-    selection's frame otherwise equals its own ``validate_heads`` call's). ``options``:
-    ``progress`` (default True), ``checkpoint`` (default None), ``sequential`` (default
-    False): draw each pool's sets in stages (``SEQUENTIAL``: 50, 100, then ``n_random``) and
-    stop a pool once the Monte Carlo interval of every one of its p-values (both directions,
-    both quantities) lies wholly below or above ``ALPHA_SETTLED``; its rows then hold the
-    first ``n_random`` sets drawn (``n_random`` column: how many), the same values as a call
-    with that ``n_random`` (the draws are one seeded sequence)."""
+    (phase, direction) one ``ck.patch`` over the distinct sets of every selection (a set in two
+    selections' lists runs once). With several selections the "all-layers" pool is one pool for
+    all: ``k`` of the heads in no selection's top set (a selection's frame otherwise equals its
+    own ``validate_heads`` call's). ``options``: ``ValidationOptions`` (or a dict of its
+    fields; its ``pools`` and ``selection`` are ``selections``'). ``sequential``: each pool's
+    sets drawn in stages (``SEQUENTIAL``: 50, 100, then ``n_random``), one ``ck.patch`` per
+    stage and direction over the sets not run yet; a pool stops once the Monte Carlo interval
+    of every one of its p-values (both directions, both quantities) lies wholly below or above
+    ``ALPHA_SETTLED``; its rows then hold the first ``n_random`` sets drawn (``n_random``
+    column: how many), the same values as a call with that ``n_random`` (the draws are one
+    seeded sequence)."""
     import pandas as pd
 
-    from circuitkit.patching.exact import ExactEngine
-    from circuitkit.patching.sweep import Sweep
-
-    options = dict(options or {})
-    progress, checkpoint = options.get("progress", True), options.get("checkpoint")
-    sequential = bool(options.get("sequential", False))
+    opts = as_validation_options(options)
     asked = {sel: _check_pools(pools) for sel, pools in selections.items()}
     f = _check_call(model, task, scores, k, n_random, "validate_heads")
     phases = task_phases(task)
     if not phases:
         raise ValueError(f"validate_heads: task {task.name!r} has no Phase-1 anchor steps and no "
                          "Phase-2 answer steps (anchor_pos / answer_pos >= 1): nothing to test.")
-    saved = _Saved(model, checkpoint) if checkpoint is not None else None
     picks = {sel: _selection(scores, sel) for sel in selections}
+    # the sets of every phase first (a phase the task has no steps for is left out)
+    plan = {phase: _phase_plan(task, phase, {sel: picks[sel](phase, k) for sel in asked}, asked,
+                               f, n_random, seed) for phase in phases}
+    runs = SetRuns(model, opts)
     rows: dict[str, list] = {sel: [] for sel in selections}
     sets_used: dict[str, dict] = {sel: {} for sel in selections}
-    plan = {}  # the sets of every phase first: the bar's total is known before it starts
-    for phase in phases:  # a phase the task has no steps for is left out (induction: no anchors)
-        per_sel, union, index = {}, [], {}
-        tops = {sel: picks[sel](phase, k) for sel in asked}
-        # one all-layers pool for every selection: heads in no selection's top set
-        every_top = sorted({h for t in tops.values() for h in t}) if len(tops) > 1 else []
-        for sel, pools_asked in asked.items():
-            top = tops[sel]
-            pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked, every_top)
-            mine = [[], top, *(s for p in pools_asked for s in pools[p])]
-            for s in mine:
-                key = tuple(sorted(tuple(h) for h in s))
-                if key not in index:
-                    index[key] = len(union)
-                    union.append(s)
-            per_sel[sel] = (top, pools, [index[tuple(sorted(tuple(h) for h in s))]
-                                         for s in mine])
-        plan[phase] = (_sorted_by_length(phase_task(task, phase)), per_sel, union)
-    bar = _variant_bar("validate", sum(2 * len(union) * len(tp)
-                                       for tp, _, union in plan.values()), progress)
-    for phase, (tp, per_sel, sets) in plan.items():
-        metric = tp.metric  # (tp: the examples with steps of this phase, sorted by length)
-        behaviour = focus_metric(tp) if phase == 1 else confusion_metric(tp)
-        clean, corrupt = tp.clean_tokens, tp.corrupt_tokens
-        n, seq = clean.shape
-        runs = {d: torch.full((2, len(sets), n), float("nan")) for d in ("noise", "denoise")}
-        done = torch.zeros(len(sets), dtype=torch.bool)
-        engines: dict[str, Any] = {}
-        # each pool's sets in use: all of them, or (sequential) the first c of them once every
-        # p-value of the pool is settled at ALPHA_SETTLED by its Monte Carlo interval
-        used = {(sel, pool): len(rand) for sel, (_, pools, _) in per_sel.items()
-                for pool, rand in pools.items()}
-        active = set(used)
-        marks = _checkpoints(n_random, sequential)
-        for c in marks:
-            need = set()
-            for sel, (_, pools, at) in per_sel.items():
-                need.update(at[:2])
-                for pool in pools:
-                    if (sel, pool) in active:
-                        need.update(at[r] for r in _pool_rows(pools, pool)[:c])
-            todo = sorted(i for i in need if not bool(done[i]))
-            for direction in ("noise", "denoise") if todo else ():
-                chunk = [sets[i] for i in todo]
-                key = saved and saved.key(tp, phase, direction, chunk, (metric, behaviour),
-                                          f.d_vocab_out)
-                got = saved.load(key, (2, len(chunk), n)) if saved else None
-                if got is not None:
-                    _reused(bar, progress, f"validate: phase {phase} {direction}: reused",
-                            len(chunk) * n)
-                else:
-                    said = "; ".join(_against(k, top, [
-                        f"{min(len(s), c)} {p}" for p, s in pools.items()
-                        if (sel, p) in active]) for sel, (top, pools, _) in per_sel.items())
-                    _say(bar, progress, f"validate: phase {phase} {direction}, {said}, {n} "
-                         f"prompts ({len(chunk)} distinct sets)")
-                    if direction not in engines:
-                        sweep = Sweep("heads", "z", direction, "all", f.n_layers, f.n_heads, 1,
-                                      n, seq, True)
-                        engines[direction] = ExactEngine(
-                            model, clean, corrupt, _carrier(metric, behaviour), sweep,
-                            fast=_fast(model), rows=batch_size)
-                    got = _run_buckets(engines[direction], chunk, [metric, behaviour], n,
-                                       batch_size, bar=bar)
-                    if saved:
-                        saved.save(key, got)
-                runs[direction][:, todo] = got
-            done[todo] = True
-            if c == marks[-1]:
-                break
-            for sel, pool in sorted(active):
-                _, pools, at = per_sel[sel]
-                m = min(c, len(pools[pool]))
-                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:m]]
-                if m == len(pools[pool]) or _settled(runs, pick, at[0]):
-                    used[sel, pool] = m
-                    active.discard((sel, pool))
+    for phase, (tp, per_sel, union) in plan.items():
+        # (tp: the examples with steps of this phase, sorted by length)
+        quantities = (tp.metric, focus_metric(tp) if phase == 1 else confusion_metric(tp))
+        got, used = _validate_phase(runs, phase, tp, quantities, per_sel, union, n_random,
+                                    k)
         for sel, (top, pools, at) in per_sel.items():
             kept = {pool: rand[:used[sel, pool]] for pool, rand in pools.items()}
             sets_used[sel][phase] = dict(top=top, random=kept)
-            # base of noise = clean run; base of denoise = corrupt run
-            for pool, rand in kept.items():
-                pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:len(rand)]]
-                for direction in ("noise", "denoise"):
-                    for qi, q in enumerate((metric, behaviour)):
-                        stats = summarize(runs[direction][qi][pick], runs["noise"][qi, at[0]],
-                                          runs["denoise"][qi, at[0]], n_boot, seed)
-                        rows[sel].append(dict(phase=phase, pool=pool, direction=direction,
-                                              quantity=q.name, heads=_fmt(top), k=int(k),
-                                              n_random=len(rand), overlap=overlap(top, rand),
-                                              n_prompts=n, **stats))
-    if bar is not None:
-        bar.close()
+            rows[sel] += _validation_rows(phase, quantities, got, (top, pools, at), kept, k,
+                                          opts.n_boot, seed)
     out = {}
     for sel in selections:
         df = pd.DataFrame(rows[sel], columns=VALIDATION_COLUMNS)
-        df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used[sel]),
+        df.attrs.update(seed=seed, n_boot=opts.n_boot, sets=_sets_json(sets_used[sel]),
                         selection=sel)
         out[sel] = df
     return out
 
 
-SELECTIONS = ("score", "causal")
+def _phase_plan(task: Task, phase: int, tops: dict[str, list], asked: dict[str, tuple],
+                f: Any, n_random: int, seed: int) -> tuple[Task, dict, list]:
+    """One phase's task (its examples sorted by length), each selection's ``(top, pools, at)``
+    (``at``: the rows of ``[[], top, *(each pool's sets)]`` in the union) and the union of
+    every selection's distinct sets."""
+    per_sel, union, index = {}, [], {}
+    # one all-layers pool for every selection: heads in no selection's top set
+    every_top = sorted({h for t in tops.values() for h in t}) if len(tops) > 1 else []
+    for sel, pools_asked in asked.items():
+        top = tops[sel]
+        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked, every_top)
+        mine = [[], top, *(s for p in pools_asked for s in pools[p])]
+        for s in mine:
+            key = tuple(sorted(tuple(h) for h in s))
+            if key not in index:
+                index[key] = len(union)
+                union.append(s)
+        per_sel[sel] = (top, pools, [index[tuple(sorted(tuple(h) for h in s))] for s in mine])
+    return _sorted_by_length(phase_task(task, phase)), per_sel, union
+
+
+def _validate_phase(runs: SetRuns, phase: int, tp: Task, quantities: tuple[PromptMetric, ...],
+                    per_sel: dict, sets: list, n_random: int, k: int
+                    ) -> tuple[dict[str, Tensor], dict[tuple[str, str], int]]:
+    """Every quantity after each set of ``sets`` in both directions, ``{direction: [2, n_sets,
+    n_prompts]}``, and how many of each (selection, pool)'s random sets are in use: all of
+    them, or (``sequential``) the first ``c`` of them once every p-value of the pool is settled
+    at ``ALPHA_SETTLED`` by its Monte Carlo interval. One ``ck.patch`` per stage and direction
+    over the sets not run yet."""
+    from circuitkit.patching.units.head_sets import HeadSetUnits
+
+    n = len(tp)
+    got = {d: torch.full((2, len(sets), n), float("nan")) for d in ("noise", "denoise")}
+    done = torch.zeros(len(sets), dtype=torch.bool)
+    used = {(sel, pool): len(rand) for sel, (_, pools, _) in per_sel.items()
+            for pool, rand in pools.items()}
+    active = set(used)
+    marks = _checkpoints(n_random, runs.opts.sequential)
+    for c in marks:
+        need = set()
+        for sel, (_, pools, at) in per_sel.items():
+            need.update(at[:2])
+            for pool in pools:
+                if (sel, pool) in active:
+                    need.update(at[r] for r in _pool_rows(pools, pool)[:c])
+        todo = sorted(i for i in need if not bool(done[i]))
+        units = HeadSetUnits([sets[i] for i in todo], metrics=quantities[1:]) if todo else None
+        for direction in ("noise", "denoise") if todo else ():
+            said = "; ".join(_against(k, top, [
+                f"{min(len(s), c)} {p}" for p, s in pools.items() if (sel, p) in active])
+                for sel, (top, pools, _) in per_sel.items())
+            runs.say(f"validate: phase {phase} {direction}, {said}, {n} prompts ({len(todo)} "
+                     "distinct sets)")
+            got[direction][:, todo] = runs(tp.clean_tokens, tp.corrupt_tokens, quantities[0],
+                                           units, direction, f"validate-p{phase}-{direction}")
+        done[todo] = True
+        if c == marks[-1]:
+            break
+        for sel, pool in sorted(active):
+            _, pools, at = per_sel[sel]
+            m = min(c, len(pools[pool]))
+            pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:m]]
+            if m == len(pools[pool]) or _settled(got, pick, at[0]):
+                used[sel, pool] = m
+                active.discard((sel, pool))
+    return got, used
+
+
+def _validation_rows(phase: int, quantities: tuple[PromptMetric, ...], got: dict[str, Tensor],
+                     plan: tuple, kept: dict[str, list], k: int, n_boot: int, seed: int
+                     ) -> list[dict]:
+    """One selection's rows of ``phase``: per pool of ``kept`` (its random sets in use),
+    direction and quantity, ``summarize`` of its sets' values (``plan``: its ``(top, pools,
+    at)``); the base of noise is the clean run, of denoise the corrupt one."""
+    top, pools, at = plan
+    n, rows = got["noise"].shape[2], []
+    for pool, rand in kept.items():
+        pick = [at[0], at[1]] + [at[r] for r in _pool_rows(pools, pool)[:len(rand)]]
+        for direction in ("noise", "denoise"):
+            for qi, q in enumerate(quantities):
+                stats = summarize(got[direction][qi][pick], got["noise"][qi, at[0]],
+                                  got["denoise"][qi, at[0]], n_boot, seed)
+                rows.append(dict(phase=phase, pool=pool, direction=direction, quantity=q.name,
+                                 heads=_fmt(top), k=int(k), n_random=len(rand),
+                                 overlap=overlap(top, rand), n_prompts=n, **stats))
+    return rows
+
+
+class SetRuns:
+    """The model runs of the experiments on head sets (validation, ablation, the cumulative
+    bins): each a ``ck.patch`` over ``HeadSetUnits`` (``method="exact"``; the baselines'
+    degenerate-rule warning silenced: the statistics apply it), with ``opts``' run settings
+    (``batch_size``, ``progress``) and, with ``checkpoint``, each run in its own folder under
+    it (``HeadSetUnits.checkpoint_in``)."""
+
+    def __init__(self, model: Any, opts: ValidationOptions):
+        from circuitkit.patching.checkpoint import model_fingerprint
+
+        self.model, self.opts, self.root, self.fingerprint = model, opts, None, None
+        if opts.checkpoint is not None:
+            from circuitkit.files import check_writable_dir
+
+            self.root = check_writable_dir(opts.checkpoint, "checkpoint")
+            if any(self.root.glob("validation-*.safetensors")):
+                warn(f"circuitkit: {self.root} holds validation checkpoints of an older "
+                     "circuitkit (validation-*.safetensors); they are not read: their runs are "
+                     "recomputed.")
+            self.fingerprint = model_fingerprint(model)  # (once: it reads every weight)
+
+    def say(self, line: str) -> None:
+        if self.opts.progress:
+            print(line, file=sys.stderr)
+
+    def patch(self, clean: Tensor, corrupt: Tensor, metric: PromptMetric, units: Any,
+              direction: str, label: str) -> Any:
+        """The ``PatchResult`` of ``units`` (its checkpoint folder under ``checkpoint`` named
+        ``<label>-<key>``)."""
+        from circuitkit.patching.api import patch
+        from circuitkit.patching.results import quiet_baseline
+        from circuitkit.patching.units.base import PatchOptions
+
+        folder = None if self.root is None else units.checkpoint_in(
+            self.root, label, self.model, clean, corrupt, metric, direction, self.fingerprint)
+        with quiet_baseline():
+            return patch(self.model, clean, corrupt, metric, units, "exact", PatchOptions(
+                direction=direction, batch_size=self.opts.batch_size, checkpoint=folder,
+                progress=self.opts.progress))
+
+    def __call__(self, clean: Tensor, corrupt: Tensor, metric: PromptMetric, units: Any,
+                 direction: str, label: str) -> Float[Tensor, "n_reads n_sets n_prompts"]:
+        """Every metric of ``units`` (``metric`` first) after each of its sets."""
+        from circuitkit.patching.units.head_sets import set_values
+
+        res = self.patch(clean, corrupt, metric, units, direction, label)
+        return torch.stack(list(set_values(res).values())).transpose(1, 2)
 
 
 def _selection(scores: Any, selection: str):
@@ -576,31 +600,6 @@ def _selection(scores: Any, selection: str):
                          "(scoring.causal.causal_table merged on layer, head; characterize "
                          "--stages writes them into scores.csv).")
     return lambda phase, k: causal_heads(scores, phase, k)
-
-
-def _variant_bar(desc: str, total: int, progress: bool):
-    """A bar over (head set, prompt) rows, its ``total`` known before it starts (every set of
-    every run; a reused run counts at once)."""
-    if not progress:
-        return None
-    from circuitkit._progress import tqdm
-
-    return tqdm(total=total, desc=desc, unit="set-prompt", dynamic_ncols=True, file=sys.stderr)
-
-
-def _say(bar: Any, progress: bool, line: str) -> None:
-    """A progress line on stderr, above the bar when there is one."""
-    if bar is not None:
-        bar.write(line, file=sys.stderr)
-    elif progress:
-        print(line, file=sys.stderr)
-
-
-def _reused(bar: Any, progress: bool, line: str, n: int) -> None:
-    """``line`` said, and the bar moved on by the ``n`` rows of a run reused from a checkpoint."""
-    _say(bar, progress, line)
-    if bar is not None:
-        bar.update(n)
 
 
 def _pool_rows(pools: dict[str, list], pool: str) -> list[int]:
@@ -632,168 +631,75 @@ def ablation_task(task: Task) -> Task:
     return _sorted_by_length(sub, _reads_metric(sub, phases))
 
 
-def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: int = 20,
-                 ablations: Sequence[str] = ABLATIONS, seed: int = 0,
-                 batch_size: int | None = None, n_boot: int = 2000, progress: bool = True,
-                 checkpoint: str | Path | None = None, pools: Sequence[str] = POOLS):
+def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5,
+                 n_random: int = N_RANDOM_ABLATION, ablations: Sequence[str] = ABLATIONS,
+                 seed: int = 0, options: ValidationOptions | dict | None = None):
     """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets
     (module docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool,
-    ablation, quantity). ``ablations``: any of "zero", "mean", "resample". Quantities:
+    ablation, quantity). ``ablations``: any of "zero", "mean", "resample" (each one
+    ``ck.patch`` per phase over ``HeadSetUnits(sets, source=ablation, seed=seed)``). Quantities:
     ``exact_match`` and ``confusion`` where the task has answer steps, ``focus`` where it has
-    anchor steps, all on the same prompts (``ablation_task``)."""
+    anchor steps, all on the same prompts (``ablation_task``). ``options``:
+    ``ValidationOptions`` (or a dict of its fields): ``pools``, ``selection``, ``n_boot``,
+    ``batch_size``, ``checkpoint``, ``progress``."""
     import pandas as pd
 
-    from circuitkit.patching.exact import HEAD_SET_SOURCES, ExactEngine
-    from circuitkit.patching.sweep import Sweep
+    from circuitkit.patching.units.head_sets import HeadSetUnits
 
-    pools_asked = _check_pools(pools)
+    opts = as_validation_options(options)
     f = _check_call(model, task, scores, k, n_random, "ablate_heads")
-    bad = [a for a in ablations if a not in HEAD_SET_SOURCES or a == "source"]
-    if bad or not ablations:
+    if isinstance(ablations, str) or not ablations or any(a not in ABLATIONS for a in ablations):
         raise ValueError(f"ablations={list(ablations)!r}; expected a non-empty subset of "
                          f"{list(ABLATIONS)}.")
     phases = task_phases(task)
     if not phases:
         raise ValueError(f"ablate_heads: task {task.name!r} has no anchor or answer steps.")
     tp = ablation_task(task)
-    clean = tp.clean_tokens
-    n, seq = clean.shape
+    n = len(tp)
     if "resample" in ablations and n < 2:
         raise ValueError("ablate_heads: 'resample' takes z from another prompt; the task has "
                          f"{n} prompt with steps of every phase. Use more examples.")
     quantities = ([exact_match_metric(tp), confusion_metric(tp)] if 2 in phases else []) \
         + ([focus_metric(tp)] if 1 in phases else [])
-    carrier = _reads_metric(tp, phases)
-    saved = _Saved(model, checkpoint) if checkpoint is not None else None
-    engine = None
-    rows, sets_used, plan = [], {}, {}
+    pick = _selection(scores, opts.selection)
+    runs = SetRuns(model, opts)
+    rows, sets_used = [], {}
     for phase in [p for p in phases if p in scored_phases(scores)]:
-        top = top_heads(scores, phase, k)
-        pools = _pooled_sets(top, f, n_random, seed + phase, pools_asked)
-        plan[phase] = (top, pools, [[], top, *(s for p in pools_asked for s in pools[p])])
-    bar = _variant_bar("ablate", sum(len(sets) * n * len(ablations)
-                                     for _, _, sets in plan.values()), progress)
-    for phase, (top, pools, sets) in plan.items():
+        top = pick(phase, k)
+        pools = _pooled_sets(top, f, n_random, seed + phase, opts.pools)
+        sets = [[], top, *(s for p in opts.pools for s in pools[p])]
         sets_used[phase] = dict(top=top, random=pools)
-        for ablation in ablations:
-            key = saved and saved.key(tp, phase, f"ablate-{ablation}", sets, quantities,
-                                      f.d_vocab_out)
-            run = saved.load(key, (len(quantities), len(sets), n)) if saved else None
-            if run is None:
-                _say(bar, progress, f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} "
-                                    f"ablation, {len(sets) - 1} sets, {n} prompts")
-                if engine is None:  # base = source = clean: "source" would change nothing
-                    sweep = Sweep("heads", "z", "noise", "all", f.n_layers, f.n_heads, 1, n,
-                                  seq, True)
-                    engine = ExactEngine(model, clean, clean, carrier, sweep,
-                                         fast=_fast(model), rows=batch_size)
-                run = _run_buckets(engine, sets, quantities, n, batch_size, ablation, seed,
-                                   bar=bar)
-                if saved:
-                    saved.save(key, run)
-            else:
-                _reused(bar, progress, f"ablate: phase {phase} {ablation}: reused", len(sets) * n)
-            for pool, rand in pools.items():
-                pick = [1] + _pool_rows(pools, pool)
-                for qi, q in enumerate(quantities):
-                    v = run[qi]
-                    stats = effect_stats(v[0], v[1], v[pick[1:]], n_boot, seed)
-                    rows.append(dict(
-                        phase=phase, pool=pool, ablation=ablation, quantity=q.name,
-                        heads=_fmt(top), k=int(k), n_random=len(rand),
-                        overlap=overlap(top, rand), n_prompts=n, base=float(v[0].mean()),
-                        top_value=float(v[1].mean()),
-                        random_value=float(v[pick[1:]].mean()) if len(rand) else float("nan"),
-                        **stats))
-    if bar is not None:
-        bar.close()
+        for ablation in ablations:  # base = source = clean: "source" would change nothing
+            runs.say(f"ablate: phase-{phase} top-{k} {_fmt(top)}, {ablation} ablation, "
+                     f"{len(sets) - 1} sets, {n} prompts")
+            units = HeadSetUnits(sets, source=ablation, seed=seed, metrics=quantities[1:])
+            run = runs(tp.clean_tokens, tp.clean_tokens, quantities[0], units, "noise",
+                       f"ablate-p{phase}-{ablation}")
+            rows += _ablation_rows(phase, ablation, quantities, run, top, pools, k, opts.n_boot,
+                                   seed)
     df = pd.DataFrame(rows, columns=ABLATION_COLUMNS)
-    df.attrs.update(seed=seed, n_boot=n_boot, sets=_sets_json(sets_used))
+    df.attrs.update(seed=seed, n_boot=opts.n_boot, sets=_sets_json(sets_used))
     return df
 
 
-def _fast(model: Any) -> bool | None:
-    """The engine's ``fast`` for head sets: None (probe it; then the fused, packed sets of
-    ``run_head_sets``) on a Llama-form model, else False (the hooked path, as before: the sets
-    gain nothing else from the fast path, so no probe runs)."""
-    from circuitkit.patching.exact import fused
-
-    return None if fused.unhooked(model) and fused.fused_form(model) is not None else False
-
-
-class _Saved:
-    """Finished (phase, direction) runs in a folder, one safetensors file each."""
-
-    def __init__(self, model: Any, folder: str | Path):
-        from circuitkit.files import check_writable_dir
-        from circuitkit.identity import model_fingerprint
-
-        self.folder = check_writable_dir(folder, "checkpoint")
-        self.model = model_fingerprint(model)
-
-    def key(self, task: Task, phase: int, direction: str, sets: list, metrics: Sequence[
-            PromptMetric], d_vocab: int) -> str:
-        from circuitkit.identity import identity_key, tokens_hash
-
-        n, seq = task.clean_tokens.shape
-        return identity_key(dict(
-            format=3, model=self.model, tokens=tokens_hash(task.clean_tokens, task.corrupt_tokens),
-            phase=phase, direction=direction, sets=[[list(h) for h in s] for s in sets],
-            metrics=[m.fingerprint(n, seq, d_vocab) for m in metrics], buckets=N_BUCKETS))
-
-    def path(self, key: str) -> Path:
-        return self.folder / f"validation-{key}.safetensors"
-
-    def load(self, key: str, shape: tuple[int, ...]) -> Tensor | None:
-        """The stored run of ``key``, verified: its metadata's ``key`` and ``sha256`` (of the
-        values), one tensor ``runs`` of ``shape`` (``[n_metrics, n_sets, n_prompts]``), float32,
-        finite. None when there is none; a file failing any check is named with the field in a
-        warning, deleted and recomputed (as a sweep's chunk files are)."""
-        from safetensors import safe_open
-
-        path = self.path(key)
-        if not path.exists():
-            return None
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta, names = f.metadata() or {}, list(f.keys())
-                runs = f.get_tensor("runs") if names == ["runs"] else None
-            problem = _run_problem(meta, names, runs, key, shape)
-        except Exception as e:  # noqa: BLE001 - a torn or foreign file: run again
-            problem = f"unreadable ({type(e).__name__}: {e})"
-        if problem:
-            warn(f"circuitkit: validation checkpoint {path} is {problem}; "
-                          "recomputing it.")
-            path.unlink(missing_ok=True)
-            return None
-        return runs
-
-    def save(self, key: str, runs: Tensor) -> None:
-        from circuitkit.files import write_tensors
-        from circuitkit.patching.checkpoint import _values_digest
-
-        runs = runs.detach().float().cpu().contiguous()
-        write_tensors(self.path(key), {"runs": runs},
-                      metadata={"key": json.dumps(key), "sha256": _values_digest(runs)})
-
-
-def _run_problem(meta: dict, names: list[str], runs: Tensor | None, key: str,
-                 shape: tuple[int, ...]) -> str:
-    """What is wrong with a stored validation run ("" if nothing): the field and how."""
-    from circuitkit.patching.checkpoint import _values_digest
-
-    if meta.get("key") != json.dumps(key):
-        return f"from another run (field 'key': {str(meta.get('key'))[:80]!r})"
-    if runs is None:
-        return f"not one tensor 'runs' (field 'runs': tensors {names[:4]})"
-    if tuple(runs.shape) != tuple(shape) or runs.dtype != torch.float32:
-        return (f"of the wrong form (field 'runs': shape {tuple(runs.shape)} {runs.dtype}, "
-                f"expected {tuple(shape)} torch.float32)")
-    if not bool(torch.isfinite(runs).all()):
-        return "not finite (field 'runs' holds NaN/inf)"
-    if meta.get("sha256") != _values_digest(runs):
-        return "modified (field 'runs' does not match its checksum 'sha256')"
-    return ""
+def _ablation_rows(phase: int, ablation: str, quantities: list[PromptMetric], run: Tensor,
+                   top: list, pools: dict[str, list], k: int, n_boot: int, seed: int
+                   ) -> list[dict]:
+    """One (phase, ablation)'s rows, per pool and quantity: ``run`` ``[n_quantities, n_sets,
+    n_prompts]`` over ``[[], top, *(each pool's sets)]``, the empty set the base run."""
+    rows = []
+    for pool, rand in pools.items():
+        pick = [1] + _pool_rows(pools, pool)
+        for qi, q in enumerate(quantities):
+            v = run[qi]
+            stats = effect_stats(v[0], v[1], v[pick[1:]], n_boot, seed)
+            rows.append(dict(
+                phase=phase, pool=pool, ablation=ablation, quantity=q.name, heads=_fmt(top),
+                k=int(k), n_random=len(rand), overlap=overlap(top, rand),
+                n_prompts=v.shape[1], base=float(v[0].mean()), top_value=float(v[1].mean()),
+                random_value=float(v[pick[1:]].mean()) if len(rand) else float("nan"),
+                **stats))
+    return rows
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:

@@ -16,6 +16,7 @@ _EXPORTS = {
     "LayerUnits": "circuitkit.patching.units:LayerUnits",
     "EdgeUnits": "circuitkit.patching.units:EdgeUnits",
     "PathUnits": "circuitkit.patching.units:PathUnits",
+    "HeadSetUnits": "circuitkit.patching.units:HeadSetUnits",
     "PatchOptions": "circuitkit.patching.units:PatchOptions",
     "MethodOptions": "circuitkit.patching.units:MethodOptions",
     "patch_heads": "circuitkit.patching.api:patch_heads",

@@ -59,10 +59,19 @@ class Sweep:
     # positions "groups": the position groups (``groups.PositionGroups``), in the sweep's prompt
     # order once ``run_sweep`` sorted the prompts; a variant's "pos" is then its group index
     groups: Any = field(default=None, compare=False)
+    # a head-set sweep (``HeadSetUnits``): its ``SetLayout`` (its metrics in the sweep's prompt
+    # order once ``run_sweep`` sorted the prompts); a variant is one (set, metric read) pair
+    sets: Any = field(default=None, compare=False)
 
     @property
     def n_variants(self) -> int:
         return self.n_units * self.n_pos
+
+    @property
+    def per_patch(self) -> int:
+        """Variants one patched run gives: 1, or a head-set sweep's metrics read on its logits
+        (its chunks hold whole sets: ``chunked``)."""
+        return 1 if self.sets is None else self.sets.n_reads
 
     def variants_at(self, layer: int) -> int:
         """Variants of ``layer``: ``layer_variants[layer]``, or ``n_variants``."""
@@ -86,12 +95,12 @@ class Sweep:
 
     def chunk_cost(self, chunk: Chunk) -> int:
         """Work of a chunk in token-blocks: rows x positions x blocks run."""
-        return ((chunk.v1 - chunk.v0) * (chunk.p1 - chunk.p0)
-                * self.run_length(chunk.p0, chunk.p1) * (self.n_layers - chunk.layer))
+        return (self.chunk_prompts(chunk) * self.run_length(chunk.p0, chunk.p1)
+                * (self.n_layers - chunk.layer))
 
     def chunk_prompts(self, chunk: Chunk) -> int:
-        """Prompt-variants a chunk computes (the progress bar's unit)."""
-        return (chunk.v1 - chunk.v0) * (chunk.p1 - chunk.p0)
+        """Patched prompts a chunk computes, its rows (the progress bar's unit)."""
+        return (chunk.v1 - chunk.v0) // self.per_patch * (chunk.p1 - chunk.p0)
 
 
 def make_sweep(model: Any, kind: str, site: str, direction: str, positions: Any,
@@ -114,24 +123,25 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
 
     ``lengths``: positions each prompt needs, ascending (``length_order``). When all prompts fit
     in one forward they may run in two length buckets (``bucket_split``). Prompts are split
-    across chunks only when the metric has per-prompt values.
+    across chunks only when the metric has per-prompt values. A head-set sweep's chunks hold
+    whole sets (``per_patch`` variants each): a chunk is a group of sets of one lowest layer.
     """
-    rows = max(1, int(rows))
+    rows, step = max(1, int(rows)), sweep.per_patch
     n, chunks = sweep.n_prompts, []
     if rows >= n or not sweep.split_prompts:
         best = bucket_split(lengths) if lengths is not None and sweep.split_prompts else None
         buckets = [(0, n)] if best is None else [(0, best), (best, n)]
         for layer in range(sweep.n_layers):
             for p0, p1 in buckets:
-                per = max(1, rows // (p1 - p0))
+                per = max(1, rows // (p1 - p0)) * step
                 n_var = sweep.variants_at(layer)
                 for v0 in range(0, n_var, per):
                     chunks.append(Chunk(layer, v0, min(v0 + per, n_var), p0, p1))
-    else:  # prompts split: one variant per forward
+    else:  # prompts split: one patch per forward
         for layer in range(sweep.n_layers):
-            for v in range(sweep.variants_at(layer)):
+            for v in range(0, sweep.variants_at(layer), step):
                 for p0 in range(0, n, rows):
-                    chunks.append(Chunk(layer, v, v + 1, p0, min(p0 + rows, n)))
+                    chunks.append(Chunk(layer, v, v + step, p0, min(p0 + rows, n)))
     return replace(sweep, chunks=tuple(chunks),
                    lengths=None if lengths is None else tuple(lengths))
 
@@ -339,3 +349,67 @@ def make_path_sweep(layout: PathLayout, direction: str, tokens: Tensor, metric: 
     return Sweep("paths", ",".join(layout.inputs), direction, "all", layout.n_layers,
                  max(per_layer), 1, n, seq, metric.per_prompt_values, layer_variants=per_layer,
                  groups=groups)
+
+
+@dataclass(frozen=True, eq=False)
+class SetLayout:
+    """Which head sets a head-set sweep patches, each set's heads together (``HeadSetUnits``,
+    ``ExactEngine.run_head_sets``): ``sets``, each sorted ``(layer, head)`` pairs, in the
+    caller's order; where (``site``: "z" or "pattern") and what their heads get (``source``,
+    ``exact.head_sets.HEAD_SET_SOURCES``;
+    ``seed``: the resample pairing's); the metrics read on every patched run besides the
+    sweep's own (``metrics``, per-prompt ``PromptMetric``s). The sweep's "layers" are the sets'
+    lowest layers (the empty set's: the last one, as ``run_head_sets`` groups them); a variant
+    of layer ``l`` is one (set starting at ``l``, metric) pair, set-major, the sweep's own
+    metric first: ``v = j * n_reads + m`` for the ``j``-th set of ``at(l)``. A chunk holds
+    whole sets (``Sweep.per_patch``)."""
+
+    n_layers: int
+    sets: tuple[tuple[tuple[int, int], ...], ...]
+    site: str = "z"
+    source: str = "source"
+    seed: int = 0
+    metrics: tuple[PromptMetric, ...] = ()
+    _at: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts = [min((la for la, _ in s), default=self.n_layers - 1) for s in self.sets]
+        object.__setattr__(self, "_at", tuple(
+            tuple(i for i, st in enumerate(starts) if st == layer)
+            for layer in range(self.n_layers)))
+
+    @property
+    def n_reads(self) -> int:
+        """Metrics read on each patched run: the sweep's own and ``metrics``."""
+        return 1 + len(self.metrics)
+
+    def at(self, layer: int) -> tuple[int, ...]:
+        """The sets (indices into ``sets``, in order) whose lowest layer is ``layer``."""
+        return self._at[layer]
+
+    @property
+    def layer_variants(self) -> tuple[int, ...]:
+        return tuple(len(a) * self.n_reads for a in self._at)
+
+    def reordered(self, order: Tensor) -> SetLayout:
+        """This layout with its metrics over the prompts ``order`` (the sweep's prompt order)."""
+        return replace(self, metrics=tuple(m.select(order) for m in self.metrics))
+
+    def identity(self, n_prompts: int, seq: int, d_vocab: int) -> dict[str, Any]:
+        """What a resumed sweep must share besides ``sweep_identity``: the sets, their source
+        and seed, each extra metric by name and behaviour (``PromptMetric.fingerprint``)."""
+        return dict(sets=[[list(h) for h in s] for s in self.sets], source=self.source,
+                    seed=self.seed, metrics=[[m.name, m.fingerprint(n_prompts, seq, d_vocab)]
+                                             for m in self.metrics])
+
+
+def make_set_sweep(model: Any, layout: SetLayout, direction: str, tokens: Tensor,
+                   metric: PromptMetric) -> Sweep:
+    """The unplanned ``Sweep`` of a head-set layout: kind "heads" at the layout's site (the
+    engine's head-site caches), positions "all", one "layer" per lowest layer
+    (``SetLayout``)."""
+    f = hooks.facts(model)
+    n, seq = tokens.shape
+    site = layout.site
+    return Sweep("heads", site, direction, "all", f.n_layers, f.n_heads_at(site), 1, n, seq,
+                 metric.per_prompt_values, layer_variants=layout.layer_variants, sets=layout)

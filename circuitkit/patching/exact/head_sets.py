@@ -1,9 +1,11 @@
-"""Head sets patched together (causal validation, ``experiments/validation.py``): ``HeadSetRuns``,
-the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes whole head sets' ``z`` in
-one run, from the source run or, for ablations of the base run, zeros, the mean base ``z`` or
-another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt: ``derangement``, the one
-seeded pairing, also ``ck.circuit``'s resample). Hooked, or fused and packed on a Llama-form
-model once checked against the hooked path (``engine_checks``)."""
+"""Head sets patched together (``ck.HeadSetUnits``: causal validation, ablation, the cumulative
+bins): ``HeadSetRuns``, the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes
+whole head sets' ``z`` in one run, from the source run or, for ablations of the base run, zeros,
+the mean base ``z`` or another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt:
+``derangement``, the one seeded pairing, also ``ck.circuit``'s resample; a head-set sweep pairs
+its prompts once, ``resample_pairing``). Hooked, or fused and packed on a Llama-form model once
+checked against the hooked path (``engine_checks``). A head-set sweep's chunks:
+``set_engine.HeadSetEngine``."""
 
 from __future__ import annotations
 
@@ -50,10 +52,43 @@ def derangement(n: int, seed: int) -> Tensor:
             return perm
 
 
+RESAMPLE_BUCKETS = 4  # a head-set sweep's resample pairs prompts within these length buckets
+
+
+def resample_pairing(n: int, seed: int) -> Tensor:
+    """The prompt whose base ``z`` each of ``n`` prompts (in length order) takes in a head-set
+    sweep's resample (``HeadSetUnits``): the prompts cut into ``RESAMPLE_BUCKETS`` buckets of
+    equal size (bounds ``round(n i / RESAMPLE_BUCKETS)``; a bucket of one prompt joins the one
+    before it, or the next), each paired by ``derangement(size, seed + its first prompt)``: a
+    prompt takes ``z`` from another of about its length, and the pairing depends on ``n`` and
+    ``seed`` alone, never on how the sweep is cut into chunks. ``[n]`` prompt indices."""
+    if n < 2:
+        raise ValueError(f"source='resample' takes each prompt's z from another prompt; there "
+                         f"{'is' if n == 1 else 'are'} {n}. Pass at least 2.")
+    kept = [0]
+    for b in sorted({round(n * i / RESAMPLE_BUCKETS) for i in range(1, RESAMPLE_BUCKETS + 1)}):
+        if b - kept[-1] >= 2:
+            kept.append(b)
+    if kept[-1] != n:  # a short tail joins the bucket before it
+        kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
+    return torch.cat([derangement(b - a, seed + a) + a
+                      for a, b in zip(kept[:-1], kept[1:], strict=True)])
+
+
 
 class HeadSetRuns:
     """``ExactEngine``'s head-set runs (a mixin: it uses the engine's cached runs, ``_span``,
-    ``_packing``, ``fused`` and ``fast``)."""
+    ``_packing``, ``fused`` and ``fast``). ``_pairing``: the resample pairing of every prompt
+    (``[n_prompts]``, a head-set sweep's ``resample_pairing``), or None: each call's own."""
+
+    _pairing: Tensor | None = None
+
+    def _resample_pairing(self, p0: int, p1: int, seed: int) -> Tensor:
+        """The prompt (an index into all prompts) whose base ``z`` each of ``p0:p1`` takes:
+        ``_pairing[p0:p1]``, else ``derangement(p1 - p0, seed)`` within ``p0:p1``."""
+        if self._pairing is not None:
+            return self._pairing[p0:p1]
+        return derangement(p1 - p0, seed) + p0
 
     @torch.no_grad()
     def run_head_sets(self, head_sets: Sequence[Sequence[tuple[int, int]]], p0: int = 0,
@@ -68,7 +103,8 @@ class HeadSetRuns:
         the base run): "source" (the source run's ``z``: noise / denoise), "zero" (0), "mean"
         (``mean_z``: the head's mean base ``z`` over every prompt's positions up to its last
         read), "resample" (the base ``z`` of another prompt among ``p0:p1``, at the same
-        positions: a derangement of the prompts seeded by ``seed``, one for the whole call).
+        positions: a derangement of the prompts seeded by ``seed``, one for the whole call; a
+        head-set sweep's engine: its pairing of every prompt, ``resample_pairing``).
 
         Needs a sweep over site ``z`` (the engine caches ``resid_pre`` and source ``z`` of every
         layer), or over site ``pattern`` (``source="source"`` only, hooked: each set's heads get
@@ -95,7 +131,7 @@ class HeadSetRuns:
         p1 = sw.n_prompts if p1 is None else p1
         metrics, sets = self._checked_head_sets(head_sets, p0, p1, metrics, source)
         n_p, length = p1 - p0, self._run_length(p0, p1)
-        perm = derangement(n_p, seed) if source == "resample" else None
+        perm = self._resample_pairing(p0, p1, seed) if source == "resample" else None
         out = torch.empty(len(metrics), len(sets), n_p)
         at = None if self.reads is None else self.reads[p0:p1]
         fused_sets = self._head_sets_fused(fast, source)
@@ -137,7 +173,7 @@ class HeadSetRuns:
             raise ValueError(f"source={source!r} ablates z; an engine built for site "
                              f"{sw.site!r} patches the source run's {sw.site} only "
                              "(source='source').")
-        if source == "resample" and p1 - p0 < 2:
+        if source == "resample" and p1 - p0 < 2 and self._pairing is None:
             raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
                              f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
         metrics = [self.metric] if metrics is None else list(metrics)
@@ -316,9 +352,10 @@ class HeadSetRuns:
             return torch.zeros_like(base)
         if source == "mean":
             return self.mean_z(layer).to(base)[None, None].expand_as(base)
-        if self.rows_cut_at_reads:  # another prompt's z, at positions after its own last read
-            base = self._span(self._site_base_to_length()[layer], p0, p1, length, site=True)
-        return base[perm.to(base.device)]
+        # another prompt's z (``perm``: indices into all prompts), also at positions after
+        # its own last read where the cached run stopped there
+        every = self._site_base_to_length() if self.rows_cut_at_reads else self.site_base
+        return self._span(every[layer][perm.cpu()], 0, p1 - p0, length, site=True)
 
     def _site_base_to_length(self) -> list[Tensor]:
         """The base run's site activation of every layer ``[n, length, ...]`` with every

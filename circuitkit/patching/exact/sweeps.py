@@ -39,6 +39,7 @@ from circuitkit.patching.sweep import (
     length_order,
     make_edge_sweep,
     make_path_sweep,
+    make_set_sweep,
     make_sweep,
     release_cached_memory,
 )
@@ -203,6 +204,44 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     return PatchResult(direction=direction, site="z", positions="all", axes=axes, **fields)
 
 
+def run_sets(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
+             opts: Any, meta: dict) -> PatchResult:
+    """The exact sweep of the head sets of ``layout`` (``sweep.SetLayout``; ``HeadSetEngine``;
+    checkpoint identity: the sweep's plus ``layout.identity``) as a ``PatchResult`` over
+    ``("set",)`` in the caller's prompt order: ``values [n_sets]`` and ``per_prompt [n_prompts,
+    n_sets]`` of ``metric``; ``meta``: ``kind`` "head_sets", ``sets``, ``set_source``,
+    ``set_seed`` and ``extra_per_prompt`` (``{name: [n_prompts, n_sets]}`` of each of
+    ``layout.metrics``, read on the same patched logits). A probed metric's reads that do not
+    hold: the sweep starts again reading every position (as ``run``)."""
+    from circuitkit.patching.exact.set_engine import HeadSetEngine
+
+    n, seq = clean.shape
+    extra = functools.partial(layout.identity, n, seq, hooks.facts(model).d_vocab_out)
+
+    def swept_with(m: PromptMetric) -> Swept:
+        sweep = make_set_sweep(model, layout, opts.direction, clean, m)
+        return run_sweep(model, clean, corrupt, m, sweep, opts.batch_size, opts.checkpoint,
+                         opts.progress, make_engine=HeadSetEngine, identity_extra=extra)
+
+    try:
+        swept = swept_with(metric)
+        metric = replace(metric, probed=False)
+    except ReadsDoNotHold as e:
+        metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
+                                opts.batch_size)
+        swept = swept_with(metric)
+    fields = swept.fields(model, metric, described(meta, metric))
+    every = swept.engine.per_metric(swept.done)  # [n_reads, n_prompts (sweep order), n_sets]
+    if swept.order is not None:
+        every = every[:, torch.argsort(swept.order)]
+    fields["meta"].update(kind="head_sets", sets=[[list(h) for h in s] for s in layout.sets],
+                          set_source=layout.source, set_seed=layout.seed,
+                          extra_per_prompt={m.name: every[i + 1]
+                                            for i, m in enumerate(layout.metrics)})
+    return PatchResult(direction=opts.direction, site=layout.site, positions="all",
+                       axes=("set",), **fields)
+
+
 class Swept(NamedTuple):
     """A finished exact sweep (``run_sweep``): its engine, every chunk's values, the prompt order
     it ran in (None: the caller's) and what the run recorded."""
@@ -232,17 +271,17 @@ class Swept(NamedTuple):
 
 def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
            batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-           make_engine: Any = ExactEngine, identity_extra: dict | None = None) -> Swept:
+           make_engine: Any = ExactEngine, identity_extra: Any = None) -> Swept:
     """Run every chunk of ``sweep`` with an engine from ``make_engine`` (``ExactEngine`` or
     ``EdgeEngine``): prompts sorted by length, memory fitted, checkpoint opened (its identity:
-    ``sweep_identity`` plus ``identity_extra``), this rank's chunks computed and saved, ranks
-    merged."""
+    ``sweep_identity`` plus ``identity_extra``, a dict or a function giving it), this rank's
+    chunks computed and saved, ranks merged."""
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a
     # checkpoint, or to save one on Ctrl-C; a plain sweep never pays for it.
-    identity = functools.cache(functools.partial(sweep_identity, model, sweep, clean, corrupt,
-                                                 metric, **(identity_extra or {})))
+    identity = functools.cache(functools.partial(_identity, model, sweep, clean, corrupt,
+                                                 metric, identity_extra))
     fingerprints = dict(model_fingerprint=model_fingerprint(model),
                         tokens_hash=tokens_hash(clean, corrupt))
     # The sweep runs on prompts sorted by length; results are put back in the caller's order.
@@ -252,9 +291,11 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
         clean, corrupt, metric = clean[order], corrupt[order], metric.select(order)
         if sweep.groups is not None:  # each prompt keeps its own positions
             sweep = replace(sweep, groups=sweep.groups.reordered(order))
+        if sweep.sets is not None:  # (a head-set sweep's other metrics, too)
+            sweep = replace(sweep, sets=sweep.sets.reordered(order))
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
-    bar = Progress(progress and rank == 0, f"{'edges' if sweep.kind == 'edges' else 'patch'} "
-                    f"{sweep.site} {sweep.direction}")
+    what = "edges" if sweep.kind == "edges" else "head sets" if sweep.sets else "patch"
+    bar = Progress(progress and rank == 0, f"{what} {sweep.site} {sweep.direction}")
     engine, sweep, rows, first, backoffs = fit_rows(model, clean, corrupt, metric, sweep, rows,
                                                      lengths, stored, bar=bar, rank=rank,
                                                      world=world, make_engine=make_engine)
@@ -292,6 +333,14 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
                 n_chunks=len(sweep.chunks), world=world, rows=rows, oom_backoffs=backoffs,
                 oom_chunk_splits=splits[0], seconds=time.perf_counter() - t_start)
     return Swept(engine, done, order, info)
+
+
+def _identity(model: Any, sweep: Sweep, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
+              extra: dict | Callable[[], dict] | None) -> dict[str, Any]:
+    """``sweep_identity`` plus ``extra`` (a dict, or a function giving it: a head-set sweep's
+    extra metrics' behaviour hashes are computed only when the identity is needed)."""
+    extra = extra() if callable(extra) else extra
+    return sweep_identity(model, sweep, clean, corrupt, metric, **(extra or {}))
 
 
 def heaviest(sweep: Sweep) -> int:

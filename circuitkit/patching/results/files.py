@@ -32,7 +32,8 @@ EDGE_FORMAT_VERSION = 2
 DIGEST_SINCE = 2
 POSITIONS = ("all", "each", "groups")
 SITES = hooks.PATCH_HEAD_SITES + hooks.PATCH_LAYER_SITES
-AXES = ("layer", "head", "pos", "group", "sender", "receiver")  # the last two: patch_paths
+AXES = ("layer", "head", "pos", "group", "sender", "receiver", "set")  # sender, receiver:
+# patch_paths; set: head sets (ck.HeadSetUnits)
 # values recomputed from per_prompt (float64 mean) agree with the stored float32 means to
 # ~1e-7 x scale (measured); this bound refuses an edited file, never a float32 rounding
 MEAN_RTOL = 1e-4
@@ -175,7 +176,10 @@ def load_result(cls: type, path: str | Path, paths: dict[str, Path], kind: _File
     except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
         raise ValueError(f"{st} is not a readable safetensors file ({e}).") from None
     kw = checked(kw, js)
-    shape, empty = layout(kw, tensors)
+    try:
+        shape, empty = layout(kw, tensors)
+    except ValueError as e:  # (the layout names the field; the file is named here)
+        raise ValueError(f"{js}: {e}") from None
     _check_tensors(tensors, kw, st, js, shape=shape, empty=empty)
     try:
         result = cls(**{k: tensors.get(k) for k in TENSOR_FIELDS}, **kw)
@@ -266,16 +270,56 @@ def _checked_patch_info(kw: dict[str, Any], js: Path) -> dict[str, Any]:
             or len(set(axes)) != len(axes):
         raise ValueError(f"{js}: field 'axes' must be a list of distinct names from {list(AXES)}; "
                          f"got {axes!r:.60}.")
-    paths = kw["meta"].get("kind") == "paths"  # ``patch_paths``: [sender, receiver(, group)]
+    kind = kw["meta"].get("kind")
+    paths = kind == "paths"  # ``patch_paths``: [sender, receiver(, group)]
     want = (("sender", "receiver") + (("group",) if "path_groups" in kw["meta"] else ())
-            if paths else _default_axes(kw["site"], kw["positions"], len(axes)))
-    if (paths or kw["site"] in SITES and kw["positions"] in POSITIONS) and tuple(axes) != want:
+            if paths else ("set",) if kind == "head_sets"
+            else _default_axes(kw["site"], kw["positions"], len(axes)))
+    if (paths or kind == "head_sets" or kw["site"] in SITES and kw["positions"] in POSITIONS) \
+            and tuple(axes) != want:
         raise ValueError(f"{js}: field 'axes' is {axes} but a site={kw['site']!r}, "
                          f"positions={kw['positions']!r} result has axes {list(want)}; the file "
                          "was edited. Recompute the result.")
     if kw["positions"] == "groups":
         _check_group_meta(kw["meta"], js)
+    if kind == "head_sets":
+        kw = dict(kw, meta=_checked_set_meta(kw["meta"], js))
     return dict(kw, axes=tuple(axes))
+
+
+def _checked_set_meta(meta: dict[str, Any], js: Path) -> dict[str, Any]:
+    """A head-set result's own meta fields (``ck.HeadSetUnits``): ``sets`` (lists of distinct,
+    sorted ``[layer, head]`` integer pairs inside the model of ``meta.facts``), ``set_source``
+    (a string) and ``extra_per_prompt`` (``{name: [n_prompts][n_sets]}`` finite numbers, one row
+    per prompt, one column per set); returns ``meta`` with those values as float32 tensors. Their
+    count against the values: ``_patch_shape``."""
+    sets, facts = meta.get("sets"), meta.get("facts") or {}
+    top = (facts.get("n_layers", math.inf), facts.get("n_heads", math.inf))
+    if not isinstance(sets, list) or not sets or not all(
+            isinstance(s, list) and all(isinstance(h, list) and len(h) == 2 and all(
+                _integer(x) and 0 <= x < t for x, t in zip(h, top, strict=True)) for h in s)
+            and s == sorted(s) and len({tuple(h) for h in s}) == len(s) for s in sets):
+        raise ValueError(f"{js}: field 'meta.sets' must be a non-empty list of head sets, each "
+                         f"a sorted list of distinct [layer, head] pairs inside the model; got "
+                         f"{sets!r:.60}.")
+    if not isinstance(meta.get("set_source"), str) or not _integer(meta.get("set_seed")):
+        raise ValueError(f"{js}: fields 'meta.set_source' and 'meta.set_seed' must be a string "
+                         f"(what the sets' heads got) and an integer; got "
+                         f"{meta.get('set_source')!r:.40}, {meta.get('set_seed')!r:.20}.")
+    extra = meta.get("extra_per_prompt", {})
+    out = {}
+    for name, rows in extra.items() if isinstance(extra, dict) else [("", None)]:
+        try:
+            t = torch.tensor(rows, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            t = None
+        if t is None or t.ndim != 2 or t.shape[1] != len(sets) or not bool(
+                torch.isfinite(t).all()):
+            raise ValueError(f"{js}: field 'meta.extra_per_prompt' must map each metric's name "
+                             f"to finite numbers [n_prompts][n_sets={len(sets)}]; {name!r} is "
+                             f"not.")
+        out[name] = t
+    return dict(meta, extra_per_prompt=out)
 
 
 def _check_group_meta(meta: dict[str, Any], js: Path) -> None:
@@ -306,6 +350,8 @@ def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
     if meta.get("kind") == "paths":
         return (len(meta.get("senders") or []), len(meta.get("receivers") or []),
                 *([None] * (len(kw["axes"]) - 2)))
+    if meta.get("kind") == "head_sets":
+        return (len(meta["sets"]),)
     facts = meta.get("facts")
     if not isinstance(facts, dict) or "n_layers" not in facts:
         return None
@@ -313,6 +359,21 @@ def _patch_shape(kw: dict[str, Any]) -> tuple[int | None, ...] | None:
         return (facts["n_layers"], None)
     heads = facts.get("n_kv_heads" if kw["site"] in hooks.KV_SITES else "n_heads")
     return (facts["n_layers"], heads, *([None] * (len(kw["axes"]) - 2)))
+
+
+def _patch_layout(kw: dict[str, Any], tensors: dict[str, Tensor]
+                  ) -> tuple[tuple[int | None, ...] | None, Tensor | None]:
+    """``PatchResult.load``'s ``layout``: (``_patch_shape``, ``_no_path``); a head-set result's
+    ``meta.extra_per_prompt`` holds as many prompts as its ``per_prompt`` (and one another)."""
+    extra = kw["meta"].get("extra_per_prompt") or {}
+    pp = tensors.get("per_prompt")
+    rows = {int(t.shape[0]) for t in extra.values()} | (
+        {int(pp.shape[0])} if pp is not None and pp.ndim else set())
+    if len(rows) > 1:
+        raise ValueError(f"field 'meta.extra_per_prompt' and tensor 'per_prompt' hold different "
+                         f"numbers of prompts ({sorted(rows)}); the file was edited. Recompute "
+                         "the result.")
+    return _patch_shape(kw), _no_path(kw)
 
 
 def _default_axes(site: str, positions: str, ndim: int) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """``PatchResult``: the one results type of every patching sweep (exact, attribution, hybrid).
 
 Shapes: ``values`` ``[n_layers, n_heads]`` (heads, all positions), ``[n_layers, n_heads, seq]``
-(each position), ``[n_layers, n_heads, n_groups]`` (position groups) or ``[n_layers, seq]``
-(layer sites), named by ``axes``; ``per_prompt`` ``[n_prompts, *values.shape]`` when the metric
+(each position), ``[n_layers, n_heads, n_groups]`` (position groups), ``[n_layers, seq]``
+(layer sites) or ``[n_sets]`` (head sets, ``ck.HeadSetUnits``: axes ``("set",)``), named by
+``axes``; ``per_prompt`` ``[n_prompts, *values.shape]`` when the metric
 has per-prompt values.
 
 ``normalized()``: denoise ``(patched - corrupt) / (clean - corrupt)`` (0: no effect, 1: the clean
@@ -38,8 +39,7 @@ from circuitkit.patching.results.files import (
     POSITIONS,
     SITES,
     _checked_patch_info,
-    _no_path,
-    _patch_shape,
+    _patch_layout,
     load_result,
     result_paths,
     save_result,
@@ -153,12 +153,17 @@ class PatchResult:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not valid; expected one of "
                                  f"{list(allowed)}.")
-        if not isinstance(self.values, Tensor) or self.values.ndim not in (2, 3):
+        ndim = getattr(self.values, "ndim", None)
+        if not isinstance(self.values, Tensor) or ndim not in (1, 2, 3) or (
+                ndim == 1 and self.axes not in (None, ("set",), ["set"])):
             raise ValueError(f"values must be a 2-D or 3-D tensor (layer x head[ x pos], or "
-                             f"layer x pos); got {type(self.values).__name__} of shape "
+                             f"layer x pos), or 1-D over head sets (axes ('set',)); got "
+                             f"{type(self.values).__name__} of shape "
                              f"{tuple(getattr(self.values, 'shape', ()))}.")
         if self.axes is None:
-            if self.positions == "groups":
+            if self.values.ndim == 1:
+                self.axes = ("set",)
+            elif self.positions == "groups":
                 self.axes = ("layer", "head", "group")
             elif self.values.ndim == 3:
                 self.axes = ("layer", "head", "pos")
@@ -268,6 +273,9 @@ class PatchResult:
         pp, cl, co = self.per_prompt[idx], self.clean_per_prompt[idx], \
             self.corrupt_per_prompt[idx]
         meta = dict(self.meta, n_prompts=int(idx.numel()), prompts_kept=idx.tolist())
+        if meta.get("extra_per_prompt"):  # a head-set result's other metrics: the same prompts
+            meta["extra_per_prompt"] = {k: torch.as_tensor(v)[idx]
+                                        for k, v in meta["extra_per_prompt"].items()}
         return replace(self, values=pp.mean(0), clean=float(cl.mean()), corrupt=float(co.mean()),
                        per_prompt=pp, clean_per_prompt=cl, corrupt_per_prompt=co, meta=meta)
 
@@ -373,11 +381,16 @@ class PatchResult:
     def labels(self) -> dict[str, list[str]]:
         """The labels of each labelled axis: "group" by ``meta["group_names"]`` (a path
         result's: ``meta["path_groups"]``), a path result's "sender" / "receiver" by
-        ``meta["senders"]`` / ``["receivers"]`` (an ``EdgeResult``: its nodes and inputs);
+        ``meta["senders"]`` / ``["receivers"]`` (an ``EdgeResult``: its nodes and inputs), a
+        head-set result's "set" by its heads' names (``meta["sets"]``; "none": the empty set);
         layer, head and pos are their indices."""
         meta = self.meta or {}
+        sets = meta.get("sets") if "set" in self.axes else None
         named = dict(group=meta.get("group_names") or meta.get("path_groups"),
-                     sender=meta.get("senders"), receiver=meta.get("receivers"))
+                     sender=meta.get("senders"), receiver=meta.get("receivers"),
+                     set=None if sets is None else [
+                         " ".join(hooks.head_name(la, h) for la, h in s) or "none"
+                         for s in sets])
         return {a: list(named[a]) for a in self.axes if named.get(a) is not None}
 
     @property
@@ -401,7 +414,10 @@ class PatchResult:
         return df.loc[order].reset_index(drop=True)
 
     def heatmap(self, title: str | None = None, **kw):
-        """plotly Figure of ``normalized()``: ``circuitkit.viz.heatmaps.patch_heatmap``."""
+        """plotly Figure of ``normalized()``: ``circuitkit.viz.heatmaps.patch_heatmap``; a
+        head-set result (no layer x head grid): one bar per set (``_set_bars``)."""
+        if tuple(self.axes) == ("set",):
+            return _set_bars(self, title)
         from circuitkit.viz.heatmaps import patch_heatmap  # patching never imports viz at load
 
         return patch_heatmap(self, title, **kw)
@@ -427,13 +443,26 @@ class PatchResult:
         ``_check_tensors``: the checks ``EdgeResult.load`` applies too); a bad file is named
         with the field that is wrong (``ValueError``)."""
         return load_result(cls, path, result_paths(path, "result"), _PATCH_FILE,
-                           _checked_patch_info, lambda kw, _: (_patch_shape(kw), _no_path(kw)))
+                           _checked_patch_info, _patch_layout)
 
     def __repr__(self) -> str:
         return (f"PatchResult(method={self.method!r}, direction={self.direction!r}, "
                 f"site={self.site!r}, positions={self.positions!r}, "
                 f"values={tuple(self.values.shape)} over {self.axes}, clean={self.clean:.4f}, "
                 f"corrupt={self.corrupt:.4f})")
+
+
+def _set_bars(result: PatchResult, title: str | None):
+    """A head-set result's figure: ``normalized()`` (or the raw effect) of each set, one bar,
+    named by its heads."""
+    import plotly.graph_objects as go
+
+    names = result.labels.get("set") or [str(i) for i in range(result.values.shape[0])]
+    fig = go.Figure(go.Bar(x=names, y=result.normalized().float().tolist()))
+    fig.update_layout(title=title or f"head sets patched together ({result.direction}, "
+                                     f"{result.site})", yaxis_title=result.value_column,
+                      xaxis_title="set")
+    return fig
 
 
 def check_top(k: Any) -> None:

@@ -1,5 +1,6 @@
 """What is patched: ``HeadUnits`` (``heads.py``), ``LayerUnits`` (``layers.py``),
-``EdgeUnits`` (``edges.py``), ``PathUnits`` (``paths.py``), and ``MethodOptions`` (``base.py``).
+``EdgeUnits`` (``edges.py``), ``PathUnits`` (``paths.py``), ``HeadSetUnits`` (``head_sets.py``:
+head sets, each patched together), and ``MethodOptions`` (``base.py``).
 
 A unit object says what ``ck.patch`` patches; each stage takes it, and each kind knows, once, its
 own checks (``check_method``, ``entry``, ``checked``), ``sweep``, ``exact``, ``estimate``,
@@ -22,6 +23,7 @@ _EXPORTS = {
     "LayerUnits": "circuitkit.patching.units.layers:LayerUnits",
     "EdgeUnits": "circuitkit.patching.units.edges:EdgeUnits",
     "PathUnits": "circuitkit.patching.units.paths:PathUnits",
+    "HeadSetUnits": "circuitkit.patching.units.head_sets:HeadSetUnits",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
