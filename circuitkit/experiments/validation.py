@@ -546,7 +546,7 @@ class SetRuns:
     it (``HeadSetUnits.checkpoint_in``)."""
 
     def __init__(self, model: Any, opts: ValidationOptions):
-        from circuitkit.patching.checkpoint import model_fingerprint
+        from circuitkit.identity import model_fingerprint
 
         self.model, self.opts, self.root, self.fingerprint = model, opts, None, None
         if opts.checkpoint is not None:
