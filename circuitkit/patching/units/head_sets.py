@@ -157,7 +157,7 @@ class HeadSetUnits(_Units):
         every metric by behaviour), so another run never meets this one's folder and the same
         run resumes it. ``fingerprint``: ``model_fingerprint(model)``, when the caller has it
         (it reads every weight)."""
-        from circuitkit.patching.checkpoint import identity_key, model_fingerprint, tokens_hash
+        from circuitkit.identity import identity_key, model_fingerprint, tokens_hash
 
         n, seq = clean.shape
         d_vocab = hooks.facts(model).d_vocab_out
