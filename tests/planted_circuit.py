@@ -201,13 +201,15 @@ SCALE = {"copy": 2.0, "suppress": 2.0, "uniform": 2.0, "never": 3.0, "retrieve":
 
 
 @torch.no_grad()
-def blank_llama(cfg: dict, n_ids: int):
+def blank_llama(cfg: dict, n_ids: int = 0, dtype=None):
     """(bridge, its HF model) of a Llama ``cfg`` whose weights are all zero but for unit norms
     and an identity embedding of the first ``n_ids`` token ids: what a planted circuit is
-    written into."""
+    written into (every test that plants one starts here)."""
     from tinymodels import make_model
 
-    model = make_model(cfg)
+    import circuitkit as ck
+
+    model = make_model(cfg) if dtype is None else ck.load_model(dict(cfg), dtype=dtype)
     hf = model.original_model
     for p in hf.parameters():
         p.zero_()
@@ -215,7 +217,8 @@ def blank_llama(cfg: dict, n_ids: int):
                                    for m in (layer.input_layernorm,
                                              layer.post_attention_layernorm)]:
         norm.weight.fill_(1.0)
-    hf.model.embed_tokens.weight[:, :n_ids] = torch.eye(n_ids)
+    if n_ids:
+        hf.model.embed_tokens.weight[:, :n_ids] = torch.eye(n_ids)
     return model, hf
 
 

@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from planted_circuit import blank_llama
 from tinymodels import call
 
 import circuitkit as ck
@@ -48,19 +49,12 @@ def tok(t: int) -> int:
 
 def blank(d_mlp: int = 4):
     torch.manual_seed(0)
-    model = ck.load_model({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": D,
-                           "intermediate_size": d_mlp, "num_hidden_layers": LAYERS,
-                           "num_attention_heads": N_HEADS, "num_key_value_heads": N_HEADS,
-                           "max_position_embeddings": 32, "rope_theta": 1e12,
-                           "tie_word_embeddings": False}, dtype=torch.float64)
-    hf = model.original_model
+    model, hf = blank_llama({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": D,
+                            "intermediate_size": d_mlp, "num_hidden_layers": LAYERS,
+                            "num_attention_heads": N_HEADS, "num_key_value_heads": N_HEADS,
+                            "max_position_embeddings": 32, "rope_theta": 1e12,
+                            "tie_word_embeddings": False}, dtype=torch.float64)
     with torch.no_grad():
-        for p in hf.parameters():
-            p.zero_()
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        hf.model.norm.weight.fill_(1.0)
         E = hf.model.embed_tokens.weight
         E[:, PAD] = PAD_SIZE
         E[:, ONE] = 1.0

@@ -21,23 +21,15 @@ N_RANDOM = 1000  # the default of validate_heads
 
 
 def _model(weights):
-    from tinymodels import make_model
+    from planted_circuit import blank_llama
 
-    model = make_model({"model_type": "llama", "vocab_size": 16, "hidden_size": D,
-                        "intermediate_size": 4, "num_hidden_layers": N_LAYERS,
-                        "num_attention_heads": N_HEADS, "num_key_value_heads": N_HEADS,
-                        "head_dim": DH, "max_position_embeddings": 32, "rope_theta": 1e12,
-                        "tie_word_embeddings": False, "seed": 0})
-    hf = model.original_model
+    model, hf = blank_llama({"model_type": "llama", "vocab_size": 16, "hidden_size": D,
+                             "intermediate_size": 4, "num_hidden_layers": N_LAYERS,
+                             "num_attention_heads": N_HEADS, "num_key_value_heads": N_HEADS,
+                             "head_dim": DH, "max_position_embeddings": 32, "rope_theta": 1e12,
+                             "tie_word_embeddings": False, "seed": 0}, n_ids=16)
     with torch.no_grad():
-        for p in hf.parameters():
-            p.zero_()
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        hf.model.norm.weight.fill_(1.0)
         emb = hf.model.embed_tokens.weight
-        emb[:, :16] = torch.eye(16)
         emb[:, CONST] = 4.0  # dominates every RMSNorm scale
         for la in range(N_LAYERS):
             attn = hf.model.layers[la].self_attn

@@ -118,23 +118,15 @@ def _route_model():
     ``silu(5 x10) x11`` into dim 12; L1H0 attends uniformly, reads dim 12 only and writes dim 13;
     the logit of token 5 reads dim 13. The receiver's inputs never read what the sender writes
     (dims 9, 10): its direct edge is 0; the path through the MLP is not."""
-    from tinymodels import make_model
+    from planted_circuit import blank_llama
 
-    model = make_model({"model_type": "llama", "vocab_size": 8, "hidden_size": 16,
-                        "intermediate_size": 4, "num_hidden_layers": 2,
-                        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
-                        "max_position_embeddings": 32, "rope_theta": 1e12,
-                        "tie_word_embeddings": False, "seed": 0})
-    hf = model.original_model
+    model, hf = blank_llama({"model_type": "llama", "vocab_size": 8, "hidden_size": 16,
+                            "intermediate_size": 4, "num_hidden_layers": 2,
+                            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
+                            "max_position_embeddings": 32, "rope_theta": 1e12,
+                            "tie_word_embeddings": False, "seed": 0}, n_ids=8)
     with torch.no_grad():
-        for p in hf.parameters():
-            p.zero_()
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        hf.model.norm.weight.fill_(1.0)
         emb = hf.model.embed_tokens.weight
-        emb[:, :8] = torch.eye(8)
         emb[:, 11] = 1.0
         a0, a1 = hf.model.layers[0].self_attn, hf.model.layers[1].self_attn
         a0.v_proj.weight[0, 3] = a0.v_proj.weight[1, 4] = 1.0
