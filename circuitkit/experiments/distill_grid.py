@@ -1,26 +1,19 @@
 """The ablation grid: which supervision transfers the teacher's reasoning to the student
 (docs/distill.md, "The ablation": cells, seeds, workers, outputs, measured results).
 
-``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset ``STUDENTS``
-x data size ``DATA`` or a size's ``arms``) and seed, one student per variant (``VARIANTS``: ``cot``
-CoT only; ``p1``, ``p2``, ``p1+p2`` + L_P1 / L_P2 of the teacher's heads, each matched by its own
-student head; ``nonselective`` + L_NS, every teacher layer's mean attention; opt-in
-``p1+p2-causal``, ``LossConfig(heads="causal")``) from the teacher's signal store of that data
-size, optionally after one shared CoT-only start per cell (``pretrain`` steps). Seeds: ``seeds``
-per variant, then up to ``max_seeds`` for every headline comparison (``HEADLINE``) whose 95%
-intervals overlap.
+``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset ``STUDENTS`` x
+data size ``DATA`` or a size's ``arms``) and seed, one student per variant (``VARIANTS``: ``cot``
+CoT only; ``p1``, ``p2``, ``p1+p2`` + L_P1 / L_P2; ``nonselective`` + L_NS; opt-in ``p1+p2-causal``;
+``V@W``: ``V`` with its lambdas times ``W``, ``variant_of``) from the teacher's signal store of that
+data size, optionally after one shared CoT-only start per cell (``pretrain`` steps); then up to
+``max_seeds`` seeds for every headline comparison (``HEADLINE``) whose 95% intervals overlap.
 
-Runs live in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable ``train_student``
-folder, then ``metrics.json``, written last: ``student_metrics``); ``ablation.json`` (written
-first) records the grid's configuration (``grid_config``). Tables: ``runs.csv``,
+Files: ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable ``train_student`` folder,
+then ``metrics.json``, written last: ``student_metrics``, ``SHARE_METRICS`` and, when measured,
+``EMBEDDING_METRICS``); ``ablation.json`` (written first: ``grid_config``); ``runs.csv``;
 ``ablation.csv`` (mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s /
-sqrt(n)``), ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``),
+sqrt(n)``); ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``);
 ``teacher.json`` (the teacher's own metrics on the same notes).
-
-A variant ``V@W`` is ``V`` with its lambdas times ``W`` (``variant_of``: a lambda sweep in one
-grid, issue 50); every run's ``metrics.json`` and ``runs.csv`` rows hold each term's effective
-share of the step (``SHARE_METRICS``, ``run_shares``), and the embedding Focus / Confusion
-when the evaluation returns them (``EMBEDDING_METRICS``).
 """
 
 from __future__ import annotations
@@ -105,7 +98,6 @@ def variant_of(name: str) -> tuple[str, float]:
         raise ValueError(f"variant {name!r}: @WEIGHT takes a mechanistic variant and a number "
                          "> 0 (e.g. p1+p2@0.3).")
     return base, weight
-
 
 
 # a variant's LossConfig options beside its lambdas; its own store (``signals-<data>-<heads>``)
@@ -230,9 +222,8 @@ def _test_notes(task: str, sz: dict[str, Any]) -> tuple[Any, Any]:
 
 def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[str, float]:
     """Mean of each component over a model's own top ``k`` heads of ``phase`` (Phase 1 by the
-    reading's CoarseScore, Phase 2 by ``refine_score``); ties, as when no head of a barely
-    trained student is sharp enough to score, go to the higher first component, then (layer,
-    head)."""
+    reading's CoarseScore, Phase 2 by ``refine_score``); ties, as when no head of a barely trained
+    student is sharp enough to score, go to the higher first component, then (layer, head)."""
     if phase == 1:
         col = "coarse_score_tokens" if reading == "tokens" else "coarse_score"
         order, parts = [col, "sharpness"], P1_PARTS
@@ -479,17 +470,16 @@ def _init_worker(parent: int | None = None) -> None:
 class GridOptions:
     """``run_ablation``'s options (a dict of these fields is accepted too; module docstring).
 
-    ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant;
-    ``max_seeds`` (None: ``seeds``): seeds for headline comparisons whose intervals overlap;
-    ``size``: one of ``SIZES``; ``students``: student presets (names or configs); ``data``:
-    the data sizes or arms (None: every one of the size's); ``variants`` (None:
-    ``DEFAULT_VARIANTS``); ``lambda_p1``, ``lambda_p2``, ``lambda_ns``: scale the variants'
-    mechanistic terms; ``steps`` overrides the size's; ``balance``, ``grad_ratio``: how every
-    run combines its terms' gradients (``loss.balanced_gradients``); ``pretrain`` overrides the
-    size's CoT-only pre-training steps (0: every run starts from its seed's fresh
-    initialisation); ``workers``: runs at a time, each in its own process; ``progress``: bars
-    and one line per run on stderr; ``overwrite``: a grid of another configuration in ``out``
-    is started over instead of refused (``_check_grid``)."""
+    ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant; ``max_seeds``
+    (None: ``seeds``): seeds for headline comparisons whose intervals overlap; ``size``: one of
+    ``SIZES``; ``students``: student presets (names or configs); ``data``: the data sizes or arms
+    (None: every one of the size's); ``variants`` (None: ``DEFAULT_VARIANTS``); ``lambda_p1``,
+    ``lambda_p2``, ``lambda_ns``: scale the variants' mechanistic terms; ``steps`` overrides the
+    size's; ``balance``, ``grad_ratio``: how every run combines its terms' gradients
+    (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps (0:
+    every run starts from its seed's fresh initialisation); ``workers``: runs at a time, each in its
+    own process; ``progress``: bars and one line per run on stderr; ``overwrite``: a grid of another
+    configuration in ``out`` is started over instead of refused (``_check_grid``)."""
 
     teacher: str = "icd-teacher"
     seeds: int = 3
@@ -513,11 +503,10 @@ class GridOptions:
 
 def run_ablation(out: str | Path, options: GridOptions | dict[str, Any] | None = None,
                  **overrides: Any) -> Any:
-    """Train and measure the grid (module docstring) into ``out``; returns the
-    ``ablation.csv`` frame. ``options``: ``GridOptions`` (or a dict of its fields);
-    ``overrides``: its fields, on top (``run_ablation(out, seeds=1, size="quick")``). Resumed
-    from ``ablation.json``'s record (``experiments.runner.StepRecord``): finished runs are not
-    trained or measured again."""
+    """Train and measure the grid (module docstring) into ``out``; returns the ``ablation.csv``
+    frame. ``options``: ``GridOptions`` (or a dict of its fields); ``overrides``: its fields, on top
+    (``run_ablation(out, seeds=1, size="quick")``). Resumed from ``ablation.json``'s record
+    (``experiments.runner.StepRecord``): finished runs are not trained or measured again."""
     o = _resolve(options_of(GridOptions, options, overrides, "run_ablation"))
     out = check_writable_dir(out, "--out")
     # one ablation per folder (the CLI's claim may hold the lock already)
@@ -798,16 +787,15 @@ def _cfg_of(g: _Grid, r: Run) -> dict[str, Any]:
     return dict(g.stores[key], student=g.names[r.student], seed=r.seed, init=init, **lam, **own)
 
 
-def _pretrain_of(g: _Grid, r: Run) -> dict[str, Any]:
-    """The CoT-only start of ``r``'s cell (``pretrain`` steps, seed 0)."""
-    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["pretrain"],
-                lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+def _pretrain_of(g: _Grid, r: Run, **kw: Any) -> dict[str, Any]:
+    """The CoT-only start of ``r``'s cell (``pretrain`` steps, seed 0); ``kw`` on top."""
+    return {**g.stores[r.data], "student": g.names[r.student], "seed": 0,
+            "steps": g.sz["pretrain"], **VARIANTS["cot"], **kw}
 
 
 def _es_of(g: _Grid, r: Run) -> dict[str, Any]:
     """The early-stopping baseline of ``r``'s arm: the cot config with ``es_max`` steps."""
-    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["es_max"],
-                save_every=g.sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+    return _pretrain_of(g, r, steps=g.sz["es_max"], save_every=g.sz["es_every"])
 
 
 # each recorded kind of grid step: (its folder, its config, the file it writes last)

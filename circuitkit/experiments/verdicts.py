@@ -66,10 +66,9 @@ def mde(sd: float, n: int) -> float:
 
 def paired(runs: Any, metric: str, variant: str, baseline: str = "cot",
            **cell: Any) -> dict[str, float] | None:
-    """The paired comparison of ``variant`` against ``baseline`` on ``metric`` (module
-    docstring) in the rows of ``runs`` (a ``runs.csv`` frame) matching ``cell`` (e.g.
-    ``data="main"``): ``n, diff, ci_low, ci_high, half_width, sd, mde``; None when the metric
-    was not measured for both."""
+    """The paired comparison of ``variant`` against ``baseline`` on ``metric`` (module docstring) in
+    the rows of ``runs`` (a ``runs.csv`` frame) matching ``cell`` (e.g. ``data="main"``): ``n, diff,
+    ci_low, ci_high, half_width, sd, mde``; None when the metric was not measured for both."""
     sub = runs[runs.metric == metric]
     for k, v in cell.items():
         sub = sub[sub[k] == v]
