@@ -222,9 +222,8 @@ class _Found:
 
 
 # Probe findings by (function code, n, seq, d_vocab, name) -> (values on the first probe input,
-# findings); the oldest dropped beyond PROBED_KEPT. Keyed on code, not on the callable: a
-# notebook cell re-run makes a new lambda each time, and the values decide whether the
-# findings still hold.
+# findings); the oldest dropped beyond PROBED_KEPT. Keyed on code, not on the callable: a notebook
+# cell re-run makes a new lambda each time, and the values decide whether the findings still hold.
 _PROBED: OrderedDict[tuple, tuple[Tensor, _Found]] = OrderedDict()
 PROBED_KEPT = 64
 
@@ -444,12 +443,11 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
     return per_prompt_fn
 
 
-# The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd,
-# the per-copy loop): zeros ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one
-# copy is bigger) and the flat ``prompt * seq + position`` cells its last user wrote.
-# Allocating (and first touching) it per sweep costs more than the metric: with a new lambda
-# per call that was a sweep's whole overhead. One per process, replaced when the shape, dtype
-# or device changes.
+# The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd, the
+# per-copy loop): zeros ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one copy is
+# bigger) and the flat ``prompt * seq + position`` cells its last user wrote. Allocating (and first
+# touching) it per sweep costs more than the metric: with a new lambda per call that was a sweep's
+# whole overhead. One per process, replaced when the shape, dtype or device changes.
 _REBUILD: dict[str, Any] = {"buffer": None, "cells": None, "used": 0}
 
 

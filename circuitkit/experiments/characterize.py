@@ -811,38 +811,30 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
     from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.causal import causal_frame, phase_table
 
+    def sweep(tp: Any, phase: int, direction: str, step: str, **more: Any) -> Any:
+        with quiet_baseline():  # (said once per phase by the whole-head sweeps)
+            res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                 direction=direction, positions=stage_groups(tp),
+                                 options=dict(batch_size=batch_size, progress=progress,
+                                              checkpoint=out / "checkpoints" / f"groups-{step}",
+                                              task_hash=tp.fingerprint()))
+        res.meta.update(meta, phase=phase, n_examples=len(tp), **more)
+        res.save(out / "groups" / step, views=False)
+        written.extend([f"groups/{step}.safetensors", f"groups/{step}.json"])
+        return res
+
     written, said, sweeps = [], {}, {}
     for phase, tp in (held or {}).items():  # the same sweeps on the held-out notes: the lead's
         # "where" and its intervals are measured on notes the cells were not chosen on (noise,
         # the direction the lead reads: removing what the phase needs)
-        if not len(tp):
-            continue
-        for direction in ("noise",):
-            step = f"heldout-patch-p{phase}-{direction}"
-            with quiet_baseline():
-                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction=direction, positions=stage_groups(tp),
-                                     options=dict(batch_size=batch_size, progress=progress,
-                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
-                                                  task_hash=tp.fingerprint()))
-            res.meta.update(meta, phase=phase, n_examples=len(tp), sample="held-out")
-            res.save(out / "groups" / step, views=False)
-            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
+        if len(tp):
+            sweep(tp, phase, "noise", f"heldout-patch-p{phase}-noise", sample="held-out")
     for phase, tp in per_phase.items():
-        groups = stage_groups(tp)
         for direction in ("denoise", "noise"):
-            step = f"patch-p{phase}-{direction}"
-            with quiet_baseline():  # (said once per phase by the whole-head sweeps)
-                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction=direction, positions=groups,
-                                     options=dict(batch_size=batch_size, progress=progress,
-                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
-                                                  task_hash=tp.fingerprint()))
+            with quiet_baseline():
+                res = sweep(tp, phase, direction, f"patch-p{phase}-{direction}")
                 norm = res.normalized()
-            res.meta.update(meta, phase=phase, n_examples=len(tp))
-            res.save(out / "groups" / step, views=False)
             sweeps[(phase, direction)] = (res, tp)
-            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
             flat = norm.abs().nan_to_num(0).flatten()
             top = flat.argsort(descending=True)[:STAGE_TOP].tolist()
             L, H, G = norm.shape

@@ -271,10 +271,9 @@ def mechanism_gaps(model: Any, store: Any, batch_size: int = 64) -> dict[str, fl
 
 
 def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> dict[str, Any]:
-    """The grid's metrics of the model saved in ``folder``: ``TASK_METRICS`` as ``ck.evaluate``
-    (decoding through the HF KV cache), ``LAS_METRICS`` (``ev.las``, Hase et al., and with the
-    gold pre-fit simulator) and ``FIDELITY_METRICS`` (``mechanism_gaps``, ``fidelity_metrics``)
-    on the context's held-out notes."""
+    """The grid's metrics of the model saved in ``folder`` on the context's held-out notes:
+    ``TASK_METRICS`` (``ck.evaluate``'s, decoded through the HF KV cache), ``LAS_METRICS``
+    (``ev.las`` and the gold pre-fit) and ``FIDELITY_METRICS``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
@@ -367,9 +366,8 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
 
 
 def run_shares(folder: str | Path) -> dict[str, float]:
-    """``SHARE_METRICS`` of the trained run in ``folder``: each term's effective share of the
-    step (``sh_k`` of ``loss.balanced_gradients``), its mean over the run's steps, from
-    ``distill.json``'s history (0 for a term that is off; NaN for a history without shares)."""
+    """``SHARE_METRICS`` of the trained run in ``folder`` from ``distill.json``'s history (0 for
+    a term that is off; NaN for a history without shares)."""
     record = json.loads((Path(folder) / train.RECORD).read_text())
     cols, hist = record["history_columns"], record["history"]
     out = {}
@@ -383,9 +381,8 @@ def run_shares(folder: str | Path) -> dict[str, float]:
 
 
 def measured(folder: Path) -> bool:
-    """Whether ``folder/metrics.json`` holds every one of ``METRICS``: a run measured by a
-    version that measured less is measured again from its saved student (``train_student``
-    finds it there and does not train)."""
+    """Whether ``folder/metrics.json`` holds every one of ``METRICS`` (a run measured by a
+    version that measured less is measured again from its saved student, not trained)."""
     try:
         return _complete(json.loads((Path(folder) / "metrics.json").read_text())["metrics"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -468,7 +465,7 @@ def _init_worker(parent: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class GridOptions:
-    """``run_ablation``'s options (a dict of these fields is accepted too; module docstring).
+    """``run_ablation``'s options (a dict of these fields is accepted too).
 
     ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant; ``max_seeds``
     (None: ``seeds``): seeds for headline comparisons whose intervals overlap; ``size``: one of
@@ -636,9 +633,8 @@ def _open_grid(out: Path, o: GridOptions) -> _Grid:
 
 
 def _run_ablation(out: Path, o: GridOptions) -> Any:
-    """The grid's steps (``runner.run_steps``): the stores, the held-out notes' store, the
-    teacher's metrics (recorded), the early-stopping baselines (sizes with ``es_max``), the
-    runs (each recorded: ``_finished``) and the tables."""
+    """The grid's steps (``runner.run_steps``): stores, fidelity store, teacher, early stopping
+    (sizes with ``es_max``), runs, tables."""
     g = _open_grid(out, o)
     steps = [Step("stores", partial(_stores, g)), Step("fidelity-store", partial(_fidelity, g)),
              Step("teacher", partial(_teacher, g), depends_hash(_eval_config(g)),
@@ -725,8 +721,8 @@ def _read_teacher(g: _Grid) -> None:
 
 def _early_stopping(g: _Grid, at: str) -> list[str]:
     """The held-out store (``heldout_examples`` train notes of pool seed 99: disjoint from the
-    pools of seed 0 and from the test split), each arm's label coverage, then ``_select_steps``;
-    S*, curves and coverage go into ``ablation.json`` at once."""
+    pools of seed 0 and from the test split), each arm's label coverage and ``_select_steps``,
+    into ``ablation.json`` at once."""
     t0 = time.perf_counter()
     out, cells, sz = g.out, g.cells, g.sz
     folder = out / "signals-heldout"

@@ -359,13 +359,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                    seed: int = 0, options: ValidationOptions | dict | None = None):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task`` (module docstring): a
     pandas DataFrame with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction,
-    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool.
-    ``options``: ``ValidationOptions`` (or a dict of its fields): ``pools`` among
-    ``ALL_POOLS``, ``selection`` ("score": the top ``k`` by ``top_heads``; "causal": by
-    ``causal_heads`` of the ``causal_table`` columns merged into ``scores``; kept in
-    ``df.attrs["selection"]``), ``n_boot``, ``sequential``, ``batch_size``, ``checkpoint``,
-    ``progress``. Held-out validation: ``scores`` from another sample of notes than
-    ``task``'s. Several selections at once, sharing each run: ``validate_selections``."""
+    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool;
+    ``df.attrs["selection"]``: ``options.selection``. ``options``: ``ValidationOptions`` (or a dict
+    of its fields). Held-out validation: ``scores`` from another sample of notes than ``task``'s.
+    Several selections at once, sharing each run: ``validate_selections``."""
     opts = as_validation_options(options)
     return validate_selections(model, task, scores, {opts.selection: opts.pools}, k, n_random,
                                seed, opts)[opts.selection]
