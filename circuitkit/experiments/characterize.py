@@ -95,24 +95,22 @@ def _log(progress: bool, msg: str) -> None:
 class CharacterizeOptions:
     """``characterize``'s options (a dict of these fields is accepted too).
 
-    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``seed``, ``split``:
-    which examples (``ck.load_task``); ``k``: top set size (bootstrap inclusion, validation,
-    ablation); ``n_random`` / ``n_random_ablation``: random head sets per pool the top set is
-    validated / ablated against (``N_RANDOM``: why 200); ``batch_size``: sequences per forward pass
-    (None: automatic); ``patch_method``: "exact" (default), "attribution" or "attribution+exact"
-    (for models too big for exact sweeps on the machine); ``text``: render the task as text (None:
-    when the model's vocabulary cannot hold its word tokens); ``progress``: bars and one line per
-    step on stderr; ``task_kwargs``: passed to ``ck.load_task`` (e.g. ``n_labels``); ``report``:
-    write ``out_dir/report.html`` at the end (``circuitkit.experiments.report``); ``edges``: also
-    patch the edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2 heads
-    (``_edges_step``); ``stages`` (default on): also patch every head at each of the task's position
-    groups (``groups/``, ``_stages_step``; exact patching only), the causal columns
-    (``scoring.causal``: ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``),
-    the paper's cumulative bins and the lead (``lead_picture``); ``select_n``: held-out selection:
-    scores (and causal columns) on the first ``select_n`` examples, validation and ablation on the
-    others (``summary["samples"]``); "half" (the default): the first half of the examples; None: the
-    same examples for both (a p-value then tests heads chosen on the very notes it is computed
-    on)."""
+    ``n_examples``: prompts (for a text-rendered task: kept text examples); ``seed``,
+    ``split``: which examples (``ck.load_task``); ``k``: top set size (bootstrap inclusion,
+    validation, ablation); ``n_random`` / ``n_random_ablation``: random head sets per pool the
+    top set is validated / ablated against (``N_RANDOM``: why 200); ``batch_size``: sequences
+    per forward pass (None: automatic); ``patch_method``: "exact" (default), "attribution" or
+    "attribution+exact" (for models too big for exact sweeps on the machine); ``text``:
+    render the task as text (None: when the model's vocabulary cannot hold its word tokens);
+    ``progress``: bars and one line per step on stderr; ``task_kwargs``: passed to
+    ``ck.load_task`` (e.g. ``n_labels``); ``report``: write ``out_dir/report.html`` at the end;
+    ``edges``: also patch the edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2
+    heads (``_edges_step``); ``stages`` (default on; exact patching only): the stage sweeps, causal
+    columns, cumulative bins and lead (module docstring); ``select_n``: held-out selection: scores
+    (and causal columns) on the first ``select_n`` examples, validation and ablation on the
+    others (``summary["samples"]``); "half" (the default): the first half of the examples;
+    None: the same examples for both (a p-value then tests heads chosen on the very notes it
+    is computed on)."""
 
     n_examples: int = DEFAULT_N
     seed: int = 0
