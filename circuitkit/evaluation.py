@@ -54,12 +54,9 @@ __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_f
 
 
 # --- pure functions on tensors/sets ---------------------------------------------------------------
-def restricted_mass(
-    logits: Float[Tensor, "batch seq vocab"],
-    positions: Sequence[Sequence[int]],
-    candidates: Sequence[Sequence[int]],
-    good: Sequence[Sequence[int]],
-) -> Float[Tensor, " batch"]:
+def restricted_mass(logits: Float[Tensor, "batch seq vocab"], positions: Sequence[Sequence[int]],
+                    candidates: Sequence[Sequence[int]], good: Sequence[Sequence[int]]
+                    ) -> Float[Tensor, " batch"]:
     """Per example: mean over p in ``positions[i]`` of
     ``sum_{t in good[i]} softmax(logits[i, p - 1, candidates[i]])[t]``.
 

@@ -603,12 +603,9 @@ def _positions_tensor(positions: Any) -> Int[Tensor, "n k"]:
     return at
 
 
-def token_margin_metric(
-    answer_pos: Sequence[Sequence[int]],
-    answer_tok: Sequence[Sequence[int]],
-    rival_tok: Sequence[Sequence[int]],
-    name: str = "target_vs_near_miss_margin",
-) -> PromptMetric:
+def token_margin_metric(answer_pos: Sequence[Sequence[int]], answer_tok: Sequence[Sequence[int]],
+                        rival_tok: Sequence[Sequence[int]],
+                        name: str = "target_vs_near_miss_margin") -> PromptMetric:
     """Mean over answer steps of ``logit[answer] - mean(logit[rivals])`` (per prompt).
 
     ``answer_pos[i]``: positions of prompt i's answer tokens; ``answer_tok[i]``: the token id at
@@ -627,11 +624,8 @@ def token_margin_metric(
     return at_answers(margin, logit_positions(answer_pos), pad_rows(answer_tok), rivals, name=name)
 
 
-def token_logprob_metric(
-    answer_pos: Sequence[Sequence[int]],
-    answer_tok: Sequence[Sequence[int]],
-    name: str = "answer_logprob",
-) -> PromptMetric:
+def token_logprob_metric(answer_pos: Sequence[Sequence[int]], answer_tok: Sequence[Sequence[int]],
+                         name: str = "answer_logprob") -> PromptMetric:
     """Mean over answer steps of ``log_softmax(logits)[answer]`` (per prompt).
 
     Unlike a logit difference, it rises only when the right answer is restored, not when a rival
