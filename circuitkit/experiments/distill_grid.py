@@ -106,9 +106,8 @@ STUDENTS = ("student", "student4")
 DATA = {"full": 1, "small": 10}  # pool divisor
 TASK_METRICS = ("focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
                 "exact_match")
-# the paper's sentence-embedding Focus and Confusion: in runs.csv when the evaluation returns
-# them (``evaluation.embedding_keys``; NaN without the embed extra: "not measured"); not required of
-# a run (``measured``), so a grid measured without them is not measured again
+# the paper's sentence-embedding Focus and Confusion: in runs.csv when measured (NaN without
+# the embed extra); not required of a run (``measured``): a grid without them is not re-measured
 EMBEDDING_METRICS = ("focus_embedding", "confusion_embedding")
 # each mechanistic term's effective share of the step (``loss.balanced_gradients``' ``sh_k``),
 # the mean over the run's steps, from its history (``run_shares``)
@@ -128,12 +127,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
                     pretrain=800, save_every=60, score_examples=256, eval_examples=256,
                     sim_examples=1024, gold_examples=4096, fidelity_examples=48),
-    # issue 35: arms of absolute pool sizes, every run from its seed's own initialisation
-    # (pretrain 0), each arm's steps S* chosen by the CoT-only baseline's held-out loss (seed 0,
-    # up to es_max steps, measured every es_every), learning curves at curve_points points on
-    # curve_examples held-out notes; timings in docs/distill.md
-    # (es_max 2500: at 1250 both arms' held-out loss was still falling and the baseline at
-    # exact match 0.30; 2 arms x 3 variants x 5 seeds at 0.15 s a step, 2 workers: < 2 hours)
+    # issue 35 (docs/distill.md, the grid): arms of absolute pool sizes, each arm's S* by the
+    # CoT-only baseline's held-out loss (es_max 2500: at 1250 both arms' held-out loss was
+    # still falling and the baseline at exact match 0.30)
     "grid": dict(arms={"main": 16384, "low": 6144}, pool_size=16384, shard_size=1024,
                  steps=2500, batch_size=32, warmup=50, pretrain=0, save_every=250,
                  es_max=2500, es_every=250, heldout_examples=256, curve_examples=128,
@@ -141,10 +137,7 @@ SIZES: dict[str, dict[str, Any]] = {
                  gold_examples=4096, fidelity_examples=48),
     # issue 50: the lambda sweep, cut to what one thread on a machine shared by 8 jobs could
     # finish in about an hour (docs/distill.md, "The lambda sweep"): every run continues the
-    # shipped CoT-only student (``init``: one initialisation, the seeds are batch orders) for
-    # ``steps`` on 4,096 train notes of pool seed 0 (the main arm's seed; 120 x 32 rows draw
-    # 3,840 of them), no early-stopping run; held-out curves (pool seed 99, the grid's held-out
-    # notes) at the end choose the weight, the test notes give the verdict
+    # shipped CoT-only student (``init``: the seeds are batch orders), no early-stopping run
     "sweep": dict(arms={"main": 4096}, pool_size=4096, shard_size=1024, steps=120,
                   batch_size=32, warmup=10, pretrain=0, init="icd-student-cot",
                   save_every=120, es_max=0, curve_examples=128, curve_points=1,
