@@ -176,10 +176,9 @@ def near_miss_text(task: Any, example: Any) -> str:
 
 def embedding_metrics(task: Any, generations: Sequence[Sequence[int]],
                       encoder: SentenceEncoder) -> dict[str, Any]:
-    """``focus_embedding``, ``confusion_embedding`` (floats; NaN when no note has the steps)
-    and ``embedding_encoder`` (the encoder's name and version) of ``task``'s notes and the
-    model's continuations ``generations`` (module docstring). Each distinct text is encoded
-    once."""
+    """``focus_embedding``, ``confusion_embedding`` (floats; NaN when no note has the steps) and
+    ``embedding_encoder`` (the encoder's name and version) of ``task``'s notes and the model's
+    continuations ``generations`` (module docstring). Each distinct text is encoded once."""
     steps = [reasoning_steps(task, g) for g in generations]
     notes = [note_text(task, e) for e in task.examples]
     nears = [near_miss_text(task, e) for e in task.examples]

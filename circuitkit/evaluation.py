@@ -4,35 +4,28 @@ Definitions (positions follow the task layout: the token at p is predicted from 
 
 * **focus** (Reasoning Focus), teacher-forced: at each Phase-1 step p in ``anchor_pos``, softmax of
   ``logits[p - 1]`` restricted to the task's anchor tokens; focus_step = mass on the example's
-  correct anchors (``anchor_token_ids[example.anchors]``). Mean over steps, then over examples.
-  Any of the note's anchors counts at any step: blind to order (kept under its name, issue 34).
-* **focus_per_step** (per-step Reasoning Focus), teacher-forced: the same softmax at step j
-  (``p = anchor_pos[j]``), mass on *that step's own* anchor only: ``anchor_token_ids[anchors[j]]``
-  (the token at ``p`` when ``anchors`` is not one per step). Mean over steps, then over examples.
-  A model naming the note's anchors in the wrong order keeps ``focus`` and loses here.
+  correct anchors (``anchor_token_ids[example.anchors]``), at any step: blind to order (issue
+  34). Mean over steps, then over examples.
+* **focus_per_step**: the same softmax at step j (``p = anchor_pos[j]``), mass on *that step's
+  own* anchor only (the token at ``p`` when ``anchors`` is not one per step).
 * **confusion** (Near-Miss Confusion), teacher-forced: at each answer step p in ``answer_pos``,
   softmax of ``logits[p - 1]`` restricted to the tokens of targets + near-misses; confusion_step =
-  mass on the near-misses. Mean over steps, then over examples (0 for an example without
-  near-misses).
-* Greedy decoding from the prompt ``tokens[: <think> position + 1]`` (the note and ``<think>``)
-  up to ``<eos>`` or ``max_new_tokens``; the predicted set = label tokens between ``</think>`` and
-  ``<eos>``
-  (empty if ``</think>`` is never emitted).
+  mass on the near-misses. Mean over steps, then over examples (0 without near-misses).
+* Greedy decoding from the prompt ``tokens[: <think> position + 1]`` up to ``<eos>`` or
+  ``max_new_tokens``; the predicted set = label tokens between ``</think>`` and ``<eos>`` (empty
+  if ``</think>`` is never emitted).
 * **confusion_rate**: share of examples whose predicted set contains a near-miss of that example.
 * **exact_match**: share of examples with predicted set == target set.
 * **micro_f1** = 2 TP / (2 TP + FP + FN) pooled over examples and labels; **macro_f1** = mean over
   labels that occur in a target or predicted set of 2 TP_l / (2 TP_l + FP_l + FN_l).
-
-* **focus_embedding**, **confusion_embedding** (the paper's Reasoning Focus and Near-Miss
-  Confusion: sentence-embedding cosines of the generated reasoning steps with the note / with the
-  near-miss labels; ``circuitkit.embedding``, docs/metrics.md), with ``embedding_encoder`` (the
-  encoder's name and version); NaN and None, with a one-line warning naming the ``embed`` extra,
-  when the encoder is not installed.
+* **focus_embedding**, **confusion_embedding**: the paper's sentence-embedding measures
+  (``circuitkit.embedding``, docs/metrics.md), with ``embedding_encoder``; NaN and None, with a
+  one-line warning naming the ``embed`` extra, when the encoder is not installed.
 * **step accuracy** (tasks whose ``config["step_accuracy"]`` is set: ``capitals``), teacher-forced:
   ``anchor_accuracy`` / ``answer_accuracy``: share of anchor / answer steps whose arg-max over the
-  whole vocabulary is the correct token; ``*_accuracy_among``: arg-max among the anchor / label
-  tokens only; ``*_chance``: 1 / number of anchors / labels; ``*_majority``: the share of the most
-  frequent correct token (always guessing it).
+  whole vocabulary is the correct token; ``*_accuracy_among``: among the anchor / label tokens
+  only; ``*_chance``: 1 / number of anchors / labels; ``*_majority``: the share of the most
+  frequent correct token.
 
 A ``las`` key (distillation) can be added to ``evaluate``'s output without changing the others.
 """
@@ -61,12 +54,9 @@ __all__ = ["evaluate", "restricted_mass", "focus_from_logits", "focus_per_step_f
 
 
 # --- pure functions on tensors/sets ---------------------------------------------------------------
-def restricted_mass(
-    logits: Float[Tensor, "batch seq vocab"],
-    positions: Sequence[Sequence[int]],
-    candidates: Sequence[Sequence[int]],
-    good: Sequence[Sequence[int]],
-) -> Float[Tensor, " batch"]:
+def restricted_mass(logits: Float[Tensor, "batch seq vocab"], positions: Sequence[Sequence[int]],
+                    candidates: Sequence[Sequence[int]], good: Sequence[Sequence[int]]
+                    ) -> Float[Tensor, " batch"]:
     """Per example: mean over p in ``positions[i]`` of
     ``sum_{t in good[i]} softmax(logits[i, p - 1, candidates[i]])[t]``.
 
@@ -94,9 +84,8 @@ def focus_sets(task: Task) -> tuple[list[list[int]], list[list[int]], list[list[
 
 
 def confusion_sets(task: Task) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """Near-Miss Confusion's ``(positions, candidates, good)`` per example
-    (``restricted_mass``): the answer steps, the tokens of the targets and near-misses, the
-    near-misses' tokens."""
+    """Near-Miss Confusion's ``(positions, candidates, good)`` per example (``restricted_mass``):
+    the answer steps, the tokens of the targets and near-misses, the near-misses' tokens."""
     lt, ex = task.label_token_ids, task.examples
     return ([e.answer_pos for e in ex], [lt[e.targets + e.near_misses].tolist() for e in ex],
             [lt[e.near_misses].tolist() for e in ex])
@@ -270,10 +259,9 @@ def _logits(model, tokens: Tensor) -> Tensor:
 def _causal(model, tokens: Tensor | None = None, vocab: int | None = None) -> bool:
     """Whether ``model`` is causal: its logits at ``p`` never read a token after ``p``. A config
     that says ``attention_dir="bidirectional"`` settles it (no); otherwise it is *measured*
-    (``reads_ahead``) on ``tokens`` ``[batch, seq]``: a config can say causal of a model that
-    is not (a hand-built module, a wrapped callable, a look-ahead bug), and any callable
-    without a config may read the whole row. Without ``tokens``: the config alone (False
-    without one)."""
+    (``reads_ahead``) on ``tokens`` ``[batch, seq]``: a config can say causal of a model that is not
+    (a hand-built module, a wrapped callable, a look-ahead bug), and any callable without a config
+    may read the whole row. Without ``tokens``: the config alone (False without one)."""
     cfg = getattr(model, "cfg", None)
     if cfg is not None and getattr(cfg, "attention_dir", "causal") == "bidirectional":
         return False
@@ -495,15 +483,14 @@ def evaluate(model, task: Task, batch_size: int = 64, max_new_tokens: int | None
     docstring for ``focus, focus_per_step, confusion, confusion_rate, macro_f1, micro_f1,
     exact_match``.
 
-    ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4.
-    Memory: one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for
-    the 86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced
-    pass, then decoding); None (the default): in a terminal or a notebook, not in a log
-    (``_progress.interactive``). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high``
-    (``las`` below; the simulator trains on ``las_train``'s notes, else cross-fits two halves
-    of ``task``). ``embeddings``: add the paper's ``focus_embedding``,
-    ``confusion_embedding`` and ``embedding_encoder`` (module docstring) from the decoded
-    continuations.
+    ``max_new_tokens`` defaults to the longest clean continuation after the prompt plus 4. Memory:
+    one forward holds ``batch_size x seq x vocab`` float logits (lower ``batch_size`` for the
+    86k-token ``labels="all"`` vocabulary). ``progress``: a bar over notes (teacher-forced pass,
+    then decoding); None (the default): in a terminal or a notebook, not in a log
+    (``_progress.interactive``). ``las``: add ``las``, ``las_ci_low``, ``las_ci_high`` (``las``
+    below; the simulator trains on ``las_train``'s notes, else cross-fits two halves of ``task``).
+    ``embeddings``: add the paper's ``focus_embedding``, ``confusion_embedding`` and
+    ``embedding_encoder`` (module docstring) from the decoded continuations.
     """
     check_task(task, "evaluate")
     if not isinstance(batch_size, int) or batch_size < 1:

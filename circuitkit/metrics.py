@@ -10,23 +10,15 @@ the mean over prompts) and also has
 * ``reads``: ``[n_prompts, k]``, the logit positions each prompt's value depends on. Sweeps then
   compute logits at those positions only and stop each run after the last one.
 
-``as_metric(fn, n_prompts, seq, d_vocab)`` turns a plain callable into one. It calls ``fn`` on
-two seeded random logit tensors ``[n_prompts, seq, d_vocab]`` with ``requires_grad``:
-positions that receive gradient are declared read, provided the values stay put when every
-other position holds zeros or other logits (a max, a clamp or a detach reads where no gradient
-flows); a ``[batch]``-shaped return gives per-prompt values when each depends on its own prompt
-only (swapping other prompts' logits, by the bits of their index, leaves it put); a scalar
-return, or a ``[batch]`` one whose values mix prompts, is taken as the mean over prompts,
-evaluated on all prompts at once. When the probe cannot tell (no gradient: an argmax-based
-metric), every position is read, and ``metric.note`` says so (sweeps copy it into
-``PatchResult.meta["metric_note"]``). The wrapped callable always sees logits of the full
-``[n_prompts, seq, d_vocab]`` shape in the caller's prompt order (positions it does not read
-hold zeros), so results do not depend on the form the metric takes.
-
-The probe's findings are reused per function *code* and shape while the callable gives the same
-values on the first probe input (``_same``); probed reads (``probed``) are checked on the real
-logits (``PromptMetric.reads_hold``, ``reads_hold_at``); ``gradient`` records whether the value
-carries a gradient to the logits. Why and what each costs: docs/metrics.md, sections 1-3.
+``as_metric(fn, n_prompts, seq, d_vocab)`` turns a plain callable into one by a gradient probe on
+two seeded random logit tensors ``[n_prompts, seq, d_vocab]``: positions that receive gradient are
+read (provided the values stay put when every other position changes); a ``[batch]`` return whose
+values each depend on their own prompt only is per-prompt, anything else the mean over prompts. When
+the probe cannot tell (no gradient: an argmax), every position is read and ``metric.note`` says so
+(sweeps copy it into ``PatchResult.meta["metric_note"]``). The wrapped callable always sees logits
+of the full ``[n_prompts, seq, d_vocab]`` shape in the caller's prompt order (unread positions hold
+zeros). Probe reuse (``_same``), the check of probed reads on the real logits (``reads_hold``,
+``reads_hold_at``), ``gradient`` and their costs: docs/metrics.md, sections 1-3.
 
 Positions follow the task layout: the prediction of the token at position ``p`` is read from the
 logits at ``p - 1``. This module imports only torch: ``tasks`` builds its metrics from it.
@@ -131,12 +123,11 @@ class PromptMetric:
 
     def reads_hold_at(self, kept: Float[Tensor, "batch k vocab"], seq: int) -> bool:
         """Whether the values from real logits at ``reads`` (``kept``: the logits there, as a
-        sweep's cached runs compute them) stay put when every other position of the ``seq``
-        holds seeded random logits instead of zeros (what sweeps hand the metric there),
-        rtol 1e-5, atol 1e-6. A read a probe on random logits missed (one that only real values
-        at the reads trigger, e.g. a branch on them) then meets random values and shows: the
-        check of ``reads_hold`` without unembedding every position. Always True without
-        ``reads``."""
+        sweep's cached runs compute them) stay put when every other position of the ``seq`` holds
+        seeded random logits instead of zeros (what sweeps hand the metric there), rtol 1e-5, atol
+        1e-6. A read a probe on random logits missed (one that only real values at the reads
+        trigger, e.g. a branch on them) then meets random values and shows: the check of
+        ``reads_hold`` without unembedding every position. Always True without ``reads``."""
         reads = self.read_positions()
         if reads is None:
             return True
@@ -231,9 +222,8 @@ class _Found:
 
 
 # Probe findings by (function code, n, seq, d_vocab, name) -> (values on the first probe input,
-# findings); the oldest dropped beyond PROBED_KEPT. Keyed on code, not on the callable: a
-# notebook cell re-run makes a new lambda each time, and the values decide whether the
-# findings still hold.
+# findings); the oldest dropped beyond PROBED_KEPT. Keyed on code, not on the callable: a notebook
+# cell re-run makes a new lambda each time, and the values decide whether the findings still hold.
 _PROBED: OrderedDict[tuple, tuple[Tensor, _Found]] = OrderedDict()
 PROBED_KEPT = 64
 
@@ -453,20 +443,18 @@ def _wrapped(fn: Callable, per_prompt: bool, n: int, seq: int, d_vocab: int, nam
     return per_prompt_fn
 
 
-# The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd,
-# the per-copy loop): zeros ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one
-# copy is bigger) and the flat ``prompt * seq + position`` cells its last user wrote.
-# Allocating (and first touching) it per sweep costs more than the metric: with a new lambda
-# per call that was a sweep's whole overhead. One per process, replaced when the shape, dtype
-# or device changes.
+# The rebuilt-logits buffer, shared by every wrapped callable (vmap path and, without autograd, the
+# per-copy loop): zeros ``[copies, n, seq, d_vocab]`` (at most ``VMAP_BYTES`` unless one copy is
+# bigger) and the flat ``prompt * seq + position`` cells its last user wrote. Allocating (and first
+# touching) it per sweep costs more than the metric: with a new lambda per call that was a sweep's
+# whole overhead. One per process, replaced when the shape, dtype or device changes.
 _REBUILD: dict[str, Any] = {"buffer": None, "cells": None, "used": 0}
 
 
 def _rebuild_buffer(copies: int, n: int, seq: int, d_vocab: int, like: Tensor, cells: Tensor
                     ) -> Tensor:
-    """The shared buffer with at least ``copies`` copies, zero everywhere except ``cells``
-    (which the caller is about to overwrite in every copy it uses, its first ``copies`` at
-    most)."""
+    """The shared buffer with at least ``copies`` copies, zero everywhere except ``cells`` (which
+    the caller is about to overwrite in every copy it uses, its first ``copies`` at most)."""
     buf, last, used = _REBUILD["buffer"], _REBUILD["cells"], _REBUILD["used"]
     if (buf is None or tuple(buf.shape[1:]) != (n, seq, d_vocab) or buf.dtype != like.dtype
             or buf.device != like.device or buf.shape[0] < copies):
@@ -615,12 +603,9 @@ def _positions_tensor(positions: Any) -> Int[Tensor, "n k"]:
     return at
 
 
-def token_margin_metric(
-    answer_pos: Sequence[Sequence[int]],
-    answer_tok: Sequence[Sequence[int]],
-    rival_tok: Sequence[Sequence[int]],
-    name: str = "target_vs_near_miss_margin",
-) -> PromptMetric:
+def token_margin_metric(answer_pos: Sequence[Sequence[int]], answer_tok: Sequence[Sequence[int]],
+                        rival_tok: Sequence[Sequence[int]],
+                        name: str = "target_vs_near_miss_margin") -> PromptMetric:
     """Mean over answer steps of ``logit[answer] - mean(logit[rivals])`` (per prompt).
 
     ``answer_pos[i]``: positions of prompt i's answer tokens; ``answer_tok[i]``: the token id at
@@ -639,11 +624,8 @@ def token_margin_metric(
     return at_answers(margin, logit_positions(answer_pos), pad_rows(answer_tok), rivals, name=name)
 
 
-def token_logprob_metric(
-    answer_pos: Sequence[Sequence[int]],
-    answer_tok: Sequence[Sequence[int]],
-    name: str = "answer_logprob",
-) -> PromptMetric:
+def token_logprob_metric(answer_pos: Sequence[Sequence[int]], answer_tok: Sequence[Sequence[int]],
+                         name: str = "answer_logprob") -> PromptMetric:
     """Mean over answer steps of ``log_softmax(logits)[answer]`` (per prompt).
 
     Unlike a logit difference, it rises only when the right answer is restored, not when a rival

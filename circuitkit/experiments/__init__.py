@@ -1,13 +1,6 @@
 """The paper's experiments, above the core: each a runner built from the core's public pieces
-(models, metrics, tasks, patching's one door, scoring, distill's signals/loss/train,
-evaluation, viz). The core never imports this package (``tests/test_import_graph.py``).
-
-``characterize`` (the main job and its steps), ``validation`` (top head sets against random
-ones: drawing the sets and their statistics; the runs go through ``ck.patch``), ``bins`` (the
-paper's cumulative bins), ``stability`` (bootstrap inclusion, stable cores), ``claims`` (the
-claims table), ``findings`` / ``phases`` / ``charts`` / ``report`` (what a person reads),
-``distill_grid`` (the distillation grid), ``verdicts``, ``curves``. Names resolve lazily: no torch
-at import.
+(models, metrics, tasks, ``ck.patch``, scoring, distill, evaluation, viz). The core never imports
+this package (``tests/test_import_graph.py``). Names resolve lazily: no torch at import.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The paper's own experiment, computed: the top heads patched together in cumulative bins.
 
 For each phase, site (``"pattern"``: the heads' attention patterns, the paper's; ``"z"``: their
-outputs) and direction (``"denoise"``: clean activations into the corrupt run, does it
-restore?; ``"noise"``: corrupt into clean, does it degrade?), the top ``b`` heads of a ranking
-are patched *together* for each bin size ``b`` in ``BINS`` (capped at the model's heads), beside
-two controls of equal count: the ``b`` lowest-ranked heads, and ``n_random`` random ``b``-sets
-of all heads (seeded). Every set runs through ``ck.patch`` over ``ck.HeadSetUnits`` (the door
-``validate_heads`` uses: ``ExactEngine.run_head_sets``, checkpointed; site ``pattern`` on its
-hooked path).
+outputs) and direction (``"denoise"``: clean activations into the corrupt run, does it restore?;
+``"noise"``: corrupt into clean, does it degrade?), the top ``b`` heads of a ranking are patched
+*together* for each bin size ``b`` in ``BINS`` (capped at the model's heads), beside two controls of
+equal count: the ``b`` lowest-ranked heads, and ``n_random`` random ``b``-sets of all heads
+(seeded). Every set runs through ``ck.patch`` over ``ck.HeadSetUnits`` (the door ``validate_heads``
+uses: ``ExactEngine.run_head_sets``, checkpointed; site ``pattern`` on its hooked path).
 
 ``cumulative_bins(model, task, ranking)`` returns a DataFrame, one row per (phase, site,
 direction, bin, control, draw): ``heads``, ``value`` (the metric's mean after the patch),
@@ -62,12 +61,11 @@ def cumulative_bins(model: Any, task: Any, rankings: dict[int, Sequence[tuple[in
                     seed: int = 0, batch_size: int | None = None,
                     checkpoint: str | Path | None = None):
     """Module docstring. ``rankings``: per phase every head of the model, best first (e.g.
-    ``scoring.heads.top_heads(scores, phase, n_heads)``); each phase runs on
-    ``phase_task(task, phase)`` with its metric, one ``ck.patch`` per (phase, site,
-    direction) over ``HeadSetUnits`` of its distinct sets. ``checkpoint``: a folder; each run's
-    finished chunks kept in a sub-folder named by what it depends on
-    (``HeadSetUnits.checkpoint_in``), so a rerun, or a run killed mid-way, computes only the
-    chunks not finished."""
+    ``scoring.heads.top_heads(scores, phase, n_heads)``); each phase runs on ``phase_task(task,
+    phase)`` with its metric, one ``ck.patch`` per (phase, site, direction) over ``HeadSetUnits`` of
+    its distinct sets. ``checkpoint``: a folder; each run's finished chunks kept in a sub-folder
+    named by what it depends on (``HeadSetUnits.checkpoint_in``), so a rerun, or a run killed
+    mid-way, computes only the chunks not finished."""
     import pandas as pd
 
     from circuitkit import hooks

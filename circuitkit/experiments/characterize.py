@@ -1,43 +1,32 @@
 """``characterize``: the main job. Patch every head in both directions for both phases, score
 every head, validate the top heads causally, and write one results folder. A task with steps
 of one phase only (a JSONL without ``anchor_pos``, or without ``answer_pos``) is characterized
-in that phase: its sweeps, scores and validation rows are that phase's.
+in that phase only.
 
 ``out_dir`` after a run::
 
     patch-p{1,2}-{denoise,noise}.*  PatchResult (ck.PatchResult.load), the phase's task metric
     scores.csv        score_heads (bootstrap rank intervals, top-k inclusion)
     validation.csv    validate_heads (the score top-k vs layer-matched and all-layer sets)
-    validation-causal.csv  (``stages=True``, the default) the causal top-k
-                      (``selection="causal"``) against all-layers and layer-stratified sets,
-                      in the same runs (``validate_selections``); ``summary["causal_validation"]``
-    groups/, causal.csv  (``stages=True``, exact only) ``_stages_step``'s [layer, head, group]
-                      sweeps over ``stage_groups`` (selection notes; ``heldout-*``: the
-                      held-out notes) and the causal columns from them
-    bins/             (``stages=True``) the paper's cumulative bins (``_bins_step``)
-    summary["lead"], summary["claims"]  (``stages=True``) ``lead_picture``: where each
-                      decision is made, the stable heads, the claims table; the findings and
-                      the report lead with them
+    validation-causal.csv  (``stages``) the causal top-k against all-layers and
+                      layer-stratified sets (``validate_selections``)
+    groups/, causal.csv  (``stages``, exact only) ``_stages_step``'s [layer, head, group]
+                      sweeps (``heldout-*``: the held-out notes) and the causal columns
+    bins/             (``stages``) the paper's cumulative bins (``_bins_step``)
     head-ablation.csv ablate_heads (zero / mean / resample; resample needs two prompts with
                       steps of every phase, else it is skipped: ``summary["skipped"]``)
     edges/            (``edges=True``) ``_edges_step``'s edges.*, paths.*, circuit.json
-    summary.json      identity, versions, ``phases``, per-step timings, files and SHA-256,
-                      ``steps_run_this_call``, top heads, ``complete``, the score summaries
-                      (keys: docs/scores.md), ``ablations`` and ``skipped`` (one line each)
-    checkpoints/      exact-patching chunks (a killed sweep resumes mid-way) and validation's
-                      finished runs
+    summary.json      identity, versions, ``phases``, timings, files and SHA-256, top heads,
+                      ``complete``, score summaries (docs/scores.md), ``lead`` and ``claims``
+                      (``lead_picture``), ``ablations``, ``skipped`` and the resume record
+    checkpoints/      exact-patching chunks and validation's finished runs
     report.html       one self-contained page (circuitkit report DIR rewrites it)
 
-The job is a list of named steps (``_steps``) run by ``experiments.runner.run_steps``.
-Resumable: every finished step is recorded in ``summary.json``'s resume record
-(``runner.StepRecord``: written atomically after the step's files, with their SHA-256 and the
-hash of what the step depends on, ``step_depends``), and rerunning the same call reuses those
-steps (within validation, its finished runs) whose inputs are the same and whose files are all
-there and unchanged (a missing or modified file is named and its step recomputed); a folder
-holding a run with a different identity is refused. One run per folder: ``out_dir`` is locked
-(``files.lock_folder``) for the whole run, so a second run on it is refused with the first
-one's pid. A pretrained LLM whose vocabulary cannot hold the task's word tokens gets the task
-rendered as text (``scoring.text.text_task``; ``text=None`` decides automatically).
+The job is a list of named steps (``_steps``) run by ``experiments.runner.run_steps``: a rerun
+reuses every step whose inputs and files are unchanged (``runner.StepRecord``); a folder holding
+a run with a different identity is refused, and ``out_dir`` is locked for the whole run
+(``files.lock_folder``). A pretrained LLM whose vocabulary cannot hold the task's word tokens
+gets the task rendered as text (``scoring.text.text_task``; ``text=None`` decides).
 """
 
 from __future__ import annotations
@@ -114,13 +103,10 @@ class CharacterizeOptions:
     "attribution+exact" (for models too big for exact sweeps on the machine); ``text``:
     render the task as text (None: when the model's vocabulary cannot hold its word tokens);
     ``progress``: bars and one line per step on stderr; ``task_kwargs``: passed to
-    ``ck.load_task`` (e.g. ``n_labels``); ``report``: write ``out_dir/report.html`` at the end
-    (``circuitkit.experiments.report``); ``edges``: also patch the edges from the top ``k``
-    Phase-1 heads into the top ``k`` Phase-2 heads (``_edges_step``); ``stages`` (default on):
-    also patch every head at each of the task's position groups (``groups/``,
-    ``_stages_step``; exact patching only), the causal columns (``scoring.causal``:
-    ``causal.csv``, merged into ``scores.csv``; ``summary["phase_table"]``), the paper's
-    cumulative bins and the lead (``lead_picture``); ``select_n``: held-out selection: scores
+    ``ck.load_task`` (e.g. ``n_labels``); ``report``: write ``out_dir/report.html`` at the end;
+    ``edges``: also patch the edges from the top ``k`` Phase-1 heads into the top ``k`` Phase-2
+    heads (``_edges_step``); ``stages`` (default on; exact patching only): the stage sweeps, causal
+    columns, cumulative bins and lead (module docstring); ``select_n``: held-out selection: scores
     (and causal columns) on the first ``select_n`` examples, validation and ablation on the
     others (``summary["samples"]``); "half" (the default): the first half of the examples;
     None: the same examples for both (a p-value then tests heads chosen on the very notes it
@@ -582,8 +568,7 @@ def _edges(job: _Job, at: str) -> list[str]:
 
 def _finish(job: _Job, record: StepRecord) -> dict[str, Any]:
     """The lead (with the stage sweeps), whether every step is done, the timings; the summary
-    written, then the report (always rewritten: a view of the folder, cheap next to the
-    steps)."""
+    written, then the report (always rewritten: a view of the folder, cheap next to the steps)."""
     from circuitkit import files
 
     summary, steps, o = job.summary, record.steps, job.opts
@@ -751,13 +736,12 @@ def causal_validation(val: Any) -> dict[str, Any]:
 
 def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out: Path,
                 batch_size: int | None, progress: bool, meta: dict[str, Any]) -> list[str]:
-    """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads
-    after the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase
-    only: its top heads into themselves); their faithfulness curve (``circuit.json``); the same
-    pairs through everything between them (``paths.*``, ``patch_paths`` per ``stage_groups``
-    group; its coverage is the edges' ``meta["path_coverage"]``). Writes ``out/edges/``;
-    returns the files written (relative to ``out``), none when no receiver lies after a
-    sender."""
+    """Exact edges from the top ``k`` Phase-1 heads (senders) into the top ``k`` Phase-2 heads after
+    the earliest of them (receivers), q/k/v, on the Phase-2 task and metric (one phase only: its top
+    heads into themselves); their faithfulness curve (``circuit.json``); the same pairs through
+    everything between them (``paths.*``, ``patch_paths`` per ``stage_groups`` group; its coverage
+    is the edges' ``meta["path_coverage"]``). Writes ``out/edges/``; returns the files written
+    (relative to ``out``), none when no receiver lies after a sender."""
     import circuitkit as ck
     from circuitkit import hooks
     from circuitkit.scoring.heads import top_heads
@@ -825,38 +809,30 @@ def _stages_step(model: Any, per_phase: dict[int, Any], out: Path, k: int,
     from circuitkit.patching.results import quiet_baseline
     from circuitkit.scoring.causal import causal_frame, phase_table
 
+    def sweep(tp: Any, phase: int, direction: str, step: str, **more: Any) -> Any:
+        with quiet_baseline():  # (said once per phase by the whole-head sweeps)
+            res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
+                                 direction=direction, positions=stage_groups(tp),
+                                 options=dict(batch_size=batch_size, progress=progress,
+                                              checkpoint=out / "checkpoints" / f"groups-{step}",
+                                              task_hash=tp.fingerprint()))
+        res.meta.update(meta, phase=phase, n_examples=len(tp), **more)
+        res.save(out / "groups" / step, views=False)
+        written.extend([f"groups/{step}.safetensors", f"groups/{step}.json"])
+        return res
+
     written, said, sweeps = [], {}, {}
     for phase, tp in (held or {}).items():  # the same sweeps on the held-out notes: the lead's
         # "where" and its intervals are measured on notes the cells were not chosen on (noise,
         # the direction the lead reads: removing what the phase needs)
-        if not len(tp):
-            continue
-        for direction in ("noise",):
-            step = f"heldout-patch-p{phase}-{direction}"
-            with quiet_baseline():
-                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction=direction, positions=stage_groups(tp),
-                                     options=dict(batch_size=batch_size, progress=progress,
-                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
-                                                  task_hash=tp.fingerprint()))
-            res.meta.update(meta, phase=phase, n_examples=len(tp), sample="held-out")
-            res.save(out / "groups" / step, views=False)
-            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
+        if len(tp):
+            sweep(tp, phase, "noise", f"heldout-patch-p{phase}-noise", sample="held-out")
     for phase, tp in per_phase.items():
-        groups = stage_groups(tp)
         for direction in ("denoise", "noise"):
-            step = f"patch-p{phase}-{direction}"
-            with quiet_baseline():  # (said once per phase by the whole-head sweeps)
-                res = ck.patch_heads(model, tp.clean_tokens, tp.corrupt_tokens, tp.metric,
-                                     direction=direction, positions=groups,
-                                     options=dict(batch_size=batch_size, progress=progress,
-                                                  checkpoint=out / "checkpoints" / f"groups-{step}",
-                                                  task_hash=tp.fingerprint()))
+            with quiet_baseline():
+                res = sweep(tp, phase, direction, f"patch-p{phase}-{direction}")
                 norm = res.normalized()
-            res.meta.update(meta, phase=phase, n_examples=len(tp))
-            res.save(out / "groups" / step, views=False)
             sweeps[(phase, direction)] = (res, tp)
-            written += [f"groups/{step}.safetensors", f"groups/{step}.json"]
             flat = norm.abs().nan_to_num(0).flatten()
             top = flat.argsort(descending=True)[:STAGE_TOP].tolist()
             L, H, G = norm.shape

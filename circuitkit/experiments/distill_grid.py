@@ -1,26 +1,19 @@
 """The ablation grid: which supervision transfers the teacher's reasoning to the student
 (docs/distill.md, "The ablation": cells, seeds, workers, outputs, measured results).
 
-``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset ``STUDENTS``
-x data size ``DATA`` or a size's ``arms``) and seed, one student per variant (``VARIANTS``: ``cot``
-CoT only; ``p1``, ``p2``, ``p1+p2`` + L_P1 / L_P2 of the teacher's heads, each matched by its own
-student head; ``nonselective`` + L_NS, every teacher layer's mean attention; opt-in
-``p1+p2-causal``, ``LossConfig(heads="causal")``) from the teacher's signal store of that data
-size, optionally after one shared CoT-only start per cell (``pretrain`` steps). Seeds: ``seeds``
-per variant, then up to ``max_seeds`` for every headline comparison (``HEADLINE``) whose 95%
-intervals overlap.
+``run_ablation(out, seeds=3, max_seeds=5)`` trains, for every cell (student preset ``STUDENTS`` x
+data size ``DATA`` or a size's ``arms``) and seed, one student per variant (``VARIANTS``: ``cot``
+CoT only; ``p1``, ``p2``, ``p1+p2`` + L_P1 / L_P2; ``nonselective`` + L_NS; opt-in ``p1+p2-causal``;
+``V@W``: ``V`` with its lambdas times ``W``, ``variant_of``) from the teacher's signal store of that
+data size, optionally after one shared CoT-only start per cell (``pretrain`` steps); then up to
+``max_seeds`` seeds for every headline comparison (``HEADLINE``) whose 95% intervals overlap.
 
-Runs live in ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable ``train_student``
-folder, then ``metrics.json``, written last: ``student_metrics``); ``ablation.json`` (written
-first) records the grid's configuration (``grid_config``). Tables: ``runs.csv``,
+Files: ``out/runs/<student>-<data>/<variant>-seed<k>/`` (a resumable ``train_student`` folder,
+then ``metrics.json``, written last: ``student_metrics``, ``SHARE_METRICS`` and, when measured,
+``EMBEDDING_METRICS``); ``ablation.json`` (written first: ``grid_config``); ``runs.csv``;
 ``ablation.csv`` (mean over seeds and its 95% t-interval ``mean +- t_{0.975, n-1} s /
-sqrt(n)``), ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``),
+sqrt(n)``); ``comparisons.csv`` (paired differences against ``cot`` and ``nonselective``);
 ``teacher.json`` (the teacher's own metrics on the same notes).
-
-A variant ``V@W`` is ``V`` with its lambdas times ``W`` (``variant_of``: a lambda sweep in one
-grid, issue 50); every run's ``metrics.json`` and ``runs.csv`` rows hold each term's effective
-share of the step (``SHARE_METRICS``, ``run_shares``), and the embedding Focus / Confusion
-when the evaluation returns them (``EMBEDDING_METRICS``).
 """
 
 from __future__ import annotations
@@ -107,16 +100,14 @@ def variant_of(name: str) -> tuple[str, float]:
     return base, weight
 
 
-
 # a variant's LossConfig options beside its lambdas; its own store (``signals-<data>-<heads>``)
 VARIANT_LOSS: dict[str, dict[str, str]] = {"p1+p2-causal": dict(heads="causal")}
 STUDENTS = ("student", "student4")
 DATA = {"full": 1, "small": 10}  # pool divisor
 TASK_METRICS = ("focus", "focus_per_step", "confusion", "confusion_rate", "macro_f1",
                 "exact_match")
-# the paper's sentence-embedding Focus and Confusion: in runs.csv when the evaluation returns
-# them (``evaluation.embedding_keys``; NaN without the embed extra: "not measured"); not required of
-# a run (``measured``), so a grid measured without them is not measured again
+# the paper's sentence-embedding Focus and Confusion: in runs.csv when measured (NaN without
+# the embed extra); not required of a run (``measured``): a grid without them is not re-measured
 EMBEDDING_METRICS = ("focus_embedding", "confusion_embedding")
 # each mechanistic term's effective share of the step (``loss.balanced_gradients``' ``sh_k``),
 # the mean over the run's steps, from its history (``run_shares``)
@@ -136,12 +127,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": dict(pool_size=2048, shard_size=1024, steps=120, batch_size=32, warmup=12,
                     pretrain=800, save_every=60, score_examples=256, eval_examples=256,
                     sim_examples=1024, gold_examples=4096, fidelity_examples=48),
-    # issue 35: arms of absolute pool sizes, every run from its seed's own initialisation
-    # (pretrain 0), each arm's steps S* chosen by the CoT-only baseline's held-out loss (seed 0,
-    # up to es_max steps, measured every es_every), learning curves at curve_points points on
-    # curve_examples held-out notes; timings in docs/distill.md
-    # (es_max 2500: at 1250 both arms' held-out loss was still falling and the baseline at
-    # exact match 0.30; 2 arms x 3 variants x 5 seeds at 0.15 s a step, 2 workers: < 2 hours)
+    # issue 35 (docs/distill.md, the grid): arms of absolute pool sizes, each arm's S* by the
+    # CoT-only baseline's held-out loss (es_max 2500: at 1250 both arms' held-out loss was
+    # still falling and the baseline at exact match 0.30)
     "grid": dict(arms={"main": 16384, "low": 6144}, pool_size=16384, shard_size=1024,
                  steps=2500, batch_size=32, warmup=50, pretrain=0, save_every=250,
                  es_max=2500, es_every=250, heldout_examples=256, curve_examples=128,
@@ -149,10 +137,7 @@ SIZES: dict[str, dict[str, Any]] = {
                  gold_examples=4096, fidelity_examples=48),
     # issue 50: the lambda sweep, cut to what one thread on a machine shared by 8 jobs could
     # finish in about an hour (docs/distill.md, "The lambda sweep"): every run continues the
-    # shipped CoT-only student (``init``: one initialisation, the seeds are batch orders) for
-    # ``steps`` on 4,096 train notes of pool seed 0 (the main arm's seed; 120 x 32 rows draw
-    # 3,840 of them), no early-stopping run; held-out curves (pool seed 99, the grid's held-out
-    # notes) at the end choose the weight, the test notes give the verdict
+    # shipped CoT-only student (``init``: the seeds are batch orders), no early-stopping run
     "sweep": dict(arms={"main": 4096}, pool_size=4096, shard_size=1024, steps=120,
                   batch_size=32, warmup=10, pretrain=0, init="icd-student-cot",
                   save_every=120, es_max=0, curve_examples=128, curve_points=1,
@@ -230,9 +215,8 @@ def _test_notes(task: str, sz: dict[str, Any]) -> tuple[Any, Any]:
 
 def top_parts(scores: Any, phase: int, k: int, reading: str = "tokens") -> dict[str, float]:
     """Mean of each component over a model's own top ``k`` heads of ``phase`` (Phase 1 by the
-    reading's CoarseScore, Phase 2 by ``refine_score``); ties, as when no head of a barely
-    trained student is sharp enough to score, go to the higher first component, then (layer,
-    head)."""
+    reading's CoarseScore, Phase 2 by ``refine_score``); ties, as when no head of a barely trained
+    student is sharp enough to score, go to the higher first component, then (layer, head)."""
     if phase == 1:
         col = "coarse_score_tokens" if reading == "tokens" else "coarse_score"
         order, parts = [col, "sharpness"], P1_PARTS
@@ -280,10 +264,9 @@ def mechanism_gaps(model: Any, store: Any, batch_size: int = 64) -> dict[str, fl
 
 
 def student_metrics(folder: str | Path, ctx: Context, batch_size: int = 64) -> dict[str, Any]:
-    """The grid's metrics of the model saved in ``folder``: ``TASK_METRICS`` as ``ck.evaluate``
-    (decoding through the HF KV cache), ``LAS_METRICS`` (``ev.las``, Hase et al., and with the
-    gold pre-fit simulator) and ``FIDELITY_METRICS`` (``mechanism_gaps``, ``fidelity_metrics``)
-    on the context's held-out notes."""
+    """The grid's metrics of the model saved in ``folder`` on the context's held-out notes:
+    ``TASK_METRICS`` (``ck.evaluate``'s, decoded through the HF KV cache), ``LAS_METRICS``
+    (``ev.las`` and the gold pre-fit) and ``FIDELITY_METRICS``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
@@ -376,9 +359,8 @@ def _do_run(out: str, run: Run, cfg: dict[str, Any], ctx_args: tuple, progress: 
 
 
 def run_shares(folder: str | Path) -> dict[str, float]:
-    """``SHARE_METRICS`` of the trained run in ``folder``: each term's effective share of the
-    step (``sh_k`` of ``loss.balanced_gradients``), its mean over the run's steps, from
-    ``distill.json``'s history (0 for a term that is off; NaN for a history without shares)."""
+    """``SHARE_METRICS`` of the trained run in ``folder`` from ``distill.json``'s history (0 for
+    a term that is off; NaN for a history without shares)."""
     record = json.loads((Path(folder) / train.RECORD).read_text())
     cols, hist = record["history_columns"], record["history"]
     out = {}
@@ -392,9 +374,8 @@ def run_shares(folder: str | Path) -> dict[str, float]:
 
 
 def measured(folder: Path) -> bool:
-    """Whether ``folder/metrics.json`` holds every one of ``METRICS``: a run measured by a
-    version that measured less is measured again from its saved student (``train_student``
-    finds it there and does not train)."""
+    """Whether ``folder/metrics.json`` holds every one of ``METRICS`` (a run measured by a
+    version that measured less is measured again from its saved student, not trained)."""
     try:
         return _complete(json.loads((Path(folder) / "metrics.json").read_text())["metrics"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -477,19 +458,18 @@ def _init_worker(parent: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class GridOptions:
-    """``run_ablation``'s options (a dict of these fields is accepted too; module docstring).
+    """``run_ablation``'s options (a dict of these fields is accepted too).
 
-    ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant;
-    ``max_seeds`` (None: ``seeds``): seeds for headline comparisons whose intervals overlap;
-    ``size``: one of ``SIZES``; ``students``: student presets (names or configs); ``data``:
-    the data sizes or arms (None: every one of the size's); ``variants`` (None:
-    ``DEFAULT_VARIANTS``); ``lambda_p1``, ``lambda_p2``, ``lambda_ns``: scale the variants'
-    mechanistic terms; ``steps`` overrides the size's; ``balance``, ``grad_ratio``: how every
-    run combines its terms' gradients (``loss.balanced_gradients``); ``pretrain`` overrides the
-    size's CoT-only pre-training steps (0: every run starts from its seed's fresh
-    initialisation); ``workers``: runs at a time, each in its own process; ``progress``: bars
-    and one line per run on stderr; ``overwrite``: a grid of another configuration in ``out``
-    is started over instead of refused (``_check_grid``)."""
+    ``teacher``, ``task``: whose signals, on which notes; ``seeds``: per variant; ``max_seeds``
+    (None: ``seeds``): seeds for headline comparisons whose intervals overlap; ``size``: one of
+    ``SIZES``; ``students``: student presets (names or configs); ``data``: the data sizes or arms
+    (None: every one of the size's); ``variants`` (None: ``DEFAULT_VARIANTS``); ``lambda_p1``,
+    ``lambda_p2``, ``lambda_ns``: scale the variants' mechanistic terms; ``steps`` overrides the
+    size's; ``balance``, ``grad_ratio``: how every run combines its terms' gradients
+    (``loss.balanced_gradients``); ``pretrain`` overrides the size's CoT-only pre-training steps (0:
+    every run starts from its seed's fresh initialisation); ``workers``: runs at a time, each in its
+    own process; ``progress``: bars and one line per run on stderr; ``overwrite``: a grid of another
+    configuration in ``out`` is started over instead of refused (``_check_grid``)."""
 
     teacher: str = "icd-teacher"
     seeds: int = 3
@@ -513,11 +493,10 @@ class GridOptions:
 
 def run_ablation(out: str | Path, options: GridOptions | dict[str, Any] | None = None,
                  **overrides: Any) -> Any:
-    """Train and measure the grid (module docstring) into ``out``; returns the
-    ``ablation.csv`` frame. ``options``: ``GridOptions`` (or a dict of its fields);
-    ``overrides``: its fields, on top (``run_ablation(out, seeds=1, size="quick")``). Resumed
-    from ``ablation.json``'s record (``experiments.runner.StepRecord``): finished runs are not
-    trained or measured again."""
+    """Train and measure the grid (module docstring) into ``out``; returns the ``ablation.csv``
+    frame. ``options``: ``GridOptions`` (or a dict of its fields); ``overrides``: its fields, on top
+    (``run_ablation(out, seeds=1, size="quick")``). Resumed from ``ablation.json``'s record
+    (``experiments.runner.StepRecord``): finished runs are not trained or measured again."""
     o = _resolve(options_of(GridOptions, options, overrides, "run_ablation"))
     out = check_writable_dir(out, "--out")
     # one ablation per folder (the CLI's claim may hold the lock already)
@@ -647,9 +626,8 @@ def _open_grid(out: Path, o: GridOptions) -> _Grid:
 
 
 def _run_ablation(out: Path, o: GridOptions) -> Any:
-    """The grid's steps (``runner.run_steps``): the stores, the held-out notes' store, the
-    teacher's metrics (recorded), the early-stopping baselines (sizes with ``es_max``), the
-    runs (each recorded: ``_finished``) and the tables."""
+    """The grid's steps (``runner.run_steps``): stores, fidelity store, teacher, early stopping
+    (sizes with ``es_max``), runs, tables."""
     g = _open_grid(out, o)
     steps = [Step("stores", partial(_stores, g)), Step("fidelity-store", partial(_fidelity, g)),
              Step("teacher", partial(_teacher, g), depends_hash(_eval_config(g)),
@@ -736,8 +714,8 @@ def _read_teacher(g: _Grid) -> None:
 
 def _early_stopping(g: _Grid, at: str) -> list[str]:
     """The held-out store (``heldout_examples`` train notes of pool seed 99: disjoint from the
-    pools of seed 0 and from the test split), each arm's label coverage, then ``_select_steps``;
-    S*, curves and coverage go into ``ablation.json`` at once."""
+    pools of seed 0 and from the test split), each arm's label coverage and ``_select_steps``,
+    into ``ablation.json`` at once."""
     t0 = time.perf_counter()
     out, cells, sz = g.out, g.cells, g.sz
     folder = out / "signals-heldout"
@@ -798,16 +776,15 @@ def _cfg_of(g: _Grid, r: Run) -> dict[str, Any]:
     return dict(g.stores[key], student=g.names[r.student], seed=r.seed, init=init, **lam, **own)
 
 
-def _pretrain_of(g: _Grid, r: Run) -> dict[str, Any]:
-    """The CoT-only start of ``r``'s cell (``pretrain`` steps, seed 0)."""
-    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["pretrain"],
-                lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+def _pretrain_of(g: _Grid, r: Run, **kw: Any) -> dict[str, Any]:
+    """The CoT-only start of ``r``'s cell (``pretrain`` steps, seed 0); ``kw`` on top."""
+    return {**g.stores[r.data], "student": g.names[r.student], "seed": 0,
+            "steps": g.sz["pretrain"], **VARIANTS["cot"], **kw}
 
 
 def _es_of(g: _Grid, r: Run) -> dict[str, Any]:
     """The early-stopping baseline of ``r``'s arm: the cot config with ``es_max`` steps."""
-    return dict(g.stores[r.data], student=g.names[r.student], seed=0, steps=g.sz["es_max"],
-                save_every=g.sz["es_every"], lambda_p1=0.0, lambda_p2=0.0, lambda_ns=0.0)
+    return _pretrain_of(g, r, steps=g.sz["es_max"], save_every=g.sz["es_every"])
 
 
 # each recorded kind of grid step: (its folder, its config, the file it writes last)

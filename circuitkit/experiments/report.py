@@ -1,14 +1,13 @@
 """``report.html``: one self-contained page of a results folder (opens offline, can be mailed).
 
-``write_report(run_dir)`` reads what it finds in ``run_dir`` (every part optional; a missing part
-is skipped with a note): ``summary.json`` (model, task, sizes, versions, timings; its ``model``
-and ``task`` enable the attention views), every ``X.json`` + ``X.safetensors`` ``PatchResult``
-(a ``-denoise``/``-noise`` pair is one side-by-side heatmap), ``scores.csv``, ``validation.csv``,
+``write_report(run_dir)`` reads what it finds in ``run_dir`` (every part optional; a missing part is
+skipped with a note): ``summary.json`` (model, task, sizes, versions, timings; its ``model`` and
+``task`` enable the attention views), every ``X.json`` + ``X.safetensors`` ``PatchResult`` (a
+``-denoise``/``-noise`` pair is one side-by-side heatmap), ``scores.csv``, ``validation.csv``,
 ``head-ablation.csv``, the distillation's ``ablation.csv`` (or ``distill/ablation.csv``) and
 ``characterize --edges``' ``edges/``. The page leads with the findings in words
 (``experiments.findings``), then the sweeps, scores, validation, attention and ablation; the
-glossary
-lists only the quantities the page shows; fingerprints, versions and timings come last.
+glossary lists only the quantities the page shows; fingerprints, versions and timings come last.
 
 JavaScript: plotly.js (~4.8 MB) is inlined once in ``<head>``, every figure a ``<div>`` +
 ``Plotly.newPlot`` call; the circuitsvis bundle (~1.3 MB) likewise, only with attention views.
@@ -814,10 +813,9 @@ def _page(run_dir: Path, run: _RunFiles, sections: list[tuple[str, str, str]],
 
 
 def _stages_section(run_dir: Path, top: int = 10) -> str | None:
-    """The position-group sweeps of ``run_dir/groups`` (``characterize``'s stages step): per
-    phase, the strongest cell of each direction in words, then the ``top`` heads by their
-    largest ``|normalized|`` over groups, one column per (direction, group). None without
-    them."""
+    """The position-group sweeps of ``run_dir/groups`` (``characterize``'s stages step): per phase,
+    the strongest cell of each direction in words, then the ``top`` heads by their largest
+    ``|normalized|`` over groups, one column per (direction, group). None without them."""
     import pandas as pd
 
     from circuitkit.hooks import head_name

@@ -8,14 +8,13 @@ top heads, ``c`` others of that layer (too few others: all of them plus that lay
 the ``overlap`` column); ``all-layers``: ``k`` of every non-top head; ``layer-stratified``: per
 layer holding ``c`` top heads, ``c`` of all of that layer's heads.
 
-Every model run is ``ck.patch`` over ``ck.HeadSetUnits`` (the sets patched together: its
-checks, the exact engine's ``run_head_sets``, the sweep orchestration and checkpoints):
-validation per phase and direction (noise: corrupt ``z`` into the clean run; denoise: the
-reverse), reading the phase's metric and its behaviour measure (``evaluation.focus_metric`` /
-``confusion_metric``) on the same patched logits; ablation on
-the clean run with ``source`` "zero", "mean" or "resample", reading ``exact_match_metric``,
-``confusion`` and ``focus``. This module draws the sets and does the statistics. Per quantity,
-``d_i = patched_i - base_i``:
+Every model run is ``ck.patch`` over ``ck.HeadSetUnits`` (the sets patched together: its checks, the
+exact engine's ``run_head_sets``, the sweep orchestration and checkpoints): validation per phase and
+direction (noise: corrupt ``z`` into the clean run; denoise: the reverse), reading the phase's
+metric and its behaviour measure (``evaluation.focus_metric`` / ``confusion_metric``) on the same
+patched logits; ablation on the clean run with ``source`` "zero", "mean" or "resample", reading
+``exact_match_metric``, ``confusion`` and ``focus``. This module draws the sets and does the
+statistics. Per quantity, ``d_i = patched_i - base_i``:
 
 * ``top_effect = mean_i d_i`` with its bootstrap 95% interval; ``random_mean`` and the 2.5 / 97.5
   percentiles of a random set's mean effect over the same resamples;
@@ -176,13 +175,12 @@ def random_head_sets(top: Sequence[tuple[int, int]], n_heads: int, n_random: int
                      seed: int, n_layers: int | None = None,
                      pool: str = "same-layers", exclude: Sequence[tuple[int, int]] = ()
                      ) -> list[list[tuple[int, int]]]:
-    """Up to ``n_random`` distinct head sets of ``len(top)`` heads from ``pool`` (module
-    docstring), none equal to ``top``, each sorted. Fewer distinct sets than ``n_random``
-    exist: all of them (the p-value is then exact over them; a warning says how many); none
-    (the top heads fill their layers, or the model): an empty list, with a warning.
-    ``n_layers``: needed for the "all-layers" pool; ``exclude``: heads the "all-layers" pool
-    never draws besides the top set's (``validate_selections``: every selection's top heads,
-    so that one pool serves them all)."""
+    """Up to ``n_random`` distinct head sets of ``len(top)`` heads from ``pool`` (module docstring),
+    none equal to ``top``, each sorted. Fewer distinct sets than ``n_random`` exist: all of them
+    (the p-value is then exact over them; a warning says how many); none (the top heads fill their
+    layers, or the model): an empty list, with a warning. ``n_layers``: needed for the "all-layers"
+    pool; ``exclude``: heads the "all-layers" pool never draws besides the top set's
+    (``validate_selections``: every selection's top heads, so that one pool serves them all)."""
     want = sorted(top)
     top_set = set(want)
     counts = sorted(Counter(layer for layer, _ in want).items())
@@ -361,13 +359,10 @@ def validate_heads(model: Any, task: Task, scores: Any, k: int = 5, n_random: in
                    seed: int = 0, options: ValidationOptions | dict | None = None):
     """Causal check of ``scores`` (``score_heads``' DataFrame) on ``task`` (module docstring): a
     pandas DataFrame with ``VALIDATION_COLUMNS``, one row per (phase, pool, direction,
-    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool.
-    ``options``: ``ValidationOptions`` (or a dict of its fields): ``pools`` among
-    ``ALL_POOLS``, ``selection`` ("score": the top ``k`` by ``top_heads``; "causal": by
-    ``causal_heads`` of the ``causal_table`` columns merged into ``scores``; kept in
-    ``df.attrs["selection"]``), ``n_boot``, ``sequential``, ``batch_size``, ``checkpoint``,
-    ``progress``. Held-out validation: ``scores`` from another sample of notes than
-    ``task``'s. Several selections at once, sharing each run: ``validate_selections``."""
+    quantity); ``df.attrs["sets"]``: the top and random head sets per phase and pool;
+    ``df.attrs["selection"]``: ``options.selection``. ``options``: ``ValidationOptions`` (or a dict
+    of its fields). Held-out validation: ``scores`` from another sample of notes than ``task``'s.
+    Several selections at once, sharing each run: ``validate_selections``."""
     opts = as_validation_options(options)
     return validate_selections(model, task, scores, {opts.selection: opts.pools}, k, n_random,
                                seed, opts)[opts.selection]
@@ -403,18 +398,17 @@ def validate_selections(model: Any, task: Task, scores: Any,
                         selections: dict[str, Sequence[str]], k: int = 5,
                         n_random: int = N_RANDOM, seed: int = 0,
                         options: ValidationOptions | dict | None = None) -> dict[str, Any]:
-    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``): per
-    (phase, direction) one ``ck.patch`` over the distinct sets of every selection (a set in two
-    selections' lists runs once). With several selections the "all-layers" pool is one pool for
-    all: ``k`` of the heads in no selection's top set (a selection's frame otherwise equals its
-    own ``validate_heads`` call's). ``options``: ``ValidationOptions`` (or a dict of its
-    fields; its ``pools`` and ``selection`` are ``selections``'). ``sequential``: each pool's
-    sets drawn in stages (``SEQUENTIAL``: 50, 100, then ``n_random``), one ``ck.patch`` per
-    stage and direction over the sets not run yet; a pool stops once the Monte Carlo interval
-    of every one of its p-values (both directions, both quantities) lies wholly below or above
-    ``ALPHA_SETTLED``; its rows then hold the first ``n_random`` sets drawn (``n_random``
-    column: how many), the same values as a call with that ``n_random`` (the draws are one
-    seeded sequence)."""
+    """``validate_heads`` of each selection in ``selections`` (``{selection: pools}``): per (phase,
+    direction) one ``ck.patch`` over the distinct sets of every selection (a set in two selections'
+    lists runs once). With several selections the "all-layers" pool is one pool for all: ``k`` of
+    the heads in no selection's top set (a selection's frame otherwise equals its own
+    ``validate_heads`` call's). ``options``: ``ValidationOptions`` (or a dict of its fields; its
+    ``pools`` and ``selection`` are ``selections``'). ``sequential``: each pool's sets drawn in
+    stages (``SEQUENTIAL``: 50, 100, then ``n_random``), one ``ck.patch`` per stage and direction
+    over the sets not run yet; a pool stops once the Monte Carlo interval of every one of its
+    p-values (both directions, both quantities) lies wholly below or above ``ALPHA_SETTLED``; its
+    rows then hold the first ``n_random`` sets drawn (``n_random`` column: how many), the same
+    values as a call with that ``n_random`` (the draws are one seeded sequence)."""
     import pandas as pd
 
     opts = as_validation_options(options)
@@ -634,14 +628,13 @@ def ablation_task(task: Task) -> Task:
 def ablate_heads(model: Any, task: Task, scores: Any, k: int = 5,
                  n_random: int = N_RANDOM_ABLATION, ablations: Sequence[str] = ABLATIONS,
                  seed: int = 0, options: ValidationOptions | dict | None = None):
-    """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets
-    (module docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool,
-    ablation, quantity). ``ablations``: any of "zero", "mean", "resample" (each one
-    ``ck.patch`` per phase over ``HeadSetUnits(sets, source=ablation, seed=seed)``). Quantities:
-    ``exact_match`` and ``confusion`` where the task has answer steps, ``focus`` where it has
-    anchor steps, all on the same prompts (``ablation_task``). ``options``:
-    ``ValidationOptions`` (or a dict of its fields): ``pools``, ``selection``, ``n_boot``,
-    ``batch_size``, ``checkpoint``, ``progress``."""
+    """Ablation table of ``scores``' top-``k`` heads of each phase against random head sets (module
+    docstring): a pandas DataFrame with ``ABLATION_COLUMNS``, one row per (phase, pool, ablation,
+    quantity). ``ablations``: any of "zero", "mean", "resample" (each one ``ck.patch`` per phase
+    over ``HeadSetUnits(sets, source=ablation, seed=seed)``). Quantities: ``exact_match`` and
+    ``confusion`` where the task has answer steps, ``focus`` where it has anchor steps, all on the
+    same prompts (``ablation_task``). ``options``: ``ValidationOptions`` (or a dict of its fields):
+    ``pools``, ``selection``, ``n_boot``, ``batch_size``, ``checkpoint``, ``progress``."""
     import pandas as pd
 
     from circuitkit.patching.units.head_sets import HeadSetUnits

@@ -9,13 +9,12 @@ definition separately, paired by seed against a baseline variant (``cot``):
 * the **power**: the minimal detectable effect at 80% power of the two-sided 5% paired t-test,
   ``MDE = (t_{0.975, n-1} + t_{0.80, n-1}) sd / sqrt(n)`` (the usual normal-approximation form with
   t quantiles; NaN below 2 seeds);
-* the verdict (``verdict``): *reproduced* when the interval excludes 0 on the claimed side
-  (with whether the claimed size is inside it, above or below it), *refuted* when it excludes
-  the claimed effect (0 inside it: "smaller than claimed"; all of it on the other side of 0:
-  "the opposite effect"), *open* (not resolvable at this power) when it holds both; for a
-  claim with no size (exact match and Macro-F1: "distillation helps"), *higher* / *lower* /
-  *no difference detected*. A definition the grid did not measure (its metric absent from
-  ``runs.csv``) is *not measured*.
+* the verdict (``verdict``): *reproduced* when the interval excludes 0 on the claimed side (with
+  whether the claimed size is inside it, above or below it), *refuted* when it excludes the claimed
+  effect (0 inside it: "smaller than claimed"; all of it on the other side of 0: "the opposite
+  effect"), *open* (not resolvable at this power) when it holds both; for a claim with no size
+  (exact match and Macro-F1: "distillation helps"), *higher* / *lower* / *no difference detected*. A
+  definition the grid did not measure (its metric absent from ``runs.csv``) is *not measured*.
 
 ``claim_summary`` states one claim across its definitions, and says so when they disagree (e.g.
 refuted on the teacher-forced confusion and open on the output-level one).
@@ -66,10 +65,9 @@ def mde(sd: float, n: int) -> float:
 
 def paired(runs: Any, metric: str, variant: str, baseline: str = "cot",
            **cell: Any) -> dict[str, float] | None:
-    """The paired comparison of ``variant`` against ``baseline`` on ``metric`` (module
-    docstring) in the rows of ``runs`` (a ``runs.csv`` frame) matching ``cell`` (e.g.
-    ``data="main"``): ``n, diff, ci_low, ci_high, half_width, sd, mde``; None when the metric
-    was not measured for both."""
+    """The paired comparison of ``variant`` against ``baseline`` on ``metric`` (module docstring) in
+    the rows of ``runs`` (a ``runs.csv`` frame) matching ``cell`` (e.g. ``data="main"``): ``n, diff,
+    ci_low, ci_high, half_width, sd, mde``; None when the metric was not measured for both."""
     sub = runs[runs.metric == metric]
     for k, v in cell.items():
         sub = sub[sub[k] == v]

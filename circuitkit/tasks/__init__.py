@@ -24,14 +24,8 @@ BUILDERS = {
 TOKENIZER_TASKS = ("capitals",)
 
 
-def load_task(
-    name: str | Path,
-    n_examples: int | None = None,
-    seed: int = 0,
-    split: str = "train",
-    phase: int | None = None,
-    **kw: Any,
-) -> Task:
+def load_task(name: str | Path, n_examples: int | None = None, seed: int = 0,
+              split: str = "train", phase: int | None = None, **kw: Any) -> Task:
     """Build a task by name ("icd10", "synthetic", "induction", "capitals") or load a JSONL file
     path. ``capitals`` is text for a pretrained LLM: ``tokenizer=`` (an HF tokenizer or a model
     name; default SmolLM2-135M's) (``circuitkit.tasks.capitals``).

@@ -176,8 +176,7 @@ class Task:
         """The task's metric for ``self.phase``, a ``PromptMetric`` (``task.metric(logits)`` is
         the mean over prompts; ``.per_prompt``, ``.reads``).
 
-        Each reads what its phase's corruption (``config["corruption"]``, default "note")
-        changes:
+        Each reads what its phase's corruption (``config["corruption"]``, default "note") changes:
 
         * Phase 2, "note" (``sibling_margin``): at the corrupted target's answer step
           (``meta["p2_target"]``), ``logit[target] - mean(logit[its own shortlisted siblings])``
@@ -223,13 +222,12 @@ class Task:
         aligned to ``clean_tokens`` (each example's own positions; never its right padding).
 
         ``at="tokens"`` (default): each group at its tokens' own positions (``evidence_pos``,
-        ``anchor_pos``, ``shortlist_pos``, ``answer_pos``): where a head processes those tokens
-        (and where later heads read them as keys/values). ``at="steps"``: anchor, shortlist
-        and answer at the positions that *predict* those tokens (``pos - 1``: where the chain
-        of thought writes them; "answer" is then where ``task.metric`` reads). In a causal
-        model an answer token's own position comes after its step's read: patching there
-        changes only later steps (nothing for a one-answer note). A group no example has is
-        left out."""
+        ``anchor_pos``, ``shortlist_pos``, ``answer_pos``): where a head processes those tokens (and
+        where later heads read them as keys/values). ``at="steps"``: anchor, shortlist and answer at
+        the positions that *predict* those tokens (``pos - 1``: where the chain of thought writes
+        them; "answer" is then where ``task.metric`` reads). In a causal model an answer token's own
+        position comes after its step's read: patching there changes only later steps (nothing for a
+        one-answer note). A group no example has is left out."""
         if at not in ("steps", "tokens"):
             raise ValueError(f"at={at!r}: expected 'steps' or 'tokens'.")
         n, seq = len(self.examples), max(len(e.tokens) for e in self.examples)

@@ -226,14 +226,13 @@ class Icd10Options:
 
     The label space (``hierarchy``): ``n_labels``, ``chapters``, ``labels`` (module docstring),
     ``anchor_level`` ("category" or "block"), ``max_leaves_per_category``. The notes
-    (``synthetic.make_examples``): ``labels_per_note``: (min, max) targets per note (targets
-    have distinct anchors); ``distractor_rate``: chance a target's evidence group gets one
-    distractor word (a filler, or half the time a distinguishing word of a near-miss sibling
-    in the shortlist); ``max_near_misses``: siblings per target put in the shortlist.
-    ``corruption``: what each phase's corrupt tokens edit: "note" (default: the evidence),
-    "anchor" (Phase 1: the written anchor), "shortlist-swap" / "shortlist-sibling" (Phase 2:
-    the shortlist), or one of each phase joined by a comma (``parse_corruption``,
-    docs/scores.md).
+    (``synthetic.make_examples``): ``labels_per_note``: (min, max) targets per note (targets have
+    distinct anchors); ``distractor_rate``: chance a target's evidence group gets one distractor
+    word (a filler, or half the time a distinguishing word of a near-miss sibling in the shortlist);
+    ``max_near_misses``: siblings per target put in the shortlist. ``corruption``: what each phase's
+    corrupt tokens edit: "note" (default: the evidence), "anchor" (Phase 1: the written anchor),
+    "shortlist-swap" / "shortlist-sibling" (Phase 2: the shortlist), or one of each phase joined by
+    a comma (``parse_corruption``, docs/scores.md).
     """
 
     n_labels: int = 2000

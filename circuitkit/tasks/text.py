@@ -203,9 +203,8 @@ def text_prompts(task: Task, tokenizer: Any, template: str = DEFAULT_TEMPLATE
     """``(clean_tokens, corrupt_tokens, metric, kept)`` for a pretrained LLM: the examples that
     ``render_text`` can render under ``tokenizer`` (clean and corrupt texts of equal token count;
     the others are dropped), right-padded, and the mean log-prob of each prompt's answer tokens
-    (``metrics.token_logprob_metric``; a multi-token ICD code has no single-token near-miss
-    rival, so no margin). ``kept``: indices of the examples used. ``ValueError`` if none
-    renders."""
+    (``metrics.token_logprob_metric``; a multi-token ICD code has no single-token near-miss rival,
+    so no margin). ``kept``: indices of the examples used. ``ValueError`` if none renders."""
     from circuitkit.metrics import token_logprob_metric
 
     problem = text_problem(task, tokenizer, template)

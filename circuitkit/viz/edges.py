@@ -48,11 +48,10 @@ def _edges_of(source: Any, top: int, index: int | None) -> tuple[list[dict], int
 
 def circuit_graph(source: Any, title: str | None = None, *, top: int = 30,
                   index: int | None = None, max_width: float = 10.0):
-    """The edges of a circuit (``CircuitResult``: its kept set, or circuit ``index`` of its
-    curve; or its ``to_dict()``, e.g. a loaded ``circuit.json``) or the ``top`` edges of an
-    ``EdgeResult`` as a graph: x = layer (embeddings -1,
-    logits n_layers), y = head; line width proportional to ``|score|`` (at most
-    ``max_width``), colour by input, dashed when the score is negative."""
+    """The edges of a circuit (``CircuitResult``: its kept set, or circuit ``index`` of its curve;
+    or its ``to_dict()``, e.g. a loaded ``circuit.json``) or the ``top`` edges of an ``EdgeResult``
+    as a graph: x = layer (embeddings -1, logits n_layers), y = head; line width proportional to
+    ``|score|`` (at most ``max_width``), colour by input, dashed when the score is negative."""
     import plotly.graph_objects as go
 
     from circuitkit.hooks import node_name

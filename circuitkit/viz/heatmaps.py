@@ -6,13 +6,12 @@ side share one scale). Where a result is ``degenerate`` (the corruption does not
 metric by its margin, ``PatchResult.degenerate``), colour is the raw effect ``value - baseline``
 instead, for every panel of the figure, and the title, colour bar and hover say so.
 
-Rows are layers (layer 0 at the top), columns heads (or positions, for layer
-sites; "kv head" for a k/v sweep of a grouped-query model); ticks are integers, or the prompt's
-tokens across a layer x position map when ``tokens`` is given. Hover shows layer, head
-(position), the raw metric value, the normalized value and its 95% bootstrap interval over
-prompts (when the result holds per-prompt values); for ``attribution+exact`` results, whether
-the cell was verified exactly or is the estimator's value (the interval of an estimate says
-nothing about the estimator's error).
+Rows are layers (layer 0 at the top), columns heads (or positions, for layer sites; "kv head" for a
+k/v sweep of a grouped-query model); ticks are integers, or the prompt's tokens across a layer x
+position map when ``tokens`` is given. Hover shows layer, head (position), the raw metric value, the
+normalized value and its 95% bootstrap interval over prompts (when the result holds per-prompt
+values); for ``attribution+exact`` results, whether the cell was verified exactly or is the
+estimator's value (the interval of an estimate says nothing about the estimator's error).
 
 ``positions="each"`` results (``values [n_layers, n_heads, seq]``) get one layer x head facet per
 position: all positions up to ``max_facets``, else the ``max_facets`` positions with the largest
