@@ -106,18 +106,16 @@ def edge_input(name: str, layer: int) -> str:
 def head_site(site: str, layer: int) -> str:
     """Hook name of a per-head ``site`` ("z", "q", "k", "v", "result", "pattern", "scores")."""
     if site not in HEAD_SITES:
-        raise ValueError(
-            f"site={site!r} is not a per-head site; expected one of {sorted(HEAD_SITES)}."
-        )
+        raise ValueError(f"site={site!r} is not a per-head site; expected one of "
+                         f"{sorted(HEAD_SITES)}.")
     return HEAD_SITES[site](layer)
 
 
 def layer_site(site: str, layer: int) -> str:
     """Hook name of a per-layer ``site`` ("resid_pre", "attn_out", "mlp_out", ...)."""
     if site not in LAYER_SITES:
-        raise ValueError(
-            f"site={site!r} is not a per-layer site; expected one of {sorted(LAYER_SITES)}."
-        )
+        raise ValueError(f"site={site!r} is not a per-layer site; expected one of "
+                         f"{sorted(LAYER_SITES)}.")
     return LAYER_SITES[site](layer)
 
 

@@ -258,11 +258,10 @@ def _check_placement(device: Any, n_devices: int | None, device_map: Any) -> Non
             raise ValueError(f"n_devices must be a positive integer, got {n_devices!r}.")
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_devices > have:
-            raise ValueError(
-                f"n_devices={n_devices} asks for {n_devices} CUDA GPUs but this machine has "
-                f"{have}. Drop n_devices (loads on {'the CPU' if have == 0 else 'one GPU'}), "
-                f"or pass device_map='auto' / a dict to place layers yourself."
-            )
+            raise ValueError(f"n_devices={n_devices} asks for {n_devices} CUDA GPUs but this "
+                             f"machine has {have}. Drop n_devices (loads on "
+                             f"{'the CPU' if have == 0 else 'one GPU'}), or pass device_map='auto' "
+                             "/ a dict to place layers yourself.")
     if device is not None and (n_devices is not None or device_map is not None):
         raise ValueError("Pass either device= or n_devices=/device_map=, not both.")
 
@@ -381,12 +380,11 @@ def hf_config_dict(config: dict) -> dict:
         raise TypeError(f"a config must be a dict, got {type(config).__name__}.")
     if not is_tl_config(config):
         if "model_type" not in config:
-            raise ValueError(
-                "A config dict needs either 'model_type' plus HF fields (e.g. {'model_type': "
-                "'llama', 'hidden_size': 64, 'num_hidden_layers': 2, ...}) or TransformerLens "
-                f"fields (e.g. dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101, "
-                f"n_ctx=32)); got keys {sorted(config)}."
-            )
+            raise ValueError("A config dict needs either 'model_type' plus HF fields (e.g. "
+                             "{'model_type': 'llama', 'hidden_size': 64, 'num_hidden_layers': 2, "
+                             "...}) or TransformerLens fields (e.g. dict(n_layers=2, d_model=64, "
+                             "n_heads=4, d_head=16, d_vocab=101, n_ctx=32)); got keys "
+                             f"{sorted(config)}.")
         return dict(config)
     return _hf_from_tl(config)
 
@@ -394,16 +392,14 @@ def hf_config_dict(config: dict) -> dict:
 def _hf_from_tl(tl: dict) -> dict:
     unknown = sorted(set(tl) - set(TL_REQUIRED) - set(TL_OPTIONAL))
     if unknown:
-        raise ValueError(
-            f"TransformerLens-style config: unknown key(s) {unknown}; accepted: required "
-            f"{list(TL_REQUIRED)} + n_heads and/or d_head, optional {list(TL_OPTIONAL[2:])}."
-        )
+        raise ValueError(f"TransformerLens-style config: unknown key(s) {unknown}; accepted: "
+                         f"required {list(TL_REQUIRED)} + n_heads and/or d_head, optional "
+                         f"{list(TL_OPTIONAL[2:])}.")
     missing = [k for k in TL_REQUIRED if k not in tl]
     if missing or ("n_heads" not in tl and "d_head" not in tl):
-        raise ValueError(
-            f"TransformerLens-style config: missing {missing or ['n_heads or d_head']}; needs "
-            f"{list(TL_REQUIRED)} and n_heads and/or d_head."
-        )
+        raise ValueError("TransformerLens-style config: missing "
+                         f"{missing or ['n_heads or d_head']}; needs {list(TL_REQUIRED)} and "
+                         "n_heads and/or d_head.")
     d_model = _positive_int(tl, "d_model")
     if "n_heads" in tl and "d_head" in tl:
         n_heads, d_head = _positive_int(tl, "n_heads"), _positive_int(tl, "d_head")
@@ -425,11 +421,9 @@ def _hf_from_tl(tl: dict) -> dict:
     norm = norm or {"standard": "LN"}.get(pos, "RMS")
     family = _TL_FAMILY.get((pos, norm))
     if family is None:
-        raise ValueError(
-            f"TransformerLens-style config: positional_embedding_type={pos!r} with "
-            f"normalization_type={norm!r} has no HF counterpart here; use 'rotary' + 'RMS' "
-            "(Llama) or 'standard' + 'LN' (GPT-2)."
-        )
+        raise ValueError(f"TransformerLens-style config: positional_embedding_type={pos!r} with "
+                         f"normalization_type={norm!r} has no HF counterpart here; use 'rotary' + "
+                         "'RMS' (Llama) or 'standard' + 'LN' (GPT-2).")
     from transformers.activations import ACT2FN
 
     act = tl.get("act_fn") or ("silu" if family == "llama" else "gelu_new")
@@ -561,10 +555,8 @@ def load_model(
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
     bad = sorted(set(kw) - set(BOOT_KW))
     if bad:
-        raise ValueError(
-            f"load_model got unexpected keyword argument(s) {bad}; the ones passed on to "
-            f"TransformerBridge.boot_transformers are {list(BOOT_KW)}."
-        )
+        raise ValueError(f"load_model got unexpected keyword argument(s) {bad}; the ones passed on "
+                         f"to TransformerBridge.boot_transformers are {list(BOOT_KW)}.")
     configure_threads()
     _check_placement(device, n_devices, device_map)
     torch_dtype = _torch_dtype(dtype)
@@ -678,25 +670,20 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
         return TransformerBridge.boot_native(obj)
     if isinstance(obj, torch.nn.Module):
         if not hasattr(obj, "config"):
-            raise TypeError(
-                "load_model got an nn.Module without a HF `.config`; pass a transformers "
-                "PreTrainedModel, a checkpoint folder, or a config dict."
-            )
+            raise TypeError("load_model got an nn.Module without a HF `.config`; pass a "
+                            "transformers PreTrainedModel, a checkpoint folder, or a config dict.")
         name = getattr(obj.config, "_name_or_path", "") or "in-memory"
         if tokenizer is None and not (Path(name) / "tokenizer_config.json").exists():
-            raise ValueError(
-                "load_model(hf_model) needs tokenizer=...: the model's config names no folder "
-                "with tokenizer files."
-            )
+            raise ValueError("load_model(hf_model) needs tokenizer=...: the model's config names "
+                             "no folder with tokenizer files.")
         model = obj.to(dtype) if dtype is not None else obj
         return TransformerBridge.boot_transformers(
             name, hf_model=model, tokenizer=tokenizer, device=placement["device"],
             trust_remote_code=trust_remote_code, **kw)
 
     if not isinstance(obj, (str, os.PathLike)):
-        raise TypeError(
-            f"load_model expects a name, path, HF model or config dict; got {type(obj).__name__}."
-        )
+        raise TypeError("load_model expects a name, path, HF model or config dict; got "
+                        f"{type(obj).__name__}.")
     name = str(obj)
     path = local_folder(name)
     if path is None and name.lower() == "smollm2-135m":
@@ -705,10 +692,9 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
         path = gemma3_local_folder()
     if path is not None:
         if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"{path} is a folder but has no config.json; a HF checkpoint folder needs "
-                f"config.json, model.safetensors and tokenizer files."
-            )
+            raise FileNotFoundError(f"{path} is a folder but has no config.json; a HF checkpoint "
+                                    "folder needs config.json, model.safetensors and tokenizer "
+                                    "files.")
         refuse_pickle_weights(str(path), os.listdir(path))
         if dtype is None:
             dtype = default_dtype(json.loads((path / "config.json").read_text()), **placement)
@@ -732,10 +718,9 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
     if "/" not in hub_id and name.lower() not in ALIASES:
         known = ", ".join(list(SHIPPED) + sorted(ALIASES))
         if not _hf_cached_files(hub_id)["config"]:
-            raise ValueError(
-                f"Unknown model {name!r}: not a shipped model, alias, local folder or cached hub "
-                f"id. Known names: {known}. Or pass a hub id ('org/name') or a folder path."
-            )
+            raise ValueError(f"Unknown model {name!r}: not a shipped model, alias, local folder or "
+                             f"cached hub id. Known names: {known}. Or pass a hub id ('org/name') "
+                             "or a folder path.")
     cached = _hf_cached_files(hub_id)
     reachable = None
     if not (cached["config"] and cached["weights"]) and not (reachable := _hub_reachable()):
@@ -1007,10 +992,9 @@ def load_hf_config_dict(name: str) -> tuple[str, dict]:
     cached = _hf_cached_files(hub_id)["config"]
     if cached:
         return hub_id, json.loads(Path(cached).read_text())
-    raise ModelNotAvailableError(
-        f"No config for {name!r}: not shipped, not a folder, not in the HF cache. "
-        f"Known names: {', '.join(list(SHIPPED) + sorted(ALIASES))}."
-    )
+    raise ModelNotAvailableError(f"No config for {name!r}: not shipped, not a folder, not in the "
+                                 "HF cache. Known names: "
+                                 f"{', '.join(list(SHIPPED) + sorted(ALIASES))}.")
 
 
 def _get(cfg: dict, *keys: str, default: Any = None) -> Any:

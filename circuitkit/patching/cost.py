@@ -56,11 +56,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from circuitkit.patching.estimators.costs import (  # noqa: F401  (their home before)
+from circuitkit.patching.estimators.costs import (
     CostShape,
     block_flop_shares,
-    block_screen_passes,
-    head_mlp_pays,
     receiver_attn_passes,
 )
 from circuitkit.patching.estimators.registry import REGISTRY
