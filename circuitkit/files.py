@@ -254,13 +254,12 @@ class FolderLock:
 
 def lock_folder(path: str | Path, what: str = "folder", name: str = LOCK_NAME,
                 clean: bool = True) -> FolderLock:
-    """Hold ``path``'s lock (the file ``path/name``) until ``close()``. Another process holding
-    it (or this one, through another ``lock_folder`` call: ``holds_lock`` tells): ``ValueError``
-    naming the folder and the holder's pid. A lock left by a process that died is free
-    (``flock`` ends with its process) and taken over. Taking it removes the temporary files of
-    dead writers in ``path`` (``clean_temporaries``) unless ``clean=False``: a folder that
-    processes on other hosts write too (torchrun ranks sharing a checkpoint), whose pids this
-    host cannot see."""
+    """Hold ``path``'s lock (the file ``path/name``) until ``close()``. Another process holding it
+    (or this one, through another ``lock_folder`` call: ``holds_lock`` tells): ``ValueError`` naming
+    the folder and the holder's pid. A lock left by a process that died is free (``flock`` ends with
+    its process) and taken over. Taking it removes the temporary files of dead writers in ``path``
+    (``clean_temporaries``) unless ``clean=False``: a folder that processes on other hosts write too
+    (torchrun ranks sharing a checkpoint), whose pids this host cannot see."""
     path = Path(path)
     lock_file = path / name
     key = os.path.realpath(lock_file)

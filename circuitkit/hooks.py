@@ -156,9 +156,8 @@ def parse_head(name: Any) -> tuple[int, int] | None:
 
 
 def parse_node(name: Any, n_layers: int) -> tuple[int, int]:
-    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1),
-    ``"L2H5"`` -> (2, 5); a ``ValueError`` for anything else (a layer outside the model
-    included)."""
+    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1), ``"L2H5"``
+    -> (2, 5); a ``ValueError`` for anything else (a layer outside the model included)."""
     if name == "embed":
         return EMBED_NODE
     if name == "logits":

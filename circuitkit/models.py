@@ -197,12 +197,11 @@ def usable_cores() -> int:
 
 def default_threads() -> tuple[int, str]:
     """(torch threads for this process, why). ``CIRCUITKIT_THREADS``, else an explicit
-    ``OMP_NUM_THREADS``; else 1 on two cores or fewer (two threads on two cores that other
-    jobs also use ran 20-35x slower: their threads wait on each other while one is
-    descheduled; one thread degrades with the share of the CPU it gets, and on a quiet
-    two-core machine loses at most what the second core would add: ``benchmarks/threads.py``,
-    docs/speed.md); else the usable cores less those the load average says are busy (at
-    least 1)."""
+    ``OMP_NUM_THREADS``; else 1 on two cores or fewer (two threads on two cores that other jobs also
+    use ran 20-35x slower: their threads wait on each other while one is descheduled; one thread
+    degrades with the share of the CPU it gets, and on a quiet two-core machine loses at most what
+    the second core would add: ``benchmarks/threads.py``, docs/speed.md); else the usable cores less
+    those the load average says are busy (at least 1)."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
@@ -542,14 +541,13 @@ def load_model(
     attn_only (False)   MLP weights zeroed and frozen  MLP weights zeroed and frozen
     =================== ============================== ================================
 
-    ``positional_embedding_type`` ("rotary" | "standard") and ``normalization_type`` ("RMS" |
-    "LN") choose the family; give one and the other follows; give neither and it is Llama
-    (unlike ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only
-    ``d_head`` derives the other from ``d_model``. Both families untie the unembedding (as
-    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos (the numbered
-    tokenizer ``t0 .. t{d_vocab-1}`` given to random models, whose pad ``<pad>`` is id
-    ``d_vocab``, no token of the model: prompts ending in id 0 are not padding). Unknown keys are
-    refused.
+    ``positional_embedding_type`` ("rotary" | "standard") and ``normalization_type`` ("RMS" | "LN")
+    choose the family; give one and the other follows; give neither and it is Llama (unlike
+    ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only ``d_head`` derives
+    the other from ``d_model``. Both families untie the unembedding (as TransformerLens models have
+    their own ``W_U``) and use token 0 as bos/eos (the numbered tokenizer ``t0 .. t{d_vocab-1}``
+    given to random models, whose pad ``<pad>`` is id ``d_vocab``, no token of the model: prompts
+    ending in id 0 are not padding). Unknown keys are refused.
     """
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
@@ -586,9 +584,8 @@ def load_model(
 
 
 def _loadable_tokenizer(tokenizer: Any) -> Any:
-    """TransformerLens re-loads a tokenizer from ``init_kwargs["name_or_path"]``, which an
-    in-memory tokenizer lacks: save it once under the cache, keyed by its content, and load it
-    from there."""
+    """TransformerLens re-loads a tokenizer from ``init_kwargs["name_or_path"]``, which an in-memory
+    tokenizer lacks: save it once under the cache, keyed by its content, and load it from there."""
     if tokenizer is None or "name_or_path" in getattr(tokenizer, "init_kwargs", {"name_or_path"}):
         return tokenizer
     import tempfile
@@ -612,10 +609,9 @@ def hf_model_of(model: Any) -> Any:
 
 
 def plain_parameters(model: Any) -> dict[str, Any]:  # name -> torch.Tensor
-    """The HF model's parameters under its own names. Wrapping a model in a
-    ``TransformerBridge`` inserts ``_original_component`` into every name (and adds aliases and
-    a zero ``lm_head.bias`` to its ``state_dict``), so names are read from ``named_parameters``
-    with those segments removed."""
+    """The HF model's parameters under its own names. Wrapping a model in a ``TransformerBridge``
+    inserts ``_original_component`` into every name (and adds aliases and a zero ``lm_head.bias`` to
+    its ``state_dict``), so names are read from ``named_parameters`` with those segments removed."""
     return {k.replace("._original_component", "").replace("_original_component.", ""): v
             for k, v in hf_model_of(model).named_parameters()}
 

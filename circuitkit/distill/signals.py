@@ -557,8 +557,7 @@ def scores_hash(scores: Any, heads: str = "scores") -> str:
 @dataclass
 class StoreOptions:
     """What a store holds: teacher heads per phase, the Phase-1 reading (``READINGS``),
-    non-selective per-layer attention, the teacher's top-k logits (0: none), examples per
-    shard."""
+    non-selective per-layer attention, the teacher's top-k logits (0: none), examples per shard."""
 
     top_k1: int = 2
     top_k2: int = 2
@@ -1060,8 +1059,7 @@ class SignalStore:
         return data
 
     def batch(self, shard: int, idx: Sequence[int]) -> Batch:
-        """Examples ``idx`` (distinct) of one shard as a ``Batch``, trimmed to their longest
-        row."""
+        """Examples ``idx`` (distinct) of one shard as a ``Batch``, trimmed to their longest row."""
         d = self.shard(shard)
         idx_t = torch.as_tensor(list(idx), dtype=torch.long)
         tokens = d["tokens"][idx_t].long()

@@ -326,11 +326,10 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
 
 def _kept_state(out: Path, config: dict, resume: bool, overwrite: bool, progress: bool
                 ) -> tuple[bool, dict | None]:
-    """What ``out`` holds for ``config``: ``(True, None)``, its finished student, intact
-    (nothing to do); else ``(False, state)``: the training state to resume from (None: start
-    afresh). Another config's student or state (or an unreadable ``distill.json``) is deleted
-    with ``overwrite``, else refused; a damaged student is trained again, from its state where
-    one is kept."""
+    """What ``out`` holds for ``config``: ``(True, None)``, its finished student, intact (nothing to
+    do); else ``(False, state)``: the training state to resume from (None: start afresh). Another
+    config's student or state (or an unreadable ``distill.json``) is deleted with ``overwrite``,
+    else refused; a damaged student is trained again, from its state where one is kept."""
     state_path = out / STATE_FILE
     try:
         record = _read_record(out)

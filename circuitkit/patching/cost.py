@@ -459,14 +459,13 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
 
     Exact: the engine's plan (length buckets as ``sweep.chunked`` cuts them, at most ``rows``
     sequences per forward); an edge into layer ``l`` reruns blocks ``l..L-1`` up to its bucket's
-    last read (the logits: one block's worth, the final norm and unembedding), plus one partial
-    run per (sender, receiver layer) through the receiving layer's norm and q/k/v projections
-    (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
-    one full pass per head -> later head edge and prompt (it has no embeddings or logits).
-    Attribution: each edge estimator's registry entry; attribution+exact: the eap* screen + the
-    verified edges (``hybrid_cells``) x their mean ``d = max(1, L - l) / L`` + 2 per prompt.
-    Checks, time, GPUs and memory: ``basis``; ``results_bytes``: the per-prompt result tensor
-    (float32, every cell)."""
+    last read (the logits: one block's worth, the final norm and unembedding), plus one partial run
+    per (sender, receiver layer) through the receiving layer's norm and q/k/v projections (counted
+    as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop: one full pass per
+    head -> later head edge and prompt (it has no embeddings or logits). Attribution: each edge
+    estimator's registry entry; attribution+exact: the eap* screen + the verified edges
+    (``hybrid_cells``) x their mean ``d = max(1, L - l) / L`` + 2 per prompt. Checks, time, GPUs and
+    memory: ``basis``; ``results_bytes``: the per-prompt result tensor (float32, every cell)."""
     o = plan_options(options)
     b = basis(arch, lengths, top_k=top_k, options=o)
     g, lengths, n, seq, L, rows, cost = b.g, b.lengths, b.n, b.seq, b.L, b.rows, b.cost

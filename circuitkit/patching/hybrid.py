@@ -3,11 +3,10 @@
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
 differ only in their ``Screenable`` (built by ``HeadUnits.screenable`` / ``EdgeUnits.screenable``);
-everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays
-the rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the
-budget rule, the cost against an exact sweep, and running that sweep instead where the hybrid is
-predicted to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints
-too).
+everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays the
+rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the budget
+rule, the cost against an exact sweep, and running that sweep instead where the hybrid is predicted
+to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints too).
 
 Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2), by
 ``patching.cost``'s formulas: a verified cell re-runs the share ``d`` of the model downstream of
@@ -110,12 +109,11 @@ def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int 
                        **rule: Any) -> Any:
     """Screen every cell of ``units``, verify by ``top_k`` or ``budget_rule``, and return the
     estimate with the verified cells exact (``place``). With the automatic budget and
-    ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its
-    ``hybrid`` entry) to cost at least the exact sweep runs the exact sweep instead
-    (``meta["hybrid"]["ran"] == "exact"``). Either way ``meta["hybrid"]`` says what ran and
-    why, ``meta["timing"]`` the seconds of each part, and with ``progress`` one line on stderr
-    says what was verified, why it stopped and the cost against exact's; a run that costs more
-    than the exact sweep says so (a warning)."""
+    ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its ``hybrid``
+    entry) to cost at least the exact sweep runs the exact sweep instead (``meta["hybrid"]["ran"] ==
+    "exact"``). Either way ``meta["hybrid"]`` says what ran and why, ``meta["timing"]`` the seconds
+    of each part, and with ``progress`` one line on stderr says what was verified, why it stopped
+    and the cost against exact's; a run that costs more than the exact sweep says so (a warning)."""
     budget = cost.Budget(top_k, max_passes, **dict(RULE, **rule))
     t_start = time.perf_counter()
     guess = cost.price(units.work(), budget)["hybrid"]
@@ -177,9 +175,8 @@ def _say(progress: bool, line: str) -> None:
 
 def _verified(units: Screenable, store: HybridCheckpoint | None, budget: cost.Budget,
               batch_size: int | None, progress: bool) -> Any:
-    """The screen (stored or run), then the verification (``budget.top_k`` or
-    ``budget_rule``), each verified cell stored as its forward finishes; cost and budget in
-    ``meta``."""
+    """The screen (stored or run), then the verification (``budget.top_k`` or ``budget_rule``), each
+    verified cell stored as its forward finishes; cost and budget in ``meta``."""
     top_k, max_passes = budget.top_k, budget.max_passes
     est = store.load_screen(units.result_type) if store is not None else None
     if est is None:

@@ -412,12 +412,11 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
 
 
 def check_left_padding(clean: Tensor, corrupt: Tensor, pad_id: int | None) -> None:
-    """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad
-    tokens are attended to and shift its positions, and its values are not the unpadded
-    prompt's (up to 0.49 logits off, as issue 49 measured); a metric reading there reads pad
-    tokens. Left padding: a prompt's leading run of ``pad_id`` (in clean or corrupt) longer
-    than the shortest such run of any prompt (a run every prompt starts with, e.g. a BOS that
-    is also the pad token, is text)."""
+    """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad tokens
+    are attended to and shift its positions, and its values are not the unpadded prompt's (up to
+    0.49 logits off, as issue 49 measured); a metric reading there reads pad tokens. Left padding: a
+    prompt's leading run of ``pad_id`` (in clean or corrupt) longer than the shortest such run of
+    any prompt (a run every prompt starts with, e.g. a BOS that is also the pad token, is text)."""
     if pad_id is None:
         return
     lead = torch.zeros(clean.shape[0], dtype=torch.long)
@@ -468,11 +467,10 @@ def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
     and the note says so; ``engine_checks``: left to the exact engine's cached runs,
     ``ReadsDoNotHold``), and right padding the metric would read refused (``check_padding``).
 
-    ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``)
-    runs the unpatched model: once per token set, only for probed metrics (unless
-    ``engine_checks``) or right-padded prompts under a metric whose reads are unknown;
-    ``logits_of=False``: never (the probe's reads stand, unknown reads on padded prompts are
-    refused)."""
+    ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``) runs
+    the unpatched model: once per token set, only for probed metrics (unless ``engine_checks``) or
+    right-padded prompts under a metric whose reads are unknown; ``logits_of=False``: never (the
+    probe's reads stand, unknown reads on padded prompts are refused)."""
     pm.check_reads(clean.shape[1])  # every position the metric reads exists
     pad = pad_token_id(model)
     check_left_padding(clean, corrupt, pad)

@@ -291,9 +291,8 @@ def auto_batch(model: Any, seq: int) -> int:
 
 
 class _PerExample:
-    """Per-example sums of one component: ``num`` [E, L, H] and ``den`` [E] (the weights of the
-    rows where it is defined); ``means()`` gives the example means and which examples have
-    any."""
+    """Per-example sums of one component: ``num`` [E, L, H] and ``den`` [E] (the weights of the rows
+    where it is defined); ``means()`` gives the example means and which examples have any."""
 
     def __init__(self, n_examples: int, L: int, H: int):
         self.num = torch.zeros(n_examples, L, H, dtype=torch.float64)
@@ -396,14 +395,13 @@ def _check_inputs(model: Any, task: Task, batch_size: int | None, k: int, n_boot
 
 @dataclass
 class _Frame:
-    """What every batch of ``score_heads`` is read in, fixed per model and task: ``L`` layers
-    of ``H`` heads; ``source`` (``write_source``) with ``W_O`` (per layer [H, d_head, D]; None
-    for "result") and ``kv_of`` [H] (the KV head each query head reads); ``W_U`` [D, V]; the
-    anchor reading ``mode`` (``anchor_mode``) with its directions ``U[mode]`` and
-    ``U["tokens"]`` [D, A] and ``centroids`` (Phase 1 only); the final norm ``norm`` (kind,
-    weight, eps) and its module ``ln_module`` (Phase 2 only); ``post`` (layer -> its
-    post-attention norm); ``seq`` (positions run: a causal model stops after the last one
-    read) and ``names`` (the hooks cached)."""
+    """What every batch of ``score_heads`` is read in, fixed per model and task: ``L`` layers of
+    ``H`` heads; ``source`` (``write_source``) with ``W_O`` (per layer [H, d_head, D]; None for
+    "result") and ``kv_of`` [H] (the KV head each query head reads); ``W_U`` [D, V]; the anchor
+    reading ``mode`` (``anchor_mode``) with its directions ``U[mode]`` and ``U["tokens"]`` [D, A]
+    and ``centroids`` (Phase 1 only); the final norm ``norm`` (kind, weight, eps) and its module
+    ``ln_module`` (Phase 2 only); ``post`` (layer -> its post-attention norm); ``seq`` (positions
+    run: a causal model stops after the last one read) and ``names`` (the hooks cached)."""
 
     device: torch.device
     L: int
@@ -702,10 +700,9 @@ def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: in
 
 
 def _add_ranks(df: Any) -> None:
-    """``phase1_rank`` (by coarse_score), ``phase2_rank`` (refine_score) and
-    ``phase1_rank_tokens`` (coarse_score_tokens): 1 = highest (``ranks``); empty for a phase
-    the task has no steps for. A score equal on every head is warned about: its ranks are
-    (layer, head) order, not a finding."""
+    """``phase1_rank`` (by coarse_score), ``phase2_rank`` (refine_score) and ``phase1_rank_tokens``
+    (coarse_score_tokens): 1 = highest (``ranks``); empty for a phase the task has no steps for. A
+    score equal on every head is warned about: its ranks are (layer, head) order, not a finding."""
     import pandas as pd
 
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
@@ -801,11 +798,10 @@ def sharpness_nulls(rows1: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _scores(mean: dict[str, Tensor], shortlist: bool = True) -> dict[str, Tensor]:
-    """coarse_score (both anchor readings), loopback and refine_score from the components'
-    means (any leading shape: one per bootstrap resample). Without a shortlist in the task
-    (``shortlist`` False), loopback is NaN and refine_score is margin_widening; without per-key
-    writes (no ``W_O``: refine_score NaN), refine_score is ``shortlist_share *
-    margin_widening``."""
+    """coarse_score (both anchor readings), loopback and refine_score from the components' means
+    (any leading shape: one per bootstrap resample). Without a shortlist in the task (``shortlist``
+    False), loopback is NaN and refine_score is margin_widening; without per-key writes (no ``W_O``:
+    refine_score NaN), refine_score is ``shortlist_share * margin_widening``."""
     out: dict[str, Tensor] = {}
     if "sharpness" in mean:
         out["coarse_score"] = coarse.coarse_score(mean["sharpness"], mean["anchor_alignment"])

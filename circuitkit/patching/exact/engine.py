@@ -35,8 +35,7 @@ class ExactEngine(HeadSetRuns):
     """Caches the base/source runs once, then computes any chunk of a ``Sweep``.
 
     ``fast``: use the fast path (``patching/exact/__init__.py``'s docstring); ``None`` = after
-    checking
-    it on a probe.
+    checking it on a probe.
     """
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
@@ -335,11 +334,10 @@ class ExactEngine(HeadSetRuns):
                                at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
 
     def length_split(self, p0: int, p1: int) -> int | None:
-        """For a metric without per-prompt values (its chunks hold every prompt): a prompt
-        index splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``,
-        as ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the
-        logits are not read at known positions (full-length logits of two buckets would not
-        join)."""
+        """For a metric without per-prompt values (its chunks hold every prompt): a prompt index
+        splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``, as
+        ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the logits
+        are not read at known positions (full-length logits of two buckets would not join)."""
         if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
             return None  # (a per-prompt metric's chunks are already length buckets: sweep.chunked)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()

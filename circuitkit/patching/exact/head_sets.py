@@ -1,11 +1,10 @@
 """Head sets patched together (``ck.HeadSetUnits``: causal validation, ablation, the cumulative
-bins): ``HeadSetRuns``, the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes
-whole head sets' ``z`` in one run, from the source run or, for ablations of the base run, zeros,
-the mean base ``z`` or another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt:
-``derangement``, the one seeded pairing, also ``ck.circuit``'s resample; a head-set sweep pairs
-its prompts once, ``resample_pairing``). Hooked, or fused and packed on a Llama-form model once
-checked against the hooked path (``engine_checks``). A head-set sweep's chunks:
-``set_engine.HeadSetEngine``."""
+bins): ``HeadSetRuns``, the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes whole
+head sets' ``z`` in one run, from the source run or, for ablations of the base run, zeros, the mean
+base ``z`` or another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt: ``derangement``,
+the one seeded pairing, also ``ck.circuit``'s resample; a head-set sweep pairs its prompts once,
+``resample_pairing``). Hooked, or fused and packed on a Llama-form model once checked against the
+hooked path (``engine_checks``). A head-set sweep's chunks: ``set_engine.HeadSetEngine``."""
 
 from __future__ import annotations
 
