@@ -140,12 +140,11 @@ def refuse_pickle_weights(where: str, files: Any) -> None:
     folder = str(where)
     raise PickleWeightsError(
         f"{folder} holds its weights only as a pickle ({', '.join(pickles)}), which circuitkit "
-        "never loads (unpickling a file can run any code in it). Convert it to safetensors "
-        "once: python -c \"from transformers import AutoModelForCausalLM as M; "
-        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\" (transformers reads "
-        "tensors only and writes model.safetensors beside it; a file it refuses holds more "
-        "than weights: get safetensors weights from the model's source), then load the "
-        "folder again.")
+        "never loads (unpickling a file can run any code in it). Convert it to safetensors once: "
+        "python -c \"from transformers import AutoModelForCausalLM as M; "
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\" (transformers reads tensors "
+        "only and writes model.safetensors beside it; a file it refuses holds more than weights: "
+        "get safetensors weights from the model's source), then load the folder again.")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

@@ -728,8 +728,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
         old = _read_json(partial, out)
         if not isinstance(old, dict) or {k: old.get(k) for k in head} != head:
             raise StoreProblem(f"{out} holds a partly built signal store for another teacher, "
-                               "score table, task or options; delete the folder or choose "
-                               "another.")
+                               "score table, task or options; delete the folder or choose another.")
         known = {e["file"]: e for e in old.get("shards", []) if isinstance(e, dict)
                  and isinstance(e.get("file"), str)}
     else:
@@ -1000,8 +999,7 @@ class SignalStore:
         if not (path / MANIFEST).exists():
             hint = " (a build was interrupted: run it again to finish)" \
                 if (path / PARTIAL).exists() else ""
-            raise ValueError(f"{path} is not a finished teacher-signal store: no {MANIFEST}"
-                             f"{hint}.")
+            raise ValueError(f"{path} is not a finished teacher-signal store: no {MANIFEST}{hint}.")
         man = _read_json(path / MANIFEST, path)
         if not isinstance(man, dict) or man.get("format") != FORMAT:
             got = man.get("format") if isinstance(man, dict) else type(man).__name__

@@ -102,8 +102,7 @@ class DistillConfig:
             raise ValueError(f"balance must be one of {list(BALANCES)}, got {self.balance!r}.")
         if not (isinstance(self.grad_ratio, int | float) and math.isfinite(self.grad_ratio)
                 and self.grad_ratio > 0):
-            raise ValueError(f"grad_ratio must be a number > 0 (finite), got "
-                             f"{self.grad_ratio}.")
+            raise ValueError(f"grad_ratio must be a number > 0 (finite), got {self.grad_ratio}.")
         bad = set(self.loss) - set(LossConfig.__dataclass_fields__)
         if bad:
             raise ValueError(f"loss options {sorted(bad)} are unknown; LossConfig has "

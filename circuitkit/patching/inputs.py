@@ -66,9 +66,8 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
             "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
             "task.corrupt_tokens already are).")
     if clean.shape[0] == 0 or clean.shape[1] == 0:
-        raise ValueError(f"clean_tokens and corrupt_tokens are empty (shape "
-                         f"{tuple(clean.shape)}); a sweep needs at least one prompt of at least "
-                         "one token.")
+        raise ValueError(f"clean_tokens and corrupt_tokens are empty (shape {tuple(clean.shape)}); "
+                         "a sweep needs at least one prompt of at least one token.")
     low = int(min(clean.min(), corrupt.min()))
     if low < 0:
         raise ValueError(f"token ids must be >= 0; got {low}. Negative ids usually mean padding "

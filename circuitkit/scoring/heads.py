@@ -258,8 +258,7 @@ def anchor_mode(task: Task, mode: str) -> str:
     distinguishing tokens, without a hierarchy)."""
     if mode != "auto":
         if mode not in ("tokens", "labels"):
-            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'labels' or "
-                             "'tokens'.")
+            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'labels' or 'tokens'.")
         return mode
     have = set(task.label_anchor.tolist())
     return "labels" if all(a in have for a in range(len(task.anchor_token_ids))) else "tokens"

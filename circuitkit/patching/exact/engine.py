@@ -184,10 +184,9 @@ class ExactEngine(HeadSetRuns):
         if got != sw.n_units:
             raise ValueError(
                 f"site={sw.site!r}: the model's activation has {got} heads on the head axis but "
-                f"its cfg implies {sw.n_units} (n_key_value_heads="
-                f"{hooks.facts(self.model).n_kv_heads}). The cfg lacks correct GQA info; set "
-                f"model.cfg.n_key_value_heads = {got}, or "
-                "patch site='z' or 'q'.")
+                f"its cfg implies {sw.n_units} "
+                f"(n_key_value_heads={hooks.facts(self.model).n_kv_heads}). The cfg lacks correct "
+                f"GQA info; set model.cfg.n_key_value_heads = {got}, or patch site='z' or 'q'.")
 
     @property
     def clean_metric(self) -> Tensor:

@@ -169,9 +169,8 @@ class HeadSetRuns:
         if source not in HEAD_SET_SOURCES:
             raise ValueError(f"source={source!r}; expected one of {list(HEAD_SET_SOURCES)}.")
         if sw.site != "z" and source != "source":
-            raise ValueError(f"source={source!r} ablates z; an engine built for site "
-                             f"{sw.site!r} patches the source run's {sw.site} only "
-                             "(source='source').")
+            raise ValueError(f"source={source!r} ablates z; an engine built for site {sw.site!r} "
+                             f"patches the source run's {sw.site} only (source='source').")
         if source == "resample" and p1 - p0 < 2 and self._pairing is None:
             raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
                              f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
