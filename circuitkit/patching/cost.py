@@ -56,11 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from circuitkit.patching.estimators.costs import (
-    CostShape,
-    block_flop_shares,
-    receiver_attn_passes,
-)
+from circuitkit.patching.estimators.costs import CostShape, block_flop_shares, receiver_attn_passes
 from circuitkit.patching.estimators.registry import REGISTRY
 from circuitkit.patching.inputs import check_top_k
 from circuitkit.patching.sweep import MAX_ROWS, Sweep, chunked, row_bytes

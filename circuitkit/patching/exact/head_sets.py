@@ -1,10 +1,8 @@
 """Head sets patched together (``ck.HeadSetUnits``: causal validation, ablation, the cumulative
-bins): ``HeadSetRuns``, the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes whole
-head sets' ``z`` in one run, from the source run or, for ablations of the base run, zeros, the mean
-base ``z`` or another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt: ``derangement``,
-the one seeded pairing, also ``ck.circuit``'s resample; a head-set sweep pairs its prompts once,
-``resample_pairing``). Hooked, or fused and packed on a Llama-form model once checked against the
-hooked path (``engine_checks``). A head-set sweep's chunks: ``set_engine.HeadSetEngine``."""
+bins): ``HeadSetRuns``, the ``ExactEngine`` mixin behind ``run_head_sets`` (what a set's heads
+get: ``HEAD_SET_SOURCES``; another prompt's base ``z``: ``derangement``, also ``ck.circuit``'s
+resample, or a sweep's ``resample_pairing``). A head-set sweep's chunks:
+``set_engine.HeadSetEngine``."""
 
 from __future__ import annotations
 
@@ -72,7 +70,6 @@ def resample_pairing(n: int, seed: int) -> Tensor:
         kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
     return torch.cat([derangement(b - a, seed + a) + a
                       for a, b in zip(kept[:-1], kept[1:], strict=True)])
-
 
 
 class HeadSetRuns:
