@@ -275,9 +275,8 @@ def lock_folder(path: str | Path, what: str = "folder", name: str = LOCK_NAME,
         with contextlib.suppress(OSError):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise ValueError(
-            f"{what} {path} is in use by another process (pid {holder or '?'}); wait for it to "
-            f"finish, or use another {what}.") from None
+        raise ValueError(f"{what} {path} is in use by another process (pid {holder or '?'}); wait "
+                         f"for it to finish, or use another {what}.") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _HELD[key] = fd

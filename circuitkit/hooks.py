@@ -253,10 +253,9 @@ def facts(model_or_cfg: Any) -> ModelFacts:
             causal=getattr(cfg, "attention_dir", "causal") != "bidirectional",
         )
     except AttributeError as e:
-        raise TypeError(
-            f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
-            f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
-        ) from None
+        raise TypeError("facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, "
+                        f"d_head, d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: "
+                        f"{e}") from None
 
 
 def has_mlp(model: Any, layer: int = 0) -> bool:
@@ -369,8 +368,7 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
         known[site] = not torch.equal(base, edited)
     if not known[site]:
         others = " or ".join(repr(s) for s in ("z", "v") if s != site)
-        raise ValueError(
-            f"site={site!r}: an edit of {head_site(site, 0)!r} (or of any layer's) does not "
-            f"change this model's output (TransformerLens fires that hook after the attention "
-            f"ran, e.g. on GPT-J); patching it would report no effect for every head. Patch "
-            f"another site instead, e.g. {others}.")
+        raise ValueError(f"site={site!r}: an edit of {head_site(site, 0)!r} (or of any layer's) "
+                         "does not change this model's output (TransformerLens fires that hook "
+                         "after the attention ran, e.g. on GPT-J); patching it would report no "
+                         f"effect for every head. Patch another site instead, e.g. {others}.")

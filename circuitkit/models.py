@@ -346,11 +346,9 @@ def _count_on_meta(cfg: dict) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_cfg)
     except (ValueError, KeyError) as e:
-        raise ValueError(
-            f"Cannot count the parameters of model_type={model_type!r}: transformers "
-            f"{transformers.__version__} cannot build it from its config ({e}). Pass dtype= "
-            "explicitly to load it."
-        ) from None
+        raise ValueError(f"Cannot count the parameters of model_type={model_type!r}: transformers "
+                         f"{transformers.__version__} cannot build it from its config ({e}). Pass "
+                         "dtype= explicitly to load it.") from None
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
 
 
@@ -444,10 +442,9 @@ def _hf_from_tl(tl: dict) -> dict:
                 "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) "
                 f"needs n_heads * d_head == d_model, got {n_heads} * {d_head} != {d_model}.")
         if n_kv != n_heads or "rotary_base" in tl:
-            raise ValueError(
-                "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) has "
-                "no grouped KV heads and no rotary_base; drop n_key_value_heads / rotary_base, "
-                "or use rotary + RMS (Llama).")
+            raise ValueError("TransformerLens-style config: the GPT-2 mapping (standard positions "
+                             "+ LN) has no grouped KV heads and no rotary_base; drop "
+                             "n_key_value_heads / rotary_base, or use rotary + RMS (Llama).")
         hf = dict(model_type="gpt2", n_embd=d_model, n_layer=_positive_int(tl, "n_layers"),
                   n_head=n_heads, n_inner=d_mlp, activation_function=act,
                   n_positions=_positive_int(tl, "n_ctx"), layer_norm_epsilon=eps, **common)
@@ -575,10 +572,9 @@ def load_model(
             bridge.set_use_attn_result(True)
         except NotImplementedError as e:  # e.g. GPT-J's attention bridge: no per-head result
             if attn_result:
-                raise ValueError(
-                    f"attn_result=True: {name_or_path!r} has no per-head hook_result in "
-                    f"TransformerLens ({e}); load it with attn_result=None or False (scores "
-                    "then read per-head writes from W_O).") from None
+                raise ValueError(f"attn_result=True: {name_or_path!r} has no per-head hook_result "
+                                 f"in TransformerLens ({e}); load it with attn_result=None or "
+                                 "False (scores then read per-head writes from W_O).") from None
     return bridge
 
 
@@ -634,12 +630,11 @@ def save_model(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:
     tied = set(getattr(fresh, "_tied_weights_keys", None) or [])
     missing = [k for k in got.missing_keys if k not in tied]
     if missing or got.unexpected_keys:
-        raise ValueError(
-            f"save_model: the weights do not map onto a fresh {type(fresh).__name__} (missing "
-            f"{missing[:3]}, unexpected {got.unexpected_keys[:3]}): the bridge splits this "
-            "architecture's fused layers (GPT-2's c_attn into q, k, v). Save the transformers "
-            "model itself before ck.load_model: hf_model.save_pretrained(folder) and "
-            "tokenizer.save_pretrained(folder).")
+        raise ValueError(f"save_model: the weights do not map onto a fresh {type(fresh).__name__} "
+                         f"(missing {missing[:3]}, unexpected {got.unexpected_keys[:3]}): the "
+                         "bridge splits this architecture's fused layers (GPT-2's c_attn into q, "
+                         "k, v). Save the transformers model itself before ck.load_model: "
+                         "hf_model.save_pretrained(folder) and tokenizer.save_pretrained(folder).")
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
 
     def write(d: Path) -> None:

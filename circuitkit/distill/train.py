@@ -358,10 +358,9 @@ def _kept_state(out: Path, config: dict, resume: bool, overwrite: bool, progress
     stored = training.load_train_state(state_path) if resume and state_path.exists() else None
     if stored is not None and stored["config"] != config:
         if not overwrite:
-            raise ValueError(
-                f"{state_path} belongs to a different distillation config "
-                f"({_config_diff(stored['config'], config)}); pass --overwrite "
-                "(overwrite=True) to start over, or use another out_dir.")
+            raise ValueError(f"{state_path} belongs to a different distillation config "
+                             f"({_config_diff(stored['config'], config)}); pass --overwrite "
+                             "(overwrite=True) to start over, or use another out_dir.")
         _clear(out, record)
         stored = None
     return False, stored

@@ -8,12 +8,10 @@ rule on the stored numbers and picks the same cells), out-of-memory back-off, Ct
 rule, the cost against an exact sweep, and running that sweep instead where the hybrid is predicted
 to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints too).
 
-Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2), by
-``patching.cost``'s formulas: a verified cell re-runs the share ``d`` of the model downstream of
-it (heads ``(L - l) / L``, edges ``(L + 1 - l) / (L + 1)``), so ``verify = n (sum_verified d +
-2)`` (``cost.verified_passes``: the engine's two cached runs) and the exact sweep ``n
-read_share sum_all d + 2 n`` (``cost.cell_suffix``, ``cost.exact_passes``), each prompt up to its
-metric's last read (``read_share``).
+Cost (pass-equivalents, ``patching.cost``): a verified cell re-runs the share ``d`` of the
+model downstream of it (heads ``(L - l) / L``, edges ``(L + 1 - l) / (L + 1)``): ``verify = n
+(sum_verified d + 2)`` (``cost.verified_passes``), the exact sweep ``n read_share sum_all d + 2 n``
+(``cost.cell_suffix``, ``cost.exact_passes``).
 """
 
 from __future__ import annotations
@@ -49,10 +47,10 @@ class Screenable:
     verification of cell ``j`` re-runs (its cost per prompt and its error unit's depth factor).
     ``layer``: ``[C]``, the forward a cell shares with others. ``run(layer, cells, p0, p1)``:
     ``[len(cells), p1 - p0]`` exact metric values of prompts ``p0:p1``; ``rows``: sequences per
-    forward (halved on out-of-memory). ``per_round``: cells per
-    round of the budget rule (one layer's worth). ``screen_passes``: the screen's predicted cost
-    (before it runs). ``exact()``: the exact sweep, run instead where it is cheaper.
-    ``identity``: what a checkpoint must share (``HybridCheckpoint``)."""
+    forward (halved on out-of-memory). ``per_round``: cells per round of the budget rule (one
+    layer's worth). ``screen_passes``: the screen's predicted cost (before it runs). ``exact()``:
+    the exact sweep, run instead where it is cheaper. ``identity``: what a checkpoint must share
+    (``HybridCheckpoint``)."""
 
     kind: str
     screen: Callable[[], Any]

@@ -1003,7 +1003,6 @@ def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:
     theirs = inner(x).float()
     err = float((mine - theirs).abs().max())
     if err > 1e-3 * max(1.0, float(theirs.abs().max())):
-        raise ValueError(
-            f"margin_widening: the final norm ({type(inner).__name__}) differs from its "
-            f"{norm[0].upper()} form by {err:.2e}; this architecture's final norm is not "
-            "supported (please report it).")
+        raise ValueError(f"margin_widening: the final norm ({type(inner).__name__}) differs from "
+                         f"its {norm[0].upper()} form by {err:.2e}; this architecture's final norm "
+                         "is not supported (please report it).")
