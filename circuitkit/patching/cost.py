@@ -16,19 +16,15 @@ each written once here, so the numbers can be checked by hand:
 
 * **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
 * **exact** (``exact_passes``): the suffix reruns plus 2 per prompt (the cached clean and corrupt
-  runs; paths: ``4 + n_senders``). The suffix is measured on the engine's chunk plan
-  (``chunk_suffix``: ``sweep.chunked``, same rows and length buckets as a real run, each chunk
-  costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``) or summed over
-  cells (``cell_suffix``: ``n x sum_c d_c x read_share``, ``d_c`` the share of the model cell
-  ``c``'s patch reruns, ``read_share`` the prompts' tokens up to the metric's last read). A
-  head in layer ``l`` reruns ``d = (L - l) / L``: ``(L + 1) / 2`` per layer's cell
+  runs; paths: ``4 + n_senders``), the suffix measured on the engine's chunk plan
+  (``chunk_suffix``: as ``sweep.chunked`` cuts a real run) or summed over cells
+  (``cell_suffix``); a head in layer ``l`` reruns ``d = (L - l) / L`` of the model
   (``head_shares``).
 * **attribution**: its registry entry's passes per prompt (``estimators.costs``; AtP: 4) x ``n``.
 * **attribution then exact** (``hybrid_passes``): the screen's passes + the verified cells
-  (``hybrid_cells``) at their mean ``d`` per prompt + 2 per prompt (``verified_passes``: the
-  exact engine's cached runs).
-* **auto**: exact at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token
-  (``exact_flops_per_token``: ``2 x N x sum_c d_c``), else attribution+exact.
+  (``hybrid_cells``) at their mean ``d`` + 2 per prompt (``verified_passes``).
+* **auto** (``auto_method``): exact at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per
+  prompt token (``exact_flops_per_token``: ``2 x N x sum_c d_c``), else attribution+exact.
 * **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
   (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
   AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
