@@ -118,10 +118,9 @@ def sweep_identity(model: Any, sweep: Any, clean: Tensor, corrupt: Tensor, metri
     """Everything a resumed sweep must share with the one that wrote the checkpoint, and
     ``extra`` (an edge sweep's layout, a hybrid's method and estimator)."""
     f = hooks.facts(model)
-    out = dict(format=SWEEP_FORMAT, kind=sweep.kind, site=sweep.site,
-               direction=sweep.direction, positions=sweep.positions,
-               tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
-               metric=metric.name,
+    out = dict(format=SWEEP_FORMAT, kind=sweep.kind, site=sweep.site, direction=sweep.direction,
+               positions=sweep.positions, tokens=tokens_hash(clean, corrupt),
+               model=model_fingerprint(model), metric=metric.name,
                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
                split_prompts=sweep.split_prompts, prompt_order="by_length")
     if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)

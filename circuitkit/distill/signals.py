@@ -547,8 +547,7 @@ def scores_hash(scores: Any, heads: str = "scores") -> str:
     if heads == "causal":
         cols += [c for p in (1, 2) for c in causal_columns(p)]
     frame = scores[cols].sort_values(["layer", "head"])
-    return hashlib.sha256(frame.to_csv(index=False, float_format="%.17g").encode()
-                          ).hexdigest()[:16]
+    return hashlib.sha256(frame.to_csv(index=False, float_format="%.17g").encode()).hexdigest()[:16]
 
 
 # --- the store --------------------------------------------------------------------------------
@@ -708,8 +707,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     lay = Layout.of(pool_task)
     anchors = Anchors.of(pool_task, options.phase1_reading)
     spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores, options.heads),
-                     pool_task.fingerprint(),
-                     _options_dict(options))
+                     pool_task.fingerprint(), _options_dict(options))
     head = dict(format=FORMAT, teacher=teacher_name, teacher_fingerprint=spec.teacher,
                 scores_hash=spec.scores, task_fingerprint=spec.task, options=spec.options,
                 task_config=pool_task.config, n_vocab=len(pool_task.vocab),
@@ -734,8 +732,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     else:
         write_json(partial, head)
     n = len(pool_task)
-    bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr,
-               disable=not progress)
+    bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr, disable=not progress)
     shards = []
     folder = teacher_folder(teacher)
     for i, s in enumerate(range(0, n, options.shard_size)):
@@ -850,8 +847,7 @@ def check_manifest(man: dict, store: Path) -> None:
         if not integer(opts.get(key), lo):
             raise bad(f"options.{key}", f"an integer >= {lo}", opts.get(key))
     if opts.get("phase1_reading") not in READINGS:
-        raise bad("options.phase1_reading", f"one of {list(READINGS)}",
-                  opts.get("phase1_reading"))
+        raise bad("options.phase1_reading", f"one of {list(READINGS)}", opts.get("phase1_reading"))
     if opts.get("heads", "scores") not in HEAD_CHOICES:  # stores before /4's heads: scores
         raise bad("options.heads", f"one of {list(HEAD_CHOICES)}", opts.get("heads"))
     if not isinstance(opts.get("nonselective"), bool):

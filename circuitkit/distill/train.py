@@ -430,9 +430,8 @@ class _Training:
         gradients combined by ``balanced_gradients``, AdamW and the schedule; its history row.
         A non-finite loss or gradient stops the run before anything of the step is applied."""
         cfg = self.cfg
-        terms = student_terms(self.student, self.stream[self.step], self.teacher_pool,
-                              self.anchors, self.loss, cfg.lambda_p1, cfg.lambda_p2,
-                              cfg.lambda_ns)
+        terms = student_terms(self.student, self.stream[self.step], self.teacher_pool, self.anchors,
+                              self.loss, cfg.lambda_p1, cfg.lambda_p2, cfg.lambda_ns)
         if not bool(torch.isfinite(terms["total"].detach())):
             raise ValueError(_diverged(self.step + 1, cfg, "the loss is not finite ("
                                        + _terms(terms) + ")", self.saved, self.state_path))
@@ -465,8 +464,7 @@ class _Training:
         name = "cot" if not (cfg.lambda_p1 or cfg.lambda_p2 or cfg.lambda_ns) else \
             f"p1={cfg.lambda_p1:g} p2={cfg.lambda_p2:g}" + (f" ns={cfg.lambda_ns:g}"
                                                             if cfg.lambda_ns else "")
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress,
-                   desc=f"distill {name}")
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc=f"distill {name}")
         t0 = time.perf_counter() - self.elapsed
         STOP["training"] = True
         try:

@@ -539,15 +539,13 @@ def path_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
             runs = math.ceil(v / len(before) / per)  # chunks holding each sender's cells
             token_blocks += (p1 - p0) * c * (v * (L - layer) + runs * sum(
                 layer - sl for sl in before) + len(before) * layout.n_groups / 3)
-    p = price(Work(n, suffix=chunk_suffix(token_blocks, L, seq),
-                   cached=4 + len(layout.senders)))
+    p = price(Work(n, suffix=chunk_suffix(token_blocks, L, seq), cached=4 + len(layout.senders)))
     return dict(model=arch.name, n_params=arch.n_params, n_layers=L, n_heads=arch.n_heads,
                 n_senders=len(layout.senders), n_receivers=len(layout.receivers),
                 inputs=list(layout.inputs), n_groups=layout.n_groups, n_paths=sum(per_layer),
                 n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n, direction=direction,
                 gpu=b.g.name, n_gpus=b.n_gpus,
-                methods={"exact": b.cost(p["passes"]["exact"],
-                                         rows=min(rows, max(per_layer) * n))})
+                methods={"exact": b.cost(p["passes"]["exact"], rows=min(rows, max(per_layer) * n))})
 
 
 def _check_inputs(gpu: str, lengths: Sequence[int], top_k: Any) -> None:

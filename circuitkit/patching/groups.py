@@ -105,8 +105,6 @@ def summed_over(each: Any, groups: PositionGroups) -> Any:
         each.per_prompt.dtype)
     return PatchResult(values=pp.mean(0), clean=each.clean, corrupt=each.corrupt,
                        direction=each.direction, method=each.method, site=each.site,
-                       positions="groups", per_prompt=pp,
-                       clean_per_prompt=each.clean_per_prompt,
-                       corrupt_per_prompt=each.corrupt_per_prompt,
-                       axes=("layer", "head", "group"),
+                       positions="groups", per_prompt=pp, clean_per_prompt=each.clean_per_prompt,
+                       corrupt_per_prompt=each.corrupt_per_prompt, axes=("layer", "head", "group"),
                        meta=dict(each.meta, group_names=list(groups.names)))

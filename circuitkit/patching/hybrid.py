@@ -225,9 +225,8 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, budget: cost.Bu
                  verify_seconds=time.perf_counter() - t0, reused_cells=len(v.reused),
                  rows_per_forward=v.rows if units.metric.per_prompt_values else max(v.rows, n),
                  oom_backoffs=v.backoffs)
-    said = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
-                max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
-                rounds=rounds, **budget.rule())
+    said = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k, max_passes=max_passes,
+                error_scale=k_err, tau=tau, stopped=stopped, rounds=rounds, **budget.rule())
     error_unit = torch.full(est.values.shape, float("nan"))  # (NaN: no cell)
     error_unit[at] = scale
     return place(est, units.index, v.order, v.exact_pp[v.order], dict(

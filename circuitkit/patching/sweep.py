@@ -142,8 +142,7 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
             for v in range(0, sweep.variants_at(layer), step):
                 for p0 in range(0, n, rows):
                     chunks.append(Chunk(layer, v, v + step, p0, min(p0 + rows, n)))
-    return replace(sweep, chunks=tuple(chunks),
-                   lengths=None if lengths is None else tuple(lengths))
+    return replace(sweep, chunks=tuple(chunks), lengths=None if lengths is None else tuple(lengths))
 
 
 def bucket_split(lengths: list[int]) -> int | None:

@@ -121,8 +121,7 @@ def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> i
 
 def _padded(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
     """``rows`` as one [n, longest] tensor (at least 1 wide), padded with -1."""
-    out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1,
-                     dtype=torch.long)
+    out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
@@ -223,10 +222,9 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
         return torch.stack(x) if x else torch.zeros(0, seq)
 
     return QueryPlan(ids(b1), ids(q1), ids(a1), torch.tensor(w1), ids(b2), ids(q2),
-                     torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt),
-                     rows(skeys), _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys),
-                     _padded(sibtok), rows(sibkeys), rows(okeys),
-                     torch.tensor(o_ok, dtype=torch.bool))
+                     torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt), rows(skeys),
+                     _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys), _padded(sibtok),
+                     rows(sibkeys), rows(okeys), torch.tensor(o_ok, dtype=torch.bool))
 
 
 def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
@@ -657,8 +655,7 @@ def _add_key_parts(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int
     for c, keys in (("", ok), ("_targets", p2.key_t), ("_near_misses", p2.key_m),
                     ("_siblings", p2.key_sib)):
         e_sum, mass = refine.attended_sum(at_keys, own, keys)
-        acc["ov_copy" + c].add(lay, ex, e_sum / mass.clamp(min=1e-30),
-                               plan.w2 * keys.any(-1).cpu())
+        acc["ov_copy" + c].add(lay, ex, e_sum / mass.clamp(min=1e-30), plan.w2 * keys.any(-1).cpu())
     for c, keys in (("refine_score", ok), ("margin_from_targets", p2.key_t),
                     ("margin_from_near_misses", p2.key_m)):
         acc[c].add(lay, ex, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
@@ -686,8 +683,7 @@ def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: in
     scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
     flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
-    df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
-                           **flat))
+    df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(), **flat))
     df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
     df["evidence_mass_own_excess"] = df["evidence_mass_own"] - df["evidence_mass_own_null"]
     if not shortlist:  # nothing to re-attend to: the paper's product is undefined, not 0

@@ -180,8 +180,7 @@ def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
     # site z: downstream patterns of every later layer, except the last when the exact tail
     # runs it (the tail subsumes that layer's Q/K fix)
     qk_layers = range(1, last if exact_tail else n_layers) if atp_star else range(0)
-    return [LayerStep(layer,
-                      own="exact_tail" if exact_tail and layer == last else "linear",
+    return [LayerStep(layer, own="exact_tail" if exact_tail and layer == last else "linear",
                       downstream_qk=tuple(lp for lp in qk_layers if lp > layer),
                       tail_correction=exact_tail and layer < last)
             for layer in range(n_layers)]

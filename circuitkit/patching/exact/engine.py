@@ -69,8 +69,7 @@ class ExactEngine(HeadSetRuns):
             self._check_head_axis()
             self.W_O = [b.attn.W_O.detach() for b in model.blocks] \
                 if self.attn_cached and sweep.site == "z" else []
-            self.attn_at_rows = shortcuts.supports_attention_at_rows(
-                model.blocks[L - 1].attn)
+            self.attn_at_rows = shortcuts.supports_attention_at_rows(model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
         self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
         self._whole_site_base: list[Tensor] | None = None  # (_site_base_to_length)
@@ -286,8 +285,7 @@ class ExactEngine(HeadSetRuns):
         cells = [sw.variant(v) for v in variants]
         if sw.positions == "all":
             heads = torch.tensor([h for h, _ in cells], device=W_O.device)
-            view += einops.einsum(dz[:, :, heads], W_O[heads],
-                                  "b pos v dh, v dh dm -> v b pos dm")
+            view += einops.einsum(dz[:, :, heads], W_O[heads], "b pos v dh, v dh dm -> v b pos dm")
         elif sw.positions == "groups":  # each head's write at its group's positions only
             heads = torch.tensor([h for h, _ in cells], device=W_O.device)
             masks = self._group_masks(variants, p0, p1, length, dz.device)  # [v, b, pos]
@@ -443,8 +441,7 @@ class ExactEngine(HeadSetRuns):
         attn = mlp = None
         if not self.attn_cached:  # resid_pre: the patch is the restart point
             src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
-            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants,
-                                              length))
+            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants, length))
         else:
             x = pack.gather_prompts(resid[0])
             attn = pack.gather(self._attn_output(layer, variants, p0, p1, length))

@@ -282,9 +282,8 @@ class HeadSetRuns:
             pack = self._packing(range(n_g), p0, p1)
         else:
             reads = self.reads[p0:p1].cpu().repeat(n_g, 1)
-            pack = fused.Packing(torch.zeros(n_g * n_p, dtype=torch.long),
-                                 reads.max(1).values + 1, torch.arange(n_p).repeat(n_g), reads,
-                                 length)
+            pack = fused.Packing(torch.zeros(n_g * n_p, dtype=torch.long), reads.max(1).values + 1,
+                                 torch.arange(n_p).repeat(n_g), reads, length)
         token_row = pack.dense_of(torch.device("cpu")) // pack.seq  # [T]
         x = None
         for j in range(start, L):
