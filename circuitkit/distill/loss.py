@@ -106,8 +106,7 @@ def loss_p1(t: Signals, s: Signals, alpha: Tensor, w: Tensor, c1: float) -> Tens
     return wmean(((att + c1 * prof) * alpha.to(att)).sum(-1), w)
 
 
-def loss_p2(t: Signals, s: Signals, alpha: Tensor, w: Tensor, valid: Tensor,
-            c2: float) -> Tensor:
+def loss_p2(t: Signals, s: Signals, alpha: Tensor, w: Tensor, valid: Tensor, c2: float) -> Tensor:
     loop = kl(t.p2_loop.to(s.p2_loop), s.p2_loop)  # [N2, k2]
     v = valid.to(s.p2_effect)[:, None]
     sq = ((t.p2_effect.to(s.p2_effect) - s.p2_effect).pow(2) * v).sum(-1) \

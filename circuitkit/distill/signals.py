@@ -385,9 +385,8 @@ class Pooling:
 # --- reading a model --------------------------------------------------------------------------
 
 
-def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
-                    final_norm: bool = True, v_layers: Sequence[int] = ()
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
+def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int], final_norm: bool = True,
+                    v_layers: Sequence[int] = ()) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, acts)``: one forward of a ``TransformerBridge`` keeping, for ``layers``,
     ``hooks.pattern(l)`` [b, H, S, S] and ``hooks.z(l)`` [b, S, H, d_head], for ``v_layers``
     ``hooks.v(l)`` [b, S, H_kv, d_head] (and ``hooks.FINAL_NORM_IN`` [b, S, D];

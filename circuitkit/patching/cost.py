@@ -126,8 +126,7 @@ def hybrid_passes(screen: float, n: int, cells: float, mean_share: float) -> flo
 
 
 def hybrid_cells(n_cells: int, per_round: int, top_k: int | None,
-                 max_fraction: float = AUTO_MAX_FRACTION, recall_top: int = 10
-                 ) -> tuple[int, int]:
+                 max_fraction: float = AUTO_MAX_FRACTION, recall_top: int = 10) -> tuple[int, int]:
     """(expected, at most) cells attribution+exact verifies: ``top_k`` when given; else its
     rule's floor, the first round (``2 x per_round``: the calibration cells) and rounds until
     ``recall_top`` are verified, or ``AUTO_EXPECTED_FRACTION`` of the cells if more, capped at

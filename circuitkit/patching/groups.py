@@ -50,8 +50,7 @@ def is_groups(positions: Any) -> bool:
     return isinstance(positions, Tensor | dict | PositionGroups)
 
 
-def position_groups(positions: Any, clean: Tensor, real: Tensor | None = None
-                    ) -> PositionGroups:
+def position_groups(positions: Any, clean: Tensor, real: Tensor | None = None) -> PositionGroups:
     """``positions`` (a bool mask ``[batch, seq]`` or ``{name: mask}``) checked against the
     tokens ``clean`` ``[batch, seq]``: every mask bool of that shape, no group empty for every
     prompt, none at a position of a prompt's right padding (``real``: tokens before it, per

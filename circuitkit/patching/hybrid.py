@@ -103,8 +103,7 @@ def check_rule(top_k: Any, max_passes: Any, recall_top: int, quantile: float,
 
 def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int | None = None,
                        max_passes: float | None = None, batch_size: int | None = None,
-                       progress: bool = True, exact_when_cheaper: bool = True,
-                       **rule: Any) -> Any:
+                       progress: bool = True, exact_when_cheaper: bool = True, **rule: Any) -> Any:
     """Screen every cell of ``units``, verify by ``top_k`` or ``budget_rule``, and return the
     estimate with the verified cells exact (``place``). With the automatic budget and
     ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its ``hybrid``

@@ -171,8 +171,7 @@ def length_order(metric: PromptMetric) -> tuple[Tensor | None, list[int] | None]
 # --- memory sizing ----------------------------------------------------------------------------
 
 
-def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int,
-              elem: int) -> int:
+def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int, elem: int) -> int:
     """Rough peak bytes of one sequence of ``seq`` tokens in a no-grad forward, ``elem`` bytes
     per element: one block's activations (``8 d_model + 3 d_mlp`` per token), its attention
     scores/probabilities (``3 n_heads seq``) and the logits (``3 d_vocab``), times 1.5 for

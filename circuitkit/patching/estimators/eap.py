@@ -147,8 +147,7 @@ class EdgeJob:
         return self.estimator == "eap*"
 
 
-def edge_job(model: Any, layout: Any, est: str, m: int, tokens: Tensor, progress: bool
-             ) -> EdgeJob:
+def edge_job(model: Any, layout: Any, est: str, m: int, tokens: Tensor, progress: bool) -> EdgeJob:
     """The ``EdgeJob`` of estimating ``layout``'s edges by ``est`` on prompts like ``tokens``."""
     L = layout.n_layers
     r_index = layout.receiver_index()

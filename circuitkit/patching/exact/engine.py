@@ -39,8 +39,7 @@ class ExactEngine(HeadSetRuns):
     """
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
-                 sweep: Sweep,
-                 fast: bool | None = None, rows: int | None = None):
+                 sweep: Sweep, fast: bool | None = None, rows: int | None = None):
         self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
         site = hooks.layer_site if sweep.kind == "layers" else hooks.head_site
