@@ -254,13 +254,12 @@ class FolderLock:
 
 def lock_folder(path: str | Path, what: str = "folder", name: str = LOCK_NAME,
                 clean: bool = True) -> FolderLock:
-    """Hold ``path``'s lock (the file ``path/name``) until ``close()``. Another process holding
-    it (or this one, through another ``lock_folder`` call: ``holds_lock`` tells): ``ValueError``
-    naming the folder and the holder's pid. A lock left by a process that died is free
-    (``flock`` ends with its process) and taken over. Taking it removes the temporary files of
-    dead writers in ``path`` (``clean_temporaries``) unless ``clean=False``: a folder that
-    processes on other hosts write too (torchrun ranks sharing a checkpoint), whose pids this
-    host cannot see."""
+    """Hold ``path``'s lock (the file ``path/name``) until ``close()``. Another process holding it
+    (or this one, through another ``lock_folder`` call: ``holds_lock`` tells): ``ValueError`` naming
+    the folder and the holder's pid. A lock left by a process that died is free (``flock`` ends with
+    its process) and taken over. Taking it removes the temporary files of dead writers in ``path``
+    (``clean_temporaries``) unless ``clean=False``: a folder that processes on other hosts write too
+    (torchrun ranks sharing a checkpoint), whose pids this host cannot see."""
     path = Path(path)
     lock_file = path / name
     key = os.path.realpath(lock_file)
@@ -276,9 +275,8 @@ def lock_folder(path: str | Path, what: str = "folder", name: str = LOCK_NAME,
         with contextlib.suppress(OSError):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise ValueError(
-            f"{what} {path} is in use by another process (pid {holder or '?'}); wait for it to "
-            f"finish, or use another {what}.") from None
+        raise ValueError(f"{what} {path} is in use by another process (pid {holder or '?'}); wait "
+                         f"for it to finish, or use another {what}.") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _HELD[key] = fd

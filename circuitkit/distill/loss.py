@@ -106,8 +106,7 @@ def loss_p1(t: Signals, s: Signals, alpha: Tensor, w: Tensor, c1: float) -> Tens
     return wmean(((att + c1 * prof) * alpha.to(att)).sum(-1), w)
 
 
-def loss_p2(t: Signals, s: Signals, alpha: Tensor, w: Tensor, valid: Tensor,
-            c2: float) -> Tensor:
+def loss_p2(t: Signals, s: Signals, alpha: Tensor, w: Tensor, valid: Tensor, c2: float) -> Tensor:
     loop = kl(t.p2_loop.to(s.p2_loop), s.p2_loop)  # [N2, k2]
     v = valid.to(s.p2_effect)[:, None]
     sq = ((t.p2_effect.to(s.p2_effect) - s.p2_effect).pow(2) * v).sum(-1) \
@@ -213,8 +212,7 @@ def balanced_gradients(terms: dict[str, Tensor], lambdas: dict[str, float],
     out = {f"gn_{k}": float(norms.get(k, 0.0)) for k in ("cot",) + MECH}
     if not all(bool(torch.isfinite(n)) for n in norms.values()):
         return dict(out, **{f"s_{k}": float("nan") for k in MECH},
-                    **{f"sh_{k}": float("nan") for k in MECH}, cos=float("nan"),
-                    norm=float("nan"))
+                    **{f"sh_{k}": float("nan") for k in MECH}, cos=float("nan"), norm=float("nan"))
     c_cot = min(1.0, clip / max(float(norms["cot"]), 1e-30))
     part = c_cot * float(norms["cot"])  # the norm of the CoT part of the step
     scale = {}
@@ -298,8 +296,7 @@ def losses(teacher: Any, student: Any, task: Any, scores: Any, lambda_p1: float 
     else:
         tokens, mask = _cot_pair(cot)
     pool = Pooling.teacher(scores, ft.n_layers, ft.n_heads, cfg.top_k1, cfg.top_k2,
-                           nonselective=lambda_ns > 0, reading=cfg.phase1_reading,
-                           heads=cfg.heads)
+                           nonselective=lambda_ns > 0, reading=cfg.phase1_reading, heads=cfg.heads)
     qs = signals.queries(tokens, lay, cfg.heads)
     _warn_no_steps(qs, lambda_p1, lambda_p2, cot)
     anchors = signals.Anchors.of(task, cfg.phase1_reading)

@@ -385,9 +385,8 @@ class Pooling:
 # --- reading a model --------------------------------------------------------------------------
 
 
-def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int],
-                    final_norm: bool = True, v_layers: Sequence[int] = ()
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
+def run_and_capture(model: Any, tokens: Tensor, layers: Sequence[int], final_norm: bool = True,
+                    v_layers: Sequence[int] = ()) -> tuple[Tensor, dict[str, Tensor]]:
     """``(logits, acts)``: one forward of a ``TransformerBridge`` keeping, for ``layers``,
     ``hooks.pattern(l)`` [b, H, S, S] and ``hooks.z(l)`` [b, S, H, d_head], for ``v_layers``
     ``hooks.v(l)`` [b, S, H_kv, d_head] (and ``hooks.FINAL_NORM_IN`` [b, S, D];
@@ -547,8 +546,7 @@ def scores_hash(scores: Any, heads: str = "scores") -> str:
     if heads == "causal":
         cols += [c for p in (1, 2) for c in causal_columns(p)]
     frame = scores[cols].sort_values(["layer", "head"])
-    return hashlib.sha256(frame.to_csv(index=False, float_format="%.17g").encode()
-                          ).hexdigest()[:16]
+    return hashlib.sha256(frame.to_csv(index=False, float_format="%.17g").encode()).hexdigest()[:16]
 
 
 # --- the store --------------------------------------------------------------------------------
@@ -557,8 +555,7 @@ def scores_hash(scores: Any, heads: str = "scores") -> str:
 @dataclass
 class StoreOptions:
     """What a store holds: teacher heads per phase, the Phase-1 reading (``READINGS``),
-    non-selective per-layer attention, the teacher's top-k logits (0: none), examples per
-    shard."""
+    non-selective per-layer attention, the teacher's top-k logits (0: none), examples per shard."""
 
     top_k1: int = 2
     top_k2: int = 2
@@ -709,8 +706,7 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
     lay = Layout.of(pool_task)
     anchors = Anchors.of(pool_task, options.phase1_reading)
     spec = StoreSpec(model_fingerprint(teacher), scores_hash(scores, options.heads),
-                     pool_task.fingerprint(),
-                     _options_dict(options))
+                     pool_task.fingerprint(), _options_dict(options))
     head = dict(format=FORMAT, teacher=teacher_name, teacher_fingerprint=spec.teacher,
                 scores_hash=spec.scores, task_fingerprint=spec.task, options=spec.options,
                 task_config=pool_task.config, n_vocab=len(pool_task.vocab),
@@ -729,15 +725,13 @@ def _build_store(teacher: Any, pool_task: Any, scores: Any, out: Path, options: 
         old = _read_json(partial, out)
         if not isinstance(old, dict) or {k: old.get(k) for k in head} != head:
             raise StoreProblem(f"{out} holds a partly built signal store for another teacher, "
-                               "score table, task or options; delete the folder or choose "
-                               "another.")
+                               "score table, task or options; delete the folder or choose another.")
         known = {e["file"]: e for e in old.get("shards", []) if isinstance(e, dict)
                  and isinstance(e.get("file"), str)}
     else:
         write_json(partial, head)
     n = len(pool_task)
-    bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr,
-               disable=not progress)
+    bar = tqdm(total=n, desc="teacher signals", unit="note", file=sys.stderr, disable=not progress)
     shards = []
     folder = teacher_folder(teacher)
     for i, s in enumerate(range(0, n, options.shard_size)):
@@ -852,8 +846,7 @@ def check_manifest(man: dict, store: Path) -> None:
         if not integer(opts.get(key), lo):
             raise bad(f"options.{key}", f"an integer >= {lo}", opts.get(key))
     if opts.get("phase1_reading") not in READINGS:
-        raise bad("options.phase1_reading", f"one of {list(READINGS)}",
-                  opts.get("phase1_reading"))
+        raise bad("options.phase1_reading", f"one of {list(READINGS)}", opts.get("phase1_reading"))
     if opts.get("heads", "scores") not in HEAD_CHOICES:  # stores before /4's heads: scores
         raise bad("options.heads", f"one of {list(HEAD_CHOICES)}", opts.get("heads"))
     if not isinstance(opts.get("nonselective"), bool):
@@ -1001,8 +994,7 @@ class SignalStore:
         if not (path / MANIFEST).exists():
             hint = " (a build was interrupted: run it again to finish)" \
                 if (path / PARTIAL).exists() else ""
-            raise ValueError(f"{path} is not a finished teacher-signal store: no {MANIFEST}"
-                             f"{hint}.")
+            raise ValueError(f"{path} is not a finished teacher-signal store: no {MANIFEST}{hint}.")
         man = _read_json(path / MANIFEST, path)
         if not isinstance(man, dict) or man.get("format") != FORMAT:
             got = man.get("format") if isinstance(man, dict) else type(man).__name__
@@ -1060,8 +1052,7 @@ class SignalStore:
         return data
 
     def batch(self, shard: int, idx: Sequence[int]) -> Batch:
-        """Examples ``idx`` (distinct) of one shard as a ``Batch``, trimmed to their longest
-        row."""
+        """Examples ``idx`` (distinct) of one shard as a ``Batch``, trimmed to their longest row."""
         d = self.shard(shard)
         idx_t = torch.as_tensor(list(idx), dtype=torch.long)
         tokens = d["tokens"][idx_t].long()

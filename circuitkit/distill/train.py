@@ -102,8 +102,7 @@ class DistillConfig:
             raise ValueError(f"balance must be one of {list(BALANCES)}, got {self.balance!r}.")
         if not (isinstance(self.grad_ratio, int | float) and math.isfinite(self.grad_ratio)
                 and self.grad_ratio > 0):
-            raise ValueError(f"grad_ratio must be a number > 0 (finite), got "
-                             f"{self.grad_ratio}.")
+            raise ValueError(f"grad_ratio must be a number > 0 (finite), got {self.grad_ratio}.")
         bad = set(self.loss) - set(LossConfig.__dataclass_fields__)
         if bad:
             raise ValueError(f"loss options {sorted(bad)} are unknown; LossConfig has "
@@ -326,11 +325,10 @@ def _train_student(cfg: DistillConfig, out: Path, progress: bool, resume: bool, 
 
 def _kept_state(out: Path, config: dict, resume: bool, overwrite: bool, progress: bool
                 ) -> tuple[bool, dict | None]:
-    """What ``out`` holds for ``config``: ``(True, None)``, its finished student, intact
-    (nothing to do); else ``(False, state)``: the training state to resume from (None: start
-    afresh). Another config's student or state (or an unreadable ``distill.json``) is deleted
-    with ``overwrite``, else refused; a damaged student is trained again, from its state where
-    one is kept."""
+    """What ``out`` holds for ``config``: ``(True, None)``, its finished student, intact (nothing to
+    do); else ``(False, state)``: the training state to resume from (None: start afresh). Another
+    config's student or state (or an unreadable ``distill.json``) is deleted with ``overwrite``,
+    else refused; a damaged student is trained again, from its state where one is kept."""
     state_path = out / STATE_FILE
     try:
         record = _read_record(out)
@@ -360,10 +358,9 @@ def _kept_state(out: Path, config: dict, resume: bool, overwrite: bool, progress
     stored = training.load_train_state(state_path) if resume and state_path.exists() else None
     if stored is not None and stored["config"] != config:
         if not overwrite:
-            raise ValueError(
-                f"{state_path} belongs to a different distillation config "
-                f"({_config_diff(stored['config'], config)}); pass --overwrite "
-                "(overwrite=True) to start over, or use another out_dir.")
+            raise ValueError(f"{state_path} belongs to a different distillation config "
+                             f"({_config_diff(stored['config'], config)}); pass --overwrite "
+                             "(overwrite=True) to start over, or use another out_dir.")
         _clear(out, record)
         stored = None
     return False, stored
@@ -433,9 +430,8 @@ class _Training:
         gradients combined by ``balanced_gradients``, AdamW and the schedule; its history row.
         A non-finite loss or gradient stops the run before anything of the step is applied."""
         cfg = self.cfg
-        terms = student_terms(self.student, self.stream[self.step], self.teacher_pool,
-                              self.anchors, self.loss, cfg.lambda_p1, cfg.lambda_p2,
-                              cfg.lambda_ns)
+        terms = student_terms(self.student, self.stream[self.step], self.teacher_pool, self.anchors,
+                              self.loss, cfg.lambda_p1, cfg.lambda_p2, cfg.lambda_ns)
         if not bool(torch.isfinite(terms["total"].detach())):
             raise ValueError(_diverged(self.step + 1, cfg, "the loss is not finite ("
                                        + _terms(terms) + ")", self.saved, self.state_path))
@@ -468,8 +464,7 @@ class _Training:
         name = "cot" if not (cfg.lambda_p1 or cfg.lambda_p2 or cfg.lambda_ns) else \
             f"p1={cfg.lambda_p1:g} p2={cfg.lambda_p2:g}" + (f" ns={cfg.lambda_ns:g}"
                                                             if cfg.lambda_ns else "")
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress,
-                   desc=f"distill {name}")
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc=f"distill {name}")
         t0 = time.perf_counter() - self.elapsed
         STOP["training"] = True
         try:

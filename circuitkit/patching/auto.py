@@ -101,6 +101,5 @@ def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetr
         return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
     base = res.corrupt if direction == "denoise" else res.clean
     exact_top, screen_top = top_cells(res.values - base, k), top_cells(screen.values - base, k)
-    return dict(k=k, estimator=estimator,
-                recall=len(set(exact_top) & set(screen_top)) / max(1, k),
+    return dict(k=k, estimator=estimator, recall=len(set(exact_top) & set(screen_top)) / max(1, k),
                 exact_top=[list(c) for c in exact_top], screen_top=[list(c) for c in screen_top])

@@ -16,19 +16,15 @@ each written once here, so the numbers can be checked by hand:
 
 * **pass-equivalent**: one prompt of ``seq`` tokens through the whole model; a backward counts 2.
 * **exact** (``exact_passes``): the suffix reruns plus 2 per prompt (the cached clean and corrupt
-  runs; paths: ``4 + n_senders``). The suffix is measured on the engine's chunk plan
-  (``chunk_suffix``: ``sweep.chunked``, same rows and length buckets as a real run, each chunk
-  costing ``rows x run_length x (L - l)`` token-blocks, divided by ``L x seq``) or summed over
-  cells (``cell_suffix``: ``n x sum_c d_c x read_share``, ``d_c`` the share of the model cell
-  ``c``'s patch reruns, ``read_share`` the prompts' tokens up to the metric's last read). A
-  head in layer ``l`` reruns ``d = (L - l) / L``: ``(L + 1) / 2`` per layer's cell
+  runs; paths: ``4 + n_senders``), the suffix measured on the engine's chunk plan
+  (``chunk_suffix``: as ``sweep.chunked`` cuts a real run) or summed over cells
+  (``cell_suffix``); a head in layer ``l`` reruns ``d = (L - l) / L`` of the model
   (``head_shares``).
 * **attribution**: its registry entry's passes per prompt (``estimators.costs``; AtP: 4) x ``n``.
 * **attribution then exact** (``hybrid_passes``): the screen's passes + the verified cells
-  (``hybrid_cells``) at their mean ``d`` per prompt + 2 per prompt (``verified_passes``: the
-  exact engine's cached runs).
-* **auto**: exact at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per prompt token
-  (``exact_flops_per_token``: ``2 x N x sum_c d_c``), else attribution+exact.
+  (``hybrid_cells``) at their mean ``d`` + 2 per prompt (``verified_passes``).
+* **auto** (``auto_method``): exact at or below ``AUTO_EXACT_MAX_FLOPS_PER_TOKEN`` FLOPs per
+  prompt token (``exact_flops_per_token``: ``2 x N x sum_c d_c``), else attribution+exact.
 * **FLOPs** per pass-equivalent: ``seq x (2 (N - V d) + 2 L H d_head seq)``: two per weight
   (``N`` parameters less the embedding lookup ``V d``) per token, plus causal attention (QK^T and
   AV over on average ``seq / 2`` keys, 2 FLOPs per multiply-add).
@@ -56,13 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from circuitkit.patching.estimators.costs import (  # noqa: F401  (their home before)
-    CostShape,
-    block_flop_shares,
-    block_screen_passes,
-    head_mlp_pays,
-    receiver_attn_passes,
-)
+from circuitkit.patching.estimators.costs import CostShape, block_flop_shares, receiver_attn_passes
 from circuitkit.patching.estimators.registry import REGISTRY
 from circuitkit.patching.inputs import check_top_k
 from circuitkit.patching.sweep import MAX_ROWS, Sweep, chunked, row_bytes
@@ -136,8 +126,7 @@ def hybrid_passes(screen: float, n: int, cells: float, mean_share: float) -> flo
 
 
 def hybrid_cells(n_cells: int, per_round: int, top_k: int | None,
-                 max_fraction: float = AUTO_MAX_FRACTION, recall_top: int = 10
-                 ) -> tuple[int, int]:
+                 max_fraction: float = AUTO_MAX_FRACTION, recall_top: int = 10) -> tuple[int, int]:
     """(expected, at most) cells attribution+exact verifies: ``top_k`` when given; else its
     rule's floor, the first round (``2 x per_round``: the calibration cells) and rounds until
     ``recall_top`` are verified, or ``AUTO_EXPECTED_FRACTION`` of the cells if more, capped at
@@ -461,14 +450,13 @@ def edge_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
 
     Exact: the engine's plan (length buckets as ``sweep.chunked`` cuts them, at most ``rows``
     sequences per forward); an edge into layer ``l`` reruns blocks ``l..L-1`` up to its bucket's
-    last read (the logits: one block's worth, the final norm and unembedding), plus one partial
-    run per (sender, receiver layer) through the receiving layer's norm and q/k/v projections
-    (counted as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop:
-    one full pass per head -> later head edge and prompt (it has no embeddings or logits).
-    Attribution: each edge estimator's registry entry; attribution+exact: the eap* screen + the
-    verified edges (``hybrid_cells``) x their mean ``d = max(1, L - l) / L`` + 2 per prompt.
-    Checks, time, GPUs and memory: ``basis``; ``results_bytes``: the per-prompt result tensor
-    (float32, every cell)."""
+    last read (the logits: one block's worth, the final norm and unembedding), plus one partial run
+    per (sender, receiver layer) through the receiving layer's norm and q/k/v projections (counted
+    as a third of a block), plus 2 passes per prompt (the cached runs). TL's loop: one full pass per
+    head -> later head edge and prompt (it has no embeddings or logits). Attribution: each edge
+    estimator's registry entry; attribution+exact: the eap* screen + the verified edges
+    (``hybrid_cells``) x their mean ``d = max(1, L - l) / L`` + 2 per prompt. Checks, time, GPUs and
+    memory: ``basis``; ``results_bytes``: the per-prompt result tensor (float32, every cell)."""
     o = plan_options(options)
     b = basis(arch, lengths, top_k=top_k, options=o)
     g, lengths, n, seq, L, rows, cost = b.g, b.lengths, b.n, b.seq, b.L, b.rows, b.cost
@@ -550,15 +538,13 @@ def path_plan(arch: Any, lengths: list[int], layout: Any, *, direction: str = "d
             runs = math.ceil(v / len(before) / per)  # chunks holding each sender's cells
             token_blocks += (p1 - p0) * c * (v * (L - layer) + runs * sum(
                 layer - sl for sl in before) + len(before) * layout.n_groups / 3)
-    p = price(Work(n, suffix=chunk_suffix(token_blocks, L, seq),
-                   cached=4 + len(layout.senders)))
+    p = price(Work(n, suffix=chunk_suffix(token_blocks, L, seq), cached=4 + len(layout.senders)))
     return dict(model=arch.name, n_params=arch.n_params, n_layers=L, n_heads=arch.n_heads,
                 n_senders=len(layout.senders), n_receivers=len(layout.receivers),
                 inputs=list(layout.inputs), n_groups=layout.n_groups, n_paths=sum(per_layer),
                 n_prompts=n, seq=seq, mean_tokens=sum(lengths) / n, direction=direction,
                 gpu=b.g.name, n_gpus=b.n_gpus,
-                methods={"exact": b.cost(p["passes"]["exact"],
-                                         rows=min(rows, max(per_layer) * n))})
+                methods={"exact": b.cost(p["passes"]["exact"], rows=min(rows, max(per_layer) * n))})
 
 
 def _check_inputs(gpu: str, lengths: Sequence[int], top_k: Any) -> None:

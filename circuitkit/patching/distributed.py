@@ -118,9 +118,8 @@ def init_replicas(gpus_per_replica: int = 1) -> ReplicaLayout:
 
 
 def rank_world() -> tuple[int, int]:
-    """(this process's share index, number of shares): (replica, replicas) after
-    ``init_replicas``; else (rank, world size), initialising the default process group under
-    torchrun if needed."""
+    """(this process's share index, number of shares): (replica, replicas) after ``init_replicas``;
+    else (rank, world size), initialising the default process group under torchrun if needed."""
     import torch.distributed as dist
 
     if _LAYOUT is not None:

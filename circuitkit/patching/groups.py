@@ -50,8 +50,7 @@ def is_groups(positions: Any) -> bool:
     return isinstance(positions, Tensor | dict | PositionGroups)
 
 
-def position_groups(positions: Any, clean: Tensor, real: Tensor | None = None
-                    ) -> PositionGroups:
+def position_groups(positions: Any, clean: Tensor, real: Tensor | None = None) -> PositionGroups:
     """``positions`` (a bool mask ``[batch, seq]`` or ``{name: mask}``) checked against the
     tokens ``clean`` ``[batch, seq]``: every mask bool of that shape, no group empty for every
     prompt, none at a position of a prompt's right padding (``real``: tokens before it, per
@@ -105,8 +104,6 @@ def summed_over(each: Any, groups: PositionGroups) -> Any:
         each.per_prompt.dtype)
     return PatchResult(values=pp.mean(0), clean=each.clean, corrupt=each.corrupt,
                        direction=each.direction, method=each.method, site=each.site,
-                       positions="groups", per_prompt=pp,
-                       clean_per_prompt=each.clean_per_prompt,
-                       corrupt_per_prompt=each.corrupt_per_prompt,
-                       axes=("layer", "head", "group"),
+                       positions="groups", per_prompt=pp, clean_per_prompt=each.clean_per_prompt,
+                       corrupt_per_prompt=each.corrupt_per_prompt, axes=("layer", "head", "group"),
                        meta=dict(each.meta, group_names=list(groups.names)))

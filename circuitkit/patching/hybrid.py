@@ -3,18 +3,15 @@
 An estimator screens every cell; the exact engine verifies cells, the ``top_k`` largest
 ``|estimate|`` or as many as the estimator's own error asks (``budget_rule``). Heads and edges
 differ only in their ``Screenable`` (built by ``HeadUnits.screenable`` / ``EdgeUnits.screenable``);
-everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays
-the rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the
-budget rule, the cost against an exact sweep, and running that sweep instead where the hybrid is
-predicted to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints
-too).
+everything else is here, once: the checkpoint (``checkpoint.HybridCheckpoint``: a rerun replays the
+rule on the stored numbers and picks the same cells), out-of-memory back-off, Ctrl-C, the budget
+rule, the cost against an exact sweep, and running that sweep instead where the hybrid is predicted
+to cost as much (``cost.price`` of ``Screenable.work``, which ``plan_patch`` prints too).
 
-Cost, in pass-equivalents (one prompt through the whole model; a backward counts 2), by
-``patching.cost``'s formulas: a verified cell re-runs the share ``d`` of the model downstream of
-it (heads ``(L - l) / L``, edges ``(L + 1 - l) / (L + 1)``), so ``verify = n (sum_verified d +
-2)`` (``cost.verified_passes``: the engine's two cached runs) and the exact sweep ``n
-read_share sum_all d + 2 n`` (``cost.cell_suffix``, ``cost.exact_passes``), each prompt up to its
-metric's last read (``read_share``).
+Cost (pass-equivalents, ``patching.cost``): a verified cell re-runs the share ``d`` of the
+model downstream of it (heads ``(L - l) / L``, edges ``(L + 1 - l) / (L + 1)``): ``verify = n
+(sum_verified d + 2)`` (``cost.verified_passes``), the exact sweep ``n read_share sum_all d + 2 n``
+(``cost.cell_suffix``, ``cost.exact_passes``).
 """
 
 from __future__ import annotations
@@ -50,10 +47,10 @@ class Screenable:
     verification of cell ``j`` re-runs (its cost per prompt and its error unit's depth factor).
     ``layer``: ``[C]``, the forward a cell shares with others. ``run(layer, cells, p0, p1)``:
     ``[len(cells), p1 - p0]`` exact metric values of prompts ``p0:p1``; ``rows``: sequences per
-    forward (halved on out-of-memory). ``per_round``: cells per
-    round of the budget rule (one layer's worth). ``screen_passes``: the screen's predicted cost
-    (before it runs). ``exact()``: the exact sweep, run instead where it is cheaper.
-    ``identity``: what a checkpoint must share (``HybridCheckpoint``)."""
+    forward (halved on out-of-memory). ``per_round``: cells per round of the budget rule (one
+    layer's worth). ``screen_passes``: the screen's predicted cost (before it runs). ``exact()``:
+    the exact sweep, run instead where it is cheaper. ``identity``: what a checkpoint must share
+    (``HybridCheckpoint``)."""
 
     kind: str
     screen: Callable[[], Any]
@@ -106,16 +103,14 @@ def check_rule(top_k: Any, max_passes: Any, recall_top: int, quantile: float,
 
 def screen_then_verify(units: Screenable, checkpoint: Any = None, *, top_k: int | None = None,
                        max_passes: float | None = None, batch_size: int | None = None,
-                       progress: bool = True, exact_when_cheaper: bool = True,
-                       **rule: Any) -> Any:
+                       progress: bool = True, exact_when_cheaper: bool = True, **rule: Any) -> Any:
     """Screen every cell of ``units``, verify by ``top_k`` or ``budget_rule``, and return the
     estimate with the verified cells exact (``place``). With the automatic budget and
-    ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its
-    ``hybrid`` entry) to cost at least the exact sweep runs the exact sweep instead
-    (``meta["hybrid"]["ran"] == "exact"``). Either way ``meta["hybrid"]`` says what ran and
-    why, ``meta["timing"]`` the seconds of each part, and with ``progress`` one line on stderr
-    says what was verified, why it stopped and the cost against exact's; a run that costs more
-    than the exact sweep says so (a warning)."""
+    ``exact_when_cheaper``, a hybrid predicted (``cost.price`` of ``units.work()``: its ``hybrid``
+    entry) to cost at least the exact sweep runs the exact sweep instead (``meta["hybrid"]["ran"] ==
+    "exact"``). Either way ``meta["hybrid"]`` says what ran and why, ``meta["timing"]`` the seconds
+    of each part, and with ``progress`` one line on stderr says what was verified, why it stopped
+    and the cost against exact's; a run that costs more than the exact sweep says so (a warning)."""
     budget = cost.Budget(top_k, max_passes, **dict(RULE, **rule))
     t_start = time.perf_counter()
     guess = cost.price(units.work(), budget)["hybrid"]
@@ -177,9 +172,8 @@ def _say(progress: bool, line: str) -> None:
 
 def _verified(units: Screenable, store: HybridCheckpoint | None, budget: cost.Budget,
               batch_size: int | None, progress: bool) -> Any:
-    """The screen (stored or run), then the verification (``budget.top_k`` or
-    ``budget_rule``), each verified cell stored as its forward finishes; cost and budget in
-    ``meta``."""
+    """The screen (stored or run), then the verification (``budget.top_k`` or ``budget_rule``), each
+    verified cell stored as its forward finishes; cost and budget in ``meta``."""
     top_k, max_passes = budget.top_k, budget.max_passes
     est = store.load_screen(units.result_type) if store is not None else None
     if est is None:
@@ -230,9 +224,8 @@ def _verified(units: Screenable, store: HybridCheckpoint | None, budget: cost.Bu
                  verify_seconds=time.perf_counter() - t0, reused_cells=len(v.reused),
                  rows_per_forward=v.rows if units.metric.per_prompt_values else max(v.rows, n),
                  oom_backoffs=v.backoffs)
-    said = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k,
-                max_passes=max_passes, error_scale=k_err, tau=tau, stopped=stopped,
-                rounds=rounds, **budget.rule())
+    said = dict(rule="top_k" if top_k is not None else "auto", top_k=top_k, max_passes=max_passes,
+                error_scale=k_err, tau=tau, stopped=stopped, rounds=rounds, **budget.rule())
     error_unit = torch.full(est.values.shape, float("nan"))  # (NaN: no cell)
     error_unit[at] = scale
     return place(est, units.index, v.order, v.exact_pp[v.order], dict(

@@ -61,14 +61,12 @@ def check_tokens(clean: Tensor, corrupt: Tensor, model: Any = None) -> tuple[Ten
             raise ValueError(f"{name} must be 2-D [batch, seq] (or one 1-D prompt); got shape "
                              f"{tuple(t.shape)}.")
     if clean.shape != corrupt.shape:
-        raise ValueError(
-            f"clean_tokens {tuple(clean.shape)} and corrupt_tokens {tuple(corrupt.shape)} must "
-            "have the same shape [batch, seq]; pad both to one length (task.clean_tokens and "
-            "task.corrupt_tokens already are).")
+        raise ValueError(f"clean_tokens {tuple(clean.shape)} and corrupt_tokens "
+                         f"{tuple(corrupt.shape)} must have the same shape [batch, seq]; pad both "
+                         "to one length (task.clean_tokens and task.corrupt_tokens already are).")
     if clean.shape[0] == 0 or clean.shape[1] == 0:
-        raise ValueError(f"clean_tokens and corrupt_tokens are empty (shape "
-                         f"{tuple(clean.shape)}); a sweep needs at least one prompt of at least "
-                         "one token.")
+        raise ValueError(f"clean_tokens and corrupt_tokens are empty (shape {tuple(clean.shape)}); "
+                         "a sweep needs at least one prompt of at least one token.")
     low = int(min(clean.min(), corrupt.min()))
     if low < 0:
         raise ValueError(f"token ids must be >= 0; got {low}. Negative ids usually mean padding "
@@ -277,11 +275,10 @@ def check_edge_model(model: Any) -> None:
     for layer in range(hooks.facts(model).n_layers):
         post = hooks.post_norm(model, layer, "attn")
         if post is not None:
-            raise ValueError(
-                f"blocks.{layer} normalises its attention output before the residual add "
-                f"({type(post).__name__}, a post-attention norm as in Gemma 2): a head's "
-                "residual write is not z @ W_O there, so edges are not defined on this model; "
-                "patch heads (patch_heads) instead.")
+            raise ValueError(f"blocks.{layer} normalises its attention output before the residual "
+                             f"add ({type(post).__name__}, a post-attention norm as in Gemma 2): a "
+                             "head's residual write is not z @ W_O there, so edges are not defined "
+                             "on this model; patch heads (patch_heads) instead.")
 
 
 # Methods whose estimate is a gradient of the metric (``auto`` screens only when it does not
@@ -405,19 +402,17 @@ def check_padding(clean: Tensor, corrupt: Tensor, pm: Any, real: Tensor | None,
         return
     if runs is None or _reads_padding(pm, real, runs):
         seen = "" if runs is None else ", and its values change with the logits at the padding"
-        raise ValueError(
-            f"{head}, and metric {pm.name!r} reads positions that are unknown (it is not "
-            f"differentiable, or reads everywhere){seen}, so its values may follow pad tokens. "
-            f"{fix}")
+        raise ValueError(f"{head}, and metric {pm.name!r} reads positions that are unknown (it is "
+                         f"not differentiable, or reads everywhere){seen}, so its values may "
+                         f"follow pad tokens. {fix}")
 
 
 def check_left_padding(clean: Tensor, corrupt: Tensor, pad_id: int | None) -> None:
-    """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad
-    tokens are attended to and shift its positions, and its values are not the unpadded
-    prompt's (up to 0.49 logits off, as issue 49 measured); a metric reading there reads pad
-    tokens. Left padding: a prompt's leading run of ``pad_id`` (in clean or corrupt) longer
-    than the shortest such run of any prompt (a run every prompt starts with, e.g. a BOS that
-    is also the pad token, is text)."""
+    """Refuse left-padded prompts: sweeps pass no attention mask, so a prompt's leading pad tokens
+    are attended to and shift its positions, and its values are not the unpadded prompt's (up to
+    0.49 logits off, as issue 49 measured); a metric reading there reads pad tokens. Left padding: a
+    prompt's leading run of ``pad_id`` (in clean or corrupt) longer than the shortest such run of
+    any prompt (a run every prompt starts with, e.g. a BOS that is also the pad token, is text)."""
     if pad_id is None:
         return
     lead = torch.zeros(clean.shape[0], dtype=torch.long)
@@ -468,11 +463,10 @@ def checked_metric(model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
     and the note says so; ``engine_checks``: left to the exact engine's cached runs,
     ``ReadsDoNotHold``), and right padding the metric would read refused (``check_padding``).
 
-    ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``)
-    runs the unpatched model: once per token set, only for probed metrics (unless
-    ``engine_checks``) or right-padded prompts under a metric whose reads are unknown;
-    ``logits_of=False``: never (the probe's reads stand, unknown reads on padded prompts are
-    refused)."""
+    ``logits_of(tokens) -> [batch, seq, vocab]`` (default ``model_logits(model, batch_size)``) runs
+    the unpatched model: once per token set, only for probed metrics (unless ``engine_checks``) or
+    right-padded prompts under a metric whose reads are unknown; ``logits_of=False``: never (the
+    probe's reads stand, unknown reads on padded prompts are refused)."""
     pm.check_reads(clean.shape[1])  # every position the metric reads exists
     pad = pad_token_id(model)
     check_left_padding(clean, corrupt, pad)

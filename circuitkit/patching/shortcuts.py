@@ -163,12 +163,11 @@ def run_until(model: Any, layer: int, x: Tensor, names: Sequence[str], block_ari
 
 
 def native_norms(model: Any, layer: int, keep: Sequence[str] = ()) -> list[tuple[Any, Any]]:
-    """The norms of blocks ``layer..`` and the final norm as their wrapped HF module's own
-    forward. A bridge norm computes the normalisation twice (once for its hook points, once
-    by HF, bit-identical); with no hook on it the first pass is wasted: ~10% of a small
-    model's suffix forward. Norms with a hook attached, holding a hook point named in
-    ``keep`` (hooks about to be attached, e.g. a cache's), or without a wrapped module keep
-    theirs."""
+    """The norms of blocks ``layer..`` and the final norm as their wrapped HF module's own forward.
+    A bridge norm computes the normalisation twice (once for its hook points, once by HF,
+    bit-identical); with no hook on it the first pass is wasted: ~10% of a small model's suffix
+    forward. Norms with a hook attached, holding a hook point named in ``keep`` (hooks about to be
+    attached, e.g. a cache's), or without a wrapped module keep theirs."""
     kept = {id(model.hook_dict.get(name)) for name in keep}
     out = []
     norms = [getattr(b, name, None) for b in list(model.blocks)[layer:] for name in ("ln1", "ln2")]

@@ -142,8 +142,7 @@ def chunked(sweep: Sweep, rows: int, lengths: list[int] | None = None) -> Sweep:
             for v in range(0, sweep.variants_at(layer), step):
                 for p0 in range(0, n, rows):
                     chunks.append(Chunk(layer, v, v + step, p0, min(p0 + rows, n)))
-    return replace(sweep, chunks=tuple(chunks),
-                   lengths=None if lengths is None else tuple(lengths))
+    return replace(sweep, chunks=tuple(chunks), lengths=None if lengths is None else tuple(lengths))
 
 
 def bucket_split(lengths: list[int]) -> int | None:
@@ -172,8 +171,7 @@ def length_order(metric: PromptMetric) -> tuple[Tensor | None, list[int] | None]
 # --- memory sizing ----------------------------------------------------------------------------
 
 
-def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int,
-              elem: int) -> int:
+def row_bytes(d_model: int, d_mlp: int, n_heads: int, d_vocab: int, seq: int, elem: int) -> int:
     """Rough peak bytes of one sequence of ``seq`` tokens in a no-grad forward, ``elem`` bytes
     per element: one block's activations (``8 d_model + 3 d_mlp`` per token), its attention
     scores/probabilities (``3 n_heads seq``) and the logits (``3 d_vocab``), times 1.5 for
@@ -201,9 +199,8 @@ def model_devices(model: Any) -> list[torch.device]:
 
 
 def available_bytes(device: torch.device | list[torch.device]) -> int:
-    """Free memory usable by activations: a share of free GPU memory (the smallest over the
-    GPUs a split model uses: a forward's activations pass through each of them) or of the
-    available RAM."""
+    """Free memory usable by activations: a share of free GPU memory (the smallest over the GPUs a
+    split model uses: a forward's activations pass through each of them) or of the available RAM."""
     devices = device if isinstance(device, list) else [device]
     gpus = [d for d in devices if d.type == "cuda"]
     if gpus:
@@ -242,11 +239,10 @@ EMBED_NODE, logits_node = hooks.EMBED_NODE, hooks.logits_node  # (their home: ho
 @dataclass(frozen=True)
 class EdgeLayout:
     """Which edges an edge sweep patches (``senders``, ``EMBED_NODE`` first when present;
-    ``receivers``, ``logits_node`` last when present; ``inputs``, "q", "k", "v"; docs/edges.md)
-    and how they become a sweep's variants: its "layers" are the receiver layers
-    ``0..n_layers`` (``n_layers``: the logits), a variant of layer ``l`` one edge into it, laid
-    out sender-major, then input, then head (``cells``), so a chunk's variants share few
-    senders."""
+    ``receivers``, ``logits_node`` last when present; ``inputs``, "q", "k", "v"; docs/edges.md) and
+    how they become a sweep's variants: its "layers" are the receiver layers ``0..n_layers``
+    (``n_layers``: the logits), a variant of layer ``l`` one edge into it, laid out sender-major,
+    then input, then head (``cells``), so a chunk's variants share few senders."""
 
     n_layers: int
     n_heads: int
@@ -354,15 +350,14 @@ def make_path_sweep(layout: PathLayout, direction: str, tokens: Tensor, metric: 
 @dataclass(frozen=True, eq=False)
 class SetLayout:
     """Which head sets a head-set sweep patches, each set's heads together (``HeadSetUnits``,
-    ``ExactEngine.run_head_sets``): ``sets``, each sorted ``(layer, head)`` pairs, in the
-    caller's order; where (``site``: "z" or "pattern") and what their heads get (``source``,
-    ``exact.head_sets.HEAD_SET_SOURCES``;
-    ``seed``: the resample pairing's); the metrics read on every patched run besides the
-    sweep's own (``metrics``, per-prompt ``PromptMetric``s). The sweep's "layers" are the sets'
-    lowest layers (the empty set's: the last one, as ``run_head_sets`` groups them); a variant
-    of layer ``l`` is one (set starting at ``l``, metric) pair, set-major, the sweep's own
-    metric first: ``v = j * n_reads + m`` for the ``j``-th set of ``at(l)``. A chunk holds
-    whole sets (``Sweep.per_patch``)."""
+    ``ExactEngine.run_head_sets``): ``sets``, each sorted ``(layer, head)`` pairs, in the caller's
+    order; where (``site``: "z" or "pattern") and what their heads get (``source``,
+    ``exact.head_sets.HEAD_SET_SOURCES``; ``seed``: the resample pairing's); the metrics read on
+    every patched run besides the sweep's own (``metrics``, per-prompt ``PromptMetric``s). The
+    sweep's "layers" are the sets' lowest layers (the empty set's: the last one, as
+    ``run_head_sets`` groups them); a variant of layer ``l`` is one (set starting at ``l``, metric)
+    pair, set-major, the sweep's own metric first: ``v = j * n_reads + m`` for the ``j``-th set of
+    ``at(l)``. A chunk holds whole sets (``Sweep.per_patch``)."""
 
     n_layers: int
     sets: tuple[tuple[tuple[int, int], ...], ...]
@@ -405,9 +400,8 @@ class SetLayout:
 
 def make_set_sweep(model: Any, layout: SetLayout, direction: str, tokens: Tensor,
                    metric: PromptMetric) -> Sweep:
-    """The unplanned ``Sweep`` of a head-set layout: kind "heads" at the layout's site (the
-    engine's head-site caches), positions "all", one "layer" per lowest layer
-    (``SetLayout``)."""
+    """The unplanned ``Sweep`` of a head-set layout: kind "heads" at the layout's site (the engine's
+    head-site caches), positions "all", one "layer" per lowest layer (``SetLayout``)."""
     f = hooks.facts(model)
     n, seq = tokens.shape
     site = layout.site

@@ -96,8 +96,7 @@ def causal_frame(n_layers: int, n_heads: int, sweeps: dict[tuple[int, str], Any]
             col = norm[..., g].flatten().numpy()
             df[f"p{p}_{d}_{name}"] = col
             helpful = pd.Series(-col if d == "noise" else col)
-            df[f"p{p}_{d}_rank_{name}"] = helpful.rank(ascending=False, method="min"
-                                                       ).astype(int)
+            df[f"p{p}_{d}_rank_{name}"] = helpful.rank(ascending=False, method="min").astype(int)
         info[f"phase{p}"] = dict(
             metric=tp.metric.name, n_prompts=len(tp), clean=float(res.clean),
             corrupt=float(res.corrupt), gap=float(res.gap), degenerate=bool(res.degenerate),

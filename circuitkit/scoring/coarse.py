@@ -135,8 +135,7 @@ def evidence_normalised(rows: Float[Tensor, "N H S"], valid: Bool[Tensor, "N S"]
     note's ``n_ev`` evidence words (NaN where ``n_ev`` is 0)."""
     n = n_evidence.to(rows.device).double()
     c = concentration(rows, valid).double()
-    return torch.where(n[:, None] > 0, c * n[:, None], torch.full_like(c, math.nan)
-                       ).to(rows.dtype)
+    return torch.where(n[:, None] > 0, c * n[:, None], torch.full_like(c, math.nan)).to(rows.dtype)
 
 
 def group_mass(rows: Float[Tensor, "N H S"], own: Float[Tensor, "N S"],

@@ -121,8 +121,7 @@ def _correct_anchor(task: Task, e: Any, j: int, tok2anchor: dict[int, int]) -> i
 
 def _padded(rows: Sequence[Sequence[int]]) -> Int[Tensor, "n k"]:
     """``rows`` as one [n, longest] tensor (at least 1 wide), padded with -1."""
-    out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1,
-                     dtype=torch.long)
+    out = torch.full((len(rows), max([len(r) for r in rows], default=0) or 1), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
     return out
@@ -223,10 +222,9 @@ def plan_queries(task: Task, examples: list[Any], seq: int) -> QueryPlan:
         return torch.stack(x) if x else torch.zeros(0, seq)
 
     return QueryPlan(ids(b1), ids(q1), ids(a1), torch.tensor(w1), ids(b2), ids(q2),
-                     torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt),
-                     rows(skeys), _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys),
-                     _padded(sibtok), rows(sibkeys), rows(okeys),
-                     torch.tensor(o_ok, dtype=torch.bool))
+                     torch.tensor(w2), rows(tkeys), rows(nkeys), ids(tt), _padded(nt), rows(skeys),
+                     _padded(kpos), _padded(ktok), rows(ekeys), rows(akeys), _padded(sibtok),
+                     rows(sibkeys), rows(okeys), torch.tensor(o_ok, dtype=torch.bool))
 
 
 def margin_directions(W_U: Float[Tensor, "D V"], target_tok: Int[Tensor, " N"],
@@ -258,8 +256,7 @@ def anchor_mode(task: Task, mode: str) -> str:
     distinguishing tokens, without a hierarchy)."""
     if mode != "auto":
         if mode not in ("tokens", "labels"):
-            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'labels' or "
-                             "'tokens'.")
+            raise ValueError(f"anchor_directions={mode!r}; expected 'auto', 'labels' or 'tokens'.")
         return mode
     have = set(task.label_anchor.tolist())
     return "labels" if all(a in have for a in range(len(task.anchor_token_ids))) else "tokens"
@@ -291,9 +288,8 @@ def auto_batch(model: Any, seq: int) -> int:
 
 
 class _PerExample:
-    """Per-example sums of one component: ``num`` [E, L, H] and ``den`` [E] (the weights of the
-    rows where it is defined); ``means()`` gives the example means and which examples have
-    any."""
+    """Per-example sums of one component: ``num`` [E, L, H] and ``den`` [E] (the weights of the rows
+    where it is defined); ``means()`` gives the example means and which examples have any."""
 
     def __init__(self, n_examples: int, L: int, H: int):
         self.num = torch.zeros(n_examples, L, H, dtype=torch.float64)
@@ -396,14 +392,13 @@ def _check_inputs(model: Any, task: Task, batch_size: int | None, k: int, n_boot
 
 @dataclass
 class _Frame:
-    """What every batch of ``score_heads`` is read in, fixed per model and task: ``L`` layers
-    of ``H`` heads; ``source`` (``write_source``) with ``W_O`` (per layer [H, d_head, D]; None
-    for "result") and ``kv_of`` [H] (the KV head each query head reads); ``W_U`` [D, V]; the
-    anchor reading ``mode`` (``anchor_mode``) with its directions ``U[mode]`` and
-    ``U["tokens"]`` [D, A] and ``centroids`` (Phase 1 only); the final norm ``norm`` (kind,
-    weight, eps) and its module ``ln_module`` (Phase 2 only); ``post`` (layer -> its
-    post-attention norm); ``seq`` (positions run: a causal model stops after the last one
-    read) and ``names`` (the hooks cached)."""
+    """What every batch of ``score_heads`` is read in, fixed per model and task: ``L`` layers of
+    ``H`` heads; ``source`` (``write_source``) with ``W_O`` (per layer [H, d_head, D]; None for
+    "result") and ``kv_of`` [H] (the KV head each query head reads); ``W_U`` [D, V]; the anchor
+    reading ``mode`` (``anchor_mode``) with its directions ``U[mode]`` and ``U["tokens"]`` [D, A]
+    and ``centroids`` (Phase 1 only); the final norm ``norm`` (kind, weight, eps) and its module
+    ``ln_module`` (Phase 2 only); ``post`` (layer -> its post-attention norm); ``seq`` (positions
+    run: a causal model stops after the last one read) and ``names`` (the hooks cached)."""
 
     device: torch.device
     L: int
@@ -660,8 +655,7 @@ def _add_key_parts(acc: dict[str, _PerExample], fr: _Frame, cache: Any, lay: int
     for c, keys in (("", ok), ("_targets", p2.key_t), ("_near_misses", p2.key_m),
                     ("_siblings", p2.key_sib)):
         e_sum, mass = refine.attended_sum(at_keys, own, keys)
-        acc["ov_copy" + c].add(lay, ex, e_sum / mass.clamp(min=1e-30),
-                               plan.w2 * keys.any(-1).cpu())
+        acc["ov_copy" + c].add(lay, ex, e_sum / mass.clamp(min=1e-30), plan.w2 * keys.any(-1).cpu())
     for c, keys in (("refine_score", ok), ("margin_from_targets", p2.key_t),
                     ("margin_from_near_misses", p2.key_m)):
         acc[c].add(lay, ex, refine.attended_sum(at_keys, gain, keys)[0], plan.w2)
@@ -689,8 +683,7 @@ def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: in
     scores = _scores(mean, shortlist)
     layer, head = torch.meshgrid(torch.arange(L), torch.arange(H), indexing="ij")
     flat = {c: v.reshape(-1).numpy() for c, v in {**mean, **scores}.items()}
-    df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(),
-                           **flat))
+    df = pd.DataFrame(dict(layer=layer.reshape(-1).numpy(), head=head.reshape(-1).numpy(), **flat))
     df["refine_near_down"] = df["refine_score"] - df["refine_target_up"]
     df["evidence_mass_own_excess"] = df["evidence_mass_own"] - df["evidence_mass_own_null"]
     if not shortlist:  # nothing to re-attend to: the paper's product is undefined, not 0
@@ -702,10 +695,9 @@ def _head_table(per_ex: dict[str, tuple[Tensor, Tensor]], shortlist: bool, L: in
 
 
 def _add_ranks(df: Any) -> None:
-    """``phase1_rank`` (by coarse_score), ``phase2_rank`` (refine_score) and
-    ``phase1_rank_tokens`` (coarse_score_tokens): 1 = highest (``ranks``); empty for a phase
-    the task has no steps for. A score equal on every head is warned about: its ranks are
-    (layer, head) order, not a finding."""
+    """``phase1_rank`` (by coarse_score), ``phase2_rank`` (refine_score) and ``phase1_rank_tokens``
+    (coarse_score_tokens): 1 = highest (``ranks``); empty for a phase the task has no steps for. A
+    score equal on every head is warned about: its ranks are (layer, head) order, not a finding."""
     import pandas as pd
 
     for phase, col in ((1, "coarse_score"), (2, "refine_score"), (1, "coarse_score_tokens")):
@@ -801,11 +793,10 @@ def sharpness_nulls(rows1: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _scores(mean: dict[str, Tensor], shortlist: bool = True) -> dict[str, Tensor]:
-    """coarse_score (both anchor readings), loopback and refine_score from the components'
-    means (any leading shape: one per bootstrap resample). Without a shortlist in the task
-    (``shortlist`` False), loopback is NaN and refine_score is margin_widening; without per-key
-    writes (no ``W_O``: refine_score NaN), refine_score is ``shortlist_share *
-    margin_widening``."""
+    """coarse_score (both anchor readings), loopback and refine_score from the components' means
+    (any leading shape: one per bootstrap resample). Without a shortlist in the task (``shortlist``
+    False), loopback is NaN and refine_score is margin_widening; without per-key writes (no ``W_O``:
+    refine_score NaN), refine_score is ``shortlist_share * margin_widening``."""
     out: dict[str, Tensor] = {}
     if "sharpness" in mean:
         out["coarse_score"] = coarse.coarse_score(mean["sharpness"], mean["anchor_alignment"])
@@ -1008,7 +999,6 @@ def _check_norm(model: Any, x: Tensor, norm: tuple[str, Tensor, float]) -> None:
     theirs = inner(x).float()
     err = float((mine - theirs).abs().max())
     if err > 1e-3 * max(1.0, float(theirs.abs().max())):
-        raise ValueError(
-            f"margin_widening: the final norm ({type(inner).__name__}) differs from its "
-            f"{norm[0].upper()} form by {err:.2e}; this architecture's final norm is not "
-            "supported (please report it).")
+        raise ValueError(f"margin_widening: the final norm ({type(inner).__name__}) differs from "
+                         f"its {norm[0].upper()} form by {err:.2e}; this architecture's final norm "
+                         "is not supported (please report it).")

@@ -213,8 +213,7 @@ def key_preference_null(at_entries: Float[Tensor, "R H K"], n_entries: Int[Tenso
     shortlist entries (entry order; ``n_entries`` valid per row): the null reads
     ``positional_null``'s row with the same row's target / near-miss entries."""
     real, ok = key_preference(at_entries, target_entries, near_entries)
-    null, _ = key_preference(positional_null(at_entries, n_entries), target_entries,
-                             near_entries)
+    null, _ = key_preference(positional_null(at_entries, n_entries), target_entries, near_entries)
     return real, null, ok
 
 

@@ -139,8 +139,7 @@ def _block_attn(model, layer, site, a_src, r_pre, r_mid, kwargs, g_post, positio
             total = dr + _mlp_change(model, layer, r_mid, dr)
             eff.append(einsum(total, g_post, "b p c m, b p m -> b c"))
     eff_all = torch.cat(eff, dim=1)  # [b, copies]
-    return eff_all if positions == "all" else einops.rearrange(eff_all, "b (h p) -> b h p",
-                                                               p=seq)
+    return eff_all if positions == "all" else einops.rearrange(eff_all, "b (h p) -> b h p", p=seq)
 
 
 def _batch_block(model, base, src, stash_base, stash_src, site, positions, at):
@@ -168,8 +167,7 @@ def _batch_block(model, base, src, stash_base, stash_src, site, positions, at):
             e, s = _block_z(model, layer, a_s - a_b, r_mid, g_post[layer], positions, a_raw)
         else:
             e = _block_attn(model, layer, site, a_s, kept[pres[layer]].detach(), r_mid,
-                            capture.kwargs[layer], g_post[layer], positions, base.shape[0],
-                            a_raw)
+                            capture.kwargs[layer], g_post[layer], positions, base.shape[0], a_raw)
             s = _site_scale(a_s - a_b, a_b, site, positions)
         eff.append(e)
         scale.append(s)

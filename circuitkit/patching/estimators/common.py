@@ -82,8 +82,7 @@ def _head_writes(model: Any, layer: int, dz: Tensor, a_raw: dict[int, Tensor] | 
     post-attention norm ``n`` (Gemma 2), ``n(a + dz_h W_O[h]) - n(a)`` with ``a`` the base run's
     attention output (``a_raw[layer]``, [b, pos, d_model])."""
     W_O = model.blocks[layer].attn.W_O.detach()  # [h, d_head, d_model]
-    return _residual_write(model, layer, einops.einsum(dz, W_O, "b p h d, h d m -> b p h m"),
-                           a_raw)
+    return _residual_write(model, layer, einops.einsum(dz, W_O, "b p h d, h d m -> b p h m"), a_raw)
 
 
 def _residual_write(model: Any, layer: int, dr: Float[Tensor, "b pos c d_model"],
@@ -154,8 +153,7 @@ def _grad_run(model: Any, tokens: Tensor, stash: _MetricStash, keep: Sequence[st
 
 def _grads(obj: Tensor, kept: dict[str, Tensor], names: Sequence[str], retain: bool
            ) -> list[Tensor]:
-    got = torch.autograd.grad(obj, [kept[n] for n in names], retain_graph=retain,
-                              allow_unused=True)
+    got = torch.autograd.grad(obj, [kept[n] for n in names], retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(kept[n]) if g is None else g for n, g in zip(names, got, strict=True)]
 
 

@@ -53,9 +53,8 @@ def block_flop_shares(d_model: int, d_mlp: int, d_head: int, n_heads: int, n_kv_
 
 def head_mlp_pays(positions: int, heads: int, d_model: int) -> bool:
     """Whether the block estimator's all-heads MLP formula (``patching/exact/head_mlp.py``; its
-    virtual
-    weights cost ``d_model`` positions' worth of input projections per layer and call) beats one
-    MLP call per head, at ``positions`` positions per call."""
+    virtual weights cost ``d_model`` positions' worth of input projections per layer and call) beats
+    one MLP call per head, at ``positions`` positions per call."""
     return positions * heads > 2 * d_model
 
 

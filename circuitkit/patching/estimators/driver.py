@@ -49,8 +49,7 @@ def run_batches(model: Any, metric: PromptMetric, base_all: Tensor, src_all: Ten
             idx = torch.arange(start, min(start + bs, n))
             at = None if reads is None else reads[idx].to(device)
             b = Batch(model, base_all[idx].to(device), src_all[idx].to(device),
-                      _MetricStash(metric, idx, at), _MetricStash(metric, idx, at), idx, at,
-                      start)
+                      _MetricStash(metric, idx, at), _MetricStash(metric, idx, at), idx, at, start)
             out = batch_fn(b)
             effects.append(out.effects.detach().float().cpu())
             scales.append(out.scale.detach().float().cpu())

@@ -147,8 +147,7 @@ class EdgeJob:
         return self.estimator == "eap*"
 
 
-def edge_job(model: Any, layout: Any, est: str, m: int, tokens: Tensor, progress: bool
-             ) -> EdgeJob:
+def edge_job(model: Any, layout: Any, est: str, m: int, tokens: Tensor, progress: bool) -> EdgeJob:
     """The ``EdgeJob`` of estimating ``layout``'s edges by ``est`` on prompts like ``tokens``."""
     L = layout.n_layers
     r_index = layout.receiver_index()
@@ -192,9 +191,8 @@ def batch(job: EdgeJob, b: Batch) -> BatchOut:
                        float("nan"))
     scale = torch.full(score.shape[1:], float("nan"))
     for group in job.groups:
-        grads = _edge_grads(model, base, b.stash_base, b.idx, b.at, job.grad_names,
-                            job.estimator, job.ig_steps, group, b_acts, s_acts,
-                            split=not job.exact_receiver)
+        grads = _edge_grads(model, base, b.stash_base, b.idx, b.at, job.grad_names, job.estimator,
+                            job.ig_steps, group, b_acts, s_acts, split=not job.exact_receiver)
         mine = [s for s, (sl, _) in enumerate(layout.senders)
                 if group is None or max(sl, -1) == group]
         layers = [*job.recv_layers, *([L] if job.logits else [])]

@@ -53,8 +53,7 @@ def _batch_graddrop(model, base, src, stash_base, stash_src, site, positions, at
     raws = _raw_attn_names(model) if site == "z" else []
     mask, gates = _gates(model, L)
     with _lean(model, at):
-        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *raws],
-                              extra=gates)
+        obj, kept = _grad_run(model, base, stash_base, [*site_names, *mids, *raws], extra=gates)
         src_acts = _plain_run(model, src, stash_src, site_names)
     deltas = [src_acts[n] - kept[n].detach() for n in site_names]
 

@@ -36,8 +36,7 @@ def _batch_ig(model, base, src, stash_base, stash_src, site, positions, at, ig_s
             alpha = (k + 0.5) / ig_steps
             obj, kept = _grad_run(model, base, _MetricStash(stash_base.metric, torch.arange(
                 base.shape[0]), stash_base.at), site_names, embed=e_b + alpha * (e_s - e_b))
-            for acc, g in zip(mean_grad, _grads(obj, kept, site_names, retain=False),
-                              strict=True):
+            for acc, g in zip(mean_grad, _grads(obj, kept, site_names, retain=False), strict=True):
                 acc += g / ig_steps
     a_raw = {hooks.layer_of(n): b_acts[n] for n in raws}
     eff, scale = [], []

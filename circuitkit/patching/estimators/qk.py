@@ -28,8 +28,7 @@ ATP_STAR_SITES = ("z", "q", "k")
 EXACT_TAIL_CHUNK = 512
 
 
-def _atp_star_qk_own(model, layer, site, a_src, r_base, kwargs, g_pat, positions,
-                     batch) -> Tensor:
+def _atp_star_qk_own(model, layer, site, a_src, r_base, kwargs, g_pat, positions, batch) -> Tensor:
     """AtP* for site q/k: exact own-layer pattern change, dotted with dm/dpattern.
 
     Returns [b, h] or [b, h, pos] (h = heads at ``site``).
@@ -169,8 +168,7 @@ class LayerStep:
     tail_correction: bool = False
 
 
-def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
-                   ) -> list[LayerStep]:
+def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool) -> list[LayerStep]:
     """The per-layer plan of ``attribution_patch_heads`` (see ``LayerStep``)."""
     last = n_layers - 1
     if not atp_star and not exact_tail:
@@ -180,8 +178,7 @@ def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
     # site z: downstream patterns of every later layer, except the last when the exact tail
     # runs it (the tail subsumes that layer's Q/K fix)
     qk_layers = range(1, last if exact_tail else n_layers) if atp_star else range(0)
-    return [LayerStep(layer,
-                      own="exact_tail" if exact_tail and layer == last else "linear",
+    return [LayerStep(layer, own="exact_tail" if exact_tail and layer == last else "linear",
                       downstream_qk=tuple(lp for lp in qk_layers if lp > layer),
                       tail_correction=exact_tail and layer < last)
             for layer in range(n_layers)]

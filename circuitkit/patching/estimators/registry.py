@@ -78,9 +78,8 @@ ENTRIES = (
     Estimator("block", "heads", block.batch, costs.block_passes,
               "the head's own block exactly, the rest linear",
               reruns={"z": ("mlp",), "other": ("attn", "mlp")}),
-    Estimator("qk", "heads", atp.batch, costs.qk_passes,
-              "AtP*'s Q/K fix: softmax effects exact", sites=ATP_STAR_SITES,
-              reruns=_QK_RERUNS, needs=("pattern_grad",), qk=True),
+    Estimator("qk", "heads", atp.batch, costs.qk_passes, "AtP*'s Q/K fix: softmax effects exact",
+              sites=ATP_STAR_SITES, reruns=_QK_RERUNS, needs=("pattern_grad",), qk=True),
     Estimator("graddrop", "heads", graddrop.batch, costs.graddrop_passes,
               "AtP*'s GradDrop: mean magnitude over dropped blocks", per_prompt=False),
     Estimator("atp*", "heads", graddrop.batch_atp_star, costs.atp_star_passes,
@@ -89,8 +88,7 @@ ENTRIES = (
     Estimator("ig", "heads", ig.batch, costs.ig_passes,
               "integrated gradients along the embedding path", ig=True),
     Estimator("eap", "edges", eap.batch, costs.eap_passes,
-              "sender write . gradient at the receiver's own input copy",
-              sites=("q", "k", "v"),
+              "sender write . gradient at the receiver's own input copy", sites=("q", "k", "v"),
               needs=("split_qkv",)),
     Estimator("eap-ig-inputs", "edges", eap.batch, costs.eap_ig_inputs_passes,
               "eap's gradient averaged over interpolated token embeddings",
@@ -138,13 +136,12 @@ def estimator_passes(model: Any, estimator: str, site: str, positions: str, seq:
     site z)."""
     f = hooks.facts(model)
     s_attn, s_mlp = block_shares(model, seq)
-    shape = costs.CostShape(
-        n_layers=f.n_layers, n_heads=f.n_heads,
-        copies=f.n_heads_at(site) * (seq if positions == "each" else 1), site=site,
-        s_attn=s_attn, s_mlp=s_mlp, ig_steps=ig_steps, exact_tail=exact_tail,
-        positions_per_call=batch and batch * seq,
-        d_model=f.d_model if head_mlp.covers(model) else None,
-        gated=bool(getattr(model.cfg, "gated_mlp", False)))
+    shape = costs.CostShape(n_layers=f.n_layers, n_heads=f.n_heads,
+                            copies=f.n_heads_at(site) * (seq if positions == "each" else 1),
+                            site=site, s_attn=s_attn, s_mlp=s_mlp, ig_steps=ig_steps,
+                            exact_tail=exact_tail, positions_per_call=batch and batch * seq,
+                            d_model=f.d_model if head_mlp.covers(model) else None,
+                            gated=bool(getattr(model.cfg, "gated_mlp", False)))
     return REGISTRY[estimator].passes(shape)
 
 

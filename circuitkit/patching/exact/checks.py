@@ -61,10 +61,9 @@ def evaluate_metric(metric: PromptMetric, logits: Tensor, what: str,
 
 
 def _non_finite(metric: PromptMetric, out: Tensor) -> str:
-    """Which of ``out`` (one value per row) are NaN/inf, in words: how many, and the first by
-    its prompt and (rows tiled variant-major, ``metric.select(prompts * n_variants)``) its
-    variant within the call, with its value (the first 8 values, before: often none of them
-    the bad one)."""
+    """Which of ``out`` (one value per row) are NaN/inf, in words: how many, and the first by its
+    prompt and (rows tiled variant-major, ``metric.select(prompts * n_variants)``) its variant
+    within the call, with its value (the first 8 values, before: often none of them the bad one)."""
     bad = (~torch.isfinite(out)).nonzero()[:, 0].tolist()
     i = bad[0]
     idx = metric.prompt_idx

@@ -35,13 +35,11 @@ class ExactEngine(HeadSetRuns):
     """Caches the base/source runs once, then computes any chunk of a ``Sweep``.
 
     ``fast``: use the fast path (``patching/exact/__init__.py``'s docstring); ``None`` = after
-    checking
-    it on a probe.
+    checking it on a probe.
     """
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
-                 sweep: Sweep,
-                 fast: bool | None = None, rows: int | None = None):
+                 sweep: Sweep, fast: bool | None = None, rows: int | None = None):
         self._bind(model, clean, corrupt, metric, sweep)
         L = sweep.n_layers
         site = hooks.layer_site if sweep.kind == "layers" else hooks.head_site
@@ -70,8 +68,7 @@ class ExactEngine(HeadSetRuns):
             self._check_head_axis()
             self.W_O = [b.attn.W_O.detach() for b in model.blocks] \
                 if self.attn_cached and sweep.site == "z" else []
-            self.attn_at_rows = shortcuts.supports_attention_at_rows(
-                model.blocks[L - 1].attn)
+            self.attn_at_rows = shortcuts.supports_attention_at_rows(model.blocks[L - 1].attn)
             self.fast = self._fast_path_agrees() if fast is None else fast
         self._mean_z: dict[int, Tensor] = {}  # mean_z per layer, computed on first use
         self._whole_site_base: list[Tensor] | None = None  # (_site_base_to_length)
@@ -185,10 +182,9 @@ class ExactEngine(HeadSetRuns):
         if got != sw.n_units:
             raise ValueError(
                 f"site={sw.site!r}: the model's activation has {got} heads on the head axis but "
-                f"its cfg implies {sw.n_units} (n_key_value_heads="
-                f"{hooks.facts(self.model).n_kv_heads}). The cfg lacks correct GQA info; set "
-                f"model.cfg.n_key_value_heads = {got}, or "
-                "patch site='z' or 'q'.")
+                f"its cfg implies {sw.n_units} "
+                f"(n_key_value_heads={hooks.facts(self.model).n_kv_heads}). The cfg lacks correct "
+                f"GQA info; set model.cfg.n_key_value_heads = {got}, or patch site='z' or 'q'.")
 
     @property
     def clean_metric(self) -> Tensor:
@@ -288,8 +284,7 @@ class ExactEngine(HeadSetRuns):
         cells = [sw.variant(v) for v in variants]
         if sw.positions == "all":
             heads = torch.tensor([h for h, _ in cells], device=W_O.device)
-            view += einops.einsum(dz[:, :, heads], W_O[heads],
-                                  "b pos v dh, v dh dm -> v b pos dm")
+            view += einops.einsum(dz[:, :, heads], W_O[heads], "b pos v dh, v dh dm -> v b pos dm")
         elif sw.positions == "groups":  # each head's write at its group's positions only
             heads = torch.tensor([h for h, _ in cells], device=W_O.device)
             masks = self._group_masks(variants, p0, p1, length, dz.device)  # [v, b, pos]
@@ -335,11 +330,10 @@ class ExactEngine(HeadSetRuns):
                                at=None if at is None else at.repeat(n_v, 1)).view(n_v, n_p)
 
     def length_split(self, p0: int, p1: int) -> int | None:
-        """For a metric without per-prompt values (its chunks hold every prompt): a prompt
-        index splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``,
-        as ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the
-        logits are not read at known positions (full-length logits of two buckets would not
-        join)."""
+        """For a metric without per-prompt values (its chunks hold every prompt): a prompt index
+        splitting ``p0:p1`` (sorted by length) into two forwards (``sweep.bucket_split``, as
+        ``sweep.chunked`` splits chunks for per-prompt metrics); None otherwise, or when the logits
+        are not read at known positions (full-length logits of two buckets would not join)."""
         if self.reads is None or p1 - p0 < 4 or self.sweep.split_prompts or not self.causal:
             return None  # (a per-prompt metric's chunks are already length buckets: sweep.chunked)
         need = (self.reads[p0:p1].max(1).values + 1).tolist()
@@ -446,8 +440,7 @@ class ExactEngine(HeadSetRuns):
         attn = mlp = None
         if not self.attn_cached:  # resid_pre: the patch is the restart point
             src = self._span(self.src[layer], p0, p1, length, site=True, layer=layer)
-            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants,
-                                              length))
+            x = pack.gather(self._write_patch(resid[0].repeat(n_v, 1, 1), src, variants, length))
         else:
             x = pack.gather_prompts(resid[0])
             attn = pack.gather(self._attn_output(layer, variants, p0, p1, length))

@@ -237,8 +237,7 @@ class FusedLlama:
         out = self.linear(z_base.flatten(-2), b.o).repeat(len(inputs), 1, 1)
         view = out.view(len(inputs), *resid.shape)
         for name in sorted(set(inputs)):
-            rows = torch.tensor([i for i, n in enumerate(inputs) if n == name],
-                                device=resid.device)
+            rows = torch.tensor([i for i, n in enumerate(inputs) if n == name], device=resid.device)
             s, u = sender.to(rows.device)[rows], unit.to(rows.device)[rows]  # [m]
             if name == "q":  # head u alone, with its KV head's base keys and values
                 heads = u[:, None]  # [m, 1]
@@ -528,8 +527,7 @@ class Packing:
     def spread(self, per_read: Tensor) -> Tensor:
         """Values at the distinct reads ``[N, ...]`` -> at every read ``[R, k, ...]``."""
         inverse = self._get("read_inverse", per_read.device)
-        return per_read.index_select(0, inverse.flatten()).view(*inverse.shape,
-                                                                *per_read.shape[1:])
+        return per_read.index_select(0, inverse.flatten()).view(*inverse.shape, *per_read.shape[1:])
 
     def gather(self, dense: Tensor) -> Tensor:
         """Dense rows ``[R, seq, ...]`` -> packed tokens ``[T, ...]``."""

@@ -172,11 +172,10 @@ def head_mlp(model: Any, layer: int) -> HeadMLP | None:
                              b.detach().to(dtype) if isinstance(b, Tensor) else None)
                  if t is not None]
         bWs.append(sum(terms[1:], terms[0]) if terms else None)
-    return HeadMLP(
-        centered=norm == "LN", eps=float(getattr(model.cfg, "eps", 1e-5)), dtype=dtype,
-        gamma=gamma, W_O=W_O.to(dtype),
-        V=[einops.einsum(W_O, gamma, W, "h d m, m, m f -> h d f") for W in Ws], W=Ws,
-        gW=[(gamma @ W).to(dtype) for W in Ws], bW=bWs, W_out=W_out, act=act)
+    return HeadMLP(centered=norm == "LN", eps=float(getattr(model.cfg, "eps", 1e-5)), dtype=dtype,
+                   gamma=gamma, W_O=W_O.to(dtype),
+                   V=[einops.einsum(W_O, gamma, W, "h d m, m, m f -> h d f") for W in Ws], W=Ws,
+                   gW=[(gamma @ W).to(dtype) for W in Ws], bW=bWs, W_out=W_out, act=act)
 
 
 def _parts(model: Any, layer: int) -> tuple | None:

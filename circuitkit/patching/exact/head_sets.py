@@ -1,10 +1,7 @@
 """Head sets patched together (``ck.HeadSetUnits``: causal validation, ablation, the cumulative
-bins): ``HeadSetRuns``, the part of ``ExactEngine`` (``patching/exact/engine.py``) that writes
-whole head sets' ``z`` in one run, from the source run or, for ablations of the base run, zeros,
-the mean base ``z`` or another prompt's base ``z`` (``HEAD_SET_SOURCES``; another prompt:
-``derangement``, the one seeded pairing, also ``ck.circuit``'s resample; a head-set sweep pairs
-its prompts once, ``resample_pairing``). Hooked, or fused and packed on a Llama-form model once
-checked against the hooked path (``engine_checks``). A head-set sweep's chunks:
+bins): ``HeadSetRuns``, the ``ExactEngine`` mixin behind ``run_head_sets`` (what a set's heads
+get: ``HEAD_SET_SOURCES``; another prompt's base ``z``: ``derangement``, also ``ck.circuit``'s
+resample, or a sweep's ``resample_pairing``). A head-set sweep's chunks:
 ``set_engine.HeadSetEngine``."""
 
 from __future__ import annotations
@@ -73,7 +70,6 @@ def resample_pairing(n: int, seed: int) -> Tensor:
         kept = kept[:-1] + [n] if len(kept) > 1 else [0, n]
     return torch.cat([derangement(b - a, seed + a) + a
                       for a, b in zip(kept[:-1], kept[1:], strict=True)])
-
 
 
 class HeadSetRuns:
@@ -170,9 +166,8 @@ class HeadSetRuns:
         if source not in HEAD_SET_SOURCES:
             raise ValueError(f"source={source!r}; expected one of {list(HEAD_SET_SOURCES)}.")
         if sw.site != "z" and source != "source":
-            raise ValueError(f"source={source!r} ablates z; an engine built for site "
-                             f"{sw.site!r} patches the source run's {sw.site} only "
-                             "(source='source').")
+            raise ValueError(f"source={source!r} ablates z; an engine built for site {sw.site!r} "
+                             f"patches the source run's {sw.site} only (source='source').")
         if source == "resample" and p1 - p0 < 2 and self._pairing is None:
             raise ValueError(f"source='resample' takes each prompt's z from another prompt; "
                              f"prompts {p0}:{p1} hold {p1 - p0}. Pass at least 2.")
@@ -287,9 +282,8 @@ class HeadSetRuns:
             pack = self._packing(range(n_g), p0, p1)
         else:
             reads = self.reads[p0:p1].cpu().repeat(n_g, 1)
-            pack = fused.Packing(torch.zeros(n_g * n_p, dtype=torch.long),
-                                 reads.max(1).values + 1, torch.arange(n_p).repeat(n_g), reads,
-                                 length)
+            pack = fused.Packing(torch.zeros(n_g * n_p, dtype=torch.long), reads.max(1).values + 1,
+                                 torch.arange(n_p).repeat(n_g), reads, length)
         token_row = pack.dense_of(torch.device("cpu")) // pack.seq  # [T]
         x = None
         for j in range(start, L):

@@ -108,8 +108,7 @@ class PathEngine(ExactEngine):
         copies = torch.stack([resid + sent[s] * (1.0 if groups is None else groups.masks[g][
             p0:p1, :length, None].to(resid)) for s, g in pairs])  # [n_pairs, n_p, pos, d]
         names = [hooks.head_site(i, layer) for i in self.layout.inputs]
-        got = shortcuts.run_until(self.model, layer, copies.flatten(0, 1), names,
-                                  self.block_arity)
+        got = shortcuts.run_until(self.model, layer, copies.flatten(0, 1), names, self.block_arity)
         heads = torch.tensor([self.layout.receivers[r][1] for r in cells[:, 2].tolist()])
 
         def write(name: str):

@@ -19,11 +19,10 @@ from circuitkit.patching.sweep import Chunk, Sweep
 
 
 class HeadSetEngine(ExactEngine):
-    """``ExactEngine`` whose chunks are head sets (module docstring). ``fast=None``: a z sweep on
-    a Llama-form model with no hook attached probes the fast path (then its sets run fused and
-    packed, once ``_head_sets_agree``); any other takes the hooked path without a probe (its sets
-    gain nothing else from the fast path). A resample sweep pairs its prompts once
-    (``resample_pairing``), whatever the chunks."""
+    """``ExactEngine`` whose chunks are head sets (module docstring). ``fast=None``: only a z
+    sweep on an unhooked Llama-form model probes the fast path (its sets run fused and packed once
+    ``_head_sets_agree``); any other runs hooked (it gains nothing else from the fast path). A
+    resample sweep pairs its prompts once (``resample_pairing``), whatever the chunks."""
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep, fast: bool | None = None, rows: int | None = None):
