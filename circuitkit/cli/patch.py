@@ -24,8 +24,8 @@ from circuitkit.cli.console import (
 from circuitkit.cli.format import (
     _describe_auto,
     _describe_scale,
+    _estimate_label,
     _info_text,
-    _mark_estimates,
     _model_list,
     _table,
 )
@@ -144,7 +144,7 @@ def patch(
                         phase=the_task.phase, split=split, seed=seed)
         with _errors_as_lines(OSError):  # a full disk: the rerun resumes from the checkpoint
             written = res.save(out / "result")
-            estimate = _mark_estimates(res, written)
+            estimate = _estimate_label(res)
         _print_patch(a, res, what, metric, len(clean), estimate, written)
 
 
@@ -385,7 +385,7 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
         res.meta.update(model_name=a.model, task=a.task, n_examples=len(clean),
                         phase=the_task.phase, split=a.split, seed=a.seed)
         written = res.save(a.out / "edges")
-        res.estimate = _mark_estimates(res, written)
+        res.estimate = _estimate_label(res)
         circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=a.ablation,
                           batch_size=a.batch_size, progress=a.progress) if a.circuit else None
         if circ is not None:
