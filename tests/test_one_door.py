@@ -52,3 +52,56 @@ def test_a_saved_estimate_says_so_in_its_csv_as_written(tmp_path, monkeypatch):
                 assert frame["estimate"].tolist() == (~frame["verified"]).tolist()
                 assert 0 < int((~frame["estimate"]).sum()) <= 3
             assert sum(w.endswith(f"/{method}/edges.csv") for w in writes) == 1
+
+
+def test_edge_coverage_comes_from_the_sweeps_own_engine_and_checkpoint(tmp_path, monkeypatch):
+    """An exact edge sweep's ``meta["coverage"]`` is measured by its own engine, as chunks of
+    its own sweep (no second engine: ``PathEngine`` is never built), with the values the
+    separate node runs give (``paths.edge_coverage``); its node chunks are checkpointed, and a
+    checkpoint written before node chunks existed still resumes to the same coverage."""
+    from circuitkit.patching.exact import edges as exact_edges
+    from circuitkit.patching.exact.paths import PathEngine
+    from circuitkit.patching.paths import edge_coverage
+    from circuitkit.patching.sweep import make_edge_sweep
+
+    model = make_model(TINY_LLAMA)
+    clean, corrupt = _pair(n=6)
+    nodes = dict(senders=["embed", (0, 1), (1, 2)], receivers=[(1, 0), (2, 1), "logits"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random weights
+        want = ck.patch_edges(model, clean, corrupt, margin, **nodes,
+                              options=dict(progress=False, batch_size=4))
+        by_hand = edge_coverage(model, clean, corrupt, margin, want)
+
+        def refused(*a, **k):
+            raise AssertionError("a second engine was built for the coverage")
+
+        monkeypatch.setattr(PathEngine, "__init__", refused)
+        for key in ("L0H1", "L1H2", "overall"):
+            assert abs(want.meta["coverage"][key] - by_hand[key]) <= 1e-5 * max(
+                1, abs(by_hand[key]))
+        ckpt = tmp_path / "ck"
+        got = ck.patch_edges(model, clean, corrupt, margin, **nodes,
+                             options=dict(progress=False, batch_size=4, checkpoint=ckpt))
+        assert got.meta["coverage"] == want.meta["coverage"]
+        import json
+
+        plan = json.loads((ckpt / "header.json").read_text())["chunks"]
+        node_chunks = [i for i, c in enumerate(plan) if c[0] == 4]  # layer L + 1 (L = 3)
+        assert len(node_chunks) == 4  # 2 head senders x prompts 0:4, 4:6
+        assert all((ckpt / f"chunk_{i:06d}.safetensors").exists() for i in node_chunks)
+        again = ck.patch_edges(model, clean, corrupt, margin, **nodes,
+                               options=dict(progress=False, batch_size=4, checkpoint=ckpt))
+        assert again.meta["coverage"] == want.meta["coverage"]
+        # a folder an older circuitkit wrote: its plan has no node chunks
+        monkeypatch.setattr(exact_edges, "edge_sweep", make_edge_sweep)
+        old = tmp_path / "old"
+        ck.patch_edges(model, clean, corrupt, margin, **nodes,
+                       options=dict(progress=False, batch_size=4, checkpoint=old))
+        monkeypatch.undo()
+        monkeypatch.setattr(PathEngine, "__init__", refused)
+        resumed = ck.patch_edges(model, clean, corrupt, margin, **nodes,
+                                 options=dict(progress=False, batch_size=4, checkpoint=old))
+        assert torch.equal(resumed.values.nan_to_num(), want.values.nan_to_num())
+        for key in ("L0H1", "L1H2", "overall"):
+            assert abs(resumed.meta["coverage"][key] - want.meta["coverage"][key]) <= 1e-6

@@ -113,8 +113,10 @@ def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
 def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
                    batch_size: int | None) -> Any:
     """An edge result with ``meta["coverage"]``: the share of each head sender's node effect
-    its edges explain (``paths.edge_coverage``; one forward per sender and batch)."""
-    if isinstance(units, EdgeUnits) and any(s[0] >= 0 for s in res.senders):
+    its edges explain. An exact sweep states it (its own node runs, ``exact.run_edges``); an
+    estimate's is measured here (``paths.edge_coverage``: one forward per sender and batch)."""
+    if isinstance(units, EdgeUnits) and "coverage" not in res.meta \
+            and any(s[0] >= 0 for s in res.senders):
         from circuitkit.patching.paths import edge_coverage
 
         res.meta["coverage"] = edge_coverage(model, clean, corrupt, pm, res, batch_size)
