@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import pandas as pd
+import pytest
 import torch
 from tinymodels import TINY_LLAMA, make_model
 
@@ -105,3 +106,40 @@ def test_edge_coverage_comes_from_the_sweeps_own_engine_and_checkpoint(tmp_path,
         assert torch.equal(resumed.values.nan_to_num(), want.values.nan_to_num())
         for key in ("L0H1", "L1H2", "overall"):
             assert abs(resumed.meta["coverage"][key] - want.meta["coverage"][key]) <= 1e-6
+
+
+def test_circuit_runs_take_the_exact_road(tmp_path, monkeypatch):
+    """``ck.circuit``'s ablated runs are chunks of ``run_sweep`` (``CircuitEngine``): a stopped
+    run resumes from its checkpoint to the same curve, another ablation in the same folder is
+    refused, and the numbers are those of a run without checkpoint."""
+    from circuitkit.patching.exact.circuits import CircuitEngine
+
+    model = make_model(TINY_LLAMA)
+    clean, corrupt = _pair(n=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random weights
+        edges = ck.patch_edges(model, clean, corrupt, margin, senders=["embed", (0, 1), (1, 2)],
+                               options=dict(progress=False))
+        kw = dict(sizes=[0.1, 0.5, 1.0], ablation="resample")
+        opts = dict(progress=False, n_boot=20, batch_size=4, checkpoint=tmp_path / "ck")
+        calls, real = [], CircuitEngine.run_chunk
+
+        def failing(self, chunk):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(self, chunk)
+
+        monkeypatch.setattr(CircuitEngine, "run_chunk", failing)
+        with pytest.raises(KeyboardInterrupt):
+            ck.circuit(model, (clean, corrupt, margin), edges, **kw, options=opts)
+        monkeypatch.setattr(CircuitEngine, "run_chunk", real)
+        assert len(list((tmp_path / "ck").glob("chunk_*.safetensors"))) >= 2
+        resumed = ck.circuit(model, (clean, corrupt, margin), edges, **kw, options=opts)
+        fresh = ck.circuit(model, (clean, corrupt, margin), edges, **kw,
+                           options=dict(opts, checkpoint=None))
+        assert torch.equal(resumed.faithfulness, fresh.faithfulness)
+        assert resumed.intervals == fresh.intervals and resumed.full == fresh.full
+        with pytest.raises(ValueError, match="different sweep.*ablation"):
+            ck.circuit(model, (clean, corrupt, margin), edges, sizes=kw["sizes"],
+                       ablation="zero", options=opts)

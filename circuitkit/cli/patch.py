@@ -370,7 +370,8 @@ def edges(
 
 def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
     """(edge result, circuit or None, files written): ``ck.patch_edges`` (exact: checkpointed
-    in ``OUT/checkpoints/edges``), then ``ck.circuit``; Ctrl-C says what was kept."""
+    in ``OUT/checkpoints/edges``), then ``ck.circuit`` (in ``OUT/checkpoints/circuit``); Ctrl-C
+    says what was kept."""
     import circuitkit as ck
 
     ckpt = (a.out / "checkpoints" / "edges" if a.checkpoint and a.method != "attribution"
@@ -387,13 +388,15 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
         written = res.save(a.out / "edges")
         res.estimate = _estimate_label(res)
         circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=a.ablation,
-                          batch_size=a.batch_size, progress=a.progress) if a.circuit else None
+                          options=dict(batch_size=a.batch_size, progress=a.progress,
+                                       checkpoint=None if ckpt is None else ckpt.parent
+                                       / "circuit")) if a.circuit else None
         if circ is not None:
             written += _save_circuit(circ, a.out)
     except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
         _fail(_message(e))
     except KeyboardInterrupt:
-        _interrupted(f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+        _interrupted(f"finished chunks are in {ckpt.parent}. Resume with the same command:\n  "
                      f"{_same_command(ctx)}" if ckpt is not None else "nothing was saved.")
     return res, circ, written
 
