@@ -143,3 +143,21 @@ def test_circuit_runs_take_the_exact_road(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="different sweep.*ablation"):
             ck.circuit(model, (clean, corrupt, margin), edges, sizes=kw["sizes"],
                        ablation="zero", options=opts)
+
+
+def test_the_models_facts_are_taken_once_at_the_check(monkeypatch):
+    """One ``ck.patch_edges`` asks ``hooks.facts(model)`` at most 8 times (13 before issue 53:
+    a second engine for the coverage, the units' layout and meta asking again, the engine
+    re-checking the model); none of them per layer (a 3-layer model: fewer calls than a
+    per-layer question would make alone)."""
+    from circuitkit import hooks
+
+    model = make_model(TINY_LLAMA)
+    clean, corrupt = _pair()
+    real, calls = hooks.facts, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random weights
+        ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))  # warm
+        monkeypatch.setattr(hooks, "facts", lambda m: (calls.append(1), real(m))[1])
+        ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
+    assert 0 < len(calls) <= 8

@@ -39,11 +39,11 @@ def circuit_sweep(n_circuits: int, tokens: Tensor, metric: PromptMetric) -> Swee
                  metric.per_prompt_values)
 
 
-def circuit_rows(model: Any, length: int) -> int:
+def circuit_rows(model: Any, length: int, f: Any = None) -> int:
     """Sequences per forward of a circuit run: ``auto_rows`` over the split inputs' share (a
     residual copy per head and input, ``(n_heads + 2 n_kv) x`` a block's residual, and the
-    circuit masks' corrections as much again)."""
-    f = hooks.facts(model)
+    circuit masks' corrections as much again). ``f``: the model's facts, if taken already."""
+    f = f or hooks.facts(model)
     d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
     per_row = max(1, (2 * (f.n_heads + 2 * f.n_kv_heads) * f.d_model) // (8 * f.d_model
                                                                         + 3 * d_mlp) + 1)
@@ -62,7 +62,7 @@ class CircuitEngine(ExactEngine):
         self._bind(model, clean, corrupt, metric, sweep)  # base: clean[:, :length]
         self.graph, self.kept, self.ablation = circuits.graph, circuits.kept, circuits.ablation
         self.fast, self.forwards = False, 0  # (hooked runs: no fast path to probe)
-        self.rows = rows or circuit_rows(model, self.length)
+        self.rows = rows or circuit_rows(model, self.length, circuits.facts)
         names = [hooks.resid_pre(0), *(hooks.z(la) for la in range(self.graph.n_layers))]
         with torch.no_grad():
             self.block_arity, _ = shortcuts.output_arity(model, self.base)

@@ -20,7 +20,6 @@ from circuitkit.patching.exact import fused
 from circuitkit.patching.exact.checks import _within_fast_path_tol
 from circuitkit.patching.exact.engine import ExactEngine
 from circuitkit.patching.exact.nodes import NodeRuns, node_sweep
-from circuitkit.patching.inputs import check_edge_model
 from circuitkit.patching.sweep import Sweep, auto_rows, make_edge_sweep
 
 
@@ -47,7 +46,7 @@ class EdgeEngine(NodeRuns, ExactEngine):
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):
-        check_edge_model(model)
+        # (the model is the entry's, checked there once: EdgeUnits.checked, check_edge_model)
         self._bind(model, clean, corrupt, metric, sweep)
         self.layout, self.rows = layout, rows or auto_rows(model, self.length)
         self.node_senders = node_senders(layout)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -74,7 +74,7 @@ class CircuitRuns(NamedTuple):
     forwards: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CircuitUnits:
     """The circuits of ``ck.circuit``: each row of ``kept`` (bool ``[n_circuits, n_items]``)
     keeps those items of ``graph`` (a ``results.CircuitGraph``), every other scored item is
@@ -85,6 +85,7 @@ class CircuitUnits:
     kept: Bool[Tensor, "c n_items"]
     ablation: str = "corrupt"
     seed: int = 0
+    facts: Any = field(default=None, compare=False, repr=False)  # the model's, once checked
     kind: ClassVar[str] = "circuits"
     axes: ClassVar[tuple[str, ...]] = ("circuit",)
 
@@ -96,12 +97,13 @@ class CircuitUnits:
                     engine_checks=False)
 
     def checked(self, model: Any, clean: Tensor, corrupt: Tensor) -> CircuitUnits:
-        """No post-norm block (``check_edge_model``); resample needs another prompt."""
+        """No post-norm block (``check_edge_model``); resample needs another prompt; the
+        model's facts, taken once here and carried."""
         check_edge_model(model)
         if self.ablation == "resample" and clean.shape[0] < 2:
             raise ValueError("ablation='resample' takes another prompt's writes: it needs at "
                              "least 2 prompts.")
-        return self
+        return replace(self, facts=hooks.facts(model))
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint of these circuits must share beyond the sweep's (the model, tokens,
@@ -124,9 +126,9 @@ class CircuitUnits:
             perm = derangement(n, self.seed)
             if order is not None:
                 perm = torch.argsort(order)[perm[order]]
-        causal = hooks.facts(model).causal
-        length = seq if lengths is None or not causal else max(lengths)
-        rows = opts.batch_size or circuit_rows(model, length)
+        f = self.facts or hooks.facts(model)
+        length = seq if lengths is None or not f.causal else max(lengths)
+        rows = opts.batch_size or circuit_rows(model, length, f)
         swept = run_sweep(model, clean, corrupt, pm, circuit_sweep(len(self.kept), clean, pm), rows,
                           opts.checkpoint, opts.progress,
                           make_engine=functools.partial(CircuitEngine, circuits=self, perm=perm),
