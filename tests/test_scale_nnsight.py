@@ -145,7 +145,7 @@ def test_nnsight_takes_the_one_road(bridge, lm, tmp_path, monkeypatch):
 def test_a_remote_model_is_fingerprinted_by_its_hub_id(lm):
     """On NDIF the weights stay there (the meta device here): the fingerprint a checkpoint
     checks is the hub id's and revision's, and the entry never reads real logits."""
-    from circuitkit.patching.checkpoint import model_fingerprint
+    from circuitkit.identity import model_fingerprint
     from circuitkit.patching.exact.nnsight import NnsightModel
 
     remote = NnsightModel(lm, remote=True)
