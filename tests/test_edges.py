@@ -604,17 +604,17 @@ def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypa
 
     monkeypatch.setattr(EdgeEngine, "run_chunk", failing)
     with pytest.raises(KeyboardInterrupt):
-        ck.patch_edges(tiny_llama, clean, corrupt, margin, options=kw)
+        ck.patch_edges(tiny_llama, clean, corrupt, margin, **kw)
     monkeypatch.setattr(EdgeEngine, "run_chunk", real)
     stored = sorted((tmp_path / "ck").glob("chunk_*.safetensors"))
     assert len(stored) >= 3  # the memory probe's chunk and those finished before the stop
-    resumed = ck.patch_edges(tiny_llama, clean, corrupt, margin, options=kw)
+    resumed = ck.patch_edges(tiny_llama, clean, corrupt, margin, **kw)
     fresh = ck.patch_edges(tiny_llama, clean, corrupt, margin,
                            options=dict(progress=False, batch_size=6))
     assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
     assert resumed.meta["coverage"] == fresh.meta["coverage"]  # (node runs: chunks too)
     with pytest.raises(ValueError, match="different sweep"):  # other edges, same folder
-        ck.patch_edges(tiny_llama, clean, corrupt, margin, inputs=("q",), options=kw)
+        ck.patch_edges(tiny_llama, clean, corrupt, margin, inputs=("q",), **kw)
 
 
 @pytest.mark.parametrize("kw, match", [

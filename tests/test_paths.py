@@ -249,17 +249,17 @@ def test_a_path_sweep_takes_the_one_road(tmp_path, monkeypatch):
 
     monkeypatch.setattr(PathEngine, "run_chunk", failing)
     with pytest.raises(KeyboardInterrupt):
-        ck.patch(model, clean, corrupt, _metric, units, options=kw)
+        ck.patch(model, clean, corrupt, _metric, units, **kw)
     monkeypatch.setattr(PathEngine, "run_chunk", real)
     assert len(sorted((tmp_path / "ck").glob("chunk_*.safetensors"))) >= 2
-    resumed = ck.patch(model, clean, corrupt, _metric, units, options=kw)
+    resumed = ck.patch(model, clean, corrupt, _metric, units, **kw)
     fresh = ck.patch_paths(model, clean, corrupt, _metric, [(0, 1), (1, 2)],
                            [(1, 0), (2, 3), (2, 1)], positions=units.positions,
                            options=dict(batch_size=4, progress=False))
     assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
     assert resumed.meta["coverage"] == fresh.meta["coverage"]
     with pytest.raises(ValueError, match="different sweep"):
-        ck.patch(model, clean, corrupt, _metric, ck.PathUnits([(0, 1)], [(1, 0)]), options=kw)
+        ck.patch(model, clean, corrupt, _metric, ck.PathUnits([(0, 1)], [(1, 0)]), **kw)
     with pytest.raises(ValueError, match="paths are patched exactly only"):
         ck.patch(model, clean, corrupt, _metric, units, method="attribution")
     with pytest.raises(ValueError, match="padded with pad token id"):  # the entry checks tokens
