@@ -161,3 +161,58 @@ def test_the_models_facts_are_taken_once_at_the_check(monkeypatch):
         monkeypatch.setattr(hooks, "facts", lambda m: (calls.append(1), real(m))[1])
         ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
     assert 0 < len(calls) <= 8
+
+
+RANK = """
+import os, sys, warnings
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+import torch
+from tinymodels import TINY_LLAMA, make_model
+import circuitkit as ck
+model = make_model(TINY_LLAMA)
+g = torch.Generator().manual_seed(0)
+clean = torch.randint(0, 64, (5, 8), generator=g)
+corrupt = torch.randint(0, 64, (5, 8), generator=g)
+res = ck.patch_edges(model, clean, corrupt, lambda lg: lg[:, -1, 3] - lg[:, -1, 5],
+                     senders=["embed", (0, 1), (1, 2)], receivers=[(2, 0), "logits"],
+                     options=dict(progress=False, batch_size=2, checkpoint=sys.argv[2]))
+res.save(sys.argv[1] + "/rank" + os.environ["RANK"])
+"""
+
+
+def test_edge_coverage_splits_over_ranks(tmp_path):
+    """Under torchrun the node runs are chunks like the edges': split over the ranks, merged,
+    and every rank states the single process's coverage."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK.format(tests=str(Path(__file__).parent)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "ckpt")],
+        env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    model = make_model(TINY_LLAMA)
+    clean, corrupt = _pair(n=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DegenerateBaselineWarning)  # random weights
+        single = ck.patch_edges(model, clean, corrupt, margin, senders=["embed", (0, 1), (1, 2)],
+                                receivers=[(2, 0), "logits"],
+                                options=dict(progress=False, batch_size=2))
+        for r in range(2):
+            sharded = ck.EdgeResult.load(tmp_path / f"rank{r}")
+            assert sharded.meta["world"] == 2
+            assert torch.equal(sharded.values.nan_to_num(), single.values.nan_to_num())
+            for key, v in single.meta["coverage"].items():
+                assert abs(sharded.meta["coverage"][key] - v) <= 1e-6 * max(1, abs(v))
