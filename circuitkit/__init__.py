@@ -26,7 +26,7 @@ _EXPORTS = {
         "PathUnits", "HeadSetUnits", "PatchOptions", "MethodOptions", "patch_heads",
         "patch_layers", "plan_patch",
         "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
-        "CircuitResult")},
+        "CircuitOptions", "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.experiments.validation:validate_heads",
     "ablate_heads": "circuitkit.experiments.validation:ablate_heads",

@@ -66,14 +66,14 @@ def test_signed_rank_keeps_the_helpful_edges_first_in_both_directions(planted, d
     come first, the 2 prev-token edges (negative alone) do not."""
     model, task, edges = planted
     res = edges[direction]
-    circ = ck.circuit(model, task, res, rank="signed", progress=False, n_boot=0)
+    circ = ck.circuit(model, task, res, rank="signed", options=dict(progress=False, n_boot=0))
     effects = [e["effect"] for e in circ.items]
     sign = 1 if direction == "denoise" else -1
     assert all(sign * a >= sign * b for a, b in zip(effects, effects[1:], strict=False))
     first = {(e["sender"], e["receiver"], e["input"]) for e in circ.items[:5]}
     if direction == "noise":
         assert first == PLANTED
-        abs_circ = ck.circuit(model, task, res, rank="abs", progress=False, n_boot=0)
+        abs_circ = ck.circuit(model, task, res, rank="abs", options=dict(progress=False, n_boot=0))
         assert circ.cpr == pytest.approx(abs_circ.cpr, abs=1e-5)  # (1e-5: float32 runs)
     else:
         three = {(e["sender"], e["receiver"], e["input"]) for e in circ.items[:3]}
@@ -91,11 +91,11 @@ def test_share_of_the_gap_is_stated_for_a_partial_candidate_set(planted, tmp_pat
     model, task, edges = planted
     clean = _unhooked(model, task.clean_tokens, task.metric)
     corrupt = _unhooked(model, task.corrupt_tokens, task.metric)
-    whole = ck.circuit(model, task, edges["denoise"], progress=False, n_boot=20)
+    whole = ck.circuit(model, task, edges["denoise"], options=dict(progress=False, n_boot=20))
     assert whole.share == pytest.approx(1.0, abs=1e-5)
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                           senders=[COPY_HEAD], receivers=[INDUCTION], options=dict(progress=False))
-    circ = ck.circuit(model, task, part, progress=False, n_boot=50)
+    circ = ck.circuit(model, task, part, options=dict(progress=False, n_boot=50))
     assert circ.share == pytest.approx((circ.full - circ.empty) / (clean - corrupt), abs=1e-5)
     assert circ.full == pytest.approx(clean, abs=1e-5)
     assert circ.corrupt == pytest.approx(corrupt, abs=1e-5)
@@ -113,7 +113,7 @@ def test_kept_and_circuit_json_agree_on_names_and_normalized_scores(planted, tmp
     value (``EdgeResult.normalized``) as ``score`` and its raw effect as ``effect``."""
     model, task, edges = planted
     res = edges["denoise"]
-    circ = ck.circuit(model, task, res, progress=False, n_boot=0)
+    circ = ck.circuit(model, task, res, options=dict(progress=False, n_boot=0))
     data = json.loads(circ.save_json(tmp_path / "c.json").read_text())
     assert data["edges"] == circ.kept()
     frame = res.to_frame(ci=False).set_index(["sender", "receiver", "input"])
@@ -123,7 +123,7 @@ def test_kept_and_circuit_json_agree_on_names_and_normalized_scores(planted, tmp
         assert e["effect"] == pytest.approx(float(row["value"]) - res.corrupt, abs=1e-6)
     heads = ck.patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                            options=dict(progress=False))
-    hc = ck.circuit(model, task, heads, progress=False, n_boot=0)
+    hc = ck.circuit(model, task, heads, options=dict(progress=False, n_boot=0))
     hd = hc.to_dict()
     assert hd["nodes"] == sorted(hc.kept(), key=lambda n: (n["layer"], n["head"]))
     norm = heads.normalized()
@@ -173,13 +173,14 @@ def test_another_models_results_are_refused_in_one_line():
         for result in (res, heads, big, eap, atp, hyb):
             target = b if result is not big else a
             with pytest.raises(ValueError, match="another model") as err:
-                ck.circuit(target, (clean, corrupt, margin), result, progress=False)
+                ck.circuit(target, (clean, corrupt, margin), result, options=dict(progress=False))
             assert "\n" not in str(err.value)
         big.meta.pop("model_fingerprint")  # (an older file): the nodes still tell
         with pytest.raises(ValueError, match=r"L\d+H[4-7].*no edge of this model") as err:
-            ck.circuit(a, (clean, corrupt, margin), big, progress=False)
+            ck.circuit(a, (clean, corrupt, margin), big, options=dict(progress=False))
         assert "\n" not in str(err.value)
-        ck.circuit(a, (clean, corrupt, margin), res, progress=False, n_boot=0)  # its own: fine
+        ck.circuit(a, (clean, corrupt, margin), res,
+                   options=dict(progress=False, n_boot=0))  # its own: fine
 
 
 # --- item 7: degenerate baseline ---------------------------------------------------------------
@@ -193,7 +194,8 @@ def test_degenerate_baseline_warns_and_gives_no_cpr(planted, ablation, tmp_path)
     same = (task.clean_tokens, task.clean_tokens.clone(), task.metric)
     with pytest.warns(DegenerateBaselineWarning, match="ck.circuit: the corruption does not "
                                                        "change"):
-        circ = ck.circuit(model, same, edges["denoise"], ablation=ablation, progress=False)
+        circ = ck.circuit(model, same, edges["denoise"], ablation=ablation,
+                          options=dict(progress=False))
     assert circ.degenerate and circ.cpr is None and circ.cmd is None and circ.share is None
     assert bool(torch.isfinite(circ.faithfulness).all())
     assert "degenerate" in repr(circ)
@@ -208,7 +210,7 @@ def test_position_mean_is_the_old_mean_and_the_old_name_still_works(planted, tmp
     pooled one): the old name gives the same numbers with a DeprecationWarning, is recorded
     under the new name, and a circuit.json written with the old name loads as the new."""
     model, task, edges = planted
-    kw = dict(progress=False, n_boot=0, sizes=[0.1, 0.5, 1.0])
+    kw = dict(options=dict(progress=False, n_boot=0), sizes=[0.1, 0.5, 1.0])
     new = ck.circuit(model, task, edges["denoise"], ablation="position-mean", **kw)
     with pytest.warns(DeprecationWarning, match="'mean' is now 'position-mean'"):
         old = ck.circuit(model, task, edges["denoise"], ablation="mean", **kw)
@@ -232,14 +234,14 @@ def test_position_mean_is_the_old_mean_and_the_old_name_still_works(planted, tmp
 def test_sizes_that_never_reach_the_target_say_so(planted):
     model, task, edges = planted
     with pytest.warns(CircuitTargetWarning, match="no circuit of the curve reaches"):
-        circ = ck.circuit(model, task, edges["denoise"], sizes=[0.001, 0.01], progress=False,
-                          n_boot=0)
+        circ = ck.circuit(model, task, edges["denoise"], sizes=[0.001, 0.01],
+                          options=dict(progress=False, n_boot=0))
     assert circ.target_reached is False and circ.kept() == []
     assert "not reached" in repr(circ)
     assert circ.to_dict()["target_reached"] is False
     with warnings.catch_warnings():
         warnings.simplefilter("error", CircuitTargetWarning)
-        ok = ck.circuit(model, task, edges["denoise"], progress=False, n_boot=0)
+        ok = ck.circuit(model, task, edges["denoise"], options=dict(progress=False, n_boot=0))
     assert ok.target_reached and len(ok.kept()) == 5
 
 
@@ -445,7 +447,7 @@ def test_edges_findings_state_the_share_of_the_gap(planted, tmp_path):
     part = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                           senders=[COPY_HEAD], receivers=[INDUCTION], options=dict(progress=False))
     part.meta.update(senders_from="phase1", receivers_from="phase2")
-    circ = read_circuit_json(ck.circuit(model, task, part, progress=False).save_json(
+    circ = read_circuit_json(ck.circuit(model, task, part, options=dict(progress=False)).save_json(
         tmp_path / "c.json"))
     found = edge_finding(part, circ)
     text = format_findings([found], width=10_000)

@@ -38,10 +38,11 @@ from tinymodels import (
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
-from circuitkit.patching import faithfulness, shortcuts
+from circuitkit.patching import shortcuts
 from circuitkit.patching.exact import EdgeEngine
 from circuitkit.patching.results import DegenerateBaselineWarning
 from circuitkit.patching.results.circuit_graph import CircuitGraph
+from circuitkit.patching.units.circuits import CircuitUnits
 
 
 def _model(name):
@@ -329,14 +330,16 @@ def test_faithfulness_all_edges_kept_is_the_clean_run_none_the_corrupt_run(which
     res = ck.patch_edges(model, clean, corrupt, margin, options=dict(progress=False))
     pm = ck.as_metric(margin, *clean.shape, hooks.facts(model).d_vocab_out)
     graph = CircuitGraph.of(model, res)
-    run = faithfulness._Ablated(model, clean, corrupt, pm, graph, "corrupt", 0, None)
-    got = run.metrics([torch.ones(graph.n_items, dtype=torch.bool),
-                       torch.zeros(graph.n_items, dtype=torch.bool)], progress=False)
+    kept = torch.stack([torch.ones(graph.n_items, dtype=torch.bool),
+                        torch.zeros(graph.n_items, dtype=torch.bool)])
+    got = CircuitUnits(graph, kept).checked(model, clean, corrupt).exact(
+        model, clean, corrupt, pm, ck.CircuitOptions(progress=False)).per
     torch.testing.assert_close(got[0], _unhooked(model, clean, margin), atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1], _unhooked(model, corrupt, margin), atol=1e-5, rtol=0)
     with warnings.catch_warnings():  # random weights: the gap may be noise (raw effects then)
         warnings.simplefilter("ignore", DegenerateBaselineWarning)
-        circ = ck.circuit(model, (clean, corrupt, margin), res, progress=False, n_boot=50)
+        circ = ck.circuit(model, (clean, corrupt, margin), res,
+                          options=dict(progress=False, n_boot=50))
     # every edge kept: f = 1, or the raw effect full - empty of a degenerate baseline
     assert circ.faithfulness[-1] == pytest.approx(
         1.0 if circ.degenerate is None else circ.full - circ.empty, abs=1e-5)
@@ -350,7 +353,7 @@ def test_faithfulness_of_heads_ablates_their_outputs(tiny_llama):
     clean, corrupt = _pair(3)
     heads = ck.patch_heads(tiny_llama, clean, corrupt, margin, options=dict(progress=False))
     circ = ck.circuit(tiny_llama, (clean, corrupt, margin), heads, sizes=[0.25, 0.5, 1.0],
-                      progress=False, n_boot=0)
+                      options=dict(progress=False, n_boot=0))
     f = hooks.facts(tiny_llama)
     with torch.no_grad():
         _, cc = tiny_llama.run_with_cache(corrupt)
@@ -378,7 +381,7 @@ def test_faithfulness_is_monotone_on_the_planted_circuit(rank):
     task = planted_task(16)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          options=dict(progress=False))
-    circ = ck.circuit(model, task, res, rank=rank, progress=False, n_boot=100)
+    circ = ck.circuit(model, task, res, rank=rank, options=dict(progress=False, n_boot=100))
     f = circ.faithfulness
     assert bool((f[1:] >= f[:-1] - 1e-5).all()), f
     assert float(f[0]) == pytest.approx(0.0, abs=1e-5)
@@ -403,7 +406,7 @@ def test_circuit_json_export(tmp_path):
     task = planted_task(8)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          options=dict(progress=False))
-    circ = ck.circuit(model, task, res, progress=False, n_boot=20)
+    circ = ck.circuit(model, task, res, options=dict(progress=False, n_boot=20))
     data = json.loads(circ.save_json(tmp_path / "c.json").read_text())
     assert data["n_kept"] == len(data["edges"]) == 5
     names = {n["name"] for n in data["nodes"]}
@@ -609,6 +612,7 @@ def test_edge_checkpoint_resumes_the_same_numbers(tiny_llama, tmp_path, monkeypa
     fresh = ck.patch_edges(tiny_llama, clean, corrupt, margin,
                            options=dict(progress=False, batch_size=6))
     assert torch.equal(resumed.values.nan_to_num(), fresh.values.nan_to_num())
+    assert resumed.meta["coverage"] == fresh.meta["coverage"]  # (node runs: chunks too)
     with pytest.raises(ValueError, match="different sweep"):  # other edges, same folder
         ck.patch_edges(tiny_llama, clean, corrupt, margin, inputs=("q",), **kw)
 
@@ -652,7 +656,7 @@ def test_circuit_bad_input_gives_one_line(tiny_gpt2):
                                                            "ablation='noise'"),
                       (dict(target=2.0), "target=")):
         with pytest.raises(ValueError, match=match) as err:
-            ck.circuit(tiny_gpt2, (clean, corrupt, margin), res, progress=False, **kw)
+            ck.circuit(tiny_gpt2, (clean, corrupt, margin), res, options=dict(progress=False), **kw)
         assert "\n" not in str(err.value)
 
 
@@ -667,7 +671,7 @@ def test_pictures(tmp_path):
     assert list(fig.data[1].y) == res.sender_names()
     assert list(fig.data[1].x) == [r for r in res.receiver_names() if r != "logits"]
     assert list(fig.data[3].x) == ["logits"]
-    circ = ck.circuit(model, task, res, progress=False, n_boot=20)
+    circ = ck.circuit(model, task, res, options=dict(progress=False, n_boot=20))
     graph = ck.viz.circuit_graph(circ)
     lines = [t for t in graph.data if t.mode == "lines"]
     assert len(lines) == 5  # the kept set: one line per edge

@@ -175,7 +175,8 @@ def test_item_4_an_edited_circuit_json_is_refused(tmp_path):
     model, task = planted_induction_model(), planted_task(8)
     res = ck.patch_edges(model, task.clean_tokens, task.corrupt_tokens, task.metric,
                          options=dict(progress=False))
-    path = ck.circuit(model, task, res, progress=False, n_boot=0).save_json(tmp_path / "c.json")
+    path = ck.circuit(model, task, res, options=dict(progress=False, n_boot=0)).save_json(
+        tmp_path / "c.json")
     read_circuit_json(path)  # intact
     for key in ("cpr", "faithfulness"):
         data = json.loads(path.read_text())

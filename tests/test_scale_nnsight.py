@@ -106,3 +106,49 @@ def test_cli_nnsight_backend_writes_the_same_result(folder, bridge, tmp_path):
     tl = ck.patch_heads(bridge, task.clean_tokens, task.corrupt_tokens, task.metric,
                         options=dict(progress=False))
     assert res.meta["backend"] == "nnsight" and (res.values - tl.values).abs().max() <= TOL
+
+
+def test_nnsight_takes_the_one_road(bridge, lm, tmp_path, monkeypatch):
+    """backend="nnsight" runs behind ``ck.patch``'s checks and in ``run_sweep``'s orchestration
+    (issue 53): a plain callable metric is probed and its reads checked on the real logits,
+    the sweep is checkpointed (a stopped sweep resumes to the same numbers; another request
+    in the same folder is refused), and the numbers are the TransformerLens backend's."""
+    from circuitkit.patching.exact.nnsight import NnsightEngine
+
+    task = induction(n=3, seed=4)
+    args = (task.clean_tokens, task.corrupt_tokens, lambda lg: lg[:, -1, 3] - lg[:, -1, 5])
+    kw = dict(backend="nnsight", batch_size=6, progress=False, checkpoint=tmp_path / "ck")
+    calls, real = [], NnsightEngine.run_chunk
+
+    def failing(self, chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(NnsightEngine, "run_chunk", failing)
+    with pytest.raises(KeyboardInterrupt):
+        ck.patch_heads(lm, *args, site="z", options=kw)
+    monkeypatch.setattr(NnsightEngine, "run_chunk", real)
+    assert len(list((tmp_path / "ck").glob("chunk_*.safetensors"))) >= 2
+    resumed = ck.patch_heads(lm, *args, site="z", options=kw)
+    fresh = ck.patch_heads(lm, *args, site="z", options=dict(kw, checkpoint=None))
+    assert torch.equal(resumed.values, fresh.values)
+    assert resumed.meta["backend"] == "nnsight" and "model_fingerprint" in resumed.meta
+    tl = ck.patch_heads(bridge, *args, site="z", options=dict(progress=False))
+    assert (fresh.values - tl.values).abs().max() <= TOL
+    assert abs(fresh.clean - tl.clean) <= TOL and abs(fresh.corrupt - tl.corrupt) <= TOL
+    with pytest.raises(ValueError, match="different sweep"):
+        ck.patch_heads(lm, *args, site="q", options=kw)
+
+
+def test_a_remote_model_is_fingerprinted_by_its_hub_id(lm):
+    """On NDIF the weights stay there (the meta device here): the fingerprint a checkpoint
+    checks is the hub id's and revision's, and the entry never reads real logits."""
+    from circuitkit.identity import model_fingerprint
+    from circuitkit.patching.exact.nnsight import NnsightModel
+
+    remote = NnsightModel(lm, remote=True)
+    assert remote.logits_of is False
+    assert model_fingerprint(remote) == model_fingerprint(NnsightModel(lm, remote=True))
+    assert model_fingerprint(remote) != model_fingerprint(NnsightModel(lm))

@@ -3,25 +3,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
-
-def _mark_estimates(res, written: list[Path]) -> str:
+def _estimate_label(res) -> str:
     """Where ``res`` holds estimates (``attribution``; ``attribution+exact``'s unverified
-    cells), the words the console header says, and an ``estimate`` column (True: an estimate,
-    not a patched value) added to the CSV ``res.save`` wrote; else ''."""
+    cells), the words the console header says; else ''. (The CSV ``res.save`` writes carries
+    its own ``estimate`` column: ``results.files.with_estimate_column``.)"""
     method = getattr(res, "method", None) or (res.meta or {}).get("method")
     if method not in ("attribution", "attribution+exact"):
         return ""
-    import pandas as pd
-
-    from circuitkit import files
-
-    for path in written:
-        if path.suffix == ".csv":
-            frame = pd.read_csv(path)
-            frame["estimate"] = ~frame["verified"].astype(bool) if "verified" in frame else True
-            files.atomic_write(path, lambda p, f=frame: f.to_csv(p, index=False))
     est = (res.meta or {}).get("estimator")
     how = f"attribution{f', estimator {est}' if est else ''}: a gradient estimate, not patched"
     return (f"ESTIMATES ({how})" if method == "attribution" else

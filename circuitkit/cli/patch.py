@@ -24,8 +24,8 @@ from circuitkit.cli.console import (
 from circuitkit.cli.format import (
     _describe_auto,
     _describe_scale,
+    _estimate_label,
     _info_text,
-    _mark_estimates,
     _model_list,
     _table,
 )
@@ -144,7 +144,7 @@ def patch(
                         phase=the_task.phase, split=split, seed=seed)
         with _errors_as_lines(OSError):  # a full disk: the rerun resumes from the checkpoint
             written = res.save(out / "result")
-            estimate = _mark_estimates(res, written)
+            estimate = _estimate_label(res)
         _print_patch(a, res, what, metric, len(clean), estimate, written)
 
 
@@ -370,7 +370,8 @@ def edges(
 
 def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
     """(edge result, circuit or None, files written): ``ck.patch_edges`` (exact: checkpointed
-    in ``OUT/checkpoints/edges``), then ``ck.circuit``; Ctrl-C says what was kept."""
+    in ``OUT/checkpoints/edges``), then ``ck.circuit`` (in ``OUT/checkpoints/circuit``); Ctrl-C
+    says what was kept."""
     import circuitkit as ck
 
     ckpt = (a.out / "checkpoints" / "edges" if a.checkpoint and a.method != "attribution"
@@ -385,15 +386,17 @@ def _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric):
         res.meta.update(model_name=a.model, task=a.task, n_examples=len(clean),
                         phase=the_task.phase, split=a.split, seed=a.seed)
         written = res.save(a.out / "edges")
-        res.estimate = _mark_estimates(res, written)
+        res.estimate = _estimate_label(res)
         circ = ck.circuit(the_model, (clean, corrupt, metric), res, ablation=a.ablation,
-                          batch_size=a.batch_size, progress=a.progress) if a.circuit else None
+                          options=dict(batch_size=a.batch_size, progress=a.progress,
+                                       checkpoint=None if ckpt is None else ckpt.parent
+                                       / "circuit")) if a.circuit else None
         if circ is not None:
             written += _save_circuit(circ, a.out)
     except (ValueError, OSError) as e:  # OSError: files.WriteError, a full disk
         _fail(_message(e))
     except KeyboardInterrupt:
-        _interrupted(f"finished chunks are in {ckpt}. Resume with the same command:\n  "
+        _interrupted(f"finished chunks are in {ckpt.parent}. Resume with the same command:\n  "
                      f"{_same_command(ctx)}" if ckpt is not None else "nothing was saved.")
     return res, circ, written
 

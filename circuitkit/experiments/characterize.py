@@ -775,7 +775,7 @@ def _edges_step(model: Any, per_phase: dict[int, Any], scores: Any, k: int, out:
     paths.save(folder / "paths", views=False)
     res.meta["path_coverage"] = {g: row["overall"] for g, row in paths.meta["coverage"].items()}
     res.save(folder / "edges", views=False)
-    circ = ck.circuit(model, tp, res, batch_size=batch_size, progress=progress)
+    circ = ck.circuit(model, tp, res, options=dict(batch_size=batch_size, progress=progress))
     circ.save_json(folder / "circuit.json")
     return ["edges/edges.safetensors", "edges/edges.json", "edges/paths.safetensors",
             "edges/paths.json", "edges/circuit.json"]

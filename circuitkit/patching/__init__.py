@@ -27,6 +27,7 @@ _EXPORTS = {
     "patch_paths": "circuitkit.patching.api:patch_paths",
     "EdgeResult": "circuitkit.patching.results:EdgeResult",
     "circuit": "circuitkit.patching.faithfulness:circuit",
+    "CircuitOptions": "circuitkit.patching.units:CircuitOptions",
     "CircuitResult": "circuitkit.patching.results:CircuitResult",
     "attribution_patch_edges": "circuitkit.patching.estimators.attribution:attribution_patch_edges",
     "PromptMetric": "circuitkit.metrics:PromptMetric",

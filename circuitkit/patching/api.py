@@ -72,7 +72,8 @@ def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
     halved and retried on out-of-memory), checkpoint folder (finished chunks, or
     attribution+exact's screen and verified cells, stored durably; a rerun resumes), progress,
     backend ("nnsight": heads through nnsight, ``remote=True`` on NDIF) and the method's
-    options. ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]``
+    options (``nnsight.exact``: the same checks, sweep and checkpoint, each chunk one nnsight
+    trace). ``metric``: a ``PromptMetric`` or any callable ``logits -> scalar | [batch]``
     (wrapped once by ``as_metric``; same values either way). Under ``torchrun`` an exact
     sweep's chunks are split over ranks (``distributed``) and every rank returns the merged
     result; attribution and attribution+exact run whole on each replica (a warning says so).
@@ -80,20 +81,22 @@ def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
     """
     units, opts = as_units(units), as_options(options)
     method = units.check_method(method, opts)
-    if opts.backend != "transformer_lens" or opts.remote:  # heads only (check_method says)
+    entry, traced = units.entry(method), opts.backend == "nnsight"
+    if traced:  # heads, exact (check_method says): the model seen through nnsight's traces
         from circuitkit.patching.exact import nnsight
 
-        res = nnsight.patch_heads(model, clean_tokens, corrupt_tokens, metric, units, method,
-                                  opts)
-        res.warn_if_degenerate()
-        return res
+        model = nnsight.NnsightModel.of(model, opts.remote)
+        entry.update(engine_checks=False, logits_of=model.logits_of)
     clean, corrupt, pm = _check(model, clean_tokens, corrupt_tokens, metric, opts.direction,
-                                method, opts.batch_size, **units.entry(method))
+                                method, opts.batch_size, **entry)
     units = units.checked(model, clean, corrupt)
     meta = units.meta(model, opts.task_hash)
     if method in ("exact", "auto"):
-        res = units.exact(model, clean, corrupt, pm, opts, meta) if method == "exact" else \
-            auto.run(model, clean, corrupt, pm, units, opts, meta)
+        if traced:
+            res = nnsight.exact(model, clean, corrupt, pm, units, opts, meta, method)
+        else:
+            res = units.exact(model, clean, corrupt, pm, opts, meta) if method == "exact" \
+                else auto.run(model, clean, corrupt, pm, units, opts, meta)
         res.warn_if_degenerate()
         return _with_coverage(res, units, model, clean, corrupt, pm, opts.batch_size)
     exact.whole_on_every_replica(f"method={method!r}")
@@ -113,8 +116,10 @@ def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
 def _with_coverage(res: Any, units: Any, model: Any, clean: Tensor, corrupt: Tensor, pm: Any,
                    batch_size: int | None) -> Any:
     """An edge result with ``meta["coverage"]``: the share of each head sender's node effect
-    its edges explain (``paths.edge_coverage``; one forward per sender and batch)."""
-    if isinstance(units, EdgeUnits) and any(s[0] >= 0 for s in res.senders):
+    its edges explain. An exact sweep states it (its own node runs, ``exact.run_edges``); an
+    estimate's is measured here (``paths.edge_coverage``: one forward per sender and batch)."""
+    if isinstance(units, EdgeUnits) and "coverage" not in res.meta \
+            and any(s[0] >= 0 for s in res.senders):
         from circuitkit.patching.paths import edge_coverage
 
         res.meta["coverage"] = edge_coverage(model, clean, corrupt, pm, res, batch_size)
@@ -349,9 +354,12 @@ def attribution_plus_exact(
 
 
 def _check(model, clean, corrupt, metric, direction, method, batch_size, *, site, positions,
-           sites, engine_checks: bool = False) -> tuple[Tensor, Tensor, PromptMetric]:
+           sites, engine_checks: bool = False, logits_of: Any = None
+           ) -> tuple[Tensor, Tensor, PromptMetric]:
     """Arguments checked, the metric wrapped and fit for the tokens (``checked_metric``;
-    ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs)."""
+    ``engine_checks``: a probed metric's reads are left to the exact engine's cached runs;
+    ``logits_of``: how the unpatched logits are run, default the TransformerLens model's,
+    False: never, as ``checked_metric`` takes it)."""
     choice("direction", direction, DIRECTIONS)
     choice("method", method, METHODS)
     choice("positions", positions, POSITIONS)
@@ -364,5 +372,5 @@ def _check(model, clean, corrupt, metric, direction, method, batch_size, *, site
     check_metric_prompts(pm, n)
     check_gradient(pm, method)
     return clean, corrupt, checked_metric(model, clean, corrupt, pm, batch_size,
-                                          engine_checks=engine_checks)
+                                          logits_of=logits_of, engine_checks=engine_checks)
 

@@ -8,15 +8,13 @@ every scored item outside the kept share ablated; MIB's measures over the kept s
     share = (m(full) - m(empty)) / (m(clean) - m(corrupt))     (m(full): the clean run)
 
 ``m(full)``: every scored item kept; ``m(empty)``: every one ablated. Intervals: percentile
-bootstrap over prompts (each resample recomputes the means). The run (``_Ablated``), block by
-block, with ``live_s`` a sender's write in this run and ``abl_s`` its ablated write: a receiver
-``r`` reads at input ``i`` its own copy
-
-    x_r,i = x - sum_{s alive, (s, r, i) not kept} (live_s - abl_s)
-
-(``shortcuts.run_until``), ``x`` the residual stream, in which every sender that is not alive
-(no kept outgoing edge; an unscored edge counts as kept) writes ``abl_s``. MLPs are no nodes:
-they read the stream. Heads: a kept head's edges are all kept, an ablated head's none.
+bootstrap over prompts (each resample recomputes the means). The runs go the exact road: the
+entry's checks (``api._check``: tokens, the metric wrapped and its reads checked), then
+``units.circuits.CircuitUnits`` through ``exact.sweeps.run_sweep`` (chunks of circuits,
+checkpoint, progress bar) with ``exact.circuits.CircuitEngine``, whose docstring says how a
+circuit runs: a receiver ``r`` reads at input ``i`` its own copy of the residual with every
+dropped edge's live write swapped for its ablated one; MLPs are no nodes: they read the stream.
+Heads: a kept head's edges are all kept, an ablated head's none.
 """
 
 from __future__ import annotations
@@ -26,22 +24,11 @@ import time
 import warnings
 from typing import Any
 
-import einops
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor
 
-from circuitkit import hooks
-from circuitkit.metrics import as_metric
-from circuitkit.patching import shortcuts
-from circuitkit.patching.exact.checks import evaluate_metric
-from circuitkit.patching.exact.head_sets import derangement
-from circuitkit.patching.inputs import (
-    check_edge_model,
-    check_metric_prompts,
-    check_tokens,
-    choice,
-)
+from circuitkit.patching.inputs import choice
 from circuitkit.patching.results.circuit_graph import CircuitGraph
 from circuitkit.patching.results.circuit_result import (
     CIRCUIT_ABLATIONS,
@@ -57,7 +44,7 @@ from circuitkit.patching.results.patch_result import (
     _outside_circuitkit,
     resample_weights,
 )
-from circuitkit.patching.sweep import auto_rows
+from circuitkit.patching.units.circuits import CircuitOptions, CircuitUnits, as_circuit_options
 
 ABLATIONS = CIRCUIT_ABLATIONS  # "mean": position-mean's old name (CIRCUIT_OLD_ABLATIONS)
 # MIB's circuit sizes: shares of the scored items kept
@@ -66,8 +53,8 @@ MIB_SIZES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
             sizes: Any = MIB_SIZES, *, ablation: str = "corrupt", rank: str = "abs",
-            target: float = 0.8, n_boot: int = 1000, seed: int = 0,
-            batch_size: int | None = None, progress: bool = True) -> CircuitResult:
+            target: float = 0.8, options: CircuitOptions | dict | None = None
+            ) -> CircuitResult:
     """Faithfulness curve, CPR/CMD, share of the gap and the kept set of the circuits made of
     the top-scored edges or heads (module docstring).
 
@@ -80,35 +67,37 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
     "zero", "position-mean" (the clean prompts' mean write per position; "mean", its old name,
     with a ``DeprecationWarning``) or "resample" (another prompt's, ``head_sets.derangement``).
     ``target``: the kept set is the smallest circuit with faithfulness >= target, else the
-    largest (``target_reached`` False, a ``CircuitTargetWarning``). ``n_boot``: bootstrap
-    resamples (0: none). A degenerate baseline (``PatchResult``'s rule, on clean vs corrupt and
-    on full vs empty) gives ``degenerate`` (why), raw effects in ``faithfulness``, None for
-    cpr/cmd/share and one ``DegenerateBaselineWarning``.
+    largest (``target_reached`` False, a ``CircuitTargetWarning``). ``options``: a
+    ``CircuitOptions`` (or a dict of its fields): ``n_boot`` bootstrap resamples (0: none),
+    ``seed`` (the bootstrap's and resample's), ``batch_size``, ``checkpoint`` (a folder: a
+    rerun resumes) and ``progress``. A degenerate baseline (``PatchResult``'s rule, on clean
+    vs corrupt and on full vs empty) gives ``degenerate`` (why), raw effects in
+    ``faithfulness``, None for cpr/cmd/share and one ``DegenerateBaselineWarning``.
     """
+    from circuitkit.patching.api import _check
+
     t0 = time.perf_counter()
+    opts = as_circuit_options(options)
     ablation, sizes = _checked_options(ablation, rank, sizes, target)
     clean, corrupt, metric = _task_inputs(task)
-    clean, corrupt = check_tokens(clean, corrupt, model)
-    n, seq = clean.shape
-    pm = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
-    check_metric_prompts(pm, n)
-    check_edge_model(model)
+    clean, corrupt, pm = _check(model, clean, corrupt, metric, "noise", "exact",
+                                opts.batch_size, **CircuitUnits.entry())
+    n = clean.shape[0]
     _check_same_model(model, edges_or_heads)
     graph = CircuitGraph.of(model, edges_or_heads)
     order = graph.order(rank, edges_or_heads.direction)
     counts = [int(share * graph.n_items) for share in sizes]
-    kept = [torch.zeros(graph.n_items, dtype=torch.bool).index_fill_(0, order[:k], True)
-            for k in counts]
-    # m(full): the clean run (nothing ablated); m(empty): every scored item ablated
-    runner = _Ablated(model, clean, corrupt, pm, graph, ablation, seed, batch_size)
-    full, corrupt_m = runner.clean_metric, runner.corrupt_metric
-    masks = [torch.zeros(graph.n_items, dtype=torch.bool), *kept]
-    per = runner.metrics(masks, progress)
-    empty, curve = per[0], per[1:]
+    # circuit 0, m(empty): every scored item ablated; m(full): the clean run (nothing ablated)
+    kept = torch.zeros(len(counts) + 1, graph.n_items, dtype=torch.bool)
+    for i, k in enumerate(counts):
+        kept[i + 1, order[:k]] = True
+    runs = CircuitUnits(graph, kept, ablation, opts.seed).checked(model, clean, corrupt).exact(
+        model, clean, corrupt, pm, opts)
+    full, corrupt_m, empty, curve = runs.full, runs.corrupt, runs.per[0], runs.per[1:]
     real = pm.per_prompt_values
     degenerate = _degenerate(full, corrupt_m, empty, real, pm.name, ablation)
     f, cpr, cmd, share, intervals = _curve(sizes, curve, full, empty, corrupt_m, degenerate,
-                                           n_boot if real and n > 1 else 0, seed)
+                                           opts.n_boot if real and n > 1 else 0, opts.seed)
     reached = [i for i, v in enumerate(f.tolist()) if v >= target] if degenerate is None else []
     chosen = reached[0] if reached else len(sizes) - 1
     if degenerate is None and not reached:
@@ -126,7 +115,7 @@ def circuit(model: Any, task: Any, edges_or_heads: EdgeResult | PatchResult,
         meta=dict(n_prompts=n, n_items=graph.n_items, metric=pm.name, **dict(pm.labels),
                   model=str(getattr(model.cfg, "model_name", "")),
                   scores_method=edges_or_heads.method, direction=edges_or_heads.direction,
-                  seconds=time.perf_counter() - t0, forwards=runner.forwards))
+                  seconds=time.perf_counter() - t0, forwards=runs.forwards))
 
 
 def _checked_options(ablation: str, rank: str, sizes: Any, target: Any
@@ -281,169 +270,3 @@ def _bootstrap(x: Tensor, curve: Float[Tensor, "k n"], full: Tensor, empty: Tens
 
     return dict(level=level, n_boot=n_boot, faithfulness=band(f), cpr=band(cpr),
                 cmd=band(cmd), share=band(share))
-
-
-class _Ablated:
-    """Runs the clean prompts with circuits' edges kept and the rest ablated (module
-    docstring): each circuit's rows stacked in the batch, one forward per group."""
-
-    def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: Any, graph: CircuitGraph,
-                 ablation: str, seed: int, batch_size: int | None):
-        self.model, self.metric, self.graph = model, metric, graph
-        self.device = next(model.parameters()).device
-        self.reads = metric.read_positions()
-        # causal: nothing after the last read matters; a bidirectional model reads everything
-        whole = self.reads is None or not hooks.facts(model).causal
-        self.length = clean.shape[1] if whole else int(self.reads.max()) + 1
-        self.clean = clean[:, :self.length].to(self.device)
-        self.forwards = 0
-        L = graph.n_layers
-        names = [hooks.resid_pre(0), *(hooks.z(la) for la in range(L))]
-        with torch.no_grad():
-            self.block_arity, _ = shortcuts.output_arity(model, self.clean)
-            logits, cache = self._run(self.clean, names)
-            self.clean_metric = evaluate_metric(metric, logits, "clean run", at=self.reads)
-            self.resid0 = cache[hooks.resid_pre(0)]
-            self.abl = self._ablated_writes(ablation, corrupt, cache, seed)
-        f = hooks.facts(model)
-        d_mlp = int(getattr(model.cfg, "d_mlp", None) or 4 * f.d_model)
-        # the split inputs hold a residual copy per head and input: (n_heads + 2 n_kv) times
-        # a block's residual, and the circuit masks' corrections as much again
-        per_row = max(1, (2 * (f.n_heads + 2 * f.n_kv_heads) * f.d_model) // (8 * f.d_model
-                                                                            + 3 * d_mlp) + 1)
-        self.rows = batch_size or max(1, auto_rows(model, self.length) // per_row)
-
-    def _run(self, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        want = set(names)
-        idx = None if self.reads is None else self.reads.to(self.device)
-        ctx = shortcuts.reads_only(self.model, idx) if idx is not None else \
-            shortcuts.attn_result_off(self.model)
-        with ctx:
-            logits, cache = self.model.run_with_cache(tokens, names_filter=lambda n: n in want)
-        self.forwards += 1
-        return logits, {n: cache[n] for n in names}
-
-    def _writes(self, cache: dict[str, Tensor]) -> list[Tensor]:
-        """Per sender layer: the embeddings' ``[n, pos, 1, d]`` then each layer's heads'
-        ``[n, pos, H, d]`` writes."""
-        out = [cache[hooks.resid_pre(0)][:, :, None]]
-        for la in range(self.graph.n_layers):
-            W_O = self.model.blocks[la].attn.W_O.detach()
-            out.append(einops.einsum(cache[hooks.z(la)], W_O, "b p h d, h d m -> b p h m"))
-        return out
-
-    def _ablated_writes(self, ablation: str, corrupt: Tensor, clean_cache: dict[str, Tensor],
-                        seed: int) -> list[Tensor]:
-        names = list(clean_cache)
-        # the corrupt run's metric: the gap the scored items' share is of
-        logits, cache = self._run(corrupt[:, :self.length].to(self.device), names)
-        self.corrupt_metric = evaluate_metric(self.metric, logits, "corrupt run", at=self.reads)
-        if ablation == "corrupt":
-            return self._writes(cache)
-        clean = self._writes(clean_cache)
-        if ablation == "zero":
-            return [torch.zeros_like(w[:1]) for w in clean]
-        if ablation == "position-mean":
-            return [w.mean(0, keepdim=True) for w in clean]
-        n = clean[0].shape[0]
-        if n < 2:
-            raise ValueError("ablation='resample' takes another prompt's writes: it needs at "
-                             "least 2 prompts.")
-        perm = derangement(n, seed)  # the engine's: no prompt keeps its own (ablate_heads' too)
-        return [w[perm] for w in clean]
-
-    @torch.no_grad()
-    def metrics(self, kept_items: list[Tensor], progress: bool) -> Float[Tensor, "c n"]:
-        """Per-prompt metric of each circuit (``[n_circuits, n_prompts]``)."""
-        n = self.clean.shape[0]
-        per = max(1, self.rows // n)  # circuits per forward (all prompts in each)
-        out = []
-        groups = range(0, len(kept_items), per)
-        if progress:
-            from circuitkit._progress import tqdm
-
-            groups = tqdm(groups, desc="circuit", leave=False)
-        for g0 in groups:
-            batch = torch.stack(kept_items[g0:g0 + per])
-            kept, alive = self.graph.masks(batch)
-            logits = self._forward(kept, alive)
-            c = batch.shape[0]
-            tiled = self.metric.select(list(range(n)) * c)
-            at = None if self.reads is None else self.reads.repeat(c, 1)
-            out.append(evaluate_metric(tiled, logits, "circuit", at=at).view(c, n))
-        return torch.cat(out)
-
-    def _forward(self, kept: Bool[Tensor, "c s r i"], alive: Bool[Tensor, "c s"]) -> Tensor:
-        """Logits of the clean prompts under each circuit (rows circuit-major), block by block:
-        each head's q/k/v is the module's own computation on its corrected residual
-        (``shortcuts.run_until`` on one copy per head), then the block runs on the stream
-        with those slices written in and dead senders' writes swapped at ``hook_attn_out``."""
-        g, model = self.graph, self.model
-        c, n, L, H = kept.shape[0], self.clean.shape[0], g.n_layers, g.n_heads
-        dev, arity = self.device, self.block_arity
-        kept, alive = kept.to(dev), alive.to(dev)
-
-        def tile(t: Tensor) -> Tensor:  # [n or 1, ...] -> [c * n, ...]
-            return t.expand(n, *t.shape[1:]).repeat(c, *([1] * (t.ndim - 1)))
-
-        def rows(mask: Tensor) -> Tensor:  # [c, ...] -> [c * n, ...] (circuit-major)
-            return mask.repeat_interleave(n, 0)
-
-        def correction(layer: int, drop: Tensor) -> Tensor:
-            """sum_s drop[row, s, unit] (live_s - abl_s): [rows, pos, units, d]."""
-            diffs = torch.cat(live[:layer + 1], dim=2)  # [rows, pos, senders, d]
-            return einops.einsum(rows(drop).to(diffs.dtype), diffs, "b s u, b p s m -> b p u m")
-
-        x = tile(self.resid0)
-        diff = x - tile(self.abl[0][:, :, 0])
-        live = [diff[:, :, None]]  # per sender layer: live - ablated writes [rows, pos, k, d]
-        x = x - rows(~alive[:, :1]).to(x.dtype)[:, :, None] * diff  # the stream
-        for layer in range(L):
-            s = slice(0, 1 + layer * H)  # senders before this layer
-            copies, spans = [], []
-            for i, name in enumerate(hooks.EDGE_INPUTS):
-                units = g.n_kv if name in hooks.KV_SITES else H
-                drop = alive[:, s, None] & ~kept[:, s, layer * H:layer * H + units, i]
-                if bool(drop.any()):
-                    fixed = x[:, :, None] - correction(layer, drop)  # [rows, pos, units, d]
-                    copies.append(einops.rearrange(fixed, "b p u m -> (u b) p m"))
-                    spans.append((hooks.head_site(name, layer), units))
-            given: dict[str, Tensor] = {}
-            if copies:
-                got = shortcuts.run_until(model, layer, torch.cat(copies),
-                                          [site for site, _ in spans], arity)
-                start = 0
-                for site, units in spans:
-                    act = got[site][start:start + units * x.shape[0]]
-                    act = act.view(units, x.shape[0], *act.shape[1:])  # [copy, rows, pos, u, d]
-                    given[site] = torch.stack([act[u, :, :, u] for u in range(units)], dim=2)
-                    start += units * x.shape[0]
-
-            def put(value: Tensor):
-                return lambda t, hook: value.to(t.dtype)
-
-            def z_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
-                W_O = model.blocks[layer].attn.W_O.detach()
-                w = einops.einsum(t, W_O, "b p h d, h d m -> b p h m")
-                live.append(w - tile(self.abl[layer + 1][:, :t.shape[1]]))
-                return t
-
-            def attn_out_hook(t: Tensor, hook: Any, layer: int = layer) -> Tensor:
-                dead = (~rows(alive[:, 1 + layer * H:1 + (layer + 1) * H])).to(t.dtype)
-                return t - einops.einsum(dead, live[layer + 1], "b h, b p h m -> b p m")
-
-            fwd = [(site, put(value)) for site, value in given.items()]
-            fwd += [(hooks.z(layer), z_hook), (hooks.attn_out(layer), attn_out_hook)]
-            x = shortcuts.run_until(model, layer, x, [hooks.resid_post(layer)], arity,
-                                    fwd)[hooks.resid_post(layer)]
-            self.forwards += 1 + bool(copies)
-        drop = alive[:, :, None] & ~kept[:, :, L * H:L * H + 1, 0]
-        final = x - correction(L, drop)[:, :, 0]
-        # the logits of the corrected final residual: the last block returns it
-        forwards = shortcuts.skipped_blocks(model, L - 1, arity) + [
-            (model.blocks[L - 1], shortcuts.returning(final, arity))]
-        fwd_hooks = [] if self.reads is None else [(hooks.UNEMBED_IN, shortcuts.gather_rows(
-            self.reads.repeat(c, 1).to(dev)))]
-        with shortcuts.overridden(forwards), shortcuts.hooked(model, fwd_hooks), \
-                shortcuts.attn_result_off(model):
-            return model(x, start_at_layer=L - 1)

@@ -75,18 +75,27 @@ def edge_coverage(model: Any, clean: Tensor, corrupt: Tensor, metric: Any, edges
     """``coverage`` of an ``EdgeResult`` (``patch_edges``): each head sender's edge effects
     (summed over receivers and inputs) over its node effect, the sender's ``z`` patched alone
     in the same direction under the same metric (the sender run of ``patch_paths``); the
-    embeddings sender is left out. ``{sender: share, "overall": share}``."""
+    embeddings sender is left out. ``{sender: share, "overall": share}``. An exact edge sweep
+    states it already (``meta["coverage"]``, from its own node runs); this runs the node runs
+    of an estimate (attribution), or of a result given by hand, on an engine of their own."""
     from circuitkit.metrics import as_metric
 
-    heads = [(i, s) for i, s in enumerate(edges.senders) if s[0] >= 0]
+    heads = [s for s in edges.senders if s[0] >= 0]
     if not heads:
         raise ValueError("edge_coverage: the edge result has no head sender.")
     n, seq = clean.shape
     metric = as_metric(metric, n, seq, hooks.vocab_out(model))
-    node = node_effects(model, clean, corrupt, metric, [s for _, s in heads], edges.direction,
-                        batch_size)
-    effect = edges.effect()[[i for i, _ in heads]].nansum(-1, keepdim=True)
+    return edge_coverage_of(edges, node_effects(model, clean, corrupt, metric, heads,
+                                                edges.direction, batch_size))
+
+
+def edge_coverage_of(edges: Any, node: Float[Tensor, " sender"]) -> dict[str, float]:
+    """``edge_coverage`` of ``edges`` given the node effects ``node`` of its head senders (in
+    its order, the embeddings left out): the degenerate-baseline rule's margin is the edge
+    result's ``noise_floor`` (a node effect within rounding is no whole to share)."""
     from circuitkit.patching.results.patch_result import noise_floor
 
-    margin = noise_floor(edges.clean, edges.corrupt)  # (a node effect within rounding: no whole)
-    return coverage(effect, node, [s for _, s in heads], margin=margin)["all"]
+    heads = [i for i, s in enumerate(edges.senders) if s[0] >= 0]
+    effect = edges.effect()[heads].nansum(-1, keepdim=True)
+    margin = noise_floor(edges.clean, edges.corrupt)
+    return coverage(effect, node, [edges.senders[i] for i in heads], margin=margin)["all"]

@@ -46,7 +46,9 @@ adds the sender's write ``delta_s`` to the receiver's own copy of ``resid_pre(l)
 computed by the module itself, ``shortcuts.run_until``; docs/edges.md, "The engine") and the
 metric and fast-path checks (``checks.py``); path patching's ``PathEngine`` (``paths.py``); the
 fused Llama form (``fused.py``); every head's write through its MLP (``head_mlp.py``); nnsight as an
-engine (``nnsight.py``). What to patch: ``patching/sweep.py``;
+engine (``nnsight.py``: ``NnsightEngine``, its chunks as traces); a head sender's node run
+(``nodes.py``: ``NodeRuns``, the edge and path engines' coverage denominators); ``ck.circuit``'s
+ablated circuits (``circuits.py``: ``CircuitEngine``). What to patch: ``patching/sweep.py``;
 running a whole sweep (checkpoints, ranks, progress): ``patching/exact/sweeps.py``.
 """
 
@@ -57,6 +59,8 @@ _EXPORTS = {
     "ATTN_OUTPUT_SITES": "circuitkit.patching.exact.engine:ATTN_OUTPUT_SITES",
     "EdgeEngine": "circuitkit.patching.exact.edges:EdgeEngine",
     "PathEngine": "circuitkit.patching.exact.paths:PathEngine",
+    "CircuitEngine": "circuitkit.patching.exact.circuits:CircuitEngine",
+    "NodeRuns": "circuitkit.patching.exact.nodes:NodeRuns",
     "HeadSetRuns": "circuitkit.patching.exact.head_sets:HeadSetRuns",
     "HEAD_SET_SOURCES": "circuitkit.patching.exact.head_sets:HEAD_SET_SOURCES",
     "derangement": "circuitkit.patching.exact.head_sets:derangement",

@@ -1,6 +1,8 @@
 """``EdgeEngine``: exact edge patching, a subclass of ``ExactEngine`` (same cached runs, restart,
 chunks, read-position logits, metric evaluation; only the patch differs). How an edge is
-patched: ``patching/exact/__init__.py``'s docstring ("Edges") and docs/edges.md."""
+patched: ``patching/exact/__init__.py``'s docstring ("Edges") and docs/edges.md. Its head
+senders' node runs (the denominators of the edges' ``coverage``) are the chunks of one more
+sweep layer (``NodeRuns``, ``nodes.node_sweep``), so they are checkpointed with the edges."""
 
 from __future__ import annotations
 
@@ -17,20 +19,37 @@ from circuitkit.patching import shortcuts
 from circuitkit.patching.exact import fused
 from circuitkit.patching.exact.checks import _within_fast_path_tol
 from circuitkit.patching.exact.engine import ExactEngine
-from circuitkit.patching.inputs import check_edge_model
-from circuitkit.patching.sweep import Sweep, auto_rows
+from circuitkit.patching.exact.nodes import NodeRuns, node_sweep
+from circuitkit.patching.sweep import Sweep, auto_rows, make_edge_sweep
 
 
-class EdgeEngine(ExactEngine):
+def edge_sweep(model: Any, layout: Any, direction: str, tokens: Tensor, metric: PromptMetric
+               ) -> Sweep:
+    """The unplanned sweep of ``layout``'s edges (``sweep.make_edge_sweep``) and, as its layer
+    ``n_layers + 1``, the node runs of its head senders (``node_senders``; none: no such
+    layer)."""
+    sweep = make_edge_sweep(model, layout, direction, tokens, metric)
+    n_nodes = len(node_senders(layout))
+    return node_sweep(sweep, n_nodes) if n_nodes else sweep
+
+
+def node_senders(layout: Any) -> list[int]:
+    """The layout's head senders (the embeddings have no node run), in its order."""
+    return [s for s, (sl, _) in enumerate(layout.senders) if sl >= 0]
+
+
+class EdgeEngine(NodeRuns, ExactEngine):
     """Exact edge patching (module docstring). ``layout``: the ``sweep.EdgeLayout``; the
     sweep's layer ``l`` is receiver layer ``l`` (``n_layers``: the logits), its variants
-    ``layout.cells(l)``."""
+    ``layout.cells(l)``; an ``edge_sweep``'s layer ``n_layers + 1`` runs the head senders'
+    node runs (``node_senders``), its chunks' values the node runs' metric."""
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):
-        check_edge_model(model)
+        # (the model is the entry's, checked there once: EdgeUnits.checked, check_edge_model)
         self._bind(model, clean, corrupt, metric, sweep)
-        self.layout = layout
+        self.layout, self.rows = layout, rows or auto_rows(model, self.length)
+        self.node_senders = node_senders(layout)
         L = layout.n_layers
         self.cells = [layout.cells(layer) for layer in range(L + 1)]
         self.attn_cached = False  # the receiving layer's attention runs (with its patched input)
@@ -39,10 +58,11 @@ class EdgeEngine(ExactEngine):
         with torch.no_grad():
             self.block_arity, self.attn_arity = shortcuts.output_arity(model, self.base)
             (self.base_metric, self.source_metric), cache = self._cached_runs(
-                [self.base, self.source], names, rows or auto_rows(model, self.length))
+                [self.base, self.source], names, self.rows)
             self.resid = [cache[hooks.resid_pre(layer)][0] for layer in range(L)]
             self.embed_delta = cache[hooks.resid_pre(0)][1] - self.resid[0]
-            self.dz = [cache[hooks.z(layer)][1] - cache[hooks.z(layer)][0] for layer in range(L)]
+            # (a sender's dz = z_source - z_base is taken per chunk: z_source is the node runs')
+            self.z_source = [cache[hooks.z(layer)][1] for layer in range(L)]
             self.z_base = [cache[hooks.z(layer)][0] for layer in range(L)]
             self.final = cache[hooks.resid_post(L - 1)][0]  # what the final norm reads
             del cache
@@ -60,14 +80,18 @@ class EdgeEngine(ExactEngine):
             if sl < 0:
                 out.append(self._span(self.embed_delta, p0, p1, length, layer=layer))
                 continue
-            dz = self._span(self.dz[sl], p0, p1, length, layer=layer)[:, :, h]
+            dz = (self._span(self.z_source[sl], p0, p1, length, layer=layer)[:, :, h]
+                  - self._span(self.z_base[sl], p0, p1, length, layer=layer)[:, :, h])
             out.append(dz @ self.W_O[sl][h].to(dz.device))
         return torch.stack(out)
 
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:
-        """Logits with each edge into receiver layer ``layer`` patched, rows variant-major."""
+        """Logits with each edge into receiver layer ``layer`` patched, rows variant-major;
+        layer ``n_layers + 1``: each variant's head sender's node run."""
         model, L = self.model, self.layout.n_layers
+        if layer == L + 1:
+            return self.node_logits([self.node_senders[v] for v in variants], p0, p1)
         fast = self.fast if fast is None else fast
         n_v, n_p, length = len(variants), p1 - p0, self._run_length(p0, p1)
         cells = self.cells[layer][list(variants)]  # [n_v, 3]: sender, input, head
@@ -167,9 +191,19 @@ class EdgeEngine(ExactEngine):
         grid = torch.full((sw.n_prompts, len(lay.senders), len(lay.receivers), len(lay.inputs)),
                           float("nan"))
         for cid, c in enumerate(sw.chunks):
+            if c.layer > L:  # the node runs (node_effects_of)
+                continue
             cells = self.cells[c.layer][c.v0:c.v1]
             r = torch.tensor([r_index[(c.layer, int(u)) if c.layer < L else (L, -1)]
                               for u in cells[:, 2]], dtype=torch.long)
             grid[c.p0:c.p1, cells[:, 0], r, cells[:, 1]] = done[cid].T
         values = grid.mean(0)
         return values, grid if self.metric.per_prompt_values else None
+
+    def node_effects_of(self, done: dict[int, Tensor]) -> Tensor:
+        """The head senders' node effects (``node_senders``' order) from a finished sweep's
+        chunk results ``done``: its node chunks, or, where its plan has none (an older
+        checkpoint's), runs of this engine (``NodeRuns.node_effects``)."""
+        nodes = {(c.v0, c.p0, c.p1): done[cid] for cid, c in enumerate(self.sweep.chunks)
+                 if c.layer == self.layout.n_layers + 1 and cid in done}
+        return self.node_effects(self.node_senders, nodes)

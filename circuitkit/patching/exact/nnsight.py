@@ -1,13 +1,19 @@
 """Exact head sweeps through nnsight's tracing: locally, or on NDIF (``remote=True``).
 
-The same sweep as the TransformerLens engine (``patch_heads(..., backend="nnsight")``), for
-models that only nnsight reaches: NDIF serves large hub models (Llama-3.1-70B ...) to researchers
-without GPUs of their own; nnsight ships the trace there and brings back what it saves.
+The same sweep as the TransformerLens engine (``ck.patch(..., options=dict(backend="nnsight"))``),
+for models that only nnsight reaches: NDIF serves large hub models (Llama-3.1-70B ...) to
+researchers without GPUs of their own; nnsight ships the trace there and brings back what it
+saves. It takes ``ck.patch``'s road: the entry's checks (``api._check``: tokens, the metric
+wrapped, its reads checked on the real logits, except on NDIF, where that would download them
+whole), then ``exact.sweeps.run_sweep`` (prompts by length, chunks, checkpoint, progress bar,
+ranks) with ``NnsightEngine``, whose chunks run as traces. The model is seen through
+``NnsightModel`` (its shape facts under TransformerLens's names, its weights' fingerprint).
 
 For each layer ``l``: the *source* tokens' activation at the site of ``l`` (locally: every layer's
 from one trace; remotely: one trace per layer that stops there, so each download is one layer's
-size); then traces of the *base* tokens, repeated once per variant (``g`` variants of ``n``
-prompts per trace, ``[g * n, seq]``), write each variant's head slice from the source in place:
+size); then each chunk is one trace of its *base* prompts, repeated once per variant (``g``
+variants of ``n`` prompts, ``[g * n, seq]``), writing each variant's head slice from the source
+in place:
 
 * ``z``: the input of ``self_attn.o_proj`` (heads concatenated, ``[batch, pos, n_heads *
   d_head]``), columns ``h * d_head:(h + 1) * d_head``;
@@ -18,35 +24,31 @@ prompts per trace, ``[g * n, seq]``), write each variant's head slice from the s
 
 Each trace saves the logits at the positions the metric reads only (``PromptMetric.reads``), so
 a remote run downloads ``[g * n, k, vocab]``, not every position's logits. Runs stop after the
-last read position (causal model), as the engine's. Direction, positions and metric mean what
-they mean for ``patch_heads``; pattern patching and attribution need the TransformerLens backend.
-Models: Llama-style decoders (``model.layers[l].self_attn.{q,k,v,o}_proj``: Llama, Mistral,
-Qwen2, SmolLM2, ...). nnsight facts this relies on: ``circuitkit``'s FIELD notes (traces live in
-this source file; ``torch.no_grad()``; eager attention, as TransformerLens's bridge).
+chunk's last read position (causal model), as the engine's. Direction, positions and metric mean
+what they mean for ``patch_heads``; pattern patching and attribution need the TransformerLens
+backend (``HeadUnits.check_method`` says so). Models: Llama-style decoders
+(``model.layers[l].self_attn.{q,k,v,o}_proj``: Llama, Mistral, Qwen2, SmolLM2, ...). nnsight
+facts this relies on: ``circuitkit``'s FIELD notes (traces live in this source file;
+``torch.no_grad()``; eager attention, as TransformerLens's bridge).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from circuitkit.hooks import ModelFacts
-from circuitkit.metrics import PromptMetric, as_metric
-from circuitkit.patching.inputs import (
-    DIRECTIONS,
-    POSITIONS,
-    check_batch_size,
-    check_metric_prompts,
-    check_tokens,
-    checked_metric,
-    choice,
-)
+from circuitkit.metrics import PromptMetric
+from circuitkit.patching.exact.checks import evaluate_metric
+from circuitkit.patching.exact.engine import ExactEngine
 from circuitkit.patching.results import PatchResult
+from circuitkit.patching.sweep import Chunk, Sweep
 
 SITES = ("z", "q", "k", "v")
 NDIF_SIGNUP = "https://login.ndif.us"
@@ -143,119 +145,151 @@ def _site(lm: Any, layer: int, site: str) -> Any:
     return getattr(attn, f"{site}_proj").output
 
 
-# --- the sweep ------------------------------------------------------------------------------------
+# --- the sweep ---------------------------------------------------------------------------
 
 
-def patch_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any,
-                units: Any, method: str, opts: Any) -> PatchResult:
-    """Exact head patching through nnsight (module docstring); the arguments and the result
-    are those of ``circuitkit.patch`` over ``HeadUnits`` (``opts``: its ``PatchOptions``).
-    ``batch_size``: sequences per trace (default: 64, at least all prompts: every variant runs
-    all prompts). ``method``: "exact" ("auto" runs exact: the attribution screen needs the
-    TransformerLens backend)."""
-    direction, positions, site = opts.direction, units.positions, units.site
-    batch_size, progress, remote, task_hash = (opts.batch_size, opts.progress, opts.remote,
-                                               opts.task_hash)
-    choice("direction", direction, DIRECTIONS)
-    choice("positions", positions, POSITIONS)
-    if site not in SITES:
-        raise ValueError(f"site={site!r} is not supported by backend='nnsight'; expected one of "
-                         f"{list(SITES)} (pattern patching needs the TransformerLens backend).")
-    if method not in ("exact", "auto"):
-        raise ValueError(f"method={method!r} is not supported by backend='nnsight'; use 'exact' "
-                         "(attribution needs the TransformerLens backend).")
-    check_batch_size(batch_size)
-    t0 = time.perf_counter()
-    lm = load(model, remote=remote)
-    f = facts(lm)
-    clean, corrupt = check_tokens(clean_tokens, corrupt_tokens)
-    if int(max(clean.max(), corrupt.max())) >= f.d_vocab:
-        raise ValueError(f"token ids must lie in [0, {f.d_vocab}) for this model's vocabulary; "
-                         f"got ids up to {int(max(clean.max(), corrupt.max()))}.")
-    n, seq = clean.shape
-    pm = as_metric(metric, n, seq, f.d_vocab_out)
-    check_metric_prompts(pm, n)
-    # (remotely, checking reads on the real logits would download them whole: not done)
-    pm = checked_metric(lm, clean, corrupt, pm,
-                        logits_of=False if remote else (lambda t: _logits(lm, t)))
-    reads = pm.read_positions()
-    length = seq if reads is None else int(reads.max()) + 1  # causal: nothing after matters
-    base, source = (corrupt, clean) if direction == "denoise" else (clean, corrupt)
-    base, source = base[:, :length], source[:, :length]
-    n_units = f.n_heads_at(site)
-    n_pos = seq if positions == "each" else 1
-    variants = [(u, p) for u in range(n_units) for p in (range(n_pos) if n_pos > 1 else [None])]
-    per_trace = max(1, (batch_size or max(n, 64)) // n)
-    grid, base_m, source_m = _sweep(lm, f, base, source, pm, reads, site, direction,
-                                    variants, per_trace, length, remote, progress)
-    shape = (f.n_layers, n_units, n_pos) if positions == "each" else (f.n_layers, n_units)
-    values = grid.mean(-1).reshape(shape)
-    per_prompt = grid.permute(2, 0, 1).reshape(n, *shape) if pm.per_prompt_values else None
-    clean_m, corrupt_m = (source_m, base_m) if direction == "denoise" else (base_m, source_m)
-    meta = dict(backend="nnsight", remote=remote, model=str(getattr(lm.config, "_name_or_path",
-                                                                     "")),
-                metric=pm.name, n_prompts=n, seq=seq, traces_per_layer=-(-len(variants)
-                                                                        // per_trace),
-                seconds=time.perf_counter() - t0,
-                head_axis="kv_head" if site in ("k", "v") and f.gqa else "head",
-                facts=f.to_dict())
+class NnsightModel:
+    """An nnsight model as ``ck.patch``'s checks and ``exact.sweeps.run_sweep`` see a model:
+    ``cfg`` (its shape facts under TransformerLens's names: ``hooks.facts``,
+    ``inputs.check_tokens``; ``model_name``: its hub id or folder), ``tokenizer`` (the pad
+    id), ``named_parameters`` (``checkpoint.model_fingerprint``) and ``logits_of`` (the entry's
+    read checks). On NDIF (``remote``) the weights stay there (here they are on the meta
+    device): the hub id and its revision stand for them in the fingerprint, and ``logits_of``
+    is False (checking reads on the real logits would download them whole)."""
+
+    def __init__(self, lm: Any, remote: bool = False):
+        self.lm, self.remote = lm, remote
+        f = facts(lm)
+        self.cfg = SimpleNamespace(
+            n_layers=f.n_layers, n_heads=f.n_heads, n_key_value_heads=f.n_kv_heads,
+            d_head=f.d_head, d_model=f.d_model, d_vocab=f.d_vocab, n_ctx=f.n_ctx,
+            d_vocab_out=f.d_vocab_out, model_name=str(getattr(lm.config, "_name_or_path", "")))
+        self.tokenizer = getattr(lm, "tokenizer", None)
+
+    @classmethod
+    def of(cls, model: Any, remote: bool = False) -> NnsightModel:
+        """``model`` (an ``NnsightModel``, or anything ``load`` takes) seen through nnsight."""
+        return model if isinstance(model, cls) else cls(load(model, remote=remote), remote)
+
+    def named_parameters(self) -> Any:
+        if not self.remote:
+            return self.lm._module.named_parameters()
+        name = f"ndif:{self.cfg.model_name}@{getattr(self.lm.config, '_commit_hash', None)}"
+        return iter([(name, torch.tensor(list(name.encode()), dtype=torch.uint8))])
+
+    def parameters(self) -> Any:
+        return (p for _, p in self.named_parameters())
+
+    @property
+    def logits_of(self) -> Any:
+        """``tokens -> logits`` of an unpatched local run (``inputs.checked_metric``), or
+        False on NDIF."""
+        return False if self.remote else (lambda tokens: _logits(self.lm, tokens))
+
+
+def exact(model: NnsightModel, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units: Any,
+          opts: Any, meta: dict, method: str) -> PatchResult:
+    """The exact sweep of head ``units`` (checked by ``ck.patch``'s entry) through nnsight:
+    ``exact.sweeps.run_sweep`` with ``NnsightEngine`` (checkpoint identity: the sweep's, the
+    model's fingerprint and ``backend="nnsight"``). ``opts.batch_size``: sequences per trace
+    (default: 64, at least all prompts: a chunk runs all prompts of a variant where they fit).
+    ``method`` "auto" runs exact (the attribution screen needs the TransformerLens backend),
+    said in ``meta["auto"]``."""
+    from circuitkit.patching.exact import sweeps
+
+    sweep = units.sweep(model, opts.direction, clean, pm)
+    rows = opts.batch_size or max(clean.shape[0], 64)
+    swept = sweeps.run_sweep(model, clean, corrupt, pm, sweep, rows, opts.checkpoint,
+                             opts.progress, make_engine=NnsightEngine,
+                             identity_extra=dict(backend="nnsight"))
+    res = sweeps.patch_result(model, swept, sweep, pm, meta)
+    res.meta.update(backend="nnsight", remote=model.remote,
+                    traces_per_layer=-(-swept.info["n_chunks"] // sweep.n_layers))
     if method == "auto":
-        meta["auto"] = dict(chose="exact", note="backend='nnsight' runs exact sweeps only")
-    if task_hash is not None:
-        meta["task_hash"] = task_hash
-    if pm.note:
-        meta["metric_note"] = pm.note
-    return PatchResult(
-        values=values, clean=float(clean_m.mean()), corrupt=float(corrupt_m.mean()),
-        direction=direction, method="exact", site=site, positions=positions,
-        per_prompt=per_prompt, clean_per_prompt=clean_m if pm.per_prompt_values else None,
-        corrupt_per_prompt=corrupt_m if pm.per_prompt_values else None, meta=meta)
+        res.meta["auto"] = dict(chose="exact", note="backend='nnsight' runs exact sweeps only")
+    return res
 
 
-def _sweep(lm: Any, f: ModelFacts, base: Tensor, source: Tensor, pm: PromptMetric,
-           reads: Tensor | None, site: str, direction: str, variants: list, per_trace: int,
-           length: int, remote: bool, progress: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Every layer's ``variants`` patched, ``per_trace`` per trace: ``grid [n_layers,
-    n_variants, n_prompts]`` and the base and source runs' metric values ``[n_prompts]``."""
-    grid = torch.empty(f.n_layers, len(variants), base.shape[0])
-    with torch.no_grad():
-        base_m, source_m = _baselines(lm, base, source, pm, reads, remote)
-        steps = [(layer, s) for layer in range(f.n_layers)
-                 for s in range(0, len(variants), per_trace)]
-        bar = None
-        if progress:
-            from circuitkit._progress import tqdm
+class NnsightEngine(ExactEngine):
+    """An exact head sweep's chunks as nnsight traces (module docstring), for
+    ``exact.sweeps.run_sweep``: the unpatched base and source runs' metric (one trace) and the
+    source activations (locally every layer's from one trace; remotely one layer's at a time,
+    fetched when its first chunk runs), then one trace per chunk. ``model``: an
+    ``NnsightModel``. Of ``ExactEngine`` it keeps what reads no model: ``clean_metric``,
+    ``corrupt_metric``, ``_run_length`` and ``assemble``; every run is its own."""
 
-            bar = tqdm(total=len(steps), desc=f"nnsight patch {site} {direction}",
-                       unit="trace")
-        # locally every layer's source activation in one trace; remotely one layer per trace
-        # (each download stays one layer's size)
-        sources = None if remote else _source_activations(lm, source, f.n_layers, site)
-        src = None
-        for layer, s in steps:
-            if s == 0:
-                src = sources[layer] if sources is not None else _source_activation(
-                    lm, source, layer, site, remote)
-            group = variants[s:s + per_trace]
-            grid[layer, s:s + len(group)] = _patched(lm, base, src, layer, site, group,
-                                                     f.d_head, length, pm, reads, remote,
-                                                     base_m)
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-    return grid, base_m, source_m
+    def __init__(self, model: NnsightModel, clean: Tensor, corrupt: Tensor,
+                 metric: PromptMetric, sweep: Sweep, rows: int | None = None,
+                 fast: bool | None = None):
+        self.model, self.metric, self.sweep = model, metric, sweep
+        self.lm, self.remote, self.d_head = model.lm, model.remote, int(model.cfg.d_head)
+        self.reads, self.causal = metric.read_positions(), True  # (HF causal LMs)
+        self.length = self._run_length(0, sweep.n_prompts)
+        base, source = (corrupt, clean) if sweep.direction == "denoise" else (clean, corrupt)
+        self.base, self.source = base[:, :self.length], source[:, :self.length]
+        with torch.no_grad():
+            self.base_metric, self.source_metric = self._baselines()
+            self._src = {} if self.remote else dict(enumerate(_source_activations(
+                self.lm, self.source, sweep.n_layers, sweep.site)))
+
+    def _baselines(self) -> tuple[Tensor, Tensor]:
+        """Metric of the unpatched base and source runs (one trace, both stacked)."""
+        tokens = torch.cat([self.base, self.source])
+        n = self.sweep.n_prompts
+        with self.lm.trace(tokens, remote=self.remote):
+            out = _read_logits(self.lm, tokens.shape[0], self.reads, 2).save()
+        m = _metric_of(out, self.metric, (0, n), self.reads, "unpatched base and source runs")
+        return m[0], m[1]
+
+    def _source(self, layer: int) -> Tensor:
+        """The source run's activation at the sweep's site of ``layer`` (remotely fetched
+        once per layer: a chunk of another layer drops the last one)."""
+        if layer not in self._src:
+            self._src = {layer: _source_activation(self.lm, self.source, layer,
+                                                   self.sweep.site, self.remote)}
+        return self._src[layer]
+
+    @torch.no_grad()
+    def run_chunk(self, chunk: Chunk) -> Float[Tensor, "n_var n_p"]:
+        """Metric after each patch of the chunk, ``[n_variants, n_prompts]``, from one trace of
+        its base prompts repeated once per variant. A per-position patch after the chunk's
+        last read changes nothing (causal model): its value is the base metric, as in the
+        engine."""
+        c = Chunk(*chunk)
+        n_p, length = c.p1 - c.p0, self._run_length(c.p0, c.p1)
+        group = [self.sweep.variant(v) for v in range(c.v0, c.v1)]
+        todo = [i for i, (_, p) in enumerate(group) if p is None or p < length]
+        out = self.base_metric[c.p0:c.p1].expand(len(group), n_p).clone()
+        if not todo:
+            return out
+        src = self._source(c.layer)[c.p0:c.p1, :length]
+        reads = None if self.reads is None else self.reads[c.p0:c.p1]
+        tokens = self.base[c.p0:c.p1, :length].repeat(len(todo), 1)
+        d = self.d_head
+        with self.lm.trace(tokens, remote=self.remote):
+            act = _site(self.lm, c.layer, self.sweep.site)
+            for j, i in enumerate(todo):
+                h, p = group[i]
+                cols, rows = slice(h * d, (h + 1) * d), slice(j * n_p, (j + 1) * n_p)
+                if p is None:
+                    act[rows, :, cols] = src[:, :, cols]
+                else:
+                    act[rows, p, cols] = src[:, p, cols]
+            logits = _read_logits(self.lm, tokens.shape[0], reads, len(todo)).save()
+        out[todo] = _metric_of(logits, self.metric, (c.p0, c.p1), reads,
+                               f"nnsight patch, layer {c.layer}")
+        return out
 
 
-def _metric_of(logits: Tensor, pm: PromptMetric, reads: Tensor | None, copies: int,
+def _metric_of(logits: Tensor, pm: PromptMetric, prompts: tuple[int, int], reads: Tensor | None,
                what: str) -> Tensor:
-    """Per-prompt metric of ``copies`` stacked copies of the prompts: ``[copies, n]``."""
-    from circuitkit.patching.exact import evaluate_metric
-
-    n = logits.shape[0] // copies
-    tiled = pm.select(list(range(n)) * copies)
+    """Per-prompt metric of stacked copies of prompts ``p0:p1`` (``prompts``; ``reads``:
+    theirs, ``[p1 - p0, k]``): ``[copies, p1 - p0]``."""
+    p0, p1 = prompts
+    copies = logits.shape[0] // (p1 - p0)
+    tiled = pm.select(list(range(p0, p1)) * copies)
     at = None if reads is None else reads.repeat(copies, 1)
-    return evaluate_metric(tiled, logits.float(), what, at=at).view(copies, n)
+    return evaluate_metric(tiled, logits.float(), what, at=at).view(copies, p1 - p0)
 
 
 def _logits(lm: Any, tokens: Tensor) -> Tensor:
@@ -274,16 +308,6 @@ def _read_logits(lm: Any, rows: int, reads: Tensor | None, copies: int) -> Any:
     return logits[torch.arange(rows)[:, None], idx]
 
 
-def _baselines(lm: Any, base: Tensor, source: Tensor, pm: PromptMetric, reads: Tensor | None,
-               remote: bool) -> tuple[Tensor, Tensor]:
-    """Metric of the unpatched base and source runs (one trace, both stacked)."""
-    tokens = torch.cat([base, source])
-    with lm.trace(tokens, remote=remote):
-        out = _read_logits(lm, tokens.shape[0], reads, 2).save()
-    m = _metric_of(out, pm, reads, 2, "unpatched base and source runs")
-    return m[0], m[1]
-
-
 def _source_activation(lm: Any, source: Tensor, layer: int, site: str, remote: bool) -> Tensor:
     """The source run's activation at ``site`` of ``layer`` (the run stops there)."""
     with lm.trace(source, remote=remote) as tracer:
@@ -299,30 +323,3 @@ def _source_activations(lm: Any, source: Tensor, n_layers: int, site: str) -> li
     with lm.trace(source):
         acts = nnsight.save([_site(lm, layer, site) for layer in range(n_layers)])
     return [a.detach().clone() for a in acts]
-
-
-def _patched(lm: Any, base: Tensor, src: Tensor, layer: int, site: str,
-             group: list[tuple[int, int | None]], d_head: int, length: int, pm: PromptMetric,
-             reads: Tensor | None, remote: bool, base_m: Tensor) -> Tensor:
-    """Metric after each variant's patch, ``[len(group), n]``, from one trace of the base
-    tokens repeated once per variant. A per-position patch after the last read changes
-    nothing (causal model): its value is the base metric, as in the engine."""
-    n, g = base.shape[0], len(group)
-    todo = [i for i, (_, p) in enumerate(group) if p is None or p < length]
-    out = base_m.expand(g, n).clone()
-    if not todo:
-        return out
-    tokens = base.repeat(len(todo), 1)
-    with lm.trace(tokens, remote=remote):
-        act = _site(lm, layer, site)
-        for j, i in enumerate(todo):
-            h, p = group[i]
-            cols = slice(h * d_head, (h + 1) * d_head)
-            rows = slice(j * n, (j + 1) * n)
-            if p is None:
-                act[rows, :, cols] = src[:, :, cols]
-            else:
-                act[rows, p, cols] = src[:, p, cols]
-        logits = _read_logits(lm, tokens.shape[0], reads, len(todo)).save()
-    out[todo] = _metric_of(logits, pm, reads, len(todo), f"nnsight patch, layer {layer}")
-    return out

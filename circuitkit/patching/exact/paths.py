@@ -25,13 +25,14 @@ from torch import Tensor
 from circuitkit import hooks
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching import shortcuts
-from circuitkit.patching.exact.checks import evaluate_metric
 from circuitkit.patching.exact.engine import ExactEngine
+from circuitkit.patching.exact.nodes import NodeRuns
 from circuitkit.patching.sweep import Sweep, auto_rows
 
 
-class PathEngine(ExactEngine):
-    """Exact path patching (module docstring). ``layout``: the ``sweep.PathLayout``."""
+class PathEngine(NodeRuns, ExactEngine):
+    """Exact path patching (module docstring). ``layout``: the ``sweep.PathLayout``; its
+    senders' node runs: ``NodeRuns`` (``patching/exact/nodes.py``)."""
 
     def __init__(self, model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric,
                  sweep: Sweep, layout: Any, fast: bool | None = None, rows: int | None = None):
@@ -54,19 +55,6 @@ class PathEngine(ExactEngine):
     def _packed(self, fast: bool | None) -> bool:
         return False
 
-    def _sender_run(self, s: int, p0: int, p1: int, length: int) -> tuple[int, Tensor, tuple]:
-        """Sender ``s``'s run on prompts ``p0:p1``: its layer, the base residual there and the
-        hook giving it ``s``'s source ``z``."""
-        ls, hs = self.layout.senders[s]
-        z_src = self._span(self.z_source[ls], p0, p1, length, layer=ls)[:, :, hs]
-
-        def put(act: Tensor, hook: Any) -> Tensor:
-            act = act.clone()
-            act[:, :, hs] = z_src.to(act.dtype)
-            return act
-
-        return ls, self._span(self.resid[ls], p0, p1, length, layer=ls), (hooks.z(ls), put)
-
     def _sender_resid(self, s: int, layer: int, p0: int, p1: int, length: int
                       ) -> Float[Tensor, "n_p pos d_model"]:
         """The sender run's ``resid_pre(layer)`` on prompts ``p0:p1``."""
@@ -74,25 +62,6 @@ class PathEngine(ExactEngine):
         name = hooks.resid_pre(layer)
         return shortcuts.run_until(self.model, ls, x, [name], self.block_arity,
                                    fwd_hooks=[put])[name]
-
-    @torch.no_grad()
-    def node_effects(self) -> Float[Tensor, " sender"]:
-        """Each sender's node effect, ``mean_i M(sender run_i) - M(base_i)``: its run from its
-        layer to the logits, against the cached base run (``paths.coverage``'s denominator)."""
-        n, node = self.sweep.n_prompts, torch.zeros(len(self.layout.senders), dtype=torch.float64)
-        step = min(n, self.rows) if self.sweep.split_prompts else n  # (a scalar metric: all)
-        for s in range(len(self.layout.senders)):
-            for p0 in range(0, n, step):
-                p1 = min(n, p0 + step)
-                ls, x, put = self._sender_run(s, p0, p1, self._run_length(p0, p1))
-                hooks_at, forwards_at = self._read_rows_only(p0, p1, 1, False)
-                logits = self._suffix(x, ls, shortcuts.skipped_blocks(
-                    self.model, ls, self.block_arity) + forwards_at, [put] + hooks_at)
-                got = evaluate_metric(self.metric.select(list(range(p0, p1))), logits,
-                                      f"sender {s}'s run", at=None if self.reads is None
-                                      else self.reads[p0:p1])
-                node[s] += float((got.double() - self.base_metric[p0:p1].double()).sum())
-        return (node / n).float()
 
     def _patched_logits(self, layer: int, variants: Sequence[int], p0: int, p1: int,
                         fast: bool | None) -> Tensor:

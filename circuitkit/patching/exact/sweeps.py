@@ -37,7 +37,6 @@ from circuitkit.patching.sweep import (
     chunked,
     is_out_of_memory,
     length_order,
-    make_edge_sweep,
     make_path_sweep,
     make_set_sweep,
     make_sweep,
@@ -150,20 +149,26 @@ def group_meta(groups: Any) -> dict[str, Any]:
 def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,
               opts: Any, meta: dict) -> Any:
     """The exact edge sweep of ``layout`` (``EdgeEngine``; checkpoint identity: the sweep's plus
-    the layout), as an ``EdgeResult`` in the caller's prompt order."""
-    from circuitkit.patching.exact import EdgeEngine
+    the layout), as an ``EdgeResult`` in the caller's prompt order, with ``meta["coverage"]``:
+    the share of each head sender's node effect its edges explain (``paths.edge_coverage_of``;
+    the node runs are chunks of the same sweep, ``edges.edge_sweep``, on its cached runs)."""
+    from circuitkit.patching.exact.edges import EdgeEngine, edge_sweep
+    from circuitkit.patching.paths import edge_coverage_of
     from circuitkit.patching.results import EdgeResult
 
     direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
                                                    opts.checkpoint, opts.progress)
-    sweep = make_edge_sweep(model, layout, direction, clean, metric)
+    sweep = edge_sweep(model, layout, direction, clean, metric)
     swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
                       make_engine=functools.partial(EdgeEngine, layout=layout),
                       identity_extra=layout.to_dict())
-    return EdgeResult(direction=direction, senders=layout.senders, receivers=layout.receivers,
-                      inputs=layout.inputs, n_layers=layout.n_layers, **swept.fields(
-                          model, metric, dict(n_edges=layout.n_edges,
-                                              **described(meta, metric))))
+    res = EdgeResult(direction=direction, senders=layout.senders, receivers=layout.receivers,
+                     inputs=layout.inputs, n_layers=layout.n_layers, **swept.fields(
+                         model, metric, dict(n_edges=layout.n_edges,
+                                             **described(meta, metric))))
+    if swept.engine.node_senders:
+        res.meta["coverage"] = edge_coverage_of(res, swept.engine.node_effects_of(swept.done))
+    return res
 
 
 def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, layout: Any,

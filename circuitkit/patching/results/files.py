@@ -103,9 +103,9 @@ def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views
                 ) -> list[Path]:
     """What every result's ``save`` writes, each file atomically: ``TENSOR_FIELDS`` (the ones
     set) to ``.safetensors``, ``info`` (``json_ready``, with its ``digest``: ``result_digest``)
-    to ``.json`` and, with ``views``, ``to_frame()`` to ``.csv`` and ``heatmap()`` to
-    ``.html`` (``write_page``: the folder's one ``plotly.min.js``). Returns the paths
-    written."""
+    to ``.json`` and, with ``views``, ``to_frame()`` to ``.csv`` (``with_estimate_column``)
+    and ``heatmap()`` to ``.html`` (``write_page``: the folder's one ``plotly.min.js``).
+    Returns the paths written."""
     _make_folder(paths["json"].parent)
     tensors = {k: getattr(result, k) for k in TENSOR_FIELDS if getattr(result, k) is not None}
     info = json_ready(info)
@@ -116,9 +116,23 @@ def save_result(result: Any, paths: dict[str, Path], info: dict[str, Any], views
         return [paths["safetensors"], paths["json"]]
     from circuitkit.escape import csv_frame  # (names from files: no spreadsheet formulas)
 
-    files.atomic_write(paths["csv"], lambda p: csv_frame(result.to_frame()).to_csv(p, index=False))
+    frame = csv_frame(with_estimate_column(result, result.to_frame()))
+    files.atomic_write(paths["csv"], lambda p: frame.to_csv(p, index=False))
     write_page(result.heatmap(), paths["html"])  # + the folder's one plotly.min.js
     return list(paths.values())
+
+
+ESTIMATED = ("attribution", "attribution+exact")  # methods whose values are (partly) estimates
+
+
+def with_estimate_column(result: Any, frame: Any) -> Any:
+    """``frame`` (``result.to_frame()``) with an ``estimate`` column where ``result`` holds
+    estimates (True: a gradient estimate, not a patched value; ``attribution+exact``: the
+    cells it did not verify), so the ``.csv`` ``save`` writes says it once, whole (the CLI
+    used to read it back and rewrite it); unchanged for other methods."""
+    if getattr(result, "method", None) in ESTIMATED:
+        frame["estimate"] = ~frame["verified"].astype(bool) if "verified" in frame else True
+    return frame
 
 
 def _make_folder(folder: Path) -> None:

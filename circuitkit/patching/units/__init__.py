@@ -1,6 +1,7 @@
 """What is patched: ``HeadUnits`` (``heads.py``), ``LayerUnits`` (``layers.py``),
 ``EdgeUnits`` (``edges.py``), ``PathUnits`` (``paths.py``), ``HeadSetUnits`` (``head_sets.py``:
-head sets, each patched together), and ``MethodOptions`` (``base.py``).
+head sets, each patched together), and ``MethodOptions`` (``base.py``); ``ck.circuit``'s
+``CircuitUnits`` and ``CircuitOptions`` (``circuits.py``: the exact road only).
 
 A unit object says what ``ck.patch`` patches; each stage takes it, and each kind knows, once, its
 own checks (``check_method``, ``entry``, ``checked``), ``sweep``, ``exact``, ``estimate``,
@@ -24,6 +25,8 @@ _EXPORTS = {
     "EdgeUnits": "circuitkit.patching.units.edges:EdgeUnits",
     "PathUnits": "circuitkit.patching.units.paths:PathUnits",
     "HeadSetUnits": "circuitkit.patching.units.head_sets:HeadSetUnits",
+    "CircuitUnits": "circuitkit.patching.units.circuits:CircuitUnits",
+    "CircuitOptions": "circuitkit.patching.units.circuits:CircuitOptions",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -81,8 +81,9 @@ class EdgeUnits(_Units):
                     engine_checks=False)
 
     def checked(self, model: Any, clean: Any, corrupt: Any) -> EdgeUnits:
-        """The layout of these nodes (``check_edge_nodes``), every input patchable, and no
-        post-norm block (``check_edge_model``)."""
+        """The layout of these nodes (``check_edge_nodes``; the model's facts taken once, here,
+        and carried by the layout), every input patchable, and no post-norm block
+        (``check_edge_model``)."""
         layout = self.layout_of(model)
         for name in layout.inputs:
             hooks.check_patchable(model, name, clean)
@@ -96,7 +97,9 @@ class EdgeUnits(_Units):
         return EdgeLayout(f.n_layers, f.n_heads, f.n_kv_heads, s, r, i)
 
     def meta(self, model: Any, task_hash: str | None) -> dict[str, Any]:
-        return dict(task_hash=task_hash, kv_heads=hooks.facts(model).gqa)
+        """(Checked units: the layout's facts, not the model's asked again.)"""
+        lay = self.layout or self.layout_of(model)
+        return dict(task_hash=task_hash, kv_heads=lay.n_kv_heads != lay.n_heads)
 
     def sweep(self, model: Any, direction: str, clean: Any, metric: Any) -> Any:
         return make_edge_sweep(model, self.layout, direction, clean, metric)
@@ -144,7 +147,7 @@ class EdgeUnits(_Units):
         return Screenable(
             kind="edges", index=index, layer=layer, screen=screen, run=run,
             downstream=(L + 1 - layer).float() / (L + 1), metric=pm, n_prompts=n,
-            per_round=max(1, len(layout.inputs) * hooks.facts(model).n_heads),
+            per_round=max(1, len(layout.inputs) * layout.n_heads),
             exact=lambda: self.exact(model, clean, corrupt, pm, opts, {}),
             screen_passes=n * attribution.edge_estimator_passes(
                 model, layout, estimator, attribution.EDGE_IG_STEPS if opts.ig_steps is None

@@ -89,12 +89,19 @@ class HeadUnits(_Units):
                 f"backend={backend!r}.")
         if method == "attribution":
             unused_checkpoint(checkpoint, "method='attribution'")
-        elif backend == "nnsight":
-            unused_checkpoint(checkpoint, "backend='nnsight'")
         if backend != "transformer_lens" or remote:
             choice("backend", backend, BACKENDS)
             if backend != "nnsight":
                 raise ValueError("remote=True runs through NDIF and needs backend='nnsight'.")
+            from circuitkit.patching.exact.nnsight import SITES
+
+            if self.site not in SITES:
+                raise ValueError(f"site={self.site!r} is not supported by backend='nnsight'; "
+                                 f"expected one of {list(SITES)} (pattern patching needs the "
+                                 "TransformerLens backend).")
+            if method not in ("exact", "auto"):
+                raise ValueError(f"method={method!r} is not supported by backend='nnsight'; use "
+                                 "'exact' (attribution needs the TransformerLens backend).")
         return method
 
     def entry(self, method: str) -> dict[str, Any]:
