@@ -81,6 +81,7 @@ def command(options: Sequence[Option], short_help: str) -> Callable[[Callable], 
         run.__annotations__ = {}  # (typer reads the signature; no string annotations to resolve)
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
             setattr(run, attr, getattr(body, attr))
+        run.__wrapped__ = body  # (inspect.getsource: the body; the signature stays the table's)
         return app.command(short_help=short_help)(run)
 
     return register
