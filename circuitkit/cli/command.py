@@ -25,10 +25,10 @@ from circuitkit.cli.app import app
 @dataclass(frozen=True)
 class Option:
     """One option of the command line: ``name`` (the parameter, read as ``args.name``; the key
-    of the run's flags in ``OUT/.circuitkit-run``), ``flags`` (the first is its long name),
-    ``type`` (what the value is parsed as), ``default``, ``help`` (what ``--help`` prints),
-    ``metavar``, ``callback`` (checks the value at parse time, before any model loads) and
-    ``argument`` (a positional argument instead of a flag; default ``...``: required)."""
+    of the run's flags in ``OUT/.circuitkit-run``), ``flags`` (as typed; ``--x/--no-x``: a
+    switch), ``type`` (what the value is parsed as), ``default``, ``help`` (what ``--help``
+    prints), ``metavar``, ``callback`` (checks the value at parse time, before any model loads)
+    and ``argument`` (a positional argument instead of a flag; default ``...``: required)."""
 
     name: str
     flags: tuple[str, ...]
