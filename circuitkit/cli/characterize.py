@@ -103,36 +103,31 @@ def characterize(a: Args) -> None:
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
 
-    # (the names the library call below reads, one each)
-    (ctx, model, task, out, overwrite, seed, split, k, n_random, n_random_ablation, patch_method,
-     batch_size, edges, stages, corruption, progress) = (
-        a.ctx, a.model, a.task, a.out, a.overwrite, a.seed, a.split, a.k, a.n_random,
-        a.n_random_ablation, a.patch_method, a.batch_size, a.edges, a.stages, a.corruption,
-        a.progress)
+    out = a.out
     flag = _text_flag(a.text)
     try:
-        _one_of("--method", patch_method, METHODS)
-        _positive("--batch-size", batch_size, "sequences per forward pass")
-        _positive("--n-random", n_random, "random head sets")
-        _positive("--n-random-ablation", n_random_ablation, "random head sets")
-        _check_k(model, k)
-        n_examples = _n_for(task, a.n_examples)
+        _one_of("--method", a.patch_method, METHODS)
+        _positive("--batch-size", a.batch_size, "sequences per forward pass")
+        _positive("--n-random", a.n_random, "random head sets")
+        _positive("--n-random-ablation", a.n_random_ablation, "random head sets")
+        _check_k(a.model, a.k)
+        n_examples = _n_for(a.task, a.n_examples)
         select_n = _select_n_flag(a.select_n, n_examples)
-        check_available(model)  # missing weights: before any model loads or --out is made
-        _claim_out(ctx, "characterize", out, overwrite, n_examples=n_examples,
+        check_available(a.model)  # missing weights: before any model loads or --out is made
+        _claim_out(a.ctx, "characterize", out, a.overwrite, n_examples=n_examples,
                    select_n=select_n)
-        with hf_progress(progress):  # --no-progress: transformers' bars too
-            summary = run(model, task, out, CharacterizeOptions(
-                n_examples=n_examples, seed=seed, split=split, k=k, n_random=n_random,
-                n_random_ablation=n_random_ablation, batch_size=batch_size,
-                patch_method=patch_method, text=flag, progress=progress, edges=edges,
-                stages=stages, select_n=select_n,
-                task_kwargs=None if corruption == "note" else {"corruption": corruption}))
+        with hf_progress(a.progress):  # --no-progress: transformers' bars too
+            summary = run(a.model, a.task, out, CharacterizeOptions(
+                n_examples=n_examples, seed=a.seed, split=a.split, k=a.k, n_random=a.n_random,
+                n_random_ablation=a.n_random_ablation, batch_size=a.batch_size,
+                patch_method=a.patch_method, text=flag, progress=a.progress, edges=a.edges,
+                stages=a.stages, select_n=select_n, task_kwargs=None if a.corruption == "note"
+                else {"corruption": a.corruption}))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted("finished steps (and finished chunks of the current sweep) are in "
-                     f"{out}. Resume with the same command:\n  {_same_command(ctx)}")
+                     f"{out}. Resume with the same command:\n  {_same_command(a.ctx)}")
     if a.as_json:
         return _echo_json(dict(command="characterize", out=str(out),
                                findings=_findings_json(out), summary=summary))
