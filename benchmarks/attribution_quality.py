@@ -43,11 +43,9 @@ import torch
 import circuitkit as ck
 from circuitkit.metrics import token_logprob_metric
 from circuitkit.models import configure_threads
-from circuitkit.patching.api import attribution_plus_exact
 from circuitkit.patching.estimators.attribution import (
     ESTIMATORS,
     SCREENING_ESTIMATOR,
-    attribution_patch_heads,
     estimator_passes,
 )
 
@@ -162,8 +160,9 @@ def run_setting(label, model, clean, corrupt, metric, args) -> list[dict[str, An
             if est in args.skip:
                 continue
             t0 = time.perf_counter()
-            res = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
-                                          estimator=est, progress=False)
+            res = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
+                                 method="attribution",
+                                 options=dict(estimator=est, progress=False))
             seconds = time.perf_counter() - t0
             ref_seconds = seconds if est == "atp" else ref_seconds
             passes = estimator_passes(model, est, "z", "all", seq, batch=n)
@@ -175,8 +174,9 @@ def run_setting(label, model, clean, corrupt, metric, args) -> list[dict[str, An
                              n_heads=x.numel()))
             print(_fmt(rows[-1]), flush=True)
         t0 = time.perf_counter()
-        hyb = attribution_plus_exact(model, clean, corrupt, metric, direction=direction,
-                                     progress=False)
+        hyb = ck.patch_heads(model, clean, corrupt, metric, direction=direction,
+                             method="attribution+exact", options=dict(
+                                 progress=False, budget=dict(exact_when_cheaper=False)))
         seconds = time.perf_counter() - t0
         mask = torch.tensor(hyb.meta["verified"]).flatten()
         top10 = x.flatten().abs().topk(min(10, x.numel())).indices

@@ -30,12 +30,7 @@ from attribution_quality import cached_exact, quality, repeated_tokens  # this s
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.models import configure_threads
-from circuitkit.patching.api import attribution_plus_exact
-from circuitkit.patching.estimators.attribution import (
-    SCREENING_ESTIMATOR,
-    attribution_patch_heads,
-    estimator_passes,
-)
+from circuitkit.patching.estimators.attribution import SCREENING_ESTIMATOR, estimator_passes
 
 ALPHAS = (0.1, 0.25, 0.5, 0.75, 1.0)
 
@@ -130,8 +125,8 @@ def main() -> None:
         base, source, tokens = (cc, kc, clean) if noise else (kc, cc, corrupt)
         m0 = exact.clean if noise else exact.corrupt
         x = exact.values - m0
-        res = {e: attribution_patch_heads(model, clean, corrupt, metric, direction=args.direction,
-                                          estimator=e, progress=False)
+        res = {e: ck.patch_heads(model, clean, corrupt, metric, direction=args.direction,
+                                 method="attribution", options=dict(estimator=e, progress=False))
                for e in ("atp", SCREENING_ESTIMATOR)}
         est = {e: r.values - m0 for e, r in res.items()}
         print(f"\n## {label}, {args.direction} (metric at base {m0:.2f})\n")
@@ -166,8 +161,9 @@ def main() -> None:
                   f"({passes / 4:.1f}x) |", flush=True)
         for mult in (5.0, 7.0):  # the library's own rule, run for real, within a pass budget
             n = clean.shape[0]
-            hyb = attribution_plus_exact(model, clean, corrupt, metric, direction=args.direction,
-                                         max_passes=mult * 4 * n, progress=False)
+            hyb = ck.patch_heads(model, clean, corrupt, metric, direction=args.direction,
+                                 method="attribution+exact",
+                                 options=dict(max_passes=mult * 4 * n, progress=False))
             q = quality(hyb.values - m0, x)
             passes = hyb.meta["cost"]["total_passes"] / n
             print(f"| attribution+exact, max_passes {mult:.0f}x AtP (engine's 2 cached runs "

@@ -28,7 +28,7 @@ import torch
 import circuitkit as ck
 from circuitkit.models import configure_threads
 from circuitkit.patching.estimators import block
-from circuitkit.patching.estimators.attribution import attribution_patch_heads, estimator_passes
+from circuitkit.patching.estimators.attribution import estimator_passes
 from circuitkit.patching.exact import head_mlp
 
 
@@ -97,8 +97,9 @@ def main() -> None:
         clean, corrupt, metric = setting(model, n, seq)
 
         def run(est, clean=clean, corrupt=corrupt, metric=metric):
-            return attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                           estimator=est, progress=False)
+            return ck.patch_heads(model, clean, corrupt, metric, direction="noise",
+                                  method="attribution",
+                                  options=dict(estimator=est, progress=False))
 
         t_atp, _ = best(lambda: run("atp"), args.repeats)
         try:

@@ -13,8 +13,8 @@ One process, one model, the same inputs and metric for every method (denoise, si
   same
   metric as a plain user lambda returning the mean (``lambda logits: metric(logits)``) or one
   value per prompt;
-* ``attribution``: ``attribution_patch_heads`` (4 pass-equivalents per prompt: 2 forwards +
-  1 backward, a backward counting 2);
+* ``attribution``: ``circuitkit.patch_heads(method="attribution")`` (4 pass-equivalents per
+  prompt: 2 forwards + 1 backward, a backward counting 2);
 * ``AtP*``: the same with ``atp_star=True`` (Q/K correction + exact tail);
 * the per-position sweeps (``positions="each"``) of exact and attribution.
 
@@ -198,15 +198,15 @@ def scaling(layers: Sequence[int], n_heads: int, repeats: int) -> None:
     32 tokens, metric: log-prob of the last 8 tokens). Exact costs about ``n_heads * n_layers / 2``
     forward passes (each head's suffix run), attribution about 3 whatever the head count, so
     their ratio grows with the model."""
-    from circuitkit.patching.estimators.attribution import attribution_patch_heads
-
     print(f"\nscaling: random Llama, {n_heads} heads per layer, d_model 256, 8 prompts x 32 "
           f"tokens, denoise z, all positions; best of {repeats}")
     print(f"{'layers':>6s} {'heads':>6s} {'exact s':>8s} {'attrib s':>9s} {'exact/attrib':>13s}")
     for n_layers in layers:
         model, clean, corrupt, metric = random_llama_setting(n_layers, n_heads)
-        exact = partial(ck.patch_heads, model, clean, corrupt, metric, progress=False)
-        attrib = partial(attribution_patch_heads, model, clean, corrupt, metric, progress=False)
+        exact = partial(ck.patch_heads, model, clean, corrupt, metric,
+                        options=dict(progress=False))
+        attrib = partial(ck.patch_heads, model, clean, corrupt, metric, method="attribution",
+                         options=dict(progress=False))
         exact()  # warm-up (and the fast-path probe)
         t_ex, t_at = best_time(exact, repeats)[0], best_time(attrib, repeats)[0]
         print(f"{n_layers:6d} {n_layers * n_heads:6d} {t_ex:8.3f} {t_at:9.3f} "
@@ -239,7 +239,7 @@ def main() -> None:
     name = args.model or ("icd-teacher" if shipped_path("icd-teacher") else "tiny")
     model, clean, corrupt, metric, desc = setup(name, args.batch, args.seq)
     f = hooks.facts(model)
-    kw = dict(progress=False)
+    kw = dict(options=dict(progress=False))
     with torch.no_grad():
         model(clean[:2])  # warm-up (allocator, lazy init)
 
@@ -249,21 +249,22 @@ def main() -> None:
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
     def rows_of(pkg: Any) -> dict[str, Callable[[], Any]]:
-        from importlib import import_module
+        def attrib(*a: Any, atp_star: bool = False, **k: Any) -> Any:
+            return pkg.patch_heads(*a, method="attribution", **k, options=dict(
+                progress=False, atp_star=atp_star))
 
-        attrib = import_module(f"{pkg.__name__}.patching.attribution").attribution_patch_heads
         rows = {
             "exact (all positions)": lambda: pkg.patch_heads(model, clean, corrupt, metric, **kw),
             "exact, plain lambda (mean)": lambda: pkg.patch_heads(
                 model, clean, corrupt, lambda logits: metric(logits), **kw),
             "exact, plain lambda ([batch])": lambda: pkg.patch_heads(
                 model, clean, corrupt, lambda logits: metric.per_prompt(logits), **kw),
-            "attribution (all)": lambda: attrib(model, clean, corrupt, metric, **kw),
-            "AtP* (all)": lambda: attrib(model, clean, corrupt, metric, atp_star=True, **kw),
+            "attribution (all)": lambda: attrib(model, clean, corrupt, metric),
+            "AtP* (all)": lambda: attrib(model, clean, corrupt, metric, atp_star=True),
             "exact (each position)": lambda: pkg.patch_heads(
                 model, clean, corrupt, metric, positions="each", **kw),
             "attribution (each)": lambda: attrib(model, clean, corrupt, metric,
-                                                 positions="each", **kw),
+                                                 positions="each"),
         }
         return {k: v for k, v in rows.items()
                 if not (args.skip_each and "each" in k)

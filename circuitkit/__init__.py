@@ -23,10 +23,9 @@ _EXPORTS = {
     "evaluate": "circuitkit.evaluation:evaluate",
     **{name: _PATCHING[name] for name in (
         "PromptMetric", "as_metric", "patch", "HeadUnits", "LayerUnits", "EdgeUnits",
-        "PathUnits", "HeadSetUnits", "PatchOptions", "MethodOptions", "patch_heads",
-        "patch_layers", "plan_patch",
-        "PatchResult", "patch_edges", "patch_paths", "EdgeResult", "circuit",
-        "CircuitOptions", "CircuitResult")},
+        "PathUnits", "HeadSetUnits", "PatchOptions", "MethodOptions", "BudgetRule",
+        "patch_heads", "patch_layers", "plan_patch", "PatchResult", "patch_edges", "patch_paths",
+        "EdgeResult", "circuit", "CircuitOptions", "CircuitResult")},
     "score_heads": "circuitkit.scoring.heads:score_heads",
     "validate_heads": "circuitkit.experiments.validation:validate_heads",
     "ablate_heads": "circuitkit.experiments.validation:ablate_heads",

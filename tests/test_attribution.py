@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodels import autograd_at, hand_patch_heads, with_random_post_norms
+from tinymodels import (
+    attribution_heads,
+    autograd_at,
+    hand_patch_heads,
+    hybrid_heads,
+    with_random_post_norms,
+)
 
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric
-from circuitkit.patching.api import attribution_plus_exact, verified_mask
-from circuitkit.patching.estimators.attribution import attribution_patch_heads
+from circuitkit.patching.api import verified_mask
 
 TINY = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -78,8 +83,8 @@ def test_attribution_converges_to_exact(direction):
         clean, corrupt = near_tokens(m, eps)
         pos = [5, 8, 11]
         metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
-        res = attribution_patch_heads(m, clean, corrupt, metric, direction=direction,
-                                      progress=False)
+        res = attribution_heads(m, clean, corrupt, metric, direction=direction,
+                                progress=False)
         ex = exact_heads(m, clean, corrupt, metric, direction)
         base = res.corrupt if direction == "denoise" else res.clean
         d_attr, d_exact = res.values - base, ex - base
@@ -97,7 +102,7 @@ def test_denoise_matches_transformerlens_sign_and_scale(model, data):
     clean, corrupt, metric = data
     _, cache = model.run_with_cache(clean)
     tl = get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
-    res = attribution_patch_heads(model, clean, corrupt, metric, progress=False)
+    res = attribution_heads(model, clean, corrupt, metric, progress=False)
     assert res.values.shape == tl.shape == (3, 4)
     assert res.method == "attribution" and res.per_prompt.shape == (4, 3, 4)
     with torch.no_grad():
@@ -118,7 +123,7 @@ def test_atp_on_uneven_reads_is_the_full_logits_gradient(model):
     corrupt = torch.randint(0, 64, (3, 10), generator=g)
     pos = [[9], [4, 9], [3, 6, 9]]
     metric = token_logprob_metric(pos, [clean[i, p].tolist() for i, p in enumerate(pos)])
-    res = attribution_patch_heads(model, clean, corrupt, metric, progress=False)
+    res = attribution_heads(model, clean, corrupt, metric, progress=False)
     names = [hooks.z(la) for la in range(3)]
     kept = autograd_at(model, corrupt, metric, names)
     with torch.no_grad():
@@ -131,11 +136,11 @@ def test_each_position_sums_to_all_and_batching(model, data):
     """Plain attribution is linear in the patch: per-position estimates sum to the all-position
     one; chunking prompts (batch_size=3 of 4) changes nothing (tolerance 1e-5)."""
     clean, corrupt, metric = data
-    res_all = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                      site="v", progress=False)
-    res_each = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                       site="v", positions="each", batch_size=3,
-                                       progress=False)
+    res_all = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                site="v", progress=False)
+    res_each = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                 site="v", positions="each", batch_size=3,
+                                 progress=False)
     assert res_each.values.shape == (3, 2, 12)  # v: KV heads (GQA)
     summed = (res_each.values - res_each.clean).sum(-1)
     torch.testing.assert_close(summed, res_all.values - res_all.clean, atol=1e-5, rtol=1e-4)
@@ -147,10 +152,10 @@ def test_atp_star_qk_own_softmax_is_near_exact(model, data):
     clean, corrupt, metric = data
     for site in ("q", "k"):
         ex = exact_heads(model, clean, corrupt, metric, "noise", site)
-        plain = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                        site=site, progress=False)
-        star = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                       site=site, atp_star=True, progress=False)
+        plain = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                  site=site, progress=False)
+        star = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                 site=site, atp_star=True, progress=False)
         e_plain = float((plain.values - ex).abs().max())
         e_star = float((star.values - ex).abs().max())
         print(f"site {site}: max |err| plain {e_plain:.2e}, AtP* {e_star:.2e}")
@@ -164,9 +169,9 @@ def test_atp_star_z_correction_vanishes_for_small_patches():
     clean, corrupt = near_tokens(m, 0.01, seed=1)
     pos = [5, 8, 11]
     metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
-    plain = attribution_patch_heads(m, clean, corrupt, metric, direction="noise", progress=False)
-    star = attribution_patch_heads(m, clean, corrupt, metric, direction="noise", atp_star=True,
-                                   progress=False)
+    plain = attribution_heads(m, clean, corrupt, metric, direction="noise", progress=False)
+    star = attribution_heads(m, clean, corrupt, metric, direction="noise", atp_star=True,
+                             progress=False)
     scale = float((plain.values - plain.clean).abs().max())
     assert float((star.values - plain.values).abs().max()) <= 0.01 * scale
 
@@ -176,8 +181,8 @@ def test_atp_star_z_correction_vanishes_for_small_patches():
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
 def test_hybrid_verified_values_are_exact(model, data, direction):
     clean, corrupt, metric = data
-    res = attribution_plus_exact(model, clean, corrupt, metric, direction=direction, top_k=5,
-                                 batch_size=8, progress=False)  # 2 cells per forward: packing
+    res = hybrid_heads(model, clean, corrupt, metric, direction=direction, top_k=5,
+                       batch_size=8, progress=False)  # 2 cells per forward: packing
     ex = exact_heads(model, clean, corrupt, metric, direction)
     mask = verified_mask(res)
     assert res.method == "attribution+exact" and int(mask.sum()) == 5
@@ -195,8 +200,8 @@ def test_hybrid_verified_values_are_exact(model, data, direction):
 
 def test_hybrid_per_position_cells_are_exact(model, data):
     clean, corrupt, metric = data
-    res = attribution_plus_exact(model, clean, corrupt, metric, positions="each", top_k=6,
-                                 batch_size=8, progress=False)
+    res = hybrid_heads(model, clean, corrupt, metric, positions="each", top_k=6,
+                       batch_size=8, progress=False)
     ex = ck.patch_heads(model, clean, corrupt, metric, positions="each",
                         options=dict(progress=False))
     mask = verified_mask(res)
@@ -207,7 +212,7 @@ def test_hybrid_per_position_cells_are_exact(model, data):
 # --- (b) Spearman on the shipped teacher --------------------------------------------------------
 
 def _spearman_check(model, task_clean, task_corrupt, metric, threshold):
-    res = attribution_patch_heads(model, task_clean, task_corrupt, metric, progress=False)
+    res = attribution_heads(model, task_clean, task_corrupt, metric, progress=False)
     ex = ck.patch_heads(model, task_clean, task_corrupt, metric, method="exact",
                         options=dict(progress=False))
     a, e = res.values - res.corrupt, ex.values - ex.corrupt
@@ -244,10 +249,10 @@ def test_atp_star_ranks_previous_token_head_first_on_induction_2l():
     prev = prev_token_head(model, clean)
     ranks = {}
     for name, kw in [("plain", dict(atp_star=False)),
-                     ("AtP* Q/K only (exact_tail=False)", dict(atp_star=True, exact_tail=False)),
+                     ("AtP* Q/K only (no exact tail)", dict(estimator="qk")),
                      ("AtP* (default: Q/K + exact tail)", dict(atp_star=True))]:
-        res = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                      progress=False, **kw)
+        res = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                progress=False, **kw)
         norm = res.normalized().flatten()  # noise: -1 = behaviour fully broken
         ranks[name] = int((norm < norm[prev]).sum()) + 1  # 1 = most negative
         print(f"{name}: previous-token head L0H{prev} normalised {float(norm[prev]):+.2e}, "
@@ -264,8 +269,8 @@ def test_exact_tail_is_exact_for_last_layer_heads(model, data):
     """With the exact tail, last-layer heads (site z) are patched exactly (tolerance 1e-5)."""
     clean, corrupt, metric = data
     for direction in ("denoise", "noise"):
-        star = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
-                                       atp_star=True, progress=False)
+        star = attribution_heads(model, clean, corrupt, metric, direction=direction,
+                                 atp_star=True, progress=False)
         ex = exact_heads(model, clean, corrupt, metric, direction)
         torch.testing.assert_close(star.values[-1], ex[-1], atol=1e-5, rtol=0)
 
@@ -274,10 +279,10 @@ def test_plain_callable_metric_matches_prompt_metric(model, data):
     """A plain ``logits -> scalar`` metric gives the same means as the PromptMetric (1e-5),
     with AtP* and the exact tail on, and no per-prompt values."""
     clean, corrupt, metric = data
-    a = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                atp_star=True, progress=False)
-    b = attribution_patch_heads(model, clean, corrupt, lambda lg: metric(lg), direction="noise",
-                                atp_star=True, progress=False)
+    a = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                          atp_star=True, progress=False)
+    b = attribution_heads(model, clean, corrupt, lambda lg: metric(lg), direction="noise",
+                          atp_star=True, progress=False)
     assert b.per_prompt is None
     torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
 
@@ -298,9 +303,9 @@ def test_atp_star_z_correction_moves_estimates_toward_exact_through_saturated_at
     args = (model, task.clean_tokens, task.corrupt_tokens, metric)
     for direction in ("denoise", "noise"):
         exact = ck.patch_heads(*args, direction=direction, options=dict(progress=False)).values[0]
-        plain = attribution_patch_heads(*args, direction=direction, progress=False).values[0]
-        star = attribution_patch_heads(*args, direction=direction, atp_star=True,
-                                       exact_tail=False, progress=False).values[0]
+        plain = attribution_heads(*args, direction=direction, progress=False).values[0]
+        star = attribution_heads(*args, direction=direction, estimator="qk",
+                                 progress=False).values[0]  # (named: no exact tail)
         if direction == "denoise":
             assert (star - exact).abs().sum() < 0.5 * (plain - exact).abs().sum()
         else:
@@ -327,8 +332,8 @@ def test_one_layer_reruns_on_a_parallel_block_ignore_its_kv_cache():
     metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
 
     def err(site, est, ex):
-        got = attribution_patch_heads(m, clean, corrupt, metric, direction="noise", site=site,
-                                      estimator=est, progress=False)
+        got = attribution_heads(m, clean, corrupt, metric, direction="noise", site=site,
+                                estimator=est, progress=False)
         return (got.values - ex).abs().amax(1)  # [layer]
 
     for site in ("q", "k", "z"):
@@ -341,8 +346,8 @@ def test_one_layer_reruns_on_a_parallel_block_ignore_its_kv_cache():
             assert e.max() <= (1.0 if site == "z" else 0.7) * plain.max()
             if site == "q":
                 assert e[-1] <= 0.2 * plain[-1]
-    hybrid = attribution_plus_exact(m, clean, corrupt, metric, direction="noise", site="k",
-                                    top_k=3, progress=False)
+    hybrid = hybrid_heads(m, clean, corrupt, metric, direction="noise", site="k",
+                          top_k=3, progress=False)
     ex = exact_heads(m, clean, corrupt, metric, "noise", "k")
     done = verified_mask(hybrid)
     assert int(done.sum()) >= 3
@@ -366,8 +371,8 @@ def test_block_estimate_is_its_definition_on_post_norm_blocks(model_type):
     corrupt = torch.randint(0, 64, (3, 10), generator=g)
     pos = [4, 9]
     metric = token_logprob_metric([pos] * 3, [clean[i, pos].tolist() for i in range(3)])
-    got = attribution_patch_heads(m, clean, corrupt, metric, direction="noise",
-                                  estimator="block", progress=False)
+    got = attribution_heads(m, clean, corrupt, metric, direction="noise",
+                            estimator="block", progress=False)
     _, src = m.run_with_cache(corrupt)
     want = torch.zeros(3, 4)
     kept = {}
@@ -419,10 +424,10 @@ def test_architectures_whose_layers_cannot_rerun_alone_fall_back_to_atp():
     bf16 = ck.load_model({**TINY, "seed": 0}, dtype="bfloat16")
     assert layer_reruns(bf16, clean) == {"attn": True, "mlp": True}
     with pytest.raises(ValueError, match="estimator 'block' re-runs single layers"):
-        attribution_patch_heads(m, clean, corrupt, metric, estimator="block", progress=False)
+        attribution_heads(m, clean, corrupt, metric, estimator="block", progress=False)
     with pytest.warns(RuntimeWarning, match="screen is plain AtP"):
-        res = attribution_plus_exact(m, clean, corrupt, metric, direction="noise", top_k=3,
-                                     progress=False)
+        res = hybrid_heads(m, clean, corrupt, metric, direction="noise", top_k=3,
+                           progress=False)
     assert res.meta["estimator"] == "atp"
     ex = exact_heads(m, clean, corrupt, metric, "noise")
     done = verified_mask(res)

@@ -20,14 +20,14 @@ import math
 import pytest
 import torch
 from planted_circuit import blank_llama
-from tinymodels import call
+from tinymodels import attribution_heads, call, hybrid_heads
 
 import circuitkit as ck
 from circuitkit import hooks
 from circuitkit.metrics import token_logprob_metric, token_margin_metric
-from circuitkit.patching.api import attribution_plus_exact, verified_mask
+from circuitkit.patching.api import verified_mask
 from circuitkit.patching.estimators import attribution
-from circuitkit.patching.estimators.attribution import ESTIMATORS, attribution_patch_heads
+from circuitkit.patching.estimators.attribution import ESTIMATORS
 
 D, N_HEADS, D_HEAD, VOCAB, LAYERS = 32, 2, 16, 16, 6
 PAD, ONE, BOS, F, G, U = 0, 9, 10, 11, 12, 13  # residual dimensions; tokens t use dim 1 + t
@@ -110,8 +110,8 @@ def effects(model, direction: str, positions: str = "all", **kw) -> tuple[torch.
     """(exact, estimate) effects, metric after patch minus the base metric."""
     ex = ck.patch_heads(model, CLEAN, CORRUPT, METRIC, direction=direction, positions=positions,
                         options=dict(progress=False))
-    est = attribution_patch_heads(model, CLEAN, CORRUPT, METRIC, direction=direction,
-                                  positions=positions, progress=False, **kw)
+    est = attribution_heads(model, CLEAN, CORRUPT, METRIC, direction=direction,
+                            positions=positions, progress=False, **kw)
     base = ex.clean if direction == "noise" else ex.corrupt
     return ex.values - base, est.values - base
 
@@ -147,8 +147,8 @@ def test_deep_saturated_attention_missed_by_atp_seen_by_qk_and_by_screening():
     assert abs(block[a]) < 0.05 * abs(exact[a])
     _, qk = effects(model, "noise", estimator="qk")
     torch.testing.assert_close(qk, exact, atol=1e-6, rtol=1e-6)
-    res = attribution_plus_exact(model, CLEAN, CORRUPT, METRIC, direction="noise",
-                                 recall_top=2, progress=False)
+    res = hybrid_heads(model, CLEAN, CORRUPT, METRIC, direction="noise",
+                       recall_top=2, exact_when_cheaper=False, progress=False)
     assert res.meta["budget"]["rule"] == "auto" and res.meta["estimator"] == "block"
     assert verified_mask(res)[a] and verified_mask(res)[4, 0]
     assert res.values[a] == pytest.approx(float(exact[a] + res.clean), abs=1e-6)
@@ -280,8 +280,9 @@ def test_automatic_budget_follows_its_rule(direction, tiny_llama):
     assert default.method == "exact" and default.meta["hybrid"]["ran"] == "exact"
     assert default.meta["hybrid"]["passes"] >= default.meta["hybrid"]["exact_passes"]
     torch.testing.assert_close(default.values, ex.values, atol=0, rtol=0)
-    res = attribution_plus_exact(model, clean, corrupt, metric, direction=direction,
-                                 recall_top=3, max_fraction=0.75, progress=False)
+    res = hybrid_heads(model, clean, corrupt, metric, direction=direction,
+                       recall_top=3, max_fraction=0.75, exact_when_cheaper=False,
+                       progress=False)
     mask = verified_mask(res)
     budget = res.meta["budget"]
     torch.testing.assert_close(res.values[mask], ex.values[mask], atol=1e-5, rtol=0)
@@ -334,14 +335,15 @@ def test_pass_budget_caps_the_verification(tiny_llama):
     corrupt = torch.randint(0, 64, (4, 12), generator=g)
     pos = [5, 8, 11]
     metric = token_logprob_metric([pos] * 4, [clean[i, pos].tolist() for i in range(4)])
-    kw = dict(direction="noise", recall_top=3, max_fraction=1.0, progress=False)
-    free = attribution_plus_exact(tiny_llama, clean, corrupt, metric, **kw)
+    kw = dict(direction="noise", recall_top=3, max_fraction=1.0, exact_when_cheaper=False,
+              progress=False)
+    free = hybrid_heads(tiny_llama, clean, corrupt, metric, **kw)
     cost = free.meta["cost"]
-    assert attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=1e9, **kw
-                                  ).meta["verified_cells"] == free.meta["verified_cells"]
+    assert hybrid_heads(tiny_llama, clean, corrupt, metric, max_passes=1e9, **kw
+                        ).meta["verified_cells"] == free.meta["verified_cells"]
     # room for the engine's two cached runs and about three cells of the first layer
     limit = cost["estimator_passes"] + 4 * (2 + 3)
-    capped = attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=limit, **kw)
+    capped = hybrid_heads(tiny_llama, clean, corrupt, metric, max_passes=limit, **kw)
     spent = capped.meta["cost"]["total_passes"]
     print(f"free: {free.meta['n_verified']} cells, {cost['total_passes']:.1f} pass-eq; "
           f"capped at {limit:.1f}: {capped.meta['n_verified']} cells, {spent:.1f}")
@@ -352,20 +354,20 @@ def test_pass_budget_caps_the_verification(tiny_llama):
     done = verified_mask(capped)
     torch.testing.assert_close(capped.values[done], ex.values[done], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_passes"):
-        attribution_plus_exact(tiny_llama, clean, corrupt, metric, max_passes=0, **kw)
+        hybrid_heads(tiny_llama, clean, corrupt, metric, max_passes=0, **kw)
 
 
 def test_estimator_argument_is_checked(tiny_llama):
     toks = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="estimator"):
-        attribution_patch_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
-                                estimator="bogus", progress=False)
+        attribution_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
+                          estimator="bogus", progress=False)
     with pytest.raises(ValueError, match="atp_star"):
-        attribution_patch_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
-                                estimator="ig", atp_star=True, progress=False)
+        attribution_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
+                          estimator="ig", atp_star=True, progress=False)
     with pytest.raises(ValueError, match="ig_steps"):
-        attribution_patch_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
-                                estimator="ig", ig_steps=0, progress=False)
+        attribution_heads(tiny_llama, toks, toks, lambda lg: lg[:, -1, 0].mean(),
+                          estimator="ig", ig_steps=0, progress=False)
 
 
 def test_plan_prices_verified_cells_as_the_run_counts_them(tiny_llama):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodels import TINY_LLAMA
+from tinymodels import TINY_LLAMA, attribution_heads
 
 import circuitkit as ck
 from circuitkit import models
@@ -58,14 +58,14 @@ def test_one_entry_is_a_new_estimator(tiny_llama, monkeypatch):
     entry = registry.Estimator("zero", "heads", zero, lambda c: 2.0, "nothing moves")
     monkeypatch.setitem(registry.REGISTRY, "zero", entry)
     clean, corrupt, metric = prompts(tiny_llama)
-    res = attribution.attribution_patch_heads(tiny_llama, clean, corrupt, metric,
-                                              estimator="zero", batch_size=3, progress=False)
+    res = attribution_heads(tiny_llama, clean, corrupt, metric, estimator="zero", batch_size=3,
+                            progress=False)
     assert torch.equal(res.values, torch.full_like(res.values, float(res.corrupt)))
     assert res.meta["estimator"] == "zero" and res.meta["pass_equivalents"] == 2.0 * 4
     assert res.meta["write_scale"] == torch.ones(3, 4).tolist()
     with pytest.raises(ValueError, match="estimator"):
-        attribution.attribution_patch_heads(tiny_llama, clean, corrupt, metric,
-                                            estimator="none-such", progress=False)
+        attribution_heads(tiny_llama, clean, corrupt, metric, estimator="none-such",
+                          progress=False)
 
 
 def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
@@ -77,8 +77,8 @@ def test_entry_costs_are_what_estimates_report_and_plans_price(tiny_llama):
     arch = models.architecture_from_config(dict(TINY_LLAMA), name="tiny")
     sp = cost.sweep_plan(arch, [seq] * n)
     for est in HEADS:
-        res = attribution.attribution_patch_heads(tiny_llama, clean, corrupt, metric,
-                                                  estimator=est, progress=False)
+        res = attribution_heads(tiny_llama, clean, corrupt, metric, estimator=est,
+                                progress=False)
         per = registry.estimator_passes(tiny_llama, est, "z", "all", seq, batch=n)
         assert res.meta["pass_equivalents"] == n * per, est
     assert sp["methods"]["attribution"]["pass_equivalents"] == n * registry.estimator_passes(
@@ -110,5 +110,5 @@ def test_edges_check_the_metric_gradient_before_any_batch(tiny_gpt2, monkeypatch
         ck.patch_edges(tiny_gpt2, clean, corrupt, lambda logits: logits[:, -1].argmax(-1).float(),
                        method="attribution", options=dict(estimator="eap", progress=False))
     with pytest.raises(ValueError, match="direction"):
-        attribution.attribution_patch_edges(tiny_gpt2, clean, corrupt, None,
-                                            api.edge_layout(tiny_gpt2), direction="sideways")
+        ck.patch_edges(tiny_gpt2, clean, corrupt, lambda logits: logits[:, -1, 0],
+                       direction="sideways", method="attribution", options=dict(progress=False))

@@ -34,7 +34,7 @@ HEAD_CASES = [
     ("block-q", "block", "q", "all", "denoise", {}),
     ("block-pattern", "block", "pattern", "all", "noise", {}),
     ("qk-z", "qk", "z", "all", "noise", {}),
-    ("qk-z-tail", "qk", "z", "all", "denoise", {"exact_tail": True}),
+    ("qk-z-tail", None, "z", "all", "denoise", {"atp_star": True}),  # qk, the exact tail on
     ("qk-k-each", "qk", "k", "each", "noise", {}),
     ("atp_star-legacy", None, "z", "all", "noise", {"atp_star": True}),
     ("graddrop-z", "graddrop", "z", "all", "noise", {}),
@@ -72,13 +72,13 @@ def prompts(model):
 
 
 def head_values(model, case) -> dict[str, torch.Tensor]:
-    from circuitkit.patching.estimators.attribution import attribution_patch_heads
+    import circuitkit as ck
 
     _, est, site, positions, direction, kw = case
     clean, corrupt, metric = prompts(model)
-    res = attribution_patch_heads(model, clean, corrupt, metric, direction=direction, site=site,
-                                  positions=positions, estimator=est, batch_size=2,
-                                  progress=False, **kw)
+    res = ck.patch_heads(model, clean, corrupt, metric, direction=direction, site=site,
+                         positions=positions, method="attribution",
+                         options=dict(estimator=est, batch_size=2, progress=False, **kw))
     return _tensors(res)
 
 

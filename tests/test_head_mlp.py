@@ -11,16 +11,12 @@ import warnings
 
 import pytest
 import torch
-from tinymodels import TINY_LLAMA
+from tinymodels import TINY_LLAMA, attribution_heads
 
 import circuitkit as ck
 from circuitkit.patching.estimators import attribution
 from circuitkit.patching.estimators import block as block_estimator
-from circuitkit.patching.estimators.attribution import (
-    _head_writes,
-    _mlp_change,
-    attribution_patch_heads,
-)
+from circuitkit.patching.estimators.attribution import _head_writes, _mlp_change
 from circuitkit.patching.exact import head_mlp
 
 
@@ -102,13 +98,13 @@ def test_block_estimates_with_and_without_the_formula(arch, direction, request, 
 
     monkeypatch.setattr(head_mlp.HeadMLP, "readout", spy)
     monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: True)
-    on = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
-                                 estimator="block", progress=False)
+    on = attribution_heads(model, clean, corrupt, metric, direction=direction,
+                           estimator="block", progress=False)
     assert (4, 12) in calls  # the whole batch went through the formula
     monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a: False)
     calls.clear()
-    off = attribution_patch_heads(model, clean, corrupt, metric, direction=direction,
-                                  estimator="block", progress=False)
+    off = attribution_heads(model, clean, corrupt, metric, direction=direction,
+                            estimator="block", progress=False)
     assert not calls
     spread = float((off.values - off.values.mean()).abs().max())
     assert spread > 1e-5  # estimates that differ by head
@@ -226,12 +222,12 @@ def test_parallel_block_has_no_mlp_after_the_head(monkeypatch):
     def metric(logits):
         return logits[:, -1].log_softmax(-1)[torch.arange(4), clean[:, -1]]
 
-    atp = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                  progress=False)
+    atp = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                            progress=False)
     assert (atp.values - atp.clean).abs().max() > 1e-4
     for pays in (False, True):
         monkeypatch.setattr(block_estimator, "head_mlp_pays", lambda *a, pays=pays: pays)
-        block = attribution_patch_heads(model, clean, corrupt, metric, direction="noise",
-                                        estimator="block", progress=False)
+        block = attribution_heads(model, clean, corrupt, metric, direction="noise",
+                                  estimator="block", progress=False)
         torch.testing.assert_close(block.values, atp.values, rtol=0, atol=1e-6)
         assert block.meta["write_scale"] == atp.meta["write_scale"]

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from _scale import TINY_GQA8, induction
-from tinymodels import TINY_LLAMA, call, make_model
+from tinymodels import TINY_LLAMA, call, hybrid_heads, make_model
 
 import circuitkit as ck
 from circuitkit.patching import hybrid
@@ -171,10 +171,8 @@ def test_the_run_says_what_it_verified_why_it_stopped_and_its_cost(units, capsys
 
 def test_the_automatic_budget_runs_exact_where_it_would_cost_as_much(edges_model):
     """12 heads: the rule's floor (two rounds, 8 cells) plus the screen costs more than every
-    cell exactly: the entry patches exactly, and says so; the hybrid forced through (a direct
-    call) is warned about before it starts."""
-    from circuitkit.patching import api
-
+    cell exactly: the entry patches exactly, and says so; the hybrid forced through
+    (``exact_when_cheaper=False``) is warned about before it starts."""
     clean, corrupt = edge_pair()
     args = (edges_model, clean, corrupt, edge_margin)
     exact = quiet(ck.patch_heads, model=edges_model, clean_tokens=clean, corrupt_tokens=corrupt,
@@ -186,7 +184,7 @@ def test_the_automatic_budget_runs_exact_where_it_would_cost_as_much(edges_model
     assert "every cell was patched exactly instead" in h["why"]
     assert torch.equal(res.values, exact.values)
     with pytest.warns(UserWarning, match="at least the exact sweep's"):
-        api.attribution_plus_exact(*args, progress=False)
+        hybrid_heads(*args, exact_when_cheaper=False, progress=False)
 
 
 def test_plan_cells_floor():
@@ -227,20 +225,18 @@ def test_the_plan_is_within_a_quarter_of_the_run_on_the_teacher(teacher, top_k):
 
 def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model, task, tmp_path,
                                                                      monkeypatch):
-    """``tests/fixtures/hybrid-checkpoint-83ec843``: ``attribution_plus_exact(top_k=5)`` on
+    """``tests/fixtures/hybrid-checkpoint-83ec843``: the head hybrid (``top_k=5``) on
     this model and task, checkpointed by main at 83ec843 (the head-only hybrid in api.py). The
     same identity and cell numbering: it resumes with no screen and no verification forward."""
     import shutil
     from pathlib import Path
 
-    from circuitkit.patching import api
-
     folder = tmp_path / "ckpt"
     shutil.copytree(Path(__file__).parent / "fixtures" / "hybrid-checkpoint-83ec843", folder)
     args = (heads_model, task.clean_tokens, task.corrupt_tokens, task.metric)
-    want = quiet(api.attribution_plus_exact, model=heads_model, clean_tokens=task.clean_tokens,
-                 corrupt_tokens=task.corrupt_tokens, metric=task.metric, top_k=5,
-                 progress=False)
+    want = quiet(ck.patch_heads, model=heads_model, clean_tokens=task.clean_tokens,
+                 corrupt_tokens=task.corrupt_tokens, metric=task.metric,
+                 method="attribution+exact", top_k=5, progress=False)
     calls = counting(monkeypatch, ExactEngine)
 
     def no_screen(*a, **k):
@@ -249,7 +245,7 @@ def test_a_head_checkpoint_written_before_the_one_road_still_resumes(heads_model
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "not usable; screening again" would fail
         warnings.simplefilter("ignore", DegenerateBaselineWarning)
-        got = api.attribution_plus_exact(*args, top_k=5, progress=False, checkpoint=folder)
+        got = hybrid_heads(*args, top_k=5, progress=False, checkpoint=folder)
     assert not calls and got.meta["cost"]["reused_cells"] == 5
     assert got.meta["verified_cells"] == [(0, 7), (0, 1), (1, 6), (0, 14), (0, 8)]
     torch.testing.assert_close(got.values, want.values, atol=1e-6, rtol=0)
@@ -265,15 +261,15 @@ def _conformance():
 def test_the_hybrid_itself_on_every_layout(name):
     """The conformance matrix's ``test_hybrid`` calls ``patch_heads``, which on its tiny models
     now runs the exact sweep (the hybrid would cost more): here the hybrid itself
-    (``attribution_plus_exact``, which never swaps) on the same 24 layouts, its verified cells
-    against the hooked reference, so the screen-then-verify road keeps its matrix."""
-    from circuitkit.patching import api
-
+    (``budget=BudgetRule(exact_when_cheaper=False)``: never swapped) on the same 24 layouts, its
+    verified cells against the hooked reference, so the screen-then-verify road keeps its
+    matrix."""
     tc = _conformance()
     c = tc.case(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = api.attribution_plus_exact(c.model, c.clean, c.corrupt, c.metric, progress=False)
+        res = hybrid_heads(c.model, c.clean, c.corrupt, c.metric, exact_when_cheaper=False,
+                           progress=False)
         routed = ck.patch_heads(c.model, c.clean, c.corrupt, c.metric, method="attribution+exact",
                                 options=dict(progress=False))
     assert res.method == "attribution+exact"

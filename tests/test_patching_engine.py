@@ -233,8 +233,10 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
     fake_result = {"atp": patched, "hybrid": patched}
 
     def fake(name):
-        def fn(model, clean, corrupt, metric, estimator, **kw):
-            seen[name] = dict(kw, estimator=estimator)
+        def fn(model, clean, corrupt, metric, estimator, site, positions, opts, tail=False):
+            seen[name] = dict(estimator=estimator, site=site, positions=positions, tail=tail,
+                              direction=opts.direction, atp_star=opts.atp_star,
+                              batch_size=opts.batch_size, progress=opts.progress)
             return fake_result[name]
         return fn
 
@@ -247,7 +249,7 @@ def test_attribution_methods_dispatch(tiny_llama, task, monkeypatch):
     assert ck.patch_heads(*args, method="attribution", site="k",
                           options=dict(atp_star=True)) is patched
     assert seen["atp"] == dict(estimator="qk", direction="denoise", site="k", positions="all",
-                               atp_star=True, batch_size=None, progress=True, explicit=False)
+                               atp_star=True, batch_size=None, progress=True, tail=True)
     assert ck.patch_heads(*args, method="attribution+exact", positions="each",
                           options=dict(top_k=5)) is patched
     assert seen["hybrid"]["top_k"] == 5 and seen["hybrid"]["kind"] == "heads"

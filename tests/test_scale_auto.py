@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _scale import TINY_GQA8, induction
+from tinymodels import attribution_heads
 from typer.testing import CliRunner
 
 import circuitkit as ck
@@ -13,7 +14,7 @@ from circuitkit.cli import app
 from circuitkit.patching import api
 from circuitkit.patching import cost as P
 from circuitkit.patching.estimators import attribution
-from circuitkit.patching.estimators.attribution import SCREENING_ESTIMATOR, attribution_patch_heads
+from circuitkit.patching.estimators.attribution import SCREENING_ESTIMATOR
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,8 @@ def test_small_model_runs_exact_and_reports_screening_recall(model, task, exact)
     assert auto["exact_flops_per_token"] == pytest.approx(2 * n_params * 16 * (2 + 1) / 2)
     assert torch.equal(res.values, exact.values)
     # recall by hand: the exact top 5 against the screening estimator's top 5
-    screen = attribution_patch_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
-                                     estimator=SCREENING_ESTIMATOR, progress=False)
+    screen = attribution_heads(model, task.clean_tokens, task.corrupt_tokens, task.metric,
+                               estimator=SCREENING_ESTIMATOR, progress=False)
     want = topk(exact.values - exact.corrupt, 5)
     got = topk(screen.values - exact.corrupt, 5)
     sc = auto["screening"]

@@ -157,6 +157,29 @@ def test_an_option_the_method_does_not_use_is_said_once(tiny_llama):
     assert sum("does nothing" in str(w.message) for w in got) == 1
 
 
+def test_the_hybrids_budget_is_one_option_of_patch(tiny_llama):
+    """The automatic budget's knobs (``ck.BudgetRule``, once ``attribution_plus_exact``'s own
+    keywords) are one ``PatchOptions`` field: a dict of its fields is taken, a bad value or
+    field is one line, another method says it does nothing, and the hybrid uses it."""
+    opts = ck.PatchOptions(budget=dict(recall_top=3, max_fraction=1.0))
+    assert opts.budget == ck.BudgetRule(recall_top=3, max_fraction=1.0) and opts.given() == [
+        "budget"]
+    for bad, said in ((dict(recall_top=0), "recall_top"), (dict(quantile=2.0), "quantile"),
+                      (dict(recall=3), "expected ck.BudgetRule"), (3, "expected ck.BudgetRule"),
+                      (dict(exact_when_cheaper="no"), "exact_when_cheaper")):
+        with pytest.raises(ValueError, match=said) as e:
+            ck.PatchOptions(budget=bad)
+        assert "\n" not in str(e.value)
+    with pytest.warns(UserWarning, match="budget does nothing with method='attribution'"):
+        quiet(ck.patch_heads, tiny_llama, *pair(), margin, method="attribution",
+              budget=dict(recall_top=3), progress=False)
+    res = quiet(ck.patch_heads, tiny_llama, *pair(), margin, method="attribution+exact",
+                budget=ck.BudgetRule(recall_top=3, max_fraction=1.0, exact_when_cheaper=False),
+                progress=False)
+    assert res.method == "attribution+exact"
+    assert res.meta["budget"]["recall_top"] == 3 and res.meta["budget"]["max_fraction"] == 1.0
+
+
 def test_units_know_their_plan_from_the_config():
     from circuitkit import models
 

@@ -219,3 +219,26 @@ def call(fn, *args, **kw):
             f.name: getattr(given, f.name) for f in fields(given)}
         kw["options"] = {**given, **moved}
     return fn(*args, **kw)
+
+
+def attribution_heads(model, clean, corrupt, metric, **kw):
+    """``ck.patch_heads(..., method="attribution")``, the door to the head estimators, with
+    ``call``'s shorthand (progress, batch_size, estimator, atp_star, ig_steps moved into
+    ``options``)."""
+    import circuitkit as ck
+
+    return call(ck.patch_heads, model, clean, corrupt, metric, method="attribution", **kw)
+
+
+BUDGET = ("recall_top", "quantile", "max_fraction", "exact_when_cheaper")
+
+
+def hybrid_heads(model, clean, corrupt, metric, **kw):
+    """``ck.patch_heads(..., method="attribution+exact")`` with ``call``'s shorthand, the
+    automatic budget's keywords (``BUDGET``) moved into ``options["budget"]``."""
+    import circuitkit as ck
+
+    budget = {k: kw.pop(k) for k in BUDGET if k in kw}
+    if budget:
+        kw["budget"] = budget
+    return call(ck.patch_heads, model, clean, corrupt, metric, method="attribution+exact", **kw)

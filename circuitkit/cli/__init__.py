@@ -1,17 +1,19 @@
 """``circuitkit`` command line: a thin layer over the same public functions a notebook calls.
 
 Heavy imports (torch, transformer_lens) happen inside commands, so ``circuitkit --help`` and
-every ``circuitkit COMMAND --help`` are fast. Each option that several commands share is
-declared once (``cli/options.py``: ``Model``, ``Task``, ``N``, ...); a command lists the ones it
-takes and hands the work to helpers. The command line's own arguments are checked
-(``cli/checks.py``), naming the flag, before any model loads.
+every ``circuitkit COMMAND --help`` are fast. Every option is declared once, one row of the option
+table (``cli/options.py``: ``MODEL``, ``TASK``, ``N``, ...); a command is the list of the options
+it takes (``cli/command.py``'s ``command`` builds its signature from them) and a body that takes
+one parsed-arguments object (``Args``) and hands the work to helpers. The command line's own
+arguments are checked (``cli/checks.py``), naming the flag, before any model loads.
 
-Layout: ``options`` (shared options), ``console`` (one-line errors, warnings, ``--json``),
-``checks`` (flag checks, the ``--out`` claim), ``load`` (model, task, sweep inputs), ``format``
-(CLI-only text), ``plan`` (``--plan``), and one module per command family: ``patch`` (info,
-patch, edges), ``report`` (evaluate, report), ``characterize`` (score, characterize),
-``distill``. The package binds each command's name to its function (``circuitkit.cli.patch`` is
-the command; the module is ``sys.modules["circuitkit.cli.patch"]``).
+Layout: ``options`` (the option table), ``command`` (``Option``, ``Args``, ``command``),
+``console`` (one-line errors, warnings, ``--json``), ``checks`` (flag checks, the ``--out``
+claim), ``load`` (model, task, sweep inputs), ``format`` (CLI-only text), ``plan`` (``--plan``),
+and one module per command family: ``patch`` (info, patch, edges), ``report`` (evaluate,
+report), ``characterize`` (score, characterize), ``distill``. The package binds each command's
+name to its function (``circuitkit.cli.patch`` is the command; the module is
+``sys.modules["circuitkit.cli.patch"]``).
 """
 
 from __future__ import annotations

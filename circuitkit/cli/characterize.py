@@ -7,8 +7,7 @@ from pathlib import Path
 
 import typer
 
-from circuitkit.cli import options as opt
-from circuitkit.cli.app import app
+from circuitkit.cli import options as o
 from circuitkit.cli.checks import (
     _check_k,
     _check_suffix,
@@ -20,6 +19,7 @@ from circuitkit.cli.checks import (
     _select_n_flag,
     _text_flag,
 )
+from circuitkit.cli.command import Args, command
 from circuitkit.cli.console import (
     FRESH_CLAIMS,
     _echo_json,
@@ -31,30 +31,13 @@ from circuitkit.cli.console import (
     echo,
 )
 from circuitkit.cli.format import _run_words
-from circuitkit.experiments.characterize import N_RANDOM, N_RANDOM_ABLATION
 
-STAGES_HELP = ("Patch every head at each of the task's position groups (evidence, anchor, "
-               "shortlist, answer, and the positions the metric reads), both directions, on the "
-               "selection and the held-out notes: where each phase's decision is made, the "
-               "stable heads and the claims table the findings lead with; OUT/groups/ (exact "
-               "patching; on by default, --no-stages for a quick run).")
+SCORE = (o.MODEL, o.TASK, o.N, o.SPLIT, o.SEED, o.K, o.TEXT, o.BATCH_SIZE, o.SCORE_OUT,
+         o.PROGRESS, o.JSON)
 
 
-@app.command(short_help="Phase-1 and Phase-2 scores of every head (CSV).")
-def score(
-    model: opt.Model = opt.DEFAULT_MODEL,
-    task: opt.Task = opt.DEFAULT_TASK,
-    n_examples: opt.N = None,
-    split: opt.Split = "test",
-    seed: opt.Seed = 0,
-    k: opt.K = 5,
-    text: opt.Text = "auto",
-    batch_size: opt.BatchSize = None,
-    out: Path = typer.Option(Path("score-out/scores.csv"), "--out", "-o", help="CSV file to "
-                             "write (default ./score-out/scores.csv).", metavar="FILE"),
-    progress: opt.Progress = True,
-    as_json: opt.Json = False,
-) -> None:
+@command(SCORE, short_help="Phase-1 and Phase-2 scores of every head (CSV).")
+def score(a: Args) -> None:
     """Phase-1 (CoarseScore) and Phase-2 (RefineScore) scores of every head, as CSV."""
     import circuitkit as ck
     from circuitkit import files
@@ -62,28 +45,29 @@ def score(
     from circuitkit.scoring.heads import score_heads
     from circuitkit.scoring.text import load_for
 
-    flag = _text_flag(text)
+    out = a.out
+    flag = _text_flag(a.text)
     with _errors_as_lines(ModelNotAvailableError, FileNotFoundError, ValueError, OSError):
-        _positive("--batch-size", batch_size, "examples per forward pass")
-        _check_k(model, k)
-        check_available(model)  # missing weights: before any model loads or --out is made
-        n_examples = _n_for(task, n_examples)
+        _positive("--batch-size", a.batch_size, "examples per forward pass")
+        _check_k(a.model, a.k)
+        check_available(a.model)  # missing weights: before any model loads or --out is made
+        n_examples = _n_for(a.task, a.n_examples)
         if not out.is_dir():  # (a folder: check_writable_file says so)
             _check_suffix(out, ".csv", "score writes CSV", "or --json to print JSON")
         made = _missing_folders(out.parent)
         files.check_writable_file(out, "--out", "scores.csv")
         if made:  # (removed again if the run is refused before it writes)
             FRESH_CLAIMS[:] = [(out.parent, made)]
-        with hf_progress(progress):  # --no-progress: transformers' bars too
-            the_model = ck.load_model(model)
-        the_task, _ = load_for(the_model, task, n_examples, seed, split, flag)
-        df = score_heads(the_model, the_task, batch_size=batch_size, progress=progress, k=k,
-                         seed=seed)  # as characterize scores: the same table for the same flags
+        with hf_progress(a.progress):  # --no-progress: transformers' bars too
+            the_model = ck.load_model(a.model)
+        the_task, _ = load_for(the_model, a.task, n_examples, a.seed, a.split, flag)
+        df = score_heads(the_model, the_task, batch_size=a.batch_size, progress=a.progress,
+                         k=a.k, seed=a.seed)  # as characterize: the same table, same flags
         files.write_text(out, df.to_csv(index=False))
-    if as_json:
-        return _echo_json(dict(command="score", n_examples=len(the_task), split=split, seed=seed,
-                               heads=df.to_dict("records"), files=[str(out)]))
-    _print_scores(df, k, the_task, split, seed)
+    if a.as_json:
+        return _echo_json(dict(command="score", n_examples=len(the_task), split=a.split,
+                               seed=a.seed, heads=df.to_dict("records"), files=[str(out)]))
+    _print_scores(df, a.k, the_task, a.split, a.seed)
     typer.echo(f"wrote {out}")
 
 
@@ -103,31 +87,14 @@ def _print_scores(df, k: int, the_task, split: str, seed: int) -> None:
              "\n" + best[cols].to_string(index=False))
 
 
-@app.command(short_help="The main job: sweeps, scores, validation, report.")
-def characterize(
-    ctx: typer.Context,
-    model: opt.Model = opt.DEFAULT_MODEL,
-    task: opt.Task = opt.DEFAULT_TASK,
-    out: opt.Out = Path("characterize-out"),
-    n_examples: opt.N = None,
-    split: opt.Split = "test",
-    seed: opt.Seed = 0,
-    k: opt.K = 5,
-    n_random: opt.NRandom = N_RANDOM,
-    n_random_ablation: opt.NRandomAblation = N_RANDOM_ABLATION,
-    patch_method: opt.PatchMethod = "exact",
-    text: opt.Text = "auto",
-    batch_size: opt.BatchSize = None,
-    edges: bool = typer.Option(False, "--edges", help="Also patch the edges from the top -k "
-                               "Phase-1 heads into the top -k Phase-2 heads (q, k, v; the "
-                               "Phase-2 metric) and their circuit's faithfulness: OUT/edges/."),
-    stages: bool = typer.Option(True, "--stages/--no-stages", help=STAGES_HELP),
-    select_n: opt.SelectN = "half",
-    corruption: opt.Corruption = "note",
-    overwrite: opt.Overwrite = False,
-    progress: opt.Progress = True,
-    as_json: opt.Json = False,
-) -> None:
+CHARACTERIZE = (o.MODEL, o.TASK, o.OUT.with_default(Path("characterize-out")), o.N, o.SPLIT,
+                o.SEED, o.K, o.N_RANDOM_SETS, o.N_RANDOM_ABLATION_SETS, o.PATCH_METHOD, o.TEXT,
+                o.BATCH_SIZE, o.EDGES, o.STAGES, o.SELECT_N, o.CORRUPTION, o.OVERWRITE,
+                o.PROGRESS, o.JSON)
+
+
+@command(CHARACTERIZE, short_help="The main job: sweeps, scores, validation, report.")
+def characterize(a: Args) -> None:
     """The main job: head patching (both directions, each phase the task has steps for),
     scores, causal validation, one results folder (scores.csv, validation.csv, summary.json,
     patch-p{1,2}-{denoise,noise}, report.html)."""
@@ -136,31 +103,32 @@ def characterize(
     from circuitkit.models import ModelNotAvailableError, check_available, hf_progress
     from circuitkit.patching.inputs import METHODS
 
-    flag = _text_flag(text)
+    out = a.out
+    flag = _text_flag(a.text)
     try:
-        _one_of("--method", patch_method, METHODS)
-        _positive("--batch-size", batch_size, "sequences per forward pass")
-        _positive("--n-random", n_random, "random head sets")
-        _positive("--n-random-ablation", n_random_ablation, "random head sets")
-        _check_k(model, k)
-        n_examples = _n_for(task, n_examples)
-        select_n = _select_n_flag(select_n, n_examples)
-        check_available(model)  # missing weights: before any model loads or --out is made
-        _claim_out(ctx, "characterize", out, overwrite, n_examples=n_examples,
+        _one_of("--method", a.patch_method, METHODS)
+        _positive("--batch-size", a.batch_size, "sequences per forward pass")
+        _positive("--n-random", a.n_random, "random head sets")
+        _positive("--n-random-ablation", a.n_random_ablation, "random head sets")
+        _check_k(a.model, a.k)
+        n_examples = _n_for(a.task, a.n_examples)
+        select_n = _select_n_flag(a.select_n, n_examples)
+        check_available(a.model)  # missing weights: before any model loads or --out is made
+        _claim_out(a.ctx, "characterize", out, a.overwrite, n_examples=n_examples,
                    select_n=select_n)
-        with hf_progress(progress):  # --no-progress: transformers' bars too
-            summary = run(model, task, out, CharacterizeOptions(
-                n_examples=n_examples, seed=seed, split=split, k=k, n_random=n_random,
-                n_random_ablation=n_random_ablation, batch_size=batch_size,
-                patch_method=patch_method, text=flag, progress=progress, edges=edges,
-                stages=stages, select_n=select_n,
-                task_kwargs=None if corruption == "note" else {"corruption": corruption}))
+        with hf_progress(a.progress):  # --no-progress: transformers' bars too
+            summary = run(a.model, a.task, out, CharacterizeOptions(
+                n_examples=n_examples, seed=a.seed, split=a.split, k=a.k, n_random=a.n_random,
+                n_random_ablation=a.n_random_ablation, batch_size=a.batch_size,
+                patch_method=a.patch_method, text=flag, progress=a.progress, edges=a.edges,
+                stages=a.stages, select_n=select_n, task_kwargs=None if a.corruption == "note"
+                else {"corruption": a.corruption}))
     except (ModelNotAvailableError, FileNotFoundError, ValueError, OSError) as e:
         _fail(_message(e))
     except KeyboardInterrupt:
         _interrupted("finished steps (and finished chunks of the current sweep) are in "
-                     f"{out}. Resume with the same command:\n  {_same_command(ctx)}")
-    if as_json:
+                     f"{out}. Resume with the same command:\n  {_same_command(a.ctx)}")
+    if a.as_json:
         return _echo_json(dict(command="characterize", out=str(out),
                                findings=_findings_json(out), summary=summary))
     _print_characterize(out, summary)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import typer
 
-from circuitkit.cli import options as opt
-from circuitkit.cli.app import app
+from circuitkit.cli import options as o
 from circuitkit.cli.checks import _check_sweep_flags, _claim_out, _n_for, _one_of, _positive
+from circuitkit.cli.command import Args, command
 from circuitkit.cli.console import (
     _echo_json,
     _errors_as_lines,
@@ -37,28 +36,18 @@ from circuitkit.cli.load import (
     _sweep_tokens,
 )
 from circuitkit.cli.plan import _edge_plan, _patch_plan, _plan_offline
-from circuitkit.experiments.characterize import DEFAULT_N
 
 
-@app.command(short_help="Architecture and sweep costs of a model (offline).")
-def info(
-    model: str = typer.Option(None, "--model", "-m", help="Shipped toy, alias, folder or hub "
-                              "id; without it, the models circuitkit knows by name.",
-                              metavar="NAME"),
-    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per prompt assumed for the "
-                                "costs (default 512, or the model's context if shorter).",
-                                metavar="TOKENS"),
-    prompts: int = typer.Option(DEFAULT_N, "--n-examples", "-n", "--prompts",
-                                help="Prompts per sweep assumed for the pass counts.", metavar="N"),
-    gpu: opt.Gpu = "H100",
-    as_json: opt.Json = False,
-) -> None:
+@command((o.INFO_MODEL, o.INFO_SEQ_LEN, o.INFO_PROMPTS, o.GPU, o.JSON),
+         short_help="Architecture and sweep costs of a model (offline).")
+def info(a: Args) -> None:
     """Architecture and head sweep cost plan, from the config alone (no weights needed): the
     figures ``patch --plan --seq-len`` prints for the same prompts (``patching.cost.sweep_plan``);
     without --model, the list of models known by name."""
     from circuitkit import models
     from circuitkit.patching.cost import GPU_CLASSES, sweep_plan
 
+    model, seq_len, prompts, gpu = a.model, a.seq_len, a.prompts, a.gpu
     if model is None:
         typer.echo(_model_list())
         return
@@ -73,7 +62,7 @@ def info(
         _fail(f"--seq-len {seq_len} is longer than {arch.name}'s context ({arch.n_ctx} "
               f"tokens): the model cannot read such a prompt. Use --seq-len <= {arch.n_ctx}.")
     plan = sweep_plan(arch, [seq_len] * prompts, options=dict(gpu=gpu.upper()))
-    if as_json:
+    if a.as_json:
         import dataclasses
 
         return _echo_json(dict(architecture=dataclasses.asdict(arch) if dataclasses.is_dataclass(
@@ -82,68 +71,46 @@ def info(
 
 
 # --- patch ----------------------------------------------------------------------------------------
-@app.command(short_help="Activation patching of every head (or layer).")
-def patch(
-    ctx: typer.Context,
-    model: opt.Model = opt.DEFAULT_MODEL,
-    task: opt.Task = opt.DEFAULT_TASK,
-    n_examples: opt.N = None,
-    direction: opt.Direction = "denoise",
-    method: opt.Method = "auto",
-    positions: opt.Positions = None,
-    site: opt.Site = "z",
-    phase: opt.Phase = None,
-    corruption: opt.Corruption = "note",
-    split: opt.Split = "test",
-    seed: opt.Seed = 0,
-    batch_size: opt.BatchSize = None,
-    top_k: opt.TopK = None,
-    max_passes: opt.MaxPasses = None,
-    estimator: opt.HeadEstimator = None,
-    out: opt.Out = Path("patch-out"),
-    overwrite: opt.Overwrite = False,
-    checkpoint: opt.Checkpoint = True,
-    plan: opt.Plan = False,
-    seq_len: opt.SeqLen = None,
-    gpu: opt.Gpu = "H100",
-    utilisation: opt.Utilisation = 0.4,
-    gpus_per_replica: opt.GpusPerReplica = 1,
-    backend: opt.Backend = "transformer_lens",
-    remote: opt.Remote = False,
-    progress: opt.Progress = True,
-    as_json: opt.Json = False,
-) -> None:
+PATCH = (o.MODEL, o.TASK, o.N, o.DIRECTION, o.METHOD.with_default("auto"), o.POSITIONS, o.SITE,
+         o.PHASE, o.CORRUPTION, o.SPLIT, o.SEED, o.BATCH_SIZE, o.TOP_K, o.MAX_PASSES,
+         o.HEAD_ESTIMATOR, o.OUT.with_default(Path("patch-out")), o.OVERWRITE, o.CHECKPOINT,
+         o.PLAN, o.SEQ_LEN, o.GPU, o.UTILISATION, o.GPUS_PER_REPLICA, o.BACKEND, o.REMOTE,
+         o.PROGRESS, o.JSON)
+
+
+@command(PATCH, short_help="Activation patching of every head (or layer).")
+def patch(a: Args) -> None:
     """Activation-patching sweep over heads (or layers): writes
     OUT/result.{safetensors,json,csv,html} and prints the strongest cells."""
-    a = SimpleNamespace(**ctx.params)
     with _errors_as_lines():
         _check_patch_flags(a)
-    if not (plan or remote):  # missing weights: said before any model loads or --out is made
-        _check_weights(model)
+    if not (a.plan or a.remote):  # missing weights: said before any model loads or --out is made
+        _check_weights(a.model)
     from circuitkit import hooks, models
 
-    if plan and (seq_len is not None or not models.weights_available(model)):
-        _plan_offline(a, n_gpus=gpus_per_replica if _given(ctx, "gpus_per_replica") else None)
+    if a.plan and (a.seq_len is not None or not models.weights_available(a.model)):
+        _plan_offline(a, n_gpus=a.gpus_per_replica if _given(a.ctx, "gpus_per_replica")
+                      else None)
         return
-    layout, leader = _replicas(ctx, a)
+    layout, leader = _replicas(a.ctx, a)
     if not leader:
         return
     the_model, the_task, (clean, corrupt, metric) = _patch_inputs(a, layout)
-    unit = "layers x positions" if site in hooks.PATCH_LAYER_SITES else "heads"
+    unit = "layers x positions" if a.site in hooks.PATCH_LAYER_SITES else "heads"
     phase = "" if the_task.phase is None else f" Phase {the_task.phase}"  # pairs: no phases
-    what = (f"{model} on {the_task.name}{phase}, metric {metric.name}, "
-            f"{direction}, {unit} at site {a.site}")
-    if plan:
+    what = (f"{a.model} on {the_task.name}{phase}, metric {metric.name}, "
+            f"{a.direction}, {unit} at site {a.site}")
+    if a.plan:
         return _patch_plan(a, the_model, clean, corrupt, metric)
     from circuitkit.patching import distributed
 
     _say_start(a, what, len(clean))
-    res = _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric)
+    res = _run_patch(a.ctx, a, the_model, the_task, clean, corrupt, metric)
     if distributed.rank_world()[0] == 0:  # every replica holds the merged result; 0 writes
-        res.meta.update(model_name=model, task=task, n_examples=len(clean),
-                        phase=the_task.phase, split=split, seed=seed)
+        res.meta.update(model_name=a.model, task=a.task, n_examples=len(clean),
+                        phase=the_task.phase, split=a.split, seed=a.seed)
         with _errors_as_lines(OSError):  # a full disk: the rerun resumes from the checkpoint
-            written = res.save(out / "result")
+            written = res.save(a.out / "result")
             estimate = _estimate_label(res)
         _print_patch(a, res, what, metric, len(clean), estimate, written)
 
@@ -308,63 +275,41 @@ def _checkpoint_dir(out: Path) -> Path:
 
 
 # --- edges ----------------------------------------------------------------------------------------
-@app.command(short_help="Which heads feed which heads' q, k, v: edge patching.")
-def edges(
-    ctx: typer.Context,
-    model: opt.Model = opt.DEFAULT_MODEL,
-    task: opt.Task = opt.DEFAULT_TASK,
-    inputs: opt.Inputs = "q,k,v",
-    senders: opt.Senders = "all",
-    receivers: opt.Receivers = "all",
-    method: opt.Method = "exact",
-    estimator: opt.EdgeEstimator = None,
-    ig_steps: opt.IgSteps = None,
-    top_k: opt.TopK = None,
-    direction: opt.Direction = "denoise",
-    n_examples: opt.N = None,
-    phase: opt.Phase = None,
-    corruption: opt.Corruption = "note",
-    split: opt.Split = "test",
-    seed: opt.Seed = 0,
-    batch_size: opt.BatchSize = None,
-    circuit: opt.Circuit = True,
-    ablation: opt.Ablation = "corrupt",
-    out: opt.Out = Path("edges-out"),
-    overwrite: opt.Overwrite = False,
-    checkpoint: opt.Checkpoint = True,
-    plan: opt.Plan = False,
-    gpu: opt.Gpu = "H100",
-    utilisation: opt.Utilisation = 0.4,
-    progress: opt.Progress = True,
-    as_json: opt.Json = False,
-) -> None:
+EDGES = (o.MODEL, o.TASK, o.INPUTS, o.SENDERS, o.RECEIVERS, o.METHOD, o.EDGE_ESTIMATOR,
+         o.IG_STEPS, o.TOP_K, o.DIRECTION, o.N, o.PHASE, o.CORRUPTION, o.SPLIT, o.SEED,
+         o.BATCH_SIZE, o.CIRCUIT, o.EDGE_ABLATION, o.OUT.with_default(Path("edges-out")),
+         o.OVERWRITE, o.CHECKPOINT, o.PLAN, o.GPU, o.UTILISATION, o.PROGRESS, o.JSON)
+
+
+@command(EDGES, short_help="Which heads feed which heads' q, k, v: edge patching.")
+def edges(a: Args) -> None:
     """Edge patching: which heads feed which heads' q/k/v (and the logits); writes
     OUT/edges.{safetensors,json,csv,html}, with --circuit OUT/circuit.json and its pictures."""
-    a = SimpleNamespace(**ctx.params)
     from circuitkit.patching.inputs import EDGE_METHODS
 
     with _errors_as_lines():
         _check_sweep_flags(a)
-        _one_of("--method", method, EDGE_METHODS)
-        if estimator is not None:  # before the model loads
+        _one_of("--method", a.method, EDGE_METHODS)
+        if a.estimator is not None:  # before the model loads
             from circuitkit.patching.estimators.registry import EDGE_ESTIMATORS
 
-            _one_of("--estimator", estimator, EDGE_ESTIMATORS)
-        _positive("--ig-steps", ig_steps, "interpolation steps")
-    if not plan:
-        _check_weights(model)  # missing weights: said before any model loads or --out is made
+            _one_of("--estimator", a.estimator, EDGE_ESTIMATORS)
+        _positive("--ig-steps", a.ig_steps, "interpolation steps")
+    if not a.plan:
+        _check_weights(a.model)  # missing weights: said before any model loads or --out is made
         with _errors_as_lines(ValueError, OSError):
-            _claim_out(ctx, "edges", out, overwrite, n_examples=_n_for(task, n_examples))
+            _claim_out(a.ctx, "edges", a.out, a.overwrite,
+                       n_examples=_n_for(a.task, a.n_examples))
     a.nodes = {k: None if v.strip() == "all" else [p.strip() for p in v.split(",") if p.strip()]
-               for k, v in (("senders", senders), ("receivers", receivers))}
-    if plan:
+               for k, v in (("senders", a.senders), ("receivers", a.receivers))}
+    if a.plan:
         return _edge_plan(a)
-    the_model, the_task = _load(model, task, n_examples, seed, split, phase, renders=True,
-                                pairs=True, corruption=corruption,
-                                progress=progress)
-    the_task = _phase_task(the_task, task)
+    the_model, the_task = _load(a.model, a.task, a.n_examples, a.seed, a.split, a.phase,
+                                renders=True, pairs=True, corruption=a.corruption,
+                                progress=a.progress)
+    the_task = _phase_task(the_task, a.task)
     clean, corrupt, metric = _sweep_tokens(the_model, the_task)
-    res, circ, written = _run_edges(ctx, a, the_model, the_task, clean, corrupt, metric)
+    res, circ, written = _run_edges(a.ctx, a, the_model, the_task, clean, corrupt, metric)
     _print_edges(a, res, circ, written)
 
 

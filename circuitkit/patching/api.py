@@ -1,12 +1,12 @@
 """The public patching functions: ``patch`` (one entry for any units: every argument and metric
 check, once), its thin wrappers ``patch_heads``, ``patch_layers``, ``patch_edges`` (as
 TransformerLens's ``get_act_patch_*`` are partials of ``generic_activation_patch``),
-``plan_patch`` and ``attribution_plus_exact``. The route: docs/architecture.md.
+and ``plan_patch``. The route: docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 from jaxtyping import Int
@@ -16,6 +16,7 @@ from circuitkit import hooks
 from circuitkit.metrics import PromptMetric, as_metric
 from circuitkit.patching import auto, cost, hybrid
 from circuitkit.patching.estimators import attribution
+from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.exact.sweeps import chunk_fitting as _chunk_fitting  # noqa: F401 (tests)
 from circuitkit.patching.exact.sweeps import versions  # noqa: F401 (re-exported)
@@ -106,7 +107,9 @@ def patch(model: Any, clean_tokens: Tokens, corrupt_tokens: Tokens, metric: Any,
         screenable = units.screenable(model, clean, corrupt, pm, opts)
         res = hybrid.screen_then_verify(screenable, opts.checkpoint, top_k=opts.top_k,
                                         max_passes=opts.max_passes,
-                                        batch_size=opts.batch_size, progress=opts.progress)
+                                        batch_size=opts.batch_size, progress=opts.progress,
+                                        exact_when_cheaper=opts.budget.exact_when_cheaper,
+                                        **opts.budget.rule())
     res.meta.update(exact.described(meta, pm))
     exact.with_recorded(res, model, clean, corrupt)
     res.warn_if_degenerate()
@@ -267,8 +270,8 @@ def _probed(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetric, units:
     if order is not None:
         clean, corrupt, pm = clean[order], corrupt[order], pm.select(order)
     timing: dict[str, float] = {}  # the memory probe is the time probe (rows halved on OOM)
-    _, sweep, rows, first, _ = exact.fit_rows(model, clean, corrupt, pm, sweep, rows, lengths,
-                                              None, timing)
+    _, sweep, rows, first, _ = exact.fit_rows(partial(ExactEngine, model, clean, corrupt, pm),
+                                              sweep, rows, lengths, None, timing)
     row = dict(n_variants=sweep.n_layers * sweep.n_variants, n_prompts=n, seq=seq,
                n_chunks=len(sweep.chunks), rows_per_forward=min(rows, sweep.n_variants * n),
                naive_passes=cost.tl_loop_passes(sweep.n_layers * sweep.n_variants, n),
@@ -291,7 +294,7 @@ def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, opts: PatchOpt
     s = units.screenable(model, clean, corrupt, pm, PatchOptions(
         direction=opts.direction, estimator=screener, batch_size=opts.batch_size,
         progress=False))
-    guess = cost.price(s.work(), cost.Budget(top_k=opts.top_k))["hybrid"]
+    guess = cost.price(s.work(), cost.Budget(top_k=opts.top_k, **opts.budget.rule()))["hybrid"]
     n_cells = s.index.shape[0]
 
     def seconds(k: int) -> float:  # the screen at the cached runs' rate, cells at the probe's
@@ -300,54 +303,11 @@ def _hybrid_plan(model: Any, p: dict[str, Any], units: HeadUnits, opts: PatchOpt
 
     out = dict(estimator=screener, budget="auto" if opts.top_k is None else "top_k",
                hybrid=guess)
-    if guess["runs"] == "exact":  # what the run will do: the exact sweep (and say so)
+    if guess["runs"] == "exact" and opts.budget.exact_when_cheaper:  # what the run will do
         return dict(out, method="exact", **exact_row)
     return dict(out, pass_equivalents=guess["passes"], est_seconds=seconds(guess["cells"]),
                 verified_cells=guess["cells"], verified_cells_max=guess["cells_max"],
                 est_seconds_max=seconds(guess["cells_max"]))
-
-
-# --- the hybrid --------------------------------------------------------------------------------
-
-
-def attribution_plus_exact(
-    model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any, *,
-    direction: str = "denoise", site: str = "z", positions: str = "all",
-    top_k: int | None = None, atp_star: bool = False, estimator: str | None = None,
-    recall_top: int = 10, quantile: float = 0.9, max_fraction: float = 0.5,
-    max_passes: float | None = None, batch_size: int | None = None, progress: bool = True,
-    checkpoint: str | Path | None = None, exact_when_cheaper: bool = False,
-) -> PatchResult:
-    """``method="attribution+exact"`` over heads, the budget rule's knobs exposed: an
-    estimator screens every cell, the exact engine (``ExactEngine.run_variants``) verifies the
-    ``top_k`` largest ``|estimate|`` or, with ``top_k=None``, as many as the estimator's
-    calibrated error bound requires (``hybrid.budget_rule``: ``recall_top``, ``quantile``,
-    ``max_fraction``, ``max_passes``; docs/attribution.md, "Screening"). ``estimator``: any of
-    ``attribution.ESTIMATORS`` (default ``SCREENING_ESTIMATOR``; ``atp_star``: "qk").
-
-    ``values``: exact for the verified cells, the estimate elsewhere; ``meta``: ``verified``
-    (a bool mask like ``values``), ``verified_cells``, ``attribution_values``, ``error_unit``,
-    ``budget``, ``cost`` (``hybrid.place``), ``hybrid`` and ``timing``
-    (``hybrid.screen_then_verify``). ``checkpoint``: folder (``checkpoint.HybridCheckpoint``);
-    a rerun of the same call resumes. ``exact_when_cheaper``: where the automatic budget is
-    predicted to cost at least the exact sweep, run that instead (``patch_heads`` sets it; a
-    direct call measures the hybrid and warns before it starts).
-    """
-    hybrid.check_rule(top_k, max_passes, recall_top, quantile, max_fraction)
-    clean_tokens, corrupt_tokens, metric = _check(
-        model, clean_tokens, corrupt_tokens, metric, direction, "attribution+exact",
-        batch_size, site=site, positions=positions, sites=hooks.PATCH_HEAD_SITES)
-    screenable = HeadUnits(site, positions).screenable(
-        model, clean_tokens, corrupt_tokens, metric, PatchOptions(
-            direction=direction, estimator=estimator, atp_star=atp_star, batch_size=batch_size,
-            progress=progress, checkpoint=checkpoint))
-    res = hybrid.screen_then_verify(
-        screenable, checkpoint, top_k=top_k, max_passes=max_passes, batch_size=batch_size,
-        progress=progress, exact_when_cheaper=exact_when_cheaper, recall_top=recall_top,
-        quantile=quantile, max_fraction=max_fraction)
-    res.meta.update(exact.described({}, metric))
-    res.warn_if_degenerate()
-    return res
 
 
 # --- checks --------------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ def _screening_recall(model: Any, clean: Tensor, corrupt: Tensor, pm: PromptMetr
         check_gradient(pm, "attribution")
         with quiet_baseline():  # the exact result says it, once
             screen = attribution.estimate_heads(
-                model, clean, corrupt, pm, estimator, direction=direction, site=site,
-                positions=positions, batch_size=batch_size, progress=False)
+                model, clean, corrupt, pm, estimator, site, positions,
+                PatchOptions(direction=direction, batch_size=batch_size, progress=False))
     except NoGradientError:
         return dict(k=k, estimator=None, recall=None, skipped="the metric carries no gradient")
     base = res.corrupt if direction == "denoise" else res.clean

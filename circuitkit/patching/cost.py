@@ -80,7 +80,7 @@ ACTIVATION_SHARE = 0.7  # of what is left beside the weights (as sweep.available
 # parameter models screen by attribution and verify the top cells exactly.
 AUTO_EXACT_MAX_FLOPS_PER_TOKEN = 5e13
 # attribution+exact with its automatic budget: the share of cells it is expected to verify, and
-# its cap (``api.attribution_plus_exact``'s max_fraction)
+# its cap (``Budget.max_fraction``, ``ck.BudgetRule(max_fraction=...)``)
 AUTO_EXPECTED_FRACTION = 0.2
 AUTO_MAX_FRACTION = 0.5
 

@@ -1,8 +1,10 @@
-"""Attribution patching: gradient estimates of every head's (and edge's) patching effect. This
-module keeps the public entry points (``attribution_patch_heads``, ``attribution_patch_edges``)
-and the names other modules import; each estimator is one entry of ``estimators.registry`` (its
-per-batch function, cost, needs) run by ``estimators.driver``. What each computes, why, its cost
-and the evidence: docs/attribution.md (edges: docs/edges.md); the hybrid: ``hybrid.py``.
+"""Attribution patching: gradient estimates of every head's (and edge's) patching effect, reached
+through ``ck.patch(..., method="attribution")`` (or ``"attribution+exact"``'s screen), which
+checks every argument once. This module keeps what the units call on checked arguments
+(``estimate_heads``, ``_attribution_patch_edges``) and the names other modules import; each
+estimator is one entry of ``estimators.registry`` (its per-batch function, cost, needs) run by
+``estimators.driver``. What each computes, why, its cost and the evidence: docs/attribution.md
+(edges: docs/edges.md); the hybrid: ``hybrid.py``.
 
 A head's activation ``a`` at ``site`` is patched from the *base* run to the *source* run
 (denoise: base = corrupt, source = clean; noise: the reverse). Every estimator returns ``values =
@@ -37,11 +39,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from jaxtyping import Int
 from torch import Tensor
 
 from circuitkit import hooks
-from circuitkit.metrics import PromptMetric, as_metric
+from circuitkit.metrics import PromptMetric
 from circuitkit.patching.estimators import driver, eap
 from circuitkit.patching.estimators.block import (  # noqa: F401  (imported from here elsewhere)
     _head_mlp_z,
@@ -75,77 +76,45 @@ from circuitkit.patching.estimators.registry import (  # noqa: F401
 from circuitkit.patching.estimators.rerun import layer_reruns  # noqa: F401
 from circuitkit.patching.inputs import (
     DIRECTIONS,
-    POSITIONS,
     check_gradient,
     check_metric_prompts,
-    check_tokens,
-    checked_metric,
     choice,
 )
 from circuitkit.patching.results.patch_result import PatchResult
 
 
-def attribution_patch_heads(
-    model: Any,
-    clean_tokens: Int[Tensor, "batch seq"],
-    corrupt_tokens: Int[Tensor, "batch seq"],
-    metric: Any,
-    direction: str = "denoise",
-    site: str = "z",
-    positions: str = "all",
-    atp_star: bool = False,
-    batch_size: int | None = None,
-    progress: bool = True,
-    exact_tail: bool | None = None,
-    estimator: str | None = None,
-    ig_steps: int = IG_STEPS,
-) -> PatchResult:
-    """Estimate every head's patching effect by attribution (module docstring): a
-    ``PatchResult``, method "attribution", ``values = metric(base) + delta`` (mean over
-    prompts) ``[n_layers, n_heads]`` (``positions="all"``) or ``[n_layers, n_heads, seq]``
-    ("each"; for "pattern" the query position); ``meta``: estimator, pass_equivalents, seconds,
-    write_scale, plan ("qk").
-
-    ``site``: "z", "q", "k", "v" (k/v: KV heads under GQA) or "pattern". ``estimator``: one of
-    ``ESTIMATORS`` (default: "qk" with ``atp_star``, a legacy switch that also turns the exact
-    tail on, else "atp"). ``batch_size``: prompts per forward/backward (default: all; a metric
-    without per-prompt values runs all at once). ``exact_tail``: "qk"/"atp*" at site z, the
-    last block and the readout exact for each head's direct write. ``ig_steps``: "ig"'s
-    interpolation steps ``m``. ``metric``: a ``PromptMetric`` or any callable (``as_metric``).
-    """
-    t_start = time.perf_counter()
-    est, clean_tokens, corrupt_tokens, metric = _checked_heads(
-        model, clean_tokens, corrupt_tokens, metric, direction, site, positions, atp_star,
-        batch_size, exact_tail, estimator, ig_steps)
-    return estimate_heads(model, clean_tokens, corrupt_tokens, metric, est.name, direction,
-                          site, positions, atp_star, batch_size, progress, exact_tail, ig_steps,
-                          t_start, explicit=estimator is not None)
-
-
 def estimate_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, metric: Any,
-                   estimator: str, direction: str = "denoise", site: str = "z",
-                   positions: str = "all", atp_star: bool = False,
-                   batch_size: int | None = None, progress: bool = True,
-                   exact_tail: bool | None = None, ig_steps: int = IG_STEPS,
-                   t_start: float | None = None, explicit: bool = True) -> PatchResult:
-    """``attribution_patch_heads`` on arguments already checked (``patch``'s entry checks
-    them once; ``metric`` a ``PromptMetric`` fit for the tokens): the screen of the hybrid and
-    ``auto`` call this, so no check runs twice. ``explicit``: the estimator was asked for by
-    name (the exact tail then follows ``exact_tail`` only, not ``atp_star``)."""
-    t_start = time.perf_counter() if t_start is None else t_start
+                   estimator: str, site: str, positions: str, opts: Any,
+                   tail: bool = False) -> PatchResult:
+    """Estimate every head's patching effect at ``site`` by ``estimator`` (one of
+    ``ESTIMATORS``; module docstring), on arguments ``ck.patch`` checked (``metric`` a
+    ``PromptMetric`` fit for the tokens): a ``PatchResult``, method "attribution", ``values =
+    metric(base) + delta`` (mean over prompts) ``[n_layers, n_heads]`` (``positions="all"``) or
+    ``[n_layers, n_heads, seq]`` ("each"; for "pattern" the query position); ``meta``:
+    estimator, pass_equivalents, seconds, write_scale, plan ("qk").
+
+    ``opts`` (``PatchOptions``): ``direction``, ``batch_size`` (prompts per forward/backward;
+    None: all; a metric without per-prompt values runs all at once), ``progress`` and
+    ``ig_steps`` ("ig"'s interpolation steps ``m``; None: ``IG_STEPS``). ``tail``: with
+    "qk"/"atp*" at site z, the last block and the readout exact for each head's direct write
+    (``atp_star=True`` without an estimator named). The entry, the hybrid's screen and
+    ``auto`` call this, so no check runs twice."""
+    t_start = time.perf_counter()
     est = REGISTRY[estimator]
     check_model(model, est, site, clean_tokens)  # (what the estimator needs of the model)
-    tail = bool(est.qk and site == "z" and (atp_star and not explicit
-                                            if exact_tail is None else exact_tail))
+    ig_steps = IG_STEPS if opts.ig_steps is None else opts.ig_steps
+    if est.ig:
+        _check_steps(ig_steps, "estimator 'ig'")
+    tail = bool(est.qk and site == "z" and tail)
     n, seq = clean_tokens.shape
     steps = estimator_plan(hooks.facts(model).n_layers, site, est.qk, tail) if est.qk else None
-    bs = batch_size if (batch_size and metric.per_prompt_values) else n
-    base_all, src_all = driver.base_and_source(clean_tokens, corrupt_tokens, direction)
+    bs = opts.batch_size if (opts.batch_size and metric.per_prompt_values) else n
+    base_all, src_all = driver.base_and_source(clean_tokens, corrupt_tokens, opts.direction)
     # what every batch shares (``common.Batch.head_args`` reads it)
     job = SimpleNamespace(site=site, positions=positions, steps=steps, tail=tail,
                           ig_steps=ig_steps)
     got = driver.run_batches(model, metric, base_all, src_all, bs,
-                             lambda b: est.batch(job, b), progress, "attribution")
+                             lambda b: est.batch(job, b), opts.progress, "attribution")
     pp = metric.per_prompt_values and est.per_prompt
     if got.terms:  # GradDrop: magnitudes of prompt-mean estimates; no per-prompt values
         mean_terms = torch.cat([t.detach().float().cpu() for t in got.terms]).mean(0)
@@ -163,29 +132,7 @@ def estimate_heads(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor, met
     if steps is not None:
         meta["plan"] = [dict(layer=st.layer, own=st.own, downstream_qk=list(st.downstream_qk),
                              tail_correction=st.tail_correction) for st in steps]
-    return driver.head_result(got, delta_mean, pp, direction, site, positions, meta)
-
-
-def _checked_heads(model, clean_tokens, corrupt_tokens, metric, direction, site, positions,
-                   atp_star, batch_size, exact_tail, estimator, ig_steps):
-    """Every argument of ``attribution_patch_heads`` checked, in one place: the entry, the
-    tokens and the metric (wrapped once, with a gradient)."""
-    choice("direction", direction, DIRECTIONS)
-    choice("site", site, hooks.PATCH_HEAD_SITES)
-    choice("positions", positions, POSITIONS)
-    est = REGISTRY[resolve_estimator(estimator, atp_star)]
-    _check_steps(ig_steps, "estimator 'ig'")
-    clean_tokens, corrupt_tokens = check_tokens(clean_tokens, corrupt_tokens, model)
-    hooks.check_patchable(model, site, clean_tokens)
-    n, seq = clean_tokens.shape
-    metric = as_metric(metric, n, seq, hooks.facts(model).d_vocab_out)
-    check_metric_prompts(metric, n)
-    check_gradient(metric, "attribution")
-    metric = checked_metric(model, clean_tokens, corrupt_tokens, metric, batch_size)
-    if exact_tail and (site != "z" or not est.qk):
-        raise NotImplementedError("exact_tail is implemented for site='z' with estimator 'qk' "
-                                  "or 'atp*' only.")
-    return est, clean_tokens, corrupt_tokens, metric
+    return driver.head_result(got, delta_mean, pp, opts.direction, site, positions, meta)
 
 
 def _check_steps(ig_steps: Any, of: str) -> None:
@@ -194,17 +141,18 @@ def _check_steps(ig_steps: Any, of: str) -> None:
                          f"steps of {of}).")
 
 
-def attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
-                            metric: PromptMetric, layout: Any, direction: str = "denoise",
-                            estimator: str | None = None, ig_steps: int | None = None,
-                            batch_size: int | None = None, progress: bool = True) -> Any:
-    """Estimate every edge of ``layout`` (``sweep.EdgeLayout``) by ``estimator`` (see
-    ``estimators/eap.py``, docs/edges.md); an ``EdgeResult`` with ``method="attribution"``:
-    ``values = metric(base) + delta`` (mean over prompts), ``meta``: estimator, ig_steps,
-    pass_equivalents, seconds, write_scale (``|delta_s| / |x_r|``, mean over prompts and
-    positions, per edge; None where no edge). The model, nodes and tokens are checked by
-    ``api.patch_edges``; the direction, the estimator, its steps and the metric's prompts and
-    gradient here, before any work (as ``attribution_patch_heads`` checks them)."""
+def _attribution_patch_edges(model: Any, clean_tokens: Tensor, corrupt_tokens: Tensor,
+                             metric: PromptMetric, layout: Any, opts: Any) -> Any:
+    """Estimate every edge of ``layout`` (``sweep.EdgeLayout``) by ``opts.estimator`` (default
+    "eap"; see ``estimators/eap.py``, docs/edges.md): ``ck.patch_edges(...,
+    method="attribution")``'s estimate, on arguments it checked. An ``EdgeResult`` with
+    ``method="attribution"``: ``values = metric(base) + delta`` (mean over prompts), ``meta``:
+    estimator, ig_steps, pass_equivalents, seconds, write_scale (``|delta_s| / |x_r|``, mean
+    over prompts and positions, per edge; None where no edge). ``opts`` (``PatchOptions``):
+    direction, estimator, ig_steps, batch_size, progress; the direction, the estimator, its
+    steps and the metric's prompts and gradient are checked again here, before any work."""
+    direction, estimator, ig_steps, batch_size, progress = (
+        opts.direction, opts.estimator, opts.ig_steps, opts.batch_size, opts.progress)
     t_start = time.perf_counter()
     choice("direction", direction, DIRECTIONS)
     est = get(estimator or EDGE_ESTIMATORS[0], "edges")

@@ -168,8 +168,9 @@ class LayerStep:
     tail_correction: bool = False
 
 
-def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool) -> list[LayerStep]:
-    """The per-layer plan of ``attribution_patch_heads`` (see ``LayerStep``)."""
+def estimator_plan(n_layers: int, site: str, atp_star: bool, exact_tail: bool
+                   ) -> list[LayerStep]:
+    """The per-layer plan of ``estimate_heads`` (see ``LayerStep``)."""
     last = n_layers - 1
     if not atp_star and not exact_tail:
         return [LayerStep(layer) for layer in range(n_layers)]

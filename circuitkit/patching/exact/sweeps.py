@@ -301,9 +301,9 @@ def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     stored = SweepCheckpoint.stored_chunks(checkpoint) if checkpoint is not None else None
     what = "edges" if sweep.kind == "edges" else "head sets" if sweep.sets else "patch"
     bar = Progress(progress and rank == 0, f"{what} {sweep.site} {sweep.direction}")
-    engine, sweep, rows, first, backoffs = fit_rows(model, clean, corrupt, metric, sweep, rows,
-                                                     lengths, stored, bar=bar, rank=rank,
-                                                     world=world, make_engine=make_engine)
+    engine, sweep, rows, first, backoffs = fit_rows(
+        functools.partial(make_engine, model, clean, corrupt, metric), sweep, rows, lengths,
+        stored, bar=bar)
     if world > 1 and stored is None:  # every rank must cut the sweep into the same chunks
         agreed = distributed.agreed_min(rows)
         if agreed < rows:
@@ -354,18 +354,18 @@ def heaviest(sweep: Sweep) -> int:
                * sweep.run_length(sweep.chunks[c].p0, sweep.chunks[c].p1))
 
 
-def fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-              rows: int, lengths: list[int] | None, stored: tuple[Chunk, ...] | None,
-              timing: dict[str, float] | None = None, bar: Progress | None = None,
-              rank: int = 0, world: int = 1, make_engine: Any = ExactEngine
-              ) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
+def fit_rows(new_engine: Callable[..., Any], sweep: Sweep, rows: int, lengths: list[int] | None,
+             stored: tuple[Chunk, ...] | None, timing: dict[str, float] | None = None,
+             bar: Progress | None = None) -> tuple[ExactEngine, Sweep, int, dict[int, Tensor], int]:
     """An engine and a plan that fit in memory: the cached runs, then the heaviest chunk run as
     a probe; on out-of-memory ``rows`` is halved, the sweep re-planned and both retried.
-    Returns (engine, planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed
-    by a checkpoint (``stored``) is kept (no probe: ``chunk_fitting`` splits a chunk that
-    does not fit). ``timing``: filled with the seconds of the cached runs and of the probe.
-    ``bar``: opened on the plan's chunks of this ``rank`` (of ``world``) before the probe runs,
-    so it starts at 0 and counts the probe's chunk when it is this rank's."""
+    ``new_engine(planned, rows=rows)``: the engine of a planned sweep (its cached runs made;
+    e.g. ``functools.partial(ExactEngine, model, clean, corrupt, metric)``). Returns (engine,
+    planned sweep, rows, {probe chunk: its result}, back-offs). A plan fixed by a checkpoint
+    (``stored``) is kept (no probe: ``chunk_fitting`` splits a chunk that does not fit).
+    ``timing``: filled with the seconds of the cached runs and of the probe. ``bar``: opened on
+    the plan's chunks of this rank (``distributed.rank_world``) before the probe runs, so it
+    starts at 0 and counts the probe's chunk when it is this rank's."""
     backoffs = 0
     timing = {} if timing is None else timing
     while True:
@@ -375,12 +375,13 @@ def fit_rows(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, s
         oom = None
         try:
             t0 = time.perf_counter()
-            engine = make_engine(model, clean, corrupt, metric, planned, rows=rows)
+            engine = new_engine(planned, rows=rows)
             t1 = time.perf_counter()
             first = {}
             if stored is None and planned.chunks:
                 cid = heaviest(planned)
                 if bar is not None:
+                    rank, world = distributed.rank_world()
                     bar.open(sum(planned.chunk_prompts(c) for i, c in
                                  enumerate(planned.chunks) if i % world == rank))
                 first[cid] = engine.run_chunk(planned.chunks[cid])

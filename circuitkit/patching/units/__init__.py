@@ -17,6 +17,7 @@ from circuitkit._lazy import lazy_exports
 _EXPORTS = {
     "PatchOptions": "circuitkit.patching.units.base:PatchOptions",
     "MethodOptions": "circuitkit.patching.units.base:MethodOptions",
+    "BudgetRule": "circuitkit.patching.units.base:BudgetRule",
     "as_options": "circuitkit.patching.units.base:as_options",
     "as_units": "circuitkit.patching.units.kinds:as_units",
     "unused_checkpoint": "circuitkit.patching.units.base:unused_checkpoint",

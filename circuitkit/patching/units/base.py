@@ -1,6 +1,7 @@
 """What every kind of unit shares: ``PatchOptions`` (how ``ck.patch`` runs: the run settings and
 the method's options, one frozen object; an option the chosen method does not use is said to do
-nothing, never dropped silently), ``as_options`` and the checks the kinds call."""
+nothing, never dropped silently), ``BudgetRule`` (attribution+exact's automatic budget, one of
+those options), ``as_options`` and the checks the kinds call."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from circuitkit.metrics import PromptMetric
 from circuitkit.patching.exact import sweeps as exact
-from circuitkit.patching.hybrid import check_max_passes
+from circuitkit.patching.hybrid import RULE, check_max_passes, check_rule
 from circuitkit.patching.inputs import (
     DIRECTIONS,
     METHODS,
@@ -33,6 +34,34 @@ RUN_FIELDS = ("direction", "batch_size", "checkpoint", "progress", "backend", "r
 
 
 @dataclass(frozen=True)
+class BudgetRule:
+    """How many cells ``method="attribution+exact"`` verifies when ``top_k`` is not given
+    (``hybrid.budget_rule``; docs/attribution.md, "Screening"): rounds of one layer's cells,
+    by largest ``|estimate| + k u`` (``k``: the ``quantile`` of ``|exact - estimate| / u`` over
+    the verified cells, ``u`` the error unit), until no unverified cell can reach the
+    ``recall_top``-th largest verified ``|effect|``, or ``max_fraction`` of the cells are
+    verified. ``exact_when_cheaper``: where this budget is predicted to cost at least the exact
+    sweep, run the exact sweep instead (False: run the hybrid anyway; a warning says it costs
+    more). ``PatchOptions(budget=BudgetRule(...))``; a dict of its fields is taken too."""
+
+    recall_top: int = RULE["recall_top"]
+    quantile: float = RULE["quantile"]
+    max_fraction: float = RULE["max_fraction"]
+    exact_when_cheaper: bool = True
+
+    def __post_init__(self) -> None:
+        check_rule(None, None, self.recall_top, self.quantile, self.max_fraction)
+        if not isinstance(self.exact_when_cheaper, bool):
+            raise ValueError(f"exact_when_cheaper={self.exact_when_cheaper!r}: expected True or "
+                             "False.")
+
+    def rule(self) -> dict[str, Any]:
+        """The keywords of ``hybrid.screen_then_verify``'s rule."""
+        return dict(recall_top=self.recall_top, quantile=self.quantile,
+                    max_fraction=self.max_fraction)
+
+
+@dataclass(frozen=True)
 class PatchOptions:
     """How ``ck.patch`` runs, one frozen object (``ck.patch`` takes it as ``options``; a dict of
     its fields is taken too).
@@ -46,9 +75,10 @@ class PatchOptions:
     The method's options: ``estimator`` (the attribution estimate or the hybrid's screen;
     ``attribution.ESTIMATORS`` for heads, ``EDGE_ESTIMATORS`` for edges); ``atp_star`` (AtP*'s
     Q/K fix, heads); ``ig_steps`` (the eap-ig estimators' steps, edges); ``top_k`` /
-    ``max_passes`` (the cells ``attribution+exact`` or ``auto`` verifies);
-    ``screening_recall`` (``auto``'s extra screen of an exact run). One the chosen method does
-    not use is said to do nothing (a warning), never dropped silently."""
+    ``max_passes`` (the cells ``attribution+exact`` or ``auto`` verifies); ``budget``
+    (``attribution+exact``'s automatic budget without ``top_k``: a ``BudgetRule`` or a dict of its
+    fields); ``screening_recall`` (``auto``'s extra screen of an exact run). One the chosen
+    method does not use is said to do nothing (a warning), never dropped silently."""
 
     direction: str = "denoise"
     batch_size: int | None = None
@@ -63,8 +93,15 @@ class PatchOptions:
     atp_star: bool = False
     ig_steps: int | None = None
     screening_recall: bool = False
+    budget: BudgetRule = BudgetRule()
 
     def __post_init__(self) -> None:
+        rule = [f.name for f in fields(BudgetRule)]
+        if isinstance(self.budget, dict) and set(self.budget) <= set(rule):
+            object.__setattr__(self, "budget", BudgetRule(**self.budget))  # (frozen: here only)
+        elif not isinstance(self.budget, BudgetRule):
+            raise ValueError(f"budget={self.budget!r}: expected ck.BudgetRule(...) or a dict of "
+                             f"{rule}.")
         choice("direction", self.direction, DIRECTIONS)
         check_batch_size(self.batch_size)
         for name in ("progress", "remote", "atp_star", "screening_recall"):

@@ -68,7 +68,7 @@ class EdgeUnits(_Units):
         _stray(method, opts, {"exact": {"estimator", "ig_steps"},
                               "attribution": {"estimator", "ig_steps"},
                               "attribution+exact": {"estimator", "ig_steps", "top_k",
-                                                    "max_passes"}})
+                                                    "max_passes", "budget"}})
         if method == "attribution":
             unused_checkpoint(checkpoint, "method='attribution'")
         if backend != "transformer_lens" or remote:
@@ -109,11 +109,7 @@ class EdgeUnits(_Units):
 
 
     def estimate(self, model, clean, corrupt, pm, opts) -> Any:
-        direction, batch_size, progress = opts.direction, opts.batch_size, opts.progress
-        return attribution.attribution_patch_edges(
-            model, clean, corrupt, pm, self.layout, direction=direction,
-            estimator=opts.estimator, ig_steps=opts.ig_steps, batch_size=batch_size,
-            progress=progress)
+        return attribution._attribution_patch_edges(model, clean, corrupt, pm, self.layout, opts)
 
     def screenable(self, model, clean, corrupt, pm, opts) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these edges (checked): flat cells are

@@ -12,7 +12,7 @@ from circuitkit import hooks
 from circuitkit.identity import sweep_identity
 from circuitkit.patching import groups
 from circuitkit.patching.estimators import attribution
-from circuitkit.patching.estimators.registry import resolve_estimator
+from circuitkit.patching.estimators.registry import names, resolve_estimator
 from circuitkit.patching.exact import ExactEngine
 from circuitkit.patching.exact import sweeps as exact
 from circuitkit.patching.hybrid import Screenable
@@ -62,7 +62,7 @@ class HeadUnits(_Units):
 
     @property
     def estimators(self) -> tuple[str, ...]:
-        return ("atp",) if self.grouped else attribution.ESTIMATORS
+        return ("atp",) if self.grouped else names("heads")  # (every registered entry)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -74,11 +74,11 @@ class HeadUnits(_Units):
         checkpoint, backend, remote = opts.checkpoint, opts.backend, opts.remote
         _hybrid_options(method, opts)
         if opts.estimator is not None:
-            choice("estimator", opts.estimator, attribution.ESTIMATORS)
+            choice("estimator", opts.estimator, names("heads"))
         _stray(method, opts, {"attribution": {"estimator", "atp_star", "ig_steps"},
                               "auto": {"top_k", "max_passes", "screening_recall"},
                               "attribution+exact": {"estimator", "atp_star", "top_k",
-                                                    "max_passes"}})
+                                                    "max_passes", "budget"}})
         if self.grouped and (backend != "transformer_lens" or remote or method not in (
                 "exact", "attribution") or (method == "attribution" and (
                 opts.atp_star or opts.estimator not in (None, "atp")))):
@@ -124,21 +124,17 @@ class HeadUnits(_Units):
         return make_sweep(model, "heads", self.site, direction, self.positions, clean, metric)
 
     def estimate(self, model, clean, corrupt, pm, opts: PatchOptions) -> Any:
-        """Attribution; position groups: the per-position estimate summed over each group."""
-        direction, batch_size, progress = opts.direction, opts.batch_size, opts.progress
-        extra = {} if opts.ig_steps is None else dict(ig_steps=opts.ig_steps)
+        """Attribution; position groups: the per-position estimate summed over each group.
+        ``atp_star`` without an estimator named: "qk" with the exact tail (its legacy switch)."""
         if self.grouped:
-            each = attribution.estimate_heads(
-                model, clean, corrupt, pm, "atp", direction=direction, site=self.site,
-                positions="each", batch_size=batch_size, progress=progress)
+            each = attribution.estimate_heads(model, clean, corrupt, pm, "atp", self.site, "each",
+                                              opts)
             res = groups.summed_over(each, self.positions)
             res.meta.update(exact.group_meta(self.positions))
             return res
         return attribution.estimate_heads(
             model, clean, corrupt, pm, resolve_estimator(opts.estimator, opts.atp_star),
-            direction=direction, site=self.site, positions=self.positions,
-            atp_star=opts.atp_star, batch_size=batch_size, progress=progress,
-            explicit=opts.estimator is not None, **extra)
+            self.site, self.positions, opts, tail=opts.atp_star and opts.estimator is None)
 
     def screenable(self, model, clean, corrupt, pm, opts: PatchOptions) -> Screenable:
         """What ``hybrid.screen_then_verify`` takes of these heads (checked): flat cell ``j``
@@ -148,8 +144,7 @@ class HeadUnits(_Units):
         estimator = opts.estimator or ("qk" if opts.atp_star and self.site in
                                        attribution.ATP_STAR_SITES else
                                        attribution.screening_estimator(model, self.site, clean))
-        direction, batch_size, progress = (opts.direction, opts.batch_size,
-                                                       opts.progress)
+        direction, batch_size = opts.direction, opts.batch_size
         sweep = self.sweep(model, direction, clean, pm)
         (n, seq), f = clean.shape, hooks.facts(model)
         L, per_layer, n_units = f.n_layers, sweep.n_variants, f.n_heads_at(self.site)
@@ -168,10 +163,9 @@ class HeadUnits(_Units):
             kind="heads", index=index, layer=layer, downstream=(L - layer) / L, run=run,
             per_round=per_layer, metric=pm, n_prompts=n,
             exact=lambda: self.exact(model, clean, corrupt, pm, opts, {}),
-            screen=lambda: attribution.estimate_heads(
-                model, clean, corrupt, pm, estimator, direction=direction, site=self.site,
-                positions=self.positions, atp_star=star, batch_size=batch_size,
-                progress=progress),
+            screen=lambda: attribution.estimate_heads(  # (its own ig_steps: the default)
+                model, clean, corrupt, pm, estimator, self.site, self.positions,
+                replace(opts, ig_steps=None)),
             screen_passes=n * attribution.estimator_passes(
                 model, estimator, self.site, self.positions, seq, batch=min(batch_size or n, n)),
             identity=lambda: sweep_identity(model, sweep, clean, corrupt, pm,
