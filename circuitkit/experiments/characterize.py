@@ -602,8 +602,11 @@ def _bins_step(model: Any, task: Any, scores: Any, phases: list[int], out: Path,
     f = hooks.facts(model)
     rankings = {p: top_heads(scores, p, f.n_layers * f.n_heads) for p in phases
                 if p in scored_phases(scores)}
-    frame = cumulative_bins(model, task, rankings, seed=seed, batch_size=batch_size,
-                            checkpoint=out / "checkpoints" / "bins")
+    sites = _patchable_sites(model, task.clean_tokens)
+    if not sites:
+        return []
+    frame = cumulative_bins(model, task, rankings, sites=sites, seed=seed,
+                            batch_size=batch_size, checkpoint=out / "checkpoints" / "bins")
     summ = bin_summary(frame)
     (out / "bins").mkdir(exist_ok=True)
     files.write_text(out / "bins" / "bins.csv", frame.to_csv(index=False))
@@ -611,6 +614,24 @@ def _bins_step(model: Any, task: Any, scores: Any, phases: list[int], out: Path,
     html = bins_figure(summ).to_html(include_plotlyjs="../plotly.min.js", full_html=True)
     files.write_text(out / "bins" / "bins.html", html)
     return ["bins/bins.csv", "bins/summary.csv", "bins/bins.html"]
+
+
+def _patchable_sites(model: Any, tokens: Any) -> list[str]:
+    """The bins' sites an edit reaches on ``model`` (``hooks.check_patchable``): GPT-J's
+    ``hook_pattern`` fires after its attention ran, so patching it would show no effect for
+    every set; such a site is left out of the bins, with a warning saying why."""
+    from circuitkit import hooks
+    from circuitkit._warn import warn
+    from circuitkit.experiments.bins import SITES
+
+    kept = []
+    for site in SITES:
+        try:
+            hooks.check_patchable(model, site, tokens)
+            kept.append(site)
+        except ValueError as e:
+            warn(f"circuitkit: the cumulative bins leave out site {site!r}: {e}")
+    return kept
 
 
 def lead_picture(out: Path, summary: dict[str, Any], scores: Any, k: int,
