@@ -215,7 +215,7 @@ def _run_patch(ctx, a, the_model, the_task, clean, corrupt, metric):
     from circuitkit.patching import api
 
     layers = a.site in hooks.PATCH_LAYER_SITES
-    stores = a.method != "attribution" and a.backend != "nnsight"  # what checkpoints
+    stores = a.method != "attribution"  # what checkpoints (nnsight too: the same sweep road)
     ckpt = _checkpoint_dir(a.out) if a.checkpoint and stores else None
     extra = {} if layers else dict(
         top_k=a.top_k, backend=a.backend, remote=a.remote, max_passes=a.max_passes,

@@ -154,8 +154,8 @@ def _stray(method: str, opts: PatchOptions, allowed: dict[str, set[str]]) -> Non
 def unused_checkpoint(checkpoint: Any, what: str) -> None:
     if checkpoint is not None:
         warnings.warn(f"checkpoint={str(checkpoint)!r} is not used: {what} is not checkpointed "
-                      "(exact sweeps and attribution+exact of the TransformerLens backend "
-                      "are).", stacklevel=_STACK)
+                      "(exact sweeps, either backend, and attribution+exact are).",
+                      stacklevel=_STACK)
 
 
 def _hybrid_options(method: str, opts: PatchOptions) -> None:
