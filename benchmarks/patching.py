@@ -239,7 +239,6 @@ def main() -> None:
     name = args.model or ("icd-teacher" if shipped_path("icd-teacher") else "tiny")
     model, clean, corrupt, metric, desc = setup(name, args.batch, args.seq)
     f = hooks.facts(model)
-    kw = dict(options=dict(progress=False))
     with torch.no_grad():
         model(clean[:2])  # warm-up (allocator, lazy init)
 
@@ -249,9 +248,16 @@ def main() -> None:
             return get_act_patch_attn_head_out_all_pos(model, corrupt, cache, metric)
 
     def rows_of(pkg: Any) -> dict[str, Callable[[], Any]]:
+        import inspect
+
+        # a reference checkout from before the one options object takes run settings directly
+        new = "options" in inspect.signature(pkg.patch_heads).parameters
+        kw = dict(options=dict(progress=False)) if new else dict(progress=False)
+
         def attrib(*a: Any, atp_star: bool = False, **k: Any) -> Any:
-            return pkg.patch_heads(*a, method="attribution", **k, options=dict(
-                progress=False, atp_star=atp_star))
+            run = dict(progress=False, atp_star=atp_star)
+            return pkg.patch_heads(*a, method="attribution", **k,
+                                   **(dict(options=run) if new else run))
 
         rows = {
             "exact (all positions)": lambda: pkg.patch_heads(model, clean, corrupt, metric, **kw),
