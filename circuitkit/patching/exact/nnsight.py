@@ -35,6 +35,7 @@ facts this relies on: ``circuitkit``'s FIELD notes (traces live in this source f
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -199,8 +200,8 @@ def exact(model: NnsightModel, clean: Tensor, corrupt: Tensor, pm: PromptMetric,
 
     sweep = units.sweep(model, opts.direction, clean, pm)
     rows = opts.batch_size or max(clean.shape[0], 64)
-    swept = sweeps.run_sweep(model, clean, corrupt, pm, sweep, rows, opts.checkpoint,
-                             opts.progress, make_engine=NnsightEngine,
+    swept = sweeps.run_sweep(model, clean, corrupt, pm, sweep, replace(opts, batch_size=rows),
+                             make_engine=NnsightEngine,
                              identity_extra=dict(backend="nnsight"))
     res = sweeps.patch_result(model, swept, sweep, pm, meta)
     res.meta.update(backend="nnsight", remote=model.remote,

@@ -16,7 +16,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -114,17 +113,16 @@ def run(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep:
     engine's cached runs (``inputs.ReadsDoNotHold``); where they do not hold, the sweep starts
     again reading every position (and right padding is checked for that metric). ``opts``: the
     ``PatchOptions`` (its batch size, checkpoint and progress)."""
-    batch_size, checkpoint, progress = opts.batch_size, opts.checkpoint, opts.progress
     try:
-        swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+        swept = run_sweep(model, clean, corrupt, metric, sweep, opts)
         metric = replace(metric, probed=False)
     except ReadsDoNotHold as e:
         metric = checked_metric(model, clean, corrupt, without_probed_reads(metric, e.which),
-                                batch_size)
+                                opts.batch_size)
         sweep = make_sweep(model, sweep.kind, sweep.site, sweep.direction,
                            sweep.groups if sweep.positions == "groups" else sweep.positions,
                            clean, metric)
-        swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress)
+        swept = run_sweep(model, clean, corrupt, metric, sweep, opts)
     return patch_result(model, swept, sweep, metric, meta), metric
 
 
@@ -156,10 +154,9 @@ def run_edges(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     from circuitkit.patching.paths import edge_coverage_of
     from circuitkit.patching.results import EdgeResult
 
-    direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
-                                                   opts.checkpoint, opts.progress)
+    direction = opts.direction
     sweep = edge_sweep(model, layout, direction, clean, metric)
-    swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
+    swept = run_sweep(model, clean, corrupt, metric, sweep, opts,
                       make_engine=functools.partial(EdgeEngine, layout=layout),
                       identity_extra=layout.to_dict())
     res = EdgeResult(direction=direction, senders=layout.senders, receivers=layout.receivers,
@@ -180,10 +177,9 @@ def run_paths(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, 
     from circuitkit.patching.exact.paths import PathEngine
     from circuitkit.patching.paths import coverage
 
-    direction, batch_size, checkpoint, progress = (opts.direction, opts.batch_size,
-                                                   opts.checkpoint, opts.progress)
+    direction = opts.direction
     sweep = make_path_sweep(layout, direction, clean, metric, groups)
-    swept = run_sweep(model, clean, corrupt, metric, sweep, batch_size, checkpoint, progress,
+    swept = run_sweep(model, clean, corrupt, metric, sweep, opts,
                       make_engine=functools.partial(PathEngine, layout=layout),
                       identity_extra=layout.to_dict())
     fields = swept.fields(model, metric, described(meta, metric))
@@ -225,8 +221,8 @@ def run_sets(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, l
 
     def swept_with(m: PromptMetric) -> Swept:
         sweep = make_set_sweep(model, layout, opts.direction, clean, m)
-        return run_sweep(model, clean, corrupt, m, sweep, opts.batch_size, opts.checkpoint,
-                         opts.progress, make_engine=HeadSetEngine, identity_extra=extra)
+        return run_sweep(model, clean, corrupt, m, sweep, opts, make_engine=HeadSetEngine,
+                         identity_extra=extra)
 
     try:
         swept = swept_with(metric)
@@ -275,12 +271,13 @@ class Swept(NamedTuple):
 
 
 def run_sweep(model: Any, clean: Tensor, corrupt: Tensor, metric: PromptMetric, sweep: Sweep,
-           batch_size: int | None, checkpoint: str | Path | None, progress: bool,
-           make_engine: Any = ExactEngine, identity_extra: Any = None) -> Swept:
+              opts: Any, make_engine: Any = ExactEngine, identity_extra: Any = None) -> Swept:
     """Run every chunk of ``sweep`` with an engine from ``make_engine`` (``ExactEngine`` or
     ``EdgeEngine``): prompts sorted by length, memory fitted, checkpoint opened (its identity:
     ``sweep_identity`` plus ``identity_extra``, a dict or a function giving it), this rank's
-    chunks computed and saved, ranks merged."""
+    chunks computed and saved, ranks merged. ``opts``: the run's options (``PatchOptions`` or
+    another with ``batch_size``, ``checkpoint`` and ``progress``)."""
+    batch_size, checkpoint, progress = opts.batch_size, opts.checkpoint, opts.progress
     t_start = time.perf_counter()
     rank, world = distributed.rank_world()
     # The identity (with the metric's behaviour hash, 10-40 ms) is only needed to open a

@@ -129,8 +129,8 @@ class CircuitUnits:
         f = self.facts or hooks.facts(model)
         length = seq if lengths is None or not f.causal else max(lengths)
         rows = opts.batch_size or circuit_rows(model, length, f)
-        swept = run_sweep(model, clean, corrupt, pm, circuit_sweep(len(self.kept), clean, pm), rows,
-                          opts.checkpoint, opts.progress,
+        swept = run_sweep(model, clean, corrupt, pm, circuit_sweep(len(self.kept), clean, pm),
+                          replace(opts, batch_size=rows),
                           make_engine=functools.partial(CircuitEngine, circuits=self, perm=perm),
                           identity_extra=self.identity())
         engine = swept.engine
